@@ -1,0 +1,169 @@
+/* qwen3layer KVCache: the Python face of the engine's q3_cache (layout in cache.h).
+ * Made by DecoderLayer.new_cache; its memory is allocated once, at creation. keys() and
+ * values() are zero-copy views that keep the cache alive. */
+#include "py_glue.h"
+
+q3_cache_object *q3_cache_object_new(q3_module_state *st, int batch, int64_t capacity,
+                                     int kv_heads, int head_dim, q3_dtype dt) {
+    q3_cache *c;
+    q3_error err;
+    q3_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = q3_cache_create(&c, batch, capacity, kv_heads, head_dim, dt, &err);
+    Py_END_ALLOW_THREADS
+    if (s != Q3_OK) return (q3_cache_object *)q3_raise(st, &err);
+    q3_cache_object *o = PyObject_New(q3_cache_object, st->cache_type);
+    if (!o) {
+        q3_cache_destroy(c);
+        return NULL;
+    }
+    o->cache = c;
+    o->busy = 0;
+    return o;
+}
+
+static void cache_dealloc(q3_cache_object *o) {
+    PyTypeObject *tp = Py_TYPE(o);
+    q3_cache_destroy(o->cache);
+    PyObject_Free(o);
+    Py_DECREF(tp);
+}
+
+static int check_idle(q3_cache_object *o) {
+    if (!o->busy) return 0;
+    PyErr_SetString(PyExc_RuntimeError, "cache: in use by a running layer call on another thread");
+    return -1;
+}
+
+/* seq argument: an int in [0, batch), or None (-> -1, "every sequence") when allow_all */
+static int parse_seq(const q3_cache *c, PyObject *obj, int allow_all, int *seq) {
+    if (obj == Py_None && allow_all) {
+        *seq = -1;
+        return 0;
+    }
+    if (!PyLong_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "seq: expected an int%s, got %.100s", allow_all ? " or None" : "",
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    const long long v = PyLong_AsLongLong(obj);
+    if (v == -1 && PyErr_Occurred()) return -1;
+    if (v < 0 || v >= c->batch) {
+        PyErr_Format(PyExc_IndexError, "seq: expected 0 <= seq < %d (the cache's batch), got %lld",
+                     c->batch, v);
+        return -1;
+    }
+    *seq = (int)v;
+    return 0;
+}
+
+static PyObject *status_or_none(q3_status s, const q3_error *err) {
+    if (s != Q3_OK) return q3_raise(NULL, err);
+    Py_RETURN_NONE;
+}
+
+static PyObject *cache_reset(q3_cache_object *o, PyObject *args, PyObject *kw) {
+    static char *names[] = {"seq", NULL};
+    PyObject *seq_obj = Py_None;
+    int seq;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|O:reset", names, &seq_obj)) return NULL;
+    if (parse_seq(o->cache, seq_obj, 1, &seq) < 0 || check_idle(o) < 0) return NULL;
+    q3_error err;
+    return status_or_none(q3_cache_reset(o->cache, seq, &err), &err);
+}
+
+static PyObject *cache_truncate(q3_cache_object *o, PyObject *args, PyObject *kw) {
+    static char *names[] = {"n", "seq", NULL};
+    long long n;
+    PyObject *seq_obj = NULL;
+    int seq = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "L|O:truncate", names, &n, &seq_obj)) return NULL;
+    if ((seq_obj && parse_seq(o->cache, seq_obj, 0, &seq) < 0) || check_idle(o) < 0) return NULL;
+    q3_error err;
+    return status_or_none(q3_cache_truncate(o->cache, seq, n, &err), &err);
+}
+
+static PyObject *cache_view(q3_cache_object *o, PyObject *args, PyObject *kw, int values) {
+    static char *names[] = {"seq", NULL};
+    PyObject *seq_obj = NULL;
+    int seq = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, values ? "|O:values" : "|O:keys", names, &seq_obj))
+        return NULL;
+    const q3_cache *c = o->cache;
+    if (seq_obj && parse_seq(c, seq_obj, 0, &seq) < 0) return NULL;
+    q3_module_state *st = q3_state_of_type(Py_TYPE(o));
+    if (!st) return NULL;
+    const int64_t shape[3] = {c->kv_heads, c->lengths[seq], c->head_dim};
+    const int64_t strides[3] = {c->capacity * c->head_dim, c->head_dim, 1};
+    void *base = values ? q3_cache_seq_values(c, seq) : q3_cache_seq_keys(c, seq);
+    return (PyObject *)q3_tensor_view(st, (PyObject *)o, base, c->dtype, 3, shape, strides);
+}
+
+static PyObject *cache_keys(q3_cache_object *o, PyObject *a, PyObject *k) { return cache_view(o, a, k, 0); }
+static PyObject *cache_values(q3_cache_object *o, PyObject *a, PyObject *k) { return cache_view(o, a, k, 1); }
+
+static PyObject *cache_lengths(q3_cache_object *o, void *c) {
+    (void)c;
+    PyObject *t = PyTuple_New(o->cache->batch);
+    for (int i = 0; t && i < o->cache->batch; i++)
+        PyTuple_SET_ITEM(t, i, PyLong_FromLongLong(o->cache->lengths[i]));
+    return t;
+}
+static PyObject *cache_capacity(q3_cache_object *o, void *c) { (void)c; return PyLong_FromLongLong(o->cache->capacity); }
+static PyObject *cache_batch(q3_cache_object *o, void *c) { (void)c; return PyLong_FromLong(o->cache->batch); }
+static PyObject *cache_kv_heads(q3_cache_object *o, void *c) { (void)c; return PyLong_FromLong(o->cache->kv_heads); }
+static PyObject *cache_head_dim(q3_cache_object *o, void *c) { (void)c; return PyLong_FromLong(o->cache->head_dim); }
+static PyObject *cache_dtype(q3_cache_object *o, void *c) { (void)c; return PyUnicode_FromString(q3_dtype_name(o->cache->dtype)); }
+static PyObject *cache_nbytes(q3_cache_object *o, void *c) { (void)c; return PyLong_FromSize_t(q3_cache_bytes(o->cache)); }
+
+static PyObject *cache_repr(q3_cache_object *o) {
+    const q3_cache *c = o->cache;
+    int64_t used = 0;
+    for (int i = 0; i < c->batch; i++) used += c->lengths[i];
+    return PyUnicode_FromFormat("KVCache(batch=%d, capacity=%lld, kv_heads=%d, head_dim=%d, dtype=%s, "
+                                "filled=%lld/%lld tokens, %zu MiB)",
+                                c->batch, (long long)c->capacity, c->kv_heads, c->head_dim,
+                                q3_dtype_name(c->dtype), (long long)used,
+                                (long long)c->capacity * c->batch, q3_cache_bytes(c) >> 20);
+}
+
+#define KW (METH_VARARGS | METH_KEYWORDS)
+static PyMethodDef cache_methods[] = {
+    {"reset", (PyCFunction)(void (*)(void))cache_reset, KW,
+     "reset(seq=None)\n--\n\nEmpty sequence `seq`, or every sequence when seq is None."},
+    {"truncate", (PyCFunction)(void (*)(void))cache_truncate, KW,
+     "truncate(n, seq=0)\n--\n\nKeep the first n tokens of sequence `seq`."},
+    {"keys", (PyCFunction)(void (*)(void))cache_keys, KW,
+     "keys(seq=0)\n--\n\nZero-copy view [num_kv_heads, length, head_dim] of the sequence's keys "
+     "(after QK-norm and RoPE), with __dlpack__. The view keeps the length it had when taken."},
+    {"values", (PyCFunction)(void (*)(void))cache_values, KW,
+     "values(seq=0)\n--\n\nZero-copy view [num_kv_heads, length, head_dim] of the sequence's values."},
+    {NULL},
+};
+
+static PyGetSetDef cache_getset[] = {
+    {"lengths", (getter)cache_lengths, NULL, "tokens held by each sequence (tuple)", NULL},
+    {"capacity", (getter)cache_capacity, NULL, "tokens each sequence can hold", NULL},
+    {"batch", (getter)cache_batch, NULL, "number of sequences", NULL},
+    {"num_kv_heads", (getter)cache_kv_heads, NULL, "KV heads", NULL},
+    {"head_dim", (getter)cache_head_dim, NULL, "head dimension", NULL},
+    {"dtype", (getter)cache_dtype, NULL, "storage dtype", NULL},
+    {"nbytes", (getter)cache_nbytes, NULL, "bytes of K and V together", NULL},
+    {NULL},
+};
+
+static PyType_Slot cache_slots[] = {
+    {Py_tp_dealloc, cache_dealloc},
+    {Py_tp_repr, cache_repr},
+    {Py_tp_methods, cache_methods},
+    {Py_tp_getset, cache_getset},
+    {Py_tp_doc, "KV cache owned by the extension; create it with DecoderLayer.new_cache()."},
+    {0, NULL},
+};
+
+PyType_Spec q3_cache_spec = {
+    .name = "qwen3layer._C.KVCache",
+    .basicsize = sizeof(q3_cache_object),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = cache_slots,
+};

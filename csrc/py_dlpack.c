@@ -1,0 +1,159 @@
+/* DLPack import: borrow a tensor from any producer (torch, numpy, cupy, ours) without a
+ * copy. Protocol: ask __dlpack_device__ first (so a tensor on the wrong device is refused
+ * before it is exported), then __dlpack__(max_version=(1, 0)) for a versioned capsule,
+ * falling back to the legacy __dlpack__() for producers that predate max_version. The
+ * capsule is renamed "used_..." once consumed; its deleter runs in q3_view_release. */
+#include <string.h>
+
+#include "dlpack_abi.h"
+#include "py_glue.h"
+
+static const char *device_name(int type) {
+    switch (type) {
+    case Q3_DL_CPU: return "cpu";
+    case Q3_DL_CUDA: return "cuda";
+    case Q3_DL_CUDA_HOST: return "cuda_host";
+    case Q3_DL_CUDA_MANAGED: return "cuda_managed";
+    default: return "device_type";
+    }
+}
+
+static void dtype_desc(char *buf, size_t n, q3_dl_dtype d) {
+    static const char *kinds[] = {"int", "uint", "float", "opaque", "bfloat", "complex", "bool"};
+    const char *k = d.code < sizeof kinds / sizeof kinds[0] ? kinds[d.code] : "code";
+    if (d.lanes != 1) snprintf(buf, n, "%s%u x%u", k, d.bits, d.lanes);
+    else if (d.code == Q3_DL_BOOL) snprintf(buf, n, "bool");
+    else snprintf(buf, n, "%s%u", k, d.bits);
+}
+
+void q3_format_shape(char *buf, size_t n, int ndim, const int64_t *shape) {
+    size_t used = (size_t)snprintf(buf, n, "[");
+    for (int i = 0; i < ndim && used < n; i++)
+        used += (size_t)snprintf(buf + used, n - used, i ? ", %lld" : "%lld", (long long)shape[i]);
+    if (used < n) snprintf(buf + used, n - used, "]");
+}
+
+/* (device_type, device_id) of obj, or -1 with TypeError for a non-tensor */
+static int query_device(PyObject *obj, const char *arg, int *type, int *id) {
+    PyObject *dev = PyObject_CallMethod(obj, "__dlpack_device__", NULL);
+    if (!dev) {
+        if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_TypeError,
+                         "%s: expected a tensor with __dlpack__ (torch.Tensor, numpy.ndarray, ...), "
+                         "got %.200s", arg, Py_TYPE(obj)->tp_name);
+        }
+        return -1;
+    }
+    const int ok = PyArg_ParseTuple(dev, "ii", type, id);
+    Py_DECREF(dev);
+    if (!ok) {
+        PyErr_Format(PyExc_TypeError, "%s: __dlpack_device__ did not return (device_type, id)", arg);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *export_capsule(PyObject *obj) {
+    PyObject *meth = PyObject_GetAttrString(obj, "__dlpack__");
+    if (!meth) return NULL;
+    PyObject *args = PyTuple_New(0);
+    PyObject *kw = Py_BuildValue("{s:(ii)}", "max_version", Q3_DL_MAJOR, Q3_DL_MINOR);
+    PyObject *cap = args && kw ? PyObject_Call(meth, args, kw) : NULL;
+    if (!cap && PyErr_ExceptionMatches(PyExc_TypeError)) {
+        /* a producer older than DLPack 1.0 does not know max_version */
+        PyErr_Clear();
+        cap = PyObject_CallNoArgs(meth);
+    }
+    Py_XDECREF(args);
+    Py_XDECREF(kw);
+    Py_DECREF(meth);
+    return cap;
+}
+
+static int fill_view(q3_view *v, const q3_dl_tensor *t, const char *arg) {
+    char desc[64];
+    if (t->device.device_type != Q3_DL_CPU) {
+        PyErr_Format(PyExc_ValueError, "%s: expected a tensor on device cpu, got %s:%d", arg,
+                     device_name(t->device.device_type), t->device.device_id);
+        return -1;
+    }
+    if (t->dtype.lanes == 1 && t->dtype.code == Q3_DL_FLOAT && t->dtype.bits == 32) v->dtype = Q3_F32;
+    else if (t->dtype.lanes == 1 && t->dtype.code == Q3_DL_BFLOAT && t->dtype.bits == 16) v->dtype = Q3_BF16;
+    else {
+        dtype_desc(desc, sizeof desc, t->dtype);
+        PyErr_Format(PyExc_TypeError, "%s: expected dtype float32 or bfloat16, got %s", arg, desc);
+        return -1;
+    }
+    if (t->ndim < 0 || t->ndim > Q3_MAX_DIM) {
+        PyErr_Format(PyExc_ValueError, "%s: expected at most %d dimensions, got %d", arg, Q3_MAX_DIM,
+                     (int)t->ndim);
+        return -1;
+    }
+    v->ndim = t->ndim;
+    v->data = (char *)t->data + t->byte_offset;
+    int64_t expect = 1;
+    v->contiguous = 1;
+    for (int d = v->ndim - 1; d >= 0; d--) {
+        v->shape[d] = t->shape[d];
+        v->strides[d] = t->strides ? t->strides[d] : expect;
+        if (v->shape[d] != 1 && v->strides[d] != expect) v->contiguous = 0;
+        expect *= v->shape[d];
+    }
+    return 0;
+}
+
+int q3_view_acquire(PyObject *obj, const char *arg, q3_view *v) {
+    memset(v, 0, sizeof *v);
+    int type, id;
+    if (query_device(obj, arg, &type, &id) < 0) return -1;
+    if (type != Q3_DL_CPU) {
+        PyErr_Format(PyExc_ValueError, "%s: expected a tensor on device cpu, got %s:%d", arg,
+                     device_name(type), id);
+        return -1;
+    }
+    PyObject *cap = export_capsule(obj);
+    if (!cap) return -1;
+    const q3_dl_tensor *t = NULL;
+    if (PyCapsule_IsValid(cap, "dltensor_versioned")) {
+        q3_dl_managed_v *m = PyCapsule_GetPointer(cap, "dltensor_versioned");
+        if (m->version.major != Q3_DL_MAJOR) {
+            PyErr_Format(PyExc_BufferError, "%s: DLPack version %u.%u is not supported (expected 1.x)",
+                         arg, m->version.major, m->version.minor);
+            Py_DECREF(cap); /* the capsule's destructor still owns it */
+            return -1;
+        }
+        PyCapsule_SetName(cap, "used_dltensor_versioned");
+        v->managed = m;
+        v->versioned = 1;
+        v->readonly = (m->flags & Q3_DL_FLAG_READ_ONLY) != 0;
+        t = &m->dl_tensor;
+    } else if (PyCapsule_IsValid(cap, "dltensor")) {
+        q3_dl_managed *m = PyCapsule_GetPointer(cap, "dltensor");
+        PyCapsule_SetName(cap, "used_dltensor");
+        v->managed = m;
+        t = &m->dl_tensor;
+    } else {
+        Py_DECREF(cap);
+        PyErr_Format(PyExc_TypeError, "%s: __dlpack__ did not return a DLPack capsule", arg);
+        return -1;
+    }
+    Py_DECREF(cap);
+    if (fill_view(v, t, arg) < 0) {
+        q3_view_release(v);
+        return -1;
+    }
+    return 0;
+}
+
+void q3_view_release(q3_view *v) {
+    if (!v->managed) return;
+    if (v->versioned) {
+        q3_dl_managed_v *m = v->managed;
+        if (m->deleter) m->deleter(m);
+    } else {
+        q3_dl_managed *m = v->managed;
+        if (m->deleter) m->deleter(m);
+    }
+    v->managed = NULL;
+}

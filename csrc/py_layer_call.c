@@ -1,0 +1,237 @@
+/* Layer calls: prefill, decode, new_cache. Every check happens before the engine runs, and
+ * the engine checks again before its first write, so a rejected call changes nothing. */
+#include "py_layer.h"
+
+static q3_cache_object *as_cache(PyObject *obj, q3_module_state *st) {
+    if (PyObject_TypeCheck(obj, st->cache_type)) return (q3_cache_object *)obj;
+    PyErr_Format(PyExc_TypeError, "cache: expected a qwen3layer KVCache (from layer.new_cache), got %.100s",
+                 Py_TYPE(obj)->tp_name);
+    return NULL;
+}
+
+/* None -> 0 (the engine's default chunk); else a positive int */
+static int parse_chunk(PyObject *obj, int64_t *chunk) {
+    *chunk = 0;
+    if (obj == Py_None) return 0;
+    long long v = PyLong_Check(obj) && !PyBool_Check(obj) ? PyLong_AsLongLong(obj) : -1;
+    if (v == -1 && PyErr_Occurred()) return -1;
+    if (v <= 0) {
+        PyObject *r = PyObject_Repr(obj);
+        PyErr_Format(PyExc_ValueError, "chunk_size: expected a positive int or None, got %S", r);
+        Py_XDECREF(r);
+        return -1;
+    }
+    *chunk = v;
+    return 0;
+}
+
+static int shape_error(const char *arg, const char *want, const q3_view *v) {
+    char got[128];
+    q3_format_shape(got, sizeof got, v->ndim, v->shape);
+    PyErr_Format(PyExc_ValueError, "%s: expected shape %s, got %s", arg, want, got);
+    return -1;
+}
+
+/* Checks x against the call; fills n_seqs and tokens. */
+static int check_x(const q3_view *x, const q3_config *cfg, const q3_cache *c, int decode,
+                   int *n_seqs, int64_t *tokens) {
+    char want[128];
+    if (!x->contiguous) {
+        char st[128];
+        q3_format_shape(st, sizeof st, x->ndim, x->strides);
+        PyErr_Format(PyExc_ValueError, "x: expected a contiguous tensor, got strides %s (call .contiguous())", st);
+        return -1;
+    }
+    if (decode) {
+        snprintf(want, sizeof want, "[batch=%d, hidden=%lld]", c->batch, (long long)cfg->hidden);
+        if (x->ndim != 2 || x->shape[0] != c->batch || x->shape[1] != cfg->hidden)
+            return shape_error("x", want, x);
+        *n_seqs = c->batch;
+        *tokens = 1;
+        return 0;
+    }
+    if (x->ndim == 2) {
+        snprintf(want, sizeof want, "[tokens, hidden=%lld]", (long long)cfg->hidden);
+        *n_seqs = 1;
+    } else {
+        snprintf(want, sizeof want, "[batch=%d, tokens, hidden=%lld] or [tokens, hidden=%lld]", c->batch,
+                 (long long)cfg->hidden, (long long)cfg->hidden);
+        if (x->ndim != 3 || x->shape[0] != c->batch) return shape_error("x", want, x);
+        *n_seqs = c->batch;
+    }
+    if (x->shape[x->ndim - 1] != cfg->hidden) return shape_error("x", want, x);
+    *tokens = x->shape[x->ndim - 2];
+    if (*tokens == 0) {
+        PyErr_SetString(PyExc_ValueError, "x: expected at least 1 token, got 0");
+        return -1;
+    }
+    return 0;
+}
+
+/* out= must be a writable contiguous CPU tensor of x's shape and dtype */
+static int check_out(const q3_view *o, const q3_view *x) {
+    if (o->dtype != x->dtype) {
+        PyErr_Format(PyExc_TypeError, "out: expected dtype %s (x's), got %s", q3_dtype_name(x->dtype),
+                     q3_dtype_name(o->dtype));
+        return -1;
+    }
+    int same = o->ndim == x->ndim;
+    for (int d = 0; same && d < x->ndim; d++) same = o->shape[d] == x->shape[d];
+    if (!same) {
+        char want[128];
+        q3_format_shape(want, sizeof want, x->ndim, x->shape);
+        return shape_error("out", want, o);
+    }
+    if (!o->contiguous) {
+        PyErr_SetString(PyExc_ValueError, "out: expected a contiguous tensor");
+        return -1;
+    }
+    if (o->readonly) {
+        PyErr_SetString(PyExc_ValueError, "out: expected a writable tensor, got a read-only one");
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *run(q3_layer_object *self, PyObject *x_obj, PyObject *cache_obj, int decode,
+                     PyObject *seq_obj, PyObject *chunk_obj, PyObject *out_obj) {
+    q3_module_state *st = q3_state_of_type(Py_TYPE(self));
+    if (!st) return NULL;
+    q3_cache_object *co = as_cache(cache_obj, st);
+    if (!co) return NULL;
+    const q3_config *cfg = q3_layer_config(self->layer);
+    int64_t chunk;
+    if (parse_chunk(chunk_obj, &chunk) < 0) return NULL;
+
+    q3_view x, out = {0};
+    if (q3_view_acquire(x_obj, "x", &x) < 0) return NULL;
+    PyObject *result = NULL;
+    int n_seqs;
+    int64_t tokens;
+    int32_t seqs[1];
+    int32_t *seq_list = seqs;
+    if (check_x(&x, cfg, co->cache, decode, &n_seqs, &tokens) < 0) goto done;
+    if (!decode && x.ndim == 2) {
+        long long s = 0;
+        if (seq_obj != Py_None) {
+            if (!PyLong_Check(seq_obj)) {
+                PyErr_Format(PyExc_TypeError, "seq: expected an int, got %.100s", Py_TYPE(seq_obj)->tp_name);
+                goto done;
+            }
+            s = PyLong_AsLongLong(seq_obj);
+            if (s == -1 && PyErr_Occurred()) goto done;
+        }
+        if (s < 0 || s >= co->cache->batch) {
+            PyErr_Format(PyExc_IndexError, "seq: expected 0 <= seq < %d (the cache's batch), got %lld",
+                         co->cache->batch, s);
+            goto done;
+        }
+        seqs[0] = (int32_t)s;
+    } else {
+        if (!decode && seq_obj != Py_None) {
+            PyErr_SetString(PyExc_ValueError,
+                            "seq: expected None when x is [batch, tokens, hidden] (x covers every sequence)");
+            goto done;
+        }
+        seq_list = PyMem_Malloc((size_t)n_seqs * sizeof *seq_list);
+        if (!seq_list) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        for (int i = 0; i < n_seqs; i++) seq_list[i] = i;
+    }
+    if (out_obj != Py_None) {
+        if (q3_view_acquire(out_obj, "out", &out) < 0 || check_out(&out, &x) < 0) goto done;
+        result = Py_NewRef(out_obj);
+    } else {
+        result = (PyObject *)q3_tensor_new(st, x.dtype, x.ndim, x.shape);
+        if (!result) goto done;
+    }
+    if (co->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "cache: in use by a running layer call on another thread");
+        Py_CLEAR(result);
+        goto done;
+    }
+    const q3_forward_args a = {x.data, out_obj != Py_None ? out.data : ((q3_tensor_object *)result)->data,
+                               x.dtype, n_seqs, seq_list, tokens, chunk};
+    q3_error err;
+    q3_status s;
+    co->busy = 1;
+    Py_BEGIN_ALLOW_THREADS
+    PyThread_acquire_lock(self->lock, WAIT_LOCK);
+    s = q3_layer_forward(self->layer, co->cache, &a, &err);
+    PyThread_release_lock(self->lock);
+    Py_END_ALLOW_THREADS
+    co->busy = 0;
+    if (s != Q3_OK) {
+        Py_CLEAR(result);
+        q3_raise(st, &err);
+    }
+done:
+    if (seq_list != seqs) PyMem_Free(seq_list);
+    q3_view_release(&out);
+    q3_view_release(&x);
+    return result;
+}
+
+static PyObject *layer_prefill(q3_layer_object *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"x", "cache", "seq", "chunk_size", "out", NULL};
+    PyObject *x, *cache, *seq = Py_None, *chunk = Py_None, *out = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|OO$O:prefill", names, &x, &cache, &seq, &chunk, &out))
+        return NULL;
+    return run(self, x, cache, 0, seq, chunk, out);
+}
+
+static PyObject *layer_decode(q3_layer_object *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"x", "cache", "out", NULL};
+    PyObject *x, *cache, *out = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|$O:decode", names, &x, &cache, &out)) return NULL;
+    return run(self, x, cache, 1, Py_None, Py_None, out);
+}
+
+static PyObject *layer_new_cache(q3_layer_object *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"max_tokens", "batch", "dtype", NULL};
+    long long max_tokens;
+    int batch = 1;
+    PyObject *dtype_obj = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "L|iO:new_cache", names, &max_tokens, &batch, &dtype_obj))
+        return NULL;
+    q3_dtype dt = q3_layer_dtype(self->layer);
+    if (dtype_obj != Py_None && q3_parse_dtype(dtype_obj, "dtype", &dt) < 0) return NULL;
+    q3_module_state *st = q3_state_of_type(Py_TYPE(self));
+    if (!st) return NULL;
+    const q3_config *c = q3_layer_config(self->layer);
+    return (PyObject *)q3_cache_object_new(st, batch, max_tokens, c->kv_heads, c->head_dim, dt);
+}
+
+#define KW (METH_VARARGS | METH_KEYWORDS)
+PyMethodDef q3_layer_methods[] = {
+    {"prefill", (PyCFunction)(void (*)(void))layer_prefill, KW,
+     "prefill(x, cache, seq=None, chunk_size=None, *, out=None)\n--\n\n"
+     "x [tokens, hidden] appended to sequence seq (default 0), or [batch, tokens, hidden] to every "
+     "sequence. Returns a Tensor of x's shape and dtype (or out)."},
+    {"decode", (PyCFunction)(void (*)(void))layer_decode, KW,
+     "decode(x, cache, *, out=None)\n--\n\nx [batch, hidden]: one token for each sequence of the cache."},
+    {"new_cache", (PyCFunction)(void (*)(void))layer_new_cache, KW,
+     "new_cache(max_tokens, batch=1, dtype=None)\n--\n\nA KVCache for this layer's geometry."},
+    {NULL},
+};
+
+static PyObject *get_dtype(q3_layer_object *self, void *c) {
+    (void)c;
+    return PyUnicode_FromString(q3_dtype_name(q3_layer_dtype(self->layer)));
+}
+static PyObject *get_converted(q3_layer_object *self, void *c) { (void)c; return PyList_AsTuple(self->converted); }
+static PyObject *get_weight_ptrs(q3_layer_object *self, void *c) { (void)c; return PyDict_Copy(self->weight_ptrs); }
+static PyObject *get_workspace(q3_layer_object *self, void *c) {
+    (void)c;
+    return PyLong_FromSize_t(q3_layer_workspace_bytes(self->layer));
+}
+
+PyGetSetDef q3_layer_getset[] = {
+    {"dtype", (getter)get_dtype, NULL, "dtype of the weights", NULL},
+    {"converted", (getter)get_converted, NULL, "names of weights converted at construction", NULL},
+    {"weight_ptrs", (getter)get_weight_ptrs, NULL, "name -> address the engine reads", NULL},
+    {"workspace_bytes", (getter)get_workspace, NULL, "activation workspace held now", NULL},
+    {NULL},
+};

@@ -1,0 +1,225 @@
+/* The module qwen3layer._C: multi-phase init, heap types in the module state, exceptions,
+ * and the module-level functions (build_info, check_config, random_weights). */
+#include <string.h>
+
+#include "py_glue.h"
+
+#ifndef Q3_VERSION
+#define Q3_VERSION "0.0.0"
+#endif
+
+q3_module_state *q3_state_of_type(PyTypeObject *type) {
+    PyObject *m = PyType_GetModuleByDef(type, &q3_module_def);
+    return m ? (q3_module_state *)PyModule_GetState(m) : NULL;
+}
+
+static q3_module_state *state_of_module(PyObject *m) { return (q3_module_state *)PyModule_GetState(m); }
+
+PyObject *q3_raise(q3_module_state *st, const q3_error *err) {
+    PyObject *type = PyExc_RuntimeError;
+    switch (err->status) {
+    case Q3_ERR_VALUE: type = PyExc_ValueError; break;
+    case Q3_ERR_TYPE: type = PyExc_TypeError; break;
+    case Q3_ERR_INDEX: type = PyExc_IndexError; break;
+    case Q3_ERR_CACHE_FULL: type = st ? st->cache_full_error : PyExc_RuntimeError; break;
+    case Q3_ERR_NOMEM: type = PyExc_MemoryError; break;
+    default: break;
+    }
+    PyErr_SetString(type, err->msg);
+    return NULL;
+}
+
+const char *q3_dtype_name(q3_dtype dt) { return dt == Q3_BF16 ? "bfloat16" : "float32"; }
+
+int q3_parse_dtype(PyObject *obj, const char *arg, q3_dtype *out) {
+    const char *s = PyUnicode_Check(obj) ? PyUnicode_AsUTF8(obj) : NULL;
+    if (s && (!strcmp(s, "float32") || !strcmp(s, "fp32"))) *out = Q3_F32;
+    else if (s && (!strcmp(s, "bfloat16") || !strcmp(s, "bf16"))) *out = Q3_BF16;
+    else {
+        PyObject *r = PyObject_Repr(obj);
+        PyErr_Format(PyExc_TypeError, "%s: expected 'float32' or 'bfloat16', got %S", arg, r);
+        Py_XDECREF(r);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *build_info(PyObject *m, PyObject *unused) {
+    (void)m;
+    (void)unused;
+    const char *feat = q3_cpu_features();
+    PyObject *features = PyList_New(0);
+    for (const char *p = feat; features && *p;) {
+        const char *comma = strchr(p, ',');
+        PyObject *f = PyUnicode_FromStringAndSize(p, comma - p);
+        if (!f || PyList_Append(features, f) < 0) Py_CLEAR(features);
+        Py_XDECREF(f);
+        p = comma + 1;
+    }
+    if (!features) return NULL;
+    return Py_BuildValue("{s:s,s:[s],s:N,s:i,s:s,s:i}", "version", Q3_VERSION, "backends", "cpu",
+                         "cpu_features", features, "threads", q3_max_threads(), "compiler",
+#if defined(__clang__)
+                         "clang " __clang_version__,
+#elif defined(__GNUC__)
+                         "gcc " __VERSION__,
+#else
+                         "unknown",
+#endif
+                         "default_chunk", Q3_DEFAULT_CHUNK);
+}
+
+static PyObject *check_config(PyObject *m, PyObject *cfg) {
+    (void)m;
+    q3_config c;
+    if (q3_parse_config(cfg, &c) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static int put_random(q3_module_state *st, PyObject *dict, const char *name, q3_dtype dt, int ndim,
+                      const int64_t *shape, uint64_t seed, uint64_t stream, int is_norm) {
+    q3_tensor_object *t = q3_tensor_new(st, dt, ndim, shape);
+    if (!t) return -1;
+    int64_t n = 1;
+    for (int d = 0; d < ndim; d++) n *= shape[d];
+    float mean, std;
+    q3_weight_init(is_norm, &mean, &std);
+    Py_BEGIN_ALLOW_THREADS
+    q3_fill_random(t->data, dt, n, seed, stream, mean, std);
+    Py_END_ALLOW_THREADS
+    const int rc = PyDict_SetItemString(dict, name, (PyObject *)t);
+    Py_DECREF(t);
+    return rc;
+}
+
+static PyObject *random_weights(PyObject *m, PyObject *args, PyObject *kw) {
+    static char *names[] = {"config", "seed", "dtype", NULL};
+    PyObject *cfg_obj, *dtype_obj;
+    unsigned long long seed;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OKO:random_weights", names, &cfg_obj, &seed, &dtype_obj))
+        return NULL;
+    q3_config c;
+    q3_dtype dt;
+    if (q3_parse_config(cfg_obj, &c) < 0 || q3_parse_dtype(dtype_obj, "dtype", &dt) < 0) return NULL;
+    q3_module_state *st = state_of_module(m);
+    PyObject *d = PyDict_New();
+    if (!d) return NULL;
+    for (int i = 0; i < Q3_W_DENSE_COUNT; i++) {
+        int64_t dims[2];
+        const int rank = q3_dense_weight_shape(&c, i, dims);
+        if (put_random(st, d, q3_dense_weight_name(i), dt, rank, dims, seed, (uint64_t)i, rank == 1) < 0)
+            goto fail;
+    }
+    const int64_t gu[3] = {c.experts, 2 * c.moe_inter, c.hidden}, dn[3] = {c.experts, c.hidden, c.moe_inter};
+    if (put_random(st, d, "mlp.experts.gate_up_proj", dt, 3, gu, seed, 100, 0) < 0 ||
+        put_random(st, d, "mlp.experts.down_proj", dt, 3, dn, seed, 101, 0) < 0)
+        goto fail;
+    return d;
+fail:
+    Py_DECREF(d);
+    return NULL;
+}
+
+static PyObject *random_tensor(PyObject *m, PyObject *args, PyObject *kw) {
+    static char *names[] = {"shape", "seed", "dtype", "std", NULL};
+    PyObject *shape_obj, *dtype_obj;
+    unsigned long long seed;
+    float std = 1.0f;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OKO|f:random_tensor", names, &shape_obj, &seed, &dtype_obj,
+                                     &std))
+        return NULL;
+    q3_dtype dt;
+    if (q3_parse_dtype(dtype_obj, "dtype", &dt) < 0) return NULL;
+    PyObject *seq = PySequence_Fast(shape_obj, "shape: expected a sequence of ints");
+    if (!seq) return NULL;
+    const Py_ssize_t ndim = PySequence_Fast_GET_SIZE(seq);
+    int64_t shape[Q3_MAX_DIM];
+    int ok = ndim >= 1 && ndim <= Q3_MAX_DIM;
+    for (Py_ssize_t d = 0; ok && d < ndim; d++) {
+        shape[d] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, d));
+        ok = shape[d] >= 0 && !PyErr_Occurred();
+    }
+    Py_DECREF(seq);
+    if (!ok) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_ValueError, "shape: expected 1 to %d non-negative ints", Q3_MAX_DIM);
+        return NULL;
+    }
+    q3_tensor_object *t = q3_tensor_new(state_of_module(m), dt, (int)ndim, shape);
+    if (!t) return NULL;
+    int64_t n = 1;
+    for (Py_ssize_t d = 0; d < ndim; d++) n *= shape[d];
+    Py_BEGIN_ALLOW_THREADS
+    q3_fill_random(t->data, dt, n, seed, 0, 0.0f, std);
+    Py_END_ALLOW_THREADS
+    return (PyObject *)t;
+}
+
+static PyMethodDef module_methods[] = {
+    {"random_tensor", (PyCFunction)(void (*)(void))random_tensor, METH_VARARGS | METH_KEYWORDS,
+     "random_tensor(shape, seed, dtype, std=1.0)\n--\n\nA Tensor of N(0, std^2) samples in extension memory."},
+    {"build_info", build_info, METH_NOARGS, "build_info()\n--\n\nWhat this build contains."},
+    {"check_config", check_config, METH_O, "check_config(config)\n--\n\nRaise if the geometry is impossible."},
+    {"random_weights", (PyCFunction)(void (*)(void))random_weights, METH_VARARGS | METH_KEYWORDS,
+     "random_weights(config, seed, dtype)\n--\n\nDict of random weights in extension memory "
+     "(fused expert names), deterministic in seed."},
+    {"owned_buffers", q3_owned_buffers, METH_NOARGS,
+     "owned_buffers()\n--\n\n(address, nbytes) of every live extension-owned tensor buffer."},
+    {NULL},
+};
+
+static int module_exec(PyObject *m) {
+    q3_module_state *st = state_of_module(m);
+    st->tensor_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &q3_tensor_spec, NULL);
+    st->cache_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &q3_cache_spec, NULL);
+    st->layer_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &q3_layer_spec, NULL);
+    st->cache_full_error = PyErr_NewExceptionWithDoc(
+        "qwen3layer.CacheFullError",
+        "The tokens of a call do not fit in the KV cache; the cache is left unchanged.",
+        PyExc_RuntimeError, NULL);
+    if (!st->tensor_type || !st->cache_type || !st->layer_type || !st->cache_full_error) return -1;
+    if (PyModule_AddType(m, st->tensor_type) < 0 || PyModule_AddType(m, st->cache_type) < 0 ||
+        PyModule_AddType(m, st->layer_type) < 0 ||
+        PyModule_AddObjectRef(m, "CacheFullError", st->cache_full_error) < 0)
+        return -1;
+    return 0;
+}
+
+static int module_traverse(PyObject *m, visitproc visit, void *arg) {
+    q3_module_state *st = state_of_module(m);
+    Py_VISIT(st->tensor_type);
+    Py_VISIT(st->cache_type);
+    Py_VISIT(st->layer_type);
+    Py_VISIT(st->cache_full_error);
+    return 0;
+}
+
+static int module_clear(PyObject *m) {
+    q3_module_state *st = state_of_module(m);
+    Py_CLEAR(st->tensor_type);
+    Py_CLEAR(st->cache_type);
+    Py_CLEAR(st->layer_type);
+    Py_CLEAR(st->cache_full_error);
+    return 0;
+}
+
+static void module_free(void *m) { module_clear((PyObject *)m); }
+
+static PyModuleDef_Slot module_slots[] = {
+    {Py_mod_exec, module_exec},
+    {0, NULL},
+};
+
+PyModuleDef q3_module_def = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "qwen3layer._C",
+    .m_doc = "The qwen3layer engine: one Qwen3-MoE decoder layer in C.",
+    .m_size = sizeof(q3_module_state),
+    .m_methods = module_methods,
+    .m_slots = module_slots,
+    .m_traverse = module_traverse,
+    .m_clear = module_clear,
+    .m_free = module_free,
+};
+
+PyMODINIT_FUNC PyInit__C(void) { return PyModuleDef_Init(&q3_module_def); }

@@ -1,0 +1,280 @@
+/* qwen3layer Tensor: a block of extension memory (a layer output, random weights) or a
+ * view of engine memory (a KV-cache sequence), exported zero-copy through DLPack.
+ * torch.from_dlpack(t) and numpy.from_dlpack(t) share its memory; the consumer's
+ * reference keeps it alive. Export allocates one block for the managed struct, shape and
+ * strides; its deleter may run on any thread, with or without the GIL. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "dlpack_abi.h"
+#include "py_glue.h"
+
+/* Owned buffers alive right now (under the GIL), for q3_owned_buffers. */
+typedef struct owned_node {
+    q3_tensor_object *t;
+    struct owned_node *next;
+} owned_node;
+static owned_node *owned_list;
+
+static size_t tensor_numel(const q3_tensor_object *t) {
+    size_t n = 1;
+    for (int d = 0; d < t->ndim; d++) n *= (size_t)t->shape[d];
+    return n;
+}
+
+static q3_tensor_object *tensor_alloc(q3_module_state *st, q3_dtype dt, int ndim, const int64_t *shape) {
+    q3_tensor_object *t = PyObject_New(q3_tensor_object, st->tensor_type);
+    if (!t) return NULL;
+    t->data = t->alloc = NULL;
+    t->base = NULL;
+    t->ndim = ndim;
+    t->dtype = dt;
+    for (int d = 0; d < ndim; d++) t->shape[d] = shape[d];
+    return t;
+}
+
+q3_tensor_object *q3_tensor_new(q3_module_state *st, q3_dtype dt, int ndim, const int64_t *shape) {
+    q3_tensor_object *t = tensor_alloc(st, dt, ndim, shape);
+    if (!t) return NULL;
+    int64_t stride = 1;
+    for (int d = ndim - 1; d >= 0; d--) {
+        t->strides[d] = stride;
+        stride *= shape[d];
+    }
+    owned_node *node = malloc(sizeof *node);
+    t->alloc = t->data = q3_alloc(tensor_numel(t) * q3_dtype_size(dt));
+    if (!t->alloc || !node) {
+        free(node);
+        Py_DECREF(t);
+        return (q3_tensor_object *)PyErr_NoMemory();
+    }
+    node->t = t;
+    node->next = owned_list;
+    owned_list = node;
+    return t;
+}
+
+q3_tensor_object *q3_tensor_view(q3_module_state *st, PyObject *base, void *data, q3_dtype dt,
+                                 int ndim, const int64_t *shape, const int64_t *strides) {
+    q3_tensor_object *t = tensor_alloc(st, dt, ndim, shape);
+    if (!t) return NULL;
+    memcpy(t->strides, strides, (size_t)ndim * sizeof *strides);
+    t->data = data;
+    t->base = Py_NewRef(base);
+    return t;
+}
+
+static void tensor_dealloc(q3_tensor_object *t) {
+    PyTypeObject *tp = Py_TYPE(t);
+    if (t->alloc) {
+        for (owned_node **p = &owned_list; *p; p = &(*p)->next)
+            if ((*p)->t == t) {
+                owned_node *dead = *p;
+                *p = dead->next;
+                free(dead);
+                break;
+            }
+        q3_free(t->alloc);
+    }
+    Py_XDECREF(t->base);
+    PyObject_Free(t);
+    Py_DECREF(tp);
+}
+
+PyObject *q3_owned_buffers(PyObject *module, PyObject *unused) {
+    (void)module;
+    (void)unused;
+    PyObject *list = PyList_New(0);
+    for (owned_node *n = owned_list; list && n; n = n->next) {
+        PyObject *item = Py_BuildValue("(Kn)", (unsigned long long)(uintptr_t)n->t->alloc,
+                                       (Py_ssize_t)(tensor_numel(n->t) * q3_dtype_size(n->t->dtype)));
+        if (!item || PyList_Append(list, item) < 0) Py_CLEAR(list);
+        Py_XDECREF(item);
+    }
+    return list;
+}
+
+/* ---- export ------------------------------------------------------------------------ */
+
+typedef struct {
+    q3_dl_managed_v m;
+    int64_t shape[Q3_MAX_DIM], strides[Q3_MAX_DIM];
+} export_v;
+
+typedef struct {
+    q3_dl_managed m;
+    int64_t shape[Q3_MAX_DIM], strides[Q3_MAX_DIM];
+} export_legacy;
+
+/* Drops the exported tensor's reference; runs on the consumer's thread, GIL or not. */
+static void release_owner(void *owner) {
+    if (!Py_IsInitialized()) return; /* interpreter gone: nothing left to release */
+    PyGILState_STATE g = PyGILState_Ensure();
+    Py_DECREF((PyObject *)owner);
+    PyGILState_Release(g);
+}
+
+static void delete_v(q3_dl_managed_v *m) {
+    release_owner(m->manager_ctx);
+    free(m);
+}
+
+static void delete_legacy(q3_dl_managed *m) {
+    release_owner(m->manager_ctx);
+    free(m);
+}
+
+/* A capsule never consumed still owns its tensor. */
+static void capsule_free_v(PyObject *cap) {
+    if (PyCapsule_IsValid(cap, "dltensor_versioned")) {
+        q3_dl_managed_v *m = PyCapsule_GetPointer(cap, "dltensor_versioned");
+        m->deleter(m);
+    }
+}
+
+static void capsule_free_legacy(PyObject *cap) {
+    if (PyCapsule_IsValid(cap, "dltensor")) {
+        q3_dl_managed *m = PyCapsule_GetPointer(cap, "dltensor");
+        m->deleter(m);
+    }
+}
+
+static void fill_dl(q3_dl_tensor *d, q3_tensor_object *t, int64_t *shape, int64_t *strides) {
+    memcpy(shape, t->shape, sizeof t->shape);
+    memcpy(strides, t->strides, sizeof t->strides);
+    d->data = t->data;
+    d->device = (q3_dl_device){Q3_DL_CPU, 0};
+    d->ndim = t->ndim;
+    d->dtype = t->dtype == Q3_BF16 ? (q3_dl_dtype){Q3_DL_BFLOAT, 16, 1} : (q3_dl_dtype){Q3_DL_FLOAT, 32, 1};
+    d->shape = shape;
+    d->strides = strides;
+    d->byte_offset = 0;
+}
+
+static PyObject *make_capsule(q3_tensor_object *t, int versioned, int copied) {
+    if (versioned) {
+        export_v *e = calloc(1, sizeof *e);
+        if (!e) return PyErr_NoMemory();
+        fill_dl(&e->m.dl_tensor, t, e->shape, e->strides);
+        e->m.version = (q3_dl_version){Q3_DL_MAJOR, Q3_DL_MINOR};
+        e->m.flags = copied ? Q3_DL_FLAG_IS_COPIED : 0;
+        e->m.manager_ctx = Py_NewRef(t);
+        e->m.deleter = delete_v;
+        PyObject *cap = PyCapsule_New(&e->m, "dltensor_versioned", capsule_free_v);
+        if (!cap) delete_v(&e->m);
+        return cap;
+    }
+    export_legacy *e = calloc(1, sizeof *e);
+    if (!e) return PyErr_NoMemory();
+    fill_dl(&e->m.dl_tensor, t, e->shape, e->strides);
+    e->m.manager_ctx = Py_NewRef(t);
+    e->m.deleter = delete_legacy;
+    PyObject *cap = PyCapsule_New(&e->m, "dltensor", capsule_free_legacy);
+    if (!cap) delete_legacy(&e->m);
+    return cap;
+}
+
+static q3_tensor_object *tensor_copy(q3_tensor_object *t) {
+    q3_module_state *st = q3_state_of_type(Py_TYPE(t));
+    if (!st) return NULL;
+    q3_tensor_object *c = q3_tensor_new(st, t->dtype, t->ndim, t->shape);
+    if (c) q3_copy_strided(c->data, t->dtype, t->data, t->dtype, t->ndim, t->shape, t->strides);
+    return c;
+}
+
+static PyObject *tensor_dlpack(q3_tensor_object *t, PyObject *args, PyObject *kw) {
+    static char *names[] = {"stream", "max_version", "dl_device", "copy", NULL};
+    PyObject *stream = Py_None, *max_version = Py_None, *dl_device = Py_None, *copy = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|$OOOO:__dlpack__", names, &stream, &max_version,
+                                     &dl_device, &copy))
+        return NULL;
+    if (stream != Py_None) {
+        PyErr_SetString(PyExc_BufferError, "stream: expected None for a cpu tensor");
+        return NULL;
+    }
+    if (dl_device != Py_None) {
+        int type, id;
+        if (!PyArg_ParseTuple(dl_device, "ii", &type, &id)) return NULL;
+        if (type != Q3_DL_CPU) {
+            PyErr_Format(PyExc_BufferError, "dl_device: this tensor is on cpu and cannot be exported "
+                         "to device type %d", type);
+            return NULL;
+        }
+    }
+    int versioned = 0;
+    if (max_version != Py_None) {
+        unsigned major, minor;
+        if (!PyArg_ParseTuple(max_version, "II", &major, &minor)) return NULL;
+        versioned = major >= Q3_DL_MAJOR;
+    }
+    const int want_copy = copy != Py_None && PyObject_IsTrue(copy);
+    if (!want_copy) return make_capsule(t, versioned, 0);
+    q3_tensor_object *c = tensor_copy(t);
+    if (!c) return NULL;
+    PyObject *cap = make_capsule(c, versioned, 1);
+    Py_DECREF(c);
+    return cap;
+}
+
+static PyObject *tensor_dlpack_device(q3_tensor_object *t, PyObject *unused) {
+    (void)t;
+    (void)unused;
+    return Py_BuildValue("(ii)", Q3_DL_CPU, 0);
+}
+
+static PyObject *dims_tuple(int n, const int64_t *v) {
+    PyObject *tup = PyTuple_New(n);
+    for (int i = 0; tup && i < n; i++) PyTuple_SET_ITEM(tup, i, PyLong_FromLongLong(v[i]));
+    return tup;
+}
+
+static PyObject *tensor_shape(q3_tensor_object *t, void *c) { (void)c; return dims_tuple(t->ndim, t->shape); }
+static PyObject *tensor_strides(q3_tensor_object *t, void *c) { (void)c; return dims_tuple(t->ndim, t->strides); }
+static PyObject *tensor_dtype(q3_tensor_object *t, void *c) { (void)c; return PyUnicode_FromString(q3_dtype_name(t->dtype)); }
+static PyObject *tensor_ptr(q3_tensor_object *t, void *c) { (void)c; return PyLong_FromVoidPtr(t->data); }
+static PyObject *tensor_device(q3_tensor_object *t, void *c) { (void)t; (void)c; return PyUnicode_FromString("cpu"); }
+static PyObject *tensor_nbytes(q3_tensor_object *t, void *c) {
+    (void)c;
+    return PyLong_FromSize_t(tensor_numel(t) * q3_dtype_size(t->dtype));
+}
+
+static PyObject *tensor_repr(q3_tensor_object *t) {
+    char shape[160];
+    q3_format_shape(shape, sizeof shape, t->ndim, t->shape);
+    return PyUnicode_FromFormat("qwen3layer.Tensor(shape=%s, dtype=%s, device=cpu%s)", shape,
+                                q3_dtype_name(t->dtype), t->alloc ? "" : ", view");
+}
+
+static PyMethodDef tensor_methods[] = {
+    {"__dlpack__", (PyCFunction)(void (*)(void))tensor_dlpack, METH_VARARGS | METH_KEYWORDS,
+     "__dlpack__(*, stream=None, max_version=None, dl_device=None, copy=None)\n--\n\n"
+     "Export as a DLPack capsule (versioned when max_version >= (1, 0), else legacy)."},
+    {"__dlpack_device__", (PyCFunction)tensor_dlpack_device, METH_NOARGS, "(device_type, device_id)"},
+    {NULL},
+};
+
+static PyGetSetDef tensor_getset[] = {
+    {"shape", (getter)tensor_shape, NULL, "dimensions", NULL},
+    {"strides", (getter)tensor_strides, NULL, "strides in elements", NULL},
+    {"dtype", (getter)tensor_dtype, NULL, "'float32' or 'bfloat16'", NULL},
+    {"device", (getter)tensor_device, NULL, "'cpu'", NULL},
+    {"data_ptr", (getter)tensor_ptr, NULL, "address of the first element", NULL},
+    {"nbytes", (getter)tensor_nbytes, NULL, "bytes covered by the elements", NULL},
+    {NULL},
+};
+
+static PyType_Slot tensor_slots[] = {
+    {Py_tp_dealloc, tensor_dealloc},
+    {Py_tp_repr, tensor_repr},
+    {Py_tp_methods, tensor_methods},
+    {Py_tp_getset, tensor_getset},
+    {Py_tp_doc, "Extension-owned tensor memory, exchanged zero-copy through DLPack."},
+    {0, NULL},
+};
+
+PyType_Spec q3_tensor_spec = {
+    .name = "qwen3layer._C.Tensor",
+    .basicsize = sizeof(q3_tensor_object),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = tensor_slots,
+};

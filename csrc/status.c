@@ -1,0 +1,84 @@
+/* Error reporting and small engine utilities: allocation, strided copy, build facts. */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "../kernels/random.h"
+#include "q3.h"
+
+q3_status q3_fail(q3_error *err, q3_status status, const char *fmt, ...) {
+    if (err) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(err->msg, sizeof err->msg, fmt, ap);
+        va_end(ap);
+        err->status = status;
+    }
+    return status;
+}
+
+void *q3_alloc(size_t bytes) {
+    const size_t align = 64;
+    size_t n = (bytes + align - 1) / align * align;
+    return aligned_alloc(align, n ? n : align);
+}
+
+void q3_free(void *p) { free(p); }
+
+void q3_copy_strided(void *dst, q3_dtype dst_dt, const void *src, q3_dtype src_dt, int ndim,
+                     const int64_t *shape, const int64_t *strides) {
+    int64_t n = 1, idx[8] = {0};
+    for (int d = 0; d < ndim; d++) n *= shape[d];
+    for (int64_t i = 0; i < n; i++) {
+        int64_t off = 0;
+        for (int d = 0; d < ndim; d++) off += idx[d] * strides[d];
+        const float f = src_dt == Q3_BF16 ? q3_bf16_to_f32(((const uint16_t *)src)[off])
+                                          : ((const float *)src)[off];
+        if (dst_dt == Q3_BF16) ((uint16_t *)dst)[i] = q3_f32_to_bf16(f);
+        else ((float *)dst)[i] = f;
+        for (int d = ndim - 1; d >= 0; d--) {
+            if (++idx[d] < shape[d]) break;
+            idx[d] = 0;
+        }
+    }
+}
+
+void q3_fill_random(void *dst, q3_dtype dt, int64_t n, uint64_t seed, uint64_t stream,
+                    float mean, float std) {
+    q3_fill_normal_cpu(dst, dt, n, seed, stream, mean, std);
+}
+
+const char *q3_cpu_features(void) {
+    return ""
+#ifdef __AVX512F__
+           "avx512f,"
+#endif
+#ifdef __AVX512BF16__
+           "avx512bf16,"
+#endif
+#ifdef __AVX2__
+           "avx2,"
+#endif
+#ifdef __FMA__
+           "fma,"
+#endif
+#ifdef __SSE2__
+           "sse2,"
+#endif
+#ifdef __ARM_NEON
+           "neon,"
+#endif
+           ;
+}
+
+int q3_max_threads(void) {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}

@@ -1,0 +1,60 @@
+/* Workspace carving: every array is a 64-byte aligned slice of one block. */
+#include "workspace.h"
+
+/* Lays the arrays out from base (NULL: only measures); returns the bytes used. */
+static size_t layout(q3_workspace *w, char *base, const q3_config *c, int64_t R, int S) {
+    const int64_t H = c->hidden, QD = (int64_t)c->heads * c->head_dim,
+                  KVD = (int64_t)c->kv_heads * c->head_dim, I = c->moe_inter;
+    size_t off = 0;
+#define CARVE(field, type, count)                                  \
+    do {                                                           \
+        w->field = (type *)(base ? base + off : NULL);             \
+        off += ((size_t)(count) * sizeof(type) + 63) / 64 * 64;    \
+    } while (0)
+    CARVE(x, float, R * H);
+    CARVE(h, float, R * H);
+    CARVE(q, float, R * QD);
+    CARVE(k, float, R * KVD);
+    CARVE(v, float, R * KVD);
+    CARVE(attn, float, R * QD);
+    CARVE(logits, float, R * c->experts);
+    CARVE(topk_idx, int32_t, R * c->top_k);
+    CARVE(topk_w, float, R * c->top_k);
+    CARVE(offsets, int64_t, c->experts + 1);
+    CARVE(pair_row, int32_t, R * c->top_k);
+    CARVE(pair_w, float, R * c->top_k);
+    CARVE(xe, float, R * H);
+    CARVE(gate, float, R * I);
+    CARVE(up, float, R * I);
+    CARVE(ye, float, R * H);
+    CARVE(pos, int64_t, R);
+    CARVE(attn_seqs, q3_attn_seq, S);
+#undef CARVE
+    return off;
+}
+
+q3_status q3_workspace_reserve(q3_workspace *ws, const q3_config *cfg, int64_t rows, int seqs,
+                               q3_error *err) {
+    if (rows <= ws->rows && seqs <= ws->seqs) return Q3_OK;
+    if (rows < ws->rows) rows = ws->rows;
+    if (seqs < ws->seqs) seqs = ws->seqs;
+    q3_workspace grown = *ws;
+    const size_t bytes = layout(&grown, NULL, cfg, rows, seqs);
+    char *block = q3_alloc(bytes);
+    if (!block)
+        return q3_fail(err, Q3_ERR_NOMEM, "workspace: cannot allocate %zu bytes for %lld rows",
+                       bytes, (long long)rows);
+    layout(&grown, block, cfg, rows, seqs);
+    grown.block = block;
+    grown.bytes = bytes;
+    grown.rows = rows;
+    grown.seqs = seqs;
+    q3_free(ws->block);
+    *ws = grown;
+    return Q3_OK;
+}
+
+void q3_workspace_release(q3_workspace *ws) {
+    q3_free(ws->block);
+    *ws = (q3_workspace){0};
+}

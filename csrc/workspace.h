@@ -1,0 +1,40 @@
+/* Activation memory of one pass of the layer over R rows (tokens of all sequences of a
+ * chunk). One allocation, grown only when a call needs more rows than any call before;
+ * its size is linear in R: the layer never holds [R, R] attention scores. */
+#ifndef Q3_ENGINE_WORKSPACE_H
+#define Q3_ENGINE_WORKSPACE_H
+
+#include "../kernels/attention.h"
+#include "q3.h"
+
+typedef struct {
+    int64_t rows; /* capacity in rows */
+    int seqs;     /* capacity in sequences */
+    size_t bytes;
+    void *block;
+    float *x;          /* [R, H] residual stream, fp32 */
+    float *h;          /* [R, H] normed activations */
+    float *q;          /* [R, Hq * D] */
+    float *k;          /* [R, Hkv * D] */
+    float *v;          /* [R, Hkv * D] */
+    float *attn;       /* [R, Hq * D] attention output */
+    float *logits;     /* [R, E] router logits */
+    int32_t *topk_idx; /* [R, k] */
+    float *topk_w;     /* [R, k] */
+    int64_t *offsets;  /* [E + 1] expert groups */
+    int32_t *pair_row; /* [R * k] token of each (token, expert) pair, grouped by expert */
+    float *pair_w;     /* [R * k] its routing weight */
+    float *xe;         /* [R, H] one expert's gathered inputs */
+    float *gate;       /* [R, I] */
+    float *up;         /* [R, I] */
+    float *ye;         /* [R, H] one expert's outputs */
+    int64_t *pos;      /* [R] absolute positions */
+    q3_attn_seq *attn_seqs; /* [seqs] */
+} q3_workspace;
+
+/* Makes room for `rows` rows and `seqs` sequences; keeps the old block on failure. */
+q3_status q3_workspace_reserve(q3_workspace *ws, const q3_config *cfg, int64_t rows, int seqs,
+                               q3_error *err);
+void q3_workspace_release(q3_workspace *ws);
+
+#endif

@@ -1,0 +1,22 @@
+/* fp32 <-> storage dtype conversion, contiguous, threaded over elements. */
+#include "../convert.h"
+
+void q3_to_f32_cpu(float *dst, const void *src, q3_dtype src_dt, int64_t n) {
+    if (src_dt == Q3_F32) {
+        if ((const void *)dst != src) memcpy(dst, src, (size_t)n * sizeof(float));
+        return;
+    }
+    const uint16_t *s = (const uint16_t *)src;
+#pragma omp parallel for simd schedule(static) if (n > (1 << 16))
+    for (int64_t i = 0; i < n; i++) dst[i] = q3_bf16_to_f32(s[i]);
+}
+
+void q3_from_f32_cpu(void *dst, q3_dtype dst_dt, const float *src, int64_t n) {
+    if (dst_dt == Q3_F32) {
+        if (dst != (const void *)src) memcpy(dst, src, (size_t)n * sizeof(float));
+        return;
+    }
+    uint16_t *d = (uint16_t *)dst;
+#pragma omp parallel for simd schedule(static) if (n > (1 << 16))
+    for (int64_t i = 0; i < n; i++) d[i] = q3_f32_to_bf16(src[i]);
+}

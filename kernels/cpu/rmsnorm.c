@@ -1,0 +1,27 @@
+/* RMSNorm, one row per iteration; rows split across threads. */
+#include <math.h>
+
+#include "../rmsnorm.h"
+
+static void rmsnorm_row(float *out, const float *x, const void *w, q3_dtype w_dt,
+                        int64_t n, float eps) {
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    const float r = 1.0f / sqrtf(ss / (float)n + eps);
+    if (w_dt == Q3_BF16) {
+        const uint16_t *wb = (const uint16_t *)w;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) out[i] = q3_bf16_to_f32(wb[i]) * (x[i] * r);
+    } else {
+        const float *wf = (const float *)w;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) out[i] = wf[i] * (x[i] * r);
+    }
+}
+
+void q3_rmsnorm_cpu(float *out, const float *x, const void *w, q3_dtype w_dt,
+                    int64_t rows, int64_t n, float eps) {
+#pragma omp parallel for schedule(static) if (rows * n > 8192)
+    for (int64_t r = 0; r < rows; r++) rmsnorm_row(out + r * n, x + r * n, w, w_dt, n, eps);
+}

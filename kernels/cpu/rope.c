@@ -1,0 +1,30 @@
+/* RoPE in place; cos/sin computed once per row and applied to all of its heads. */
+#include <math.h>
+
+#include "../rope.h"
+
+void q3_rope_cpu(float *x, const int64_t *pos, int64_t rows, int heads, int D, float theta) {
+    const int half = D / 2;
+    float inv_freq[half];
+    /* same fp32 expression as transformers: 1 / theta ** (arange(0, D, 2) / D) */
+    for (int i = 0; i < half; i++) inv_freq[i] = 1.0f / powf(theta, (float)(2 * i) / (float)D);
+#pragma omp parallel for schedule(static) if (rows * heads > 64)
+    for (int64_t r = 0; r < rows; r++) {
+        float c[half], s[half];
+        const float p = (float)pos[r];
+        for (int i = 0; i < half; i++) {
+            const float a = p * inv_freq[i];
+            c[i] = cosf(a);
+            s[i] = sinf(a);
+        }
+        for (int h = 0; h < heads; h++) {
+            float *v = x + (r * heads + h) * D;
+#pragma omp simd
+            for (int i = 0; i < half; i++) {
+                const float lo = v[i], hi = v[i + half];
+                v[i] = lo * c[i] - hi * s[i];
+                v[i + half] = hi * c[i] + lo * s[i];
+            }
+        }
+    }
+}

@@ -1,0 +1,31 @@
+/* Element types shared by every kernel, and the bf16 <-> fp32 conversions.
+ *
+ * Storage is float32 or bfloat16 (the top 16 bits of an IEEE float32).
+ * All arithmetic in the kernels is fp32; bf16 is a storage format only. */
+#ifndef Q3_KERNELS_DTYPE_H
+#define Q3_KERNELS_DTYPE_H
+
+#include <stdint.h>
+#include <string.h>
+
+typedef enum { Q3_F32 = 0, Q3_BF16 = 1 } q3_dtype;
+
+static inline size_t q3_dtype_size(q3_dtype dt) { return dt == Q3_BF16 ? 2 : 4; }
+
+static inline float q3_bf16_to_f32(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Round to nearest, ties to even; NaN stays a (quiet) NaN. */
+static inline uint16_t q3_f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+#endif

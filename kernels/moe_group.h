@@ -1,0 +1,16 @@
+/* Group the (token, expert) pairs of a call by expert, so that each expert's weights are
+ * read once per call for all the tokens that chose it.
+ *
+ * After the call, expert e owns pair slots [offsets[e], offsets[e+1]); slot s names the
+ * token rows[s] and the routing weight weights[s]. Within an expert, tokens are in
+ * ascending order (a stable counting sort). */
+#ifndef Q3_KERNELS_MOE_GROUP_H
+#define Q3_KERNELS_MOE_GROUP_H
+
+#include "dtype.h"
+
+/* offsets [E + 1], rows [T * k], weights [T * k] <- idx [T, k], w [T, k] */
+void q3_moe_group_cpu(int64_t *offsets, int32_t *rows, float *weights, const int32_t *idx,
+                      const float *w, int64_t T, int k, int E);
+
+#endif

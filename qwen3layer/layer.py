@@ -1,0 +1,126 @@
+"""DecoderLayer: the Python face of the engine layer (qwen3layer._C.Layer).
+
+No math here: the engine does the work; this module names things, builds layers from
+transformers modules or random weights, and hands outputs back as the kind of tensor
+that came in (torch in, torch out; numpy in, numpy out), sharing the extension's memory.
+"""
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Any, Mapping, Optional
+
+from . import _C
+from .config import LayerConfig
+from .weights import canonical_weights
+
+KVCache = _C.KVCache
+Tensor = _C.Tensor
+
+
+def _check_device(device: Any) -> str:
+    name = str(device)
+    if name != "cpu":
+        backends = _C.build_info()["backends"]
+        raise ValueError(f"device: expected one of {backends} (the backends in this build), got {name!r}")
+    return name
+
+
+def _like(x: Any, y: Any) -> Any:
+    """y (an extension Tensor) as the same kind of array as x, zero-copy."""
+    kind = type(x).__module__.partition(".")[0]
+    if kind in ("torch", "numpy") and kind in sys.modules:
+        return sys.modules[kind].from_dlpack(y)
+    return y
+
+
+class DecoderLayer:
+    """One Qwen3-MoE decoder layer: RMSNorm, GQA attention with QK-norm and RoPE over a
+    KV cache, RMSNorm, top-k routed SwiGLU experts, both with residuals.
+
+    weights: mapping from the per-layer checkpoint names (with or without the
+    "model.layers.N." prefix; per-expert or transformers 5.x fused expert names) to tensors
+    with __dlpack__. Contiguous weights of the layer's dtype are borrowed without a copy
+    (their owners are kept alive); others are converted once, here, with a warning.
+    dtype: 'float32' or 'bfloat16'; default: the dtype of self_attn.q_proj.weight.
+    """
+
+    def __init__(self, config: LayerConfig, weights: Mapping[str, Any], device: str = "cpu",
+                 dtype: Optional[str] = None) -> None:
+        if not isinstance(config, LayerConfig):
+            raise TypeError(f"config: expected a qwen3layer.LayerConfig, got {type(config).__name__}")
+        self.device = _check_device(device)
+        self.config = config
+        self._core = _C.Layer(config, canonical_weights(weights, config), dtype)
+        if self._core.converted:
+            warnings.warn(f"DecoderLayer: converted {len(self._core.converted)} weight(s) to contiguous "
+                          f"{self._core.dtype} once at construction: {', '.join(self._core.converted[:4])}"
+                          + (" ..." if len(self._core.converted) > 4 else ""), stacklevel=2)
+
+    @classmethod
+    def from_hf(cls, hf_layer: Any, device: str = "cpu") -> "DecoderLayer":
+        """From a transformers Qwen3MoeDecoderLayer (4.57 or 5.x), sharing its weights."""
+        attn = getattr(hf_layer, "self_attn", None)
+        cfg = getattr(attn, "config", None)
+        if cfg is None or not hasattr(hf_layer, "mlp") or not hasattr(hf_layer.mlp, "experts"):
+            raise TypeError(f"hf_layer: expected a transformers Qwen3MoeDecoderLayer with a MoE block, "
+                            f"got {type(hf_layer).__name__}")
+        weights = {name: t.detach() for name, t in hf_layer.state_dict().items()}
+        return cls(LayerConfig.from_hf(cfg), weights, device=device)
+
+    @classmethod
+    def random(cls, config: LayerConfig, seed: int = 0, dtype: str = "bfloat16",
+               device: str = "cpu") -> "DecoderLayer":
+        """Random weights in extension memory, scaled like a trained layer (matrices
+        N(0, 0.02), norm weights N(1, 0.1)); the same seed gives the same weights."""
+        _check_device(device)
+        return cls(config, _C.random_weights(config, seed, dtype), device=device)
+
+    def new_cache(self, max_tokens: int, batch: int = 1, dtype: Optional[str] = None) -> KVCache:
+        """A KV cache for `batch` sequences of up to `max_tokens` tokens each, allocated
+        once, now (dtype defaults to the layer's)."""
+        return self._core.new_cache(max_tokens, batch, dtype)
+
+    def prefill(self, x: Any, cache: KVCache, seq: Optional[int] = None,
+                chunk_size: Optional[int] = None, *, out: Any = None) -> Any:
+        """Appends tokens to the cache and returns the layer's output for them.
+
+        x [S, hidden]: S tokens of sequence `seq` (default 0), at positions
+        [cache.lengths[seq], + S). x [B, S, hidden] with B = cache.batch: S tokens to each
+        sequence. chunk_size bounds the tokens per sequence in one pass (default
+        build_info()['default_chunk']): activation memory grows with it, not with S.
+        Raises CacheFullError (cache unchanged) when the tokens do not fit.
+        """
+        y = self._core.prefill(x, cache, seq, chunk_size, out=out)
+        return y if out is not None else _like(x, y)
+
+    def decode(self, x: Any, cache: KVCache, *, out: Any = None) -> Any:
+        """One new token for each sequence of the cache: x [cache.batch, hidden]."""
+        y = self._core.decode(x, cache, out=out)
+        return y if out is not None else _like(x, y)
+
+    @property
+    def dtype(self) -> str:
+        return self._core.dtype
+
+    @property
+    def weight_ptrs(self) -> dict:
+        """Weight name -> the address the engine reads (equal to the caller's tensor's
+        data pointer when the weight was borrowed without a copy)."""
+        return self._core.weight_ptrs
+
+    @property
+    def converted(self) -> tuple:
+        """Names of the weights that had to be converted at construction."""
+        return self._core.converted
+
+    @property
+    def workspace_bytes(self) -> int:
+        """Activation workspace held now (grows with the largest chunk run so far)."""
+        return self._core.workspace_bytes
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"DecoderLayer(hidden={c.hidden_size}, heads={c.num_attention_heads}/"
+                f"{c.num_key_value_heads}x{c.head_dim}, experts={c.num_experts} top-{c.num_experts_per_tok}"
+                f" x {c.moe_intermediate_size}, dtype={self.dtype}, device={self.device})")

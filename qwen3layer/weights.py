@@ -1,0 +1,75 @@
+"""Weight names: from any of the accepted spellings to the engine's canonical names.
+
+Accepted: the per-layer checkpoint names of REFERENCE.md, with or without a
+"model.layers.N." prefix; experts either per expert (mlp.experts.{e}.gate_proj.weight, ...)
+or fused as transformers 5.x holds them (mlp.experts.gate_up_proj [E, 2I, H],
+mlp.experts.down_proj [E, H, I]). Shapes and dtypes are checked by the engine.
+"""
+from __future__ import annotations
+
+import difflib
+import re
+from typing import Any, Mapping
+
+from .config import LayerConfig
+
+DENSE = (
+    "input_layernorm.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "self_attn.q_norm.weight",
+    "self_attn.k_norm.weight",
+    "post_attention_layernorm.weight",
+    "mlp.gate.weight",
+)
+FUSED = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")
+_PREFIX = re.compile(r"^(?:.*\.)?layers\.(\d+)\.")
+
+
+def expert_names(num_experts: int) -> list[str]:
+    return [f"mlp.experts.{e}.{p}.weight" for e in range(num_experts) for p in EXPERT_PARTS]
+
+
+def canonical_weights(weights: Mapping[str, Any], config: LayerConfig) -> dict[str, Any]:
+    """Returns {canonical name: tensor}; raises ValueError naming any missing, extra or
+    misnamed weight."""
+    if not isinstance(weights, Mapping):
+        raise TypeError(f"weights: expected a mapping of name -> tensor, got {type(weights).__name__}")
+    out: dict[str, Any] = {}
+    layers = set()
+    for name, tensor in weights.items():
+        if not isinstance(name, str):
+            raise TypeError(f"weights: expected str names, got {name!r}")
+        m = _PREFIX.match(name)
+        if m:
+            layers.add(int(m.group(1)))
+            name = name[m.end():]
+        if name in out:
+            raise ValueError(f"weights: '{name}' given twice (with and without a prefix)")
+        out[name] = tensor
+    if len(layers) > 1:
+        raise ValueError(f"weights: expected the tensors of one layer, got layers {sorted(layers)}")
+
+    per_expert = expert_names(config.num_experts)
+    fused = any(n in out for n in FUSED)
+    if fused and any(n in out for n in per_expert):
+        raise ValueError("weights: expected experts either fused (mlp.experts.gate_up_proj, "
+                         "mlp.experts.down_proj) or per expert (mlp.experts.{e}.*.weight), got both")
+    expected = list(DENSE) + (list(FUSED) if fused else per_expert)
+    expected_set = set(expected)
+    extra = [n for n in out if n not in expected_set]
+    if extra:
+        hints = []
+        for n in extra[:5]:
+            close = difflib.get_close_matches(n, expected, n=1)
+            hints.append(f"'{n}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
+        more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
+        raise ValueError(f"weights: unexpected {', '.join(hints)}{more}")
+    missing = [n for n in expected if n not in out]
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ValueError(f"weights: missing {', '.join(repr(n) for n in missing[:5])}{more}")
+    return out

@@ -1,0 +1,6 @@
+import os
+import sys
+
+# the tests import the package from the checkout (built in place by `pip install -e .`)
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))

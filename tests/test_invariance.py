@@ -1,0 +1,114 @@
+"""Prefill, chunked prefill and decode are one function: their results agree."""
+import pytest
+import torch
+
+import qwen3layer as q3
+
+CFG = q3.LayerConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=24,
+                     num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48)
+TOL = 1e-5
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.fixture(scope="module")
+def layer():
+    return q3.DecoderLayer.random(CFG, seed=7, dtype="float32")
+
+
+def x_of(*shape, seed=0, dtype=torch.float32):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def test_prefill_then_decode_equals_longer_prefill(layer):
+    S = 37
+    x = x_of(S + 1, CFG.hidden_size, seed=1)
+    full = layer.prefill(x, layer.new_cache(64))
+    cache = layer.new_cache(64)
+    layer.prefill(x[:S], cache)
+    last = layer.decode(x[S:], cache)
+    assert rel(last[0], full[S]) <= TOL
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 113])
+def test_chunked_prefill_equals_unchunked(layer, chunk):
+    S = 113
+    x = x_of(S, CFG.hidden_size, seed=2)
+    c_full, c_chunk = layer.new_cache(128), layer.new_cache(128)
+    y_full = layer.prefill(x, c_full, chunk_size=S)
+    y_chunk = layer.prefill(x, c_chunk, chunk_size=chunk)
+    assert rel(y_chunk, y_full) <= TOL
+    assert rel(torch.from_dlpack(c_chunk.keys()), torch.from_dlpack(c_full.keys())) <= TOL
+    assert rel(torch.from_dlpack(c_chunk.values()), torch.from_dlpack(c_full.values())) == 0.0
+
+
+def test_prefill_in_separate_calls_equals_one_call(layer):
+    x = x_of(50, CFG.hidden_size, seed=3)
+    y_full = layer.prefill(x, layer.new_cache(64))
+    cache = layer.new_cache(64)
+    parts = [layer.prefill(x[a:b], cache) for a, b in ((0, 13), (13, 14), (14, 50))]
+    assert rel(torch.cat(parts), y_full) <= TOL
+    assert cache.lengths == (50,)
+
+
+def test_batched_decode_of_different_lengths_equals_each_alone(layer):
+    lengths = (5, 17, 1)
+    prompts = [x_of(n, CFG.hidden_size, seed=10 + i) for i, n in enumerate(lengths)]
+    steps = x_of(4, 3, CFG.hidden_size, seed=20)
+    batched = layer.new_cache(32, batch=3)
+    for b, p in enumerate(prompts):
+        layer.prefill(p, batched, seq=b)
+    assert batched.lengths == lengths
+    outs = [layer.decode(steps[t], batched) for t in range(4)]
+    for b, p in enumerate(prompts):
+        alone = layer.new_cache(32)
+        layer.prefill(p, alone)
+        for t in range(4):
+            y = layer.decode(steps[t, b:b + 1], alone)
+            assert rel(outs[t][b], y[0]) <= TOL
+        assert torch.equal(torch.from_dlpack(batched.keys(b)), torch.from_dlpack(alone.keys()))
+    assert batched.lengths == tuple(n + 4 for n in lengths)
+
+
+def test_batched_prefill_equals_each_sequence_alone(layer):
+    x = x_of(3, 20, CFG.hidden_size, seed=30)
+    cache = layer.new_cache(32, batch=3)
+    y = layer.prefill(x, cache, chunk_size=6)
+    for b in range(3):
+        alone = layer.prefill(x[b], layer.new_cache(32))
+        assert rel(y[b], alone) <= TOL
+
+
+def test_bfloat16_chunked_equals_unchunked():
+    layer = q3.DecoderLayer.random(CFG, seed=8, dtype="bfloat16")
+    x = x_of(40, CFG.hidden_size, seed=4, dtype=torch.bfloat16)
+    y_full = layer.prefill(x, layer.new_cache(64), chunk_size=40)
+    y_chunk = layer.prefill(x, layer.new_cache(64), chunk_size=9)
+    # the cache holds bf16 K/V either way; only fp32 summation order differs
+    assert rel(y_chunk, y_full) <= 1e-2
+    assert (y_chunk.float() - y_full.float()).abs().max() <= 2 ** -6 * y_full.float().abs().max()
+
+
+def test_truncate_then_redo_equals_first_pass(layer):
+    x = x_of(12, CFG.hidden_size, seed=5)
+    cache = layer.new_cache(16)
+    y1 = layer.prefill(x, cache)
+    cache.truncate(8)
+    assert cache.lengths == (8,)
+    y2 = layer.prefill(x[8:], cache)
+    assert torch.equal(y2, y1[8:])
+    cache.reset()
+    assert cache.lengths == (0,)
+    assert torch.equal(layer.prefill(x, cache), y1)
+
+
+def test_random_layer_is_deterministic_in_its_seed():
+    a = q3.DecoderLayer.random(CFG, seed=3, dtype="float32")
+    b = q3.DecoderLayer.random(CFG, seed=3, dtype="float32")
+    c = q3.DecoderLayer.random(CFG, seed=4, dtype="float32")
+    x = x_of(5, CFG.hidden_size, seed=6)
+    ya, yb, yc = (l.prefill(x, l.new_cache(8)) for l in (a, b, c))
+    assert torch.equal(ya, yb)
+    assert not torch.allclose(ya, yc)

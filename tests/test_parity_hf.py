@@ -1,0 +1,107 @@
+"""The layer against transformers' Qwen3MoeDecoderLayer (eager attention): outputs and
+cache contents, float32 and bfloat16, several geometries."""
+import pytest
+import torch
+
+import qwen3layer as q3
+from hf_reference import GEOMETRIES, converted, draw_input, hf_model, rel_err, run
+
+GEOS = sorted(GEOMETRIES)
+
+
+@pytest.mark.parametrize("geometry", GEOS)
+def test_float32_prefill_matches_transformers(geometry):
+    model = hf_model(geometry, seed=1)
+    S = 23
+    x = draw_input(model, (1, S, model.config.hidden_size), seed=1)
+    ref = run(model, x)
+    layer = q3.DecoderLayer.from_hf(model.model.layers[0])
+    assert layer.dtype == "float32" and layer.converted == ()
+    cache = layer.new_cache(64)
+    y = layer.prefill(x[0], cache)
+    assert isinstance(y, torch.Tensor) and y.dtype == torch.float32 and y.shape == (S, x.shape[-1])
+    assert rel_err(y, ref.y[0]) <= 1e-5
+    # the layer's own contribution, not hidden by the residual
+    assert rel_err(y - x[0], ref.y[0] - x[0]) <= 1e-5
+    assert cache.lengths == (S,)
+    assert rel_err(torch.from_dlpack(cache.keys()), ref.keys[0]) <= 1e-5
+    assert rel_err(torch.from_dlpack(cache.values()), ref.values[0]) <= 1e-5
+
+
+@pytest.mark.parametrize("geometry", GEOS)
+def test_float32_batched_prefill_then_decode_matches_transformers(geometry):
+    """Two sequences, then one decode step each, against transformers with its own cache."""
+    model = hf_model(geometry, seed=2)
+    H, S = model.config.hidden_size, 11
+    x = draw_input(model, (2, S + 1, H), seed=2)
+    full = run(model, x)  # margin and reference over all S + 1 positions
+    layer = q3.DecoderLayer.from_hf(model.model.layers[0])
+    cache = layer.new_cache(32, batch=2)
+    y = layer.prefill(x[:, :S].contiguous(), cache)
+    y_dec = layer.decode(x[:, S].contiguous(), cache)
+    assert y.shape == (2, S, H) and y_dec.shape == (2, H)
+    assert rel_err(y, full.y[:, :S]) <= 1e-5
+    assert rel_err(y_dec, full.y[:, S]) <= 1e-5
+    assert cache.lengths == (S + 1, S + 1)
+    for b in range(2):
+        assert rel_err(torch.from_dlpack(cache.keys(b)), full.keys[b]) <= 1e-5
+        assert rel_err(torch.from_dlpack(cache.values(b)), full.values[b]) <= 1e-5
+
+
+def test_float32_per_expert_names_match_fused():
+    """transformers 4.57 names the experts one by one; both spellings give one result."""
+    model = hf_model("gqa4_topk_norm", seed=3)
+    sd = {k: v.detach() for k, v in model.model.layers[0].state_dict().items()}
+    gate_up, down = sd.pop("mlp.experts.gate_up_proj"), sd.pop("mlp.experts.down_proj")
+    I = model.config.moe_intermediate_size
+    for e in range(model.config.num_experts):
+        sd[f"model.layers.0.mlp.experts.{e}.gate_proj.weight"] = gate_up[e, :I]
+        sd[f"model.layers.0.mlp.experts.{e}.up_proj.weight"] = gate_up[e, I:]
+        sd[f"model.layers.0.mlp.experts.{e}.down_proj.weight"] = down[e]
+    cfg = q3.LayerConfig.from_hf(model.config)
+    layer = q3.DecoderLayer(cfg, sd)
+    assert layer.converted == ()
+    assert layer.weight_ptrs["mlp.experts.1.up_proj.weight"] == gate_up[1, I:].data_ptr()
+    x = draw_input(model, (1, 9, cfg.hidden_size), seed=3)
+    y = layer.prefill(x[0], layer.new_cache(16))
+    assert rel_err(y, run(model, x).y[0]) <= 1e-5
+
+
+@pytest.mark.parametrize("geometry", GEOS)
+def test_bfloat16_error_at_most_twice_transformers(geometry):
+    """bf16 weights and input; each implementation judged against an fp64 run of the
+    same (bf16-valued) weights and input."""
+    model = hf_model(geometry, seed=4)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.bfloat16().float())
+    H, S = model.config.hidden_size, 19
+    x = draw_input(model, (1, S, H), seed=4, dtype=torch.bfloat16)
+    exact = run(converted(model, torch.float64), x.double())
+    hf_bf16 = converted(model, torch.bfloat16)
+    theirs = run(hf_bf16, x)
+    layer = q3.DecoderLayer.from_hf(hf_bf16.model.layers[0])
+    assert layer.dtype == "bfloat16" and layer.converted == ()
+    cache = layer.new_cache(32)
+    y = layer.prefill(x[0], cache)
+    assert y.dtype == torch.bfloat16
+    delta = exact.y[0] - x[0].double()
+    err_theirs = float((theirs.y[0].double() - exact.y[0]).norm() / delta.norm())
+    err_ours = float((y.double() - exact.y[0]).norm() / delta.norm())
+    assert err_ours <= 2 * err_theirs, (err_ours, err_theirs)
+    k_theirs = rel_err(theirs.keys[0], exact.keys[0])
+    assert rel_err(torch.from_dlpack(cache.keys()), exact.keys[0]) <= 2 * k_theirs
+    v_theirs = rel_err(theirs.values[0], exact.values[0])
+    assert rel_err(torch.from_dlpack(cache.values()), exact.values[0]) <= 2 * max(v_theirs, 2 ** -9)
+
+
+def test_bfloat16_layer_takes_float32_activations():
+    """A bf16 layer with float32 input computes the same, returns float32."""
+    model = hf_model("gqa4_topk_norm", seed=5)
+    hf_bf16 = converted(model, torch.bfloat16)
+    layer = q3.DecoderLayer.from_hf(hf_bf16.model.layers[0])
+    x = draw_input(model, (1, 7, 64), seed=5, dtype=torch.bfloat16)[0]
+    y16 = layer.prefill(x, layer.new_cache(8))
+    y32 = layer.prefill(x.float(), layer.new_cache(8))
+    assert y32.dtype == torch.float32
+    assert torch.equal(y32.bfloat16(), y16)

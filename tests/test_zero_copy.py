@@ -1,0 +1,175 @@
+"""Tensors cross the boundary without copies: outputs in extension memory, weights
+borrowed, cache views live, DLPack capsules handled by the protocol, no leaked references."""
+import ctypes
+import gc
+import sys
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import qwen3layer as q3
+from hf_reference import hf_model
+
+CFG = q3.LayerConfig.tiny()
+
+_capsule_name = ctypes.pythonapi.PyCapsule_GetName
+_capsule_name.restype = ctypes.c_char_p
+_capsule_name.argtypes = [ctypes.py_object]
+
+
+def owned(ptr):
+    return any(a <= ptr < a + n for a, n in q3._C.owned_buffers())
+
+
+@pytest.fixture(scope="module")
+def layer():
+    return q3.DecoderLayer.random(CFG, seed=1, dtype="float32")
+
+
+def test_torch_output_lives_in_extension_memory(layer):
+    y = layer.prefill(torch.randn(4, CFG.hidden_size), layer.new_cache(8))
+    assert isinstance(y, torch.Tensor)
+    ptr = y.data_ptr()
+    assert owned(ptr)
+    del y
+    gc.collect()
+    assert not owned(ptr)
+
+
+def test_numpy_in_numpy_out_in_extension_memory(layer):
+    x = np.random.default_rng(0).standard_normal((3, CFG.hidden_size), dtype=np.float32)
+    y = layer.prefill(x, layer.new_cache(8))
+    assert isinstance(y, np.ndarray) and y.dtype == np.float32 and y.shape == x.shape
+    assert owned(y.__array_interface__["data"][0])
+
+
+def test_out_argument_is_written_in_place(layer):
+    x = torch.randn(5, CFG.hidden_size)
+    ref = layer.prefill(x, layer.new_cache(8))
+    out = torch.empty_like(x)
+    got = layer.prefill(x, layer.new_cache(8), out=out)
+    assert got is out and torch.equal(out, ref)
+    out2 = torch.empty(1, CFG.hidden_size)
+    c = layer.new_cache(8)
+    layer.prefill(x, c)
+    assert layer.decode(x[:1], c, out=out2) is out2
+
+
+def test_hf_weights_are_borrowed_not_copied():
+    hf_layer = hf_model("gqa4_topk_norm").model.layers[0]
+    layer = q3.DecoderLayer.from_hf(hf_layer)
+    assert layer.converted == ()
+    sd = hf_layer.state_dict()
+    for name, ptr in layer.weight_ptrs.items():
+        assert ptr == sd[name].data_ptr(), name
+    assert set(layer.weight_ptrs) == set(sd)
+
+
+def test_random_weights_are_borrowed_from_extension_memory():
+    weights = q3._C.random_weights(CFG, 0, "bfloat16")
+    layer = q3.DecoderLayer(CFG, weights)
+    assert layer.dtype == "bfloat16" and layer.converted == ()
+    for name, t in weights.items():
+        assert layer.weight_ptrs[name] == t.data_ptr
+
+
+def test_unfitting_weights_are_converted_once_with_a_warning():
+    hf_layer = hf_model("gqa4_topk_norm").model.layers[0]
+    sd = {k: v.detach() for k, v in hf_layer.state_dict().items()}
+    sd["self_attn.o_proj.weight"] = sd["self_attn.o_proj.weight"].t().contiguous().t()  # same values, transposed layout
+    cfg = q3.LayerConfig.from_hf(hf_layer.self_attn.config)
+    with pytest.warns(UserWarning, match="converted 1 weight"):
+        layer = q3.DecoderLayer(cfg, sd)
+    assert layer.converted == ("self_attn.o_proj.weight",)
+    assert layer.weight_ptrs["self_attn.o_proj.weight"] != sd["self_attn.o_proj.weight"].data_ptr()
+    ref = q3.DecoderLayer.from_hf(hf_layer)
+    x = torch.randn(6, cfg.hidden_size)
+    assert torch.equal(layer.prefill(x, layer.new_cache(8)), ref.prefill(x, ref.new_cache(8)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        bf = q3.DecoderLayer(cfg, {k: v.bfloat16() for k, v in sd.items() if k != "self_attn.o_proj.weight"}
+                             | {"self_attn.o_proj.weight": sd["self_attn.o_proj.weight"].bfloat16().contiguous()})
+    assert bf.converted == ()
+
+
+def test_reference_counts_are_stable_over_1000_calls(layer):
+    x = torch.randn(1, CFG.hidden_size)
+    cache = layer.new_cache(1100)
+    core = layer._core
+    before = (sys.getrefcount(x), sys.getrefcount(cache), sys.getrefcount(core), len(q3._C.owned_buffers()))
+    out = torch.empty_like(x)
+    for i in range(1000):
+        if i % 2:
+            layer.decode(x, cache, out=out)
+        else:
+            y = layer.decode(x, cache)
+    del y
+    gc.collect()
+    after = (sys.getrefcount(x), sys.getrefcount(cache), sys.getrefcount(core), len(q3._C.owned_buffers()))
+    assert before == after
+    assert cache.lengths == (1000,)
+
+
+def test_cache_views_are_live_and_keep_the_cache_alive():
+    layer = q3.DecoderLayer.random(CFG, seed=2, dtype="float32")
+    cache = layer.new_cache(16)
+    layer.prefill(torch.randn(3, CFG.hidden_size), cache)
+    keys = torch.from_dlpack(cache.keys())
+    assert keys.shape == (CFG.num_key_value_heads, 3, CFG.head_dim)
+    assert keys.stride() == (16 * CFG.head_dim, CFG.head_dim, 1)
+    before = keys.clone()
+    cache.truncate(1)
+    layer.prefill(torch.randn(2, CFG.hidden_size), cache)  # overwrites positions 1 and 2
+    assert torch.equal(keys[:, :1], before[:, :1]) and not torch.equal(keys[:, 1:], before[:, 1:])
+    del layer, cache
+    gc.collect()
+    assert torch.isfinite(keys).all()  # memory still valid: the view holds the cache
+
+
+def capsule_of(obj, **kw):
+    cap = obj.__dlpack__(**kw)
+    return cap, _capsule_name(cap)
+
+
+def test_export_versioned_and_legacy_capsules(layer):
+    y = layer._core.prefill(torch.randn(2, CFG.hidden_size), layer.new_cache(4))
+    assert isinstance(y, q3.Tensor) and y.__dlpack_device__() == (1, 0)
+    assert capsule_of(y)[1] == b"dltensor"
+    assert capsule_of(y, max_version=(1, 0))[1] == b"dltensor_versioned"
+    assert capsule_of(y, max_version=(0, 8))[1] == b"dltensor"
+    with pytest.raises(BufferError, match="stream"):
+        y.__dlpack__(stream=1)
+    with pytest.raises(BufferError, match="device type 2"):
+        y.__dlpack__(dl_device=(2, 0))
+    copy = torch.from_dlpack(np.from_dlpack(y, copy=True))
+    assert copy.data_ptr() != y.data_ptr and torch.equal(copy, torch.from_dlpack(y))
+
+
+class Producer:
+    """A DLPack producer handing out a fixed capsule, legacy or versioned."""
+
+    def __init__(self, t, legacy):
+        self.t, self.legacy = t, legacy
+        self.capsule = None
+
+    def __dlpack_device__(self):
+        return self.t.__dlpack_device__()
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        if self.legacy and max_version is not None:
+            raise TypeError("__dlpack__() got an unexpected keyword argument 'max_version'")
+        self.capsule = self.t.__dlpack__() if self.legacy else self.t.__dlpack__(max_version=max_version)
+        return self.capsule
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_import_renames_the_consumed_capsule(layer, legacy):
+    x = torch.randn(3, CFG.hidden_size)
+    ref = layer.prefill(x, layer.new_cache(4))
+    p = Producer(x, legacy)
+    y = layer.prefill(p, layer.new_cache(4))
+    assert isinstance(y, q3.Tensor)
+    assert _capsule_name(p.capsule) == (b"used_dltensor" if legacy else b"used_dltensor_versioned")
+    assert torch.equal(torch.from_dlpack(y), ref)
