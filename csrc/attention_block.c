@@ -3,11 +3,6 @@
  *   append k, v to the cache; causal GQA attention over the cache; x += attn Wo^T. */
 #include <math.h>
 
-#include "../kernels/attention.h"
-#include "../kernels/kv_write.h"
-#include "../kernels/matmul.h"
-#include "../kernels/rmsnorm.h"
-#include "../kernels/rope.h"
 #include "layer_internal.h"
 
 void q3_attention_block(q3_layer *layer, q3_cache *cache, const q3_pass *p) {
@@ -17,33 +12,34 @@ void q3_attention_block(q3_layer *layer, q3_cache *cache, const q3_pass *p) {
     const int64_t R = p->n_seqs * p->L, H = c->hidden;
     const int D = c->head_dim, Hq = c->heads, Hkv = c->kv_heads;
     const int64_t QD = (int64_t)Hq * D, KVD = (int64_t)Hkv * D;
+    const q3_cpu_ops *k = p->k;
 
-    q3_rmsnorm_cpu(ws->h, ws->x, w->dense[Q3_W_INPUT_NORM], w->dtype, R, H, c->eps);
-    q3_matmul_cpu(ws->q, ws->h, w->dense[Q3_W_Q_PROJ], w->dtype, R, QD, H, 0);
-    q3_matmul_cpu(ws->k, ws->h, w->dense[Q3_W_K_PROJ], w->dtype, R, KVD, H, 0);
-    q3_matmul_cpu(ws->v, ws->h, w->dense[Q3_W_V_PROJ], w->dtype, R, KVD, H, 0);
-    q3_rmsnorm_cpu(ws->q, ws->q, w->dense[Q3_W_Q_NORM], w->dtype, R * Hq, D, c->eps);
-    q3_rmsnorm_cpu(ws->k, ws->k, w->dense[Q3_W_K_NORM], w->dtype, R * Hkv, D, c->eps);
+    k->rmsnorm(ws->h, ws->x, w->dense[Q3_W_INPUT_NORM], w->dtype, R, H, c->eps);
+    k->matmul(ws->q, ws->h, w->dense[Q3_W_Q_PROJ], w->dtype, R, QD, H, 0, ws->xb);
+    k->matmul(ws->k, ws->h, w->dense[Q3_W_K_PROJ], w->dtype, R, KVD, H, 0, ws->xb);
+    k->matmul(ws->v, ws->h, w->dense[Q3_W_V_PROJ], w->dtype, R, KVD, H, 0, ws->xb);
+    k->rmsnorm(ws->q, ws->q, w->dense[Q3_W_Q_NORM], w->dtype, R * Hq, D, c->eps);
+    k->rmsnorm(ws->k, ws->k, w->dense[Q3_W_K_NORM], w->dtype, R * Hkv, D, c->eps);
 
     for (int s = 0; s < p->n_seqs; s++) {
         const int64_t n = cache->lengths[p->seqs[s]];
         for (int64_t t = 0; t < p->L; t++) ws->pos[s * p->L + t] = n + t;
     }
-    q3_rope_cpu(ws->q, ws->pos, R, Hq, D, (float)c->rope_theta);
-    q3_rope_cpu(ws->k, ws->pos, R, Hkv, D, (float)c->rope_theta);
+    k->rope(ws->q, ws->pos, R, Hq, D, (float)c->rope_theta);
+    k->rope(ws->k, ws->pos, R, Hkv, D, (float)c->rope_theta);
 
     for (int s = 0; s < p->n_seqs; s++) {
         const int seq = p->seqs[s];
         const int64_t n = cache->lengths[seq];
-        q3_kv_write_cpu(q3_cache_seq_keys(cache, seq), cache->dtype, ws->k + s * p->L * KVD, KVD,
+        k->kv_write(q3_cache_seq_keys(cache, seq), cache->dtype, ws->k + s * p->L * KVD, KVD,
                         p->L, Hkv, D, cache->capacity, n);
-        q3_kv_write_cpu(q3_cache_seq_values(cache, seq), cache->dtype, ws->v + s * p->L * KVD, KVD,
+        k->kv_write(q3_cache_seq_values(cache, seq), cache->dtype, ws->v + s * p->L * KVD, KVD,
                         p->L, Hkv, D, cache->capacity, n);
         ws->attn_seqs[s] = (q3_attn_seq){q3_cache_seq_keys(cache, seq),
                                          q3_cache_seq_values(cache, seq), n};
     }
     const q3_attn_shape shape = {p->L, Hq, Hkv, D, cache->capacity, cache->dtype,
                                  1.0f / sqrtf((float)D)};
-    q3_attention_cpu(ws->attn, ws->q, ws->attn_seqs, p->n_seqs, &shape);
-    q3_matmul_cpu(ws->x, ws->attn, w->dense[Q3_W_O_PROJ], w->dtype, R, H, QD, 1);
+    k->attention(ws->attn, ws->q, ws->attn_seqs, p->n_seqs, &shape, ws->attn_scratch, ws->threads);
+    k->matmul(ws->x, ws->attn, w->dense[Q3_W_O_PROJ], w->dtype, R, H, QD, 1, ws->xb);
 }

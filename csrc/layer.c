@@ -4,7 +4,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../kernels/convert.h"
 #include "layer_internal.h"
 
 q3_status q3_layer_create(q3_layer **out, const q3_config *cfg, const q3_weights *w, q3_error *err) {
@@ -94,19 +93,20 @@ q3_status q3_layer_forward(q3_layer *l, q3_cache *c, const q3_forward_args *a, q
     s = q3_workspace_reserve(&l->ws, &l->cfg, step * a->n_seqs, a->n_seqs, err);
     if (s != Q3_OK) return s;
 
+    const q3_cpu_ops *k = q3_cpu_ops_active();
     const int64_t H = l->cfg.hidden;
     const size_t es = q3_dtype_size(a->io_dtype);
     for (int64_t t0 = 0; t0 < a->tokens; t0 += step) {
         const int64_t L = a->tokens - t0 < step ? a->tokens - t0 : step;
         for (int i = 0; i < a->n_seqs; i++)
-            q3_to_f32_cpu(l->ws.x + i * L * H,
+            k->to_f32(l->ws.x + i * L * H,
                           (const char *)a->x + ((size_t)i * a->tokens + t0) * H * es,
                           a->io_dtype, L * H);
-        const q3_pass p = {a->n_seqs, a->seqs, L};
+        const q3_pass p = {k, a->n_seqs, a->seqs, L};
         q3_attention_block(l, c, &p);
-        q3_moe_block(l, a->n_seqs * L);
+        q3_moe_block(l, &p);
         for (int i = 0; i < a->n_seqs; i++) {
-            q3_from_f32_cpu((char *)a->y + ((size_t)i * a->tokens + t0) * H * es, a->io_dtype,
+            k->from_f32((char *)a->y + ((size_t)i * a->tokens + t0) * H * es, a->io_dtype,
                             l->ws.x + i * L * H, L * H);
             c->lengths[a->seqs[i]] += L;
         }

@@ -3,6 +3,7 @@
 #define Q3_ENGINE_LAYER_INTERNAL_H
 
 #include "cache.h"
+#include "cpu_dispatch.h"
 #include "workspace.h"
 
 struct q3_layer {
@@ -15,6 +16,7 @@ struct q3_layer {
 /* One pass over the R = n_seqs * L rows in ws->x [R, H] (row s * L + t is token t of
  * sequence seqs[s], at position cache->lengths[seqs[s]] + t). */
 typedef struct {
+    const q3_cpu_ops *k; /* kernels, fixed for the whole call */
     int n_seqs;
     const int32_t *seqs;
     int64_t L;
@@ -23,6 +25,6 @@ typedef struct {
 /* x += o_proj(attention(rmsnorm(x))); appends the pass's K/V to the cache */
 void q3_attention_block(q3_layer *layer, q3_cache *cache, const q3_pass *p);
 /* x += sum_k w_k expert_k(rmsnorm(x)) */
-void q3_moe_block(q3_layer *layer, int64_t R);
+void q3_moe_block(q3_layer *layer, const q3_pass *p);
 
 #endif

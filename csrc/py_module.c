@@ -1,5 +1,6 @@
 /* The module qwen3layer._C: multi-phase init, heap types in the module state, exceptions,
  * and the module-level functions (build_info, check_config, random_weights). */
+#include <stdlib.h>
 #include <string.h>
 
 #include "py_glue.h"
@@ -44,21 +45,25 @@ int q3_parse_dtype(PyObject *obj, const char *arg, q3_dtype *out) {
     return 0;
 }
 
+static PyObject *str_list(const char **names, int n) {
+    PyObject *list = PyList_New(n);
+    for (int i = 0; list && i < n; i++) {
+        PyObject *s = PyUnicode_FromString(names[i]);
+        if (!s) Py_CLEAR(list);
+        else PyList_SET_ITEM(list, i, s);
+    }
+    return list;
+}
+
 static PyObject *build_info(PyObject *m, PyObject *unused) {
     (void)m;
     (void)unused;
-    const char *feat = q3_cpu_features();
-    PyObject *features = PyList_New(0);
-    for (const char *p = feat; features && *p;) {
-        const char *comma = strchr(p, ',');
-        PyObject *f = PyUnicode_FromStringAndSize(p, comma - p);
-        if (!f || PyList_Append(features, f) < 0) Py_CLEAR(features);
-        Py_XDECREF(f);
-        p = comma + 1;
-    }
-    if (!features) return NULL;
-    return Py_BuildValue("{s:s,s:[s],s:N,s:i,s:s,s:i}", "version", Q3_VERSION, "backends", "cpu",
-                         "cpu_features", features, "threads", q3_max_threads(), "compiler",
+    const char *paths[8];
+    PyObject *available = str_list(paths, q3_cpu_paths(paths, 8));
+    if (!available) return NULL;
+    return Py_BuildValue("{s:s,s:[s],s:s,s:N,s:i,s:s,s:i}", "version", Q3_VERSION, "backends", "cpu",
+                         "cpu_path", q3_cpu_path(), "cpu_paths", available, "threads", q3_max_threads(),
+                         "compiler",
 #if defined(__clang__)
                          "clang " __clang_version__,
 #elif defined(__GNUC__)
@@ -67,6 +72,39 @@ static PyObject *build_info(PyObject *m, PyObject *unused) {
                          "unknown",
 #endif
                          "default_chunk", Q3_DEFAULT_CHUNK);
+}
+
+static PyObject *set_cpu_path(PyObject *m, PyObject *arg) {
+    (void)m;
+    const char *name = PyUnicode_AsUTF8(arg);
+    if (!name) return NULL;
+    q3_error err;
+    if (q3_cpu_select(name, &err) != Q3_OK) return q3_raise(NULL, &err);
+    Py_RETURN_NONE;
+}
+
+static PyObject *probe_read(PyObject *m, PyObject *args, PyObject *kw) {
+    static char *names[] = {"bytes", "repeats", NULL};
+    unsigned long long bytes = 1ull << 30;
+    int repeats = 3;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|Ki:probe_read_bandwidth", names, &bytes, &repeats)) return NULL;
+    double gbs;
+    Py_BEGIN_ALLOW_THREADS
+    gbs = q3_probe_read_gbs((size_t)bytes, repeats < 1 ? 1 : repeats);
+    Py_END_ALLOW_THREADS
+    if (gbs == 0.0) return PyErr_NoMemory();
+    return PyFloat_FromDouble(gbs);
+}
+
+static PyObject *probe_fma(PyObject *m, PyObject *args, PyObject *kw) {
+    static char *names[] = {"seconds", NULL};
+    double seconds = 0.5;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|d:probe_fma_peak", names, &seconds)) return NULL;
+    double gflops;
+    Py_BEGIN_ALLOW_THREADS
+    gflops = q3_probe_fma_gflops(seconds);
+    Py_END_ALLOW_THREADS
+    return PyFloat_FromDouble(gflops);
 }
 
 static PyObject *check_config(PyObject *m, PyObject *cfg) {
@@ -159,6 +197,13 @@ static PyMethodDef module_methods[] = {
     {"random_tensor", (PyCFunction)(void (*)(void))random_tensor, METH_VARARGS | METH_KEYWORDS,
      "random_tensor(shape, seed, dtype, std=1.0)\n--\n\nA Tensor of N(0, std^2) samples in extension memory."},
     {"build_info", build_info, METH_NOARGS, "build_info()\n--\n\nWhat this build contains."},
+    {"set_cpu_path", set_cpu_path, METH_O,
+     "set_cpu_path(name)\n--\n\nUse the CPU kernels of level `name` (one of build_info()['cpu_paths']) "
+     "for the calls that start from now on."},
+    {"probe_read_bandwidth", (PyCFunction)(void (*)(void))probe_read, METH_VARARGS | METH_KEYWORDS,
+     "probe_read_bandwidth(bytes=1<<30, repeats=3)\n--\n\nBest GB/s of reading a buffer with every thread."},
+    {"probe_fma_peak", (PyCFunction)(void (*)(void))probe_fma, METH_VARARGS | METH_KEYWORDS,
+     "probe_fma_peak(seconds=0.5)\n--\n\nfp32 multiply-add peak of every thread, GFLOP/s, active CPU path."},
     {"check_config", check_config, METH_O, "check_config(config)\n--\n\nRaise if the geometry is impossible."},
     {"random_weights", (PyCFunction)(void (*)(void))random_weights, METH_VARARGS | METH_KEYWORDS,
      "random_weights(config, seed, dtype)\n--\n\nDict of random weights in extension memory "
@@ -168,8 +213,18 @@ static PyMethodDef module_methods[] = {
     {NULL},
 };
 
+/* QWEN3LAYER_CPU_PATH forces a kernel level; an impossible one fails the import */
+static int select_cpu_path(void) {
+    const char *forced = getenv("QWEN3LAYER_CPU_PATH");
+    q3_error err;
+    if (q3_cpu_select(forced, &err) == Q3_OK) return 0;
+    PyErr_Format(PyExc_ImportError, "QWEN3LAYER_CPU_PATH: %s", err.msg);
+    return -1;
+}
+
 static int module_exec(PyObject *m) {
     q3_module_state *st = state_of_module(m);
+    if (select_cpu_path() < 0) return -1;
     st->tensor_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &q3_tensor_spec, NULL);
     st->cache_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &q3_cache_spec, NULL);
     st->layer_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &q3_layer_spec, NULL);

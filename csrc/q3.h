@@ -131,8 +131,17 @@ void q3_copy_strided(void *dst, q3_dtype dst_dt, const void *src, q3_dtype src_d
 void q3_fill_random(void *dst, q3_dtype dt, int64_t n, uint64_t seed, uint64_t stream,
                     float mean, float std);
 
-/* CPU features the engine was compiled for, as a comma-separated list */
-const char *q3_cpu_features(void);
+/* Probes of this machine with the active CPU path (csrc/probe.c): the best of `repeats`
+ * timed reads of a fresh `bytes` buffer in GB/s (0 if it cannot be allocated), and the
+ * fp32 multiply-add peak of all threads in GFLOP/s. */
+double q3_probe_read_gbs(size_t bytes, int repeats);
+double q3_probe_fma_gflops(double seconds);
+
+/* CPU kernel paths (csrc/cpu_dispatch.c): the ones this CPU can run, lowest first;
+ * select one by name (NULL: the best); the one in use. */
+int q3_cpu_paths(const char **names, int max);
+q3_status q3_cpu_select(const char *name, q3_error *err);
+const char *q3_cpu_path(void);
 int q3_max_threads(void);
 
 #endif

@@ -7,8 +7,7 @@
 #include <omp.h>
 #endif
 
-#include "../kernels/random.h"
-#include "q3.h"
+#include "cpu_dispatch.h"
 
 q3_status q3_fail(q3_error *err, q3_status status, const char *fmt, ...) {
     if (err) {
@@ -49,30 +48,7 @@ void q3_copy_strided(void *dst, q3_dtype dst_dt, const void *src, q3_dtype src_d
 
 void q3_fill_random(void *dst, q3_dtype dt, int64_t n, uint64_t seed, uint64_t stream,
                     float mean, float std) {
-    q3_fill_normal_cpu(dst, dt, n, seed, stream, mean, std);
-}
-
-const char *q3_cpu_features(void) {
-    return ""
-#ifdef __AVX512F__
-           "avx512f,"
-#endif
-#ifdef __AVX512BF16__
-           "avx512bf16,"
-#endif
-#ifdef __AVX2__
-           "avx2,"
-#endif
-#ifdef __FMA__
-           "fma,"
-#endif
-#ifdef __SSE2__
-           "sse2,"
-#endif
-#ifdef __ARM_NEON
-           "neon,"
-#endif
-           ;
+    q3_cpu_ops_active()->fill_normal(dst, dt, n, seed, stream, mean, std);
 }
 
 int q3_max_threads(void) {

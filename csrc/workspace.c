@@ -1,8 +1,9 @@
 /* Workspace carving: every array is a 64-byte aligned slice of one block. */
+#include "../kernels/matmul.h"
 #include "workspace.h"
 
 /* Lays the arrays out from base (NULL: only measures); returns the bytes used. */
-static size_t layout(q3_workspace *w, char *base, const q3_config *c, int64_t R, int S) {
+static size_t layout(q3_workspace *w, char *base, const q3_config *c, int64_t R, int S, int threads) {
     const int64_t H = c->hidden, QD = (int64_t)c->heads * c->head_dim,
                   KVD = (int64_t)c->kv_heads * c->head_dim, I = c->moe_inter;
     size_t off = 0;
@@ -28,6 +29,11 @@ static size_t layout(q3_workspace *w, char *base, const q3_config *c, int64_t R,
     CARVE(up, float, R * I);
     CARVE(ye, float, R * H);
     CARVE(pos, int64_t, R);
+    int64_t max_k = H > QD ? H : QD;
+    max_k = max_k > I ? max_k : I;
+    CARVE(xb, uint16_t, q3_matmul_scratch_elems(R, max_k));
+    const q3_attn_shape shape = {.heads = c->heads, .kv_heads = c->kv_heads, .head_dim = c->head_dim};
+    CARVE(attn_scratch, float, threads * q3_attention_scratch_floats(&shape));
     CARVE(attn_seqs, q3_attn_seq, S);
 #undef CARVE
     return off;
@@ -35,16 +41,18 @@ static size_t layout(q3_workspace *w, char *base, const q3_config *c, int64_t R,
 
 q3_status q3_workspace_reserve(q3_workspace *ws, const q3_config *cfg, int64_t rows, int seqs,
                                q3_error *err) {
-    if (rows <= ws->rows && seqs <= ws->seqs) return Q3_OK;
+    if (rows <= ws->rows && seqs <= ws->seqs && q3_max_threads() <= ws->threads) return Q3_OK;
     if (rows < ws->rows) rows = ws->rows;
     if (seqs < ws->seqs) seqs = ws->seqs;
     q3_workspace grown = *ws;
-    const size_t bytes = layout(&grown, NULL, cfg, rows, seqs);
+    const int threads = q3_max_threads();
+    const size_t bytes = layout(&grown, NULL, cfg, rows, seqs, threads);
     char *block = q3_alloc(bytes);
     if (!block)
         return q3_fail(err, Q3_ERR_NOMEM, "workspace: cannot allocate %zu bytes for %lld rows",
                        bytes, (long long)rows);
-    layout(&grown, block, cfg, rows, seqs);
+    layout(&grown, block, cfg, rows, seqs, threads);
+    grown.threads = threads;
     grown.block = block;
     grown.bytes = bytes;
     grown.rows = rows;

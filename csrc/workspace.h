@@ -10,6 +10,7 @@
 typedef struct {
     int64_t rows; /* capacity in rows */
     int seqs;     /* capacity in sequences */
+    int threads;  /* kernel threads the per-thread scratch is sized for */
     size_t bytes;
     void *block;
     float *x;          /* [R, H] residual stream, fp32 */
@@ -29,6 +30,8 @@ typedef struct {
     float *up;         /* [R, I] */
     float *ye;         /* [R, H] one expert's outputs */
     int64_t *pos;      /* [R] absolute positions */
+    uint16_t *xb;      /* bf16 activations for the matmuls (kernels/matmul.h) */
+    float *attn_scratch; /* [threads] x q3_attention_scratch_floats */
     q3_attn_seq *attn_seqs; /* [seqs] */
 } q3_workspace;
 

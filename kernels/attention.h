@@ -4,8 +4,8 @@
  * (n_past = tokens already cached) and decode (L = 1) are the same call. The block's own
  * keys and values are written to the cache first, so the query at position n_past + t
  * attends to cache rows [0, n_past + t]. Query head h reads KV head h / (Hq / Hkv).
- * Softmax in fp32, computed online over key tiles: the working set is one tile of
- * scores per query head, whatever the context length. */
+ * Softmax in fp32, computed online over key tiles: the working set is one tile of keys,
+ * values and scores for a block of queries, whatever the context length. */
 #ifndef Q3_KERNELS_ATTENTION_H
 #define Q3_KERNELS_ATTENTION_H
 
@@ -27,8 +27,21 @@ typedef struct {
     float scale;       /* 1 / sqrt(D) */
 } q3_attn_shape;
 
-/* out [n_seqs, L, Hq, D] fp32 <- q [n_seqs, L, Hq, D] fp32 (after QK-norm and RoPE) */
-void q3_attention_cpu(float *out, const float *q, const q3_attn_seq *seqs, int n_seqs,
-                      const q3_attn_shape *shape);
+#define Q3_ATTN_QUERY_BLOCK 4 /* query tokens of one KV head processed together */
+#define Q3_ATTN_KEY_TILE 64   /* keys per step of the online softmax */
+
+/* scratch floats one thread needs: for the block's query rows (padded to 16) the queries
+ * transposed, accumulators, scores, running max and sum; one tile of keys and of values in
+ * fp32 (head_dim padded to 32); 64-byte multiples */
+static inline int64_t q3_attention_scratch_floats(const q3_attn_shape *s) {
+    const int64_t rows = ((int64_t)Q3_ATTN_QUERY_BLOCK * (s->heads / s->kv_heads) + 15) / 16 * 16;
+    const int64_t dp = (s->head_dim + 31) / 32 * 32;
+    return rows * (2 * dp + Q3_ATTN_KEY_TILE + 2) + 2 * (int64_t)Q3_ATTN_KEY_TILE * dp + 64;
+}
+
+/* out [n_seqs, L, Hq, D] fp32 <- q [n_seqs, L, Hq, D] fp32 (after QK-norm and RoPE).
+ * scratch: threads * q3_attention_scratch_floats(shape) floats; at most `threads` threads. */
+typedef void q3_attention_fn(float *out, const float *q, const q3_attn_seq *seqs, int n_seqs,
+                             const q3_attn_shape *shape, float *scratch, int threads);
 
 #endif

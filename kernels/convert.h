@@ -5,8 +5,8 @@
 #include "dtype.h"
 
 /* dst [n] fp32 <- src [n] of dtype src_dt */
-void q3_to_f32_cpu(float *dst, const void *src, q3_dtype src_dt, int64_t n);
+typedef void q3_to_f32_fn(float *dst, const void *src, q3_dtype src_dt, int64_t n);
 /* dst [n] of dtype dst_dt <- src [n] fp32 (bf16: round to nearest even) */
-void q3_from_f32_cpu(void *dst, q3_dtype dst_dt, const float *src, int64_t n);
+typedef void q3_from_f32_fn(void *dst, q3_dtype dst_dt, const float *src, int64_t n);
 
 #endif

@@ -8,7 +8,7 @@
 
 /* cache [kv_heads, capacity, D] of dtype dt, rows [start, start + L) of every head
  *   <- src [L, kv_heads, D] fp32, each token's row read with stride src_stride (elements) */
-void q3_kv_write_cpu(void *cache, q3_dtype dt, const float *src, int64_t src_stride,
+typedef void q3_kv_write_fn(void *cache, q3_dtype dt, const float *src, int64_t src_stride,
                      int64_t L, int kv_heads, int D, int64_t capacity, int64_t start);
 
 #endif

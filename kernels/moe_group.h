@@ -10,7 +10,7 @@
 #include "dtype.h"
 
 /* offsets [E + 1], rows [T * k], weights [T * k] <- idx [T, k], w [T, k] */
-void q3_moe_group_cpu(int64_t *offsets, int32_t *rows, float *weights, const int32_t *idx,
+typedef void q3_moe_group_fn(int64_t *offsets, int32_t *rows, float *weights, const int32_t *idx,
                       const float *w, int64_t T, int k, int E);
 
 #endif

@@ -11,7 +11,7 @@
 #include "dtype.h"
 
 /* dst [n] of dtype dt <- mean + std * z, z ~ approximately N(0, 1) */
-void q3_fill_normal_cpu(void *dst, q3_dtype dt, int64_t n, uint64_t seed, uint64_t stream,
+typedef void q3_fill_normal_fn(void *dst, q3_dtype dt, int64_t n, uint64_t seed, uint64_t stream,
                         float mean, float std);
 
 #endif

@@ -8,7 +8,7 @@
 #include "dtype.h"
 
 /* out [rows, n] fp32 (may alias x) <- x [rows, n] fp32, w [n] of dtype w_dt */
-void q3_rmsnorm_cpu(float *out, const float *x, const void *w, q3_dtype w_dt,
+typedef void q3_rmsnorm_fn(float *out, const float *x, const void *w, q3_dtype w_dt,
                     int64_t rows, int64_t n, float eps);
 
 #endif

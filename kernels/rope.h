@@ -8,6 +8,6 @@
 #include "dtype.h"
 
 /* x [rows, heads, D] fp32, rotated in place; pos [rows] is each row's absolute position */
-void q3_rope_cpu(float *x, const int64_t *pos, int64_t rows, int heads, int D, float theta);
+typedef void q3_rope_fn(float *x, const int64_t *pos, int64_t rows, int heads, int D, float theta);
 
 #endif

@@ -7,7 +7,7 @@
 #include "dtype.h"
 
 /* idx [T, k], weight [T, k] <- logits [T, E]; experts of a token in descending probability */
-void q3_router_topk_cpu(int32_t *idx, float *weight, const float *logits, int64_t T, int E,
+typedef void q3_router_topk_fn(int32_t *idx, float *weight, const float *logits, int64_t T, int E,
                         int k, int normalize);
 
 #endif

@@ -5,6 +5,6 @@
 #include "dtype.h"
 
 /* act [n] fp32 (may alias gate or up) <- gate [n], up [n] fp32 */
-void q3_swiglu_cpu(float *act, const float *gate, const float *up, int64_t n);
+typedef void q3_swiglu_fn(float *act, const float *gate, const float *up, int64_t n);
 
 #endif

@@ -10,8 +10,16 @@ __version__ = _C.build_info()["version"]
 
 
 def build_info() -> dict:
-    """What this build contains: version, compiled backends, CPU features, threads, compiler."""
+    """What this build contains: version, compiled backends, the CPU kernel path in use and
+    those this CPU can run (lowest first), threads, compiler, default prefill chunk."""
     return _C.build_info()
 
 
-__all__ = ["LayerConfig", "DecoderLayer", "KVCache", "Tensor", "CacheFullError", "build_info"]
+def set_cpu_path(name: str) -> None:
+    """Use the CPU kernels of level `name` (one of build_info()['cpu_paths']) for the calls
+    that start from now on. The best level is chosen at import; the environment variable
+    QWEN3LAYER_CPU_PATH chooses another. For comparisons and tests."""
+    _C.set_cpu_path(name)
+
+
+__all__ = ["LayerConfig", "DecoderLayer", "KVCache", "Tensor", "CacheFullError", "build_info", "set_cpu_path"]

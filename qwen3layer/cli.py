@@ -14,31 +14,10 @@ import time
 
 from . import _C
 from .config import LayerConfig
+from .costs import decode_weight_bytes, prefill_flops
 from .layer import DecoderLayer
 
 GEOMETRIES = {"real": LayerConfig.qwen3_235b_a22b, "tiny": LayerConfig.tiny}
-
-
-def touched_weight_bytes(cfg: LayerConfig, dtype: str) -> int:
-    """Weight bytes one decode token reads: attention, router, and its top-k experts."""
-    size = 2 if dtype == "bfloat16" else 4
-    H, D = cfg.hidden_size, cfg.head_dim
-    attn = H * D * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) + 2 * D
-    norms = 2 * H
-    router = cfg.num_experts * H
-    experts = cfg.num_experts_per_tok * 3 * H * cfg.moe_intermediate_size
-    return size * (attn + norms + router + experts)
-
-
-def prefill_flops(cfg: LayerConfig, tokens: int) -> float:
-    """Matrix FLOPs of a causal prefill of `tokens` tokens (projections, router, experts,
-    attention scores and values)."""
-    H, D = cfg.hidden_size, cfg.head_dim
-    proj = 2 * tokens * H * D * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
-    router = 2 * tokens * H * cfg.num_experts
-    experts = 2 * tokens * cfg.num_experts_per_tok * 3 * H * cfg.moe_intermediate_size
-    attn = 2 * 2 * cfg.num_attention_heads * D * tokens * (tokens + 1) / 2
-    return proj + router + experts + attn
 
 
 def progress(done: int, total: int, started: float, label: str) -> None:
@@ -53,8 +32,8 @@ def progress(done: int, total: int, started: float, label: str) -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = GEOMETRIES[args.geometry]()
     info = _C.build_info()
-    print(f"qwen3layer {info['version']}: {info['threads']} threads, cpu features "
-          f"{','.join(info['cpu_features']) or 'baseline'}, {info['compiler']}")
+    print(f"qwen3layer {info['version']}: {info['threads']} threads, cpu path {info['cpu_path']} "
+          f"(of {', '.join(info['cpu_paths'])}), {info['compiler']}")
     t0 = time.perf_counter()
     print(f"building a {args.geometry}-geometry layer with random {args.dtype} weights ...", flush=True)
     layer = DecoderLayer.random(cfg, seed=args.seed, dtype=args.dtype)
@@ -87,7 +66,7 @@ def cmd_run(args: argparse.Namespace) -> int:
           f"{args.tokens / prefill_s:.1f} tok/s, {flops / prefill_s / 1e9:.1f} GFLOP/s")
     if step_ms:
         med = statistics.median(step_ms)
-        wbytes = touched_weight_bytes(cfg, args.dtype)
+        wbytes = decode_weight_bytes(cfg, args.dtype)
         print(f"decode   {args.new_tokens} steps at context {args.tokens}..{args.tokens + args.new_tokens - 1}: "
               f"median {med:.2f} ms/token (min {min(step_ms):.2f}), "
               f"{wbytes / 1e6:.1f} MB of weights per token -> {wbytes / med / 1e6:.1f} GB/s")

@@ -41,7 +41,7 @@ def test_chunked_prefill_equals_unchunked(layer, chunk):
     y_chunk = layer.prefill(x, c_chunk, chunk_size=chunk)
     assert rel(y_chunk, y_full) <= TOL
     assert rel(torch.from_dlpack(c_chunk.keys()), torch.from_dlpack(c_full.keys())) <= TOL
-    assert rel(torch.from_dlpack(c_chunk.values()), torch.from_dlpack(c_full.values())) == 0.0
+    assert rel(torch.from_dlpack(c_chunk.values()), torch.from_dlpack(c_full.values())) <= TOL
 
 
 def test_prefill_in_separate_calls_equals_one_call(layer):

@@ -7,6 +7,16 @@ import qwen3layer as q3
 from hf_reference import GEOMETRIES, converted, draw_input, hf_model, rel_err, run
 
 GEOS = sorted(GEOMETRIES)
+_PATHS = q3.build_info()["cpu_paths"]
+BEST = _PATHS[-1]
+
+
+@pytest.fixture(autouse=True, params=sorted({"portable", BEST}))
+def cpu_path(request):
+    """Every parity test runs on the portable C kernels and on the best path of this CPU."""
+    q3.set_cpu_path(request.param)
+    yield request.param
+    q3.set_cpu_path(BEST)
 
 
 @pytest.mark.parametrize("geometry", GEOS)

@@ -1,87 +1,206 @@
-/* Causal GQA attention with an online softmax over key tiles of KEY_TILE rows.
- * One work item is (sequence, KV head, query token): the KV rows of that head are read
- * once for its whole group of Hq / Hkv query heads. */
+/* Causal GQA attention, flash style, as two small register-blocked matrix products per tile
+ * of keys. One work item is (sequence, KV head, block of up to Q3_ATTN_QUERY_BLOCK query
+ * tokens); its rows r = tq * G + g are the G = Hq / Hkv query heads of each of those tokens,
+ * all reading the same KV head, so each K and V row is loaded once for all of them.
+ *   scores  S^T [j][r] = sum_i K[j][i] * Qt[i][r]   (Qt: the block's queries, transposed
+ *                                                     and pre-scaled, once per block)
+ *   softmax over j for each r, online: vectors run across rows
+ *   output  A[r][i]   += sum_j P^T[j][r] * V[j][i]   (vectors run across head dims)
+ * K and V tiles are converted to fp32 once; head_dim is padded to PAD_D in the tiles. */
 #include <math.h>
 
-#include "../attention.h"
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
-#define KEY_TILE 64
+#include "ops.h"
+#include "vec.h"
 
-/* row [D] fp32 <- cache row of dtype dt */
-static inline const float *load_row(float *tmp, const void *base, q3_dtype dt, int64_t off, int D) {
-    if (dt == Q3_F32) return (const float *)base + off;
-    const uint16_t *b = (const uint16_t *)base + off;
-#pragma omp simd
-    for (int i = 0; i < D; i++) tmp[i] = q3_bf16_to_f32(b[i]);
-    return tmp;
+#define KT Q3_ATTN_KEY_TILE
+#define LN Q3_LANES
+
+typedef struct {
+    int rows, rp, dp; /* rows, rows padded to 16, head_dim padded to 32 */
+    float *qt;        /* [D][rp] */
+    float *acc;       /* [rows][dp] */
+    float *st;        /* [KT][rp] scores, then probabilities */
+    float *m, *l;     /* [rp] running max and sum */
+    float *kt, *vt;   /* [KT][dp] key and value tiles */
+} block_scratch;
+
+static block_scratch carve(float *s, int rows, int D) {
+    block_scratch b;
+    b.rows = rows;
+    b.rp = (rows + 15) / 16 * 16;
+    b.dp = (D + 31) / 32 * 32;
+    float *p = (float *)(((uintptr_t)s + 63) & ~(uintptr_t)63);
+    b.qt = p;
+    p += (int64_t)b.dp * b.rp;
+    b.acc = p;
+    p += (int64_t)b.rp * b.dp;
+    b.st = p;
+    p += (int64_t)KT * b.rp;
+    b.m = p;
+    b.l = p + b.rp;
+    p += 2 * b.rp;
+    b.kt = p;
+    b.vt = p + (int64_t)KT * b.dp;
+    return b;
 }
 
-/* out [G, D] for the G query heads q [G, D] of one token over cache rows [0, n_keys) */
-static void attend_group(float *out, const float *q, int64_t q_head_stride, int64_t out_head_stride,
-                         const void *k, const void *v, int64_t n_keys, int G, int D,
-                         q3_dtype dt, float scale) {
-    float m[G], l[G], acc[G][D], score[G][KEY_TILE], row[D];
-    for (int g = 0; g < G; g++) {
-        m[g] = -INFINITY;
-        l[g] = 0.0f;
-        for (int i = 0; i < D; i++) acc[g][i] = 0.0f;
-    }
-    for (int64_t j0 = 0; j0 < n_keys; j0 += KEY_TILE) {
-        const int nj = (int)(n_keys - j0 < KEY_TILE ? n_keys - j0 : KEY_TILE);
-        for (int j = 0; j < nj; j++) {
-            const float *kr = load_row(row, k, dt, (j0 + j) * D, D);
-            for (int g = 0; g < G; g++) {
-                const float *qg = q + g * q_head_stride;
-                float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-                for (int i = 0; i < D; i++) s += qg[i] * kr[i];
-                score[g][j] = s * scale;
+/* kt, vt [KT][dp] <- rows [j0, j0 + nj) of the cache, fp32, zero past D and past nj */
+static void load_tile(const block_scratch *b, const void *k, const void *v, q3_dtype dt, int64_t j0,
+                      int nj, int D) {
+    for (int j = 0; j < KT; j++) {
+        float *kr = b->kt + (int64_t)j * b->dp, *vr = b->vt + (int64_t)j * b->dp;
+        if (j < nj) {
+            const int64_t off = (j0 + j) * D;
+            if (dt == Q3_BF16) {
+                const uint16_t *ks = (const uint16_t *)k + off, *vs = (const uint16_t *)v + off;
+#pragma omp simd
+                for (int i = 0; i < D; i++) {
+                    kr[i] = q3_bf16_to_f32(ks[i]);
+                    vr[i] = q3_bf16_to_f32(vs[i]);
+                }
+            } else {
+                memcpy(kr, (const float *)k + off, (size_t)D * sizeof(float));
+                memcpy(vr, (const float *)v + off, (size_t)D * sizeof(float));
             }
         }
-        for (int g = 0; g < G; g++) {
-            float mt = m[g];
-            for (int j = 0; j < nj; j++) mt = score[g][j] > mt ? score[g][j] : mt;
-            const float corr = expf(m[g] - mt);
-            float sum = 0.0f;
+        for (int i = j < nj ? D : 0; i < b->dp; i++) kr[i] = vr[i] = 0.0f;
+    }
+}
+
+/* st[j][:] = K[j] . Qt for every key of the tile: 4 keys x one row vector per step */
+static void tile_scores(const block_scratch *b, int D) {
+    for (int j = 0; j < KT; j += 4) {
+        const float *k0 = b->kt + (int64_t)j * b->dp;
+        for (int r = 0; r < b->rp; r += LN) {
+            q3_vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+            for (int i = 0; i < D; i++) {
+                const q3_vf q = q3_vload(b->qt + (int64_t)i * b->rp + r);
+                a0 += k0[i] * q;
+                a1 += k0[b->dp + i] * q;
+                a2 += k0[2 * b->dp + i] * q;
+                a3 += k0[3 * b->dp + i] * q;
+            }
+            q3_vstore(b->st + (int64_t)j * b->rp + r, a0);
+            q3_vstore(b->st + (int64_t)(j + 1) * b->rp + r, a1);
+            q3_vstore(b->st + (int64_t)(j + 2) * b->rp + r, a2);
+            q3_vstore(b->st + (int64_t)(j + 3) * b->rp + r, a3);
+        }
+    }
+}
+
+/* online softmax over the tile, vectors across rows; row r sees keys < first + r / G - j0.
+ * Leaves probabilities in st and the accumulator rescale factors in corr [rp]. */
+static void tile_softmax(const block_scratch *b, float *corr, int G, int64_t first, int64_t j0) {
+    for (int r0 = 0; r0 < b->rp; r0 += LN) {
+        q3_vf visible;
+        for (int i = 0; i < LN; i++) visible[i] = (float)(first + (r0 + i) / G - j0);
+        q3_vf mt = q3_vload(b->m + r0);
+        for (int j = 0; j < KT; j++) {
+            const q3_vf s = q3_vload(b->st + (int64_t)j * b->rp + r0);
+            mt = q3_vsel((float)j < visible, q3_vmax(mt, s), mt);
+        }
+        const q3_vf m_old = q3_vload(b->m + r0);
+        q3_vf sum = {0};
+        for (int j = 0; j < KT; j++) {
+            float *sj = b->st + (int64_t)j * b->rp + r0;
+            const q3_vf p = q3_vsel((float)j < visible, q3_vexp_v(q3_vload(sj) - mt), (q3_vf){0});
+            q3_vstore(sj, p);
+            sum += p;
+        }
+        const q3_vf c = q3_vsel(m_old == mt, q3_vsplat(1.0f), q3_vexp_v(m_old - mt));
+        q3_vstore(corr + r0, c);
+        q3_vstore(b->l + r0, q3_vload(b->l + r0) * c + sum);
+        q3_vstore(b->m + r0, mt);
+    }
+}
+
+/* acc[r][:] = acc[r][:] * corr[r] + sum_j st[j][r] * vt[j][:]: 2 rows x 2 vectors of dims */
+static void tile_values(const block_scratch *b, const float *corr, int nj) {
+    for (int r = 0; r < b->rows; r += 2) {
+        const int two = r + 1 < b->rows;
+        for (int i = 0; i < b->dp; i += 2 * LN) {
+            float *a0p = b->acc + (int64_t)r * b->dp + i, *a1p = a0p + b->dp;
+            q3_vf a00 = q3_vload(a0p) * corr[r], a01 = q3_vload(a0p + LN) * corr[r];
+            q3_vf a10 = {0}, a11 = {0};
+            if (two) {
+                a10 = q3_vload(a1p) * corr[r + 1];
+                a11 = q3_vload(a1p + LN) * corr[r + 1];
+            }
             for (int j = 0; j < nj; j++) {
-                score[g][j] = expf(score[g][j] - mt);
-                sum += score[g][j];
+                const float *vj = b->vt + (int64_t)j * b->dp + i;
+                const q3_vf v0 = q3_vload(vj), v1 = q3_vload(vj + LN);
+                const float p0 = b->st[(int64_t)j * b->rp + r], p1 = b->st[(int64_t)j * b->rp + r + two];
+                a00 += p0 * v0;
+                a01 += p0 * v1;
+                a10 += p1 * v0;
+                a11 += p1 * v1;
             }
-            l[g] = l[g] * corr + sum;
-            m[g] = mt;
-            for (int i = 0; i < D; i++) acc[g][i] *= corr;
-        }
-        for (int j = 0; j < nj; j++) {
-            const float *vr = load_row(row, v, dt, (j0 + j) * D, D);
-            for (int g = 0; g < G; g++) {
-                const float p = score[g][j];
-#pragma omp simd
-                for (int i = 0; i < D; i++) acc[g][i] += p * vr[i];
+            q3_vstore(a0p, a00);
+            q3_vstore(a0p + LN, a01);
+            if (two) {
+                q3_vstore(a1p, a10);
+                q3_vstore(a1p + LN, a11);
             }
         }
-    }
-    for (int g = 0; g < G; g++) {
-        const float inv = 1.0f / l[g];
-        for (int i = 0; i < D; i++) out[g * out_head_stride + i] = acc[g][i] * inv;
     }
 }
 
-void q3_attention_cpu(float *out, const float *q, const q3_attn_seq *seqs, int n_seqs,
-                      const q3_attn_shape *sh) {
+/* Rows r = tq * G + g: query q + tq * ld + g * D sees keys [0, first + tq). */
+static void attend_block(float *out, const float *q, int64_t ld, int nq, int G, int D, int64_t first,
+                         const void *k, const void *v, q3_dtype dt, float scale, float *scratch) {
+    const block_scratch b = carve(scratch, nq * G, D);
+    float corr[b.rp];
+    for (int i = 0; i < D; i++)
+        for (int r = 0; r < b.rp; r++)
+            b.qt[(int64_t)i * b.rp + r] = r < b.rows ? q[(r / G) * ld + (int64_t)(r % G) * D + i] * scale : 0.0f;
+    for (int r = 0; r < b.rp; r++) {
+        b.m[r] = -INFINITY;
+        b.l[r] = 0.0f;
+    }
+    memset(b.acc, 0, (size_t)b.rp * b.dp * sizeof(float));
+    const int64_t n_keys = first + nq - 1;
+    for (int64_t j0 = 0; j0 < n_keys; j0 += KT) {
+        const int nj = (int)(n_keys - j0 < KT ? n_keys - j0 : KT);
+        load_tile(&b, k, v, dt, j0, nj, D);
+        tile_scores(&b, D);
+        tile_softmax(&b, corr, G, first, j0);
+        tile_values(&b, corr, nj);
+    }
+    for (int r = 0; r < b.rows; r++) {
+        const float inv = 1.0f / b.l[r];
+        float *o = out + (r / G) * ld + (int64_t)(r % G) * D;
+        for (int i = 0; i < D; i++) o[i] = b.acc[(int64_t)r * b.dp + i] * inv;
+    }
+}
+
+void Q3_CPU_FN(q3_attention)(float *out, const float *q, const q3_attn_seq *seqs, int n_seqs,
+                             const q3_attn_shape *sh, float *scratch, int threads) {
     const int Hq = sh->heads, Hkv = sh->kv_heads, D = sh->head_dim, G = Hq / Hkv;
-    const int64_t L = sh->L, row = (int64_t)Hq * D;
+    const int64_t L = sh->L, ld = (int64_t)Hq * D;
+    const int64_t blocks = (L + Q3_ATTN_QUERY_BLOCK - 1) / Q3_ATTN_QUERY_BLOCK;
+    const int64_t items = (int64_t)n_seqs * Hkv * blocks, per_thread = q3_attention_scratch_floats(sh);
     const size_t es = q3_dtype_size(sh->kv_dtype);
-    const int64_t items = (int64_t)n_seqs * Hkv * L;
-#pragma omp parallel for schedule(dynamic, 1) if (items > 1)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (items > 1)
     for (int64_t it = 0; it < items; it++) {
-        const int64_t t = it % L;
-        const int h = (int)((it / L) % Hkv);
-        const int s = (int)(it / (L * Hkv));
-        const q3_attn_seq *sq = &seqs[s];
+        /* last query blocks first: they see the most keys */
+        const int64_t b = blocks - 1 - it % blocks;
+        const int h = (int)((it / blocks) % Hkv);
+        const int s = (int)(it / (blocks * Hkv));
+        const int64_t t0 = b * Q3_ATTN_QUERY_BLOCK;
+        const int nq = (int)(L - t0 < Q3_ATTN_QUERY_BLOCK ? L - t0 : Q3_ATTN_QUERY_BLOCK);
         const int64_t head_off = (int64_t)h * sh->capacity * D * (int64_t)es;
-        const int64_t tok = (int64_t)s * L + t;
-        attend_group(out + tok * row + (int64_t)h * G * D, q + tok * row + (int64_t)h * G * D, D, D,
-                     (const char *)sq->k + head_off, (const char *)sq->v + head_off,
-                     sq->n_past + t + 1, G, D, sh->kv_dtype, sh->scale);
+        const int64_t row0 = ((int64_t)s * L + t0) * ld + (int64_t)h * G * D;
+#ifdef _OPENMP
+        float *mine = scratch + omp_get_thread_num() * per_thread;
+#else
+        float *mine = scratch;
+#endif
+        attend_block(out + row0, q + row0, ld, nq, G, D, seqs[s].n_past + t0 + 1,
+                     (const char *)seqs[s].k + head_off, (const char *)seqs[s].v + head_off,
+                     sh->kv_dtype, sh->scale, mine);
     }
 }

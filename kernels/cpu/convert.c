@@ -1,7 +1,7 @@
 /* fp32 <-> storage dtype conversion, contiguous, threaded over elements. */
-#include "../convert.h"
+#include "ops.h"
 
-void q3_to_f32_cpu(float *dst, const void *src, q3_dtype src_dt, int64_t n) {
+void Q3_CPU_FN(q3_to_f32)(float *dst, const void *src, q3_dtype src_dt, int64_t n) {
     if (src_dt == Q3_F32) {
         if ((const void *)dst != src) memcpy(dst, src, (size_t)n * sizeof(float));
         return;
@@ -11,7 +11,7 @@ void q3_to_f32_cpu(float *dst, const void *src, q3_dtype src_dt, int64_t n) {
     for (int64_t i = 0; i < n; i++) dst[i] = q3_bf16_to_f32(s[i]);
 }
 
-void q3_from_f32_cpu(void *dst, q3_dtype dst_dt, const float *src, int64_t n) {
+void Q3_CPU_FN(q3_from_f32)(void *dst, q3_dtype dst_dt, const float *src, int64_t n) {
     if (dst_dt == Q3_F32) {
         if (dst != (const void *)src) memcpy(dst, src, (size_t)n * sizeof(float));
         return;

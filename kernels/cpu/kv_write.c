@@ -1,7 +1,7 @@
 /* KV-cache append with conversion to the cache's storage dtype. */
-#include "../kv_write.h"
+#include "ops.h"
 
-void q3_kv_write_cpu(void *cache, q3_dtype dt, const float *src, int64_t src_stride,
+void Q3_CPU_FN(q3_kv_write)(void *cache, q3_dtype dt, const float *src, int64_t src_stride,
                      int64_t L, int kv_heads, int D, int64_t capacity, int64_t start) {
     for (int h = 0; h < kv_heads; h++) {
         for (int64_t t = 0; t < L; t++) {

@@ -1,4 +1,5 @@
-/* y [T, N] = x [T, K] W^T with W [N, K] in fp32 or bf16.
+/* y [T, N] = x [T, K] W^T with W [N, K] in fp32 or bf16: the generic kernel, in C that
+ * the compiler vectorises for each variant; the AVX-512 variant adds matmul_avx512.c.
  *
  * Register tiles of 4 tokens x 4 weight rows: each step over k loads 4 x values and
  * 4 weights and does 16 multiply-adds, so a weight row fetched from memory is used
@@ -6,7 +7,7 @@
  * x rows of a block stay in L2 while the threads sweep the weight rows. Threads
  * split the weight rows: each weight byte is read by one thread once per token block
  * (once per call when T <= TOKEN_BLOCK, as in decode). */
-#include "../matmul.h"
+#include "ops.h"
 
 #define TOKEN_BLOCK 64
 #define ROW_TILE 4
@@ -72,8 +73,9 @@
 DEFINE_TILES(f32, float, W_F32)
 DEFINE_TILES(bf16, uint16_t, W_BF16)
 
-void q3_matmul_cpu(float *y, const float *x, const void *w, q3_dtype w_dt,
-                   int64_t T, int64_t N, int64_t K, int accumulate) {
+void Q3_CPU_FN(q3_matmul_generic)(float *y, const float *x, const void *w, q3_dtype w_dt,
+                                  int64_t T, int64_t N, int64_t K, int accumulate, uint16_t *xb) {
+    (void)xb; /* x stays fp32 */
     const int64_t row_tiles = (N + ROW_TILE - 1) / ROW_TILE;
 #pragma omp parallel if (T * N * K > (1 << 18))
     for (int64_t t0 = 0; t0 < T; t0 += TOKEN_BLOCK) {
@@ -89,3 +91,10 @@ void q3_matmul_cpu(float *y, const float *x, const void *w, q3_dtype w_dt,
         }
     }
 }
+
+#if !defined(__AVX512F__)
+void Q3_CPU_FN(q3_matmul)(float *y, const float *x, const void *w, q3_dtype w_dt, int64_t T,
+                          int64_t N, int64_t K, int accumulate, uint16_t *xb) {
+    Q3_CPU_FN(q3_matmul_generic)(y, x, w, w_dt, T, N, K, accumulate, xb);
+}
+#endif

@@ -1,7 +1,7 @@
 /* Stable counting sort of routing pairs by expert; serial (T * k pairs, cheap). */
-#include "../moe_group.h"
+#include "ops.h"
 
-void q3_moe_group_cpu(int64_t *offsets, int32_t *rows, float *weights, const int32_t *idx,
+void Q3_CPU_FN(q3_moe_group)(int64_t *offsets, int32_t *rows, float *weights, const int32_t *idx,
                       const float *w, int64_t T, int k, int E) {
     for (int e = 0; e <= E; e++) offsets[e] = 0;
     for (int64_t i = 0; i < T * k; i++) offsets[idx[i] + 1]++;

@@ -1,7 +1,7 @@
 /* Counter-based generator: a 64-bit mix of (key, index) gives four 16-bit uniforms whose
  * sum, centred and scaled, approximates a standard normal. Integer-only until the last
  * step, so the loop vectorises. */
-#include "../random.h"
+#include "ops.h"
 
 static inline uint64_t mix64(uint64_t z) {
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
@@ -17,7 +17,7 @@ static inline float approx_normal(uint64_t key, uint64_t i) {
     return ((float)s * (1.0f / 65536.0f) - 2.0f) * 1.7320508075688772f;
 }
 
-void q3_fill_normal_cpu(void *dst, q3_dtype dt, int64_t n, uint64_t seed, uint64_t stream,
+void Q3_CPU_FN(q3_fill_normal)(void *dst, q3_dtype dt, int64_t n, uint64_t seed, uint64_t stream,
                         float mean, float std) {
     const uint64_t key = mix64(seed * 0x632be59bd9b4e019ull + mix64(stream + 1));
     if (dt == Q3_BF16) {

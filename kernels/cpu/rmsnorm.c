@@ -1,7 +1,7 @@
 /* RMSNorm, one row per iteration; rows split across threads. */
 #include <math.h>
 
-#include "../rmsnorm.h"
+#include "ops.h"
 
 static void rmsnorm_row(float *out, const float *x, const void *w, q3_dtype w_dt,
                         int64_t n, float eps) {
@@ -20,7 +20,7 @@ static void rmsnorm_row(float *out, const float *x, const void *w, q3_dtype w_dt
     }
 }
 
-void q3_rmsnorm_cpu(float *out, const float *x, const void *w, q3_dtype w_dt,
+void Q3_CPU_FN(q3_rmsnorm)(float *out, const float *x, const void *w, q3_dtype w_dt,
                     int64_t rows, int64_t n, float eps) {
 #pragma omp parallel for schedule(static) if (rows * n > 8192)
     for (int64_t r = 0; r < rows; r++) rmsnorm_row(out + r * n, x + r * n, w, w_dt, n, eps);

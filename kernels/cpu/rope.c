@@ -1,9 +1,9 @@
 /* RoPE in place; cos/sin computed once per row and applied to all of its heads. */
 #include <math.h>
 
-#include "../rope.h"
+#include "ops.h"
 
-void q3_rope_cpu(float *x, const int64_t *pos, int64_t rows, int heads, int D, float theta) {
+void Q3_CPU_FN(q3_rope)(float *x, const int64_t *pos, int64_t rows, int heads, int D, float theta) {
     const int half = D / 2;
     float inv_freq[half];
     /* same fp32 expression as transformers: 1 / theta ** (arange(0, D, 2) / D) */

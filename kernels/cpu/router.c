@@ -1,7 +1,7 @@
 /* Router: softmax + top-k selection + renormalisation, one token per iteration. */
 #include <math.h>
 
-#include "../router.h"
+#include "ops.h"
 
 static void route_token(int32_t *idx, float *w, const float *logit, int E, int k, int normalize) {
     float mx = logit[0];
@@ -32,7 +32,7 @@ static void route_token(int32_t *idx, float *w, const float *logit, int E, int k
         for (int j = 0; j < k; j++) w[j] /= sel;
 }
 
-void q3_router_topk_cpu(int32_t *idx, float *weight, const float *logits, int64_t T, int E,
+void Q3_CPU_FN(q3_router_topk)(int32_t *idx, float *weight, const float *logits, int64_t T, int E,
                         int k, int normalize) {
 #pragma omp parallel for schedule(static) if (T > 16)
     for (int64_t t = 0; t < T; t++)

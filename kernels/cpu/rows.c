@@ -1,13 +1,13 @@
 /* Gather rows into an expert's group, scatter-add weighted rows back. Rows of one call to
  * scatter_add are distinct (a token picks an expert at most once), so rows run in parallel. */
-#include "../rows.h"
+#include "ops.h"
 
-void q3_gather_rows_cpu(float *dst, const float *src, const int32_t *rows, int64_t n, int64_t H) {
+void Q3_CPU_FN(q3_gather_rows)(float *dst, const float *src, const int32_t *rows, int64_t n, int64_t H) {
 #pragma omp parallel for schedule(static) if (n * H > (1 << 16))
     for (int64_t i = 0; i < n; i++) memcpy(dst + i * H, src + (int64_t)rows[i] * H, (size_t)H * sizeof(float));
 }
 
-void q3_scatter_add_rows_cpu(float *dst, const float *src, const int32_t *rows,
+void Q3_CPU_FN(q3_scatter_add_rows)(float *dst, const float *src, const int32_t *rows,
                              const float *scale, int64_t n, int64_t H) {
 #pragma omp parallel for schedule(static) if (n * H > (1 << 16))
     for (int64_t i = 0; i < n; i++) {

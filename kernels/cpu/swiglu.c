@@ -1,12 +1,19 @@
-/* SiLU(gate) * up, elementwise. */
-#include <math.h>
+/* SiLU(gate) * up, elementwise, in the variant's vector width (the exp of vec.h). */
+#include "ops.h"
+#include "vec.h"
 
-#include "../swiglu.h"
+static inline q3_vf swiglu_v(q3_vf g, q3_vf u) { return g / (1.0f + q3_vexp_v(-g)) * u; }
 
-void q3_swiglu_cpu(float *act, const float *gate, const float *up, int64_t n) {
-#pragma omp parallel for simd schedule(static) if (n > (1 << 16))
-    for (int64_t i = 0; i < n; i++) {
-        const float g = gate[i];
-        act[i] = g / (1.0f + expf(-g)) * up[i];
+void Q3_CPU_FN(q3_swiglu)(float *act, const float *gate, const float *up, int64_t n) {
+    const int64_t full = n / Q3_LANES * Q3_LANES;
+#pragma omp parallel for schedule(static) if (n > (1 << 16))
+    for (int64_t i = 0; i < full; i += Q3_LANES)
+        q3_vstore(act + i, swiglu_v(q3_vload(gate + i), q3_vload(up + i)));
+    if (full < n) {
+        float g[Q3_LANES] = {0}, u[Q3_LANES] = {0}, a[Q3_LANES];
+        memcpy(g, gate + full, (size_t)(n - full) * sizeof(float));
+        memcpy(u, up + full, (size_t)(n - full) * sizeof(float));
+        q3_vstore(a, swiglu_v(q3_vload(g), q3_vload(u)));
+        memcpy(act + full, a, (size_t)(n - full) * sizeof(float));
     }
 }

@@ -1,0 +1,123 @@
+/* CPU path selection: the levels this build compiled, which of them this CPU (and OS) can
+ * run, and the one in use. Levels, lowest first: portable (the baseline C), avx2 (with FMA),
+ * avx512 (F, BW, VL, DQ), avx512bf16 (+ bf16 dot products), amx (+ AMX-BF16 tiles, granted
+ * by the kernel on request). The best available level is the default. */
+#include <string.h>
+
+#if defined(__x86_64__)
+#include <cpuid.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#endif
+
+#include "cpu_dispatch.h"
+
+typedef struct {
+    const char *name;
+    const q3_cpu_ops *ops;
+    q3_cpu_ops with_matmul; /* for the levels that only swap the matmul */
+} level;
+
+static level levels[5];
+static int n_levels;      /* compiled levels, lowest first */
+static const q3_cpu_ops *active;
+static const char *active_name;
+
+#if defined(__x86_64__)
+static int cpuid_bit(unsigned leaf, unsigned sub, int reg, int bit) {
+    unsigned r[4] = {0};
+    if (!__get_cpuid_count(leaf, sub, &r[0], &r[1], &r[2], &r[3])) return 0;
+    return (r[reg] >> bit) & 1;
+}
+
+/* Linux hands out the AMX tile state only to processes that ask (5.16 and later) */
+static int amx_granted(void) {
+#if defined(__linux__) && defined(SYS_arch_prctl)
+    const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+#else
+    return 0;
+#endif
+}
+#endif
+
+static int supported(const char *name) {
+    if (!strcmp(name, "portable")) return 1;
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    const int avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    const int bf16 = avx512 && cpuid_bit(7, 1, 0, 5); /* leaf 7.1 EAX bit 5: AVX512_BF16 */
+    if (!strcmp(name, "avx2")) return avx2;
+    if (!strcmp(name, "avx512")) return avx512;
+    if (!strcmp(name, "avx512bf16")) return bf16;
+    if (!strcmp(name, "amx")) /* leaf 7.0 EDX bit 22: AMX-BF16, bit 24: AMX-TILE */
+        return bf16 && cpuid_bit(7, 0, 3, 22) && cpuid_bit(7, 0, 3, 24) && amx_granted();
+#endif
+    return 0;
+}
+
+static void init_levels(void) {
+    if (n_levels) return;
+    levels[n_levels++] = (level){"portable", &q3_ops_cpu_portable, {0}};
+#if defined(__x86_64__)
+    levels[n_levels++] = (level){"avx2", &q3_ops_cpu_avx2, {0}};
+    levels[n_levels++] = (level){"avx512", &q3_ops_cpu_avx512, {0}};
+    q3_cpu_ops bf16 = q3_ops_cpu_avx512, amx = q3_ops_cpu_avx512;
+    bf16.name = "avx512bf16";
+    bf16.matmul = q3_matmul_cpu_avx512bf16;
+    amx.name = "amx";
+    amx.matmul = q3_matmul_cpu_amx;
+    levels[n_levels] = (level){"avx512bf16", NULL, bf16};
+    levels[n_levels].ops = &levels[n_levels].with_matmul;
+    n_levels++;
+    levels[n_levels] = (level){"amx", NULL, amx};
+    levels[n_levels].ops = &levels[n_levels].with_matmul;
+    n_levels++;
+#endif
+}
+
+int q3_cpu_paths(const char **names, int max) {
+    init_levels();
+    int n = 0;
+    for (int i = 0; i < n_levels && n < max; i++)
+        if (supported(levels[i].name)) names[n++] = levels[i].name;
+    return n;
+}
+
+q3_status q3_cpu_select(const char *name, q3_error *err) {
+    init_levels();
+    const char *avail[8];
+    const int n = q3_cpu_paths(avail, 8);
+    if (!name || !*name) name = avail[n - 1];
+    for (int i = 0; i < n_levels; i++) {
+        if (strcmp(levels[i].name, name)) continue;
+        if (!supported(name)) {
+            char list[96] = "";
+            for (int j = 0; j < n; j++) {
+                strncat(list, avail[j], sizeof list - strlen(list) - 1);
+                if (j + 1 < n) strncat(list, ", ", sizeof list - strlen(list) - 1);
+            }
+            return q3_fail(err, Q3_ERR_VALUE, "cpu path: '%s' is compiled but this CPU cannot run it "
+                           "(available: %s)", name, list);
+        }
+        active = levels[i].ops;
+        active_name = levels[i].name;
+        return Q3_OK;
+    }
+    return q3_fail(err, Q3_ERR_VALUE, "cpu path: expected one of portable, avx2, avx512, avx512bf16, amx "
+                   "(as this build and CPU allow), got '%s'", name);
+}
+
+const char *q3_cpu_path(void) {
+    if (!active) q3_cpu_select(NULL, NULL);
+    return active_name;
+}
+
+const q3_cpu_ops *q3_cpu_ops_active(void) {
+    if (!active) q3_cpu_select(NULL, NULL);
+    return active;
+}

@@ -1,0 +1,17 @@
+/* Each C file of kernels/cpu/ is compiled once per instruction set (setup.py: "portable" for
+ * the architecture's baseline, and on x86-64 "avx2" with FMA and "avx512"). Q3_ISA names
+ * the variant being compiled; Q3_CPU_FN(q3_op) names a definition for it: q3_op_cpu_avx2. */
+#ifndef Q3_KERNELS_CPU_ISA_H
+#define Q3_KERNELS_CPU_ISA_H
+
+#ifndef Q3_ISA
+#define Q3_ISA portable
+#endif
+#define Q3_STR_(x) #x
+#define Q3_STR(x) Q3_STR_(x)
+#define Q3_ISA_NAME Q3_STR(Q3_ISA)
+#define Q3_CPU_CAT_(name, isa) name##_cpu_##isa
+#define Q3_CPU_CAT(name, isa) Q3_CPU_CAT_(name, isa)
+#define Q3_CPU_FN(name) Q3_CPU_CAT(name, Q3_ISA)
+
+#endif

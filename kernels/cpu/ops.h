@@ -1,0 +1,66 @@
+/* The CPU kernels as a table of functions, one table per instruction-set level; the engine
+ * picks a table once (csrc/cpu_dispatch.c) and calls every kernel through it. */
+#ifndef Q3_KERNELS_CPU_OPS_H
+#define Q3_KERNELS_CPU_OPS_H
+
+#include "../attention.h"
+#include "../convert.h"
+#include "../kv_write.h"
+#include "../matmul.h"
+#include "../moe_group.h"
+#include "../probe.h"
+#include "../random.h"
+#include "../rmsnorm.h"
+#include "../rope.h"
+#include "../router.h"
+#include "../rows.h"
+#include "../swiglu.h"
+#include "isa.h"
+
+typedef struct {
+    const char *name; /* "portable", "avx2", "avx512", "avx512bf16", "amx" */
+    q3_matmul_fn *matmul;
+    q3_rmsnorm_fn *rmsnorm;
+    q3_rope_fn *rope;
+    q3_kv_write_fn *kv_write;
+    q3_attention_fn *attention;
+    q3_router_topk_fn *router_topk;
+    q3_moe_group_fn *moe_group;
+    q3_gather_rows_fn *gather_rows;
+    q3_scatter_add_rows_fn *scatter_add_rows;
+    q3_swiglu_fn *swiglu;
+    q3_to_f32_fn *to_f32;
+    q3_from_f32_fn *from_f32;
+    q3_fill_normal_fn *fill_normal;
+    q3_probe_read_fn *probe_read;
+    q3_probe_fma_fn *probe_fma;
+} q3_cpu_ops;
+
+/* the kernels of one compiled variant */
+#define Q3_CPU_DECLARE(isa)                                                          \
+    q3_matmul_fn q3_matmul_cpu_##isa, q3_matmul_generic_cpu_##isa;                   \
+    q3_rmsnorm_fn q3_rmsnorm_cpu_##isa;                                              \
+    q3_rope_fn q3_rope_cpu_##isa;                                                    \
+    q3_kv_write_fn q3_kv_write_cpu_##isa;                                            \
+    q3_attention_fn q3_attention_cpu_##isa;                                          \
+    q3_router_topk_fn q3_router_topk_cpu_##isa;                                      \
+    q3_moe_group_fn q3_moe_group_cpu_##isa;                                          \
+    q3_gather_rows_fn q3_gather_rows_cpu_##isa;                                      \
+    q3_scatter_add_rows_fn q3_scatter_add_rows_cpu_##isa;                            \
+    q3_swiglu_fn q3_swiglu_cpu_##isa;                                                \
+    q3_to_f32_fn q3_to_f32_cpu_##isa;                                                \
+    q3_from_f32_fn q3_from_f32_cpu_##isa;                                            \
+    q3_fill_normal_fn q3_fill_normal_cpu_##isa;                                      \
+    q3_probe_read_fn q3_probe_read_cpu_##isa;                                        \
+    q3_probe_fma_fn q3_probe_fma_cpu_##isa;                                          \
+    extern const q3_cpu_ops q3_ops_cpu_##isa;
+
+Q3_CPU_DECLARE(portable)
+#if defined(__x86_64__)
+Q3_CPU_DECLARE(avx2)
+Q3_CPU_DECLARE(avx512)
+/* levels above avx512 differ only in their matmul (kernels/cpu/matmul_avx512.c) */
+q3_matmul_fn q3_matmul_cpu_avx512bf16, q3_matmul_cpu_amx;
+#endif
+
+#endif
