@@ -1,14 +1,98 @@
 /* The MoE half of the layer for one pass of R rows:
  *   h = rmsnorm(x); router softmax/top-k; pairs grouped by expert; for each expert with
  *   tokens: gather its rows, (silu(h G^T) * h U^T) D^T, scatter-add w * y into x.
- * Each selected expert's weights are read once per pass, whatever its token count. */
+ * Each selected expert's weights are read once per pass, whatever its token count.
+ *
+ * Many rows (prefill): experts one after the other, each product split across threads.
+ * Few rows (decode): whole experts split across threads, each thread streaming its experts'
+ * weights back to back with no barrier between them. Each expert writes its weighted rows
+ * to the (token, expert) pair slots, which are then summed into x in expert order: the
+ * result does not depend on which thread ran which expert, nor on the thread count. */
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 #include "layer_internal.h"
+
+typedef struct {
+    float *xe, *gate, *up; /* [n, H], [n, I], [n, I] */
+} expert_buffers;
+
+/* out [n, H] <- expert e applied to rows xe [n, H] (gate, up, SiLU * up, down) */
+static void expert_apply(const q3_cpu_ops *k, const q3_layer *layer, int e, int64_t n, float *out,
+                         const expert_buffers *b, uint16_t *xb) {
+    const q3_weights *w = &layer->w;
+    const int64_t H = layer->cfg.hidden, I = layer->cfg.moe_inter;
+    k->matmul(b->gate, b->xe, w->experts[Q3_X_GATE][e], w->dtype, n, I, H, 0, xb);
+    k->matmul(b->up, b->xe, w->experts[Q3_X_UP][e], w->dtype, n, I, H, 0, xb);
+    k->swiglu(b->gate, b->gate, b->up, n * I);
+    k->matmul(out, b->gate, w->experts[Q3_X_DOWN][e], w->dtype, n, H, I, 0, xb);
+}
+
+static void experts_in_turn(q3_layer *layer, const q3_cpu_ops *k) {
+    q3_workspace *ws = &layer->ws;
+    const int64_t H = layer->cfg.hidden;
+    const expert_buffers b = {ws->xe, ws->gate, ws->up};
+    for (int e = 0; e < layer->cfg.experts; e++) {
+        const int64_t first = ws->offsets[e], n = ws->offsets[e + 1] - first;
+        if (n == 0) continue;
+        k->gather_rows(ws->xe, ws->h, ws->pair_row + first, n, H);
+        expert_apply(k, layer, e, n, ws->ye, &b, ws->xb);
+        k->scatter_add_rows(ws->x, ws->ye, ws->pair_row + first, ws->pair_w + first, n, H);
+    }
+}
+
+/* pair_out[s] <- weight[s] * expert(h[pair_row[s]]) for the slots s of expert e */
+static void expert_to_slots(const q3_cpu_ops *k, const q3_layer *layer, int e, const expert_buffers *b) {
+    const q3_workspace *ws = &layer->ws;
+    const int64_t H = layer->cfg.hidden;
+    const int64_t first = ws->offsets[e], n = ws->offsets[e + 1] - first;
+    float *out = ws->pair_out + first * H;
+    k->gather_rows(b->xe, ws->h, ws->pair_row + first, n, H);
+    expert_apply(k, layer, e, n, out, b, NULL);
+    for (int64_t i = 0; i < n; i++) {
+        const float wt = ws->pair_w[first + i];
+#pragma omp simd
+        for (int64_t j = 0; j < H; j++) out[i * H + j] *= wt;
+    }
+}
+
+static void experts_across_threads(q3_layer *layer, const q3_cpu_ops *k, int64_t R) {
+    q3_workspace *ws = &layer->ws;
+    const int64_t H = layer->cfg.hidden, I = layer->cfg.moe_inter, per = q3_expert_thread_floats(&layer->cfg);
+    const int64_t pairs = R * layer->cfg.top_k, rows = Q3_MOE_THREAD_ROWS;
+    int active[layer->cfg.experts], n_active = 0;
+    for (int e = 0; e < layer->cfg.experts; e++)
+        if (ws->offsets[e + 1] > ws->offsets[e]) active[n_active++] = e;
+#pragma omp parallel num_threads(ws->threads)
+    {
+#ifdef _OPENMP
+        float *base = ws->expert_thread + omp_get_thread_num() * per;
+#else
+        float *base = ws->expert_thread;
+#endif
+        const expert_buffers b = {base, base + rows * H, base + rows * (H + I)};
+#pragma omp for schedule(dynamic, 1)
+        for (int a = 0; a < n_active; a++) expert_to_slots(k, layer, active[a], &b);
+        /* x[t] += its slots, in slot (= expert) order; threads split the hidden dim */
+#pragma omp for schedule(static)
+        for (int64_t j0 = 0; j0 < H; j0 += 256) {
+            const int64_t j1 = j0 + 256 < H ? j0 + 256 : H;
+            for (int64_t s = 0; s < pairs; s++) {
+                float *dst = ws->x + ws->pair_row[s] * H;
+                const float *src = ws->pair_out + s * H;
+#pragma omp simd
+                for (int64_t j = j0; j < j1; j++) dst[j] += src[j];
+            }
+        }
+    }
+}
 
 void q3_moe_block(q3_layer *layer, const q3_pass *p) {
     const q3_config *c = &layer->cfg;
     const q3_weights *w = &layer->w;
     q3_workspace *ws = &layer->ws;
-    const int64_t H = c->hidden, I = c->moe_inter;
+    const int64_t H = c->hidden;
     const int E = c->experts, top_k = c->top_k;
     const int64_t R = p->n_seqs * p->L;
     const q3_cpu_ops *k = p->k;
@@ -18,16 +102,6 @@ void q3_moe_block(q3_layer *layer, const q3_pass *p) {
     k->matmul(ws->logits, ws->h, w->dense[Q3_W_ROUTER], w->dtype, R, E, H, 0, NULL);
     k->router_topk(ws->topk_idx, ws->topk_w, ws->logits, R, E, top_k, c->norm_topk);
     k->moe_group(ws->offsets, ws->pair_row, ws->pair_w, ws->topk_idx, ws->topk_w, R, top_k, E);
-
-    for (int e = 0; e < E; e++) {
-        const int64_t first = ws->offsets[e], n = ws->offsets[e + 1] - first;
-        if (n == 0) continue;
-        const int32_t *rows = ws->pair_row + first;
-        k->gather_rows(ws->xe, ws->h, rows, n, H);
-        k->matmul(ws->gate, ws->xe, w->experts[Q3_X_GATE][e], w->dtype, n, I, H, 0, ws->xb);
-        k->matmul(ws->up, ws->xe, w->experts[Q3_X_UP][e], w->dtype, n, I, H, 0, ws->xb);
-        k->swiglu(ws->gate, ws->gate, ws->up, n * I);
-        k->matmul(ws->ye, ws->gate, w->experts[Q3_X_DOWN][e], w->dtype, n, H, I, 0, ws->xb);
-        k->scatter_add_rows(ws->x, ws->ye, rows, ws->pair_w + first, n, H);
-    }
+    if (R <= Q3_MOE_THREAD_ROWS && ws->threads > 1) experts_across_threads(layer, k, R);
+    else experts_in_turn(layer, k);
 }

@@ -34,6 +34,8 @@ static size_t layout(q3_workspace *w, char *base, const q3_config *c, int64_t R,
     CARVE(xb, uint16_t, q3_matmul_scratch_elems(R, max_k));
     const q3_attn_shape shape = {.heads = c->heads, .kv_heads = c->kv_heads, .head_dim = c->head_dim};
     CARVE(attn_scratch, float, threads * q3_attention_scratch_floats(&shape));
+    CARVE(expert_thread, float, threads * q3_expert_thread_floats(c));
+    CARVE(pair_out, float, (int64_t)Q3_MOE_THREAD_ROWS * c->top_k * H);
     CARVE(attn_seqs, q3_attn_seq, S);
 #undef CARVE
     return off;

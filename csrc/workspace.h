@@ -32,8 +32,18 @@ typedef struct {
     int64_t *pos;      /* [R] absolute positions */
     uint16_t *xb;      /* bf16 activations for the matmuls (kernels/matmul.h) */
     float *attn_scratch; /* [threads] x q3_attention_scratch_floats */
+    float *expert_thread; /* [threads] x q3_expert_thread_floats: decode's experts per thread */
+    float *pair_out;      /* [Q3_MOE_THREAD_ROWS * k, H] decode's weighted expert outputs, by pair */
     q3_attn_seq *attn_seqs; /* [seqs] */
 } q3_workspace;
+
+/* Calls of at most this many rows run whole experts per thread (csrc/moe_block.c). */
+#define Q3_MOE_THREAD_ROWS 15
+
+/* one thread's buffers for that: the expert's inputs, gate and up activations */
+static inline int64_t q3_expert_thread_floats(const q3_config *c) {
+    return ((int64_t)Q3_MOE_THREAD_ROWS * (c->hidden + 2 * c->moe_inter) + 15) / 16 * 16;
+}
 
 /* Makes room for `rows` rows and `seqs` sequences; keeps the old block on failure. */
 q3_status q3_workspace_reserve(q3_workspace *ws, const q3_config *cfg, int64_t rows, int seqs,
