@@ -1,4 +1,4 @@
-/* AMX bf16 matmul for many tokens (the "amx" level of the avx512 variant).
+/* AMX bf16 matmul for 4 tokens or more (the "amx" level of the avx512 variant).
  *
  * Computed transposed, so that the weights need no packing: C^T [n, t] += W [n, k] x^T [k, t].
  * A tiles are 16 rows of W read in place (32 bf16 of k each); B tiles hold x rounded to
@@ -14,7 +14,7 @@
 #include <immintrin.h>
 
 #define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512bf16")))
-#define AMX_MIN_TOKENS 16
+#define AMX_MIN_TOKENS 4 /* below, the GEMV; AMX pads the token block to 16 */
 #ifndef AMX_PREFETCH_STEPS
 #define AMX_PREFETCH_STEPS 4 /* k steps of 32 ahead */
 #endif
