@@ -6,10 +6,17 @@ The kernels are compiled once per instruction set, each copy with its own names
 (with FMA) and "avx512" (F, BW, VL, DQ; BF16 and AMX code inside it is enabled per
 function). The engine picks the best one the CPU can run when the module is imported
 (csrc/cpu_dispatch.c); QWEN3LAYER_CPU_PATH=portable|avx2|avx512|avx512bf16|amx forces one.
+
+Where nvcc is found (PATH, $CUDA_HOME/bin or /usr/local/cuda/bin), kernels/cuda/*.cu are
+built into qwen3layer/libq3cuda.so for sm_80 and sm_90, with the CUDA runtime linked in
+statically: the engine opens it only when a CUDA device is asked for, so the package works
+on machines without CUDA. Q3_CUDA=0 skips it; without nvcc the build says it is CPU-only.
 """
 import glob
 import os
 import platform
+import shutil
+import subprocess
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
@@ -29,10 +36,61 @@ def isa_variants():
     }
 
 
+CUDA_ARCHS = ["-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90"]
+
+
+def find_nvcc():
+    if os.environ.get("Q3_CUDA") == "0":
+        return None
+    for candidate in (shutil.which("nvcc"), os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")):
+        if candidate and os.path.exists(candidate):
+            return candidate
+    return None
+
+
 class BuildKernelVariants(build_ext):
-    """Compiles kernels/cpu/*.c once per variant and links every copy into the extension."""
+    """Compiles kernels/cpu/*.c once per variant and links every copy into the extension;
+    builds libq3cuda.so beside it when nvcc is there."""
+
+    def build_cuda(self, ext):
+        nvcc = find_nvcc()
+        target = os.path.join(os.path.dirname(self.get_ext_fullpath(ext.name)), "libq3cuda.so")
+        if not nvcc:
+            print("qwen3layer: nvcc not found: building the CPU-only package (no CUDA backend)")
+            if os.path.exists(target):
+                os.remove(target)
+            return
+        objdir = os.path.join(self.build_temp, "cuda")
+        os.makedirs(objdir, exist_ok=True)
+        objects = []
+        for src in sorted(glob.glob("kernels/cuda/*.cu")):
+            obj = os.path.join(objdir, os.path.basename(src) + ".o")
+            deps = [src] + glob.glob("kernels/cuda/*.cuh") + glob.glob("kernels/cuda/*.h") + glob.glob("kernels/*.h")
+            if self.force or not os.path.exists(obj) or os.path.getmtime(obj) < max(map(os.path.getmtime, deps)):
+                print(f"nvcc {src}")
+                subprocess.check_call([nvcc, "-std=c++17", "-O3", "-Xcompiler", "-fPIC", *CUDA_ARCHS,
+                                       "-Ikernels", "-c", src, "-o", obj])
+            objects.append(obj)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        subprocess.check_call([nvcc, "-shared", "-cudart", "static", *CUDA_ARCHS, *objects, "-o", target])
+        print(f"qwen3layer: built the CUDA backend {target}")
+
+    def run(self):
+        inplace = self.inplace
+        super().run()
+        if inplace:  # setuptools builds in build/lib, then copies only the extension back
+            for ext in self.extensions:
+                package = os.path.dirname(ext.name.replace(".", os.sep))
+                built = os.path.join(self.build_lib, package, "libq3cuda.so")
+                source = os.path.join(package, "libq3cuda.so")
+                if os.path.exists(built):
+                    shutil.copyfile(built, source)
+                    os.chmod(source, 0o755)
+                elif os.path.exists(source):
+                    os.remove(source)
 
     def build_extension(self, ext):
+        self.build_cuda(ext)
         sources = sorted(glob.glob("kernels/cpu/*.c"))
         objects = []
         for isa, flags in isa_variants().items():
@@ -53,7 +111,7 @@ setup(
             sources=sorted(glob.glob("csrc/*.c")),
             include_dirs=["csrc", "kernels"],
             extra_compile_args=COMMON + [f'-DQ3_VERSION="{VERSION}"'],
-            extra_link_args=["-fopenmp"],
+            extra_link_args=["-fopenmp", "-ldl"],
             depends=sorted(glob.glob("csrc/*.h")) + sorted(glob.glob("kernels/*.h"))
             + sorted(glob.glob("kernels/cpu/*.h")),
         )

@@ -3,6 +3,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cuda_backend.h"
 #include "py_glue.h"
 
 #ifndef Q3_VERSION
@@ -107,6 +108,77 @@ static PyObject *probe_fma(PyObject *m, PyObject *args, PyObject *kw) {
     return PyFloat_FromDouble(gflops);
 }
 
+static PyObject *cuda_open(PyObject *m, PyObject *arg) {
+    (void)m;
+    const char *path = PyUnicode_AsUTF8(arg);
+    if (!path) return NULL;
+    q3_error err;
+    q3_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = q3_cuda_open(path, &err);
+    Py_END_ALLOW_THREADS
+    if (s != Q3_OK) return q3_raise(NULL, &err);
+    Py_RETURN_NONE;
+}
+
+static PyObject *cuda_device_count(PyObject *m, PyObject *unused) {
+    (void)m;
+    (void)unused;
+    return PyLong_FromLong(q3_cuda_device_count());
+}
+
+static PyObject *cuda_check(PyObject *m, PyObject *args) {
+    (void)m;
+    int device = 0, n = 0;
+    if (!PyArg_ParseTuple(args, "|i:cuda_check", &device)) return NULL;
+    q3_check_result results[32];
+    q3_error err;
+    q3_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = q3_cuda_check(device, results, 32, &n, &err);
+    Py_END_ALLOW_THREADS
+    if (s != Q3_OK) return q3_raise(NULL, &err);
+    PyObject *list = PyList_New(n);
+    for (int i = 0; list && i < n; i++) {
+        PyObject *row = Py_BuildValue("(sdd)", results[i].name, results[i].max_err, results[i].tol);
+        if (!row) Py_CLEAR(list);
+        else PyList_SET_ITEM(list, i, row);
+    }
+    return list;
+}
+
+/* milliseconds per call of a CUDA device copy or matmul (kernels/cuda/ops_cuda.h) */
+static PyObject *cuda_time(PyObject *m, PyObject *args, PyObject *kw) {
+    (void)m;
+    static char *names[] = {"what", "bytes", "T", "N", "K", "dtype", "repeats", NULL};
+    const char *what;
+    unsigned long long bytes = 0;
+    long long T = 1, N = 1, K = 1;
+    PyObject *dtype_obj = NULL;
+    int repeats = 20;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "s|KLLLOi:cuda_time", names, &what, &bytes, &T, &N, &K, &dtype_obj,
+                                     &repeats))
+        return NULL;
+    const q3_cuda_ops *g = q3_cuda();
+    if (!g) {
+        PyErr_SetString(PyExc_RuntimeError, "cuda: the CUDA backend is not loaded");
+        return NULL;
+    }
+    q3_dtype dt = Q3_BF16;
+    if (dtype_obj && q3_parse_dtype(dtype_obj, "dtype", &dt) < 0) return NULL;
+    float ms = 0.0f;
+    int code;
+    Py_BEGIN_ALLOW_THREADS
+    code = !strcmp(what, "copy") ? g->time_copy((size_t)bytes, repeats, &ms)
+                                 : g->time_matmul(T, N, K, dt, repeats, &ms);
+    Py_END_ALLOW_THREADS
+    if (code) {
+        PyErr_Format(PyExc_RuntimeError, "cuda_time(%s): %s", what, g->error_string(code));
+        return NULL;
+    }
+    return PyFloat_FromDouble(ms);
+}
+
 static PyObject *check_config(PyObject *m, PyObject *cfg) {
     (void)m;
     q3_config c;
@@ -204,6 +276,14 @@ static PyMethodDef module_methods[] = {
      "probe_read_bandwidth(bytes=1<<30, repeats=3)\n--\n\nBest GB/s of reading a buffer with every thread."},
     {"probe_fma_peak", (PyCFunction)(void (*)(void))probe_fma, METH_VARARGS | METH_KEYWORDS,
      "probe_fma_peak(seconds=0.5)\n--\n\nfp32 multiply-add peak of every thread, GFLOP/s, active CPU path."},
+    {"cuda_open", cuda_open, METH_O, "cuda_open(path)\n--\n\nLoad the CUDA launcher library (once)."},
+    {"cuda_device_count", cuda_device_count, METH_NOARGS,
+     "cuda_device_count()\n--\n\nCUDA devices visible (0 before cuda_open or without a driver)."},
+    {"cuda_check", cuda_check, METH_VARARGS,
+     "cuda_check(device=0)\n--\n\n[(case, max_err, tol)]: every CUDA kernel against its CPU twin."},
+    {"cuda_time", (PyCFunction)(void (*)(void))cuda_time, METH_VARARGS | METH_KEYWORDS,
+     "cuda_time(what, bytes=0, T=1, N=1, K=1, dtype='bfloat16', repeats=20)\n--\n\n"
+     "ms per call, CUDA events: what='copy' (device to device) or 'matmul'."},
     {"check_config", check_config, METH_O, "check_config(config)\n--\n\nRaise if the geometry is impossible."},
     {"random_weights", (PyCFunction)(void (*)(void))random_weights, METH_VARARGS | METH_KEYWORDS,
      "random_weights(config, seed, dtype)\n--\n\nDict of random weights in extension memory "

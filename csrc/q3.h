@@ -137,6 +137,20 @@ void q3_fill_random(void *dst, q3_dtype dt, int64_t n, uint64_t seed, uint64_t s
 double q3_probe_read_gbs(size_t bytes, int repeats);
 double q3_probe_fma_gflops(double seconds);
 
+/* CUDA backend (csrc/cuda_backend.c): opens the launcher library at `path` once; the
+ * number of CUDA devices it sees (0 before opening, or without a driver). */
+q3_status q3_cuda_open(const char *path, q3_error *err);
+int q3_cuda_device_count(void);
+
+/* Each CUDA kernel against its CPU twin on random inputs (csrc/cuda_check.c): one result
+ * per case; max_err is max |cuda - cpu| / max |cpu|. */
+typedef struct {
+    char name[48];
+    double max_err;
+    double tol;
+} q3_check_result;
+q3_status q3_cuda_check(int device, q3_check_result *out, int max, int *n, q3_error *err);
+
 /* CPU kernel paths (csrc/cpu_dispatch.c): the ones this CPU can run, lowest first;
  * select one by name (NULL: the best); the one in use. */
 int q3_cpu_paths(const char **names, int max);

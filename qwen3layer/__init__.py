@@ -1,7 +1,7 @@
 """qwen3layer: one Qwen3-235B-A22B decoder layer (GQA attention with QK-norm and RoPE,
 128-expert top-8 MoE) in C, for prefill, chunked prefill and decode, with a KV cache
 owned by C and tensors exchanged zero-copy through DLPack."""
-from . import _C
+from . import _C, cuda
 from .config import LayerConfig
 from .layer import DecoderLayer, KVCache, Tensor
 
@@ -10,9 +10,13 @@ __version__ = _C.build_info()["version"]
 
 
 def build_info() -> dict:
-    """What this build contains: version, compiled backends, the CPU kernel path in use and
-    those this CPU can run (lowest first), threads, compiler, default prefill chunk."""
-    return _C.build_info()
+    """What this build contains: version, compiled backends ("cuda" when the CUDA library was
+    built; it is loaded only when used), the CPU kernel path in use and those this CPU can run
+    (lowest first), threads, compiler, default prefill chunk."""
+    info = _C.build_info()
+    if cuda.built():
+        info["backends"] = info["backends"] + ["cuda"]
+    return info
 
 
 def set_cpu_path(name: str) -> None:

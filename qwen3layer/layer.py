@@ -10,7 +10,7 @@ import sys
 import warnings
 from typing import Any, Mapping, Optional
 
-from . import _C
+from . import _C, cuda
 from .config import LayerConfig
 from .weights import canonical_weights
 
@@ -20,10 +20,12 @@ Tensor = _C.Tensor
 
 def _check_device(device: Any) -> str:
     name = str(device)
-    if name != "cpu":
-        backends = _C.build_info()["backends"]
-        raise ValueError(f"device: expected one of {backends} (the backends in this build), got {name!r}")
-    return name
+    if name == "cpu":
+        return name
+    if name.partition(":")[0] == "cuda" and cuda.built():
+        raise ValueError(f"device: {name!r}: this build's CUDA kernels exist and are checked against their CPU "
+                         "twins (qwen3layer.cuda.check_kernels), but the layer does not run on CUDA yet; use 'cpu'")
+    raise ValueError(f"device: expected 'cpu' (the backend this build runs layers on), got {name!r}")
 
 
 def _like(x: Any, y: Any) -> Any:

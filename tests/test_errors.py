@@ -201,7 +201,7 @@ def test_weights_of_two_layers_or_two_expert_spellings(hf_weights):
 
 def test_unsupported_device_and_dtype(hf_weights):
     cfg, w = hf_weights
-    with pytest.raises(ValueError, match=r"device: expected one of \['cpu'\] .*got 'cuda'"):
+    with pytest.raises(ValueError, match=r"device: .*'cuda'"):
         q3.DecoderLayer(cfg, w, device="cuda")
     with pytest.raises(TypeError, match="dtype: expected 'float32' or 'bfloat16', got 'int8'"):
         q3.DecoderLayer(cfg, w, dtype="int8")

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The one command that checks the CUDA backend on a GPU machine (the device tool's H200):
+# build with the machine's own python3 and nvcc (no network there: no build isolation),
+# run the GPU tests (every CUDA kernel against its CPU twin) and the CPU suite, then the
+# CUDA benchmark; its table is printed last. Under 8 minutes. Logs go to $OUT if set.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-/tmp}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+status=0
+
+echo "== machine"
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader || true
+python3 --version; nvcc --version | tail -1
+
+echo "== build"
+python3 -m pip install --no-build-isolation --no-deps -q -e . > "$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
+python3 -c "import qwen3layer as q3; print(q3.build_info()); print('cuda devices:', q3.cuda.device_count())"
+
+echo "== GPU tests"
+timeout 300 python3 -m pytest -q -rs tests/test_cuda.py 2>&1 | tee "$out/gpu_tests.log" || status=1
+python3 - <<'PY' | tee "$out/kernel_check.txt"
+import qwen3layer as q3
+rows = q3.cuda.check_kernels(0)
+w = max(len(r["case"]) for r in rows)
+print(f"{'kernel vs CPU twin'.ljust(w)} | max rel err | tolerance | ok")
+for r in rows:
+    print(f"{r['case'].ljust(w)} | {r['max_err']:11.2e} | {r['tol']:9.0e} | {'yes' if r['ok'] else 'NO'}")
+PY
+
+echo "== CPU suite on this machine (its own torch and transformers)"
+timeout 240 python3 -m pytest -q -x tests 2>&1 | tail -5 | tee "$out/cpu_tests.log" || status=1
+
+echo "== CUDA benchmark"
+timeout 120 python3 benchmarks/bench_cuda.py 2>&1 | tee "$out/bench_cuda.txt" || status=1
+exit $status

@@ -1,0 +1,31 @@
+/* The CUDA backend's door: libq3cuda.so is opened (dlopen) the first time a CUDA device is
+ * asked for, and its one entry point fills the table of launchers (kernels/cuda/ops_cuda.h).
+ * Nothing here needs CUDA headers or libraries. */
+#include <dlfcn.h>
+#include <stdio.h>
+
+#include "cuda_backend.h"
+
+static q3_cuda_ops table;
+static int opened;
+
+q3_status q3_cuda_open(const char *path, q3_error *err) {
+    if (opened) return Q3_OK;
+    void *lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (!lib) return q3_fail(err, Q3_ERR_STATE, "cuda: cannot load %s: %s", path, dlerror());
+    int (*get)(q3_cuda_ops *) = (int (*)(q3_cuda_ops *))dlsym(lib, "q3_cuda_ops_get");
+    if (!get || get(&table) != 0) {
+        dlclose(lib);
+        return q3_fail(err, Q3_ERR_STATE, "cuda: %s has no usable q3_cuda_ops_get", path);
+    }
+    opened = 1;
+    return Q3_OK;
+}
+
+const q3_cuda_ops *q3_cuda(void) { return opened ? &table : NULL; }
+
+int q3_cuda_device_count(void) {
+    int n = 0;
+    if (!opened || table.device_count(&n) != 0) return 0;
+    return n;
+}

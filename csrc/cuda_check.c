@@ -1,0 +1,237 @@
+/* Every CUDA kernel against its CPU twin, on random inputs with odd sizes, for the GPU tests
+ * and benchmarks/gpu_check.sh. The CPU side runs the active CPU path with fp32 activations
+ * (the matmul gets no bf16 scratch), so the two differ only by summation order. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_dispatch.h"
+#include "cuda_backend.h"
+
+typedef struct {
+    const q3_cuda_ops *g;
+    const q3_cpu_ops *c;
+    q3_error *err;
+    int failed;
+    void *dev[32];
+    int n_dev;
+    void *host[32];
+    int n_host;
+} check;
+
+static int cuda_ok(check *k, int code, const char *what) {
+    if (code == 0 || k->failed) return !k->failed;
+    k->failed = 1;
+    q3_fail(k->err, Q3_ERR_STATE, "cuda check: %s: %s", what, k->g->error_string(code));
+    return 0;
+}
+
+static void *host(check *k, size_t bytes) {
+    void *p = calloc(1, bytes ? bytes : 1);
+    if (p && k->n_host < 32) k->host[k->n_host++] = p;
+    else if (!k->failed) {
+        free(p);
+        p = NULL;
+        k->failed = 1;
+        q3_fail(k->err, Q3_ERR_NOMEM, "cuda check: out of host memory");
+    }
+    return p;
+}
+
+static float *host_random(check *k, int64_t n, q3_dtype dt, uint64_t seed) {
+    void *p = host(k, (size_t)n * q3_dtype_size(dt));
+    if (p) k->c->fill_normal(p, dt, n, seed, 7, 0.0f, 1.0f);
+    return p;
+}
+
+/* a device copy of host[bytes] (or fresh device memory when host is NULL) */
+static void *device(check *k, const void *src, size_t bytes) {
+    void *d = NULL;
+    if (k->failed || k->n_dev >= 32) return NULL;
+    if (!cuda_ok(k, k->g->malloc_device(&d, bytes ? bytes : 4), "cudaMalloc")) return NULL;
+    k->dev[k->n_dev++] = d;
+    if (src && !cuda_ok(k, k->g->copy(d, src, bytes, 1), "copy to device")) return NULL;
+    return d;
+}
+
+static void fetch(check *k, void *dst, const void *d, size_t bytes) {
+    if (!k->failed && cuda_ok(k, k->g->synchronize(), "kernel")) cuda_ok(k, k->g->copy(dst, d, bytes, 0), "copy to host");
+}
+
+static void release(check *k) {
+    for (int i = 0; i < k->n_dev; i++) k->g->free_device(k->dev[i]);
+    for (int i = 0; i < k->n_host; i++) free(k->host[i]);
+    k->n_dev = k->n_host = 0;
+}
+
+static double max_err(const void *a, const void *b, q3_dtype dt, int64_t n) {
+    double worst = 0.0, scale = 0.0;
+    for (int64_t i = 0; i < n; i++) {
+        const float x = dt == Q3_BF16 ? q3_bf16_to_f32(((const uint16_t *)a)[i]) : ((const float *)a)[i];
+        const float y = dt == Q3_BF16 ? q3_bf16_to_f32(((const uint16_t *)b)[i]) : ((const float *)b)[i];
+        if (isnan(x) != isnan(y)) return INFINITY;
+        worst = fabs((double)x - y) > worst ? fabs((double)x - y) : worst;
+        scale = fabs((double)y) > scale ? fabs((double)y) : scale;
+    }
+    return worst / (scale > 0.0 ? scale : 1.0);
+}
+
+static double case_rmsnorm(check *k, q3_dtype wdt) {
+    const int64_t rows = 7, n = 1000;
+    float *x = host_random(k, rows * n, Q3_F32, 1), *want = host(k, rows * n * 4), *got = host(k, rows * n * 4);
+    void *w = host_random(k, n, wdt, 2);
+    if (k->failed) return INFINITY;
+    k->c->rmsnorm(want, x, w, wdt, rows, n, 1e-6f);
+    float *dx = device(k, x, rows * n * 4), *dout = device(k, NULL, rows * n * 4);
+    void *dw = device(k, w, n * q3_dtype_size(wdt));
+    if (!k->failed) cuda_ok(k, k->g->rmsnorm(dout, dx, dw, wdt, rows, n, 1e-6f, NULL), "rmsnorm launch");
+    fetch(k, got, dout, rows * n * 4);
+    return k->failed ? INFINITY : max_err(got, want, Q3_F32, rows * n);
+}
+
+static double case_matmul(check *k, q3_dtype wdt, int64_t T, int64_t K) {
+    const int64_t N = 70;
+    float *x = host_random(k, T * K, Q3_F32, 3), *want = host_random(k, T * N, Q3_F32, 4), *got = host(k, T * N * 4);
+    void *w = host_random(k, N * K, wdt, 5);
+    if (k->failed) return INFINITY;
+    float *dy = device(k, want, T * N * 4), *dx = device(k, x, T * K * 4);
+    void *dw = device(k, w, N * K * q3_dtype_size(wdt));
+    k->c->matmul(want, x, w, wdt, T, N, K, 1, NULL);
+    if (!k->failed) cuda_ok(k, k->g->matmul(dy, dx, dw, wdt, T, N, K, 1, NULL), "matmul launch");
+    fetch(k, got, dy, T * N * 4);
+    return k->failed ? INFINITY : max_err(got, want, Q3_F32, T * N);
+}
+
+static double case_rope(check *k) {
+    const int64_t rows = 5;
+    const int heads = 3, D = 16;
+    int64_t pos[5] = {0, 1, 7, 100, 4000};
+    float *x = host_random(k, rows * heads * D, Q3_F32, 6), *got = host(k, rows * heads * D * 4);
+    if (k->failed) return INFINITY;
+    float *dx = device(k, x, rows * heads * D * 4);
+    int64_t *dpos = device(k, pos, sizeof pos);
+    k->c->rope(x, pos, rows, heads, D, 1e6f);
+    if (!k->failed) cuda_ok(k, k->g->rope(dx, dpos, rows, heads, D, 1e6f, NULL), "rope launch");
+    fetch(k, got, dx, rows * heads * D * 4);
+    return k->failed ? INFINITY : max_err(got, x, Q3_F32, rows * heads * D);
+}
+
+static double case_kv_write(check *k) {
+    const int64_t L = 3, cap = 10, start = 4;
+    const int kvh = 2, D = 8;
+    const size_t cache_bytes = (size_t)kvh * cap * D * 2;
+    float *src = host_random(k, L * kvh * D, Q3_F32, 8);
+    void *want = host(k, cache_bytes), *got = host(k, cache_bytes);
+    if (k->failed) return INFINITY;
+    void *dcache = device(k, want, cache_bytes);
+    float *dsrc = device(k, src, L * kvh * D * 4);
+    k->c->kv_write(want, Q3_BF16, src, kvh * D, L, kvh, D, cap, start);
+    if (!k->failed) cuda_ok(k, k->g->kv_write(dcache, Q3_BF16, dsrc, kvh * D, L, kvh, D, cap, start, NULL), "kv_write launch");
+    fetch(k, got, dcache, cache_bytes);
+    return k->failed ? INFINITY : max_err(got, want, Q3_BF16, (int64_t)kvh * cap * D);
+}
+
+static double case_attention(check *k) {
+    const q3_attn_shape sh = {3, 8, 2, 24, 40, Q3_BF16, 1.0f / sqrtf(24.0f)};
+    const int n_seqs = 2;
+    const int64_t n_past[2] = {5, 17}, per_seq = (int64_t)sh.kv_heads * sh.capacity * sh.head_dim;
+    const int64_t qn = n_seqs * sh.L * sh.heads * sh.head_dim;
+    uint16_t *kc = (uint16_t *)host_random(k, n_seqs * per_seq, Q3_BF16, 9);
+    uint16_t *vc = (uint16_t *)host_random(k, n_seqs * per_seq, Q3_BF16, 10);
+    float *q = host_random(k, qn, Q3_F32, 11), *want = host(k, qn * 4), *got = host(k, qn * 4);
+    float *scratch = host(k, (size_t)q3_attention_scratch_floats(&sh) * 4);
+    if (k->failed) return INFINITY;
+    q3_attn_seq hs[2], ds[2];
+    uint16_t *dk = device(k, kc, n_seqs * per_seq * 2), *dv = device(k, vc, n_seqs * per_seq * 2);
+    for (int s = 0; s < n_seqs; s++) {
+        hs[s] = (q3_attn_seq){kc + s * per_seq, vc + s * per_seq, n_past[s]};
+        ds[s] = (q3_attn_seq){dk ? dk + s * per_seq : NULL, dv ? dv + s * per_seq : NULL, n_past[s]};
+    }
+    q3_attn_seq *dseqs = device(k, ds, sizeof ds);
+    float *dq = device(k, q, qn * 4), *dout = device(k, NULL, qn * 4);
+    k->c->attention(want, q, hs, n_seqs, &sh, scratch, 1);
+    if (!k->failed) cuda_ok(k, k->g->attention(dout, dq, dseqs, n_seqs, &sh, NULL), "attention launch");
+    fetch(k, got, dout, qn * 4);
+    return k->failed ? INFINITY : max_err(got, want, Q3_F32, qn);
+}
+
+static double case_router(check *k, int normalize) {
+    const int64_t T = 9;
+    const int E = 16, top = 4;
+    float *logits = host_random(k, T * E, Q3_F32, 12), *w_want = host(k, T * top * 4), *w_got = host(k, T * top * 4);
+    int32_t *i_want = host(k, T * top * 4), *i_got = host(k, T * top * 4);
+    if (k->failed) return INFINITY;
+    float *dl = device(k, logits, T * E * 4), *dw = device(k, NULL, T * top * 4);
+    int32_t *di = device(k, NULL, T * top * 4);
+    k->c->router_topk(i_want, w_want, logits, T, E, top, normalize);
+    if (!k->failed) cuda_ok(k, k->g->router_topk(di, dw, dl, T, E, top, normalize, NULL), "router launch");
+    fetch(k, i_got, di, T * top * 4);
+    fetch(k, w_got, dw, T * top * 4);
+    if (k->failed || memcmp(i_got, i_want, T * top * 4)) return INFINITY;
+    return max_err(w_got, w_want, Q3_F32, T * top);
+}
+
+static double case_swiglu(check *k) {
+    const int64_t n = 1000;
+    float *g = host_random(k, n, Q3_F32, 13), *u = host_random(k, n, Q3_F32, 14);
+    float *want = host(k, n * 4), *got = host(k, n * 4);
+    if (k->failed) return INFINITY;
+    float *dg = device(k, g, n * 4), *du = device(k, u, n * 4), *da = device(k, NULL, n * 4);
+    k->c->swiglu(want, g, u, n);
+    if (!k->failed) cuda_ok(k, k->g->swiglu(da, dg, du, n, NULL), "swiglu launch");
+    fetch(k, got, da, n * 4);
+    return k->failed ? INFINITY : max_err(got, want, Q3_F32, n);
+}
+
+static double case_rows(check *k) {
+    const int64_t T = 6, H = 50, n = 3;
+    const int32_t rows[3] = {4, 1, 5};
+    float *src = host_random(k, T * H, Q3_F32, 15), *scale = host_random(k, n, Q3_F32, 16);
+    float *dst = host_random(k, T * H, Q3_F32, 17), *gath = host(k, n * H * 4), *got = host(k, T * H * 4);
+    if (k->failed) return INFINITY;
+    float *dsrc = device(k, src, T * H * 4), *dscale = device(k, scale, n * 4), *ddst = device(k, dst, T * H * 4);
+    float *dgath = device(k, NULL, n * H * 4);
+    int32_t *drows = device(k, rows, sizeof rows);
+    k->c->gather_rows(gath, src, rows, n, H);
+    k->c->scatter_add_rows(dst, gath, rows, scale, n, H);
+    if (!k->failed) cuda_ok(k, k->g->gather_rows(dgath, dsrc, drows, n, H, NULL), "gather launch");
+    if (!k->failed) cuda_ok(k, k->g->scatter_add_rows(ddst, dgath, drows, dscale, n, H, NULL), "scatter launch");
+    fetch(k, got, ddst, T * H * 4);
+    return k->failed ? INFINITY : max_err(got, dst, Q3_F32, T * H);
+}
+
+q3_status q3_cuda_check(int device_index, q3_check_result *out, int max, int *n, q3_error *err) {
+    *n = 0;
+    const q3_cuda_ops *g = q3_cuda();
+    if (!g) return q3_fail(err, Q3_ERR_STATE, "cuda check: the CUDA backend is not loaded");
+    check k = {g, q3_cpu_ops_active(), err, 0, {0}, 0, {0}, 0};
+    if (!cuda_ok(&k, g->set_device(device_index), "cudaSetDevice")) return err->status;
+#define RUN(label, tolerance, expr)                                         \
+    do {                                                                    \
+        if (*n < max) {                                                     \
+            const double e_ = (expr);                                       \
+            release(&k);                                                    \
+            if (k.failed) return err->status;                               \
+            snprintf(out[*n].name, sizeof out[*n].name, "%s", label);      \
+            out[*n].max_err = e_;                                           \
+            out[*n].tol = tolerance;                                        \
+            (*n)++;                                                         \
+        }                                                                   \
+    } while (0)
+    RUN("rmsnorm f32 weights", 1e-5, case_rmsnorm(&k, Q3_F32));
+    RUN("rmsnorm bf16 weights", 1e-5, case_rmsnorm(&k, Q3_BF16));
+    RUN("matmul bf16 T=1 K=4096", 1e-5, case_matmul(&k, Q3_BF16, 1, 4096));
+    RUN("matmul bf16 T=13 K=72", 1e-5, case_matmul(&k, Q3_BF16, 13, 72));
+    RUN("matmul bf16 T=5 K=100", 1e-5, case_matmul(&k, Q3_BF16, 5, 100));
+    RUN("matmul f32 T=9 K=64", 1e-5, case_matmul(&k, Q3_F32, 9, 64));
+    RUN("rope", 1e-5, case_rope(&k));
+    RUN("kv_write bf16", 0.0, case_kv_write(&k));
+    RUN("attention bf16 cache", 1e-5, case_attention(&k));
+    RUN("router top-k, renormalised", 1e-6, case_router(&k, 1));
+    RUN("router top-k", 1e-6, case_router(&k, 0));
+    RUN("swiglu", 1e-5, case_swiglu(&k));
+    RUN("gather + scatter_add rows", 1e-6, case_rows(&k));
+#undef RUN
+    return Q3_OK;
+}

@@ -1,0 +1,55 @@
+// Helpers shared by the CUDA kernels: element loads by dtype, warp and block reductions,
+// and the launch check every launcher ends with. Device code only; C-style.
+#ifndef Q3_KERNELS_CUDA_COMMON_CUH
+#define Q3_KERNELS_CUDA_COMMON_CUH
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "../dtype.h"
+
+// element i of a tensor of dtype dt, as fp32
+__device__ __forceinline__ float q3_load(const void *p, q3_dtype dt, int64_t i) {
+    if (dt == Q3_BF16) return __uint_as_float((uint32_t)((const uint16_t *)p)[i] << 16);
+    return ((const float *)p)[i];
+}
+
+__device__ __forceinline__ uint16_t q3_to_bf16_bits(float f) {
+    uint32_t u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+__device__ __forceinline__ void q3_store(void *p, q3_dtype dt, int64_t i, float v) {
+    if (dt == Q3_BF16) ((uint16_t *)p)[i] = q3_to_bf16_bits(v);
+    else ((float *)p)[i] = v;
+}
+
+__device__ __forceinline__ float q3_warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float q3_warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// sum over a block of up to 1024 threads; every thread gets the result
+__device__ __forceinline__ float q3_block_sum(float v) {
+    __shared__ float part[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = q3_warp_sum(v);
+    __syncthreads();
+    if (lane == 0) part[warp] = v;
+    __syncthreads();
+    const int warps = (blockDim.x + 31) >> 5;
+    v = lane < warps ? part[lane] : 0.0f;
+    return q3_warp_sum(v);
+}
+
+// what a launcher returns: the launch's error, if any
+static inline int q3_launch_status(void) { return (int)cudaGetLastError(); }
+
+#endif

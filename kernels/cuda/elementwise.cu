@@ -1,0 +1,45 @@
+// Elementwise and row-movement kernels of the MoE (twins: kernels/cpu/swiglu.c, rows.c).
+#include "common.cuh"
+
+__global__ void swiglu_kernel(float *act, const float *gate, const float *up, int64_t n) {
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        const float g = gate[i];
+        act[i] = g / (1.0f + expf(-g)) * up[i];
+    }
+}
+
+extern "C" int q3_swiglu_cuda(float *act, const float *gate, const float *up, int64_t n, void *stream) {
+    if (n == 0) return 0;
+    const int64_t blocks = (n + 255) / 256;
+    swiglu_kernel<<<(unsigned)(blocks < 65535 ? blocks : 65535), 256, 0, (cudaStream_t)stream>>>(act, gate, up, n);
+    return q3_launch_status();
+}
+
+// dst [n, H] <- src rows; one block per row
+__global__ void gather_kernel(float *dst, const float *src, const int32_t *rows, int64_t H) {
+    const float *s = src + (int64_t)rows[blockIdx.x] * H;
+    float *d = dst + (int64_t)blockIdx.x * H;
+    for (int64_t j = threadIdx.x; j < H; j += blockDim.x) d[j] = s[j];
+}
+
+extern "C" int q3_gather_rows_cuda(float *dst, const float *src, const int32_t *rows, int64_t n, int64_t H,
+                                   void *stream) {
+    if (n == 0) return 0;
+    gather_kernel<<<(unsigned)n, 256, 0, (cudaStream_t)stream>>>(dst, src, rows, H);
+    return q3_launch_status();
+}
+
+// dst[rows[i]] += scale[i] * src[i]; rows distinct within a call, so no atomics
+__global__ void scatter_add_kernel(float *dst, const float *src, const int32_t *rows, const float *scale, int64_t H) {
+    float *d = dst + (int64_t)rows[blockIdx.x] * H;
+    const float *s = src + (int64_t)blockIdx.x * H;
+    const float a = scale[blockIdx.x];
+    for (int64_t j = threadIdx.x; j < H; j += blockDim.x) d[j] += a * s[j];
+}
+
+extern "C" int q3_scatter_add_rows_cuda(float *dst, const float *src, const int32_t *rows, const float *scale,
+                                        int64_t n, int64_t H, void *stream) {
+    if (n == 0) return 0;
+    scatter_add_kernel<<<(unsigned)n, 256, 0, (cudaStream_t)stream>>>(dst, src, rows, scale, H);
+    return q3_launch_status();
+}

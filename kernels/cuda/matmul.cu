@@ -1,0 +1,57 @@
+// y [T, N] (+)= x [T, K] W^T, W [N, K] fp32 or bf16, fp32 accumulation (twin: kernels/cpu/matmul.c).
+// One warp per (weight row, group of up to 8 tokens): the row is streamed once per group with
+// 16-byte loads (8 bf16 or 4 fp32 a lane), the tokens' x rows come from L1/L2. For decode
+// (T <= 8) every weight byte is read once; prefill will move to tensor cores (cuBLASLt).
+#include "common.cuh"
+
+#define TOKENS_PER_WARP 8
+
+__global__ void gemv_kernel(float *y, const float *x, const void *w, q3_dtype w_dt, int64_t T, int64_t N,
+                            int64_t K, int accumulate) {
+    const int lane = threadIdx.x & 31;
+    const int64_t row = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int64_t t0 = (int64_t)blockIdx.y * TOKENS_PER_WARP;
+    if (row >= N) return;
+    const int nt = T - t0 < TOKENS_PER_WARP ? (int)(T - t0) : TOKENS_PER_WARP;
+    float acc[TOKENS_PER_WARP] = {0};
+    const bool vec = (K % 8 == 0) && w_dt == Q3_BF16;
+    if (vec) {
+        const uint4 *wr = (const uint4 *)((const uint16_t *)w + row * K);
+        for (int64_t c = lane; c < K / 8; c += 32) {
+            const uint4 pk = wr[c];
+            const uint32_t words[4] = {pk.x, pk.y, pk.z, pk.w};
+            float wv[8];
+            for (int i = 0; i < 4; i++) {
+                wv[2 * i] = __uint_as_float(words[i] << 16);
+                wv[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
+            }
+            for (int t = 0; t < nt; t++) {
+                const float *xr = x + (t0 + t) * K + c * 8;
+                float s = 0.0f;
+                for (int i = 0; i < 8; i++) s += xr[i] * wv[i];
+                acc[t] += s;
+            }
+        }
+    } else {
+        for (int64_t k = lane; k < K; k += 32) {
+            const float wk = q3_load(w, w_dt, row * K + k);
+            for (int t = 0; t < nt; t++) acc[t] += x[(t0 + t) * K + k] * wk;
+        }
+    }
+    for (int t = 0; t < nt; t++) {
+        const float s = q3_warp_sum(acc[t]);
+        if (lane == 0) {
+            float *dst = y + (t0 + t) * N + row;
+            *dst = accumulate ? *dst + s : s;
+        }
+    }
+}
+
+extern "C" int q3_matmul_cuda(float *y, const float *x, const void *w, q3_dtype w_dt, int64_t T, int64_t N, int64_t K,
+                              int accumulate, void *stream) {
+    if (T == 0 || N == 0) return 0;
+    const int warps = 8;
+    const dim3 grid((unsigned)((N + warps - 1) / warps), (unsigned)((T + TOKENS_PER_WARP - 1) / TOKENS_PER_WARP));
+    gemv_kernel<<<grid, warps * 32, 0, (cudaStream_t)stream>>>(y, x, w, w_dt, T, N, K, accumulate);
+    return q3_launch_status();
+}

@@ -1,0 +1,56 @@
+/* The CUDA kernels' launchers, as a table the engine fills with dlsym from libq3cuda.so
+ * (built from the .cu files of kernels/cuda/ only where nvcc is found). Each launcher takes the same
+ * arguments as its CPU twin (kernels/<op>.h) plus a cudaStream_t as void *, queues its work
+ * there, and returns the CUDA error code of the launch (0 = success); device pointers only.
+ * The runtime helpers keep every CUDA call inside the library: the engine never links cudart. */
+#ifndef Q3_KERNELS_CUDA_OPS_H
+#define Q3_KERNELS_CUDA_OPS_H
+
+#include <stddef.h>
+
+#include "../attention.h"
+#include "../dtype.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct {
+    /* runtime */
+    int (*device_count)(int *count);
+    int (*set_device)(int device);
+    int (*malloc_device)(void **p, size_t bytes);
+    int (*free_device)(void *p);
+    int (*copy)(void *dst, const void *src, size_t bytes, int to_device); /* synchronous */
+    int (*synchronize)(void);
+    const char *(*error_string)(int code);
+    /* timings with CUDA events, milliseconds per call over `repeats` after a warm-up:
+     * a device-to-device copy of `bytes`; the matmul on fresh device buffers [T, K] x [N, K]^T */
+    int (*time_copy)(size_t bytes, int repeats, float *ms);
+    int (*time_matmul)(int64_t T, int64_t N, int64_t K, q3_dtype w_dt, int repeats, float *ms);
+    /* kernels: the CPU twin's arguments, then the stream */
+    int (*rmsnorm)(float *out, const float *x, const void *w, q3_dtype w_dt, int64_t rows, int64_t n,
+                   float eps, void *stream);
+    int (*matmul)(float *y, const float *x, const void *w, q3_dtype w_dt, int64_t T, int64_t N, int64_t K,
+                  int accumulate, void *stream);
+    int (*rope)(float *x, const int64_t *pos, int64_t rows, int heads, int D, float theta, void *stream);
+    int (*kv_write)(void *cache, q3_dtype dt, const float *src, int64_t src_stride, int64_t L, int kv_heads,
+                    int D, int64_t capacity, int64_t start, void *stream);
+    int (*attention)(float *out, const float *q, const q3_attn_seq *seqs, int n_seqs, const q3_attn_shape *shape,
+                     void *stream);
+    int (*router_topk)(int32_t *idx, float *weight, const float *logits, int64_t T, int E, int k, int normalize,
+                       void *stream);
+    int (*swiglu)(float *act, const float *gate, const float *up, int64_t n, void *stream);
+    int (*gather_rows)(float *dst, const float *src, const int32_t *rows, int64_t n, int64_t H, void *stream);
+    int (*scatter_add_rows)(float *dst, const float *src, const int32_t *rows, const float *scale, int64_t n,
+                            int64_t H, void *stream);
+} q3_cuda_ops;
+
+/* the one symbol the engine looks up: fills the table, returns 0 */
+int q3_cuda_ops_get(q3_cuda_ops *ops);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,131 @@
+// The library's entry point: the runtime helpers and the table of launchers
+// (kernels/cuda/ops_cuda.h). Everything CUDA stays behind this table.
+#include "ops_cuda.h"
+#include "common.cuh"
+
+extern "C" {
+int q3_rmsnorm_cuda(float *, const float *, const void *, q3_dtype, int64_t, int64_t, float, void *);
+int q3_matmul_cuda(float *, const float *, const void *, q3_dtype, int64_t, int64_t, int64_t, int, void *);
+int q3_rope_cuda(float *, const int64_t *, int64_t, int, int, float, void *);
+int q3_kv_write_cuda(void *, q3_dtype, const float *, int64_t, int64_t, int, int, int64_t, int64_t, void *);
+int q3_attention_cuda(float *, const float *, const q3_attn_seq *, int, const q3_attn_shape *, void *);
+int q3_router_topk_cuda(int32_t *, float *, const float *, int64_t, int, int, int, void *);
+int q3_swiglu_cuda(float *, const float *, const float *, int64_t, void *);
+int q3_gather_rows_cuda(float *, const float *, const int32_t *, int64_t, int64_t, void *);
+int q3_scatter_add_rows_cuda(float *, const float *, const int32_t *, const float *, int64_t, int64_t, void *);
+}
+
+static int device_count(int *n) { return (int)cudaGetDeviceCount(n); }
+static int set_device(int d) { return (int)cudaSetDevice(d); }
+static int malloc_device(void **p, size_t bytes) { return (int)cudaMalloc(p, bytes); }
+static int free_device(void *p) { return (int)cudaFree(p); }
+static int copy(void *dst, const void *src, size_t bytes, int to_device) {
+    return (int)cudaMemcpy(dst, src, bytes, to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost);
+}
+static int synchronize(void) { return (int)cudaDeviceSynchronize(); }
+static const char *error_string(int code) { return cudaGetErrorString((cudaError_t)code); }
+
+#define CHECK(call)                          \
+    do {                                     \
+        const cudaError_t e_ = (call);       \
+        if (e_ != cudaSuccess) {             \
+            status = (int)e_;                \
+            goto done;                       \
+        }                                    \
+    } while (0)
+
+// ms per call of `call(ctx)`, queued `repeats` times between two events after one warm-up
+static int time_calls(int (*call)(void *), void *ctx, int repeats, float *ms) {
+    int status = 0;
+    cudaEvent_t t0 = NULL, t1 = NULL;
+    CHECK(cudaEventCreate(&t0));
+    CHECK(cudaEventCreate(&t1));
+    CHECK((cudaError_t)call(ctx));
+    CHECK(cudaEventRecord(t0));
+    for (int r = 0; r < repeats; r++) CHECK((cudaError_t)call(ctx));
+    CHECK(cudaEventRecord(t1));
+    CHECK(cudaEventSynchronize(t1));
+    CHECK(cudaEventElapsedTime(ms, t0, t1));
+    *ms /= (float)repeats;
+done:
+    if (t0) cudaEventDestroy(t0);
+    if (t1) cudaEventDestroy(t1);
+    return status;
+}
+
+typedef struct {
+    void *dst;
+    const void *src;
+    size_t bytes;
+} copy_args;
+
+static int copy_call(void *p) {
+    const copy_args *a = (const copy_args *)p;
+    return (int)cudaMemcpyAsync(a->dst, a->src, a->bytes, cudaMemcpyDeviceToDevice);
+}
+
+static int time_copy(size_t bytes, int repeats, float *ms) {
+    int status = 0;
+    copy_args a = {NULL, NULL, bytes};
+    void *src = NULL;
+    CHECK(cudaMalloc(&a.dst, bytes));
+    CHECK(cudaMalloc(&src, bytes));
+    CHECK(cudaMemset(src, 1, bytes));
+    a.src = src;
+    status = time_calls(copy_call, &a, repeats, ms);
+done:
+    cudaFree(a.dst);
+    cudaFree(src);
+    return status;
+}
+
+typedef struct {
+    float *y, *x;
+    void *w;
+    q3_dtype w_dt;
+    int64_t T, N, K;
+} matmul_args;
+
+static int matmul_call(void *p) {
+    const matmul_args *a = (const matmul_args *)p;
+    return q3_matmul_cuda(a->y, a->x, a->w, a->w_dt, a->T, a->N, a->K, 0, NULL);
+}
+
+static int time_matmul(int64_t T, int64_t N, int64_t K, q3_dtype w_dt, int repeats, float *ms) {
+    int status = 0;
+    matmul_args a = {NULL, NULL, NULL, w_dt, T, N, K};
+    const size_t wbytes = (size_t)(N * K) * (w_dt == Q3_BF16 ? 2 : 4);
+    CHECK(cudaMalloc(&a.w, wbytes));
+    CHECK(cudaMalloc((void **)&a.x, (size_t)(T * K) * 4));
+    CHECK(cudaMalloc((void **)&a.y, (size_t)(T * N) * 4));
+    CHECK(cudaMemset(a.w, 0, wbytes));
+    CHECK(cudaMemset(a.x, 0, (size_t)(T * K) * 4));
+    status = time_calls(matmul_call, &a, repeats, ms);
+done:
+    cudaFree(a.w);
+    cudaFree(a.x);
+    cudaFree(a.y);
+    return status;
+}
+
+extern "C" int q3_cuda_ops_get(q3_cuda_ops *ops) {
+    ops->time_copy = time_copy;
+    ops->time_matmul = time_matmul;
+    ops->device_count = device_count;
+    ops->set_device = set_device;
+    ops->malloc_device = malloc_device;
+    ops->free_device = free_device;
+    ops->copy = copy;
+    ops->synchronize = synchronize;
+    ops->error_string = error_string;
+    ops->rmsnorm = q3_rmsnorm_cuda;
+    ops->matmul = q3_matmul_cuda;
+    ops->rope = q3_rope_cuda;
+    ops->kv_write = q3_kv_write_cuda;
+    ops->attention = q3_attention_cuda;
+    ops->router_topk = q3_router_topk_cuda;
+    ops->swiglu = q3_swiglu_cuda;
+    ops->gather_rows = q3_gather_rows_cuda;
+    ops->scatter_add_rows = q3_scatter_add_rows_cuda;
+    return 0;
+}

@@ -1,0 +1,36 @@
+"""The CUDA backend's library (libq3cuda.so, built beside the extension where nvcc was
+found). It is opened only when asked for, so `import qwen3layer` works without CUDA."""
+from __future__ import annotations
+
+import os
+
+from . import _C
+
+LIBRARY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "libq3cuda.so")
+
+
+def built() -> bool:
+    """Whether this build has the CUDA backend (nvcc was found when it was built)."""
+    return os.path.exists(LIBRARY)
+
+
+def load() -> None:
+    """Opens the CUDA library; RuntimeError if this build has none or it cannot be loaded."""
+    if not built():
+        raise RuntimeError("cuda: this build has no CUDA backend (nvcc was not found when it was built)")
+    _C.cuda_open(LIBRARY)
+
+
+def device_count() -> int:
+    """CUDA devices visible to the backend (0 without a backend, a driver or a GPU)."""
+    if not built():
+        return 0
+    load()
+    return _C.cuda_device_count()
+
+
+def check_kernels(device: int = 0) -> list[dict]:
+    """Runs every CUDA kernel against its CPU twin on random inputs on `device`:
+    [{'case', 'max_err', 'tol', 'ok'}], max_err being max |cuda - cpu| / max |cpu|."""
+    load()
+    return [{"case": c, "max_err": e, "tol": t, "ok": e <= t} for c, e, t in _C.cuda_check(device)]
