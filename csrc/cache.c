@@ -3,9 +3,38 @@
 #include <string.h>
 
 #include "cache.h"
+#include "cuda_backend.h"
 
 q3_status q3_cache_create(q3_cache **out, int batch, int64_t capacity, int kv_heads,
                           int head_dim, q3_dtype dtype, q3_error *err) {
+    return q3_cache_create_on(out, batch, capacity, kv_heads, head_dim, dtype, -1, err);
+}
+
+/* K or V: n zeroed bytes on the host or the device */
+static void *cache_alloc(size_t n, int device) {
+    if (device < 0) {
+        void *p = q3_alloc(n);
+        /* touch every page now, so that appending a token never faults new memory in */
+        if (p) memset(p, 0, n);
+        return p;
+    }
+    const q3_cuda_ops *g = q3_cuda();
+    void *p = NULL;
+    if (!g || g->set_device(device) || g->malloc_device(&p, n ? n : 1)) return NULL;
+    if (g->memset_async(p, 0, n, NULL) || g->synchronize()) {
+        g->free_device(p);
+        return NULL;
+    }
+    return p;
+}
+
+static void cache_free(void *p, int device) {
+    if (device < 0) q3_free(p);
+    else if (p && q3_cuda()) q3_cuda()->free_device(p);
+}
+
+q3_status q3_cache_create_on(q3_cache **out, int batch, int64_t capacity, int kv_heads, int head_dim,
+                             q3_dtype dtype, int device, q3_error *err) {
     *out = NULL;
     if (batch <= 0) return q3_fail(err, Q3_ERR_VALUE, "batch: expected a positive integer, got %d", batch);
     if (capacity <= 0)
@@ -19,16 +48,15 @@ q3_status q3_cache_create(q3_cache **out, int batch, int64_t capacity, int kv_he
     c->head_dim = head_dim;
     c->capacity = capacity;
     c->dtype = dtype;
+    c->device = device;
     c->lengths = calloc((size_t)batch, sizeof *c->lengths);
-    c->k = q3_alloc(n);
-    c->v = q3_alloc(n);
+    c->k = cache_alloc(n, device);
+    c->v = cache_alloc(n, device);
     if (!c->lengths || !c->k || !c->v) {
         q3_cache_destroy(c);
-        return q3_fail(err, Q3_ERR_NOMEM, "KV cache: cannot allocate 2 x %zu bytes", n);
+        return q3_fail(err, Q3_ERR_NOMEM, "KV cache: cannot allocate 2 x %zu bytes on %s", n,
+                       device < 0 ? "the host" : "the CUDA device");
     }
-    /* touch every page now, so that appending a token never faults new memory in */
-    memset(c->k, 0, n);
-    memset(c->v, 0, n);
     *out = c;
     return Q3_OK;
 }
@@ -36,8 +64,8 @@ q3_status q3_cache_create(q3_cache **out, int batch, int64_t capacity, int kv_he
 void q3_cache_destroy(q3_cache *c) {
     if (!c) return;
     free(c->lengths);
-    q3_free(c->k);
-    q3_free(c->v);
+    cache_free(c->k, c->device);
+    cache_free(c->v, c->device);
     free(c);
 }
 

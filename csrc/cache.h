@@ -18,13 +18,17 @@ struct q3_cache {
     int head_dim;
     int64_t capacity; /* tokens per sequence */
     q3_dtype dtype;
-    int64_t *lengths; /* [batch] tokens held by each sequence */
+    int device;       /* -1: host memory; else the CUDA device holding k and v */
+    int64_t *lengths; /* [batch] tokens held by each sequence (host memory always) */
     void *k;          /* [batch, kv_heads, capacity, head_dim] */
     void *v;          /* [batch, kv_heads, capacity, head_dim] */
 };
 
 q3_status q3_cache_create(q3_cache **out, int batch, int64_t capacity, int kv_heads,
                           int head_dim, q3_dtype dtype, q3_error *err);
+/* the same on CUDA device `device` (-1: host); the CUDA backend must be open */
+q3_status q3_cache_create_on(q3_cache **out, int batch, int64_t capacity, int kv_heads, int head_dim,
+                             q3_dtype dtype, int device, q3_error *err);
 void q3_cache_destroy(q3_cache *c);
 /* seq < 0: every sequence */
 q3_status q3_cache_reset(q3_cache *c, int seq, q3_error *err);

@@ -201,6 +201,25 @@ static double case_rows(check *k) {
     return k->failed ? INFINITY : max_err(got, dst, Q3_F32, T * H);
 }
 
+static double case_convert(check *k) {
+    const int64_t n = 777;
+    float *x = host_random(k, n, Q3_F32, 18), *back = host(k, n * 4);
+    uint16_t *want = host(k, n * 2), *got = host(k, n * 2);
+    if (k->failed) return INFINITY;
+    float *dx = device(k, x, n * 4), *dback = device(k, NULL, n * 4);
+    uint16_t *dh = device(k, NULL, n * 2);
+    k->c->from_f32(want, Q3_BF16, x, n);
+    if (!k->failed) cuda_ok(k, k->g->from_f32(dh, Q3_BF16, dx, n, NULL), "from_f32 launch");
+    if (!k->failed) cuda_ok(k, k->g->to_f32(dback, dh, Q3_BF16, n, NULL), "to_f32 launch");
+    fetch(k, got, dh, n * 2);
+    fetch(k, back, dback, n * 4);
+    if (k->failed) return INFINITY;
+    const double e = max_err(got, want, Q3_BF16, n);
+    k->c->to_f32(x, want, Q3_BF16, n); /* bf16 -> fp32 is exact: the round trip must match */
+    const double r = max_err(back, x, Q3_F32, n);
+    return e > r ? e : r;
+}
+
 q3_status q3_cuda_check(int device_index, q3_check_result *out, int max, int *n, q3_error *err) {
     *n = 0;
     const q3_cuda_ops *g = q3_cuda();
@@ -232,6 +251,7 @@ q3_status q3_cuda_check(int device_index, q3_check_result *out, int max, int *n,
     RUN("router top-k", 1e-6, case_router(&k, 0));
     RUN("swiglu", 1e-5, case_swiglu(&k));
     RUN("gather + scatter_add rows", 1e-6, case_rows(&k));
+    RUN("convert fp32 <-> bf16", 0.0, case_convert(&k));
 #undef RUN
     return Q3_OK;
 }

@@ -1,6 +1,7 @@
 /* Layer lifetime and the forward driver: checks every argument, sizes the workspace, then
  * runs the tokens through both stages chunk by chunk. Prefill, chunked prefill and decode
  * are this one function with different (n_seqs, tokens, chunk). */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -36,7 +37,7 @@ q3_status q3_layer_create(q3_layer **out, const q3_config *cfg, const q3_weights
         l->w.experts[x] = ptrs + x * E;
     }
     l->expert_ptrs = ptrs;
-    s = q3_workspace_reserve(&l->ws, cfg, 1, 1, err);
+    s = w->device >= 0 ? Q3_OK : q3_workspace_reserve(&l->ws, cfg, 1, 1, err);
     if (s != Q3_OK) {
         q3_layer_destroy(l);
         return s;
@@ -47,6 +48,7 @@ q3_status q3_layer_create(q3_layer **out, const q3_config *cfg, const q3_weights
 
 void q3_layer_destroy(q3_layer *l) {
     if (!l) return;
+    q3_layer_cuda_release(l);
     q3_workspace_release(&l->ws);
     free(l->expert_ptrs);
     free(l);
@@ -56,8 +58,18 @@ const q3_config *q3_layer_config(const q3_layer *l) { return &l->cfg; }
 q3_dtype q3_layer_dtype(const q3_layer *l) { return l->w.dtype; }
 size_t q3_layer_workspace_bytes(const q3_layer *l) { return l->ws.bytes; }
 
+static const char *device_name(int device, char *buf, size_t n) {
+    if (device < 0) snprintf(buf, n, "cpu");
+    else snprintf(buf, n, "cuda:%d", device);
+    return buf;
+}
+
 static q3_status check_args(const q3_layer *l, const q3_cache *c, const q3_forward_args *a,
                             q3_error *err) {
+    char want[16], got[16];
+    if (c->device != l->w.device)
+        return q3_fail(err, Q3_ERR_VALUE, "cache: expected a cache on %s (this layer's device), got one on %s",
+                       device_name(l->w.device, want, sizeof want), device_name(c->device, got, sizeof got));
     if (c->kv_heads != l->cfg.kv_heads || c->head_dim != l->cfg.head_dim)
         return q3_fail(err, Q3_ERR_VALUE,
                        "cache: expected %d KV heads of dim %d (this layer's), got %d of dim %d",
@@ -88,6 +100,7 @@ static q3_status check_args(const q3_layer *l, const q3_cache *c, const q3_forwa
 q3_status q3_layer_forward(q3_layer *l, q3_cache *c, const q3_forward_args *a, q3_error *err) {
     q3_status s = check_args(l, c, a, err);
     if (s != Q3_OK) return s;
+    if (l->w.device >= 0) return q3_layer_forward_cuda(l, c, a, err);
     const int64_t chunk = a->chunk > 0 ? a->chunk : Q3_DEFAULT_CHUNK;
     const int64_t step = chunk < a->tokens ? chunk : a->tokens;
     s = q3_workspace_reserve(&l->ws, &l->cfg, step * a->n_seqs, a->n_seqs, err);

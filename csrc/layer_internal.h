@@ -6,11 +6,14 @@
 #include "cpu_dispatch.h"
 #include "workspace.h"
 
+typedef struct q3_cuda_state q3_cuda_state; /* csrc/layer_cuda.c */
+
 struct q3_layer {
     q3_config cfg;
     q3_weights w;                     /* borrowed; expert pointer arrays point into experts[] */
     const void **expert_ptrs;         /* [Q3_X_COUNT * E] owned copy of the pointer arrays */
-    q3_workspace ws;
+    q3_workspace ws;                  /* host workspace (CPU layers) */
+    q3_cuda_state *gpu;               /* CUDA layers: device workspace and host staging */
 };
 
 /* One pass over the R = n_seqs * L rows in ws->x [R, H] (row s * L + t is token t of
@@ -26,5 +29,10 @@ typedef struct {
 void q3_attention_block(q3_layer *layer, q3_cache *cache, const q3_pass *p);
 /* x += sum_k w_k expert_k(rmsnorm(x)) */
 void q3_moe_block(q3_layer *layer, const q3_pass *p);
+
+/* the forward of a layer whose weights live on a CUDA device (csrc/layer_cuda.c), after
+ * layer.c checked the arguments; and its state's release */
+q3_status q3_layer_forward_cuda(q3_layer *layer, q3_cache *cache, const q3_forward_args *a, q3_error *err);
+void q3_layer_cuda_release(q3_layer *layer);
 
 #endif

@@ -4,12 +4,12 @@
 #include "py_glue.h"
 
 q3_cache_object *q3_cache_object_new(q3_module_state *st, int batch, int64_t capacity,
-                                     int kv_heads, int head_dim, q3_dtype dt) {
+                                     int kv_heads, int head_dim, q3_dtype dt, int device) {
     q3_cache *c;
     q3_error err;
     q3_status s;
     Py_BEGIN_ALLOW_THREADS
-    s = q3_cache_create(&c, batch, capacity, kv_heads, head_dim, dt, &err);
+    s = q3_cache_create_on(&c, batch, capacity, kv_heads, head_dim, dt, device, &err);
     Py_END_ALLOW_THREADS
     if (s != Q3_OK) return (q3_cache_object *)q3_raise(st, &err);
     q3_cache_object *o = PyObject_New(q3_cache_object, st->cache_type);
@@ -96,7 +96,9 @@ static PyObject *cache_view(q3_cache_object *o, PyObject *args, PyObject *kw, in
     const int64_t shape[3] = {c->kv_heads, c->lengths[seq], c->head_dim};
     const int64_t strides[3] = {c->capacity * c->head_dim, c->head_dim, 1};
     void *base = values ? q3_cache_seq_values(c, seq) : q3_cache_seq_keys(c, seq);
-    return (PyObject *)q3_tensor_view(st, (PyObject *)o, base, c->dtype, 3, shape, strides);
+    q3_tensor_object *t = q3_tensor_view(st, (PyObject *)o, base, c->dtype, 3, shape, strides);
+    if (t) t->device = c->device;
+    return (PyObject *)t;
 }
 
 static PyObject *cache_keys(q3_cache_object *o, PyObject *a, PyObject *k) { return cache_view(o, a, k, 0); }

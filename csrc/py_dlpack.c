@@ -54,16 +54,25 @@ static int query_device(PyObject *obj, const char *arg, int *type, int *id) {
     return 0;
 }
 
-static PyObject *export_capsule(PyObject *obj) {
+static PyObject *export_capsule(PyObject *obj, int cuda, void *stream) {
     PyObject *meth = PyObject_GetAttrString(obj, "__dlpack__");
     if (!meth) return NULL;
     PyObject *args = PyTuple_New(0);
-    PyObject *kw = Py_BuildValue("{s:(ii)}", "max_version", Q3_DL_MAJOR, Q3_DL_MINOR);
+    /* CUDA: the stream the consumer will use (1 is the legacy default stream, per DLPack) */
+    PyObject *kw = cuda ? Py_BuildValue("{s:(ii),s:K}", "max_version", Q3_DL_MAJOR, Q3_DL_MINOR, "stream",
+                                        (unsigned long long)(stream ? (uintptr_t)stream : 1))
+                        : Py_BuildValue("{s:(ii)}", "max_version", Q3_DL_MAJOR, Q3_DL_MINOR);
     PyObject *cap = args && kw ? PyObject_Call(meth, args, kw) : NULL;
     if (!cap && PyErr_ExceptionMatches(PyExc_TypeError)) {
         /* a producer older than DLPack 1.0 does not know max_version */
         PyErr_Clear();
-        cap = PyObject_CallNoArgs(meth);
+        if (cuda) {
+            PyObject *kw_legacy = Py_BuildValue("{s:K}", "stream", (unsigned long long)(stream ? (uintptr_t)stream : 1));
+            cap = kw_legacy && args ? PyObject_Call(meth, args, kw_legacy) : NULL;
+            Py_XDECREF(kw_legacy);
+        } else {
+            cap = PyObject_CallNoArgs(meth);
+        }
     }
     Py_XDECREF(args);
     Py_XDECREF(kw);
@@ -71,13 +80,30 @@ static PyObject *export_capsule(PyObject *obj) {
     return cap;
 }
 
-static int fill_view(q3_view *v, const q3_dl_tensor *t, const char *arg) {
+/* "cpu" or "cuda:N" */
+static void want_name(char *buf, size_t n, int device) {
+    if (device < 0) snprintf(buf, n, "cpu");
+    else snprintf(buf, n, "cuda:%d", device);
+}
+
+static int device_fits(int type, int id, int device, int allow_host) {
+    if (type == Q3_DL_CPU) return device < 0 || allow_host;
+    return type == Q3_DL_CUDA && device >= 0 && id == device;
+}
+
+static int wrong_device(const char *arg, int type, int id, int device) {
+    char want[24];
+    want_name(want, sizeof want, device);
+    if (type == Q3_DL_CPU) PyErr_Format(PyExc_ValueError, "%s: expected a tensor on device %s, got cpu", arg, want);
+    else PyErr_Format(PyExc_ValueError, "%s: expected a tensor on device %s, got %s:%d", arg, want, device_name(type), id);
+    return -1;
+}
+
+static int fill_view(q3_view *v, const q3_dl_tensor *t, const char *arg, int device, int allow_host) {
     char desc[64];
-    if (t->device.device_type != Q3_DL_CPU) {
-        PyErr_Format(PyExc_ValueError, "%s: expected a tensor on device cpu, got %s:%d", arg,
-                     device_name(t->device.device_type), t->device.device_id);
-        return -1;
-    }
+    if (!device_fits(t->device.device_type, t->device.device_id, device, allow_host))
+        return wrong_device(arg, t->device.device_type, t->device.device_id, device);
+    v->device = t->device.device_type == Q3_DL_CPU ? -1 : t->device.device_id;
     if (t->dtype.lanes == 1 && t->dtype.code == Q3_DL_FLOAT && t->dtype.bits == 32) v->dtype = Q3_F32;
     else if (t->dtype.lanes == 1 && t->dtype.code == Q3_DL_BFLOAT && t->dtype.bits == 16) v->dtype = Q3_BF16;
     else {
@@ -104,15 +130,15 @@ static int fill_view(q3_view *v, const q3_dl_tensor *t, const char *arg) {
 }
 
 int q3_view_acquire(PyObject *obj, const char *arg, q3_view *v) {
+    return q3_view_acquire_on(obj, arg, v, -1, 0, NULL);
+}
+
+int q3_view_acquire_on(PyObject *obj, const char *arg, q3_view *v, int device, int allow_host, void *stream) {
     memset(v, 0, sizeof *v);
     int type, id;
     if (query_device(obj, arg, &type, &id) < 0) return -1;
-    if (type != Q3_DL_CPU) {
-        PyErr_Format(PyExc_ValueError, "%s: expected a tensor on device cpu, got %s:%d", arg,
-                     device_name(type), id);
-        return -1;
-    }
-    PyObject *cap = export_capsule(obj);
+    if (!device_fits(type, id, device, allow_host)) return wrong_device(arg, type, id, device);
+    PyObject *cap = export_capsule(obj, type != Q3_DL_CPU, stream);
     if (!cap) return -1;
     const q3_dl_tensor *t = NULL;
     if (PyCapsule_IsValid(cap, "dltensor_versioned")) {
@@ -139,7 +165,7 @@ int q3_view_acquire(PyObject *obj, const char *arg, q3_view *v) {
         return -1;
     }
     Py_DECREF(cap);
-    if (fill_view(v, t, arg) < 0) {
+    if (fill_view(v, t, arg, device, allow_host) < 0) {
         q3_view_release(v);
         return -1;
     }

@@ -39,6 +39,7 @@ typedef struct {
     int64_t shape[Q3_MAX_DIM];
     int64_t strides[Q3_MAX_DIM]; /* elements */
     q3_dtype dtype;
+    int device;    /* -1: host memory; else the CUDA device */
     int contiguous;
     int readonly;
     void *managed; /* q3_dl_managed or q3_dl_managed_v, released by its deleter */
@@ -49,6 +50,9 @@ typedef struct {
  * `arg`: TypeError for a non-tensor or another dtype, ValueError for another device.
  * Returns 0, or -1 with an exception set (nothing to release then). */
 int q3_view_acquire(PyObject *obj, const char *arg, q3_view *v);
+/* The same for a tensor expected on `device` (-1: cpu, else cuda:device; host tensors too
+ * when allow_host). A CUDA producer is handed `stream` (the consumer's, NULL: legacy default). */
+int q3_view_acquire_on(PyObject *obj, const char *arg, q3_view *v, int device, int allow_host, void *stream);
 void q3_view_release(q3_view *v);
 /* "[2, 3, 4]" */
 void q3_format_shape(char *buf, size_t n, int ndim, const int64_t *shape);
@@ -64,11 +68,14 @@ typedef struct {
     int64_t shape[Q3_MAX_DIM];
     int64_t strides[Q3_MAX_DIM]; /* elements */
     q3_dtype dtype;
+    int device; /* -1: host memory; else the CUDA device */
 } q3_tensor_object;
 
 extern PyType_Spec q3_tensor_spec;
 /* new contiguous tensor of fresh extension memory (uninitialised) */
 q3_tensor_object *q3_tensor_new(q3_module_state *st, q3_dtype dt, int ndim, const int64_t *shape);
+/* the same on CUDA device `device` (-1: host) */
+q3_tensor_object *q3_tensor_new_on(q3_module_state *st, q3_dtype dt, int ndim, const int64_t *shape, int device);
 /* view of memory owned by base */
 q3_tensor_object *q3_tensor_view(q3_module_state *st, PyObject *base, void *data, q3_dtype dt,
                                  int ndim, const int64_t *shape, const int64_t *strides);
@@ -85,7 +92,7 @@ typedef struct {
 
 extern PyType_Spec q3_cache_spec;
 q3_cache_object *q3_cache_object_new(q3_module_state *st, int batch, int64_t capacity,
-                                     int kv_heads, int head_dim, q3_dtype dt);
+                                     int kv_heads, int head_dim, q3_dtype dt, int device);
 
 /* ---- Layer (py_layer.c) ------------------------------------------------------------ */
 

@@ -6,6 +6,7 @@
  * layer's lock (the workspace is per layer). */
 #include <string.h>
 
+#include "cuda_backend.h"
 #include "py_layer.h"
 
 #define FUSED_GATE_UP "mlp.experts.gate_up_proj"
@@ -84,7 +85,7 @@ static const void *take_weight(q3_layer_object *self, PyObject *weights, const c
     char arg[160];
     snprintf(arg, sizeof arg, "weights['%s']", name);
     q3_view *v = &self->views[self->n_views];
-    if (q3_view_acquire(obj, arg, v) < 0) return NULL;
+    if (q3_view_acquire_on(obj, arg, v, self->device, 1, NULL) < 0) return NULL;
     int fits_shape = v->ndim == rank;
     for (int d = 0; fits_shape && d < rank; d++) fits_shape = v->shape[d] == dims[d];
     if (!fits_shape) {
@@ -95,13 +96,21 @@ static const void *take_weight(q3_layer_object *self, PyObject *weights, const c
         q3_view_release(v);
         return NULL;
     }
-    if (v->dtype == dtype && v->contiguous) {
+    if (v->device == self->device && v->dtype == dtype && v->contiguous) {
         self->n_views++;
         return v->data;
     }
+    if (v->device >= 0) {
+        PyErr_Format(PyExc_ValueError, "%s: a CUDA weight must be contiguous and of the layer's dtype (%s), got "
+                     "a%s %s tensor", arg, q3_dtype_name(dtype), v->contiguous ? "" : " non-contiguous",
+                     q3_dtype_name(v->dtype));
+        q3_view_release(v);
+        return NULL;
+    }
     size_t n = 1;
     for (int d = 0; d < rank; d++) n *= (size_t)dims[d];
-    void *copy = q3_alloc(n * q3_dtype_size(dtype));
+    const size_t bytes = n * q3_dtype_size(dtype);
+    void *copy = q3_alloc(bytes);
     if (!copy) {
         q3_view_release(v);
         PyErr_NoMemory();
@@ -111,6 +120,21 @@ static const void *take_weight(q3_layer_object *self, PyObject *weights, const c
     q3_copy_strided(copy, dtype, v->data, v->dtype, rank, v->shape, v->strides);
     Py_END_ALLOW_THREADS
     q3_view_release(v);
+    if (self->device >= 0) { /* a host weight for a CUDA layer: uploaded once, now */
+        void *dev = NULL;
+        const q3_cuda_ops *g = q3_cuda();
+        int code = g->set_device(self->device);
+        if (!code) code = g->malloc_device(&dev, bytes);
+        if (!code) code = g->copy(dev, copy, bytes, 1);
+        q3_free(copy);
+        if (code) {
+            if (dev) g->free_device(dev);
+            PyErr_Format(PyExc_MemoryError, "%s: cannot copy %zu bytes to cuda:%d: %s", arg, bytes, self->device,
+                         g->error_string(code));
+            return NULL;
+        }
+        copy = dev;
+    }
     self->owned[self->n_owned++] = copy;
     PyObject *nm = PyUnicode_FromString(name);
     if (!nm || PyList_Append(self->converted, nm) < 0) {
@@ -161,7 +185,7 @@ static int take_experts(q3_layer_object *self, PyObject *weights, const q3_confi
 }
 
 /* dtype of the layer: the dtype argument, else the q_proj weight's */
-static int layer_dtype(PyObject *weights, PyObject *dtype_obj, q3_dtype *dt) {
+static int layer_dtype(PyObject *weights, PyObject *dtype_obj, int device, q3_dtype *dt) {
     if (dtype_obj != Py_None) return q3_parse_dtype(dtype_obj, "dtype", dt);
     const char *name = q3_dense_weight_name(Q3_W_Q_PROJ);
     PyObject *q = PyDict_GetItemString(weights, name);
@@ -172,24 +196,30 @@ static int layer_dtype(PyObject *weights, PyObject *dtype_obj, q3_dtype *dt) {
     q3_view v;
     char arg[96];
     snprintf(arg, sizeof arg, "weights['%s']", name);
-    if (q3_view_acquire(q, arg, &v) < 0) return -1;
+    if (q3_view_acquire_on(q, arg, &v, device, 1, NULL) < 0) return -1;
     *dt = v.dtype;
     q3_view_release(&v);
     return 0;
 }
 
 static PyObject *layer_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
-    static char *names[] = {"config", "weights", "dtype", NULL};
+    static char *names[] = {"config", "weights", "dtype", "device", NULL};
     PyObject *cfg_obj, *weights, *dtype_obj = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO!|O:Layer", names, &cfg_obj, &PyDict_Type, &weights,
-                                     &dtype_obj))
+    int device = -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO!|Oi:Layer", names, &cfg_obj, &PyDict_Type, &weights,
+                                     &dtype_obj, &device))
         return NULL;
+    if (device >= 0 && !q3_cuda()) {
+        PyErr_SetString(PyExc_RuntimeError, "device: the CUDA backend is not loaded (qwen3layer.cuda.load())");
+        return NULL;
+    }
     q3_config cfg;
     q3_dtype dt;
-    if (q3_parse_config(cfg_obj, &cfg) < 0 || layer_dtype(weights, dtype_obj, &dt) < 0) return NULL;
+    if (q3_parse_config(cfg_obj, &cfg) < 0 || layer_dtype(weights, dtype_obj, device, &dt) < 0) return NULL;
 
     q3_layer_object *self = (q3_layer_object *)type->tp_alloc(type, 0);
     if (!self) return NULL;
+    self->device = device < 0 ? -1 : device;
     const int max_tensors = Q3_W_DENSE_COUNT + Q3_X_COUNT * cfg.experts;
     self->views = PyMem_Calloc((size_t)max_tensors, sizeof *self->views);
     self->owned = PyMem_Calloc((size_t)max_tensors, sizeof *self->owned);
@@ -202,7 +232,7 @@ static PyObject *layer_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
         Py_DECREF(self);
         return PyErr_NoMemory();
     }
-    q3_weights w = {.dtype = dt};
+    q3_weights w = {.dtype = dt, .device = self->device};
     for (int i = 0; i < Q3_W_DENSE_COUNT; i++) {
         int64_t dims[2];
         const int rank = q3_dense_weight_shape(&cfg, i, dims);
@@ -229,7 +259,10 @@ static void layer_dealloc(q3_layer_object *self) {
     PyTypeObject *tp = Py_TYPE(self);
     q3_layer_destroy(self->layer);
     for (int i = 0; self->views && i < self->n_views; i++) q3_view_release(&self->views[i]);
-    for (int i = 0; self->owned && i < self->n_owned; i++) q3_free(self->owned[i]);
+    for (int i = 0; self->owned && i < self->n_owned; i++) {
+        if (self->device < 0) q3_free(self->owned[i]);
+        else if (q3_cuda()) q3_cuda()->free_device(self->owned[i]);
+    }
     PyMem_Free(self->views);
     PyMem_Free(self->owned);
     PyMem_Free(self->expert_ptrs);

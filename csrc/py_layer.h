@@ -15,6 +15,7 @@ typedef struct {
     PyObject *converted; /* list of names converted at construction */
     PyObject *weight_ptrs; /* dict name -> address the engine reads */
     PyThread_type_lock lock;
+    int device;          /* -1: cpu; else the CUDA device of weights, caches and outputs */
 } q3_layer_object;
 
 extern PyMethodDef q3_layer_methods[];

@@ -94,7 +94,7 @@ static int check_out(const q3_view *o, const q3_view *x) {
 }
 
 static PyObject *run(q3_layer_object *self, PyObject *x_obj, PyObject *cache_obj, int decode,
-                     PyObject *seq_obj, PyObject *chunk_obj, PyObject *out_obj) {
+                     PyObject *seq_obj, PyObject *chunk_obj, PyObject *out_obj, PyObject *stream_obj) {
     q3_module_state *st = q3_state_of_type(Py_TYPE(self));
     if (!st) return NULL;
     q3_cache_object *co = as_cache(cache_obj, st);
@@ -103,8 +103,17 @@ static PyObject *run(q3_layer_object *self, PyObject *x_obj, PyObject *cache_obj
     int64_t chunk;
     if (parse_chunk(chunk_obj, &chunk) < 0) return NULL;
 
+    void *stream = NULL;
+    if (stream_obj != Py_None) {
+        stream = PyLong_AsVoidPtr(stream_obj);
+        if (!stream && PyErr_Occurred()) return NULL;
+        if (self->device < 0) {
+            PyErr_SetString(PyExc_ValueError, "stream: expected None for a cpu layer");
+            return NULL;
+        }
+    }
     q3_view x, out = {0};
-    if (q3_view_acquire(x_obj, "x", &x) < 0) return NULL;
+    if (q3_view_acquire_on(x_obj, "x", &x, self->device, 0, stream) < 0) return NULL;
     PyObject *result = NULL;
     int n_seqs;
     int64_t tokens;
@@ -141,10 +150,10 @@ static PyObject *run(q3_layer_object *self, PyObject *x_obj, PyObject *cache_obj
         for (int i = 0; i < n_seqs; i++) seq_list[i] = i;
     }
     if (out_obj != Py_None) {
-        if (q3_view_acquire(out_obj, "out", &out) < 0 || check_out(&out, &x) < 0) goto done;
+        if (q3_view_acquire_on(out_obj, "out", &out, self->device, 0, stream) < 0 || check_out(&out, &x) < 0) goto done;
         result = Py_NewRef(out_obj);
     } else {
-        result = (PyObject *)q3_tensor_new(st, x.dtype, x.ndim, x.shape);
+        result = (PyObject *)q3_tensor_new_on(st, x.dtype, x.ndim, x.shape, self->device);
         if (!result) goto done;
     }
     if (co->busy) {
@@ -153,7 +162,7 @@ static PyObject *run(q3_layer_object *self, PyObject *x_obj, PyObject *cache_obj
         goto done;
     }
     const q3_forward_args a = {x.data, out_obj != Py_None ? out.data : ((q3_tensor_object *)result)->data,
-                               x.dtype, n_seqs, seq_list, tokens, chunk};
+                               x.dtype, n_seqs, seq_list, tokens, chunk, stream};
     q3_error err;
     q3_status s;
     co->busy = 1;
@@ -175,18 +184,18 @@ done:
 }
 
 static PyObject *layer_prefill(q3_layer_object *self, PyObject *args, PyObject *kw) {
-    static char *names[] = {"x", "cache", "seq", "chunk_size", "out", NULL};
-    PyObject *x, *cache, *seq = Py_None, *chunk = Py_None, *out = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|OO$O:prefill", names, &x, &cache, &seq, &chunk, &out))
+    static char *names[] = {"x", "cache", "seq", "chunk_size", "out", "stream", NULL};
+    PyObject *x, *cache, *seq = Py_None, *chunk = Py_None, *out = Py_None, *stream = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|OO$OO:prefill", names, &x, &cache, &seq, &chunk, &out, &stream))
         return NULL;
-    return run(self, x, cache, 0, seq, chunk, out);
+    return run(self, x, cache, 0, seq, chunk, out, stream);
 }
 
 static PyObject *layer_decode(q3_layer_object *self, PyObject *args, PyObject *kw) {
-    static char *names[] = {"x", "cache", "out", NULL};
-    PyObject *x, *cache, *out = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|$O:decode", names, &x, &cache, &out)) return NULL;
-    return run(self, x, cache, 1, Py_None, Py_None, out);
+    static char *names[] = {"x", "cache", "out", "stream", NULL};
+    PyObject *x, *cache, *out = Py_None, *stream = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|$OO:decode", names, &x, &cache, &out, &stream)) return NULL;
+    return run(self, x, cache, 1, Py_None, Py_None, out, stream);
 }
 
 static PyObject *layer_new_cache(q3_layer_object *self, PyObject *args, PyObject *kw) {
@@ -201,17 +210,18 @@ static PyObject *layer_new_cache(q3_layer_object *self, PyObject *args, PyObject
     q3_module_state *st = q3_state_of_type(Py_TYPE(self));
     if (!st) return NULL;
     const q3_config *c = q3_layer_config(self->layer);
-    return (PyObject *)q3_cache_object_new(st, batch, max_tokens, c->kv_heads, c->head_dim, dt);
+    return (PyObject *)q3_cache_object_new(st, batch, max_tokens, c->kv_heads, c->head_dim, dt, self->device);
 }
 
 #define KW (METH_VARARGS | METH_KEYWORDS)
 PyMethodDef q3_layer_methods[] = {
     {"prefill", (PyCFunction)(void (*)(void))layer_prefill, KW,
-     "prefill(x, cache, seq=None, chunk_size=None, *, out=None)\n--\n\n"
+     "prefill(x, cache, seq=None, chunk_size=None, *, out=None, stream=None)\n--\n\n"
      "x [tokens, hidden] appended to sequence seq (default 0), or [batch, tokens, hidden] to every "
      "sequence. Returns a Tensor of x's shape and dtype (or out)."},
     {"decode", (PyCFunction)(void (*)(void))layer_decode, KW,
-     "decode(x, cache, *, out=None)\n--\n\nx [batch, hidden]: one token for each sequence of the cache."},
+     "decode(x, cache, *, out=None, stream=None)\n--\n\nx [batch, hidden]: one token for each sequence of the cache. "
+     "stream: a CUDA layer's cudaStream_t (int), NULL: the default stream."},
     {"new_cache", (PyCFunction)(void (*)(void))layer_new_cache, KW,
      "new_cache(max_tokens, batch=1, dtype=None)\n--\n\nA KVCache for this layer's geometry."},
     {NULL},
@@ -223,6 +233,10 @@ static PyObject *get_dtype(q3_layer_object *self, void *c) {
 }
 static PyObject *get_converted(q3_layer_object *self, void *c) { (void)c; return PyList_AsTuple(self->converted); }
 static PyObject *get_weight_ptrs(q3_layer_object *self, void *c) { (void)c; return PyDict_Copy(self->weight_ptrs); }
+static PyObject *get_device(q3_layer_object *self, void *c) {
+    (void)c;
+    return PyLong_FromLong(self->device);
+}
 static PyObject *get_workspace(q3_layer_object *self, void *c) {
     (void)c;
     return PyLong_FromSize_t(q3_layer_workspace_bytes(self->layer));
@@ -233,5 +247,6 @@ PyGetSetDef q3_layer_getset[] = {
     {"converted", (getter)get_converted, NULL, "names of weights converted at construction", NULL},
     {"weight_ptrs", (getter)get_weight_ptrs, NULL, "name -> address the engine reads", NULL},
     {"workspace_bytes", (getter)get_workspace, NULL, "activation workspace held now", NULL},
+    {"device", (getter)get_device, NULL, "-1 for cpu, else the CUDA device", NULL},
     {NULL},
 };

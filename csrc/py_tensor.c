@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cuda_backend.h"
 #include "dlpack_abi.h"
 #include "py_glue.h"
 
@@ -29,11 +30,29 @@ static q3_tensor_object *tensor_alloc(q3_module_state *st, q3_dtype dt, int ndim
     t->base = NULL;
     t->ndim = ndim;
     t->dtype = dt;
+    t->device = -1;
     for (int d = 0; d < ndim; d++) t->shape[d] = shape[d];
     return t;
 }
 
+static void *buffer_alloc(size_t bytes, int device) {
+    if (device < 0) return q3_alloc(bytes);
+    void *p = NULL;
+    const q3_cuda_ops *g = q3_cuda();
+    if (!g || g->set_device(device) || g->malloc_device(&p, bytes ? bytes : 4)) return NULL;
+    return p;
+}
+
+static void buffer_free(void *p, int device) {
+    if (device < 0) q3_free(p);
+    else if (p && q3_cuda()) q3_cuda()->free_device(p);
+}
+
 q3_tensor_object *q3_tensor_new(q3_module_state *st, q3_dtype dt, int ndim, const int64_t *shape) {
+    return q3_tensor_new_on(st, dt, ndim, shape, -1);
+}
+
+q3_tensor_object *q3_tensor_new_on(q3_module_state *st, q3_dtype dt, int ndim, const int64_t *shape, int device) {
     q3_tensor_object *t = tensor_alloc(st, dt, ndim, shape);
     if (!t) return NULL;
     int64_t stride = 1;
@@ -42,7 +61,8 @@ q3_tensor_object *q3_tensor_new(q3_module_state *st, q3_dtype dt, int ndim, cons
         stride *= shape[d];
     }
     owned_node *node = malloc(sizeof *node);
-    t->alloc = t->data = q3_alloc(tensor_numel(t) * q3_dtype_size(dt));
+    t->device = device;
+    t->alloc = t->data = buffer_alloc(tensor_numel(t) * q3_dtype_size(dt), device);
     if (!t->alloc || !node) {
         free(node);
         Py_DECREF(t);
@@ -74,7 +94,7 @@ static void tensor_dealloc(q3_tensor_object *t) {
                 free(dead);
                 break;
             }
-        q3_free(t->alloc);
+        buffer_free(t->alloc, t->device);
     }
     Py_XDECREF(t->base);
     PyObject_Free(t);
@@ -143,7 +163,7 @@ static void fill_dl(q3_dl_tensor *d, q3_tensor_object *t, int64_t *shape, int64_
     memcpy(shape, t->shape, sizeof t->shape);
     memcpy(strides, t->strides, sizeof t->strides);
     d->data = t->data;
-    d->device = (q3_dl_device){Q3_DL_CPU, 0};
+    d->device = t->device < 0 ? (q3_dl_device){Q3_DL_CPU, 0} : (q3_dl_device){Q3_DL_CUDA, t->device};
     d->ndim = t->ndim;
     d->dtype = t->dtype == Q3_BF16 ? (q3_dl_dtype){Q3_DL_BFLOAT, 16, 1} : (q3_dl_dtype){Q3_DL_FLOAT, 32, 1};
     d->shape = shape;
@@ -188,16 +208,18 @@ static PyObject *tensor_dlpack(q3_tensor_object *t, PyObject *args, PyObject *kw
     if (!PyArg_ParseTupleAndKeywords(args, kw, "|$OOOO:__dlpack__", names, &stream, &max_version,
                                      &dl_device, &copy))
         return NULL;
-    if (stream != Py_None) {
+    /* a CUDA tensor's work was queued on its caller's stream: a consumer on that stream (the
+     * usual case) needs no synchronisation, so any stream is accepted */
+    if (stream != Py_None && t->device < 0) {
         PyErr_SetString(PyExc_BufferError, "stream: expected None for a cpu tensor");
         return NULL;
     }
     if (dl_device != Py_None) {
         int type, id;
         if (!PyArg_ParseTuple(dl_device, "ii", &type, &id)) return NULL;
-        if (type != Q3_DL_CPU) {
-            PyErr_Format(PyExc_BufferError, "dl_device: this tensor is on cpu and cannot be exported "
-                         "to device type %d", type);
+        if (t->device < 0 ? type != Q3_DL_CPU : (type != Q3_DL_CUDA || id != t->device)) {
+            PyErr_Format(PyExc_BufferError, "dl_device: this tensor cannot be exported to device type %d:%d "
+                         "without a copy", type, id);
             return NULL;
         }
     }
@@ -209,6 +231,10 @@ static PyObject *tensor_dlpack(q3_tensor_object *t, PyObject *args, PyObject *kw
     }
     const int want_copy = copy != Py_None && PyObject_IsTrue(copy);
     if (!want_copy) return make_capsule(t, versioned, 0);
+    if (t->device >= 0) {
+        PyErr_SetString(PyExc_BufferError, "copy: copies of CUDA tensors are not supported; copy with the consumer");
+        return NULL;
+    }
     q3_tensor_object *c = tensor_copy(t);
     if (!c) return NULL;
     PyObject *cap = make_capsule(c, versioned, 1);
@@ -217,9 +243,8 @@ static PyObject *tensor_dlpack(q3_tensor_object *t, PyObject *args, PyObject *kw
 }
 
 static PyObject *tensor_dlpack_device(q3_tensor_object *t, PyObject *unused) {
-    (void)t;
     (void)unused;
-    return Py_BuildValue("(ii)", Q3_DL_CPU, 0);
+    return t->device < 0 ? Py_BuildValue("(ii)", Q3_DL_CPU, 0) : Py_BuildValue("(ii)", Q3_DL_CUDA, t->device);
 }
 
 static PyObject *dims_tuple(int n, const int64_t *v) {
@@ -232,7 +257,10 @@ static PyObject *tensor_shape(q3_tensor_object *t, void *c) { (void)c; return di
 static PyObject *tensor_strides(q3_tensor_object *t, void *c) { (void)c; return dims_tuple(t->ndim, t->strides); }
 static PyObject *tensor_dtype(q3_tensor_object *t, void *c) { (void)c; return PyUnicode_FromString(q3_dtype_name(t->dtype)); }
 static PyObject *tensor_ptr(q3_tensor_object *t, void *c) { (void)c; return PyLong_FromVoidPtr(t->data); }
-static PyObject *tensor_device(q3_tensor_object *t, void *c) { (void)t; (void)c; return PyUnicode_FromString("cpu"); }
+static PyObject *tensor_device(q3_tensor_object *t, void *c) {
+    (void)c;
+    return t->device < 0 ? PyUnicode_FromString("cpu") : PyUnicode_FromFormat("cuda:%d", t->device);
+}
 static PyObject *tensor_nbytes(q3_tensor_object *t, void *c) {
     (void)c;
     return PyLong_FromSize_t(tensor_numel(t) * q3_dtype_size(t->dtype));
@@ -241,8 +269,12 @@ static PyObject *tensor_nbytes(q3_tensor_object *t, void *c) {
 static PyObject *tensor_repr(q3_tensor_object *t) {
     char shape[160];
     q3_format_shape(shape, sizeof shape, t->ndim, t->shape);
-    return PyUnicode_FromFormat("qwen3layer.Tensor(shape=%s, dtype=%s, device=cpu%s)", shape,
-                                q3_dtype_name(t->dtype), t->alloc ? "" : ", view");
+    PyObject *dev = tensor_device(t, NULL);
+    PyObject *r = dev ? PyUnicode_FromFormat("qwen3layer.Tensor(shape=%s, dtype=%s, device=%U%s)", shape,
+                                             q3_dtype_name(t->dtype), dev, t->alloc ? "" : ", view")
+                      : NULL;
+    Py_XDECREF(dev);
+    return r;
 }
 
 static PyMethodDef tensor_methods[] = {
@@ -257,7 +289,7 @@ static PyGetSetDef tensor_getset[] = {
     {"shape", (getter)tensor_shape, NULL, "dimensions", NULL},
     {"strides", (getter)tensor_strides, NULL, "strides in elements", NULL},
     {"dtype", (getter)tensor_dtype, NULL, "'float32' or 'bfloat16'", NULL},
-    {"device", (getter)tensor_device, NULL, "'cpu'", NULL},
+    {"device", (getter)tensor_device, NULL, "'cpu' or 'cuda:N'", NULL},
     {"data_ptr", (getter)tensor_ptr, NULL, "address of the first element", NULL},
     {"nbytes", (getter)tensor_nbytes, NULL, "bytes covered by the elements", NULL},
     {NULL},

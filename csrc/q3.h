@@ -83,6 +83,7 @@ void q3_weight_init(int is_norm, float *mean, float *std);
 
 typedef struct {
     q3_dtype dtype;                                   /* of every weight */
+    int device;                                       /* -1: host memory; else the CUDA device */
     const void *dense[Q3_W_DENSE_COUNT];              /* contiguous, shapes as above */
     const void *const *experts[Q3_X_COUNT];           /* [E] pointers each, contiguous */
 } q3_weights;
@@ -111,6 +112,7 @@ typedef struct {
     const int32_t *seqs; /* [n_seqs] distinct cache sequences, one per block of rows */
     int64_t tokens;      /* per sequence, >= 1 */
     int64_t chunk;       /* tokens per sequence per pass; <= 0 means Q3_DEFAULT_CHUNK */
+    void *stream;        /* CUDA layers: the cudaStream_t the work is queued on (NULL: default) */
 } q3_forward_args;
 
 /* Runs the layer over the tokens, chunk by chunk, appending their K/V to the cache.

@@ -3,7 +3,7 @@
 #include "workspace.h"
 
 /* Lays the arrays out from base (NULL: only measures); returns the bytes used. */
-static size_t layout(q3_workspace *w, char *base, const q3_config *c, int64_t R, int S, int threads) {
+size_t q3_workspace_layout(q3_workspace *w, char *base, const q3_config *c, int64_t R, int S, int threads) {
     const int64_t H = c->hidden, QD = (int64_t)c->heads * c->head_dim,
                   KVD = (int64_t)c->kv_heads * c->head_dim, I = c->moe_inter;
     size_t off = 0;
@@ -48,12 +48,12 @@ q3_status q3_workspace_reserve(q3_workspace *ws, const q3_config *cfg, int64_t r
     if (seqs < ws->seqs) seqs = ws->seqs;
     q3_workspace grown = *ws;
     const int threads = q3_max_threads();
-    const size_t bytes = layout(&grown, NULL, cfg, rows, seqs, threads);
+    const size_t bytes = q3_workspace_layout(&grown, NULL, cfg, rows, seqs, threads);
     char *block = q3_alloc(bytes);
     if (!block)
         return q3_fail(err, Q3_ERR_NOMEM, "workspace: cannot allocate %zu bytes for %lld rows",
                        bytes, (long long)rows);
-    layout(&grown, block, cfg, rows, seqs, threads);
+    q3_workspace_layout(&grown, block, cfg, rows, seqs, threads);
     grown.threads = threads;
     grown.block = block;
     grown.bytes = bytes;

@@ -49,5 +49,8 @@ static inline int64_t q3_expert_thread_floats(const q3_config *c) {
 q3_status q3_workspace_reserve(q3_workspace *ws, const q3_config *cfg, int64_t rows, int seqs,
                                q3_error *err);
 void q3_workspace_release(q3_workspace *ws);
+/* Lays the arrays out from base (NULL: only measures) for R rows, S sequences and `threads`
+ * threads; returns the bytes. For a device block the host-only scratch is simply unused. */
+size_t q3_workspace_layout(q3_workspace *w, char *base, const q3_config *c, int64_t R, int S, int threads);
 
 #endif

@@ -18,14 +18,31 @@ KVCache = _C.KVCache
 Tensor = _C.Tensor
 
 
-def _check_device(device: Any) -> str:
+def _device_index(device: Any) -> int:
+    """'cpu' -> -1; 'cuda' or 'cuda:N' -> N, once the CUDA backend is loaded and sees that device."""
     name = str(device)
     if name == "cpu":
-        return name
-    if name.partition(":")[0] == "cuda" and cuda.built():
-        raise ValueError(f"device: {name!r}: this build's CUDA kernels exist and are checked against their CPU "
-                         "twins (qwen3layer.cuda.check_kernels), but the layer does not run on CUDA yet; use 'cpu'")
-    raise ValueError(f"device: expected 'cpu' (the backend this build runs layers on), got {name!r}")
+        return -1
+    kind, _, index = name.partition(":")
+    if kind != "cuda" or (index and not index.isdigit()):
+        raise ValueError(f"device: expected 'cpu', 'cuda' or 'cuda:N', got {name!r}")
+    if not cuda.built():
+        raise ValueError(f"device: {name!r}: this build has no CUDA backend (nvcc was not found when it was "
+                         "built); expected 'cpu'")
+    count = cuda.device_count()
+    n = int(index or 0)
+    if n >= count:
+        raise ValueError(f"device: {name!r}: expected a CUDA device index below {count} "
+                         f"(the CUDA devices this machine has), got {n}")
+    return n
+
+
+def _stream_of(x: Any, device: int) -> Optional[int]:
+    """The caller's current CUDA stream, for a CUDA layer called with torch tensors."""
+    if device < 0 or type(x).__module__.partition(".")[0] != "torch":
+        return None
+    torch = sys.modules["torch"]
+    return torch.cuda.current_stream(device).cuda_stream
 
 
 def _like(x: Any, y: Any) -> Any:
@@ -45,18 +62,23 @@ class DecoderLayer:
     with __dlpack__. Contiguous weights of the layer's dtype are borrowed without a copy
     (their owners are kept alive); others are converted once, here, with a warning.
     dtype: 'float32' or 'bfloat16'; default: the dtype of self_attn.q_proj.weight.
+    device: 'cpu', or 'cuda' / 'cuda:N' where the build has the CUDA backend: weights on that
+    device are borrowed as above, host weights are copied there once; inputs and outputs
+    live on it, and the work is queued on the caller's current torch stream.
     """
 
     def __init__(self, config: LayerConfig, weights: Mapping[str, Any], device: str = "cpu",
                  dtype: Optional[str] = None) -> None:
         if not isinstance(config, LayerConfig):
             raise TypeError(f"config: expected a qwen3layer.LayerConfig, got {type(config).__name__}")
-        self.device = _check_device(device)
+        index = _device_index(device)
+        self.device = "cpu" if index < 0 else f"cuda:{index}"
         self.config = config
-        self._core = _C.Layer(config, canonical_weights(weights, config), dtype)
+        self._core = _C.Layer(config, canonical_weights(weights, config), dtype, index)
         if self._core.converted:
-            warnings.warn(f"DecoderLayer: converted {len(self._core.converted)} weight(s) to contiguous "
-                          f"{self._core.dtype} once at construction: {', '.join(self._core.converted[:4])}"
+            where = "" if index < 0 else f" on {self.device}"
+            warnings.warn(f"DecoderLayer: copied {len(self._core.converted)} weight(s) to contiguous "
+                          f"{self._core.dtype}{where} once at construction: {', '.join(self._core.converted[:4])}"
                           + (" ..." if len(self._core.converted) > 4 else ""), stacklevel=2)
 
     @classmethod
@@ -74,9 +96,13 @@ class DecoderLayer:
     def random(cls, config: LayerConfig, seed: int = 0, dtype: str = "bfloat16",
                device: str = "cpu") -> "DecoderLayer":
         """Random weights in extension memory, scaled like a trained layer (matrices
-        N(0, 0.02), norm weights N(1, 0.1)); the same seed gives the same weights."""
-        _check_device(device)
-        return cls(config, _C.random_weights(config, seed, dtype), device=device)
+        N(0, 0.02), norm weights N(1, 0.1)); the same seed gives the same weights. They are
+        made on the host; a CUDA layer copies them to its device once."""
+        _device_index(device)
+        weights = _C.random_weights(config, seed, dtype)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the copy to the device is the point here
+            return cls(config, weights, device=device)
 
     def new_cache(self, max_tokens: int, batch: int = 1, dtype: Optional[str] = None) -> KVCache:
         """A KV cache for `batch` sequences of up to `max_tokens` tokens each, allocated
@@ -93,12 +119,12 @@ class DecoderLayer:
         build_info()['default_chunk']): activation memory grows with it, not with S.
         Raises CacheFullError (cache unchanged) when the tokens do not fit.
         """
-        y = self._core.prefill(x, cache, seq, chunk_size, out=out)
+        y = self._core.prefill(x, cache, seq, chunk_size, out=out, stream=_stream_of(x, self._core.device))
         return y if out is not None else _like(x, y)
 
     def decode(self, x: Any, cache: KVCache, *, out: Any = None) -> Any:
         """One new token for each sequence of the cache: x [cache.batch, hidden]."""
-        y = self._core.decode(x, cache, out=out)
+        y = self._core.decode(x, cache, out=out, stream=_stream_of(x, self._core.device))
         return y if out is not None else _like(x, y)
 
     @property

@@ -17,11 +17,12 @@ def test_cuda_backend_is_built_and_loads_without_a_gpu():
     assert q3.cuda.device_count() >= 0  # the library opens even where no driver or GPU is
 
 
-def test_layer_refuses_cuda_device_clearly():
+def test_devices_that_are_not_there_are_refused_clearly():
     cfg = q3.LayerConfig.tiny()
-    with pytest.raises(ValueError, match="device: 'cuda:0'"):
-        q3.DecoderLayer.random(cfg, device="cuda:0")
-    with pytest.raises(ValueError, match="device: expected 'cpu' .*got 'tpu'"):
+    n = q3.cuda.device_count()
+    with pytest.raises(ValueError, match=f"device: 'cuda:{n}': "):
+        q3.DecoderLayer.random(cfg, device=f"cuda:{n}")
+    with pytest.raises(ValueError, match="device: expected 'cpu', 'cuda' or 'cuda:N', got 'tpu'"):
         q3.DecoderLayer.random(cfg, device="tpu")
 
 
@@ -32,6 +33,84 @@ HAS_GPU = q3.cuda.built() and q3.cuda.device_count() > 0
                                         "benchmarks/gpu_check.sh where one is lent)")
 def test_every_cuda_kernel_matches_its_cpu_twin():
     results = q3.cuda.check_kernels(0)
-    assert len(results) >= 13
+    assert len(results) >= 14
     bad = [r for r in results if not r["ok"]]
     assert not bad, bad
+
+
+# ---- the layer on a GPU ------------------------------------------------------------------
+
+needs_gpu = pytest.mark.skipif(not HAS_GPU, reason="no CUDA device on this machine (run benchmarks/gpu_check.sh "
+                                                   "where one is lent)")
+CFG = q3.LayerConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=24,
+                     num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48)
+
+
+def rel(a, b):
+    return float((a.double().cpu() - b.double().cpu()).norm() / b.double().cpu().norm())
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 1e-2)])
+def test_cuda_layer_matches_cpu_layer(dtype, tol):
+    import torch
+
+    cpu = q3.DecoderLayer.random(CFG, seed=3, dtype=dtype)
+    gpu = q3.DecoderLayer.random(CFG, seed=3, dtype=dtype, device="cuda")
+    assert gpu.device == "cuda:0"
+    tdt = torch.float32 if dtype == "float32" else torch.bfloat16
+    x = torch.randn(2, 21, CFG.hidden_size, generator=torch.Generator().manual_seed(4)).to(tdt)
+    steps = torch.randn(3, 2, CFG.hidden_size, generator=torch.Generator().manual_seed(5)).to(tdt)
+    c_cpu, c_gpu = cpu.new_cache(32, batch=2), gpu.new_cache(32, batch=2)
+    y_cpu = cpu.prefill(x, c_cpu, chunk_size=8)
+    y_gpu = gpu.prefill(x.cuda(), c_gpu, chunk_size=8)
+    assert y_gpu.is_cuda and y_gpu.dtype == tdt
+    assert rel(y_gpu, y_cpu) <= tol
+    for t in range(3):
+        assert rel(gpu.decode(steps[t].cuda(), c_gpu), cpu.decode(steps[t], c_cpu)) <= tol
+    assert c_gpu.lengths == c_cpu.lengths == (24, 24)
+    for b in range(2):
+        assert rel(torch.from_dlpack(c_gpu.keys(b)), torch.from_dlpack(c_cpu.keys(b))) <= tol
+
+
+@needs_gpu
+def test_cuda_prefill_then_decode_equals_longer_prefill():
+    import torch
+
+    layer = q3.DecoderLayer.random(CFG, seed=6, dtype="float32", device="cuda")
+    x = torch.randn(30, CFG.hidden_size, device="cuda")
+    full = layer.prefill(x, layer.new_cache(32))
+    cache = layer.new_cache(32)
+    layer.prefill(x[:29], cache, chunk_size=7)
+    assert rel(layer.decode(x[29:], cache)[0], full[29]) <= 1e-5
+
+
+@needs_gpu
+def test_cuda_layer_matches_transformers_on_the_gpu():
+    from hf_reference import draw_input, hf_model, rel_err, run
+
+    model = hf_model("gqa4_topk_norm", seed=1)
+    x = draw_input(model, (1, 17, model.config.hidden_size), seed=1)
+    ref = run(model, x)
+    gpu_model = model.cuda()
+    layer = q3.DecoderLayer.from_hf(gpu_model.model.layers[0], device="cuda")
+    assert layer.converted == ()  # the model's CUDA weights are borrowed
+    y = layer.prefill(x[0].cuda(), layer.new_cache(32))
+    assert rel_err(y.cpu(), ref.y[0]) <= 1e-5
+
+
+@needs_gpu
+def test_cuda_layer_rejects_tensors_on_another_device():
+    import torch
+
+    layer = q3.DecoderLayer.random(CFG, seed=7, dtype="float32", device="cuda")
+    cache = layer.new_cache(8)
+    with pytest.raises(ValueError, match="x: expected a tensor on device cuda:0, got cpu"):
+        layer.prefill(torch.randn(2, CFG.hidden_size), cache)
+    cpu_cache = q3.DecoderLayer.random(CFG, dtype="float32").new_cache(8)
+    with pytest.raises(ValueError, match="cache: expected a cache on cuda:0"):
+        layer.prefill(torch.randn(2, CFG.hidden_size, device="cuda"), cpu_cache)
+    if torch.cuda.device_count() > 1:
+        with pytest.raises(ValueError, match="got cuda:1"):
+            layer.prefill(torch.randn(2, CFG.hidden_size, device="cuda:1"), cache)
+    assert cache.lengths == (0,)

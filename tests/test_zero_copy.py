@@ -80,7 +80,7 @@ def test_unfitting_weights_are_converted_once_with_a_warning():
     sd = {k: v.detach() for k, v in hf_layer.state_dict().items()}
     sd["self_attn.o_proj.weight"] = sd["self_attn.o_proj.weight"].t().contiguous().t()  # same values, transposed layout
     cfg = q3.LayerConfig.from_hf(hf_layer.self_attn.config)
-    with pytest.warns(UserWarning, match="converted 1 weight"):
+    with pytest.warns(UserWarning, match="copied 1 weight"):
         layer = q3.DecoderLayer(cfg, sd)
     assert layer.converted == ("self_attn.o_proj.weight",)
     assert layer.weight_ptrs["self_attn.o_proj.weight"] != sd["self_attn.o_proj.weight"].data_ptr()

@@ -1,4 +1,4 @@
-// Elementwise and row-movement kernels of the MoE (twins: kernels/cpu/swiglu.c, rows.c).
+// Elementwise and row-movement kernels (twins: kernels/cpu/swiglu.c, rows.c, convert.c).
 #include "common.cuh"
 
 __global__ void swiglu_kernel(float *act, const float *gate, const float *up, int64_t n) {
@@ -41,5 +41,34 @@ extern "C" int q3_scatter_add_rows_cuda(float *dst, const float *src, const int3
                                         int64_t n, int64_t H, void *stream) {
     if (n == 0) return 0;
     scatter_add_kernel<<<(unsigned)n, 256, 0, (cudaStream_t)stream>>>(dst, src, rows, scale, H);
+    return q3_launch_status();
+}
+
+__global__ void to_f32_kernel(float *dst, const void *src, q3_dtype dt, int64_t n) {
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        dst[i] = q3_load(src, dt, i);
+}
+
+__global__ void from_f32_kernel(void *dst, q3_dtype dt, const float *src, int64_t n) {
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        q3_store(dst, dt, i, src[i]);
+}
+
+static unsigned grid_for(int64_t n) {
+    const int64_t blocks = (n + 255) / 256;
+    return (unsigned)(blocks < 65535 ? blocks : 65535);
+}
+
+// dst [n] fp32 <- src [n] of dtype dt
+extern "C" int q3_to_f32_cuda(float *dst, const void *src, q3_dtype dt, int64_t n, void *stream) {
+    if (n == 0) return 0;
+    to_f32_kernel<<<grid_for(n), 256, 0, (cudaStream_t)stream>>>(dst, src, dt, n);
+    return q3_launch_status();
+}
+
+// dst [n] of dtype dt <- src [n] fp32 (bf16: round to nearest even)
+extern "C" int q3_from_f32_cuda(void *dst, q3_dtype dt, const float *src, int64_t n, void *stream) {
+    if (n == 0) return 0;
+    from_f32_kernel<<<grid_for(n), 256, 0, (cudaStream_t)stream>>>(dst, dt, src, n);
     return q3_launch_status();
 }

@@ -22,6 +22,10 @@ typedef struct {
     int (*malloc_device)(void **p, size_t bytes);
     int (*free_device)(void *p);
     int (*copy)(void *dst, const void *src, size_t bytes, int to_device); /* synchronous */
+    /* queued on the stream; host memory may be pageable (then the call returns once it is read) */
+    int (*copy_async)(void *dst, const void *src, size_t bytes, int to_device, void *stream);
+    int (*memset_async)(void *p, int value, size_t bytes, void *stream);
+    int (*stream_synchronize)(void *stream);
     int (*synchronize)(void);
     const char *(*error_string)(int code);
     /* timings with CUDA events, milliseconds per call over `repeats` after a warm-up:
@@ -44,6 +48,8 @@ typedef struct {
     int (*gather_rows)(float *dst, const float *src, const int32_t *rows, int64_t n, int64_t H, void *stream);
     int (*scatter_add_rows)(float *dst, const float *src, const int32_t *rows, const float *scale, int64_t n,
                             int64_t H, void *stream);
+    int (*to_f32)(float *dst, const void *src, q3_dtype src_dt, int64_t n, void *stream);
+    int (*from_f32)(void *dst, q3_dtype dst_dt, const float *src, int64_t n, void *stream);
 } q3_cuda_ops;
 
 /* the one symbol the engine looks up: fills the table, returns 0 */

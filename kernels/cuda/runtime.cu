@@ -13,6 +13,8 @@ int q3_router_topk_cuda(int32_t *, float *, const float *, int64_t, int, int, in
 int q3_swiglu_cuda(float *, const float *, const float *, int64_t, void *);
 int q3_gather_rows_cuda(float *, const float *, const int32_t *, int64_t, int64_t, void *);
 int q3_scatter_add_rows_cuda(float *, const float *, const int32_t *, const float *, int64_t, int64_t, void *);
+int q3_to_f32_cuda(float *, const void *, q3_dtype, int64_t, void *);
+int q3_from_f32_cuda(void *, q3_dtype, const float *, int64_t, void *);
 }
 
 static int device_count(int *n) { return (int)cudaGetDeviceCount(n); }
@@ -22,6 +24,14 @@ static int free_device(void *p) { return (int)cudaFree(p); }
 static int copy(void *dst, const void *src, size_t bytes, int to_device) {
     return (int)cudaMemcpy(dst, src, bytes, to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost);
 }
+static int copy_async(void *dst, const void *src, size_t bytes, int to_device, void *stream) {
+    return (int)cudaMemcpyAsync(dst, src, bytes, to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost,
+                                (cudaStream_t)stream);
+}
+static int memset_async(void *p, int value, size_t bytes, void *stream) {
+    return (int)cudaMemsetAsync(p, value, bytes, (cudaStream_t)stream);
+}
+static int stream_synchronize(void *stream) { return (int)cudaStreamSynchronize((cudaStream_t)stream); }
 static int synchronize(void) { return (int)cudaDeviceSynchronize(); }
 static const char *error_string(int code) { return cudaGetErrorString((cudaError_t)code); }
 
@@ -116,6 +126,9 @@ extern "C" int q3_cuda_ops_get(q3_cuda_ops *ops) {
     ops->malloc_device = malloc_device;
     ops->free_device = free_device;
     ops->copy = copy;
+    ops->copy_async = copy_async;
+    ops->memset_async = memset_async;
+    ops->stream_synchronize = stream_synchronize;
     ops->synchronize = synchronize;
     ops->error_string = error_string;
     ops->rmsnorm = q3_rmsnorm_cuda;
@@ -127,5 +140,7 @@ extern "C" int q3_cuda_ops_get(q3_cuda_ops *ops) {
     ops->swiglu = q3_swiglu_cuda;
     ops->gather_rows = q3_gather_rows_cuda;
     ops->scatter_add_rows = q3_scatter_add_rows_cuda;
+    ops->to_f32 = q3_to_f32_cuda;
+    ops->from_f32 = q3_from_f32_cuda;
     return 0;
 }
