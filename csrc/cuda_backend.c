@@ -22,6 +22,13 @@ q3_status q3_cuda_open(const char *path, q3_error *err) {
     return Q3_OK;
 }
 
+q3_status q3_cuda_install(const q3_cuda_ops *t, q3_error *err) {
+    if (opened) return q3_fail(err, Q3_ERR_STATE, "cuda: a CUDA backend is already in use in this process");
+    table = *t;
+    opened = 1;
+    return Q3_OK;
+}
+
 const q3_cuda_ops *q3_cuda(void) { return opened ? &table : NULL; }
 
 int q3_cuda_device_count(void) {

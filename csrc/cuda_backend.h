@@ -8,5 +8,7 @@
 
 /* the table, or NULL before q3_cuda_open succeeded */
 const q3_cuda_ops *q3_cuda(void);
+/* use `table` as the CUDA backend (once per process, instead of opening the library) */
+q3_status q3_cuda_install(const q3_cuda_ops *table, q3_error *err);
 
 #endif

@@ -179,6 +179,57 @@ static PyObject *cuda_time(PyObject *m, PyObject *args, PyObject *kw) {
     return PyFloat_FromDouble(ms);
 }
 
+static PyObject *cuda_emulate(PyObject *m, PyObject *unused) {
+    (void)m;
+    (void)unused;
+    q3_error err;
+    if (q3_cuda_emulate(&err) != Q3_OK) return q3_raise(NULL, &err);
+    Py_RETURN_NONE;
+}
+
+/* a contiguous copy of an extension Tensor on `device` (-1: host) */
+static PyObject *copy_tensor(PyObject *m, PyObject *args) {
+    PyObject *obj;
+    int device;
+    if (!PyArg_ParseTuple(args, "Oi:copy_tensor", &obj, &device)) return NULL;
+    q3_module_state *st = state_of_module(m);
+    if (!PyObject_TypeCheck(obj, st->tensor_type)) {
+        PyErr_Format(PyExc_TypeError, "tensor: expected a qwen3layer Tensor, got %.100s", Py_TYPE(obj)->tp_name);
+        return NULL;
+    }
+    q3_tensor_object *t = (q3_tensor_object *)obj;
+    int contiguous = 1;
+    int64_t expect = 1;
+    for (int d = t->ndim - 1; d >= 0; d--) {
+        if (t->shape[d] != 1 && t->strides[d] != expect) contiguous = 0;
+        expect *= t->shape[d];
+    }
+    if (!contiguous) {
+        PyErr_SetString(PyExc_ValueError, "tensor: expected a contiguous tensor");
+        return NULL;
+    }
+    if ((t->device >= 0 || device >= 0) && !q3_cuda()) {
+        PyErr_SetString(PyExc_RuntimeError, "device: the CUDA backend is not loaded");
+        return NULL;
+    }
+    q3_tensor_object *c = q3_tensor_new_on(st, t->dtype, t->ndim, t->shape, device);
+    if (!c) return NULL;
+    const size_t bytes = (size_t)expect * q3_dtype_size(t->dtype);
+    int code = 0;
+    if (t->device < 0 && device < 0) memcpy(c->data, t->data, bytes);
+    else if (t->device >= 0 && device >= 0) {
+        PyErr_SetString(PyExc_ValueError, "device: copies between two CUDA buffers are not supported here");
+        Py_DECREF(c);
+        return NULL;
+    } else code = q3_cuda()->copy(c->data, t->data, bytes, device >= 0);
+    if (code) {
+        Py_DECREF(c);
+        PyErr_Format(PyExc_RuntimeError, "copy_tensor: %s", q3_cuda()->error_string(code));
+        return NULL;
+    }
+    return (PyObject *)c;
+}
+
 static PyObject *check_config(PyObject *m, PyObject *cfg) {
     (void)m;
     q3_config c;
@@ -284,6 +335,10 @@ static PyMethodDef module_methods[] = {
     {"cuda_time", (PyCFunction)(void (*)(void))cuda_time, METH_VARARGS | METH_KEYWORDS,
      "cuda_time(what, bytes=0, T=1, N=1, K=1, dtype='bfloat16', repeats=20)\n--\n\n"
      "ms per call, CUDA events: what='copy' (device to device) or 'matmul'."},
+    {"cuda_emulate", cuda_emulate, METH_NOARGS,
+     "cuda_emulate()\n--\n\nFor tests without a GPU: one emulated CUDA device (host memory, CPU kernels)."},
+    {"copy_tensor", copy_tensor, METH_VARARGS,
+     "copy_tensor(tensor, device)\n--\n\nA contiguous copy of an extension Tensor on device (-1: host)."},
     {"check_config", check_config, METH_O, "check_config(config)\n--\n\nRaise if the geometry is impossible."},
     {"random_weights", (PyCFunction)(void (*)(void))random_weights, METH_VARARGS | METH_KEYWORDS,
      "random_weights(config, seed, dtype)\n--\n\nDict of random weights in extension memory "

@@ -143,6 +143,9 @@ double q3_probe_fma_gflops(double seconds);
  * number of CUDA devices it sees (0 before opening, or without a driver). */
 q3_status q3_cuda_open(const char *path, q3_error *err);
 int q3_cuda_device_count(void);
+/* For tests without a GPU (csrc/cuda_emulation.c): one emulated device whose memory is host
+ * memory and whose kernels are the CPU twins. Instead of the library, once per process. */
+q3_status q3_cuda_emulate(q3_error *err);
 
 /* Each CUDA kernel against its CPU twin on random inputs (csrc/cuda_check.c): one result
  * per case; max_err is max |cuda - cpu| / max |cpu|. */
