@@ -103,6 +103,21 @@ static double case_matmul(check *k, q3_dtype wdt, int64_t T, int64_t K) {
     return k->failed ? INFINITY : max_err(got, want, Q3_F32, T * N);
 }
 
+/* tensor cores see x in bf16: give both sides bf16-valued x, so only summation order differs */
+static double case_matmul_tc(check *k, int64_t T, int64_t N, int64_t K) {
+    float *x = host_random(k, T * K, Q3_F32, 19), *want = host_random(k, T * N, Q3_F32, 20), *got = host(k, T * N * 4);
+    void *w = host_random(k, N * K, Q3_BF16, 21);
+    if (k->failed) return INFINITY;
+    for (int64_t i = 0; i < T * K; i++) x[i] = q3_bf16_to_f32(q3_f32_to_bf16(x[i]));
+    float *dy = device(k, want, T * N * 4), *dx = device(k, x, T * K * 4);
+    void *dw = device(k, w, N * K * 2);
+    uint16_t *dxb = device(k, NULL, T * K * 2);
+    k->c->matmul(want, x, w, Q3_BF16, T, N, K, 1, NULL);
+    if (!k->failed) cuda_ok(k, k->g->matmul_tc(dy, dx, dw, T, N, K, 1, dxb, NULL), "matmul_tc launch");
+    fetch(k, got, dy, T * N * 4);
+    return k->failed ? INFINITY : max_err(got, want, Q3_F32, T * N);
+}
+
 static double case_rope(check *k) {
     const int64_t rows = 5;
     const int heads = 3, D = 16;
@@ -244,6 +259,8 @@ q3_status q3_cuda_check(int device_index, q3_check_result *out, int max, int *n,
     RUN("matmul bf16 T=13 K=72", 1e-5, case_matmul(&k, Q3_BF16, 13, 72));
     RUN("matmul bf16 T=5 K=100", 1e-5, case_matmul(&k, Q3_BF16, 5, 100));
     RUN("matmul f32 T=9 K=64", 1e-5, case_matmul(&k, Q3_F32, 9, 64));
+    RUN("matmul tensor cores T=70 N=80 K=96", 1e-5, case_matmul_tc(&k, 70, 80, 96));
+    RUN("matmul tensor cores T=16 N=4096 K=1536", 1e-5, case_matmul_tc(&k, 16, 4096, 1536));
     RUN("rope", 1e-5, case_rope(&k));
     RUN("kv_write bf16", 0.0, case_kv_write(&k));
     RUN("attention bf16 cache", 1e-5, case_attention(&k));

@@ -50,6 +50,17 @@ static int matmul(float *y, const float *x, const void *w, q3_dtype dt, int64_t 
     cpu()->matmul(y, x, w, dt, T, N, K, acc, NULL);
     return 0;
 }
+static int matmul_tc(float *y, const float *x, const void *w, int64_t T, int64_t N, int64_t K, int acc, uint16_t *xb,
+                     void *s) {
+    (void)s;
+    (void)xb;
+    float *xr = malloc((size_t)(T * K) * sizeof(float));
+    if (!xr) return 2;
+    for (int64_t i = 0; i < T * K; i++) xr[i] = q3_bf16_to_f32(q3_f32_to_bf16(x[i])); /* as the tensor cores see x */
+    cpu()->matmul(y, xr, w, Q3_BF16, T, N, K, acc, NULL);
+    free(xr);
+    return 0;
+}
 static int rope(float *x, const int64_t *pos, int64_t rows, int heads, int D, float theta, void *s) {
     (void)s;
     cpu()->rope(x, pos, rows, heads, D, theta);
@@ -105,7 +116,7 @@ q3_status q3_cuda_emulate(q3_error *err) {
         .device_count = count, .set_device = set_device, .malloc_device = malloc_device,
         .free_device = free_device, .copy = copy, .copy_async = copy_async, .memset_async = memset_async,
         .stream_synchronize = stream_sync, .synchronize = sync_all, .error_string = error_string,
-        .time_copy = time_copy, .time_matmul = time_matmul, .rmsnorm = rmsnorm, .matmul = matmul,
+        .time_copy = time_copy, .time_matmul = time_matmul, .rmsnorm = rmsnorm, .matmul = matmul, .matmul_tc = matmul_tc,
         .rope = rope, .kv_write = kv_write, .attention = attention, .router_topk = router,
         .swiglu = swiglu, .gather_rows = gather, .scatter_add_rows = scatter, .to_f32 = to_f32,
         .from_f32 = from_f32,

@@ -76,6 +76,14 @@ static q3_status reserve(q3_layer *l, int64_t rows, int seqs, q3_error *err) {
     return Q3_OK;
 }
 
+/* y = x W^T: tensor cores for 16 tokens or more when the shape fits, else the GEMV */
+static int project(const q3_cuda_ops *g, q3_workspace *d, float *y, const float *x, const void *w, q3_dtype dt,
+                   int64_t T, int64_t N, int64_t K, int accumulate, void *stream) {
+    if (T >= 16 && dt == Q3_BF16 && N % 16 == 0 && K % 32 == 0)
+        return g->matmul_tc(y, x, w, T, N, K, accumulate, d->xb, stream);
+    return g->matmul(y, x, w, dt, T, N, K, accumulate, stream);
+}
+
 /* the first failing call of a pass, and its name */
 typedef struct {
     const q3_cuda_ops *g;
@@ -103,9 +111,9 @@ static void attention_pass(q3_layer *l, q3_cache *c, const q3_pass *p, gpu_run *
     const int D = cf->head_dim, Hq = cf->heads, Hkv = cf->kv_heads;
     const int64_t QD = (int64_t)Hq * D, KVD = (int64_t)Hkv * D;
     GPU(run, g->rmsnorm(d->h, d->x, w->dense[Q3_W_INPUT_NORM], w->dtype, R, H, cf->eps, sm), "rmsnorm");
-    GPU(run, g->matmul(d->q, d->h, w->dense[Q3_W_Q_PROJ], w->dtype, R, QD, H, 0, sm), "q_proj");
-    GPU(run, g->matmul(d->k, d->h, w->dense[Q3_W_K_PROJ], w->dtype, R, KVD, H, 0, sm), "k_proj");
-    GPU(run, g->matmul(d->v, d->h, w->dense[Q3_W_V_PROJ], w->dtype, R, KVD, H, 0, sm), "v_proj");
+    GPU(run, project(g, d, d->q, d->h, w->dense[Q3_W_Q_PROJ], w->dtype, R, QD, H, 0, sm), "q_proj");
+    GPU(run, project(g, d, d->k, d->h, w->dense[Q3_W_K_PROJ], w->dtype, R, KVD, H, 0, sm), "k_proj");
+    GPU(run, project(g, d, d->v, d->h, w->dense[Q3_W_V_PROJ], w->dtype, R, KVD, H, 0, sm), "v_proj");
     GPU(run, g->rmsnorm(d->q, d->q, w->dense[Q3_W_Q_NORM], w->dtype, R * Hq, D, cf->eps, sm), "q_norm");
     GPU(run, g->rmsnorm(d->k, d->k, w->dense[Q3_W_K_NORM], w->dtype, R * Hkv, D, cf->eps, sm), "k_norm");
     for (int s = 0; s < p->n_seqs; s++) {
@@ -128,7 +136,7 @@ static void attention_pass(q3_layer *l, q3_cache *c, const q3_pass *p, gpu_run *
     }
     const q3_attn_shape shape = {p->L, Hq, Hkv, D, c->capacity, c->dtype, 1.0f / sqrtf((float)D)};
     GPU(run, g->attention(d->attn, d->q, d->attn_seqs, p->n_seqs, &shape, sm), "attention");
-    GPU(run, g->matmul(d->x, d->attn, w->dense[Q3_W_O_PROJ], w->dtype, R, H, QD, 1, sm), "o_proj");
+    GPU(run, project(g, d, d->x, d->attn, w->dense[Q3_W_O_PROJ], w->dtype, R, H, QD, 1, sm), "o_proj");
 }
 
 static void moe_pass(q3_layer *l, const q3_pass *p, gpu_run *run) {
@@ -141,6 +149,7 @@ static void moe_pass(q3_layer *l, const q3_pass *p, gpu_run *run) {
     const int64_t R = p->n_seqs * p->L, H = cf->hidden, I = cf->moe_inter;
     const int E = cf->experts, k = cf->top_k;
     GPU(run, g->rmsnorm(d->h, d->x, w->dense[Q3_W_POST_NORM], w->dtype, R, H, cf->eps, sm), "post norm");
+    /* the router stays on exact fp32 activations: its top-k choice is sensitive to rounding */
     GPU(run, g->matmul(d->logits, d->h, w->dense[Q3_W_ROUTER], w->dtype, R, E, H, 0, sm), "router");
     GPU(run, g->router_topk(d->topk_idx, d->topk_w, d->logits, R, E, k, cf->norm_topk, sm), "top-k");
     GPU(run, g->copy_async(st->topk_idx, d->topk_idx, (size_t)(R * k) * sizeof(int32_t), 0, sm), "copy top-k");
@@ -154,10 +163,10 @@ static void moe_pass(q3_layer *l, const q3_pass *p, gpu_run *run) {
         const int64_t first = st->offsets[e], n = st->offsets[e + 1] - first;
         if (n == 0) continue;
         GPU(run, g->gather_rows(d->xe, d->h, d->pair_row + first, n, H, sm), "gather");
-        GPU(run, g->matmul(d->gate, d->xe, w->experts[Q3_X_GATE][e], w->dtype, n, I, H, 0, sm), "gate_proj");
-        GPU(run, g->matmul(d->up, d->xe, w->experts[Q3_X_UP][e], w->dtype, n, I, H, 0, sm), "up_proj");
+        GPU(run, project(g, d, d->gate, d->xe, w->experts[Q3_X_GATE][e], w->dtype, n, I, H, 0, sm), "gate_proj");
+        GPU(run, project(g, d, d->up, d->xe, w->experts[Q3_X_UP][e], w->dtype, n, I, H, 0, sm), "up_proj");
         GPU(run, g->swiglu(d->gate, d->gate, d->up, n * I, sm), "swiglu");
-        GPU(run, g->matmul(d->ye, d->gate, w->experts[Q3_X_DOWN][e], w->dtype, n, H, I, 0, sm), "down_proj");
+        GPU(run, project(g, d, d->ye, d->gate, w->experts[Q3_X_DOWN][e], w->dtype, n, H, I, 0, sm), "down_proj");
         GPU(run, g->scatter_add_rows(d->x, d->ye, d->pair_row + first, d->pair_w + first, n, H, sm), "combine");
     }
 }

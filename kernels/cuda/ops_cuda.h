@@ -37,6 +37,9 @@ typedef struct {
                    float eps, void *stream);
     int (*matmul)(float *y, const float *x, const void *w, q3_dtype w_dt, int64_t T, int64_t N, int64_t K,
                   int accumulate, void *stream);
+    /* tensor cores, bf16 weights, x rounded to bf16 in xb [T * K]; N % 16 == 0, K % 32 == 0 */
+    int (*matmul_tc)(float *y, const float *x, const void *w, int64_t T, int64_t N, int64_t K, int accumulate,
+                     uint16_t *xb, void *stream);
     int (*rope)(float *x, const int64_t *pos, int64_t rows, int heads, int D, float theta, void *stream);
     int (*kv_write)(void *cache, q3_dtype dt, const float *src, int64_t src_stride, int64_t L, int kv_heads,
                     int D, int64_t capacity, int64_t start, void *stream);

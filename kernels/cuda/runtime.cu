@@ -6,6 +6,7 @@
 extern "C" {
 int q3_rmsnorm_cuda(float *, const float *, const void *, q3_dtype, int64_t, int64_t, float, void *);
 int q3_matmul_cuda(float *, const float *, const void *, q3_dtype, int64_t, int64_t, int64_t, int, void *);
+int q3_matmul_tc_cuda(float *, const float *, const void *, int64_t, int64_t, int64_t, int, uint16_t *, void *);
 int q3_rope_cuda(float *, const int64_t *, int64_t, int, int, float, void *);
 int q3_kv_write_cuda(void *, q3_dtype, const float *, int64_t, int64_t, int, int, int64_t, int64_t, void *);
 int q3_attention_cuda(float *, const float *, const q3_attn_seq *, int, const q3_attn_shape *, void *);
@@ -133,6 +134,7 @@ extern "C" int q3_cuda_ops_get(q3_cuda_ops *ops) {
     ops->error_string = error_string;
     ops->rmsnorm = q3_rmsnorm_cuda;
     ops->matmul = q3_matmul_cuda;
+    ops->matmul_tc = q3_matmul_tc_cuda;
     ops->rope = q3_rope_cuda;
     ops->kv_write = q3_kv_write_cuda;
     ops->attention = q3_attention_cuda;
