@@ -39,7 +39,7 @@ void q3_attention_block(q3_layer *layer, q3_cache *cache, const q3_pass *p) {
                                          q3_cache_seq_values(cache, seq), n};
     }
     const q3_attn_shape shape = {p->L, Hq, Hkv, D, cache->capacity, cache->dtype,
-                                 1.0f / sqrtf((float)D)};
+                                 1.0f / sqrtf((float)D), 0};
     k->attention(ws->attn, ws->q, ws->attn_seqs, p->n_seqs, &shape, ws->attn_scratch, ws->threads);
     k->matmul(ws->x, ws->attn, w->dense[Q3_W_O_PROJ], w->dtype, R, H, QD, 1, ws->xb);
 }

@@ -147,10 +147,11 @@ static double case_kv_write(check *k) {
     return k->failed ? INFINITY : max_err(got, want, Q3_BF16, (int64_t)kvh * cap * D);
 }
 
-static double case_attention(check *k) {
-    const q3_attn_shape sh = {3, 8, 2, 24, 40, Q3_BF16, 1.0f / sqrtf(24.0f)};
+/* L query tokens after n_past[s] cached ones, for 2 sequences; long ones split on the GPU */
+static double case_attention(check *k, int64_t L, int64_t past0, int64_t past1, int64_t capacity) {
+    const q3_attn_shape sh = {L, 8, 2, 24, capacity, Q3_BF16, 1.0f / sqrtf(24.0f), (past0 > past1 ? past0 : past1) + L};
     const int n_seqs = 2;
-    const int64_t n_past[2] = {5, 17}, per_seq = (int64_t)sh.kv_heads * sh.capacity * sh.head_dim;
+    const int64_t n_past[2] = {past0, past1}, per_seq = (int64_t)sh.kv_heads * sh.capacity * sh.head_dim;
     const int64_t qn = n_seqs * sh.L * sh.heads * sh.head_dim;
     uint16_t *kc = (uint16_t *)host_random(k, n_seqs * per_seq, Q3_BF16, 9);
     uint16_t *vc = (uint16_t *)host_random(k, n_seqs * per_seq, Q3_BF16, 10);
@@ -165,8 +166,9 @@ static double case_attention(check *k) {
     }
     q3_attn_seq *dseqs = device(k, ds, sizeof ds);
     float *dq = device(k, q, qn * 4), *dout = device(k, NULL, qn * 4);
+    float *dpart = device(k, NULL, (size_t)q3_attention_cuda_partial_floats(n_seqs * L, &sh) * 4);
     k->c->attention(want, q, hs, n_seqs, &sh, scratch, 1);
-    if (!k->failed) cuda_ok(k, k->g->attention(dout, dq, dseqs, n_seqs, &sh, NULL), "attention launch");
+    if (!k->failed) cuda_ok(k, k->g->attention(dout, dq, dseqs, n_seqs, &sh, dpart, NULL), "attention launch");
     fetch(k, got, dout, qn * 4);
     return k->failed ? INFINITY : max_err(got, want, Q3_F32, qn);
 }
@@ -263,7 +265,9 @@ q3_status q3_cuda_check(int device_index, q3_check_result *out, int max, int *n,
     RUN("matmul tensor cores T=16 N=4096 K=1536", 1e-5, case_matmul_tc(&k, 16, 4096, 1536));
     RUN("rope", 1e-5, case_rope(&k));
     RUN("kv_write bf16", 0.0, case_kv_write(&k));
-    RUN("attention bf16 cache", 1e-5, case_attention(&k));
+    RUN("attention bf16 cache, 3 tokens", 1e-5, case_attention(&k, 3, 5, 17, 40));
+    RUN("attention split-KV, decode over 3000 keys", 1e-5, case_attention(&k, 1, 2999, 1800, 3100));
+    RUN("attention split-KV, 4 tokens over 900 keys", 1e-5, case_attention(&k, 4, 900, 40, 1000));
     RUN("router top-k, renormalised", 1e-6, case_router(&k, 1));
     RUN("router top-k", 1e-6, case_router(&k, 0));
     RUN("swiglu", 1e-5, case_swiglu(&k));

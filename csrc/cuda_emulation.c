@@ -72,8 +72,10 @@ static int kv_write(void *c, q3_dtype dt, const float *src, int64_t stride, int6
     cpu()->kv_write(c, dt, src, stride, L, kvh, D, cap, start);
     return 0;
 }
-static int attention(float *out, const float *q, const q3_attn_seq *seqs, int n, const q3_attn_shape *sh, void *s) {
+static int attention(float *out, const float *q, const q3_attn_seq *seqs, int n, const q3_attn_shape *sh,
+                     float *partial, void *s) {
     (void)s;
+    (void)partial;
     float *scratch = malloc((size_t)q3_attention_scratch_floats(sh) * sizeof(float));
     if (!scratch) return 2;
     cpu()->attention(out, q, seqs, n, sh, scratch, 1);

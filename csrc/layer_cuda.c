@@ -16,6 +16,7 @@
 
 struct q3_cuda_state {
     q3_workspace dev; /* device block, carved like the host workspace */
+    float *partial;   /* device scratch of split-KV attention (kernels/cuda/ops_cuda.h) */
     int64_t rows;
     int seqs;
     /* host staging */
@@ -32,6 +33,7 @@ void q3_layer_cuda_release(q3_layer *l) {
     q3_cuda_state *s = l->gpu;
     if (!s) return;
     if (s->dev.block && q3_cuda()) q3_cuda()->free_device(s->dev.block);
+    if (s->partial && q3_cuda()) q3_cuda()->free_device(s->partial);
     free(s->pos);
     free(s->seq_ptr);
     free(s->topk_idx);
@@ -60,6 +62,14 @@ static q3_status reserve(q3_layer *l, int64_t rows, int seqs, q3_error *err) {
     }
     q3_workspace_layout(&s->dev, block, &l->cfg, rows, seqs, 1);
     s->dev.block = block;
+    const q3_attn_shape shape = {.heads = l->cfg.heads, .kv_heads = l->cfg.kv_heads, .head_dim = l->cfg.head_dim};
+    /* split-KV runs for calls of at most Q3_SPLIT_MAX_TOKENS tokens per sequence */
+    const int64_t split_rows = rows < (int64_t)seqs * Q3_SPLIT_MAX_TOKENS ? rows : (int64_t)seqs * Q3_SPLIT_MAX_TOKENS;
+    const size_t partial = (size_t)q3_attention_cuda_partial_floats(split_rows, &shape) * sizeof(float);
+    if (g->malloc_device((void **)&s->partial, partial)) {
+        q3_layer_cuda_release(l);
+        return q3_fail(err, Q3_ERR_NOMEM, "cuda workspace: cannot allocate %zu bytes on cuda:%d", partial, l->w.device);
+    }
     s->rows = rows;
     s->seqs = seqs;
     s->pos = malloc((size_t)rows * sizeof *s->pos);
@@ -116,9 +126,11 @@ static void attention_pass(q3_layer *l, q3_cache *c, const q3_pass *p, gpu_run *
     GPU(run, project(g, d, d->v, d->h, w->dense[Q3_W_V_PROJ], w->dtype, R, KVD, H, 0, sm), "v_proj");
     GPU(run, g->rmsnorm(d->q, d->q, w->dense[Q3_W_Q_NORM], w->dtype, R * Hq, D, cf->eps, sm), "q_norm");
     GPU(run, g->rmsnorm(d->k, d->k, w->dense[Q3_W_K_NORM], w->dtype, R * Hkv, D, cf->eps, sm), "k_norm");
+    int64_t max_keys = 0;
     for (int s = 0; s < p->n_seqs; s++) {
         const int seq = p->seqs[s];
         const int64_t n = c->lengths[seq];
+        max_keys = n + p->L > max_keys ? n + p->L : max_keys;
         for (int64_t t = 0; t < p->L; t++) st->pos[s * p->L + t] = n + t;
         st->seq_ptr[s] = (q3_attn_seq){q3_cache_seq_keys(c, seq), q3_cache_seq_values(c, seq), n};
     }
@@ -134,8 +146,8 @@ static void attention_pass(q3_layer *l, q3_cache *c, const q3_pass *p, gpu_run *
         GPU(run, g->kv_write(q3_cache_seq_values(c, seq), c->dtype, d->v + s * p->L * KVD, KVD, p->L, Hkv, D,
                              c->capacity, n, sm), "kv_write v");
     }
-    const q3_attn_shape shape = {p->L, Hq, Hkv, D, c->capacity, c->dtype, 1.0f / sqrtf((float)D)};
-    GPU(run, g->attention(d->attn, d->q, d->attn_seqs, p->n_seqs, &shape, sm), "attention");
+    const q3_attn_shape shape = {p->L, Hq, Hkv, D, c->capacity, c->dtype, 1.0f / sqrtf((float)D), max_keys};
+    GPU(run, g->attention(d->attn, d->q, d->attn_seqs, p->n_seqs, &shape, st->partial, sm), "attention");
     GPU(run, project(g, d, d->x, d->attn, w->dense[Q3_W_O_PROJ], w->dtype, R, H, QD, 1, sm), "o_proj");
 }
 

@@ -25,6 +25,8 @@ typedef struct {
     int64_t capacity;  /* cache rows per (sequence, KV head) */
     q3_dtype kv_dtype; /* storage dtype of k and v */
     float scale;       /* 1 / sqrt(D) */
+    int64_t max_keys;  /* the most keys any query of the call sees (0: unknown); lets the CUDA
+                          kernel split long contexts across blocks */
 } q3_attn_shape;
 
 #define Q3_ATTN_QUERY_BLOCK 4 /* query tokens of one KV head processed together */

@@ -43,8 +43,10 @@ typedef struct {
     int (*rope)(float *x, const int64_t *pos, int64_t rows, int heads, int D, float theta, void *stream);
     int (*kv_write)(void *cache, q3_dtype dt, const float *src, int64_t src_stride, int64_t L, int kv_heads,
                     int D, int64_t capacity, int64_t start, void *stream);
+    /* partial: device scratch of q3_attention_cuda_partial_floats(n_seqs * L, shape) floats
+     * for split-KV (NULL: one block per query token and KV head) */
     int (*attention)(float *out, const float *q, const q3_attn_seq *seqs, int n_seqs, const q3_attn_shape *shape,
-                     void *stream);
+                     float *partial, void *stream);
     int (*router_topk)(int32_t *idx, float *weight, const float *logits, int64_t T, int E, int k, int normalize,
                        void *stream);
     int (*swiglu)(float *act, const float *gate, const float *up, int64_t n, void *stream);
@@ -54,6 +56,16 @@ typedef struct {
     int (*to_f32)(float *dst, const void *src, q3_dtype src_dt, int64_t n, void *stream);
     int (*from_f32)(void *dst, q3_dtype dst_dt, const float *src, int64_t n, void *stream);
 } q3_cuda_ops;
+
+/* Split-KV attention: calls of at most Q3_SPLIT_MAX_TOKENS tokens per sequence are split
+ * into up to Q3_SPLIT_MAX slices of at least Q3_SPLIT_MIN_KEYS keys each. */
+#define Q3_SPLIT_MAX_TOKENS 16
+#define Q3_SPLIT_MAX 32
+#define Q3_SPLIT_MIN_KEYS 256
+/* scratch floats for the partials of `tokens` query tokens (all sequences of a call) */
+static inline int64_t q3_attention_cuda_partial_floats(int64_t tokens, const q3_attn_shape *s) {
+    return tokens * s->heads * Q3_SPLIT_MAX * (s->head_dim + 2);
+}
 
 /* the one symbol the engine looks up: fills the table, returns 0 */
 int q3_cuda_ops_get(q3_cuda_ops *ops);

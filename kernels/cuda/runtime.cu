@@ -9,7 +9,7 @@ int q3_matmul_cuda(float *, const float *, const void *, q3_dtype, int64_t, int6
 int q3_matmul_tc_cuda(float *, const float *, const void *, int64_t, int64_t, int64_t, int, uint16_t *, void *);
 int q3_rope_cuda(float *, const int64_t *, int64_t, int, int, float, void *);
 int q3_kv_write_cuda(void *, q3_dtype, const float *, int64_t, int64_t, int, int, int64_t, int64_t, void *);
-int q3_attention_cuda(float *, const float *, const q3_attn_seq *, int, const q3_attn_shape *, void *);
+int q3_attention_cuda(float *, const float *, const q3_attn_seq *, int, const q3_attn_shape *, float *, void *);
 int q3_router_topk_cuda(int32_t *, float *, const float *, int64_t, int, int, int, void *);
 int q3_swiglu_cuda(float *, const float *, const float *, int64_t, void *);
 int q3_gather_rows_cuda(float *, const float *, const int32_t *, int64_t, int64_t, void *);
