@@ -15,9 +15,11 @@ void q3_attention_block(q3_layer *layer, q3_cache *cache, const q3_pass *p) {
     const q3_cpu_ops *k = p->k;
 
     k->rmsnorm(ws->h, ws->x, w->dense[Q3_W_INPUT_NORM], w->dtype, R, H, c->eps);
+    q3_profile_mark(p->prof, Q3_STAGE_INPUT_NORM);
     k->matmul(ws->q, ws->h, w->dense[Q3_W_Q_PROJ], w->dtype, R, QD, H, 0, ws->xb);
     k->matmul(ws->k, ws->h, w->dense[Q3_W_K_PROJ], w->dtype, R, KVD, H, 0, ws->xb);
     k->matmul(ws->v, ws->h, w->dense[Q3_W_V_PROJ], w->dtype, R, KVD, H, 0, ws->xb);
+    q3_profile_mark(p->prof, Q3_STAGE_QKV_PROJ);
     k->rmsnorm(ws->q, ws->q, w->dense[Q3_W_Q_NORM], w->dtype, R * Hq, D, c->eps);
     k->rmsnorm(ws->k, ws->k, w->dense[Q3_W_K_NORM], w->dtype, R * Hkv, D, c->eps);
 
@@ -27,6 +29,7 @@ void q3_attention_block(q3_layer *layer, q3_cache *cache, const q3_pass *p) {
     }
     k->rope(ws->q, ws->pos, R, Hq, D, (float)c->rope_theta);
     k->rope(ws->k, ws->pos, R, Hkv, D, (float)c->rope_theta);
+    q3_profile_mark(p->prof, Q3_STAGE_QK_NORM_ROPE);
 
     for (int s = 0; s < p->n_seqs; s++) {
         const int seq = p->seqs[s];
@@ -38,8 +41,11 @@ void q3_attention_block(q3_layer *layer, q3_cache *cache, const q3_pass *p) {
         ws->attn_seqs[s] = (q3_attn_seq){q3_cache_seq_keys(cache, seq),
                                          q3_cache_seq_values(cache, seq), n};
     }
+    q3_profile_mark(p->prof, Q3_STAGE_KV_WRITE);
     const q3_attn_shape shape = {p->L, Hq, Hkv, D, cache->capacity, cache->dtype,
                                  1.0f / sqrtf((float)D), 0};
     k->attention(ws->attn, ws->q, ws->attn_seqs, p->n_seqs, &shape, ws->attn_scratch, ws->threads);
+    q3_profile_mark(p->prof, Q3_STAGE_ATTENTION);
     k->matmul(ws->x, ws->attn, w->dense[Q3_W_O_PROJ], w->dtype, R, H, QD, 1, ws->xb);
+    q3_profile_mark(p->prof, Q3_STAGE_O_PROJ);
 }

@@ -111,11 +111,13 @@ q3_status q3_layer_forward(q3_layer *l, q3_cache *c, const q3_forward_args *a, q
     const size_t es = q3_dtype_size(a->io_dtype);
     for (int64_t t0 = 0; t0 < a->tokens; t0 += step) {
         const int64_t L = a->tokens - t0 < step ? a->tokens - t0 : step;
+        q3_profile_start(&l->prof);
         for (int i = 0; i < a->n_seqs; i++)
             k->to_f32(l->ws.x + i * L * H,
                           (const char *)a->x + ((size_t)i * a->tokens + t0) * H * es,
                           a->io_dtype, L * H);
-        const q3_pass p = {k, a->n_seqs, a->seqs, L};
+        q3_profile_mark(&l->prof, Q3_STAGE_IO);
+        const q3_pass p = {k, &l->prof, a->n_seqs, a->seqs, L};
         q3_attention_block(l, c, &p);
         q3_moe_block(l, &p);
         for (int i = 0; i < a->n_seqs; i++) {
@@ -123,6 +125,28 @@ q3_status q3_layer_forward(q3_layer *l, q3_cache *c, const q3_forward_args *a, q
                             l->ws.x + i * L * H, L * H);
             c->lengths[a->seqs[i]] += L;
         }
+        q3_profile_mark(&l->prof, Q3_STAGE_IO);
     }
     return Q3_OK;
+}
+
+static const char *const stage_names[Q3_STAGE_COUNT] = {
+    "io", "input_norm", "qkv_proj", "qk_norm_rope", "kv_write", "attention", "o_proj",
+    "post_norm", "router", "top_k", "experts",
+};
+
+const char *q3_stage_name(int stage) { return stage >= 0 && stage < Q3_STAGE_COUNT ? stage_names[stage] : NULL; }
+
+q3_status q3_layer_profiling(q3_layer *l, int on, q3_error *err) {
+    if (on && l->w.device >= 0)
+        return q3_fail(err, Q3_ERR_STATE, "profile: per-stage timing of CUDA layers (CUDA events) is not built yet");
+    l->prof = (q3_profile){0};
+    l->prof.enabled = on != 0;
+    return Q3_OK;
+}
+
+int q3_layer_profile_read(const q3_layer *l, double *seconds, int max) {
+    int n = 0;
+    for (; n < Q3_STAGE_COUNT && n < max; n++) seconds[n] = l->prof.seconds[n];
+    return n;
 }

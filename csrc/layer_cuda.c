@@ -200,7 +200,7 @@ q3_status q3_layer_forward_cuda(q3_layer *l, q3_cache *c, const q3_forward_args 
         for (int i = 0; i < a->n_seqs; i++)
             GPU(&run, run.g->to_f32(d->x + i * L * H, (const char *)a->x + ((size_t)i * a->tokens + t0) * H * es,
                                     a->io_dtype, L * H, run.stream), "input");
-        const q3_pass p = {NULL, a->n_seqs, a->seqs, L};
+        const q3_pass p = {NULL, NULL, a->n_seqs, a->seqs, L};
         attention_pass(l, c, &p, &run);
         moe_pass(l, &p, &run);
         for (int i = 0; i < a->n_seqs; i++) {

@@ -4,6 +4,7 @@
 
 #include "cache.h"
 #include "cpu_dispatch.h"
+#include "profile.h"
 #include "workspace.h"
 
 typedef struct q3_cuda_state q3_cuda_state; /* csrc/layer_cuda.c */
@@ -14,12 +15,14 @@ struct q3_layer {
     const void **expert_ptrs;         /* [Q3_X_COUNT * E] owned copy of the pointer arrays */
     q3_workspace ws;                  /* host workspace (CPU layers) */
     q3_cuda_state *gpu;               /* CUDA layers: device workspace and host staging */
+    q3_profile prof;                  /* per-stage times while profiling is on */
 };
 
 /* One pass over the R = n_seqs * L rows in ws->x [R, H] (row s * L + t is token t of
  * sequence seqs[s], at position cache->lengths[seqs[s]] + t). */
 typedef struct {
     const q3_cpu_ops *k; /* kernels, fixed for the whole call */
+    q3_profile *prof;    /* stage boundaries are marked here */
     int n_seqs;
     const int32_t *seqs;
     int64_t L;

@@ -98,10 +98,14 @@ void q3_moe_block(q3_layer *layer, const q3_pass *p) {
     const q3_cpu_ops *k = p->k;
 
     k->rmsnorm(ws->h, ws->x, w->dense[Q3_W_POST_NORM], w->dtype, R, H, c->eps);
+    q3_profile_mark(p->prof, Q3_STAGE_POST_NORM);
     /* the router stays in fp32 (no bf16 scratch): its top-k choice is sensitive to rounding */
     k->matmul(ws->logits, ws->h, w->dense[Q3_W_ROUTER], w->dtype, R, E, H, 0, NULL);
+    q3_profile_mark(p->prof, Q3_STAGE_ROUTER);
     k->router_topk(ws->topk_idx, ws->topk_w, ws->logits, R, E, top_k, c->norm_topk);
     k->moe_group(ws->offsets, ws->pair_row, ws->pair_w, ws->topk_idx, ws->topk_w, R, top_k, E);
+    q3_profile_mark(p->prof, Q3_STAGE_TOP_K);
     if (R <= Q3_MOE_THREAD_ROWS && ws->threads > 1) experts_across_threads(layer, k, R);
     else experts_in_turn(layer, k);
+    q3_profile_mark(p->prof, Q3_STAGE_EXPERTS);
 }

@@ -213,8 +213,37 @@ static PyObject *layer_new_cache(q3_layer_object *self, PyObject *args, PyObject
     return (PyObject *)q3_cache_object_new(st, batch, max_tokens, c->kv_heads, c->head_dim, dt, self->device);
 }
 
+static PyObject *layer_set_profiling(q3_layer_object *self, PyObject *on) {
+    const int flag = PyObject_IsTrue(on);
+    if (flag < 0) return NULL;
+    q3_error err;
+    q3_status s;
+    PyThread_acquire_lock(self->lock, WAIT_LOCK); /* not while a call runs */
+    s = q3_layer_profiling(self->layer, flag, &err);
+    PyThread_release_lock(self->lock);
+    if (s != Q3_OK) return q3_raise(NULL, &err);
+    Py_RETURN_NONE;
+}
+
+static PyObject *layer_profile_seconds(q3_layer_object *self, PyObject *unused) {
+    (void)unused;
+    double seconds[32];
+    const int n = q3_layer_profile_read(self->layer, seconds, 32);
+    PyObject *d = PyDict_New();
+    for (int i = 0; d && i < n; i++) {
+        PyObject *v = PyFloat_FromDouble(seconds[i]);
+        if (!v || PyDict_SetItemString(d, q3_stage_name(i), v) < 0) Py_CLEAR(d);
+        Py_XDECREF(v);
+    }
+    return d;
+}
+
 #define KW (METH_VARARGS | METH_KEYWORDS)
 PyMethodDef q3_layer_methods[] = {
+    {"set_profiling", (PyCFunction)layer_set_profiling, METH_O,
+     "set_profiling(on)\n--\n\nTime every stage of the calls from now on (totals reset)."},
+    {"profile_seconds", (PyCFunction)layer_profile_seconds, METH_NOARGS,
+     "profile_seconds()\n--\n\n{stage: seconds} accumulated since set_profiling(True)."},
     {"prefill", (PyCFunction)(void (*)(void))layer_prefill, KW,
      "prefill(x, cache, seq=None, chunk_size=None, *, out=None, stream=None)\n--\n\n"
      "x [tokens, hidden] appended to sequence seq (default 0), or [batch, tokens, hidden] to every "

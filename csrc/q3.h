@@ -119,6 +119,12 @@ typedef struct {
  * All checks happen before the first write: on failure the cache is unchanged. */
 q3_status q3_layer_forward(q3_layer *layer, q3_cache *cache, const q3_forward_args *a, q3_error *err);
 
+/* Per-stage timing of the forward (csrc/profile.h): on (resets the totals) or off; the
+ * seconds accumulated per stage since; the stages' names (NULL past the last). */
+q3_status q3_layer_profiling(q3_layer *layer, int on, q3_error *err);
+int q3_layer_profile_read(const q3_layer *layer, double *seconds, int max);
+const char *q3_stage_name(int stage);
+
 /* ---- utilities ------------------------------------------------------------------ */
 
 /* Aligned allocation for tensors (64-byte aligned); q3_free releases it. */

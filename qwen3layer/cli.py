@@ -14,7 +14,8 @@ import time
 
 from . import _C
 from .config import LayerConfig
-from .costs import decode_weight_bytes, prefill_flops
+from .costs import cost_model, decode_weight_bytes, prefill_flops
+from .profile import join, stage_table
 from .layer import DecoderLayer
 
 GEOMETRIES = {"real": LayerConfig.qwen3_235b_a22b, "tiny": LayerConfig.tiny}
@@ -42,6 +43,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     H = cfg.hidden_size
 
     chunk = args.chunk_size
+    layer._core.set_profiling(True)  # stage times of this run, for the map tables
     started = time.perf_counter()
     done = 0
     progress(0, args.tokens, started, "prefill")
@@ -52,6 +54,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         done += n
         progress(done, args.tokens, started, "prefill")
     prefill_s = time.perf_counter() - started
+    prefill_stages = layer._core.profile_seconds()
+    layer._core.set_profiling(True)
     sys.stderr.write("\n")
 
     step_ms = []
@@ -71,6 +75,17 @@ def cmd_run(args: argparse.Namespace) -> int:
               f"median {med:.2f} ms/token (min {min(step_ms):.2f}), "
               f"{wbytes / 1e6:.1f} MB of weights per token -> {wbytes / med / 1e6:.1f} GB/s")
     print(f"cache    {cache}\nworkspace {layer.workspace_bytes / 2**20:.1f} MiB")
+    decode_stages = layer._core.profile_seconds()
+    layer._core.set_profiling(False)
+    print()
+    pre = cost_model(cfg, "prefill", args.tokens, chunk_size=chunk, dtype=args.dtype)
+    print(stage_table(join(pre, prefill_stages), f"the map, prefill of {args.tokens} tokens in {pre.passes} "
+                      f"chunk(s) of {chunk} (all chunks together):"))
+    if args.new_tokens:
+        dec = cost_model(cfg, "decode", args.new_tokens, context=args.tokens, dtype=args.dtype)
+        print()
+        print(stage_table(join(dec, decode_stages), f"the map, decode: {args.new_tokens} steps from context "
+                          f"{args.tokens} (all steps together):"))
     return 0
 
 

@@ -1,42 +1,164 @@
-"""Hand counts of the work of one layer: the bytes a decode token must read and the FLOPs
-of a prefill. Used to turn measured times into GB/s and GFLOP/s."""
+"""The analytic cost model of one layer: for prefill or decode, every stage with its shapes,
+the weight bytes it reads, the activation bytes it reads and writes, its FLOPs and its
+arithmetic intensity. No weights needed; stage names are the engine's (layer.profile).
+
+Counting rules: FLOPs are those of the matrix products (2 per multiply-add: projections,
+router, experts, attention scores and values); elementwise stages count bytes only.
+Activations move as fp32 (the engine's working precision), the KV cache and weights in
+`dtype`. Weights are read once per pass (a chunk, or a decode step) for all its tokens; a
+pass of R tokens is charged the experts that its R * k routing choices hit, expected under
+uniform routing (E * (1 - (1 - k/E)^R)). Attention reads each KV head's cache once per pass.
+"""
 from __future__ import annotations
 
+import dataclasses
+import math
+from typing import List, Optional
+
 from .config import LayerConfig
+
+STAGES = ("io", "input_norm", "qkv_proj", "qk_norm_rope", "kv_write", "attention", "o_proj",
+          "post_norm", "router", "top_k", "experts")
+KERNELS = {"io": "convert", "input_norm": "rmsnorm", "qkv_proj": "matmul", "qk_norm_rope": "rmsnorm + rope",
+           "kv_write": "kv_write", "attention": "attention", "o_proj": "matmul (+= residual)",
+           "post_norm": "rmsnorm", "router": "matmul (fp32)", "top_k": "router_topk + moe_group",
+           "experts": "gather, matmul x3, swiglu, scatter_add"}
+ACT = 4  # bytes of an activation element
 
 
 def _size(dtype: str) -> int:
     return 2 if dtype == "bfloat16" else 4
 
 
+@dataclasses.dataclass
+class Stage:
+    name: str
+    kernel: str
+    inputs: List[tuple]
+    outputs: List[tuple]
+    weight_bytes: int = 0
+    act_read: int = 0
+    act_written: int = 0
+    flops: float = 0.0
+
+    @property
+    def bytes(self) -> int:
+        return self.weight_bytes + self.act_read + self.act_written
+
+    @property
+    def intensity(self) -> float:
+        """FLOPs per byte moved."""
+        return self.flops / self.bytes if self.bytes else 0.0
+
+
+@dataclasses.dataclass
+class CostModel:
+    mode: str
+    tokens: int
+    context: int
+    batch: int
+    chunk_size: int
+    passes: int
+    stages: List[Stage]
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(s.weight_bytes for s in self.stages)
+
+    @property
+    def bytes(self) -> int:
+        return sum(s.bytes for s in self.stages)
+
+    @property
+    def flops(self) -> float:
+        return sum(s.flops for s in self.stages)
+
+    def stage(self, name: str) -> Stage:
+        return next(s for s in self.stages if s.name == name)
+
+
+def experts_hit(cfg: LayerConfig, rows: int) -> float:
+    """Expected distinct experts chosen by `rows` tokens under uniform routing."""
+    E, k = cfg.num_experts, cfg.num_experts_per_tok
+    return E * (1.0 - (1.0 - k / E) ** rows)
+
+
+def _pass(cfg: LayerConfig, batch: int, L: int, n: int, wb: int, cb: int) -> List[Stage]:
+    """Stages of one pass: L new tokens for each of `batch` sequences holding n tokens."""
+    H, D, Hq, Hkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    E, k, I = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+    R = batch * L
+    qkv = (Hq + 2 * Hkv) * D
+    keys_seen = batch * (L * n + L * (L + 1) // 2)     # summed over the pass's query tokens
+    cache_rows = batch * Hkv * (n + L)                  # (sequence, KV head, position) rows read
+    return [
+        Stage("io", KERNELS["io"], [(R, H)], [(R, H)], 0, R * H * wb, R * H * wb),
+        Stage("input_norm", KERNELS["input_norm"], [(R, H)], [(R, H)], H * wb, R * H * ACT, R * H * ACT),
+        Stage("qkv_proj", KERNELS["qkv_proj"], [(R, H)], [(R, Hq * D), (R, Hkv * D), (R, Hkv * D)],
+              qkv * H * wb, R * H * ACT, R * qkv * ACT, 2.0 * R * H * qkv),
+        Stage("qk_norm_rope", KERNELS["qk_norm_rope"], [(R, Hq, D), (R, Hkv, D)], [(R, Hq, D), (R, Hkv, D)],
+              2 * D * wb, R * (Hq + Hkv) * D * ACT, R * (Hq + Hkv) * D * ACT),
+        Stage("kv_write", KERNELS["kv_write"], [(R, Hkv, D), (R, Hkv, D)], [(batch, Hkv, n + L, D)] * 2,
+              0, 2 * R * Hkv * D * ACT, 2 * R * Hkv * D * cb),
+        Stage("attention", KERNELS["attention"], [(R, Hq, D), (batch, Hkv, n + L, D), (batch, Hkv, n + L, D)],
+              [(R, Hq, D)], 0, R * Hq * D * ACT + 2 * cache_rows * D * cb, R * Hq * D * ACT,
+              4.0 * Hq * D * keys_seen),
+        Stage("o_proj", KERNELS["o_proj"], [(R, Hq * D), (R, H)], [(R, H)], H * Hq * D * wb,
+              R * (Hq * D + H) * ACT, R * H * ACT, 2.0 * R * Hq * D * H),
+        Stage("post_norm", KERNELS["post_norm"], [(R, H)], [(R, H)], H * wb, R * H * ACT, R * H * ACT),
+        Stage("router", KERNELS["router"], [(R, H)], [(R, E)], E * H * wb, R * H * ACT, R * E * ACT,
+              2.0 * R * H * E),
+        Stage("top_k", KERNELS["top_k"], [(R, E)], [(R, k), (R, k)], 0, R * E * ACT, 2 * R * k * 4),
+        Stage("experts", KERNELS["experts"], [(R, H), (R, k)], [(R, H)], round(experts_hit(cfg, R)) * 3 * H * I * wb,
+              R * k * H * ACT + R * H * ACT, R * H * ACT, 2.0 * R * k * 3 * H * I),
+    ]
+
+
+def cost_model(cfg: LayerConfig, mode: str = "prefill", tokens: int = 1, context: int = 0,
+               chunk_size: Optional[int] = None, dtype: str = "bfloat16", batch: int = 1) -> CostModel:
+    """The work of `tokens` new tokens per sequence for `batch` sequences that hold `context`
+    tokens: prefill in passes of chunk_size tokens (default: all at once), or decode (one
+    token per sequence per pass: `tokens` steps)."""
+    if mode not in ("prefill", "decode"):
+        raise ValueError(f"mode: expected 'prefill' or 'decode', got {mode!r}")
+    for name, value in (("tokens", tokens), ("batch", batch)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    if not isinstance(context, int) or context < 0:
+        raise ValueError(f"context: expected a non-negative int, got {context!r}")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size: expected a positive int or None, got {chunk_size!r}")
+    if dtype not in ("bfloat16", "float32"):
+        raise ValueError(f"dtype: expected 'float32' or 'bfloat16', got {dtype!r}")
+    wb = cb = _size(dtype)
+    step = 1 if mode == "decode" else min(chunk_size or tokens, tokens)
+    passes = math.ceil(tokens / step)
+    total: List[Stage] = []
+    for p in range(passes):
+        L = min(step, tokens - p * step)
+        stages = _pass(cfg, batch, L, context + p * step, wb, cb)
+        if not total:
+            total = stages  # shapes of the first pass
+            continue
+        for t, s in zip(total, stages):
+            t.weight_bytes += s.weight_bytes
+            t.act_read += s.act_read
+            t.act_written += s.act_written
+            t.flops += s.flops
+    return CostModel(mode, tokens, context, batch, step, passes, total)
+
+
 def decode_weight_bytes(cfg: LayerConfig, dtype: str = "bfloat16") -> int:
-    """Weight bytes one decode token reads: attention (q, k, v, o and the QK-norm weights),
-    the two layer norms, the router, and its top-k experts."""
-    H, D = cfg.hidden_size, cfg.head_dim
-    attn = H * D * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) + 2 * D
-    norms = 2 * H
-    router = cfg.num_experts * H
-    experts = cfg.num_experts_per_tok * 3 * H * cfg.moe_intermediate_size
-    return _size(dtype) * (attn + norms + router + experts)
-
-
-def kv_bytes_per_token(cfg: LayerConfig, dtype: str = "bfloat16") -> int:
-    """KV-cache bytes of one cached token (K and V of every KV head)."""
-    return 2 * cfg.num_key_value_heads * cfg.head_dim * _size(dtype)
+    """Weight bytes one decode token reads (batch 1): attention, norms, router, its top-k experts."""
+    return cost_model(cfg, "decode", 1, 0, dtype=dtype).weight_bytes
 
 
 def decode_bytes(cfg: LayerConfig, context: int, dtype: str = "bfloat16") -> int:
-    """Bytes one decode token must read at a context of `context` cached tokens."""
-    return decode_weight_bytes(cfg, dtype) + context * kv_bytes_per_token(cfg, dtype)
+    """Bytes one decode token must read at `context` cached tokens: its weights and the KV cache."""
+    m = cost_model(cfg, "decode", 1, context, dtype=dtype)
+    return m.weight_bytes + 2 * cfg.num_key_value_heads * cfg.head_dim * _size(dtype) * (context + 1)
 
 
 def prefill_flops(cfg: LayerConfig, tokens: int, context: int = 0) -> float:
-    """Multiply-add FLOPs (2 per multiply-add) of `tokens` new tokens after `context` cached
-    ones: projections, router, top-k experts, and causal attention (scores and values)."""
-    H, D = cfg.hidden_size, cfg.head_dim
-    proj = 2 * tokens * H * D * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
-    router = 2 * tokens * H * cfg.num_experts
-    experts = 2 * tokens * cfg.num_experts_per_tok * 3 * H * cfg.moe_intermediate_size
-    keys_seen = tokens * context + tokens * (tokens + 1) / 2
-    attn = 2 * 2 * cfg.num_attention_heads * D * keys_seen
-    return proj + router + experts + attn
+    """Matrix FLOPs of a causal prefill of `tokens` new tokens after `context` cached ones."""
+    return cost_model(cfg, "prefill", tokens, context).flops

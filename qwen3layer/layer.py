@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import sys
 import warnings
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from . import _C, cuda
 from .config import LayerConfig
 from .weights import canonical_weights
+
+if TYPE_CHECKING:
+    from .profile import Profile
 
 KVCache = _C.KVCache
 Tensor = _C.Tensor
@@ -126,6 +129,52 @@ class DecoderLayer:
         """One new token for each sequence of the cache: x [cache.batch, hidden]."""
         y = self._core.decode(x, cache, out=out, stream=_stream_of(x, self._core.device))
         return y if out is not None else _like(x, y)
+
+    def profile(self, mode: str = "decode", tokens: int = 1, context: int = 0, chunk_size: Optional[int] = None,
+                repeat: int = 3, batch: int = 1) -> "Profile":
+        """Times every stage of `tokens` new tokens per sequence (prefill in passes of
+        chunk_size, or `tokens` decode steps) for `batch` sequences holding `context` tokens of
+        random input, against the cost model: median of `repeat` profiled calls per stage, and
+        the median of as many unprofiled calls for comparison. CPU layers."""
+        import statistics
+        import time
+
+        from .costs import cost_model
+        from .profile import Profile, join
+
+        cost = cost_model(self.config, mode, tokens, context, chunk_size, self.dtype, batch)
+        H, dt = self.config.hidden_size, self.dtype
+        cache = self.new_cache(context + tokens, batch)
+        for t0 in range(0, context, 512):  # the context, through the layer itself (not timed)
+            n = min(512, context - t0)
+            self._core.prefill(_C.random_tensor((batch, n, H) if batch > 1 else (n, H), 7 + t0, dt), cache, None, 512)
+        if mode == "prefill":
+            xs = [_C.random_tensor((batch, tokens, H) if batch > 1 else (tokens, H), 11, dt)]
+        else:
+            xs = [_C.random_tensor((batch, H), 13 + i, dt) for i in range(tokens)]
+
+        def call():
+            for x in xs:
+                if mode == "prefill":
+                    self._core.prefill(x, cache, None, chunk_size)
+                else:
+                    self._core.decode(x, cache)
+            for b in range(batch):
+                cache.truncate(context, b)
+
+        call()  # warm-up: workspace sized, caches warm
+        unprofiled, per_stage = [], []
+        for _ in range(max(1, repeat)):
+            t = time.perf_counter()
+            call()
+            unprofiled.append(time.perf_counter() - t)
+            self._core.set_profiling(True)
+            call()
+            per_stage.append(self._core.profile_seconds())
+            self._core.set_profiling(False)
+        median = {name: statistics.median(p[name] for p in per_stage) for name in per_stage[0]}
+        return Profile(mode, cost, join(cost, median), statistics.median(unprofiled), self.workspace_bytes,
+                       cache.nbytes)
 
     @property
     def dtype(self) -> str:

@@ -1,0 +1,76 @@
+"""Measured stages joined with the cost model: what layer.profile returns and what the CLI
+prints. Formatting and ratios only; the timing is done in C (a monotonic clock at each stage
+boundary of the forward)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List
+
+from .costs import CostModel
+
+
+@dataclasses.dataclass
+class StageTime:
+    name: str
+    kernel: str
+    shapes: str
+    seconds: float
+    share: float
+    weight_bytes: int
+    bytes: int
+    flops: float
+
+    @property
+    def gbs(self) -> float:
+        """bytes moved per second, in GB/s"""
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    @property
+    def gflops(self) -> float:
+        return self.flops / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+@dataclasses.dataclass
+class Profile:
+    mode: str
+    cost: CostModel
+    stages: List[StageTime]
+    call_seconds: float      # the same work, unprofiled
+    workspace_bytes: int
+    cache_bytes: int
+
+    @property
+    def stage_seconds(self) -> float:
+        return sum(s.seconds for s in self.stages)
+
+    @property
+    def dominant(self) -> StageTime:
+        return max(self.stages, key=lambda s: s.seconds)
+
+    def table(self) -> str:
+        return stage_table(self.stages, f"{self.mode}: {self.cost.tokens} token(s) x batch {self.cost.batch}, "
+                           f"context {self.cost.context}, {self.cost.passes} pass(es) of {self.cost.chunk_size}; "
+                           f"stages {self.stage_seconds * 1e3:.2f} ms, unprofiled {self.call_seconds * 1e3:.2f} ms")
+
+
+def join(cost: CostModel, seconds: Dict[str, float]) -> List[StageTime]:
+    total = sum(seconds.values()) or 1.0
+    out = []
+    for s in cost.stages:
+        shapes = " ".join("x".join(map(str, shape)) for shape in s.inputs) + " -> " + \
+                 " ".join("x".join(map(str, shape)) for shape in s.outputs)
+        t = seconds.get(s.name, 0.0)
+        out.append(StageTime(s.name, s.kernel, shapes, t, t / total, s.weight_bytes, s.bytes, s.flops))
+    return out
+
+
+def stage_table(stages: List[StageTime], title: str) -> str:
+    head = ("stage", "kernel", "shapes (first pass)", "weights MB", "moved MB", "GFLOP", "ms", "share", "GB/s", "GFLOP/s")
+    dominant = max(stages, key=lambda s: s.seconds).name if stages else ""
+    rows = [((">" if s.name == dominant else " ") + s.name, s.kernel, s.shapes, f"{s.weight_bytes / 1e6:.1f}",
+             f"{s.bytes / 1e6:.1f}", f"{s.flops / 1e9:.2f}", f"{s.seconds * 1e3:.2f}", f"{s.share:.0%}",
+             f"{s.gbs:.1f}", f"{s.gflops:.1f}") for s in stages]
+    widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
+    lines = [title, " | ".join(h.ljust(w) for h, w in zip(head, widths)), "-|-".join("-" * w for w in widths)]
+    lines += [" | ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
+    return "\n".join(lines) + "\n(> marks the dominant stage)"
