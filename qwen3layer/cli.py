@@ -1,4 +1,5 @@
-"""Command line: `python -m qwen3layer run` (the main job).
+"""Command line: `python -m qwen3layer run` (the main job), `map` (the battle map), `check`
+(the three rulers).
 
 run: builds one decoder layer (the real Qwen3-235B-A22B geometry by default, random bf16
 weights), prefills --tokens tokens chunk by chunk with a progress line, decodes
@@ -8,6 +9,7 @@ neither torch nor numpy: inputs and outputs are the extension's own tensors.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -21,6 +23,19 @@ from .layer import DecoderLayer
 GEOMETRIES = {"real": LayerConfig.qwen3_235b_a22b, "tiny": LayerConfig.tiny}
 
 
+def geometry(arg: str) -> LayerConfig:
+    """'real', 'tiny', or the path of a transformers config.json"""
+    if arg in GEOMETRIES:
+        return GEOMETRIES[arg]()
+    import json
+    import os
+
+    if not os.path.exists(arg):
+        raise SystemExit(f"--geometry: expected real, tiny or the path of a config.json, got {arg!r} (no such file)")
+    with open(arg) as f:
+        return LayerConfig.from_hf(json.load(f))
+
+
 def progress(done: int, total: int, started: float, label: str) -> None:
     width = 30
     filled = width * done // total
@@ -31,7 +46,7 @@ def progress(done: int, total: int, started: float, label: str) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    cfg = GEOMETRIES[args.geometry]()
+    cfg = geometry(args.geometry)
     info = _C.build_info()
     print(f"qwen3layer {info['version']}: {info['threads']} threads, cpu path {info['cpu_path']} "
           f"(of {', '.join(info['cpu_paths'])}), {info['compiler']}")
@@ -89,27 +104,142 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def activation_bytes(layer: DecoderLayer, tokens: int, dtype: str) -> int:
+    """Memory of a prefill beyond weights and cache: the workspace, the input and the output."""
+    return layer.workspace_bytes + 2 * tokens * layer.config.hidden_size * (2 if dtype == "bfloat16" else 4)
+
+
+def cmd_map(args: argparse.Namespace) -> int:
+    import os
+
+    from .mapplot import draw_map, draw_sweep
+
+    cfg = geometry(args.geometry)
+    context = args.tokens if args.context is None else args.context
+    os.makedirs(args.out, exist_ok=True)
+    print(f"building a {args.geometry} layer ({args.dtype}, {args.device}) ...", flush=True)
+    weights = _C.random_weights(cfg, args.seed, args.dtype)
+    layer = DecoderLayer(cfg, weights, device=args.device)
+    print(f"measuring prefill of {args.tokens} tokens in chunks of {args.chunk_size} ...", flush=True)
+    pre = layer.profile("prefill", args.tokens, 0, args.chunk_size, repeat=args.repeat)
+    print(f"measuring decode at context {context} ...", flush=True)
+    dec = layer.profile("decode", 1, context, repeat=max(3, args.repeat))
+    print()
+    print(pre.table())
+    print()
+    print(dec.table())
+    stem = os.path.join(args.out, "map")
+    draw_map(pre, dec, f"one {args.geometry}-geometry Qwen3-MoE decoder layer, {args.dtype}, {args.device}",
+             [stem + ".svg", stem + ".png"])
+    print(f"\nwrote {stem}.svg and {stem}.png")
+    if args.sweep_chunk:
+        points = []
+        for chunk in args.sweep_chunk:
+            fresh = DecoderLayer(cfg, weights, device=args.device)  # its own workspace, the same weights
+            print(f"sweep: prefill of {args.tokens} tokens in chunks of {chunk} ...", flush=True)
+            p = fresh.profile("prefill", args.tokens, 0, chunk, repeat=1)
+            points.append((chunk, p.call_seconds, activation_bytes(fresh, min(chunk, args.tokens), args.dtype)))
+        print("\nchunk size | prefill s | tok/s | activation memory MiB")
+        for c, t, m in points:
+            print(f"{c:10d} | {t:9.3f} | {args.tokens / t:5.0f} | {m / 2**20:.1f}")
+        stem = os.path.join(args.out, "sweep")
+        draw_sweep(points, f"prefill of {args.tokens} tokens: time and memory against chunk size",
+                   [stem + ".svg", stem + ".png"])
+        print(f"wrote {stem}.svg and {stem}.png")
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    import json
+
+    from . import rulers
+
+    cfg = geometry(args.geometry)
+    weights = _C.random_weights(cfg, args.seed, args.dtype)
+    ours = dict(weights)
+    if args.perturb:  # for demonstrating the accuracy ruler: our copy of one weight is changed
+        if args.perturb not in ours:
+            raise SystemExit(f"--perturb: expected one of {sorted(ours)}, got {args.perturb!r}")
+        t = ours[args.perturb]
+        ours[args.perturb] = _C.random_tensor(tuple(t.shape), 99, t.dtype, 0.05)
+    layer = DecoderLayer(cfg, ours, device=args.device)
+    results = [
+        rulers.accuracy(cfg, weights, layer, args.dtype, args.accuracy_tokens, args.seed),
+        rulers.decode_latency(cfg, layer, args.dtype, args.context, args.latency_factor),
+        rulers.prefill_memory(cfg, weights, args.dtype, args.device, args.tokens, args.chunk_size, args.max_memory_mb),
+    ]
+    failed = any(r.passed is False for r in results)
+    if args.json:
+        print(json.dumps({"geometry": args.geometry, "dtype": args.dtype, "device": args.device, "pass": not failed,
+                          "rulers": [dataclasses.asdict(r) for r in results]}, indent=2))
+    else:
+        for r in results:
+            print(r.line())
+    return 1 if failed else 0
+
+
+def chunk_list(text: str) -> list:
+    try:
+        chunks = [int(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive ints, got {text!r}") from None
+    if not chunks or min(chunks) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive ints, got {text!r}")
+    return chunks
+
+
+def layer_options(p: argparse.ArgumentParser) -> None:
+    """The options that choose the layer, shared by the commands."""
+    p.add_argument("--geometry", default="real", help="real, tiny, or a config.json path")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--seed", type=int, default=0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m qwen3layer", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="prefill and decode through one layer, timing each phase")
-    run.add_argument("--geometry", choices=sorted(GEOMETRIES), default="real")
+    run.add_argument("--geometry", default="real", help="real, tiny, or a config.json path")
     run.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     run.add_argument("--tokens", type=int, default=512, help="prompt tokens to prefill (default 512)")
     run.add_argument("--chunk-size", type=int, default=128, help="prefill chunk (default 128)")
     run.add_argument("--new-tokens", type=int, default=16, help="decode steps (default 16)")
     run.add_argument("--seed", type=int, default=0)
     run.set_defaults(func=cmd_run)
+    mp = sub.add_parser("map", help="the dual prefill/decode map: tables, SVG and PNG")
+    layer_options(mp)
+    mp.add_argument("--tokens", type=int, default=512, help="prefill tokens (default 512)")
+    mp.add_argument("--context", type=int, default=None, help="decode context (default: --tokens)")
+    mp.add_argument("--chunk-size", type=int, default=512)
+    mp.add_argument("--sweep-chunk", type=chunk_list, default=None, metavar="C1,C2,...",
+                    help="also plot prefill time and memory against these chunk sizes")
+    mp.add_argument("--repeat", type=int, default=2)
+    mp.add_argument("--out", default="qwen3layer-map", help="folder for map.svg/png (and sweep.svg/png)")
+    mp.set_defaults(func=cmd_map)
+    ck = sub.add_parser("check", help="the three rulers: accuracy, decode latency, prefill memory")
+    layer_options(ck)
+    ck.add_argument("--tokens", type=int, default=2048, help="prefill tokens of the memory ruler")
+    ck.add_argument("--chunk-size", type=int, default=512)
+    ck.add_argument("--context", type=int, default=512, help="decode context of the latency ruler")
+    ck.add_argument("--accuracy-tokens", type=int, default=16)
+    ck.add_argument("--latency-factor", type=float, default=1.33, help="pass when time <= factor x floor")
+    ck.add_argument("--max-memory-mb", type=float, default=256.0)
+    ck.add_argument("--perturb", default=None, metavar="WEIGHT", help="change our copy of one weight (a demo)")
+    ck.add_argument("--json", action="store_true")
+    ck.set_defaults(func=cmd_check)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    for name in ("tokens", "chunk_size"):
-        if getattr(args, name) < 1:
+    for name in ("tokens", "chunk_size", "repeat"):
+        if getattr(args, name, 1) < 1:
             build_parser().error(f"--{name.replace('_', '-')}: expected a positive int, got {getattr(args, name)}")
-    if args.new_tokens < 0:
-        build_parser().error(f"--new-tokens: expected a non-negative int, got {args.new_tokens}")
+    for name in ("new_tokens", "context"):
+        value = getattr(args, name, None)
+        if value is not None and value < 0:
+            build_parser().error(f"--{name.replace('_', '-')}: expected a non-negative int, got {value}")
     try:
         return args.func(args)
     except KeyboardInterrupt:

@@ -76,3 +76,55 @@ def test_main_job_rejects_bad_options():
     r = subprocess.run([sys.executable, "-m", "qwen3layer", "run", "--tokens", "0"], cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--tokens: expected a positive int, got 0" in r.stderr
+
+
+def run_cli(*args, env=None, timeout=180):
+    return subprocess.run([sys.executable, "-m", "qwen3layer", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_map_writes_svg_png_and_the_sweep(tmp_path):
+    r = run_cli("map", "--geometry", "tiny", "--tokens", "48", "--chunk-size", "16", "--sweep-chunk", "8,48",
+                "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    for name in ("map.svg", "map.png", "sweep.svg", "sweep.png"):
+        assert (tmp_path / name).stat().st_size > 1000, name
+    assert (tmp_path / "map.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert b"<svg" in (tmp_path / "map.svg").read_bytes()[:1000]
+    assert "prefill: 48 token(s)" in r.stdout and "decode: 1 token(s)" in r.stdout
+    assert "chunk size | prefill s" in r.stdout
+
+
+TINY_CHECK = ("check", "--geometry", "tiny", "--tokens", "64", "--chunk-size", "16", "--context", "40",
+              "--latency-factor", "1e6", "--json")  # a tiny layer is overhead, not memory: latency is not its ruler
+
+
+def test_check_passes_and_speaks_json():
+    import json
+
+    r = run_cli(*TINY_CHECK)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = json.loads(r.stdout)
+    assert out["pass"] is True
+    assert [x["name"] for x in out["rulers"]] == ["accuracy against transformers", "decode latency", "prefill memory"]
+    assert all(x["passed"] for x in out["rulers"])
+
+
+def test_check_fails_when_a_weight_is_perturbed():
+    import json
+
+    r = run_cli(*TINY_CHECK, "--perturb", "self_attn.o_proj.weight")
+    assert r.returncode == 1
+    out = json.loads(r.stdout)
+    assert out["pass"] is False and out["rulers"][0]["passed"] is False
+
+
+def test_check_without_transformers_says_so(tmp_path):
+    shim = tmp_path / "transformers"
+    shim.mkdir()
+    (shim / "__init__.py").write_text("raise ImportError('transformers is hidden for this test')\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    r = run_cli(*TINY_CHECK[:-1], env=env)
+    assert r.returncode == 0, r.stderr
+    assert "NOT RUN accuracy against transformers: transformers and torch are needed" in r.stdout
+    assert "Traceback" not in r.stderr

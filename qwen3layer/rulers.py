@@ -1,0 +1,113 @@
+"""The three rulers of `python -m qwen3layer check`, each a measurement, a threshold and a
+verdict: accuracy against transformers on the same weights, decode latency against this
+machine's floor (bytes / a read probe run in the same command), and prefill memory beyond the
+weights and the KV cache. The accuracy ruler needs torch and transformers; without them it
+says so instead of failing."""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Optional
+
+from . import _C
+from .config import LayerConfig
+from .costs import cost_model
+from .layer import DecoderLayer
+
+
+@dataclasses.dataclass
+class Ruler:
+    name: str
+    value: Optional[float]
+    threshold: Optional[float]
+    unit: str
+    passed: Optional[bool]  # None: not run
+    detail: str
+
+    def line(self) -> str:
+        verdict = {True: "PASS", False: "FAIL", None: "NOT RUN"}[self.passed]
+        if self.value is None:
+            return f"{verdict:7s} {self.name}: {self.detail}"
+        return f"{verdict:7s} {self.name}: {self.value:.4g} {self.unit} (threshold {self.threshold:.4g}) - {self.detail}"
+
+
+def accuracy(cfg: LayerConfig, weights: dict, layer: DecoderLayer, dtype: str, tokens: int, seed: int) -> Ruler:
+    """Our layer and transformers' on the same weights and input, each against an fp32 run of
+    transformers on those (bf16-valued) weights: fp32 must agree to 1e-5, bf16 must err at most
+    twice as much as transformers' own bf16 run."""
+    name = "accuracy against transformers"
+    try:
+        import torch
+        from transformers import Qwen3MoeConfig
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeDecoderLayer, Qwen3MoeRotaryEmbedding
+    except ImportError as e:
+        return Ruler(name, None, None, "", None, f"transformers and torch are needed for it ({e}); "
+                     "pip install torch transformers")
+    hc = Qwen3MoeConfig(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+                        num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                        num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                        moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
+                        rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta, num_hidden_layers=1,
+                        vocab_size=16, intermediate_size=64, max_position_embeddings=cfg.max_position_embeddings)
+    hc._attn_implementation, hc._experts_implementation = "sdpa", "grouped_mm"
+
+    def hf_layer(tensor_dtype):
+        with torch.device("meta"):
+            m = Qwen3MoeDecoderLayer(hc, 0)
+        m.load_state_dict({k: torch.from_dlpack(v).to(tensor_dtype) for k, v in weights.items()}, assign=True)
+        return m.eval()
+
+    tdt = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    theirs, exact = hf_layer(tdt), hf_layer(torch.float32)
+    rope = Qwen3MoeRotaryEmbedding(hc)
+    x = torch.randn(1, tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(seed)).to(tdt)
+    pos = torch.arange(tokens)[None]
+    with torch.no_grad():
+        cos, sin = rope(x.float(), pos)
+        y_exact = exact(x.float(), position_ids=pos, position_embeddings=(cos, sin)).double()
+        cos, sin = rope(x, pos)
+        y_theirs = theirs(x, position_ids=pos, position_embeddings=(cos, sin)).double()
+    y_ours = torch.from_dlpack(layer.prefill(x[0], layer.new_cache(tokens))).double()
+    delta = (y_exact[0] - x[0].double()).norm()
+    err_ours = float((y_ours - y_exact[0]).norm() / delta)
+    err_theirs = float((y_theirs[0] - y_exact[0]).norm() / delta)
+    if dtype == "float32":
+        return Ruler(name, err_ours, 1e-5, "relative error", err_ours <= 1e-5,
+                     f"float32, {tokens} tokens; transformers' own error is {err_theirs:.2e}")
+    return Ruler(name, err_ours, 2 * err_theirs, "relative error", err_ours <= 2 * err_theirs,
+                 f"bfloat16, {tokens} tokens; the threshold is twice transformers' own bf16 error")
+
+
+def decode_latency(cfg: LayerConfig, layer: DecoderLayer, dtype: str, context: int, factor: float) -> Ruler:
+    """Median decode time per token against bytes / read bandwidth probed now."""
+    gbs = _C.probe_read_bandwidth(1 << 30, 3)
+    cache = layer.new_cache(context + 1)
+    H = cfg.hidden_size
+    for t0 in range(0, context, 512):
+        layer.prefill(_C.random_tensor((min(512, context - t0), H), 5 + t0, dtype), cache)
+    x = _C.random_tensor((1, H), 9, dtype)
+    times = []
+    for _ in range(12):
+        t = time.perf_counter()
+        layer.decode(x, cache)
+        times.append(time.perf_counter() - t)
+        cache.truncate(context)
+    med = statistics.median(times[2:])
+    m = cost_model(cfg, "decode", 1, context, dtype=dtype)
+    floor = m.bytes / (gbs * 1e9)
+    return Ruler("decode latency", med * 1e3, factor * floor * 1e3, "ms/token", med <= factor * floor,
+                 f"context {context}; floor {floor * 1e3:.3f} ms = {m.bytes / 1e6:.1f} MB / {gbs:.1f} GB/s read "
+                 f"probe; threshold {factor}x the floor")
+
+
+def prefill_memory(cfg: LayerConfig, weights: dict, dtype: str, device: str, tokens: int, chunk: int,
+                   limit_mb: float) -> Ruler:
+    """Activation memory of a prefill (workspace, input, output), beyond weights and cache."""
+    layer = DecoderLayer(cfg, weights, device=device)
+    layer.prefill(_C.random_tensor((tokens, cfg.hidden_size), 3, dtype), layer.new_cache(tokens), chunk_size=chunk)
+    size = 2 if dtype == "bfloat16" else 4
+    used = layer.workspace_bytes + 2 * tokens * cfg.hidden_size * size
+    return Ruler("prefill memory", used / 2**20, limit_mb, "MiB", used / 2**20 <= limit_mb,
+                 f"{tokens} tokens in chunks of {chunk}: workspace {layer.workspace_bytes / 2**20:.1f} MiB "
+                 f"(grows with the chunk, not with the tokens) + input and output")
