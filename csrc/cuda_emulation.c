@@ -8,6 +8,7 @@
 
 #include "cpu_dispatch.h"
 #include "cuda_backend.h"
+#include "profile.h"
 
 static const q3_cpu_ops *cpu(void) { return q3_cpu_ops_active(); }
 
@@ -32,6 +33,18 @@ static int memset_async(void *p, int v, size_t bytes, void *s) {
 static int stream_sync(void *s) { (void)s; return 0; }
 static int sync_all(void) { return 0; }
 static const char *error_string(int code) { return code ? "emulated CUDA error" : "no error"; }
+/* an event is the host clock at its record */
+static int event_create(void **e) { return (*e = calloc(1, sizeof(double))) ? 0 : 2; }
+static int event_destroy(void *e) { free(e); return 0; }
+static int event_record(void *e, void *s) {
+    (void)s;
+    *(double *)e = q3_now();
+    return 0;
+}
+static int event_elapsed_ms(float *ms, void *a, void *b) {
+    *ms = (float)((*(double *)b - *(double *)a) * 1e3);
+    return 0;
+}
 static int time_copy(size_t bytes, int repeats, float *ms) { (void)bytes; (void)repeats; *ms = 0.0f; return 0; }
 static int time_matmul(int64_t T, int64_t N, int64_t K, q3_dtype dt, int repeats, float *ms) {
     (void)T; (void)N; (void)K; (void)dt; (void)repeats;
@@ -118,6 +131,8 @@ q3_status q3_cuda_emulate(q3_error *err) {
         .device_count = count, .set_device = set_device, .malloc_device = malloc_device,
         .free_device = free_device, .copy = copy, .copy_async = copy_async, .memset_async = memset_async,
         .stream_synchronize = stream_sync, .synchronize = sync_all, .error_string = error_string,
+        .event_create = event_create, .event_destroy = event_destroy, .event_record = event_record,
+        .event_elapsed_ms = event_elapsed_ms,
         .time_copy = time_copy, .time_matmul = time_matmul, .rmsnorm = rmsnorm, .matmul = matmul, .matmul_tc = matmul_tc,
         .rope = rope, .kv_write = kv_write, .attention = attention, .router_topk = router,
         .swiglu = swiglu, .gather_rows = gather, .scatter_add_rows = scatter, .to_f32 = to_f32,

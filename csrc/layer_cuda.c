@@ -5,7 +5,8 @@
  * back to the host (one stream synchronisation per pass) to group the tokens by expert, so
  * each selected expert's weights are read once per pass, as on the CPU. Device-side grouping,
  * which CUDA-graph decode needs, is the next step. A call that fails restores the cache
- * lengths it started from. */
+ * lengths it started from. While profiling is on, an event is recorded at each stage
+ * boundary and the stream is synchronised after each pass to read them. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -17,6 +18,9 @@
 struct q3_cuda_state {
     q3_workspace dev; /* device block, carved like the host workspace */
     float *partial;   /* device scratch of split-KV attention (kernels/cuda/ops_cuda.h) */
+    void *events[2 * Q3_STAGE_COUNT + 2]; /* profiling: one per stage boundary of a pass */
+    int stage_of[2 * Q3_STAGE_COUNT + 2]; /* the stage each event ends */
+    int n_events;
     int64_t rows;
     int seqs;
     /* host staging */
@@ -34,6 +38,8 @@ void q3_layer_cuda_release(q3_layer *l) {
     if (!s) return;
     if (s->dev.block && q3_cuda()) q3_cuda()->free_device(s->dev.block);
     if (s->partial && q3_cuda()) q3_cuda()->free_device(s->partial);
+    for (size_t i = 0; i < sizeof s->events / sizeof s->events[0]; i++)
+        if (s->events[i] && q3_cuda()) q3_cuda()->event_destroy(s->events[i]);
     free(s->pos);
     free(s->seq_ptr);
     free(s->topk_idx);
@@ -100,7 +106,41 @@ typedef struct {
     void *stream;
     int code;
     const char *what;
+    q3_profile *prof;   /* NULL unless profiling */
+    q3_cuda_state *st;
 } gpu_run;
+
+/* records the boundary that ends `stage` (the first call of a pass starts it: stage < 0) */
+static void gpu_mark(gpu_run *run, int stage) {
+    q3_cuda_state *st = run->st;
+    if (!run->prof || run->code || st->n_events >= (int)(sizeof st->events / sizeof st->events[0])) return;
+    void **ev = &st->events[st->n_events];
+    if (!*ev && (run->code = run->g->event_create(ev)) != 0) {
+        run->what = "cudaEventCreate";
+        return;
+    }
+    st->stage_of[st->n_events++] = stage;
+    if ((run->code = run->g->event_record(*ev, run->stream)) != 0) run->what = "cudaEventRecord";
+}
+
+/* after a pass: wait for it, charge each interval to its stage */
+static void gpu_collect(gpu_run *run) {
+    q3_cuda_state *st = run->st;
+    if (!run->prof || run->code) return;
+    if ((run->code = run->g->stream_synchronize(run->stream)) != 0) {
+        run->what = "synchronize (profiling)";
+        return;
+    }
+    for (int i = 1; i < st->n_events; i++) {
+        float ms = 0.0f;
+        if ((run->code = run->g->event_elapsed_ms(&ms, st->events[i - 1], st->events[i])) != 0) {
+            run->what = "cudaEventElapsedTime";
+            return;
+        }
+        run->prof->seconds[st->stage_of[i]] += 1e-3 * ms;
+    }
+    st->n_events = 0;
+}
 
 #define GPU(run, call, label)                 \
     do {                                      \
@@ -121,9 +161,11 @@ static void attention_pass(q3_layer *l, q3_cache *c, const q3_pass *p, gpu_run *
     const int D = cf->head_dim, Hq = cf->heads, Hkv = cf->kv_heads;
     const int64_t QD = (int64_t)Hq * D, KVD = (int64_t)Hkv * D;
     GPU(run, g->rmsnorm(d->h, d->x, w->dense[Q3_W_INPUT_NORM], w->dtype, R, H, cf->eps, sm), "rmsnorm");
+    gpu_mark(run, Q3_STAGE_INPUT_NORM);
     GPU(run, project(g, d, d->q, d->h, w->dense[Q3_W_Q_PROJ], w->dtype, R, QD, H, 0, sm), "q_proj");
     GPU(run, project(g, d, d->k, d->h, w->dense[Q3_W_K_PROJ], w->dtype, R, KVD, H, 0, sm), "k_proj");
     GPU(run, project(g, d, d->v, d->h, w->dense[Q3_W_V_PROJ], w->dtype, R, KVD, H, 0, sm), "v_proj");
+    gpu_mark(run, Q3_STAGE_QKV_PROJ);
     GPU(run, g->rmsnorm(d->q, d->q, w->dense[Q3_W_Q_NORM], w->dtype, R * Hq, D, cf->eps, sm), "q_norm");
     GPU(run, g->rmsnorm(d->k, d->k, w->dense[Q3_W_K_NORM], w->dtype, R * Hkv, D, cf->eps, sm), "k_norm");
     int64_t max_keys = 0;
@@ -138,6 +180,7 @@ static void attention_pass(q3_layer *l, q3_cache *c, const q3_pass *p, gpu_run *
     GPU(run, g->copy_async(d->attn_seqs, st->seq_ptr, (size_t)p->n_seqs * sizeof *st->seq_ptr, 1, sm), "copy seqs");
     GPU(run, g->rope(d->q, d->pos, R, Hq, D, (float)cf->rope_theta, sm), "rope q");
     GPU(run, g->rope(d->k, d->pos, R, Hkv, D, (float)cf->rope_theta, sm), "rope k");
+    gpu_mark(run, Q3_STAGE_QK_NORM_ROPE);
     for (int s = 0; s < p->n_seqs; s++) {
         const int seq = p->seqs[s];
         const int64_t n = c->lengths[seq];
@@ -146,9 +189,12 @@ static void attention_pass(q3_layer *l, q3_cache *c, const q3_pass *p, gpu_run *
         GPU(run, g->kv_write(q3_cache_seq_values(c, seq), c->dtype, d->v + s * p->L * KVD, KVD, p->L, Hkv, D,
                              c->capacity, n, sm), "kv_write v");
     }
+    gpu_mark(run, Q3_STAGE_KV_WRITE);
     const q3_attn_shape shape = {p->L, Hq, Hkv, D, c->capacity, c->dtype, 1.0f / sqrtf((float)D), max_keys};
     GPU(run, g->attention(d->attn, d->q, d->attn_seqs, p->n_seqs, &shape, st->partial, sm), "attention");
+    gpu_mark(run, Q3_STAGE_ATTENTION);
     GPU(run, project(g, d, d->x, d->attn, w->dense[Q3_W_O_PROJ], w->dtype, R, H, QD, 1, sm), "o_proj");
+    gpu_mark(run, Q3_STAGE_O_PROJ);
 }
 
 static void moe_pass(q3_layer *l, const q3_pass *p, gpu_run *run) {
@@ -161,8 +207,10 @@ static void moe_pass(q3_layer *l, const q3_pass *p, gpu_run *run) {
     const int64_t R = p->n_seqs * p->L, H = cf->hidden, I = cf->moe_inter;
     const int E = cf->experts, k = cf->top_k;
     GPU(run, g->rmsnorm(d->h, d->x, w->dense[Q3_W_POST_NORM], w->dtype, R, H, cf->eps, sm), "post norm");
+    gpu_mark(run, Q3_STAGE_POST_NORM);
     /* the router stays on exact fp32 activations: its top-k choice is sensitive to rounding */
     GPU(run, g->matmul(d->logits, d->h, w->dense[Q3_W_ROUTER], w->dtype, R, E, H, 0, sm), "router");
+    gpu_mark(run, Q3_STAGE_ROUTER);
     GPU(run, g->router_topk(d->topk_idx, d->topk_w, d->logits, R, E, k, cf->norm_topk, sm), "top-k");
     GPU(run, g->copy_async(st->topk_idx, d->topk_idx, (size_t)(R * k) * sizeof(int32_t), 0, sm), "copy top-k");
     GPU(run, g->copy_async(st->topk_w, d->topk_w, (size_t)(R * k) * sizeof(float), 0, sm), "copy weights");
@@ -171,6 +219,7 @@ static void moe_pass(q3_layer *l, const q3_pass *p, gpu_run *run) {
     q3_cpu_ops_active()->moe_group(st->offsets, st->pair_row, st->pair_w, st->topk_idx, st->topk_w, R, k, E);
     GPU(run, g->copy_async(d->pair_row, st->pair_row, (size_t)(R * k) * sizeof(int32_t), 1, sm), "copy pairs");
     GPU(run, g->copy_async(d->pair_w, st->pair_w, (size_t)(R * k) * sizeof(float), 1, sm), "copy pair weights");
+    gpu_mark(run, Q3_STAGE_TOP_K);
     for (int e = 0; e < E && !run->code; e++) {
         const int64_t first = st->offsets[e], n = st->offsets[e + 1] - first;
         if (n == 0) continue;
@@ -181,6 +230,7 @@ static void moe_pass(q3_layer *l, const q3_pass *p, gpu_run *run) {
         GPU(run, project(g, d, d->ye, d->gate, w->experts[Q3_X_DOWN][e], w->dtype, n, H, I, 0, sm), "down_proj");
         GPU(run, g->scatter_add_rows(d->x, d->ye, d->pair_row + first, d->pair_w + first, n, H, sm), "combine");
     }
+    gpu_mark(run, Q3_STAGE_EXPERTS);
 }
 
 q3_status q3_layer_forward_cuda(q3_layer *l, q3_cache *c, const q3_forward_args *a, q3_error *err) {
@@ -188,7 +238,7 @@ q3_status q3_layer_forward_cuda(q3_layer *l, q3_cache *c, const q3_forward_args 
     const int64_t step = chunk < a->tokens ? chunk : a->tokens;
     q3_status s = reserve(l, step * a->n_seqs, a->n_seqs, err);
     if (s != Q3_OK) return s;
-    gpu_run run = {q3_cuda(), a->stream, 0, NULL};
+    gpu_run run = {q3_cuda(), a->stream, 0, NULL, l->prof.enabled ? &l->prof : NULL, l->gpu};
     int64_t before[a->n_seqs];
     for (int i = 0; i < a->n_seqs; i++) before[i] = c->lengths[a->seqs[i]];
     GPU(&run, run.g->set_device(l->w.device), "cudaSetDevice");
@@ -197,9 +247,11 @@ q3_status q3_layer_forward_cuda(q3_layer *l, q3_cache *c, const q3_forward_args 
     q3_workspace *d = &l->gpu->dev;
     for (int64_t t0 = 0; t0 < a->tokens && !run.code; t0 += step) {
         const int64_t L = a->tokens - t0 < step ? a->tokens - t0 : step;
+        gpu_mark(&run, -1);
         for (int i = 0; i < a->n_seqs; i++)
             GPU(&run, run.g->to_f32(d->x + i * L * H, (const char *)a->x + ((size_t)i * a->tokens + t0) * H * es,
                                     a->io_dtype, L * H, run.stream), "input");
+        gpu_mark(&run, Q3_STAGE_IO);
         const q3_pass p = {NULL, NULL, a->n_seqs, a->seqs, L};
         attention_pass(l, c, &p, &run);
         moe_pass(l, &p, &run);
@@ -208,6 +260,8 @@ q3_status q3_layer_forward_cuda(q3_layer *l, q3_cache *c, const q3_forward_args 
                                       d->x + i * L * H, L * H, run.stream), "output");
             c->lengths[a->seqs[i]] += L;
         }
+        gpu_mark(&run, Q3_STAGE_IO);
+        gpu_collect(&run);
     }
     if (!run.code) return Q3_OK;
     for (int i = 0; i < a->n_seqs; i++) c->lengths[a->seqs[i]] = before[i];

@@ -23,8 +23,9 @@ def load() -> None:
 
 def device_count() -> int:
     """CUDA devices visible to the backend (0 without a backend, a driver or a GPU)."""
-    if not built():
-        return 0
+    n = _C.cuda_device_count()  # nonzero once a backend is open
+    if n or not built():
+        return n
     load()
     return _C.cuda_device_count()
 

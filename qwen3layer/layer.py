@@ -29,10 +29,10 @@ def _device_index(device: Any) -> int:
     kind, _, index = name.partition(":")
     if kind != "cuda" or (index and not index.isdigit()):
         raise ValueError(f"device: expected 'cpu', 'cuda' or 'cuda:N', got {name!r}")
-    if not cuda.built():
+    count = cuda.device_count()
+    if count == 0 and not cuda.built():
         raise ValueError(f"device: {name!r}: this build has no CUDA backend (nvcc was not found when it was "
                          "built); expected 'cpu'")
-    count = cuda.device_count()
     n = int(index or 0)
     if n >= count:
         raise ValueError(f"device: {name!r}: expected a CUDA device index below {count} "
@@ -134,8 +134,9 @@ class DecoderLayer:
                 repeat: int = 3, batch: int = 1) -> "Profile":
         """Times every stage of `tokens` new tokens per sequence (prefill in passes of
         chunk_size, or `tokens` decode steps) for `batch` sequences holding `context` tokens of
-        random input, against the cost model: median of `repeat` profiled calls per stage, and
-        the median of as many unprofiled calls for comparison. CPU layers."""
+        random input, against the cost model: median of `repeat` profiled calls per stage (a
+        monotonic clock on the CPU, CUDA events on a GPU), and the median of as many unprofiled
+        calls for comparison."""
         import statistics
         import time
 
@@ -143,15 +144,20 @@ class DecoderLayer:
         from .profile import Profile, join
 
         cost = cost_model(self.config, mode, tokens, context, chunk_size, self.dtype, batch)
-        H, dt = self.config.hidden_size, self.dtype
+        H, dt, device = self.config.hidden_size, self.dtype, self._core.device
+
+        def rand(shape, seed):  # random input on the layer's device
+            t = _C.random_tensor(shape, seed, dt)
+            return t if device < 0 else _C.copy_tensor(t, device)
+
         cache = self.new_cache(context + tokens, batch)
         for t0 in range(0, context, 512):  # the context, through the layer itself (not timed)
             n = min(512, context - t0)
-            self._core.prefill(_C.random_tensor((batch, n, H) if batch > 1 else (n, H), 7 + t0, dt), cache, None, 512)
+            self._core.prefill(rand((batch, n, H) if batch > 1 else (n, H), 7 + t0), cache, None, 512)
         if mode == "prefill":
-            xs = [_C.random_tensor((batch, tokens, H) if batch > 1 else (tokens, H), 11, dt)]
+            xs = [rand((batch, tokens, H) if batch > 1 else (tokens, H), 11)]
         else:
-            xs = [_C.random_tensor((batch, H), 13 + i, dt) for i in range(tokens)]
+            xs = [rand((batch, H), 13 + i) for i in range(tokens)]
 
         def call():
             for x in xs:

@@ -58,4 +58,11 @@ for bad in (lambda: layer.prefill(_C.random_tensor((2, 64), 1, "bfloat16"), cach
         errors.append(f"{type(e).__name__}: {e}")
 out["errors"] = errors
 out["lengths after errors"] = list(cache.lengths)
+
+# per-stage timing on the device path (events; host clock when emulated)
+emulated = q3.DecoderLayer.random(CFG, seed=2, dtype="bfloat16", device="cuda")
+profiles = [emulated.profile("prefill", tokens=40, chunk_size=16, repeat=1),
+            emulated.profile("decode", tokens=2, context=20, repeat=1)]
+out["profile stages"] = [[s.name for s in p.stages] for p in profiles]
+out["profile seconds"] = [[s.seconds for s in p.stages] for p in profiles]
 print(json.dumps(out))

@@ -27,3 +27,8 @@ def test_cuda_path_on_an_emulated_device_matches_the_cpu_layer():
     assert out["errors"][1].startswith("CacheFullError: sequence 0 holds 0 of 8 tokens: 9 more do not fit")
     assert out["errors"][2].startswith("ValueError: cache: expected a cache on cuda:0 (this layer's device), got one on cpu")
     assert out["lengths after errors"] == [0]
+    from qwen3layer.costs import STAGES
+
+    assert out["profile stages"] == [list(STAGES), list(STAGES)]
+    for seconds in out["profile seconds"]:
+        assert all(t >= 0 for t in seconds) and seconds[STAGES.index("experts")] > 0

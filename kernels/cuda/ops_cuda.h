@@ -28,6 +28,11 @@ typedef struct {
     int (*stream_synchronize)(void *stream);
     int (*synchronize)(void);
     const char *(*error_string)(int code);
+    /* events, for per-stage timing: elapsed_ms once `end` has completed */
+    int (*event_create)(void **event);
+    int (*event_destroy)(void *event);
+    int (*event_record)(void *event, void *stream);
+    int (*event_elapsed_ms)(float *ms, void *start, void *end);
     /* timings with CUDA events, milliseconds per call over `repeats` after a warm-up:
      * a device-to-device copy of `bytes`; the matmul on fresh device buffers [T, K] x [N, K]^T */
     int (*time_copy)(size_t bytes, int repeats, float *ms);

@@ -34,6 +34,12 @@ static int memset_async(void *p, int value, size_t bytes, void *stream) {
 }
 static int stream_synchronize(void *stream) { return (int)cudaStreamSynchronize((cudaStream_t)stream); }
 static int synchronize(void) { return (int)cudaDeviceSynchronize(); }
+static int event_create(void **e) { return (int)cudaEventCreate((cudaEvent_t *)e); }
+static int event_destroy(void *e) { return (int)cudaEventDestroy((cudaEvent_t)e); }
+static int event_record(void *e, void *stream) { return (int)cudaEventRecord((cudaEvent_t)e, (cudaStream_t)stream); }
+static int event_elapsed_ms(float *ms, void *a, void *b) {
+    return (int)cudaEventElapsedTime(ms, (cudaEvent_t)a, (cudaEvent_t)b);
+}
 static const char *error_string(int code) { return cudaGetErrorString((cudaError_t)code); }
 
 #define CHECK(call)                          \
@@ -131,6 +137,10 @@ extern "C" int q3_cuda_ops_get(q3_cuda_ops *ops) {
     ops->memset_async = memset_async;
     ops->stream_synchronize = stream_synchronize;
     ops->synchronize = synchronize;
+    ops->event_create = event_create;
+    ops->event_destroy = event_destroy;
+    ops->event_record = event_record;
+    ops->event_elapsed_ms = event_elapsed_ms;
     ops->error_string = error_string;
     ops->rmsnorm = q3_rmsnorm_cuda;
     ops->matmul = q3_matmul_cuda;
