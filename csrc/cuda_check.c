@@ -261,8 +261,13 @@ q3_status q3_cuda_check(int device_index, q3_check_result *out, int max, int *n,
     RUN("matmul bf16 T=13 K=72", 1e-5, case_matmul(&k, Q3_BF16, 13, 72));
     RUN("matmul bf16 T=5 K=100", 1e-5, case_matmul(&k, Q3_BF16, 5, 100));
     RUN("matmul f32 T=9 K=64", 1e-5, case_matmul(&k, Q3_F32, 9, 64));
-    RUN("matmul tensor cores T=70 N=80 K=96", 1e-5, case_matmul_tc(&k, 70, 80, 96));
-    RUN("matmul tensor cores T=16 N=4096 K=1536", 1e-5, case_matmul_tc(&k, 16, 4096, 1536));
+    const int blas = g->blas_enable(0); /* the WMMA kernel first, then cuBLAS where it is */
+    RUN("matmul tensor cores (WMMA) T=70 N=80 K=96", 1e-5, case_matmul_tc(&k, 70, 80, 96));
+    RUN("matmul tensor cores (WMMA) T=16 N=4096 K=1536", 1e-5, case_matmul_tc(&k, 16, 4096, 1536));
+    if (g->blas_enable(blas)) {
+        RUN("matmul cuBLAS T=70 N=80 K=96", 1e-5, case_matmul_tc(&k, 70, 80, 96));
+        RUN("matmul cuBLAS T=512 N=4096 K=1536", 1e-5, case_matmul_tc(&k, 512, 4096, 1536));
+    }
     RUN("rope", 1e-5, case_rope(&k));
     RUN("kv_write bf16", 0.0, case_kv_write(&k));
     RUN("attention bf16 cache, 3 tokens", 1e-5, case_attention(&k, 3, 5, 17, 40));

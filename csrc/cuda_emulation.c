@@ -41,6 +41,8 @@ static int event_record(void *e, void *s) {
     *(double *)e = q3_now();
     return 0;
 }
+static int blas_open(const char *path) { (void)path; return 1; /* no cuBLAS here */ }
+static int blas_enable(int on) { (void)on; return 0; }
 static int event_elapsed_ms(float *ms, void *a, void *b) {
     *ms = (float)((*(double *)b - *(double *)a) * 1e3);
     return 0;
@@ -132,7 +134,7 @@ q3_status q3_cuda_emulate(q3_error *err) {
         .free_device = free_device, .copy = copy, .copy_async = copy_async, .memset_async = memset_async,
         .stream_synchronize = stream_sync, .synchronize = sync_all, .error_string = error_string,
         .event_create = event_create, .event_destroy = event_destroy, .event_record = event_record,
-        .event_elapsed_ms = event_elapsed_ms,
+        .event_elapsed_ms = event_elapsed_ms, .blas_open = blas_open, .blas_enable = blas_enable,
         .time_copy = time_copy, .time_matmul = time_matmul, .rmsnorm = rmsnorm, .matmul = matmul, .matmul_tc = matmul_tc,
         .rope = rope, .kv_write = kv_write, .attention = attention, .router_topk = router,
         .swiglu = swiglu, .gather_rows = gather, .scatter_add_rows = scatter, .to_f32 = to_f32,

@@ -121,6 +121,18 @@ static PyObject *cuda_open(PyObject *m, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+static PyObject *cuda_blas_open(PyObject *m, PyObject *arg) {
+    (void)m;
+    const char *path = arg == Py_None ? NULL : PyUnicode_AsUTF8(arg);
+    if (arg != Py_None && !path) return NULL;
+    const q3_cuda_ops *g = q3_cuda();
+    if (!g) {
+        PyErr_SetString(PyExc_RuntimeError, "cuda: the CUDA backend is not loaded");
+        return NULL;
+    }
+    return PyBool_FromLong(g->blas_open(path) == 0);
+}
+
 static PyObject *cuda_device_count(PyObject *m, PyObject *unused) {
     (void)m;
     (void)unused;
@@ -328,6 +340,8 @@ static PyMethodDef module_methods[] = {
     {"probe_fma_peak", (PyCFunction)(void (*)(void))probe_fma, METH_VARARGS | METH_KEYWORDS,
      "probe_fma_peak(seconds=0.5)\n--\n\nfp32 multiply-add peak of every thread, GFLOP/s, active CPU path."},
     {"cuda_open", cuda_open, METH_O, "cuda_open(path)\n--\n\nLoad the CUDA launcher library (once)."},
+    {"cuda_blas_open", cuda_blas_open, METH_O,
+     "cuda_blas_open(path)\n--\n\nOpen cuBLAS for the prefill GEMMs (path None: the usual names); True if usable."},
     {"cuda_device_count", cuda_device_count, METH_NOARGS,
      "cuda_device_count()\n--\n\nCUDA devices visible (0 before cuda_open or without a driver)."},
     {"cuda_check", cuda_check, METH_VARARGS,

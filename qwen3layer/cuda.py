@@ -2,11 +2,25 @@
 found). It is opened only when asked for, so `import qwen3layer` works without CUDA."""
 from __future__ import annotations
 
+import glob
+import importlib.util
 import os
+from typing import Optional
 
 from . import _C
 
 LIBRARY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "libq3cuda.so")
+_blas: Optional[str] = None
+
+
+def _cublas_candidates() -> list:
+    """Where cuBLAS may be: QWEN3LAYER_CUBLAS, the nvidia-cublas wheel, then the loader's
+    search path (None)."""
+    found = [os.environ["QWEN3LAYER_CUBLAS"]] if os.environ.get("QWEN3LAYER_CUBLAS") else []
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        found += sorted(glob.glob(os.path.join(root, "*", "lib", "libcublas.so*")), reverse=True)
+    return found + [None]
 
 
 def built() -> bool:
@@ -16,9 +30,23 @@ def built() -> bool:
 
 def load() -> None:
     """Opens the CUDA library; RuntimeError if this build has none or it cannot be loaded."""
+    global _blas
     if not built():
         raise RuntimeError("cuda: this build has no CUDA backend (nvcc was not found when it was built)")
     _C.cuda_open(LIBRARY)
+    if _blas is None:
+        for path in _cublas_candidates():
+            if _C.cuda_blas_open(path):
+                _blas = path or "libcublas (default search path)"
+                break
+        else:
+            _blas = ""
+
+
+def blas() -> Optional[str]:
+    """The cuBLAS the prefill GEMMs use ('' if none was found: the WMMA kernel then), or None
+    before the backend is loaded."""
+    return _blas
 
 
 def device_count() -> int:

@@ -65,7 +65,11 @@ __global__ void matmul_tc_kernel(float *y, const __nv_bfloat16 *xb, const __nv_b
         }
 }
 
-// xb: T * K bf16 of device scratch
+extern "C" int q3_blas_gemm_bf16(float *y, const uint16_t *xb, const uint16_t *w, int64_t T, int64_t N, int64_t K,
+                                 int accumulate, void *stream);
+
+// xb: T * K bf16 of device scratch. cuBLAS (kernels/cuda/blas.cu) when it is open and on,
+// else the WMMA kernel above.
 extern "C" int q3_matmul_tc_cuda(float *y, const float *x, const void *w, int64_t T, int64_t N, int64_t K,
                                  int accumulate, uint16_t *xb, void *stream) {
     if (N % 16 || K % KSTEP) return (int)cudaErrorInvalidValue;
@@ -73,6 +77,8 @@ extern "C" int q3_matmul_tc_cuda(float *y, const float *x, const void *w, int64_
     const int64_t n = T * K, blocks = (n + 255) / 256;
     cudaStream_t s = (cudaStream_t)stream;
     round_bf16_kernel<<<(unsigned)(blocks < 65535 ? blocks : 65535), 256, 0, s>>>((__nv_bfloat16 *)xb, x, n);
+    const int blas = q3_blas_gemm_bf16(y, xb, (const uint16_t *)w, T, N, K, accumulate, stream);
+    if (blas >= 0) return blas ? blas : q3_launch_status();
     const dim3 grid((unsigned)((N + TILE - 1) / TILE), (unsigned)((T + TILE - 1) / TILE));
     matmul_tc_kernel<<<grid, 128, 0, s>>>(y, (const __nv_bfloat16 *)xb, (const __nv_bfloat16 *)w, T, N, K, accumulate);
     return q3_launch_status();

@@ -33,6 +33,10 @@ typedef struct {
     int (*event_destroy)(void *event);
     int (*event_record)(void *event, void *stream);
     int (*event_elapsed_ms)(float *ms, void *start, void *end);
+    /* cuBLAS for matmul_tc, opened at run time (path NULL: the usual names): 0 when usable;
+     * blas_enable switches it (for comparisons) and returns whether it is on */
+    int (*blas_open)(const char *path);
+    int (*blas_enable)(int on);
     /* timings with CUDA events, milliseconds per call over `repeats` after a warm-up:
      * a device-to-device copy of `bytes`; the matmul on fresh device buffers [T, K] x [N, K]^T */
     int (*time_copy)(size_t bytes, int repeats, float *ms);

@@ -16,6 +16,8 @@ int q3_gather_rows_cuda(float *, const float *, const int32_t *, int64_t, int64_
 int q3_scatter_add_rows_cuda(float *, const float *, const int32_t *, const float *, int64_t, int64_t, void *);
 int q3_to_f32_cuda(float *, const void *, q3_dtype, int64_t, void *);
 int q3_from_f32_cuda(void *, q3_dtype, const float *, int64_t, void *);
+int q3_blas_open(const char *);
+int q3_blas_enable(int);
 }
 
 static int device_count(int *n) { return (int)cudaGetDeviceCount(n); }
@@ -141,6 +143,8 @@ extern "C" int q3_cuda_ops_get(q3_cuda_ops *ops) {
     ops->event_destroy = event_destroy;
     ops->event_record = event_record;
     ops->event_elapsed_ms = event_elapsed_ms;
+    ops->blas_open = q3_blas_open;
+    ops->blas_enable = q3_blas_enable;
     ops->error_string = error_string;
     ops->rmsnorm = q3_rmsnorm_cuda;
     ops->matmul = q3_matmul_cuda;
