@@ -1,5 +1,6 @@
-/* qwen3layer Tensor: a block of extension memory (a layer output, random weights) or a
- * view of engine memory (a KV-cache sequence), exported zero-copy through DLPack.
+/* qwen3layer Tensor: a block of extension memory, on the host or a CUDA device (a layer
+ * output, random weights) or a view of engine memory (a KV-cache sequence), exported
+ * zero-copy through DLPack.
  * torch.from_dlpack(t) and numpy.from_dlpack(t) share its memory; the consumer's
  * reference keeps it alive. Export allocates one block for the managed struct, shape and
  * strides; its deleter may run on any thread, with or without the GIL. */

@@ -1,7 +1,8 @@
 // y [T, N] (+)= x [T, K] W^T, W [N, K] fp32 or bf16, fp32 accumulation (twin: kernels/cpu/matmul.c).
-// One warp per (weight row, group of up to 8 tokens): the row is streamed once per group with
-// 16-byte loads (8 bf16 or 4 fp32 a lane), the tokens' x rows come from L1/L2. For decode
-// (T <= 8) every weight byte is read once; prefill will move to tensor cores (cuBLASLt).
+// One warp per (weight row, group of up to 8 tokens): the row is streamed once per group,
+// 16-byte loads of 8 bf16 a lane (fp32 weights: one element a lane); the tokens' x rows come
+// from L1/L2. For decode (T <= 8) every weight byte is read once; prefill goes to tensor
+// cores (matmul_tc.cu).
 #include "common.cuh"
 
 #define TOKENS_PER_WARP 8
