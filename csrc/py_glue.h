@@ -69,6 +69,7 @@ typedef struct {
     int64_t strides[Q3_MAX_DIM]; /* elements */
     q3_dtype dtype;
     int device; /* -1: host memory; else the CUDA device */
+    Py_buffer *buffer; /* a view of a buffer-protocol object (a memory-mapped file), or NULL */
 } q3_tensor_object;
 
 extern PyType_Spec q3_tensor_spec;
@@ -79,6 +80,8 @@ q3_tensor_object *q3_tensor_new_on(q3_module_state *st, q3_dtype dt, int ndim, c
 /* view of memory owned by base */
 q3_tensor_object *q3_tensor_view(q3_module_state *st, PyObject *base, void *data, q3_dtype dt,
                                  int ndim, const int64_t *shape, const int64_t *strides);
+/* view [shape] of dtype at byte `offset` of any buffer-protocol object (kept alive) */
+PyObject *q3_buffer_view(PyObject *module, PyObject *args);
 /* the live extension-owned buffers, for zero-copy tests: list of (address, nbytes) */
 PyObject *q3_owned_buffers(PyObject *module, PyObject *unused);
 

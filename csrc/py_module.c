@@ -357,6 +357,8 @@ static PyMethodDef module_methods[] = {
     {"random_weights", (PyCFunction)(void (*)(void))random_weights, METH_VARARGS | METH_KEYWORDS,
      "random_weights(config, seed, dtype)\n--\n\nDict of random weights in extension memory "
      "(fused expert names), deterministic in seed."},
+    {"buffer_view", q3_buffer_view, METH_VARARGS,
+     "buffer_view(obj, offset, shape, dtype)\n--\n\nA Tensor over bytes of a buffer-protocol object (kept alive)."},
     {"owned_buffers", q3_owned_buffers, METH_NOARGS,
      "owned_buffers()\n--\n\n(address, nbytes) of every live extension-owned tensor buffer."},
     {NULL},

@@ -29,6 +29,7 @@ static q3_tensor_object *tensor_alloc(q3_module_state *st, q3_dtype dt, int ndim
     if (!t) return NULL;
     t->data = t->alloc = NULL;
     t->base = NULL;
+    t->buffer = NULL;
     t->ndim = ndim;
     t->dtype = dt;
     t->device = -1;
@@ -98,8 +99,64 @@ static void tensor_dealloc(q3_tensor_object *t) {
         buffer_free(t->alloc, t->device);
     }
     Py_XDECREF(t->base);
+    if (t->buffer) {
+        PyBuffer_Release(t->buffer);
+        PyMem_Free(t->buffer);
+    }
     PyObject_Free(t);
     Py_DECREF(tp);
+}
+
+PyObject *q3_buffer_view(PyObject *module, PyObject *args) {
+    PyObject *obj, *shape_obj, *dtype_obj;
+    long long offset;
+    if (!PyArg_ParseTuple(args, "OLOO:buffer_view", &obj, &offset, &shape_obj, &dtype_obj)) return NULL;
+    q3_dtype dt;
+    if (q3_parse_dtype(dtype_obj, "dtype", &dt) < 0) return NULL;
+    int64_t shape[Q3_MAX_DIM], strides[Q3_MAX_DIM];
+    PyObject *seq = PySequence_Fast(shape_obj, "shape: expected a sequence of ints");
+    if (!seq) return NULL;
+    const Py_ssize_t ndim = PySequence_Fast_GET_SIZE(seq);
+    int ok = ndim <= Q3_MAX_DIM;
+    for (Py_ssize_t d = 0; ok && d < ndim; d++) {
+        shape[d] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, d));
+        ok = shape[d] >= 0 && !PyErr_Occurred();
+    }
+    Py_DECREF(seq);
+    if (!ok) {
+        if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "shape: expected at most %d non-negative ints", Q3_MAX_DIM);
+        return NULL;
+    }
+    int64_t n = 1;
+    for (Py_ssize_t d = ndim - 1; d >= 0; d--) {
+        strides[d] = n;
+        n *= shape[d];
+    }
+    Py_buffer *buf = PyMem_Malloc(sizeof *buf);
+    if (!buf) return PyErr_NoMemory();
+    if (PyObject_GetBuffer(obj, buf, PyBUF_SIMPLE) < 0) {
+        PyMem_Free(buf);
+        return NULL;
+    }
+    const long long end = offset + n * (long long)q3_dtype_size(dt);
+    if (offset < 0 || end > (long long)buf->len) {
+        PyErr_Format(PyExc_ValueError, "buffer: bytes [%lld, %lld) do not fit in a buffer of %zd bytes", offset, end,
+                     buf->len);
+        PyBuffer_Release(buf);
+        PyMem_Free(buf);
+        return NULL;
+    }
+    q3_module_state *st = PyModule_GetState(module);
+    q3_tensor_object *t = tensor_alloc(st, dt, (int)ndim, shape);
+    if (!t) {
+        PyBuffer_Release(buf);
+        PyMem_Free(buf);
+        return NULL;
+    }
+    memcpy(t->strides, strides, sizeof strides);
+    t->data = (char *)buf->buf + offset;
+    t->buffer = buf;
+    return (PyObject *)t;
 }
 
 PyObject *q3_owned_buffers(PyObject *module, PyObject *unused) {
@@ -178,7 +235,7 @@ static PyObject *make_capsule(q3_tensor_object *t, int versioned, int copied) {
         if (!e) return PyErr_NoMemory();
         fill_dl(&e->m.dl_tensor, t, e->shape, e->strides);
         e->m.version = (q3_dl_version){Q3_DL_MAJOR, Q3_DL_MINOR};
-        e->m.flags = copied ? Q3_DL_FLAG_IS_COPIED : 0;
+        e->m.flags = (copied ? Q3_DL_FLAG_IS_COPIED : 0) | (t->buffer && t->buffer->readonly ? Q3_DL_FLAG_READ_ONLY : 0);
         e->m.manager_ctx = Py_NewRef(t);
         e->m.deleter = delete_v;
         PyObject *cap = PyCapsule_New(&e->m, "dltensor_versioned", capsule_free_v);

@@ -51,8 +51,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"qwen3layer {info['version']}: {info['threads']} threads, cpu path {info['cpu_path']} "
           f"(of {', '.join(info['cpu_paths'])}), {info['compiler']}")
     t0 = time.perf_counter()
-    print(f"building a {args.geometry}-geometry layer with random {args.dtype} weights ...", flush=True)
-    layer = DecoderLayer.random(cfg, seed=args.seed, dtype=args.dtype)
+    if args.checkpoint:
+        print(f"loading layer {args.layer} of {args.checkpoint} (memory-mapped) ...", flush=True)
+        layer = DecoderLayer.from_checkpoint(args.checkpoint, args.layer, dtype=args.dtype)
+        cfg = layer.config
+    else:
+        print(f"building a {args.geometry}-geometry layer with random {args.dtype or 'bfloat16'} weights ...",
+              flush=True)
+        layer = DecoderLayer.random(cfg, seed=args.seed, dtype=args.dtype or "bfloat16")
+    args.dtype = layer.dtype
     print(f"  {layer}\n  built in {time.perf_counter() - t0:.1f} s")
     cache = layer.new_cache(args.tokens + args.new_tokens)
     H = cfg.hidden_size
@@ -201,7 +208,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="prefill and decode through one layer, timing each phase")
     run.add_argument("--geometry", default="real", help="real, tiny, or a config.json path")
-    run.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    run.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
+                     help="default: bfloat16, or the checkpoint's")
+    run.add_argument("--checkpoint", default=None, metavar="PATH",
+                     help="a transformers safetensors checkpoint folder: use its layer --layer")
+    run.add_argument("--layer", type=int, default=0, help="with --checkpoint: which layer (default 0)")
     run.add_argument("--tokens", type=int, default=512, help="prompt tokens to prefill (default 512)")
     run.add_argument("--chunk-size", type=int, default=128, help="prefill chunk (default 128)")
     run.add_argument("--new-tokens", type=int, default=16, help="decode steps (default 16)")

@@ -46,8 +46,12 @@ class LayerConfig:
 
     @classmethod
     def from_hf(cls, hf_config: Any) -> "LayerConfig":
-        """From a transformers Qwen3MoeConfig (4.57 or 5.x) or a dict of its fields."""
-        get = hf_config.get if isinstance(hf_config, Mapping) else (lambda k, d=None: getattr(hf_config, k, d))
+        """From a transformers Qwen3MoeConfig (4.57 or 5.x) or a dict of its fields (a
+        config.json: num_experts may be spelled num_local_experts)."""
+        raw = hf_config.get if isinstance(hf_config, Mapping) else (lambda k, d=None: getattr(hf_config, k, d))
+        # transformers 5.x writes num_experts as num_local_experts in config.json
+        aliases = {"num_experts": "num_local_experts"}
+        get = lambda k, d=None: raw(k) if raw(k) is not None else raw(aliases.get(k, k), d)  # noqa: E731
         hidden, heads = get("hidden_size"), get("num_attention_heads")
         missing = [k for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "num_experts",
                                "num_experts_per_tok", "moe_intermediate_size") if get(k) is None]

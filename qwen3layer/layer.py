@@ -96,6 +96,20 @@ class DecoderLayer:
         return cls(LayerConfig.from_hf(cfg), weights, device=device)
 
     @classmethod
+    def from_checkpoint(cls, path: str, layer_idx: int, device: str = "cpu",
+                        dtype: Optional[str] = None) -> "DecoderLayer":
+        """Layer `layer_idx` of a transformers safetensors checkpoint (the folder with
+        config.json and the shards), its geometry from config.json. The shards are
+        memory-mapped and only this layer's tensors are read; bf16/fp32 tensors of the
+        layer's dtype are used from the mapping without a copy."""
+        from .checkpoint import load_layer_weights
+
+        cfg, weights, maps = load_layer_weights(path, layer_idx)
+        layer = cls(cfg, weights, device=device, dtype=dtype)
+        layer._mappings = maps  # the borrowed views keep them alive too; this makes it explicit
+        return layer
+
+    @classmethod
     def random(cls, config: LayerConfig, seed: int = 0, dtype: str = "bfloat16",
                device: str = "cpu") -> "DecoderLayer":
         """Random weights in extension memory, scaled like a trained layer (matrices
