@@ -1,0 +1,87 @@
+"""qwen3layer.torch: the layer dropped into a transformers Qwen3-MoE model, generating the
+same tokens, with the model's own cache bookkeeping intact and no weight copied."""
+import pytest
+import torch
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+import qwen3layer.torch as q3t
+
+
+def tiny_model(seed=0, dtype=torch.float32):
+    """2 layers, vocab 101; embeddings and lm_head scaled up so greedy output varies."""
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(vocab_size=101, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2, head_dim=24, num_experts=8,
+                         num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
+                         max_position_embeddings=512, rope_theta=1e4, pad_token_id=0, attn_implementation="eager")
+    model = Qwen3MoeForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif "embed" in name or "lm_head" in name:
+                p.normal_(0.0, 3.0)
+            else:
+                p.normal_(0.0, p.shape[-1] ** -0.5)
+    return model.to(dtype)
+
+
+def greedy(model, ids, n=32):
+    return model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=0)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_float32_generation_is_identical(seed):
+    model = tiny_model(seed)
+    ids = torch.randint(1, 101, (1, 9), generator=torch.Generator().manual_seed(seed))
+    ref = greedy(model, ids)
+    assert len(set(ref[0, 9:].tolist())) >= 8  # a sequence that can tell implementations apart
+    q3t.patch_model(model)
+    assert all(isinstance(layer, q3t.DecoderLayer) for layer in model.model.layers)
+    assert torch.equal(greedy(model, ids), ref)
+    assert torch.equal(greedy(model, ids), ref)  # a second generation starts a fresh cache
+
+
+def test_bfloat16_generation_agrees_on_the_first_tokens():
+    model = tiny_model(1, torch.bfloat16)
+    ids = torch.randint(1, 101, (1, 9), generator=torch.Generator().manual_seed(1))
+    ref = greedy(model, ids, 8)
+    q3t.patch_model(model)
+    assert torch.equal(greedy(model, ids, 8), ref)
+
+
+def test_patching_shares_weights_and_unpatching_restores():
+    model = tiny_model(2)
+    originals = list(model.model.layers)
+    before = {n: p.data_ptr() for n, p in model.named_parameters()}
+    q3t.patch_model(model)
+    layer = model.model.layers[0]
+    assert layer.core.converted == ()
+    assert layer.core.weight_ptrs["self_attn.q_proj.weight"] == originals[0].self_attn.q_proj.weight.data_ptr()
+    # the patched model lists no parameter twice and copies none
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == {
+        n: p for n, p in before.items() if not n.startswith("model.layers.")}
+    q3t.unpatch_model(model)
+    assert list(model.model.layers) == originals
+
+
+def test_model_cache_bookkeeping_is_kept():
+    model = tiny_model(3)
+    q3t.patch_model(model)
+    ids = torch.randint(1, 101, (2, 7), generator=torch.Generator().manual_seed(3))
+    out = model(ids, use_cache=True)
+    model_cache = out.past_key_values
+    assert model_cache.get_seq_length() == 7
+    assert model.model.layers[1].kv_cache.lengths == (7, 7)
+    nxt = model(torch.tensor([[5], [6]]), cache=model_cache, use_cache=True)
+    assert nxt.past_key_values.get_seq_length() == 8
+    assert model.model.layers[0].kv_cache.lengths == (8, 8)
+    # placeholders, not a second copy of K and V: one element per token
+    assert model_cache.layers[0].keys.shape == (2, 1, 8, 1)
+    full = tiny_model(3)(torch.cat([ids, torch.tensor([[5], [6]])], 1)).logits[:, -1]
+    assert torch.allclose(nxt.logits[:, -1], full, rtol=1e-4, atol=1e-4)
+
+
+def test_patch_rejects_other_models():
+    with pytest.raises(TypeError, match="model: expected a Qwen3MoeModel or Qwen3MoeForCausalLM, got Linear"):
+        q3t.patch_model(torch.nn.Linear(2, 2))
