@@ -24,8 +24,9 @@ void q3_attention_block(q3_layer *layer, q3_cache *cache, const q3_pass *p) {
     k->rmsnorm(ws->k, ws->k, w->dense[Q3_W_K_NORM], w->dtype, R * Hkv, D, c->eps);
 
     for (int s = 0; s < p->n_seqs; s++) {
-        const int64_t n = cache->lengths[p->seqs[s]];
-        for (int64_t t = 0; t < p->L; t++) ws->pos[s * p->L + t] = n + t;
+        const int64_t n = cache->lengths[p->seqs[s]], pad = cache->padding[p->seqs[s]];
+        /* positions count from the first real token; padding tokens sit at 0 */
+        for (int64_t t = 0; t < p->L; t++) ws->pos[s * p->L + t] = n + t >= pad ? n + t - pad : 0;
     }
     k->rope(ws->q, ws->pos, R, Hq, D, (float)c->rope_theta);
     k->rope(ws->k, ws->pos, R, Hkv, D, (float)c->rope_theta);
@@ -39,7 +40,7 @@ void q3_attention_block(q3_layer *layer, q3_cache *cache, const q3_pass *p) {
         k->kv_write(q3_cache_seq_values(cache, seq), cache->dtype, ws->v + s * p->L * KVD, KVD,
                         p->L, Hkv, D, cache->capacity, n);
         ws->attn_seqs[s] = (q3_attn_seq){q3_cache_seq_keys(cache, seq),
-                                         q3_cache_seq_values(cache, seq), n};
+                                         q3_cache_seq_values(cache, seq), n, cache->padding[seq]};
     }
     q3_profile_mark(p->prof, Q3_STAGE_KV_WRITE);
     const q3_attn_shape shape = {p->L, Hq, Hkv, D, cache->capacity, cache->dtype,

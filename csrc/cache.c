@@ -50,9 +50,10 @@ q3_status q3_cache_create_on(q3_cache **out, int batch, int64_t capacity, int kv
     c->dtype = dtype;
     c->device = device;
     c->lengths = calloc((size_t)batch, sizeof *c->lengths);
+    c->padding = calloc((size_t)batch, sizeof *c->padding);
     c->k = cache_alloc(n, device);
     c->v = cache_alloc(n, device);
-    if (!c->lengths || !c->k || !c->v) {
+    if (!c->lengths || !c->padding || !c->k || !c->v) {
         q3_cache_destroy(c);
         return q3_fail(err, Q3_ERR_NOMEM, "KV cache: cannot allocate 2 x %zu bytes on %s", n,
                        device < 0 ? "the host" : "the CUDA device");
@@ -64,6 +65,7 @@ q3_status q3_cache_create_on(q3_cache **out, int batch, int64_t capacity, int kv
 void q3_cache_destroy(q3_cache *c) {
     if (!c) return;
     free(c->lengths);
+    free(c->padding);
     cache_free(c->k, c->device);
     cache_free(c->v, c->device);
     free(c);
@@ -79,11 +81,25 @@ static q3_status check_seq(const q3_cache *c, int seq, q3_error *err) {
 q3_status q3_cache_reset(q3_cache *c, int seq, q3_error *err) {
     if (seq < 0) {
         memset(c->lengths, 0, (size_t)c->batch * sizeof *c->lengths);
+        memset(c->padding, 0, (size_t)c->batch * sizeof *c->padding);
         return Q3_OK;
     }
     q3_status s = check_seq(c, seq, err);
-    if (s == Q3_OK) c->lengths[seq] = 0;
+    if (s == Q3_OK) c->lengths[seq] = c->padding[seq] = 0;
     return s;
+}
+
+q3_status q3_cache_set_padding(q3_cache *c, int seq, int64_t n, q3_error *err) {
+    q3_status s = check_seq(c, seq, err);
+    if (s != Q3_OK) return s;
+    if (c->lengths[seq] != 0)
+        return q3_fail(err, Q3_ERR_STATE, "padding: sequence %d already holds %lld tokens (set it while empty)",
+                       seq, (long long)c->lengths[seq]);
+    if (n < 0 || n >= c->capacity)
+        return q3_fail(err, Q3_ERR_VALUE, "n: expected 0 <= n < %lld (the capacity), got %lld",
+                       (long long)c->capacity, (long long)n);
+    c->padding[seq] = n;
+    return Q3_OK;
 }
 
 q3_status q3_cache_truncate(q3_cache *c, int seq, int64_t n, q3_error *err) {
@@ -94,6 +110,7 @@ q3_status q3_cache_truncate(q3_cache *c, int seq, int64_t n, q3_error *err) {
                        "n: expected 0 <= n <= %lld (the length of sequence %d), got %lld",
                        (long long)c->lengths[seq], seq, (long long)n);
     c->lengths[seq] = n;
+    if (c->padding[seq] > n) c->padding[seq] = n;
     return Q3_OK;
 }
 

@@ -20,6 +20,8 @@ struct q3_cache {
     q3_dtype dtype;
     int device;       /* -1: host memory; else the CUDA device holding k and v */
     int64_t *lengths; /* [batch] tokens held by each sequence (host memory always) */
+    int64_t *padding; /* [batch] leading tokens of each sequence that are padding: later tokens
+                         do not attend to them, and positions count from the first real token */
     void *k;          /* [batch, kv_heads, capacity, head_dim] */
     void *v;          /* [batch, kv_heads, capacity, head_dim] */
 };
@@ -32,6 +34,8 @@ q3_status q3_cache_create_on(q3_cache **out, int batch, int64_t capacity, int kv
 void q3_cache_destroy(q3_cache *c);
 /* seq < 0: every sequence */
 q3_status q3_cache_reset(q3_cache *c, int seq, q3_error *err);
+/* the first n tokens sequence seq will receive are padding; only while it is empty */
+q3_status q3_cache_set_padding(q3_cache *c, int seq, int64_t n, q3_error *err);
 /* keep the first n tokens of sequence seq (n <= its length) */
 q3_status q3_cache_truncate(q3_cache *c, int seq, int64_t n, q3_error *err);
 /* base of sequence seq's [kv_heads, capacity, head_dim] block */

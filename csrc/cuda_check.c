@@ -148,7 +148,7 @@ static double case_kv_write(check *k) {
 }
 
 /* L query tokens after n_past[s] cached ones, for 2 sequences; long ones split on the GPU */
-static double case_attention(check *k, int64_t L, int64_t past0, int64_t past1, int64_t capacity) {
+static double case_attention(check *k, int64_t L, int64_t past0, int64_t past1, int64_t capacity, int64_t pad0) {
     const q3_attn_shape sh = {L, 8, 2, 24, capacity, Q3_BF16, 1.0f / sqrtf(24.0f), (past0 > past1 ? past0 : past1) + L};
     const int n_seqs = 2;
     const int64_t n_past[2] = {past0, past1}, per_seq = (int64_t)sh.kv_heads * sh.capacity * sh.head_dim;
@@ -161,8 +161,9 @@ static double case_attention(check *k, int64_t L, int64_t past0, int64_t past1, 
     q3_attn_seq hs[2], ds[2];
     uint16_t *dk = device(k, kc, n_seqs * per_seq * 2), *dv = device(k, vc, n_seqs * per_seq * 2);
     for (int s = 0; s < n_seqs; s++) {
-        hs[s] = (q3_attn_seq){kc + s * per_seq, vc + s * per_seq, n_past[s]};
-        ds[s] = (q3_attn_seq){dk ? dk + s * per_seq : NULL, dv ? dv + s * per_seq : NULL, n_past[s]};
+        const int64_t pad = s == 0 ? pad0 : 0;
+        hs[s] = (q3_attn_seq){kc + s * per_seq, vc + s * per_seq, n_past[s], pad};
+        ds[s] = (q3_attn_seq){dk ? dk + s * per_seq : NULL, dv ? dv + s * per_seq : NULL, n_past[s], pad};
     }
     q3_attn_seq *dseqs = device(k, ds, sizeof ds);
     float *dq = device(k, q, qn * 4), *dout = device(k, NULL, qn * 4);
@@ -270,9 +271,10 @@ q3_status q3_cuda_check(int device_index, q3_check_result *out, int max, int *n,
     }
     RUN("rope", 1e-5, case_rope(&k));
     RUN("kv_write bf16", 0.0, case_kv_write(&k));
-    RUN("attention bf16 cache, 3 tokens", 1e-5, case_attention(&k, 3, 5, 17, 40));
-    RUN("attention split-KV, decode over 3000 keys", 1e-5, case_attention(&k, 1, 2999, 1800, 3100));
-    RUN("attention split-KV, 4 tokens over 900 keys", 1e-5, case_attention(&k, 4, 900, 40, 1000));
+    RUN("attention bf16 cache, 3 tokens", 1e-5, case_attention(&k, 3, 5, 17, 40, 0));
+    RUN("attention, 6 tokens after 4 of padding", 1e-5, case_attention(&k, 6, 0, 17, 40, 4));
+    RUN("attention split-KV, decode over 3000 keys", 1e-5, case_attention(&k, 1, 2999, 1800, 3100, 0));
+    RUN("attention split-KV, 4 tokens over 900 keys", 1e-5, case_attention(&k, 4, 900, 40, 1000, 700));
     RUN("router top-k, renormalised", 1e-6, case_router(&k, 1));
     RUN("router top-k", 1e-6, case_router(&k, 0));
     RUN("swiglu", 1e-5, case_swiglu(&k));

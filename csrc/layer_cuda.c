@@ -171,10 +171,10 @@ static void attention_pass(q3_layer *l, q3_cache *c, const q3_pass *p, gpu_run *
     int64_t max_keys = 0;
     for (int s = 0; s < p->n_seqs; s++) {
         const int seq = p->seqs[s];
-        const int64_t n = c->lengths[seq];
+        const int64_t n = c->lengths[seq], pad = c->padding[seq];
         max_keys = n + p->L > max_keys ? n + p->L : max_keys;
-        for (int64_t t = 0; t < p->L; t++) st->pos[s * p->L + t] = n + t;
-        st->seq_ptr[s] = (q3_attn_seq){q3_cache_seq_keys(c, seq), q3_cache_seq_values(c, seq), n};
+        for (int64_t t = 0; t < p->L; t++) st->pos[s * p->L + t] = n + t >= pad ? n + t - pad : 0;
+        st->seq_ptr[s] = (q3_attn_seq){q3_cache_seq_keys(c, seq), q3_cache_seq_values(c, seq), n, pad};
     }
     GPU(run, g->copy_async(d->pos, st->pos, (size_t)R * sizeof *st->pos, 1, sm), "copy positions");
     GPU(run, g->copy_async(d->attn_seqs, st->seq_ptr, (size_t)p->n_seqs * sizeof *st->seq_ptr, 1, sm), "copy seqs");

@@ -83,6 +83,17 @@ static PyObject *cache_truncate(q3_cache_object *o, PyObject *args, PyObject *kw
     return status_or_none(q3_cache_truncate(o->cache, seq, n, &err), &err);
 }
 
+static PyObject *cache_set_padding(q3_cache_object *o, PyObject *args, PyObject *kw) {
+    static char *names[] = {"n", "seq", NULL};
+    long long n;
+    PyObject *seq_obj = NULL;
+    int seq = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "L|O:set_padding", names, &n, &seq_obj)) return NULL;
+    if ((seq_obj && parse_seq(o->cache, seq_obj, 0, &seq) < 0) || check_idle(o) < 0) return NULL;
+    q3_error err;
+    return status_or_none(q3_cache_set_padding(o->cache, seq, n, &err), &err);
+}
+
 static PyObject *cache_view(q3_cache_object *o, PyObject *args, PyObject *kw, int values) {
     static char *names[] = {"seq", NULL};
     PyObject *seq_obj = NULL;
@@ -111,6 +122,13 @@ static PyObject *cache_lengths(q3_cache_object *o, void *c) {
         PyTuple_SET_ITEM(t, i, PyLong_FromLongLong(o->cache->lengths[i]));
     return t;
 }
+static PyObject *cache_padding(q3_cache_object *o, void *c) {
+    (void)c;
+    PyObject *t = PyTuple_New(o->cache->batch);
+    for (int i = 0; t && i < o->cache->batch; i++)
+        PyTuple_SET_ITEM(t, i, PyLong_FromLongLong(o->cache->padding[i]));
+    return t;
+}
 static PyObject *cache_capacity(q3_cache_object *o, void *c) { (void)c; return PyLong_FromLongLong(o->cache->capacity); }
 static PyObject *cache_batch(q3_cache_object *o, void *c) { (void)c; return PyLong_FromLong(o->cache->batch); }
 static PyObject *cache_kv_heads(q3_cache_object *o, void *c) { (void)c; return PyLong_FromLong(o->cache->kv_heads); }
@@ -135,6 +153,10 @@ static PyMethodDef cache_methods[] = {
      "reset(seq=None)\n--\n\nEmpty sequence `seq`, or every sequence when seq is None."},
     {"truncate", (PyCFunction)(void (*)(void))cache_truncate, KW,
      "truncate(n, seq=0)\n--\n\nKeep the first n tokens of sequence `seq`."},
+    {"set_padding", (PyCFunction)(void (*)(void))cache_set_padding, KW,
+     "set_padding(n, seq=0)\n--\n\nThe first n tokens sequence `seq` receives are padding (left padding of a "
+     "batch): later tokens do not attend to them and positions count from the first real token. Only while "
+     "the sequence is empty; reset() clears it."},
     {"keys", (PyCFunction)(void (*)(void))cache_keys, KW,
      "keys(seq=0)\n--\n\nZero-copy view [num_kv_heads, length, head_dim] of the sequence's keys "
      "(after QK-norm and RoPE), with __dlpack__. The view keeps the length it had when taken."},
@@ -146,6 +168,7 @@ static PyMethodDef cache_methods[] = {
 static PyGetSetDef cache_getset[] = {
     {"lengths", (getter)cache_lengths, NULL, "tokens held by each sequence (tuple)", NULL},
     {"capacity", (getter)cache_capacity, NULL, "tokens each sequence can hold", NULL},
+    {"padding", (getter)cache_padding, NULL, "leading padding tokens of each sequence (tuple)", NULL},
     {"batch", (getter)cache_batch, NULL, "number of sequences", NULL},
     {"num_kv_heads", (getter)cache_kv_heads, NULL, "KV heads", NULL},
     {"head_dim", (getter)cache_head_dim, NULL, "head dimension", NULL},

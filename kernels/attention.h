@@ -3,7 +3,8 @@
  * The one attention routine of the layer: prefill (n_past = 0, L = S), a prefill chunk
  * (n_past = tokens already cached) and decode (L = 1) are the same call. The block's own
  * keys and values are written to the cache first, so the query at position n_past + t
- * attends to cache rows [0, n_past + t]. Query head h reads KV head h / (Hq / Hkv).
+ * attends to cache rows [start, n_past + t] (start: the sequence's leading padding, 0 by
+ * default). Query head h reads KV head h / (Hq / Hkv).
  * Softmax in fp32, computed online over key tiles: the working set is one tile of keys,
  * values and scores for a block of queries, whatever the context length. */
 #ifndef Q3_KERNELS_ATTENTION_H
@@ -15,6 +16,8 @@ typedef struct {
     const void *k;   /* [Hkv, capacity, D] keys of this sequence, after QK-norm and RoPE */
     const void *v;   /* [Hkv, capacity, D] values of this sequence */
     int64_t n_past;  /* cached tokens before this block */
+    int64_t start;   /* leading padding: a query at i >= start sees keys [start, i]; a padding
+                        query (i < start) sees only itself */
 } q3_attn_seq;
 
 typedef struct {

@@ -112,3 +112,28 @@ def test_random_layer_is_deterministic_in_its_seed():
     ya, yb, yc = (l.prefill(x, l.new_cache(8)) for l in (a, b, c))
     assert torch.equal(ya, yb)
     assert not torch.allclose(ya, yc)
+
+
+def test_left_padding_is_neither_attended_nor_counted(layer):
+    real = x_of(9, CFG.hidden_size, seed=40)
+    pads = x_of(4, CFG.hidden_size, seed=41)
+    cache = layer.new_cache(32)
+    cache.set_padding(4)
+    y = layer.prefill(torch.cat([pads, real]), cache, chunk_size=5)
+    alone = layer.new_cache(32)
+    ref = layer.prefill(real, alone)
+    assert cache.padding == (4,) and torch.isfinite(y).all()
+    assert rel(y[4:], ref) <= TOL
+    step = x_of(1, CFG.hidden_size, seed=42)
+    assert rel(layer.decode(step, cache), layer.decode(step, alone)) <= TOL
+    cache.reset()
+    assert cache.padding == (0,)
+
+
+def test_padding_only_on_an_empty_sequence(layer):
+    cache = layer.new_cache(8)
+    layer.prefill(x_of(2, CFG.hidden_size), cache)
+    with pytest.raises(RuntimeError, match="padding: sequence 0 already holds 2 tokens"):
+        cache.set_padding(1)
+    with pytest.raises(ValueError, match=r"n: expected 0 <= n < 8 \(the capacity\), got 8"):
+        layer.new_cache(8).set_padding(8)

@@ -85,3 +85,24 @@ def test_model_cache_bookkeeping_is_kept():
 def test_patch_rejects_other_models():
     with pytest.raises(TypeError, match="model: expected a Qwen3MoeModel or Qwen3MoeForCausalLM, got Linear"):
         q3t.patch_model(torch.nn.Linear(2, 2))
+
+
+def left_padded(lengths, total, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.zeros(len(lengths), total, dtype=torch.long)
+    mask = torch.zeros(len(lengths), total, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        ids[b, total - n:] = torch.randint(1, 101, (n,), generator=g)
+        mask[b, total - n:] = 1
+    return ids, mask
+
+
+def test_batch_of_left_padded_prompts_generates_identically():
+    model = tiny_model(2)
+    ids, mask = left_padded([5, 11, 8], 11, seed=2)
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=32, do_sample=False, pad_token_id=0)
+    assert all(len(set(row[11:].tolist())) >= 8 for row in ref)
+    q3t.patch_model(model)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=32, do_sample=False, pad_token_id=0)
+    assert torch.equal(out, ref)
+    assert model.model.layers[0].kv_cache.padding == (6, 0, 3)

@@ -92,22 +92,27 @@ static void tile_scores(const block_scratch *b, int D) {
     }
 }
 
-/* online softmax over the tile, vectors across rows; row r sees keys < first + r / G - j0.
+/* online softmax over the tile, vectors across rows; row r (token tq = r / G, at cache index
+ * i = first + tq - 1) sees keys [lo, i] with lo = start, or lo = i for a padding token.
  * Leaves probabilities in st and the accumulator rescale factors in corr [rp]. */
-static void tile_softmax(const block_scratch *b, float *corr, int G, int64_t first, int64_t j0) {
+static void tile_softmax(const block_scratch *b, float *corr, int G, int64_t first, int64_t start, int64_t j0) {
     for (int r0 = 0; r0 < b->rp; r0 += LN) {
-        q3_vf visible;
-        for (int i = 0; i < LN; i++) visible[i] = (float)(first + (r0 + i) / G - j0);
+        q3_vf visible, lower;
+        for (int i = 0; i < LN; i++) {
+            const int64_t idx = first + (r0 + i) / G - 1;
+            visible[i] = (float)(idx + 1 - j0);
+            lower[i] = (float)((idx >= start ? start : idx) - j0);
+        }
         q3_vf mt = q3_vload(b->m + r0);
         for (int j = 0; j < KT; j++) {
             const q3_vf s = q3_vload(b->st + (int64_t)j * b->rp + r0);
-            mt = q3_vsel((float)j < visible, q3_vmax(mt, s), mt);
+            mt = q3_vsel(((float)j < visible) & ((float)j >= lower), q3_vmax(mt, s), mt);
         }
         const q3_vf m_old = q3_vload(b->m + r0);
         q3_vf sum = {0};
         for (int j = 0; j < KT; j++) {
             float *sj = b->st + (int64_t)j * b->rp + r0;
-            const q3_vf p = q3_vsel((float)j < visible, q3_vexp_v(q3_vload(sj) - mt), (q3_vf){0});
+            const q3_vf p = q3_vsel(((float)j < visible) & ((float)j >= lower), q3_vexp_v(q3_vload(sj) - mt), (q3_vf){0});
             q3_vstore(sj, p);
             sum += p;
         }
@@ -149,9 +154,10 @@ static void tile_values(const block_scratch *b, const float *corr, int nj) {
     }
 }
 
-/* Rows r = tq * G + g: query q + tq * ld + g * D sees keys [0, first + tq). */
+/* Rows r = tq * G + g: query q + tq * ld + g * D sees keys [start, first + tq) (a padding
+ * token, at index < start, only itself). */
 static void attend_block(float *out, const float *q, int64_t ld, int nq, int G, int D, int64_t first,
-                         const void *k, const void *v, q3_dtype dt, float scale, float *scratch) {
+                         int64_t start, const void *k, const void *v, q3_dtype dt, float scale, float *scratch) {
     const block_scratch b = carve(scratch, nq * G, D);
     float corr[b.rp];
     for (int i = 0; i < D; i++)
@@ -167,7 +173,7 @@ static void attend_block(float *out, const float *q, int64_t ld, int nq, int G, 
         const int nj = (int)(n_keys - j0 < KT ? n_keys - j0 : KT);
         load_tile(&b, k, v, dt, j0, nj, D);
         tile_scores(&b, D);
-        tile_softmax(&b, corr, G, first, j0);
+        tile_softmax(&b, corr, G, first, start, j0);
         tile_values(&b, corr, nj);
     }
     for (int r = 0; r < b.rows; r++) {
@@ -199,7 +205,7 @@ void Q3_CPU_FN(q3_attention)(float *out, const float *q, const q3_attn_seq *seqs
 #else
         float *mine = scratch;
 #endif
-        attend_block(out + row0, q + row0, ld, nq, G, D, seqs[s].n_past + t0 + 1,
+        attend_block(out + row0, q + row0, ld, nq, G, D, seqs[s].n_past + t0 + 1, seqs[s].start,
                      (const char *)seqs[s].k + head_off, (const char *)seqs[s].v + head_off,
                      sh->kv_dtype, sh->scale, mine);
     }

@@ -28,8 +28,10 @@ __global__ void attention_kernel(float *out, float *partial, const float *q, con
     const q3_attn_seq sq = seqs[s];
     const int64_t head_off = (int64_t)h * sh.capacity * D;
     const int64_t n_keys = sq.n_past + t + 1;
-    const int64_t per = (n_keys + splits - 1) / splits;
-    const int64_t k_begin = slice * per, k_end = k_begin + per < n_keys ? k_begin + per : n_keys;
+    // keys [lo, n_keys): after the sequence's padding, or only itself for a padding token
+    const int64_t lo = n_keys - 1 >= sq.start ? sq.start : n_keys - 1;
+    const int64_t per = (n_keys - lo + splits - 1) / splits;
+    const int64_t k_begin = lo + slice * per, k_end = k_begin + per < n_keys ? k_begin + per : n_keys;
     const int64_t row = ((int64_t)s * L + t) * sh.heads + (int64_t)h * G + warp; // this warp's query head
     const float *qr = q + row * D;
     float m = -INFINITY, l = 0.0f, acc[MAX_D / 32];
