@@ -216,8 +216,18 @@ class DecoderLayer:
         """Activation workspace held now (grows with the largest chunk run so far)."""
         return self._core.workspace_bytes
 
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of all the layer's weights in its dtype."""
+        c = self.config
+        H, D, I, E = c.hidden_size, c.head_dim, c.moe_intermediate_size, c.num_experts
+        params = H * D * (2 * c.num_attention_heads + 2 * c.num_key_value_heads) + 2 * D + 2 * H + E * H + E * 3 * H * I
+        return params * (2 if self.dtype == "bfloat16" else 4)
+
     def __repr__(self) -> str:
         c = self.config
+        size = self.weight_bytes
+        size_text = f"{size / 1e9:.2f} GB" if size >= 1e9 else f"{size / 1e6:.1f} MB"
         return (f"DecoderLayer(hidden={c.hidden_size}, heads={c.num_attention_heads}/"
                 f"{c.num_key_value_heads}x{c.head_dim}, experts={c.num_experts} top-{c.num_experts_per_tok}"
-                f" x {c.moe_intermediate_size}, dtype={self.dtype}, device={self.device})")
+                f" x {c.moe_intermediate_size}, dtype={self.dtype}, device={self.device}, weights {size_text})")

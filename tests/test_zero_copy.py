@@ -173,3 +173,33 @@ def test_import_renames_the_consumed_capsule(layer, legacy):
     assert isinstance(y, q3.Tensor)
     assert _capsule_name(p.capsule) == (b"used_dltensor" if legacy else b"used_dltensor_versioned")
     assert torch.equal(torch.from_dlpack(y), ref)
+
+
+def test_reprs_say_what_a_notebook_user_needs():
+    layer = q3.DecoderLayer.random(CFG, seed=1, dtype="bfloat16")
+    assert "dtype=bfloat16, device=cpu, weights" in repr(layer)
+    assert layer.weight_bytes == sum(t.nbytes for t in q3._C.random_weights(CFG, 0, "bfloat16").values())
+    cache = layer.new_cache(16, batch=2)
+    layer.prefill(torch.randn(3, CFG.hidden_size, dtype=torch.bfloat16), cache, seq=1)
+    assert "filled=3/32 tokens" in repr(cache) and "batch=2" in repr(cache)
+
+
+def test_the_extension_has_type_stubs():
+    import os
+
+    pkg = os.path.dirname(q3.__file__)
+    assert os.path.exists(os.path.join(pkg, "py.typed"))
+    stub = open(os.path.join(pkg, "_C.pyi")).read()
+    for name in ("class KVCache", "class Layer", "def build_info", "def set_padding", "def prefill"):
+        assert name in stub, name
+    import re
+
+    stubbed = set(re.findall(r"^def (\w+)", stub, re.M))
+    actual = {n for n in dir(q3._C) if not n.startswith("_") and callable(getattr(q3._C, n))
+              and not isinstance(getattr(q3._C, n), type)}
+    assert stubbed == actual
+    for cls in ("Tensor", "KVCache", "Layer"):
+        body = stub.split(f"class {cls}")[1].split("\nclass ")[0]
+        members = set(re.findall(r"^    (?:def )?(\w+)", body, re.M))
+        public = {n for n in dir(getattr(q3._C, cls)) if not n.startswith("_")}
+        assert public <= members, (cls, public - members)
