@@ -59,19 +59,28 @@ def test_float32_batched_prefill_then_decode_matches_transformers(geometry):
 
 
 def test_float32_per_expert_names_match_fused():
-    """transformers 4.57 names the experts one by one; both spellings give one result."""
+    """transformers 5.x holds the experts fused, 4.57 one by one: both spellings give one
+    result (whichever the installed version has, the test builds the other)."""
     model = hf_model("gqa4_topk_norm", seed=3)
     sd = {k: v.detach() for k, v in model.model.layers[0].state_dict().items()}
-    gate_up, down = sd.pop("mlp.experts.gate_up_proj"), sd.pop("mlp.experts.down_proj")
-    I = model.config.moe_intermediate_size
-    for e in range(model.config.num_experts):
-        sd[f"model.layers.0.mlp.experts.{e}.gate_proj.weight"] = gate_up[e, :I]
-        sd[f"model.layers.0.mlp.experts.{e}.up_proj.weight"] = gate_up[e, I:]
-        sd[f"model.layers.0.mlp.experts.{e}.down_proj.weight"] = down[e]
+    I, E = model.config.moe_intermediate_size, model.config.num_experts
+    if "mlp.experts.gate_up_proj" in sd:  # fused -> per expert, with the checkpoint prefix
+        gate_up, down = sd.pop("mlp.experts.gate_up_proj"), sd.pop("mlp.experts.down_proj")
+        for e in range(E):
+            sd[f"model.layers.0.mlp.experts.{e}.gate_proj.weight"] = gate_up[e, :I]
+            sd[f"model.layers.0.mlp.experts.{e}.up_proj.weight"] = gate_up[e, I:]
+            sd[f"model.layers.0.mlp.experts.{e}.down_proj.weight"] = down[e]
+        check = ("mlp.experts.1.up_proj.weight", gate_up[1, I:].data_ptr())
+    else:  # per expert -> fused
+        sd["mlp.experts.gate_up_proj"] = torch.stack([torch.cat([sd.pop(f"mlp.experts.{e}.gate_proj.weight"),
+                                                                 sd.pop(f"mlp.experts.{e}.up_proj.weight")])
+                                                      for e in range(E)])
+        sd["mlp.experts.down_proj"] = torch.stack([sd.pop(f"mlp.experts.{e}.down_proj.weight") for e in range(E)])
+        check = ("mlp.experts.gate_up_proj", sd["mlp.experts.gate_up_proj"].data_ptr())
     cfg = q3.LayerConfig.from_hf(model.config)
     layer = q3.DecoderLayer(cfg, sd)
     assert layer.converted == ()
-    assert layer.weight_ptrs["mlp.experts.1.up_proj.weight"] == gate_up[1, I:].data_ptr()
+    assert layer.weight_ptrs[check[0]] == check[1]
     x = draw_input(model, (1, 9, cfg.hidden_size), seed=3)
     y = layer.prefill(x[0], layer.new_cache(16))
     assert rel_err(y, run(model, x).y[0]) <= 1e-5

@@ -73,7 +73,8 @@ def test_model_cache_bookkeeping_is_kept():
     model_cache = out.past_key_values
     assert model_cache.get_seq_length() == 7
     assert model.model.layers[1].kv_cache.lengths == (7, 7)
-    nxt = model(torch.tensor([[5], [6]]), cache=model_cache, use_cache=True)
+    # past_key_values: 4.57's name, still accepted by 5.x (which calls it cache)
+    nxt = model(torch.tensor([[5], [6]]), past_key_values=model_cache, use_cache=True)
     assert nxt.past_key_values.get_seq_length() == 8
     assert model.model.layers[0].kv_cache.lengths == (8, 8)
     # placeholders, not a second copy of K and V: one element per token
