@@ -189,7 +189,8 @@ def test_the_extension_has_type_stubs():
 
     pkg = os.path.dirname(q3.__file__)
     assert os.path.exists(os.path.join(pkg, "py.typed"))
-    stub = open(os.path.join(pkg, "_C.pyi")).read()
+    with open(os.path.join(pkg, "_C.pyi")) as f:
+        stub = f.read()
     for name in ("class KVCache", "class Layer", "def build_info", "def set_padding", "def prefill"):
         assert name in stub, name
     import re
