@@ -119,11 +119,15 @@ def layer_table(copy_tbs: float) -> None:
     pos = torch.arange(S, device="cuda")[None]
     cos, sin = rope(x[None], pos)
     t_ours = wall(lambda: layer.prefill(x, layer.new_cache(S), chunk_size=S), 3)
+    fresh = q3.DecoderLayer.from_hf(hf, device="cuda")  # its own workspace: what one prefill needs
+    fresh.prefill(x, fresh.new_cache(S), chunk_size=S)
+    memory = fresh.workspace_bytes + 2 * x.numel() * x.element_size()
     with torch.no_grad():
         t_hf = wall(lambda: hf(x[None], position_ids=pos, position_embeddings=(cos, sin)), 3)
     from qwen3layer.costs import prefill_flops
     rows.append((f"prefill {S} tokens, one chunk", f"{t_ours * 1e3:.1f} ms", f"{t_hf * 1e3:.1f} ms",
-                 f"{t_hf / t_ours:.2f}x", f"{prefill_flops(cfg, S) / t_ours / 1e12:.1f} TFLOP/s"))
+                 f"{t_hf / t_ours:.2f}x", f"{prefill_flops(cfg, S) / t_ours / 1e12:.1f} TFLOP/s; "
+                 f"{memory / 2**20:.0f} MiB beyond weights and cache"))
     head = ("layer, real geometry, bf16", "qwen3layer", "transformers", "speed-up", "achieved")
     widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(5)]
     print()

@@ -56,7 +56,9 @@ void q3_layer_destroy(q3_layer *l) {
 
 const q3_config *q3_layer_config(const q3_layer *l) { return &l->cfg; }
 q3_dtype q3_layer_dtype(const q3_layer *l) { return l->w.dtype; }
-size_t q3_layer_workspace_bytes(const q3_layer *l) { return l->ws.bytes; }
+size_t q3_layer_workspace_bytes(const q3_layer *l) {
+    return l->w.device >= 0 ? q3_layer_cuda_workspace_bytes(l) : l->ws.bytes;
+}
 
 static const char *device_name(int device, char *buf, size_t n) {
     if (device < 0) snprintf(buf, n, "cpu");

@@ -33,6 +33,15 @@ struct q3_cuda_state {
     float *pair_w;        /* [rows * k] */
 };
 
+size_t q3_layer_cuda_workspace_bytes(const q3_layer *l) {
+    const q3_cuda_state *s = l->gpu;
+    if (!s) return 0;
+    const q3_attn_shape shape = {.heads = l->cfg.heads, .kv_heads = l->cfg.kv_heads, .head_dim = l->cfg.head_dim};
+    const int64_t split_rows = s->rows < (int64_t)s->seqs * Q3_SPLIT_MAX_TOKENS ? s->rows
+                                                                                  : (int64_t)s->seqs * Q3_SPLIT_MAX_TOKENS;
+    return s->dev.bytes + (size_t)q3_attention_cuda_partial_floats(split_rows, &shape) * sizeof(float);
+}
+
 void q3_layer_cuda_release(q3_layer *l) {
     q3_cuda_state *s = l->gpu;
     if (!s) return;
@@ -68,6 +77,7 @@ static q3_status reserve(q3_layer *l, int64_t rows, int seqs, q3_error *err) {
     }
     q3_workspace_layout(&s->dev, block, &l->cfg, rows, seqs, 1);
     s->dev.block = block;
+    s->dev.bytes = bytes;
     const q3_attn_shape shape = {.heads = l->cfg.heads, .kv_heads = l->cfg.kv_heads, .head_dim = l->cfg.head_dim};
     /* split-KV runs for calls of at most Q3_SPLIT_MAX_TOKENS tokens per sequence */
     const int64_t split_rows = rows < (int64_t)seqs * Q3_SPLIT_MAX_TOKENS ? rows : (int64_t)seqs * Q3_SPLIT_MAX_TOKENS;

@@ -37,5 +37,6 @@ void q3_moe_block(q3_layer *layer, const q3_pass *p);
  * layer.c checked the arguments; and its state's release */
 q3_status q3_layer_forward_cuda(q3_layer *layer, q3_cache *cache, const q3_forward_args *a, q3_error *err);
 void q3_layer_cuda_release(q3_layer *layer);
+size_t q3_layer_cuda_workspace_bytes(const q3_layer *layer); /* device workspace held now */
 
 #endif

@@ -64,5 +64,6 @@ emulated = q3.DecoderLayer.random(CFG, seed=2, dtype="bfloat16", device="cuda")
 profiles = [emulated.profile("prefill", tokens=40, chunk_size=16, repeat=1),
             emulated.profile("decode", tokens=2, context=20, repeat=1)]
 out["profile stages"] = [[s.name for s in p.stages] for p in profiles]
+out["device workspace"] = emulated.workspace_bytes
 out["profile seconds"] = [[s.seconds for s in p.stages] for p in profiles]
 print(json.dumps(out))

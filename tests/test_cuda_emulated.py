@@ -30,5 +30,6 @@ def test_cuda_path_on_an_emulated_device_matches_the_cpu_layer():
     from qwen3layer.costs import STAGES
 
     assert out["profile stages"] == [list(STAGES), list(STAGES)]
+    assert out["device workspace"] > 0
     for seconds in out["profile seconds"]:
         assert all(t >= 0 for t in seconds) and seconds[STAGES.index("experts")] > 0
