@@ -147,6 +147,60 @@ static double case_kv_write(check *k) {
     return k->failed ? INFINITY : max_err(got, want, Q3_BF16, (int64_t)kvh * cap * D);
 }
 
+void q3_qk_rope_kv_host(float *q, float *k, const float *v, const void *q_norm, const void *k_norm, q3_dtype w_dt,
+                        const int64_t *pos, const q3_attn_seq *seqs, int n_seqs, const q3_attn_shape *sh,
+                        float eps, float theta) {
+    const q3_cpu_ops *c = q3_cpu_ops_active();
+    const int64_t R = n_seqs * sh->L, D = sh->head_dim, KVD = (int64_t)sh->kv_heads * D;
+    c->rmsnorm(q, q, q_norm, w_dt, R * sh->heads, D, eps);
+    c->rmsnorm(k, k, k_norm, w_dt, R * sh->kv_heads, D, eps);
+    c->rope(q, pos, R, sh->heads, (int)D, theta);
+    c->rope(k, pos, R, sh->kv_heads, (int)D, theta);
+    for (int s = 0; s < n_seqs; s++) {
+        c->kv_write((void *)seqs[s].k, sh->kv_dtype, k + s * sh->L * KVD, KVD, sh->L, sh->kv_heads, (int)D,
+                    sh->capacity, seqs[s].n_past);
+        c->kv_write((void *)seqs[s].v, sh->kv_dtype, v + s * sh->L * KVD, KVD, sh->L, sh->kv_heads, (int)D,
+                    sh->capacity, seqs[s].n_past);
+    }
+}
+
+/* the fused QK-norm + RoPE + KV append against its composition: q and both caches */
+static double case_qk_rope_kv(check *k, int D) {
+    const q3_attn_shape sh = {3, 6, 2, D, 12, Q3_BF16, 1.0f, 0};
+    const int n_seqs = 2;
+    const int64_t R = n_seqs * sh.L, qn = R * sh.heads * D, kn = R * sh.kv_heads * D;
+    const int64_t per_seq = (int64_t)sh.kv_heads * sh.capacity * D, n_past[2] = {4, 0};
+    int64_t pos[6];
+    for (int64_t r = 0; r < R; r++) pos[r] = n_past[r / sh.L] + r % sh.L;
+    float *q = host_random(k, qn, Q3_F32, 22), *kk = host_random(k, kn, Q3_F32, 23), *v = host_random(k, kn, Q3_F32, 24);
+    void *qw = host_random(k, D, Q3_BF16, 25), *kw = host_random(k, D, Q3_BF16, 26);
+    uint16_t *kc = host(k, n_seqs * per_seq * 2), *vc = host(k, n_seqs * per_seq * 2);
+    float *q_got = host(k, qn * 4);
+    uint16_t *kc_got = host(k, n_seqs * per_seq * 2), *vc_got = host(k, n_seqs * per_seq * 2);
+    if (k->failed) return INFINITY;
+    float *dq = device(k, q, qn * 4), *dk = device(k, kk, kn * 4), *dv = device(k, v, kn * 4);
+    void *dqw = device(k, qw, D * 2), *dkw = device(k, kw, D * 2);
+    uint16_t *dkc = device(k, kc, n_seqs * per_seq * 2), *dvc = device(k, vc, n_seqs * per_seq * 2);
+    int64_t *dpos = device(k, pos, sizeof pos);
+    q3_attn_seq hs[2], ds[2];
+    for (int s = 0; s < n_seqs; s++) {
+        hs[s] = (q3_attn_seq){kc + s * per_seq, vc + s * per_seq, n_past[s], 0};
+        ds[s] = (q3_attn_seq){dkc ? dkc + s * per_seq : NULL, dvc ? dvc + s * per_seq : NULL, n_past[s], 0};
+    }
+    q3_attn_seq *dseqs = device(k, ds, sizeof ds);
+    q3_qk_rope_kv_host(q, kk, v, qw, kw, Q3_BF16, pos, hs, n_seqs, &sh, 1e-6f, 1e6f);
+    if (!k->failed)
+        cuda_ok(k, k->g->qk_rope_kv(dq, dk, dv, dqw, dkw, Q3_BF16, dpos, dseqs, n_seqs, &sh, 1e-6f, 1e6f, NULL),
+                "qk_rope_kv launch");
+    fetch(k, q_got, dq, qn * 4);
+    fetch(k, kc_got, dkc, n_seqs * per_seq * 2);
+    fetch(k, vc_got, dvc, n_seqs * per_seq * 2);
+    if (k->failed) return INFINITY;
+    const double e1 = max_err(q_got, q, Q3_F32, qn), e2 = max_err(kc_got, kc, Q3_BF16, n_seqs * per_seq),
+                 e3 = max_err(vc_got, vc, Q3_BF16, n_seqs * per_seq);
+    return e1 > e2 ? (e1 > e3 ? e1 : e3) : (e2 > e3 ? e2 : e3);
+}
+
 /* L query tokens after n_past[s] cached ones, for 2 sequences; long ones split on the GPU */
 static double case_attention(check *k, int64_t L, int64_t past0, int64_t past1, int64_t capacity, int64_t pad0) {
     const q3_attn_shape sh = {L, 8, 2, 24, capacity, Q3_BF16, 1.0f / sqrtf(24.0f), (past0 > past1 ? past0 : past1) + L};
@@ -271,6 +325,8 @@ q3_status q3_cuda_check(int device_index, q3_check_result *out, int max, int *n,
     }
     RUN("rope", 1e-5, case_rope(&k));
     RUN("kv_write bf16", 0.0, case_kv_write(&k));
+    RUN("qk_norm + rope + kv_write fused, D=128", 1e-2, case_qk_rope_kv(&k, 128));
+    RUN("qk_norm + rope + kv_write fused, D=24", 1e-2, case_qk_rope_kv(&k, 24));
     RUN("attention bf16 cache, 3 tokens", 1e-5, case_attention(&k, 3, 5, 17, 40, 0));
     RUN("attention, 6 tokens after 4 of padding", 1e-5, case_attention(&k, 6, 0, 17, 40, 4));
     RUN("attention split-KV, decode over 3000 keys", 1e-5, case_attention(&k, 1, 2999, 1800, 3100, 0));

@@ -87,6 +87,13 @@ static int kv_write(void *c, q3_dtype dt, const float *src, int64_t stride, int6
     cpu()->kv_write(c, dt, src, stride, L, kvh, D, cap, start);
     return 0;
 }
+static int qk_rope_kv(float *q, float *k, const float *v, const void *qn, const void *kn, q3_dtype dt,
+                      const int64_t *pos, const q3_attn_seq *seqs, int n, const q3_attn_shape *sh, float eps,
+                      float theta, void *s) {
+    (void)s;
+    q3_qk_rope_kv_host(q, k, v, qn, kn, dt, pos, seqs, n, sh, eps, theta);
+    return 0;
+}
 static int attention(float *out, const float *q, const q3_attn_seq *seqs, int n, const q3_attn_shape *sh,
                      float *partial, void *s) {
     (void)s;
@@ -136,7 +143,7 @@ q3_status q3_cuda_emulate(q3_error *err) {
         .event_create = event_create, .event_destroy = event_destroy, .event_record = event_record,
         .event_elapsed_ms = event_elapsed_ms, .blas_open = blas_open, .blas_enable = blas_enable,
         .time_copy = time_copy, .time_matmul = time_matmul, .rmsnorm = rmsnorm, .matmul = matmul, .matmul_tc = matmul_tc,
-        .rope = rope, .kv_write = kv_write, .attention = attention, .router_topk = router,
+        .rope = rope, .kv_write = kv_write, .qk_rope_kv = qk_rope_kv, .attention = attention, .router_topk = router,
         .swiglu = swiglu, .gather_rows = gather, .scatter_add_rows = scatter, .to_f32 = to_f32,
         .from_f32 = from_f32,
     };

@@ -176,8 +176,6 @@ static void attention_pass(q3_layer *l, q3_cache *c, const q3_pass *p, gpu_run *
     GPU(run, project(g, d, d->k, d->h, w->dense[Q3_W_K_PROJ], w->dtype, R, KVD, H, 0, sm), "k_proj");
     GPU(run, project(g, d, d->v, d->h, w->dense[Q3_W_V_PROJ], w->dtype, R, KVD, H, 0, sm), "v_proj");
     gpu_mark(run, Q3_STAGE_QKV_PROJ);
-    GPU(run, g->rmsnorm(d->q, d->q, w->dense[Q3_W_Q_NORM], w->dtype, R * Hq, D, cf->eps, sm), "q_norm");
-    GPU(run, g->rmsnorm(d->k, d->k, w->dense[Q3_W_K_NORM], w->dtype, R * Hkv, D, cf->eps, sm), "k_norm");
     int64_t max_keys = 0;
     for (int s = 0; s < p->n_seqs; s++) {
         const int seq = p->seqs[s];
@@ -188,19 +186,12 @@ static void attention_pass(q3_layer *l, q3_cache *c, const q3_pass *p, gpu_run *
     }
     GPU(run, g->copy_async(d->pos, st->pos, (size_t)R * sizeof *st->pos, 1, sm), "copy positions");
     GPU(run, g->copy_async(d->attn_seqs, st->seq_ptr, (size_t)p->n_seqs * sizeof *st->seq_ptr, 1, sm), "copy seqs");
-    GPU(run, g->rope(d->q, d->pos, R, Hq, D, (float)cf->rope_theta, sm), "rope q");
-    GPU(run, g->rope(d->k, d->pos, R, Hkv, D, (float)cf->rope_theta, sm), "rope k");
-    gpu_mark(run, Q3_STAGE_QK_NORM_ROPE);
-    for (int s = 0; s < p->n_seqs; s++) {
-        const int seq = p->seqs[s];
-        const int64_t n = c->lengths[seq];
-        GPU(run, g->kv_write(q3_cache_seq_keys(c, seq), c->dtype, d->k + s * p->L * KVD, KVD, p->L, Hkv, D,
-                             c->capacity, n, sm), "kv_write k");
-        GPU(run, g->kv_write(q3_cache_seq_values(c, seq), c->dtype, d->v + s * p->L * KVD, KVD, p->L, Hkv, D,
-                             c->capacity, n, sm), "kv_write v");
-    }
-    gpu_mark(run, Q3_STAGE_KV_WRITE);
     const q3_attn_shape shape = {p->L, Hq, Hkv, D, c->capacity, c->dtype, 1.0f / sqrtf((float)D), max_keys};
+    /* QK-norm, RoPE and the K/V append in one kernel */
+    GPU(run, g->qk_rope_kv(d->q, d->k, d->v, w->dense[Q3_W_Q_NORM], w->dense[Q3_W_K_NORM], w->dtype, d->pos,
+                           d->attn_seqs, p->n_seqs, &shape, cf->eps, (float)cf->rope_theta, sm), "qk_rope_kv");
+    gpu_mark(run, Q3_STAGE_QK_NORM_ROPE);
+    gpu_mark(run, Q3_STAGE_KV_WRITE); /* fused into the stage before */
     GPU(run, g->attention(d->attn, d->q, d->attn_seqs, p->n_seqs, &shape, st->partial, sm), "attention");
     gpu_mark(run, Q3_STAGE_ATTENTION);
     GPU(run, project(g, d, d->x, d->attn, w->dense[Q3_W_O_PROJ], w->dtype, R, H, QD, 1, sm), "o_proj");

@@ -52,6 +52,11 @@ typedef struct {
     int (*rope)(float *x, const int64_t *pos, int64_t rows, int heads, int D, float theta, void *stream);
     int (*kv_write)(void *cache, q3_dtype dt, const float *src, int64_t src_stride, int64_t L, int kv_heads,
                     int D, int64_t capacity, int64_t start, void *stream);
+    /* QK-norm + RoPE of q [R, Hq, D] and k [R, Hkv, D] (q in place), k and v [R, Hkv, D] into
+     * the cache rows of seqs (device array): rmsnorm, rope and kv_write fused; R = n_seqs * L */
+    int (*qk_rope_kv)(float *q, float *k, const float *v, const void *q_norm, const void *k_norm, q3_dtype w_dt,
+                      const int64_t *pos, const q3_attn_seq *seqs, int n_seqs, const q3_attn_shape *shape,
+                      float eps, float theta, void *stream);
     /* partial: device scratch of q3_attention_cuda_partial_floats(n_seqs * L, shape) floats
      * for split-KV (NULL: one block per query token and KV head) */
     int (*attention)(float *out, const float *q, const q3_attn_seq *seqs, int n_seqs, const q3_attn_shape *shape,

@@ -1,0 +1,71 @@
+// QK-norm, RoPE and the KV-cache append in one kernel (twin: kernels/cpu rmsnorm, rope and
+// kv_write in turn). One warp per head of one token row: q heads are normalised and rotated
+// in place; k heads are normalised, rotated and written to the cache; v heads are written to
+// the cache. The head is staged in shared memory so RoPE can pair dims d and d + D/2 for any
+// head_dim. Row r is token t = r % L of sequence s = r / L, at cache position n_past + t
+// (seqs: the device array the attention kernel reads too).
+#include <math.h>
+
+#include "../attention.h"
+#include "common.cuh"
+
+#define WARPS 8
+#define MAX_D 256
+
+__global__ void qk_rope_kv_kernel(float *q, float *k, const float *v, const void *q_norm, const void *k_norm,
+                                  q3_dtype w_dt, const int64_t *pos, const q3_attn_seq *seqs, q3_attn_shape sh,
+                                  float eps, float theta) {
+    __shared__ float head[WARPS][MAX_D];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int64_t r = blockIdx.x;
+    const int Hq = sh.heads, Hkv = sh.kv_heads, D = sh.head_dim, half = D / 2;
+    const int h = blockIdx.y * WARPS + warp; // q heads, then k heads, then v heads
+    if (h >= Hq + 2 * Hkv) return;
+    const int64_t s = r / sh.L, t = r % sh.L;
+    const q3_attn_seq sq = seqs[s];
+    float *vec = h < Hq ? q + (r * Hq + h) * D : k + (r * Hkv + (h - Hq)) * D;
+    if (h >= Hq + Hkv) { // v: straight to the cache
+        const int kv = h - Hq - Hkv;
+        const float *src = v + (r * Hkv + kv) * D;
+        for (int i = lane; i < D; i += 32)
+            q3_store((void *)sq.v, sh.kv_dtype, ((int64_t)kv * sh.capacity + sq.n_past + t) * D + i, src[i]);
+        return;
+    }
+    float ss = 0.0f;
+    for (int i = lane; i < D; i += 32) ss += vec[i] * vec[i];
+    const float inv = rsqrtf(q3_warp_sum(ss) / (float)D + eps);
+    const void *w = h < Hq ? q_norm : k_norm;
+    for (int i = lane; i < D; i += 32) head[warp][i] = q3_load(w, w_dt, i) * (vec[i] * inv);
+    __syncwarp();
+    const float p = (float)pos[r];
+    for (int i = lane; i < half; i += 32) {
+        const float a = p * (1.0f / powf(theta, (float)(2 * i) / (float)D));
+        float sn, cs;
+        sincosf(a, &sn, &cs);
+        const float lo = head[warp][i], hi = head[warp][i + half];
+        const float out_lo = lo * cs - hi * sn, out_hi = hi * cs + lo * sn;
+        if (h < Hq) {
+            vec[i] = out_lo;
+            vec[i + half] = out_hi;
+        } else {
+            const int64_t base = ((int64_t)(h - Hq) * sh.capacity + sq.n_past + t) * D;
+            q3_store((void *)sq.k, sh.kv_dtype, base + i, out_lo);
+            q3_store((void *)sq.k, sh.kv_dtype, base + i + half, out_hi);
+        }
+    }
+}
+
+// q [R, Hq, D] in place; k [R, Hkv, D] and v [R, Hkv, D] into the cache rows of seqs;
+// R = n_seqs * shape->L rows, pos [R] and seqs on the device
+extern "C" int q3_qk_rope_kv_cuda(float *q, float *k, const float *v, const void *q_norm, const void *k_norm,
+                                  q3_dtype w_dt, const int64_t *pos, const q3_attn_seq *seqs, int n_seqs,
+                                  const q3_attn_shape *shape, float eps, float theta, void *stream) {
+    if (shape->head_dim > MAX_D || shape->head_dim % 2) return (int)cudaErrorInvalidValue;
+    const int64_t rows = (int64_t)n_seqs * shape->L;
+    if (rows == 0) return 0;
+    const int heads = shape->heads + 2 * shape->kv_heads;
+    const dim3 grid((unsigned)rows, (unsigned)((heads + WARPS - 1) / WARPS));
+    qk_rope_kv_kernel<<<grid, WARPS * 32, 0, (cudaStream_t)stream>>>(q, k, v, q_norm, k_norm, w_dt, pos, seqs, *shape,
+                                                                      eps, theta);
+    return q3_launch_status();
+}
