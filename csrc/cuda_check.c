@@ -103,6 +103,22 @@ static double case_matmul(check *k, q3_dtype wdt, int64_t T, int64_t K) {
     return k->failed ? INFINITY : max_err(got, want, Q3_F32, T * N);
 }
 
+/* gate, up and SiLU * up in one pass against matmul, matmul, swiglu */
+static double case_gate_up(check *k, int64_t T, int64_t I, int64_t K) {
+    float *x = host_random(k, T * K, Q3_F32, 27), *want = host(k, T * I * 4), *up = host(k, T * I * 4);
+    float *got = host(k, T * I * 4);
+    void *gw = host_random(k, I * K, Q3_BF16, 28), *uw = host_random(k, I * K, Q3_BF16, 29);
+    if (k->failed) return INFINITY;
+    float *dx = device(k, x, T * K * 4), *dact = device(k, NULL, T * I * 4);
+    void *dg = device(k, gw, I * K * 2), *du = device(k, uw, I * K * 2);
+    k->c->matmul(want, x, gw, Q3_BF16, T, I, K, 0, NULL);
+    k->c->matmul(up, x, uw, Q3_BF16, T, I, K, 0, NULL);
+    k->c->swiglu(want, want, up, T * I);
+    if (!k->failed) cuda_ok(k, k->g->gate_up(dact, dx, dg, du, Q3_BF16, T, I, K, NULL), "gate_up launch");
+    fetch(k, got, dact, T * I * 4);
+    return k->failed ? INFINITY : max_err(got, want, Q3_F32, T * I);
+}
+
 /* tensor cores see x in bf16: give both sides bf16-valued x, so only summation order differs */
 static double case_matmul_tc(check *k, int64_t T, int64_t N, int64_t K) {
     float *x = host_random(k, T * K, Q3_F32, 19), *want = host_random(k, T * N, Q3_F32, 20), *got = host(k, T * N * 4);
@@ -316,6 +332,7 @@ q3_status q3_cuda_check(int device_index, q3_check_result *out, int max, int *n,
     RUN("matmul bf16 T=13 K=72", 1e-5, case_matmul(&k, Q3_BF16, 13, 72));
     RUN("matmul bf16 T=5 K=100", 1e-5, case_matmul(&k, Q3_BF16, 5, 100));
     RUN("matmul f32 T=9 K=64", 1e-5, case_matmul(&k, Q3_F32, 9, 64));
+    RUN("gate + up + SiLU*up fused, T=3 I=96 K=4096", 1e-5, case_gate_up(&k, 3, 96, 4096));
     const int blas = g->blas_enable(0); /* the WMMA kernel first, then cuBLAS where it is */
     RUN("matmul tensor cores (WMMA) T=70 N=80 K=96", 1e-5, case_matmul_tc(&k, 70, 80, 96));
     RUN("matmul tensor cores (WMMA) T=16 N=4096 K=1536", 1e-5, case_matmul_tc(&k, 16, 4096, 1536));

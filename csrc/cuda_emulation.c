@@ -65,6 +65,17 @@ static int matmul(float *y, const float *x, const void *w, q3_dtype dt, int64_t 
     cpu()->matmul(y, x, w, dt, T, N, K, acc, NULL);
     return 0;
 }
+static int gate_up(float *act, const float *x, const void *g, const void *u, q3_dtype dt, int64_t T, int64_t I,
+                   int64_t K, void *s) {
+    (void)s;
+    float *up = malloc((size_t)(T * I) * sizeof(float));
+    if (!up) return 2;
+    cpu()->matmul(act, x, g, dt, T, I, K, 0, NULL);
+    cpu()->matmul(up, x, u, dt, T, I, K, 0, NULL);
+    cpu()->swiglu(act, act, up, T * I);
+    free(up);
+    return 0;
+}
 static int matmul_tc(float *y, const float *x, const void *w, int64_t T, int64_t N, int64_t K, int acc, uint16_t *xb,
                      void *s) {
     (void)s;
@@ -142,7 +153,7 @@ q3_status q3_cuda_emulate(q3_error *err) {
         .stream_synchronize = stream_sync, .synchronize = sync_all, .error_string = error_string,
         .event_create = event_create, .event_destroy = event_destroy, .event_record = event_record,
         .event_elapsed_ms = event_elapsed_ms, .blas_open = blas_open, .blas_enable = blas_enable,
-        .time_copy = time_copy, .time_matmul = time_matmul, .rmsnorm = rmsnorm, .matmul = matmul, .matmul_tc = matmul_tc,
+        .time_copy = time_copy, .time_matmul = time_matmul, .rmsnorm = rmsnorm, .matmul = matmul, .matmul_tc = matmul_tc, .gate_up = gate_up,
         .rope = rope, .kv_write = kv_write, .qk_rope_kv = qk_rope_kv, .attention = attention, .router_topk = router,
         .swiglu = swiglu, .gather_rows = gather, .scatter_add_rows = scatter, .to_f32 = to_f32,
         .from_f32 = from_f32,

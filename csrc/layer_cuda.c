@@ -225,9 +225,14 @@ static void moe_pass(q3_layer *l, const q3_pass *p, gpu_run *run) {
         const int64_t first = st->offsets[e], n = st->offsets[e + 1] - first;
         if (n == 0) continue;
         GPU(run, g->gather_rows(d->xe, d->h, d->pair_row + first, n, H, sm), "gather");
-        GPU(run, project(g, d, d->gate, d->xe, w->experts[Q3_X_GATE][e], w->dtype, n, I, H, 0, sm), "gate_proj");
-        GPU(run, project(g, d, d->up, d->xe, w->experts[Q3_X_UP][e], w->dtype, n, I, H, 0, sm), "up_proj");
-        GPU(run, g->swiglu(d->gate, d->gate, d->up, n * I, sm), "swiglu");
+        if (n < 16) { /* few tokens: gate, up and SiLU * up in one pass over both weight matrices */
+            GPU(run, g->gate_up(d->gate, d->xe, w->experts[Q3_X_GATE][e], w->experts[Q3_X_UP][e], w->dtype, n, I, H,
+                                sm), "gate_up");
+        } else {
+            GPU(run, project(g, d, d->gate, d->xe, w->experts[Q3_X_GATE][e], w->dtype, n, I, H, 0, sm), "gate_proj");
+            GPU(run, project(g, d, d->up, d->xe, w->experts[Q3_X_UP][e], w->dtype, n, I, H, 0, sm), "up_proj");
+            GPU(run, g->swiglu(d->gate, d->gate, d->up, n * I, sm), "swiglu");
+        }
         GPU(run, project(g, d, d->ye, d->gate, w->experts[Q3_X_DOWN][e], w->dtype, n, H, I, 0, sm), "down_proj");
         GPU(run, g->scatter_add_rows(d->x, d->ye, d->pair_row + first, d->pair_w + first, n, H, sm), "combine");
     }

@@ -7,16 +7,10 @@
 
 #define TOKENS_PER_WARP 8
 
-__global__ void gemv_kernel(float *y, const float *x, const void *w, q3_dtype w_dt, int64_t T, int64_t N,
-                            int64_t K, int accumulate) {
-    const int lane = threadIdx.x & 31;
-    const int64_t row = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    const int64_t t0 = (int64_t)blockIdx.y * TOKENS_PER_WARP;
-    if (row >= N) return;
-    const int nt = T - t0 < TOKENS_PER_WARP ? (int)(T - t0) : TOKENS_PER_WARP;
-    float acc[TOKENS_PER_WARP] = {0};
-    const bool vec = (K % 8 == 0) && w_dt == Q3_BF16;
-    if (vec) {
+// acc[t] += (the lane's share of) x[t0 + t] . w[row] for t < nt: the row streamed once
+__device__ __forceinline__ void row_dots(float *acc, const float *x, const void *w, q3_dtype w_dt, int64_t row,
+                                         int64_t K, int64_t t0, int nt, int lane) {
+    if ((K % 8 == 0) && w_dt == Q3_BF16) {
         const uint4 *wr = (const uint4 *)((const uint16_t *)w + row * K);
         for (int64_t c = lane; c < K / 8; c += 32) {
             const uint4 pk = wr[c];
@@ -39,6 +33,17 @@ __global__ void gemv_kernel(float *y, const float *x, const void *w, q3_dtype w_
             for (int t = 0; t < nt; t++) acc[t] += x[(t0 + t) * K + k] * wk;
         }
     }
+}
+
+__global__ void gemv_kernel(float *y, const float *x, const void *w, q3_dtype w_dt, int64_t T, int64_t N,
+                            int64_t K, int accumulate) {
+    const int lane = threadIdx.x & 31;
+    const int64_t row = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int64_t t0 = (int64_t)blockIdx.y * TOKENS_PER_WARP;
+    if (row >= N) return;
+    const int nt = T - t0 < TOKENS_PER_WARP ? (int)(T - t0) : TOKENS_PER_WARP;
+    float acc[TOKENS_PER_WARP] = {0};
+    row_dots(acc, x, w, w_dt, row, K, t0, nt, lane);
     for (int t = 0; t < nt; t++) {
         const float s = q3_warp_sum(acc[t]);
         if (lane == 0) {
@@ -46,6 +51,33 @@ __global__ void gemv_kernel(float *y, const float *x, const void *w, q3_dtype w_
             *dst = accumulate ? *dst + s : s;
         }
     }
+}
+
+// act [T, I] = silu(x G^T) * (x U^T): an expert's gate and up rows streamed together, the
+// activation written once (twin: matmul, matmul, swiglu)
+__global__ void gate_up_kernel(float *act, const float *x, const void *gate, const void *up, q3_dtype w_dt,
+                               int64_t T, int64_t I, int64_t K) {
+    const int lane = threadIdx.x & 31;
+    const int64_t row = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int64_t t0 = (int64_t)blockIdx.y * TOKENS_PER_WARP;
+    if (row >= I) return;
+    const int nt = T - t0 < TOKENS_PER_WARP ? (int)(T - t0) : TOKENS_PER_WARP;
+    float g[TOKENS_PER_WARP] = {0}, u[TOKENS_PER_WARP] = {0};
+    row_dots(g, x, gate, w_dt, row, K, t0, nt, lane);
+    row_dots(u, x, up, w_dt, row, K, t0, nt, lane);
+    for (int t = 0; t < nt; t++) {
+        const float gs = q3_warp_sum(g[t]), us = q3_warp_sum(u[t]);
+        if (lane == 0) act[(t0 + t) * I + row] = gs / (1.0f + expf(-gs)) * us;
+    }
+}
+
+extern "C" int q3_gate_up_cuda(float *act, const float *x, const void *gate, const void *up, q3_dtype w_dt,
+                               int64_t T, int64_t I, int64_t K, void *stream) {
+    if (T == 0 || I == 0) return 0;
+    const int warps = 8;
+    const dim3 grid((unsigned)((I + warps - 1) / warps), (unsigned)((T + TOKENS_PER_WARP - 1) / TOKENS_PER_WARP));
+    gate_up_kernel<<<grid, warps * 32, 0, (cudaStream_t)stream>>>(act, x, gate, up, w_dt, T, I, K);
+    return q3_launch_status();
 }
 
 extern "C" int q3_matmul_cuda(float *y, const float *x, const void *w, q3_dtype w_dt, int64_t T, int64_t N, int64_t K,

@@ -46,6 +46,9 @@ typedef struct {
                    float eps, void *stream);
     int (*matmul)(float *y, const float *x, const void *w, q3_dtype w_dt, int64_t T, int64_t N, int64_t K,
                   int accumulate, void *stream);
+    /* act [T, I] = silu(x gate^T) * (x up^T), both [I, K]: matmul, matmul and swiglu in one pass */
+    int (*gate_up)(float *act, const float *x, const void *gate, const void *up, q3_dtype w_dt, int64_t T,
+                   int64_t I, int64_t K, void *stream);
     /* tensor cores, bf16 weights, x rounded to bf16 in xb [T * K]; N % 16 == 0, K % 32 == 0 */
     int (*matmul_tc)(float *y, const float *x, const void *w, int64_t T, int64_t N, int64_t K, int accumulate,
                      uint16_t *xb, void *stream);
