@@ -20,13 +20,15 @@ python3 -c "import qwen3layer as q3; print(q3.build_info()); print('cuda devices
 
 echo "== GPU tests"
 timeout 300 python3 -m pytest -q -rs tests/test_cuda.py 2>&1 | tee "$out/gpu_tests.log" || status=1
-python3 - <<'PY' | tee "$out/kernel_check.txt"
+python3 - <<'PY' 2>&1 | tee "$out/kernel_check.txt" || status=1
+import sys
 import qwen3layer as q3
 rows = q3.cuda.check_kernels(0)
 w = max(len(r["case"]) for r in rows)
 print(f"{'kernel vs CPU twin'.ljust(w)} | max rel err | tolerance | ok")
 for r in rows:
     print(f"{r['case'].ljust(w)} | {r['max_err']:11.2e} | {r['tol']:9.0e} | {'yes' if r['ok'] else 'NO'}")
+sys.exit(0 if all(r["ok"] for r in rows) else 1)
 PY
 
 echo "== CPU suite on this machine (its own torch and transformers)"
