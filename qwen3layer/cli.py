@@ -53,12 +53,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     if args.checkpoint:
         print(f"loading layer {args.layer} of {args.checkpoint} (memory-mapped) ...", flush=True)
-        layer = DecoderLayer.from_checkpoint(args.checkpoint, args.layer, dtype=args.dtype)
+        layer = DecoderLayer.from_checkpoint(args.checkpoint, args.layer, device=args.device, dtype=args.dtype)
         cfg = layer.config
     else:
         print(f"building a {args.geometry}-geometry layer with random {args.dtype or 'bfloat16'} weights ...",
               flush=True)
-        layer = DecoderLayer.random(cfg, seed=args.seed, dtype=args.dtype or "bfloat16")
+        layer = DecoderLayer.random(cfg, seed=args.seed, dtype=args.dtype or "bfloat16", device=args.device)
     args.dtype = layer.dtype
     print(f"  {layer}\n  built in {time.perf_counter() - t0:.1f} s")
     cache = layer.new_cache(args.tokens + args.new_tokens)
@@ -71,7 +71,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     progress(0, args.tokens, started, "prefill")
     while done < args.tokens:
         n = min(chunk, args.tokens - done)
-        x = _C.random_tensor((n, H), args.seed * 7919 + done, args.dtype)
+        x = layer.random_input((n, H), args.seed * 7919 + done)
         layer.prefill(x, cache, chunk_size=chunk)
         done += n
         progress(done, args.tokens, started, "prefill")
@@ -82,7 +82,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     step_ms = []
     for i in range(args.new_tokens):
-        x = _C.random_tensor((1, H), args.seed * 104729 + i, args.dtype)
+        x = layer.random_input((1, H), args.seed * 104729 + i)
         t = time.perf_counter()
         layer.decode(x, cache)
         step_ms.append((time.perf_counter() - t) * 1e3)
@@ -210,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--geometry", default="real", help="real, tiny, or a config.json path")
     run.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
                      help="default: bfloat16, or the checkpoint's")
+    run.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     run.add_argument("--checkpoint", default=None, metavar="PATH",
                      help="a transformers safetensors checkpoint folder: use its layer --layer")
     run.add_argument("--layer", type=int, default=0, help="with --checkpoint: which layer (default 0)")
@@ -256,3 +257,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("\ninterrupted\n")
         return 130
+    except (ValueError, TypeError, IndexError) as e:  # a bad device, geometry or checkpoint: say which
+        sys.stderr.write(f"python -m qwen3layer {args.command}: {e}\n")
+        return 2

@@ -121,6 +121,12 @@ class DecoderLayer:
             warnings.simplefilter("ignore")  # the copy to the device is the point here
             return cls(config, weights, device=device)
 
+    def random_input(self, shape, seed: int, dtype: Optional[str] = None) -> Tensor:
+        """Random N(0, 1) activations of `shape` in extension memory on the layer's device
+        (no torch or numpy needed)."""
+        t = _C.random_tensor(tuple(shape), seed, dtype or self.dtype)
+        return t if self._core.device < 0 else _C.copy_tensor(t, self._core.device)
+
     def new_cache(self, max_tokens: int, batch: int = 1, dtype: Optional[str] = None) -> KVCache:
         """A KV cache for `batch` sequences of up to `max_tokens` tokens each, allocated
         once, now (dtype defaults to the layer's)."""
@@ -158,11 +164,8 @@ class DecoderLayer:
         from .profile import Profile, join
 
         cost = cost_model(self.config, mode, tokens, context, chunk_size, self.dtype, batch)
-        H, dt, device = self.config.hidden_size, self.dtype, self._core.device
-
-        def rand(shape, seed):  # random input on the layer's device
-            t = _C.random_tensor(shape, seed, dt)
-            return t if device < 0 else _C.copy_tensor(t, device)
+        H = self.config.hidden_size
+        rand = self.random_input
 
         cache = self.new_cache(context + tokens, batch)
         for t0 in range(0, context, 512):  # the context, through the layer itself (not timed)

@@ -68,7 +68,7 @@ def accuracy(cfg: LayerConfig, weights: dict, layer: DecoderLayer, dtype: str, t
         y_exact = exact(x.float(), position_ids=pos, position_embeddings=(cos, sin)).double()
         cos, sin = rope(x, pos)
         y_theirs = theirs(x, position_ids=pos, position_embeddings=(cos, sin)).double()
-    y_ours = torch.from_dlpack(layer.prefill(x[0], layer.new_cache(tokens))).double()
+    y_ours = torch.from_dlpack(layer.prefill(x[0].to(layer.device), layer.new_cache(tokens))).double().cpu()
     delta = (y_exact[0] - x[0].double()).norm()
     err_ours = float((y_ours - y_exact[0]).norm() / delta)
     err_theirs = float((y_theirs[0] - y_exact[0]).norm() / delta)
@@ -85,8 +85,8 @@ def decode_latency(cfg: LayerConfig, layer: DecoderLayer, dtype: str, context: i
     cache = layer.new_cache(context + 1)
     H = cfg.hidden_size
     for t0 in range(0, context, 512):
-        layer.prefill(_C.random_tensor((min(512, context - t0), H), 5 + t0, dtype), cache)
-    x = _C.random_tensor((1, H), 9, dtype)
+        layer.prefill(layer.random_input((min(512, context - t0), H), 5 + t0), cache)
+    x = layer.random_input((1, H), 9)
     times = []
     for _ in range(12):
         t = time.perf_counter()
@@ -105,7 +105,7 @@ def prefill_memory(cfg: LayerConfig, weights: dict, dtype: str, device: str, tok
                    limit_mb: float) -> Ruler:
     """Activation memory of a prefill (workspace, input, output), beyond weights and cache."""
     layer = DecoderLayer(cfg, weights, device=device)
-    layer.prefill(_C.random_tensor((tokens, cfg.hidden_size), 3, dtype), layer.new_cache(tokens), chunk_size=chunk)
+    layer.prefill(layer.random_input((tokens, cfg.hidden_size), 3), layer.new_cache(tokens), chunk_size=chunk)
     size = 2 if dtype == "bfloat16" else 4
     used = layer.workspace_bytes + 2 * tokens * cfg.hidden_size * size
     return Ruler("prefill memory", used / 2**20, limit_mb, "MiB", used / 2**20 <= limit_mb,

@@ -65,5 +65,6 @@ profiles = [emulated.profile("prefill", tokens=40, chunk_size=16, repeat=1),
             emulated.profile("decode", tokens=2, context=20, repeat=1)]
 out["profile stages"] = [[s.name for s in p.stages] for p in profiles]
 out["device workspace"] = emulated.workspace_bytes
+out["random input device"] = str(emulated.random_input((2, 64), 1).device)
 out["profile seconds"] = [[s.seconds for s in p.stages] for p in profiles]
 print(json.dumps(out))

@@ -128,3 +128,10 @@ def test_check_without_transformers_says_so(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "NOT RUN accuracy against transformers: transformers and torch are needed" in r.stdout
     assert "Traceback" not in r.stderr
+
+
+def test_cli_names_a_device_it_cannot_use():
+    r = run_cli("run", "--geometry", "tiny", "--device", "tpu")
+    assert r.returncode == 2
+    assert "python -m qwen3layer run: device: expected 'cpu', 'cuda' or 'cuda:N', got 'tpu'" in r.stderr
+    assert "Traceback" not in r.stderr

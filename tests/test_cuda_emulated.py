@@ -31,5 +31,6 @@ def test_cuda_path_on_an_emulated_device_matches_the_cpu_layer():
 
     assert out["profile stages"] == [list(STAGES), list(STAGES)]
     assert out["device workspace"] > 0
+    assert out["random input device"] == "cuda:0"
     for seconds in out["profile seconds"]:
         assert all(t >= 0 for t in seconds) and seconds[STAGES.index("experts")] > 0
