@@ -117,7 +117,7 @@ static PyObject *run(q3_layer_object *self, PyObject *x_obj, PyObject *cache_obj
     PyObject *result = NULL;
     int n_seqs;
     int64_t tokens;
-    int32_t seqs[1];
+    int32_t seqs[64]; /* the sequences of the call: no heap allocation for batches up to 64 */
     int32_t *seq_list = seqs;
     if (check_x(&x, cfg, co->cache, decode, &n_seqs, &tokens) < 0) goto done;
     if (!decode && x.ndim == 2) {
@@ -142,8 +142,9 @@ static PyObject *run(q3_layer_object *self, PyObject *x_obj, PyObject *cache_obj
                             "seq: expected None when x is [batch, tokens, hidden] (x covers every sequence)");
             goto done;
         }
-        seq_list = PyMem_Malloc((size_t)n_seqs * sizeof *seq_list);
-        if (!seq_list) {
+        if (n_seqs > (int)(sizeof seqs / sizeof seqs[0]) &&
+            !(seq_list = PyMem_Malloc((size_t)n_seqs * sizeof *seq_list))) {
+            seq_list = seqs;
             PyErr_NoMemory();
             goto done;
         }

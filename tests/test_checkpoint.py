@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import qwen3layer as q3
-from hf_reference import hf_config, hf_model
+from hf_reference import hf_config
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
