@@ -2,8 +2,10 @@
 weights) at the real geometry's shapes in TB/s against that copy rate; then the layer itself,
 real geometry, bf16, on the GPU against transformers' layer on the same GPU and the same
 weights (ours borrows its CUDA parameters), medians of CUDA-synchronised wall time: decode
-batch 1 at context 8192, decode batch 16 at context 512, prefill of 2048 tokens. Needs a CUDA
-device and torch with CUDA; prints the tables last.
+batch 1 and 16 at context 8192 (plain calls, and the step captured in a CUDA graph: time per
+token over runs of consecutive steps), prefill of 8192 tokens in chunks of 2048 and 8192 with
+the device memory beyond weights and cache. Needs a CUDA device and torch with CUDA; prints
+the tables last.
 """
 from __future__ import annotations
 
@@ -87,9 +89,14 @@ def layer_table(copy_tbs: float) -> None:
             ts.append(time.perf_counter() - t)
         return statistics.median(ts)
 
+    # the machine's bf16 matrix rate, measured here: cuBLAS through torch on 8192^3
+    square = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    mm_tflops = 2 * 8192**3 / wall(lambda: square @ square, 10) / 1e12
+    print(f"\nbf16 matrix rate (torch matmul 8192^3): {mm_tflops:.0f} TFLOP/s")
     rows = []
-    for batch, ctx in ((1, 8192), (16, 512)):
-        cache = layer.new_cache(ctx + 1, batch=batch)
+    steps = 8  # consecutive decode steps per timed run, then the caches are cut back
+    for batch, ctx in ((1, 8192), (16, 8192)):
+        cache = layer.new_cache(ctx + steps, batch=batch)
         for t0 in range(0, ctx, 2048):  # fill the cache through the layer itself
             n = min(2048, ctx - t0)
             layer.prefill(torch.randn(batch, n, 4096, device="cuda", dtype=torch.bfloat16), cache)
@@ -99,35 +106,48 @@ def layer_table(copy_tbs: float) -> None:
         x = torch.randn(batch, 4096, device="cuda", dtype=torch.bfloat16)
         pos = torch.full((batch, 1), ctx, device="cuda")
         cos, sin = rope(x[:, None], pos)
+        graph = layer.decode_graph(cache)
 
-        def ours():
-            layer.decode(x, cache)
+        def cut_back():
             for b in range(batch):
                 cache.truncate(ctx, b)
 
+        def ours():
+            for _ in range(steps):
+                layer.decode(x, cache)
+            cut_back()
+
+        def ours_graph():
+            for _ in range(steps):
+                graph(x)
+            cut_back()
+
         def theirs():
             with torch.no_grad():
-                hf(x[:, None], position_ids=pos, position_embeddings=(cos, sin), cache=hfc, use_cache=True)
-            hfc.crop(-1)
+                for _ in range(steps):
+                    hf(x[:, None], position_ids=pos, position_embeddings=(cos, sin), cache=hfc, use_cache=True)
+            hfc.crop(-steps)
 
-        t_ours, t_hf = wall(ours, 10), wall(theirs, 10)
+        t_ours, t_graph, t_hf = (wall(f, 10) / steps for f in (ours, ours_graph, theirs))
         nbytes = decode_weight_bytes(cfg) + batch * ctx * 2048
-        rows.append((f"decode batch {batch}, context {ctx}", f"{t_ours * 1e6:.0f} us", f"{t_hf * 1e6:.0f} us",
-                     f"{t_hf / t_ours:.2f}x", f"{nbytes / t_ours / 1e12:.2f} TB/s ({nbytes / t_ours / 1e12 / copy_tbs:.0%} of copy)"))
-    S = 2048
+        for name, t in (("plain calls", t_ours), ("CUDA graph", t_graph)):
+            rows.append((f"decode batch {batch}, context {ctx}, {name}", f"{t * 1e6:.0f} us", f"{t_hf * 1e6:.0f} us",
+                         f"{t_hf / t:.2f}x", f"{nbytes / t / 1e12:.2f} TB/s ({nbytes / t / 1e12 / copy_tbs:.0%} of copy)"))
+    S = 8192
     x = torch.randn(S, 4096, device="cuda", dtype=torch.bfloat16)
     pos = torch.arange(S, device="cuda")[None]
     cos, sin = rope(x[None], pos)
-    t_ours = wall(lambda: layer.prefill(x, layer.new_cache(S), chunk_size=S), 3)
-    fresh = q3.DecoderLayer.from_hf(hf, device="cuda")  # its own workspace: what one prefill needs
-    fresh.prefill(x, fresh.new_cache(S), chunk_size=S)
-    memory = fresh.workspace_bytes + 2 * x.numel() * x.element_size()
     with torch.no_grad():
         t_hf = wall(lambda: hf(x[None], position_ids=pos, position_embeddings=(cos, sin)), 3)
     from qwen3layer.costs import prefill_flops
-    rows.append((f"prefill {S} tokens, one chunk", f"{t_ours * 1e3:.1f} ms", f"{t_hf * 1e3:.1f} ms",
-                 f"{t_hf / t_ours:.2f}x", f"{prefill_flops(cfg, S) / t_ours / 1e12:.1f} TFLOP/s; "
-                 f"{memory / 2**20:.0f} MiB beyond weights and cache"))
+    for chunk in (2048, 8192):
+        fresh = q3.DecoderLayer.from_hf(hf, device="cuda")  # its own workspace: what this prefill needs
+        t_ours = wall(lambda f=fresh, c=chunk: f.prefill(x, f.new_cache(S), chunk_size=c), 3)
+        memory = fresh.workspace_bytes + 2 * x.numel() * x.element_size()  # workspace, input, output
+        rows.append((f"prefill {S} tokens, chunks of {chunk}", f"{t_ours * 1e3:.1f} ms", f"{t_hf * 1e3:.1f} ms",
+                     f"{t_hf / t_ours:.2f}x", f"{prefill_flops(cfg, S) / t_ours / 1e12:.1f} TFLOP/s "
+                     f"({prefill_flops(cfg, S) / t_ours / 1e12 / mm_tflops:.0%} of matrix rate); "
+                     f"{memory / 2**20:.0f} MiB beyond weights and cache"))
     head = ("layer, real geometry, bf16", "qwen3layer", "transformers", "speed-up", "achieved")
     widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(5)]
     print()

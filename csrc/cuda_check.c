@@ -8,6 +8,7 @@
 
 #include "cpu_dispatch.h"
 #include "cuda_backend.h"
+#include "cuda_twins.h"
 
 typedef struct {
     const q3_cuda_ops *g;
@@ -90,6 +91,26 @@ static double case_rmsnorm(check *k, q3_dtype wdt) {
     return k->failed ? INFINITY : max_err(got, want, Q3_F32, rows * n);
 }
 
+/* the residual add fused with the norm: both the updated x and out; with `alias`, out is r's
+ * buffer (as the layer calls it) */
+static double case_add_rmsnorm(check *k, q3_dtype wdt, int alias) {
+    const int64_t rows = 7, n = 1000;
+    float *x = host_random(k, rows * n, Q3_F32, 30), *r = host_random(k, rows * n, Q3_F32, 31);
+    float *want = host(k, rows * n * 4), *out_got = host(k, rows * n * 4), *x_got = host(k, rows * n * 4);
+    void *w = host_random(k, n, wdt, 32);
+    if (k->failed) return INFINITY;
+    float *dx = device(k, x, rows * n * 4), *dr = device(k, r, rows * n * 4);
+    float *dout = alias ? dr : device(k, NULL, rows * n * 4);
+    void *dw = device(k, w, n * q3_dtype_size(wdt));
+    q3_add_rmsnorm_host(want, x, r, w, wdt, rows, n, 1e-6f);
+    if (!k->failed) cuda_ok(k, k->g->add_rmsnorm(dout, dx, dr, dw, wdt, rows, n, 1e-6f, NULL), "add_rmsnorm launch");
+    fetch(k, out_got, dout, rows * n * 4);
+    fetch(k, x_got, dx, rows * n * 4);
+    if (k->failed) return INFINITY;
+    const double e_out = max_err(out_got, want, Q3_F32, rows * n), e_x = max_err(x_got, x, Q3_F32, rows * n);
+    return e_out > e_x ? e_out : e_x;
+}
+
 static double case_matmul(check *k, q3_dtype wdt, int64_t T, int64_t K) {
     const int64_t N = 70;
     float *x = host_random(k, T * K, Q3_F32, 3), *want = host_random(k, T * N, Q3_F32, 4), *got = host(k, T * N * 4);
@@ -119,8 +140,9 @@ static double case_gate_up(check *k, int64_t T, int64_t I, int64_t K) {
     return k->failed ? INFINITY : max_err(got, want, Q3_F32, T * I);
 }
 
-/* tensor cores see x in bf16: give both sides bf16-valued x, so only summation order differs */
-static double case_matmul_tc(check *k, int64_t T, int64_t N, int64_t K) {
+/* tensor cores see x in bf16: give both sides bf16-valued x, so only summation order differs;
+ * wmma_only: the entry that never calls cuBLAS */
+static double case_matmul_tc(check *k, int64_t T, int64_t N, int64_t K, int wmma_only) {
     float *x = host_random(k, T * K, Q3_F32, 19), *want = host_random(k, T * N, Q3_F32, 20), *got = host(k, T * N * 4);
     void *w = host_random(k, N * K, Q3_BF16, 21);
     if (k->failed) return INFINITY;
@@ -129,7 +151,9 @@ static double case_matmul_tc(check *k, int64_t T, int64_t N, int64_t K) {
     void *dw = device(k, w, N * K * 2);
     uint16_t *dxb = device(k, NULL, T * K * 2);
     k->c->matmul(want, x, w, Q3_BF16, T, N, K, 1, NULL);
-    if (!k->failed) cuda_ok(k, k->g->matmul_tc(dy, dx, dw, T, N, K, 1, dxb, NULL), "matmul_tc launch");
+    int (*const tc)(float *, const float *, const void *, int64_t, int64_t, int64_t, int, uint16_t *, void *) =
+        wmma_only ? k->g->matmul_wmma : k->g->matmul_tc;
+    if (!k->failed) cuda_ok(k, tc(dy, dx, dw, T, N, K, 1, dxb, NULL), "matmul_tc launch");
     fetch(k, got, dy, T * N * 4);
     return k->failed ? INFINITY : max_err(got, want, Q3_F32, T * N);
 }
@@ -161,23 +185,6 @@ static double case_kv_write(check *k) {
     if (!k->failed) cuda_ok(k, k->g->kv_write(dcache, Q3_BF16, dsrc, kvh * D, L, kvh, D, cap, start, NULL), "kv_write launch");
     fetch(k, got, dcache, cache_bytes);
     return k->failed ? INFINITY : max_err(got, want, Q3_BF16, (int64_t)kvh * cap * D);
-}
-
-void q3_qk_rope_kv_host(float *q, float *k, const float *v, const void *q_norm, const void *k_norm, q3_dtype w_dt,
-                        const int64_t *pos, const q3_attn_seq *seqs, int n_seqs, const q3_attn_shape *sh,
-                        float eps, float theta) {
-    const q3_cpu_ops *c = q3_cpu_ops_active();
-    const int64_t R = n_seqs * sh->L, D = sh->head_dim, KVD = (int64_t)sh->kv_heads * D;
-    c->rmsnorm(q, q, q_norm, w_dt, R * sh->heads, D, eps);
-    c->rmsnorm(k, k, k_norm, w_dt, R * sh->kv_heads, D, eps);
-    c->rope(q, pos, R, sh->heads, (int)D, theta);
-    c->rope(k, pos, R, sh->kv_heads, (int)D, theta);
-    for (int s = 0; s < n_seqs; s++) {
-        c->kv_write((void *)seqs[s].k, sh->kv_dtype, k + s * sh->L * KVD, KVD, sh->L, sh->kv_heads, (int)D,
-                    sh->capacity, seqs[s].n_past);
-        c->kv_write((void *)seqs[s].v, sh->kv_dtype, v + s * sh->L * KVD, KVD, sh->L, sh->kv_heads, (int)D,
-                    sh->capacity, seqs[s].n_past);
-    }
 }
 
 /* the fused QK-norm + RoPE + KV append against its composition: q and both caches */
@@ -308,6 +315,127 @@ static double case_convert(check *k) {
     return e > r ? e : r;
 }
 
+/* a decode step's bookkeeping: one sequence past its padding, one empty, one still inside
+ * its padding (pos 0); all of seqs, pos and lengths must match exactly */
+static double case_decode_prepare(check *k) {
+    enum { N_SEQS = 3 };
+    q3_attn_seq seqs[N_SEQS] = {{NULL, NULL, -1, 3}, {NULL, NULL, -1, 0}, {NULL, NULL, -1, 4}};
+    int64_t pos[N_SEQS] = {-1, -1, -1}, lengths[N_SEQS] = {7, 0, 2};
+    q3_attn_seq seqs_got[N_SEQS];
+    int64_t pos_got[N_SEQS], lengths_got[N_SEQS];
+    q3_attn_seq *dseqs = device(k, seqs, sizeof seqs);
+    int64_t *dpos = device(k, pos, sizeof pos), *dlengths = device(k, lengths, sizeof lengths);
+    q3_decode_prepare_host(seqs, pos, lengths, N_SEQS);
+    if (!k->failed) cuda_ok(k, k->g->decode_prepare(dseqs, dpos, dlengths, N_SEQS, NULL), "decode_prepare launch");
+    fetch(k, seqs_got, dseqs, sizeof seqs);
+    fetch(k, pos_got, dpos, sizeof pos);
+    fetch(k, lengths_got, dlengths, sizeof lengths);
+    if (k->failed || memcmp(seqs_got, seqs, sizeof seqs) || memcmp(pos_got, pos, sizeof pos) ||
+        memcmp(lengths_got, lengths, sizeof lengths))
+        return INFINITY;
+    return 0.0;
+}
+
+/* k distinct experts of E per token, in no particular order (as the router's top-k), from a
+ * fixed LCG; with T * k near E, several experts are chosen by more than one token */
+static void pick_experts(int32_t *idx, int64_t T, int k, int E, uint32_t seed) {
+    for (int64_t t = 0; t < T; t++)
+        for (int j = 0; j < k;) {
+            seed = seed * 1664525u + 1013904223u;
+            const int32_t e = (int32_t)((seed >> 8) % (uint32_t)E);
+            int taken = 0;
+            for (int i = 0; i < j; i++) taken |= idx[t * k + i] == e;
+            if (!taken) idx[t * k + j++] = e;
+        }
+}
+
+/* the expert grouping on the device: offsets, rows, weights, active and slot exactly */
+static double case_moe_route(check *k) {
+    const int64_t T = 5;
+    const int top = 3, E = 16, P = (int)T * top;
+    int32_t *idx = host(k, P * 4), *rows = host(k, P * 4), *slot = host(k, P * 4), *active = host(k, (E + 1) * 4);
+    int32_t *rows_got = host(k, P * 4), *slot_got = host(k, P * 4), *active_got = host(k, (E + 1) * 4);
+    int64_t *offsets = host(k, (E + 1) * 8), *offsets_got = host(k, (E + 1) * 8);
+    float *w = host_random(k, P, Q3_F32, 33), *weights = host(k, P * 4), *weights_got = host(k, P * 4);
+    if (k->failed) return INFINITY;
+    pick_experts(idx, T, top, E, 34);
+    int32_t *didx = device(k, idx, P * 4), *drows = device(k, NULL, P * 4), *dslot = device(k, NULL, P * 4);
+    int32_t *dactive = device(k, active, (E + 1) * 4); /* zeros past the active experts, as on the host */
+    int64_t *doffsets = device(k, NULL, (E + 1) * 8);
+    float *dw = device(k, w, P * 4), *dweights = device(k, NULL, P * 4);
+    q3_moe_route_host(offsets, rows, weights, active, slot, idx, w, T, top, E);
+    if (!k->failed)
+        cuda_ok(k, k->g->moe_route(doffsets, drows, dweights, dactive, dslot, didx, dw, T, top, E, NULL),
+                "moe_route launch");
+    fetch(k, offsets_got, doffsets, (E + 1) * 8);
+    fetch(k, rows_got, drows, P * 4);
+    fetch(k, weights_got, dweights, P * 4);
+    fetch(k, active_got, dactive, (E + 1) * 4);
+    fetch(k, slot_got, dslot, P * 4);
+    if (k->failed || memcmp(offsets_got, offsets, (E + 1) * 8) || memcmp(rows_got, rows, P * 4) ||
+        memcmp(weights_got, weights, P * 4) || memcmp(active_got, active, (E + 1) * 4) ||
+        memcmp(slot_got, slot, P * 4))
+        return INFINITY;
+    return 0.0;
+}
+
+/* device arrays of E device pointers, one per expert's [rows, cols] bf16 block of `all` */
+static const void *const *expert_table(check *k, const uint16_t *all, int E, int64_t rows, int64_t cols) {
+    const void *ptrs[64];
+    if (k->failed || E > 64) return NULL;
+    for (int e = 0; e < E; e++) ptrs[e] = all + e * rows * cols;
+    return device(k, ptrs, E * sizeof ptrs[0]);
+}
+
+/* the routed experts on grouping from the host twin: gate_up, down and the weighted combine,
+ * each against its twin (act, y and x) */
+static double case_moe_experts(check *k) {
+    const int64_t T = 5, I = 96, H = 256;
+    const int top = 3, E = 16, P = (int)T * top;
+    int32_t *idx = host(k, P * 4), *rows = host(k, P * 4), *slot = host(k, P * 4), *active = host(k, (E + 1) * 4);
+    int64_t *offsets = host(k, (E + 1) * 8);
+    float *x = host_random(k, T * H, Q3_F32, 35), *w = host_random(k, P, Q3_F32, 36), *weights = host(k, P * 4);
+    uint16_t *gate = (uint16_t *)host_random(k, E * I * H, Q3_BF16, 37);
+    uint16_t *up = (uint16_t *)host_random(k, E * I * H, Q3_BF16, 38);
+    uint16_t *down = (uint16_t *)host_random(k, E * H * I, Q3_BF16, 39);
+    float *act = host(k, P * I * 4), *y = host(k, P * H * 4), *act_got = host(k, P * I * 4);
+    float *y_got = host(k, P * H * 4), *x_got = host(k, T * H * 4);
+    if (k->failed) return INFINITY;
+    pick_experts(idx, T, top, E, 40);
+    q3_moe_route_host(offsets, rows, weights, active, slot, idx, w, T, top, E);
+    const void *hg[16], *hu[16], *hd[16];
+    for (int e = 0; e < E; e++) {
+        hg[e] = gate + e * I * H;
+        hu[e] = up + e * I * H;
+        hd[e] = down + e * H * I;
+    }
+    float *dx = device(k, x, T * H * 4), *dweights = device(k, weights, P * 4);
+    float *dact = device(k, NULL, P * I * 4), *dy = device(k, NULL, P * H * 4);
+    int32_t *drows = device(k, rows, P * 4), *dslot = device(k, slot, P * 4);
+    int32_t *dactive = device(k, active, (E + 1) * 4);
+    int64_t *doffsets = device(k, offsets, (E + 1) * 8);
+    const void *const *dg = expert_table(k, device(k, gate, E * I * H * 2), E, I, H);
+    const void *const *du = expert_table(k, device(k, up, E * I * H * 2), E, I, H);
+    const void *const *dd = expert_table(k, device(k, down, E * H * I * 2), E, H, I);
+    if (q3_moe_gate_up_host(act, x, rows, offsets, active, hg, hu, Q3_BF16, I, H)) return INFINITY;
+    q3_moe_down_host(y, act, offsets, active, hd, Q3_BF16, H, I);
+    q3_moe_combine_host(x, y, weights, slot, T, top, H);
+    const int max_active = E < P ? E : P;
+    if (!k->failed)
+        cuda_ok(k, k->g->moe_gate_up(dact, dx, drows, doffsets, dactive, dg, du, Q3_BF16, max_active, I, H, NULL),
+                "moe_gate_up launch");
+    if (!k->failed)
+        cuda_ok(k, k->g->moe_down(dy, dact, doffsets, dactive, dd, Q3_BF16, max_active, H, I, NULL), "moe_down launch");
+    if (!k->failed) cuda_ok(k, k->g->moe_combine(dx, dy, dweights, dslot, T, top, H, NULL), "moe_combine launch");
+    fetch(k, act_got, dact, P * I * 4);
+    fetch(k, y_got, dy, P * H * 4);
+    fetch(k, x_got, dx, T * H * 4);
+    if (k->failed) return INFINITY;
+    const double e_act = max_err(act_got, act, Q3_F32, P * I), e_y = max_err(y_got, y, Q3_F32, P * H);
+    const double e_x = max_err(x_got, x, Q3_F32, T * H);
+    return e_act > e_y ? (e_act > e_x ? e_act : e_x) : (e_y > e_x ? e_y : e_x);
+}
+
 q3_status q3_cuda_check(int device_index, q3_check_result *out, int max, int *n, q3_error *err) {
     *n = 0;
     const q3_cuda_ops *g = q3_cuda();
@@ -328,18 +456,21 @@ q3_status q3_cuda_check(int device_index, q3_check_result *out, int max, int *n,
     } while (0)
     RUN("rmsnorm f32 weights", 1e-5, case_rmsnorm(&k, Q3_F32));
     RUN("rmsnorm bf16 weights", 1e-5, case_rmsnorm(&k, Q3_BF16));
+    RUN("add + rmsnorm fused, f32 weights", 1e-5, case_add_rmsnorm(&k, Q3_F32, 0));
+    RUN("add + rmsnorm fused, bf16, out aliasing r", 1e-5, case_add_rmsnorm(&k, Q3_BF16, 1));
     RUN("matmul bf16 T=1 K=4096", 1e-5, case_matmul(&k, Q3_BF16, 1, 4096));
     RUN("matmul bf16 T=13 K=72", 1e-5, case_matmul(&k, Q3_BF16, 13, 72));
     RUN("matmul bf16 T=5 K=100", 1e-5, case_matmul(&k, Q3_BF16, 5, 100));
     RUN("matmul f32 T=9 K=64", 1e-5, case_matmul(&k, Q3_F32, 9, 64));
     RUN("gate + up + SiLU*up fused, T=3 I=96 K=4096", 1e-5, case_gate_up(&k, 3, 96, 4096));
     const int blas = g->blas_enable(0); /* the WMMA kernel first, then cuBLAS where it is */
-    RUN("matmul tensor cores (WMMA) T=70 N=80 K=96", 1e-5, case_matmul_tc(&k, 70, 80, 96));
-    RUN("matmul tensor cores (WMMA) T=16 N=4096 K=1536", 1e-5, case_matmul_tc(&k, 16, 4096, 1536));
+    RUN("matmul tensor cores (WMMA) T=70 N=80 K=96", 1e-5, case_matmul_tc(&k, 70, 80, 96, 0));
+    RUN("matmul tensor cores (WMMA) T=16 N=4096 K=1536", 1e-5, case_matmul_tc(&k, 16, 4096, 1536, 0));
     if (g->blas_enable(blas)) {
-        RUN("matmul cuBLAS T=70 N=80 K=96", 1e-5, case_matmul_tc(&k, 70, 80, 96));
-        RUN("matmul cuBLAS T=512 N=4096 K=1536", 1e-5, case_matmul_tc(&k, 512, 4096, 1536));
+        RUN("matmul cuBLAS T=70 N=80 K=96", 1e-5, case_matmul_tc(&k, 70, 80, 96, 0));
+        RUN("matmul cuBLAS T=512 N=4096 K=1536", 1e-5, case_matmul_tc(&k, 512, 4096, 1536, 0));
     }
+    RUN("matmul WMMA only (never cuBLAS) T=70 N=80 K=96", 1e-5, case_matmul_tc(&k, 70, 80, 96, 1));
     RUN("rope", 1e-5, case_rope(&k));
     RUN("kv_write bf16", 0.0, case_kv_write(&k));
     RUN("qk_norm + rope + kv_write fused, D=128", 1e-2, case_qk_rope_kv(&k, 128));
@@ -350,6 +481,9 @@ q3_status q3_cuda_check(int device_index, q3_check_result *out, int max, int *n,
     RUN("attention split-KV, 4 tokens over 900 keys", 1e-5, case_attention(&k, 4, 900, 40, 1000, 700));
     RUN("router top-k, renormalised", 1e-6, case_router(&k, 1));
     RUN("router top-k", 1e-6, case_router(&k, 0));
+    RUN("decode_prepare: lengths, positions", 0.0, case_decode_prepare(&k));
+    RUN("moe_route: expert grouping on the device", 0.0, case_moe_route(&k));
+    RUN("moe gate_up + down + combine, T=5 k=3 E=16", 1e-5, case_moe_experts(&k));
     RUN("swiglu", 1e-5, case_swiglu(&k));
     RUN("gather + scatter_add rows", 1e-6, case_rows(&k));
     RUN("convert fp32 <-> bf16", 0.0, case_convert(&k));

@@ -66,8 +66,7 @@ static const char *device_name(int device, char *buf, size_t n) {
     return buf;
 }
 
-static q3_status check_args(const q3_layer *l, const q3_cache *c, const q3_forward_args *a,
-                            q3_error *err) {
+q3_status q3_layer_check_call(const q3_layer *l, const q3_cache *c, const q3_forward_args *a, q3_error *err) {
     char want[16], got[16];
     if (c->device != l->w.device)
         return q3_fail(err, Q3_ERR_VALUE, "cache: expected a cache on %s (this layer's device), got one on %s",
@@ -100,7 +99,7 @@ static q3_status check_args(const q3_layer *l, const q3_cache *c, const q3_forwa
 }
 
 q3_status q3_layer_forward(q3_layer *l, q3_cache *c, const q3_forward_args *a, q3_error *err) {
-    q3_status s = check_args(l, c, a, err);
+    q3_status s = q3_layer_check_call(l, c, a, err);
     if (s != Q3_OK) return s;
     if (l->w.device >= 0) return q3_layer_forward_cuda(l, c, a, err);
     const int64_t chunk = a->chunk > 0 ? a->chunk : Q3_DEFAULT_CHUNK;

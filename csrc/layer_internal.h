@@ -7,7 +7,7 @@
 #include "profile.h"
 #include "workspace.h"
 
-typedef struct q3_cuda_state q3_cuda_state; /* csrc/layer_cuda.c */
+typedef struct q3_cuda_state q3_cuda_state; /* csrc/layer_cuda.h */
 
 struct q3_layer {
     q3_config cfg;
@@ -32,6 +32,9 @@ typedef struct {
 void q3_attention_block(q3_layer *layer, q3_cache *cache, const q3_pass *p);
 /* x += sum_k w_k expert_k(rmsnorm(x)) */
 void q3_moe_block(q3_layer *layer, const q3_pass *p);
+
+/* the checks of q3_layer_forward (csrc/layer.c): devices, geometry, sequences, room */
+q3_status q3_layer_check_call(const q3_layer *l, const q3_cache *c, const q3_forward_args *a, q3_error *err);
 
 /* the forward of a layer whose weights live on a CUDA device (csrc/layer_cuda.c), after
  * layer.c checked the arguments; and its state's release */

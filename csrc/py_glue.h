@@ -17,6 +17,7 @@ typedef struct {
     PyTypeObject *tensor_type;
     PyTypeObject *cache_type;
     PyTypeObject *layer_type;
+    PyTypeObject *graph_type;
     PyObject *cache_full_error;
 } q3_module_state;
 
@@ -101,5 +102,12 @@ q3_cache_object *q3_cache_object_new(q3_module_state *st, int batch, int64_t cap
 
 extern PyType_Spec q3_layer_spec;
 int q3_parse_config(PyObject *cfg, q3_config *out);
+
+/* ---- DecodeGraph (py_graph.c) ------------------------------------------------------ */
+
+extern PyType_Spec q3_graph_spec;
+/* captures one decode step of sequences 0 .. batch - 1 of the cache (layer_obj kept alive) */
+PyObject *q3_graph_new(q3_module_state *st, PyObject *layer_obj, q3_layer *layer, int device,
+                       q3_cache_object *cache, int batch, q3_dtype dtype);
 
 #endif

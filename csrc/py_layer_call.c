@@ -214,6 +214,34 @@ static PyObject *layer_new_cache(q3_layer_object *self, PyObject *args, PyObject
     return (PyObject *)q3_cache_object_new(st, batch, max_tokens, c->kv_heads, c->head_dim, dt, self->device);
 }
 
+static PyObject *layer_decode_graph(q3_layer_object *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"cache", "batch", "dtype", NULL};
+    PyObject *cache_obj, *batch_obj = Py_None, *dtype_obj = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OO:decode_graph", names, &cache_obj, &batch_obj, &dtype_obj))
+        return NULL;
+    q3_module_state *st = q3_state_of_type(Py_TYPE(self));
+    if (!st) return NULL;
+    q3_cache_object *co = as_cache(cache_obj, st);
+    if (!co) return NULL;
+    q3_dtype dt = q3_layer_dtype(self->layer);
+    if (dtype_obj != Py_None && q3_parse_dtype(dtype_obj, "dtype", &dt) < 0) return NULL;
+    long batch = co->cache->batch;
+    if (batch_obj != Py_None) {
+        batch = PyLong_Check(batch_obj) && !PyBool_Check(batch_obj) ? PyLong_AsLong(batch_obj) : -1;
+        if (batch == -1 && PyErr_Occurred()) return NULL;
+        if (batch < 1 || batch > INT32_MAX) batch = 0; /* rejected with the expected range below */
+    }
+    if (self->device < 0) {
+        PyErr_SetString(PyExc_ValueError, "decode_graph: expected a layer on a CUDA device, got a cpu layer");
+        return NULL;
+    }
+    PyObject *g;
+    PyThread_acquire_lock(self->lock, WAIT_LOCK); /* not while a call of this layer runs */
+    g = q3_graph_new(st, (PyObject *)self, self->layer, self->device, co, (int)batch, dt);
+    PyThread_release_lock(self->lock);
+    return g;
+}
+
 static PyObject *layer_set_profiling(q3_layer_object *self, PyObject *on) {
     const int flag = PyObject_IsTrue(on);
     if (flag < 0) return NULL;
@@ -252,6 +280,9 @@ PyMethodDef q3_layer_methods[] = {
     {"decode", (PyCFunction)(void (*)(void))layer_decode, KW,
      "decode(x, cache, *, out=None, stream=None)\n--\n\nx [batch, hidden]: one token for each sequence of the cache. "
      "stream: a CUDA layer's cudaStream_t (int), NULL: the default stream."},
+    {"decode_graph", (PyCFunction)(void (*)(void))layer_decode_graph, KW,
+     "decode_graph(cache, batch=None, dtype=None)\n--\n\nCaptures one decode step of sequences 0 .. batch - 1 "
+     "(default: all) of the cache in a CUDA graph; returns a DecodeGraph."},
     {"new_cache", (PyCFunction)(void (*)(void))layer_new_cache, KW,
      "new_cache(max_tokens, batch=1, dtype=None)\n--\n\nA KVCache for this layer's geometry."},
     {NULL},

@@ -379,13 +379,15 @@ static int module_exec(PyObject *m) {
     st->tensor_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &q3_tensor_spec, NULL);
     st->cache_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &q3_cache_spec, NULL);
     st->layer_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &q3_layer_spec, NULL);
+    st->graph_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &q3_graph_spec, NULL);
     st->cache_full_error = PyErr_NewExceptionWithDoc(
         "qwen3layer.CacheFullError",
         "The tokens of a call do not fit in the KV cache; the cache is left unchanged.",
         PyExc_RuntimeError, NULL);
-    if (!st->tensor_type || !st->cache_type || !st->layer_type || !st->cache_full_error) return -1;
+    if (!st->tensor_type || !st->cache_type || !st->layer_type || !st->graph_type || !st->cache_full_error)
+        return -1;
     if (PyModule_AddType(m, st->tensor_type) < 0 || PyModule_AddType(m, st->cache_type) < 0 ||
-        PyModule_AddType(m, st->layer_type) < 0 ||
+        PyModule_AddType(m, st->layer_type) < 0 || PyModule_AddType(m, st->graph_type) < 0 ||
         PyModule_AddObjectRef(m, "CacheFullError", st->cache_full_error) < 0)
         return -1;
     return 0;
@@ -396,6 +398,7 @@ static int module_traverse(PyObject *m, visitproc visit, void *arg) {
     Py_VISIT(st->tensor_type);
     Py_VISIT(st->cache_type);
     Py_VISIT(st->layer_type);
+    Py_VISIT(st->graph_type);
     Py_VISIT(st->cache_full_error);
     return 0;
 }
@@ -405,6 +408,7 @@ static int module_clear(PyObject *m) {
     Py_CLEAR(st->tensor_type);
     Py_CLEAR(st->cache_type);
     Py_CLEAR(st->layer_type);
+    Py_CLEAR(st->graph_type);
     Py_CLEAR(st->cache_full_error);
     return 0;
 }

@@ -119,6 +119,26 @@ typedef struct {
  * All checks happen before the first write: on failure the cache is unchanged. */
 q3_status q3_layer_forward(q3_layer *layer, q3_cache *cache, const q3_forward_args *a, q3_error *err);
 
+/* ---- decode graphs (CUDA layers) ------------------------------------------------- */
+
+/* One decode step of a fixed set of sequences, captured once in a CUDA graph and replayed
+ * per token: no host synchronisation and no allocation inside, one launch per step. The
+ * graph owns its device input and output ([n_seqs, 1, hidden] of io_dtype: write the next
+ * tokens into the input, read the step's result from the output) and its own workspace; it
+ * borrows the layer and the cache, which must outlive it. Each replay appends one token to
+ * each of its sequences, as q3_layer_forward would; calls of the layer on the same cache may
+ * be mixed with replays (lengths and padding are re-uploaded when they changed). */
+#define Q3_GRAPH_MAX_BATCH 64
+typedef struct q3_decode_graph q3_decode_graph;
+q3_status q3_decode_graph_create(q3_decode_graph **out, q3_layer *layer, q3_cache *cache, const int32_t *seqs,
+                                 int n_seqs, q3_dtype io_dtype, q3_error *err);
+void *q3_decode_graph_input(const q3_decode_graph *g);
+void *q3_decode_graph_output(const q3_decode_graph *g);
+/* queues one step on `stream` (NULL: the default stream); on failure nothing was queued and
+ * the cache lengths are unchanged */
+q3_status q3_decode_graph_replay(q3_decode_graph *g, void *stream, q3_error *err);
+void q3_decode_graph_destroy(q3_decode_graph *g);
+
 /* Per-stage timing of the forward (csrc/profile.h): on (resets the totals) or off; the
  * seconds accumulated per stage since; the stages' names (NULL past the last). */
 q3_status q3_layer_profiling(q3_layer *layer, int on, q3_error *err);

@@ -4,7 +4,7 @@ owned by C and tensors exchanged zero-copy through DLPack."""
 from . import _C, cuda
 from .config import LayerConfig
 from .costs import CostModel, cost_model
-from .layer import DecoderLayer, KVCache, Tensor
+from .layer import DecodeGraph, DecoderLayer, KVCache, Tensor
 
 CacheFullError = _C.CacheFullError
 __version__ = _C.build_info()["version"]
@@ -27,5 +27,5 @@ def set_cpu_path(name: str) -> None:
     _C.set_cpu_path(name)
 
 
-__all__ = ["LayerConfig", "DecoderLayer", "KVCache", "Tensor", "CacheFullError", "build_info", "set_cpu_path",
+__all__ = ["LayerConfig", "DecoderLayer", "DecodeGraph", "KVCache", "Tensor", "CacheFullError", "build_info", "set_cpu_path",
            "cost_model", "CostModel"]

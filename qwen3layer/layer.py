@@ -150,6 +150,17 @@ class DecoderLayer:
         y = self._core.decode(x, cache, out=out, stream=_stream_of(x, self._core.device))
         return y if out is not None else _like(x, y)
 
+    def decode_graph(self, cache: KVCache, batch: Optional[int] = None,
+                     dtype: Optional[str] = None) -> "DecodeGraph":
+        """Captures one decode step of sequences 0 .. batch - 1 (default: all, at most 64) of
+        `cache` in a CUDA graph, for a CUDA layer. Each call of the graph then decodes one
+        token per sequence with a single launch and no host synchronisation: positions,
+        expert groups and cache lengths are tracked on the device. The graph owns its input
+        and output buffers ([batch, hidden] of `dtype`, default the layer's) and keeps the
+        layer and the cache alive; calls of the layer on the same cache may be mixed with it.
+        """
+        return DecodeGraph(self._core.decode_graph(cache, batch, dtype), self._core.device)
+
     def profile(self, mode: str = "decode", tokens: int = 1, context: int = 0, chunk_size: Optional[int] = None,
                 repeat: int = 3, batch: int = 1) -> "Profile":
         """Times every stage of `tokens` new tokens per sequence (prefill in passes of
@@ -234,3 +245,50 @@ class DecoderLayer:
         return (f"DecoderLayer(hidden={c.hidden_size}, heads={c.num_attention_heads}/"
                 f"{c.num_key_value_heads}x{c.head_dim}, experts={c.num_experts} top-{c.num_experts_per_tok}"
                 f" x {c.moe_intermediate_size}, dtype={self.dtype}, device={self.device}, weights {size_text})")
+
+
+class DecodeGraph:
+    """One decode step captured in a CUDA graph (DecoderLayer.decode_graph).
+
+    graph(x) copies x ([batch, hidden] on the layer's device, the graph's dtype) into the
+    graph's input on the caller's current torch stream, replays the step there and returns
+    the output as the same kind of tensor as x. The output is the graph's own buffer,
+    overwritten by the next step: clone it to keep it. graph() replays on whatever the input
+    holds (write it in place through graph.input to avoid the copy). Raises CacheFullError,
+    with nothing queued, when a sequence is full.
+    """
+
+    def __init__(self, core: Any, device_index: int) -> None:
+        self._core = core
+        self._device = device_index
+
+    def __call__(self, x: Any = None, *, stream: Optional[int] = None) -> Any:
+        if stream is None and x is not None:
+            stream = _stream_of(x, self._device)
+        y = self._core.replay(x, stream=stream)
+        return y if x is None else _like(x, y)
+
+    @property
+    def input(self) -> Tensor:
+        """[batch, hidden] device tensor each step reads."""
+        return self._core.input
+
+    @property
+    def output(self) -> Tensor:
+        """[batch, hidden] device tensor each step writes."""
+        return self._core.output
+
+    @property
+    def batch(self) -> int:
+        return self._core.batch
+
+    @property
+    def dtype(self) -> str:
+        return self._core.dtype
+
+    @property
+    def cache(self) -> KVCache:
+        return self._core.cache
+
+    def __repr__(self) -> str:
+        return f"DecodeGraph(batch={self.batch}, dtype={self.dtype}, device={self.input.device})"

@@ -23,6 +23,18 @@ def rel(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+def errors_of(calls):
+    """'Type: message' of what each call raised ('accepted' if it did not)"""
+    found = []
+    for call in calls:
+        try:
+            call()
+            found.append("accepted")
+        except Exception as e:  # noqa: BLE001 - the message is what is checked
+            found.append(f"{type(e).__name__}: {e}")
+    return found
+
+
 out = {}
 for dtype in ("float32", "bfloat16"):
     w = _C.random_weights(CFG, 3, dtype)
@@ -46,17 +58,11 @@ out["device weights borrowed"] = layer.converted == () and all(
 
 # rejected calls leave the cache as it was
 cache = layer.new_cache(8)
-errors = []
-for bad in (lambda: layer.prefill(_C.random_tensor((2, 64), 1, "bfloat16"), cache),
-            lambda: layer.prefill(_C.copy_tensor(_C.random_tensor((9, 64), 1, "bfloat16"), 0), cache),
-            lambda: layer.prefill(_C.copy_tensor(_C.random_tensor((2, 64), 1, "bfloat16"), 0),
-                                  _C.Layer(CFG, w, None, -1).new_cache(8))):
-    try:
-        bad()
-        errors.append("accepted")
-    except Exception as e:  # noqa: BLE001 - the message is what is checked
-        errors.append(f"{type(e).__name__}: {e}")
-out["errors"] = errors
+out["errors"] = errors_of((
+    lambda: layer.prefill(_C.random_tensor((2, 64), 1, "bfloat16"), cache),
+    lambda: layer.prefill(_C.copy_tensor(_C.random_tensor((9, 64), 1, "bfloat16"), 0), cache),
+    lambda: layer.prefill(_C.copy_tensor(_C.random_tensor((2, 64), 1, "bfloat16"), 0),
+                          _C.Layer(CFG, w, None, -1).new_cache(8))))
 out["lengths after errors"] = list(cache.lengths)
 
 # per-stage timing on the device path (events; host clock when emulated)
@@ -67,4 +73,71 @@ out["profile stages"] = [[s.name for s in p.stages] for p in profiles]
 out["device workspace"] = emulated.workspace_bytes
 out["random input device"] = str(emulated.random_input((2, 64), 1).device)
 out["profile seconds"] = [[s.seconds for s in p.stages] for p in profiles]
+
+# decode graphs: captured once, replayed per token, against the CPU layer's decode
+def graph_run(dtype):
+    w = _C.random_weights(CFG, 6, dtype)
+    cpu, gpu = _C.Layer(CFG, w, None, -1), _C.Layer(CFG, w, None, 0)
+    cc, cg = cpu.new_cache(40, 3), gpu.new_cache(40, 3)
+    for c in (cc, cg):
+        c.set_padding(2, 1)
+    for s, n in enumerate([5, 9, 1]):  # different lengths; sequence 1 starts with 2 padding tokens
+        x = _C.random_tensor((n, 64), 20 + s, dtype)
+        cpu.prefill(x, cc, s)
+        gpu.prefill(_C.copy_tensor(x, 0), cg, s)
+    graph = gpu.decode_graph(cg)
+    created = list(cg.lengths)
+    errs, steps = [], []
+
+    def step(t, use_graph=True):
+        s = _C.random_tensor((3, 64), 50 + t, dtype)
+        want = host(cpu.decode(s, cc))
+        got = host(graph.replay(_C.copy_tensor(s, 0)) if use_graph else gpu.decode(_C.copy_tensor(s, 0), cg))
+        errs.append(rel(got, want))
+        steps.append(list(cg.lengths) == list(cc.lengths))
+
+    for t in range(3):
+        step(t)
+    step(3, use_graph=False)  # a plain decode call in between: the graph picks up the new lengths
+    step(4)
+    for c, layer, copy in ((cc, cpu, lambda x: x), (cg, gpu, lambda x: _C.copy_tensor(x, 0))):
+        c.reset(2)  # sequence 2 starts over with a new prompt
+        layer.prefill(copy(_C.random_tensor((4, 64), 77, dtype)), c, 2)
+    step(5)
+    step(6)
+    # without x: the step reads what the input holds (the last step's tokens, again)
+    s = _C.random_tensor((3, 64), 56, dtype)
+    errs.append(rel(host(graph.replay()), host(cpu.decode(s, cc))))
+    return {"created lengths": created, "max rel err": max(errs), "lengths agree": all(steps),
+            "final lengths": list(cg.lengths), "batch": graph.batch, "dtype": graph.dtype,
+            "output device": str(graph.output.device), "output shape": list(graph.output.shape)}
+
+
+out["graph float32"] = graph_run("float32")
+out["graph bfloat16"] = graph_run("bfloat16")
+
+# a full cache: CacheFullError, nothing queued, lengths kept
+small = layer.new_cache(6)
+layer.prefill(_C.copy_tensor(_C.random_tensor((5, 64), 3, "bfloat16"), 0), small)
+graph = layer.decode_graph(small)
+x1 = _C.copy_tensor(_C.random_tensor((1, 64), 4, "bfloat16"), 0)
+graph.replay(x1)
+out["graph errors"] = errors_of((
+    lambda: graph.replay(x1),
+    lambda: graph.replay(_C.copy_tensor(_C.random_tensor((2, 64), 4, "bfloat16"), 0)),
+    lambda: graph.replay(_C.copy_tensor(_C.random_tensor((1, 64), 4, "float32"), 0)),
+    lambda: graph.replay(_C.random_tensor((1, 64), 4, "bfloat16")),
+    lambda: layer.decode_graph(small, 2),
+    lambda: layer.decode_graph(small, 0),
+    lambda: _C.Layer(CFG, w, None, -1).decode_graph(_C.Layer(CFG, w, None, -1).new_cache(4)),
+    lambda: layer.decode_graph(_C.Layer(CFG, w, None, -1).new_cache(4))))
+out["graph lengths after errors"] = list(small.lengths)
+
+# the graph keeps its layer and cache alive; the Python wrapper returns the caller's kind of tensor
+wrapped = q3.DecoderLayer.random(CFG, seed=8, dtype="bfloat16", device="cuda")
+wcache = wrapped.new_cache(16, 2)
+wgraph = wrapped.decode_graph(wcache)
+del wrapped, wcache
+y = wgraph(wgraph.input)  # x is the input itself: no copy
+out["wrapped graph"] = [type(y).__name__, list(wgraph.cache.lengths), repr(wgraph)]
 print(json.dumps(out))

@@ -33,7 +33,7 @@ HAS_GPU = q3.cuda.built() and q3.cuda.device_count() > 0
                                         "benchmarks/gpu_check.sh where one is lent)")
 def test_every_cuda_kernel_matches_its_cpu_twin():
     results = q3.cuda.check_kernels(0)
-    assert len(results) >= 22
+    assert len(results) >= 30
     bad = [r for r in results if not r["ok"]]
     assert not bad, bad
 
@@ -114,3 +114,54 @@ def test_cuda_layer_rejects_tensors_on_another_device():
         with pytest.raises(ValueError, match="got cuda:1"):
             layer.prefill(torch.randn(2, CFG.hidden_size, device="cuda:1"), cache)
     assert cache.lengths == (0,)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 1e-2)])
+def test_cuda_graph_decode_matches_plain_decode_and_the_cpu(dtype, tol):
+    """A captured decode step, replayed on torch's stream, against plain decode calls on a
+    second cache with the same history (GPU) and against the CPU layer; sequences of
+    different lengths, one with padding; a plain call and a reset mixed in."""
+    import torch
+
+    tdt = torch.float32 if dtype == "float32" else torch.bfloat16
+    cpu = q3.DecoderLayer.random(CFG, seed=9, dtype=dtype)
+    gpu = q3.DecoderLayer.random(CFG, seed=9, dtype=dtype, device="cuda")
+    caches = [cpu.new_cache(48, 3), gpu.new_cache(48, 3), gpu.new_cache(48, 3)]
+    gen = torch.Generator().manual_seed(10)
+    prompts = [torch.randn(n, CFG.hidden_size, generator=gen).to(tdt) for n in (5, 9, 1)]
+    for c in caches:
+        c.set_padding(2, 1)
+        for s, p in enumerate(prompts):
+            (cpu if c is caches[0] else gpu).prefill(p if c is caches[0] else p.cuda(), c, s)
+    graph = gpu.decode_graph(caches[1])
+    assert graph.batch == 3 and caches[1].lengths == (5, 9, 1)
+    for t in range(6):
+        x = torch.randn(3, CFG.hidden_size, generator=gen).to(tdt)
+        if t == 3:  # a plain call on the graph's cache: the next replay picks up its lengths
+            y = gpu.decode(x.cuda(), caches[1])
+        else:
+            y = graph(x.cuda()).clone()
+        assert y.is_cuda and y.dtype == tdt
+        assert rel(y, gpu.decode(x.cuda(), caches[2])) <= tol
+        assert rel(y, cpu.decode(x, caches[0])) <= tol
+        assert caches[1].lengths == caches[2].lengths == caches[0].lengths
+    torch.cuda.synchronize()
+
+
+@needs_gpu
+def test_cuda_graph_replays_on_a_side_stream_and_refuses_a_full_cache():
+    import torch
+
+    layer = q3.DecoderLayer.random(CFG, seed=11, dtype="bfloat16", device="cuda")
+    cache = layer.new_cache(4)
+    layer.prefill(torch.randn(3, CFG.hidden_size, device="cuda", dtype=torch.bfloat16), cache)
+    graph = layer.decode_graph(cache)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        y = graph(torch.randn(1, CFG.hidden_size, device="cuda", dtype=torch.bfloat16))
+    side.synchronize()
+    assert torch.isfinite(y.float()).all() and cache.lengths == (4,)
+    with pytest.raises(q3.CacheFullError, match="sequence 0 holds 4 of 4 tokens"):
+        graph()
+    assert cache.lengths == (4,)

@@ -1,5 +1,6 @@
 """The CUDA path of the engine and the glue (device workspace, host staging, grouping by
-expert, cache and outputs on the device, uploads, device checks) run on an emulated device
+expert, cache and outputs on the device, uploads, device checks, decode graphs) run on an
+emulated device
 whose memory is host memory and whose kernels are the CPU twins, against the CPU layer. It
 runs everywhere; the .cu kernels themselves are checked against the same twins on a GPU
 (test_cuda.py). In a subprocess: the emulated backend is installed process-wide."""
@@ -8,14 +9,20 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 
-def test_cuda_path_on_an_emulated_device_matches_the_cpu_layer():
+@pytest.fixture(scope="module")
+def out():
     r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "cuda_emulated_check.py"), ROOT],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout)
+    return json.loads(r.stdout)
+
+
+def test_cuda_path_on_an_emulated_device_matches_the_cpu_layer(out):
     assert out["float32 uploaded"] == 11 and out["bfloat16 uploaded"] == 11  # host weights copied once
     assert out["float32 max rel err"] <= 1e-5
     # the CPU's bf16 paths round activations to bf16 before their dot products; the CUDA path does not
@@ -34,3 +41,28 @@ def test_cuda_path_on_an_emulated_device_matches_the_cpu_layer():
     assert out["random input device"] == "cuda:0"
     for seconds in out["profile seconds"]:
         assert all(t >= 0 for t in seconds) and seconds[STAGES.index("experts")] > 0
+
+
+
+def test_decode_graphs_on_an_emulated_device(out):
+    """Capture is emulated strictly (launches recorded, not run; host syncs, host copies and
+    allocations refused and the capture invalidated), so a graph that captures at all queued
+    nothing that needs the host; its replays must then decode as the CPU layer does, step
+    after step, with plain calls and a reset of one sequence in between."""
+    for dtype, tol in (("float32", 1e-6), ("bfloat16", 5e-3)):
+        g = out[f"graph {dtype}"]
+        assert g["created lengths"] == [5, 9, 1]  # capturing appends nothing
+        assert g["max rel err"] <= tol
+        assert g["lengths agree"] and g["final lengths"] == [13, 17, 7]
+        assert (g["batch"], g["dtype"], g["output device"], g["output shape"]) == (3, dtype, "cuda:0", [3, 64])
+    errors = out["graph errors"]
+    assert errors[0] == "CacheFullError: sequence 0 holds 6 of 6 tokens: 1 more does not fit"
+    assert errors[1] == "ValueError: x: expected shape [batch=1, hidden=64], got [2, 64]"
+    assert errors[2] == "TypeError: x: expected dtype bfloat16 (the graph's), got float32"
+    assert errors[3] == "ValueError: x: expected a tensor on device cuda:0, got cpu"
+    assert errors[4].startswith("ValueError: batch: expected 1 to 1") and errors[4].endswith("got 2")
+    assert errors[5].endswith("got 0")
+    assert errors[6] == "ValueError: decode_graph: expected a layer on a CUDA device, got a cpu layer"
+    assert errors[7].startswith("ValueError: cache: expected a cache on cuda:0")
+    assert out["graph lengths after errors"] == [6]
+    assert out["wrapped graph"] == ["Tensor", [1, 1], "DecodeGraph(batch=2, dtype=bfloat16, device=cuda:0)"]

@@ -1,39 +1,9 @@
 // y [T, N] (+)= x [T, K] W^T, W [N, K] fp32 or bf16, fp32 accumulation (twin: kernels/cpu/matmul.c).
-// One warp per (weight row, group of up to 8 tokens): the row is streamed once per group,
-// 16-byte loads of 8 bf16 a lane (fp32 weights: one element a lane); the tokens' x rows come
-// from L1/L2. For decode (T <= 8) every weight byte is read once; prefill goes to tensor
-// cores (matmul_tc.cu).
-#include "common.cuh"
-
-#define TOKENS_PER_WARP 8
-
-// acc[t] += (the lane's share of) x[t0 + t] . w[row] for t < nt: the row streamed once
-__device__ __forceinline__ void row_dots(float *acc, const float *x, const void *w, q3_dtype w_dt, int64_t row,
-                                         int64_t K, int64_t t0, int nt, int lane) {
-    if ((K % 8 == 0) && w_dt == Q3_BF16) {
-        const uint4 *wr = (const uint4 *)((const uint16_t *)w + row * K);
-        for (int64_t c = lane; c < K / 8; c += 32) {
-            const uint4 pk = wr[c];
-            const uint32_t words[4] = {pk.x, pk.y, pk.z, pk.w};
-            float wv[8];
-            for (int i = 0; i < 4; i++) {
-                wv[2 * i] = __uint_as_float(words[i] << 16);
-                wv[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
-            }
-            for (int t = 0; t < nt; t++) {
-                const float *xr = x + (t0 + t) * K + c * 8;
-                float s = 0.0f;
-                for (int i = 0; i < 8; i++) s += xr[i] * wv[i];
-                acc[t] += s;
-            }
-        }
-    } else {
-        for (int64_t k = lane; k < K; k += 32) {
-            const float wk = q3_load(w, w_dt, row * K + k);
-            for (int t = 0; t < nt; t++) acc[t] += x[(t0 + t) * K + k] * wk;
-        }
-    }
-}
+// One warp per (weight row, group of up to 8 tokens): the row is streamed once per group
+// (row_dots.cuh: 16-byte loads of 8 bf16 a lane; fp32 weights one element a lane); the
+// tokens' x rows come from L1/L2. For decode (T <= 8) every weight byte is read once;
+// prefill goes to tensor cores (matmul_tc.cu).
+#include "row_dots.cuh"
 
 __global__ void gemv_kernel(float *y, const float *x, const void *w, q3_dtype w_dt, int64_t T, int64_t N,
                             int64_t K, int accumulate) {
@@ -43,8 +13,10 @@ __global__ void gemv_kernel(float *y, const float *x, const void *w, q3_dtype w_
     if (row >= N) return;
     const int nt = T - t0 < TOKENS_PER_WARP ? (int)(T - t0) : TOKENS_PER_WARP;
     float acc[TOKENS_PER_WARP] = {0};
-    row_dots(acc, x, w, w_dt, row, K, t0, nt, lane);
-    for (int t = 0; t < nt; t++) {
+    row_dots(acc, x, NULL, w, w_dt, row, K, t0, nt, lane);
+#pragma unroll
+    for (int t = 0; t < TOKENS_PER_WARP; t++) {
+        if (t >= nt) break;
         const float s = q3_warp_sum(acc[t]);
         if (lane == 0) {
             float *dst = y + (t0 + t) * N + row;
@@ -63,9 +35,11 @@ __global__ void gate_up_kernel(float *act, const float *x, const void *gate, con
     if (row >= I) return;
     const int nt = T - t0 < TOKENS_PER_WARP ? (int)(T - t0) : TOKENS_PER_WARP;
     float g[TOKENS_PER_WARP] = {0}, u[TOKENS_PER_WARP] = {0};
-    row_dots(g, x, gate, w_dt, row, K, t0, nt, lane);
-    row_dots(u, x, up, w_dt, row, K, t0, nt, lane);
-    for (int t = 0; t < nt; t++) {
+    row_dots(g, x, NULL, gate, w_dt, row, K, t0, nt, lane);
+    row_dots(u, x, NULL, up, w_dt, row, K, t0, nt, lane);
+#pragma unroll
+    for (int t = 0; t < TOKENS_PER_WARP; t++) {
+        if (t >= nt) break;
         const float gs = q3_warp_sum(g[t]), us = q3_warp_sum(u[t]);
         if (lane == 0) act[(t0 + t) * I + row] = gs / (1.0f + expf(-gs)) * us;
     }

@@ -5,6 +5,8 @@
 // computes a 64 x 64 tile of y, each warp 32 x 32 as 2 x 2 fragments of 16 x 16, with the
 // 64 x 32 slices of x and W for each k step staged in shared memory. Needs N % 16 == 0,
 // K % 32 == 0 (every projection of the real geometry); the driver uses the GEMV otherwise.
+// q3_matmul_tc_cuda hands the product to cuBLAS when it is on; q3_matmul_wmma_cuda never
+// does (for work captured in a CUDA graph).
 #include <cuda_bf16.h>
 #include <mma.h>
 
@@ -68,18 +70,32 @@ __global__ void matmul_tc_kernel(float *y, const __nv_bfloat16 *xb, const __nv_b
 extern "C" int q3_blas_gemm_bf16(float *y, const uint16_t *xb, const uint16_t *w, int64_t T, int64_t N, int64_t K,
                                  int accumulate, void *stream);
 
-// xb: T * K bf16 of device scratch. cuBLAS (kernels/cuda/blas.cu) when it is open and on,
-// else the WMMA kernel above.
-extern "C" int q3_matmul_tc_cuda(float *y, const float *x, const void *w, int64_t T, int64_t N, int64_t K,
-                                 int accumulate, uint16_t *xb, void *stream) {
+// x rounded into xb, then the product: cuBLAS (kernels/cuda/blas.cu) when may_use_blas and it
+// is open and on, else the WMMA kernel above
+static int matmul_tc(float *y, const float *x, const void *w, int64_t T, int64_t N, int64_t K, int accumulate,
+                     uint16_t *xb, int may_use_blas, cudaStream_t s) {
     if (N % 16 || K % KSTEP) return (int)cudaErrorInvalidValue;
     if (T == 0 || N == 0) return 0;
     const int64_t n = T * K, blocks = (n + 255) / 256;
-    cudaStream_t s = (cudaStream_t)stream;
     round_bf16_kernel<<<(unsigned)(blocks < 65535 ? blocks : 65535), 256, 0, s>>>((__nv_bfloat16 *)xb, x, n);
-    const int blas = q3_blas_gemm_bf16(y, xb, (const uint16_t *)w, T, N, K, accumulate, stream);
-    if (blas >= 0) return blas ? blas : q3_launch_status();
+    if (may_use_blas) {
+        const int blas = q3_blas_gemm_bf16(y, xb, (const uint16_t *)w, T, N, K, accumulate, s);
+        if (blas >= 0) return blas ? blas : q3_launch_status();
+    }
     const dim3 grid((unsigned)((N + TILE - 1) / TILE), (unsigned)((T + TILE - 1) / TILE));
     matmul_tc_kernel<<<grid, 128, 0, s>>>(y, (const __nv_bfloat16 *)xb, (const __nv_bfloat16 *)w, T, N, K, accumulate);
     return q3_launch_status();
+}
+
+// xb: T * K bf16 of device scratch
+extern "C" int q3_matmul_tc_cuda(float *y, const float *x, const void *w, int64_t T, int64_t N, int64_t K,
+                                 int accumulate, uint16_t *xb, void *stream) {
+    return matmul_tc(y, x, w, T, N, K, accumulate, xb, 1, (cudaStream_t)stream);
+}
+
+// the same without cuBLAS, whose calls may allocate or query the device: this one only
+// queues two kernels, so it can be captured in a CUDA graph
+extern "C" int q3_matmul_wmma_cuda(float *y, const float *x, const void *w, int64_t T, int64_t N, int64_t K,
+                                   int accumulate, uint16_t *xb, void *stream) {
+    return matmul_tc(y, x, w, T, N, K, accumulate, xb, 0, (cudaStream_t)stream);
 }

@@ -25,6 +25,8 @@ typedef struct {
     /* queued on the stream; host memory may be pageable (then the call returns once it is read) */
     int (*copy_async)(void *dst, const void *src, size_t bytes, int to_device, void *stream);
     int (*memset_async)(void *p, int value, size_t bytes, void *stream);
+    /* device to device, queued on the stream (capturable) */
+    int (*copy_device_async)(void *dst, const void *src, size_t bytes, void *stream);
     int (*stream_synchronize)(void *stream);
     int (*synchronize)(void);
     const char *(*error_string)(int code);
@@ -41,9 +43,21 @@ typedef struct {
      * a device-to-device copy of `bytes`; the matmul on fresh device buffers [T, K] x [N, K]^T */
     int (*time_copy)(size_t bytes, int repeats, float *ms);
     int (*time_matmul)(int64_t T, int64_t N, int64_t K, q3_dtype w_dt, int repeats, float *ms);
+    /* CUDA graphs: a stream of the library's own to capture on (capture needs a stream other
+     * than the legacy default one); capture in thread-local mode; capture_end instantiates the
+     * captured work and returns the executable graph (cudaGraphExec_t) in *graph */
+    int (*stream_create)(void **stream);
+    int (*stream_destroy)(void *stream);
+    int (*capture_begin)(void *stream);
+    int (*capture_end)(void *stream, void **graph);
+    int (*graph_launch)(void *graph, void *stream);
+    int (*graph_destroy)(void *graph);
     /* kernels: the CPU twin's arguments, then the stream */
     int (*rmsnorm)(float *out, const float *x, const void *w, q3_dtype w_dt, int64_t rows, int64_t n,
                    float eps, void *stream);
+    /* the residual add and the norm after it: x [rows, n] += r; out = rmsnorm(x) (out may alias r) */
+    int (*add_rmsnorm)(float *out, float *x, const float *r, const void *w, q3_dtype w_dt, int64_t rows,
+                       int64_t n, float eps, void *stream);
     int (*matmul)(float *y, const float *x, const void *w, q3_dtype w_dt, int64_t T, int64_t N, int64_t K,
                   int accumulate, void *stream);
     /* act [T, I] = silu(x gate^T) * (x up^T), both [I, K]: matmul, matmul and swiglu in one pass */
@@ -52,6 +66,9 @@ typedef struct {
     /* tensor cores, bf16 weights, x rounded to bf16 in xb [T * K]; N % 16 == 0, K % 32 == 0 */
     int (*matmul_tc)(float *y, const float *x, const void *w, int64_t T, int64_t N, int64_t K, int accumulate,
                      uint16_t *xb, void *stream);
+    /* the same on the WMMA kernel only, never cuBLAS: for work captured in a CUDA graph */
+    int (*matmul_wmma)(float *y, const float *x, const void *w, int64_t T, int64_t N, int64_t K, int accumulate,
+                       uint16_t *xb, void *stream);
     int (*rope)(float *x, const int64_t *pos, int64_t rows, int heads, int D, float theta, void *stream);
     int (*kv_write)(void *cache, q3_dtype dt, const float *src, int64_t src_stride, int64_t L, int kv_heads,
                     int D, int64_t capacity, int64_t start, void *stream);
@@ -66,6 +83,31 @@ typedef struct {
                      float *partial, void *stream);
     int (*router_topk)(int32_t *idx, float *weight, const float *logits, int64_t T, int E, int k, int normalize,
                        void *stream);
+    /* ---- decode without the host (CUDA-graph capturable); twins in csrc/cuda_twins.c ---- */
+    /* a decode step's bookkeeping from device-resident lengths: for s < n_seqs,
+     * seqs[s].n_past = lengths[s]; pos[s] = lengths[s] - seqs[s].start (0 while inside the
+     * padding); then lengths[s] += 1 */
+    int (*decode_prepare)(q3_attn_seq *seqs, int64_t *pos, int64_t *lengths, int n_seqs, void *stream);
+    /* expert grouping on the device: moe_group's offsets [E + 1], rows and weights [T * k]
+     * (kernels/moe_group.h, same stable order), plus active [E + 1]: active[0] = how many
+     * experts were chosen at least once, active[1 ..] those experts ascending; and slot [T * k]:
+     * the grouped slot of pair (t, j) */
+    int (*moe_route)(int64_t *offsets, int32_t *rows, float *weights, int32_t *active, int32_t *slot,
+                     const int32_t *idx, const float *w, int64_t T, int k, int E, void *stream);
+    /* for each active expert e and each slot s of its group: act [s, :I] = silu(x[rows[s]] G_e^T)
+     * * (x[rows[s]] U_e^T); x [T, K]; gate, up: device arrays of E device pointers to [I, K];
+     * max_active >= active[0] sizes the grid (min(E, T * k)) */
+    int (*moe_gate_up)(float *act, const float *x, const int32_t *rows, const int64_t *offsets,
+                       const int32_t *active, const void *const *gate, const void *const *up, q3_dtype w_dt,
+                       int max_active, int64_t I, int64_t K, void *stream);
+    /* for each active expert e and each slot s of its group: y [s, :N] = act [s, :K] D_e^T;
+     * down: E device pointers to [N, K] */
+    int (*moe_down)(float *y, const float *act, const int64_t *offsets, const int32_t *active,
+                    const void *const *down, q3_dtype w_dt, int max_active, int64_t N, int64_t K, void *stream);
+    /* x [t, :H] += weights[s] * y [s, :H] for the k slots s = slot[t * k + j] of token t, added
+     * one at a time in ascending slot order (= expert order, as scatter_add_rows per expert) */
+    int (*moe_combine)(float *x, const float *y, const float *weights, const int32_t *slot, int64_t T, int k,
+                       int64_t H, void *stream);
     int (*swiglu)(float *act, const float *gate, const float *up, int64_t n, void *stream);
     int (*gather_rows)(float *dst, const float *src, const int32_t *rows, int64_t n, int64_t H, void *stream);
     int (*scatter_add_rows)(float *dst, const float *src, const int32_t *rows, const float *scale, int64_t n,

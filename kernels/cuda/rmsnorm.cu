@@ -1,20 +1,51 @@
-// RMSNorm on the GPU: one block per row (twin: kernels/cpu/rmsnorm.c).
+// RMSNorm on the GPU: one block per row (twin: kernels/cpu/rmsnorm.c), and the residual add
+// fused in front of it (twin: q3_add_rmsnorm_host, csrc/cuda_twins.c).
 #include "common.cuh"
 
-__global__ void rmsnorm_kernel(float *out, const float *x, const void *w, q3_dtype w_dt, int64_t n, float eps) {
-    const float *xr = x + blockIdx.x * n;
-    float *o = out + blockIdx.x * n;
-    float ss = 0.0f;
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) ss += xr[i] * xr[i];
+// o [n] = w * (x * rsqrt(mean(x^2) + eps)), given this thread's share ss of sum(x^2); the
+// threads stride the row as in the pass that produced ss
+__device__ __forceinline__ void norm_row(float *o, const float *xr, const void *w, q3_dtype w_dt, int64_t n,
+                                         float ss, float eps) {
     const float r = rsqrtf(q3_block_sum(ss) / (float)n + eps);
     for (int64_t i = threadIdx.x; i < n; i += blockDim.x) o[i] = q3_load(w, w_dt, i) * (xr[i] * r);
 }
 
+__global__ void rmsnorm_kernel(float *out, const float *x, const void *w, q3_dtype w_dt, int64_t n, float eps) {
+    const float *xr = x + blockIdx.x * n;
+    float ss = 0.0f;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) ss += xr[i] * xr[i];
+    norm_row(out + blockIdx.x * n, xr, w, w_dt, n, ss, eps);
+}
+
+// x += r, then out = rmsnorm(x). out may alias r: each thread reads r[i] in the first pass
+// and writes out[i] in the second, for the same indices i, and no other thread touches them.
+__global__ void add_rmsnorm_kernel(float *out, float *x, const float *r, const void *w, q3_dtype w_dt, int64_t n,
+                                   float eps) {
+    float *xr = x + blockIdx.x * n;
+    const float *rr = r + blockIdx.x * n;
+    float ss = 0.0f;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+        const float v = xr[i] + rr[i];
+        xr[i] = v;
+        ss += v * v;
+    }
+    norm_row(out + blockIdx.x * n, xr, w, w_dt, n, ss, eps);
+}
+
+static int threads_for(int64_t n) { return n >= 1024 ? 1024 : (int)((n + 31) / 32 * 32); }
+
 // out [rows, n] <- x [rows, n], w [n]
 extern "C" int q3_rmsnorm_cuda(float *out, const float *x, const void *w, q3_dtype w_dt, int64_t rows, int64_t n,
                                float eps, void *stream) {
-    if (rows == 0) return 0;
-    const int threads = n >= 1024 ? 1024 : (int)((n + 31) / 32 * 32);
-    rmsnorm_kernel<<<(unsigned)rows, threads, 0, (cudaStream_t)stream>>>(out, x, w, w_dt, n, eps);
+    if (rows == 0 || n == 0) return 0;
+    rmsnorm_kernel<<<(unsigned)rows, threads_for(n), 0, (cudaStream_t)stream>>>(out, x, w, w_dt, n, eps);
+    return q3_launch_status();
+}
+
+// x [rows, n] += r [rows, n]; out [rows, n] <- rmsnorm(x) with w [n]
+extern "C" int q3_add_rmsnorm_cuda(float *out, float *x, const float *r, const void *w, q3_dtype w_dt, int64_t rows,
+                                   int64_t n, float eps, void *stream) {
+    if (rows == 0 || n == 0) return 0;
+    add_rmsnorm_kernel<<<(unsigned)rows, threads_for(n), 0, (cudaStream_t)stream>>>(out, x, r, w, w_dt, n, eps);
     return q3_launch_status();
 }

@@ -5,15 +5,25 @@
 
 extern "C" {
 int q3_rmsnorm_cuda(float *, const float *, const void *, q3_dtype, int64_t, int64_t, float, void *);
+int q3_add_rmsnorm_cuda(float *, float *, const float *, const void *, q3_dtype, int64_t, int64_t, float, void *);
 int q3_matmul_cuda(float *, const float *, const void *, q3_dtype, int64_t, int64_t, int64_t, int, void *);
 int q3_gate_up_cuda(float *, const float *, const void *, const void *, q3_dtype, int64_t, int64_t, int64_t, void *);
 int q3_matmul_tc_cuda(float *, const float *, const void *, int64_t, int64_t, int64_t, int, uint16_t *, void *);
+int q3_matmul_wmma_cuda(float *, const float *, const void *, int64_t, int64_t, int64_t, int, uint16_t *, void *);
 int q3_rope_cuda(float *, const int64_t *, int64_t, int, int, float, void *);
 int q3_kv_write_cuda(void *, q3_dtype, const float *, int64_t, int64_t, int, int, int64_t, int64_t, void *);
 int q3_qk_rope_kv_cuda(float *, float *, const float *, const void *, const void *, q3_dtype, const int64_t *,
                        const q3_attn_seq *, int, const q3_attn_shape *, float, float, void *);
 int q3_attention_cuda(float *, const float *, const q3_attn_seq *, int, const q3_attn_shape *, float *, void *);
 int q3_router_topk_cuda(int32_t *, float *, const float *, int64_t, int, int, int, void *);
+int q3_decode_prepare_cuda(q3_attn_seq *, int64_t *, int64_t *, int, void *);
+int q3_moe_route_cuda(int64_t *, int32_t *, float *, int32_t *, int32_t *, const int32_t *, const float *, int64_t, int,
+                      int, void *);
+int q3_moe_gate_up_cuda(float *, const float *, const int32_t *, const int64_t *, const int32_t *, const void *const *,
+                        const void *const *, q3_dtype, int, int64_t, int64_t, void *);
+int q3_moe_down_cuda(float *, const float *, const int64_t *, const int32_t *, const void *const *, q3_dtype, int,
+                     int64_t, int64_t, void *);
+int q3_moe_combine_cuda(float *, const float *, const float *, const int32_t *, int64_t, int, int64_t, void *);
 int q3_swiglu_cuda(float *, const float *, const float *, int64_t, void *);
 int q3_gather_rows_cuda(float *, const float *, const int32_t *, int64_t, int64_t, void *);
 int q3_scatter_add_rows_cuda(float *, const float *, const int32_t *, const float *, int64_t, int64_t, void *);
@@ -37,6 +47,9 @@ static int copy_async(void *dst, const void *src, size_t bytes, int to_device, v
 static int memset_async(void *p, int value, size_t bytes, void *stream) {
     return (int)cudaMemsetAsync(p, value, bytes, (cudaStream_t)stream);
 }
+static int copy_device_async(void *dst, const void *src, size_t bytes, void *stream) {
+    return (int)cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, (cudaStream_t)stream);
+}
 static int stream_synchronize(void *stream) { return (int)cudaStreamSynchronize((cudaStream_t)stream); }
 static int synchronize(void) { return (int)cudaDeviceSynchronize(); }
 static int event_create(void **e) { return (int)cudaEventCreate((cudaEvent_t *)e); }
@@ -46,6 +59,32 @@ static int event_elapsed_ms(float *ms, void *a, void *b) {
     return (int)cudaEventElapsedTime(ms, (cudaEvent_t)a, (cudaEvent_t)b);
 }
 static const char *error_string(int code) { return cudaGetErrorString((cudaError_t)code); }
+
+// CUDA graphs. Capture needs a stream other than the legacy default one; non-blocking, so it
+// does not synchronise with work on the legacy stream either.
+static int stream_create(void **stream) {
+    return (int)cudaStreamCreateWithFlags((cudaStream_t *)stream, cudaStreamNonBlocking);
+}
+static int stream_destroy(void *stream) { return (int)cudaStreamDestroy((cudaStream_t)stream); }
+// thread-local: other threads' CUDA calls are not affected by (nor break) this capture
+static int capture_begin(void *stream) {
+    return (int)cudaStreamBeginCapture((cudaStream_t)stream, cudaStreamCaptureModeThreadLocal);
+}
+// ends the capture and instantiates it: *graph = the executable graph, or NULL on failure
+// (the captured graph itself is no longer needed either way)
+static int capture_end(void *stream, void **graph) {
+    cudaGraph_t captured = NULL;
+    cudaGraphExec_t exec = NULL;
+    cudaError_t e = cudaStreamEndCapture((cudaStream_t)stream, &captured);
+    if (e == cudaSuccess) e = cudaGraphInstantiate(&exec, captured, 0);
+    if (captured) cudaGraphDestroy(captured);
+    *graph = e == cudaSuccess ? (void *)exec : NULL;
+    return (int)e;
+}
+static int graph_launch(void *graph, void *stream) {
+    return (int)cudaGraphLaunch((cudaGraphExec_t)graph, (cudaStream_t)stream);
+}
+static int graph_destroy(void *graph) { return (int)cudaGraphExecDestroy((cudaGraphExec_t)graph); }
 
 #define CHECK(call)                          \
     do {                                     \
@@ -140,6 +179,7 @@ extern "C" int q3_cuda_ops_get(q3_cuda_ops *ops) {
     ops->copy = copy;
     ops->copy_async = copy_async;
     ops->memset_async = memset_async;
+    ops->copy_device_async = copy_device_async;
     ops->stream_synchronize = stream_synchronize;
     ops->synchronize = synchronize;
     ops->event_create = event_create;
@@ -149,15 +189,28 @@ extern "C" int q3_cuda_ops_get(q3_cuda_ops *ops) {
     ops->blas_open = q3_blas_open;
     ops->blas_enable = q3_blas_enable;
     ops->error_string = error_string;
+    ops->stream_create = stream_create;
+    ops->stream_destroy = stream_destroy;
+    ops->capture_begin = capture_begin;
+    ops->capture_end = capture_end;
+    ops->graph_launch = graph_launch;
+    ops->graph_destroy = graph_destroy;
     ops->rmsnorm = q3_rmsnorm_cuda;
+    ops->add_rmsnorm = q3_add_rmsnorm_cuda;
     ops->matmul = q3_matmul_cuda;
     ops->matmul_tc = q3_matmul_tc_cuda;
+    ops->matmul_wmma = q3_matmul_wmma_cuda;
     ops->gate_up = q3_gate_up_cuda;
     ops->rope = q3_rope_cuda;
     ops->kv_write = q3_kv_write_cuda;
     ops->qk_rope_kv = q3_qk_rope_kv_cuda;
     ops->attention = q3_attention_cuda;
     ops->router_topk = q3_router_topk_cuda;
+    ops->decode_prepare = q3_decode_prepare_cuda;
+    ops->moe_route = q3_moe_route_cuda;
+    ops->moe_gate_up = q3_moe_gate_up_cuda;
+    ops->moe_down = q3_moe_down_cuda;
+    ops->moe_combine = q3_moe_combine_cuda;
     ops->swiglu = q3_swiglu_cuda;
     ops->gather_rows = q3_gather_rows_cuda;
     ops->scatter_add_rows = q3_scatter_add_rows_cuda;

@@ -1,0 +1,82 @@
+/* The CUDA side of the engine, shared by the forward driver (csrc/layer_cuda.c), the passes
+ * (csrc/layer_cuda_pass.c) and decode graphs (csrc/decode_graph.c). */
+#ifndef Q3_ENGINE_LAYER_CUDA_H
+#define Q3_ENGINE_LAYER_CUDA_H
+
+#include "cuda_backend.h"
+#include "layer_internal.h"
+
+/* Decode-sized passes (one token per sequence, at most this many sequences) keep every
+ * decision on the device: positions from device-resident lengths, experts grouped by a
+ * kernel, no cuBLAS. Nothing in them waits for the host, so a CUDA graph can hold them. */
+#define Q3_DECODE_MAX_ROWS Q3_GRAPH_MAX_BATCH
+
+/* Device memory for passes of up to `rows` rows and `seqs` sequences: one allocation. */
+typedef struct {
+    q3_workspace dev;      /* carved like the host workspace */
+    float *partial;        /* split-KV partials (kernels/cuda/ops_cuda.h) */
+    int64_t *lengths;      /* [seqs] decode: tokens held by each sequence of the pass */
+    int32_t *active;       /* [E + 1] decode: experts chosen in the pass (count first) */
+    int32_t *pair_slot;    /* [Rd * k] decode: grouped slot of each (token, choice) */
+    float *pair_act;       /* [Rd * k, I] decode: SiLU(gate) * up of each slot */
+    float *pair_y;         /* [Rd * k, H] decode: expert output of each slot */
+    const void **experts;  /* [Q3_X_COUNT][E] device copies of the expert pointer tables */
+    void *block;
+    size_t bytes;
+    int64_t rows;
+    int seqs;
+} q3_gpu_ws;               /* Rd = min(rows, Q3_DECODE_MAX_ROWS) */
+
+q3_status q3_gpu_ws_alloc(q3_gpu_ws *ws, const q3_layer *l, int64_t rows, int seqs, q3_error *err);
+void q3_gpu_ws_free(q3_gpu_ws *ws);
+
+/* A CUDA layer's state: its device memory and host staging, grown for larger calls. */
+struct q3_cuda_state {
+    q3_gpu_ws ws;
+    void *events[2 * Q3_STAGE_COUNT + 2]; /* profiling: one per stage boundary of a pass */
+    int stage_of[2 * Q3_STAGE_COUNT + 2]; /* the stage each event ends */
+    int n_events;
+    /* host staging */
+    int64_t *pos;         /* [rows] */
+    q3_attn_seq *seq_ptr; /* [seqs] */
+    int64_t *lengths;     /* [seqs] */
+    int32_t *topk_idx;    /* [rows, k] */
+    float *topk_w;        /* [rows, k] */
+    int64_t *offsets;     /* [E + 1] */
+    int32_t *pair_row;    /* [rows * k] */
+    float *pair_w;        /* [rows * k] */
+};
+
+/* One run of passes: the first failing call and its name; events while profiling. */
+typedef struct {
+    const q3_cuda_ops *g;
+    void *stream;
+    int code;
+    const char *what;
+    q3_profile *prof;   /* NULL unless profiling */
+    q3_cuda_state *st;  /* events (profiling only) */
+    q3_gpu_ws *ws;
+} q3_gpu_run;
+
+#define Q3_GPU(run, call, label)                      \
+    do {                                              \
+        if (!(run)->code) {                           \
+            (run)->code = (call);                     \
+            if ((run)->code) (run)->what = label;     \
+        }                                             \
+    } while (0)
+
+/* records the boundary that ends `stage` (stage < 0: the start of a pass) */
+void q3_gpu_mark(q3_gpu_run *run, int stage);
+
+/* One pass over the rows in ws->dev.x. A decode pass (p->L == 1, n_seqs <= Q3_DECODE_MAX_ROWS)
+ * reads its positions from ws->lengths (which it advances) and ws->dev.attn_seqs' cache
+ * pointers and padding, both uploaded beforehand; max_keys bounds the keys any query sees
+ * (a graph passes the capacity). Other passes stage positions from the cache's host lengths
+ * and group experts on the host (one stream synchronisation). */
+void q3_gpu_attention_pass(q3_layer *l, q3_cache *c, const q3_pass *p, int64_t max_keys, q3_gpu_run *run);
+void q3_gpu_moe_pass(q3_layer *l, const q3_pass *p, q3_gpu_run *run);
+
+static inline int q3_gpu_is_decode(const q3_pass *p) { return p->L == 1 && p->n_seqs <= Q3_DECODE_MAX_ROWS; }
+
+#endif

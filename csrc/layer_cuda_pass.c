@@ -1,0 +1,208 @@
+/* The two stages of a pass on a CUDA device (attention_block.c and moe_block.c's
+ * counterparts), each kernel queued on the run's stream through the table of
+ * csrc/cuda_backend.c, and the device memory they work in.
+ *
+ * Decode passes (q3_gpu_is_decode) take no decision on the host: decode_prepare turns the
+ * device-resident lengths into positions, moe_route groups the (token, expert) pairs, and the
+ * grouped expert kernels read each chosen expert's weights once, guided by the device-side
+ * groups. They can be captured in a CUDA graph (csrc/decode_graph.c). Larger passes stage
+ * positions on the host and bring the router's choices back to group them there: one stream
+ * synchronisation per pass, then one launch per chosen expert and projection. */
+#include <math.h>
+#include <stdlib.h>
+
+#include "layer_cuda.h"
+
+q3_status q3_gpu_ws_alloc(q3_gpu_ws *ws, const q3_layer *l, int64_t rows, int seqs, q3_error *err) {
+    const q3_cuda_ops *g = q3_cuda();
+    const q3_config *cf = &l->cfg;
+    const int64_t E = cf->experts, k = cf->top_k, Rd = rows < Q3_DECODE_MAX_ROWS ? rows : Q3_DECODE_MAX_ROWS;
+    const q3_attn_shape shape = {.heads = cf->heads, .kv_heads = cf->kv_heads, .head_dim = cf->head_dim};
+    /* split-KV runs for calls of at most Q3_SPLIT_MAX_TOKENS tokens per sequence */
+    const int64_t split_rows = rows < (int64_t)seqs * Q3_SPLIT_MAX_TOKENS ? rows : (int64_t)seqs * Q3_SPLIT_MAX_TOKENS;
+    *ws = (q3_gpu_ws){0};
+    size_t off = 0;
+    char *base = NULL;
+    for (int pass = 0; pass < 2; pass++) { /* measure, then carve */
+        off = q3_workspace_layout(&ws->dev, base, cf, rows, seqs, 1);
+#define CARVE(field, type, count)                                    \
+    do {                                                             \
+        ws->field = (type *)(base ? base + off : NULL);              \
+        off += ((size_t)(count) * sizeof(type) + 255) / 256 * 256;   \
+    } while (0)
+        CARVE(partial, float, q3_attention_cuda_partial_floats(split_rows, &shape));
+        CARVE(lengths, int64_t, seqs);
+        CARVE(active, int32_t, E + 1);
+        CARVE(pair_slot, int32_t, Rd * k);
+        CARVE(pair_act, float, Rd * k * cf->moe_inter);
+        CARVE(pair_y, float, Rd * k * cf->hidden);
+        CARVE(experts, const void *, Q3_X_COUNT * E);
+#undef CARVE
+        if (pass == 0 && (g->set_device(l->w.device) || g->malloc_device((void **)&base, off)))
+            return q3_fail(err, Q3_ERR_NOMEM, "cuda workspace: cannot allocate %zu bytes on cuda:%d", off,
+                           l->w.device);
+    }
+    ws->block = base;
+    ws->dev.block = base;
+    ws->bytes = ws->dev.bytes = off;
+    ws->rows = rows;
+    ws->seqs = seqs;
+    /* the expert kernels of a decode pass look their weights up on the device */
+    if (g->copy(ws->experts, l->expert_ptrs, (size_t)(Q3_X_COUNT * E) * sizeof(void *), 1)) {
+        q3_gpu_ws_free(ws);
+        return q3_fail(err, Q3_ERR_STATE, "cuda workspace: cannot upload the expert pointer tables");
+    }
+    return Q3_OK;
+}
+
+void q3_gpu_ws_free(q3_gpu_ws *ws) {
+    if (ws->block && q3_cuda()) q3_cuda()->free_device(ws->block);
+    *ws = (q3_gpu_ws){0};
+}
+
+void q3_gpu_mark(q3_gpu_run *run, int stage) {
+    q3_cuda_state *st = run->st;
+    if (!run->prof || run->code || st->n_events >= (int)(sizeof st->events / sizeof st->events[0])) return;
+    void **ev = &st->events[st->n_events];
+    if (!*ev && (run->code = run->g->event_create(ev)) != 0) {
+        run->what = "cudaEventCreate";
+        return;
+    }
+    st->stage_of[st->n_events++] = stage;
+    if ((run->code = run->g->event_record(*ev, run->stream)) != 0) run->what = "cudaEventRecord";
+}
+
+/* y = x W^T: tensor cores for 16 tokens or more when the shape fits (cuBLAS where it is
+ * open, except in a decode pass, which a graph may capture), else the GEMV */
+static int project(q3_gpu_run *run, const q3_pass *p, float *y, const float *x, const void *w, q3_dtype dt,
+                   int64_t T, int64_t N, int64_t K, int accumulate) {
+    const q3_cuda_ops *g = run->g;
+    if (T >= 16 && dt == Q3_BF16 && N % 16 == 0 && K % 32 == 0)
+        return (q3_gpu_is_decode(p) ? g->matmul_wmma : g->matmul_tc)(y, x, w, T, N, K, accumulate,
+                                                                      run->ws->dev.xb, run->stream);
+    return g->matmul(y, x, w, dt, T, N, K, accumulate, run->stream);
+}
+
+/* positions and the sequences' cache rows, staged on the host for a pass of L > 1 tokens */
+static void stage_positions(q3_cache *c, const q3_pass *p, q3_gpu_run *run) {
+    q3_cuda_state *st = run->st;
+    q3_workspace *d = &run->ws->dev;
+    for (int s = 0; s < p->n_seqs; s++) {
+        const int seq = p->seqs[s];
+        const int64_t n = c->lengths[seq], pad = c->padding[seq];
+        for (int64_t t = 0; t < p->L; t++) st->pos[s * p->L + t] = n + t >= pad ? n + t - pad : 0;
+        st->seq_ptr[s] = (q3_attn_seq){q3_cache_seq_keys(c, seq), q3_cache_seq_values(c, seq), n, pad};
+    }
+    Q3_GPU(run, run->g->copy_async(d->pos, st->pos, (size_t)(p->n_seqs * p->L) * sizeof *st->pos, 1, run->stream),
+           "copy positions");
+    Q3_GPU(run, run->g->copy_async(d->attn_seqs, st->seq_ptr, (size_t)p->n_seqs * sizeof *st->seq_ptr, 1, run->stream),
+           "copy seqs");
+}
+
+void q3_gpu_attention_pass(q3_layer *l, q3_cache *c, const q3_pass *p, int64_t max_keys, q3_gpu_run *run) {
+    const q3_config *cf = &l->cfg;
+    const q3_weights *w = &l->w;
+    const q3_cuda_ops *g = run->g;
+    q3_workspace *d = &run->ws->dev;
+    void *sm = run->stream;
+    const int64_t R = p->n_seqs * p->L, H = cf->hidden;
+    const int D = cf->head_dim, Hq = cf->heads, Hkv = cf->kv_heads;
+    const int64_t QD = (int64_t)Hq * D, KVD = (int64_t)Hkv * D;
+    Q3_GPU(run, g->rmsnorm(d->h, d->x, w->dense[Q3_W_INPUT_NORM], w->dtype, R, H, cf->eps, sm), "rmsnorm");
+    q3_gpu_mark(run, Q3_STAGE_INPUT_NORM);
+    Q3_GPU(run, project(run, p, d->q, d->h, w->dense[Q3_W_Q_PROJ], w->dtype, R, QD, H, 0), "q_proj");
+    Q3_GPU(run, project(run, p, d->k, d->h, w->dense[Q3_W_K_PROJ], w->dtype, R, KVD, H, 0), "k_proj");
+    Q3_GPU(run, project(run, p, d->v, d->h, w->dense[Q3_W_V_PROJ], w->dtype, R, KVD, H, 0), "v_proj");
+    q3_gpu_mark(run, Q3_STAGE_QKV_PROJ);
+    if (q3_gpu_is_decode(p))
+        Q3_GPU(run, g->decode_prepare(d->attn_seqs, d->pos, run->ws->lengths, p->n_seqs, sm), "decode_prepare");
+    else
+        stage_positions(c, p, run);
+    const q3_attn_shape shape = {p->L, Hq, Hkv, D, c->capacity, c->dtype, 1.0f / sqrtf((float)D), max_keys};
+    /* QK-norm, RoPE and the K/V append in one kernel */
+    Q3_GPU(run, g->qk_rope_kv(d->q, d->k, d->v, w->dense[Q3_W_Q_NORM], w->dense[Q3_W_K_NORM], w->dtype, d->pos,
+                              d->attn_seqs, p->n_seqs, &shape, cf->eps, (float)cf->rope_theta, sm), "qk_rope_kv");
+    q3_gpu_mark(run, Q3_STAGE_QK_NORM_ROPE);
+    q3_gpu_mark(run, Q3_STAGE_KV_WRITE); /* fused into the stage before */
+    Q3_GPU(run, g->attention(d->attn, d->q, d->attn_seqs, p->n_seqs, &shape, run->ws->partial, sm), "attention");
+    q3_gpu_mark(run, Q3_STAGE_ATTENTION);
+    /* into h: the MoE pass adds it to the residual in the same kernel as its norm */
+    Q3_GPU(run, project(run, p, d->h, d->attn, w->dense[Q3_W_O_PROJ], w->dtype, R, H, QD, 0), "o_proj");
+    q3_gpu_mark(run, Q3_STAGE_O_PROJ);
+}
+
+/* grouping on the device, then each chosen expert's gate/up, down and the combine: three
+ * launches for all experts, whatever the router chose */
+static void experts_on_device(q3_layer *l, const q3_pass *p, q3_gpu_run *run) {
+    const q3_config *cf = &l->cfg;
+    const q3_cuda_ops *g = run->g;
+    q3_workspace *d = &run->ws->dev;
+    q3_gpu_ws *ws = run->ws;
+    void *sm = run->stream;
+    const int64_t R = p->n_seqs * p->L, H = cf->hidden, I = cf->moe_inter, E = cf->experts;
+    const int k = cf->top_k, max_active = (int)(R * k < E ? R * k : E);
+    const void *const *gate = ws->experts, *const *up = ws->experts + E, *const *down = ws->experts + 2 * E;
+    Q3_GPU(run, g->moe_route(d->offsets, d->pair_row, d->pair_w, ws->active, ws->pair_slot, d->topk_idx, d->topk_w,
+                             R, k, (int)E, sm), "moe_route");
+    q3_gpu_mark(run, Q3_STAGE_TOP_K);
+    Q3_GPU(run, g->moe_gate_up(ws->pair_act, d->h, d->pair_row, d->offsets, ws->active, gate, up, l->w.dtype,
+                               max_active, I, H, sm), "moe_gate_up");
+    Q3_GPU(run, g->moe_down(ws->pair_y, ws->pair_act, d->offsets, ws->active, down, l->w.dtype, max_active, H, I,
+                            sm), "moe_down");
+    Q3_GPU(run, g->moe_combine(d->x, ws->pair_y, d->pair_w, ws->pair_slot, R, k, H, sm), "moe_combine");
+}
+
+/* the router's choices to the host, grouped there; one launch per chosen expert and step */
+static void experts_from_host(q3_layer *l, const q3_pass *p, q3_gpu_run *run) {
+    const q3_config *cf = &l->cfg;
+    const q3_weights *w = &l->w;
+    const q3_cuda_ops *g = run->g;
+    q3_cuda_state *st = run->st;
+    q3_workspace *d = &run->ws->dev;
+    void *sm = run->stream;
+    const int64_t R = p->n_seqs * p->L, H = cf->hidden, I = cf->moe_inter;
+    const int E = cf->experts, k = cf->top_k;
+    Q3_GPU(run, g->copy_async(st->topk_idx, d->topk_idx, (size_t)(R * k) * sizeof(int32_t), 0, sm), "copy top-k");
+    Q3_GPU(run, g->copy_async(st->topk_w, d->topk_w, (size_t)(R * k) * sizeof(float), 0, sm), "copy weights");
+    Q3_GPU(run, g->stream_synchronize(sm), "synchronize");
+    if (run->code) return;
+    q3_cpu_ops_active()->moe_group(st->offsets, st->pair_row, st->pair_w, st->topk_idx, st->topk_w, R, k, E);
+    Q3_GPU(run, g->copy_async(d->pair_row, st->pair_row, (size_t)(R * k) * sizeof(int32_t), 1, sm), "copy pairs");
+    Q3_GPU(run, g->copy_async(d->pair_w, st->pair_w, (size_t)(R * k) * sizeof(float), 1, sm), "copy pair weights");
+    q3_gpu_mark(run, Q3_STAGE_TOP_K);
+    for (int e = 0; e < E && !run->code; e++) {
+        const int64_t first = st->offsets[e], n = st->offsets[e + 1] - first;
+        if (n == 0) continue;
+        Q3_GPU(run, g->gather_rows(d->xe, d->h, d->pair_row + first, n, H, sm), "gather");
+        if (n < 16) { /* few tokens: gate, up and SiLU * up in one pass over both weight matrices */
+            Q3_GPU(run, g->gate_up(d->gate, d->xe, w->experts[Q3_X_GATE][e], w->experts[Q3_X_UP][e], w->dtype, n, I,
+                                   H, sm), "gate_up");
+        } else {
+            Q3_GPU(run, project(run, p, d->gate, d->xe, w->experts[Q3_X_GATE][e], w->dtype, n, I, H, 0), "gate_proj");
+            Q3_GPU(run, project(run, p, d->up, d->xe, w->experts[Q3_X_UP][e], w->dtype, n, I, H, 0), "up_proj");
+            Q3_GPU(run, g->swiglu(d->gate, d->gate, d->up, n * I, sm), "swiglu");
+        }
+        Q3_GPU(run, project(run, p, d->ye, d->gate, w->experts[Q3_X_DOWN][e], w->dtype, n, H, I, 0), "down_proj");
+        Q3_GPU(run, g->scatter_add_rows(d->x, d->ye, d->pair_row + first, d->pair_w + first, n, H, sm), "combine");
+    }
+}
+
+void q3_gpu_moe_pass(q3_layer *l, const q3_pass *p, q3_gpu_run *run) {
+    const q3_config *cf = &l->cfg;
+    const q3_weights *w = &l->w;
+    q3_workspace *d = &run->ws->dev;
+    void *sm = run->stream;
+    const int64_t R = p->n_seqs * p->L, H = cf->hidden;
+    const int E = cf->experts, k = cf->top_k;
+    /* x += o_proj's output (in h), and h = the norm of the new x, in one kernel */
+    Q3_GPU(run, run->g->add_rmsnorm(d->h, d->x, d->h, w->dense[Q3_W_POST_NORM], w->dtype, R, H, cf->eps, sm),
+           "post norm");
+    q3_gpu_mark(run, Q3_STAGE_POST_NORM);
+    /* the router stays on exact fp32 activations: its top-k choice is sensitive to rounding */
+    Q3_GPU(run, run->g->matmul(d->logits, d->h, w->dense[Q3_W_ROUTER], w->dtype, R, E, H, 0, sm), "router");
+    q3_gpu_mark(run, Q3_STAGE_ROUTER);
+    Q3_GPU(run, run->g->router_topk(d->topk_idx, d->topk_w, d->logits, R, E, k, cf->norm_topk, sm), "top-k");
+    if (q3_gpu_is_decode(p)) experts_on_device(l, p, run);
+    else experts_from_host(l, p, run);
+    q3_gpu_mark(run, Q3_STAGE_EXPERTS);
+}
