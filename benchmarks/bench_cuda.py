@@ -4,7 +4,8 @@ real geometry, bf16, on the GPU against transformers' layer on the same GPU and 
 weights (ours borrows its CUDA parameters), medians of CUDA-synchronised wall time: decode
 batch 1 and 16 at context 8192 (plain calls, and the step captured in a CUDA graph: time per
 token over runs of consecutive steps), prefill of 8192 tokens in chunks of 2048 and 8192 with
-the device memory beyond weights and cache. Needs a CUDA device and torch with CUDA; prints
+the device memory beyond weights and cache (and once with one MoE launch per expert, to
+compare with the grouped MoE). Needs a CUDA device and torch with CUDA; prints
 the tables last.
 """
 from __future__ import annotations
@@ -140,14 +141,18 @@ def layer_table(copy_tbs: float) -> None:
     with torch.no_grad():
         t_hf = wall(lambda: hf(x[None], position_ids=pos, position_embeddings=(cos, sin)), 3)
     from qwen3layer.costs import prefill_flops
-    for chunk in (2048, 8192):
+    for chunk, grouped in ((2048, True), (8192, True), (2048, False)):
+        _C.cuda_grouped_prefill(grouped)  # False: one launch per expert and step, for comparison
         fresh = q3.DecoderLayer.from_hf(hf, device="cuda")  # its own workspace: what this prefill needs
         t_ours = wall(lambda f=fresh, c=chunk: f.prefill(x, f.new_cache(S), chunk_size=c), 3)
         memory = fresh.workspace_bytes + 2 * x.numel() * x.element_size()  # workspace, input, output
-        rows.append((f"prefill {S} tokens, chunks of {chunk}", f"{t_ours * 1e3:.1f} ms", f"{t_hf * 1e3:.1f} ms",
-                     f"{t_hf / t_ours:.2f}x", f"{prefill_flops(cfg, S) / t_ours / 1e12:.1f} TFLOP/s "
+        moe = "grouped MoE" if grouped else "MoE launch per expert"
+        rows.append((f"prefill {S} tokens, chunks of {chunk}, {moe}", f"{t_ours * 1e3:.1f} ms",
+                     f"{t_hf * 1e3:.1f} ms", f"{t_hf / t_ours:.2f}x",
+                     f"{prefill_flops(cfg, S) / t_ours / 1e12:.1f} TFLOP/s "
                      f"({prefill_flops(cfg, S) / t_ours / 1e12 / mm_tflops:.0%} of matrix rate); "
                      f"{memory / 2**20:.0f} MiB beyond weights and cache"))
+    _C.cuda_grouped_prefill(True)
     head = ("layer, real geometry, bf16", "qwen3layer", "transformers", "speed-up", "achieved")
     widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(5)]
     print()

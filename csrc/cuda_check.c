@@ -436,23 +436,85 @@ static double case_moe_experts(check *k) {
     return e_act > e_y ? (e_act > e_x ? e_act : e_x) : (e_y > e_x ? e_y : e_x);
 }
 
+/* the prefill MoE on tensor cores against its twins, on hand-made tiles: a full tile of 64
+ * slots, a single slot, two tiles of one expert, slots no tile covers (left as they were) and
+ * rows that map slots to tokens with repeats. down gets the twin's act on both sides, so
+ * each product is checked alone (bf16 rounding of act would amplify gate_up's differences) */
+static double case_moe_prefill_tc(check *k) {
+    enum { E = 6, T = 70, S = 160, N_TILES = 5 };
+    const int64_t I = 96, H = 256;
+    const q3_moe_tile tiles[N_TILES] = {{4, 0, 64, 0}, {1, 64, 1, 0}, {3, 65, 40, 0}, {3, 105, 17, 0}, {0, 130, 29, 0}};
+    int32_t rows[S];
+    for (int s = 0; s < S; s++) rows[s] = (s * 37 + 11) % T; /* each token about twice */
+    float *x = host_random(k, T * H, Q3_F32, 41);
+    uint16_t *gate = (uint16_t *)host_random(k, E * I * H, Q3_BF16, 42);
+    uint16_t *up = (uint16_t *)host_random(k, E * I * H, Q3_BF16, 43);
+    uint16_t *down = (uint16_t *)host_random(k, E * H * I, Q3_BF16, 44);
+    float *act = host_random(k, S * I, Q3_F32, 45), *y = host_random(k, S * H, Q3_F32, 46);
+    float *act_got = host(k, S * I * 4), *y_got = host(k, S * H * 4);
+    if (k->failed) return INFINITY;
+    const void *hg[E], *hu[E], *hd[E];
+    for (int e = 0; e < E; e++) {
+        hg[e] = gate + e * I * H;
+        hu[e] = up + e * I * H;
+        hd[e] = down + e * H * I;
+    }
+    /* the untouched slots start alike on both sides */
+    float *dx = device(k, x, T * H * 4), *dact = device(k, act, S * I * 4), *dy = device(k, y, S * H * 4);
+    int32_t *drows = device(k, rows, sizeof rows);
+    q3_moe_tile *dtiles = device(k, tiles, sizeof tiles);
+    const void *const *dg = expert_table(k, device(k, gate, E * I * H * 2), E, I, H);
+    const void *const *du = expert_table(k, device(k, up, E * I * H * 2), E, I, H);
+    const void *const *dd = expert_table(k, device(k, down, E * H * I * 2), E, H, I);
+    if (q3_moe_gate_up_tc_host(act, x, rows, tiles, N_TILES, hg, hu, I, H)) return INFINITY;
+    if (q3_moe_down_tc_host(y, act, tiles, N_TILES, hd, H, I)) return INFINITY;
+    float *dact_twin = device(k, act, S * I * 4);
+    if (!k->failed)
+        cuda_ok(k, k->g->moe_gate_up_tc(dact, dx, drows, dtiles, N_TILES, dg, du, I, H, NULL), "moe_gate_up_tc launch");
+    if (!k->failed)
+        cuda_ok(k, k->g->moe_down_tc(dy, dact_twin, dtiles, N_TILES, dd, H, I, NULL), "moe_down_tc launch");
+    fetch(k, act_got, dact, S * I * 4);
+    fetch(k, y_got, dy, S * H * 4);
+    if (k->failed) return INFINITY;
+    const double e_act = max_err(act_got, act, Q3_F32, S * I), e_y = max_err(y_got, y, Q3_F32, S * H);
+    return e_act > e_y ? e_act : e_y;
+}
+
+/* the prefill combine: 4 of 6 tokens with 1, 2, 3 and 2 slots in no sorted order, H not a
+ * multiple of the block */
+static double case_moe_combine_csr(check *k) {
+    enum { T = 6, S = 10, N = 4 };
+    const int64_t H = 300;
+    const int32_t tokens[N] = {5, 0, 3, 2}, ptr[N + 1] = {0, 1, 3, 6, 8}, slot[8] = {7, 2, 9, 0, 4, 8, 1, 6};
+    float *x = host_random(k, T * H, Q3_F32, 47), *y = host_random(k, S * H, Q3_F32, 48);
+    float *weights = host_random(k, S, Q3_F32, 49), *got = host(k, T * H * 4);
+    if (k->failed) return INFINITY;
+    float *dx = device(k, x, T * H * 4), *dy = device(k, y, S * H * 4), *dweights = device(k, weights, S * 4);
+    int32_t *dtokens = device(k, tokens, sizeof tokens), *dptr = device(k, ptr, sizeof ptr);
+    int32_t *dslot = device(k, slot, sizeof slot);
+    q3_moe_combine_csr_host(x, y, weights, tokens, ptr, slot, N, H);
+    if (!k->failed)
+        cuda_ok(k, k->g->moe_combine_csr(dx, dy, dweights, dtokens, dptr, dslot, N, H, NULL), "moe_combine_csr launch");
+    fetch(k, got, dx, T * H * 4);
+    return k->failed ? INFINITY : max_err(got, x, Q3_F32, T * H);
+}
+
 q3_status q3_cuda_check(int device_index, q3_check_result *out, int max, int *n, q3_error *err) {
     *n = 0;
     const q3_cuda_ops *g = q3_cuda();
     if (!g) return q3_fail(err, Q3_ERR_STATE, "cuda check: the CUDA backend is not loaded");
     check k = {g, q3_cpu_ops_active(), err, 0, {0}, 0, {0}, 0};
     if (!cuda_ok(&k, g->set_device(device_index), "cudaSetDevice")) return err->status;
-#define RUN(label, tolerance, expr)                                         \
-    do {                                                                    \
-        if (*n < max) {                                                     \
-            const double e_ = (expr);                                       \
-            release(&k);                                                    \
-            if (k.failed) return err->status;                               \
-            snprintf(out[*n].name, sizeof out[*n].name, "%s", label);      \
-            out[*n].max_err = e_;                                           \
-            out[*n].tol = tolerance;                                        \
-            (*n)++;                                                         \
-        }                                                                   \
+#define RUN(label, tolerance, expr)                                                              \
+    do {                                                                                         \
+        if (*n >= max) return q3_fail(err, Q3_ERR_VALUE, "cuda check: more than %d cases", max); \
+        const double e_ = (expr);                                                                \
+        release(&k);                                                                             \
+        if (k.failed) return err->status;                                                        \
+        snprintf(out[*n].name, sizeof out[*n].name, "%s", label);                                \
+        out[*n].max_err = e_;                                                                    \
+        out[*n].tol = tolerance;                                                                 \
+        (*n)++;                                                                                  \
     } while (0)
     RUN("rmsnorm f32 weights", 1e-5, case_rmsnorm(&k, Q3_F32));
     RUN("rmsnorm bf16 weights", 1e-5, case_rmsnorm(&k, Q3_BF16));
@@ -484,6 +546,8 @@ q3_status q3_cuda_check(int device_index, q3_check_result *out, int max, int *n,
     RUN("decode_prepare: lengths, positions", 0.0, case_decode_prepare(&k));
     RUN("moe_route: expert grouping on the device", 0.0, case_moe_route(&k));
     RUN("moe gate_up + down + combine, T=5 k=3 E=16", 1e-5, case_moe_experts(&k));
+    RUN("moe prefill gate_up + down, tensor cores, E=6", 1e-5, case_moe_prefill_tc(&k));
+    RUN("moe prefill combine_csr, 1..3 slots a token", 1e-6, case_moe_combine_csr(&k));
     RUN("swiglu", 1e-5, case_swiglu(&k));
     RUN("gather + scatter_add rows", 1e-6, case_rows(&k));
     RUN("convert fp32 <-> bf16", 0.0, case_convert(&k));

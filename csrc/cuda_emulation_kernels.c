@@ -254,6 +254,44 @@ static int moe_combine(float *x, const float *y, const float *w, const int32_t *
     SUBMIT(combine_run, x, y, w, slot, T, k, H);
 }
 
+/* ---- prefill MoE, grouped on the host ---- */
+typedef struct {
+    float *out;
+    const float *in;
+    const int32_t *rows;
+    const q3_moe_tile *tiles;
+    int n_tiles;
+    const void *const *w1, *const *w2;
+    int64_t N, K;
+} tiles_run_args;
+static int tiles_run(const void *p) {
+    const tiles_run_args *a = p;
+    if (a->w2) return q3_moe_gate_up_tc_host(a->out, a->in, a->rows, a->tiles, a->n_tiles, a->w1, a->w2, a->N, a->K);
+    return q3_moe_down_tc_host(a->out, a->in, a->tiles, a->n_tiles, a->w1, a->N, a->K);
+}
+static int moe_gate_up_tc(float *act, const float *x, const int32_t *rows, const q3_moe_tile *tiles, int n_tiles,
+                          const void *const *gate, const void *const *up, int64_t I, int64_t K, void *s) {
+    (void)s;
+    SUBMIT(tiles_run, act, x, rows, tiles, n_tiles, gate, up, I, K);
+}
+static int moe_down_tc(float *y, const float *act, const q3_moe_tile *tiles, int n_tiles, const void *const *down,
+                       int64_t N, int64_t K, void *s) {
+    (void)s;
+    SUBMIT(tiles_run, y, act, NULL, tiles, n_tiles, down, NULL, N, K);
+}
+
+typedef struct { float *x; const float *y, *w; const int32_t *tokens, *ptr, *slot; int n; int64_t H; } csr_run_args;
+static int csr_run(const void *p) {
+    const csr_run_args *a = p;
+    q3_moe_combine_csr_host(a->x, a->y, a->w, a->tokens, a->ptr, a->slot, a->n, a->H);
+    return 0;
+}
+static int moe_combine_csr(float *x, const float *y, const float *w, const int32_t *tokens, const int32_t *ptr,
+                           const int32_t *slot, int n, int64_t H, void *s) {
+    (void)s;
+    SUBMIT(csr_run, x, y, w, tokens, ptr, slot, n, H);
+}
+
 void q3_emu_kernels(q3_cuda_ops *t) {
     t->rmsnorm = rmsnorm;
     t->add_rmsnorm = add_rmsnorm;
@@ -276,4 +314,7 @@ void q3_emu_kernels(q3_cuda_ops *t) {
     t->moe_gate_up = moe_gate_up;
     t->moe_down = moe_down;
     t->moe_combine = moe_combine;
+    t->moe_gate_up_tc = moe_gate_up_tc;
+    t->moe_down_tc = moe_down_tc;
+    t->moe_combine_csr = moe_combine_csr;
 }

@@ -99,3 +99,50 @@ void q3_moe_combine_host(float *x, const float *y, const float *weights, const i
             for (int64_t i = 0; i < H; i++) x[t * H + i] += weights[s[j]] * y[(int64_t)s[j] * H + i];
     }
 }
+
+/* n rows of src (row i: src + (rows ? rows[i] : i) * K) rounded to bf16 values, as the tensor
+ * cores read them */
+static void rows_as_bf16(float *dst, const float *src, const int32_t *rows, int64_t n, int64_t K) {
+    for (int64_t i = 0; i < n; i++) {
+        const float *r = src + (rows ? rows[i] : i) * K;
+        for (int64_t c = 0; c < K; c++) dst[i * K + c] = q3_bf16_to_f32(q3_f32_to_bf16(r[c]));
+    }
+}
+
+int q3_moe_gate_up_tc_host(float *act, const float *x, const int32_t *rows, const q3_moe_tile *tiles, int n_tiles,
+                           const void *const *gate, const void *const *up, int64_t I, int64_t K) {
+    const q3_cpu_ops *c = q3_cpu_ops_active();
+    float *xe = malloc((size_t)Q3_MOE_TILE_ROWS * (size_t)(K + I) * sizeof(float));
+    if (!xe) return 1;
+    float *upv = xe + Q3_MOE_TILE_ROWS * K;
+    for (int i = 0; i < n_tiles; i++) {
+        const q3_moe_tile t = tiles[i];
+        float *out = act + (int64_t)t.first * I;
+        rows_as_bf16(xe, x, rows + t.first, t.rows, K);
+        c->matmul(out, xe, gate[t.expert], Q3_BF16, t.rows, I, K, 0, NULL);
+        c->matmul(upv, xe, up[t.expert], Q3_BF16, t.rows, I, K, 0, NULL);
+        c->swiglu(out, out, upv, t.rows * I);
+    }
+    free(xe);
+    return 0;
+}
+
+int q3_moe_down_tc_host(float *y, const float *act, const q3_moe_tile *tiles, int n_tiles, const void *const *down,
+                        int64_t N, int64_t K) {
+    float *ab = malloc((size_t)Q3_MOE_TILE_ROWS * (size_t)K * sizeof(float));
+    if (!ab) return 1;
+    for (int i = 0; i < n_tiles; i++) {
+        const q3_moe_tile t = tiles[i];
+        rows_as_bf16(ab, act + (int64_t)t.first * K, NULL, t.rows, K);
+        q3_cpu_ops_active()->matmul(y + (int64_t)t.first * N, ab, down[t.expert], Q3_BF16, t.rows, N, K, 0, NULL);
+    }
+    free(ab);
+    return 0;
+}
+
+void q3_moe_combine_csr_host(float *x, const float *y, const float *weights, const int32_t *tokens,
+                             const int32_t *ptr, const int32_t *slot, int n, int64_t H) {
+    for (int i = 0; i < n; i++)
+        for (int32_t j = ptr[i]; j < ptr[i + 1]; j++)
+            for (int64_t c = 0; c < H; c++) x[(int64_t)tokens[i] * H + c] += weights[slot[j]] * y[(int64_t)slot[j] * H + c];
+}

@@ -8,6 +8,7 @@
 #define Q3_ENGINE_CUDA_TWINS_H
 
 #include "../kernels/attention.h"
+#include "../kernels/cuda/ops_cuda.h"
 #include "../kernels/dtype.h"
 
 /* rmsnorm, rope and kv_write in turn */
@@ -30,5 +31,12 @@ void q3_moe_down_host(float *y, const float *act, const int64_t *offsets, const 
                       const void *const *down, q3_dtype w_dt, int64_t N, int64_t K);
 void q3_moe_combine_host(float *x, const float *y, const float *weights, const int32_t *slot, int64_t T, int k,
                          int64_t H);
+/* the grouped prefill MoE (tensor cores: inputs rounded to bf16, bf16 weights) */
+int q3_moe_gate_up_tc_host(float *act, const float *x, const int32_t *rows, const q3_moe_tile *tiles, int n_tiles,
+                           const void *const *gate, const void *const *up, int64_t I, int64_t K);
+int q3_moe_down_tc_host(float *y, const float *act, const q3_moe_tile *tiles, int n_tiles, const void *const *down,
+                        int64_t N, int64_t K);
+void q3_moe_combine_csr_host(float *x, const float *y, const float *weights, const int32_t *tokens,
+                             const int32_t *ptr, const int32_t *slot, int n, int64_t H);
 
 #endif

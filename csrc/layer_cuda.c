@@ -25,6 +25,10 @@ void q3_layer_cuda_release(q3_layer *l) {
     free(s->offsets);
     free(s->pair_row);
     free(s->pair_w);
+    free(s->moe_plan);
+    free(s->batches);
+    free(s->token_index);
+    free(s->token_fill);
     free(s);
     l->gpu = NULL;
 }
@@ -50,8 +54,12 @@ static q3_status reserve(q3_layer *l, int64_t rows, int seqs, q3_error *err) {
     s->offsets = malloc((size_t)(l->cfg.experts + 1) * sizeof *s->offsets);
     s->pair_row = malloc((size_t)(rows * k) * sizeof *s->pair_row);
     s->pair_w = malloc((size_t)(rows * k) * sizeof *s->pair_w);
+    s->moe_plan = malloc((size_t)q3_moe_plan_ints(rows, k, l->cfg.experts) * sizeof *s->moe_plan);
+    s->batches = malloc((size_t)l->cfg.experts * sizeof *s->batches);
+    s->token_index = calloc((size_t)rows, sizeof *s->token_index);
+    s->token_fill = malloc((size_t)rows * sizeof *s->token_fill);
     if (!s->pos || !s->seq_ptr || !s->lengths || !s->topk_idx || !s->topk_w || !s->offsets || !s->pair_row ||
-        !s->pair_w) {
+        !s->pair_w || !s->moe_plan || !s->batches || !s->token_index || !s->token_fill) {
         q3_layer_cuda_release(l);
         return q3_fail(err, Q3_ERR_NOMEM, "cuda layer: out of host memory");
     }

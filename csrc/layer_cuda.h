@@ -21,6 +21,7 @@ typedef struct {
     float *pair_act;       /* [Rd * k, I] decode: SiLU(gate) * up of each slot */
     float *pair_y;         /* [Rd * k, H] decode: expert output of each slot */
     const void **experts;  /* [Q3_X_COUNT][E] device copies of the expert pointer tables */
+    int32_t *moe_plan;     /* [q3_moe_plan_ints] prefill: tiles and per-token slots (below) */
     void *block;
     size_t bytes;
     int64_t rows;
@@ -29,6 +30,23 @@ typedef struct {
 
 q3_status q3_gpu_ws_alloc(q3_gpu_ws *ws, const q3_layer *l, int64_t rows, int seqs, q3_error *err);
 void q3_gpu_ws_free(q3_gpu_ws *ws);
+
+/* The grouped prefill MoE's plan, made on the host per pass: the experts in batches of at
+ * most R slots (the rows of the act and output buffers); per batch, its tiles of up to
+ * Q3_MOE_TILE_ROWS slots and, for each token it touches, that token's slots in expert order
+ * (tokens, ptr, slot: kernels/cuda/ops_cuda.h's moe_combine_csr). Int32s: the tiles (4
+ * each, at most R k / 64 + E of them) first, then the batches' token lists. */
+static inline int64_t q3_moe_plan_tiles(int64_t R, int k, int E) { return R * k / Q3_MOE_TILE_ROWS + E + 1; }
+static inline int64_t q3_moe_plan_ints(int64_t R, int k, int E) {
+    return 4 * q3_moe_plan_tiles(R, k, E) + 3 * R * k + 2 * (int64_t)E + 2;
+}
+
+typedef struct {
+    int64_t slot_lo, slot_hi; /* the batch's slots */
+    int tile_lo, n_tiles;     /* its tiles, from tile_lo */
+    int64_t tokens;           /* offset of its token list in the plan; ptr and slot follow */
+    int n_tokens;
+} q3_moe_batch;
 
 /* A CUDA layer's state: its device memory and host staging, grown for larger calls. */
 struct q3_cuda_state {
@@ -45,6 +63,10 @@ struct q3_cuda_state {
     int64_t *offsets;     /* [E + 1] */
     int32_t *pair_row;    /* [rows * k] */
     float *pair_w;        /* [rows * k] */
+    int32_t *moe_plan;    /* [q3_moe_plan_ints] */
+    q3_moe_batch *batches; /* [E] */
+    int32_t *token_index; /* [rows] zero between uses: 1 + a token's place in its batch's list */
+    int32_t *token_fill;  /* [rows] */
 };
 
 /* One run of passes: the first failing call and its name; events while profiling. */

@@ -7,7 +7,10 @@
  * grouped expert kernels read each chosen expert's weights once, guided by the device-side
  * groups. They can be captured in a CUDA graph (csrc/decode_graph.c). Larger passes stage
  * positions on the host and bring the router's choices back to group them there: one stream
- * synchronisation per pass, then one launch per chosen expert and projection. */
+ * synchronisation per pass. With bf16 weights the host then plans the experts in batches
+ * (tiles of up to 64 slots of one expert, and each token's slots) so that three tensor-core
+ * launches serve a whole batch (gate/up with SiLU*up, down, combine); otherwise one launch per
+ * chosen expert and projection. */
 #include <math.h>
 #include <stdlib.h>
 
@@ -37,6 +40,7 @@ q3_status q3_gpu_ws_alloc(q3_gpu_ws *ws, const q3_layer *l, int64_t rows, int se
         CARVE(pair_act, float, Rd * k * cf->moe_inter);
         CARVE(pair_y, float, Rd * k * cf->hidden);
         CARVE(experts, const void *, Q3_X_COUNT * E);
+        CARVE(moe_plan, int32_t, q3_moe_plan_ints(rows, (int)k, (int)E));
 #undef CARVE
         if (pass == 0 && (g->set_device(l->w.device) || g->malloc_device((void **)&base, off)))
             return q3_fail(err, Q3_ERR_NOMEM, "cuda workspace: cannot allocate %zu bytes on cuda:%d", off,
@@ -152,7 +156,68 @@ static void experts_on_device(q3_layer *l, const q3_pass *p, q3_gpu_run *run) {
     Q3_GPU(run, g->moe_combine(d->x, ws->pair_y, d->pair_w, ws->pair_slot, R, k, H, sm), "moe_combine");
 }
 
-/* the router's choices to the host, grouped there; one launch per chosen expert and step */
+static int grouped_prefill = 1;
+
+int q3_cuda_grouped_prefill(int on) {
+    if (on >= 0) grouped_prefill = on != 0;
+    return grouped_prefill;
+}
+
+/* the list of tokens batch b touches and each one's slots (local to the batch), in the plan */
+static int64_t plan_tokens(q3_cuda_state *st, q3_moe_batch *b, int64_t at) {
+    int32_t *tokens = st->moe_plan + at, *index = st->token_index, *fill = st->token_fill;
+    int n = 0;
+    for (int64_t s = b->slot_lo; s < b->slot_hi; s++) {
+        const int32_t t = st->pair_row[s];
+        if (!index[t]) {
+            index[t] = ++n;
+            tokens[n - 1] = t;
+            fill[n - 1] = 0;
+        }
+        fill[index[t] - 1]++;
+    }
+    int32_t *ptr = tokens + n, *slot = ptr + n + 1;
+    ptr[0] = 0;
+    for (int i = 0; i < n; i++) {
+        ptr[i + 1] = ptr[i] + fill[i];
+        fill[i] = ptr[i];
+    }
+    for (int64_t s = b->slot_lo; s < b->slot_hi; s++) /* slots ascending: each token's in expert order */
+        slot[fill[index[st->pair_row[s]] - 1]++] = (int32_t)(s - b->slot_lo);
+    for (int i = 0; i < n; i++) index[tokens[i]] = 0;
+    b->tokens = at;
+    b->n_tokens = n;
+    return at + 2 * (int64_t)n + 1 + (b->slot_hi - b->slot_lo);
+}
+
+/* the experts in batches of at most R slots, their tiles and token lists; returns the batches
+ * and sets *used to the plan's int32s to upload */
+static int plan_batches(q3_cuda_state *st, int64_t R, int k, int E, int64_t *used) {
+    const int64_t *off = st->offsets;
+    q3_moe_tile *tiles = (q3_moe_tile *)st->moe_plan;
+    int64_t at = 4 * q3_moe_plan_tiles(R, k, E); /* the token lists start after the tiles' room */
+    int n_batches = 0, n_tiles = 0;
+    for (int e0 = 0; e0 < E;) {
+        q3_moe_batch *b = &st->batches[n_batches++];
+        b->slot_lo = off[e0];
+        b->tile_lo = n_tiles;
+        int e = e0;
+        for (; e < E && (e == e0 || off[e + 1] - b->slot_lo <= R); e++) /* an expert has at most R slots */
+            for (int64_t f = off[e]; f < off[e + 1]; f += Q3_MOE_TILE_ROWS) {
+                const int64_t rows = off[e + 1] - f < Q3_MOE_TILE_ROWS ? off[e + 1] - f : Q3_MOE_TILE_ROWS;
+                tiles[n_tiles++] = (q3_moe_tile){e, (int32_t)(f - b->slot_lo), (int32_t)rows, 0};
+            }
+        b->slot_hi = off[e];
+        b->n_tiles = n_tiles - b->tile_lo;
+        at = plan_tokens(st, b, at);
+        e0 = e;
+    }
+    *used = at;
+    return n_batches;
+}
+
+/* the router's choices to the host, grouped there by expert; then either a few launches per
+ * batch of experts (bf16 weights on tensor cores) or one per chosen expert and step */
 static void experts_from_host(q3_layer *l, const q3_pass *p, q3_gpu_run *run) {
     const q3_config *cf = &l->cfg;
     const q3_weights *w = &l->w;
@@ -169,6 +234,26 @@ static void experts_from_host(q3_layer *l, const q3_pass *p, q3_gpu_run *run) {
     q3_cpu_ops_active()->moe_group(st->offsets, st->pair_row, st->pair_w, st->topk_idx, st->topk_w, R, k, E);
     Q3_GPU(run, g->copy_async(d->pair_row, st->pair_row, (size_t)(R * k) * sizeof(int32_t), 1, sm), "copy pairs");
     Q3_GPU(run, g->copy_async(d->pair_w, st->pair_w, (size_t)(R * k) * sizeof(float), 1, sm), "copy pair weights");
+    if (grouped_prefill && w->dtype == Q3_BF16 && H % 32 == 0 && I % 32 == 0) {
+        int64_t used = 0;
+        const int n_batches = plan_batches(st, R, k, E, &used);
+        int32_t *plan = run->ws->moe_plan;
+        const q3_moe_tile *tiles = (const q3_moe_tile *)plan;
+        const void *const *gate = run->ws->experts, *const *up = gate + E, *const *down = gate + 2 * E;
+        Q3_GPU(run, g->copy_async(plan, st->moe_plan, (size_t)used * sizeof(int32_t), 1, sm), "copy plan");
+        q3_gpu_mark(run, Q3_STAGE_TOP_K);
+        for (int i = 0; i < n_batches && !run->code; i++) {
+            const q3_moe_batch *b = &st->batches[i];
+            if (b->n_tiles == 0) continue;
+            const int32_t *tokens = plan + b->tokens, *ptr = tokens + b->n_tokens, *slot = ptr + b->n_tokens + 1;
+            Q3_GPU(run, g->moe_gate_up_tc(d->gate, d->h, d->pair_row + b->slot_lo, tiles + b->tile_lo, b->n_tiles,
+                                          gate, up, I, H, sm), "moe_gate_up_tc");
+            Q3_GPU(run, g->moe_down_tc(d->ye, d->gate, tiles + b->tile_lo, b->n_tiles, down, H, I, sm), "moe_down_tc");
+            Q3_GPU(run, g->moe_combine_csr(d->x, d->ye, d->pair_w + b->slot_lo, tokens, ptr, slot, b->n_tokens, H, sm),
+                   "moe_combine_csr");
+        }
+        return;
+    }
     q3_gpu_mark(run, Q3_STAGE_TOP_K);
     for (int e = 0; e < E && !run->code; e++) {
         const int64_t first = st->offsets[e], n = st->offsets[e + 1] - first;

@@ -139,15 +139,24 @@ static PyObject *cuda_device_count(PyObject *m, PyObject *unused) {
     return PyLong_FromLong(q3_cuda_device_count());
 }
 
+static PyObject *cuda_grouped_prefill(PyObject *m, PyObject *args) {
+    (void)m;
+    PyObject *on = Py_None;
+    if (!PyArg_ParseTuple(args, "|O:cuda_grouped_prefill", &on)) return NULL;
+    const int flag = on == Py_None ? -1 : PyObject_IsTrue(on);
+    if (on != Py_None && flag < 0) return NULL;
+    return PyBool_FromLong(q3_cuda_grouped_prefill(flag));
+}
+
 static PyObject *cuda_check(PyObject *m, PyObject *args) {
     (void)m;
     int device = 0, n = 0;
     if (!PyArg_ParseTuple(args, "|i:cuda_check", &device)) return NULL;
-    q3_check_result results[32];
+    q3_check_result results[64];
     q3_error err;
     q3_status s;
     Py_BEGIN_ALLOW_THREADS
-    s = q3_cuda_check(device, results, 32, &n, &err);
+    s = q3_cuda_check(device, results, 64, &n, &err);
     Py_END_ALLOW_THREADS
     if (s != Q3_OK) return q3_raise(NULL, &err);
     PyObject *list = PyList_New(n);
@@ -349,6 +358,9 @@ static PyMethodDef module_methods[] = {
     {"cuda_time", (PyCFunction)(void (*)(void))cuda_time, METH_VARARGS | METH_KEYWORDS,
      "cuda_time(what, bytes=0, T=1, N=1, K=1, dtype='bfloat16', repeats=20)\n--\n\n"
      "ms per call, CUDA events: what='copy' (device to device) or 'matmul'."},
+    {"cuda_grouped_prefill", cuda_grouped_prefill, METH_VARARGS,
+     "cuda_grouped_prefill(on=None)\n--\n\nThe prefill MoE of bf16 CUDA layers: grouped launches per batch of experts "
+     "(True, the default) or one launch per expert and step (False); None only reads it. Returns the setting."},
     {"cuda_emulate", cuda_emulate, METH_NOARGS,
      "cuda_emulate()\n--\n\nFor tests without a GPU: one emulated CUDA device (host memory, CPU kernels)."},
     {"copy_tensor", copy_tensor, METH_VARARGS,

@@ -173,6 +173,11 @@ int q3_cuda_device_count(void);
  * memory and whose kernels are the CPU twins. Instead of the library, once per process. */
 q3_status q3_cuda_emulate(q3_error *err);
 
+/* The prefill MoE of CUDA layers with bf16 weights: grouped (a few launches per batch of
+ * experts, tensor cores) when on (the default), else one launch per chosen expert and step.
+ * on < 0 only reads the setting; returns the setting now. For comparisons. */
+int q3_cuda_grouped_prefill(int on);
+
 /* Each CUDA kernel against its CPU twin on random inputs (csrc/cuda_check.c): one result
  * per case; max_err is max |cuda - cpu| / max |cpu|. */
 typedef struct {

@@ -66,3 +66,25 @@ def test_decode_graphs_on_an_emulated_device(out):
     assert errors[7].startswith("ValueError: cache: expected a cache on cuda:0")
     assert out["graph lengths after errors"] == [6]
     assert out["wrapped graph"] == ["Tensor", [1, 1], "DecodeGraph(batch=2, dtype=bfloat16, device=cuda:0)"]
+
+
+def test_grouped_prefill_moe_on_an_emulated_device(out):
+    """The prefill MoE in batches of experts (a few launches per batch: tiles, token lists
+    made on the host) computes what one launch per expert does, step for step in the same
+    order (experts here all get >= 16 tokens, so both round to bf16 for the tensor cores),
+    with experts of two tiles and tokens with two slots in one batch."""
+    for name in ("one sequence", "two sequences in chunks"):
+        grouped_vs_cpu, per_expert_vs_cpu, grouped_vs_per_expert = out["grouped prefill"][name]
+        assert grouped_vs_per_expert <= 1e-6, name
+        assert grouped_vs_cpu <= 5e-3 and per_expert_vs_cpu <= 5e-3, name
+    assert out["grouped prefill setting"] == [False, True]
+
+
+def test_the_kernel_self_check_runs_every_case_on_an_emulated_device(out):
+    """On a GPU, q3.cuda.check_kernels compares each CUDA kernel with its CPU twin; here the
+    kernels are the twins, so every case must come out exact: what this checks is the harness
+    (its uploads, pointer tables, tile lists and comparisons), before a GPU ever runs it."""
+    cases = out["kernel check"]
+    assert len(cases) == 30  # 32 where cuBLAS is found
+    assert len({name for name, _, _ in cases}) == len(cases)
+    assert all(err == 0.0 for _, err, _ in cases), cases

@@ -15,6 +15,13 @@
 extern "C" {
 #endif
 
+/* A tile of the grouped prefill MoE: `rows` (1 .. Q3_MOE_TILE_ROWS) consecutive slots from
+ * `first`, all of expert `expert`. */
+#define Q3_MOE_TILE_ROWS 64
+typedef struct {
+    int32_t expert, first, rows, unused;
+} q3_moe_tile;
+
 typedef struct {
     /* runtime */
     int (*device_count)(int *count);
@@ -108,6 +115,20 @@ typedef struct {
      * one at a time in ascending slot order (= expert order, as scatter_add_rows per expert) */
     int (*moe_combine)(float *x, const float *y, const float *weights, const int32_t *slot, int64_t T, int k,
                        int64_t H, void *stream);
+    /* ---- prefill MoE: experts grouped on the host, one launch per batch of experts ---- */
+    /* act [s, :I] = silu(x[rows[s]] G_e^T) * (x[rows[s]] U_e^T) for the slots s of each tile
+     * (device array of n_tiles), on tensor cores: x rounded to bf16 as they read it; gate, up:
+     * device tables of E device pointers to bf16 [I, K]; I % 16 == 0, K % 32 == 0 */
+    int (*moe_gate_up_tc)(float *act, const float *x, const int32_t *rows, const q3_moe_tile *tiles, int n_tiles,
+                          const void *const *gate, const void *const *up, int64_t I, int64_t K, void *stream);
+    /* y [s, :N] = act [s, :K] D_e^T for the slots s of each tile, act rounded to bf16;
+     * down: E device pointers to bf16 [N, K]; N % 16 == 0, K % 32 == 0 */
+    int (*moe_down_tc)(float *y, const float *act, const q3_moe_tile *tiles, int n_tiles, const void *const *down,
+                       int64_t N, int64_t K, void *stream);
+    /* for i < n: x [tokens[i], :H] += weights[slot[j]] * y [slot[j], :H] for j = ptr[i] ..
+     * ptr[i + 1] - 1, added one at a time in that order (tokens distinct) */
+    int (*moe_combine_csr)(float *x, const float *y, const float *weights, const int32_t *tokens,
+                           const int32_t *ptr, const int32_t *slot, int n, int64_t H, void *stream);
     int (*swiglu)(float *act, const float *gate, const float *up, int64_t n, void *stream);
     int (*gather_rows)(float *dst, const float *src, const int32_t *rows, int64_t n, int64_t H, void *stream);
     int (*scatter_add_rows)(float *dst, const float *src, const int32_t *rows, const float *scale, int64_t n,

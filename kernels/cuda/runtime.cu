@@ -24,6 +24,12 @@ int q3_moe_gate_up_cuda(float *, const float *, const int32_t *, const int64_t *
 int q3_moe_down_cuda(float *, const float *, const int64_t *, const int32_t *, const void *const *, q3_dtype, int,
                      int64_t, int64_t, void *);
 int q3_moe_combine_cuda(float *, const float *, const float *, const int32_t *, int64_t, int, int64_t, void *);
+int q3_moe_gate_up_tc_cuda(float *, const float *, const int32_t *, const q3_moe_tile *, int, const void *const *,
+                           const void *const *, int64_t, int64_t, void *);
+int q3_moe_down_tc_cuda(float *, const float *, const q3_moe_tile *, int, const void *const *, int64_t, int64_t,
+                        void *);
+int q3_moe_combine_csr_cuda(float *, const float *, const float *, const int32_t *, const int32_t *, const int32_t *,
+                            int, int64_t, void *);
 int q3_swiglu_cuda(float *, const float *, const float *, int64_t, void *);
 int q3_gather_rows_cuda(float *, const float *, const int32_t *, int64_t, int64_t, void *);
 int q3_scatter_add_rows_cuda(float *, const float *, const int32_t *, const float *, int64_t, int64_t, void *);
@@ -211,6 +217,9 @@ extern "C" int q3_cuda_ops_get(q3_cuda_ops *ops) {
     ops->moe_gate_up = q3_moe_gate_up_cuda;
     ops->moe_down = q3_moe_down_cuda;
     ops->moe_combine = q3_moe_combine_cuda;
+    ops->moe_gate_up_tc = q3_moe_gate_up_tc_cuda;
+    ops->moe_down_tc = q3_moe_down_tc_cuda;
+    ops->moe_combine_csr = q3_moe_combine_csr_cuda;
     ops->swiglu = q3_swiglu_cuda;
     ops->gather_rows = q3_gather_rows_cuda;
     ops->scatter_add_rows = q3_scatter_add_rows_cuda;
