@@ -14,20 +14,26 @@ size_t q3_workspace_layout(q3_workspace *w, char *base, const q3_config *c, int6
     } while (0)
     CARVE(x, float, R * H);
     CARVE(h, float, R * H);
-    CARVE(q, float, R * QD);
-    CARVE(k, float, R * KVD);
-    CARVE(v, float, R * KVD);
-    CARVE(attn, float, R * QD);
     CARVE(logits, float, R * c->experts);
     CARVE(topk_idx, int32_t, R * c->top_k);
     CARVE(topk_w, float, R * c->top_k);
     CARVE(offsets, int64_t, c->experts + 1);
     CARVE(pair_row, int32_t, R * c->top_k);
     CARVE(pair_w, float, R * c->top_k);
+    /* the attention stage's buffers and the MoE stage's share memory: neither stage reads
+     * the other's (x and h carry everything across) */
+    const size_t stages = off;
+    CARVE(q, float, R * QD);
+    w->attn = w->q; /* attention reads each query row before it writes that row's output */
+    CARVE(k, float, R * KVD);
+    CARVE(v, float, R * KVD);
+    const size_t attention_end = off;
+    off = stages;
     CARVE(xe, float, R * H);
     CARVE(gate, float, R * I);
     CARVE(up, float, R * I);
     CARVE(ye, float, R * H);
+    off = off > attention_end ? off : attention_end;
     CARVE(pos, int64_t, R);
     int64_t max_k = H > QD ? H : QD;
     max_k = max_k > I ? max_k : I;

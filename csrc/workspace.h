@@ -15,16 +15,18 @@ typedef struct {
     void *block;
     float *x;          /* [R, H] residual stream, fp32 */
     float *h;          /* [R, H] normed activations */
+    /* attention stage (its memory reused by the MoE stage's xe, gate, up, ye) */
     float *q;          /* [R, Hq * D] */
     float *k;          /* [R, Hkv * D] */
     float *v;          /* [R, Hkv * D] */
-    float *attn;       /* [R, Hq * D] attention output */
+    float *attn;       /* [R, Hq * D] attention output: the same memory as q */
     float *logits;     /* [R, E] router logits */
     int32_t *topk_idx; /* [R, k] */
     float *topk_w;     /* [R, k] */
     int64_t *offsets;  /* [E + 1] expert groups */
     int32_t *pair_row; /* [R * k] token of each (token, expert) pair, grouped by expert */
     float *pair_w;     /* [R * k] its routing weight */
+    /* MoE stage */
     float *xe;         /* [R, H] one expert's gathered inputs */
     float *gate;       /* [R, I] */
     float *up;         /* [R, I] */
