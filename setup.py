@@ -12,6 +12,7 @@ built into qwen3layer/libq3cuda.so for sm_80 and sm_90, with the CUDA runtime li
 statically: the engine opens it only when a CUDA device is asked for, so the package works
 on machines without CUDA. Q3_CUDA=0 skips it; without nvcc the build says it is CPU-only.
 """
+import concurrent.futures
 import glob
 import os
 import platform
@@ -62,15 +63,23 @@ class BuildKernelVariants(build_ext):
             return
         objdir = os.path.join(self.build_temp, "cuda")
         os.makedirs(objdir, exist_ok=True)
-        objects = []
+        objects, stale = [], []
+        headers = glob.glob("kernels/cuda/*.cuh") + glob.glob("kernels/cuda/*.h") + glob.glob("kernels/*.h")
         for src in sorted(glob.glob("kernels/cuda/*.cu")):
             obj = os.path.join(objdir, os.path.basename(src) + ".o")
-            deps = [src] + glob.glob("kernels/cuda/*.cuh") + glob.glob("kernels/cuda/*.h") + glob.glob("kernels/*.h")
-            if self.force or not os.path.exists(obj) or os.path.getmtime(obj) < max(map(os.path.getmtime, deps)):
-                print(f"nvcc {src}")
-                subprocess.check_call([nvcc, "-std=c++17", "-O3", "-Xcompiler", "-fPIC", *CUDA_ARCHS,
-                                       "-Ikernels", "-c", src, "-o", obj])
+            if self.force or not os.path.exists(obj) or os.path.getmtime(obj) < max(map(os.path.getmtime, [src] + headers)):
+                stale.append((src, obj))
             objects.append(obj)
+
+        def compile_one(job):
+            src, obj = job
+            print(f"nvcc {src}")
+            subprocess.check_call([nvcc, "-std=c++17", "-O3", "-Xcompiler", "-fPIC", *CUDA_ARCHS,
+                                   "-Ikernels", "-c", src, "-o", obj])
+
+        # nvcc runs one file on one core: the files in parallel
+        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            list(pool.map(compile_one, stale))
         os.makedirs(os.path.dirname(target), exist_ok=True)
         subprocess.check_call([nvcc, "-shared", "-cudart", "static", *CUDA_ARCHS, *objects, "-o", target])
         print(f"qwen3layer: built the CUDA backend {target}")
