@@ -139,6 +139,27 @@ static PyObject *cuda_device_count(PyObject *m, PyObject *unused) {
     return PyLong_FromLong(q3_cuda_device_count());
 }
 
+static PyObject *cuda_synchronize(PyObject *m, PyObject *args) {
+    (void)m;
+    int device = 0;
+    if (!PyArg_ParseTuple(args, "|i:cuda_synchronize", &device)) return NULL;
+    const q3_cuda_ops *g = q3_cuda();
+    if (!g) {
+        PyErr_SetString(PyExc_RuntimeError, "cuda_synchronize: the CUDA backend is not loaded");
+        return NULL;
+    }
+    int code;
+    Py_BEGIN_ALLOW_THREADS
+    code = g->set_device(device);
+    if (!code) code = g->synchronize();
+    Py_END_ALLOW_THREADS
+    if (code) {
+        PyErr_Format(PyExc_RuntimeError, "cuda_synchronize(%d): %s", device, g->error_string(code));
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *cuda_grouped_prefill(PyObject *m, PyObject *args) {
     (void)m;
     PyObject *on = Py_None;
@@ -358,6 +379,8 @@ static PyMethodDef module_methods[] = {
     {"cuda_time", (PyCFunction)(void (*)(void))cuda_time, METH_VARARGS | METH_KEYWORDS,
      "cuda_time(what, bytes=0, T=1, N=1, K=1, dtype='bfloat16', repeats=20)\n--\n\n"
      "ms per call, CUDA events: what='copy' (device to device) or 'matmul'."},
+    {"cuda_synchronize", cuda_synchronize, METH_VARARGS,
+     "cuda_synchronize(device=0)\n--\n\nWaits until everything queued on the device has run."},
     {"cuda_grouped_prefill", cuda_grouped_prefill, METH_VARARGS,
      "cuda_grouped_prefill(on=None)\n--\n\nThe prefill MoE of bf16 CUDA layers: grouped launches per batch of experts "
      "(True, the default) or one launch per expert and step (False); None only reads it. Returns the setting."},

@@ -96,9 +96,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"decode   {args.new_tokens} steps at context {args.tokens}..{args.tokens + args.new_tokens - 1}: "
               f"median {med:.2f} ms/token (min {min(step_ms):.2f}), "
               f"{wbytes / 1e6:.1f} MB of weights per token -> {wbytes / med / 1e6:.1f} GB/s")
-    print(f"cache    {cache}\nworkspace {layer.workspace_bytes / 2**20:.1f} MiB")
     decode_stages = layer._core.profile_seconds()
     layer._core.set_profiling(False)
+    if layer.device != "cpu" and args.new_tokens:
+        graph_ms = graph_decode_ms(layer, cache, args)
+        print(f"decode   {args.new_tokens} more steps replaying a CUDA graph of the step: "
+              f"{graph_ms:.3f} ms/token (wall clock, launches included)")
+    print(f"cache    {cache}\nworkspace {layer.workspace_bytes / 2**20:.1f} MiB")
     print()
     pre = cost_model(cfg, "prefill", args.tokens, chunk_size=chunk, dtype=args.dtype)
     print(stage_table(join(pre, prefill_stages), f"the map, prefill of {args.tokens} tokens in {pre.passes} "
@@ -109,6 +113,23 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(stage_table(join(dec, decode_stages), f"the map, decode: {args.new_tokens} steps from context "
                           f"{args.tokens} (all steps together):"))
     return 0
+
+
+def graph_decode_ms(layer: DecoderLayer, cache, args: argparse.Namespace) -> float:
+    """The decode step captured in a CUDA graph, replayed --new-tokens times over the same
+    context as the plain steps (the cache is cut back to the prompt first), timed from the
+    first launch to the device's end. The graph's input holds zeros: a token like another."""
+    from . import cuda
+
+    index = int(layer.device.partition(":")[2] or 0)
+    cache.truncate(args.tokens, 0)
+    graph = layer.decode_graph(cache)
+    cuda.synchronize(index)
+    t = time.perf_counter()
+    for _ in range(args.new_tokens):
+        graph()
+    cuda.synchronize(index)
+    return (time.perf_counter() - t) * 1e3 / args.new_tokens
 
 
 def activation_bytes(layer: DecoderLayer, tokens: int, dtype: str) -> int:

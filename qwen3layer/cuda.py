@@ -58,6 +58,13 @@ def device_count() -> int:
     return _C.cuda_device_count()
 
 
+def synchronize(device: int = 0) -> None:
+    """Waits until all the work queued on CUDA device `device` has run (for timings)."""
+    if not _C.cuda_device_count():  # no backend open yet
+        load()
+    _C.cuda_synchronize(device)
+
+
 def check_kernels(device: int = 0) -> list[dict]:
     """Runs every CUDA kernel against its CPU twin on random inputs on `device`:
     [{'case', 'max_err', 'tol', 'ok'}], max_err being max |cuda - cpu| / max |cpu|."""

@@ -160,6 +160,18 @@ del wrapped, wcache
 y = wgraph(wgraph.input)  # x is the input itself: no copy
 out["wrapped graph"] = [type(y).__name__, list(wgraph.cache.lengths), repr(wgraph)]
 
+# the CLI's run on a CUDA layer: plain decode steps, then the same steps replaying a graph
+import contextlib  # noqa: E402
+import io  # noqa: E402
+
+from qwen3layer import cli  # noqa: E402
+
+text = io.StringIO()
+with contextlib.redirect_stdout(text), contextlib.redirect_stderr(io.StringIO()):
+    code = cli.main(["run", "--geometry", "tiny", "--device", "cuda", "--tokens", "40", "--chunk-size", "16",
+                     "--new-tokens", "3"])
+out["cli run"] = [code] + [line for line in text.getvalue().splitlines() if line.startswith(("decode", "cache"))]
+
 # the kernel self-check's own harness (uploads, pointer tables, tiles), twins against twins here
 out["kernel check"] = _C.cuda_check(0)
 print(json.dumps(out))

@@ -88,3 +88,12 @@ def test_the_kernel_self_check_runs_every_case_on_an_emulated_device(out):
     assert len(cases) == 30  # 32 where cuBLAS is found
     assert len({name for name, _, _ in cases}) == len(cases)
     assert all(err == 0.0 for _, err, _ in cases), cases
+
+
+def test_the_cli_run_on_a_cuda_layer_also_times_graph_decode(out):
+    code, *lines = out["cli run"]
+    assert code == 0
+    assert lines[0].startswith("decode   3 steps at context 40..42: median ")
+    assert lines[1].startswith("decode   3 more steps replaying a CUDA graph of the step: ")
+    assert lines[1].endswith(" ms/token (wall clock, launches included)")
+    assert "filled=43/43 tokens" in lines[2]  # the graph's steps went over the plain steps' positions
