@@ -145,13 +145,14 @@ def layer_table(copy_tbs: float) -> None:
         _C.cuda_grouped_prefill(grouped)  # False: one launch per expert and step, for comparison
         fresh = q3.DecoderLayer.from_hf(hf, device="cuda")  # its own workspace: what this prefill needs
         t_ours = wall(lambda f=fresh, c=chunk: f.prefill(x, f.new_cache(S), chunk_size=c), 3)
-        memory = fresh.workspace_bytes + 2 * x.numel() * x.element_size()  # workspace, input, output
+        io = 2 * x.numel() * x.element_size()  # the caller's input and the output
         moe = "grouped MoE" if grouped else "MoE launch per expert"
         rows.append((f"prefill {S} tokens, chunks of {chunk}, {moe}", f"{t_ours * 1e3:.1f} ms",
                      f"{t_hf * 1e3:.1f} ms", f"{t_hf / t_ours:.2f}x",
                      f"{prefill_flops(cfg, S) / t_ours / 1e12:.1f} TFLOP/s "
                      f"({prefill_flops(cfg, S) / t_ours / 1e12 / mm_tflops:.0%} of matrix rate); "
-                     f"{memory / 2**20:.0f} MiB beyond weights and cache"))
+                     f"beyond weights and cache: {fresh.workspace_bytes / 2**20:.0f} MiB of workspace "
+                     f"(+ {io / 2**20:.0f} MiB input and output)"))
     _C.cuda_grouped_prefill(True)
     head = ("layer, real geometry, bf16", "qwen3layer", "transformers", "speed-up", "achieved")
     widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(5)]

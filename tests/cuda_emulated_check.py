@@ -133,21 +133,25 @@ out["graph errors"] = errors_of((
     lambda: layer.decode_graph(_C.Layer(CFG, w, None, -1).new_cache(4))))
 out["graph lengths after errors"] = list(small.lengths)
 
-# the prefill MoE grouped in batches of experts (bf16, I % 32 == 0) against one launch per
-# expert and against the CPU layer: experts of 2 tiles, tokens with 2 slots in one batch
+# the prefill MoE grouped in batches of experts (bf16 weights, I % 32 == 0) against one launch
+# per expert and against the CPU layer: experts of 2 tiles, tokens with 2 slots in one batch.
+# fp32 inputs and outputs, errors relative to the layer's update y - x (the residual x would
+# hide a wrong MoE term)
 G = q3.LayerConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
 wg = _C.random_weights(G, 12, "bfloat16")
 cpu_g, gpu_g = _C.Layer(G, wg, None, -1), _C.Layer(G, wg, None, 0)
 grouped = {}
-for name, x, chunk in (("one sequence", _C.random_tensor((200, 64), 13, "bfloat16"), None),
-                       ("two sequences in chunks", _C.random_tensor((2, 90, 64), 14, "bfloat16"), 45)):
-    batch = 1 if len(x.shape) == 2 else 2
-    want = host(cpu_g.prefill(x, cpu_g.new_cache(256, batch), None, chunk))
+for name, shape, chunk in (("one sequence", (200, 64), None), ("two sequences in chunks", (2, 90, 64), 45),
+                           ("three tokens: batches of at most 3 pairs", (3, 64), None)):
+    x = _C.random_tensor(shape, 13, "float32")
+    batch = 1 if len(shape) == 2 else 2
+    x_host = host(x)
+    want = host(cpu_g.prefill(x, cpu_g.new_cache(256, batch), None, chunk)) - x_host
     got = {}
     for on in (True, False):
         _C.cuda_grouped_prefill(on)
-        got[on] = host(gpu_g.prefill(_C.copy_tensor(x, 0), gpu_g.new_cache(256, batch), None, chunk))
+        got[on] = host(gpu_g.prefill(_C.copy_tensor(x, 0), gpu_g.new_cache(256, batch), None, chunk)) - x_host
     grouped[name] = [rel(got[True], want), rel(got[False], want), rel(got[True], got[False])]
 out["grouped prefill"] = grouped
 out["grouped prefill setting"] = [_C.cuda_grouped_prefill(), _C.cuda_grouped_prefill(True)]

@@ -72,11 +72,14 @@ def test_grouped_prefill_moe_on_an_emulated_device(out):
     """The prefill MoE in batches of experts (a few launches per batch: tiles, token lists
     made on the host) computes what one launch per expert does, step for step in the same
     order (experts here all get >= 16 tokens, so both round to bf16 for the tensor cores),
-    with experts of two tiles and tokens with two slots in one batch."""
-    for name in ("one sequence", "two sequences in chunks"):
+    with experts of two tiles and tokens with two slots in one batch. Errors are relative to
+    the layer's update y - x, where a wrong expert term would show."""
+    for name in ("one sequence", "two sequences in chunks", "three tokens: batches of at most 3 pairs"):
         grouped_vs_cpu, per_expert_vs_cpu, grouped_vs_per_expert = out["grouped prefill"][name]
+        assert grouped_vs_cpu <= 2e-3 and per_expert_vs_cpu <= 2e-3, name
+        if name.startswith("three"):  # experts of < 16 tokens: the per-expert path skips the bf16 rounding
+            continue
         assert grouped_vs_per_expert <= 1e-6, name
-        assert grouped_vs_cpu <= 5e-3 and per_expert_vs_cpu <= 5e-3, name
     assert out["grouped prefill setting"] == [False, True]
 
 
