@@ -36,10 +36,13 @@ class DecoderLayer(torch.nn.Module):
 
     @classmethod
     def from_hf(cls, hf_layer: torch.nn.Module, max_tokens: int = 4096) -> "DecoderLayer":
-        """From a transformers Qwen3MoeDecoderLayer; its weights are shared, not copied.
+        """From a transformers Qwen3MoeDecoderLayer; its weights are shared, not copied, and
+        the C layer runs where they are (the CPU, or their CUDA device, on torch's stream).
         max_tokens: the longest sequence (prompt + generated) a generation may reach."""
         layer_idx = getattr(hf_layer.self_attn, "layer_idx", 0)
-        return cls(_CoreLayer.from_hf(hf_layer), layer_idx, hf_layer, max_tokens)
+        where = next(hf_layer.parameters()).device
+        device = "cpu" if where.type == "cpu" else f"cuda:{where.index or 0}"
+        return cls(_CoreLayer.from_hf(hf_layer, device=device), layer_idx, hf_layer, max_tokens)
 
     def _cache_for(self, model_cache: Any, batch: int, position_ids: Optional[torch.Tensor]):
         """The C cache matching the model cache's state: a new one when a generation starts,

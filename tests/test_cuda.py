@@ -165,3 +165,21 @@ def test_cuda_graph_replays_on_a_side_stream_and_refuses_a_full_cache():
     with pytest.raises(q3.CacheFullError, match="sequence 0 holds 4 of 4 tokens"):
         graph()
     assert cache.lengths == (4,)
+
+
+@needs_gpu
+def test_drop_in_generation_on_the_gpu_is_identical():
+    """patch_model on a model that lives on the GPU: the C layers run there, sharing the
+    model's CUDA weights, and greedy generation gives transformers' tokens."""
+    import torch
+    from test_torch_dropin import greedy, tiny_model
+
+    import qwen3layer.torch as q3t
+
+    model = tiny_model(0).cuda()
+    ids = torch.randint(1, 101, (1, 9), generator=torch.Generator().manual_seed(0)).cuda()
+    ref = greedy(model, ids, 16)
+    q3t.patch_model(model)
+    layer = model.model.layers[0]
+    assert layer.core.device == "cuda:0" and layer.core.converted == ()
+    assert torch.equal(greedy(model, ids, 16), ref)
