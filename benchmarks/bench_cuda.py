@@ -56,6 +56,15 @@ def main() -> int:
     return 0
 
 
+class Rows(list):
+    """The layer table's rows, each also printed as it is measured (a run cut short by a
+    timeout still shows what it got)."""
+
+    def append(self, row) -> None:
+        print("measured: " + " | ".join(str(v) for v in row), flush=True)
+        super().append(row)
+
+
 def layer_table(copy_tbs: float) -> None:
     import statistics
     import time
@@ -94,7 +103,7 @@ def layer_table(copy_tbs: float) -> None:
     square = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     mm_tflops = 2 * 8192**3 / wall(lambda: square @ square, 10) / 1e12
     print(f"\nbf16 matrix rate (torch matmul 8192^3): {mm_tflops:.0f} TFLOP/s")
-    rows = []
+    rows = Rows()
     steps = 8  # consecutive decode steps per timed run, then the caches are cut back
     for batch, ctx in ((1, 8192), (16, 8192)):
         cache = layer.new_cache(ctx + steps, batch=batch)

@@ -19,7 +19,7 @@ python3 -m pip install --no-build-isolation --no-deps -q -e . > "$out/build.log"
 python3 -c "import qwen3layer as q3; print(q3.build_info()); print('cuda devices:', q3.cuda.device_count(), '- cuBLAS:', repr(q3.cuda.blas()))"
 
 echo "== GPU tests"
-timeout 300 python3 -m pytest -q -rs tests/test_cuda.py 2>&1 | tee "$out/gpu_tests.log" || status=1
+timeout 240 python3 -m pytest -q -rs tests/test_cuda.py 2>&1 | tee "$out/gpu_tests.log" || status=1
 python3 - <<'PY' 2>&1 | tee "$out/kernel_check.txt" || status=1
 import sys
 import qwen3layer as q3
@@ -32,8 +32,8 @@ sys.exit(0 if all(r["ok"] for r in rows) else 1)
 PY
 
 echo "== CPU suite on this machine (its own torch and transformers)"
-timeout 240 python3 -m pytest -q -x tests 2>&1 | tail -5 | tee "$out/cpu_tests.log" || status=1
+timeout 150 python3 -m pytest -q -x tests --ignore=tests/test_cuda.py 2>&1 | tail -5 | tee "$out/cpu_tests.log" || status=1
 
 echo "== CUDA benchmark"
-timeout 120 python3 benchmarks/bench_cuda.py 2>&1 | tee "$out/bench_cuda.txt" || status=1
+timeout 240 python3 benchmarks/bench_cuda.py 2>&1 | tee "$out/bench_cuda.txt" || status=1
 exit $status
