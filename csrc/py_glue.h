@@ -103,6 +103,10 @@ q3_cache_object *q3_cache_object_new(q3_module_state *st, int batch, int64_t cap
 extern PyType_Spec q3_layer_spec;
 int q3_parse_config(PyObject *cfg, q3_config *out);
 
+/* ---- CUDA functions (py_cuda.c) ------------------------------------------------------ */
+
+extern PyMethodDef q3_cuda_methods[];
+
 /* ---- DecodeGraph (py_graph.c) ------------------------------------------------------ */
 
 extern PyType_Spec q3_graph_spec;
