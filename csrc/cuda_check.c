@@ -150,9 +150,11 @@ static double case_qk_rope_kv(check *k, int D) {
     return e1 > e2 ? (e1 > e3 ? e1 : e3) : (e2 > e3 ? e2 : e3);
 }
 
-/* L query tokens after n_past[s] cached ones, for 2 sequences; long ones split on the GPU */
-static double case_attention(check *k, int64_t L, int64_t past0, int64_t past1, int64_t capacity, int64_t pad0) {
-    const q3_attn_shape sh = {L, 8, 2, 24, capacity, Q3_BF16, 1.0f / sqrtf(24.0f), (past0 > past1 ? past0 : past1) + L};
+/* L query tokens after n_past[s] cached ones, for 2 sequences, Hq heads on Hkv of dim D;
+ * long contexts split on the GPU, many tokens on tensor cores where the shape fits */
+static double case_attention_heads(check *k, int64_t L, int64_t past0, int64_t past1, int64_t capacity, int64_t pad0,
+                                   int Hq, int Hkv, int D) {
+    const q3_attn_shape sh = {L, Hq, Hkv, D, capacity, Q3_BF16, 1.0f / sqrtf((float)D), (past0 > past1 ? past0 : past1) + L};
     const int n_seqs = 2;
     const int64_t n_past[2] = {past0, past1}, per_seq = (int64_t)sh.kv_heads * sh.capacity * sh.head_dim;
     const int64_t qn = n_seqs * sh.L * sh.heads * sh.head_dim;
@@ -175,6 +177,10 @@ static double case_attention(check *k, int64_t L, int64_t past0, int64_t past1, 
     if (!k->failed) cuda_ok(k, k->g->attention(dout, dq, dseqs, n_seqs, &sh, dpart, NULL), "attention launch");
     fetch(k, got, dout, qn * 4);
     return k->failed ? INFINITY : max_err(got, want, Q3_F32, qn);
+}
+
+static double case_attention(check *k, int64_t L, int64_t past0, int64_t past1, int64_t capacity, int64_t pad0) {
+    return case_attention_heads(k, L, past0, past1, capacity, pad0, 8, 2, 24);
 }
 
 static double case_router(check *k, int normalize) {
@@ -283,6 +289,11 @@ q3_status q3_cuda_check(int device_index, q3_check_result *out, int max, int *n,
     RUN("attention, 6 tokens after 4 of padding", 1e-5, case_attention(&k, 6, 0, 17, 40, 4));
     RUN("attention split-KV, decode over 3000 keys", 1e-5, case_attention(&k, 1, 2999, 1800, 3100, 0));
     RUN("attention split-KV, 4 tokens over 900 keys", 1e-5, case_attention(&k, 4, 900, 40, 1000, 700));
+    /* tensor cores: q and the probabilities rounded to bf16 */
+    RUN("attention tensor cores, 40 tokens, G=4 D=32", 2e-2, case_attention_heads(&k, 40, 0, 17, 80, 0, 8, 2, 32));
+    RUN("attention tensor cores, G=16 D=128, padding", 2e-2,
+        case_attention_heads(&k, 37, 100, 0, 160, 45, 32, 2, 128));
+    RUN("attention tensor cores, prompt in padding", 2e-2, case_attention_heads(&k, 21, 0, 3, 40, 12, 16, 2, 64));
     RUN("router top-k, renormalised", 1e-6, case_router(&k, 1));
     RUN("router top-k", 1e-6, case_router(&k, 0));
     RUN("decode_prepare: lengths, positions", 0.0, q3_case_decode_prepare(&k));

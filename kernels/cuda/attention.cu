@@ -5,7 +5,8 @@
 // rescales and adds the tile's values, one head dim per lane and step of 32.
 // Split-KV: a decode over a long context has few (token, KV head) pairs, so its keys are cut
 // into slices run by separate blocks, each writing its (max, sum, accumulator) partial; a
-// second kernel merges the slices of each query head. Prefill runs unsplit.
+// second kernel merges the slices of each query head. Prefill runs unsplit, and on tensor
+// cores (attention_tc.cu) where the shape allows.
 #include <math.h>
 
 #include "../attention.h"
@@ -105,11 +106,18 @@ __global__ void combine_kernel(float *out, const float *partial, int64_t rows, i
     }
 }
 
-// out, q [n_seqs, L, Hq, D]; seqs: a device array of n_seqs entries
+extern "C" int q3_attention_tc_fits(const q3_attn_shape *sh);
+extern "C" int q3_attention_tc_cuda(float *out, const float *q, const q3_attn_seq *seqs, int n_seqs,
+                                    const q3_attn_shape *sh, void *stream);
+
+// out, q [n_seqs, L, Hq, D]; seqs: a device array of n_seqs entries. Calls of more tokens
+// per sequence than split-KV takes go to tensor cores where the shape fits (attention_tc.cu).
 extern "C" int q3_attention_cuda(float *out, const float *q, const q3_attn_seq *seqs, int n_seqs,
                                  const q3_attn_shape *shape, float *partial, void *stream) {
     const int G = shape->heads / shape->kv_heads;
     if (shape->head_dim > MAX_D || G > 32) return (int)cudaErrorInvalidValue;
+    if (shape->L > Q3_SPLIT_MAX_TOKENS && q3_attention_tc_fits(shape))
+        return q3_attention_tc_cuda(out, q, seqs, n_seqs, shape, stream);
     const unsigned items = (unsigned)((int64_t)n_seqs * shape->kv_heads * shape->L);
     if (items == 0) return 0;
     int splits = 1;

@@ -1,0 +1,192 @@
+// Causal GQA attention on tensor cores, for calls of many tokens per sequence (prefill and
+// prefill chunks) over a bf16 cache. Same arguments and result as attention.cu's kernel
+// (twin: kernels/cpu/attention.c); q3_attention_cuda picks this one when it applies.
+//
+// A block takes one (sequence, KV head, tile of QT = 64 / G query tokens): its 64 rows are
+// (token t0 + r / G, query head h G + r % G), so each tile of KT keys and values is read
+// once for all the G query heads of QT tokens; warp w owns rows 16 w .. 16 w + 15. Scores
+// S = Q K^T and the output O += P V are bf16 products with fp32 accumulation (WMMA); q is
+// rounded to bf16 as it is staged, P as it is formed. Softmax in two passes over the keys:
+// the first finds each row's max and sum, the second forms P = exp(S - max) / sum and adds
+// P V, so the output accumulates in fragments with no rescaling (a third of the products
+// again, for a kernel with no per-element fragment layout to depend on).
+#include <cuda_bf16.h>
+#include <mma.h>
+
+#include "../attention.h"
+#include "common.cuh"
+
+using namespace nvcuda;
+
+#define ROWS 64      // query rows of a block: (token, head) pairs
+#define KT 32        // keys per tile
+#define TC_MAX_D 128 // head_dim limit (and a multiple of 16)
+#define LDQ (TC_MAX_D + 8)
+#define LDS KT
+#define LDP (KT + 8)
+#define TC_THREADS 128
+
+typedef wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc_frag;
+
+// the block's rows of q as bf16, zero past the call's tokens
+__device__ __forceinline__ void stage_queries(__nv_bfloat16 (*qs)[LDQ], const float *q, const q3_attn_shape *sh,
+                                              int s, int h, int64_t t0, int G) {
+    const int D = sh->head_dim;
+    for (int e = threadIdx.x; e < ROWS * D; e += blockDim.x) {
+        const int r = e / D, d = e % D;
+        const int64_t t = t0 + r / G;
+        float v = 0.0f;
+        if (t < sh->L) v = q[(((int64_t)s * sh->L + t) * sh->heads + (int64_t)h * G + r % G) * D + d];
+        qs[r][d] = __float2bfloat16_rn(v);
+    }
+}
+
+// keys (or values) j0 .. j0 + KT - 1 of KV head h into the tile, zero from `end` on
+__device__ __forceinline__ void stage_keys(__nv_bfloat16 (*dst)[LDQ], const void *cache, const q3_attn_shape *sh,
+                                           int h, int64_t j0, int64_t end) {
+    const int D = sh->head_dim, vecs = D / 8; // 8 bf16 per 16-byte load
+    const uint4 *src = (const uint4 *)((const uint16_t *)cache + ((int64_t)h * sh->capacity + j0) * D);
+    for (int e = threadIdx.x; e < KT * vecs; e += blockDim.x) {
+        const int j = e / vecs, c = e % vecs;
+        const uint4 v = j0 + j < end ? src[(int64_t)j * vecs + c] : make_uint4(0u, 0u, 0u, 0u);
+        *(uint4 *)&dst[j][c * 8] = v;
+    }
+}
+
+// S [16, KT] of this warp's rows = Q K^T for the staged tile, into ss (row stride LDS)
+__device__ __forceinline__ void warp_scores(float (*ss)[LDS], const __nv_bfloat16 (*qs)[LDQ],
+                                            const __nv_bfloat16 (*ks)[LDQ], int D, int warp) {
+    acc_frag sc[2];
+    wmma::fill_fragment(sc[0], 0.0f);
+    wmma::fill_fragment(sc[1], 0.0f);
+    for (int d0 = 0; d0 < D; d0 += 16) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a;
+        wmma::load_matrix_sync(a, &qs[16 * warp][d0], LDQ);
+#pragma unroll
+        for (int j = 0; j < 2; j++) { // K^T: element (d, key) sits at ks[key][d]
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> b;
+            wmma::load_matrix_sync(b, &ks[16 * j][d0], LDQ);
+            wmma::mma_sync(sc[j], a, b, sc[j]);
+        }
+    }
+    wmma::store_matrix_sync(&ss[16 * warp][0], sc[0], LDS, wmma::mem_row_major);
+    wmma::store_matrix_sync(&ss[16 * warp][16], sc[1], LDS, wmma::mem_row_major);
+    __syncwarp();
+}
+
+// whether query position i (of a sequence with `start` tokens of padding) sees key j: keys
+// [start, i] past the padding, only itself inside it (kernels/attention.h)
+__device__ __forceinline__ bool sees(int64_t i, int64_t j, int64_t start) {
+    return i >= start ? (j >= start && j <= i) : j == i;
+}
+
+__global__ void __launch_bounds__(TC_THREADS) attention_tc_kernel(float *out, const float *q,
+                                                                  const q3_attn_seq *seqs, q3_attn_shape sh) {
+    __shared__ __align__(32) __nv_bfloat16 qs[ROWS][LDQ];
+    __shared__ __align__(32) __nv_bfloat16 ks[KT][LDQ];
+    __shared__ __align__(32) __nv_bfloat16 vs[KT][LDQ];
+    __shared__ __align__(32) float ss[ROWS][LDS];
+    __shared__ __align__(32) __nv_bfloat16 ps[ROWS][LDP];
+    const int G = sh.heads / sh.kv_heads, QT = ROWS / G, D = sh.head_dim;
+    const int64_t tiles = (sh.L + QT - 1) / QT;
+    const int64_t t0 = (int64_t)(blockIdx.x % tiles) * QT;
+    const int h = (int)((blockIdx.x / tiles) % sh.kv_heads), s = (int)(blockIdx.x / (tiles * sh.kv_heads));
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const q3_attn_seq sq = seqs[s];
+    // the keys any row of the block sees: from the padding's end (or the first query, if it
+    // is padding) to the last query
+    const int64_t first_q = sq.n_past + t0, last_t = t0 + QT < sh.L ? t0 + QT - 1 : sh.L - 1;
+    const int64_t lo = first_q < sq.start ? first_q : sq.start, end = sq.n_past + last_t + 1;
+    stage_queries(qs, q, &sh, s, h, t0, G);
+
+    // this warp's rows: query positions, running max and sum (the same in every lane)
+    int64_t pos[16];
+    float m[16], l[16];
+#pragma unroll
+    for (int i = 0; i < 16; i++) {
+        const int64_t t = t0 + (16 * warp + i) / G;
+        pos[i] = t < sh.L ? sq.n_past + t : -1; // -1: no query in this row
+        m[i] = -INFINITY;
+        l[i] = 0.0f;
+    }
+    for (int64_t j0 = lo; j0 < end; j0 += KT) { // pass 1: max and sum of each row
+        __syncthreads(); // the previous tile is no longer read
+        stage_keys(ks, sq.k, &sh, h, j0, end);
+        __syncthreads();
+        warp_scores(ss, qs, ks, D, warp);
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+            const bool ok = pos[i] >= 0 && sees(pos[i], j0 + lane, sq.start);
+            const float v = ok ? ss[16 * warp + i][lane] * sh.scale : -INFINITY;
+            const float mt = q3_warp_max(v);
+            if (mt == -INFINITY) continue; // nothing this row sees in the tile (warp-uniform)
+            const float mn = fmaxf(m[i], mt);
+            l[i] = l[i] * expf(m[i] - mn) + q3_warp_sum(ok ? expf(v - mn) : 0.0f);
+            m[i] = mn;
+        }
+    }
+
+    acc_frag o[TC_MAX_D / 16];
+#pragma unroll
+    for (int f = 0; f < TC_MAX_D / 16; f++) wmma::fill_fragment(o[f], 0.0f);
+    for (int64_t j0 = lo; j0 < end; j0 += KT) { // pass 2: O += P V
+        __syncthreads();
+        stage_keys(ks, sq.k, &sh, h, j0, end);
+        stage_keys(vs, sq.v, &sh, h, j0, end);
+        __syncthreads();
+        warp_scores(ss, qs, ks, D, warp);
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+            const bool ok = pos[i] >= 0 && sees(pos[i], j0 + lane, sq.start);
+            const float p = ok ? expf(ss[16 * warp + i][lane] * sh.scale - m[i]) / l[i] : 0.0f;
+            ps[16 * warp + i][lane] = __float2bfloat16_rn(p);
+        }
+        __syncwarp();
+#pragma unroll
+        for (int k0 = 0; k0 < KT; k0 += 16) {
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a;
+            wmma::load_matrix_sync(a, &ps[16 * warp][k0], LDP);
+#pragma unroll
+            for (int f = 0; f < TC_MAX_D / 16; f++) {
+                if (16 * f >= D) break;
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major> b;
+                wmma::load_matrix_sync(b, &vs[k0][16 * f], LDQ);
+                wmma::mma_sync(o[f], a, b, o[f]);
+            }
+        }
+    }
+
+    // out rows through the warp's part of ss (16 x 16 at a time): each row to its own place
+    float(*stash)[LDS] = &ss[16 * warp];
+#pragma unroll
+    for (int f = 0; f < TC_MAX_D / 16; f++) {
+        if (16 * f >= D) break;
+        __syncwarp();
+        wmma::store_matrix_sync(&stash[0][0], o[f], LDS, wmma::mem_row_major);
+        __syncwarp();
+        for (int e = lane; e < 256; e += 32) {
+            const int i = e / 16, c = e % 16, r = 16 * warp + i;
+            const int64_t t = t0 + r / G;
+            if (t < sh.L) out[(((int64_t)s * sh.L + t) * sh.heads + (int64_t)h * G + r % G) * D + 16 * f + c] = stash[i][c];
+        }
+    }
+}
+
+// whether the tensor-core kernel takes this call: bf16 cache, D a multiple of 16 up to 128,
+// G dividing the 64 rows of a block
+extern "C" int q3_attention_tc_fits(const q3_attn_shape *sh) {
+    const int G = sh->heads / sh->kv_heads;
+    return sh->kv_dtype == Q3_BF16 && sh->head_dim % 16 == 0 && sh->head_dim <= TC_MAX_D && G >= 1 && ROWS % G == 0;
+}
+
+// out, q [n_seqs, L, Hq, D] (out may be q: a block reads its rows of q before it writes them)
+extern "C" int q3_attention_tc_cuda(float *out, const float *q, const q3_attn_seq *seqs, int n_seqs,
+                                    const q3_attn_shape *sh, void *stream) {
+    if (!q3_attention_tc_fits(sh)) return (int)cudaErrorInvalidValue;
+    const int QT = ROWS / (sh->heads / sh->kv_heads);
+    const int64_t blocks = (int64_t)n_seqs * sh->kv_heads * ((sh->L + QT - 1) / QT);
+    if (blocks == 0) return 0;
+    if (blocks > 0x7fffffff) return (int)cudaErrorInvalidValue;
+    attention_tc_kernel<<<(unsigned)blocks, TC_THREADS, 0, (cudaStream_t)stream>>>(out, q, seqs, *sh);
+    return q3_launch_status();
+}
