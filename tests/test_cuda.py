@@ -73,6 +73,32 @@ def test_cuda_layer_matches_cpu_layer(dtype, tol):
         assert rel(torch.from_dlpack(c_gpu.keys(b)), torch.from_dlpack(c_cpu.keys(b))) <= tol
 
 
+# a geometry the tensor-core paths take: attention (bf16 cache, D % 16 == 0) and the grouped
+# prefill MoE (bf16 weights, I % 32 == 0)
+CFG_TC = q3.LayerConfig(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)
+
+
+@needs_gpu
+@pytest.mark.parametrize("chunk", [None, 24])
+def test_cuda_tensor_core_prefill_matches_cpu_layer(chunk):
+    import torch
+
+    cpu = q3.DecoderLayer.random(CFG_TC, seed=12, dtype="bfloat16")
+    gpu = q3.DecoderLayer.random(CFG_TC, seed=12, dtype="bfloat16", device="cuda")
+    # fp32 activations on bf16 weights: no output rounding to hide the update in
+    x = torch.randn(2, 70, CFG_TC.hidden_size, generator=torch.Generator().manual_seed(13))
+    c_cpu, c_gpu = cpu.new_cache(80, batch=2), gpu.new_cache(80, batch=2)
+    for c in (c_cpu, c_gpu):
+        c.set_padding(5, 1)
+    y_cpu = cpu.prefill(x, c_cpu, chunk_size=chunk)
+    y_gpu = gpu.prefill(x.cuda(), c_gpu, chunk_size=chunk)
+    # the layer's update y - x, where a wrong attention or expert term shows
+    assert rel(y_gpu - x.cuda(), y_cpu - x) <= 2e-2
+    for b in range(2):
+        assert rel(torch.from_dlpack(c_gpu.keys(b)), torch.from_dlpack(c_cpu.keys(b))) <= 1e-2
+
+
 @needs_gpu
 def test_cuda_prefill_then_decode_equals_longer_prefill():
     import torch
