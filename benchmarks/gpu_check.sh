@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The one command that checks the CUDA backend on a GPU machine (the device tool's H200):
 # build with the machine's own python3 and nvcc (no network there: no build isolation),
-# run the GPU tests (every CUDA kernel against its CPU twin) and the CPU suite, then the
-# CUDA benchmark; its table is printed last. Under 8 minutes. Logs go to $OUT if set.
+# run the GPU tests (every CUDA kernel against its CPU twin), every kernel path once under
+# compute-sanitizer's memory checker, and the CPU suite, then the CUDA benchmark; its table is
+# printed last. Under 8 minutes. Logs go to $OUT if set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp}
@@ -30,6 +31,15 @@ for r in rows:
     print(f"{r['case'].ljust(w)} | {r['max_err']:11.2e} | {r['tol']:9.0e} | {'yes' if r['ok'] else 'NO'}")
 sys.exit(0 if all(r["ok"] for r in rows) else 1)
 PY
+
+echo "== memory checker over every kernel path (compute-sanitizer, where it runs)"
+if command -v compute-sanitizer > /dev/null; then
+    timeout 150 compute-sanitizer --tool memcheck --print-limit 20 python3 benchmarks/sanitize_check.py 2>&1 \
+        | tee "$out/memcheck.log" | grep -E "ERROR SUMMARY|Invalid|kernel self-check|ran;|Error" | head -40
+    grep -q "ERROR SUMMARY: 0 errors" "$out/memcheck.log" || status=1
+else
+    echo "compute-sanitizer not found: skipped"
+fi
 
 echo "== CPU suite on this machine (its own torch and transformers)"
 timeout 150 python3 -m pytest -q -x tests --ignore=tests/test_cuda.py 2>&1 | tail -5 | tee "$out/cpu_tests.log" || status=1
