@@ -127,7 +127,16 @@ static PyObject *cuda_emulate(PyObject *m, PyObject *unused) {
 }
 
 /* a contiguous copy of an extension Tensor on `device` (-1: host) */
+static PyObject *cuda_empty_cache(PyObject *m, PyObject *unused) {
+    (void)m;
+    (void)unused;
+    q3_tensor_release_kept();
+    Py_RETURN_NONE;
+}
+
 PyMethodDef q3_cuda_methods[] = {
+    {"cuda_empty_cache", cuda_empty_cache, METH_NOARGS,
+     "cuda_empty_cache()\n--\n\nFrees the device blocks of dead tensors kept for reuse by new ones."},
     {"cuda_open", cuda_open, METH_O, "cuda_open(path)\n--\n\nLoad the CUDA launcher library (once)."},
     {"cuda_blas_open", cuda_blas_open, METH_O,
      "cuda_blas_open(path)\n--\n\nOpen cuBLAS for the prefill GEMMs (path None: the usual names); True if usable."},

@@ -83,6 +83,8 @@ q3_tensor_object *q3_tensor_view(q3_module_state *st, PyObject *base, void *data
                                  int ndim, const int64_t *shape, const int64_t *strides);
 /* view [shape] of dtype at byte `offset` of any buffer-protocol object (kept alive) */
 PyObject *q3_buffer_view(PyObject *module, PyObject *args);
+/* frees the device blocks kept for reuse by later tensors (py_tensor.c) */
+void q3_tensor_release_kept(void);
 /* the live extension-owned buffers, for zero-copy tests: list of (address, nbytes) */
 PyObject *q3_owned_buffers(PyObject *module, PyObject *unused);
 

@@ -37,17 +37,71 @@ static q3_tensor_object *tensor_alloc(q3_module_state *st, q3_dtype dt, int ndim
     return t;
 }
 
+/* Device blocks of freed tensors, kept for the next tensor of the same size on the same
+ * device (a decode step's output is the size of the last one's): cudaFree waits for the
+ * whole device, so freeing an output every step would stall the caller's stream each time.
+ * A block is reused by the next call's work on the caller's stream, after what was queued
+ * there before, as torch's caching allocator does. Under the GIL (Tensor deallocation and
+ * allocation hold it). */
+#define KEPT_BLOCKS 16
+#define KEPT_BYTES ((size_t)512 << 20)
+static struct {
+    void *p[KEPT_BLOCKS];
+    size_t bytes[KEPT_BLOCKS];
+    int device[KEPT_BLOCKS];
+    int n;
+    size_t total;
+} kept;
+
+static void kept_release_all(void) {
+    for (int i = 0; i < kept.n; i++)
+        if (q3_cuda()) q3_cuda()->free_device(kept.p[i]);
+    kept.n = 0;
+    kept.total = 0;
+}
+
+void q3_tensor_release_kept(void) { kept_release_all(); }
+
 static void *buffer_alloc(size_t bytes, int device) {
     if (device < 0) return q3_alloc(bytes);
+    bytes = bytes ? bytes : 4;
+    for (int i = kept.n - 1; i >= 0; i--)
+        if (kept.bytes[i] == bytes && kept.device[i] == device) {
+            void *p = kept.p[i];
+            kept.total -= bytes;
+            kept.n--;
+            kept.p[i] = kept.p[kept.n];
+            kept.bytes[i] = kept.bytes[kept.n];
+            kept.device[i] = kept.device[kept.n];
+            return p;
+        }
     void *p = NULL;
     const q3_cuda_ops *g = q3_cuda();
-    if (!g || g->set_device(device) || g->malloc_device(&p, bytes ? bytes : 4)) return NULL;
+    if (!g || g->set_device(device)) return NULL;
+    if (g->malloc_device(&p, bytes)) { /* the kept blocks may be what is missing */
+        kept_release_all();
+        if (g->set_device(device) || g->malloc_device(&p, bytes)) return NULL;
+    }
     return p;
 }
 
 static void buffer_free(void *p, int device) {
     if (device < 0) q3_free(p);
     else if (p && q3_cuda()) q3_cuda()->free_device(p);
+}
+
+/* a tensor's own device block back to the kept ones (or freed, past the limits) */
+static void buffer_keep(void *p, size_t bytes, int device) {
+    bytes = bytes ? bytes : 4;
+    if (kept.n == KEPT_BLOCKS || kept.total + bytes > KEPT_BYTES) {
+        buffer_free(p, device);
+        return;
+    }
+    kept.p[kept.n] = p;
+    kept.bytes[kept.n] = bytes;
+    kept.device[kept.n] = device;
+    kept.n++;
+    kept.total += bytes;
 }
 
 q3_tensor_object *q3_tensor_new(q3_module_state *st, q3_dtype dt, int ndim, const int64_t *shape) {
@@ -96,7 +150,8 @@ static void tensor_dealloc(q3_tensor_object *t) {
                 free(dead);
                 break;
             }
-        buffer_free(t->alloc, t->device);
+        if (t->device < 0) buffer_free(t->alloc, t->device);
+        else buffer_keep(t->alloc, tensor_numel(t) * q3_dtype_size(t->dtype), t->device);
     }
     Py_XDECREF(t->base);
     if (t->buffer) {

@@ -65,6 +65,13 @@ def synchronize(device: int = 0) -> None:
     _C.cuda_synchronize(device)
 
 
+def empty_cache() -> None:
+    """Frees the device memory of dead outputs that the extension keeps for reuse (a new
+    output of the same size takes such a block instead of a cudaMalloc, and freeing one does
+    not wait for the device as cudaFree does)."""
+    _C.cuda_empty_cache()
+
+
 def check_kernels(device: int = 0) -> list[dict]:
     """Runs every CUDA kernel against its CPU twin on random inputs on `device`:
     [{'case', 'max_err', 'tol', 'ok'}], max_err being max |cuda - cpu| / max |cpu|."""

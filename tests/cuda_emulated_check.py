@@ -176,6 +176,21 @@ with contextlib.redirect_stdout(text), contextlib.redirect_stderr(io.StringIO())
                      "--new-tokens", "3"])
 out["cli run"] = [code] + [line for line in text.getvalue().splitlines() if line.startswith(("decode", "cache"))]
 
+# device outputs: a dead one's block serves the next output of its size (no cudaFree, which
+# would wait for the device, per step); live ones never share
+reuse = q3.DecoderLayer.random(CFG, seed=9, dtype="bfloat16", device="cuda")
+rcache = reuse.new_cache(8)
+step = reuse.random_input((1, 64), 1)
+first = reuse.decode(step, rcache)
+first_ptr = first.data_ptr
+del first
+second = reuse.decode(step, rcache)
+third = reuse.decode(step, rcache)
+_C.cuda_empty_cache()
+fourth = reuse.decode(step, rcache)
+out["output blocks"] = [second.data_ptr == first_ptr, third.data_ptr != second.data_ptr,
+                        len(set(t.data_ptr for t in (second, third, fourth))) == 3]
+
 # the kernel self-check's own harness (uploads, pointer tables, tiles), twins against twins here
 out["kernel check"] = _C.cuda_check(0)
 print(json.dumps(out))

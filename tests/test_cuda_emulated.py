@@ -100,3 +100,11 @@ def test_the_cli_run_on_a_cuda_layer_also_times_graph_decode(out):
     assert lines[1].startswith("decode   3 more steps replaying a CUDA graph of the step: ")
     assert lines[1].endswith(" ms/token (wall clock, launches included)")
     assert "filled=43/43 tokens" in lines[2]  # the graph's steps went over the plain steps' positions
+
+
+def test_dead_outputs_device_blocks_serve_the_next_outputs(out):
+    """Freeing a device output every decode step would call cudaFree, which waits for the
+    whole device: a dead output's block goes to the next output of its size instead, never
+    to one while it is alive; q3.cuda.empty_cache frees the kept blocks."""
+    reused, distinct_while_alive, distinct_after_empty_cache = out["output blocks"]
+    assert reused and distinct_while_alive and distinct_after_empty_cache
