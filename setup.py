@@ -108,7 +108,15 @@ class BuildKernelVariants(build_ext):
                 macros=[("Q3_ISA", isa)], include_dirs=ext.include_dirs,
                 extra_postargs=COMMON + flags, depends=ext.depends)
         ext.extra_objects = objects
-        super().build_extension(ext)
+        # setuptools relinks only for newer sources or depends, not for newer extra objects:
+        # a kernel edited alone must still reach the extension
+        target = self.get_ext_fullpath(ext.name)
+        stale = not os.path.exists(target) or any(os.path.getmtime(o) > os.path.getmtime(target) for o in objects)
+        forced, self.force = self.force, self.force or stale
+        try:
+            super().build_extension(ext)
+        finally:
+            self.force = forced
 
 
 setup(

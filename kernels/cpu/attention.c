@@ -71,23 +71,53 @@ static void load_tile(const block_scratch *b, const void *k, const void *v, q3_d
     }
 }
 
-/* st[j][:] = K[j] . Qt for every key of the tile: 4 keys x one row vector per step */
+/* Register blocking: RB row vectors per step of the scores, VR rows of the values' 4 dim
+ * vectors; with AVX-512's 32 registers 16 accumulators, else 8 (16 registers). */
+#if Q3_VBYTES == 64
+#define RB 4
+#define VR 4
+#else
+#define RB 2
+#define VR 2
+#endif
+
+/* st[j][:] = K[j] . Qt for every key of the tile: 4 keys x RB row vectors per step (4 + RB
+ * loads for 4 RB multiply-adds), then the rows left one vector at a time */
 static void tile_scores(const block_scratch *b, int D) {
     for (int j = 0; j < KT; j += 4) {
         const float *k0 = b->kt + (int64_t)j * b->dp;
-        for (int r = 0; r < b->rp; r += LN) {
-            q3_vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        int r = 0;
+        for (; r + RB * LN <= b->rp; r += RB * LN) {
+            q3_vf a[4][RB];
+            #pragma GCC unroll 4
+            for (int c = 0; c < 4; c++)
+                #pragma GCC unroll 4
+                for (int v = 0; v < RB; v++) a[c][v] = (q3_vf){0};
+            for (int i = 0; i < D; i++) {
+                q3_vf q[RB];
+                #pragma GCC unroll 4
+                for (int v = 0; v < RB; v++) q[v] = q3_vload(b->qt + (int64_t)i * b->rp + r + v * LN);
+                #pragma GCC unroll 4
+                for (int c = 0; c < 4; c++) {
+                    const float kc = k0[(int64_t)c * b->dp + i];
+                    #pragma GCC unroll 4
+                    for (int v = 0; v < RB; v++) a[c][v] += kc * q[v];
+                }
+            }
+            #pragma GCC unroll 4
+            for (int c = 0; c < 4; c++)
+                #pragma GCC unroll 4
+                for (int v = 0; v < RB; v++) q3_vstore(b->st + (int64_t)(j + c) * b->rp + r + v * LN, a[c][v]);
+        }
+        for (; r < b->rp; r += LN) {
+            q3_vf a[4] = {{0}, {0}, {0}, {0}};
             for (int i = 0; i < D; i++) {
                 const q3_vf q = q3_vload(b->qt + (int64_t)i * b->rp + r);
-                a0 += k0[i] * q;
-                a1 += k0[b->dp + i] * q;
-                a2 += k0[2 * b->dp + i] * q;
-                a3 += k0[3 * b->dp + i] * q;
+                #pragma GCC unroll 4
+                for (int c = 0; c < 4; c++) a[c] += k0[(int64_t)c * b->dp + i] * q;
             }
-            q3_vstore(b->st + (int64_t)j * b->rp + r, a0);
-            q3_vstore(b->st + (int64_t)(j + 1) * b->rp + r, a1);
-            q3_vstore(b->st + (int64_t)(j + 2) * b->rp + r, a2);
-            q3_vstore(b->st + (int64_t)(j + 3) * b->rp + r, a3);
+            #pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) q3_vstore(b->st + (int64_t)(j + c) * b->rp + r, a[c]);
         }
     }
 }
@@ -123,35 +153,49 @@ static void tile_softmax(const block_scratch *b, float *corr, int G, int64_t fir
     }
 }
 
-/* acc[r][:] = acc[r][:] * corr[r] + sum_j st[j][r] * vt[j][:]: 2 rows x 2 vectors of dims */
+/* acc[r][:] = acc[r][:] * corr[r] + sum_j st[j][r] * vt[j][:]: VR rows x 4 vectors of
+ * dims per step where the padded head dim allows (VR + 4 loads for 4 VR multiply-adds),
+ * else one row x 2 vectors */
 static void tile_values(const block_scratch *b, const float *corr, int nj) {
-    for (int r = 0; r < b->rows; r += 2) {
-        const int two = r + 1 < b->rows;
-        for (int i = 0; i < b->dp; i += 2 * LN) {
-            float *a0p = b->acc + (int64_t)r * b->dp + i, *a1p = a0p + b->dp;
-            q3_vf a00 = q3_vload(a0p) * corr[r], a01 = q3_vload(a0p + LN) * corr[r];
-            q3_vf a10 = {0}, a11 = {0};
-            if (two) {
-                a10 = q3_vload(a1p) * corr[r + 1];
-                a11 = q3_vload(a1p + LN) * corr[r + 1];
-            }
+    const int wide = b->dp % (4 * LN) == 0;
+    int r = 0;
+    for (; wide && r + VR <= b->rows; r += VR)
+        for (int i = 0; i < b->dp; i += 4 * LN) {
+            q3_vf a[VR][4];
+            #pragma GCC unroll 4
+            for (int w = 0; w < VR; w++)
+                #pragma GCC unroll 4
+                for (int v = 0; v < 4; v++) a[w][v] = q3_vload(b->acc + (int64_t)(r + w) * b->dp + i + v * LN) * corr[r + w];
             for (int j = 0; j < nj; j++) {
                 const float *vj = b->vt + (int64_t)j * b->dp + i;
-                const q3_vf v0 = q3_vload(vj), v1 = q3_vload(vj + LN);
-                const float p0 = b->st[(int64_t)j * b->rp + r], p1 = b->st[(int64_t)j * b->rp + r + two];
-                a00 += p0 * v0;
-                a01 += p0 * v1;
-                a10 += p1 * v0;
-                a11 += p1 * v1;
+                q3_vf vv[4];
+                #pragma GCC unroll 4
+                for (int v = 0; v < 4; v++) vv[v] = q3_vload(vj + v * LN);
+                #pragma GCC unroll 4
+                for (int w = 0; w < VR; w++) {
+                    const float p = b->st[(int64_t)j * b->rp + r + w];
+                    #pragma GCC unroll 4
+                    for (int v = 0; v < 4; v++) a[w][v] += p * vv[v];
+                }
             }
-            q3_vstore(a0p, a00);
-            q3_vstore(a0p + LN, a01);
-            if (two) {
-                q3_vstore(a1p, a10);
-                q3_vstore(a1p + LN, a11);
-            }
+            #pragma GCC unroll 4
+            for (int w = 0; w < VR; w++)
+                #pragma GCC unroll 4
+                for (int v = 0; v < 4; v++) q3_vstore(b->acc + (int64_t)(r + w) * b->dp + i + v * LN, a[w][v]);
         }
-    }
+    for (; r < b->rows; r++)
+        for (int i = 0; i < b->dp; i += 2 * LN) {
+            float *ap = b->acc + (int64_t)r * b->dp + i;
+            q3_vf a0 = q3_vload(ap) * corr[r], a1 = q3_vload(ap + LN) * corr[r];
+            for (int j = 0; j < nj; j++) {
+                const float *vj = b->vt + (int64_t)j * b->dp + i;
+                const float p = b->st[(int64_t)j * b->rp + r];
+                a0 += p * q3_vload(vj);
+                a1 += p * q3_vload(vj + LN);
+            }
+            q3_vstore(ap, a0);
+            q3_vstore(ap + LN, a1);
+        }
 }
 
 /* Rows r = tq * G + g: query q + tq * ld + g * D sees keys [start, first + tq) (a padding
