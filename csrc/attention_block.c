@@ -39,8 +39,7 @@ void q3_attention_block(q3_layer *layer, q3_cache *cache, const q3_pass *p) {
                         p->L, Hkv, D, cache->capacity, n);
         k->kv_write(q3_cache_seq_values(cache, seq), cache->dtype, ws->v + s * p->L * KVD, KVD,
                         p->L, Hkv, D, cache->capacity, n);
-        ws->attn_seqs[s] = (q3_attn_seq){q3_cache_seq_keys(cache, seq),
-                                         q3_cache_seq_values(cache, seq), n, cache->padding[seq]};
+        ws->attn_seqs[s] = q3_cache_attn_seq(cache, seq);
     }
     q3_profile_mark(p->prof, Q3_STAGE_KV_WRITE);
     const q3_attn_shape shape = {p->L, Hq, Hkv, D, cache->capacity, cache->dtype,

@@ -122,3 +122,7 @@ void *q3_cache_seq_keys(const q3_cache *c, int seq) { return (char *)c->k + seq_
 void *q3_cache_seq_values(const q3_cache *c, int seq) { return (char *)c->v + seq_offset(c, seq); }
 
 size_t q3_cache_bytes(const q3_cache *c) { return 2 * seq_offset(c, c->batch); }
+
+q3_attn_seq q3_cache_attn_seq(const q3_cache *c, int seq) {
+    return (q3_attn_seq){q3_cache_seq_keys(c, seq), q3_cache_seq_values(c, seq), c->lengths[seq], c->padding[seq]};
+}

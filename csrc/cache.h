@@ -10,6 +10,7 @@
 #ifndef Q3_ENGINE_CACHE_H
 #define Q3_ENGINE_CACHE_H
 
+#include "../kernels/attention.h"
 #include "q3.h"
 
 struct q3_cache {
@@ -42,5 +43,7 @@ q3_status q3_cache_truncate(q3_cache *c, int seq, int64_t n, q3_error *err);
 void *q3_cache_seq_keys(const q3_cache *c, int seq);
 void *q3_cache_seq_values(const q3_cache *c, int seq);
 size_t q3_cache_bytes(const q3_cache *c);
+/* what attention reads of sequence seq: its K and V blocks, length and padding */
+q3_attn_seq q3_cache_attn_seq(const q3_cache *c, int seq);
 
 #endif

@@ -19,9 +19,9 @@ struct q3_decode_graph {
     void *input;  /* [n_seqs, hidden] io_dtype */
     void *output; /* [n_seqs, hidden] io_dtype */
     void *exec;   /* the instantiated graph */
-    /* what the device holds: lengths and padding as last uploaded or advanced (-1: stale) */
+    /* what the device holds: lengths as last uploaded or advanced (-1: stale), and the rows
+     * (cache blocks, padding) as last uploaded */
     int64_t dev_lengths[Q3_GRAPH_MAX_BATCH];
-    int64_t dev_padding[Q3_GRAPH_MAX_BATCH];
     q3_attn_seq staged[Q3_GRAPH_MAX_BATCH];
 };
 
@@ -46,19 +46,10 @@ static int sync_state(q3_decode_graph *g, void *stream) {
     const q3_cache *c = g->cache;
     int stale = 0;
     for (int s = 0; s < g->n_seqs; s++)
-        stale |= c->lengths[g->seqs[s]] != g->dev_lengths[s] || c->padding[g->seqs[s]] != g->dev_padding[s];
+        stale |= c->lengths[g->seqs[s]] != g->dev_lengths[s] || c->padding[g->seqs[s]] != g->staged[s].start;
     if (!stale) return 0;
-    for (int s = 0; s < g->n_seqs; s++) {
-        const int seq = g->seqs[s];
-        g->dev_lengths[s] = c->lengths[seq];
-        g->dev_padding[s] = c->padding[seq];
-        g->staged[s] = (q3_attn_seq){q3_cache_seq_keys(c, seq), q3_cache_seq_values(c, seq), c->lengths[seq],
-                                     c->padding[seq]};
-    }
-    const q3_cuda_ops *cu = q3_cuda();
-    int code = cu->copy_async(g->ws.lengths, g->dev_lengths, (size_t)g->n_seqs * sizeof(int64_t), 1, stream);
-    if (!code)
-        code = cu->copy_async(g->ws.dev.attn_seqs, g->staged, (size_t)g->n_seqs * sizeof(q3_attn_seq), 1, stream);
+    const int code = q3_gpu_upload_decode_state(q3_cuda(), &g->ws, c, g->seqs, g->n_seqs, g->dev_lengths, g->staged,
+                                                stream);
     if (code) g->dev_lengths[0] = -1; /* stale: upload again next time */
     return code;
 }

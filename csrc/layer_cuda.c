@@ -9,7 +9,7 @@
 
 #include "layer_cuda.h"
 
-size_t q3_layer_cuda_workspace_bytes(const q3_layer *l) { return l->gpu ? l->gpu->ws.bytes : 0; }
+size_t q3_layer_cuda_workspace_bytes(const q3_layer *l) { return l->gpu ? l->gpu->ws.dev.bytes : 0; }
 
 void q3_layer_cuda_release(q3_layer *l) {
     q3_cuda_state *s = l->gpu;
@@ -35,7 +35,7 @@ void q3_layer_cuda_release(q3_layer *l) {
 
 static q3_status reserve(q3_layer *l, int64_t rows, int seqs, q3_error *err) {
     if (!q3_cuda()) return q3_fail(err, Q3_ERR_STATE, "cuda: the CUDA backend is not loaded");
-    if (l->gpu && rows <= l->gpu->ws.rows && seqs <= l->gpu->ws.seqs) return Q3_OK;
+    if (l->gpu && rows <= l->gpu->ws.dev.rows && seqs <= l->gpu->ws.dev.seqs) return Q3_OK;
     q3_layer_cuda_release(l);
     q3_cuda_state *s = calloc(1, sizeof *s);
     if (!s) return q3_fail(err, Q3_ERR_NOMEM, "cuda layer: out of host memory");
@@ -85,21 +85,6 @@ static void collect(q3_gpu_run *run) {
     st->n_events = 0;
 }
 
-/* a decode pass starts from the device: its sequences' lengths and cache rows */
-static void upload_decode_state(q3_cache *c, const q3_pass *p, q3_gpu_run *run) {
-    q3_cuda_state *st = run->st;
-    for (int s = 0; s < p->n_seqs; s++) {
-        const int seq = p->seqs[s];
-        st->lengths[s] = c->lengths[seq];
-        st->seq_ptr[s] = (q3_attn_seq){q3_cache_seq_keys(c, seq), q3_cache_seq_values(c, seq), c->lengths[seq],
-                                       c->padding[seq]};
-    }
-    Q3_GPU(run, run->g->copy_async(run->ws->lengths, st->lengths, (size_t)p->n_seqs * sizeof *st->lengths, 1,
-                                   run->stream), "copy lengths");
-    Q3_GPU(run, run->g->copy_async(run->ws->dev.attn_seqs, st->seq_ptr, (size_t)p->n_seqs * sizeof *st->seq_ptr, 1,
-                                   run->stream), "copy seqs");
-}
-
 q3_status q3_layer_forward_cuda(q3_layer *l, q3_cache *c, const q3_forward_args *a, q3_error *err) {
     const int64_t chunk = a->chunk > 0 ? a->chunk : Q3_DEFAULT_CHUNK;
     const int64_t step = chunk < a->tokens ? chunk : a->tokens;
@@ -124,7 +109,9 @@ q3_status q3_layer_forward_cuda(q3_layer *l, q3_cache *c, const q3_forward_args 
         int64_t max_keys = 0;
         for (int i = 0; i < a->n_seqs; i++)
             max_keys = c->lengths[a->seqs[i]] + L > max_keys ? c->lengths[a->seqs[i]] + L : max_keys;
-        if (q3_gpu_is_decode(&p)) upload_decode_state(c, &p, &run);
+        if (q3_gpu_is_decode(&p)) /* a decode pass starts from the device */
+            Q3_GPU(&run, q3_gpu_upload_decode_state(run.g, run.ws, c, a->seqs, a->n_seqs, l->gpu->lengths,
+                                                    l->gpu->seq_ptr, run.stream), "uploading lengths");
         q3_gpu_attention_pass(l, c, &p, max_keys, &run);
         q3_gpu_moe_pass(l, &p, &run);
         for (int i = 0; i < (whole ? 1 : a->n_seqs); i++)

@@ -22,14 +22,16 @@ typedef struct {
     float *pair_y;         /* [Rd * k, H] decode: expert output of each slot */
     const void **experts;  /* [Q3_X_COUNT][E] device copies of the expert pointer tables */
     int32_t *moe_plan;     /* [q3_moe_plan_ints] prefill: tiles and per-token slots (below) */
-    void *block;
-    size_t bytes;
-    int64_t rows;
-    int seqs;
-} q3_gpu_ws;               /* Rd = min(rows, Q3_DECODE_MAX_ROWS) */
+} q3_gpu_ws;               /* rows, seqs, block and bytes: in dev; Rd = min(rows, Q3_DECODE_MAX_ROWS) */
 
 q3_status q3_gpu_ws_alloc(q3_gpu_ws *ws, const q3_layer *l, int64_t rows, int seqs, q3_error *err);
 void q3_gpu_ws_free(q3_gpu_ws *ws);
+
+/* A decode pass's starting state: sequences seqs [n]'s lengths and cache rows, staged in the
+ * host arrays lengths [n] and rows [n] (which must outlive nothing: copies from pageable
+ * memory are staged before they return) and queued for upload into ws; a CUDA code. */
+int q3_gpu_upload_decode_state(const q3_cuda_ops *g, q3_gpu_ws *ws, const q3_cache *c, const int32_t *seqs, int n,
+                               int64_t *lengths, q3_attn_seq *rows, void *stream);
 
 /* The grouped prefill MoE's plan, made on the host per pass: the experts in batches of at
  * most R slots (the rows of the act and output buffers); per batch, its tiles of up to

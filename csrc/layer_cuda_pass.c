@@ -46,11 +46,10 @@ q3_status q3_gpu_ws_alloc(q3_gpu_ws *ws, const q3_layer *l, int64_t rows, int se
             return q3_fail(err, Q3_ERR_NOMEM, "cuda workspace: cannot allocate %zu bytes on cuda:%d", off,
                            l->w.device);
     }
-    ws->block = base;
     ws->dev.block = base;
-    ws->bytes = ws->dev.bytes = off;
-    ws->rows = rows;
-    ws->seqs = seqs;
+    ws->dev.bytes = off;
+    ws->dev.rows = rows;
+    ws->dev.seqs = seqs;
     /* the expert kernels of a decode pass look their weights up on the device */
     if (g->copy(ws->experts, l->expert_ptrs, (size_t)(Q3_X_COUNT * E) * sizeof(void *), 1)) {
         q3_gpu_ws_free(ws);
@@ -60,8 +59,18 @@ q3_status q3_gpu_ws_alloc(q3_gpu_ws *ws, const q3_layer *l, int64_t rows, int se
 }
 
 void q3_gpu_ws_free(q3_gpu_ws *ws) {
-    if (ws->block && q3_cuda()) q3_cuda()->free_device(ws->block);
+    if (ws->dev.block && q3_cuda()) q3_cuda()->free_device(ws->dev.block);
     *ws = (q3_gpu_ws){0};
+}
+
+int q3_gpu_upload_decode_state(const q3_cuda_ops *g, q3_gpu_ws *ws, const q3_cache *c, const int32_t *seqs, int n,
+                               int64_t *lengths, q3_attn_seq *rows, void *stream) {
+    for (int s = 0; s < n; s++) {
+        lengths[s] = c->lengths[seqs[s]];
+        rows[s] = q3_cache_attn_seq(c, seqs[s]);
+    }
+    const int code = g->copy_async(ws->lengths, lengths, (size_t)n * sizeof *lengths, 1, stream);
+    return code ? code : g->copy_async(ws->dev.attn_seqs, rows, (size_t)n * sizeof *rows, 1, stream);
 }
 
 void q3_gpu_mark(q3_gpu_run *run, int stage) {
@@ -95,7 +104,7 @@ static void stage_positions(q3_cache *c, const q3_pass *p, q3_gpu_run *run) {
         const int seq = p->seqs[s];
         const int64_t n = c->lengths[seq], pad = c->padding[seq];
         for (int64_t t = 0; t < p->L; t++) st->pos[s * p->L + t] = n + t >= pad ? n + t - pad : 0;
-        st->seq_ptr[s] = (q3_attn_seq){q3_cache_seq_keys(c, seq), q3_cache_seq_values(c, seq), n, pad};
+        st->seq_ptr[s] = q3_cache_attn_seq(c, seq);
     }
     Q3_GPU(run, run->g->copy_async(d->pos, st->pos, (size_t)(p->n_seqs * p->L) * sizeof *st->pos, 1, run->stream),
            "copy positions");
