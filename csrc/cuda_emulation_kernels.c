@@ -37,21 +37,17 @@ typedef struct { float *y; const float *x; const void *w, *w2; q3_dtype dt; int6
 enum { PLAIN, GATE_UP, BF16_X };
 static int matmul_run(const void *p) {
     const matmul_run_args *a = p;
+    if (a->kind == BF16_X) return q3_matmul_tc_host(a->y, a->x, a->w, a->T, a->N, a->K, a->acc);
     if (a->kind == PLAIN) {
         cpu()->matmul(a->y, a->x, a->w, a->dt, a->T, a->N, a->K, a->acc, NULL);
         return 0;
     }
-    float *tmp = malloc((size_t)(a->T * (a->kind == GATE_UP ? a->N : a->K)) * sizeof(float));
-    if (!tmp) return 2;
-    if (a->kind == GATE_UP) {
-        cpu()->matmul(a->y, a->x, a->w, a->dt, a->T, a->N, a->K, 0, NULL);
-        cpu()->matmul(tmp, a->x, a->w2, a->dt, a->T, a->N, a->K, 0, NULL);
-        cpu()->swiglu(a->y, a->y, tmp, a->T * a->N);
-    } else {
-        for (int64_t i = 0; i < a->T * a->K; i++) tmp[i] = q3_bf16_to_f32(q3_f32_to_bf16(a->x[i]));
-        cpu()->matmul(a->y, tmp, a->w, Q3_BF16, a->T, a->N, a->K, a->acc, NULL);
-    }
-    free(tmp);
+    float *up = malloc((size_t)(a->T * a->N) * sizeof(float));
+    if (!up) return 2;
+    cpu()->matmul(a->y, a->x, a->w, a->dt, a->T, a->N, a->K, 0, NULL);
+    cpu()->matmul(up, a->x, a->w2, a->dt, a->T, a->N, a->K, 0, NULL);
+    cpu()->swiglu(a->y, a->y, up, a->T * a->N);
+    free(up);
     return 0;
 }
 static int matmul(float *y, const float *x, const void *w, q3_dtype dt, int64_t T, int64_t N, int64_t K, int acc,
@@ -145,7 +141,7 @@ static int router(int32_t *idx, float *w, const float *lg, int64_t T, int E, int
 }
 
 /* swiglu, gather_rows, scatter_add_rows, conversions: element- and row-wise */
-typedef struct { float *dst; const void *a, *b; const int32_t *rows; int64_t n, H; q3_dtype dt; int kind; } rows_run_args;
+typedef struct { void *dst; const void *a, *b; const int32_t *rows; int64_t n, H; q3_dtype dt; int kind; } rows_run_args;
 enum { SWIGLU, GATHER, SCATTER, TO_F32, FROM_F32 };
 static int rows_run(const void *p) {
     const rows_run_args *a = p;
@@ -154,7 +150,7 @@ static int rows_run(const void *p) {
     case GATHER: cpu()->gather_rows(a->dst, a->a, a->rows, a->n, a->H); break;
     case SCATTER: cpu()->scatter_add_rows(a->dst, a->a, a->rows, a->b, a->n, a->H); break;
     case TO_F32: cpu()->to_f32(a->dst, a->a, a->dt, a->n); break;
-    default: cpu()->from_f32((void *)a->b, a->dt, a->a, a->n); break;
+    default: cpu()->from_f32(a->dst, a->dt, a->a, a->n); break;
     }
     return 0;
 }
@@ -176,7 +172,7 @@ static int to_f32(float *d, const void *src, q3_dtype dt, int64_t n, void *s) {
 }
 static int from_f32(void *d, q3_dtype dt, const float *src, int64_t n, void *s) {
     (void)s;
-    SUBMIT(rows_run, NULL, src, d, NULL, n, 0, dt, FROM_F32);
+    SUBMIT(rows_run, d, src, NULL, NULL, n, 0, dt, FROM_F32);
 }
 
 /* ---- decode without the host ---- */

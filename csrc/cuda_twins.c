@@ -109,6 +109,15 @@ static void rows_as_bf16(float *dst, const float *src, const int32_t *rows, int6
     }
 }
 
+int q3_matmul_tc_host(float *y, const float *x, const void *w, int64_t T, int64_t N, int64_t K, int accumulate) {
+    float *xr = malloc((size_t)(T * K + 1) * sizeof(float));
+    if (!xr) return 1;
+    rows_as_bf16(xr, x, NULL, T, K);
+    q3_cpu_ops_active()->matmul(y, xr, w, Q3_BF16, T, N, K, accumulate, NULL);
+    free(xr);
+    return 0;
+}
+
 int q3_moe_gate_up_tc_host(float *act, const float *x, const int32_t *rows, const q3_moe_tile *tiles, int n_tiles,
                            const void *const *gate, const void *const *up, int64_t I, int64_t K) {
     const q3_cpu_ops *c = q3_cpu_ops_active();

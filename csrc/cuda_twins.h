@@ -31,6 +31,8 @@ void q3_moe_down_host(float *y, const float *act, const int64_t *offsets, const 
                       const void *const *down, q3_dtype w_dt, int64_t N, int64_t K);
 void q3_moe_combine_host(float *x, const float *y, const float *weights, const int32_t *slot, int64_t T, int k,
                          int64_t H);
+/* matmul_tc and matmul_wmma: x rounded to bf16 as the tensor cores read it, bf16 weights */
+int q3_matmul_tc_host(float *y, const float *x, const void *w, int64_t T, int64_t N, int64_t K, int accumulate);
 /* the grouped prefill MoE (tensor cores: inputs rounded to bf16, bf16 weights) */
 int q3_moe_gate_up_tc_host(float *act, const float *x, const int32_t *rows, const q3_moe_tile *tiles, int n_tiles,
                            const void *const *gate, const void *const *up, int64_t I, int64_t K);
