@@ -112,7 +112,8 @@ extern PyMethodDef q3_cuda_methods[];
 /* ---- DecodeGraph (py_graph.c) ------------------------------------------------------ */
 
 extern PyType_Spec q3_graph_spec;
-/* captures one decode step of sequences 0 .. batch - 1 of the cache (layer_obj kept alive) */
+/* captures one decode step of sequences 0 .. batch - 1 of the cache (layer_obj kept alive);
+ * batch already checked: 1 .. min(cache batch, Q3_GRAPH_MAX_BATCH) */
 PyObject *q3_graph_new(q3_module_state *st, PyObject *layer_obj, q3_layer *layer, int device,
                        q3_cache_object *cache, int batch, q3_dtype dtype);
 

@@ -16,12 +16,6 @@ typedef struct {
 
 PyObject *q3_graph_new(q3_module_state *st, PyObject *layer_obj, q3_layer *layer, int device,
                        q3_cache_object *co, int batch, q3_dtype dtype) {
-    if (batch < 1 || batch > co->cache->batch || batch > Q3_GRAPH_MAX_BATCH) {
-        PyErr_Format(PyExc_ValueError, "batch: expected 1 to %d (the cache's batch, at most %d), got %d",
-                     co->cache->batch < Q3_GRAPH_MAX_BATCH ? co->cache->batch : Q3_GRAPH_MAX_BATCH,
-                     Q3_GRAPH_MAX_BATCH, batch);
-        return NULL;
-    }
     if (co->busy) {
         PyErr_SetString(PyExc_RuntimeError, "cache: in use by a running layer call on another thread");
         return NULL;

@@ -225,11 +225,20 @@ static PyObject *layer_decode_graph(q3_layer_object *self, PyObject *args, PyObj
     if (!co) return NULL;
     q3_dtype dt = q3_layer_dtype(self->layer);
     if (dtype_obj != Py_None && q3_parse_dtype(dtype_obj, "dtype", &dt) < 0) return NULL;
-    long batch = co->cache->batch;
+    long long batch = co->cache->batch;
     if (batch_obj != Py_None) {
-        batch = PyLong_Check(batch_obj) && !PyBool_Check(batch_obj) ? PyLong_AsLong(batch_obj) : -1;
+        if (!PyLong_Check(batch_obj) || PyBool_Check(batch_obj)) {
+            PyErr_Format(PyExc_TypeError, "batch: expected an int or None, got %.100s", Py_TYPE(batch_obj)->tp_name);
+            return NULL;
+        }
+        batch = PyLong_AsLongLong(batch_obj);
         if (batch == -1 && PyErr_Occurred()) return NULL;
-        if (batch < 1 || batch > INT32_MAX) batch = 0; /* rejected with the expected range below */
+    }
+    const int most = co->cache->batch < Q3_GRAPH_MAX_BATCH ? co->cache->batch : Q3_GRAPH_MAX_BATCH;
+    if (batch < 1 || batch > most) {
+        PyErr_Format(PyExc_ValueError, "batch: expected 1 to %d (the cache's batch, at most %d), got %lld", most,
+                     Q3_GRAPH_MAX_BATCH, batch);
+        return NULL;
     }
     if (self->device < 0) {
         PyErr_SetString(PyExc_ValueError, "decode_graph: expected a layer on a CUDA device, got a cpu layer");

@@ -129,6 +129,9 @@ out["graph errors"] = errors_of((
     lambda: graph.replay(_C.random_tensor((1, 64), 4, "bfloat16")),
     lambda: layer.decode_graph(small, 2),
     lambda: layer.decode_graph(small, 0),
+    lambda: layer.decode_graph(small, -5),
+    lambda: layer.decode_graph(small, "1"),
+    lambda: layer.decode_graph(small, None, "int8"),
     lambda: _C.Layer(CFG, w, None, -1).decode_graph(_C.Layer(CFG, w, None, -1).new_cache(4)),
     lambda: layer.decode_graph(_C.Layer(CFG, w, None, -1).new_cache(4))))
 out["graph lengths after errors"] = list(small.lengths)

@@ -60,10 +60,12 @@ def test_decode_graphs_on_an_emulated_device(out):
     assert errors[1] == "ValueError: x: expected shape [batch=1, hidden=64], got [2, 64]"
     assert errors[2] == "TypeError: x: expected dtype bfloat16 (the graph's), got float32"
     assert errors[3] == "ValueError: x: expected a tensor on device cuda:0, got cpu"
-    assert errors[4].startswith("ValueError: batch: expected 1 to 1") and errors[4].endswith("got 2")
-    assert errors[5].endswith("got 0")
-    assert errors[6] == "ValueError: decode_graph: expected a layer on a CUDA device, got a cpu layer"
-    assert errors[7].startswith("ValueError: cache: expected a cache on cuda:0")
+    assert errors[4] == "ValueError: batch: expected 1 to 1 (the cache's batch, at most 64), got 2"
+    assert errors[5].endswith("got 0") and errors[6].endswith("got -5")
+    assert errors[7] == "TypeError: batch: expected an int or None, got str"
+    assert errors[8] == "TypeError: dtype: expected 'float32' or 'bfloat16', got 'int8'"
+    assert errors[9] == "ValueError: decode_graph: expected a layer on a CUDA device, got a cpu layer"
+    assert errors[10].startswith("ValueError: cache: expected a cache on cuda:0")
     assert out["graph lengths after errors"] == [6]
     assert out["wrapped graph"] == ["Tensor", [1, 1], "DecodeGraph(batch=2, dtype=bfloat16, device=cuda:0)"]
 
