@@ -84,35 +84,6 @@ static double case_matmul_tc(check *k, int64_t T, int64_t N, int64_t K, int wmma
     return k->failed ? INFINITY : max_err(got, want, Q3_F32, T * N);
 }
 
-static double case_rope(check *k) {
-    const int64_t rows = 5;
-    const int heads = 3, D = 16;
-    int64_t pos[5] = {0, 1, 7, 100, 4000};
-    float *x = host_random(k, rows * heads * D, Q3_F32, 6), *got = host(k, rows * heads * D * 4);
-    if (k->failed) return INFINITY;
-    float *dx = device(k, x, rows * heads * D * 4);
-    int64_t *dpos = device(k, pos, sizeof pos);
-    k->c->rope(x, pos, rows, heads, D, 1e6f);
-    if (!k->failed) cuda_ok(k, k->g->rope(dx, dpos, rows, heads, D, 1e6f, NULL), "rope launch");
-    fetch(k, got, dx, rows * heads * D * 4);
-    return k->failed ? INFINITY : max_err(got, x, Q3_F32, rows * heads * D);
-}
-
-static double case_kv_write(check *k) {
-    const int64_t L = 3, cap = 10, start = 4;
-    const int kvh = 2, D = 8;
-    const size_t cache_bytes = (size_t)kvh * cap * D * 2;
-    float *src = host_random(k, L * kvh * D, Q3_F32, 8);
-    void *want = host(k, cache_bytes), *got = host(k, cache_bytes);
-    if (k->failed) return INFINITY;
-    void *dcache = device(k, want, cache_bytes);
-    float *dsrc = device(k, src, L * kvh * D * 4);
-    k->c->kv_write(want, Q3_BF16, src, kvh * D, L, kvh, D, cap, start);
-    if (!k->failed) cuda_ok(k, k->g->kv_write(dcache, Q3_BF16, dsrc, kvh * D, L, kvh, D, cap, start, NULL), "kv_write launch");
-    fetch(k, got, dcache, cache_bytes);
-    return k->failed ? INFINITY : max_err(got, want, Q3_BF16, (int64_t)kvh * cap * D);
-}
-
 /* the fused QK-norm + RoPE + KV append against its composition: q and both caches */
 static double case_qk_rope_kv(check *k, int D) {
     const q3_attn_shape sh = {3, 6, 2, D, 12, Q3_BF16, 1.0f, 0};
@@ -281,8 +252,6 @@ q3_status q3_cuda_check(int device_index, q3_check_result *out, int max, int *n,
         RUN("matmul cuBLAS T=512 N=4096 K=1536", 1e-5, case_matmul_tc(&k, 512, 4096, 1536, 0));
     }
     RUN("matmul WMMA only (never cuBLAS) T=70 N=80 K=96", 1e-5, case_matmul_tc(&k, 70, 80, 96, 1));
-    RUN("rope", 1e-5, case_rope(&k));
-    RUN("kv_write bf16", 0.0, case_kv_write(&k));
     RUN("qk_norm + rope + kv_write fused, D=128", 1e-2, case_qk_rope_kv(&k, 128));
     RUN("qk_norm + rope + kv_write fused, D=24", 1e-2, case_qk_rope_kv(&k, 24));
     RUN("attention bf16 cache, 3 tokens", 1e-5, case_attention(&k, 3, 5, 17, 40, 0));

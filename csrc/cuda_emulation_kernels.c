@@ -67,29 +67,6 @@ static int matmul_tc(float *y, const float *x, const void *w, int64_t T, int64_t
     SUBMIT(matmul_run, y, x, w, NULL, Q3_BF16, T, N, K, acc, BF16_X);
 }
 
-typedef struct { float *x; const int64_t *pos; int64_t rows; int heads, D; float theta; } rope_run_args;
-static int rope_run(const void *p) {
-    const rope_run_args *a = p;
-    cpu()->rope(a->x, a->pos, a->rows, a->heads, a->D, a->theta);
-    return 0;
-}
-static int rope(float *x, const int64_t *pos, int64_t rows, int heads, int D, float theta, void *s) {
-    (void)s;
-    SUBMIT(rope_run, x, pos, rows, heads, D, theta);
-}
-
-typedef struct { void *c; q3_dtype dt; const float *src; int64_t stride, L; int kvh, D; int64_t cap, start; } kv_write_run_args;
-static int kv_write_run(const void *p) {
-    const kv_write_run_args *a = p;
-    cpu()->kv_write(a->c, a->dt, a->src, a->stride, a->L, a->kvh, a->D, a->cap, a->start);
-    return 0;
-}
-static int kv_write(void *c, q3_dtype dt, const float *src, int64_t stride, int64_t L, int kvh, int D, int64_t cap,
-                    int64_t start, void *s) {
-    (void)s;
-    SUBMIT(kv_write_run, c, dt, src, stride, L, kvh, D, cap, start);
-}
-
 typedef struct {
     float *q, *k;
     const float *v;
@@ -295,8 +272,6 @@ void q3_emu_kernels(q3_cuda_ops *t) {
     t->gate_up = gate_up;
     t->matmul_tc = matmul_tc;
     t->matmul_wmma = matmul_tc;
-    t->rope = rope;
-    t->kv_write = kv_write;
     t->qk_rope_kv = qk_rope_kv;
     t->attention = attention;
     t->router_topk = router;

@@ -76,9 +76,6 @@ typedef struct {
     /* the same on the WMMA kernel only, never cuBLAS: for work captured in a CUDA graph */
     int (*matmul_wmma)(float *y, const float *x, const void *w, int64_t T, int64_t N, int64_t K, int accumulate,
                        uint16_t *xb, void *stream);
-    int (*rope)(float *x, const int64_t *pos, int64_t rows, int heads, int D, float theta, void *stream);
-    int (*kv_write)(void *cache, q3_dtype dt, const float *src, int64_t src_stride, int64_t L, int kv_heads,
-                    int D, int64_t capacity, int64_t start, void *stream);
     /* QK-norm + RoPE of q [R, Hq, D] and k [R, Hkv, D] (q in place), k and v [R, Hkv, D] into
      * the cache rows of seqs (device array): rmsnorm, rope and kv_write fused; R = n_seqs * L */
     int (*qk_rope_kv)(float *q, float *k, const float *v, const void *q_norm, const void *k_norm, q3_dtype w_dt,

@@ -10,8 +10,6 @@ int q3_matmul_cuda(float *, const float *, const void *, q3_dtype, int64_t, int6
 int q3_gate_up_cuda(float *, const float *, const void *, const void *, q3_dtype, int64_t, int64_t, int64_t, void *);
 int q3_matmul_tc_cuda(float *, const float *, const void *, int64_t, int64_t, int64_t, int, uint16_t *, void *);
 int q3_matmul_wmma_cuda(float *, const float *, const void *, int64_t, int64_t, int64_t, int, uint16_t *, void *);
-int q3_rope_cuda(float *, const int64_t *, int64_t, int, int, float, void *);
-int q3_kv_write_cuda(void *, q3_dtype, const float *, int64_t, int64_t, int, int, int64_t, int64_t, void *);
 int q3_qk_rope_kv_cuda(float *, float *, const float *, const void *, const void *, q3_dtype, const int64_t *,
                        const q3_attn_seq *, int, const q3_attn_shape *, float, float, void *);
 int q3_attention_cuda(float *, const float *, const q3_attn_seq *, int, const q3_attn_shape *, float *, void *);
@@ -207,8 +205,6 @@ extern "C" int q3_cuda_ops_get(q3_cuda_ops *ops) {
     ops->matmul_tc = q3_matmul_tc_cuda;
     ops->matmul_wmma = q3_matmul_wmma_cuda;
     ops->gate_up = q3_gate_up_cuda;
-    ops->rope = q3_rope_cuda;
-    ops->kv_write = q3_kv_write_cuda;
     ops->qk_rope_kv = q3_qk_rope_kv_cuda;
     ops->attention = q3_attention_cuda;
     ops->router_topk = q3_router_topk_cuda;
