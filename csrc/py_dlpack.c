@@ -129,10 +129,6 @@ static int fill_view(q3_view *v, const q3_dl_tensor *t, const char *arg, int dev
     return 0;
 }
 
-int q3_view_acquire(PyObject *obj, const char *arg, q3_view *v) {
-    return q3_view_acquire_on(obj, arg, v, -1, 0, NULL);
-}
-
 int q3_view_acquire_on(PyObject *obj, const char *arg, q3_view *v, int device, int allow_host, void *stream) {
     memset(v, 0, sizeof *v);
     int type, id;

@@ -47,12 +47,11 @@ typedef struct {
     int versioned;
 } q3_view;
 
-/* Imports obj (anything with __dlpack__) as a CPU float32/bfloat16 tensor. Errors name
- * `arg`: TypeError for a non-tensor or another dtype, ValueError for another device.
- * Returns 0, or -1 with an exception set (nothing to release then). */
-int q3_view_acquire(PyObject *obj, const char *arg, q3_view *v);
-/* The same for a tensor expected on `device` (-1: cpu, else cuda:device; host tensors too
- * when allow_host). A CUDA producer is handed `stream` (the consumer's, NULL: legacy default). */
+/* Imports obj (anything with __dlpack__) as a float32/bfloat16 tensor expected on `device`
+ * (-1: cpu, else cuda:device; host tensors too when allow_host). Errors name `arg`:
+ * TypeError for a non-tensor or another dtype, ValueError for another device. A CUDA
+ * producer is handed `stream` (the consumer's, NULL: legacy default). Returns 0, or -1 with
+ * an exception set (nothing to release then). */
 int q3_view_acquire_on(PyObject *obj, const char *arg, q3_view *v, int device, int allow_host, void *stream);
 void q3_view_release(q3_view *v);
 /* "[2, 3, 4]" */
