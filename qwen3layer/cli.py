@@ -19,6 +19,7 @@ from .config import LayerConfig
 from .costs import cost_model, decode_weight_bytes, prefill_flops
 from .profile import join, stage_table
 from .layer import DecoderLayer
+from .rulers import activation_bytes
 
 GEOMETRIES = {"real": LayerConfig.qwen3_235b_a22b, "tiny": LayerConfig.tiny}
 
@@ -130,11 +131,6 @@ def graph_decode_ms(layer: DecoderLayer, cache, args: argparse.Namespace) -> flo
         graph()
     cuda.synchronize(index)
     return (time.perf_counter() - t) * 1e3 / args.new_tokens
-
-
-def activation_bytes(layer: DecoderLayer, tokens: int, dtype: str) -> int:
-    """Memory of a prefill beyond weights and cache: the workspace, the input and the output."""
-    return layer.workspace_bytes + 2 * tokens * layer.config.hidden_size * (2 if dtype == "bfloat16" else 4)
 
 
 def cmd_map(args: argparse.Namespace) -> int:

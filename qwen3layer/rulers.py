@@ -101,13 +101,17 @@ def decode_latency(cfg: LayerConfig, layer: DecoderLayer, dtype: str, context: i
                  f"probe; threshold {factor}x the floor")
 
 
+def activation_bytes(layer: DecoderLayer, tokens: int, dtype: str) -> int:
+    """Memory of a prefill beyond weights and cache: the workspace, the input and the output."""
+    return layer.workspace_bytes + 2 * tokens * layer.config.hidden_size * (2 if dtype == "bfloat16" else 4)
+
+
 def prefill_memory(cfg: LayerConfig, weights: dict, dtype: str, device: str, tokens: int, chunk: int,
                    limit_mb: float) -> Ruler:
     """Activation memory of a prefill (workspace, input, output), beyond weights and cache."""
     layer = DecoderLayer(cfg, weights, device=device)
     layer.prefill(layer.random_input((tokens, cfg.hidden_size), 3), layer.new_cache(tokens), chunk_size=chunk)
-    size = 2 if dtype == "bfloat16" else 4
-    used = layer.workspace_bytes + 2 * tokens * cfg.hidden_size * size
+    used = activation_bytes(layer, tokens, dtype)
     return Ruler("prefill memory", used / 2**20, limit_mb, "MiB", used / 2**20 <= limit_mb,
                  f"{tokens} tokens in chunks of {chunk}: workspace {layer.workspace_bytes / 2**20:.1f} MiB "
                  f"(grows with the chunk, not with the tokens) + input and output")
