@@ -135,6 +135,7 @@ out["graph errors"] = errors_of((
     lambda: _C.Layer(CFG, w, None, -1).decode_graph(_C.Layer(CFG, w, None, -1).new_cache(4)),
     lambda: layer.decode_graph(_C.Layer(CFG, w, None, -1).new_cache(4))))
 out["graph lengths after errors"] = list(small.lengths)
+out["synchronize errors"] = errors_of((lambda: _C.cuda_synchronize(1),))
 
 # the prefill MoE grouped in batches of experts (bf16 weights, I % 32 == 0) against one launch
 # per expert and against the CPU layer: experts of 2 tiles, tokens with 2 slots in one batch.

@@ -67,6 +67,7 @@ def test_decode_graphs_on_an_emulated_device(out):
     assert errors[9] == "ValueError: decode_graph: expected a layer on a CUDA device, got a cpu layer"
     assert errors[10].startswith("ValueError: cache: expected a cache on cuda:0")
     assert out["graph lengths after errors"] == [6]
+    assert out["synchronize errors"] == ["RuntimeError: cuda_synchronize(1): emulated CUDA error"]
     assert out["wrapped graph"] == ["Tensor", [1, 1], "DecodeGraph(batch=2, dtype=bfloat16, device=cuda:0)"]
 
 
