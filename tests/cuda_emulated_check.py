@@ -158,6 +158,7 @@ for name, shape, chunk in (("one sequence", (200, 64), None), ("two sequences in
         got[on] = host(gpu_g.prefill(_C.copy_tensor(x, 0), gpu_g.new_cache(256, batch), None, chunk)) - x_host
     grouped[name] = [rel(got[True], want), rel(got[False], want), rel(got[True], got[False])]
 out["grouped prefill"] = grouped
+out["cpu path"] = q3.build_info()["cpu_path"]
 out["grouped prefill setting"] = [_C.cuda_grouped_prefill(), _C.cuda_grouped_prefill(True)]
 
 # the graph keeps its layer and cache alive; the Python wrapper returns the caller's kind of tensor

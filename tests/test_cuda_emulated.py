@@ -76,10 +76,14 @@ def test_grouped_prefill_moe_on_an_emulated_device(out):
     made on the host) computes what one launch per expert does, step for step in the same
     order (experts here all get >= 16 tokens, so both round to bf16 for the tensor cores),
     with experts of two tiles and tokens with two slots in one batch. Errors are relative to
-    the layer's update y - x, where a wrong expert term would show."""
+    the layer's update y - x, where a wrong expert term would show. The CPU layer rounds the
+    experts' inputs to bf16 as the tensor cores do only on its bf16 paths (avx512bf16, amx);
+    the others keep them in fp32, which moves the update by the rounding itself (2^-9 of each
+    input: 4.0e-3 of the update measured on an AVX2 machine), so they get a wider bound."""
+    tol = 2e-3 if out["cpu path"] in ("avx512bf16", "amx") else 8e-3
     for name in ("one sequence", "two sequences in chunks", "three tokens: batches of at most 3 pairs"):
         grouped_vs_cpu, per_expert_vs_cpu, grouped_vs_per_expert = out["grouped prefill"][name]
-        assert grouped_vs_cpu <= 2e-3 and per_expert_vs_cpu <= 2e-3, name
+        assert grouped_vs_cpu <= tol and per_expert_vs_cpu <= tol, (name, out["cpu path"])
         if name.startswith("three"):  # experts of < 16 tokens: the per-expert path skips the bf16 rounding
             continue
         assert grouped_vs_per_expert <= 1e-6, name
