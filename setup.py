@@ -1,11 +1,13 @@
-"""Build of the qwen3layer C extension (qwen3layer._C): the engine (csrc/) and the CPU
-kernels (kernels/cpu/), C11 with OpenMP. Nothing here needs torch.
+"""Build of the qwen3layer C extension (qwen3layer._C): csrc/ (the engine, its CUDA host
+side, the check harness and the CPython glue, one folder each) and the CPU kernels
+(kernels/cpu/), C11 with OpenMP. Nothing here needs torch. Every #include is a path
+relative to its file, so no include directories are passed.
 
 The kernels are compiled once per instruction set, each copy with its own names
 (kernels/cpu/isa.h): "portable" for the architecture's baseline and, on x86-64, "avx2"
 (with FMA) and "avx512" (F, BW, VL, DQ; BF16 and AMX code inside it is enabled per
 function). The engine picks the best one the CPU can run when the module is imported
-(csrc/cpu_dispatch.c); QWEN3LAYER_CPU_PATH=portable|avx2|avx512|avx512bf16|amx forces one.
+(csrc/engine/cpu_dispatch.c); QWEN3LAYER_CPU_PATH=portable|avx2|avx512|avx512bf16|amx forces one.
 
 Where nvcc is found (PATH, $CUDA_HOME/bin or /usr/local/cuda/bin), kernels/cuda/*.cu are
 built into qwen3layer/libq3cuda.so for sm_80 and sm_90, with the CUDA runtime linked in
@@ -23,6 +25,7 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 VERSION = "0.1.0"
+CSRC_LAYERS = ["engine", "cuda", "check", "python"]  # csrc/<layer>/, bottom first (the rule: tests/include_layers.py)
 COMMON = ["-std=c11", "-O3", "-ffp-contract=fast", "-fopenmp", "-Wall", "-Wextra", "-Wno-unused-parameter",
           "-fno-strict-aliasing", "-D_GNU_SOURCE"]
 
@@ -125,11 +128,10 @@ setup(
     ext_modules=[
         Extension(
             "qwen3layer._C",
-            sources=sorted(glob.glob("csrc/*.c")),
-            include_dirs=["csrc", "kernels"],
+            sources=[src for layer in CSRC_LAYERS for src in sorted(glob.glob(f"csrc/{layer}/*.c"))],
             extra_compile_args=COMMON + [f'-DQ3_VERSION="{VERSION}"'],
             extra_link_args=["-fopenmp", "-ldl"],
-            depends=sorted(glob.glob("csrc/*.h")) + sorted(glob.glob("kernels/*.h"))
+            depends=sorted(glob.glob("csrc/*/*.h")) + sorted(glob.glob("kernels/*.h"))
             + sorted(glob.glob("kernels/cpu/*.h")),
         )
     ],

@@ -1,5 +1,5 @@
 /* Append the keys and values of L new tokens to one sequence of the KV cache.
- * The cache layout of one sequence is [kv_heads, capacity, D] (see csrc/cache.h):
+ * The cache layout of one sequence is [kv_heads, capacity, D] (see csrc/engine/cache.h):
  * the positions of one head are contiguous, so attention streams them in order. */
 #ifndef Q3_KERNELS_KV_WRITE_H
 #define Q3_KERNELS_KV_WRITE_H

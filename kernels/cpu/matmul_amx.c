@@ -7,7 +7,7 @@
  * (token block tb of 16, k step s of 32, pair r, token i, j in {0, 1}), zero-padded.
  * A block of 32 weight rows x 32 tokens keeps 4 C tiles; threads split the weight rows.
  * Shapes with N % 16 or K % 32 left over go to the AVX512-BF16 kernel. Linux grants AMX
- * per process on request: csrc/cpu_dispatch.c asks before this level is offered. */
+ * per process on request: csrc/engine/cpu_dispatch.c asks before this level is offered. */
 #include "ops.h"
 
 #if defined(__AVX512F__)

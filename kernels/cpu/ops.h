@@ -1,5 +1,5 @@
 /* The CPU kernels as a table of functions, one table per instruction-set level; the engine
- * picks a table once (csrc/cpu_dispatch.c) and calls every kernel through it. */
+ * picks a table once (csrc/engine/cpu_dispatch.c) and calls every kernel through it. */
 #ifndef Q3_KERNELS_CPU_OPS_H
 #define Q3_KERNELS_CPU_OPS_H
 

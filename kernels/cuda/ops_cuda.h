@@ -87,7 +87,7 @@ typedef struct {
                      float *partial, void *stream);
     int (*router_topk)(int32_t *idx, float *weight, const float *logits, int64_t T, int E, int k, int normalize,
                        void *stream);
-    /* ---- decode without the host (CUDA-graph capturable); twins in csrc/cuda_twins.c ---- */
+    /* ---- decode without the host (CUDA-graph capturable); twins in csrc/check/twins.c ---- */
     /* a decode step's bookkeeping from device-resident lengths: for s < n_seqs,
      * seqs[s].n_past = lengths[s]; pos[s] = lengths[s] - seqs[s].start (0 while inside the
      * padding); then lengths[s] += 1 */

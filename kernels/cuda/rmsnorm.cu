@@ -1,5 +1,5 @@
 // RMSNorm on the GPU: one block per row (twin: kernels/cpu/rmsnorm.c), and the residual add
-// fused in front of it (twin: q3_add_rmsnorm_host, csrc/cuda_twins.c).
+// fused in front of it (twin: q3_add_rmsnorm_host, csrc/check/twins.c).
 #include "common.cuh"
 
 // o [n] = w * (x * rsqrt(mean(x^2) + eps)), given this thread's share ss of sum(x^2); the

@@ -1,0 +1,92 @@
+/* The CUDA kernel self-check's harness (kernel_check.c runs the cases; the MoE and decode
+ * bookkeeping cases are in kernel_check_moe.c): host and device buffers of one case,
+ * freed together, and the first CUDA failure. Internal to those two files. */
+#ifndef Q3_CHECK_KERNEL_CHECK_H
+#define Q3_CHECK_KERNEL_CHECK_H
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../engine/cpu_dispatch.h"
+#include "../cuda/backend.h"
+#include "q3_check.h"
+#include "twins.h"
+
+typedef struct {
+    const q3_cuda_ops *g;
+    const q3_cpu_ops *c;
+    q3_error *err;
+    int failed;
+    void *dev[32];
+    int n_dev;
+    void *host[32];
+    int n_host;
+} check;
+
+static inline int cuda_ok(check *k, int code, const char *what) {
+    if (code == 0 || k->failed) return !k->failed;
+    k->failed = 1;
+    q3_fail(k->err, Q3_ERR_STATE, "cuda check: %s: %s", what, k->g->error_string(code));
+    return 0;
+}
+
+static inline void *host(check *k, size_t bytes) {
+    void *p = calloc(1, bytes ? bytes : 1);
+    if (p && k->n_host < 32) k->host[k->n_host++] = p;
+    else if (!k->failed) {
+        free(p);
+        p = NULL;
+        k->failed = 1;
+        q3_fail(k->err, Q3_ERR_NOMEM, "cuda check: out of host memory");
+    }
+    return p;
+}
+
+static inline float *host_random(check *k, int64_t n, q3_dtype dt, uint64_t seed) {
+    void *p = host(k, (size_t)n * q3_dtype_size(dt));
+    if (p) k->c->fill_normal(p, dt, n, seed, 7, 0.0f, 1.0f);
+    return p;
+}
+
+/* a device copy of host[bytes] (or fresh device memory when host is NULL) */
+static inline void *device(check *k, const void *src, size_t bytes) {
+    void *d = NULL;
+    if (k->failed || k->n_dev >= 32) return NULL;
+    if (!cuda_ok(k, k->g->malloc_device(&d, bytes ? bytes : 4), "cudaMalloc")) return NULL;
+    k->dev[k->n_dev++] = d;
+    if (src && !cuda_ok(k, k->g->copy(d, src, bytes, 1), "copy to device")) return NULL;
+    return d;
+}
+
+static inline void fetch(check *k, void *dst, const void *d, size_t bytes) {
+    if (!k->failed && cuda_ok(k, k->g->synchronize(), "kernel")) cuda_ok(k, k->g->copy(dst, d, bytes, 0), "copy to host");
+}
+
+static inline void release(check *k) {
+    for (int i = 0; i < k->n_dev; i++) k->g->free_device(k->dev[i]);
+    for (int i = 0; i < k->n_host; i++) free(k->host[i]);
+    k->n_dev = k->n_host = 0;
+}
+
+static inline double max_err(const void *a, const void *b, q3_dtype dt, int64_t n) {
+    double worst = 0.0, scale = 0.0;
+    for (int64_t i = 0; i < n; i++) {
+        const float x = dt == Q3_BF16 ? q3_bf16_to_f32(((const uint16_t *)a)[i]) : ((const float *)a)[i];
+        const float y = dt == Q3_BF16 ? q3_bf16_to_f32(((const uint16_t *)b)[i]) : ((const float *)b)[i];
+        if (isnan(x) != isnan(y)) return INFINITY;
+        worst = fabs((double)x - y) > worst ? fabs((double)x - y) : worst;
+        scale = fabs((double)y) > scale ? fabs((double)y) : scale;
+    }
+    return worst / (scale > 0.0 ? scale : 1.0);
+}
+
+/* the MoE and decode cases (kernel_check_moe.c): max |cuda - twin| / max |twin| */
+double q3_case_decode_prepare(check *k);
+double q3_case_moe_route(check *k);
+double q3_case_moe_experts(check *k);
+double q3_case_moe_prefill_tc(check *k);
+double q3_case_moe_combine_csr(check *k);
+
+#endif

@@ -1,0 +1,127 @@
+/* The forward driver of a layer on a CUDA device: the tokens through the passes of
+ * passes.c chunk by chunk, on the caller's stream. The host keeps the
+ * bookkeeping: cache lengths (advanced here), staging for positions and the sequences' cache
+ * rows. A decode call uploads the lengths and cache rows of its sequences and lets the device
+ * take it from there (as a captured graph does, decode_graph.c). A call that fails
+ * restores the cache lengths it started from. While profiling is on, an event is recorded at
+ * each stage boundary and the stream is synchronised after each pass to read them. */
+#include <stdlib.h>
+
+#include "layer.h"
+
+size_t q3_layer_cuda_workspace_bytes(const q3_layer *l) { return l->gpu ? l->gpu->ws.dev.bytes : 0; }
+
+void q3_layer_cuda_release(q3_layer *l) {
+    q3_cuda_state *s = l->gpu;
+    if (!s) return;
+    q3_gpu_ws_free(&s->ws);
+    for (size_t i = 0; i < sizeof s->events / sizeof s->events[0]; i++)
+        if (s->events[i] && q3_cuda()) q3_cuda()->event_destroy(s->events[i]);
+    free(s->pos);
+    free(s->seq_ptr);
+    free(s->lengths);
+    free(s->topk_idx);
+    free(s->topk_w);
+    free(s->offsets);
+    free(s->pair_row);
+    free(s->pair_w);
+    free(s->moe_plan);
+    free(s->batches);
+    free(s->token_index);
+    free(s->token_fill);
+    free(s);
+    l->gpu = NULL;
+}
+
+static q3_status reserve(q3_layer *l, int64_t rows, int seqs, q3_error *err) {
+    if (!q3_cuda()) return q3_fail(err, Q3_ERR_STATE, "cuda: the CUDA backend is not loaded");
+    if (l->gpu && rows <= l->gpu->ws.dev.rows && seqs <= l->gpu->ws.dev.seqs) return Q3_OK;
+    q3_layer_cuda_release(l);
+    q3_cuda_state *s = calloc(1, sizeof *s);
+    if (!s) return q3_fail(err, Q3_ERR_NOMEM, "cuda layer: out of host memory");
+    l->gpu = s;
+    const q3_status status = q3_gpu_ws_alloc(&s->ws, l, rows, seqs, err);
+    if (status != Q3_OK) {
+        q3_layer_cuda_release(l);
+        return status;
+    }
+    const int k = l->cfg.top_k;
+    s->pos = malloc((size_t)rows * sizeof *s->pos);
+    s->seq_ptr = malloc((size_t)seqs * sizeof *s->seq_ptr);
+    s->lengths = malloc((size_t)seqs * sizeof *s->lengths);
+    s->topk_idx = malloc((size_t)(rows * k) * sizeof *s->topk_idx);
+    s->topk_w = malloc((size_t)(rows * k) * sizeof *s->topk_w);
+    s->offsets = malloc((size_t)(l->cfg.experts + 1) * sizeof *s->offsets);
+    s->pair_row = malloc((size_t)(rows * k) * sizeof *s->pair_row);
+    s->pair_w = malloc((size_t)(rows * k) * sizeof *s->pair_w);
+    s->moe_plan = malloc((size_t)q3_moe_plan_ints(rows, k, l->cfg.experts) * sizeof *s->moe_plan);
+    s->batches = malloc((size_t)l->cfg.experts * sizeof *s->batches);
+    s->token_index = calloc((size_t)rows, sizeof *s->token_index);
+    s->token_fill = malloc((size_t)rows * sizeof *s->token_fill);
+    if (!s->pos || !s->seq_ptr || !s->lengths || !s->topk_idx || !s->topk_w || !s->offsets || !s->pair_row ||
+        !s->pair_w || !s->moe_plan || !s->batches || !s->token_index || !s->token_fill) {
+        q3_layer_cuda_release(l);
+        return q3_fail(err, Q3_ERR_NOMEM, "cuda layer: out of host memory");
+    }
+    return Q3_OK;
+}
+
+/* after a pass: wait for it, charge each interval to its stage */
+static void collect(q3_gpu_run *run) {
+    q3_cuda_state *st = run->st;
+    if (!run->prof || run->code) return;
+    if ((run->code = run->g->stream_synchronize(run->stream)) != 0) {
+        run->what = "synchronize (profiling)";
+        return;
+    }
+    for (int i = 1; i < st->n_events; i++) {
+        float ms = 0.0f;
+        if ((run->code = run->g->event_elapsed_ms(&ms, st->events[i - 1], st->events[i])) != 0) {
+            run->what = "cudaEventElapsedTime";
+            return;
+        }
+        run->prof->seconds[st->stage_of[i]] += 1e-3 * ms;
+    }
+    st->n_events = 0;
+}
+
+q3_status q3_layer_forward_cuda(q3_layer *l, q3_cache *c, const q3_forward_args *a, q3_error *err) {
+    const int64_t chunk = a->chunk > 0 ? a->chunk : Q3_DEFAULT_CHUNK;
+    const int64_t step = chunk < a->tokens ? chunk : a->tokens;
+    q3_status s = reserve(l, step * a->n_seqs, a->n_seqs, err);
+    if (s != Q3_OK) return s;
+    q3_gpu_run run = {q3_cuda(), a->stream, 0, NULL, l->prof.enabled ? &l->prof : NULL, l->gpu, &l->gpu->ws};
+    int64_t before[a->n_seqs];
+    for (int i = 0; i < a->n_seqs; i++) before[i] = c->lengths[a->seqs[i]];
+    Q3_GPU(&run, run.g->set_device(l->w.device), "cudaSetDevice");
+    const int64_t H = l->cfg.hidden;
+    const size_t es = q3_dtype_size(a->io_dtype);
+    q3_workspace *d = &run.ws->dev;
+    for (int64_t t0 = 0; t0 < a->tokens && !run.code; t0 += step) {
+        const int64_t L = a->tokens - t0 < step ? a->tokens - t0 : step;
+        const int whole = L == a->tokens; /* the rows of x are this pass's rows, in order */
+        q3_gpu_mark(&run, -1);
+        for (int i = 0; i < (whole ? 1 : a->n_seqs); i++)
+            Q3_GPU(&run, run.g->to_f32(d->x + i * L * H, (const char *)a->x + ((size_t)i * a->tokens + t0) * H * es,
+                                       a->io_dtype, (whole ? a->n_seqs : 1) * L * H, run.stream), "input");
+        q3_gpu_mark(&run, Q3_STAGE_IO);
+        const q3_pass p = {NULL, NULL, a->n_seqs, a->seqs, L};
+        int64_t max_keys = 0;
+        for (int i = 0; i < a->n_seqs; i++)
+            max_keys = c->lengths[a->seqs[i]] + L > max_keys ? c->lengths[a->seqs[i]] + L : max_keys;
+        if (q3_gpu_is_decode(&p)) /* a decode pass starts from the device */
+            Q3_GPU(&run, q3_gpu_upload_decode_state(run.g, run.ws, c, a->seqs, a->n_seqs, l->gpu->lengths,
+                                                    l->gpu->seq_ptr, run.stream), "uploading lengths");
+        q3_gpu_attention_pass(l, c, &p, max_keys, &run);
+        q3_gpu_moe_pass(l, &p, &run);
+        for (int i = 0; i < (whole ? 1 : a->n_seqs); i++)
+            Q3_GPU(&run, run.g->from_f32((char *)a->y + ((size_t)i * a->tokens + t0) * H * es, a->io_dtype,
+                                         d->x + i * L * H, (whole ? a->n_seqs : 1) * L * H, run.stream), "output");
+        for (int i = 0; i < a->n_seqs; i++) c->lengths[a->seqs[i]] += L;
+        q3_gpu_mark(&run, Q3_STAGE_IO);
+        collect(&run);
+    }
+    if (!run.code) return Q3_OK;
+    for (int i = 0; i < a->n_seqs; i++) c->lengths[a->seqs[i]] = before[i];
+    return q3_fail(err, Q3_ERR_STATE, "cuda: %s failed: %s", run.what, run.g->error_string(run.code));
+}

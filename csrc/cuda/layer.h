@@ -1,0 +1,113 @@
+/* The CUDA side of the engine, shared by the forward driver (layer.c), the passes (passes.c)
+ * and decode graphs (decode_graph.c). */
+#ifndef Q3_CUDA_LAYER_H
+#define Q3_CUDA_LAYER_H
+
+#include "../engine/layer_internal.h"
+#include "backend.h"
+
+/* q3_device_backend's layer entries (csrc/engine/device_backend.h): the forward of a layer
+ * whose weights live on a CUDA device, after the engine checked the call; the release of its
+ * state; the device workspace it holds now */
+q3_status q3_layer_forward_cuda(q3_layer *layer, q3_cache *cache, const q3_forward_args *a, q3_error *err);
+void q3_layer_cuda_release(q3_layer *layer);
+size_t q3_layer_cuda_workspace_bytes(const q3_layer *layer);
+
+/* Decode-sized passes (one token per sequence, at most this many sequences) keep every
+ * decision on the device: positions from device-resident lengths, experts grouped by a
+ * kernel, no cuBLAS. Nothing in them waits for the host, so a CUDA graph can hold them. */
+#define Q3_DECODE_MAX_ROWS Q3_GRAPH_MAX_BATCH
+
+/* Device memory for passes of up to `rows` rows and `seqs` sequences: one allocation. */
+typedef struct {
+    q3_workspace dev;      /* carved like the host workspace */
+    float *partial;        /* split-KV partials (kernels/cuda/ops_cuda.h) */
+    int64_t *lengths;      /* [seqs] decode: tokens held by each sequence of the pass */
+    int32_t *active;       /* [E + 1] decode: experts chosen in the pass (count first) */
+    int32_t *pair_slot;    /* [Rd * k] decode: grouped slot of each (token, choice) */
+    float *pair_act;       /* [Rd * k, I] decode: SiLU(gate) * up of each slot */
+    float *pair_y;         /* [Rd * k, H] decode: expert output of each slot */
+    const void **experts;  /* [Q3_X_COUNT][E] device copies of the expert pointer tables */
+    int32_t *moe_plan;     /* [q3_moe_plan_ints] prefill: tiles and per-token slots (below) */
+} q3_gpu_ws;               /* rows, seqs, block and bytes: in dev; Rd = min(rows, Q3_DECODE_MAX_ROWS) */
+
+q3_status q3_gpu_ws_alloc(q3_gpu_ws *ws, const q3_layer *l, int64_t rows, int seqs, q3_error *err);
+void q3_gpu_ws_free(q3_gpu_ws *ws);
+
+/* A decode pass's starting state: sequences seqs [n]'s lengths and cache rows, staged in the
+ * host arrays lengths [n] and rows [n] (which must outlive nothing: copies from pageable
+ * memory are staged before they return) and queued for upload into ws; a CUDA code. */
+int q3_gpu_upload_decode_state(const q3_cuda_ops *g, q3_gpu_ws *ws, const q3_cache *c, const int32_t *seqs, int n,
+                               int64_t *lengths, q3_attn_seq *rows, void *stream);
+
+/* The grouped prefill MoE's plan, made on the host per pass: the experts in batches of at
+ * most R slots (the rows of the act and output buffers); per batch, its tiles of up to
+ * Q3_MOE_TILE_ROWS slots and, for each token it touches, that token's slots in expert order
+ * (tokens, ptr, slot: kernels/cuda/ops_cuda.h's moe_combine_csr). Int32s: the tiles (4
+ * each, at most R k / 64 + E of them) first, then the batches' token lists. */
+static inline int64_t q3_moe_plan_tiles(int64_t R, int k, int E) { return R * k / Q3_MOE_TILE_ROWS + E + 1; }
+static inline int64_t q3_moe_plan_ints(int64_t R, int k, int E) {
+    return 4 * q3_moe_plan_tiles(R, k, E) + 3 * R * k + 2 * (int64_t)E + 2;
+}
+
+typedef struct {
+    int64_t slot_lo, slot_hi; /* the batch's slots */
+    int tile_lo, n_tiles;     /* its tiles, from tile_lo */
+    int64_t tokens;           /* offset of its token list in the plan; ptr and slot follow */
+    int n_tokens;
+} q3_moe_batch;
+
+/* A CUDA layer's state: its device memory and host staging, grown for larger calls. */
+struct q3_cuda_state {
+    q3_gpu_ws ws;
+    void *events[2 * Q3_STAGE_COUNT + 2]; /* profiling: one per stage boundary of a pass */
+    int stage_of[2 * Q3_STAGE_COUNT + 2]; /* the stage each event ends */
+    int n_events;
+    /* host staging */
+    int64_t *pos;         /* [rows] */
+    q3_attn_seq *seq_ptr; /* [seqs] */
+    int64_t *lengths;     /* [seqs] */
+    int32_t *topk_idx;    /* [rows, k] */
+    float *topk_w;        /* [rows, k] */
+    int64_t *offsets;     /* [E + 1] */
+    int32_t *pair_row;    /* [rows * k] */
+    float *pair_w;        /* [rows * k] */
+    int32_t *moe_plan;    /* [q3_moe_plan_ints] */
+    q3_moe_batch *batches; /* [E] */
+    int32_t *token_index; /* [rows] zero between uses: 1 + a token's place in its batch's list */
+    int32_t *token_fill;  /* [rows] */
+};
+
+/* One run of passes: the first failing call and its name; events while profiling. */
+typedef struct {
+    const q3_cuda_ops *g;
+    void *stream;
+    int code;
+    const char *what;
+    q3_profile *prof;   /* NULL unless profiling */
+    q3_cuda_state *st;  /* events (profiling only) */
+    q3_gpu_ws *ws;
+} q3_gpu_run;
+
+#define Q3_GPU(run, call, label)                      \
+    do {                                              \
+        if (!(run)->code) {                           \
+            (run)->code = (call);                     \
+            if ((run)->code) (run)->what = label;     \
+        }                                             \
+    } while (0)
+
+/* records the boundary that ends `stage` (stage < 0: the start of a pass) */
+void q3_gpu_mark(q3_gpu_run *run, int stage);
+
+/* One pass over the rows in ws->dev.x. A decode pass (p->L == 1, n_seqs <= Q3_DECODE_MAX_ROWS)
+ * reads its positions from ws->lengths (which it advances) and ws->dev.attn_seqs' cache
+ * pointers and padding, both uploaded beforehand; max_keys bounds the keys any query sees
+ * (a graph passes the capacity). Other passes stage positions from the cache's host lengths
+ * and group experts on the host (one stream synchronisation). */
+void q3_gpu_attention_pass(q3_layer *l, q3_cache *c, const q3_pass *p, int64_t max_keys, q3_gpu_run *run);
+void q3_gpu_moe_pass(q3_layer *l, const q3_pass *p, q3_gpu_run *run);
+
+static inline int q3_gpu_is_decode(const q3_pass *p) { return p->L == 1 && p->n_seqs <= Q3_DECODE_MAX_ROWS; }
+
+#endif

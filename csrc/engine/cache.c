@@ -1,0 +1,122 @@
+/* KV cache: one allocation per tensor at creation, nothing afterwards (layout in cache.h). */
+#include <stdlib.h>
+#include <string.h>
+
+#include "cache.h"
+#include "device_backend.h"
+
+q3_status q3_cache_create(q3_cache **out, int batch, int64_t capacity, int kv_heads,
+                          int head_dim, q3_dtype dtype, q3_error *err) {
+    return q3_cache_create_on(out, batch, capacity, kv_heads, head_dim, dtype, -1, err);
+}
+
+/* K or V: n zeroed bytes on the host or the device */
+static void *cache_alloc(size_t n, int device) {
+    if (device < 0) {
+        void *p = q3_alloc(n);
+        /* touch every page now, so that appending a token never faults new memory in */
+        if (p) memset(p, 0, n);
+        return p;
+    }
+    const q3_device_backend *d = q3_device();
+    return d ? d->alloc_zeroed(n, device) : NULL;
+}
+
+static void cache_free(void *p, int device) {
+    if (device < 0) q3_free(p);
+    else if (p && q3_device()) q3_device()->free(p);
+}
+
+q3_status q3_cache_create_on(q3_cache **out, int batch, int64_t capacity, int kv_heads, int head_dim,
+                             q3_dtype dtype, int device, q3_error *err) {
+    *out = NULL;
+    if (batch <= 0) return q3_fail(err, Q3_ERR_VALUE, "batch: expected a positive integer, got %d", batch);
+    if (capacity <= 0)
+        return q3_fail(err, Q3_ERR_VALUE, "max_tokens: expected a positive integer, got %lld",
+                       (long long)capacity);
+    const size_t n = (size_t)batch * kv_heads * (size_t)capacity * head_dim * q3_dtype_size(dtype);
+    q3_cache *c = calloc(1, sizeof *c);
+    if (!c) return q3_fail(err, Q3_ERR_NOMEM, "KV cache: out of memory");
+    c->batch = batch;
+    c->kv_heads = kv_heads;
+    c->head_dim = head_dim;
+    c->capacity = capacity;
+    c->dtype = dtype;
+    c->device = device;
+    c->lengths = calloc((size_t)batch, sizeof *c->lengths);
+    c->padding = calloc((size_t)batch, sizeof *c->padding);
+    c->k = cache_alloc(n, device);
+    c->v = cache_alloc(n, device);
+    if (!c->lengths || !c->padding || !c->k || !c->v) {
+        q3_cache_destroy(c);
+        return q3_fail(err, Q3_ERR_NOMEM, "KV cache: cannot allocate 2 x %zu bytes on %s", n,
+                       device < 0 ? "the host" : "the CUDA device");
+    }
+    *out = c;
+    return Q3_OK;
+}
+
+void q3_cache_destroy(q3_cache *c) {
+    if (!c) return;
+    free(c->lengths);
+    free(c->padding);
+    cache_free(c->k, c->device);
+    cache_free(c->v, c->device);
+    free(c);
+}
+
+static q3_status check_seq(const q3_cache *c, int seq, q3_error *err) {
+    if (seq < 0 || seq >= c->batch)
+        return q3_fail(err, Q3_ERR_INDEX, "seq: expected 0 <= seq < %d (the cache's batch), got %d",
+                       c->batch, seq);
+    return Q3_OK;
+}
+
+q3_status q3_cache_reset(q3_cache *c, int seq, q3_error *err) {
+    if (seq < 0) {
+        memset(c->lengths, 0, (size_t)c->batch * sizeof *c->lengths);
+        memset(c->padding, 0, (size_t)c->batch * sizeof *c->padding);
+        return Q3_OK;
+    }
+    q3_status s = check_seq(c, seq, err);
+    if (s == Q3_OK) c->lengths[seq] = c->padding[seq] = 0;
+    return s;
+}
+
+q3_status q3_cache_set_padding(q3_cache *c, int seq, int64_t n, q3_error *err) {
+    q3_status s = check_seq(c, seq, err);
+    if (s != Q3_OK) return s;
+    if (c->lengths[seq] != 0)
+        return q3_fail(err, Q3_ERR_STATE, "padding: sequence %d already holds %lld tokens (set it while empty)",
+                       seq, (long long)c->lengths[seq]);
+    if (n < 0 || n >= c->capacity)
+        return q3_fail(err, Q3_ERR_VALUE, "n: expected 0 <= n < %lld (the capacity), got %lld",
+                       (long long)c->capacity, (long long)n);
+    c->padding[seq] = n;
+    return Q3_OK;
+}
+
+q3_status q3_cache_truncate(q3_cache *c, int seq, int64_t n, q3_error *err) {
+    q3_status s = check_seq(c, seq, err);
+    if (s != Q3_OK) return s;
+    if (n < 0 || n > c->lengths[seq])
+        return q3_fail(err, Q3_ERR_VALUE,
+                       "n: expected 0 <= n <= %lld (the length of sequence %d), got %lld",
+                       (long long)c->lengths[seq], seq, (long long)n);
+    c->lengths[seq] = n;
+    if (c->padding[seq] > n) c->padding[seq] = n;
+    return Q3_OK;
+}
+
+static size_t seq_offset(const q3_cache *c, int seq) {
+    return (size_t)seq * c->kv_heads * (size_t)c->capacity * c->head_dim * q3_dtype_size(c->dtype);
+}
+
+void *q3_cache_seq_keys(const q3_cache *c, int seq) { return (char *)c->k + seq_offset(c, seq); }
+void *q3_cache_seq_values(const q3_cache *c, int seq) { return (char *)c->v + seq_offset(c, seq); }
+
+size_t q3_cache_bytes(const q3_cache *c) { return 2 * seq_offset(c, c->batch); }
+
+q3_attn_seq q3_cache_attn_seq(const q3_cache *c, int seq) {
+    return (q3_attn_seq){q3_cache_seq_keys(c, seq), q3_cache_seq_values(c, seq), c->lengths[seq], c->padding[seq]};
+}

@@ -1,0 +1,30 @@
+/* The engine's door to a device backend. The engine sits below the backends and never calls
+ * one by name: a backend installs this table when it opens (the CUDA host side does, in
+ * csrc/cuda/backend.c), and the engine reaches device memory for its caches and the forward
+ * of layers whose weights live on a device through it. Without one, everything on the host
+ * works and a device layer or cache is refused. */
+#ifndef Q3_ENGINE_DEVICE_BACKEND_H
+#define Q3_ENGINE_DEVICE_BACKEND_H
+
+#include <stddef.h>
+
+#include "q3.h"
+
+typedef struct {
+    /* n zeroed bytes on `device`, NULL when they cannot be had; their release */
+    void *(*alloc_zeroed)(size_t n, int device);
+    void (*free)(void *p);
+    /* q3_layer_forward of a layer whose weights live on the device, after the engine checked
+     * the call (csrc/engine/layer.c); same contract */
+    q3_status (*layer_forward)(q3_layer *layer, q3_cache *cache, const q3_forward_args *a, q3_error *err);
+    /* releases what the backend holds for the layer (nothing if it holds nothing) */
+    void (*layer_release)(q3_layer *layer);
+    /* the workspace the backend holds for the layer now, in bytes */
+    size_t (*layer_workspace_bytes)(const q3_layer *layer);
+} q3_device_backend;
+
+/* Installs `b` (kept by reference) as the process's device backend; the one installed, or NULL. */
+void q3_device_backend_install(const q3_device_backend *b);
+const q3_device_backend *q3_device(void);
+
+#endif

@@ -1,0 +1,157 @@
+/* Layer lifetime and the forward driver: checks every argument, sizes the workspace, then
+ * runs the tokens through both stages chunk by chunk. Prefill, chunked prefill and decode
+ * are this one function with different (n_seqs, tokens, chunk). */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "device_backend.h"
+#include "layer_internal.h"
+
+q3_status q3_layer_create(q3_layer **out, const q3_config *cfg, const q3_weights *w, q3_error *err) {
+    *out = NULL;
+    q3_status s = q3_config_check(cfg, err);
+    if (s != Q3_OK) return s;
+    for (int i = 0; i < Q3_W_DENSE_COUNT; i++)
+        if (!w->dense[i])
+            return q3_fail(err, Q3_ERR_VALUE, "weights: missing %s", q3_dense_weight_name(i));
+    q3_layer *l = calloc(1, sizeof *l);
+    const size_t E = (size_t)cfg->experts;
+    const void **ptrs = calloc(Q3_X_COUNT * E, sizeof *ptrs);
+    if (!l || !ptrs) {
+        free(l);
+        free(ptrs);
+        return q3_fail(err, Q3_ERR_NOMEM, "layer: out of memory");
+    }
+    l->cfg = *cfg;
+    l->w = *w;
+    for (int x = 0; x < Q3_X_COUNT; x++) {
+        for (size_t e = 0; e < E; e++) {
+            if (!w->experts[x] || !w->experts[x][e]) {
+                free(ptrs);
+                free(l);
+                return q3_fail(err, Q3_ERR_VALUE, "weights: missing mlp.experts.%zu.%s.weight", e,
+                               q3_expert_weight_name(x));
+            }
+            ptrs[x * E + e] = w->experts[x][e];
+        }
+        l->w.experts[x] = ptrs + x * E;
+    }
+    l->expert_ptrs = ptrs;
+    s = w->device >= 0 ? Q3_OK : q3_workspace_reserve(&l->ws, cfg, 1, 1, err);
+    if (s != Q3_OK) {
+        q3_layer_destroy(l);
+        return s;
+    }
+    *out = l;
+    return Q3_OK;
+}
+
+void q3_layer_destroy(q3_layer *l) {
+    if (!l) return;
+    if (q3_device()) q3_device()->layer_release(l);
+    q3_workspace_release(&l->ws);
+    free(l->expert_ptrs);
+    free(l);
+}
+
+const q3_config *q3_layer_config(const q3_layer *l) { return &l->cfg; }
+q3_dtype q3_layer_dtype(const q3_layer *l) { return l->w.dtype; }
+size_t q3_layer_workspace_bytes(const q3_layer *l) {
+    if (l->w.device < 0) return l->ws.bytes;
+    return q3_device() ? q3_device()->layer_workspace_bytes(l) : 0;
+}
+
+static const char *device_name(int device, char *buf, size_t n) {
+    if (device < 0) snprintf(buf, n, "cpu");
+    else snprintf(buf, n, "cuda:%d", device);
+    return buf;
+}
+
+q3_status q3_layer_check_call(const q3_layer *l, const q3_cache *c, const q3_forward_args *a, q3_error *err) {
+    char want[16], got[16];
+    if (c->device != l->w.device)
+        return q3_fail(err, Q3_ERR_VALUE, "cache: expected a cache on %s (this layer's device), got one on %s",
+                       device_name(l->w.device, want, sizeof want), device_name(c->device, got, sizeof got));
+    if (c->kv_heads != l->cfg.kv_heads || c->head_dim != l->cfg.head_dim)
+        return q3_fail(err, Q3_ERR_VALUE,
+                       "cache: expected %d KV heads of dim %d (this layer's), got %d of dim %d",
+                       l->cfg.kv_heads, l->cfg.head_dim, c->kv_heads, c->head_dim);
+    if (a->tokens <= 0)
+        return q3_fail(err, Q3_ERR_VALUE, "x: expected at least 1 token, got %lld",
+                       (long long)a->tokens);
+    if (a->n_seqs <= 0 || a->n_seqs > c->batch)
+        return q3_fail(err, Q3_ERR_VALUE, "x: expected 1 to %d sequences (the cache's batch), got %d",
+                       c->batch, a->n_seqs);
+    for (int s = 0; s < a->n_seqs; s++) {
+        const int seq = a->seqs[s];
+        if (seq < 0 || seq >= c->batch)
+            return q3_fail(err, Q3_ERR_INDEX, "seq: expected 0 <= seq < %d (the cache's batch), got %d",
+                           c->batch, seq);
+        for (int r = 0; r < s; r++)
+            if (a->seqs[r] == seq)
+                return q3_fail(err, Q3_ERR_VALUE, "seq: sequence %d appears twice in one call", seq);
+        if (c->lengths[seq] + a->tokens > c->capacity)
+            return q3_fail(err, Q3_ERR_CACHE_FULL,
+                           "sequence %d holds %lld of %lld tokens: %lld more do not fit",
+                           seq, (long long)c->lengths[seq], (long long)c->capacity,
+                           (long long)a->tokens);
+    }
+    return Q3_OK;
+}
+
+q3_status q3_layer_forward(q3_layer *l, q3_cache *c, const q3_forward_args *a, q3_error *err) {
+    q3_status s = q3_layer_check_call(l, c, a, err);
+    if (s != Q3_OK) return s;
+    if (l->w.device >= 0) {
+        if (!q3_device()) return q3_fail(err, Q3_ERR_STATE, "cuda: the CUDA backend is not loaded");
+        return q3_device()->layer_forward(l, c, a, err);
+    }
+    const int64_t chunk = a->chunk > 0 ? a->chunk : Q3_DEFAULT_CHUNK;
+    const int64_t step = chunk < a->tokens ? chunk : a->tokens;
+    s = q3_workspace_reserve(&l->ws, &l->cfg, step * a->n_seqs, a->n_seqs, err);
+    if (s != Q3_OK) return s;
+
+    const q3_cpu_ops *k = q3_cpu_ops_active();
+    const int64_t H = l->cfg.hidden;
+    const size_t es = q3_dtype_size(a->io_dtype);
+    for (int64_t t0 = 0; t0 < a->tokens; t0 += step) {
+        const int64_t L = a->tokens - t0 < step ? a->tokens - t0 : step;
+        q3_profile_start(&l->prof);
+        for (int i = 0; i < a->n_seqs; i++)
+            k->to_f32(l->ws.x + i * L * H,
+                          (const char *)a->x + ((size_t)i * a->tokens + t0) * H * es,
+                          a->io_dtype, L * H);
+        q3_profile_mark(&l->prof, Q3_STAGE_IO);
+        const q3_pass p = {k, &l->prof, a->n_seqs, a->seqs, L};
+        q3_attention_block(l, c, &p);
+        q3_moe_block(l, &p);
+        for (int i = 0; i < a->n_seqs; i++) {
+            k->from_f32((char *)a->y + ((size_t)i * a->tokens + t0) * H * es, a->io_dtype,
+                            l->ws.x + i * L * H, L * H);
+            c->lengths[a->seqs[i]] += L;
+        }
+        q3_profile_mark(&l->prof, Q3_STAGE_IO);
+    }
+    return Q3_OK;
+}
+
+static const char *const stage_names[Q3_STAGE_COUNT] = {
+    "io", "input_norm", "qkv_proj", "qk_norm_rope", "kv_write", "attention", "o_proj",
+    "post_norm", "router", "top_k", "experts",
+};
+
+const char *q3_stage_name(int stage) { return stage >= 0 && stage < Q3_STAGE_COUNT ? stage_names[stage] : NULL; }
+
+q3_status q3_layer_profiling(q3_layer *l, int on, q3_error *err) {
+    (void)err;
+    l->prof = (q3_profile){0};
+    l->prof.enabled = on != 0;
+    return Q3_OK;
+}
+
+int q3_layer_profile_read(const q3_layer *l, double *seconds, int max) {
+    int n = 0;
+    for (; n < Q3_STAGE_COUNT && n < max; n++) seconds[n] = l->prof.seconds[n];
+    return n;
+}

@@ -1,0 +1,155 @@
+/* The qwen3layer engine: one Qwen3-MoE decoder layer in C, with no Python in it.
+ *
+ * Objects: q3_config (geometry), q3_layer (borrowed weights + workspace), q3_cache
+ * (KV cache, cache.h). Every entry point returns a q3_status and, on failure,
+ * fills a q3_error with a message naming the argument, the expected and the received
+ * value. Nothing here exits or aborts; a call that fails leaves the cache as it was. */
+#ifndef Q3_ENGINE_H
+#define Q3_ENGINE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../../kernels/dtype.h"
+
+typedef enum {
+    Q3_OK = 0,
+    Q3_ERR_VALUE,      /* bad shape, size or config value */
+    Q3_ERR_TYPE,       /* unsupported dtype */
+    Q3_ERR_INDEX,      /* sequence index out of range */
+    Q3_ERR_CACHE_FULL, /* the tokens do not fit in the cache */
+    Q3_ERR_NOMEM,      /* allocation failed */
+    Q3_ERR_STATE       /* object used in a state that forbids the call */
+} q3_status;
+
+typedef struct {
+    q3_status status;
+    char msg[512];
+} q3_error;
+
+/* Records status and a printf-style message in err (if not NULL); returns status. */
+q3_status q3_fail(q3_error *err, q3_status status, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+typedef struct {
+    int64_t hidden;        /* hidden_size */
+    int heads;             /* num_attention_heads (query heads) */
+    int kv_heads;          /* num_key_value_heads */
+    int head_dim;          /* head_dim: not necessarily hidden / heads */
+    int experts;           /* num_experts */
+    int top_k;             /* num_experts_per_tok */
+    int64_t moe_inter;     /* moe_intermediate_size */
+    int norm_topk;         /* norm_topk_prob */
+    float eps;             /* rms_norm_eps */
+    double rope_theta;     /* rope_theta */
+    int64_t max_positions; /* max_position_embeddings */
+} q3_config;
+
+/* Rejects impossible geometry: non-positive sizes, odd head_dim, heads not a multiple
+ * of kv_heads, top_k > experts. */
+q3_status q3_config_check(const q3_config *cfg, q3_error *err);
+
+/* ---- weights ------------------------------------------------------------------ */
+
+/* The per-layer tensors, by checkpoint name (prefix "model.layers.N." dropped). */
+typedef enum {
+    Q3_W_INPUT_NORM, /* input_layernorm.weight            [H] */
+    Q3_W_Q_PROJ,     /* self_attn.q_proj.weight           [Hq*D, H] */
+    Q3_W_K_PROJ,     /* self_attn.k_proj.weight           [Hkv*D, H] */
+    Q3_W_V_PROJ,     /* self_attn.v_proj.weight           [Hkv*D, H] */
+    Q3_W_O_PROJ,     /* self_attn.o_proj.weight           [H, Hq*D] */
+    Q3_W_Q_NORM,     /* self_attn.q_norm.weight           [D] */
+    Q3_W_K_NORM,     /* self_attn.k_norm.weight           [D] */
+    Q3_W_POST_NORM,  /* post_attention_layernorm.weight   [H] */
+    Q3_W_ROUTER,     /* mlp.gate.weight                   [E, H] */
+    Q3_W_DENSE_COUNT
+} q3_dense_weight;
+
+typedef enum {
+    Q3_X_GATE, /* mlp.experts.{e}.gate_proj.weight    [I, H] */
+    Q3_X_UP,   /* mlp.experts.{e}.up_proj.weight      [I, H] */
+    Q3_X_DOWN, /* mlp.experts.{e}.down_proj.weight    [H, I] */
+    Q3_X_COUNT
+} q3_expert_weight;
+
+const char *q3_dense_weight_name(q3_dense_weight w);
+const char *q3_expert_weight_name(q3_expert_weight w); /* "gate_proj", "up_proj", "down_proj" */
+/* shape of a dense weight: returns its rank (1 or 2), dims filled */
+int q3_dense_weight_shape(const q3_config *cfg, q3_dense_weight w, int64_t dims[2]);
+void q3_expert_weight_shape(const q3_config *cfg, q3_expert_weight w, int64_t dims[2]);
+/* the distribution DecoderLayer.random draws a weight from: norms around 1, matrices
+ * N(0, 0.02) like a trained (and initialised) Qwen3 layer */
+void q3_weight_init(int is_norm, float *mean, float *std);
+
+typedef struct {
+    q3_dtype dtype;                                   /* of every weight */
+    int device;                                       /* -1: host memory; else the CUDA device */
+    const void *dense[Q3_W_DENSE_COUNT];              /* contiguous, shapes as above */
+    const void *const *experts[Q3_X_COUNT];           /* [E] pointers each, contiguous */
+} q3_weights;
+
+/* ---- layer -------------------------------------------------------------------- */
+
+typedef struct q3_layer q3_layer;
+typedef struct q3_cache q3_cache;
+
+/* Borrows the weights (the caller keeps them alive and unchanged until destroy). */
+q3_status q3_layer_create(q3_layer **out, const q3_config *cfg, const q3_weights *w, q3_error *err);
+void q3_layer_destroy(q3_layer *layer);
+const q3_config *q3_layer_config(const q3_layer *layer);
+q3_dtype q3_layer_dtype(const q3_layer *layer);
+size_t q3_layer_workspace_bytes(const q3_layer *layer);
+
+#define Q3_DEFAULT_CHUNK 512
+
+/* One call of the layer: `tokens` new tokens for each of n_seqs sequences of the cache.
+ * x and y are [n_seqs, tokens, hidden] of io_dtype, contiguous (y may be x). */
+typedef struct {
+    const void *x;
+    void *y;
+    q3_dtype io_dtype;
+    int n_seqs;
+    const int32_t *seqs; /* [n_seqs] distinct cache sequences, one per block of rows */
+    int64_t tokens;      /* per sequence, >= 1 */
+    int64_t chunk;       /* tokens per sequence per pass; <= 0 means Q3_DEFAULT_CHUNK */
+    void *stream;        /* CUDA layers: the cudaStream_t the work is queued on (NULL: default) */
+} q3_forward_args;
+
+/* Runs the layer over the tokens, chunk by chunk, appending their K/V to the cache.
+ * All checks happen before the first write: on failure the cache is unchanged. */
+q3_status q3_layer_forward(q3_layer *layer, q3_cache *cache, const q3_forward_args *a, q3_error *err);
+
+/* Per-stage timing of the forward (profile.h): on (resets the totals) or off; the
+ * seconds accumulated per stage since; the stages' names (NULL past the last). */
+q3_status q3_layer_profiling(q3_layer *layer, int on, q3_error *err);
+int q3_layer_profile_read(const q3_layer *layer, double *seconds, int max);
+const char *q3_stage_name(int stage);
+
+/* ---- utilities ------------------------------------------------------------------ */
+
+/* Aligned allocation for tensors (64-byte aligned); q3_free releases it. */
+void *q3_alloc(size_t bytes);
+void q3_free(void *p);
+
+/* dst (contiguous, dst_dt) <- src (strided, src_dt), shape [ndim], strides in elements */
+void q3_copy_strided(void *dst, q3_dtype dst_dt, const void *src, q3_dtype src_dt, int ndim,
+                     const int64_t *shape, const int64_t *strides);
+
+/* dst [n] <- mean + std * N(0,1), deterministic in (seed, stream) */
+void q3_fill_random(void *dst, q3_dtype dt, int64_t n, uint64_t seed, uint64_t stream,
+                    float mean, float std);
+
+/* Probes of this machine with the active CPU path (probe.c): the best of `repeats`
+ * timed reads of a fresh `bytes` buffer in GB/s (0 if it cannot be allocated), and the
+ * fp32 multiply-add peak of all threads in GFLOP/s. */
+double q3_probe_read_gbs(size_t bytes, int repeats);
+double q3_probe_fma_gflops(double seconds);
+
+/* CPU kernel paths (cpu_dispatch.c): the ones this CPU can run, lowest first;
+ * select one by name (NULL: the best); the one in use. */
+int q3_cpu_paths(const char **names, int max);
+q3_status q3_cpu_select(const char *name, q3_error *err);
+const char *q3_cpu_path(void);
+int q3_max_threads(void);
+
+#endif

@@ -1,0 +1,158 @@
+/* The module's CUDA functions: opening the library, devices, synchronisation, the kernel
+ * self-check and timings, the emulated device for tests, the prefill MoE switch. Added to
+ * qwen3layer._C by py_module.c. */
+#include "py_glue.h"
+
+#include "../cuda/backend.h"
+
+static PyObject *cuda_open(PyObject *m, PyObject *arg) {
+    (void)m;
+    const char *path = PyUnicode_AsUTF8(arg);
+    if (!path) return NULL;
+    q3_error err;
+    q3_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = q3_cuda_open(path, &err);
+    Py_END_ALLOW_THREADS
+    if (s != Q3_OK) return q3_raise(NULL, &err);
+    Py_RETURN_NONE;
+}
+
+static PyObject *cuda_blas_open(PyObject *m, PyObject *arg) {
+    (void)m;
+    const char *path = arg == Py_None ? NULL : PyUnicode_AsUTF8(arg);
+    if (arg != Py_None && !path) return NULL;
+    const q3_cuda_ops *g = q3_cuda();
+    if (!g) {
+        PyErr_SetString(PyExc_RuntimeError, "cuda: the CUDA backend is not loaded");
+        return NULL;
+    }
+    return PyBool_FromLong(g->blas_open(path) == 0);
+}
+
+static PyObject *cuda_device_count(PyObject *m, PyObject *unused) {
+    (void)m;
+    (void)unused;
+    return PyLong_FromLong(q3_cuda_device_count());
+}
+
+static PyObject *cuda_synchronize(PyObject *m, PyObject *args) {
+    (void)m;
+    int device = 0;
+    if (!PyArg_ParseTuple(args, "|i:cuda_synchronize", &device)) return NULL;
+    const q3_cuda_ops *g = q3_cuda();
+    if (!g) {
+        PyErr_SetString(PyExc_RuntimeError, "cuda_synchronize: the CUDA backend is not loaded");
+        return NULL;
+    }
+    int code;
+    Py_BEGIN_ALLOW_THREADS
+    code = g->set_device(device);
+    if (!code) code = g->synchronize();
+    Py_END_ALLOW_THREADS
+    if (code) {
+        PyErr_Format(PyExc_RuntimeError, "cuda_synchronize(%d): %s", device, g->error_string(code));
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *cuda_grouped_prefill(PyObject *m, PyObject *args) {
+    (void)m;
+    PyObject *on = Py_None;
+    if (!PyArg_ParseTuple(args, "|O:cuda_grouped_prefill", &on)) return NULL;
+    const int flag = on == Py_None ? -1 : PyObject_IsTrue(on);
+    if (on != Py_None && flag < 0) return NULL;
+    return PyBool_FromLong(q3_cuda_grouped_prefill(flag));
+}
+
+static PyObject *cuda_check(PyObject *m, PyObject *args) {
+    (void)m;
+    int device = 0, n = 0;
+    if (!PyArg_ParseTuple(args, "|i:cuda_check", &device)) return NULL;
+    q3_check_result results[64];
+    q3_error err;
+    q3_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = q3_cuda_check(device, results, 64, &n, &err);
+    Py_END_ALLOW_THREADS
+    if (s != Q3_OK) return q3_raise(NULL, &err);
+    PyObject *list = PyList_New(n);
+    for (int i = 0; list && i < n; i++) {
+        PyObject *row = Py_BuildValue("(sdd)", results[i].name, results[i].max_err, results[i].tol);
+        if (!row) Py_CLEAR(list);
+        else PyList_SET_ITEM(list, i, row);
+    }
+    return list;
+}
+
+/* milliseconds per call of a CUDA device copy or matmul (kernels/cuda/ops_cuda.h) */
+static PyObject *cuda_time(PyObject *m, PyObject *args, PyObject *kw) {
+    (void)m;
+    static char *names[] = {"what", "bytes", "T", "N", "K", "dtype", "repeats", NULL};
+    const char *what;
+    unsigned long long bytes = 0;
+    long long T = 1, N = 1, K = 1;
+    PyObject *dtype_obj = NULL;
+    int repeats = 20;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "s|KLLLOi:cuda_time", names, &what, &bytes, &T, &N, &K, &dtype_obj,
+                                     &repeats))
+        return NULL;
+    const q3_cuda_ops *g = q3_cuda();
+    if (!g) {
+        PyErr_SetString(PyExc_RuntimeError, "cuda: the CUDA backend is not loaded");
+        return NULL;
+    }
+    q3_dtype dt = Q3_BF16;
+    if (dtype_obj && q3_parse_dtype(dtype_obj, "dtype", &dt) < 0) return NULL;
+    float ms = 0.0f;
+    int code;
+    Py_BEGIN_ALLOW_THREADS
+    code = !strcmp(what, "copy") ? g->time_copy((size_t)bytes, repeats, &ms)
+                                 : g->time_matmul(T, N, K, dt, repeats, &ms);
+    Py_END_ALLOW_THREADS
+    if (code) {
+        PyErr_Format(PyExc_RuntimeError, "cuda_time(%s): %s", what, g->error_string(code));
+        return NULL;
+    }
+    return PyFloat_FromDouble(ms);
+}
+
+static PyObject *cuda_emulate(PyObject *m, PyObject *unused) {
+    (void)m;
+    (void)unused;
+    q3_error err;
+    if (q3_cuda_emulate(&err) != Q3_OK) return q3_raise(NULL, &err);
+    Py_RETURN_NONE;
+}
+
+/* a contiguous copy of an extension Tensor on `device` (-1: host) */
+static PyObject *cuda_empty_cache(PyObject *m, PyObject *unused) {
+    (void)m;
+    (void)unused;
+    q3_tensor_release_kept();
+    Py_RETURN_NONE;
+}
+
+PyMethodDef q3_cuda_methods[] = {
+    {"cuda_empty_cache", cuda_empty_cache, METH_NOARGS,
+     "cuda_empty_cache()\n--\n\nFrees the device blocks of dead tensors kept for reuse by new ones."},
+    {"cuda_open", cuda_open, METH_O, "cuda_open(path)\n--\n\nLoad the CUDA launcher library (once)."},
+    {"cuda_blas_open", cuda_blas_open, METH_O,
+     "cuda_blas_open(path)\n--\n\nOpen cuBLAS for the prefill GEMMs (path None: the usual names); True if usable."},
+    {"cuda_device_count", cuda_device_count, METH_NOARGS,
+     "cuda_device_count()\n--\n\nCUDA devices visible (0 before cuda_open or without a driver)."},
+    {"cuda_check", cuda_check, METH_VARARGS,
+     "cuda_check(device=0)\n--\n\n[(case, max_err, tol)]: every CUDA kernel against its CPU twin."},
+    {"cuda_time", (PyCFunction)(void (*)(void))cuda_time, METH_VARARGS | METH_KEYWORDS,
+     "cuda_time(what, bytes=0, T=1, N=1, K=1, dtype='bfloat16', repeats=20)\n--\n\n"
+     "ms per call, CUDA events: what='copy' (device to device) or 'matmul'."},
+    {"cuda_synchronize", cuda_synchronize, METH_VARARGS,
+     "cuda_synchronize(device=0)\n--\n\nWaits until everything queued on the device has run."},
+    {"cuda_grouped_prefill", cuda_grouped_prefill, METH_VARARGS,
+     "cuda_grouped_prefill(on=None)\n--\n\nThe prefill MoE of bf16 CUDA layers: grouped launches per batch of experts "
+     "(True, the default) or one launch per expert and step (False); None only reads it. Returns the setting."},
+    {"cuda_emulate", cuda_emulate, METH_NOARGS,
+     "cuda_emulate()\n--\n\nFor tests without a GPU: one emulated CUDA device (host memory, CPU kernels)."},
+    {NULL},
+};

@@ -1,0 +1,121 @@
+/* Declarations shared by the CPython glue files (the only files that include Python.h).
+ * The glue parses arguments, moves tensors in and out through DLPack, turns engine
+ * statuses into exceptions, and releases the GIL around engine calls. */
+#ifndef Q3_PY_GLUE_H
+#define Q3_PY_GLUE_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <pythread.h>
+
+#include "../check/q3_check.h"
+#include "../cuda/q3_cuda.h"
+#include "../engine/cache.h"
+#include "../engine/q3.h"
+
+#define Q3_MAX_DIM 8
+
+typedef struct {
+    PyTypeObject *tensor_type;
+    PyTypeObject *cache_type;
+    PyTypeObject *layer_type;
+    PyTypeObject *graph_type;
+    PyObject *cache_full_error;
+} q3_module_state;
+
+extern PyModuleDef q3_module_def;
+q3_module_state *q3_state_of_type(PyTypeObject *type);
+
+/* Raises the Python exception for an engine failure; returns NULL. st gives the
+ * module's CacheFullError (NULL only where the engine cannot report a full cache). */
+PyObject *q3_raise(q3_module_state *st, const q3_error *err);
+/* dtype <-> "float32" / "bfloat16"; q3_parse_dtype raises TypeError naming `arg` */
+const char *q3_dtype_name(q3_dtype dt);
+int q3_parse_dtype(PyObject *obj, const char *arg, q3_dtype *out);
+
+/* ---- DLPack import (py_dlpack.c) ---------------------------------------------- */
+
+/* A tensor borrowed from a DLPack producer: valid until q3_view_release. */
+typedef struct {
+    void *data; /* first element */
+    int ndim;
+    int64_t shape[Q3_MAX_DIM];
+    int64_t strides[Q3_MAX_DIM]; /* elements */
+    q3_dtype dtype;
+    int device;    /* -1: host memory; else the CUDA device */
+    int contiguous;
+    int readonly;
+    void *managed; /* q3_dl_managed or q3_dl_managed_v, released by its deleter */
+    int versioned;
+} q3_view;
+
+/* Imports obj (anything with __dlpack__) as a float32/bfloat16 tensor expected on `device`
+ * (-1: cpu, else cuda:device; host tensors too when allow_host). Errors name `arg`:
+ * TypeError for a non-tensor or another dtype, ValueError for another device. A CUDA
+ * producer is handed `stream` (the consumer's, NULL: legacy default). Returns 0, or -1 with
+ * an exception set (nothing to release then). */
+int q3_view_acquire_on(PyObject *obj, const char *arg, q3_view *v, int device, int allow_host, void *stream);
+void q3_view_release(q3_view *v);
+/* "[2, 3, 4]" */
+void q3_format_shape(char *buf, size_t n, int ndim, const int64_t *shape);
+
+/* ---- Tensor (py_tensor.c): extension-owned memory exported through DLPack -------- */
+
+typedef struct {
+    PyObject_HEAD
+    void *data;       /* first element */
+    void *alloc;      /* owned allocation (q3_alloc), or NULL for a view */
+    PyObject *base;   /* keeps the memory of a view alive (a KVCache), or NULL */
+    int ndim;
+    int64_t shape[Q3_MAX_DIM];
+    int64_t strides[Q3_MAX_DIM]; /* elements */
+    q3_dtype dtype;
+    int device; /* -1: host memory; else the CUDA device */
+    Py_buffer *buffer; /* a view of a buffer-protocol object (a memory-mapped file), or NULL */
+} q3_tensor_object;
+
+extern PyType_Spec q3_tensor_spec;
+/* new contiguous tensor of fresh extension memory (uninitialised) */
+q3_tensor_object *q3_tensor_new(q3_module_state *st, q3_dtype dt, int ndim, const int64_t *shape);
+/* the same on CUDA device `device` (-1: host) */
+q3_tensor_object *q3_tensor_new_on(q3_module_state *st, q3_dtype dt, int ndim, const int64_t *shape, int device);
+/* view of memory owned by base */
+q3_tensor_object *q3_tensor_view(q3_module_state *st, PyObject *base, void *data, q3_dtype dt,
+                                 int ndim, const int64_t *shape, const int64_t *strides);
+/* view [shape] of dtype at byte `offset` of any buffer-protocol object (kept alive) */
+PyObject *q3_buffer_view(PyObject *module, PyObject *args);
+/* frees the device blocks kept for reuse by later tensors (py_tensor.c) */
+void q3_tensor_release_kept(void);
+/* the live extension-owned buffers, for zero-copy tests: list of (address, nbytes) */
+PyObject *q3_owned_buffers(PyObject *module, PyObject *unused);
+
+/* ---- KVCache (py_cache.c) --------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    q3_cache *cache;
+    int busy; /* a layer call is running on it with the GIL released */
+} q3_cache_object;
+
+extern PyType_Spec q3_cache_spec;
+q3_cache_object *q3_cache_object_new(q3_module_state *st, int batch, int64_t capacity,
+                                     int kv_heads, int head_dim, q3_dtype dt, int device);
+
+/* ---- Layer (py_layer.c) ------------------------------------------------------------ */
+
+extern PyType_Spec q3_layer_spec;
+int q3_parse_config(PyObject *cfg, q3_config *out);
+
+/* ---- CUDA functions (py_cuda.c) ------------------------------------------------------ */
+
+extern PyMethodDef q3_cuda_methods[];
+
+/* ---- DecodeGraph (py_graph.c) ------------------------------------------------------ */
+
+extern PyType_Spec q3_graph_spec;
+/* captures one decode step of sequences 0 .. batch - 1 of the cache (layer_obj kept alive);
+ * batch already checked: 1 .. min(cache batch, Q3_GRAPH_MAX_BATCH) */
+PyObject *q3_graph_new(q3_module_state *st, PyObject *layer_obj, q3_layer *layer, int device,
+                       q3_cache_object *cache, int batch, q3_dtype dtype);
+
+#endif

@@ -1,0 +1,158 @@
+/* DecodeGraph: a captured decode step (csrc/cuda/decode_graph.c) as a Python object. It keeps its
+ * layer and cache alive; its input and output are device tensors exported through DLPack. */
+#include "../cuda/backend.h"
+#include "py_layer.h"
+
+typedef struct {
+    PyObject_HEAD
+    q3_decode_graph *graph;
+    PyObject *layer;         /* the Layer: the graph reads its weights */
+    q3_cache_object *cache;  /* the graph appends to it */
+    int batch;
+    int64_t hidden;
+    q3_dtype dtype;
+    int device;
+} q3_graph_object;
+
+PyObject *q3_graph_new(q3_module_state *st, PyObject *layer_obj, q3_layer *layer, int device,
+                       q3_cache_object *co, int batch, q3_dtype dtype) {
+    if (co->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "cache: in use by a running layer call on another thread");
+        return NULL;
+    }
+    int32_t seqs[Q3_GRAPH_MAX_BATCH];
+    for (int i = 0; i < batch; i++) seqs[i] = i;
+    q3_graph_object *self = PyObject_New(q3_graph_object, st->graph_type);
+    if (!self) return NULL;
+    self->graph = NULL;
+    self->layer = Py_NewRef(layer_obj);
+    self->cache = (q3_cache_object *)Py_NewRef((PyObject *)co);
+    self->batch = batch;
+    self->hidden = q3_layer_config(layer)->hidden;
+    self->dtype = dtype;
+    self->device = device;
+    q3_error err;
+    q3_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = q3_decode_graph_create(&self->graph, layer, co->cache, seqs, batch, dtype, &err);
+    Py_END_ALLOW_THREADS
+    if (s != Q3_OK) {
+        Py_DECREF(self);
+        return q3_raise(st, &err);
+    }
+    return (PyObject *)self;
+}
+
+static void graph_dealloc(q3_graph_object *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    q3_decode_graph_destroy(self->graph);
+    Py_XDECREF(self->layer);
+    Py_XDECREF((PyObject *)self->cache);
+    PyObject_Free(self);
+    Py_DECREF(tp);
+}
+
+/* a [batch, hidden] view of the graph's input or output, keeping the graph alive */
+static PyObject *buffer(q3_graph_object *self, void *data) {
+    q3_module_state *st = q3_state_of_type(Py_TYPE(self));
+    if (!st) return NULL;
+    const int64_t shape[2] = {self->batch, self->hidden}, strides[2] = {self->hidden, 1};
+    q3_tensor_object *t = q3_tensor_view(st, (PyObject *)self, data, self->dtype, 2, shape, strides);
+    if (t) t->device = self->device;
+    return (PyObject *)t;
+}
+
+/* x into the graph's input, on the stream (x: a [batch, hidden] tensor on the graph's device) */
+static int load_input(q3_graph_object *self, PyObject *x_obj, void *stream) {
+    q3_view x;
+    if (q3_view_acquire_on(x_obj, "x", &x, self->device, 0, stream) < 0) return -1;
+    int rc = -1;
+    char got[128];
+    q3_format_shape(got, sizeof got, x.ndim, x.shape);
+    if (x.ndim != 2 || x.shape[0] != self->batch || x.shape[1] != self->hidden)
+        PyErr_Format(PyExc_ValueError, "x: expected shape [batch=%d, hidden=%lld], got %s", self->batch,
+                     (long long)self->hidden, got);
+    else if (x.dtype != self->dtype)
+        PyErr_Format(PyExc_TypeError, "x: expected dtype %s (the graph's), got %s", q3_dtype_name(self->dtype),
+                     q3_dtype_name(x.dtype));
+    else if (!x.contiguous)
+        PyErr_SetString(PyExc_ValueError, "x: expected a contiguous tensor (call .contiguous())");
+    else {
+        void *input = q3_decode_graph_input(self->graph);
+        const size_t bytes = (size_t)self->batch * (size_t)self->hidden * q3_dtype_size(self->dtype);
+        const int code = x.data == input ? 0 : q3_cuda()->copy_device_async(input, x.data, bytes, stream);
+        if (code) PyErr_Format(PyExc_RuntimeError, "x: copy to the graph's input failed: %s",
+                               q3_cuda()->error_string(code));
+        rc = code ? -1 : 0;
+    }
+    q3_view_release(&x);
+    return rc;
+}
+
+static PyObject *graph_replay(q3_graph_object *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"x", "stream", NULL};
+    PyObject *x = Py_None, *stream_obj = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|O$O:replay", names, &x, &stream_obj)) return NULL;
+    q3_module_state *st = q3_state_of_type(Py_TYPE(self));
+    if (!st) return NULL;
+    void *stream = NULL;
+    if (stream_obj != Py_None && !(stream = PyLong_AsVoidPtr(stream_obj)) && PyErr_Occurred()) return NULL;
+    if (self->cache->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "cache: in use by a running layer call on another thread");
+        return NULL;
+    }
+    if (x != Py_None && load_input(self, x, stream) < 0) return NULL;
+    q3_error err;
+    q3_status s;
+    self->cache->busy = 1;
+    Py_BEGIN_ALLOW_THREADS
+    s = q3_decode_graph_replay(self->graph, stream, &err);
+    Py_END_ALLOW_THREADS
+    self->cache->busy = 0;
+    if (s != Q3_OK) return q3_raise(st, &err);
+    return buffer(self, q3_decode_graph_output(self->graph));
+}
+
+static PyObject *get_input(q3_graph_object *self, void *c) {
+    (void)c;
+    return buffer(self, q3_decode_graph_input(self->graph));
+}
+static PyObject *get_output(q3_graph_object *self, void *c) {
+    (void)c;
+    return buffer(self, q3_decode_graph_output(self->graph));
+}
+static PyObject *get_batch(q3_graph_object *self, void *c) { (void)c; return PyLong_FromLong(self->batch); }
+static PyObject *get_dtype(q3_graph_object *self, void *c) { (void)c; return PyUnicode_FromString(q3_dtype_name(self->dtype)); }
+static PyObject *get_cache(q3_graph_object *self, void *c) { (void)c; return Py_NewRef((PyObject *)self->cache); }
+
+static PyMethodDef graph_methods[] = {
+    {"replay", (PyCFunction)(void (*)(void))graph_replay, METH_VARARGS | METH_KEYWORDS,
+     "replay(x=None, *, stream=None)\n--\n\nOne decode step of the captured sequences: x [batch, hidden] (on the "
+     "graph's device and dtype) is first copied into the input, unless it is the input; the graph is launched on "
+     "stream (a cudaStream_t as int; None: the default stream). Returns the output, overwritten by the next replay."},
+    {NULL},
+};
+
+static PyGetSetDef graph_getset[] = {
+    {"input", (getter)get_input, NULL, "[batch, hidden] device tensor each replay reads", NULL},
+    {"output", (getter)get_output, NULL, "[batch, hidden] device tensor each replay writes", NULL},
+    {"batch", (getter)get_batch, NULL, "the captured sequences: 0 .. batch - 1 of the cache", NULL},
+    {"dtype", (getter)get_dtype, NULL, "dtype of the input and output", NULL},
+    {"cache", (getter)get_cache, NULL, "the KVCache the graph appends to", NULL},
+    {NULL},
+};
+
+static PyType_Slot graph_slots[] = {
+    {Py_tp_dealloc, graph_dealloc},
+    {Py_tp_methods, graph_methods},
+    {Py_tp_getset, graph_getset},
+    {Py_tp_doc, "A decode step captured in a CUDA graph; made by Layer.decode_graph."},
+    {0, NULL},
+};
+
+PyType_Spec q3_graph_spec = {
+    .name = "qwen3layer._C.DecodeGraph",
+    .basicsize = sizeof(q3_graph_object),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = graph_slots,
+};

@@ -1,0 +1,290 @@
+/* qwen3layer._C.Layer: the engine layer behind qwen3layer.DecoderLayer.
+ *
+ * Construction borrows every weight through DLPack (no copy when it is contiguous and
+ * of the layer's dtype; otherwise one conversion, now, recorded in `converted`).
+ * prefill/decode check the call, release the GIL and run q3_layer_forward under the
+ * layer's lock (the workspace is per layer). */
+#include <string.h>
+
+#include "../cuda/backend.h"
+#include "py_layer.h"
+
+#define FUSED_GATE_UP "mlp.experts.gate_up_proj"
+#define FUSED_DOWN "mlp.experts.down_proj"
+
+
+/* ---- config --------------------------------------------------------------------- */
+
+static int get_int(PyObject *cfg, const char *name, int64_t *out) {
+    PyObject *v = PyObject_GetAttrString(cfg, name);
+    if (!v) return -1;
+    int rc = 0;
+    if (!PyLong_Check(v) || PyBool_Check(v)) {
+        PyErr_Format(PyExc_TypeError, "config.%s: expected an int, got %.100s", name, Py_TYPE(v)->tp_name);
+        rc = -1;
+    } else {
+        *out = PyLong_AsLongLong(v);
+        if (*out == -1 && PyErr_Occurred()) rc = -1;
+        else if (*out > (1LL << 31)) {
+            PyErr_Format(PyExc_ValueError, "config.%s: expected at most 2^31, got %lld", name,
+                         (long long)*out);
+            rc = -1;
+        }
+    }
+    Py_DECREF(v);
+    return rc;
+}
+
+static int get_float(PyObject *cfg, const char *name, double *out) {
+    PyObject *v = PyObject_GetAttrString(cfg, name);
+    if (!v) return -1;
+    *out = PyFloat_AsDouble(v);
+    Py_DECREF(v);
+    if (*out == -1.0 && PyErr_Occurred()) {
+        PyErr_Format(PyExc_TypeError, "config.%s: expected a number", name);
+        return -1;
+    }
+    return 0;
+}
+
+int q3_parse_config(PyObject *cfg, q3_config *c) {
+    int64_t hidden, heads, kvh, hd, E, k, I, maxpos;
+    double eps, theta;
+    if (get_int(cfg, "hidden_size", &hidden) || get_int(cfg, "num_attention_heads", &heads) ||
+        get_int(cfg, "num_key_value_heads", &kvh) || get_int(cfg, "head_dim", &hd) ||
+        get_int(cfg, "num_experts", &E) || get_int(cfg, "num_experts_per_tok", &k) ||
+        get_int(cfg, "moe_intermediate_size", &I) || get_int(cfg, "max_position_embeddings", &maxpos) ||
+        get_float(cfg, "rms_norm_eps", &eps) || get_float(cfg, "rope_theta", &theta))
+        return -1;
+    PyObject *norm = PyObject_GetAttrString(cfg, "norm_topk_prob");
+    if (!norm) return -1;
+    const int norm_topk = PyObject_IsTrue(norm);
+    Py_DECREF(norm);
+    if (norm_topk < 0) return -1;
+    *c = (q3_config){hidden, (int)heads, (int)kvh, (int)hd, (int)E, (int)k, I, norm_topk,
+                     (float)eps, theta, maxpos};
+    q3_error err;
+    if (q3_config_check(c, &err) != Q3_OK) {
+        q3_raise(NULL, &err);
+        return -1;
+    }
+    return 0;
+}
+
+/* ---- weights --------------------------------------------------------------------- */
+
+/* Imports weights[name], checks its shape, and returns the pointer the engine will read:
+ * the producer's memory, or a converted copy when dtype or layout do not fit. */
+static const void *take_weight(q3_layer_object *self, PyObject *weights, const char *name,
+                               int rank, const int64_t *dims, q3_dtype dtype) {
+    PyObject *obj = PyDict_GetItemString(weights, name);
+    if (!obj) {
+        PyErr_Format(PyExc_ValueError, "weights: missing '%s'", name);
+        return NULL;
+    }
+    char arg[160];
+    snprintf(arg, sizeof arg, "weights['%s']", name);
+    q3_view *v = &self->views[self->n_views];
+    if (q3_view_acquire_on(obj, arg, v, self->device, 1, NULL) < 0) return NULL;
+    int fits_shape = v->ndim == rank;
+    for (int d = 0; fits_shape && d < rank; d++) fits_shape = v->shape[d] == dims[d];
+    if (!fits_shape) {
+        char want[96], got[96];
+        q3_format_shape(want, sizeof want, rank, dims);
+        q3_format_shape(got, sizeof got, v->ndim, v->shape);
+        PyErr_Format(PyExc_ValueError, "%s: expected shape %s, got %s", arg, want, got);
+        q3_view_release(v);
+        return NULL;
+    }
+    if (v->device == self->device && v->dtype == dtype && v->contiguous) {
+        self->n_views++;
+        return v->data;
+    }
+    if (v->device >= 0) {
+        PyErr_Format(PyExc_ValueError, "%s: a CUDA weight must be contiguous and of the layer's dtype (%s), got "
+                     "a%s %s tensor", arg, q3_dtype_name(dtype), v->contiguous ? "" : " non-contiguous",
+                     q3_dtype_name(v->dtype));
+        q3_view_release(v);
+        return NULL;
+    }
+    size_t n = 1;
+    for (int d = 0; d < rank; d++) n *= (size_t)dims[d];
+    const size_t bytes = n * q3_dtype_size(dtype);
+    void *copy = q3_alloc(bytes);
+    if (!copy) {
+        q3_view_release(v);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    q3_copy_strided(copy, dtype, v->data, v->dtype, rank, v->shape, v->strides);
+    Py_END_ALLOW_THREADS
+    q3_view_release(v);
+    if (self->device >= 0) { /* a host weight for a CUDA layer: uploaded once, now */
+        void *dev = NULL;
+        const q3_cuda_ops *g = q3_cuda();
+        int code = g->set_device(self->device);
+        if (!code) code = g->malloc_device(&dev, bytes);
+        if (!code) code = g->copy(dev, copy, bytes, 1);
+        q3_free(copy);
+        if (code) {
+            if (dev) g->free_device(dev);
+            PyErr_Format(PyExc_MemoryError, "%s: cannot copy %zu bytes to cuda:%d: %s", arg, bytes, self->device,
+                         g->error_string(code));
+            return NULL;
+        }
+        copy = dev;
+    }
+    self->owned[self->n_owned++] = copy;
+    PyObject *nm = PyUnicode_FromString(name);
+    if (!nm || PyList_Append(self->converted, nm) < 0) {
+        Py_XDECREF(nm);
+        return NULL;
+    }
+    Py_DECREF(nm);
+    return copy;
+}
+
+static int record_ptr(q3_layer_object *self, const char *name, const void *p) {
+    PyObject *addr = PyLong_FromVoidPtr((void *)p);
+    const int rc = addr ? PyDict_SetItemString(self->weight_ptrs, name, addr) : -1;
+    Py_XDECREF(addr);
+    return rc;
+}
+
+static int take_experts(q3_layer_object *self, PyObject *weights, const q3_config *c, q3_dtype dt) {
+    const int E = c->experts;
+    const int64_t H = c->hidden, I = c->moe_inter;
+    const void **gate = self->expert_ptrs, **up = gate + E, **down = up + E;
+    if (PyDict_GetItemString(weights, FUSED_GATE_UP)) {
+        /* transformers 5.x: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I] */
+        const int64_t gu_dims[3] = {E, 2 * I, H}, d_dims[3] = {E, H, I};
+        const char *gu = take_weight(self, weights, FUSED_GATE_UP, 3, gu_dims, dt);
+        if (!gu) return -1;
+        const char *dn = take_weight(self, weights, FUSED_DOWN, 3, d_dims, dt);
+        if (!dn) return -1;
+        const size_t es = q3_dtype_size(dt);
+        for (int e = 0; e < E; e++) {
+            gate[e] = gu + (size_t)e * 2 * I * H * es;
+            up[e] = gu + ((size_t)e * 2 * I + I) * H * es;
+            down[e] = dn + (size_t)e * H * I * es;
+        }
+        return record_ptr(self, FUSED_GATE_UP, gu) || record_ptr(self, FUSED_DOWN, dn) ? -1 : 0;
+    }
+    const void **slots[Q3_X_COUNT] = {gate, up, down};
+    for (int e = 0; e < E; e++)
+        for (int x = 0; x < Q3_X_COUNT; x++) {
+            char name[96];
+            int64_t dims[2];
+            snprintf(name, sizeof name, "mlp.experts.%d.%s.weight", e, q3_expert_weight_name(x));
+            q3_expert_weight_shape(c, x, dims);
+            slots[x][e] = take_weight(self, weights, name, 2, dims, dt);
+            if (!slots[x][e] || record_ptr(self, name, slots[x][e]) < 0) return -1;
+        }
+    return 0;
+}
+
+/* dtype of the layer: the dtype argument, else the q_proj weight's */
+static int layer_dtype(PyObject *weights, PyObject *dtype_obj, int device, q3_dtype *dt) {
+    if (dtype_obj != Py_None) return q3_parse_dtype(dtype_obj, "dtype", dt);
+    const char *name = q3_dense_weight_name(Q3_W_Q_PROJ);
+    PyObject *q = PyDict_GetItemString(weights, name);
+    if (!q) {
+        PyErr_Format(PyExc_ValueError, "weights: missing '%s'", name);
+        return -1;
+    }
+    q3_view v;
+    char arg[96];
+    snprintf(arg, sizeof arg, "weights['%s']", name);
+    if (q3_view_acquire_on(q, arg, &v, device, 1, NULL) < 0) return -1;
+    *dt = v.dtype;
+    q3_view_release(&v);
+    return 0;
+}
+
+static PyObject *layer_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    static char *names[] = {"config", "weights", "dtype", "device", NULL};
+    PyObject *cfg_obj, *weights, *dtype_obj = Py_None;
+    int device = -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO!|Oi:Layer", names, &cfg_obj, &PyDict_Type, &weights,
+                                     &dtype_obj, &device))
+        return NULL;
+    if (device >= 0 && !q3_cuda()) {
+        PyErr_SetString(PyExc_RuntimeError, "device: the CUDA backend is not loaded (qwen3layer.cuda.load())");
+        return NULL;
+    }
+    q3_config cfg;
+    q3_dtype dt;
+    if (q3_parse_config(cfg_obj, &cfg) < 0 || layer_dtype(weights, dtype_obj, device, &dt) < 0) return NULL;
+
+    q3_layer_object *self = (q3_layer_object *)type->tp_alloc(type, 0);
+    if (!self) return NULL;
+    self->device = device < 0 ? -1 : device;
+    const int max_tensors = Q3_W_DENSE_COUNT + Q3_X_COUNT * cfg.experts;
+    self->views = PyMem_Calloc((size_t)max_tensors, sizeof *self->views);
+    self->owned = PyMem_Calloc((size_t)max_tensors, sizeof *self->owned);
+    self->expert_ptrs = PyMem_Calloc((size_t)Q3_X_COUNT * cfg.experts, sizeof *self->expert_ptrs);
+    self->converted = PyList_New(0);
+    self->weight_ptrs = PyDict_New();
+    self->lock = PyThread_allocate_lock();
+    if (!self->views || !self->owned || !self->expert_ptrs || !self->converted || !self->weight_ptrs ||
+        !self->lock) {
+        Py_DECREF(self);
+        return PyErr_NoMemory();
+    }
+    q3_weights w = {.dtype = dt, .device = self->device};
+    for (int i = 0; i < Q3_W_DENSE_COUNT; i++) {
+        int64_t dims[2];
+        const int rank = q3_dense_weight_shape(&cfg, i, dims);
+        w.dense[i] = take_weight(self, weights, q3_dense_weight_name(i), rank, dims, dt);
+        if (!w.dense[i] || record_ptr(self, q3_dense_weight_name(i), w.dense[i]) < 0) {
+            Py_DECREF(self);
+            return NULL;
+        }
+    }
+    if (take_experts(self, weights, &cfg, dt) < 0) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    for (int x = 0; x < Q3_X_COUNT; x++) w.experts[x] = self->expert_ptrs + (size_t)x * cfg.experts;
+    q3_error err;
+    if (q3_layer_create(&self->layer, &cfg, &w, &err) != Q3_OK) {
+        Py_DECREF(self);
+        return q3_raise(NULL, &err);
+    }
+    return (PyObject *)self;
+}
+
+static void layer_dealloc(q3_layer_object *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    q3_layer_destroy(self->layer);
+    for (int i = 0; self->views && i < self->n_views; i++) q3_view_release(&self->views[i]);
+    for (int i = 0; self->owned && i < self->n_owned; i++) {
+        if (self->device < 0) q3_free(self->owned[i]);
+        else if (q3_cuda()) q3_cuda()->free_device(self->owned[i]);
+    }
+    PyMem_Free(self->views);
+    PyMem_Free(self->owned);
+    PyMem_Free(self->expert_ptrs);
+    Py_XDECREF(self->converted);
+    Py_XDECREF(self->weight_ptrs);
+    if (self->lock) PyThread_free_lock(self->lock);
+    tp->tp_free(self);
+    Py_DECREF(tp);
+}
+
+static PyType_Slot layer_slots[] = {
+    {Py_tp_new, layer_new},
+    {Py_tp_dealloc, layer_dealloc},
+    {Py_tp_methods, q3_layer_methods},
+    {Py_tp_getset, q3_layer_getset},
+    {Py_tp_doc, "Layer(config, weights, dtype=None)\n--\n\nEngine layer; use qwen3layer.DecoderLayer."},
+    {0, NULL},
+};
+
+PyType_Spec q3_layer_spec = {
+    .name = "qwen3layer._C.Layer",
+    .basicsize = sizeof(q3_layer_object),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = layer_slots,
+};

@@ -1,0 +1,332 @@
+/* The module qwen3layer._C: multi-phase init, heap types in the module state, exceptions,
+ * and the module-level functions (build_info, check_config, random_weights). */
+#include <stdlib.h>
+#include <string.h>
+
+#include "../cuda/backend.h"
+#include "py_glue.h"
+
+#ifndef Q3_VERSION
+#define Q3_VERSION "0.0.0"
+#endif
+
+q3_module_state *q3_state_of_type(PyTypeObject *type) {
+    PyObject *m = PyType_GetModuleByDef(type, &q3_module_def);
+    return m ? (q3_module_state *)PyModule_GetState(m) : NULL;
+}
+
+static q3_module_state *state_of_module(PyObject *m) { return (q3_module_state *)PyModule_GetState(m); }
+
+PyObject *q3_raise(q3_module_state *st, const q3_error *err) {
+    PyObject *type = PyExc_RuntimeError;
+    switch (err->status) {
+    case Q3_ERR_VALUE: type = PyExc_ValueError; break;
+    case Q3_ERR_TYPE: type = PyExc_TypeError; break;
+    case Q3_ERR_INDEX: type = PyExc_IndexError; break;
+    case Q3_ERR_CACHE_FULL: type = st ? st->cache_full_error : PyExc_RuntimeError; break;
+    case Q3_ERR_NOMEM: type = PyExc_MemoryError; break;
+    default: break;
+    }
+    PyErr_SetString(type, err->msg);
+    return NULL;
+}
+
+const char *q3_dtype_name(q3_dtype dt) { return dt == Q3_BF16 ? "bfloat16" : "float32"; }
+
+int q3_parse_dtype(PyObject *obj, const char *arg, q3_dtype *out) {
+    const char *s = PyUnicode_Check(obj) ? PyUnicode_AsUTF8(obj) : NULL;
+    if (s && (!strcmp(s, "float32") || !strcmp(s, "fp32"))) *out = Q3_F32;
+    else if (s && (!strcmp(s, "bfloat16") || !strcmp(s, "bf16"))) *out = Q3_BF16;
+    else {
+        PyObject *r = PyObject_Repr(obj);
+        PyErr_Format(PyExc_TypeError, "%s: expected 'float32' or 'bfloat16', got %S", arg, r);
+        Py_XDECREF(r);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *str_list(const char **names, int n) {
+    PyObject *list = PyList_New(n);
+    for (int i = 0; list && i < n; i++) {
+        PyObject *s = PyUnicode_FromString(names[i]);
+        if (!s) Py_CLEAR(list);
+        else PyList_SET_ITEM(list, i, s);
+    }
+    return list;
+}
+
+static PyObject *build_info(PyObject *m, PyObject *unused) {
+    (void)m;
+    (void)unused;
+    const char *paths[8];
+    PyObject *available = str_list(paths, q3_cpu_paths(paths, 8));
+    if (!available) return NULL;
+    return Py_BuildValue("{s:s,s:[s],s:s,s:N,s:i,s:s,s:i}", "version", Q3_VERSION, "backends", "cpu",
+                         "cpu_path", q3_cpu_path(), "cpu_paths", available, "threads", q3_max_threads(),
+                         "compiler",
+#if defined(__clang__)
+                         "clang " __clang_version__,
+#elif defined(__GNUC__)
+                         "gcc " __VERSION__,
+#else
+                         "unknown",
+#endif
+                         "default_chunk", Q3_DEFAULT_CHUNK);
+}
+
+static PyObject *set_cpu_path(PyObject *m, PyObject *arg) {
+    (void)m;
+    const char *name = PyUnicode_AsUTF8(arg);
+    if (!name) return NULL;
+    q3_error err;
+    if (q3_cpu_select(name, &err) != Q3_OK) return q3_raise(NULL, &err);
+    Py_RETURN_NONE;
+}
+
+static PyObject *probe_read(PyObject *m, PyObject *args, PyObject *kw) {
+    static char *names[] = {"bytes", "repeats", NULL};
+    unsigned long long bytes = 1ull << 30;
+    int repeats = 3;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|Ki:probe_read_bandwidth", names, &bytes, &repeats)) return NULL;
+    double gbs;
+    Py_BEGIN_ALLOW_THREADS
+    gbs = q3_probe_read_gbs((size_t)bytes, repeats < 1 ? 1 : repeats);
+    Py_END_ALLOW_THREADS
+    if (gbs == 0.0) return PyErr_NoMemory();
+    return PyFloat_FromDouble(gbs);
+}
+
+static PyObject *probe_fma(PyObject *m, PyObject *args, PyObject *kw) {
+    static char *names[] = {"seconds", NULL};
+    double seconds = 0.5;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|d:probe_fma_peak", names, &seconds)) return NULL;
+    double gflops;
+    Py_BEGIN_ALLOW_THREADS
+    gflops = q3_probe_fma_gflops(seconds);
+    Py_END_ALLOW_THREADS
+    return PyFloat_FromDouble(gflops);
+}
+
+static PyObject *copy_tensor(PyObject *m, PyObject *args) {
+    PyObject *obj;
+    int device;
+    if (!PyArg_ParseTuple(args, "Oi:copy_tensor", &obj, &device)) return NULL;
+    q3_module_state *st = state_of_module(m);
+    if (!PyObject_TypeCheck(obj, st->tensor_type)) {
+        PyErr_Format(PyExc_TypeError, "tensor: expected a qwen3layer Tensor, got %.100s", Py_TYPE(obj)->tp_name);
+        return NULL;
+    }
+    q3_tensor_object *t = (q3_tensor_object *)obj;
+    int contiguous = 1;
+    int64_t expect = 1;
+    for (int d = t->ndim - 1; d >= 0; d--) {
+        if (t->shape[d] != 1 && t->strides[d] != expect) contiguous = 0;
+        expect *= t->shape[d];
+    }
+    if (!contiguous) {
+        PyErr_SetString(PyExc_ValueError, "tensor: expected a contiguous tensor");
+        return NULL;
+    }
+    if ((t->device >= 0 || device >= 0) && !q3_cuda()) {
+        PyErr_SetString(PyExc_RuntimeError, "device: the CUDA backend is not loaded");
+        return NULL;
+    }
+    q3_tensor_object *c = q3_tensor_new_on(st, t->dtype, t->ndim, t->shape, device);
+    if (!c) return NULL;
+    const size_t bytes = (size_t)expect * q3_dtype_size(t->dtype);
+    int code = 0;
+    if (t->device < 0 && device < 0) memcpy(c->data, t->data, bytes);
+    else if (t->device >= 0 && device >= 0) {
+        PyErr_SetString(PyExc_ValueError, "device: copies between two CUDA buffers are not supported here");
+        Py_DECREF(c);
+        return NULL;
+    } else code = q3_cuda()->copy(c->data, t->data, bytes, device >= 0);
+    if (code) {
+        Py_DECREF(c);
+        PyErr_Format(PyExc_RuntimeError, "copy_tensor: %s", q3_cuda()->error_string(code));
+        return NULL;
+    }
+    return (PyObject *)c;
+}
+
+static PyObject *check_config(PyObject *m, PyObject *cfg) {
+    (void)m;
+    q3_config c;
+    if (q3_parse_config(cfg, &c) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static int put_random(q3_module_state *st, PyObject *dict, const char *name, q3_dtype dt, int ndim,
+                      const int64_t *shape, uint64_t seed, uint64_t stream, int is_norm) {
+    q3_tensor_object *t = q3_tensor_new(st, dt, ndim, shape);
+    if (!t) return -1;
+    int64_t n = 1;
+    for (int d = 0; d < ndim; d++) n *= shape[d];
+    float mean, std;
+    q3_weight_init(is_norm, &mean, &std);
+    Py_BEGIN_ALLOW_THREADS
+    q3_fill_random(t->data, dt, n, seed, stream, mean, std);
+    Py_END_ALLOW_THREADS
+    const int rc = PyDict_SetItemString(dict, name, (PyObject *)t);
+    Py_DECREF(t);
+    return rc;
+}
+
+static PyObject *random_weights(PyObject *m, PyObject *args, PyObject *kw) {
+    static char *names[] = {"config", "seed", "dtype", NULL};
+    PyObject *cfg_obj, *dtype_obj;
+    unsigned long long seed;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OKO:random_weights", names, &cfg_obj, &seed, &dtype_obj))
+        return NULL;
+    q3_config c;
+    q3_dtype dt;
+    if (q3_parse_config(cfg_obj, &c) < 0 || q3_parse_dtype(dtype_obj, "dtype", &dt) < 0) return NULL;
+    q3_module_state *st = state_of_module(m);
+    PyObject *d = PyDict_New();
+    if (!d) return NULL;
+    for (int i = 0; i < Q3_W_DENSE_COUNT; i++) {
+        int64_t dims[2];
+        const int rank = q3_dense_weight_shape(&c, i, dims);
+        if (put_random(st, d, q3_dense_weight_name(i), dt, rank, dims, seed, (uint64_t)i, rank == 1) < 0)
+            goto fail;
+    }
+    const int64_t gu[3] = {c.experts, 2 * c.moe_inter, c.hidden}, dn[3] = {c.experts, c.hidden, c.moe_inter};
+    if (put_random(st, d, "mlp.experts.gate_up_proj", dt, 3, gu, seed, 100, 0) < 0 ||
+        put_random(st, d, "mlp.experts.down_proj", dt, 3, dn, seed, 101, 0) < 0)
+        goto fail;
+    return d;
+fail:
+    Py_DECREF(d);
+    return NULL;
+}
+
+static PyObject *random_tensor(PyObject *m, PyObject *args, PyObject *kw) {
+    static char *names[] = {"shape", "seed", "dtype", "std", NULL};
+    PyObject *shape_obj, *dtype_obj;
+    unsigned long long seed;
+    float std = 1.0f;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OKO|f:random_tensor", names, &shape_obj, &seed, &dtype_obj,
+                                     &std))
+        return NULL;
+    q3_dtype dt;
+    if (q3_parse_dtype(dtype_obj, "dtype", &dt) < 0) return NULL;
+    PyObject *seq = PySequence_Fast(shape_obj, "shape: expected a sequence of ints");
+    if (!seq) return NULL;
+    const Py_ssize_t ndim = PySequence_Fast_GET_SIZE(seq);
+    int64_t shape[Q3_MAX_DIM];
+    int ok = ndim >= 1 && ndim <= Q3_MAX_DIM;
+    for (Py_ssize_t d = 0; ok && d < ndim; d++) {
+        shape[d] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, d));
+        ok = shape[d] >= 0 && !PyErr_Occurred();
+    }
+    Py_DECREF(seq);
+    if (!ok) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_ValueError, "shape: expected 1 to %d non-negative ints", Q3_MAX_DIM);
+        return NULL;
+    }
+    q3_tensor_object *t = q3_tensor_new(state_of_module(m), dt, (int)ndim, shape);
+    if (!t) return NULL;
+    int64_t n = 1;
+    for (Py_ssize_t d = 0; d < ndim; d++) n *= shape[d];
+    Py_BEGIN_ALLOW_THREADS
+    q3_fill_random(t->data, dt, n, seed, 0, 0.0f, std);
+    Py_END_ALLOW_THREADS
+    return (PyObject *)t;
+}
+
+static PyMethodDef module_methods[] = {
+    {"random_tensor", (PyCFunction)(void (*)(void))random_tensor, METH_VARARGS | METH_KEYWORDS,
+     "random_tensor(shape, seed, dtype, std=1.0)\n--\n\nA Tensor of N(0, std^2) samples in extension memory."},
+    {"build_info", build_info, METH_NOARGS, "build_info()\n--\n\nWhat this build contains."},
+    {"set_cpu_path", set_cpu_path, METH_O,
+     "set_cpu_path(name)\n--\n\nUse the CPU kernels of level `name` (one of build_info()['cpu_paths']) "
+     "for the calls that start from now on."},
+    {"probe_read_bandwidth", (PyCFunction)(void (*)(void))probe_read, METH_VARARGS | METH_KEYWORDS,
+     "probe_read_bandwidth(bytes=1<<30, repeats=3)\n--\n\nBest GB/s of reading a buffer with every thread."},
+    {"probe_fma_peak", (PyCFunction)(void (*)(void))probe_fma, METH_VARARGS | METH_KEYWORDS,
+     "probe_fma_peak(seconds=0.5)\n--\n\nfp32 multiply-add peak of every thread, GFLOP/s, active CPU path."},
+    {"copy_tensor", copy_tensor, METH_VARARGS,
+     "copy_tensor(tensor, device)\n--\n\nA contiguous copy of an extension Tensor on device (-1: host)."},
+    {"check_config", check_config, METH_O, "check_config(config)\n--\n\nRaise if the geometry is impossible."},
+    {"random_weights", (PyCFunction)(void (*)(void))random_weights, METH_VARARGS | METH_KEYWORDS,
+     "random_weights(config, seed, dtype)\n--\n\nDict of random weights in extension memory "
+     "(fused expert names), deterministic in seed."},
+    {"buffer_view", q3_buffer_view, METH_VARARGS,
+     "buffer_view(obj, offset, shape, dtype)\n--\n\nA Tensor over bytes of a buffer-protocol object (kept alive)."},
+    {"owned_buffers", q3_owned_buffers, METH_NOARGS,
+     "owned_buffers()\n--\n\n(address, nbytes) of every live extension-owned tensor buffer."},
+    {NULL},
+};
+
+/* QWEN3LAYER_CPU_PATH forces a kernel level; an impossible one fails the import */
+static int select_cpu_path(void) {
+    const char *forced = getenv("QWEN3LAYER_CPU_PATH");
+    q3_error err;
+    if (q3_cpu_select(forced, &err) == Q3_OK) return 0;
+    PyErr_Format(PyExc_ImportError, "QWEN3LAYER_CPU_PATH: %s", err.msg);
+    return -1;
+}
+
+static int module_exec(PyObject *m) {
+    q3_module_state *st = state_of_module(m);
+    if (select_cpu_path() < 0) return -1;
+    st->tensor_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &q3_tensor_spec, NULL);
+    st->cache_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &q3_cache_spec, NULL);
+    st->layer_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &q3_layer_spec, NULL);
+    st->graph_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &q3_graph_spec, NULL);
+    st->cache_full_error = PyErr_NewExceptionWithDoc(
+        "qwen3layer.CacheFullError",
+        "The tokens of a call do not fit in the KV cache; the cache is left unchanged.",
+        PyExc_RuntimeError, NULL);
+    if (!st->tensor_type || !st->cache_type || !st->layer_type || !st->graph_type || !st->cache_full_error)
+        return -1;
+    if (PyModule_AddFunctions(m, q3_cuda_methods) < 0) return -1;
+    if (PyModule_AddType(m, st->tensor_type) < 0 || PyModule_AddType(m, st->cache_type) < 0 ||
+        PyModule_AddType(m, st->layer_type) < 0 || PyModule_AddType(m, st->graph_type) < 0 ||
+        PyModule_AddObjectRef(m, "CacheFullError", st->cache_full_error) < 0)
+        return -1;
+    return 0;
+}
+
+static int module_traverse(PyObject *m, visitproc visit, void *arg) {
+    q3_module_state *st = state_of_module(m);
+    Py_VISIT(st->tensor_type);
+    Py_VISIT(st->cache_type);
+    Py_VISIT(st->layer_type);
+    Py_VISIT(st->graph_type);
+    Py_VISIT(st->cache_full_error);
+    return 0;
+}
+
+static int module_clear(PyObject *m) {
+    q3_module_state *st = state_of_module(m);
+    Py_CLEAR(st->tensor_type);
+    Py_CLEAR(st->cache_type);
+    Py_CLEAR(st->layer_type);
+    Py_CLEAR(st->graph_type);
+    Py_CLEAR(st->cache_full_error);
+    return 0;
+}
+
+static void module_free(void *m) { module_clear((PyObject *)m); }
+
+static PyModuleDef_Slot module_slots[] = {
+    {Py_mod_exec, module_exec},
+    {0, NULL},
+};
+
+PyModuleDef q3_module_def = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "qwen3layer._C",
+    .m_doc = "The qwen3layer engine: one Qwen3-MoE decoder layer in C.",
+    .m_size = sizeof(q3_module_state),
+    .m_methods = module_methods,
+    .m_slots = module_slots,
+    .m_traverse = module_traverse,
+    .m_clear = module_clear,
+    .m_free = module_free,
+};
+
+PyMODINIT_FUNC PyInit__C(void) { return PyModuleDef_Init(&q3_module_def); }

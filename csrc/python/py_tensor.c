@@ -1,0 +1,425 @@
+/* qwen3layer Tensor: a block of extension memory, on the host or a CUDA device (a layer
+ * output, random weights) or a view of engine memory (a KV-cache sequence), exported
+ * zero-copy through DLPack.
+ * torch.from_dlpack(t) and numpy.from_dlpack(t) share its memory; the consumer's
+ * reference keeps it alive. Export allocates one block for the managed struct, shape and
+ * strides; its deleter may run on any thread, with or without the GIL. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "../cuda/backend.h"
+#include "dlpack_abi.h"
+#include "py_glue.h"
+
+/* Owned buffers alive right now (under the GIL), for q3_owned_buffers. */
+typedef struct owned_node {
+    q3_tensor_object *t;
+    struct owned_node *next;
+} owned_node;
+static owned_node *owned_list;
+
+static size_t tensor_numel(const q3_tensor_object *t) {
+    size_t n = 1;
+    for (int d = 0; d < t->ndim; d++) n *= (size_t)t->shape[d];
+    return n;
+}
+
+static q3_tensor_object *tensor_alloc(q3_module_state *st, q3_dtype dt, int ndim, const int64_t *shape) {
+    q3_tensor_object *t = PyObject_New(q3_tensor_object, st->tensor_type);
+    if (!t) return NULL;
+    t->data = t->alloc = NULL;
+    t->base = NULL;
+    t->buffer = NULL;
+    t->ndim = ndim;
+    t->dtype = dt;
+    t->device = -1;
+    for (int d = 0; d < ndim; d++) t->shape[d] = shape[d];
+    return t;
+}
+
+/* Device blocks of freed tensors, kept for the next tensor of the same size on the same
+ * device (a decode step's output is the size of the last one's): cudaFree waits for the
+ * whole device, so freeing an output every step would stall the caller's stream each time.
+ * A block is reused by the next call's work on the caller's stream, after what was queued
+ * there before, as torch's caching allocator does. Under the GIL (Tensor deallocation and
+ * allocation hold it). */
+#define KEPT_BLOCKS 16
+#define KEPT_BYTES ((size_t)512 << 20)
+static struct {
+    void *p[KEPT_BLOCKS];
+    size_t bytes[KEPT_BLOCKS];
+    int device[KEPT_BLOCKS];
+    int n;
+    size_t total;
+} kept;
+
+static void kept_release_all(void) {
+    for (int i = 0; i < kept.n; i++)
+        if (q3_cuda()) q3_cuda()->free_device(kept.p[i]);
+    kept.n = 0;
+    kept.total = 0;
+}
+
+void q3_tensor_release_kept(void) { kept_release_all(); }
+
+static void *buffer_alloc(size_t bytes, int device) {
+    if (device < 0) return q3_alloc(bytes);
+    bytes = bytes ? bytes : 4;
+    for (int i = kept.n - 1; i >= 0; i--)
+        if (kept.bytes[i] == bytes && kept.device[i] == device) {
+            void *p = kept.p[i];
+            kept.total -= bytes;
+            kept.n--;
+            kept.p[i] = kept.p[kept.n];
+            kept.bytes[i] = kept.bytes[kept.n];
+            kept.device[i] = kept.device[kept.n];
+            return p;
+        }
+    void *p = NULL;
+    const q3_cuda_ops *g = q3_cuda();
+    if (!g || g->set_device(device)) return NULL;
+    if (g->malloc_device(&p, bytes)) { /* the kept blocks may be what is missing */
+        kept_release_all();
+        if (g->set_device(device) || g->malloc_device(&p, bytes)) return NULL;
+    }
+    return p;
+}
+
+static void buffer_free(void *p, int device) {
+    if (device < 0) q3_free(p);
+    else if (p && q3_cuda()) q3_cuda()->free_device(p);
+}
+
+/* a tensor's own device block back to the kept ones (or freed, past the limits) */
+static void buffer_keep(void *p, size_t bytes, int device) {
+    bytes = bytes ? bytes : 4;
+    if (kept.n == KEPT_BLOCKS || kept.total + bytes > KEPT_BYTES) {
+        buffer_free(p, device);
+        return;
+    }
+    kept.p[kept.n] = p;
+    kept.bytes[kept.n] = bytes;
+    kept.device[kept.n] = device;
+    kept.n++;
+    kept.total += bytes;
+}
+
+q3_tensor_object *q3_tensor_new(q3_module_state *st, q3_dtype dt, int ndim, const int64_t *shape) {
+    return q3_tensor_new_on(st, dt, ndim, shape, -1);
+}
+
+q3_tensor_object *q3_tensor_new_on(q3_module_state *st, q3_dtype dt, int ndim, const int64_t *shape, int device) {
+    q3_tensor_object *t = tensor_alloc(st, dt, ndim, shape);
+    if (!t) return NULL;
+    int64_t stride = 1;
+    for (int d = ndim - 1; d >= 0; d--) {
+        t->strides[d] = stride;
+        stride *= shape[d];
+    }
+    owned_node *node = malloc(sizeof *node);
+    t->device = device;
+    t->alloc = t->data = buffer_alloc(tensor_numel(t) * q3_dtype_size(dt), device);
+    if (!t->alloc || !node) {
+        free(node);
+        Py_DECREF(t);
+        return (q3_tensor_object *)PyErr_NoMemory();
+    }
+    node->t = t;
+    node->next = owned_list;
+    owned_list = node;
+    return t;
+}
+
+q3_tensor_object *q3_tensor_view(q3_module_state *st, PyObject *base, void *data, q3_dtype dt,
+                                 int ndim, const int64_t *shape, const int64_t *strides) {
+    q3_tensor_object *t = tensor_alloc(st, dt, ndim, shape);
+    if (!t) return NULL;
+    memcpy(t->strides, strides, (size_t)ndim * sizeof *strides);
+    t->data = data;
+    t->base = Py_NewRef(base);
+    return t;
+}
+
+static void tensor_dealloc(q3_tensor_object *t) {
+    PyTypeObject *tp = Py_TYPE(t);
+    if (t->alloc) {
+        for (owned_node **p = &owned_list; *p; p = &(*p)->next)
+            if ((*p)->t == t) {
+                owned_node *dead = *p;
+                *p = dead->next;
+                free(dead);
+                break;
+            }
+        if (t->device < 0) buffer_free(t->alloc, t->device);
+        else buffer_keep(t->alloc, tensor_numel(t) * q3_dtype_size(t->dtype), t->device);
+    }
+    Py_XDECREF(t->base);
+    if (t->buffer) {
+        PyBuffer_Release(t->buffer);
+        PyMem_Free(t->buffer);
+    }
+    PyObject_Free(t);
+    Py_DECREF(tp);
+}
+
+PyObject *q3_buffer_view(PyObject *module, PyObject *args) {
+    PyObject *obj, *shape_obj, *dtype_obj;
+    long long offset;
+    if (!PyArg_ParseTuple(args, "OLOO:buffer_view", &obj, &offset, &shape_obj, &dtype_obj)) return NULL;
+    q3_dtype dt;
+    if (q3_parse_dtype(dtype_obj, "dtype", &dt) < 0) return NULL;
+    int64_t shape[Q3_MAX_DIM], strides[Q3_MAX_DIM];
+    PyObject *seq = PySequence_Fast(shape_obj, "shape: expected a sequence of ints");
+    if (!seq) return NULL;
+    const Py_ssize_t ndim = PySequence_Fast_GET_SIZE(seq);
+    int ok = ndim <= Q3_MAX_DIM;
+    for (Py_ssize_t d = 0; ok && d < ndim; d++) {
+        shape[d] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, d));
+        ok = shape[d] >= 0 && !PyErr_Occurred();
+    }
+    Py_DECREF(seq);
+    if (!ok) {
+        if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "shape: expected at most %d non-negative ints", Q3_MAX_DIM);
+        return NULL;
+    }
+    int64_t n = 1;
+    for (Py_ssize_t d = ndim - 1; d >= 0; d--) {
+        strides[d] = n;
+        n *= shape[d];
+    }
+    Py_buffer *buf = PyMem_Malloc(sizeof *buf);
+    if (!buf) return PyErr_NoMemory();
+    if (PyObject_GetBuffer(obj, buf, PyBUF_SIMPLE) < 0) {
+        PyMem_Free(buf);
+        return NULL;
+    }
+    const long long end = offset + n * (long long)q3_dtype_size(dt);
+    if (offset < 0 || end > (long long)buf->len) {
+        PyErr_Format(PyExc_ValueError, "buffer: bytes [%lld, %lld) do not fit in a buffer of %zd bytes", offset, end,
+                     buf->len);
+        PyBuffer_Release(buf);
+        PyMem_Free(buf);
+        return NULL;
+    }
+    q3_module_state *st = PyModule_GetState(module);
+    q3_tensor_object *t = tensor_alloc(st, dt, (int)ndim, shape);
+    if (!t) {
+        PyBuffer_Release(buf);
+        PyMem_Free(buf);
+        return NULL;
+    }
+    memcpy(t->strides, strides, sizeof strides);
+    t->data = (char *)buf->buf + offset;
+    t->buffer = buf;
+    return (PyObject *)t;
+}
+
+PyObject *q3_owned_buffers(PyObject *module, PyObject *unused) {
+    (void)module;
+    (void)unused;
+    PyObject *list = PyList_New(0);
+    for (owned_node *n = owned_list; list && n; n = n->next) {
+        PyObject *item = Py_BuildValue("(Kn)", (unsigned long long)(uintptr_t)n->t->alloc,
+                                       (Py_ssize_t)(tensor_numel(n->t) * q3_dtype_size(n->t->dtype)));
+        if (!item || PyList_Append(list, item) < 0) Py_CLEAR(list);
+        Py_XDECREF(item);
+    }
+    return list;
+}
+
+/* ---- export ------------------------------------------------------------------------ */
+
+typedef struct {
+    q3_dl_managed_v m;
+    int64_t shape[Q3_MAX_DIM], strides[Q3_MAX_DIM];
+} export_v;
+
+typedef struct {
+    q3_dl_managed m;
+    int64_t shape[Q3_MAX_DIM], strides[Q3_MAX_DIM];
+} export_legacy;
+
+/* Drops the exported tensor's reference; runs on the consumer's thread, GIL or not. */
+static void release_owner(void *owner) {
+    if (!Py_IsInitialized()) return; /* interpreter gone: nothing left to release */
+    PyGILState_STATE g = PyGILState_Ensure();
+    Py_DECREF((PyObject *)owner);
+    PyGILState_Release(g);
+}
+
+static void delete_v(q3_dl_managed_v *m) {
+    release_owner(m->manager_ctx);
+    free(m);
+}
+
+static void delete_legacy(q3_dl_managed *m) {
+    release_owner(m->manager_ctx);
+    free(m);
+}
+
+/* A capsule never consumed still owns its tensor. */
+static void capsule_free_v(PyObject *cap) {
+    if (PyCapsule_IsValid(cap, "dltensor_versioned")) {
+        q3_dl_managed_v *m = PyCapsule_GetPointer(cap, "dltensor_versioned");
+        m->deleter(m);
+    }
+}
+
+static void capsule_free_legacy(PyObject *cap) {
+    if (PyCapsule_IsValid(cap, "dltensor")) {
+        q3_dl_managed *m = PyCapsule_GetPointer(cap, "dltensor");
+        m->deleter(m);
+    }
+}
+
+static void fill_dl(q3_dl_tensor *d, q3_tensor_object *t, int64_t *shape, int64_t *strides) {
+    memcpy(shape, t->shape, sizeof t->shape);
+    memcpy(strides, t->strides, sizeof t->strides);
+    d->data = t->data;
+    d->device = t->device < 0 ? (q3_dl_device){Q3_DL_CPU, 0} : (q3_dl_device){Q3_DL_CUDA, t->device};
+    d->ndim = t->ndim;
+    d->dtype = t->dtype == Q3_BF16 ? (q3_dl_dtype){Q3_DL_BFLOAT, 16, 1} : (q3_dl_dtype){Q3_DL_FLOAT, 32, 1};
+    d->shape = shape;
+    d->strides = strides;
+    d->byte_offset = 0;
+}
+
+static PyObject *make_capsule(q3_tensor_object *t, int versioned, int copied) {
+    if (versioned) {
+        export_v *e = calloc(1, sizeof *e);
+        if (!e) return PyErr_NoMemory();
+        fill_dl(&e->m.dl_tensor, t, e->shape, e->strides);
+        e->m.version = (q3_dl_version){Q3_DL_MAJOR, Q3_DL_MINOR};
+        e->m.flags = (copied ? Q3_DL_FLAG_IS_COPIED : 0) | (t->buffer && t->buffer->readonly ? Q3_DL_FLAG_READ_ONLY : 0);
+        e->m.manager_ctx = Py_NewRef(t);
+        e->m.deleter = delete_v;
+        PyObject *cap = PyCapsule_New(&e->m, "dltensor_versioned", capsule_free_v);
+        if (!cap) delete_v(&e->m);
+        return cap;
+    }
+    export_legacy *e = calloc(1, sizeof *e);
+    if (!e) return PyErr_NoMemory();
+    fill_dl(&e->m.dl_tensor, t, e->shape, e->strides);
+    e->m.manager_ctx = Py_NewRef(t);
+    e->m.deleter = delete_legacy;
+    PyObject *cap = PyCapsule_New(&e->m, "dltensor", capsule_free_legacy);
+    if (!cap) delete_legacy(&e->m);
+    return cap;
+}
+
+static q3_tensor_object *tensor_copy(q3_tensor_object *t) {
+    q3_module_state *st = q3_state_of_type(Py_TYPE(t));
+    if (!st) return NULL;
+    q3_tensor_object *c = q3_tensor_new(st, t->dtype, t->ndim, t->shape);
+    if (c) q3_copy_strided(c->data, t->dtype, t->data, t->dtype, t->ndim, t->shape, t->strides);
+    return c;
+}
+
+static PyObject *tensor_dlpack(q3_tensor_object *t, PyObject *args, PyObject *kw) {
+    static char *names[] = {"stream", "max_version", "dl_device", "copy", NULL};
+    PyObject *stream = Py_None, *max_version = Py_None, *dl_device = Py_None, *copy = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|$OOOO:__dlpack__", names, &stream, &max_version,
+                                     &dl_device, &copy))
+        return NULL;
+    /* a CUDA tensor's work was queued on its caller's stream: a consumer on that stream (the
+     * usual case) needs no synchronisation, so any stream is accepted */
+    if (stream != Py_None && t->device < 0) {
+        PyErr_SetString(PyExc_BufferError, "stream: expected None for a cpu tensor");
+        return NULL;
+    }
+    if (dl_device != Py_None) {
+        int type, id;
+        if (!PyArg_ParseTuple(dl_device, "ii", &type, &id)) return NULL;
+        if (t->device < 0 ? type != Q3_DL_CPU : (type != Q3_DL_CUDA || id != t->device)) {
+            PyErr_Format(PyExc_BufferError, "dl_device: this tensor cannot be exported to device type %d:%d "
+                         "without a copy", type, id);
+            return NULL;
+        }
+    }
+    int versioned = 0;
+    if (max_version != Py_None) {
+        unsigned major, minor;
+        if (!PyArg_ParseTuple(max_version, "II", &major, &minor)) return NULL;
+        versioned = major >= Q3_DL_MAJOR;
+    }
+    const int want_copy = copy != Py_None && PyObject_IsTrue(copy);
+    if (!want_copy) return make_capsule(t, versioned, 0);
+    if (t->device >= 0) {
+        PyErr_SetString(PyExc_BufferError, "copy: copies of CUDA tensors are not supported; copy with the consumer");
+        return NULL;
+    }
+    q3_tensor_object *c = tensor_copy(t);
+    if (!c) return NULL;
+    PyObject *cap = make_capsule(c, versioned, 1);
+    Py_DECREF(c);
+    return cap;
+}
+
+static PyObject *tensor_dlpack_device(q3_tensor_object *t, PyObject *unused) {
+    (void)unused;
+    return t->device < 0 ? Py_BuildValue("(ii)", Q3_DL_CPU, 0) : Py_BuildValue("(ii)", Q3_DL_CUDA, t->device);
+}
+
+static PyObject *dims_tuple(int n, const int64_t *v) {
+    PyObject *tup = PyTuple_New(n);
+    for (int i = 0; tup && i < n; i++) PyTuple_SET_ITEM(tup, i, PyLong_FromLongLong(v[i]));
+    return tup;
+}
+
+static PyObject *tensor_shape(q3_tensor_object *t, void *c) { (void)c; return dims_tuple(t->ndim, t->shape); }
+static PyObject *tensor_strides(q3_tensor_object *t, void *c) { (void)c; return dims_tuple(t->ndim, t->strides); }
+static PyObject *tensor_dtype(q3_tensor_object *t, void *c) { (void)c; return PyUnicode_FromString(q3_dtype_name(t->dtype)); }
+static PyObject *tensor_ptr(q3_tensor_object *t, void *c) { (void)c; return PyLong_FromVoidPtr(t->data); }
+static PyObject *tensor_device(q3_tensor_object *t, void *c) {
+    (void)c;
+    return t->device < 0 ? PyUnicode_FromString("cpu") : PyUnicode_FromFormat("cuda:%d", t->device);
+}
+static PyObject *tensor_nbytes(q3_tensor_object *t, void *c) {
+    (void)c;
+    return PyLong_FromSize_t(tensor_numel(t) * q3_dtype_size(t->dtype));
+}
+
+static PyObject *tensor_repr(q3_tensor_object *t) {
+    char shape[160];
+    q3_format_shape(shape, sizeof shape, t->ndim, t->shape);
+    PyObject *dev = tensor_device(t, NULL);
+    PyObject *r = dev ? PyUnicode_FromFormat("qwen3layer.Tensor(shape=%s, dtype=%s, device=%U%s)", shape,
+                                             q3_dtype_name(t->dtype), dev, t->alloc ? "" : ", view")
+                      : NULL;
+    Py_XDECREF(dev);
+    return r;
+}
+
+static PyMethodDef tensor_methods[] = {
+    {"__dlpack__", (PyCFunction)(void (*)(void))tensor_dlpack, METH_VARARGS | METH_KEYWORDS,
+     "__dlpack__(*, stream=None, max_version=None, dl_device=None, copy=None)\n--\n\n"
+     "Export as a DLPack capsule (versioned when max_version >= (1, 0), else legacy)."},
+    {"__dlpack_device__", (PyCFunction)tensor_dlpack_device, METH_NOARGS, "(device_type, device_id)"},
+    {NULL},
+};
+
+static PyGetSetDef tensor_getset[] = {
+    {"shape", (getter)tensor_shape, NULL, "dimensions", NULL},
+    {"strides", (getter)tensor_strides, NULL, "strides in elements", NULL},
+    {"dtype", (getter)tensor_dtype, NULL, "'float32' or 'bfloat16'", NULL},
+    {"device", (getter)tensor_device, NULL, "'cpu' or 'cuda:N'", NULL},
+    {"data_ptr", (getter)tensor_ptr, NULL, "address of the first element", NULL},
+    {"nbytes", (getter)tensor_nbytes, NULL, "bytes covered by the elements", NULL},
+    {NULL},
+};
+
+static PyType_Slot tensor_slots[] = {
+    {Py_tp_dealloc, tensor_dealloc},
+    {Py_tp_repr, tensor_repr},
+    {Py_tp_methods, tensor_methods},
+    {Py_tp_getset, tensor_getset},
+    {Py_tp_doc, "Extension-owned tensor memory, exchanged zero-copy through DLPack."},
+    {0, NULL},
+};
+
+PyType_Spec q3_tensor_spec = {
+    .name = "qwen3layer._C.Tensor",
+    .basicsize = sizeof(q3_tensor_object),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = tensor_slots,
+};
