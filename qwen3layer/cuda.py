@@ -72,6 +72,12 @@ def empty_cache() -> None:
     _C.cuda_empty_cache()
 
 
+def cached_blocks() -> list[tuple[int, int, int]]:
+    """(device, nbytes, address) of each device block kept for reuse, oldest first: at most
+    16 blocks and 512 MiB; when full, the oldest is freed to keep a newly dead one."""
+    return _C.cuda_cached_blocks()
+
+
 def check_kernels(device: int = 0) -> list[dict]:
     """Runs every CUDA kernel against its CPU twin on random inputs on `device`:
     [{'case', 'max_err', 'tol', 'ok'}], max_err being max |cuda - cpu| / max |cpu|."""

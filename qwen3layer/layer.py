@@ -140,7 +140,8 @@ class DecoderLayer:
         [cache.lengths[seq], + S). x [B, S, hidden] with B = cache.batch: S tokens to each
         sequence. chunk_size bounds the tokens per sequence in one pass (default
         build_info()['default_chunk']): activation memory grows with it, not with S.
-        Raises CacheFullError (cache unchanged) when the tokens do not fit.
+        Raises CacheFullError (cache unchanged) when the tokens do not fit. Ctrl-C stops it at
+        the next chunk boundary, with the cache rolled back to where the call began.
         """
         y = self._core.prefill(x, cache, seq, chunk_size, out=out, stream=_stream_of(x, self._core.device))
         return y if out is not None else _like(x, y)

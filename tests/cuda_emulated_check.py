@@ -182,19 +182,33 @@ with contextlib.redirect_stdout(text), contextlib.redirect_stderr(io.StringIO())
 out["cli run"] = [code] + [line for line in text.getvalue().splitlines() if line.startswith(("decode", "cache"))]
 
 # device outputs: a dead one's block serves the next output of its size (no cudaFree, which
-# would wait for the device, per step); live ones never share
+# would wait for the device, per step); live ones never share; with all 16 slots holding
+# blocks of other sizes, the oldest is freed to keep the newly dead one
 reuse = q3.DecoderLayer.random(CFG, seed=9, dtype="bfloat16", device="cuda")
 rcache = reuse.new_cache(8)
 step = reuse.random_input((1, 64), 1)
+_C.cuda_empty_cache()
+others = [_C.copy_tensor(_C.random_tensor((1, 8 + i), 0, "float32"), 0) for i in range(16)]
+for i in range(16):  # dead in order: 32 bytes first
+    others[i] = None
+full = _C.cuda_cached_blocks()
 first = reuse.decode(step, rcache)
 first_ptr = first.data_ptr
 del first
+after = _C.cuda_cached_blocks()
 second = reuse.decode(step, rcache)
 third = reuse.decode(step, rcache)
 _C.cuda_empty_cache()
 fourth = reuse.decode(step, rcache)
-out["output blocks"] = [second.data_ptr == first_ptr, third.data_ptr != second.data_ptr,
-                        len(set(t.data_ptr for t in (second, third, fourth))) == 3]
+out["output blocks"] = {
+    "kept before": [nbytes for _, nbytes, _ in full],
+    "kept after": [nbytes for _, nbytes, _ in after],
+    "newest kept is the dead output": after[-1][2] == first_ptr,
+    "oldest evicted": [ptr for _, _, ptr in after[:-1]] == [ptr for _, _, ptr in full[1:]],
+    "reused": second.data_ptr == first_ptr,
+    "live ones distinct": len({t.data_ptr for t in (second, third, fourth)}) == 3,
+    "kept after empty_cache": len(_C.cuda_cached_blocks()),
+}
 
 # the kernel self-check's own harness (uploads, pointer tables, tiles), twins against twins here
 out["kernel check"] = _C.cuda_check(0)

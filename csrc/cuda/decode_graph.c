@@ -94,7 +94,7 @@ q3_status q3_decode_graph_create(q3_decode_graph **out, q3_layer *l, q3_cache *c
         return q3_fail(err, Q3_ERR_STATE, "decode graph: expected a layer on a CUDA device, got one on the cpu");
     if (n_seqs < 1 || n_seqs > Q3_GRAPH_MAX_BATCH)
         return q3_fail(err, Q3_ERR_VALUE, "batch: expected 1 to %d sequences, got %d", Q3_GRAPH_MAX_BATCH, n_seqs);
-    const q3_forward_args probe = {NULL, NULL, io_dtype, n_seqs, seqs, 1, 1, NULL};
+    const q3_forward_args probe = {NULL, NULL, io_dtype, n_seqs, seqs, 1, 1, NULL, NULL, NULL};
     q3_status s = q3_layer_check_call(l, c, &probe, err);
     if (s != Q3_OK) return s;
     const q3_cuda_ops *cu = q3_cuda();

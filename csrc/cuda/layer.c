@@ -91,8 +91,7 @@ q3_status q3_layer_forward_cuda(q3_layer *l, q3_cache *c, const q3_forward_args 
     q3_status s = reserve(l, step * a->n_seqs, a->n_seqs, err);
     if (s != Q3_OK) return s;
     q3_gpu_run run = {q3_cuda(), a->stream, 0, NULL, l->prof.enabled ? &l->prof : NULL, l->gpu, &l->gpu->ws};
-    int64_t before[a->n_seqs];
-    for (int i = 0; i < a->n_seqs; i++) before[i] = c->lengths[a->seqs[i]];
+    int64_t advanced = 0; /* tokens added to each sequence's length so far */
     Q3_GPU(&run, run.g->set_device(l->w.device), "cudaSetDevice");
     const int64_t H = l->cfg.hidden;
     const size_t es = q3_dtype_size(a->io_dtype);
@@ -100,6 +99,11 @@ q3_status q3_layer_forward_cuda(q3_layer *l, q3_cache *c, const q3_forward_args 
     for (int64_t t0 = 0; t0 < a->tokens && !run.code; t0 += step) {
         const int64_t L = a->tokens - t0 < step ? a->tokens - t0 : step;
         const int whole = L == a->tokens; /* the rows of x are this pass's rows, in order */
+        if (t0 > 0 && a->interrupted && a->interrupted(a->interrupt_ctx)) {
+            /* the queued passes finish on their own; their K/V lie past the rolled-back lengths */
+            for (int i = 0; i < a->n_seqs; i++) c->lengths[a->seqs[i]] -= advanced;
+            return q3_layer_interrupted(err, t0, a->tokens);
+        }
         q3_gpu_mark(&run, -1);
         for (int i = 0; i < (whole ? 1 : a->n_seqs); i++)
             Q3_GPU(&run, run.g->to_f32(d->x + i * L * H, (const char *)a->x + ((size_t)i * a->tokens + t0) * H * es,
@@ -118,10 +122,11 @@ q3_status q3_layer_forward_cuda(q3_layer *l, q3_cache *c, const q3_forward_args 
             Q3_GPU(&run, run.g->from_f32((char *)a->y + ((size_t)i * a->tokens + t0) * H * es, a->io_dtype,
                                          d->x + i * L * H, (whole ? a->n_seqs : 1) * L * H, run.stream), "output");
         for (int i = 0; i < a->n_seqs; i++) c->lengths[a->seqs[i]] += L;
+        advanced += L;
         q3_gpu_mark(&run, Q3_STAGE_IO);
         collect(&run);
     }
     if (!run.code) return Q3_OK;
-    for (int i = 0; i < a->n_seqs; i++) c->lengths[a->seqs[i]] = before[i];
+    for (int i = 0; i < a->n_seqs; i++) c->lengths[a->seqs[i]] -= advanced;
     return q3_fail(err, Q3_ERR_STATE, "cuda: %s failed: %s", run.what, run.g->error_string(run.code));
 }

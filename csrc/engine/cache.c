@@ -34,7 +34,15 @@ q3_status q3_cache_create_on(q3_cache **out, int batch, int64_t capacity, int kv
     if (capacity <= 0)
         return q3_fail(err, Q3_ERR_VALUE, "max_tokens: expected a positive integer, got %lld",
                        (long long)capacity);
-    const size_t n = (size_t)batch * kv_heads * (size_t)capacity * head_dim * q3_dtype_size(dtype);
+    if (kv_heads <= 0 || head_dim <= 0)
+        return q3_fail(err, Q3_ERR_VALUE, "KV cache: expected positive kv_heads and head_dim, got %d and %d",
+                       kv_heads, head_dim);
+    int64_t n;
+    if (!q3_mul_i64(batch, kv_heads, &n) || !q3_mul_i64(n, capacity, &n) || !q3_mul_i64(n, head_dim, &n) ||
+        !q3_mul_i64(n, (int64_t)q3_dtype_size(dtype), &n) || n > INT64_MAX / 2)
+        return q3_fail(err, Q3_ERR_VALUE,
+                       "max_tokens: %lld tokens x batch %d x %d KV heads x %d dims do not fit in memory "
+                       "(the size overflows)", (long long)capacity, batch, kv_heads, head_dim);
     q3_cache *c = calloc(1, sizeof *c);
     if (!c) return q3_fail(err, Q3_ERR_NOMEM, "KV cache: out of memory");
     c->batch = batch;
@@ -45,11 +53,11 @@ q3_status q3_cache_create_on(q3_cache **out, int batch, int64_t capacity, int kv
     c->device = device;
     c->lengths = calloc((size_t)batch, sizeof *c->lengths);
     c->padding = calloc((size_t)batch, sizeof *c->padding);
-    c->k = cache_alloc(n, device);
-    c->v = cache_alloc(n, device);
+    c->k = cache_alloc((size_t)n, device);
+    c->v = cache_alloc((size_t)n, device);
     if (!c->lengths || !c->padding || !c->k || !c->v) {
         q3_cache_destroy(c);
-        return q3_fail(err, Q3_ERR_NOMEM, "KV cache: cannot allocate 2 x %zu bytes on %s", n,
+        return q3_fail(err, Q3_ERR_NOMEM, "KV cache: cannot allocate 2 x %lld bytes on %s", (long long)n,
                        device < 0 ? "the host" : "the CUDA device");
     }
     *out = c;

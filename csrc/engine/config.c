@@ -1,6 +1,13 @@
 /* Layer geometry: validation, weight names and shapes. */
 #include "q3.h"
 
+/* every weight of the layer, in elements; bounded by the limits (at most about 2^56) */
+static int64_t q3_config_weight_elems(const q3_config *c) {
+    const int64_t H = c->hidden, I = c->moe_inter, D = c->head_dim;
+    const int64_t attention = ((int64_t)c->heads * D * 2 + (int64_t)c->kv_heads * D * 2) * H + 2 * D;
+    return attention + 2 * H + (int64_t)c->experts * H + (int64_t)c->experts * 3 * I * H;
+}
+
 q3_status q3_config_check(const q3_config *c, q3_error *err) {
     const struct { const char *name; int64_t value; } positive[] = {
         {"hidden_size", c->hidden},          {"num_attention_heads", c->heads},
@@ -8,10 +15,16 @@ q3_status q3_config_check(const q3_config *c, q3_error *err) {
         {"num_experts", c->experts},         {"num_experts_per_tok", c->top_k},
         {"moe_intermediate_size", c->moe_inter}, {"max_position_embeddings", c->max_positions},
     };
-    for (size_t i = 0; i < sizeof positive / sizeof positive[0]; i++)
+    const int64_t limit[] = {Q3_MAX_HIDDEN, Q3_MAX_HEADS, Q3_MAX_HEADS, Q3_MAX_HEADS,
+                             Q3_MAX_EXPERTS, Q3_MAX_EXPERTS, Q3_MAX_HIDDEN, Q3_MAX_POSITIONS};
+    for (size_t i = 0; i < sizeof positive / sizeof positive[0]; i++) {
         if (positive[i].value <= 0)
             return q3_fail(err, Q3_ERR_VALUE, "%s: expected a positive integer, got %lld",
                            positive[i].name, (long long)positive[i].value);
+        if (positive[i].value > limit[i])
+            return q3_fail(err, Q3_ERR_VALUE, "%s: expected at most %lld, got %lld", positive[i].name,
+                           (long long)limit[i], (long long)positive[i].value);
+    }
     if (c->head_dim % 2)
         return q3_fail(err, Q3_ERR_VALUE,
                        "head_dim: expected an even number (RoPE rotates pairs of dims), got %d",
@@ -24,6 +37,10 @@ q3_status q3_config_check(const q3_config *c, q3_error *err) {
         return q3_fail(err, Q3_ERR_VALUE,
                        "num_experts_per_tok: expected at most num_experts (%d), got %d",
                        c->experts, c->top_k);
+    const int64_t bytes = q3_config_weight_elems(c) * 4;
+    if (bytes > Q3_MAX_WEIGHT_BYTES)
+        return q3_fail(err, Q3_ERR_VALUE, "weights: this geometry's weights take %lld bytes in fp32, expected at "
+                       "most %lld", (long long)bytes, (long long)Q3_MAX_WEIGHT_BYTES);
     if (!(c->eps > 0.0f))
         return q3_fail(err, Q3_ERR_VALUE, "rms_norm_eps: expected a positive number, got %g",
                        (double)c->eps);

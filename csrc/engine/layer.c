@@ -83,6 +83,14 @@ q3_status q3_layer_check_call(const q3_layer *l, const q3_cache *c, const q3_for
     if (a->n_seqs <= 0 || a->n_seqs > c->batch)
         return q3_fail(err, Q3_ERR_VALUE, "x: expected 1 to %d sequences (the cache's batch), got %d",
                        c->batch, a->n_seqs);
+    /* a pass routes rows x top_k (token, expert) pairs, indexed by int32 */
+    const int64_t chunk = a->chunk > 0 ? a->chunk : Q3_DEFAULT_CHUNK, step = chunk < a->tokens ? chunk : a->tokens;
+    int64_t pairs;
+    if (!q3_mul_i64(step, a->n_seqs, &pairs) || !q3_mul_i64(pairs, l->cfg.top_k, &pairs) || pairs > INT32_MAX)
+        return q3_fail(err, Q3_ERR_VALUE,
+                       "chunk_size: a pass of %lld tokens x %d sequences routes more than 2^31 - 1 (token, "
+                       "expert) pairs; expected at most %lld tokens a pass", (long long)step, a->n_seqs,
+                       (long long)(INT32_MAX / ((int64_t)a->n_seqs * l->cfg.top_k)));
     for (int s = 0; s < a->n_seqs; s++) {
         const int seq = a->seqs[s];
         if (seq < 0 || seq >= c->batch)
@@ -91,13 +99,19 @@ q3_status q3_layer_check_call(const q3_layer *l, const q3_cache *c, const q3_for
         for (int r = 0; r < s; r++)
             if (a->seqs[r] == seq)
                 return q3_fail(err, Q3_ERR_VALUE, "seq: sequence %d appears twice in one call", seq);
-        if (c->lengths[seq] + a->tokens > c->capacity)
+        if (a->tokens > c->capacity - c->lengths[seq])
             return q3_fail(err, Q3_ERR_CACHE_FULL,
                            "sequence %d holds %lld of %lld tokens: %lld more do not fit",
                            seq, (long long)c->lengths[seq], (long long)c->capacity,
                            (long long)a->tokens);
     }
     return Q3_OK;
+}
+
+q3_status q3_layer_interrupted(q3_error *err, int64_t done, int64_t tokens) {
+    return q3_fail(err, Q3_ERR_INTERRUPTED,
+                   "interrupted after %lld of %lld tokens a sequence; the cache was rolled back to where the "
+                   "call began", (long long)done, (long long)tokens);
 }
 
 q3_status q3_layer_forward(q3_layer *l, q3_cache *c, const q3_forward_args *a, q3_error *err) {
@@ -117,6 +131,10 @@ q3_status q3_layer_forward(q3_layer *l, q3_cache *c, const q3_forward_args *a, q
     const size_t es = q3_dtype_size(a->io_dtype);
     for (int64_t t0 = 0; t0 < a->tokens; t0 += step) {
         const int64_t L = a->tokens - t0 < step ? a->tokens - t0 : step;
+        if (t0 > 0 && a->interrupted && a->interrupted(a->interrupt_ctx)) {
+            for (int i = 0; i < a->n_seqs; i++) c->lengths[a->seqs[i]] -= t0; /* each pass added L to each */
+            return q3_layer_interrupted(err, t0, a->tokens);
+        }
         q3_profile_start(&l->prof);
         for (int i = 0; i < a->n_seqs; i++)
             k->to_f32(l->ws.x + i * L * H,

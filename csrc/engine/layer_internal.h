@@ -28,12 +28,13 @@ typedef struct {
     int64_t L;
 } q3_pass;
 
+/* the failure of a call stopped by its interrupt poll after `done` of `tokens` tokens */
+q3_status q3_layer_interrupted(q3_error *err, int64_t done, int64_t tokens);
+
 /* x += o_proj(attention(rmsnorm(x))); appends the pass's K/V to the cache */
 void q3_attention_block(q3_layer *layer, q3_cache *cache, const q3_pass *p);
 /* x += sum_k w_k expert_k(rmsnorm(x)) */
 void q3_moe_block(q3_layer *layer, const q3_pass *p);
 
-/* the checks of q3_layer_forward (csrc/engine/layer.c): devices, geometry, sequences, room */
-q3_status q3_layer_check_call(const q3_layer *l, const q3_cache *c, const q3_forward_args *a, q3_error *err);
 
 #endif

@@ -19,7 +19,8 @@ typedef enum {
     Q3_ERR_INDEX,      /* sequence index out of range */
     Q3_ERR_CACHE_FULL, /* the tokens do not fit in the cache */
     Q3_ERR_NOMEM,      /* allocation failed */
-    Q3_ERR_STATE       /* object used in a state that forbids the call */
+    Q3_ERR_STATE,      /* object used in a state that forbids the call */
+    Q3_ERR_INTERRUPTED /* the caller's interrupt poll stopped the call (q3_forward_args) */
 } q3_status;
 
 typedef struct {
@@ -30,6 +31,34 @@ typedef struct {
 /* Records status and a printf-style message in err (if not NULL); returns status. */
 q3_status q3_fail(q3_error *err, q3_status status, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
+
+/* ---- sizes from outside ---------------------------------------------------------- */
+
+/* Every size product and sum formed from a caller's, a file's or a config's numbers goes
+ * through these: 1 and the result in *out when it fits, 0 when it overflows (then *out is
+ * unspecified). Negative operands are the caller's to reject first. */
+static inline int q3_mul_i64(int64_t a, int64_t b, int64_t *out) { return !__builtin_mul_overflow(a, b, out); }
+static inline int q3_add_i64(int64_t a, int64_t b, int64_t *out) { return !__builtin_add_overflow(a, b, out); }
+static inline int q3_mul_size(size_t a, size_t b, size_t *out) { return !__builtin_mul_overflow(a, b, out); }
+static inline int q3_add_size(size_t a, size_t b, size_t *out) { return !__builtin_add_overflow(a, b, out); }
+/* the element count of a shape: 0 for a negative dim or an overflow */
+static inline int q3_numel(int ndim, const int64_t *shape, int64_t *out) {
+    *out = 1;
+    for (int d = 0; d < ndim; d++)
+        if (shape[d] < 0 || !q3_mul_i64(*out, shape[d], out)) return 0;
+    return 1;
+}
+
+/* The largest geometry the engine takes: with these, every product it forms (weights,
+ * cache, workspace per row) fits in int64 and every count fits the int it is held in. Far
+ * above any published model (Qwen3-235B-A22B: 4096, 64, 4, 128, 128, 8, 1536, 40960). */
+#define Q3_MAX_HIDDEN (1 << 20)       /* hidden_size, moe_intermediate_size */
+#define Q3_MAX_HEADS (1 << 12)        /* num_attention_heads, num_key_value_heads, head_dim */
+#define Q3_MAX_EXPERTS (1 << 12)      /* num_experts (num_experts_per_tok <= num_experts) */
+#define Q3_MAX_POSITIONS ((int64_t)1 << 40) /* max_position_embeddings */
+/* a layer's weights in elements: at most 2^56 with every size at its limit; the engine
+ * refuses more than this many bytes of weights in all, far past any memory */
+#define Q3_MAX_WEIGHT_BYTES ((int64_t)1 << 50)
 
 typedef struct {
     int64_t hidden;        /* hidden_size */
@@ -45,8 +74,9 @@ typedef struct {
     int64_t max_positions; /* max_position_embeddings */
 } q3_config;
 
-/* Rejects impossible geometry: non-positive sizes, odd head_dim, heads not a multiple
- * of kv_heads, top_k > experts. */
+/* Rejects impossible geometry: non-positive sizes or sizes past the limits above, weights
+ * of more than Q3_MAX_WEIGHT_BYTES, odd head_dim, heads not a multiple of kv_heads,
+ * top_k > experts. */
 q3_status q3_config_check(const q3_config *cfg, q3_error *err);
 
 /* ---- weights ------------------------------------------------------------------ */
@@ -113,11 +143,19 @@ typedef struct {
     int64_t tokens;      /* per sequence, >= 1 */
     int64_t chunk;       /* tokens per sequence per pass; <= 0 means Q3_DEFAULT_CHUNK */
     void *stream;        /* CUDA layers: the cudaStream_t the work is queued on (NULL: default) */
+    /* polled between passes (NULL: never); nonzero stops the call, which then rolls the
+     * cache back to where it began and returns Q3_ERR_INTERRUPTED (y is partly written) */
+    int (*interrupted)(void *ctx);
+    void *interrupt_ctx;
 } q3_forward_args;
 
 /* Runs the layer over the tokens, chunk by chunk, appending their K/V to the cache.
  * All checks happen before the first write: on failure the cache is unchanged. */
 q3_status q3_layer_forward(q3_layer *layer, q3_cache *cache, const q3_forward_args *a, q3_error *err);
+/* The checks of q3_layer_forward alone (devices, geometry, sequences, room in the cache, the
+ * size of a pass), reading neither x nor y: a caller runs them before it makes the output. */
+q3_status q3_layer_check_call(const q3_layer *layer, const q3_cache *cache, const q3_forward_args *a,
+                              q3_error *err);
 
 /* Per-stage timing of the forward (profile.h): on (resets the totals) or off; the
  * seconds accumulated per stage since; the stages' names (NULL past the last). */
@@ -127,7 +165,8 @@ const char *q3_stage_name(int stage);
 
 /* ---- utilities ------------------------------------------------------------------ */
 
-/* Aligned allocation for tensors (64-byte aligned); q3_free releases it. */
+/* Aligned allocation for tensors (64-byte aligned; NULL when bytes cannot be had, an
+ * absurd size included); q3_free releases it. */
 void *q3_alloc(size_t bytes);
 void q3_free(void *p);
 

@@ -22,7 +22,9 @@ q3_status q3_fail(q3_error *err, q3_status status, const char *fmt, ...) {
 
 void *q3_alloc(size_t bytes) {
     const size_t align = 64;
-    size_t n = (bytes + align - 1) / align * align;
+    size_t n;
+    if (!q3_add_size(bytes, align - 1, &n)) return NULL;
+    n = n / align * align;
     return aligned_alloc(align, n ? n : align);
 }
 

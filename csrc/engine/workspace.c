@@ -50,6 +50,11 @@ size_t q3_workspace_layout(q3_workspace *w, char *base, const q3_config *c, int6
 q3_status q3_workspace_reserve(q3_workspace *ws, const q3_config *cfg, int64_t rows, int seqs,
                                q3_error *err) {
     if (rows <= ws->rows && seqs <= ws->seqs && q3_max_threads() <= ws->threads) return Q3_OK;
+    /* with the config's limits, rows * top_k <= 2^31 - 1 keeps every product of the layout
+     * below 2^60 bytes (q3_layer_check_call holds calls to it) */
+    if (rows <= 0 || seqs <= 0 || rows > INT32_MAX / cfg->top_k)
+        return q3_fail(err, Q3_ERR_VALUE, "workspace: expected 1 to %d rows and at least 1 sequence, got %lld "
+                       "rows and %d", INT32_MAX / cfg->top_k, (long long)rows, seqs);
     if (rows < ws->rows) rows = ws->rows;
     if (seqs < ws->seqs) seqs = ws->seqs;
     q3_workspace grown = *ws;

@@ -126,7 +126,6 @@ static PyObject *cuda_emulate(PyObject *m, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
-/* a contiguous copy of an extension Tensor on `device` (-1: host) */
 static PyObject *cuda_empty_cache(PyObject *m, PyObject *unused) {
     (void)m;
     (void)unused;
@@ -134,9 +133,17 @@ static PyObject *cuda_empty_cache(PyObject *m, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+static PyObject *cuda_cached_blocks(PyObject *m, PyObject *unused) {
+    (void)m;
+    (void)unused;
+    return q3_tensor_kept_blocks();
+}
+
 PyMethodDef q3_cuda_methods[] = {
     {"cuda_empty_cache", cuda_empty_cache, METH_NOARGS,
      "cuda_empty_cache()\n--\n\nFrees the device blocks of dead tensors kept for reuse by new ones."},
+    {"cuda_cached_blocks", cuda_cached_blocks, METH_NOARGS,
+     "cuda_cached_blocks()\n--\n\n[(device, nbytes, address)] of the device blocks kept for reuse, oldest first."},
     {"cuda_open", cuda_open, METH_O, "cuda_open(path)\n--\n\nLoad the CUDA launcher library (once)."},
     {"cuda_blas_open", cuda_blas_open, METH_O,
      "cuda_blas_open(path)\n--\n\nOpen cuBLAS for the prefill GEMMs (path None: the usual names); True if usable."},

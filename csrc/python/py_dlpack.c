@@ -118,13 +118,39 @@ static int fill_view(q3_view *v, const q3_dl_tensor *t, const char *arg, int dev
     }
     v->ndim = t->ndim;
     v->data = (char *)t->data + t->byte_offset;
-    int64_t expect = 1;
+    for (int d = 0; d < v->ndim; d++) v->shape[d] = t->shape[d];
+    int64_t n;
+    if (!q3_numel(v->ndim, v->shape, &n)) {
+        char got[160];
+        q3_format_shape(got, sizeof got, v->ndim, v->shape);
+        for (int d = 0; d < v->ndim; d++)
+            if (v->shape[d] < 0) {
+                PyErr_Format(PyExc_ValueError, "%s: expected non-negative dimensions, got %s", arg, got);
+                return -1;
+            }
+        PyErr_Format(PyExc_ValueError, "%s: the element count of shape %s overflows int64", arg, got);
+        return -1;
+    }
+    /* the farthest element, in bytes, must be addressable: strides that overflow are refused
+     * (the producer's pointer itself cannot be checked) */
+    int64_t expect = 1, reach = 0;
     v->contiguous = 1;
     for (int d = v->ndim - 1; d >= 0; d--) {
-        v->shape[d] = t->shape[d];
         v->strides[d] = t->strides ? t->strides[d] : expect;
         if (v->shape[d] != 1 && v->strides[d] != expect) v->contiguous = 0;
-        expect *= v->shape[d];
+        int64_t step;
+        if (v->shape[d] > 0 && (v->strides[d] == INT64_MIN ||
+                                !q3_mul_i64(v->shape[d] - 1, v->strides[d] < 0 ? -v->strides[d] : v->strides[d], &step) ||
+                                !q3_add_i64(reach, step, &reach))) {
+            PyErr_Format(PyExc_ValueError, "%s: strides that overflow int64 at dimension %d (stride %lld)", arg, d,
+                         (long long)v->strides[d]);
+            return -1;
+        }
+        expect *= v->shape[d]; /* at most n: fits */
+    }
+    if (n > 0 && (!q3_add_i64(reach, 1, &reach) || !q3_mul_i64(reach, (int64_t)q3_dtype_size(v->dtype), &reach))) {
+        PyErr_Format(PyExc_ValueError, "%s: a tensor spanning more than 2^63 bytes (its size overflows)", arg);
+        return -1;
     }
     return 0;
 }
@@ -170,6 +196,11 @@ int q3_view_acquire_on(PyObject *obj, const char *arg, q3_view *v, int device, i
 
 void q3_view_release(q3_view *v) {
     if (!v->managed) return;
+    /* a deleter may run Python code (a producer written with ctypes): never with our
+     * exception pending, which it would fail on or replace */
+    const int pending = PyErr_Occurred() != NULL;
+    q3_pending_error e;
+    if (pending) q3_error_stash(&e);
     if (v->versioned) {
         q3_dl_managed_v *m = v->managed;
         if (m->deleter) m->deleter(m);
@@ -178,4 +209,5 @@ void q3_view_release(q3_view *v) {
         if (m->deleter) m->deleter(m);
     }
     v->managed = NULL;
+    if (pending) q3_error_unstash(&e);
 }

@@ -26,6 +26,33 @@ typedef struct {
 extern PyModuleDef q3_module_def;
 q3_module_state *q3_state_of_type(PyTypeObject *type);
 
+/* The exception being raised, taken out and put back around code that may run Python (a
+ * DLPack producer's deleter, a method call) so that it neither fails on it nor replaces it. */
+typedef struct {
+    PyObject *type, *value, *tb;
+} q3_pending_error;
+
+static inline void q3_error_stash(q3_pending_error *e) {
+#if PY_VERSION_HEX >= 0x030C0000
+    e->type = e->tb = NULL;
+    e->value = PyErr_GetRaisedException();
+#else
+    PyErr_Fetch(&e->type, &e->value, &e->tb);
+    PyErr_NormalizeException(&e->type, &e->value, &e->tb);
+    if (e->tb && e->value) PyException_SetTraceback(e->value, e->tb);
+#endif
+}
+
+/* puts it back; an exception raised in between is dropped */
+static inline void q3_error_unstash(q3_pending_error *e) {
+    if (PyErr_Occurred()) PyErr_Clear();
+#if PY_VERSION_HEX >= 0x030C0000
+    PyErr_SetRaisedException(e->value);
+#else
+    PyErr_Restore(e->type, e->value, e->tb);
+#endif
+}
+
 /* Raises the Python exception for an engine failure; returns NULL. st gives the
  * module's CacheFullError (NULL only where the engine cannot report a full cache). */
 PyObject *q3_raise(q3_module_state *st, const q3_error *err);
@@ -86,6 +113,8 @@ q3_tensor_object *q3_tensor_view(q3_module_state *st, PyObject *base, void *data
 PyObject *q3_buffer_view(PyObject *module, PyObject *args);
 /* frees the device blocks kept for reuse by later tensors (py_tensor.c) */
 void q3_tensor_release_kept(void);
+/* [(device, nbytes, address)] of the kept blocks, oldest first */
+PyObject *q3_tensor_kept_blocks(void);
 /* the live extension-owned buffers, for zero-copy tests: list of (address, nbytes) */
 PyObject *q3_owned_buffers(PyObject *module, PyObject *unused);
 

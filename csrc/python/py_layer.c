@@ -15,7 +15,8 @@
 
 /* ---- config --------------------------------------------------------------------- */
 
-static int get_int(PyObject *cfg, const char *name, int64_t *out) {
+/* config.<name>: an int in [1, max] */
+static int get_int(PyObject *cfg, const char *name, int64_t max, int64_t *out) {
     PyObject *v = PyObject_GetAttrString(cfg, name);
     if (!v) return -1;
     int rc = 0;
@@ -23,11 +24,14 @@ static int get_int(PyObject *cfg, const char *name, int64_t *out) {
         PyErr_Format(PyExc_TypeError, "config.%s: expected an int, got %.100s", name, Py_TYPE(v)->tp_name);
         rc = -1;
     } else {
-        *out = PyLong_AsLongLong(v);
+        int overflow = 0;
+        *out = PyLong_AsLongLongAndOverflow(v, &overflow);
         if (*out == -1 && PyErr_Occurred()) rc = -1;
-        else if (*out > (1LL << 31)) {
-            PyErr_Format(PyExc_ValueError, "config.%s: expected at most 2^31, got %lld", name,
-                         (long long)*out);
+        else if (overflow > 0 || *out > max) {
+            PyErr_Format(PyExc_ValueError, "config.%s: expected at most %lld, got %S", name, (long long)max, v);
+            rc = -1;
+        } else if (overflow < 0 || *out <= 0) {
+            PyErr_Format(PyExc_ValueError, "config.%s: expected a positive integer, got %S", name, v);
             rc = -1;
         }
     }
@@ -50,10 +54,13 @@ static int get_float(PyObject *cfg, const char *name, double *out) {
 int q3_parse_config(PyObject *cfg, q3_config *c) {
     int64_t hidden, heads, kvh, hd, E, k, I, maxpos;
     double eps, theta;
-    if (get_int(cfg, "hidden_size", &hidden) || get_int(cfg, "num_attention_heads", &heads) ||
-        get_int(cfg, "num_key_value_heads", &kvh) || get_int(cfg, "head_dim", &hd) ||
-        get_int(cfg, "num_experts", &E) || get_int(cfg, "num_experts_per_tok", &k) ||
-        get_int(cfg, "moe_intermediate_size", &I) || get_int(cfg, "max_position_embeddings", &maxpos) ||
+    /* the engine's limits (q3.h) checked here already: the counts become C ints */
+    if (get_int(cfg, "hidden_size", Q3_MAX_HIDDEN, &hidden) ||
+        get_int(cfg, "num_attention_heads", Q3_MAX_HEADS, &heads) ||
+        get_int(cfg, "num_key_value_heads", Q3_MAX_HEADS, &kvh) || get_int(cfg, "head_dim", Q3_MAX_HEADS, &hd) ||
+        get_int(cfg, "num_experts", Q3_MAX_EXPERTS, &E) || get_int(cfg, "num_experts_per_tok", Q3_MAX_EXPERTS, &k) ||
+        get_int(cfg, "moe_intermediate_size", Q3_MAX_HIDDEN, &I) ||
+        get_int(cfg, "max_position_embeddings", Q3_MAX_POSITIONS, &maxpos) ||
         get_float(cfg, "rms_norm_eps", &eps) || get_float(cfg, "rope_theta", &theta))
         return -1;
     PyObject *norm = PyObject_GetAttrString(cfg, "norm_topk_prob");

@@ -90,7 +90,41 @@ static int check_out(const q3_view *o, const q3_view *x) {
         PyErr_SetString(PyExc_ValueError, "out: expected a writable tensor, got a read-only one");
         return -1;
     }
+    /* y may be x itself (each pass reads its rows before it writes them), but rows of out
+     * over other rows of x would be written before they are read */
+    int64_t n;
+    q3_numel(x->ndim, x->shape, &n); /* fits: checked at import */
+    const uintptr_t bytes = (uintptr_t)n * q3_dtype_size(x->dtype), xa = (uintptr_t)x->data, oa = (uintptr_t)o->data;
+    if (oa != xa && oa < xa + bytes && xa < oa + bytes) {
+        PyErr_Format(PyExc_ValueError, "out: overlaps x partly (out starts %lld bytes %s x); expected separate "
+                     "memory or out being x itself", (long long)(oa > xa ? oa - xa : xa - oa),
+                     oa > xa ? "after" : "before");
+        return -1;
+    }
     return 0;
+}
+
+/* The engine's interrupt poll between passes: takes the GIL briefly and runs the signal
+ * handlers (Ctrl-C); an exception they raise stays set for the caller. */
+typedef struct {
+    PyThreadState *saved; /* this thread's state while the GIL is released */
+} interrupt_poll;
+
+static int interrupted(void *ctx) {
+    interrupt_poll *p = ctx;
+    PyEval_RestoreThread(p->saved);
+    const int stop = PyErr_CheckSignals() < 0;
+    p->saved = PyEval_SaveThread();
+    return stop;
+}
+
+/* exception.add_note(note) on the exception being raised */
+static void add_note(const char *note) {
+    q3_pending_error e;
+    q3_error_stash(&e);
+    PyObject *r = e.value ? PyObject_CallMethod(e.value, "add_note", "s", note) : NULL;
+    Py_XDECREF(r);
+    q3_error_unstash(&e);
 }
 
 static PyObject *run(q3_layer_object *self, PyObject *x_obj, PyObject *cache_obj, int decode,
@@ -123,7 +157,7 @@ static PyObject *run(q3_layer_object *self, PyObject *x_obj, PyObject *cache_obj
     if (!decode && x.ndim == 2) {
         long long s = 0;
         if (seq_obj != Py_None) {
-            if (!PyLong_Check(seq_obj)) {
+            if (!PyLong_Check(seq_obj) || PyBool_Check(seq_obj)) {
                 PyErr_Format(PyExc_TypeError, "seq: expected an int, got %.100s", Py_TYPE(seq_obj)->tp_name);
                 goto done;
             }
@@ -150,30 +184,38 @@ static PyObject *run(q3_layer_object *self, PyObject *x_obj, PyObject *cache_obj
         }
         for (int i = 0; i < n_seqs; i++) seq_list[i] = i;
     }
+    if (co->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "cache: in use by a running layer call on another thread");
+        goto done;
+    }
+    interrupt_poll poll = {NULL};
+    q3_forward_args a = {x.data, NULL, x.dtype, n_seqs, seq_list, tokens, chunk, stream, interrupted, &poll};
+    q3_error err;
+    q3_status s = q3_layer_check_call(self->layer, co->cache, &a, &err);
+    if (s != Q3_OK) { /* before the output is made: a call that cannot run allocates nothing */
+        q3_raise(st, &err);
+        goto done;
+    }
     if (out_obj != Py_None) {
         if (q3_view_acquire_on(out_obj, "out", &out, self->device, 0, stream) < 0 || check_out(&out, &x) < 0) goto done;
         result = Py_NewRef(out_obj);
+        a.y = out.data;
     } else {
         result = (PyObject *)q3_tensor_new_on(st, x.dtype, x.ndim, x.shape, self->device);
         if (!result) goto done;
+        a.y = ((q3_tensor_object *)result)->data;
     }
-    if (co->busy) {
-        PyErr_SetString(PyExc_RuntimeError, "cache: in use by a running layer call on another thread");
-        Py_CLEAR(result);
-        goto done;
-    }
-    const q3_forward_args a = {x.data, out_obj != Py_None ? out.data : ((q3_tensor_object *)result)->data,
-                               x.dtype, n_seqs, seq_list, tokens, chunk, stream};
-    q3_error err;
-    q3_status s;
     co->busy = 1;
-    Py_BEGIN_ALLOW_THREADS
+    poll.saved = PyEval_SaveThread();
     PyThread_acquire_lock(self->lock, WAIT_LOCK);
     s = q3_layer_forward(self->layer, co->cache, &a, &err);
     PyThread_release_lock(self->lock);
-    Py_END_ALLOW_THREADS
+    PyEval_RestoreThread(poll.saved);
     co->busy = 0;
-    if (s != Q3_OK) {
+    if (s == Q3_ERR_INTERRUPTED && PyErr_Occurred()) { /* the signal handler's exception, with what it did */
+        Py_CLEAR(result);
+        add_note(err.msg);
+    } else if (s != Q3_OK) {
         Py_CLEAR(result);
         q3_raise(st, &err);
     }
@@ -245,7 +287,11 @@ static PyObject *layer_decode_graph(q3_layer_object *self, PyObject *args, PyObj
         return NULL;
     }
     PyObject *g;
-    PyThread_acquire_lock(self->lock, WAIT_LOCK); /* not while a call of this layer runs */
+    /* not while a call of this layer runs; waited for without the GIL, which a running call
+     * takes between its passes */
+    Py_BEGIN_ALLOW_THREADS
+    PyThread_acquire_lock(self->lock, WAIT_LOCK);
+    Py_END_ALLOW_THREADS
     g = q3_graph_new(st, (PyObject *)self, self->layer, self->device, co, (int)batch, dt);
     PyThread_release_lock(self->lock);
     return g;
@@ -256,7 +302,9 @@ static PyObject *layer_set_profiling(q3_layer_object *self, PyObject *on) {
     if (flag < 0) return NULL;
     q3_error err;
     q3_status s;
-    PyThread_acquire_lock(self->lock, WAIT_LOCK); /* not while a call runs */
+    Py_BEGIN_ALLOW_THREADS
+    PyThread_acquire_lock(self->lock, WAIT_LOCK); /* not while a call runs (it takes the GIL between passes) */
+    Py_END_ALLOW_THREADS
     s = q3_layer_profiling(self->layer, flag, &err);
     PyThread_release_lock(self->lock);
     if (s != Q3_OK) return q3_raise(NULL, &err);

@@ -119,7 +119,7 @@ static PyObject *copy_tensor(PyObject *m, PyObject *args) {
     }
     q3_tensor_object *t = (q3_tensor_object *)obj;
     int contiguous = 1;
-    int64_t expect = 1;
+    int64_t expect = 1; /* ends as the element count: fits, the tensor exists */
     for (int d = t->ndim - 1; d >= 0; d--) {
         if (t->shape[d] != 1 && t->strides[d] != expect) contiguous = 0;
         expect *= t->shape[d];
@@ -161,8 +161,8 @@ static int put_random(q3_module_state *st, PyObject *dict, const char *name, q3_
                       const int64_t *shape, uint64_t seed, uint64_t stream, int is_norm) {
     q3_tensor_object *t = q3_tensor_new(st, dt, ndim, shape);
     if (!t) return -1;
-    int64_t n = 1;
-    for (int d = 0; d < ndim; d++) n *= shape[d];
+    int64_t n;
+    q3_numel(ndim, shape, &n); /* fits: the tensor was made */
     float mean, std;
     q3_weight_init(is_norm, &mean, &std);
     Py_BEGIN_ALLOW_THREADS
@@ -228,8 +228,8 @@ static PyObject *random_tensor(PyObject *m, PyObject *args, PyObject *kw) {
     }
     q3_tensor_object *t = q3_tensor_new(state_of_module(m), dt, (int)ndim, shape);
     if (!t) return NULL;
-    int64_t n = 1;
-    for (Py_ssize_t d = 0; d < ndim; d++) n *= shape[d];
+    int64_t n;
+    q3_numel((int)ndim, shape, &n); /* fits: the tensor was made */
     Py_BEGIN_ALLOW_THREADS
     q3_fill_random(t->data, dt, n, seed, 0, 0.0f, std);
     Py_END_ALLOW_THREADS

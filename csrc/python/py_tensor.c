@@ -60,19 +60,35 @@ static void kept_release_all(void) {
     kept.total = 0;
 }
 
+/* drops kept block i (the others keep their order: oldest first) */
+static void kept_drop(int i) {
+    kept.total -= kept.bytes[i];
+    kept.n--;
+    memmove(&kept.p[i], &kept.p[i + 1], (size_t)(kept.n - i) * sizeof kept.p[0]);
+    memmove(&kept.bytes[i], &kept.bytes[i + 1], (size_t)(kept.n - i) * sizeof kept.bytes[0]);
+    memmove(&kept.device[i], &kept.device[i + 1], (size_t)(kept.n - i) * sizeof kept.device[0]);
+}
+
 void q3_tensor_release_kept(void) { kept_release_all(); }
+
+PyObject *q3_tensor_kept_blocks(void) {
+    PyObject *list = PyList_New(kept.n);
+    for (int i = 0; list && i < kept.n; i++) {
+        PyObject *item = Py_BuildValue("(inK)", kept.device[i], (Py_ssize_t)kept.bytes[i],
+                                       (unsigned long long)(uintptr_t)kept.p[i]);
+        if (!item) Py_CLEAR(list);
+        else PyList_SET_ITEM(list, i, item);
+    }
+    return list;
+}
 
 static void *buffer_alloc(size_t bytes, int device) {
     if (device < 0) return q3_alloc(bytes);
     bytes = bytes ? bytes : 4;
-    for (int i = kept.n - 1; i >= 0; i--)
+    for (int i = kept.n - 1; i >= 0; i--) /* the newest of the size first */
         if (kept.bytes[i] == bytes && kept.device[i] == device) {
             void *p = kept.p[i];
-            kept.total -= bytes;
-            kept.n--;
-            kept.p[i] = kept.p[kept.n];
-            kept.bytes[i] = kept.bytes[kept.n];
-            kept.device[i] = kept.device[kept.n];
+            kept_drop(i);
             return p;
         }
     void *p = NULL;
@@ -90,12 +106,17 @@ static void buffer_free(void *p, int device) {
     else if (p && q3_cuda()) q3_cuda()->free_device(p);
 }
 
-/* a tensor's own device block back to the kept ones (or freed, past the limits) */
+/* a tensor's own device block back to the kept ones, the oldest freed to make room (a
+ * block past the byte limit on its own is freed) */
 static void buffer_keep(void *p, size_t bytes, int device) {
     bytes = bytes ? bytes : 4;
-    if (kept.n == KEPT_BLOCKS || kept.total + bytes > KEPT_BYTES) {
+    if (bytes > KEPT_BYTES) {
         buffer_free(p, device);
         return;
+    }
+    while (kept.n == KEPT_BLOCKS || kept.total + bytes > KEPT_BYTES) {
+        buffer_free(kept.p[0], kept.device[0]);
+        kept_drop(0);
     }
     kept.p[kept.n] = p;
     kept.bytes[kept.n] = bytes;
@@ -111,6 +132,15 @@ q3_tensor_object *q3_tensor_new(q3_module_state *st, q3_dtype dt, int ndim, cons
 q3_tensor_object *q3_tensor_new_on(q3_module_state *st, q3_dtype dt, int ndim, const int64_t *shape, int device) {
     q3_tensor_object *t = tensor_alloc(st, dt, ndim, shape);
     if (!t) return NULL;
+    int64_t n;
+    size_t bytes;
+    if (!q3_numel(ndim, shape, &n) || !q3_mul_size((size_t)n, q3_dtype_size(dt), &bytes)) {
+        char got[160];
+        q3_format_shape(got, sizeof got, ndim, shape);
+        PyErr_Format(PyExc_ValueError, "shape: %s has a negative dimension or a size that overflows", got);
+        Py_DECREF(t);
+        return NULL;
+    }
     int64_t stride = 1;
     for (int d = ndim - 1; d >= 0; d--) {
         t->strides[d] = stride;
@@ -118,7 +148,7 @@ q3_tensor_object *q3_tensor_new_on(q3_module_state *st, q3_dtype dt, int ndim, c
     }
     owned_node *node = malloc(sizeof *node);
     t->device = device;
-    t->alloc = t->data = buffer_alloc(tensor_numel(t) * q3_dtype_size(dt), device);
+    t->alloc = t->data = buffer_alloc(bytes, device);
     if (!t->alloc || !node) {
         free(node);
         Py_DECREF(t);
@@ -182,10 +212,16 @@ PyObject *q3_buffer_view(PyObject *module, PyObject *args) {
         if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "shape: expected at most %d non-negative ints", Q3_MAX_DIM);
         return NULL;
     }
-    int64_t n = 1;
-    for (Py_ssize_t d = ndim - 1; d >= 0; d--) {
-        strides[d] = n;
-        n *= shape[d];
+    int64_t n, bytes, end;
+    if (!q3_numel((int)ndim, shape, &n) || !q3_mul_i64(n, (int64_t)q3_dtype_size(dt), &bytes)) {
+        char got[160];
+        q3_format_shape(got, sizeof got, (int)ndim, shape);
+        PyErr_Format(PyExc_ValueError, "shape: the size of %s overflows int64", got);
+        return NULL;
+    }
+    for (Py_ssize_t d = ndim - 1, stride = 1; d >= 0; d--) {
+        strides[d] = stride;
+        stride *= shape[d];
     }
     Py_buffer *buf = PyMem_Malloc(sizeof *buf);
     if (!buf) return PyErr_NoMemory();
@@ -193,10 +229,9 @@ PyObject *q3_buffer_view(PyObject *module, PyObject *args) {
         PyMem_Free(buf);
         return NULL;
     }
-    const long long end = offset + n * (long long)q3_dtype_size(dt);
-    if (offset < 0 || end > (long long)buf->len) {
-        PyErr_Format(PyExc_ValueError, "buffer: bytes [%lld, %lld) do not fit in a buffer of %zd bytes", offset, end,
-                     buf->len);
+    if (offset < 0 || !q3_add_i64(offset, bytes, &end) || end > (int64_t)buf->len) {
+        PyErr_Format(PyExc_ValueError, "buffer: %lld bytes from offset %lld do not fit in a buffer of %zd bytes",
+                     (long long)bytes, offset, buf->len);
         PyBuffer_Release(buf);
         PyMem_Free(buf);
         return NULL;
@@ -343,6 +378,12 @@ static PyObject *tensor_dlpack(q3_tensor_object *t, PyObject *args, PyObject *kw
         versioned = major >= Q3_DL_MAJOR;
     }
     const int want_copy = copy != Py_None && PyObject_IsTrue(copy);
+    if (!want_copy && !versioned && t->buffer && t->buffer->readonly) {
+        /* the legacy capsule cannot say read-only: its consumer would write into the file */
+        PyErr_SetString(PyExc_BufferError, "this tensor is a view of read-only memory, which a legacy DLPack capsule "
+                        "cannot mark read-only: export it with max_version >= (1, 0), or with copy=True");
+        return NULL;
+    }
     if (!want_copy) return make_capsule(t, versioned, 0);
     if (t->device >= 0) {
         PyErr_SetString(PyExc_BufferError, "copy: copies of CUDA tensors are not supported; copy with the consumer");
