@@ -137,3 +137,53 @@ def test_padding_only_on_an_empty_sequence(layer):
         cache.set_padding(1)
     with pytest.raises(ValueError, match=r"n: expected 0 <= n < 8 \(the capacity\), got 8"):
         layer.new_cache(8).set_padding(8)
+
+
+def test_truncating_one_sequence_of_a_batch_changes_only_that_sequence(layer):
+    """truncate(n, seq=1) in a batch of 3: only sequence 1 shortens (sequence 0's padding,
+    longer than n, stays); redoing its dropped tokens gives what the first pass gave, and the
+    other sequences' keys, values and next decode outputs are those of a cache never truncated."""
+    S, n, pad0 = 12, 7, 9
+    x = x_of(3, S, CFG.hidden_size, seed=60)
+    cache, kept = layer.new_cache(16, batch=3), layer.new_cache(16, batch=3)
+    for c in (cache, kept):
+        c.set_padding(pad0, 0)
+    y1 = layer.prefill(x, cache)
+    layer.prefill(x, kept)
+    cache.truncate(n, seq=1)
+    assert cache.lengths == (S, n, S) and cache.padding == (pad0, 0, 0)
+    y2 = layer.prefill(x[1, n:], cache, seq=1)
+    assert cache.lengths == (S, S, S)
+    assert rel(y2, y1[1, n:]) <= TOL
+    for b in range(3):
+        for get in (lambda c: c.keys(b), lambda c: c.values(b)):
+            got, want = torch.from_dlpack(get(cache)), torch.from_dlpack(get(kept))
+            assert got.shape == want.shape == (CFG.num_key_value_heads, S, CFG.head_dim)
+            if b == 1:  # recomputed, possibly in another summation order
+                assert rel(got, want) <= TOL
+            else:  # never touched
+                assert torch.equal(got, want), b
+    step = x_of(3, CFG.hidden_size, seed=61)
+    got, want = layer.decode(step, cache), layer.decode(step, kept)
+    for b in range(3):
+        assert rel(got[b], want[b]) <= TOL, b
+    assert cache.lengths == kept.lengths == (S + 1,) * 3
+
+
+def test_left_padded_keys_equal_the_unpadded_sequences_keys(layer):
+    """Keys are cached after RoPE, at positions counted from the first real token: a padded
+    sequence's real keys equal those of the same tokens without padding, in prefill (chunks
+    that straddle the padding) and in decode. Outputs cannot show a position shifted by the
+    padding (RoPE sees only position differences); the keys can."""
+    P, S = 5, 11
+    real, pads = x_of(S, CFG.hidden_size, seed=70), x_of(P, CFG.hidden_size, seed=71)
+    cache = layer.new_cache(32, batch=2)
+    cache.set_padding(P, 0)
+    layer.prefill(torch.cat([pads, real]), cache, seq=0, chunk_size=4)
+    layer.prefill(real, cache, seq=1)
+    layer.decode(x_of(1, CFG.hidden_size, seed=72).expand(2, -1).contiguous(), cache)
+    assert cache.lengths == (P + S + 1, S + 1)
+    padded, alone = torch.from_dlpack(cache.keys(0)), torch.from_dlpack(cache.keys(1))
+    assert padded.shape == (CFG.num_key_value_heads, P + S + 1, CFG.head_dim)
+    assert rel(padded[:, P:P + S], alone[:, :S]) <= TOL  # prefill
+    assert rel(padded[:, P + S], alone[:, S]) <= TOL  # decode
