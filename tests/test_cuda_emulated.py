@@ -48,11 +48,14 @@ def test_decode_graphs_on_an_emulated_device(out):
     """Capture is emulated strictly (launches recorded, not run; host syncs, host copies and
     allocations refused and the capture invalidated), so a graph that captures at all queued
     nothing that needs the host; its replays must then decode as the CPU layer does, step
-    after step, with plain calls and a reset of one sequence in between."""
+    after step, with plain calls and a reset of one sequence in between. The cached keys
+    agree too: sequence 1 starts with padding, and only its keys show whether the positions
+    (passes.c for prefill, decode_prepare for decode) count from its first real token."""
     for dtype, tol in (("float32", 1e-6), ("bfloat16", 5e-3)):
         g = out[f"graph {dtype}"]
         assert g["created lengths"] == [5, 9, 1]  # capturing appends nothing
         assert g["max rel err"] <= tol
+        assert g["keys max rel err"] <= tol
         assert g["lengths agree"] and g["final lengths"] == [13, 17, 7]
         assert (g["batch"], g["dtype"], g["output device"], g["output shape"]) == (3, dtype, "cuda:0", [3, 64])
     errors = out["graph errors"]
