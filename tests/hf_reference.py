@@ -95,14 +95,14 @@ def routing_margin(logits: torch.Tensor, k: int) -> float:
 
 
 def draw_input(model: Qwen3MoeForCausalLM, shape, seed: int, dtype=torch.float32,
-               margin: float = 1e-4, tries: int = 50) -> torch.Tensor:
-    """Random x [B, S, H] whose every token routes with at least `margin` between the
-    last chosen and the first rejected expert (checked in fp64)."""
+               margin: float = 1e-4, tries: int = 50, scale: float = 1.0) -> torch.Tensor:
+    """Random x [B, S, H] of N(0, scale^2) entries whose every token routes with at least
+    `margin` between the last chosen and the first rejected expert (checked in fp64)."""
     ref = converted(model, torch.float64)
     k = model.config.num_experts_per_tok
     for t in range(tries):
         g = torch.Generator().manual_seed(seed * 1000 + t)
-        x = torch.randn(*shape, generator=g).to(dtype)
+        x = (torch.randn(*shape, generator=g) * scale).to(dtype)
         if routing_margin(run(ref, x.double()).router_logits, k) >= margin:
             return x
     raise RuntimeError(f"no input with routing margin {margin} in {tries} draws")
