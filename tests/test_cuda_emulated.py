@@ -98,7 +98,7 @@ def test_the_kernel_self_check_runs_every_case_on_an_emulated_device(out):
     kernels are the twins, so every case must come out exact: what this checks is the harness
     (its uploads, pointer tables, tile lists and comparisons), before a GPU ever runs it."""
     cases = out["kernel check"]
-    assert len(cases) == 31  # 33 where cuBLAS is found
+    assert len(cases) == 32  # 34 where cuBLAS is found
     assert len({name for name, _, _ in cases}) == len(cases)
     assert all(err == 0.0 for _, err, _ in cases), cases
 

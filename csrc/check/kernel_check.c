@@ -4,11 +4,13 @@
  * is in kernel_check.h; the MoE cases in kernel_check_moe.c. */
 #include "kernel_check.h"
 
-static double case_rmsnorm(check *k, q3_dtype wdt) {
+/* x of N(0, scale^2): at scale 1e-3, mean(x^2) is the size of eps, so where eps goes shows */
+static double case_rmsnorm(check *k, q3_dtype wdt, float scale) {
     const int64_t rows = 7, n = 1000;
     float *x = host_random(k, rows * n, Q3_F32, 1), *want = host(k, rows * n * 4), *got = host(k, rows * n * 4);
     void *w = host_random(k, n, wdt, 2);
     if (k->failed) return INFINITY;
+    for (int64_t i = 0; i < rows * n; i++) x[i] *= scale;
     k->c->rmsnorm(want, x, w, wdt, rows, n, 1e-6f);
     float *dx = device(k, x, rows * n * 4), *dout = device(k, NULL, rows * n * 4);
     void *dw = device(k, w, n * q3_dtype_size(wdt));
@@ -235,8 +237,9 @@ q3_status q3_cuda_check(int device_index, q3_check_result *out, int max, int *n,
         out[*n].tol = tolerance;                                                                 \
         (*n)++;                                                                                  \
     } while (0)
-    RUN("rmsnorm f32 weights", 1e-5, case_rmsnorm(&k, Q3_F32));
-    RUN("rmsnorm bf16 weights", 1e-5, case_rmsnorm(&k, Q3_BF16));
+    RUN("rmsnorm f32 weights", 1e-5, case_rmsnorm(&k, Q3_F32, 1.0f));
+    RUN("rmsnorm bf16 weights", 1e-5, case_rmsnorm(&k, Q3_BF16, 1.0f));
+    RUN("rmsnorm rows of magnitude 1e-3 (eps shows)", 1e-5, case_rmsnorm(&k, Q3_F32, 1e-3f));
     RUN("add + rmsnorm fused, f32 weights", 1e-5, case_add_rmsnorm(&k, Q3_F32, 0));
     RUN("add + rmsnorm fused, bf16, out aliasing r", 1e-5, case_add_rmsnorm(&k, Q3_BF16, 1));
     RUN("matmul bf16 T=1 K=4096", 1e-5, case_matmul(&k, Q3_BF16, 1, 4096));
