@@ -225,6 +225,29 @@ out["output blocks"] = {
     "kept after empty_cache": len(_C.cuda_cached_blocks()),
 }
 
+# router ties on the device path (router, then grouping on the host in prefill and on the
+# device in decode) against the fp64 reference with the documented rule; the router kernel
+# here is the CPU twin, so this checks the path around it, not router.cu
+sys.path.insert(0, sys.argv[1] + "/tests")
+import router_ties as rt  # noqa: E402
+
+
+def to_device(t):
+    return _C.copy_tensor(_C.buffer_view(t.contiguous().numpy(), 0, tuple(t.shape), "float32"), 0)
+
+
+tie_w = rt.weights()
+tie_layer = _C.Layer(rt.config(q3), tie_w, None, 0)
+x = rt.tokens("ABC" * 7)
+y = host(tie_layer.prefill(to_device(x), tie_layer.new_cache(24)))
+ties = [rel(y - x.double().numpy(), rt.reference(tie_w, x)[0].numpy() - x.double().numpy())]
+cache = tie_layer.new_cache(8, 3)
+tie_layer.prefill(to_device(rt.tokens("CA" * 3, seed=3).reshape(3, 2, rt.HIDDEN)), cache)
+x = rt.tokens("ABC", seed=2)  # a decode step of 3 sequences
+y = host(tie_layer.decode(to_device(x), cache))
+ties.append(rel(y - x.double().numpy(), rt.reference(tie_w, x)[0].numpy() - x.double().numpy()))
+out["router ties"] = ties
+
 # the kernel self-check's own harness (uploads, pointer tables, tiles), twins against twins here
 out["kernel check"] = _C.cuda_check(0)
 print(json.dumps(out))

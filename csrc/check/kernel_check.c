@@ -172,6 +172,30 @@ static double case_router(check *k, int normalize) {
     return max_err(w_got, w_want, Q3_F32, T * top);
 }
 
+/* the tie rule of kernels/router.h on hand-made logits: the twin must give the documented
+ * experts, the kernel the twin's (random logits never tie) */
+static double case_router_ties(check *k) {
+    enum { T = 4, E = 8, TOP = 4 };
+    static const float logits[T][E] = {
+        {0.5f, 2.0f, 2.5f, 1.0f, 3.0f, 1.0f, -2.0f, -1.0f}, /* 3 and 5 tie for the last slot */
+        {1.0f, 3.0f, 1.0f, 1.0f, 0.0f, 3.0f, 1.0f, -1.0f},  /* 0, 2, 3, 6 tie for the last two */
+        {0.25f, 0.25f, 0.25f, 0.25f, 0.25f, 0.25f, 0.25f, 0.25f}, /* all tie */
+        {2.0f, 5.0f, 5.0f, 5.0f, 5.0f, 5.0f, 0.0f, 1.0f},   /* five tie for the first four */
+    };
+    static const int32_t rule[T][TOP] = {{4, 2, 1, 3}, {1, 5, 0, 2}, {0, 1, 2, 3}, {1, 2, 3, 4}};
+    float w_want[T * TOP], w_got[T * TOP];
+    int32_t i_want[T * TOP], i_got[T * TOP];
+    float *dl = device(k, logits, sizeof logits), *dw = device(k, NULL, sizeof w_got);
+    int32_t *di = device(k, NULL, sizeof i_got);
+    k->c->router_topk(i_want, w_want, &logits[0][0], T, E, TOP, 1);
+    if (memcmp(i_want, rule, sizeof rule)) return INFINITY;
+    if (!k->failed) cuda_ok(k, k->g->router_topk(di, dw, dl, T, E, TOP, 1, NULL), "router launch");
+    fetch(k, i_got, di, sizeof i_got);
+    fetch(k, w_got, dw, sizeof w_got);
+    if (k->failed || memcmp(i_got, i_want, sizeof i_want)) return INFINITY;
+    return max_err(w_got, w_want, Q3_F32, T * TOP);
+}
+
 static double case_swiglu(check *k) {
     const int64_t n = 1000;
     float *g = host_random(k, n, Q3_F32, 13), *u = host_random(k, n, Q3_F32, 14);
@@ -268,6 +292,7 @@ q3_status q3_cuda_check(int device_index, q3_check_result *out, int max, int *n,
     RUN("attention tensor cores, prompt in padding", 2e-2, case_attention_heads(&k, 21, 0, 3, 40, 12, 16, 2, 64));
     RUN("router top-k, renormalised", 1e-6, case_router(&k, 1));
     RUN("router top-k", 1e-6, case_router(&k, 0));
+    RUN("router top-k ties: lower expert index first", 1e-6, case_router_ties(&k));
     RUN("decode_prepare: lengths, positions", 0.0, q3_case_decode_prepare(&k));
     RUN("moe_route: expert grouping on the device", 0.0, q3_case_moe_route(&k));
     RUN("moe gate_up + down + combine, T=5 k=3 E=16", 1e-5, q3_case_moe_experts(&k));

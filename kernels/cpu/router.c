@@ -11,7 +11,9 @@ static void route_token(int32_t *idx, float *w, const float *logit, int E, int k
         p[e] = expf(logit[e] - mx);
         sum += p[e];
     }
-    /* selection by insertion into a sorted list of k: k is small (8 of 128) */
+    /* selection by insertion into a sorted list of k: k is small (8 of 128). Experts come in
+     * ascending index and compare with a strict >, so none displaces or passes an expert of
+     * equal probability: ties go to the lower index (router.h) */
     int n = 0;
     for (int e = 0; e < E; e++) {
         const float pe = p[e];

@@ -1,5 +1,6 @@
 // Router softmax + top-k + renormalisation, one thread per token (twin: kernels/cpu/router.c).
-// Ties go to the lower expert index, as on the CPU.
+// Ties go to the lower expert index (the rule in kernels/router.h): the same strict-> insertion
+// as the CPU's, over experts in ascending index.
 #include "common.cuh"
 
 #define MAX_K 32
