@@ -64,9 +64,9 @@ class Reference:
 
 
 def run(model: Qwen3MoeForCausalLM, x: torch.Tensor, cache: DynamicCache | None = None,
-        start: int = 0) -> Reference:
-    """The layer over x [B, S, H] at positions [start, start + S), causal, with a cache."""
-    layer = model.model.layers[0]
+        start: int = 0, layer_idx: int = 0) -> Reference:
+    """Layer `layer_idx` over x [B, S, H] at positions [start, start + S), causal, with a cache."""
+    layer = model.model.layers[layer_idx]
     B, S, _ = x.shape
     cache = cache if cache is not None else DynamicCache(config=model.config)
     pos = torch.arange(start, start + S)[None].expand(B, S)
@@ -84,7 +84,7 @@ def run(model: Qwen3MoeForCausalLM, x: torch.Tensor, cache: DynamicCache | None 
     finally:
         hook.remove()
     y = y[0] if isinstance(y, tuple) else y
-    return Reference(y, cache.layers[0].keys, cache.layers[0].values, logits[0])
+    return Reference(y, cache.layers[layer_idx].keys, cache.layers[layer_idx].values, logits[0])
 
 
 def routing_margin(logits: torch.Tensor, k: int) -> float:

@@ -122,3 +122,36 @@ def test_run_uses_the_checkpoint(saved):
     assert r.returncode == 0, r.stderr
     assert "loading layer 1 of" in r.stdout and "prefill  20 tokens in chunks of 8" in r.stdout
     assert "dtype=float32" in r.stdout
+
+
+def test_more_than_64_experts(tmp_path):
+    """Every other checkpoint test has at most 16 experts: 72 (top-2) in a sharded checkpoint,
+    layer 1, its router tilted so that experts past 64 are chosen, against the same layer
+    built from the transformers module."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from hf_reference import run
+
+    cfg = Qwen3MoeConfig(vocab_size=16, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=72,
+                         num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True,
+                         max_position_embeddings=256, rms_norm_eps=1e-6, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, p.shape[-1] ** -0.5) if p.dim() > 1 else p.copy_(1 + 0.1 * torch.randn_like(p))
+        model.model.layers[1].mlp.gate.weight[64:] *= 2
+    model.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert len([f for f in os.listdir(tmp_path) if f.endswith(".safetensors")]) > 2
+
+    x, step = torch.randn(6, 32), torch.randn(1, 32)
+    chosen = run(model, x[None], layer_idx=1).router_logits.topk(2).indices
+    assert (chosen >= 64).any() and (chosen < 64).any(), chosen
+
+    layer = q3.DecoderLayer.from_checkpoint(str(tmp_path), 1)
+    ref = q3.DecoderLayer.from_hf(model.model.layers[1])
+    assert layer.config.num_experts == 72 and layer.converted == ()
+    cache, ref_cache = layer.new_cache(8), ref.new_cache(8)
+    assert torch.equal(layer.prefill(x, cache), ref.prefill(x, ref_cache))
+    assert torch.equal(layer.decode(step, cache), ref.decode(step, ref_cache))
