@@ -2,6 +2,7 @@
 128-expert top-8 MoE) in C, for prefill, chunked prefill and decode, with a KV cache
 owned by C and tensors exchanged zero-copy through DLPack."""
 from . import _C, cuda
+from .checkpoint import CheckpointError
 from .config import LayerConfig
 from .costs import CostModel, cost_model
 from .layer import DecodeGraph, DecoderLayer, KVCache, Tensor
@@ -27,5 +28,5 @@ def set_cpu_path(name: str) -> None:
     _C.set_cpu_path(name)
 
 
-__all__ = ["LayerConfig", "DecoderLayer", "DecodeGraph", "KVCache", "Tensor", "CacheFullError", "build_info", "set_cpu_path",
-           "cost_model", "CostModel"]
+__all__ = ["LayerConfig", "DecoderLayer", "DecodeGraph", "KVCache", "Tensor", "CacheFullError", "CheckpointError",
+           "build_info", "set_cpu_path", "cost_model", "CostModel"]

@@ -3,93 +3,133 @@ config.json and model.safetensors, or model.safetensors.index.json and its shard
 reading the rest: each shard that holds one of the layer's tensors is memory-mapped, its
 header (8 bytes of length, then JSON) parsed, and the layer borrows its tensors straight
 from the mapping, zero-copy. Only the layer's own pages are ever read; the mapping stays
-open while the layer lives."""
+open while the layer lives.
+
+The files are untrusted data: config.json and the index must be JSON objects of the expected
+form, a shard must be a regular file inside the folder, and every entry of the layer is
+checked (qwen3layer.safetensors) before a byte is borrowed. Anything else is a
+CheckpointError naming the file and, where there is one, the tensor."""
 from __future__ import annotations
 
-import json
-import mmap
 import os
-import struct
-from typing import Dict, Tuple
+from typing import Dict, List, Tuple
 
 from . import _C
 from .config import LayerConfig
+from .safetensors import (DTYPES, CheckpointError, Shard, UnsupportedDtypeError, check_entry, check_no_overlap,
+                          open_shard, read_json, show)
 from .weights import DENSE, expert_names
 
-DTYPES = {"BF16": "bfloat16", "F32": "float32"}
+__all__ = ["CheckpointError", "UnsupportedDtypeError", "load_layer_weights"]
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+MAX_EXPERTS = 4096  # the engine's limit: checked before a per-expert list of names is built
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot give the layer: what is wrong and where."""
-
-
-def _read_config(path: str) -> dict:
+def _read_config(path: str) -> Tuple[str, dict, LayerConfig]:
+    """(config.json's path, its fields, the LayerConfig: built, and so checked by the engine)"""
     cfg_path = os.path.join(path, "config.json")
-    if not os.path.exists(cfg_path):
+    if not os.path.lexists(cfg_path):
         raise CheckpointError(f"checkpoint {path!r}: missing config.json")
-    with open(cfg_path) as f:
-        return json.load(f)
+    raw = read_json(cfg_path, "the model's config")
+    try:
+        cfg = LayerConfig.from_hf(raw)
+    except (ValueError, TypeError, AttributeError, OverflowError) as e:
+        raise CheckpointError(f"{cfg_path}: {e}") from e
+    if cfg.num_experts > MAX_EXPERTS:
+        raise CheckpointError(f"{cfg_path}: num_experts: expected at most {MAX_EXPERTS} (the engine's limit), "
+                              f"got {cfg.num_experts}")
+    return cfg_path, raw, cfg
 
 
-def _weight_map(path: str) -> Dict[str, str]:
-    """tensor name -> shard file name"""
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            return json.load(f)["weight_map"]
-    single = os.path.join(path, "model.safetensors")
-    if not os.path.exists(single):
-        raise CheckpointError(f"checkpoint {path!r}: expected model.safetensors.index.json or model.safetensors")
-    return {name: "model.safetensors" for name in _header(single)[0]}
+def _check_layer_idx(cfg_path: str, raw: dict, layer_idx: int) -> None:
+    layers = raw.get("num_hidden_layers")
+    if layers is not None and type(layers) is not int:
+        raise CheckpointError(f"{cfg_path}: num_hidden_layers: expected an int, got {show(layers)}")
+    if not isinstance(layer_idx, int) or layer_idx < 0 or (layers is not None and layer_idx >= layers):
+        raise IndexError(f"layer_idx: expected 0 <= layer_idx < {layers} (num_hidden_layers), got {layer_idx!r}")
 
 
-def _header(shard: str) -> Tuple[dict, int]:
-    """(tensor entries, byte offset of the data) of a safetensors file"""
-    with open(shard, "rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise CheckpointError(f"{shard}: truncated (no header)")
-        (n,) = struct.unpack("<Q", raw)
-        text = f.read(n)
-    if len(text) < n:
-        raise CheckpointError(f"{shard}: truncated header ({len(text)} of {n} bytes)")
-    header = json.loads(text)
-    header.pop("__metadata__", None)
-    return header, 8 + n
+def _read_index(index: str) -> Dict[str, str]:
+    """tensor name -> shard file name, as the index gives them"""
+    data = read_json(index, "the checkpoint's index")
+    weight_map = data.get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f'{index}: expected a "weight_map" object of tensor name -> shard file, '
+                              f"got {show(weight_map) if 'weight_map' in data else 'none'}")
+    for name, file in weight_map.items():
+        if not isinstance(file, str):
+            raise CheckpointError(f"{index}: weight_map: {name}: expected a shard file name, got {show(file)}")
+    return weight_map
+
+
+def _shard_path(folder: str, name: str, named_by: str) -> str:
+    """The path of shard `name` (named by `named_by`: the index and a tensor), refused unless it
+    stays inside the checkpoint folder, symbolic links followed."""
+    where = f"{named_by}: shard {show(name)}"
+    if not name or "\x00" in name:
+        raise CheckpointError(f"{where}: expected a file name")
+    if os.path.isabs(name) or ".." in name.replace("\\", "/").split("/"):
+        raise CheckpointError(f"{where} is outside the checkpoint folder (expected a path relative to it, "
+                              "without '..')")
+    full = os.path.join(folder, name)
+    real, root = os.path.realpath(full), os.path.realpath(folder)
+    if os.path.commonpath([real, root]) != root:
+        raise CheckpointError(f"{where} is outside the checkpoint folder: a link to {real}")
+    return full
+
+
+def _missing(path: str, names: List[str]) -> None:
+    if names:
+        raise CheckpointError(f"checkpoint {path!r}: missing {', '.join(names[:3])}"
+                              + (f" and {len(names) - 3} more" if len(names) > 3 else ""))
+
+
+def _layer_shards(path: str, names: List[str]) -> Dict[str, Shard]:
+    """{tensor name: its opened shard} for the layer's (prefixed) tensor names"""
+    index = os.path.join(path, INDEX)
+    if os.path.lexists(index):
+        weight_map = _read_index(index)
+        _missing(path, [n for n in names if n not in weight_map])
+        shard_of: Dict[str, Shard] = {}  # shard name in the index -> the shard
+        by_real: Dict[str, Shard] = {}   # real path -> the shard: one mapping however it is named
+        for n in names:
+            file = weight_map[n]
+            if file not in shard_of:
+                full = _shard_path(path, file, f"{index}: {n}")
+                real = os.path.realpath(full)
+                if real not in by_real:
+                    by_real[real] = open_shard(full, f"the shard of {n} in {index}")
+                shard_of[file] = by_real[real]
+        return {n: shard_of[weight_map[n]] for n in names}
+    single = os.path.join(path, SINGLE)
+    if not os.path.lexists(single):
+        raise CheckpointError(f"checkpoint {path!r}: expected {INDEX} or {SINGLE}")
+    shard = open_shard(_shard_path(path, SINGLE, f"checkpoint {path!r}"), "the checkpoint's only shard")
+    _missing(path, [n for n in names if n not in shard.entries])
+    return {n: shard for n in names}
 
 
 def load_layer_weights(path: str, layer_idx: int) -> Tuple[LayerConfig, Dict[str, object], list]:
     """(config, {per-layer name: zero-copy tensor}, open mappings) for layer `layer_idx`."""
-    raw = _read_config(path)
-    cfg = LayerConfig.from_hf(raw)
-    layers = raw.get("num_hidden_layers")
-    if not isinstance(layer_idx, int) or layer_idx < 0 or (layers is not None and layer_idx >= layers):
-        raise IndexError(f"layer_idx: expected 0 <= layer_idx < {layers} (num_hidden_layers), got {layer_idx!r}")
+    cfg_path, raw, cfg = _read_config(path)
+    _check_layer_idx(cfg_path, raw, layer_idx)
     prefix = f"model.layers.{layer_idx}."
     wanted = list(DENSE) + expert_names(cfg.num_experts)
-    where = _weight_map(path)
-    missing = [prefix + n for n in wanted if prefix + n not in where]
-    if missing:
-        raise CheckpointError(f"checkpoint {path!r}: missing {', '.join(missing[:3])}"
-                              + (f" and {len(missing) - 3} more" if len(missing) > 3 else ""))
-    weights, maps, opened = {}, [], {}
-    for name in wanted:
-        shard = os.path.join(path, where[prefix + name])
-        if shard not in opened:
-            header, start = _header(shard)
-            with open(shard, "rb") as f:
-                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            opened[shard] = (header, start, mm)
-            maps.append(mm)
-        header, start, mm = opened[shard]
-        entry = header.get(prefix + name)
-        if entry is None:
-            raise CheckpointError(f"{shard}: the index names it for {prefix + name}, its header does not")
-        if entry["dtype"] not in DTYPES:
-            raise TypeError(f"{prefix + name} in {shard}: expected dtype BF16 or F32, got {entry['dtype']}")
-        begin, end = entry["data_offsets"]
-        if start + end > len(mm):
-            raise CheckpointError(f"{shard}: truncated: {prefix + name} ends at byte {start + end} "
-                                  f"of a {len(mm)}-byte file")
-        weights[name] = _C.buffer_view(mm, start + begin, entry["shape"], DTYPES[entry["dtype"]])
+    shards = _layer_shards(path, [prefix + n for n in wanted])
+    entries, spans = {}, {}
+    for name in wanted:  # every entry checked before a byte is borrowed
+        shard = shards[prefix + name]
+        if prefix + name not in shard.entries:
+            raise CheckpointError(f"{shard.path}: the index names it for {prefix + name}, its header does not")
+        entries[name] = entry = check_entry(shard, prefix + name)
+        spans.setdefault(shard.path, []).append((entry.begin, entry.end, prefix + name))
+    for shard_path, ranges in spans.items():
+        check_no_overlap(shard_path, ranges)
+    weights = {}
+    for name, entry in entries.items():
+        shard = shards[prefix + name]
+        weights[name] = _C.buffer_view(shard.mm, shard.start + entry.begin, entry.shape, DTYPES[entry.dtype])
+    maps = list({id(s.mm): s.mm for s in shards.values()}.values())
     return cfg, weights, maps

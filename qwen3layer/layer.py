@@ -101,7 +101,8 @@ class DecoderLayer:
         """Layer `layer_idx` of a transformers safetensors checkpoint (the folder with
         config.json and the shards), its geometry from config.json. The shards are
         memory-mapped and only this layer's tensors are read; bf16/fp32 tensors of the
-        layer's dtype are used from the mapping without a copy."""
+        layer's dtype are used from the mapping without a copy. The files are checked as
+        untrusted data first: a bad one raises CheckpointError naming the file and the tensor."""
         from .checkpoint import load_layer_weights
 
         cfg, weights, maps = load_layer_weights(path, layer_idx)
