@@ -24,11 +24,11 @@ __all__ = ["CheckpointError", "UnsupportedDtypeError", "load_layer_weights"]
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-MAX_EXPERTS = 4096  # the engine's limit: checked before a per-expert list of names is built
 
 
 def _read_config(path: str) -> Tuple[str, dict, LayerConfig]:
-    """(config.json's path, its fields, the LayerConfig: built, and so checked by the engine)"""
+    """(config.json's path, its fields, the LayerConfig: built, and so checked by the engine,
+    whose limits bound num_experts before any per-expert list is made)"""
     cfg_path = os.path.join(path, "config.json")
     if not os.path.lexists(cfg_path):
         raise CheckpointError(f"checkpoint {path!r}: missing config.json")
@@ -37,9 +37,6 @@ def _read_config(path: str) -> Tuple[str, dict, LayerConfig]:
         cfg = LayerConfig.from_hf(raw)
     except (ValueError, TypeError, AttributeError, OverflowError) as e:
         raise CheckpointError(f"{cfg_path}: {e}") from e
-    if cfg.num_experts > MAX_EXPERTS:
-        raise CheckpointError(f"{cfg_path}: num_experts: expected at most {MAX_EXPERTS} (the engine's limit), "
-                              f"got {cfg.num_experts}")
     return cfg_path, raw, cfg
 
 
@@ -64,9 +61,22 @@ def _read_index(index: str) -> Dict[str, str]:
     return weight_map
 
 
+def _trusted_roots(folder: str) -> List[str]:
+    """Where a shard may really be: the checkpoint folder; and for a Hugging Face cache
+    snapshot (<repo>/snapshots/<revision>/, whose files are links into <repo>/blobs/), that
+    repository's blobs folder as well."""
+    root = os.path.realpath(folder)
+    roots = [root]
+    parent = os.path.dirname(root)
+    blobs = os.path.join(os.path.dirname(parent), "blobs")
+    if os.path.basename(parent) == "snapshots" and os.path.isdir(blobs):
+        roots.append(os.path.realpath(blobs))
+    return roots
+
+
 def _shard_path(folder: str, name: str, named_by: str) -> str:
     """The path of shard `name` (named by `named_by`: the index and a tensor), refused unless it
-    stays inside the checkpoint folder, symbolic links followed."""
+    stays inside the checkpoint folder (or a cache snapshot's blobs), symbolic links followed."""
     where = f"{named_by}: shard {show(name)}"
     if not name or "\x00" in name:
         raise CheckpointError(f"{where}: expected a file name")
@@ -74,8 +84,8 @@ def _shard_path(folder: str, name: str, named_by: str) -> str:
         raise CheckpointError(f"{where} is outside the checkpoint folder (expected a path relative to it, "
                               "without '..')")
     full = os.path.join(folder, name)
-    real, root = os.path.realpath(full), os.path.realpath(folder)
-    if os.path.commonpath([real, root]) != root:
+    real = os.path.realpath(full)
+    if not any(os.path.commonpath([real, root]) == root for root in _trusted_roots(folder)):
         raise CheckpointError(f"{where} is outside the checkpoint folder: a link to {real}")
     return full
 

@@ -371,6 +371,27 @@ def test_a_symlink_inside_the_folder_is_followed(single, tmp_path):
     assert layer.converted == ()
 
 
+def test_a_hugging_face_cache_snapshot_loads_and_other_links_out_do_not(sharded, tmp_path):
+    """A snapshot folder of the Hugging Face cache holds links into its repository's blobs/:
+    those are followed; a link from it anywhere else is still refused."""
+    repo = tmp_path / "models--org--name"
+    snap, blobs = repo / "snapshots" / "0123abc", repo / "blobs"
+    snap.mkdir(parents=True)
+    blobs.mkdir()
+    for f in os.listdir(sharded):
+        shutil.copy(sharded / f, blobs / f"blob-{f}")
+        os.symlink(os.path.join("..", "..", "blobs", f"blob-{f}"), snap / f)
+    layer = load(snap)
+    assert layer.converted == ()
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    shard = index_of(snap)["weight_map"][GATE]
+    shutil.copy(blobs / f"blob-{shard}", outside / shard)
+    os.remove(snap / shard)
+    os.symlink(outside / shard, snap / shard)
+    expect(snap, str(snap / INDEX), shard, match="outside the checkpoint folder")
+
+
 def test_a_fifo_named_as_shard_is_refused_without_opening_it(sharded, tmp_path):
     dst = copy_of(sharded, tmp_path)
     os.mkfifo(dst / "fifo.safetensors")
