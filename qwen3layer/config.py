@@ -59,6 +59,8 @@ class LayerConfig:
             raise ValueError(f"config: missing {', '.join(missing)}")
         theta = get("rope_theta")
         rope = get("rope_parameters") or get("rope_scaling") or {}
+        if not isinstance(rope, Mapping):
+            raise ValueError(f"config.rope_parameters: expected a mapping, got {type(rope).__name__}")
         if theta is None:
             theta = rope.get("rope_theta", 10000.0)
         rope_type = rope.get("rope_type", rope.get("type", "default"))

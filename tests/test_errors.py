@@ -228,3 +228,12 @@ def test_config_field_of_wrong_type():
     with pytest.raises(TypeError, match="config.head_dim: expected an int, got float"):
         q3.LayerConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=16.0,
                        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+
+
+def test_hf_config_with_rope_parameters_not_a_mapping():
+    fields = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=16, num_experts=8,
+                  num_experts_per_tok=2, moe_intermediate_size=32, rope_parameters=[1e6])
+    with pytest.raises(ValueError, match="config.rope_parameters: expected a mapping, got list"):
+        q3.LayerConfig.from_hf(fields)
+    with pytest.raises(ValueError, match=r"config.hidden_size: expected at most 1048576, got 1267650600228229401496703205376"):
+        q3.LayerConfig.from_hf(dict(fields, rope_parameters=None, hidden_size=2**100))
