@@ -13,6 +13,15 @@ Where nvcc is found (PATH, $CUDA_HOME/bin or /usr/local/cuda/bin), kernels/cuda/
 built into qwen3layer/libq3cuda.so for sm_80 and sm_90, with the CUDA runtime linked in
 statically: the engine opens it only when a CUDA device is asked for, so the package works
 on machines without CUDA. Q3_CUDA=0 skips it; without nvcc the build says it is CPU-only.
+
+Q3_SANITIZE=address,undefined (any list of -fsanitize= kinds) builds the extension, kernel
+variants included, instrumented: -fsanitize=<kinds> -fno-sanitize-recover=undefined
+-fno-omit-frame-pointer -fno-wrapv -g -O1 (-fno-wrapv: Python's CFLAGS define signed overflow,
+which would hide it from UBSan), linked against the sanitizers' runtimes, in build/sanitize/
+(objects of a normal build are never reused), and without the CUDA library. Python is not
+built with ASan, so such an extension loads only with the runtime preloaded
+(LD_PRELOAD=$(gcc -print-file-name=libasan.so)); .ci/sanitize builds and tests it that way
+in a copy of the checkout.
 """
 import concurrent.futures
 import glob
@@ -40,11 +49,16 @@ def isa_variants():
     }
 
 
+SANITIZE = os.environ.get("Q3_SANITIZE", "").strip()
+# -fno-wrapv: Python's own CFLAGS carry -fwrapv, which defines signed overflow and so hides it
+# from UBSan; the sanitized build checks it as the C standard has it (undefined)
+SANITIZE_FLAGS = ([f"-fsanitize={SANITIZE}", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer",
+                   "-fno-wrapv", "-g", "-O1"] if SANITIZE else [])
 CUDA_ARCHS = ["-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90"]
 
 
 def find_nvcc():
-    if os.environ.get("Q3_CUDA") == "0":
+    if os.environ.get("Q3_CUDA") == "0" or SANITIZE:
         return None
     for candidate in (shutil.which("nvcc"), os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")):
         if candidate and os.path.exists(candidate):
@@ -55,6 +69,13 @@ def find_nvcc():
 class BuildKernelVariants(build_ext):
     """Compiles kernels/cpu/*.c once per variant and links every copy into the extension;
     builds libq3cuda.so beside it when nvcc is there."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        if SANITIZE:  # its own objects: a sanitized and a plain build never share one
+            tag = SANITIZE.replace(",", "-")
+            self.build_temp = os.path.join("build", "sanitize", tag, "temp")
+            self.build_lib = os.path.join("build", "sanitize", tag, "lib")
 
     def build_cuda(self, ext):
         nvcc = find_nvcc()
@@ -109,7 +130,7 @@ class BuildKernelVariants(build_ext):
             objects += self.compiler.compile(
                 sources, output_dir=os.path.join(self.build_temp, "isa", isa),
                 macros=[("Q3_ISA", isa)], include_dirs=ext.include_dirs,
-                extra_postargs=COMMON + flags, depends=ext.depends)
+                extra_postargs=COMMON + flags + SANITIZE_FLAGS, depends=ext.depends)
         ext.extra_objects = objects
         # setuptools relinks only for newer sources or depends, not for newer extra objects:
         # a kernel edited alone must still reach the extension
@@ -129,8 +150,8 @@ setup(
         Extension(
             "qwen3layer._C",
             sources=[src for layer in CSRC_LAYERS for src in sorted(glob.glob(f"csrc/{layer}/*.c"))],
-            extra_compile_args=COMMON + [f'-DQ3_VERSION="{VERSION}"'],
-            extra_link_args=["-fopenmp", "-ldl"],
+            extra_compile_args=COMMON + [f'-DQ3_VERSION="{VERSION}"'] + SANITIZE_FLAGS,
+            extra_link_args=["-fopenmp", "-ldl"] + SANITIZE_FLAGS,
             depends=sorted(glob.glob("csrc/*/*.h")) + sorted(glob.glob("kernels/*.h"))
             + sorted(glob.glob("kernels/cpu/*.h")),
         )
