@@ -18,7 +18,9 @@ of a tiny layer (float32 or bfloat16) with a small cache.
 The producer is honest about its memory and the input decides everything the extension can
 check: the struct, shape and strides arrays and the data are malloc'd at their exact sizes
 (so AddressSanitizer sees any read past them) and freed by the deleter (so a use after the
-deleter is a use-after-free). The data holds as much as the tensor describes, capped by what
+deleter is a use-after-free). The deleters and the capsule destructor are C
+(tests/fuzz_dlpack_producer.c, built here with the system's cc): a consumer may call them
+with a Python exception set, which a ctypes callback would lose. The data holds as much as the tensor describes, capped by what
 any call could accept (the cache's tokens for x and out; the weight's own shape, with the
 strides' extent, for a weight): a call the extension must refuse can describe more than
 there is. byte_offset stays within the buffer (the extension cannot check a producer's
