@@ -157,7 +157,7 @@ class PythonDeleterProducer:
     """A legacy DLPack producer whose deleter is Python code (a ctypes callback), holding a
     tensor of the given dtype code/bits and shape."""
 
-    def __init__(self, code, bits, shape):
+    def __init__(self, code, bits, shape, byte_offset=0):
         self.buffer = (ctypes.c_uint8 * 4096)()
         self.shape = (ctypes.c_int64 * len(shape))(*shape)
         self.deleted = 0
@@ -167,7 +167,8 @@ class PythonDeleterProducer:
 
         self.deleter = _DELETER(deleter)
         self.managed = _DLManaged(_DLTensor(ctypes.cast(self.buffer, ctypes.c_void_p), _DLDevice(1, 0), len(shape),
-                                            _DLDataType(code, bits, 1), self.shape, None, 0), None, self.deleter)
+                                            _DLDataType(code, bits, 1), self.shape, None, byte_offset), None,
+                                  self.deleter)
 
     def __dlpack_device__(self):
         return (1, 0)
@@ -190,6 +191,22 @@ def test_a_python_deleter_does_not_hide_the_real_error(layer):
     with pytest.raises(ValueError, match=r"x: expected non-negative dimensions, got \[-2, 64\]"):
         layer.prefill(negative, cache)
     assert negative.deleted == 1 and cache.lengths == (0,)
+
+
+@pytest.mark.parametrize("dtype_bits,offset", [(32, 1), (32, 2), (16, 1)])
+def test_misaligned_data_is_rejected(layer, dtype_bits, offset):
+    """The kernels load whole elements (and 16-byte vectors): data not aligned to its element
+    size is refused (a fuzzer found it read and written)."""
+    cache = layer.new_cache(8)
+    code = 2 if dtype_bits == 32 else 4
+    x = PythonDeleterProducer(code, dtype_bits, [2, H], byte_offset=offset)
+    with pytest.raises(ValueError, match=rf"x: expected data aligned to its {dtype_bits // 8}-byte elements"):
+        layer.prefill(x, cache)
+    out = PythonDeleterProducer(code, dtype_bits, [2, H], byte_offset=offset)
+    dt = torch.float32 if dtype_bits == 32 else torch.bfloat16
+    with pytest.raises(ValueError, match="out: expected data aligned"):
+        layer.prefill(torch.zeros(2, H, dtype=dt), cache, out=out)
+    assert x.deleted == 1 and out.deleted == 1 and cache.lengths == (0,)
 
 
 def test_a_call_that_cannot_fit_allocates_no_output(layer):
@@ -220,6 +237,11 @@ def test_producer_shape_whose_size_overflows_is_rejected(layer):
     with pytest.raises(ValueError, match="x: .*overflow"):
         layer.prefill(huge, cache)
     assert huge.deleted == 1 and cache.lengths == (0,)
+    # an empty tensor whose other dims overflow when multiplied (a fuzzer's find)
+    empty = PythonDeleterProducer(2, 32, [0, 2**31, 2**63 - 1])
+    with pytest.raises(ValueError, match=r"x: expected shape"):
+        layer.prefill(empty, cache)
+    assert empty.deleted == 1 and cache.lengths == (0,)
 
 
 # ---- Ctrl-C ----------------------------------------------------------------------------------------

@@ -118,6 +118,11 @@ static int fill_view(q3_view *v, const q3_dl_tensor *t, const char *arg, int dev
     }
     v->ndim = t->ndim;
     v->data = (char *)t->data + t->byte_offset;
+    if ((uintptr_t)v->data % q3_dtype_size(v->dtype)) { /* kernels load whole elements, vectors even */
+        PyErr_Format(PyExc_ValueError, "%s: expected data aligned to its %zu-byte elements, got address %p", arg,
+                     q3_dtype_size(v->dtype), v->data);
+        return -1;
+    }
     for (int d = 0; d < v->ndim; d++) v->shape[d] = t->shape[d];
     int64_t n;
     if (!q3_numel(v->ndim, v->shape, &n)) {
@@ -138,15 +143,15 @@ static int fill_view(q3_view *v, const q3_dl_tensor *t, const char *arg, int dev
     for (int d = v->ndim - 1; d >= 0; d--) {
         v->strides[d] = t->strides ? t->strides[d] : expect;
         if (v->shape[d] != 1 && v->strides[d] != expect) v->contiguous = 0;
+        /* an empty tensor reaches nothing */
+        const int64_t stride = v->strides[d] < 0 && v->strides[d] > INT64_MIN ? -v->strides[d] : v->strides[d];
         int64_t step;
-        if (v->shape[d] > 0 && (v->strides[d] == INT64_MIN ||
-                                !q3_mul_i64(v->shape[d] - 1, v->strides[d] < 0 ? -v->strides[d] : v->strides[d], &step) ||
-                                !q3_add_i64(reach, step, &reach))) {
+        if (n > 0 && (stride < 0 || !q3_mul_i64(v->shape[d] - 1, stride, &step) || !q3_add_i64(reach, step, &reach))) {
             PyErr_Format(PyExc_ValueError, "%s: strides that overflow int64 at dimension %d (stride %lld)", arg, d,
                          (long long)v->strides[d]);
             return -1;
         }
-        expect *= v->shape[d]; /* at most n: fits */
+        if (!q3_mul_i64(expect, v->shape[d], &expect)) expect = INT64_MAX; /* only with a 0 dim: n == 0 */
     }
     if (n > 0 && (!q3_add_i64(reach, 1, &reach) || !q3_mul_i64(reach, (int64_t)q3_dtype_size(v->dtype), &reach))) {
         PyErr_Format(PyExc_ValueError, "%s: a tensor spanning more than 2^63 bytes (its size overflows)", arg);
