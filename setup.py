@@ -14,11 +14,19 @@ built into qwen3layer/libq3cuda.so for sm_80 and sm_90, with the CUDA runtime li
 statically: the engine opens it only when a CUDA device is asked for, so the package works
 on machines without CUDA. Q3_CUDA=0 skips it; without nvcc the build says it is CPU-only.
 
+Where the CUDA toolkit's headers are found (cuda_runtime.h, cuda_bf16.h; no CUDA library is
+needed), the same kernels/cuda/*.cu are also compiled by the host C++ compiler ($CXX, g++)
+with -DQ3_SIMT against the SIMT executor (kernels/simt: its cuda_runtime.h and mma.h come
+first on the include path) into qwen3layer/libq3simt.so: a CUDA device that runs the real
+kernels on the CPU (qwen3layer.cuda.emulate()). Q3_SIMT=0 skips it. A sanitized build
+instruments it too.
+
 Q3_SANITIZE=address,undefined (any list of -fsanitize= kinds) builds the extension, kernel
 variants included, instrumented: -fsanitize=<kinds> -fno-sanitize-recover=undefined
 -fno-omit-frame-pointer -fno-wrapv -g -O1 (-fno-wrapv: Python's CFLAGS define signed overflow,
 which would hide it from UBSan), linked against the sanitizers' runtimes, in build/sanitize/
-(objects of a normal build are never reused), and without the CUDA library. Python is not
+(objects of a normal build are never reused), and without the CUDA library (the SIMT
+executor is built, instrumented). Python is not
 built with ASan, so such an extension loads only with the runtime preloaded
 (LD_PRELOAD=$(gcc -print-file-name=libasan.so)); .ci/sanitize builds and tests it that way
 in a copy of the checkout.
@@ -66,6 +74,22 @@ def find_nvcc():
     return None
 
 
+def find_cuda_headers():
+    """The CUDA toolkit's include folder (cuda_runtime.h and cuda_bf16.h: headers only, no
+    library) for the SIMT executor, or None; Q3_SIMT=0 skips the executor."""
+    if os.environ.get("Q3_SIMT") == "0":
+        return None
+    roots = [os.environ.get("CUDA_HOME"), "/usr/local/cuda"]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        roots.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
+    for root in filter(None, roots):
+        include = os.path.join(root, "include")
+        if all(os.path.exists(os.path.join(include, h)) for h in ("cuda_runtime.h", "cuda_bf16.h")):
+            return include
+    return None
+
+
 class BuildKernelVariants(build_ext):
     """Compiles kernels/cpu/*.c once per variant and links every copy into the extension;
     builds libq3cuda.so beside it when nvcc is there."""
@@ -77,6 +101,28 @@ class BuildKernelVariants(build_ext):
             self.build_temp = os.path.join("build", "sanitize", tag, "temp")
             self.build_lib = os.path.join("build", "sanitize", tag, "lib")
 
+    def compile_library(self, tool, compile_flags, link_flags, sources, headers, objdir, target):
+        """Compiles the stale sources (newer than their object or a header) with `tool`, in
+        parallel (one core a file), and links `target`."""
+        os.makedirs(objdir, exist_ok=True)
+        objects, stale = [], []
+        newest_header = max(map(os.path.getmtime, headers), default=0)
+        for src in sources:
+            obj = os.path.join(objdir, os.path.basename(src) + ".o")
+            if self.force or not os.path.exists(obj) or os.path.getmtime(obj) < max(os.path.getmtime(src), newest_header):
+                stale.append((src, obj))
+            objects.append(obj)
+
+        def compile_one(job):
+            src, obj = job
+            print(f"{os.path.basename(tool)} {src}")
+            subprocess.check_call([tool, *compile_flags, "-c", src, "-o", obj])
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            list(pool.map(compile_one, stale))
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        subprocess.check_call([tool, *objects, *link_flags, "-o", target])
+
     def build_cuda(self, ext):
         nvcc = find_nvcc()
         target = os.path.join(os.path.dirname(self.get_ext_fullpath(ext.name)), "libq3cuda.so")
@@ -85,28 +131,33 @@ class BuildKernelVariants(build_ext):
             if os.path.exists(target):
                 os.remove(target)
             return
-        objdir = os.path.join(self.build_temp, "cuda")
-        os.makedirs(objdir, exist_ok=True)
-        objects, stale = [], []
         headers = glob.glob("kernels/cuda/*.cuh") + glob.glob("kernels/cuda/*.h") + glob.glob("kernels/*.h")
-        for src in sorted(glob.glob("kernels/cuda/*.cu")):
-            obj = os.path.join(objdir, os.path.basename(src) + ".o")
-            if self.force or not os.path.exists(obj) or os.path.getmtime(obj) < max(map(os.path.getmtime, [src] + headers)):
-                stale.append((src, obj))
-            objects.append(obj)
-
-        def compile_one(job):
-            src, obj = job
-            print(f"nvcc {src}")
-            subprocess.check_call([nvcc, "-std=c++17", "-O3", "-Xcompiler", "-fPIC", *CUDA_ARCHS,
-                                   "-Ikernels", "-c", src, "-o", obj])
-
-        # nvcc runs one file on one core: the files in parallel
-        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            list(pool.map(compile_one, stale))
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        subprocess.check_call([nvcc, "-shared", "-cudart", "static", *CUDA_ARCHS, *objects, "-o", target])
+        self.compile_library(nvcc, ["-std=c++17", "-O3", "-Xcompiler", "-fPIC", *CUDA_ARCHS, "-Ikernels"],
+                             ["-shared", "-cudart", "static", *CUDA_ARCHS], sorted(glob.glob("kernels/cuda/*.cu")),
+                             headers, os.path.join(self.build_temp, "cuda"), target)
         print(f"qwen3layer: built the CUDA backend {target}")
+
+    def build_simt(self, ext):
+        """The same kernels for the SIMT executor: kernels/cuda/*.cu as C++ with the executor's
+        runtime (kernels/simt), into libq3simt.so, which qwen3layer.cuda.emulate() opens."""
+        include = find_cuda_headers()
+        target = os.path.join(os.path.dirname(self.get_ext_fullpath(ext.name)), "libq3simt.so")
+        if not include:
+            print("qwen3layer: the CUDA toolkit's headers were not found: no SIMT executor (the CUDA kernels "
+                  "cannot be run on the CPU)")
+            if os.path.exists(target):
+                os.remove(target)
+            return
+        cxx = os.environ.get("CXX", "g++")
+        flags = ["-std=c++17", "-x", "c++", "-DQ3_SIMT", "-O2", "-g", "-fPIC", "-fno-strict-aliasing", "-Wall", "-Wno-unused-function",
+                 "-Wno-unknown-pragmas",
+                 "-Ikernels/simt/include", f"-I{include}", *SANITIZE_FLAGS]
+        headers = (glob.glob("kernels/simt/*.h") + glob.glob("kernels/simt/include/*.h") + glob.glob("kernels/cuda/*.cuh")
+                   + glob.glob("kernels/cuda/*.h") + glob.glob("kernels/*.h"))
+        sources = sorted(glob.glob("kernels/cuda/*.cu")) + sorted(glob.glob("kernels/simt/*.cpp"))
+        link = ["-shared", "-pthread", *[f for f in SANITIZE_FLAGS if f.startswith("-fsanitize")]]
+        self.compile_library(cxx, flags, link, sources, headers, os.path.join(self.build_temp, "simt"), target)
+        print(f"qwen3layer: built the SIMT executor {target}")
 
     def run(self):
         inplace = self.inplace
@@ -114,16 +165,18 @@ class BuildKernelVariants(build_ext):
         if inplace:  # setuptools builds in build/lib, then copies only the extension back
             for ext in self.extensions:
                 package = os.path.dirname(ext.name.replace(".", os.sep))
-                built = os.path.join(self.build_lib, package, "libq3cuda.so")
-                source = os.path.join(package, "libq3cuda.so")
-                if os.path.exists(built):
-                    shutil.copyfile(built, source)
-                    os.chmod(source, 0o755)
-                elif os.path.exists(source):
-                    os.remove(source)
+                for library in ("libq3cuda.so", "libq3simt.so"):
+                    built = os.path.join(self.build_lib, package, library)
+                    source = os.path.join(package, library)
+                    if os.path.exists(built):
+                        shutil.copyfile(built, source)
+                        os.chmod(source, 0o755)
+                    elif os.path.exists(source):
+                        os.remove(source)
 
     def build_extension(self, ext):
         self.build_cuda(ext)
+        self.build_simt(ext)
         sources = sorted(glob.glob("kernels/cpu/*.c"))
         objects = []
         for isa, flags in isa_variants().items():

@@ -10,6 +10,8 @@ from typing import Optional
 from . import _C
 
 LIBRARY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "libq3cuda.so")
+# the same kernels built for the SIMT executor, which runs them on the CPU (kernels/simt)
+SIMT_LIBRARY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "libq3simt.so")
 _blas: Optional[str] = None
 
 
@@ -41,6 +43,18 @@ def load() -> None:
                 break
         else:
             _blas = ""
+
+
+def emulate() -> None:
+    """Makes CUDA device 0 the SIMT executor: the real CUDA kernels (kernels/cuda/*.cu, built
+    for the CPU) run on the CPU under CUDA's execution model, with what the hardware would
+    reject reported as an error naming the kernel, block and thread. Instead of load(), once
+    per process: for tests and for stepping through a kernel without a GPU. RuntimeError if
+    this build has no executor (the CUDA toolkit's headers were not found when it was built)."""
+    if not os.path.exists(SIMT_LIBRARY):
+        raise RuntimeError("cuda: this build has no SIMT executor (the CUDA toolkit's headers were not found when "
+                           "it was built)")
+    _C.cuda_open(SIMT_LIBRARY)
 
 
 def blas() -> Optional[str]:
@@ -79,7 +93,12 @@ def cached_blocks() -> list[tuple[int, int, int]]:
 
 
 def check_kernels(device: int = 0) -> list[dict]:
-    """Runs every CUDA kernel against its CPU twin on random inputs on `device`:
-    [{'case', 'max_err', 'tol', 'ok'}], max_err being max |cuda - cpu| / max |cpu|."""
-    load()
-    return [{"case": c, "max_err": e, "tol": t, "ok": e <= t} for c, e, t in _C.cuda_check(device)]
+    """Runs every CUDA kernel against its CPU twin on random inputs on `device` (loading the
+    GPU library unless emulate() made the SIMT executor the backend): [{'case', 'max_err',
+    'tol', 'schedules', 'agree', 'ok'}], max_err being max |cuda - cpu| / max |cpu|. On the
+    executor each case runs under 3 thread schedules and `agree` says whether their results
+    were bitwise equal (a race shows as not); on a GPU, schedules is 1."""
+    if not _C.cuda_device_count():
+        load()
+    return [{"case": c, "max_err": e, "tol": t, "schedules": n, "agree": a, "ok": e <= t and a}
+            for c, e, t, n, a in _C.cuda_check(device)]

@@ -3,17 +3,19 @@
 A folder is a layer. A file includes only from its own folder and from layers below it:
 
     kernels/                 op declarations shared by both backends (rank 0)
-    kernels/cpu/, kernels/cuda/    the kernels of each backend (rank 1, siblings)
-    csrc/engine/             the engine: layer, KV cache, workspace, CPU dispatch (rank 2)
-    csrc/cuda/               the engine's CUDA host side (rank 3)
-    csrc/check/              kernel self-check, CPU twins, emulated device (rank 4)
-    csrc/python/             the CPython glue (rank 5)
+    kernels/simt/            the SIMT executor: the CUDA runtime the CPU build of the CUDA
+                             kernels sees (its include/ folder is part of it) (rank 1)
+    kernels/cpu/, kernels/cuda/    the kernels of each backend (rank 2, siblings)
+    csrc/engine/             the engine: layer, KV cache, workspace, CPU dispatch (rank 3)
+    csrc/cuda/               the engine's CUDA host side (rank 4)
+    csrc/check/              kernel self-check against the CPU twins (rank 5)
+    csrc/python/             the CPython glue (rank 6)
 
 Folders of equal rank do not include each other (the CPU and CUDA kernels are twins, not
 clients). Quoted includes are paths relative to the including file (the build passes no
-include directories), so each must name a file of the tree. Python's headers belong to
-csrc/python/ alone, the CUDA toolkit's to kernels/cuda/ alone: the engine reaches CUDA only
-through the launcher table.
+include directories but the executor's, reached with <...>), so each must name a file of the
+tree. Python's headers belong to csrc/python/ alone, the CUDA toolkit's to kernels/cuda/ and
+kernels/simt/ alone: the engine reaches CUDA only through the launcher table.
 
     python tests/include_layers.py        # prints each violation, exit 1 if any
 """
@@ -27,17 +29,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 LAYERS = {
     "kernels": 0,
-    "kernels/cpu": 1,
-    "kernels/cuda": 1,
-    "csrc/engine": 2,
-    "csrc/cuda": 3,
-    "csrc/check": 4,
-    "csrc/python": 5,
+    "kernels/simt": 1,
+    "kernels/cpu": 2,
+    "kernels/cuda": 2,
+    "csrc/engine": 3,
+    "csrc/cuda": 4,
+    "csrc/check": 5,
+    "csrc/python": 6,
 }
-SOURCE_EXTENSIONS = (".c", ".h", ".cu", ".cuh")
+PART_OF = {"kernels/simt/include": "kernels/simt"}  # a folder that belongs to another's layer
+CUDA_LAYERS = ("kernels/cuda", "kernels/simt")
+SOURCE_EXTENSIONS = (".c", ".h", ".cu", ".cuh", ".cpp")
 PYTHON_HEADERS = re.compile(r"^(Python\.h|pythread\.h|structmember\.h|numpy/.*)$")
 CUDA_HEADERS = re.compile(r"^(cuda(_runtime|_runtime_api|_bf16|_fp16|_fp8)?\.h|mma\.h|cublas.*\.h|"
-                          r"library_types\.h|cooperative_groups.*|cuda/.*)$")
+                          r"library_types\.h|vector_types\.h|cooperative_groups.*|cuda/.*)$")
 INCLUDE = re.compile(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]')
 
 
@@ -52,6 +57,7 @@ def sources(root: str = ROOT) -> list[str]:
 
 def layer_of(path: str) -> str | None:
     folder = os.path.dirname(path).replace(os.sep, "/")
+    folder = PART_OF.get(folder, folder)
     return folder if folder in LAYERS else None
 
 
@@ -76,8 +82,9 @@ def violations(root: str = ROOT) -> list[str]:
                     out.append(f"{where}: includes {name}, which only csrc/python/ may")
                 continue
             if CUDA_HEADERS.match(name):
-                if layer != "kernels/cuda":
-                    out.append(f"{where}: includes the CUDA toolkit's {name}, which only kernels/cuda/ may")
+                if layer not in CUDA_LAYERS:
+                    out.append(f"{where}: includes the CUDA toolkit's {name}, which only kernels/cuda/ and "
+                               "kernels/simt/ may")
                 continue
             if quote == "<":
                 continue

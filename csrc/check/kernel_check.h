@@ -1,5 +1,5 @@
-/* The CUDA kernel self-check's harness (kernel_check.c runs the cases; the MoE and decode
- * bookkeeping cases are in kernel_check_moe.c): host and device buffers of one case,
+/* The CUDA kernel self-check's harness (kernel_check.c runs the cases, kernel_check_dense.c
+ * and kernel_check_moe.c hold them): host and device buffers of one case,
  * freed together, and the first CUDA failure. Internal to those two files. */
 #ifndef Q3_CHECK_KERNEL_CHECK_H
 #define Q3_CHECK_KERNEL_CHECK_H
@@ -23,6 +23,8 @@ typedef struct {
     int n_dev;
     void *host[32];
     int n_host;
+    uint64_t digest; /* of every result fetched since the case began: the race check compares it
+                        across thread schedules */
 } check;
 
 static inline int cuda_ok(check *k, int code, const char *what) {
@@ -60,8 +62,11 @@ static inline void *device(check *k, const void *src, size_t bytes) {
     return d;
 }
 
+/* a device result into host memory, its bytes folded into k->digest (FNV-1a) */
 static inline void fetch(check *k, void *dst, const void *d, size_t bytes) {
     if (!k->failed && cuda_ok(k, k->g->synchronize(), "kernel")) cuda_ok(k, k->g->copy(dst, d, bytes, 0), "copy to host");
+    if (k->failed) return;
+    for (size_t i = 0; i < bytes; i++) k->digest = (k->digest ^ ((const unsigned char *)dst)[i]) * 0x100000001b3ull;
 }
 
 static inline void release(check *k) {
@@ -81,6 +86,22 @@ static inline double max_err(const void *a, const void *b, q3_dtype dt, int64_t 
     }
     return worst / (scale > 0.0 ? scale : 1.0);
 }
+
+/* the dense kernels' cases (kernel_check_dense.c): max |cuda - twin| / max |twin| */
+double q3_case_rmsnorm(check *k, q3_dtype wdt, float scale);
+double q3_case_add_rmsnorm(check *k, q3_dtype wdt, int alias);
+double q3_case_matmul(check *k, q3_dtype wdt, int64_t T, int64_t K);
+double q3_case_gate_up(check *k, int64_t T, int64_t I, int64_t K);
+double q3_case_matmul_tc(check *k, int64_t T, int64_t N, int64_t K, int wmma_only);
+double q3_case_qk_rope_kv(check *k, int D);
+double q3_case_attention_heads(check *k, int64_t L, int64_t past0, int64_t past1, int64_t capacity, int64_t pad0,
+                               int Hq, int Hkv, int D);
+double q3_case_attention(check *k, int64_t L, int64_t past0, int64_t past1, int64_t capacity, int64_t pad0);
+double q3_case_router(check *k, int normalize);
+double q3_case_router_ties(check *k);
+double q3_case_swiglu(check *k);
+double q3_case_rows(check *k);
+double q3_case_convert(check *k);
 
 /* the MoE and decode cases (kernel_check_moe.c): max |cuda - twin| / max |twin| */
 double q3_case_decode_prepare(check *k);

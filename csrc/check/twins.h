@@ -1,7 +1,7 @@
 /* The CPU twins of the CUDA kernels that have no single CPU kernel of their own: each is
  * the composition of CPU kernels (or the plain loop) that the fused or device-side CUDA
- * kernel must reproduce. Host pointers; the emulated device (emulated_device.c) runs
- * them, and kernel_check.c compares the real kernels with them. Arguments as in
+ * kernel must reproduce. Host pointers; kernel_check.c compares the real kernels (on a GPU
+ * or on the SIMT executor) with them. Arguments as in
  * kernels/cuda/ops_cuda.h, without the stream; those that need scratch return nonzero when
  * it cannot be allocated. */
 #ifndef Q3_CHECK_TWINS_H

@@ -1,10 +1,11 @@
-/* The CUDA backend's door: libq3cuda.so is opened (dlopen) the first time a CUDA device is
- * asked for, and its one entry point fills the table of launchers (kernels/cuda/ops_cuda.h).
- * Opened (or given a table), it installs itself as the engine's device backend: device
- * memory for caches and the forward of CUDA layers. Nothing here needs CUDA headers or
- * libraries. */
+/* The CUDA backend's door: libq3cuda.so (a GPU) or libq3simt.so (the same kernels on the
+ * CPU's SIMT executor) is opened (dlopen) the first time a CUDA device is asked for, and its
+ * one entry point fills the table of launchers (kernels/cuda/ops_cuda.h). Opened, it installs
+ * itself as the engine's device backend: device memory for caches and the forward of CUDA
+ * layers. One backend a process. Nothing here needs CUDA headers or libraries. */
 #include <dlfcn.h>
 #include <stdio.h>
+#include <string.h>
 
 #include "../engine/device_backend.h"
 #include "backend.h"
@@ -12,6 +13,9 @@
 
 static q3_cuda_ops table;
 static int opened;
+static char opened_path[4096];
+/* the SIMT executor's schedule switch (kernels/simt/simt.h), where the library has one */
+static void (*set_schedule)(int schedule, uint64_t seed);
 
 /* n zeroed bytes on the device, ready when this returns */
 static void *device_alloc_zeroed(size_t n, int device) {
@@ -31,7 +35,10 @@ static const q3_device_backend cuda_device = {
 };
 
 q3_status q3_cuda_open(const char *path, q3_error *err) {
-    if (opened) return Q3_OK;
+    if (opened && strcmp(path, opened_path) == 0) return Q3_OK;
+    if (opened)
+        return q3_fail(err, Q3_ERR_STATE, "cuda: %s is the CUDA backend of this process already; cannot also open %s",
+                       opened_path, path);
     void *lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
     if (!lib) return q3_fail(err, Q3_ERR_STATE, "cuda: cannot load %s: %s", path, dlerror());
     int (*get)(q3_cuda_ops *) = (int (*)(q3_cuda_ops *))dlsym(lib, "q3_cuda_ops_get");
@@ -39,16 +46,20 @@ q3_status q3_cuda_open(const char *path, q3_error *err) {
         dlclose(lib);
         return q3_fail(err, Q3_ERR_STATE, "cuda: %s has no usable q3_cuda_ops_get", path);
     }
+    set_schedule = (void (*)(int, uint64_t))dlsym(lib, "q3_simt_set_schedule");
+    snprintf(opened_path, sizeof opened_path, "%s", path);
     opened = 1;
     q3_device_backend_install(&cuda_device);
     return Q3_OK;
 }
 
-q3_status q3_cuda_install(const q3_cuda_ops *t, q3_error *err) {
-    if (opened) return q3_fail(err, Q3_ERR_STATE, "cuda: a CUDA backend is already in use in this process");
-    table = *t;
-    opened = 1;
-    q3_device_backend_install(&cuda_device);
+int q3_cuda_schedules(void) { return set_schedule ? 3 : 1; }
+
+q3_status q3_cuda_set_schedule(int schedule, uint64_t seed, q3_error *err) {
+    if (schedule < 0 || schedule >= q3_cuda_schedules())
+        return q3_fail(err, Q3_ERR_VALUE, "schedule: expected 0 to %d (this backend's), got %d",
+                       q3_cuda_schedules() - 1, schedule);
+    if (set_schedule) set_schedule(schedule, seed);
     return Q3_OK;
 }
 

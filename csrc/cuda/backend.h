@@ -8,8 +8,5 @@
 
 /* the table, or NULL before q3_cuda_open succeeded */
 const q3_cuda_ops *q3_cuda(void);
-/* use `table` as the CUDA backend (once per process, instead of opening the library: the
- * emulated device of csrc/check/ does) */
-q3_status q3_cuda_install(const q3_cuda_ops *table, q3_error *err);
 
 #endif

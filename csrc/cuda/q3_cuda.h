@@ -1,5 +1,6 @@
 /* The CUDA backend's public API, beside the engine's (csrc/engine/q3.h): opening the
- * launcher library, decode graphs, and a switch for comparisons. A layer or cache on a CUDA
+ * launcher library (libq3cuda.so for a GPU, or libq3simt.so, the same kernels on the CPU's
+ * SIMT executor), decode graphs, thread schedules, and a switch for comparisons. A layer or cache on a CUDA
  * device is made with the engine's own calls (q3_layer_create with device >= 0 weights,
  * q3_cache_create_on) once the backend is open. */
 #ifndef Q3_CUDA_PUBLIC_H
@@ -11,6 +12,13 @@
  * number of CUDA devices it sees (0 before opening, or without a driver). */
 q3_status q3_cuda_open(const char *path, q3_error *err);
 int q3_cuda_device_count(void);
+
+/* The thread schedules the open backend runs a kernel's threads in: 1 on a GPU (the
+ * hardware's); 3 on the SIMT executor (libq3simt.so: 0 forward, 1 reverse, 2 a shuffle
+ * seeded by `seed`, between synchronisation points), so that a race shows as a difference.
+ * q3_cuda_set_schedule applies to the launches that follow. */
+int q3_cuda_schedules(void);
+q3_status q3_cuda_set_schedule(int schedule, uint64_t seed, q3_error *err);
 
 /* The prefill MoE of CUDA layers with bf16 weights: grouped (a few launches per batch of
  * experts, tensor cores) when on (the default), else one launch per chosen expert and step.

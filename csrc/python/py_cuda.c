@@ -1,5 +1,5 @@
 /* The module's CUDA functions: opening the library, devices, synchronisation, the kernel
- * self-check and timings, the emulated device for tests, the prefill MoE switch. Added to
+ * self-check and timings, thread schedules (the SIMT executor's), the prefill MoE switch. Added to
  * qwen3layer._C by py_module.c. */
 #include "py_glue.h"
 
@@ -70,19 +70,22 @@ static PyObject *cuda_check(PyObject *m, PyObject *args) {
     (void)m;
     int device = 0, n = 0;
     if (!PyArg_ParseTuple(args, "|i:cuda_check", &device)) return NULL;
-    q3_check_result results[64];
+    enum { MAX_CASES = 512 };
+    q3_check_result *results = PyMem_Calloc(MAX_CASES, sizeof *results);
+    if (!results) return PyErr_NoMemory();
     q3_error err;
     q3_status s;
     Py_BEGIN_ALLOW_THREADS
-    s = q3_cuda_check(device, results, 64, &n, &err);
+    s = q3_cuda_check(device, results, MAX_CASES, &n, &err);
     Py_END_ALLOW_THREADS
-    if (s != Q3_OK) return q3_raise(NULL, &err);
-    PyObject *list = PyList_New(n);
+    PyObject *list = s == Q3_OK ? PyList_New(n) : q3_raise(NULL, &err);
     for (int i = 0; list && i < n; i++) {
-        PyObject *row = Py_BuildValue("(sdd)", results[i].name, results[i].max_err, results[i].tol);
+        PyObject *row = Py_BuildValue("(sddiO)", results[i].name, results[i].max_err, results[i].tol,
+                                      results[i].schedules, results[i].agree ? Py_True : Py_False);
         if (!row) Py_CLEAR(list);
         else PyList_SET_ITEM(list, i, row);
     }
+    PyMem_Free(results);
     return list;
 }
 
@@ -118,11 +121,19 @@ static PyObject *cuda_time(PyObject *m, PyObject *args, PyObject *kw) {
     return PyFloat_FromDouble(ms);
 }
 
-static PyObject *cuda_emulate(PyObject *m, PyObject *unused) {
+static PyObject *cuda_schedules(PyObject *m, PyObject *unused) {
     (void)m;
     (void)unused;
+    return PyLong_FromLong(q3_cuda_schedules());
+}
+
+static PyObject *cuda_set_schedule(PyObject *m, PyObject *args) {
+    (void)m;
+    int schedule;
+    unsigned long long seed = 0;
+    if (!PyArg_ParseTuple(args, "i|K:cuda_set_schedule", &schedule, &seed)) return NULL;
     q3_error err;
-    if (q3_cuda_emulate(&err) != Q3_OK) return q3_raise(NULL, &err);
+    if (q3_cuda_set_schedule(schedule, seed, &err) != Q3_OK) return q3_raise(NULL, &err);
     Py_RETURN_NONE;
 }
 
@@ -150,7 +161,8 @@ PyMethodDef q3_cuda_methods[] = {
     {"cuda_device_count", cuda_device_count, METH_NOARGS,
      "cuda_device_count()\n--\n\nCUDA devices visible (0 before cuda_open or without a driver)."},
     {"cuda_check", cuda_check, METH_VARARGS,
-     "cuda_check(device=0)\n--\n\n[(case, max_err, tol)]: every CUDA kernel against its CPU twin."},
+     "cuda_check(device=0)\n--\n\n[(case, max_err, tol, schedules, agree)]: every CUDA kernel against its CPU "
+     "twin, under each thread schedule of the backend (agree: bitwise equal results across them)."},
     {"cuda_time", (PyCFunction)(void (*)(void))cuda_time, METH_VARARGS | METH_KEYWORDS,
      "cuda_time(what, bytes=0, T=1, N=1, K=1, dtype='bfloat16', repeats=20)\n--\n\n"
      "ms per call, CUDA events: what='copy' (device to device) or 'matmul'."},
@@ -159,7 +171,10 @@ PyMethodDef q3_cuda_methods[] = {
     {"cuda_grouped_prefill", cuda_grouped_prefill, METH_VARARGS,
      "cuda_grouped_prefill(on=None)\n--\n\nThe prefill MoE of bf16 CUDA layers: grouped launches per batch of experts "
      "(True, the default) or one launch per expert and step (False); None only reads it. Returns the setting."},
-    {"cuda_emulate", cuda_emulate, METH_NOARGS,
-     "cuda_emulate()\n--\n\nFor tests without a GPU: one emulated CUDA device (host memory, CPU kernels)."},
+    {"cuda_schedules", cuda_schedules, METH_NOARGS,
+     "cuda_schedules()\n--\n\nThread schedules of the open backend: 1 on a GPU, 3 on the SIMT executor."},
+    {"cuda_set_schedule", cuda_set_schedule, METH_VARARGS,
+     "cuda_set_schedule(schedule, seed=0)\n--\n\nThe SIMT executor's thread order for the launches that follow: "
+     "0 forward, 1 reverse, 2 a shuffle seeded by seed."},
     {NULL},
 };

@@ -24,7 +24,7 @@ __global__ void attention_kernel(float *out, float *partial, const float *q, con
     const int t = (int)(blockIdx.x % L), h = (int)((blockIdx.x / L) % sh.kv_heads), s = (int)(blockIdx.x / (L * sh.kv_heads));
     const int slice = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    extern __shared__ float smem[]; // k tile [KEY_TILE][D], v tile [KEY_TILE][D]
+    Q3_DYNAMIC_SHARED(float, smem); // k tile [KEY_TILE][D], v tile [KEY_TILE][D]
     float *kt = smem, *vt = smem + KEY_TILE * D;
     const q3_attn_seq sq = seqs[s];
     const int64_t head_off = (int64_t)h * sh.capacity * D;
@@ -127,10 +127,10 @@ extern "C" int q3_attention_cuda(float *out, const float *q, const q3_attn_seq *
     }
     cudaStream_t s = (cudaStream_t)stream;
     const size_t smem = 2 * KEY_TILE * (size_t)shape->head_dim * sizeof(float);
-    attention_kernel<<<dim3(items, (unsigned)splits), G * 32, smem, s>>>(out, partial, q, seqs, *shape, splits);
+    Q3_LAUNCH(attention_kernel, dim3(items, (unsigned)splits), G * 32, smem, s)(out, partial, q, seqs, *shape, splits);
     if (splits > 1) {
         const int64_t rows = (int64_t)n_seqs * shape->L * shape->heads;
-        combine_kernel<<<(unsigned)((rows + 7) / 8), 256, 0, s>>>(out, partial, rows, shape->head_dim, splits);
+        Q3_LAUNCH(combine_kernel, (unsigned)((rows + 7) / 8), 256, 0, s)(out, partial, rows, shape->head_dim, splits);
     }
     return q3_launch_status();
 }

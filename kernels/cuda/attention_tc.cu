@@ -82,11 +82,11 @@ __device__ __forceinline__ bool sees(int64_t i, int64_t j, int64_t start) {
 
 __global__ void __launch_bounds__(TC_THREADS) attention_tc_kernel(float *out, const float *q,
                                                                   const q3_attn_seq *seqs, q3_attn_shape sh) {
-    __shared__ __align__(32) __nv_bfloat16 qs[ROWS][LDQ];
-    __shared__ __align__(32) __nv_bfloat16 ks[KT][LDQ];
-    __shared__ __align__(32) __nv_bfloat16 vs[KT][LDQ];
-    __shared__ __align__(32) float ss[ROWS][LDS];
-    __shared__ __align__(32) __nv_bfloat16 ps[ROWS][LDP];
+    Q3_SHARED(__nv_bfloat16[ROWS][LDQ], qs);
+    Q3_SHARED(__nv_bfloat16[KT][LDQ], ks);
+    Q3_SHARED(__nv_bfloat16[KT][LDQ], vs);
+    Q3_SHARED(float[ROWS][LDS], ss);
+    Q3_SHARED(__nv_bfloat16[ROWS][LDP], ps);
     const int G = sh.heads / sh.kv_heads, QT = ROWS / G, D = sh.head_dim;
     const int64_t tiles = (sh.L + QT - 1) / QT;
     const int64_t t0 = (int64_t)(blockIdx.x % tiles) * QT;
@@ -187,6 +187,6 @@ extern "C" int q3_attention_tc_cuda(float *out, const float *q, const q3_attn_se
     const int64_t blocks = (int64_t)n_seqs * sh->kv_heads * ((sh->L + QT - 1) / QT);
     if (blocks == 0) return 0;
     if (blocks > 0x7fffffff) return (int)cudaErrorInvalidValue;
-    attention_tc_kernel<<<(unsigned)blocks, TC_THREADS, 0, (cudaStream_t)stream>>>(out, q, seqs, *sh);
+    Q3_LAUNCH(attention_tc_kernel, (unsigned)blocks, TC_THREADS, 0, (cudaStream_t)stream)(out, q, seqs, *sh);
     return q3_launch_status();
 }

@@ -44,9 +44,10 @@ extern "C" int q3_blas_open(const char *path) {
     return 0;
 }
 
-// turns the cuBLAS path on or off (for comparisons); returns whether it is on
+// turns the cuBLAS path on or off (for comparisons; on < 0 only reads it); returns whether it
+// is on now
 extern "C" int q3_blas_enable(int on) {
-    blas.enabled = on && blas.lib;
+    if (on >= 0) blas.enabled = on && blas.lib;
     return blas.enabled;
 }
 

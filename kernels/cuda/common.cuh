@@ -1,5 +1,11 @@
 // Helpers shared by the CUDA kernels: element loads by dtype, warp and block reductions,
 // and the launch check every launcher ends with. Device code only; C-style.
+//
+// The same sources build for a GPU (nvcc) and for the SIMT executor that runs them on the CPU
+// (g++ -DQ3_SIMT with kernels/simt/include first on the include path, whose cuda_runtime.h
+// and mma.h are the executor's). What differs is spelled once here: a launch is
+// Q3_LAUNCH(kernel, grid, block, shared bytes, stream)(arguments), a static shared variable
+// Q3_SHARED(type, name), dynamic shared memory Q3_DYNAMIC_SHARED(type, name).
 #ifndef Q3_KERNELS_CUDA_COMMON_CUH
 #define Q3_KERNELS_CUDA_COMMON_CUH
 
@@ -7,6 +13,13 @@
 #include <stdint.h>
 
 #include "../dtype.h"
+
+#ifndef Q3_SIMT // the one switch: the executor's cuda_runtime.h defines these for the CPU
+template <class T> using q3_shared_t = T; // lets Q3_SHARED take array types: q3_shared_t<float[32]>
+#define Q3_LAUNCH(kernel, grid, block, smem, stream) kernel<<<grid, block, smem, (cudaStream_t)(stream)>>>
+#define Q3_SHARED(T, name) __shared__ __align__(32) q3_shared_t<T> name
+#define Q3_DYNAMIC_SHARED(T, name) extern __shared__ __align__(16) T name[]
+#endif
 
 // element i of a tensor of dtype dt, as fp32
 __device__ __forceinline__ float q3_load(const void *p, q3_dtype dt, int64_t i) {
@@ -38,7 +51,7 @@ __device__ __forceinline__ float q3_warp_max(float v) {
 
 // sum over a block of up to 1024 threads; every thread gets the result
 __device__ __forceinline__ float q3_block_sum(float v) {
-    __shared__ float part[32];
+    Q3_SHARED(float[32], part);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     v = q3_warp_sum(v);
     __syncthreads();

@@ -19,7 +19,7 @@ __global__ void decode_prepare_kernel(q3_attn_seq *seqs, int64_t *pos, int64_t *
 extern "C" int q3_decode_prepare_cuda(q3_attn_seq *seqs, int64_t *pos, int64_t *lengths, int n_seqs, void *stream) {
     if (n_seqs < 0) return (int)cudaErrorInvalidValue;
     if (n_seqs == 0) return 0;
-    decode_prepare_kernel<<<(unsigned)((n_seqs + 127) / 128), 128, 0, (cudaStream_t)stream>>>(seqs, pos, lengths,
+    Q3_LAUNCH(decode_prepare_kernel, (unsigned)((n_seqs + 127) / 128), 128, 0, (cudaStream_t)stream)(seqs, pos, lengths,
                                                                                             n_seqs);
     return q3_launch_status();
 }

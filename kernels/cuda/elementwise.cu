@@ -11,7 +11,7 @@ __global__ void swiglu_kernel(float *act, const float *gate, const float *up, in
 extern "C" int q3_swiglu_cuda(float *act, const float *gate, const float *up, int64_t n, void *stream) {
     if (n == 0) return 0;
     const int64_t blocks = (n + 255) / 256;
-    swiglu_kernel<<<(unsigned)(blocks < 65535 ? blocks : 65535), 256, 0, (cudaStream_t)stream>>>(act, gate, up, n);
+    Q3_LAUNCH(swiglu_kernel, (unsigned)(blocks < 65535 ? blocks : 65535), 256, 0, (cudaStream_t)stream)(act, gate, up, n);
     return q3_launch_status();
 }
 
@@ -25,7 +25,7 @@ __global__ void gather_kernel(float *dst, const float *src, const int32_t *rows,
 extern "C" int q3_gather_rows_cuda(float *dst, const float *src, const int32_t *rows, int64_t n, int64_t H,
                                    void *stream) {
     if (n == 0) return 0;
-    gather_kernel<<<(unsigned)n, 256, 0, (cudaStream_t)stream>>>(dst, src, rows, H);
+    Q3_LAUNCH(gather_kernel, (unsigned)n, 256, 0, (cudaStream_t)stream)(dst, src, rows, H);
     return q3_launch_status();
 }
 
@@ -40,7 +40,7 @@ __global__ void scatter_add_kernel(float *dst, const float *src, const int32_t *
 extern "C" int q3_scatter_add_rows_cuda(float *dst, const float *src, const int32_t *rows, const float *scale,
                                         int64_t n, int64_t H, void *stream) {
     if (n == 0) return 0;
-    scatter_add_kernel<<<(unsigned)n, 256, 0, (cudaStream_t)stream>>>(dst, src, rows, scale, H);
+    Q3_LAUNCH(scatter_add_kernel, (unsigned)n, 256, 0, (cudaStream_t)stream)(dst, src, rows, scale, H);
     return q3_launch_status();
 }
 
@@ -62,13 +62,13 @@ static unsigned grid_for(int64_t n) {
 // dst [n] fp32 <- src [n] of dtype dt
 extern "C" int q3_to_f32_cuda(float *dst, const void *src, q3_dtype dt, int64_t n, void *stream) {
     if (n == 0) return 0;
-    to_f32_kernel<<<grid_for(n), 256, 0, (cudaStream_t)stream>>>(dst, src, dt, n);
+    Q3_LAUNCH(to_f32_kernel, grid_for(n), 256, 0, (cudaStream_t)stream)(dst, src, dt, n);
     return q3_launch_status();
 }
 
 // dst [n] of dtype dt <- src [n] fp32 (bf16: round to nearest even)
 extern "C" int q3_from_f32_cuda(void *dst, q3_dtype dt, const float *src, int64_t n, void *stream) {
     if (n == 0) return 0;
-    from_f32_kernel<<<grid_for(n), 256, 0, (cudaStream_t)stream>>>(dst, dt, src, n);
+    Q3_LAUNCH(from_f32_kernel, grid_for(n), 256, 0, (cudaStream_t)stream)(dst, dt, src, n);
     return q3_launch_status();
 }

@@ -50,7 +50,7 @@ extern "C" int q3_gate_up_cuda(float *act, const float *x, const void *gate, con
     if (T == 0 || I == 0) return 0;
     const int warps = 8;
     const dim3 grid((unsigned)((I + warps - 1) / warps), (unsigned)((T + TOKENS_PER_WARP - 1) / TOKENS_PER_WARP));
-    gate_up_kernel<<<grid, warps * 32, 0, (cudaStream_t)stream>>>(act, x, gate, up, w_dt, T, I, K);
+    Q3_LAUNCH(gate_up_kernel, grid, warps * 32, 0, (cudaStream_t)stream)(act, x, gate, up, w_dt, T, I, K);
     return q3_launch_status();
 }
 
@@ -59,6 +59,6 @@ extern "C" int q3_matmul_cuda(float *y, const float *x, const void *w, q3_dtype 
     if (T == 0 || N == 0) return 0;
     const int warps = 8;
     const dim3 grid((unsigned)((N + warps - 1) / warps), (unsigned)((T + TOKENS_PER_WARP - 1) / TOKENS_PER_WARP));
-    gemv_kernel<<<grid, warps * 32, 0, (cudaStream_t)stream>>>(y, x, w, w_dt, T, N, K, accumulate);
+    Q3_LAUNCH(gemv_kernel, grid, warps * 32, 0, (cudaStream_t)stream)(y, x, w, w_dt, T, N, K, accumulate);
     return q3_launch_status();
 }

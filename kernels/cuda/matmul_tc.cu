@@ -19,9 +19,9 @@ __global__ void round_bf16_kernel(__nv_bfloat16 *dst, const float *src, int64_t 
 
 __global__ void matmul_tc_kernel(float *y, const __nv_bfloat16 *xb, const __nv_bfloat16 *w, int64_t T, int64_t N,
                                  int64_t K, int accumulate) {
-    __shared__ __align__(32) __nv_bfloat16 xs[TILE][WMMA_LD];
-    __shared__ __align__(32) __nv_bfloat16 ws[TILE][WMMA_LD];
-    __shared__ __align__(32) float out[4][16][16];
+    Q3_SHARED(__nv_bfloat16[TILE][WMMA_LD], xs);
+    Q3_SHARED(__nv_bfloat16[TILE][WMMA_LD], ws);
+    Q3_SHARED(float[4][16][16], out);
     const int warp = threadIdx.x >> 5;
     const int64_t t0 = (int64_t)blockIdx.y * TILE, n0 = (int64_t)blockIdx.x * TILE;
     const int wt = wmma_warp_row(), wn = wmma_warp_col(); // this warp's 32 x 32 within the tile
@@ -58,13 +58,13 @@ static int matmul_tc(float *y, const float *x, const void *w, int64_t T, int64_t
     if (N % 16 || K % KSTEP) return (int)cudaErrorInvalidValue;
     if (T == 0 || N == 0) return 0;
     const int64_t n = T * K, blocks = (n + 255) / 256;
-    round_bf16_kernel<<<(unsigned)(blocks < 65535 ? blocks : 65535), 256, 0, s>>>((__nv_bfloat16 *)xb, x, n);
+    Q3_LAUNCH(round_bf16_kernel, (unsigned)(blocks < 65535 ? blocks : 65535), 256, 0, s)((__nv_bfloat16 *)xb, x, n);
     if (may_use_blas) {
         const int blas = q3_blas_gemm_bf16(y, xb, (const uint16_t *)w, T, N, K, accumulate, s);
         if (blas >= 0) return blas ? blas : q3_launch_status();
     }
     const dim3 grid((unsigned)((N + TILE - 1) / TILE), (unsigned)((T + TILE - 1) / TILE));
-    matmul_tc_kernel<<<grid, WMMA_THREADS, 0, s>>>(y, (const __nv_bfloat16 *)xb, (const __nv_bfloat16 *)w, T, N, K,
+    Q3_LAUNCH(matmul_tc_kernel, grid, WMMA_THREADS, 0, s)(y, (const __nv_bfloat16 *)xb, (const __nv_bfloat16 *)w, T, N, K,
                                                    accumulate);
     return q3_launch_status();
 }

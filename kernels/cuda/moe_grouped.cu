@@ -18,7 +18,7 @@
 // then warp 0 scans the counts and places the pairs in order, 32 per step.
 __global__ void moe_route_kernel(int64_t *offsets, int32_t *rows, float *weights, int32_t *active, int32_t *slot,
                                  const int32_t *idx, const float *w, int64_t P, int k, int E) {
-    extern __shared__ int32_t fill[]; // [E]: pairs per expert, then each expert's next free slot
+    Q3_DYNAMIC_SHARED(int32_t, fill); // [E]: pairs per expert, then each expert's next free slot
     for (int e = threadIdx.x; e < E; e += blockDim.x) fill[e] = 0;
     __syncthreads();
     for (int64_t p = threadIdx.x; p < P; p += blockDim.x) atomicAdd(&fill[idx[p]], 1);
@@ -80,7 +80,7 @@ __global__ void moe_route_kernel(int64_t *offsets, int32_t *rows, float *weights
 extern "C" int q3_moe_route_cuda(int64_t *offsets, int32_t *rows, float *weights, int32_t *active, int32_t *slot,
                                  const int32_t *idx, const float *w, int64_t T, int k, int E, void *stream) {
     if (T < 0 || k < 0 || E < 1 || E > ROUTE_MAX_EXPERTS || T * k > INT32_MAX) return (int)cudaErrorInvalidValue;
-    moe_route_kernel<<<1, ROUTE_THREADS, (size_t)E * sizeof(int32_t), (cudaStream_t)stream>>>(
+    Q3_LAUNCH(moe_route_kernel, 1, ROUTE_THREADS, (size_t)E * sizeof(int32_t), (cudaStream_t)stream)(
         offsets, rows, weights, active, slot, idx, w, T * k, k, E);
     return q3_launch_status();
 }
@@ -161,7 +161,7 @@ extern "C" int q3_moe_gate_up_cuda(float *act, const float *x, const int32_t *ro
     dim3 grid;
     const int bad = expert_grid(&grid, max_active, I);
     if (bad) return bad;
-    moe_gate_up_kernel<<<grid, GROUP_WARPS * 32, 0, (cudaStream_t)stream>>>(act, x, rows, offsets, active, gate, up,
+    Q3_LAUNCH(moe_gate_up_kernel, grid, GROUP_WARPS * 32, 0, (cudaStream_t)stream)(act, x, rows, offsets, active, gate, up,
                                                                              w_dt, I, K);
     return q3_launch_status();
 }
@@ -174,7 +174,7 @@ extern "C" int q3_moe_down_cuda(float *y, const float *act, const int64_t *offse
     dim3 grid;
     const int bad = expert_grid(&grid, max_active, N);
     if (bad) return bad;
-    moe_down_kernel<<<grid, GROUP_WARPS * 32, 0, (cudaStream_t)stream>>>(y, act, offsets, active, down, w_dt, N, K);
+    Q3_LAUNCH(moe_down_kernel, grid, GROUP_WARPS * 32, 0, (cudaStream_t)stream)(y, act, offsets, active, down, w_dt, N, K);
     return q3_launch_status();
 }
 
@@ -183,8 +183,8 @@ extern "C" int q3_moe_down_cuda(float *y, const float *act, const int64_t *offse
 // Each block sorts the token's slots itself (k <= 32, cheaper than a separate pass).
 __global__ void moe_combine_kernel(float *x, const float *y, const float *weights, const int32_t *slot, int k,
                                    int64_t H) {
-    __shared__ int32_t order[COMBINE_MAX_K];
-    __shared__ float scale[COMBINE_MAX_K];
+    Q3_SHARED(int32_t[COMBINE_MAX_K], order);
+    Q3_SHARED(float[COMBINE_MAX_K], scale);
     const int64_t t = blockIdx.x;
     if (threadIdx.x == 0) {
         for (int j = 0; j < k; j++) { // insertion sort, stable
@@ -211,6 +211,6 @@ extern "C" int q3_moe_combine_cuda(float *x, const float *y, const float *weight
     if (T == 0 || k == 0 || H == 0) return 0;
     const int64_t chunks = (H + COMBINE_THREADS - 1) / COMBINE_THREADS;
     const dim3 grid((unsigned)T, (unsigned)(chunks < 65535 ? chunks : 65535));
-    moe_combine_kernel<<<grid, COMBINE_THREADS, 0, (cudaStream_t)stream>>>(x, y, weights, slot, k, H);
+    Q3_LAUNCH(moe_combine_kernel, grid, COMBINE_THREADS, 0, (cudaStream_t)stream)(x, y, weights, slot, k, H);
     return q3_launch_status();
 }

@@ -78,8 +78,10 @@ template <bool GATED>
 __device__ __forceinline__ void tile_product(float *out, const float *a, const int32_t *rows, q3_moe_tile tile,
                                              const void *const *w_table, const void *const *up_table, int64_t N,
                                              int64_t K, bool a_vec) {
-    __shared__ __align__(32) staged_slice as[2], ws[2], us[GATED ? 2 : 1];
-    __shared__ __align__(32) float stash[WMMA_THREADS / 32][16][16];
+    Q3_SHARED(staged_slice[2], as);
+    Q3_SHARED(staged_slice[2], ws);
+    Q3_SHARED(staged_slice[GATED ? 2 : 1], us);
+    Q3_SHARED(float[WMMA_THREADS / 32][16][16], stash);
     const int64_t n0 = (int64_t)blockIdx.x * WMMA_TILE;
     const int wr = wmma_warp_row(), wc = wmma_warp_col();
     const bool live = wr < tile.rows && n0 + wc < N; // the warp has outputs: else it only stages
@@ -163,7 +165,7 @@ extern "C" int q3_moe_gate_up_tc_cuda(float *act, const float *x, const int32_t 
     if (I % 16 || K % WMMA_KSTEP || I < 0 || K < 0 || (I + WMMA_TILE - 1) / WMMA_TILE > INT32_MAX)
         return (int)cudaErrorInvalidValue;
     if (n_tiles <= 0 || I == 0) return 0;
-    moe_tiles_kernel<true><<<tile_grid(n_tiles, I), WMMA_THREADS, 0, (cudaStream_t)stream>>>(
+    Q3_LAUNCH(moe_tiles_kernel<true>, tile_grid(n_tiles, I), WMMA_THREADS, 0, (cudaStream_t)stream)(
         act, x, rows, tiles, n_tiles, gate, up, I, K, aligned16(x));
     return q3_launch_status();
 }
@@ -174,8 +176,8 @@ extern "C" int q3_moe_down_tc_cuda(float *y, const float *act, const q3_moe_tile
     if (N % 16 || K % WMMA_KSTEP || N < 0 || K < 0 || (N + WMMA_TILE - 1) / WMMA_TILE > INT32_MAX)
         return (int)cudaErrorInvalidValue;
     if (n_tiles <= 0 || N == 0) return 0;
-    moe_tiles_kernel<false><<<tile_grid(n_tiles, N), WMMA_THREADS, 0, (cudaStream_t)stream>>>(
-        y, act, NULL, tiles, n_tiles, down, NULL, N, K, aligned16(act));
+    Q3_LAUNCH(moe_tiles_kernel<false>, tile_grid(n_tiles, N), WMMA_THREADS, 0, (cudaStream_t)stream)(
+        y, act, nullptr, tiles, n_tiles, down, nullptr, N, K, aligned16(act));
     return q3_launch_status();
 }
 
@@ -202,6 +204,6 @@ extern "C" int q3_moe_combine_csr_cuda(float *x, const float *y, const float *we
     if (n <= 0 || H == 0) return 0;
     const int64_t chunks = (H + COMBINE_THREADS - 1) / COMBINE_THREADS;
     const dim3 grid((unsigned)n, (unsigned)(chunks < MAX_GRID_Y ? chunks : MAX_GRID_Y));
-    moe_combine_csr_kernel<<<grid, COMBINE_THREADS, 0, (cudaStream_t)stream>>>(x, y, weights, tokens, ptr, slot, H);
+    Q3_LAUNCH(moe_combine_csr_kernel, grid, COMBINE_THREADS, 0, (cudaStream_t)stream)(x, y, weights, tokens, ptr, slot, H);
     return q3_launch_status();
 }

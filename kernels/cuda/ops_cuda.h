@@ -43,7 +43,7 @@ typedef struct {
     int (*event_record)(void *event, void *stream);
     int (*event_elapsed_ms)(float *ms, void *start, void *end);
     /* cuBLAS for matmul_tc, opened at run time (path NULL: the usual names): 0 when usable;
-     * blas_enable switches it (for comparisons) and returns whether it is on */
+     * blas_enable switches it (for comparisons; on < 0 only reads) and returns whether it is on */
     int (*blas_open)(const char *path);
     int (*blas_enable)(int on);
     /* timings with CUDA events, milliseconds per call over `repeats` after a warm-up:

@@ -15,7 +15,7 @@
 __global__ void qk_rope_kv_kernel(float *q, float *k, const float *v, const void *q_norm, const void *k_norm,
                                   q3_dtype w_dt, const int64_t *pos, const q3_attn_seq *seqs, q3_attn_shape sh,
                                   float eps, float theta) {
-    __shared__ float head[WARPS][MAX_D];
+    Q3_SHARED(float[WARPS][MAX_D], head);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int64_t r = blockIdx.x;
     const int Hq = sh.heads, Hkv = sh.kv_heads, D = sh.head_dim, half = D / 2;
@@ -65,7 +65,7 @@ extern "C" int q3_qk_rope_kv_cuda(float *q, float *k, const float *v, const void
     if (rows == 0) return 0;
     const int heads = shape->heads + 2 * shape->kv_heads;
     const dim3 grid((unsigned)rows, (unsigned)((heads + WARPS - 1) / WARPS));
-    qk_rope_kv_kernel<<<grid, WARPS * 32, 0, (cudaStream_t)stream>>>(q, k, v, q_norm, k_norm, w_dt, pos, seqs, *shape,
+    Q3_LAUNCH(qk_rope_kv_kernel, grid, WARPS * 32, 0, (cudaStream_t)stream)(q, k, v, q_norm, k_norm, w_dt, pos, seqs, *shape,
                                                                       eps, theta);
     return q3_launch_status();
 }

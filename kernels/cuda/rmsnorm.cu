@@ -38,7 +38,7 @@ static int threads_for(int64_t n) { return n >= 1024 ? 1024 : (int)((n + 31) / 3
 extern "C" int q3_rmsnorm_cuda(float *out, const float *x, const void *w, q3_dtype w_dt, int64_t rows, int64_t n,
                                float eps, void *stream) {
     if (rows == 0 || n == 0) return 0;
-    rmsnorm_kernel<<<(unsigned)rows, threads_for(n), 0, (cudaStream_t)stream>>>(out, x, w, w_dt, n, eps);
+    Q3_LAUNCH(rmsnorm_kernel, (unsigned)rows, threads_for(n), 0, (cudaStream_t)stream)(out, x, w, w_dt, n, eps);
     return q3_launch_status();
 }
 
@@ -46,6 +46,6 @@ extern "C" int q3_rmsnorm_cuda(float *out, const float *x, const void *w, q3_dty
 extern "C" int q3_add_rmsnorm_cuda(float *out, float *x, const float *r, const void *w, q3_dtype w_dt, int64_t rows,
                                    int64_t n, float eps, void *stream) {
     if (rows == 0 || n == 0) return 0;
-    add_rmsnorm_kernel<<<(unsigned)rows, threads_for(n), 0, (cudaStream_t)stream>>>(out, x, r, w, w_dt, n, eps);
+    Q3_LAUNCH(add_rmsnorm_kernel, (unsigned)rows, threads_for(n), 0, (cudaStream_t)stream)(out, x, r, w, w_dt, n, eps);
     return q3_launch_status();
 }

@@ -40,6 +40,6 @@ extern "C" int q3_router_topk_cuda(int32_t *idx, float *weight, const float *log
                                    int normalize, void *stream) {
     if (k > MAX_K) return (int)cudaErrorInvalidValue;
     if (T == 0) return 0;
-    router_kernel<<<(unsigned)((T + 127) / 128), 128, 0, (cudaStream_t)stream>>>(idx, weight, logits, T, E, k, normalize);
+    Q3_LAUNCH(router_kernel, (unsigned)((T + 127) / 128), 128, 0, (cudaStream_t)stream)(idx, weight, logits, T, E, k, normalize);
     return q3_launch_status();
 }

@@ -1,5 +1,6 @@
-"""Run by test_cuda_emulated.py in a fresh process: the CUDA path of the engine and glue on
-an emulated device (host memory, CPU kernels), against the CPU layer. Prints a JSON dict."""
+"""Run by test_cuda_executor.py in a fresh process: the CUDA path of the engine and glue, and
+the real CUDA kernels, on the SIMT executor (device memory is host memory), against the CPU
+layer. Prints a JSON dict."""
 import ctypes
 import json
 import sys
@@ -11,7 +12,7 @@ sys.path.insert(0, sys.argv[1])
 import qwen3layer as q3  # noqa: E402
 from qwen3layer import _C  # noqa: E402
 
-_C.cuda_emulate()
+q3.cuda.emulate()
 CFG = q3.LayerConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=24,
                      num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48)
 
@@ -20,9 +21,9 @@ def host(t):
     return torch.from_dlpack(_C.copy_tensor(t, -1) if t.device != "cpu" else t).double().numpy()
 
 
-def emulated_view(t):
-    """A strided view on the emulated device (cache keys: [kv_heads, length, head_dim] with a
-    stride of the capacity), read in place: the emulated device's memory is host memory, and
+def executor_view(t):
+    """A strided view on the executor's device (cache keys: [kv_heads, length, head_dim] with a
+    stride of the capacity), read in place: the executor's device memory is host memory, and
     copy_tensor takes contiguous tensors only"""
     span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.strides))
     size = 4 if t.dtype == "float32" else 2
@@ -77,13 +78,13 @@ out["errors"] = errors_of((
                           _C.Layer(CFG, w, None, -1).new_cache(8))))
 out["lengths after errors"] = list(cache.lengths)
 
-# per-stage timing on the device path (events; host clock when emulated)
-emulated = q3.DecoderLayer.random(CFG, seed=2, dtype="bfloat16", device="cuda")
-profiles = [emulated.profile("prefill", tokens=40, chunk_size=16, repeat=1),
-            emulated.profile("decode", tokens=2, context=20, repeat=1)]
+# per-stage timing on the device path (events; host clock on the executor)
+on_device = q3.DecoderLayer.random(CFG, seed=2, dtype="bfloat16", device="cuda")
+profiles = [on_device.profile("prefill", tokens=40, chunk_size=16, repeat=1),
+            on_device.profile("decode", tokens=2, context=20, repeat=1)]
 out["profile stages"] = [[s.name for s in p.stages] for p in profiles]
-out["device workspace"] = emulated.workspace_bytes
-out["random input device"] = str(emulated.random_input((2, 64), 1).device)
+out["device workspace"] = on_device.workspace_bytes
+out["random input device"] = str(on_device.random_input((2, 64), 1).device)
 out["profile seconds"] = [[s.seconds for s in p.stages] for p in profiles]
 
 # decode graphs: captured once, replayed per token, against the CPU layer's decode
@@ -121,7 +122,7 @@ def graph_run(dtype):
     s = _C.random_tensor((3, 64), 56, dtype)
     errs.append(rel(host(graph.replay()), host(cpu.decode(s, cc))))
     # keys are stored after RoPE: a position that counts sequence 1's padding shows here, not in outputs
-    keys_err = max(rel(emulated_view(cg.keys(b)), torch.from_dlpack(cc.keys(b)).double().numpy()) for b in range(3))
+    keys_err = max(rel(executor_view(cg.keys(b)), torch.from_dlpack(cc.keys(b)).double().numpy()) for b in range(3))
     return {"created lengths": created, "max rel err": max(errs), "keys max rel err": keys_err,
             "lengths agree": all(steps),
             "final lengths": list(cg.lengths), "batch": graph.batch, "dtype": graph.dtype,

@@ -1,0 +1,246 @@
+/* The self-check cases of the dense kernels (norms, projections, QK-norm + RoPE + KV write,
+ * attention, router, elementwise): each kernel against its CPU twin on random inputs with
+ * odd sizes. The CPU side runs the active CPU path with fp32 activations (the matmul gets no
+ * bf16 scratch), so the two differ only by summation order. The harness is kernel_check.h,
+ * the driver kernel_check.c. */
+#include "kernel_check.h"
+
+/* x of N(0, scale^2): at scale 1e-3, mean(x^2) is the size of eps, so where eps goes shows */
+double q3_case_rmsnorm(check *k, q3_dtype wdt, float scale) {
+    const int64_t rows = 7, n = 1000;
+    float *x = host_random(k, rows * n, Q3_F32, 1), *want = host(k, rows * n * 4), *got = host(k, rows * n * 4);
+    void *w = host_random(k, n, wdt, 2);
+    if (k->failed) return INFINITY;
+    for (int64_t i = 0; i < rows * n; i++) x[i] *= scale;
+    k->c->rmsnorm(want, x, w, wdt, rows, n, 1e-6f);
+    float *dx = device(k, x, rows * n * 4), *dout = device(k, NULL, rows * n * 4);
+    void *dw = device(k, w, n * q3_dtype_size(wdt));
+    if (!k->failed) cuda_ok(k, k->g->rmsnorm(dout, dx, dw, wdt, rows, n, 1e-6f, NULL), "rmsnorm launch");
+    fetch(k, got, dout, rows * n * 4);
+    return k->failed ? INFINITY : max_err(got, want, Q3_F32, rows * n);
+}
+
+/* the residual add fused with the norm: both the updated x and out; with `alias`, out is r's
+ * buffer (as the layer calls it) */
+double q3_case_add_rmsnorm(check *k, q3_dtype wdt, int alias) {
+    const int64_t rows = 7, n = 1000;
+    float *x = host_random(k, rows * n, Q3_F32, 30), *r = host_random(k, rows * n, Q3_F32, 31);
+    float *want = host(k, rows * n * 4), *out_got = host(k, rows * n * 4), *x_got = host(k, rows * n * 4);
+    void *w = host_random(k, n, wdt, 32);
+    if (k->failed) return INFINITY;
+    float *dx = device(k, x, rows * n * 4), *dr = device(k, r, rows * n * 4);
+    float *dout = alias ? dr : device(k, NULL, rows * n * 4);
+    void *dw = device(k, w, n * q3_dtype_size(wdt));
+    q3_add_rmsnorm_host(want, x, r, w, wdt, rows, n, 1e-6f);
+    if (!k->failed) cuda_ok(k, k->g->add_rmsnorm(dout, dx, dr, dw, wdt, rows, n, 1e-6f, NULL), "add_rmsnorm launch");
+    fetch(k, out_got, dout, rows * n * 4);
+    fetch(k, x_got, dx, rows * n * 4);
+    if (k->failed) return INFINITY;
+    const double e_out = max_err(out_got, want, Q3_F32, rows * n), e_x = max_err(x_got, x, Q3_F32, rows * n);
+    return e_out > e_x ? e_out : e_x;
+}
+
+double q3_case_matmul(check *k, q3_dtype wdt, int64_t T, int64_t K) {
+    const int64_t N = 70;
+    float *x = host_random(k, T * K, Q3_F32, 3), *want = host_random(k, T * N, Q3_F32, 4), *got = host(k, T * N * 4);
+    void *w = host_random(k, N * K, wdt, 5);
+    if (k->failed) return INFINITY;
+    float *dy = device(k, want, T * N * 4), *dx = device(k, x, T * K * 4);
+    void *dw = device(k, w, N * K * q3_dtype_size(wdt));
+    k->c->matmul(want, x, w, wdt, T, N, K, 1, NULL);
+    if (!k->failed) cuda_ok(k, k->g->matmul(dy, dx, dw, wdt, T, N, K, 1, NULL), "matmul launch");
+    fetch(k, got, dy, T * N * 4);
+    return k->failed ? INFINITY : max_err(got, want, Q3_F32, T * N);
+}
+
+/* gate, up and SiLU * up in one pass against matmul, matmul, swiglu */
+double q3_case_gate_up(check *k, int64_t T, int64_t I, int64_t K) {
+    float *x = host_random(k, T * K, Q3_F32, 27), *want = host(k, T * I * 4), *up = host(k, T * I * 4);
+    float *got = host(k, T * I * 4);
+    void *gw = host_random(k, I * K, Q3_BF16, 28), *uw = host_random(k, I * K, Q3_BF16, 29);
+    if (k->failed) return INFINITY;
+    float *dx = device(k, x, T * K * 4), *dact = device(k, NULL, T * I * 4);
+    void *dg = device(k, gw, I * K * 2), *du = device(k, uw, I * K * 2);
+    k->c->matmul(want, x, gw, Q3_BF16, T, I, K, 0, NULL);
+    k->c->matmul(up, x, uw, Q3_BF16, T, I, K, 0, NULL);
+    k->c->swiglu(want, want, up, T * I);
+    if (!k->failed) cuda_ok(k, k->g->gate_up(dact, dx, dg, du, Q3_BF16, T, I, K, NULL), "gate_up launch");
+    fetch(k, got, dact, T * I * 4);
+    return k->failed ? INFINITY : max_err(got, want, Q3_F32, T * I);
+}
+
+/* tensor cores see x in bf16: give both sides bf16-valued x, so only summation order differs;
+ * wmma_only: the entry that never calls cuBLAS */
+double q3_case_matmul_tc(check *k, int64_t T, int64_t N, int64_t K, int wmma_only) {
+    float *x = host_random(k, T * K, Q3_F32, 19), *want = host_random(k, T * N, Q3_F32, 20), *got = host(k, T * N * 4);
+    void *w = host_random(k, N * K, Q3_BF16, 21);
+    if (k->failed) return INFINITY;
+    for (int64_t i = 0; i < T * K; i++) x[i] = q3_bf16_to_f32(q3_f32_to_bf16(x[i]));
+    float *dy = device(k, want, T * N * 4), *dx = device(k, x, T * K * 4);
+    void *dw = device(k, w, N * K * 2);
+    uint16_t *dxb = device(k, NULL, T * K * 2);
+    k->c->matmul(want, x, w, Q3_BF16, T, N, K, 1, NULL);
+    int (*const tc)(float *, const float *, const void *, int64_t, int64_t, int64_t, int, uint16_t *, void *) =
+        wmma_only ? k->g->matmul_wmma : k->g->matmul_tc;
+    if (!k->failed) cuda_ok(k, tc(dy, dx, dw, T, N, K, 1, dxb, NULL), "matmul_tc launch");
+    fetch(k, got, dy, T * N * 4);
+    return k->failed ? INFINITY : max_err(got, want, Q3_F32, T * N);
+}
+
+/* the fused QK-norm + RoPE + KV append against its composition: q and both caches */
+double q3_case_qk_rope_kv(check *k, int D) {
+    const q3_attn_shape sh = {3, 6, 2, D, 12, Q3_BF16, 1.0f, 0};
+    const int n_seqs = 2;
+    const int64_t R = n_seqs * sh.L, qn = R * sh.heads * D, kn = R * sh.kv_heads * D;
+    const int64_t per_seq = (int64_t)sh.kv_heads * sh.capacity * D, n_past[2] = {4, 0};
+    int64_t pos[6];
+    for (int64_t r = 0; r < R; r++) pos[r] = n_past[r / sh.L] + r % sh.L;
+    float *q = host_random(k, qn, Q3_F32, 22), *kk = host_random(k, kn, Q3_F32, 23), *v = host_random(k, kn, Q3_F32, 24);
+    void *qw = host_random(k, D, Q3_BF16, 25), *kw = host_random(k, D, Q3_BF16, 26);
+    uint16_t *kc = host(k, n_seqs * per_seq * 2), *vc = host(k, n_seqs * per_seq * 2);
+    float *q_got = host(k, qn * 4);
+    uint16_t *kc_got = host(k, n_seqs * per_seq * 2), *vc_got = host(k, n_seqs * per_seq * 2);
+    if (k->failed) return INFINITY;
+    float *dq = device(k, q, qn * 4), *dk = device(k, kk, kn * 4), *dv = device(k, v, kn * 4);
+    void *dqw = device(k, qw, D * 2), *dkw = device(k, kw, D * 2);
+    uint16_t *dkc = device(k, kc, n_seqs * per_seq * 2), *dvc = device(k, vc, n_seqs * per_seq * 2);
+    int64_t *dpos = device(k, pos, sizeof pos);
+    q3_attn_seq hs[2], ds[2];
+    for (int s = 0; s < n_seqs; s++) {
+        hs[s] = (q3_attn_seq){kc + s * per_seq, vc + s * per_seq, n_past[s], 0};
+        ds[s] = (q3_attn_seq){dkc ? dkc + s * per_seq : NULL, dvc ? dvc + s * per_seq : NULL, n_past[s], 0};
+    }
+    q3_attn_seq *dseqs = device(k, ds, sizeof ds);
+    q3_qk_rope_kv_host(q, kk, v, qw, kw, Q3_BF16, pos, hs, n_seqs, &sh, 1e-6f, 1e6f);
+    if (!k->failed)
+        cuda_ok(k, k->g->qk_rope_kv(dq, dk, dv, dqw, dkw, Q3_BF16, dpos, dseqs, n_seqs, &sh, 1e-6f, 1e6f, NULL),
+                "qk_rope_kv launch");
+    fetch(k, q_got, dq, qn * 4);
+    fetch(k, kc_got, dkc, n_seqs * per_seq * 2);
+    fetch(k, vc_got, dvc, n_seqs * per_seq * 2);
+    if (k->failed) return INFINITY;
+    const double e1 = max_err(q_got, q, Q3_F32, qn), e2 = max_err(kc_got, kc, Q3_BF16, n_seqs * per_seq),
+                 e3 = max_err(vc_got, vc, Q3_BF16, n_seqs * per_seq);
+    return e1 > e2 ? (e1 > e3 ? e1 : e3) : (e2 > e3 ? e2 : e3);
+}
+
+/* L query tokens after n_past[s] cached ones, for 2 sequences, Hq heads on Hkv of dim D;
+ * long contexts split on the GPU, many tokens on tensor cores where the shape fits */
+double q3_case_attention_heads(check *k, int64_t L, int64_t past0, int64_t past1, int64_t capacity, int64_t pad0,
+                                   int Hq, int Hkv, int D) {
+    const q3_attn_shape sh = {L, Hq, Hkv, D, capacity, Q3_BF16, 1.0f / sqrtf((float)D), (past0 > past1 ? past0 : past1) + L};
+    const int n_seqs = 2;
+    const int64_t n_past[2] = {past0, past1}, per_seq = (int64_t)sh.kv_heads * sh.capacity * sh.head_dim;
+    const int64_t qn = n_seqs * sh.L * sh.heads * sh.head_dim;
+    uint16_t *kc = (uint16_t *)host_random(k, n_seqs * per_seq, Q3_BF16, 9);
+    uint16_t *vc = (uint16_t *)host_random(k, n_seqs * per_seq, Q3_BF16, 10);
+    float *q = host_random(k, qn, Q3_F32, 11), *want = host(k, qn * 4), *got = host(k, qn * 4);
+    float *scratch = host(k, (size_t)q3_attention_scratch_floats(&sh) * 4);
+    if (k->failed) return INFINITY;
+    q3_attn_seq hs[2], ds[2];
+    uint16_t *dk = device(k, kc, n_seqs * per_seq * 2), *dv = device(k, vc, n_seqs * per_seq * 2);
+    for (int s = 0; s < n_seqs; s++) {
+        const int64_t pad = s == 0 ? pad0 : 0;
+        hs[s] = (q3_attn_seq){kc + s * per_seq, vc + s * per_seq, n_past[s], pad};
+        ds[s] = (q3_attn_seq){dk ? dk + s * per_seq : NULL, dv ? dv + s * per_seq : NULL, n_past[s], pad};
+    }
+    q3_attn_seq *dseqs = device(k, ds, sizeof ds);
+    float *dq = device(k, q, qn * 4), *dout = device(k, NULL, qn * 4);
+    float *dpart = device(k, NULL, (size_t)q3_attention_cuda_partial_floats(n_seqs * L, &sh) * 4);
+    k->c->attention(want, q, hs, n_seqs, &sh, scratch, 1);
+    if (!k->failed) cuda_ok(k, k->g->attention(dout, dq, dseqs, n_seqs, &sh, dpart, NULL), "attention launch");
+    fetch(k, got, dout, qn * 4);
+    return k->failed ? INFINITY : max_err(got, want, Q3_F32, qn);
+}
+
+double q3_case_attention(check *k, int64_t L, int64_t past0, int64_t past1, int64_t capacity, int64_t pad0) {
+    return q3_case_attention_heads(k, L, past0, past1, capacity, pad0, 8, 2, 24);
+}
+
+double q3_case_router(check *k, int normalize) {
+    const int64_t T = 9;
+    const int E = 16, top = 4;
+    float *logits = host_random(k, T * E, Q3_F32, 12), *w_want = host(k, T * top * 4), *w_got = host(k, T * top * 4);
+    int32_t *i_want = host(k, T * top * 4), *i_got = host(k, T * top * 4);
+    if (k->failed) return INFINITY;
+    float *dl = device(k, logits, T * E * 4), *dw = device(k, NULL, T * top * 4);
+    int32_t *di = device(k, NULL, T * top * 4);
+    k->c->router_topk(i_want, w_want, logits, T, E, top, normalize);
+    if (!k->failed) cuda_ok(k, k->g->router_topk(di, dw, dl, T, E, top, normalize, NULL), "router launch");
+    fetch(k, i_got, di, T * top * 4);
+    fetch(k, w_got, dw, T * top * 4);
+    if (k->failed || memcmp(i_got, i_want, T * top * 4)) return INFINITY;
+    return max_err(w_got, w_want, Q3_F32, T * top);
+}
+
+/* the tie rule of kernels/router.h on hand-made logits: the twin must give the documented
+ * experts, the kernel the twin's (random logits never tie) */
+double q3_case_router_ties(check *k) {
+    enum { T = 4, E = 8, TOP = 4 };
+    static const float logits[T][E] = {
+        {0.5f, 2.0f, 2.5f, 1.0f, 3.0f, 1.0f, -2.0f, -1.0f}, /* 3 and 5 tie for the last slot */
+        {1.0f, 3.0f, 1.0f, 1.0f, 0.0f, 3.0f, 1.0f, -1.0f},  /* 0, 2, 3, 6 tie for the last two */
+        {0.25f, 0.25f, 0.25f, 0.25f, 0.25f, 0.25f, 0.25f, 0.25f}, /* all tie */
+        {2.0f, 5.0f, 5.0f, 5.0f, 5.0f, 5.0f, 0.0f, 1.0f},   /* five tie for the first four */
+    };
+    static const int32_t rule[T][TOP] = {{4, 2, 1, 3}, {1, 5, 0, 2}, {0, 1, 2, 3}, {1, 2, 3, 4}};
+    float w_want[T * TOP], w_got[T * TOP];
+    int32_t i_want[T * TOP], i_got[T * TOP];
+    float *dl = device(k, logits, sizeof logits), *dw = device(k, NULL, sizeof w_got);
+    int32_t *di = device(k, NULL, sizeof i_got);
+    k->c->router_topk(i_want, w_want, &logits[0][0], T, E, TOP, 1);
+    if (memcmp(i_want, rule, sizeof rule)) return INFINITY;
+    if (!k->failed) cuda_ok(k, k->g->router_topk(di, dw, dl, T, E, TOP, 1, NULL), "router launch");
+    fetch(k, i_got, di, sizeof i_got);
+    fetch(k, w_got, dw, sizeof w_got);
+    if (k->failed || memcmp(i_got, i_want, sizeof i_want)) return INFINITY;
+    return max_err(w_got, w_want, Q3_F32, T * TOP);
+}
+
+double q3_case_swiglu(check *k) {
+    const int64_t n = 1000;
+    float *g = host_random(k, n, Q3_F32, 13), *u = host_random(k, n, Q3_F32, 14);
+    float *want = host(k, n * 4), *got = host(k, n * 4);
+    if (k->failed) return INFINITY;
+    float *dg = device(k, g, n * 4), *du = device(k, u, n * 4), *da = device(k, NULL, n * 4);
+    k->c->swiglu(want, g, u, n);
+    if (!k->failed) cuda_ok(k, k->g->swiglu(da, dg, du, n, NULL), "swiglu launch");
+    fetch(k, got, da, n * 4);
+    return k->failed ? INFINITY : max_err(got, want, Q3_F32, n);
+}
+
+double q3_case_rows(check *k) {
+    const int64_t T = 6, H = 50, n = 3;
+    const int32_t rows[3] = {4, 1, 5};
+    float *src = host_random(k, T * H, Q3_F32, 15), *scale = host_random(k, n, Q3_F32, 16);
+    float *dst = host_random(k, T * H, Q3_F32, 17), *gath = host(k, n * H * 4), *got = host(k, T * H * 4);
+    if (k->failed) return INFINITY;
+    float *dsrc = device(k, src, T * H * 4), *dscale = device(k, scale, n * 4), *ddst = device(k, dst, T * H * 4);
+    float *dgath = device(k, NULL, n * H * 4);
+    int32_t *drows = device(k, rows, sizeof rows);
+    k->c->gather_rows(gath, src, rows, n, H);
+    k->c->scatter_add_rows(dst, gath, rows, scale, n, H);
+    if (!k->failed) cuda_ok(k, k->g->gather_rows(dgath, dsrc, drows, n, H, NULL), "gather launch");
+    if (!k->failed) cuda_ok(k, k->g->scatter_add_rows(ddst, dgath, drows, dscale, n, H, NULL), "scatter launch");
+    fetch(k, got, ddst, T * H * 4);
+    return k->failed ? INFINITY : max_err(got, dst, Q3_F32, T * H);
+}
+
+double q3_case_convert(check *k) {
+    const int64_t n = 777;
+    float *x = host_random(k, n, Q3_F32, 18), *back = host(k, n * 4);
+    uint16_t *want = host(k, n * 2), *got = host(k, n * 2);
+    if (k->failed) return INFINITY;
+    float *dx = device(k, x, n * 4), *dback = device(k, NULL, n * 4);
+    uint16_t *dh = device(k, NULL, n * 2);
+    k->c->from_f32(want, Q3_BF16, x, n);
+    if (!k->failed) cuda_ok(k, k->g->from_f32(dh, Q3_BF16, dx, n, NULL), "from_f32 launch");
+    if (!k->failed) cuda_ok(k, k->g->to_f32(dback, dh, Q3_BF16, n, NULL), "to_f32 launch");
+    fetch(k, got, dh, n * 2);
+    fetch(k, back, dback, n * 4);
+    if (k->failed) return INFINITY;
+    const double e = max_err(got, want, Q3_BF16, n);
+    k->c->to_f32(x, want, Q3_BF16, n); /* bf16 -> fp32 is exact: the round trip must match */
+    const double r = max_err(back, x, Q3_F32, n);
+    return e > r ? e : r;
+}

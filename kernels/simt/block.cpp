@@ -1,0 +1,352 @@
+// One block of a launch: its threads as fibers (context.h) on the calling OS thread, run in
+// the schedule's order until each reaches a barrier, a warp primitive or its end; barriers
+// release when every thread has arrived at the same one, warp primitives when every lane
+// of their mask has. What cannot complete (threads at different barriers, a thread that
+// exited while others wait, a lane missing from a warp primitive) fails the block with a
+// message naming the kernel, the block and the threads.
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <algorithm>
+#include <random>
+
+#include "block.h"
+
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/common_interface_defs.h>
+#define Q3_SIMT_ASAN 1
+#else
+#define Q3_SIMT_ASAN 0
+#endif
+
+namespace simt {
+
+static thread_local Block *tl_block;
+static thread_local Fiber *tl_fiber;
+
+Fiber *current_fiber() { return tl_fiber; }
+Block *current_block() { return tl_block; }
+const uint3 &thread_idx() { return tl_fiber->idx; }
+const uint3 &block_idx() { return tl_block->idx; }
+const dim3 &block_dim() { return tl_block->dim; }
+const dim3 &grid_dim() { return tl_block->launch->grid; }
+
+std::string where() {
+    char buf[256];
+    const Block *b = tl_block;
+    if (!b) return "outside a kernel";
+    if (tl_fiber)
+        snprintf(buf, sizeof buf, "kernel %s, block (%u, %u, %u), thread (%u, %u, %u)", b->launch->name, b->idx.x,
+                 b->idx.y, b->idx.z, tl_fiber->idx.x, tl_fiber->idx.y, tl_fiber->idx.z);
+    else
+        snprintf(buf, sizeof buf, "kernel %s, block (%u, %u, %u)", b->launch->name, b->idx.x, b->idx.y, b->idx.z);
+    return buf;
+}
+
+// ---- switching -------------------------------------------------------------------------------
+
+// from the scheduler into fiber f, until f yields
+static void enter(Block *b, Fiber *f) {
+    b->running = f;
+    tl_fiber = f;
+#if Q3_SIMT_ASAN
+    __sanitizer_start_switch_fiber(&b->scheduler_fake_stack, f->stack, f->stack_bytes);
+#endif
+    context_switch(&b->scheduler, &f->context);
+#if Q3_SIMT_ASAN
+    __sanitizer_finish_switch_fiber(b->scheduler_fake_stack, nullptr, nullptr);
+#endif
+    tl_fiber = nullptr;
+    b->running = nullptr;
+}
+
+// from the running fiber back to the scheduler (done: never to come back)
+static void yield(Block *b, Fiber *f, bool done) {
+#if Q3_SIMT_ASAN
+    __sanitizer_start_switch_fiber(done ? nullptr : &f->fake_stack, b->scheduler_stack_bottom,
+                                   b->scheduler_stack_size);
+#endif
+    context_switch(&f->context, &b->scheduler);
+#if Q3_SIMT_ASAN
+    __sanitizer_finish_switch_fiber(f->fake_stack, &b->scheduler_stack_bottom, &b->scheduler_stack_size);
+#endif
+}
+
+static void fiber_main(void *self) {
+    Fiber *f = (Fiber *)self;
+    Block *b = tl_block;
+#if Q3_SIMT_ASAN
+    __sanitizer_finish_switch_fiber(nullptr, &b->scheduler_stack_bottom, &b->scheduler_stack_size);
+#endif
+    b->launch->body(b->launch->args);
+    f->state = DONE;
+    yield(b, f, true);
+}
+
+void fail(const char *fmt, ...) {
+    Block *b = tl_block;
+    char msg[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    if (b && b->error.empty()) b->error = where() + ": " + msg;
+    if (!b || !tl_fiber) { /* outside a fiber: nothing to abandon */
+        fprintf(stderr, "simt: %s\n", msg);
+        abort();
+    }
+    Fiber *f = tl_fiber;
+    f->state = DONE;
+    for (;;) yield(b, f, true); // the scheduler stops the block; this fiber never runs again
+}
+
+// ---- barriers ----------------------------------------------------------------------------------
+
+void syncthreads(const char *site) {
+    Block *b = tl_block;
+    Fiber *f = tl_fiber;
+    if (!f) fail("__syncthreads outside a kernel");
+    f->state = AT_BARRIER;
+    f->site = site;
+    yield(b, f, false);
+}
+
+// "threads 0-31 at a.cu:10; threads 32-63 exited": who is where, for a failed barrier
+static std::string whereabouts(const Block *b) {
+    std::string out;
+    size_t i = 0;
+    while (i < b->fibers.size()) {
+        const Fiber &f = b->fibers[i];
+        size_t j = i + 1;
+        while (j < b->fibers.size() && b->fibers[j].state == f.state &&
+               (f.state == DONE || strcmp(b->fibers[j].site, f.site) == 0))
+            j++;
+        char part[200];
+        const char *what = f.state == DONE ? "exited" : f.state == AT_BARRIER ? "at __syncthreads" : "at a warp primitive";
+        snprintf(part, sizeof part, "%sthreads %zu-%zu %s%s%s", out.empty() ? "" : "; ", i, j - 1, what,
+                 f.state == DONE ? "" : " ", f.state == DONE ? "" : f.site);
+        out += part;
+        i = j;
+    }
+    return out;
+}
+
+// every thread waits: release a complete barrier, or fail
+static bool release_barrier(Block *b) {
+    const Fiber *first = nullptr;
+    bool exited = false, divergent = false, warp_op = false;
+    for (const Fiber &f : b->fibers) {
+        if (f.state == DONE) exited = true;
+        else if (f.state == IN_WARP_OP) warp_op = true;
+        else if (!first) first = &f;
+        else if (strcmp(f.site, first->site) != 0) divergent = true;
+    }
+    if (!first || exited || divergent || warp_op) {
+        const char *why = !first ? "a warp primitive that cannot complete (a lane of its mask is missing)"
+                          : divergent ? "a divergent barrier (threads wait at different __syncthreads)"
+                          : exited ? "a barrier some threads exited before (they never arrive)"
+                                   : "a barrier while other threads wait at a warp primitive";
+        char buf[160];
+        snprintf(buf, sizeof buf, "kernel %s, block (%u, %u, %u): deadlock at %s: ", b->launch->name, b->idx.x,
+                 b->idx.y, b->idx.z, why);
+        b->error = buf + whereabouts(b);
+        return false;
+    }
+    for (Fiber &f : b->fibers) f.state = READY;
+    return true;
+}
+
+// ---- warp collectives ----------------------------------------------------------------------------
+
+void warp_sync(Collective kind, unsigned mask, int width, const char *site, void *ctx,
+               void (*complete)(void *const ctx[32], unsigned mask)) {
+    Block *b = tl_block;
+    Fiber *f = tl_fiber;
+    if (!f) fail("a warp primitive outside a kernel");
+    const int warp = f->linear / 32, lane = f->linear % 32;
+    const int in_warp = std::min(32, b->threads - warp * 32);
+    const unsigned existing = in_warp == 32 ? 0xffffffffu : (1u << in_warp) - 1u;
+    if (!(mask >> lane & 1u)) fail("%s with mask 0x%08x, which does not name the calling lane %d", site, mask, lane);
+    if (mask & ~existing)
+        fail("%s with mask 0x%08x naming lanes past the block's last thread (warp %d has lanes 0-%d)", site, mask,
+             warp, in_warp - 1);
+    if (width != 32 && (width <= 0 || width > 32 || (width & (width - 1))))
+        fail("%s with width %d (expected a power of 2 up to 32)", site, width);
+    PendingCollective &p = b->warps[warp];
+    if (!p.open) {
+        p = PendingCollective{true, kind, width, mask, 0, site, {}, complete};
+    } else if (p.kind != kind || p.mask != mask || p.width != width) {
+        fail("lanes of warp %d at different warp primitives: this lane at %s (mask 0x%08x), lanes 0x%08x at %s "
+             "(mask 0x%08x)", warp, site, mask, p.arrived, p.site, p.mask);
+    }
+    p.ctx[lane] = ctx;
+    p.arrived |= 1u << lane;
+    if (p.arrived != p.mask) {
+        f->state = IN_WARP_OP;
+        f->site = site;
+        yield(b, f, false);
+        return;
+    }
+    // the last lane: the collective runs once, for every lane, before anyone goes on
+    void *ctxs[32];
+    memcpy(ctxs, p.ctx, sizeof ctxs);
+    const unsigned lanes = p.mask;
+    void (*done)(void *const[32], unsigned) = p.complete;
+    p.open = false;
+    p.arrived = 0;
+    if (done) done(ctxs, lanes);
+    for (int l = 0; l < 32; l++)
+        if (lanes >> l & 1u && l != lane) b->fibers[warp * 32 + l].state = READY;
+}
+
+struct LaneValue {
+    uint64_t value;
+    int arg;
+    Collective kind;
+    int width;
+    uint64_t result;
+};
+
+static void complete_values(void *const ctx[32], unsigned mask) {
+    LaneValue *v[32];
+    for (int l = 0; l < 32; l++) v[l] = (LaneValue *)ctx[l];
+    for (int l = 0; l < 32; l++) {
+        if (!(mask >> l & 1u)) continue;
+        LaneValue *me = v[l];
+        const int w = me->width, base = l & ~(w - 1);
+        int src = l;
+        switch (me->kind) {
+        case SHFL_IDX: src = base + ((me->arg % w + w) % w); break;
+        case SHFL_UP: src = l - me->arg >= base ? l - me->arg : l; break;
+        case SHFL_DOWN: src = l + me->arg < base + w ? l + me->arg : l; break;
+        case SHFL_XOR: src = (l ^ me->arg) < base + w && (l ^ me->arg) >= base ? l ^ me->arg : l; break;
+        default: break;
+        }
+        if (me->kind <= SHFL_XOR) {
+            // a lane outside the mask gives an undefined value on hardware: here, an error
+            if (!(mask >> src & 1u)) {
+                me->result = 0;
+                me->arg = -1 - src; // reported by the lane itself
+            } else {
+                me->result = v[src]->value;
+            }
+            continue;
+        }
+        unsigned bits = 0;
+        for (int o = 0; o < 32; o++)
+            if (mask >> o & 1u) {
+                if (me->kind == MATCH_ANY) bits |= (unsigned)(v[o]->value == me->value) << o;
+                else bits |= (unsigned)(v[o]->value != 0) << o;
+            }
+        me->result = me->kind == BALLOT || me->kind == MATCH_ANY ? bits
+                     : me->kind == ANY                           ? bits != 0
+                     : me->kind == ALL                           ? bits == mask
+                                                                 : 0;
+    }
+}
+
+uint64_t warp_collective(Collective kind, unsigned mask, uint64_t value, int arg, int width, const char *site) {
+    LaneValue me = {value, arg, kind, width, 0};
+    warp_sync(kind, mask, width, site, &me, kind == SYNCWARP ? nullptr : complete_values);
+    if (kind <= SHFL_XOR && me.arg < 0)
+        fail("%s reads lane %d, which is not in the mask (its value is undefined on hardware)", site, -1 - me.arg);
+    return me.result;
+}
+
+void warp_all(const char *site, void *ctx, void (*complete)(void *const ctx[32], unsigned mask)) {
+    warp_sync(WMMA, 0xffffffffu, 32, site, ctx, complete);
+}
+
+void wmma_check(const void *p, unsigned ldm, size_t element_bytes, const char *op) {
+    if ((uintptr_t)p % 32)
+        fail("%s at %p, which is not 32-byte (256-bit) aligned as the hardware requires", op, p);
+    if ((ldm * element_bytes) % 16 || ldm < 16)
+        fail("%s with ldm %u: expected at least 16 and a multiple of %zu elements (16 bytes)", op, ldm,
+             16 / element_bytes);
+}
+
+unsigned active_mask() {
+    Block *b = tl_block;
+    Fiber *f = tl_fiber;
+    const int warp = f->linear / 32;
+    unsigned m = 0;
+    for (int l = 0; l < 32 && warp * 32 + l < b->threads; l++)
+        if (b->fibers[warp * 32 + l].state != DONE) m |= 1u << l;
+    return m;
+}
+
+// ---- the block's scheduler -----------------------------------------------------------------------
+
+bool run_block(Block *b, int schedule, uint64_t seed) {
+    const size_t bytes = stack_bytes();
+    b->fibers.assign((size_t)b->threads, Fiber{});
+    b->warps.assign((size_t)(b->threads + 31) / 32, PendingCollective{});
+    void **stacks = stacks_acquire(b->threads);
+    if (!stacks) b->error = "simt: cannot make the block's threads (out of host memory for their stacks)";
+    tl_block = b;
+    for (int i = 0; stacks && i < b->threads; i++) {
+        Fiber &f = b->fibers[(size_t)i];
+        f.linear = i;
+        f.idx = make_uint3((unsigned)i % b->dim.x, (unsigned)i / b->dim.x % b->dim.y,
+                           (unsigned)i / (b->dim.x * b->dim.y));
+        f.stack_bytes = bytes;
+        f.stack = stacks[i];
+        f.state = READY;
+        f.site = "";
+        context_make(&f.context, f.stack, bytes, fiber_main, &f);
+    }
+    std::vector<int> order((size_t)b->threads);
+    for (int i = 0; i < b->threads; i++) order[(size_t)i] = schedule == REVERSE ? b->threads - 1 - i : i;
+    std::mt19937_64 rng(seed ^ ((uint64_t)b->idx.x * 0x9E3779B97F4A7C15ull) ^ ((uint64_t)b->idx.y << 32) ^ b->idx.z);
+    while (b->error.empty()) {
+        if (schedule == SHUFFLE) std::shuffle(order.begin(), order.end(), rng);
+        bool ran = false, all_done = true;
+        for (int i : order) {
+            Fiber &f = b->fibers[(size_t)i];
+            if (f.state == READY) {
+                enter(b, &f);
+                ran = true;
+                if (!b->error.empty()) break;
+            }
+            all_done = all_done && f.state == DONE;
+        }
+        if (!b->error.empty()) break;
+        if (!ran) {
+            all_done = std::all_of(b->fibers.begin(), b->fibers.end(), [](const Fiber &f) { return f.state == DONE; });
+            if (all_done) break;
+            if (!release_barrier(b)) break;
+        }
+    }
+    stacks_release(stacks, b->threads);
+    for (auto &s : b->statics) free(s.second);
+    b->statics.clear();
+    tl_block = nullptr;
+    return b->error.empty();
+}
+
+// ---- shared memory -------------------------------------------------------------------------------
+
+void *shared_static(const void *key, size_t bytes, size_t align, const char *name) {
+    Block *b = tl_block;
+    if (!b) fail("shared variable %s outside a kernel", name);
+    for (auto &s : b->statics)
+        if (s.first == key) return s.second;
+    b->static_bytes += bytes;
+    if (b->static_bytes > 48 * 1024)
+        fail("static shared memory of %zu bytes with %s (at most 48 KiB a block)", b->static_bytes, name);
+    void *p = nullptr;
+    if (posix_memalign(&p, align, bytes ? bytes : 1) != 0) fail("out of host memory for shared %s", name);
+    memset(p, 0xA5, bytes); // shared memory starts undefined: a read before a write shows
+    b->statics.emplace_back(key, p);
+    return p;
+}
+
+void *shared_dynamic() {
+    Block *b = tl_block;
+    if (!b) fail("dynamic shared memory outside a kernel");
+    return b->dynamic;
+}
+
+} // namespace simt
