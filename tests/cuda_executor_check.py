@@ -251,4 +251,19 @@ out["router ties"] = ties
 
 # the kernel self-check's own harness (uploads, pointer tables, tiles), twins against twins here
 out["kernel check"] = _C.cuda_check(0)
+# cuBLAS: the executor's stand-in opened as the library. The kernel check runs its two cuBLAS
+# cases and leaves cuBLAS as it found it (it used to save the new state as the old one, never
+# run them, and leave cuBLAS off); a prefill on the cuBLAS path against the CPU layer
+assert _C.cuda_blas_open(q3.cuda.SIMT_LIBRARY)
+blas_before = _C.cuda_blas_enable()
+blas_cases = [c for c in _C.cuda_check(0) if c[0].startswith("matmul cuBLAS")]
+cb = q3.DecoderLayer.random(CFG, seed=14, dtype="bfloat16")
+cb_gpu = _C.Layer(CFG, _C.random_weights(CFG, 14, "bfloat16"), None, 0)
+xb = _C.random_tensor((3, 40, 64), 15, "float32")
+want = host(cb._core.prefill(xb, cb._core.new_cache(64, 3), None, 16))
+got = host(cb_gpu.prefill(_C.copy_tensor(xb, 0), cb_gpu.new_cache(64, 3), None, 16))
+out["cublas stand-in"] = {"enabled before": blas_before, "enabled after": _C.cuda_blas_enable(),
+                          "cases": [[name, err, tol, agree] for name, err, tol, _, agree in blas_cases],
+                          "prefill rel err": rel(got, want)}
+
 print(json.dumps(out))

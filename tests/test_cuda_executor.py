@@ -135,3 +135,15 @@ def test_dead_outputs_device_blocks_serve_the_next_outputs(out):
     assert blocks["newest kept is the dead output"] and blocks["oldest evicted"]
     assert blocks["reused"] and blocks["live ones distinct"]
     assert blocks["kept after empty_cache"] == 0
+
+
+def test_the_kernel_check_runs_its_cublas_cases_and_leaves_cublas_as_it_was(out):
+    """With cuBLAS open (the executor's stand-in), check_kernels runs the two cuBLAS cases and
+    restores the setting it found: it used to read the new state as the old one, so it never
+    ran them and left cuBLAS off for the rest of the process. A prefill through blas.cu's
+    path matches the CPU layer."""
+    blas = out["cublas stand-in"]
+    assert blas["enabled before"] is True and blas["enabled after"] is True
+    assert [c[0] for c in blas["cases"]] == ["matmul cuBLAS T=70 N=80 K=96", "matmul cuBLAS T=512 N=4096 K=1536"]
+    assert all(err <= tol and agree for _, err, tol, agree in blas["cases"]), blas["cases"]
+    assert blas["prefill rel err"] < 2e-2

@@ -30,6 +30,20 @@ static PyObject *cuda_blas_open(PyObject *m, PyObject *arg) {
     return PyBool_FromLong(g->blas_open(path) == 0);
 }
 
+static PyObject *cuda_blas_enable(PyObject *m, PyObject *args) {
+    (void)m;
+    PyObject *on = Py_None;
+    if (!PyArg_ParseTuple(args, "|O:cuda_blas_enable", &on)) return NULL;
+    const int flag = on == Py_None ? -1 : PyObject_IsTrue(on);
+    if (flag == -1 && on != Py_None) return NULL;
+    const q3_cuda_ops *g = q3_cuda();
+    if (!g) {
+        PyErr_SetString(PyExc_RuntimeError, "cuda: the CUDA backend is not loaded");
+        return NULL;
+    }
+    return PyBool_FromLong(g->blas_enable(flag));
+}
+
 static PyObject *cuda_device_count(PyObject *m, PyObject *unused) {
     (void)m;
     (void)unused;
@@ -158,6 +172,9 @@ PyMethodDef q3_cuda_methods[] = {
     {"cuda_open", cuda_open, METH_O, "cuda_open(path)\n--\n\nLoad the CUDA launcher library (once)."},
     {"cuda_blas_open", cuda_blas_open, METH_O,
      "cuda_blas_open(path)\n--\n\nOpen cuBLAS for the prefill GEMMs (path None: the usual names); True if usable."},
+    {"cuda_blas_enable", cuda_blas_enable, METH_VARARGS,
+     "cuda_blas_enable(on=None)\n--\n\nThe prefill GEMMs through cuBLAS (True) or our WMMA kernel (False), where "
+     "cuBLAS was opened; None only reads. Returns whether cuBLAS is in use now."},
     {"cuda_device_count", cuda_device_count, METH_NOARGS,
      "cuda_device_count()\n--\n\nCUDA devices visible (0 before cuda_open or without a driver)."},
     {"cuda_check", cuda_check, METH_VARARGS,

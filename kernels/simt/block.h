@@ -81,6 +81,9 @@ void record_error(int code, const std::string &message);
 // a launch or queued operation on `stream`: true when the stream is capturing, and the
 // operation was recorded into its graph instead of run (launch->args then belong to it)
 bool capture_launch(void *stream, const Launch *launch);
+// work of the host (a copy, a memset, the cuBLAS stand-in's GEMM) queued on `stream` like a
+// launch: run now, or recorded while it captures; args are released by free_args either way
+int submit_host(void *stream, const char *name, void (*body)(void *), void *args, void (*free_args)(void *));
 
 } // namespace simt
 

@@ -94,16 +94,20 @@ static void memset_body(void *a) {
 }
 static void free_copy(void *a) { delete (CopyArgs *)a; }
 
-static cudaError_t queue(cudaStream_t stream, void (*body)(void *), CopyArgs args, const char *name) {
-    Launch l = {name, dim3(1), dim3(1), 0, nullptr, body, new CopyArgs(args), free_copy};
+int submit_host(void *stream, const char *name, void (*body)(void *), void *args, void (*free_args)(void *)) {
+    Launch l = {name, dim3(1), dim3(1), 0, nullptr, body, args, free_args};
     if (capture_launch(stream, &l)) return cudaSuccess;
     if (tl_capturing && tl_capturing->broken) {
-        free_copy(l.args);
+        free_args(args);
         return cudaErrorStreamCaptureImplicit;
     }
-    body(l.args);
-    free_copy(l.args);
+    body(args);
+    free_args(args);
     return cudaSuccess;
+}
+
+static cudaError_t queue(cudaStream_t stream, void (*body)(void *), CopyArgs args, const char *name) {
+    return (cudaError_t)submit_host(stream, name, body, new CopyArgs(args), free_copy);
 }
 
 } // namespace simt

@@ -1,0 +1,101 @@
+// A stand-in for the three cuBLAS entry points kernels/cuda/blas.cu opens at run time
+// (cublasCreate_v2, cublasSetStream_v2, cublasGemmEx), exported by libq3simt.so: opening the
+// executor's own library as "cuBLAS" (q3.cuda.emulate(cublas=True)) runs blas.cu's path and
+// the kernel check's cuBLAS cases on the CPU. Column-major, as cuBLAS:
+//     C [m, n] = alpha op(A) [m, k] op(B) [k, n] + beta C,  op(X) = X or X^T,
+// bf16 or fp32 inputs, fp32 output and accumulation; anything else is NOT_SUPPORTED.
+#include <stdint.h>
+#include <string.h>
+
+#include <library_types.h>
+
+#include <vector>
+
+#include "block.h"
+
+namespace {
+
+enum { STATUS_SUCCESS = 0, STATUS_INVALID_VALUE = 7, STATUS_NOT_SUPPORTED = 15, OP_N = 0, OP_T = 1 };
+
+struct Handle {
+    void *stream;
+};
+
+struct Gemm {
+    int transa, transb, m, n, k;
+    float alpha, beta;
+    const void *a, *b;
+    cudaDataType_t a_type, b_type;
+    int lda, ldb, ldc;
+    float *c;
+};
+
+float element(const void *p, cudaDataType_t t, int64_t i) {
+    if (t == CUDA_R_32F) return ((const float *)p)[i];
+    const uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+// op(X) as a float matrix [rows, k], each row contiguous along k
+std::vector<float> rows_of(const void *x, cudaDataType_t t, bool transposed, int rows, int k, int ld) {
+    std::vector<float> out((size_t)rows * k);
+    for (int r = 0; r < rows; r++)
+        for (int l = 0; l < k; l++)
+            out[(size_t)r * k + l] = element(x, t, transposed ? l + (int64_t)r * ld : r + (int64_t)l * ld);
+    return out;
+}
+
+float dot(const float *a, const float *b, int k) {
+    float acc[8] = {0};
+    int l = 0;
+    for (; l + 8 <= k; l += 8)
+        for (int u = 0; u < 8; u++) acc[u] += a[l + u] * b[l + u];
+    for (; l < k; l++) acc[0] += a[l] * b[l];
+    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+void run_gemm(void *args) {
+    const Gemm *g = (const Gemm *)args;
+    // op(A) [m, k]: A^T when transa is T (A stored [k, m] column-major); op(B)^T [n, k] likewise
+    const std::vector<float> a = rows_of(g->a, g->a_type, g->transa == OP_T, g->m, g->k, g->lda);
+    const std::vector<float> b = rows_of(g->b, g->b_type, g->transb == OP_N, g->n, g->k, g->ldb);
+    for (int j = 0; j < g->n; j++)
+        for (int i = 0; i < g->m; i++) {
+            const float s = dot(&a[(size_t)i * g->k], &b[(size_t)j * g->k], g->k);
+            float *c = g->c + i + (int64_t)j * g->ldc;
+            *c = g->alpha * s + (g->beta != 0.0f ? g->beta * *c : 0.0f);
+        }
+}
+
+void free_gemm(void *args) { delete (Gemm *)args; }
+
+} // namespace
+
+extern "C" int cublasCreate_v2(void **handle) {
+    *handle = new Handle{nullptr};
+    return STATUS_SUCCESS;
+}
+
+extern "C" int cublasSetStream_v2(void *handle, cudaStream_t stream) {
+    ((Handle *)handle)->stream = stream;
+    return STATUS_SUCCESS;
+}
+
+extern "C" int cublasGemmEx(void *handle, int transa, int transb, int m, int n, int k, const void *alpha, const void *a,
+                            cudaDataType_t a_type, int lda, const void *b, cudaDataType_t b_type, int ldb,
+                            const void *beta, void *c, cudaDataType_t c_type, int ldc, int compute, int algo) {
+    (void)compute;
+    (void)algo;
+    const bool input_ok = (a_type == CUDA_R_16BF || a_type == CUDA_R_32F) && (b_type == CUDA_R_16BF || b_type == CUDA_R_32F);
+    if (!input_ok || c_type != CUDA_R_32F) return STATUS_NOT_SUPPORTED;
+    if (m < 0 || n < 0 || k < 0 || (transa != OP_N && transa != OP_T) || (transb != OP_N && transb != OP_T) ||
+        ldc < (m > 1 ? m : 1))
+        return STATUS_INVALID_VALUE;
+    Gemm *g = new Gemm{transa, transb, m, n, k, *(const float *)alpha, *(const float *)beta, a, b, a_type, b_type,
+                       lda, ldb, ldc, (float *)c};
+    return simt::submit_host(((Handle *)handle)->stream, "cublasGemmEx (stand-in)", run_gemm, g, free_gemm) == 0
+               ? STATUS_SUCCESS
+               : STATUS_INVALID_VALUE;
+}
