@@ -19,7 +19,9 @@ needed), the same kernels/cuda/*.cu are also compiled by the host C++ compiler (
 with -DQ3_SIMT against the SIMT executor (kernels/simt: its cuda_runtime.h and mma.h come
 first on the include path) into qwen3layer/libq3simt.so: a CUDA device that runs the real
 kernels on the CPU (qwen3layer.cuda.emulate()). Q3_SIMT=0 skips it. A sanitized build
-instruments it too.
+instruments it too. Its recipe is in module-level helpers (simt_recipe, compile_objects, link_library), which
+benchmarks/simt_check.py imports to build variants with a defect planted (-DQ3_MUTANT_ID=n):
+setup() runs only where this file is the main script (pip's build backend, python setup.py).
 
 Q3_SANITIZE=address,undefined (any list of -fsanitize= kinds) builds the extension, kernel
 variants included, instrumented: -fsanitize=<kinds> -fno-sanitize-recover=undefined
@@ -58,10 +60,17 @@ def isa_variants():
 
 
 SANITIZE = os.environ.get("Q3_SANITIZE", "").strip()
-# -fno-wrapv: Python's own CFLAGS carry -fwrapv, which defines signed overflow and so hides it
-# from UBSan; the sanitized build checks it as the C standard has it (undefined)
-SANITIZE_FLAGS = ([f"-fsanitize={SANITIZE}", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer",
-                   "-fno-wrapv", "-g", "-O1"] if SANITIZE else [])
+
+
+def sanitize_flags(kinds):
+    """The compile flags of a build instrumented with -fsanitize=<kinds> ([] for none).
+    -fno-wrapv: Python's own CFLAGS carry -fwrapv, which defines signed overflow and so hides
+    it from UBSan; the sanitized build checks it as the C standard has it (undefined)."""
+    return ([f"-fsanitize={kinds}", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer",
+             "-fno-wrapv", "-g", "-O1"] if kinds else [])
+
+
+SANITIZE_FLAGS = sanitize_flags(SANITIZE)
 CUDA_ARCHS = ["-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90"]
 
 
@@ -90,6 +99,47 @@ def find_cuda_headers():
     return None
 
 
+def compile_objects(tool, compile_flags, sources, headers, objdir, force=False):
+    """Compiles the stale sources (newer than their object or a header) with `tool`, in
+    parallel (one core a file), into objdir/<name>.o; the objects in the sources' order."""
+    os.makedirs(objdir, exist_ok=True)
+    objects, stale = [], []
+    newest_header = max(map(os.path.getmtime, headers), default=0)
+    for src in sources:
+        obj = os.path.join(objdir, os.path.basename(src) + ".o")
+        if force or not os.path.exists(obj) or os.path.getmtime(obj) < max(os.path.getmtime(src), newest_header):
+            stale.append((src, obj))
+        objects.append(obj)
+
+    def compile_one(job):
+        src, obj = job
+        print(f"{os.path.basename(tool)} {src}")
+        subprocess.check_call([tool, *compile_flags, "-c", src, "-o", obj])
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        list(pool.map(compile_one, stale))
+    return objects
+
+
+def link_library(tool, objects, link_flags, target):
+    """Links the objects into the shared library `target` with `tool`."""
+    os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
+    subprocess.check_call([tool, *objects, *link_flags, "-o", target])
+
+
+def simt_recipe(include, sanitize=SANITIZE_FLAGS):
+    """How libq3simt.so (the SIMT executor with kernels/cuda/*.cu) is built, given the CUDA
+    toolkit's include folder and the sanitizer flags: (compiler, compile flags, link flags,
+    sources, headers). Also for benchmarks/simt_check.py's variants with planted defects."""
+    flags = ["-std=c++17", "-x", "c++", "-DQ3_SIMT", "-O2", "-g", "-fPIC", "-fno-strict-aliasing", "-Wall",
+             "-Wno-unused-function", "-Wno-unknown-pragmas", "-Ikernels/simt/include", f"-I{include}", *sanitize]
+    headers = (glob.glob("kernels/simt/*.h") + glob.glob("kernels/simt/include/*.h") + glob.glob("kernels/cuda/*.cuh")
+               + glob.glob("kernels/cuda/*.h") + glob.glob("kernels/*.h"))
+    sources = sorted(glob.glob("kernels/cuda/*.cu")) + sorted(glob.glob("kernels/simt/*.cpp"))
+    link = ["-shared", "-pthread", *[f for f in sanitize if f.startswith("-fsanitize")]]
+    return os.environ.get("CXX", "g++"), flags, link, sources, headers
+
+
 class BuildKernelVariants(build_ext):
     """Compiles kernels/cpu/*.c once per variant and links every copy into the extension;
     builds libq3cuda.so beside it when nvcc is there."""
@@ -102,26 +152,9 @@ class BuildKernelVariants(build_ext):
             self.build_lib = os.path.join("build", "sanitize", tag, "lib")
 
     def compile_library(self, tool, compile_flags, link_flags, sources, headers, objdir, target):
-        """Compiles the stale sources (newer than their object or a header) with `tool`, in
-        parallel (one core a file), and links `target`."""
-        os.makedirs(objdir, exist_ok=True)
-        objects, stale = [], []
-        newest_header = max(map(os.path.getmtime, headers), default=0)
-        for src in sources:
-            obj = os.path.join(objdir, os.path.basename(src) + ".o")
-            if self.force or not os.path.exists(obj) or os.path.getmtime(obj) < max(os.path.getmtime(src), newest_header):
-                stale.append((src, obj))
-            objects.append(obj)
-
-        def compile_one(job):
-            src, obj = job
-            print(f"{os.path.basename(tool)} {src}")
-            subprocess.check_call([tool, *compile_flags, "-c", src, "-o", obj])
-
-        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            list(pool.map(compile_one, stale))
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        subprocess.check_call([tool, *objects, *link_flags, "-o", target])
+        """Compiles the stale sources with `tool` (compile_objects) and links `target`."""
+        objects = compile_objects(tool, compile_flags, sources, headers, objdir, self.force)
+        link_library(tool, objects, link_flags, target)
 
     def build_cuda(self, ext):
         nvcc = find_nvcc()
@@ -148,14 +181,7 @@ class BuildKernelVariants(build_ext):
             if os.path.exists(target):
                 os.remove(target)
             return
-        cxx = os.environ.get("CXX", "g++")
-        flags = ["-std=c++17", "-x", "c++", "-DQ3_SIMT", "-O2", "-g", "-fPIC", "-fno-strict-aliasing", "-Wall", "-Wno-unused-function",
-                 "-Wno-unknown-pragmas",
-                 "-Ikernels/simt/include", f"-I{include}", *SANITIZE_FLAGS]
-        headers = (glob.glob("kernels/simt/*.h") + glob.glob("kernels/simt/include/*.h") + glob.glob("kernels/cuda/*.cuh")
-                   + glob.glob("kernels/cuda/*.h") + glob.glob("kernels/*.h"))
-        sources = sorted(glob.glob("kernels/cuda/*.cu")) + sorted(glob.glob("kernels/simt/*.cpp"))
-        link = ["-shared", "-pthread", *[f for f in SANITIZE_FLAGS if f.startswith("-fsanitize")]]
+        cxx, flags, link, sources, headers = simt_recipe(include)
         self.compile_library(cxx, flags, link, sources, headers, os.path.join(self.build_temp, "simt"), target)
         print(f"qwen3layer: built the SIMT executor {target}")
 
@@ -196,17 +222,18 @@ class BuildKernelVariants(build_ext):
             self.force = forced
 
 
-setup(
-    version=VERSION,
-    cmdclass={"build_ext": BuildKernelVariants},
-    ext_modules=[
-        Extension(
-            "qwen3layer._C",
-            sources=[src for layer in CSRC_LAYERS for src in sorted(glob.glob(f"csrc/{layer}/*.c"))],
-            extra_compile_args=COMMON + [f'-DQ3_VERSION="{VERSION}"'] + SANITIZE_FLAGS,
-            extra_link_args=["-fopenmp", "-ldl"] + SANITIZE_FLAGS,
-            depends=sorted(glob.glob("csrc/*/*.h")) + sorted(glob.glob("kernels/*.h"))
-            + sorted(glob.glob("kernels/cpu/*.h")),
-        )
-    ],
-)
+if __name__ == "__main__":  # pip and `python setup.py` run it so; benchmarks/simt_check.py imports the helpers
+    setup(
+        version=VERSION,
+        cmdclass={"build_ext": BuildKernelVariants},
+        ext_modules=[
+            Extension(
+                "qwen3layer._C",
+                sources=[src for layer in CSRC_LAYERS for src in sorted(glob.glob(f"csrc/{layer}/*.c"))],
+                extra_compile_args=COMMON + [f'-DQ3_VERSION="{VERSION}"'] + SANITIZE_FLAGS,
+                extra_link_args=["-fopenmp", "-ldl"] + SANITIZE_FLAGS,
+                depends=sorted(glob.glob("csrc/*/*.h")) + sorted(glob.glob("kernels/*.h"))
+                + sorted(glob.glob("kernels/cpu/*.h")),
+            )
+        ],
+    )

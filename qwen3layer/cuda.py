@@ -45,22 +45,25 @@ def load() -> None:
             _blas = ""
 
 
-def emulate(cublas: bool = False) -> None:
+def emulate(path: Optional[str] = None, cublas: bool = False) -> None:
     """Makes CUDA device 0 the SIMT executor: the real CUDA kernels (kernels/cuda/*.cu, built
     for the CPU) run on the CPU under CUDA's execution model, with what the hardware would
     reject reported as an error naming the kernel, block and thread. Instead of load(), once
-    per process: for tests and for stepping through a kernel without a GPU. cublas=True also
-    opens the executor's stand-in for cuBLAS (a plain CPU GEMM behind cuBLAS's entry points),
-    so the prefill GEMMs take the cuBLAS path as on a GPU that has it. RuntimeError if this
-    build has no executor (the CUDA toolkit's headers were not found when it was built)."""
+    per process: for tests and for stepping through a kernel without a GPU. RuntimeError if
+    this build has no executor (the CUDA toolkit's headers were not found when it was built).
+    path: another build of the executor (benchmarks/simt_check.py's variants with a planted
+    defect) instead of the package's libq3simt.so. cublas=True also opens the executor's
+    stand-in for cuBLAS (a plain CPU GEMM behind cuBLAS's entry points), so the prefill GEMMs
+    take the cuBLAS path as on a GPU that has it."""
     global _blas
-    if not os.path.exists(SIMT_LIBRARY):
+    if path is None and not os.path.exists(SIMT_LIBRARY):
         raise RuntimeError("cuda: this build has no SIMT executor (the CUDA toolkit's headers were not found when "
                            "it was built)")
-    _C.cuda_open(SIMT_LIBRARY)
+    library = os.path.abspath(path) if path is not None else SIMT_LIBRARY
+    _C.cuda_open(library)
     if cublas:
-        if not _C.cuda_blas_open(SIMT_LIBRARY):
-            raise RuntimeError(f"cuda: {SIMT_LIBRARY} has no cuBLAS stand-in")
+        if not _C.cuda_blas_open(library):
+            raise RuntimeError(f"cuda: {library} has no cuBLAS stand-in")
         _blas = "the SIMT executor's stand-in"
     elif _blas is None:
         _blas = ""
