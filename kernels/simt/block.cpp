@@ -297,25 +297,45 @@ bool run_block(Block *b, int schedule, uint64_t seed) {
         f.site = "";
         context_make(&f.context, f.stack, bytes, fiber_main, &f);
     }
+    // FORWARD and REVERSE: one step of every ready fiber a pass, in index order or its
+    // reverse, so the warps go in lockstep. SHUFFLE: the warps in a seeded order, each run
+    // (its lanes in a seeded order) until none of its lanes is ready, i.e. to a barrier or
+    // its end, before the next: one warp gets a whole barrier interval ahead of the others,
+    // so a shared buffer overwritten without a barrier while other warps still read it shows
     std::vector<int> order((size_t)b->threads);
     for (int i = 0; i < b->threads; i++) order[(size_t)i] = schedule == REVERSE ? b->threads - 1 - i : i;
+    std::vector<int> warp_order((size_t)(b->threads + 31) / 32);
+    for (size_t w = 0; w < warp_order.size(); w++) warp_order[w] = (int)w;
     std::mt19937_64 rng(seed ^ ((uint64_t)b->idx.x * 0x9E3779B97F4A7C15ull) ^ ((uint64_t)b->idx.y << 32) ^ b->idx.z);
-    while (b->error.empty()) {
-        if (schedule == SHUFFLE) std::shuffle(order.begin(), order.end(), rng);
-        bool ran = false, all_done = true;
-        for (int i : order) {
-            Fiber &f = b->fibers[(size_t)i];
+    // one step of each ready fiber of order[first, first + n); whether any ran
+    auto step = [&](int first, int n) {
+        bool ran = false;
+        for (int k = first; k < first + n && b->error.empty(); k++) {
+            Fiber &f = b->fibers[(size_t)order[(size_t)k]];
             if (f.state == READY) {
                 enter(b, &f);
                 ran = true;
-                if (!b->error.empty()) break;
             }
-            all_done = all_done && f.state == DONE;
+        }
+        return ran;
+    };
+    while (b->error.empty()) {
+        bool ran = false;
+        if (schedule == SHUFFLE) {
+            std::shuffle(warp_order.begin(), warp_order.end(), rng);
+            for (int w : warp_order) {
+                const int first = w * 32, n = std::min(32, b->threads - first);
+                for (bool again = true; again && b->error.empty(); ran = ran || again) {
+                    std::shuffle(order.begin() + first, order.begin() + first + n, rng);
+                    again = step(first, n);
+                }
+            }
+        } else {
+            ran = step(0, b->threads);
         }
         if (!b->error.empty()) break;
         if (!ran) {
-            all_done = std::all_of(b->fibers.begin(), b->fibers.end(), [](const Fiber &f) { return f.state == DONE; });
-            if (all_done) break;
+            if (std::all_of(b->fibers.begin(), b->fibers.end(), [](const Fiber &f) { return f.state == DONE; })) break;
             if (!release_barrier(b)) break;
         }
     }

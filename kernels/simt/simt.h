@@ -7,11 +7,12 @@
 // Model: a grid's blocks run one at a time per worker OS thread; the threads of a block are
 // fibers on that OS thread. A fiber runs until it reaches a barrier, a warp primitive or its
 // end, then the block's scheduler picks the next one in the launch's schedule order (forward,
-// reverse or a seeded shuffle, kernels/simt/schedule.h), so a missing barrier shows as a
-// difference between schedules. What the hardware would reject (threads at different
-// barriers, a lane missing from a warp primitive, too much shared memory, a misaligned
-// tensor-core pointer) fails the launch with a message naming the kernel, the block and the
-// thread: cudaGetErrorString of the launch's error returns it.
+// reverse, or the warps in a seeded order, each run ahead to its next barrier: Schedule
+// below), so a missing barrier shows as a difference between schedules. What the hardware
+// would reject (threads at different barriers, a lane missing from a warp primitive, too
+// much shared memory, a misaligned tensor-core pointer) fails the launch with a
+// message naming the kernel, the block and the thread: cudaGetErrorString of the launch's
+// error returns it.
 #ifndef Q3_SIMT_H
 #define Q3_SIMT_H
 
@@ -119,9 +120,14 @@ Launcher<A...> launch(void (*kernel)(A...), const char *name, dim3 grid, dim3 bl
 
 // ---- schedules (for the race check) --------------------------------------------------------------
 
+// FORWARD, REVERSE: one step (to its next synchronisation point) of each ready fiber in turn,
+// in index order or its reverse, so the warps go in lockstep; SHUFFLE: the warps in a seeded
+// order, each run with its lanes in a seeded order until all of them wait at a barrier or
+// have ended, so one warp gets a barrier interval ahead of the others (a tile staged over
+// one that other warps still read shows)
 enum Schedule { FORWARD = 0, REVERSE = 1, SHUFFLE = 2 };
-// the order in which the fibers of each block are run between synchronisation points, for
-// the launches that follow (seed: of the shuffle)
+// the order in which the fibers of each block are run, for the launches that follow (seed:
+// of the shuffle)
 extern "C" void q3_simt_set_schedule(int schedule, uint64_t seed);
 
 } // namespace simt
