@@ -19,7 +19,9 @@ needed), the same kernels/cuda/*.cu are also compiled by the host C++ compiler (
 with -DQ3_SIMT against the SIMT executor (kernels/simt: its cuda_runtime.h and mma.h come
 first on the include path) into qwen3layer/libq3simt.so: a CUDA device that runs the real
 kernels on the CPU (qwen3layer.cuda.emulate()). Q3_SIMT=0 skips it. A sanitized build
-instruments it too. Its recipe is in module-level helpers (simt_recipe, compile_objects, link_library), which
+instruments it too. Its every typed access is checked for alignment (-fsanitize=alignment,
+handled by the executor itself: a misaligned load fails the launch, as on a GPU). Its recipe
+is in module-level helpers (simt_recipe, compile_objects, link_library), which
 benchmarks/simt_check.py imports to build variants with a defect planted (-DQ3_MUTANT_ID=n):
 setup() runs only where this file is the main script (pip's build backend, python setup.py).
 
@@ -130,9 +132,13 @@ def link_library(tool, objects, link_flags, target):
 def simt_recipe(include, sanitize=SANITIZE_FLAGS):
     """How libq3simt.so (the SIMT executor with kernels/cuda/*.cu) is built, given the CUDA
     toolkit's include folder and the sanitizer flags: (compiler, compile flags, link flags,
-    sources, headers). Also for benchmarks/simt_check.py's variants with planted defects."""
+    sources, headers). Also for benchmarks/simt_check.py's variants with planted defects.
+    -fsanitize=alignment: every typed access is checked for its alignment, and the executor
+    (kernels/simt/reports.cpp) handles the check itself, as a failed launch, so no UBSan
+    runtime is needed (and in a sanitized build too: -fsanitize-recover=alignment)."""
     flags = ["-std=c++17", "-x", "c++", "-DQ3_SIMT", "-O2", "-g", "-fPIC", "-fno-strict-aliasing", "-Wall",
-             "-Wno-unused-function", "-Wno-unknown-pragmas", "-Ikernels/simt/include", f"-I{include}", *sanitize]
+             "-Wno-unused-function", "-Wno-unknown-pragmas", "-Ikernels/simt/include", f"-I{include}", *sanitize,
+             "-fsanitize=alignment", "-fsanitize-recover=alignment"]
     headers = (glob.glob("kernels/simt/*.h") + glob.glob("kernels/simt/include/*.h") + glob.glob("kernels/cuda/*.cuh")
                + glob.glob("kernels/cuda/*.h") + glob.glob("kernels/*.h"))
     sources = sorted(glob.glob("kernels/cuda/*.cu")) + sorted(glob.glob("kernels/simt/*.cpp"))

@@ -33,15 +33,20 @@ const uint3 &block_idx() { return tl_block->idx; }
 const dim3 &block_dim() { return tl_block->dim; }
 const dim3 &grid_dim() { return tl_block->launch->grid; }
 
+bool where(char *buf, size_t n) {
+    const Block *b = tl_block;
+    if (!b) snprintf(buf, n, "outside a kernel");
+    else if (tl_fiber)
+        snprintf(buf, n, "kernel %s, block (%u, %u, %u), thread (%u, %u, %u)", b->launch->name, b->idx.x, b->idx.y,
+                 b->idx.z, tl_fiber->idx.x, tl_fiber->idx.y, tl_fiber->idx.z);
+    else
+        snprintf(buf, n, "kernel %s, block (%u, %u, %u)", b->launch->name, b->idx.x, b->idx.y, b->idx.z);
+    return b != nullptr;
+}
+
 std::string where() {
     char buf[256];
-    const Block *b = tl_block;
-    if (!b) return "outside a kernel";
-    if (tl_fiber)
-        snprintf(buf, sizeof buf, "kernel %s, block (%u, %u, %u), thread (%u, %u, %u)", b->launch->name, b->idx.x,
-                 b->idx.y, b->idx.z, tl_fiber->idx.x, tl_fiber->idx.y, tl_fiber->idx.z);
-    else
-        snprintf(buf, sizeof buf, "kernel %s, block (%u, %u, %u)", b->launch->name, b->idx.x, b->idx.y, b->idx.z);
+    where(buf, sizeof buf);
     return buf;
 }
 

@@ -69,6 +69,12 @@ void warp_sync(Collective kind, unsigned mask, int width, const char *site, void
 
 // "kernel k, block (x, y, z), thread (x, y, z)": where the running fiber is
 std::string where();
+// the same into buf[n], without allocating (for a signal handler); false outside a kernel
+bool where(char *buf, size_t n);
+
+// from the first launch on, an abort inside a kernel (a sanitizer's report) prints where it
+// came from (reports.cpp)
+void report_aborts();
 
 // ---- launches and the runtime (launch.cpp, runtime_api.cpp) -----------------------------------
 

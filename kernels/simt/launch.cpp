@@ -73,6 +73,7 @@ static int workers(unsigned long long blocks) {
 }
 
 int run_launch(const Launch *l) {
+    report_aborts();
     const std::string bad = config_error(l);
     if (!bad.empty()) {
         record_error(cudaErrorInvalidConfiguration, std::string("kernel ") + l->name + ": launch with " + bad);

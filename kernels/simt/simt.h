@@ -10,7 +10,7 @@
 // reverse, or the warps in a seeded order, each run ahead to its next barrier: Schedule
 // below), so a missing barrier shows as a difference between schedules. What the hardware
 // would reject (threads at different barriers, a lane missing from a warp primitive, too
-// much shared memory, a misaligned tensor-core pointer) fails the launch with a
+// much shared memory, a misaligned tensor-core pointer or access) fails the launch with a
 // message naming the kernel, the block and the thread: cudaGetErrorString of the launch's
 // error returns it.
 #ifndef Q3_SIMT_H
