@@ -28,7 +28,7 @@ __global__ void attention_kernel(float *out, float *partial, const float *q, con
     float *kt = smem, *vt = smem + KEY_TILE * D;
     const q3_attn_seq sq = seqs[s];
     const int64_t head_off = (int64_t)h * sh.capacity * D;
-    const int64_t n_keys = sq.n_past + t + 1;
+    const int64_t n_keys = sq.n_past + t + 1 + Q3_MUTANT(2);
     // keys [lo, n_keys): after the sequence's padding, or only itself for a padding token
     const int64_t lo = n_keys - 1 >= sq.start ? sq.start : n_keys - 1;
     const int64_t per = (n_keys - lo + splits - 1) / splits;
@@ -44,13 +44,14 @@ __global__ void attention_kernel(float *out, float *partial, const float *q, con
             kt[e] = q3_load(sq.k, sh.kv_dtype, head_off + j0 * D + e);
             vt[e] = q3_load(sq.v, sh.kv_dtype, head_off + j0 * D + e);
         }
-        __syncthreads();
+        if (!Q3_MUTANT(1)) __syncthreads();
         if (warp >= G) continue;
         float sc = -INFINITY;
         if (lane < nj) {
             float d = 0.0f;
             for (int i = 0; i < D; i++) d += qr[i] * kt[lane * D + i];
             sc = d * sh.scale;
+            if (Q3_MUTANT(7)) __syncthreads();
         }
         const float mt = fmaxf(m, q3_warp_max(sc));
         const float p = lane < nj ? expf(sc - mt) : 0.0f;
@@ -126,7 +127,7 @@ extern "C" int q3_attention_cuda(float *out, const float *q, const q3_attn_seq *
         splits = (int)(want < Q3_SPLIT_MAX ? want : Q3_SPLIT_MAX);
     }
     cudaStream_t s = (cudaStream_t)stream;
-    const size_t smem = 2 * KEY_TILE * (size_t)shape->head_dim * sizeof(float);
+    const size_t smem = 2 * KEY_TILE * (size_t)(Q3_MUTANT(8) ? MAX_D : shape->head_dim) * sizeof(float);
     Q3_LAUNCH(attention_kernel, dim3(items, (unsigned)splits), G * 32, smem, s)(out, partial, q, seqs, *shape, splits);
     if (splits > 1) {
         const int64_t rows = (int64_t)n_seqs * shape->L * shape->heads;

@@ -45,7 +45,8 @@ __device__ __forceinline__ void stage_queries(__nv_bfloat16 (*qs)[LDQ], const fl
 __device__ __forceinline__ void stage_keys(__nv_bfloat16 (*dst)[LDQ], const void *cache, const q3_attn_shape *sh,
                                            int h, int64_t j0, int64_t end) {
     const int D = sh->head_dim, vecs = D / 8; // 8 bf16 per 16-byte load
-    const uint4 *src = (const uint4 *)((const uint16_t *)cache + ((int64_t)h * sh->capacity + j0) * D);
+    const uint16_t *row = (const uint16_t *)cache + ((int64_t)h * sh->capacity + j0) * D + Q3_MUTANT(5);
+    const uint4 *src = (const uint4 *)row;
     for (int e = threadIdx.x; e < KT * vecs; e += blockDim.x) {
         const int j = e / vecs, c = e % vecs;
         const uint4 v = j0 + j < end ? src[(int64_t)j * vecs + c] : make_uint4(0u, 0u, 0u, 0u);

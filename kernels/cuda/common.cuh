@@ -21,6 +21,16 @@ template <class T> using q3_shared_t = T; // lets Q3_SHARED take array types: q3
 #define Q3_DYNAMIC_SHARED(T, name) extern __shared__ __align__(16) T name[]
 #endif
 
+// Planted defects (benchmarks/simt_check.py --mutants, tests/test_simt_mutants.py): a build
+// with -DQ3_MUTANT_ID=n turns on defect n, written in a kernel as an expression such as
+// `if (!Q3_MUTANT(n)) __syncthreads();` for its number n, to show that the SIMT executor reports it. Every
+// other build, nvcc's and the executor's alike, sees the constant 0 and compiles it away.
+#ifdef Q3_MUTANT_ID
+#define Q3_MUTANT(n) (Q3_MUTANT_ID == (n))
+#else
+#define Q3_MUTANT(n) 0
+#endif
+
 // element i of a tensor of dtype dt, as fp32
 __device__ __forceinline__ float q3_load(const void *p, q3_dtype dt, int64_t i) {
     if (dt == Q3_BF16) return __uint_as_float((uint32_t)((const uint16_t *)p)[i] << 16);

@@ -36,7 +36,7 @@ __global__ void matmul_tc_kernel(float *y, const __nv_bfloat16 *xb, const __nv_b
         }
         __syncthreads();
         wmma_slice_mma(acc, xs, ws, wt, wn);
-        __syncthreads();
+        if (!Q3_MUTANT(10)) __syncthreads();
     }
     // through shared memory, to honour the edges and `accumulate`
 #pragma unroll
@@ -44,7 +44,7 @@ __global__ void matmul_tc_kernel(float *y, const __nv_bfloat16 *xb, const __nv_b
 #pragma unroll
         for (int j = 0; j < 2; j++) {
             const int64_t t = t0 + wt + 16 * i, n = n0 + wn + 16 * j;
-            wmma_store(y + t * N + n, N, T - t, N - n, acc[i][j], out[warp], accumulate);
+            wmma_store(y + t * N + n, N, T - t, N - n, acc[i][j], out[warp + Q3_MUTANT(4)], accumulate);
         }
 }
 

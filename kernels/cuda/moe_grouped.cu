@@ -37,7 +37,8 @@ __global__ void moe_route_kernel(int64_t *offsets, int32_t *rows, float *weights
     }
     int pairs_to = pairs, chosen_to = chosen; // inclusive warp scans
     for (int o = 1; o < 32; o <<= 1) {
-        const int p = __shfl_up_sync(0xffffffffu, pairs_to, o), c = __shfl_up_sync(0xffffffffu, chosen_to, o);
+        const int p = __shfl_up_sync(0xffffffffu, pairs_to, o + Q3_MUTANT(3));
+        const int c = __shfl_up_sync(0xffffffffu, chosen_to, o);
         if (lane >= o) {
             pairs_to += p;
             chosen_to += c;
@@ -63,7 +64,7 @@ __global__ void moe_route_kernel(int64_t *offsets, int32_t *rows, float *weights
     for (int64_t p0 = 0; p0 < P; p0 += 32) {
         const int64_t p = p0 + lane;
         const int e = p < P ? idx[p] : -1;
-        const unsigned same = __match_any_sync(0xffffffffu, e);
+        const unsigned same = __match_any_sync(Q3_MUTANT(6) ? 0x0000ffffu : 0xffffffffu, e);
         if (p < P) {
             const int s = fill[e] + __popc(same & below);
             rows[s] = (int32_t)(p / k);

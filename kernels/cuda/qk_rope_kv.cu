@@ -36,7 +36,7 @@ __global__ void qk_rope_kv_kernel(float *q, float *k, const float *v, const void
     const float inv = rsqrtf(q3_warp_sum(ss) / (float)D + eps);
     const void *w = h < Hq ? q_norm : k_norm;
     for (int i = lane; i < D; i += 32) head[warp][i] = q3_load(w, w_dt, i) * (vec[i] * inv);
-    __syncwarp();
+    if (!Q3_MUTANT(9)) __syncwarp();
     const float p = (float)pos[r];
     for (int i = lane; i < half; i += 32) {
         const float a = p * (1.0f / powf(theta, (float)(2 * i) / (float)D));
