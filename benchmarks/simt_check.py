@@ -1,0 +1,345 @@
+"""What the SIMT executor covers, in one command.
+
+    python benchmarks/simt_check.py              every kernel case on the executor
+    python benchmarks/simt_check.py --mutants    ... then each planted defect, which must be caught
+
+Runs q3.cuda.emulate() + q3.cuda.check_kernels() (each CUDA kernel against its CPU twin under
+the executor's three thread schedules) in a subprocess with the package's libq3simt.so (it
+builds nothing for this), prints a table (kernel, cases, schedules, result) and ends with
+exactly one line `simt: K kernels, C cases, M/M planted defects caught`.
+
+With --mutants it then builds, for each defect planted in kernels/cuda/*.cu behind
+Q3_MUTANT(n) (kernels/cuda/common.cuh), a variant of the executor compiled with
+-DQ3_MUTANT_ID=n (setup.py's recipe, simt_recipe; only the files with the plant are compiled
+again, the others' objects are built once in build/simt-check/ and reused), runs the kernel
+check against it in a subprocess and decides whether the defect was caught: a case over its
+tolerance (the twin), a case whose results differ across schedules (the race check), the
+executor's error (a launch that fails, naming kernel, block and thread), or a sanitizer's
+report (the shared-memory overflow needs the variant built with AddressSanitizer, run with
+gcc's libasan preloaded as .ci/sanitize does). One row per defect: what was planted, where,
+and what caught it. Exit status 1 when a planted defect is not caught or a real case fails.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from typing import Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BUILD = os.path.join(ROOT, "build", "simt-check")
+
+# the kernels each case of csrc/check/kernel_check.c runs, by the start of its name (the first
+# match wins); a case that matches none is shown as a row of its own
+CASE_KERNELS = [
+    ("add + rmsnorm", ["add_rmsnorm_kernel"]),
+    ("rmsnorm", ["rmsnorm_kernel"]),
+    ("matmul tensor cores", ["round_bf16_kernel", "matmul_tc_kernel"]),
+    ("matmul WMMA only", ["round_bf16_kernel", "matmul_tc_kernel"]),
+    ("matmul cuBLAS", ["round_bf16_kernel", "cuBLAS"]),
+    ("matmul ", ["gemv_kernel"]),
+    ("gate + up", ["gate_up_kernel"]),
+    ("qk_norm", ["qk_rope_kv_kernel"]),
+    ("attention tensor cores", ["attention_tc_kernel"]),
+    ("attention split-KV", ["attention_kernel", "combine_kernel"]),
+    ("attention", ["attention_kernel"]),
+    ("router", ["router_kernel"]),
+    ("decode_prepare", ["decode_prepare_kernel"]),
+    ("moe_route", ["moe_route_kernel"]),
+    ("moe gate_up + down + combine", ["moe_gate_up_kernel", "moe_down_kernel", "moe_combine_kernel"]),
+    ("moe prefill gate_up + down", ["moe_tiles_kernel"]),
+    ("moe prefill combine_csr", ["moe_combine_csr_kernel"]),
+    ("swiglu", ["swiglu_kernel"]),
+    ("gather + scatter_add", ["gather_kernel", "scatter_add_kernel"]),
+    ("convert", ["from_f32_kernel", "to_f32_kernel"]),
+]
+
+# what catches a defect: a case over its tolerance, a case whose results differ across the
+# schedules, the executor's error (a launch that fails), a sanitizer's report
+MECHANISMS = {"twin": "the twin", "race": "the race check", "executor": "the executor's error",
+              "asan": "AddressSanitizer", "ubsan": "UBSan", "crash": "a crash"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+    """A defect planted behind Q3_MUTANT(id) in kernels/cuda/ (kernel: the function that
+    has it), and the mechanism expected to catch it (a key of MECHANISMS)."""
+    id: int
+    what: str
+    kernel: str
+    expect: str
+    sanitized: bool = False  # caught only in the variant built with AddressSanitizer
+
+
+MUTANTS = [
+    Mutant(1, "__syncthreads removed: the K/V tile is read before every thread staged it", "attention_kernel",
+           "race"),
+    Mutant(2, "attention mask one key too far: n_keys = n_past + t + 2", "attention_kernel", "twin"),
+    Mutant(3, "wrong shuffle offset in a reduction: the warp scan's __shfl_up_sync by o + 1",
+           "moe_route_kernel", "twin"),
+    Mutant(4, "shared index one past its array: out[warp + 1] of float[4][16][16]", "matmul_tc_kernel", "asan",
+           sanitized=True),
+    Mutant(5, "16-byte load at an odd offset: uint4 from the bf16 cache + 1 element", "attention_tc_kernel",
+           "executor"),
+    Mutant(6, "wrong lane mask: __match_any_sync(0x0000ffff) called by all 32 lanes", "moe_route_kernel",
+           "executor"),
+    Mutant(7, "__syncthreads inside a divergent branch (if (lane < nj), on a partial tile)", "attention_kernel",
+           "executor"),
+    Mutant(8, "64 KiB of dynamic shared memory (sized for MAX_D) without cudaFuncSetAttribute",
+           "q3_attention_cuda", "executor"),
+    Mutant(9, "__syncwarp removed: RoPE reads a head dim another lane wrote", "qk_rope_kv_kernel", "race"),
+    Mutant(10, "__syncthreads removed: the next k slice is staged over one other warps still read",
+           "matmul_tc_kernel", "race"),
+]
+
+CHILD = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import qwen3layer as q3
+q3.cuda.emulate(sys.argv[2] or None)
+try:
+    out = {"cases": q3.cuda.check_kernels()}
+except RuntimeError as e:
+    out = {"error": str(e)}
+print("simt_check:" + json.dumps(out), flush=True)
+"""
+
+
+def _setup():
+    """setup.py as a module (its setup() call runs only as __main__): the build's recipe."""
+    spec = importlib.util.spec_from_file_location("q3_setup", os.path.join(ROOT, "setup.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _InRoot:
+    """cwd = the checkout (setup.py's recipe has relative paths), and no preloaded sanitizer
+    runtime for the compiler (under .ci/sanitize the tests run with libasan preloaded)."""
+
+    def __enter__(self):
+        self.cwd, self.preload = os.getcwd(), os.environ.pop("LD_PRELOAD", None)
+        os.chdir(ROOT)
+
+    def __exit__(self, *exc):
+        os.chdir(self.cwd)
+        if self.preload is not None:
+            os.environ["LD_PRELOAD"] = self.preload
+
+
+def plant_sites(mutant_id: int) -> list[str]:
+    """'file:line' of each place in kernels/cuda/ where Q3_MUTANT(mutant_id) is written."""
+    sites, folder = [], os.path.join(ROOT, "kernels", "cuda")
+    for name in sorted(os.listdir(folder)):
+        with open(os.path.join(folder, name), encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if f"Q3_MUTANT({mutant_id})" in line:
+                    sites.append(f"{name}:{number}")
+    return sites
+
+
+def asan_env() -> dict:
+    """The environment of a run of a variant built with AddressSanitizer: gcc's libasan (and
+    libstdc++, as .ci/sanitize) preloaded, every report fatal."""
+    def gcc_file(name):
+        return subprocess.run(["gcc", f"-print-file-name={name}"], capture_output=True, text=True).stdout.strip()
+    env = dict(os.environ)
+    preload = f"{gcc_file('libasan.so')}:{gcc_file('libstdc++.so.6')}"
+    env["LD_PRELOAD"] = preload + (":" + env["LD_PRELOAD"] if env.get("LD_PRELOAD") else "")
+    env["ASAN_OPTIONS"] = "detect_leaks=0:halt_on_error=1:abort_on_error=1:allocator_may_return_null=1:symbolize=1"
+    env["UBSAN_OPTIONS"] = "print_stacktrace=1:halt_on_error=1:abort_on_error=1"
+    return env
+
+
+def build_variant(mutant_id: Optional[int], sanitized: bool = False, quiet: bool = True) -> str:
+    """Builds libq3simt.so with defect mutant_id planted (None: none) in build/simt-check/
+    <plain|asan>/ and returns its path. The objects without the defect are built once per
+    flavour and reused; the files that hold Q3_MUTANT(mutant_id) are compiled again with
+    -DQ3_MUTANT_ID (all of them where a header holds it)."""
+    s = _setup()
+    flavour = "asan" if sanitized else "plain"
+    with _InRoot():
+        include = s.find_cuda_headers()
+        if include is None:
+            raise RuntimeError("simt_check: the CUDA toolkit's headers (cuda_runtime.h, cuda_bf16.h) were not found")
+        cxx, flags, link, sources, headers = s.simt_recipe(include, s.sanitize_flags("address,undefined")
+                                                           if sanitized else [])
+        saved = sys.stdout
+        try:
+            if quiet:
+                sys.stdout = open(os.devnull, "w")
+            objects = s.compile_objects(cxx, flags, sources, headers, os.path.join(BUILD, flavour, "base"))
+            name = "libq3simt.so"
+            if mutant_id is not None:
+                planted = [src for src in sources + headers if f"Q3_MUTANT({mutant_id})" in open(src).read()]
+                if not planted:
+                    raise RuntimeError(f"simt_check: Q3_MUTANT({mutant_id}) is planted nowhere in kernels/")
+                again = sources if any(p in headers for p in planted) else planted
+                mutated = s.compile_objects(cxx, flags + [f"-DQ3_MUTANT_ID={mutant_id}"], again, headers,
+                                            os.path.join(BUILD, flavour, f"mutant-{mutant_id}"))
+                replace = dict(zip(again, mutated))
+                objects = [replace.get(src, obj) for src, obj in zip(sources, objects)]
+                name = f"libq3simt-mutant-{mutant_id}.so"
+            target = os.path.join(BUILD, flavour, name)
+            s.link_library(cxx, objects, link, target)
+        finally:
+            if quiet:
+                sys.stdout.close()
+                sys.stdout = saved
+    return target
+
+
+def run_check(library: Optional[str], sanitized: bool = False, timeout: float = 900) -> dict:
+    """q3.cuda.check_kernels() on the executor `library` (None: the package's) in a fresh
+    process: {'cases': [...]} or {'error': the executor's message}, with 'returncode',
+    'stderr' and 'seconds'."""
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", CHILD, ROOT, library or ""], capture_output=True, text=True,
+                       timeout=timeout, env=asan_env() if sanitized else None, cwd=ROOT)
+    out = {}
+    for line in r.stdout.splitlines():
+        if line.startswith("simt_check:"):
+            out = json.loads(line[len("simt_check:"):])
+    out.update(returncode=r.returncode, stderr=r.stderr, seconds=time.monotonic() - t0)
+    return out
+
+
+def _shorten(text: str, n: int = 240) -> str:
+    return text if len(text) <= n else text[:n - 3] + "..."
+
+
+def verdict(run: dict) -> dict:
+    """What reported a defect in a run: {mechanism: a line on what it said} (empty: nothing)."""
+    found = {}
+    stderr = run.get("stderr", "")
+    aborted = re.search(r"simt: aborted in (.*)", stderr)
+    where = f"; aborted in {aborted.group(1)}" if aborted else ""
+    asan = re.search(r"ERROR: AddressSanitizer: (\S+)", stderr)
+    if asan:  # what, where in a kernel's source, and against which block of memory
+        frame = re.search(r"#\d+ 0x[0-9a-f]+ in (\w+)\(.*? (kernels/cuda/\S+:\d+)", stderr)
+        region = re.search(r"is located (.*? region)", stderr)
+        found["asan"] = (asan.group(1) + (f" in {frame.group(1)} at {frame.group(2)}" if frame else "")
+                         + (f", {region.group(1)}" if region else "") + where)
+    ubsan = re.search(r"runtime error: (.*)", stderr)
+    if ubsan:
+        found["ubsan"] = _shorten(ubsan.group(0)) + where
+    if run.get("returncode") and not found:
+        found["crash"] = f"exit status {run['returncode']}{where}: " + _shorten(" | ".join(stderr.strip().splitlines()[-3:]))
+    if "error" in run:
+        found["executor"] = _shorten(run["error"])
+    cases = run.get("cases", [])
+    over = [c for c in cases if not c["max_err"] <= c["tol"]]
+    racy = [c for c in cases if not c["agree"]]
+    if over:
+        found["twin"] = (f"{len(over)} case(s) over tolerance, e.g. {over[0]['case']}: "
+                         f"err {over[0]['max_err']:.3g} > tol {over[0]['tol']:g}")
+    if racy:
+        found["race"] = f"{len(racy)} case(s) differ across schedules, e.g. {racy[0]['case']}"
+    return found
+
+
+def kernel_files() -> dict:
+    """{kernel function: its file} of every __global__ function in kernels/cuda/*.cu."""
+    found = {}
+    folder = os.path.join(ROOT, "kernels", "cuda")
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".cu"):
+            text = open(os.path.join(folder, name), encoding="utf-8").read()
+            for m in re.finditer(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s*)?(\w+)\s*\(", text):
+                found[m.group(1)] = name
+    return found
+
+
+def kernel_rows(cases: list[dict]) -> list[dict]:
+    """The table's rows: per kernel, its cases, schedules and result (ok, or the failures)."""
+    rows = {}
+    for c in cases:
+        kernels = next((k for prefix, k in CASE_KERNELS if c["case"].startswith(prefix)), [f"? ({c['case']})"])
+        for k in kernels:
+            rows.setdefault(k, []).append(c)
+    files = kernel_files()
+    table = []
+    for kernel, group in rows.items():
+        bad = [c for c in group if not c["ok"]]
+        worst = max((c["max_err"] / c["tol"] if c["tol"] else (0.0 if c["max_err"] == 0 else float("inf")))
+                    for c in group)
+        result = (f"ok (worst err/tol {worst:.2g})" if not bad else "FAILED: " + "; ".join(
+            f"{c['case']}: err {c['max_err']:.3g} tol {c['tol']:g} agree {c['agree']}" for c in bad))
+        table.append({"kernel": kernel, "file": files.get(kernel, "cuBLAS" if kernel == "cuBLAS" else "?"),
+                      "cases": len(group), "schedules": sorted({c["schedules"] for c in group}), "ok": not bad,
+                      "result": result})
+    return table
+
+
+def print_kernel_table(table: list[dict], covered_from: dict) -> None:
+    """The rows of kernel_rows, then the __global__ functions no case runs."""
+    print(f"{'kernel':<24} {'file':<17} {'cases':>5} {'schedules':>9}  result")
+    for r in table:
+        schedules = ",".join(map(str, r["schedules"]))
+        print(f"{r['kernel']:<24} {r['file']:<17} {r['cases']:>5} {schedules:>9}  {r['result']}")
+    missing = sorted(set(covered_from) - {r["kernel"] for r in table})
+    if missing:
+        print("not run by any case: " + ", ".join(f"{k} ({covered_from[k]})" for k in missing))
+
+
+def check_mutant(m: Mutant) -> dict:
+    """Builds mutant m's variant and runs the kernel check on it: {'sites', 'found' (verdict),
+    'caught', 'build_s', 'run_s', 'run'}."""
+    t0 = time.monotonic()
+    library = build_variant(m.id, sanitized=m.sanitized)
+    built = time.monotonic() - t0
+    run = run_check(library, sanitized=m.sanitized)
+    found = verdict(run)
+    return {"sites": plant_sites(m.id), "found": found, "caught": bool(found), "build_s": built,
+            "run_s": run["seconds"], "run": run}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mutants", action="store_true", help="also build and check every planted defect")
+    parser.add_argument("--only", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                        help="with --mutants: these defects only (ids, comma-separated)")
+    args = parser.parse_args(argv)
+    t0 = time.monotonic()
+
+    real = run_check(None)
+    cases = real.get("cases", [])
+    if "error" in real or real["returncode"]:
+        print(f"simt_check: the kernel check failed: {real.get('error') or real['stderr'][-2000:]}")
+    table = kernel_rows(cases)
+    print_kernel_table(table, kernel_files())
+    failed = bool(real.get("error") or real["returncode"] or not all(c["ok"] for c in cases))
+    print(f"real kernels: {len(cases)} cases in {real['seconds']:.1f} s")
+
+    caught = ran = 0
+    if args.mutants:
+        mutants = [m for m in MUTANTS if args.only is None or m.id in args.only]
+        print()
+        print(f"{'#':>2}  {'where':<19} {'kernel':<20} {'planted defect':<82} caught by")
+        build_s = run_s = 0.0
+        for m in mutants:
+            r = check_mutant(m)
+            ran += 1
+            caught += r["caught"]
+            build_s += r["build_s"]
+            run_s += r["run_s"]
+            where = ", ".join(r["sites"]) or "(not planted)"
+            what = m.what + (" (ASan build)" if m.sanitized else "")
+            by = "; ".join(f"{MECHANISMS[k]}: {v}" for k, v in r["found"].items()) or "NOT CAUGHT"
+            if r["found"] and m.expect not in r["found"]:
+                by += f" (expected: {MECHANISMS[m.expect]})"
+            print(f"{m.id:>2}  {where:<19} {m.kernel:<20} {what:<82} {by}", flush=True)
+        print(f"planted defects: {ran} variants built in {build_s:.1f} s, checked in {run_s:.1f} s")
+    print(f"total {time.monotonic() - t0:.1f} s")
+    print(f"simt: {len(table)} kernels, {len(cases)} cases, {caught}/{ran} planted defects caught")
+    return 1 if failed or caught < ran else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
