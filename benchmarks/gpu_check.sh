@@ -24,11 +24,12 @@ timeout 240 python3 -m pytest -q -rs tests/test_cuda.py 2>&1 | tee "$out/gpu_tes
 python3 - <<'PY' 2>&1 | tee "$out/kernel_check.txt" || status=1
 import sys
 import qwen3layer as q3
-rows = q3.cuda.check_kernels(0)
-w = max(len(r["case"]) for r in rows)
-print(f"{'kernel vs CPU twin'.ljust(w)} | max rel err | tolerance | ok")
+rows = sorted(q3.cuda.check_kernels(0), key=lambda r: r["kernel"])  # grouped by launcher, stable
+w, wk = max(len(r["case"]) for r in rows), max(len(r["kernel"]) for r in rows)
+print(f"{'launcher'.ljust(wk)} | {'kernel vs CPU twin'.ljust(w)} | max rel err | tolerance | ok")
 for r in rows:
-    print(f"{r['case'].ljust(w)} | {r['max_err']:11.2e} | {r['tol']:9.0e} | {'yes' if r['ok'] else 'NO'}")
+    print(f"{r['kernel'].ljust(wk)} | {r['case'].ljust(w)} | {r['max_err']:11.2e} | {r['tol']:9.0e} | "
+          f"{'yes' if r['ok'] else 'NO'}")
 sys.exit(0 if all(r["ok"] for r in rows) else 1)
 PY
 

@@ -106,11 +106,13 @@ def cached_blocks() -> list[tuple[int, int, int]]:
 
 def check_kernels(device: int = 0) -> list[dict]:
     """Runs every CUDA kernel against its CPU twin on random inputs on `device` (loading the
-    GPU library unless emulate() made the SIMT executor the backend): [{'case', 'max_err',
-    'tol', 'schedules', 'agree', 'ok'}], max_err being max |cuda - cpu| / max |cpu|. On the
-    executor each case runs under 3 thread schedules and `agree` says whether their results
-    were bitwise equal (a race shows as not); on a GPU, schedules is 1."""
+    GPU library unless emulate() made the SIMT executor the backend): [{'case', 'kernel',
+    'max_err', 'tol', 'schedules', 'agree', 'ok'}], max_err being max |cuda - cpu| / max |cpu|
+    and kernel the launcher(s) of the case (as kernels/cuda/ops_cuda.h names them, e.g.
+    'attention', 'moe_route'), to group cases by. On the executor each case runs under 3
+    thread schedules and `agree` says whether their results were bitwise equal (a race shows
+    as not); on a GPU, schedules is 1."""
     if not _C.cuda_device_count():
         load()
-    return [{"case": c, "max_err": e, "tol": t, "schedules": n, "agree": a, "ok": e <= t and a}
-            for c, e, t, n, a in _C.cuda_check(device)]
+    return [{"case": c, "kernel": kern, "max_err": e, "tol": t, "schedules": n, "agree": a, "ok": e <= t and a}
+            for c, e, t, n, a, kern in _C.cuda_check(device)]

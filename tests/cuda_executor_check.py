@@ -249,7 +249,8 @@ y = host(tie_layer.decode(to_device(x), cache))
 ties.append(rel(y - x.double().numpy(), rt.reference(tie_w, x)[0].numpy() - x.double().numpy()))
 out["router ties"] = ties
 
-# the kernel self-check's own harness (uploads, pointer tables, tiles), twins against twins here
+# the kernel self-check's own harness (uploads, pointer tables, tiles), twins against twins here:
+# (case, max_err, tol, schedules, agree, kernel) per case
 out["kernel check"] = _C.cuda_check(0)
 # cuBLAS: the executor's stand-in opened as the library. The kernel check runs its two cuBLAS
 # cases and leaves cuBLAS as it found it (it used to save the new state as the old one, never
@@ -263,7 +264,7 @@ xb = _C.random_tensor((3, 40, 64), 15, "float32")
 want = host(cb._core.prefill(xb, cb._core.new_cache(64, 3), None, 16))
 got = host(cb_gpu.prefill(_C.copy_tensor(xb, 0), cb_gpu.new_cache(64, 3), None, 16))
 out["cublas stand-in"] = {"enabled before": blas_before, "enabled after": _C.cuda_blas_enable(),
-                          "cases": [[name, err, tol, agree] for name, err, tol, _, agree in blas_cases],
+                          "cases": [[name, err, tol, agree] for name, err, tol, _, agree, _ in blas_cases],
                           "prefill rel err": rel(got, want)}
 
 print(json.dumps(out))

@@ -102,15 +102,24 @@ def test_router_ties_on_the_device_path_follow_the_lower_index_rule(out):
     assert prefill_err <= 1e-5 and decode_err <= 1e-5, out["router ties"]
 
 
+# the kernel launchers of kernels/cuda/ops_cuda.h: each is exercised by some case
+LAUNCHERS = {"rmsnorm", "add_rmsnorm", "matmul", "gate_up", "matmul_tc", "matmul_wmma", "qk_rope_kv", "attention",
+             "router_topk", "decode_prepare", "moe_route", "moe_gate_up", "moe_down", "moe_combine", "moe_gate_up_tc",
+             "moe_down_tc", "moe_combine_csr", "swiglu", "gather_rows", "scatter_add_rows", "to_f32", "from_f32"}
+
+
 def test_every_kernel_matches_its_twin_on_the_executor_under_every_schedule(out):
     """q3.cuda.check_kernels() on the executor: each real kernel against its CPU twin within
     its tolerance, and under each of the three thread schedules (forward, reverse, a seeded
-    shuffle) bitwise equal results: a missing barrier would show as a difference."""
+    shuffle) bitwise equal results: a missing barrier would show as a difference. Each case
+    names its launcher(s), and every launcher has a case."""
     cases = out["kernel check"]
     assert len(cases) == 33  # 35 where cuBLAS is found
     assert len({case[0] for case in cases}) == len(cases)
-    for name, err, tol, schedules, agree in cases:
-        assert err <= tol and schedules == 3 and agree, (name, err, tol, schedules, agree)
+    for name, err, tol, schedules, agree, kernel in cases:
+        assert err <= tol and schedules == 3 and agree, (name, kernel, err, tol, schedules, agree)
+    kernels = {part for case in cases for part in case[5].split("+")}
+    assert kernels == LAUNCHERS
 
 
 def test_the_cli_run_on_a_cuda_layer_also_times_graph_decode(out):

@@ -10,59 +10,63 @@
 /* one pass over every case; out[i].max_err and digests[i] filled, *n counted */
 static q3_status run_cases(check *k, q3_check_result *out, uint64_t *digests, int max, int *n, int blas) {
     const q3_cuda_ops *g = k->g;
-#define RUN(label, tolerance, expr)                                                                \
+    /* RUN(kernel, label, tolerance, expr): kernel names the launcher(s) of kernels/cuda/ops_cuda.h
+     * the case exercises, label the case (unique, at most 63 characters) */
+#define RUN(kernel_, label, tolerance, expr)                                                       \
     do {                                                                                           \
         if (*n >= max) return q3_fail(k->err, Q3_ERR_VALUE, "cuda check: more than %d cases", max); \
+        if (snprintf(out[*n].name, sizeof out[*n].name, "%s", label) >= (int)sizeof out[*n].name || \
+            snprintf(out[*n].kernel, sizeof out[*n].kernel, "%s", kernel_) >= (int)sizeof out[*n].kernel) \
+            return q3_fail(k->err, Q3_ERR_VALUE, "cuda check: case name too long: %s", label);      \
         k->digest = 0xcbf29ce484222325ull;                                                         \
         const double e_ = (expr);                                                                  \
         release(k);                                                                                \
         if (k->failed) return k->err->status;                                                      \
-        snprintf(out[*n].name, sizeof out[*n].name, "%s", label);                                  \
         out[*n].max_err = e_;                                                                      \
         out[*n].tol = tolerance;                                                                   \
         digests[*n] = k->digest;                                                                   \
         (*n)++;                                                                                    \
     } while (0)
-    RUN("rmsnorm f32 weights", 1e-5, q3_case_rmsnorm(k, Q3_F32, 1.0f));
-    RUN("rmsnorm bf16 weights", 1e-5, q3_case_rmsnorm(k, Q3_BF16, 1.0f));
-    RUN("rmsnorm rows of magnitude 1e-3 (eps shows)", 1e-5, q3_case_rmsnorm(k, Q3_F32, 1e-3f));
-    RUN("add + rmsnorm fused, f32 weights", 1e-5, q3_case_add_rmsnorm(k, Q3_F32, 0));
-    RUN("add + rmsnorm fused, bf16, out aliasing r", 1e-5, q3_case_add_rmsnorm(k, Q3_BF16, 1));
-    RUN("matmul bf16 T=1 K=4096", 1e-5, q3_case_matmul(k, Q3_BF16, 1, 4096));
-    RUN("matmul bf16 T=13 K=72", 1e-5, q3_case_matmul(k, Q3_BF16, 13, 72));
-    RUN("matmul bf16 T=5 K=100", 1e-5, q3_case_matmul(k, Q3_BF16, 5, 100));
-    RUN("matmul f32 T=9 K=64", 1e-5, q3_case_matmul(k, Q3_F32, 9, 64));
-    RUN("gate + up + SiLU*up fused, T=3 I=96 K=4096", 1e-5, q3_case_gate_up(k, 3, 96, 4096));
+    RUN("rmsnorm", "rmsnorm f32 weights", 1e-5, q3_case_rmsnorm(k, Q3_F32, 1.0f));
+    RUN("rmsnorm", "rmsnorm bf16 weights", 1e-5, q3_case_rmsnorm(k, Q3_BF16, 1.0f));
+    RUN("rmsnorm", "rmsnorm rows of magnitude 1e-3 (eps shows)", 1e-5, q3_case_rmsnorm(k, Q3_F32, 1e-3f));
+    RUN("add_rmsnorm", "add + rmsnorm fused, f32 weights", 1e-5, q3_case_add_rmsnorm(k, Q3_F32, 0));
+    RUN("add_rmsnorm", "add + rmsnorm fused, bf16, out aliasing r", 1e-5, q3_case_add_rmsnorm(k, Q3_BF16, 1));
+    RUN("matmul", "matmul bf16 T=1 K=4096", 1e-5, q3_case_matmul(k, Q3_BF16, 1, 4096));
+    RUN("matmul", "matmul bf16 T=13 K=72", 1e-5, q3_case_matmul(k, Q3_BF16, 13, 72));
+    RUN("matmul", "matmul bf16 T=5 K=100", 1e-5, q3_case_matmul(k, Q3_BF16, 5, 100));
+    RUN("matmul", "matmul f32 T=9 K=64", 1e-5, q3_case_matmul(k, Q3_F32, 9, 64));
+    RUN("gate_up", "gate + up + SiLU*up fused, T=3 I=96 K=4096", 1e-5, q3_case_gate_up(k, 3, 96, 4096));
     g->blas_enable(0); /* the WMMA kernel first, then cuBLAS where it was on */
-    RUN("matmul tensor cores (WMMA) T=70 N=80 K=96", 1e-5, q3_case_matmul_tc(k, 70, 80, 96, 0));
-    RUN("matmul tensor cores (WMMA) T=16 N=4096 K=1536", 1e-5, q3_case_matmul_tc(k, 16, 4096, 1536, 0));
+    RUN("matmul_tc", "matmul tensor cores (WMMA) T=70 N=80 K=96", 1e-5, q3_case_matmul_tc(k, 70, 80, 96, 0));
+    RUN("matmul_tc", "matmul tensor cores (WMMA) T=16 N=4096 K=1536", 1e-5, q3_case_matmul_tc(k, 16, 4096, 1536, 0));
     if (blas && g->blas_enable(1)) {
-        RUN("matmul cuBLAS T=70 N=80 K=96", 1e-5, q3_case_matmul_tc(k, 70, 80, 96, 0));
-        RUN("matmul cuBLAS T=512 N=4096 K=1536", 1e-5, q3_case_matmul_tc(k, 512, 4096, 1536, 0));
+        RUN("matmul_tc", "matmul cuBLAS T=70 N=80 K=96", 1e-5, q3_case_matmul_tc(k, 70, 80, 96, 0));
+        RUN("matmul_tc", "matmul cuBLAS T=512 N=4096 K=1536", 1e-5, q3_case_matmul_tc(k, 512, 4096, 1536, 0));
     }
-    RUN("matmul WMMA only (never cuBLAS) T=70 N=80 K=96", 1e-5, q3_case_matmul_tc(k, 70, 80, 96, 1));
-    RUN("qk_norm + rope + kv_write fused, D=128", 1e-2, q3_case_qk_rope_kv(k, 128));
-    RUN("qk_norm + rope + kv_write fused, D=24", 1e-2, q3_case_qk_rope_kv(k, 24));
-    RUN("attention bf16 cache, 3 tokens", 1e-5, q3_case_attention(k, 3, 5, 17, 40, 0));
-    RUN("attention, 6 tokens after 4 of padding", 1e-5, q3_case_attention(k, 6, 0, 17, 40, 4));
-    RUN("attention split-KV, decode over 3000 keys", 1e-5, q3_case_attention(k, 1, 2999, 1800, 3100, 0));
-    RUN("attention split-KV, 4 tokens over 900 keys", 1e-5, q3_case_attention(k, 4, 900, 40, 1000, 700));
+    RUN("matmul_wmma", "matmul WMMA only (never cuBLAS) T=70 N=80 K=96", 1e-5, q3_case_matmul_tc(k, 70, 80, 96, 1));
+    RUN("qk_rope_kv", "qk_norm + rope + kv_write fused, D=128", 1e-2, q3_case_qk_rope_kv(k, 128));
+    RUN("qk_rope_kv", "qk_norm + rope + kv_write fused, D=24", 1e-2, q3_case_qk_rope_kv(k, 24));
+    RUN("attention", "attention bf16 cache, 3 tokens", 1e-5, q3_case_attention(k, 3, 5, 17, 40, 0));
+    RUN("attention", "attention, 6 tokens after 4 of padding", 1e-5, q3_case_attention(k, 6, 0, 17, 40, 4));
+    RUN("attention", "attention split-KV, decode over 3000 keys", 1e-5, q3_case_attention(k, 1, 2999, 1800, 3100, 0));
+    RUN("attention", "attention split-KV, 4 tokens over 900 keys", 1e-5, q3_case_attention(k, 4, 900, 40, 1000, 700));
     /* tensor cores: q and the probabilities rounded to bf16 */
-    RUN("attention tensor cores, 40 tokens, G=4 D=32", 2e-2, q3_case_attention_heads(k, 40, 0, 17, 80, 0, 8, 2, 32));
-    RUN("attention tensor cores, G=16 D=128, padding", 2e-2,
+    RUN("attention", "attention tensor cores, 40 tokens, G=4 D=32", 2e-2, q3_case_attention_heads(k, 40, 0, 17, 80, 0, 8, 2, 32));
+    RUN("attention", "attention tensor cores, G=16 D=128, padding", 2e-2,
         q3_case_attention_heads(k, 37, 100, 0, 160, 45, 32, 2, 128));
-    RUN("attention tensor cores, prompt in padding", 2e-2, q3_case_attention_heads(k, 21, 0, 3, 40, 12, 16, 2, 64));
-    RUN("router top-k, renormalised", 1e-6, q3_case_router(k, 1));
-    RUN("router top-k", 1e-6, q3_case_router(k, 0));
-    RUN("router top-k ties: lower expert index first", 1e-6, q3_case_router_ties(k));
-    RUN("decode_prepare: lengths, positions", 0.0, q3_case_decode_prepare(k));
-    RUN("moe_route: expert grouping on the device", 0.0, q3_case_moe_route(k));
-    RUN("moe gate_up + down + combine, T=5 k=3 E=16", 1e-5, q3_case_moe_experts(k));
-    RUN("moe prefill gate_up + down, tensor cores, E=6", 1e-5, q3_case_moe_prefill_tc(k));
-    RUN("moe prefill combine_csr, 1..3 slots a token", 1e-6, q3_case_moe_combine_csr(k));
-    RUN("swiglu", 1e-5, q3_case_swiglu(k));
-    RUN("gather + scatter_add rows", 1e-6, q3_case_rows(k));
-    RUN("convert fp32 <-> bf16", 0.0, q3_case_convert(k));
+    RUN("attention", "attention tensor cores, prompt in padding", 2e-2, q3_case_attention_heads(k, 21, 0, 3, 40, 12, 16, 2, 64));
+    RUN("router_topk", "router top-k, renormalised", 1e-6, q3_case_router(k, 1));
+    RUN("router_topk", "router top-k", 1e-6, q3_case_router(k, 0));
+    RUN("router_topk", "router top-k ties: lower expert index first", 1e-6, q3_case_router_ties(k));
+    RUN("decode_prepare", "decode_prepare: lengths, positions", 0.0, q3_case_decode_prepare(k));
+    RUN("moe_route", "moe_route: expert grouping on the device", 0.0, q3_case_moe_route(k));
+    RUN("moe_gate_up+moe_down+moe_combine", "moe gate_up + down + combine, T=5 k=3 E=16", 1e-5, q3_case_moe_experts(k));
+    RUN("moe_gate_up_tc+moe_down_tc", "moe prefill gate_up + down, tensor cores, E=6", 1e-5, q3_case_moe_prefill_tc(k));
+    RUN("moe_combine_csr", "moe prefill combine_csr, 1..3 slots a token", 1e-6, q3_case_moe_combine_csr(k));
+    RUN("swiglu", "swiglu", 1e-5, q3_case_swiglu(k));
+    RUN("gather_rows+scatter_add_rows", "gather + scatter_add rows", 1e-6, q3_case_rows(k));
+    RUN("from_f32+to_f32", "convert fp32 <-> bf16", 0.0, q3_case_convert(k));
 #undef RUN
     return Q3_OK;
 }

@@ -12,7 +12,9 @@
  * `agree` says whether the results were bitwise equal across them (a race shows as not);
  * on a GPU, schedules is 1. The cuBLAS setting is left as it was found. */
 typedef struct {
-    char name[64];
+    char name[64];   /* the case: its kernel and shape */
+    char kernel[48]; /* the launcher(s) it exercises, as named in kernels/cuda/ops_cuda.h
+                        ("attention", "moe_gate_up+moe_down+moe_combine", ...) */
     double max_err;
     double tol;
     int schedules;

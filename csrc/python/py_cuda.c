@@ -94,8 +94,8 @@ static PyObject *cuda_check(PyObject *m, PyObject *args) {
     Py_END_ALLOW_THREADS
     PyObject *list = s == Q3_OK ? PyList_New(n) : q3_raise(NULL, &err);
     for (int i = 0; list && i < n; i++) {
-        PyObject *row = Py_BuildValue("(sddiO)", results[i].name, results[i].max_err, results[i].tol,
-                                      results[i].schedules, results[i].agree ? Py_True : Py_False);
+        PyObject *row = Py_BuildValue("(sddiOs)", results[i].name, results[i].max_err, results[i].tol,
+                                      results[i].schedules, results[i].agree ? Py_True : Py_False, results[i].kernel);
         if (!row) Py_CLEAR(list);
         else PyList_SET_ITEM(list, i, row);
     }
@@ -178,8 +178,9 @@ PyMethodDef q3_cuda_methods[] = {
     {"cuda_device_count", cuda_device_count, METH_NOARGS,
      "cuda_device_count()\n--\n\nCUDA devices visible (0 before cuda_open or without a driver)."},
     {"cuda_check", cuda_check, METH_VARARGS,
-     "cuda_check(device=0)\n--\n\n[(case, max_err, tol, schedules, agree)]: every CUDA kernel against its CPU "
-     "twin, under each thread schedule of the backend (agree: bitwise equal results across them)."},
+     "cuda_check(device=0)\n--\n\n[(case, max_err, tol, schedules, agree, kernel)]: every CUDA kernel against its "
+     "CPU twin, under each thread schedule of the backend (agree: bitwise equal results across them; kernel: the "
+     "launcher(s) the case exercises)."},
     {"cuda_time", (PyCFunction)(void (*)(void))cuda_time, METH_VARARGS | METH_KEYWORDS,
      "cuda_time(what, bytes=0, T=1, N=1, K=1, dtype='bfloat16', repeats=20)\n--\n\n"
      "ms per call, CUDA events: what='copy' (device to device) or 'matmul'."},
