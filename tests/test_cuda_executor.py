@@ -111,15 +111,28 @@ LAUNCHERS = {"rmsnorm", "add_rmsnorm", "matmul", "gate_up", "matmul_tc", "matmul
 def test_every_kernel_matches_its_twin_on_the_executor_under_every_schedule(out):
     """q3.cuda.check_kernels() on the executor: each real kernel against its CPU twin within
     its tolerance, and under each of the three thread schedules (forward, reverse, a seeded
-    shuffle) bitwise equal results: a missing barrier would show as a difference. Each case
-    names its launcher(s), and every launcher has a case."""
+    shuffle) bitwise equal results: a missing barrier would show as a difference. The cases
+    cover the shapes of issue 12 (1 and 17 tokens, contexts 1, 33, 100, batches 1, 3, 5,
+    head dims 64 and 128, top-k 1 to 8, left padding); each names its launcher(s), and every
+    launcher has a case."""
     cases = out["kernel check"]
-    assert len(cases) == 33  # 35 where cuBLAS is found
+    assert len(cases) == 260  # 262 where cuBLAS is found
     assert len({case[0] for case in cases}) == len(cases)
     for name, err, tol, schedules, agree, kernel in cases:
         assert err <= tol and schedules == 3 and agree, (name, kernel, err, tol, schedules, agree)
     kernels = {part for case in cases for part in case[5].split("+")}
     assert kernels == LAUNCHERS
+    names = [case[0] for case in cases]
+    for shape in ("context=1 batch=1 D=64 pad=0", "context=33 batch=3 D=128 pad=5", "context=100 batch=5 D=128 pad=5"):
+        for path in ("attention tc, tokens=17 ", "attention f32 G=2, tokens=17 ", "attention, tokens=1 ",
+                     "attention split-KV, tokens=1 ", "qk_rope_kv, tokens=1 ", "qk_rope_kv, tokens=17 "):
+            assert path + shape in names
+    for k in range(1, 9):
+        assert f"router top-k, k={k} E=60 T=17, renormalised" in names
+        for T in (1, 17):
+            assert f"moe_route, T={T} k={k} E=60" in names
+            assert f"moe gate_up + down + combine, T={T} k={k} E=12" in names
+            assert f"moe prefill tiles + combine_csr, T={T} k={k} E=12" in names
 
 
 def test_the_cli_run_on_a_cuda_layer_also_times_graph_decode(out):

@@ -1,15 +1,31 @@
 /* The CUDA kernel self-check: every kernel against its CPU twin (kernel_check_dense.c,
- * kernel_check_moe.c), for the GPU tests, benchmarks/gpu_check.sh and, on the SIMT executor,
- * every CI run. On the executor each case runs under each thread schedule and its results
- * must be bitwise equal across them: a missing barrier shows as a difference. The cuBLAS
- * setting is read first and restored last, whatever happens between. */
+ * kernel_check_attention.c, kernel_check_moe.c), for the GPU tests, benchmarks/gpu_check.sh
+ * and, on the SIMT executor, every CI run: hand-made cases, then loops over the shapes that
+ * change a kernel's behaviour (1 and 17 tokens, contexts, batches of sequences of different
+ * lengths, head dims, top-k, left padding). On the executor each case runs under each thread
+ * schedule and its results must be bitwise equal across them: a missing barrier shows as a
+ * difference. The cuBLAS setting is read first and restored last, whatever happens between. */
 #include <stdlib.h>
 
 #include "kernel_check.h"
 
+/* the shapes the generated cases run at (issue 12): odd as well as usual ones */
+static const int64_t TOKENS[] = {1, 17}, CONTEXTS[] = {1, 33, 100}, ROWS[] = {1, 17};
+static const int BATCHES[] = {1, 3, 5}, HEAD_DIMS[] = {64, 128}, MAX_TOP = 8;
+/* left padding: a batch pads its even sequences (q3_check_batch), so one of 3 or 5 mixes
+ * padded and unpadded ones; a batch of 1 runs without and with */
+static const int PADS_1[] = {0, 5}, PADS_MORE[] = {5};
+#define PADS(B) ((B) == 1 ? PADS_1 : PADS_MORE)
+#define N_PADS(B) ((B) == 1 ? 2 : 1)
+/* EACH(v, list) { ... }: the body once for each value v of the array `list` */
+#define EACH(v, list)                                                                              \
+    for (size_t v##_i = 0; v##_i < sizeof list / sizeof list[0]; v##_i++)                         \
+        for (__typeof__(list[0] + 0) v = list[v##_i], v##_once = 1; v##_once; v##_once = 0)
+
 /* one pass over every case; out[i].max_err and digests[i] filled, *n counted */
 static q3_status run_cases(check *k, q3_check_result *out, uint64_t *digests, int max, int *n, int blas) {
     const q3_cuda_ops *g = k->g;
+    char name[sizeof out->name + 32];
     /* RUN(kernel, label, tolerance, expr): kernel names the launcher(s) of kernels/cuda/ops_cuda.h
      * the case exercises, label the case (unique, at most 63 characters) */
 #define RUN(kernel_, label, tolerance, expr)                                                       \
@@ -27,46 +43,120 @@ static q3_status run_cases(check *k, q3_check_result *out, uint64_t *digests, in
         digests[*n] = k->digest;                                                                   \
         (*n)++;                                                                                    \
     } while (0)
-    RUN("rmsnorm", "rmsnorm f32 weights", 1e-5, q3_case_rmsnorm(k, Q3_F32, 1.0f));
-    RUN("rmsnorm", "rmsnorm bf16 weights", 1e-5, q3_case_rmsnorm(k, Q3_BF16, 1.0f));
-    RUN("rmsnorm", "rmsnorm rows of magnitude 1e-3 (eps shows)", 1e-5, q3_case_rmsnorm(k, Q3_F32, 1e-3f));
-    RUN("add_rmsnorm", "add + rmsnorm fused, f32 weights", 1e-5, q3_case_add_rmsnorm(k, Q3_F32, 0));
-    RUN("add_rmsnorm", "add + rmsnorm fused, bf16, out aliasing r", 1e-5, q3_case_add_rmsnorm(k, Q3_BF16, 1));
+#define NAME(...) snprintf(name, sizeof name, __VA_ARGS__)
+    RUN("rmsnorm", "rmsnorm f32 weights", 1e-5, q3_case_rmsnorm(k, Q3_F32, 7, 1.0f));
+    RUN("rmsnorm", "rmsnorm bf16 weights", 1e-5, q3_case_rmsnorm(k, Q3_BF16, 7, 1.0f));
+    RUN("rmsnorm", "rmsnorm rows of magnitude 1e-3 (eps shows)", 1e-5, q3_case_rmsnorm(k, Q3_F32, 7, 1e-3f));
+    RUN("add_rmsnorm", "add + rmsnorm fused, f32 weights", 1e-5, q3_case_add_rmsnorm(k, Q3_F32, 7, 0));
+    RUN("add_rmsnorm", "add + rmsnorm fused, bf16, out aliasing r", 1e-5, q3_case_add_rmsnorm(k, Q3_BF16, 7, 1));
+    EACH(rows, ROWS) {
+        NAME("rmsnorm f32 weights, rows=%d", (int)rows);
+        RUN("rmsnorm", name, 1e-5, q3_case_rmsnorm(k, Q3_F32, rows, 1.0f));
+        NAME("rmsnorm bf16 weights, rows=%d", (int)rows);
+        RUN("rmsnorm", name, 1e-5, q3_case_rmsnorm(k, Q3_BF16, rows, 1.0f));
+        NAME("add + rmsnorm fused, bf16, out aliasing r, rows=%d", (int)rows);
+        RUN("add_rmsnorm", name, 1e-5, q3_case_add_rmsnorm(k, Q3_BF16, rows, 1));
+    }
     RUN("matmul", "matmul bf16 T=1 K=4096", 1e-5, q3_case_matmul(k, Q3_BF16, 1, 4096));
     RUN("matmul", "matmul bf16 T=13 K=72", 1e-5, q3_case_matmul(k, Q3_BF16, 13, 72));
     RUN("matmul", "matmul bf16 T=5 K=100", 1e-5, q3_case_matmul(k, Q3_BF16, 5, 100));
     RUN("matmul", "matmul f32 T=9 K=64", 1e-5, q3_case_matmul(k, Q3_F32, 9, 64));
     RUN("gate_up", "gate + up + SiLU*up fused, T=3 I=96 K=4096", 1e-5, q3_case_gate_up(k, 3, 96, 4096));
+    EACH(T, TOKENS) { /* K = 64: 16-byte loads of bf16; K = 100: one element a lane */
+        NAME("matmul bf16 T=%d K=64", (int)T);
+        RUN("matmul", name, 1e-5, q3_case_matmul(k, Q3_BF16, T, 64));
+        NAME("matmul bf16 T=%d K=100", (int)T);
+        RUN("matmul", name, 1e-5, q3_case_matmul(k, Q3_BF16, T, 100));
+        NAME("matmul f32 T=%d K=100", (int)T);
+        RUN("matmul", name, 1e-5, q3_case_matmul(k, Q3_F32, T, 100));
+        NAME("gate + up + SiLU*up fused, T=%d I=40 K=64", (int)T);
+        RUN("gate_up", name, 1e-5, q3_case_gate_up(k, T, 40, 64));
+    }
     g->blas_enable(0); /* the WMMA kernel first, then cuBLAS where it was on */
     RUN("matmul_tc", "matmul tensor cores (WMMA) T=70 N=80 K=96", 1e-5, q3_case_matmul_tc(k, 70, 80, 96, 0));
     RUN("matmul_tc", "matmul tensor cores (WMMA) T=16 N=4096 K=1536", 1e-5, q3_case_matmul_tc(k, 16, 4096, 1536, 0));
+    EACH(T, TOKENS) {
+        NAME("matmul tensor cores (WMMA) T=%d N=80 K=96", (int)T);
+        RUN("matmul_tc", name, 1e-5, q3_case_matmul_tc(k, T, 80, 96, 0));
+    }
     if (blas && g->blas_enable(1)) {
         RUN("matmul_tc", "matmul cuBLAS T=70 N=80 K=96", 1e-5, q3_case_matmul_tc(k, 70, 80, 96, 0));
         RUN("matmul_tc", "matmul cuBLAS T=512 N=4096 K=1536", 1e-5, q3_case_matmul_tc(k, 512, 4096, 1536, 0));
     }
     RUN("matmul_wmma", "matmul WMMA only (never cuBLAS) T=70 N=80 K=96", 1e-5, q3_case_matmul_tc(k, 70, 80, 96, 1));
+
     RUN("qk_rope_kv", "qk_norm + rope + kv_write fused, D=128", 1e-2, q3_case_qk_rope_kv(k, 128));
     RUN("qk_rope_kv", "qk_norm + rope + kv_write fused, D=24", 1e-2, q3_case_qk_rope_kv(k, 24));
+    EACH(D, HEAD_DIMS) EACH(B, BATCHES) EACH(T, TOKENS) EACH(ctx, CONTEXTS) for (int p = 0; p < N_PADS(B); p++) {
+        const int pad = PADS(B)[p];
+        const q3_check_batch b = {T, ctx, pad, B};
+        NAME("qk_rope_kv, tokens=%d context=%d batch=%d D=%d pad=%d", (int)T, (int)ctx, B, D, pad);
+        RUN("qk_rope_kv", name, 1e-2, q3_case_qk_rope_kv_batch(k, &b, D));
+    }
     RUN("attention", "attention bf16 cache, 3 tokens", 1e-5, q3_case_attention(k, 3, 5, 17, 40, 0));
     RUN("attention", "attention, 6 tokens after 4 of padding", 1e-5, q3_case_attention(k, 6, 0, 17, 40, 4));
     RUN("attention", "attention split-KV, decode over 3000 keys", 1e-5, q3_case_attention(k, 1, 2999, 1800, 3100, 0));
     RUN("attention", "attention split-KV, 4 tokens over 900 keys", 1e-5, q3_case_attention(k, 4, 900, 40, 1000, 700));
     /* tensor cores: q and the probabilities rounded to bf16 */
-    RUN("attention", "attention tensor cores, 40 tokens, G=4 D=32", 2e-2, q3_case_attention_heads(k, 40, 0, 17, 80, 0, 8, 2, 32));
+    RUN("attention", "attention tensor cores, 40 tokens, G=4 D=32", 2e-2,
+        q3_case_attention_heads(k, 40, 0, 17, 80, 0, 8, 2, 32));
     RUN("attention", "attention tensor cores, G=16 D=128, padding", 2e-2,
         q3_case_attention_heads(k, 37, 100, 0, 160, 45, 32, 2, 128));
-    RUN("attention", "attention tensor cores, prompt in padding", 2e-2, q3_case_attention_heads(k, 21, 0, 3, 40, 12, 16, 2, 64));
-    RUN("router_topk", "router top-k, renormalised", 1e-6, q3_case_router(k, 1));
-    RUN("router_topk", "router top-k", 1e-6, q3_case_router(k, 0));
+    RUN("attention", "attention tensor cores, prompt in padding", 2e-2,
+        q3_case_attention_heads(k, 21, 0, 3, 40, 12, 16, 2, 64));
+    /* Each path of the launcher at the listed shapes, G = 8 query heads a KV head at D = 128
+     * (Qwen3-MoE's) and 4 at D = 64: 17 tokens over a bf16 cache go to tensor cores, over an
+     * fp32 one to a block per token (G = 2 there: the slowest kernel on the executor, and G
+     * changes nothing of its token and key ranges); 1 token with the exact max_keys runs
+     * unsplit, with max_keys the capacity of 2100 rows (as a captured decode graph passes it)
+     * in 8 slices, most of them empty at these contexts */
+    EACH(D, HEAD_DIMS) EACH(B, BATCHES) EACH(ctx, CONTEXTS) for (int p = 0; p < N_PADS(B); p++) {
+        const int G = D == 128 ? 8 : 4, pad = PADS(B)[p];
+        const q3_check_batch many = {17, ctx, pad, B}, one = {1, ctx, pad, B};
+        NAME("attention tc, tokens=17 context=%d batch=%d D=%d pad=%d", (int)ctx, B, D, pad);
+        RUN("attention", name, 2e-2, q3_case_attention_batch(k, &many, G, D, Q3_BF16, 0));
+        NAME("attention f32 G=2, tokens=17 context=%d batch=%d D=%d pad=%d", (int)ctx, B, D, pad);
+        RUN("attention", name, 1e-5, q3_case_attention_batch(k, &many, 2, D, Q3_F32, 0));
+        NAME("attention, tokens=1 context=%d batch=%d D=%d pad=%d", (int)ctx, B, D, pad);
+        RUN("attention", name, 1e-5, q3_case_attention_batch(k, &one, G, D, Q3_BF16, 0));
+        NAME("attention split-KV, tokens=1 context=%d batch=%d D=%d pad=%d", (int)ctx, B, D, pad);
+        RUN("attention", name, 1e-5, q3_case_attention_batch(k, &one, G, D, Q3_BF16, 2100));
+    }
+    EACH(B, BATCHES) {
+        NAME("decode_prepare: lengths, positions, batch=%d", B);
+        RUN("decode_prepare", name, 0.0, q3_case_decode_prepare(k, B));
+    }
+
+    RUN("router_topk", "router top-k, renormalised", 1e-6, q3_case_router(k, 9, 16, 4, 1));
+    RUN("router_topk", "router top-k", 1e-6, q3_case_router(k, 9, 16, 4, 0));
     RUN("router_topk", "router top-k ties: lower expert index first", 1e-6, q3_case_router_ties(k));
-    RUN("decode_prepare", "decode_prepare: lengths, positions", 0.0, q3_case_decode_prepare(k));
-    RUN("moe_route", "moe_route: expert grouping on the device", 0.0, q3_case_moe_route(k));
-    RUN("moe_gate_up+moe_down+moe_combine", "moe gate_up + down + combine, T=5 k=3 E=16", 1e-5, q3_case_moe_experts(k));
+    for (int top = 1; top <= MAX_TOP; top++) {
+        NAME("router top-k, k=%d E=60 T=17, renormalised", top);
+        RUN("router_topk", name, 1e-6, q3_case_router(k, 17, 60, top, 1));
+        NAME("router top-k, k=%d E=128 T=1", top);
+        RUN("router_topk", name, 1e-6, q3_case_router(k, 1, 128, top, 0));
+    }
+    RUN("moe_route", "moe_route: expert grouping on the device", 0.0, q3_case_moe_route(k, 5, 3, 16));
+    RUN("moe_route", "moe_route, T=17 k=8 E=128", 0.0, q3_case_moe_route(k, 17, 8, 128));
+    RUN("moe_gate_up+moe_down+moe_combine", "moe gate_up + down + combine, T=5 k=3 E=16", 1e-5,
+        q3_case_moe_experts(k, 5, 3, 16, 96, 256));
     RUN("moe_gate_up_tc+moe_down_tc", "moe prefill gate_up + down, tensor cores, E=6", 1e-5, q3_case_moe_prefill_tc(k));
     RUN("moe_combine_csr", "moe prefill combine_csr, 1..3 slots a token", 1e-6, q3_case_moe_combine_csr(k));
+    /* E = 60 for the grouping (not a multiple of the warp's 32 lanes); E = 12 experts of
+     * I = 32, H = 64 for the products, so that 17 tokens' top 8 give experts of more than
+     * the GEMV's 8 tokens a warp */
+    for (int top = 1; top <= MAX_TOP; top++) EACH(T, TOKENS) {
+        NAME("moe_route, T=%d k=%d E=60", (int)T, top);
+        RUN("moe_route", name, 0.0, q3_case_moe_route(k, T, top, 60));
+        NAME("moe gate_up + down + combine, T=%d k=%d E=12", (int)T, top);
+        RUN("moe_gate_up+moe_down+moe_combine", name, 1e-5, q3_case_moe_experts(k, T, top, 12, 32, 64));
+        NAME("moe prefill tiles + combine_csr, T=%d k=%d E=12", (int)T, top);
+        RUN("moe_gate_up_tc+moe_down_tc+moe_combine_csr", name, 1e-5, q3_case_moe_prefill_batch(k, T, top, 12, 32, 64));
+    }
     RUN("swiglu", "swiglu", 1e-5, q3_case_swiglu(k));
     RUN("gather_rows+scatter_add_rows", "gather + scatter_add rows", 1e-6, q3_case_rows(k));
     RUN("from_f32+to_f32", "convert fp32 <-> bf16", 0.0, q3_case_convert(k));
+#undef NAME
 #undef RUN
     return Q3_OK;
 }

@@ -1,6 +1,6 @@
-/* The CUDA kernel self-check's harness (kernel_check.c runs the cases, kernel_check_dense.c
- * and kernel_check_moe.c hold them): host and device buffers of one case,
- * freed together, and the first CUDA failure. Internal to those two files. */
+/* The CUDA kernel self-check's harness (kernel_check.c runs the cases, kernel_check_dense.c,
+ * kernel_check_attention.c and kernel_check_moe.c hold them): host and device buffers of one
+ * case, freed together, and the first CUDA failure. Internal to those files. */
 #ifndef Q3_CHECK_KERNEL_CHECK_H
 #define Q3_CHECK_KERNEL_CHECK_H
 
@@ -88,26 +88,44 @@ static inline double max_err(const void *a, const void *b, q3_dtype dt, int64_t 
 }
 
 /* the dense kernels' cases (kernel_check_dense.c): max |cuda - twin| / max |twin| */
-double q3_case_rmsnorm(check *k, q3_dtype wdt, float scale);
-double q3_case_add_rmsnorm(check *k, q3_dtype wdt, int alias);
+double q3_case_rmsnorm(check *k, q3_dtype wdt, int64_t rows, float scale);
+double q3_case_add_rmsnorm(check *k, q3_dtype wdt, int64_t rows, int alias);
 double q3_case_matmul(check *k, q3_dtype wdt, int64_t T, int64_t K);
 double q3_case_gate_up(check *k, int64_t T, int64_t I, int64_t K);
 double q3_case_matmul_tc(check *k, int64_t T, int64_t N, int64_t K, int wmma_only);
-double q3_case_qk_rope_kv(check *k, int D);
-double q3_case_attention_heads(check *k, int64_t L, int64_t past0, int64_t past1, int64_t capacity, int64_t pad0,
-                               int Hq, int Hkv, int D);
-double q3_case_attention(check *k, int64_t L, int64_t past0, int64_t past1, int64_t capacity, int64_t pad0);
-double q3_case_router(check *k, int normalize);
+double q3_case_router(check *k, int64_t T, int E, int top, int normalize);
 double q3_case_router_ties(check *k);
 double q3_case_swiglu(check *k);
 double q3_case_rows(check *k);
 double q3_case_convert(check *k);
 
-/* the MoE and decode cases (kernel_check_moe.c): max |cuda - twin| / max |twin| */
-double q3_case_decode_prepare(check *k);
-double q3_case_moe_route(check *k);
-double q3_case_moe_experts(check *k);
+/* the attention kernels' cases (kernel_check_attention.c) */
+double q3_case_qk_rope_kv(check *k, int D);
+double q3_case_attention_heads(check *k, int64_t L, int64_t past0, int64_t past1, int64_t capacity, int64_t pad0,
+                               int Hq, int Hkv, int D);
+double q3_case_attention(check *k, int64_t L, int64_t past0, int64_t past1, int64_t capacity, int64_t pad0);
+/* A batch at one of the self-check's shapes: n_seqs (<= Q3_CHECK_MAX_SEQS) sequences of L new
+ * tokens each; sequence s has context * (n_seqs - s) / n_seqs cached tokens before the call
+ * (the first the longest, so lengths differ and later ones may be fresh), and the even ones
+ * pad + s tokens of left padding (which may reach past the call: queries inside it). */
+#define Q3_CHECK_MAX_SEQS 8
+typedef struct {
+    int64_t L, context, pad;
+    int n_seqs;
+} q3_check_batch;
+void q3_check_batch_seqs(const q3_check_batch *b, int64_t *past, int64_t *start);
+double q3_case_qk_rope_kv_batch(check *k, const q3_check_batch *b, int D);
+/* Hq = G * Hkv query heads on Hkv = 2 of dim D over a kv_dt cache; bound: max_keys is the
+ * capacity (as a captured decode graph passes it, the lengths being on the device), which is
+ * then `bound` rows; else the exact most keys a query sees */
+double q3_case_attention_batch(check *k, const q3_check_batch *b, int G, int D, q3_dtype kv_dt, int64_t bound);
+double q3_case_decode_prepare(check *k, int n_seqs);
+
+/* the MoE cases (kernel_check_moe.c): max |cuda - twin| / max |twin| */
+double q3_case_moe_route(check *k, int64_t T, int top, int E);
+double q3_case_moe_experts(check *k, int64_t T, int top, int E, int64_t I, int64_t H);
 double q3_case_moe_prefill_tc(check *k);
+double q3_case_moe_prefill_batch(check *k, int64_t T, int top, int E, int64_t I, int64_t H);
 double q3_case_moe_combine_csr(check *k);
 
 #endif

@@ -1,13 +1,12 @@
-/* The self-check cases of the dense kernels (norms, projections, QK-norm + RoPE + KV write,
- * attention, router, elementwise): each kernel against its CPU twin on random inputs with
- * odd sizes. The CPU side runs the active CPU path with fp32 activations (the matmul gets no
+/* The self-check cases of the dense kernels (norms, projections, router, elementwise): each
+ * kernel against its CPU twin on random inputs with odd sizes. The CPU side runs the active CPU path with fp32 activations (the matmul gets no
  * bf16 scratch), so the two differ only by summation order. The harness is kernel_check.h,
  * the driver kernel_check.c. */
 #include "kernel_check.h"
 
 /* x of N(0, scale^2): at scale 1e-3, mean(x^2) is the size of eps, so where eps goes shows */
-double q3_case_rmsnorm(check *k, q3_dtype wdt, float scale) {
-    const int64_t rows = 7, n = 1000;
+double q3_case_rmsnorm(check *k, q3_dtype wdt, int64_t rows, float scale) {
+    const int64_t n = 1000;
     float *x = host_random(k, rows * n, Q3_F32, 1), *want = host(k, rows * n * 4), *got = host(k, rows * n * 4);
     void *w = host_random(k, n, wdt, 2);
     if (k->failed) return INFINITY;
@@ -22,8 +21,8 @@ double q3_case_rmsnorm(check *k, q3_dtype wdt, float scale) {
 
 /* the residual add fused with the norm: both the updated x and out; with `alias`, out is r's
  * buffer (as the layer calls it) */
-double q3_case_add_rmsnorm(check *k, q3_dtype wdt, int alias) {
-    const int64_t rows = 7, n = 1000;
+double q3_case_add_rmsnorm(check *k, q3_dtype wdt, int64_t rows, int alias) {
+    const int64_t n = 1000;
     float *x = host_random(k, rows * n, Q3_F32, 30), *r = host_random(k, rows * n, Q3_F32, 31);
     float *want = host(k, rows * n * 4), *out_got = host(k, rows * n * 4), *x_got = host(k, rows * n * 4);
     void *w = host_random(k, n, wdt, 32);
@@ -87,79 +86,8 @@ double q3_case_matmul_tc(check *k, int64_t T, int64_t N, int64_t K, int wmma_onl
     return k->failed ? INFINITY : max_err(got, want, Q3_F32, T * N);
 }
 
-/* the fused QK-norm + RoPE + KV append against its composition: q and both caches */
-double q3_case_qk_rope_kv(check *k, int D) {
-    const q3_attn_shape sh = {3, 6, 2, D, 12, Q3_BF16, 1.0f, 0};
-    const int n_seqs = 2;
-    const int64_t R = n_seqs * sh.L, qn = R * sh.heads * D, kn = R * sh.kv_heads * D;
-    const int64_t per_seq = (int64_t)sh.kv_heads * sh.capacity * D, n_past[2] = {4, 0};
-    int64_t pos[6];
-    for (int64_t r = 0; r < R; r++) pos[r] = n_past[r / sh.L] + r % sh.L;
-    float *q = host_random(k, qn, Q3_F32, 22), *kk = host_random(k, kn, Q3_F32, 23), *v = host_random(k, kn, Q3_F32, 24);
-    void *qw = host_random(k, D, Q3_BF16, 25), *kw = host_random(k, D, Q3_BF16, 26);
-    uint16_t *kc = host(k, n_seqs * per_seq * 2), *vc = host(k, n_seqs * per_seq * 2);
-    float *q_got = host(k, qn * 4);
-    uint16_t *kc_got = host(k, n_seqs * per_seq * 2), *vc_got = host(k, n_seqs * per_seq * 2);
-    if (k->failed) return INFINITY;
-    float *dq = device(k, q, qn * 4), *dk = device(k, kk, kn * 4), *dv = device(k, v, kn * 4);
-    void *dqw = device(k, qw, D * 2), *dkw = device(k, kw, D * 2);
-    uint16_t *dkc = device(k, kc, n_seqs * per_seq * 2), *dvc = device(k, vc, n_seqs * per_seq * 2);
-    int64_t *dpos = device(k, pos, sizeof pos);
-    q3_attn_seq hs[2], ds[2];
-    for (int s = 0; s < n_seqs; s++) {
-        hs[s] = (q3_attn_seq){kc + s * per_seq, vc + s * per_seq, n_past[s], 0};
-        ds[s] = (q3_attn_seq){dkc ? dkc + s * per_seq : NULL, dvc ? dvc + s * per_seq : NULL, n_past[s], 0};
-    }
-    q3_attn_seq *dseqs = device(k, ds, sizeof ds);
-    q3_qk_rope_kv_host(q, kk, v, qw, kw, Q3_BF16, pos, hs, n_seqs, &sh, 1e-6f, 1e6f);
-    if (!k->failed)
-        cuda_ok(k, k->g->qk_rope_kv(dq, dk, dv, dqw, dkw, Q3_BF16, dpos, dseqs, n_seqs, &sh, 1e-6f, 1e6f, NULL),
-                "qk_rope_kv launch");
-    fetch(k, q_got, dq, qn * 4);
-    fetch(k, kc_got, dkc, n_seqs * per_seq * 2);
-    fetch(k, vc_got, dvc, n_seqs * per_seq * 2);
-    if (k->failed) return INFINITY;
-    const double e1 = max_err(q_got, q, Q3_F32, qn), e2 = max_err(kc_got, kc, Q3_BF16, n_seqs * per_seq),
-                 e3 = max_err(vc_got, vc, Q3_BF16, n_seqs * per_seq);
-    return e1 > e2 ? (e1 > e3 ? e1 : e3) : (e2 > e3 ? e2 : e3);
-}
-
-/* L query tokens after n_past[s] cached ones, for 2 sequences, Hq heads on Hkv of dim D;
- * long contexts split on the GPU, many tokens on tensor cores where the shape fits */
-double q3_case_attention_heads(check *k, int64_t L, int64_t past0, int64_t past1, int64_t capacity, int64_t pad0,
-                                   int Hq, int Hkv, int D) {
-    const q3_attn_shape sh = {L, Hq, Hkv, D, capacity, Q3_BF16, 1.0f / sqrtf((float)D), (past0 > past1 ? past0 : past1) + L};
-    const int n_seqs = 2;
-    const int64_t n_past[2] = {past0, past1}, per_seq = (int64_t)sh.kv_heads * sh.capacity * sh.head_dim;
-    const int64_t qn = n_seqs * sh.L * sh.heads * sh.head_dim;
-    uint16_t *kc = (uint16_t *)host_random(k, n_seqs * per_seq, Q3_BF16, 9);
-    uint16_t *vc = (uint16_t *)host_random(k, n_seqs * per_seq, Q3_BF16, 10);
-    float *q = host_random(k, qn, Q3_F32, 11), *want = host(k, qn * 4), *got = host(k, qn * 4);
-    float *scratch = host(k, (size_t)q3_attention_scratch_floats(&sh) * 4);
-    if (k->failed) return INFINITY;
-    q3_attn_seq hs[2], ds[2];
-    uint16_t *dk = device(k, kc, n_seqs * per_seq * 2), *dv = device(k, vc, n_seqs * per_seq * 2);
-    for (int s = 0; s < n_seqs; s++) {
-        const int64_t pad = s == 0 ? pad0 : 0;
-        hs[s] = (q3_attn_seq){kc + s * per_seq, vc + s * per_seq, n_past[s], pad};
-        ds[s] = (q3_attn_seq){dk ? dk + s * per_seq : NULL, dv ? dv + s * per_seq : NULL, n_past[s], pad};
-    }
-    q3_attn_seq *dseqs = device(k, ds, sizeof ds);
-    float *dq = device(k, q, qn * 4), *dout = device(k, NULL, qn * 4);
-    float *dpart = device(k, NULL, (size_t)q3_attention_cuda_partial_floats(n_seqs * L, &sh) * 4);
-    k->c->attention(want, q, hs, n_seqs, &sh, scratch, 1);
-    if (!k->failed) cuda_ok(k, k->g->attention(dout, dq, dseqs, n_seqs, &sh, dpart, NULL), "attention launch");
-    fetch(k, got, dout, qn * 4);
-    return k->failed ? INFINITY : max_err(got, want, Q3_F32, qn);
-}
-
-double q3_case_attention(check *k, int64_t L, int64_t past0, int64_t past1, int64_t capacity, int64_t pad0) {
-    return q3_case_attention_heads(k, L, past0, past1, capacity, pad0, 8, 2, 24);
-}
-
-double q3_case_router(check *k, int normalize) {
-    const int64_t T = 9;
-    const int E = 16, top = 4;
+/* T tokens' top `top` of E experts, one thread per token */
+double q3_case_router(check *k, int64_t T, int E, int top, int normalize) {
     float *logits = host_random(k, T * E, Q3_F32, 12), *w_want = host(k, T * top * 4), *w_got = host(k, T * top * 4);
     int32_t *i_want = host(k, T * top * 4), *i_got = host(k, T * top * 4);
     if (k->failed) return INFINITY;

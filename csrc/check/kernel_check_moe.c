@@ -1,28 +1,8 @@
-/* The self-check cases of the MoE and decode-bookkeeping kernels (see kernel_check.c):
- * device-side grouping, the grouped decode experts, the grouped prefill experts and their
- * combine, each against its twin in twins.c. */
+/* The self-check cases of the MoE kernels (see kernel_check.c): device-side grouping, the
+ * grouped decode experts, the grouped prefill experts and their combine, each against its
+ * twin in twins.c, on hand-made tiles and on the routings of kernel_check.c's lists (top-k
+ * 1 to 8, 1 and 17 tokens). */
 #include "kernel_check.h"
-
-/* a decode step's bookkeeping: one sequence past its padding, one empty, one still inside
- * its padding (pos 0); all of seqs, pos and lengths must match exactly */
-double q3_case_decode_prepare(check *k) {
-    enum { N_SEQS = 3 };
-    q3_attn_seq seqs[N_SEQS] = {{NULL, NULL, -1, 3}, {NULL, NULL, -1, 0}, {NULL, NULL, -1, 4}};
-    int64_t pos[N_SEQS] = {-1, -1, -1}, lengths[N_SEQS] = {7, 0, 2};
-    q3_attn_seq seqs_got[N_SEQS];
-    int64_t pos_got[N_SEQS], lengths_got[N_SEQS];
-    q3_attn_seq *dseqs = device(k, seqs, sizeof seqs);
-    int64_t *dpos = device(k, pos, sizeof pos), *dlengths = device(k, lengths, sizeof lengths);
-    q3_decode_prepare_host(seqs, pos, lengths, N_SEQS);
-    if (!k->failed) cuda_ok(k, k->g->decode_prepare(dseqs, dpos, dlengths, N_SEQS, NULL), "decode_prepare launch");
-    fetch(k, seqs_got, dseqs, sizeof seqs);
-    fetch(k, pos_got, dpos, sizeof pos);
-    fetch(k, lengths_got, dlengths, sizeof lengths);
-    if (k->failed || memcmp(seqs_got, seqs, sizeof seqs) || memcmp(pos_got, pos, sizeof pos) ||
-        memcmp(lengths_got, lengths, sizeof lengths))
-        return INFINITY;
-    return 0.0;
-}
 
 /* k distinct experts of E per token, in no particular order (as the router's top-k), from a
  * fixed LCG; with T * k near E, several experts are chosen by more than one token */
@@ -38,9 +18,9 @@ static void pick_experts(int32_t *idx, int64_t T, int k, int E, uint32_t seed) {
 }
 
 /* the expert grouping on the device: offsets, rows, weights, active and slot exactly */
-double q3_case_moe_route(check *k) {
-    const int64_t T = 5;
-    const int top = 3, E = 16, P = (int)T * top;
+double q3_case_moe_route(check *k, int64_t T, int top, int E) {
+    const int P = (int)T * top;
+    if (top > E) return INFINITY;
     int32_t *idx = host(k, P * 4), *rows = host(k, P * 4), *slot = host(k, P * 4), *active = host(k, (E + 1) * 4);
     int32_t *rows_got = host(k, P * 4), *slot_got = host(k, P * 4), *active_got = host(k, (E + 1) * 4);
     int64_t *offsets = host(k, (E + 1) * 8), *offsets_got = host(k, (E + 1) * 8);
@@ -77,9 +57,9 @@ static const void *const *expert_table(check *k, const uint16_t *all, int E, int
 
 /* the routed experts on grouping from the host twin: gate_up, down and the weighted combine,
  * each against its twin (act, y and x) */
-double q3_case_moe_experts(check *k) {
-    const int64_t T = 5, I = 96, H = 256;
-    const int top = 3, E = 16, P = (int)T * top;
+double q3_case_moe_experts(check *k, int64_t T, int top, int E, int64_t I, int64_t H) {
+    const int P = (int)T * top;
+    if (top > E || E > 64) return INFINITY;
     int32_t *idx = host(k, P * 4), *rows = host(k, P * 4), *slot = host(k, P * 4), *active = host(k, (E + 1) * 4);
     int64_t *offsets = host(k, (E + 1) * 8);
     float *x = host_random(k, T * H, Q3_F32, 35), *w = host_random(k, P, Q3_F32, 36), *weights = host(k, P * 4);
@@ -91,7 +71,7 @@ double q3_case_moe_experts(check *k) {
     if (k->failed) return INFINITY;
     pick_experts(idx, T, top, E, 40);
     q3_moe_route_host(offsets, rows, weights, active, slot, idx, w, T, top, E);
-    const void *hg[16], *hu[16], *hd[16];
+    const void *hg[64], *hu[64], *hd[64];
     for (int e = 0; e < E; e++) {
         hg[e] = gate + e * I * H;
         hu[e] = up + e * I * H;
@@ -187,3 +167,78 @@ double q3_case_moe_combine_csr(check *k) {
     return k->failed ? INFINITY : max_err(got, x, Q3_F32, T * H);
 }
 
+
+/* the prefill MoE as the layer plans it (csrc/cuda/passes.c, one batch of every expert): T
+ * tokens' top `top` of E experts grouped on the host, each expert's slots cut into tiles of
+ * at most 64, and the token list with each token's slots ascending; gate_up, down and the
+ * combine each against its twin on the twin's input (act, y and x) */
+double q3_case_moe_prefill_batch(check *k, int64_t T, int top, int E, int64_t I, int64_t H) {
+    const int P = (int)T * top;
+    int32_t *idx = host(k, P * 4), *rows = host(k, P * 4), *slot = host(k, P * 4), *active = host(k, (E + 1) * 4);
+    int32_t *plan = host(k, (3 * T + 1 + P) * 4); /* tokens [n], ptr [n + 1], slots [P] */
+    int64_t *offsets = host(k, (E + 1) * 8);
+    q3_moe_tile *tiles = host(k, (P + E) * sizeof *tiles);
+    float *x = host_random(k, T * H, Q3_F32, 50), *w = host_random(k, P, Q3_F32, 51), *weights = host(k, P * 4);
+    uint16_t *gate = (uint16_t *)host_random(k, E * I * H, Q3_BF16, 52);
+    uint16_t *up = (uint16_t *)host_random(k, E * I * H, Q3_BF16, 53);
+    uint16_t *down = (uint16_t *)host_random(k, E * H * I, Q3_BF16, 54);
+    float *act = host(k, P * I * 4), *y = host(k, P * H * 4), *x_want = host(k, T * H * 4);
+    float *act_got = host(k, P * I * 4), *y_got = host(k, P * H * 4), *x_got = host(k, T * H * 4);
+    if (k->failed || top > E || E > 64) return INFINITY;
+    pick_experts(idx, T, top, E, 55);
+    q3_moe_route_host(offsets, rows, weights, active, slot, idx, w, T, top, E);
+    int n_tiles = 0, n = 0;
+    for (int e = 0; e < E; e++)
+        for (int64_t f = offsets[e]; f < offsets[e + 1]; f += Q3_MOE_TILE_ROWS) {
+            const int64_t r = offsets[e + 1] - f < Q3_MOE_TILE_ROWS ? offsets[e + 1] - f : Q3_MOE_TILE_ROWS;
+            tiles[n_tiles++] = (q3_moe_tile){e, (int32_t)f, (int32_t)r, 0};
+        }
+    int32_t *tokens = plan, seen[64] = {0}; /* seen[t]: 1 + t's place in tokens */
+    if (T > 64) return INFINITY;
+    for (int s = 0; s < P; s++)
+        if (!seen[rows[s]]) {
+            tokens[n] = rows[s];
+            seen[rows[s]] = ++n;
+        }
+    int32_t *ptr = tokens + n, *slots = ptr + n + 1;
+    ptr[0] = 0;
+    for (int i = 0; i < n; i++) {
+        int at = ptr[i];
+        for (int s = 0; s < P; s++) /* slots ascending: each token's in expert order */
+            if (rows[s] == tokens[i]) slots[at++] = s;
+        ptr[i + 1] = at;
+    }
+    const void *hg[64], *hu[64], *hd[64];
+    for (int e = 0; e < E; e++) {
+        hg[e] = gate + e * I * H;
+        hu[e] = up + e * I * H;
+        hd[e] = down + e * H * I;
+    }
+    float *dx = device(k, x, T * H * 4), *dweights = device(k, weights, P * 4);
+    float *dact = device(k, NULL, P * I * 4), *dy = device(k, NULL, P * H * 4);
+    int32_t *drows = device(k, rows, P * 4), *dplan = device(k, plan, (2 * n + 1 + P) * 4);
+    q3_moe_tile *dtiles = device(k, tiles, n_tiles * sizeof *tiles);
+    const void *const *dg = expert_table(k, device(k, gate, E * I * H * 2), E, I, H);
+    const void *const *du = expert_table(k, device(k, up, E * I * H * 2), E, I, H);
+    const void *const *dd = expert_table(k, device(k, down, E * H * I * 2), E, H, I);
+    if (q3_moe_gate_up_tc_host(act, x, rows, tiles, n_tiles, hg, hu, I, H)) return INFINITY;
+    if (q3_moe_down_tc_host(y, act, tiles, n_tiles, hd, H, I)) return INFINITY;
+    memcpy(x_want, x, T * H * 4);
+    q3_moe_combine_csr_host(x_want, y, weights, tokens, ptr, slots, n, H);
+    float *dact_twin = device(k, act, P * I * 4), *dy_twin = device(k, y, P * H * 4);
+    if (!k->failed)
+        cuda_ok(k, k->g->moe_gate_up_tc(dact, dx, drows, dtiles, n_tiles, dg, du, I, H, NULL), "moe_gate_up_tc launch");
+    if (!k->failed)
+        cuda_ok(k, k->g->moe_down_tc(dy, dact_twin, dtiles, n_tiles, dd, H, I, NULL), "moe_down_tc launch");
+    if (!k->failed)
+        cuda_ok(k, k->g->moe_combine_csr(dx, dy_twin, dweights, dplan, dplan ? dplan + n : NULL,
+                                         dplan ? dplan + 2 * n + 1 : NULL, n, H, NULL),
+                "moe_combine_csr launch");
+    fetch(k, act_got, dact, P * I * 4);
+    fetch(k, y_got, dy, P * H * 4);
+    fetch(k, x_got, dx, T * H * 4);
+    if (k->failed) return INFINITY;
+    const double e_act = max_err(act_got, act, Q3_F32, P * I), e_y = max_err(y_got, y, Q3_F32, P * H);
+    const double e_x = max_err(x_got, x_want, Q3_F32, T * H);
+    return e_act > e_y ? (e_act > e_x ? e_act : e_x) : (e_y > e_x ? e_y : e_x);
+}

@@ -1,0 +1,158 @@
+/* The self-check cases of the attention kernels (see kernel_check.c): the fused QK-norm +
+ * RoPE + KV write, attention on each of its paths (a block per query token and KV head;
+ * split-KV slices and their merge; tensor cores), and a decode step's bookkeeping, each
+ * against its twin, on hand-made shapes and on the batches of kernel_check.c's lists
+ * (sequences of different lengths, left padding). */
+#include "kernel_check.h"
+
+void q3_check_batch_seqs(const q3_check_batch *b, int64_t *past, int64_t *start) {
+    for (int s = 0; s < b->n_seqs; s++) {
+        past[s] = b->context * (b->n_seqs - s) / b->n_seqs;
+        start[s] = s % 2 == 0 && b->pad > 0 ? b->pad + s : 0;
+    }
+}
+
+/* the fused QK-norm + RoPE + KV append against its composition, q and both caches: n_seqs
+ * sequences of sh->L tokens, token t of sequence s at cache row past[s] + t and at
+ * position pos[s * L + t] */
+static double qk_rope_kv(check *k, const q3_attn_shape *sh, int n_seqs, const int64_t *past, const int64_t *pos) {
+    const int D = sh->head_dim;
+    const int64_t R = n_seqs * sh->L, qn = R * sh->heads * D, kn = R * sh->kv_heads * D;
+    const int64_t per_seq = (int64_t)sh->kv_heads * sh->capacity * D, cn = n_seqs * per_seq;
+    float *q = host_random(k, qn, Q3_F32, 22), *kk = host_random(k, kn, Q3_F32, 23), *v = host_random(k, kn, Q3_F32, 24);
+    void *qw = host_random(k, D, Q3_BF16, 25), *kw = host_random(k, D, Q3_BF16, 26);
+    uint16_t *kc = host(k, cn * 2), *vc = host(k, cn * 2), *kc_got = host(k, cn * 2), *vc_got = host(k, cn * 2);
+    float *q_got = host(k, qn * 4);
+    if (k->failed || n_seqs > Q3_CHECK_MAX_SEQS) return INFINITY;
+    float *dq = device(k, q, qn * 4), *dk = device(k, kk, kn * 4), *dv = device(k, v, kn * 4);
+    void *dqw = device(k, qw, D * 2), *dkw = device(k, kw, D * 2);
+    uint16_t *dkc = device(k, kc, cn * 2), *dvc = device(k, vc, cn * 2);
+    int64_t *dpos = device(k, pos, R * sizeof *pos);
+    q3_attn_seq hs[Q3_CHECK_MAX_SEQS], ds[Q3_CHECK_MAX_SEQS];
+    for (int s = 0; s < n_seqs; s++) {
+        hs[s] = (q3_attn_seq){kc + s * per_seq, vc + s * per_seq, past[s], 0};
+        ds[s] = (q3_attn_seq){dkc ? dkc + s * per_seq : NULL, dvc ? dvc + s * per_seq : NULL, past[s], 0};
+    }
+    q3_attn_seq *dseqs = device(k, ds, n_seqs * sizeof ds[0]);
+    q3_qk_rope_kv_host(q, kk, v, qw, kw, Q3_BF16, pos, hs, n_seqs, sh, 1e-6f, 1e6f);
+    if (!k->failed)
+        cuda_ok(k, k->g->qk_rope_kv(dq, dk, dv, dqw, dkw, Q3_BF16, dpos, dseqs, n_seqs, sh, 1e-6f, 1e6f, NULL),
+                "qk_rope_kv launch");
+    fetch(k, q_got, dq, qn * 4);
+    fetch(k, kc_got, dkc, cn * 2);
+    fetch(k, vc_got, dvc, cn * 2);
+    if (k->failed) return INFINITY;
+    const double e1 = max_err(q_got, q, Q3_F32, qn), e2 = max_err(kc_got, kc, Q3_BF16, cn),
+                 e3 = max_err(vc_got, vc, Q3_BF16, cn);
+    return e1 > e2 ? (e1 > e3 ? e1 : e3) : (e2 > e3 ? e2 : e3);
+}
+
+/* 2 sequences of 3 tokens after 4 and 0 cached ones, 6 query heads on 2 */
+double q3_case_qk_rope_kv(check *k, int D) {
+    const q3_attn_shape sh = {3, 6, 2, D, 12, Q3_BF16, 1.0f, 0};
+    const int64_t past[2] = {4, 0};
+    int64_t pos[6];
+    for (int64_t r = 0; r < 6; r++) pos[r] = past[r / sh.L] + r % sh.L;
+    return qk_rope_kv(k, &sh, 2, past, pos);
+}
+
+/* 8 query heads on 2; positions count from each sequence's first token past its padding
+ * (0 inside it), as the layer gives them */
+double q3_case_qk_rope_kv_batch(check *k, const q3_check_batch *b, int D) {
+    const q3_attn_shape sh = {b->L, 8, 2, D, b->context + b->L + 3, Q3_BF16, 1.0f, 0};
+    int64_t past[Q3_CHECK_MAX_SEQS], start[Q3_CHECK_MAX_SEQS], pos[Q3_CHECK_MAX_SEQS * 32];
+    if (b->n_seqs > Q3_CHECK_MAX_SEQS || b->L > 32) return INFINITY;
+    q3_check_batch_seqs(b, past, start);
+    for (int s = 0; s < b->n_seqs; s++)
+        for (int64_t t = 0; t < b->L; t++) {
+            const int64_t n = past[s] + t;
+            pos[s * b->L + t] = n >= start[s] ? n - start[s] : 0;
+        }
+    return qk_rope_kv(k, &sh, b->n_seqs, past, pos);
+}
+
+/* attention of n_seqs sequences of sh->L new tokens after past[s] cached ones, start[s] of
+ * them padding, against the CPU kernel. The cache is random in the rows a query sees and
+ * a key tile beyond (where an overrun would read), zero past them: a large capacity costs
+ * no random fill. The launcher picks the path: more tokens than split-KV takes go to
+ * tensor cores where the shape fits; a long max_keys splits. */
+static double attention(check *k, const q3_attn_shape *sh, int n_seqs, const int64_t *past, const int64_t *start) {
+    const int64_t per_seq = (int64_t)sh->kv_heads * sh->capacity * sh->head_dim;
+    const int64_t qn = n_seqs * sh->L * sh->heads * sh->head_dim;
+    const size_t es = q3_dtype_size(sh->kv_dtype);
+    char *kc = host(k, n_seqs * per_seq * es), *vc = host(k, n_seqs * per_seq * es);
+    float *q = host_random(k, qn, Q3_F32, 11), *want = host(k, qn * 4), *got = host(k, qn * 4);
+    float *scratch = host(k, (size_t)q3_attention_scratch_floats(sh) * 4);
+    if (k->failed || n_seqs > Q3_CHECK_MAX_SEQS) return INFINITY;
+    for (int s = 0; s < n_seqs; s++)
+        for (int h = 0; h < sh->kv_heads; h++) {
+            const int64_t end = past[s] + sh->L + 64, rows = end < sh->capacity ? end : sh->capacity;
+            const int64_t off = (s * per_seq + (int64_t)h * sh->capacity * sh->head_dim) * (int64_t)es;
+            const uint64_t stream = 7 + (uint64_t)(s * sh->kv_heads + h);
+            k->c->fill_normal(kc + off, sh->kv_dtype, rows * sh->head_dim, 9, stream, 0.0f, 1.0f);
+            k->c->fill_normal(vc + off, sh->kv_dtype, rows * sh->head_dim, 10, stream, 0.0f, 1.0f);
+        }
+    q3_attn_seq hs[Q3_CHECK_MAX_SEQS], ds[Q3_CHECK_MAX_SEQS];
+    char *dk = device(k, kc, n_seqs * per_seq * es), *dv = device(k, vc, n_seqs * per_seq * es);
+    for (int s = 0; s < n_seqs; s++) {
+        const int64_t off = s * per_seq * (int64_t)es;
+        hs[s] = (q3_attn_seq){kc + off, vc + off, past[s], start[s]};
+        ds[s] = (q3_attn_seq){dk ? dk + off : NULL, dv ? dv + off : NULL, past[s], start[s]};
+    }
+    q3_attn_seq *dseqs = device(k, ds, n_seqs * sizeof ds[0]);
+    float *dq = device(k, q, qn * 4), *dout = device(k, NULL, qn * 4);
+    float *dpart = device(k, NULL, (size_t)q3_attention_cuda_partial_floats(n_seqs * sh->L, sh) * 4);
+    k->c->attention(want, q, hs, n_seqs, sh, scratch, 1);
+    if (!k->failed) cuda_ok(k, k->g->attention(dout, dq, dseqs, n_seqs, sh, dpart, NULL), "attention launch");
+    fetch(k, got, dout, qn * 4);
+    return k->failed ? INFINITY : max_err(got, want, Q3_F32, qn);
+}
+
+/* L query tokens after n_past[s] cached ones, for 2 sequences (the first with pad0 tokens
+ * of padding), Hq heads on Hkv of dim D, max_keys exact */
+double q3_case_attention_heads(check *k, int64_t L, int64_t past0, int64_t past1, int64_t capacity, int64_t pad0,
+                               int Hq, int Hkv, int D) {
+    const q3_attn_shape sh = {L, Hq, Hkv, D, capacity, Q3_BF16, 1.0f / sqrtf((float)D), (past0 > past1 ? past0 : past1) + L};
+    const int64_t past[2] = {past0, past1}, start[2] = {pad0, 0};
+    return attention(k, &sh, 2, past, start);
+}
+
+double q3_case_attention(check *k, int64_t L, int64_t past0, int64_t past1, int64_t capacity, int64_t pad0) {
+    return q3_case_attention_heads(k, L, past0, past1, capacity, pad0, 8, 2, 24);
+}
+
+double q3_case_attention_batch(check *k, const q3_check_batch *b, int G, int D, q3_dtype kv_dt, int64_t bound) {
+    int64_t past[Q3_CHECK_MAX_SEQS], start[Q3_CHECK_MAX_SEQS];
+    if (b->n_seqs > Q3_CHECK_MAX_SEQS) return INFINITY;
+    q3_check_batch_seqs(b, past, start);
+    const int64_t most = b->context + b->L; /* the first sequence is the longest */
+    const q3_attn_shape sh = {b->L, 2 * G, 2, D, bound ? bound : most + 5, kv_dt, 1.0f / sqrtf((float)D),
+                              bound ? bound : most};
+    if (sh.capacity < most) return INFINITY;
+    return attention(k, &sh, b->n_seqs, past, start);
+}
+
+/* a decode step's bookkeeping for the first n_seqs of: one sequence past its padding, one
+ * empty, one still inside its padding (pos 0), one just at its padding's end, one long with
+ * none; all of seqs, pos and lengths must match exactly */
+double q3_case_decode_prepare(check *k, int n_seqs) {
+    enum { MAX = 5 };
+    q3_attn_seq seqs[MAX] = {{NULL, NULL, -1, 3}, {NULL, NULL, -1, 0}, {NULL, NULL, -1, 4}, {NULL, NULL, -1, 5},
+                             {NULL, NULL, -1, 0}};
+    int64_t pos[MAX] = {-1, -1, -1, -1, -1}, lengths[MAX] = {7, 0, 2, 5, 100};
+    q3_attn_seq seqs_got[MAX];
+    int64_t pos_got[MAX], lengths_got[MAX];
+    if (n_seqs < 1 || n_seqs > MAX) return INFINITY;
+    const size_t n_seq_bytes = n_seqs * sizeof seqs[0], n_bytes = n_seqs * sizeof pos[0];
+    q3_attn_seq *dseqs = device(k, seqs, n_seq_bytes);
+    int64_t *dpos = device(k, pos, n_bytes), *dlengths = device(k, lengths, n_bytes);
+    q3_decode_prepare_host(seqs, pos, lengths, n_seqs);
+    if (!k->failed) cuda_ok(k, k->g->decode_prepare(dseqs, dpos, dlengths, n_seqs, NULL), "decode_prepare launch");
+    fetch(k, seqs_got, dseqs, n_seq_bytes);
+    fetch(k, pos_got, dpos, n_bytes);
+    fetch(k, lengths_got, dlengths, n_bytes);
+    if (k->failed || memcmp(seqs_got, seqs, n_seq_bytes) || memcmp(pos_got, pos, n_bytes) ||
+        memcmp(lengths_got, lengths, n_bytes))
+        return INFINITY;
+    return 0.0;
+}
