@@ -250,14 +250,15 @@ ties.append(rel(y - x.double().numpy(), rt.reference(tie_w, x)[0].numpy() - x.do
 out["router ties"] = ties
 
 # the kernel self-check's own harness (uploads, pointer tables, tiles), twins against twins here:
-# (case, max_err, tol, schedules, agree, kernel) per case
-out["kernel check"] = _C.cuda_check(0)
-# cuBLAS: the executor's stand-in opened as the library. The kernel check runs its two cuBLAS
-# cases and leaves cuBLAS as it found it (it used to save the new state as the old one, never
-# run them, and leave cuBLAS off); a prefill on the cuBLAS path against the CPU layer
+# (case, max_err, tol, schedules, agree, kernel) per case. cuBLAS: the executor's stand-in
+# opened as the library first, so the one run (260 cases without cuBLAS; the check is the
+# longest part of this script) also takes its two cuBLAS cases, and must leave cuBLAS as it
+# found it (it used to save the new state as the old one, never run them, and leave cuBLAS
+# off); then a prefill on the cuBLAS path against the CPU layer
 assert _C.cuda_blas_open(q3.cuda.SIMT_LIBRARY)
 blas_before = _C.cuda_blas_enable()
-blas_cases = [c for c in _C.cuda_check(0) if c[0].startswith("matmul cuBLAS")]
+out["kernel check"] = _C.cuda_check(0)
+blas_cases = [c for c in out["kernel check"] if c[0].startswith("matmul cuBLAS")]
 cb = q3.DecoderLayer.random(CFG, seed=14, dtype="bfloat16")
 cb_gpu = _C.Layer(CFG, _C.random_weights(CFG, 14, "bfloat16"), None, 0)
 xb = _C.random_tensor((3, 40, 64), 15, "float32")
