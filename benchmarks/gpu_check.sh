@@ -2,8 +2,10 @@
 # The one command that checks the CUDA backend on a GPU machine (the device tool's H200):
 # build with the machine's own python3 and nvcc (no network there: no build isolation),
 # run the GPU tests (every CUDA kernel against its CPU twin), every kernel path once under
-# compute-sanitizer's memory checker, and the CPU suite, then the CUDA benchmark; its table is
-# printed last. Under 8 minutes. Logs go to $OUT if set.
+# compute-sanitizer's memory checker, then the CUDA benchmark; its table is printed last.
+# The CPU suite (the same kernels on the SIMT executor included) runs in CI, not here. The
+# steps' own time limits sum to 540 s (120 + 90 + 60 + 120 + 150), so one device call of
+# 600 s always gets to the end. Logs go to $OUT if set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp}
@@ -16,12 +18,13 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=c
 python3 --version; nvcc --version | tail -1
 
 echo "== build"
-python3 -m pip install --no-build-isolation --no-deps -q -e . > "$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
+timeout 120 python3 -m pip install --no-build-isolation --no-deps -q -e . > "$out/build.log" 2>&1 \
+    || { tail -30 "$out/build.log"; exit 1; }
 python3 -c "import qwen3layer as q3; print(q3.build_info()); print('cuda devices:', q3.cuda.device_count(), '- cuBLAS:', repr(q3.cuda.blas()))"
 
 echo "== GPU tests"
-timeout 240 python3 -m pytest -q -rs tests/test_cuda.py 2>&1 | tee "$out/gpu_tests.log" || status=1
-python3 - <<'PY' 2>&1 | tee "$out/kernel_check.txt" || status=1
+timeout 90 python3 -m pytest -q -rs tests/test_cuda.py 2>&1 | tee "$out/gpu_tests.log" || status=1
+timeout 60 python3 - <<'PY' 2>&1 | tee "$out/kernel_check.txt" || status=1
 import sys
 import qwen3layer as q3
 rows = sorted(q3.cuda.check_kernels(0), key=lambda r: r["kernel"])  # grouped by launcher, stable
@@ -35,16 +38,17 @@ PY
 
 echo "== memory checker over every kernel path (compute-sanitizer, where it runs)"
 if command -v compute-sanitizer > /dev/null; then
-    timeout 150 compute-sanitizer --tool memcheck --print-limit 20 python3 benchmarks/sanitize_check.py 2>&1 \
+    timeout 120 compute-sanitizer --tool memcheck --print-limit 20 python3 benchmarks/sanitize_check.py 2>&1 \
         | tee "$out/memcheck.log" | grep -E "ERROR SUMMARY|Invalid|kernel self-check|ran;|Error" | head -40
-    grep -q "ERROR SUMMARY: 0 errors" "$out/memcheck.log" || status=1
+    if grep -q "Device not supported" "$out/memcheck.log"; then
+        echo "compute-sanitizer: skipped (it answers 'Device not supported' on this runtime; not a kernel failure)"
+    else
+        grep -q "ERROR SUMMARY: 0 errors" "$out/memcheck.log" || status=1
+    fi
 else
     echo "compute-sanitizer not found: skipped"
 fi
 
-echo "== CPU suite on this machine (its own torch and transformers)"
-timeout 150 python3 -m pytest -q -x tests --ignore=tests/test_cuda.py 2>&1 | tail -5 | tee "$out/cpu_tests.log" || status=1
-
 echo "== CUDA benchmark"
-timeout 240 python3 benchmarks/bench_cuda.py 2>&1 | tee "$out/bench_cuda.txt" || status=1
+timeout 150 python3 benchmarks/bench_cuda.py 2>&1 | tee "$out/bench_cuda.txt" || status=1
 exit $status
