@@ -226,6 +226,68 @@ out["output blocks"] = {
     "kept after empty_cache": len(_C.cuda_cached_blocks()),
 }
 
+# a steady state allocates nothing: the executor counts its cudaMalloc and cudaFree calls
+# (q3_simt_allocations in kernels/simt/runtime_api.cpp; ctypes.CDLL of the library emulate()
+# opened returns that same library). Shapes that no one dominates (a one-sequence prefill of
+# 40 rows, a decode of 4 sequences, a prefill of 4 sequences of 6 tokens, a chunked one):
+# the first call of each may grow the layer's workspace (and each new output size allocates
+# its block); the same calls again, twice, must allocate and free nothing. Outputs are
+# dropped as they come, so each one's block is kept (py_tensor.c) for the next output of its
+# size, which is the same call one round later: kept blocks allocate nothing then either.
+# Nothing else is alive across the rounds (inputs made once, the cache reset in place).
+_simt = ctypes.CDLL(q3.cuda.SIMT_LIBRARY)
+
+
+def device_allocations():
+    mallocs, frees = ctypes.c_longlong(), ctypes.c_longlong()
+    _simt.q3_simt_allocations(ctypes.byref(mallocs), ctypes.byref(frees))
+    return mallocs.value, frees.value
+
+
+w_steady = _C.random_weights(CFG, 15, "bfloat16")
+steady, steady_cpu = _C.Layer(CFG, w_steady, None, 0), _C.Layer(CFG, w_steady, None, -1)
+steady_cache, steady_cpu_cache = steady.new_cache(64, 4), steady_cpu.new_cache(64, 4)
+steady_inputs = {"one-sequence prefill": _C.random_tensor((40, 64), 16, "bfloat16"),
+                 "batched decode": _C.random_tensor((4, 64), 17, "bfloat16"),
+                 "batched prefill": _C.random_tensor((4, 6, 64), 18, "bfloat16"),
+                 "one-sequence prefill in chunks of 16": _C.random_tensor((24, 64), 19, "bfloat16")}
+steady_dev = {name: _C.copy_tensor(x, 0) for name, x in steady_inputs.items()}
+
+
+def steady_calls(layer, cache, xs):
+    """the round of calls, as (name, call) in order: each returns the output"""
+    return [("one-sequence prefill", lambda: layer.prefill(xs["one-sequence prefill"], cache, 0)),
+            ("batched decode", lambda: layer.decode(xs["batched decode"], cache)),
+            ("batched prefill", lambda: layer.prefill(xs["batched prefill"], cache)),
+            ("batched decode", lambda: layer.decode(xs["batched decode"], cache)),
+            ("one-sequence prefill in chunks of 16",
+             lambda: layer.prefill(xs["one-sequence prefill in chunks of 16"], cache, 2, 16))]
+
+
+steady_cpu_cache.reset()
+want = [host(call()) for _, call in steady_calls(steady_cpu, steady_cpu_cache, steady_inputs)]
+rounds, round_errs, round_outputs, workspace = [], [], [], []
+for r in range(3):
+    steady_cache.reset()
+    calls, outputs = [], []
+    for name, call in steady_calls(steady, steady_cache, steady_dev):
+        before = device_allocations()
+        y = call()
+        after = device_allocations()
+        outputs.append(host(y))  # a host copy: no device memory
+        del y  # dead: its block is kept for the next output of its size
+        after_drop = device_allocations()
+        calls.append([name, after[0] - before[0], after[1] - before[1], after_drop[1] - after[1]])
+    rounds.append(calls)
+    workspace.append(steady.workspace_bytes)
+    round_errs.append(max(rel(got, ref) for got, ref in zip(outputs, want)))
+    round_outputs.append(outputs)
+out["steady state"] = {"rounds": rounds, "max rel err": round_errs,
+                       "rounds equal": all(np.array_equal(a, b) for o in round_outputs[1:]
+                                           for a, b in zip(round_outputs[0], o)),
+                       "workspace bytes": workspace}
+
+
 # router ties on the device path (router, then grouping on the host in prefill and on the
 # device in decode) against the fp64 reference with the documented rule; the router kernel
 # here is the CPU twin, so this checks the path around it, not router.cu

@@ -169,3 +169,29 @@ def test_the_kernel_check_runs_its_cublas_cases_and_leaves_cublas_as_it_was(out)
     assert [c[0] for c in blas["cases"]] == ["matmul cuBLAS T=70 N=80 K=96", "matmul cuBLAS T=512 N=4096 K=1536"]
     assert all(err <= tol and agree for _, err, tol, agree in blas["cases"]), blas["cases"]
     assert blas["prefill rel err"] < 2e-2
+
+
+def test_a_steady_state_allocates_nothing_on_the_device(out):
+    """Issue 13, item 4: the layer's device workspace and host staging only grow (to the
+    larger of the rows and of the sequences held and asked), so alternating shapes that no
+    one dominates (a one-sequence prefill of 40 rows, a decode of 4 sequences, a prefill of 4
+    sequences of 6 tokens, a chunked prefill) stops allocating after the first call of each;
+    sized to each call, the workspace was freed (cudaFree waits for the whole device) and
+    reallocated on every switch. Counted by the executor: [call, cudaMalloc calls, cudaFree
+    calls during the call, cudaFree calls when its output is dropped]. Outputs are the other
+    device allocations a call makes: a dead output's block is kept (py_tensor.c) for the next
+    output of its size, so in round 1 each new output size allocates once (the chunked
+    prefill's [24, 64] output takes the batched prefill's [4, 6, 64] block), and in rounds 2
+    and 3 every output is a kept block: nothing allocated, nothing freed."""
+    steady = out["steady state"]
+    first, *later = steady["rounds"]
+    # prefill: the workspace (40 rows, 1 sequence) and its output; decode: the workspace grown
+    # once to 40 rows and 4 sequences (the old one freed) and its output; batched prefill: its
+    # output only (24 rows and 4 sequences fit)
+    assert [call[1:3] for call in first] == [[2, 0], [2, 1], [1, 0], [0, 0], [0, 0]], first
+    for calls in later:
+        assert [call[1:] for call in calls] == [[0, 0, 0]] * 5, calls
+    assert steady["workspace bytes"][0] > 0 and len(set(steady["workspace bytes"])) == 1
+    assert steady["rounds equal"]  # a larger workspace than the call needs changes nothing
+    assert max(steady["max rel err"]) <= 5e-3  # against the CPU layer (bf16 weights)
+

@@ -53,6 +53,34 @@ def test_prefill_in_separate_calls_equals_one_call(layer):
     assert cache.lengths == (50,)
 
 
+def test_alternating_shapes_grow_the_workspace_once_and_change_no_result():
+    """The workspace only grows, to the larger of the rows and of the sequences held and
+    asked (csrc/engine/workspace.c; the CUDA layer's likewise, counted on the executor in
+    test_cuda_executor.py): a one-sequence prefill (40 rows, 1 sequence) alternating with a
+    batched decode (4 rows, 4 sequences) sizes it once, in the first round, and then it
+    keeps its size; each result is bitwise that of a fresh layer making the call alone."""
+    layer = q3.DecoderLayer.random(CFG, seed=7, dtype="float32")
+    prompt, steps = x_of(40, CFG.hidden_size, seed=30), x_of(4, CFG.hidden_size, seed=31)
+
+    def prefill(lay):
+        return lay.prefill(prompt, lay.new_cache(64))
+
+    def decode(lay):
+        return lay.decode(steps, lay.new_cache(8, batch=4))
+
+    alone = {}
+    for call in (prefill, decode):
+        fresh = q3.DecoderLayer.random(CFG, seed=7, dtype="float32")
+        alone[call] = (call(fresh), fresh.workspace_bytes)
+    held = []
+    for _ in range(3):
+        for call in (prefill, decode):
+            assert torch.equal(call(layer), alone[call][0])
+            held.append(layer.workspace_bytes)
+    assert held[1] >= max(size for _, size in alone.values())
+    assert set(held[1:]) == {held[1]}  # sized to each call, it would alternate
+
+
 def test_batched_decode_of_different_lengths_equals_each_alone(layer):
     lengths = (5, 17, 1)
     prompts = [x_of(n, CFG.hidden_size, seed=10 + i) for i, n in enumerate(lengths)]

@@ -33,9 +33,19 @@ void q3_layer_cuda_release(q3_layer *l) {
     l->gpu = NULL;
 }
 
+/* Device workspace and host staging for passes of `rows` rows and `seqs` sequences, grown
+ * only: to the larger of what is held and what is asked in each, as the CPU workspace
+ * (q3_workspace_reserve). Sized to each call instead, alternating a one-sequence prefill
+ * (many rows, one sequence) with a batched decode (few rows, many sequences) reallocated on
+ * every switch, and cudaFree waits for the whole device; now only the first call of each
+ * shape may allocate. */
 static q3_status reserve(q3_layer *l, int64_t rows, int seqs, q3_error *err) {
     if (!q3_cuda()) return q3_fail(err, Q3_ERR_STATE, "cuda: the CUDA backend is not loaded");
-    if (l->gpu && rows <= l->gpu->ws.dev.rows && seqs <= l->gpu->ws.dev.seqs) return Q3_OK;
+    if (l->gpu) {
+        if (rows <= l->gpu->ws.dev.rows && seqs <= l->gpu->ws.dev.seqs) return Q3_OK;
+        if (rows < l->gpu->ws.dev.rows) rows = l->gpu->ws.dev.rows;
+        if (seqs < l->gpu->ws.dev.seqs) seqs = l->gpu->ws.dev.seqs;
+    }
     q3_layer_cuda_release(l);
     q3_cuda_state *s = calloc(1, sizeof *s);
     if (!s) return q3_fail(err, Q3_ERR_NOMEM, "cuda layer: out of host memory");

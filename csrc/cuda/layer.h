@@ -57,7 +57,7 @@ typedef struct {
     int n_tokens;
 } q3_moe_batch;
 
-/* A CUDA layer's state: its device memory and host staging, grown for larger calls. */
+/* A CUDA layer's state: its device memory and host staging, grown (never shrunk) for larger calls. */
 struct q3_cuda_state {
     q3_gpu_ws ws;
     void *events[2 * Q3_STAGE_COUNT + 2]; /* profiling: one per stage boundary of a pass */

@@ -11,6 +11,7 @@
 #include <string.h>
 #include <time.h>
 
+#include <atomic>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -153,6 +154,10 @@ cudaError_t cudaGetDevice(int *device) {
     return cudaSuccess;
 }
 
+// device allocations made and freed so far, for tests of a steady state (no allocation
+// after the first call of each shape): q3_simt_allocations below
+static std::atomic<long long> g_mallocs{0}, g_frees{0};
+
 cudaError_t cudaMalloc(void **p, size_t bytes) {
     *p = nullptr;
     if (forbidden_in_capture("cudaMalloc")) return cudaErrorStreamCaptureUnsupported;
@@ -161,12 +166,21 @@ cudaError_t cudaMalloc(void **p, size_t bytes) {
         *p = nullptr;
         return cudaErrorMemoryAllocation;
     }
+    g_mallocs++;
     return cudaSuccess;
 }
 cudaError_t cudaFree(void *p) {
     if (forbidden_in_capture("cudaFree")) return cudaErrorStreamCaptureUnsupported;
+    if (p) g_frees++;
     free(p);
     return cudaSuccess;
+}
+
+// the successful cudaMalloc calls and the cudaFree calls of a block so far, in this process
+// (not CUDA's: the executor's own, read by the tests through ctypes)
+void q3_simt_allocations(long long *mallocs, long long *frees) {
+    *mallocs = g_mallocs.load();
+    *frees = g_frees.load();
 }
 
 cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, enum cudaMemcpyKind kind) {
