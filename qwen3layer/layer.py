@@ -66,8 +66,10 @@ class DecoderLayer:
     (their owners are kept alive); others are converted once, here, with a warning.
     dtype: 'float32' or 'bfloat16'; default: the dtype of self_attn.q_proj.weight.
     device: 'cpu', or 'cuda' / 'cuda:N' where the build has the CUDA backend: weights on that
-    device are borrowed as above, host weights are copied there once; inputs and outputs
-    live on it, and the work is queued on the caller's current torch stream.
+    device are borrowed as above if their address is 16-byte aligned (the kernels' vector
+    loads; a view at an odd offset is copied once, with the warning), host weights are
+    copied there once; inputs and outputs live on it, and the work is queued on the
+    caller's current torch stream.
     """
 
     def __init__(self, config: LayerConfig, weights: Mapping[str, Any], device: str = "cpu",
@@ -80,7 +82,8 @@ class DecoderLayer:
         self._core = _C.Layer(config, canonical_weights(weights, config), dtype, index)
         if self._core.converted:
             where = "" if index < 0 else f" on {self.device}"
-            warnings.warn(f"DecoderLayer: copied {len(self._core.converted)} weight(s) to contiguous "
+            aligned = "" if index < 0 else ", 16-byte aligned"
+            warnings.warn(f"DecoderLayer: copied {len(self._core.converted)} weight(s) to contiguous{aligned} "
                           f"{self._core.dtype}{where} once at construction: {', '.join(self._core.converted[:4])}"
                           + (" ..." if len(self._core.converted) > 4 else ""), stacklevel=2)
 

@@ -8,6 +8,27 @@
 
 #include "../engine/q3.h"
 
+/* Device weights given to q3_layer_create start at an address that is a multiple of
+ * Q3_CUDA_WEIGHT_ALIGN bytes (cudaMalloc and torch's allocator give 256 or more; a view at an
+ * offset may not: the Python layer copies such a weight once, csrc/python/py_layer.c). What
+ * the kernels' loads need of each weight, w [N, K] row-major (row r at w + r * K elements):
+ *   row_dots.cuh (projections of few tokens, the router's, the experts' in decode and in the
+ *     per-expert prefill): bf16 with K % 8 == 0, 16-byte loads of each row, aligned exactly
+ *     when w is; otherwise (fp32, or odd K) one element a lane: 4- resp. 2-byte loads.
+ *   matmul_tc.cu (prefill projections, bf16, K % 32 == 0): staged one element at a time, or
+ *     cuBLAS; rows of 64-byte multiples, so 16-byte staging would find them aligned as w is.
+ *   moe_prefill.cu (grouped prefill experts, bf16, H and I % 32 == 0): 16-byte loads only
+ *     where the expert's pointers are aligned (tested per tile at run time), else 2-byte.
+ *   rmsnorm.cu, qk_rope_kv.cu (norm weights [n]): one element: 4- resp. 2-byte loads.
+ * The experts of a fused gate_up_proj [E, 2I, H] / down_proj [E, H, I] start at whole rows
+ * past its base, so each is aligned as the base is whenever a row is a multiple of 16 bytes,
+ * which is when the 16-byte paths above are taken. Today's need is thus 16 bytes for bf16
+ * matrices with K % 8 == 0 and the element's size elsewhere; one rule of 16 for every weight
+ * covers it and leaves 16-byte loads open to any kernel (fp32 weights included) at the cost
+ * of one copy of a weight at an odd offset. Nothing here checks it: the caller of
+ * q3_layer_create holds to it. */
+#define Q3_CUDA_WEIGHT_ALIGN 16
+
 /* CUDA backend (backend.c): opens the launcher library at `path` once; the
  * number of CUDA devices it sees (0 before opening, or without a driver). */
 q3_status q3_cuda_open(const char *path, q3_error *err);

@@ -1,7 +1,8 @@
 /* qwen3layer._C.Layer: the engine layer behind qwen3layer.DecoderLayer.
  *
  * Construction borrows every weight through DLPack (no copy when it is contiguous and
- * of the layer's dtype; otherwise one conversion, now, recorded in `converted`).
+ * of the layer's dtype, and on a CUDA device 16-byte aligned; otherwise one conversion,
+ * now, recorded in `converted`).
  * prefill/decode check the call, release the GIL and run q3_layer_forward under the
  * layer's lock (the workspace is per layer). */
 #include <string.h>
@@ -80,8 +81,44 @@ int q3_parse_config(PyObject *cfg, q3_config *c) {
 
 /* ---- weights --------------------------------------------------------------------- */
 
+/* a converted copy, owned by the layer from now on (freed with it), named in `converted` */
+static void *record_converted(q3_layer_object *self, const char *name, void *copy) {
+    self->owned[self->n_owned++] = copy;
+    PyObject *nm = PyUnicode_FromString(name);
+    if (!nm || PyList_Append(self->converted, nm) < 0) {
+        Py_XDECREF(nm);
+        return NULL;
+    }
+    Py_DECREF(nm);
+    return copy;
+}
+
+/* a copy of the contiguous device weight v (bytes long) in a new block of the layer's
+ * device, or NULL with an exception */
+static void *copy_on_device(q3_layer_object *self, const q3_view *v, size_t bytes, const char *arg) {
+    const q3_cuda_ops *g = q3_cuda();
+    void *dev = NULL;
+    int code = g->set_device(self->device);
+    if (!code) code = g->malloc_device(&dev, bytes ? bytes : 1);
+    /* on the legacy default stream, which the producer's export was asked to order its
+     * work before (DLPack stream 1); then waited for, as the upload of a host weight is */
+    if (!code) code = g->copy_device_async(dev, v->data, bytes, NULL);
+    if (!code) code = g->synchronize();
+    if (code) {
+        if (dev) g->free_device(dev);
+        PyErr_Format(PyExc_MemoryError, "%s: cannot copy %zu bytes to an aligned block on cuda:%d: %s", arg, bytes,
+                     self->device, g->error_string(code));
+        return NULL;
+    }
+    return dev;
+}
+
 /* Imports weights[name], checks its shape, and returns the pointer the engine will read:
- * the producer's memory, or a converted copy when dtype or layout do not fit. */
+ * the producer's memory, or a converted copy when dtype or layout do not fit. A CUDA
+ * layer's weights must also start at a multiple of Q3_CUDA_WEIGHT_ALIGN bytes (the kernels'
+ * 16-byte loads; csrc/cuda/q3_cuda.h says which, and why experts of a fused tensor follow
+ * its base): a device weight elsewhere (a view at an odd offset) would fault there, so it
+ * is copied once into a cudaMalloc block (256-byte aligned) and listed in `converted`. */
 static const void *take_weight(q3_layer_object *self, PyObject *weights, const char *name,
                                int rank, const int64_t *dims, q3_dtype dtype) {
     PyObject *obj = PyDict_GetItemString(weights, name);
@@ -103,11 +140,12 @@ static const void *take_weight(q3_layer_object *self, PyObject *weights, const c
         q3_view_release(v);
         return NULL;
     }
-    if (v->device == self->device && v->dtype == dtype && v->contiguous) {
+    const int aligned = v->device < 0 || (uintptr_t)v->data % Q3_CUDA_WEIGHT_ALIGN == 0;
+    if (v->device == self->device && v->dtype == dtype && v->contiguous && aligned) {
         self->n_views++;
         return v->data;
     }
-    if (v->device >= 0) {
+    if (v->device >= 0 && (v->dtype != dtype || !v->contiguous)) {
         PyErr_Format(PyExc_ValueError, "%s: a CUDA weight must be contiguous and of the layer's dtype (%s), got "
                      "a%s %s tensor", arg, q3_dtype_name(dtype), v->contiguous ? "" : " non-contiguous",
                      q3_dtype_name(v->dtype));
@@ -117,7 +155,14 @@ static const void *take_weight(q3_layer_object *self, PyObject *weights, const c
     size_t n = 1;
     for (int d = 0; d < rank; d++) n *= (size_t)dims[d];
     const size_t bytes = n * q3_dtype_size(dtype);
-    void *copy = q3_alloc(bytes);
+    void *copy;
+    if (v->device >= 0) { /* of the layer's dtype and contiguous, but not 16-byte aligned */
+        copy = copy_on_device(self, v, bytes, arg);
+        q3_view_release(v);
+        if (!copy) return NULL;
+        return record_converted(self, name, copy);
+    }
+    copy = q3_alloc(bytes);
     if (!copy) {
         q3_view_release(v);
         PyErr_NoMemory();
@@ -142,14 +187,7 @@ static const void *take_weight(q3_layer_object *self, PyObject *weights, const c
         }
         copy = dev;
     }
-    self->owned[self->n_owned++] = copy;
-    PyObject *nm = PyUnicode_FromString(name);
-    if (!nm || PyList_Append(self->converted, nm) < 0) {
-        Py_XDECREF(nm);
-        return NULL;
-    }
-    Py_DECREF(nm);
-    return copy;
+    return record_converted(self, name, copy);
 }
 
 static int record_ptr(q3_layer_object *self, const char *name, const void *p) {
