@@ -287,6 +287,18 @@ out["steady state"] = {"rounds": rounds, "max rel err": round_errs,
                                            for a, b in zip(round_outputs[0], o)),
                        "workspace bytes": workspace}
 
+# the split-KV partials (heads x Q3_SPLIT_MAX slices x (D + 2) floats per query row) serve
+# calls of at most Q3_SPLIT_MAX_TOKENS = 16 tokens per sequence: min(rows, 16 seqs) rows of a
+# call. They grow as a dimension of their own: a one-sequence prefill of 200 rows (16 such
+# rows) and a decode of 8 sequences (8) hold 16; grown from the larger rows (200) and the
+# larger sequences (8) they would take min(200, 128) = 128 rows, ~3 MB here (and at the real
+# geometry a 512-token prefill and a 64-sequence decode 545 MB, where either needs < 70 MB).
+split_layer = _C.Layer(CFG, w_steady, None, 0)
+split_layer.prefill(_C.copy_tensor(_C.random_tensor((200, 64), 20, "bfloat16"), 0), split_layer.new_cache(200))
+after_prefill = split_layer.workspace_bytes
+split_layer.decode(_C.copy_tensor(_C.random_tensor((8, 64), 21, "bfloat16"), 0), split_layer.new_cache(4, 8))
+out["split-KV partials"] = {"after prefill": after_prefill, "after decode": split_layer.workspace_bytes,
+                            "row bytes": 8 * 32 * (24 + 2) * 4}
 
 # borrowed device weights at an address that is not 16-byte aligned (a view at an offset):
 # bf16 rows are read with 16-byte loads (row_dots.cuh, K % 8 == 0), which fault at +2 (the

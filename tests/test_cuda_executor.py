@@ -173,9 +173,10 @@ def test_the_kernel_check_runs_its_cublas_cases_and_leaves_cublas_as_it_was(out)
 
 def test_a_steady_state_allocates_nothing_on_the_device(out):
     """Issue 13, item 4: the layer's device workspace and host staging only grow (to the
-    larger of the rows and of the sequences held and asked), so alternating shapes that no
-    one dominates (a one-sequence prefill of 40 rows, a decode of 4 sequences, a prefill of 4
-    sequences of 6 tokens, a chunked prefill) stops allocating after the first call of each;
+    larger of the rows, of the sequences and of the split-KV rows held and asked), so
+    alternating shapes that no one dominates (a one-sequence prefill of 40 rows, a decode of
+    4 sequences, a prefill of 4 sequences of 6 tokens, a chunked prefill) stops allocating
+    after the first call of each;
     sized to each call, the workspace was freed (cudaFree waits for the whole device) and
     reallocated on every switch. Counted by the executor: [call, cudaMalloc calls, cudaFree
     calls during the call, cudaFree calls when its output is dropped]. Outputs are the other
@@ -185,16 +186,28 @@ def test_a_steady_state_allocates_nothing_on_the_device(out):
     and 3 every output is a kept block: nothing allocated, nothing freed."""
     steady = out["steady state"]
     first, *later = steady["rounds"]
-    # prefill: the workspace (40 rows, 1 sequence) and its output; decode: the workspace grown
-    # once to 40 rows and 4 sequences (the old one freed) and its output; batched prefill: its
-    # output only (24 rows and 4 sequences fit)
-    assert [call[1:3] for call in first] == [[2, 0], [2, 1], [1, 0], [0, 0], [0, 0]], first
+    # prefill: the workspace (40 rows, 1 sequence, 16 split-KV rows) and its output; decode:
+    # the workspace grown to 4 sequences (the old one freed) and its output; batched prefill:
+    # grown to 24 split-KV rows (6 tokens a sequence: all its 24 rows may split) and its output
+    assert [call[1:3] for call in first] == [[2, 0], [2, 1], [2, 1], [0, 0], [0, 0]], first
     for calls in later:
         assert [call[1:] for call in calls] == [[0, 0, 0]] * 5, calls
     assert steady["workspace bytes"][0] > 0 and len(set(steady["workspace bytes"])) == 1
     assert steady["rounds equal"]  # a larger workspace than the call needs changes nothing
     assert max(steady["max rel err"]) <= 5e-3  # against the CPU layer (bf16 weights)
 
+
+
+def test_the_workspace_grows_the_split_kv_partials_as_their_own_dimension(out):
+    """Growing only, the workspace keeps the larger rows and the larger sequences of the
+    calls; the split-KV partials, which calls of at most 16 tokens per sequence use
+    (min(rows, 16 seqs) query rows of a call), keep the largest of those instead: after a
+    one-sequence prefill of 200 rows (16) a decode of 8 sequences (8) adds only its
+    per-sequence arrays, less than one row of partials (from min(200, 16 x 8) = 128 rows it
+    would add 112; at the real geometry a 512-token prefill and a 64-sequence decode would
+    hold 545 MB of partials where either call alone needs under 70 MB)."""
+    split = out["split-KV partials"]
+    assert split["after prefill"] <= split["after decode"] < split["after prefill"] + split["row bytes"], split
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_misaligned_device_weights_are_copied_once_to_aligned_memory(out, dtype):

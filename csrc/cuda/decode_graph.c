@@ -106,7 +106,7 @@ q3_status q3_decode_graph_create(q3_decode_graph **out, q3_layer *l, q3_cache *c
     memcpy(g->seqs, seqs, (size_t)n_seqs * sizeof *seqs);
     g->dev_lengths[0] = -1; /* nothing uploaded yet */
     const size_t io_bytes = (size_t)n_seqs * (size_t)l->cfg.hidden * q3_dtype_size(io_dtype);
-    s = q3_gpu_ws_alloc(&g->ws, l, n_seqs, n_seqs, err);
+    s = q3_gpu_ws_alloc(&g->ws, l, n_seqs, n_seqs, q3_gpu_split_rows(n_seqs, n_seqs), err);
     if (s == Q3_OK && (cu->malloc_device(&g->input, io_bytes) || cu->malloc_device(&g->output, io_bytes)))
         s = q3_fail(err, Q3_ERR_NOMEM, "decode graph: cannot allocate 2 x %zu bytes on cuda:%d", io_bytes,
                     l->w.device);

@@ -34,23 +34,26 @@ void q3_layer_cuda_release(q3_layer *l) {
 }
 
 /* Device workspace and host staging for passes of `rows` rows and `seqs` sequences, grown
- * only: to the larger of what is held and what is asked in each, as the CPU workspace
- * (q3_workspace_reserve). Sized to each call instead, alternating a one-sequence prefill
- * (many rows, one sequence) with a batched decode (few rows, many sequences) reallocated on
- * every switch, and cudaFree waits for the whole device; now only the first call of each
- * shape may allocate. */
+ * only: to the larger of what is held and what is asked in each of rows, sequences and
+ * split-KV rows (q3_gpu_split_rows), as the CPU workspace grows (q3_workspace_reserve).
+ * Sized to each call instead, alternating a one-sequence prefill (many rows, one sequence)
+ * with a batched decode (few rows, many sequences) reallocated on every switch, and cudaFree
+ * waits for the whole device; now only the first call of each shape may allocate. */
 static q3_status reserve(q3_layer *l, int64_t rows, int seqs, q3_error *err) {
     if (!q3_cuda()) return q3_fail(err, Q3_ERR_STATE, "cuda: the CUDA backend is not loaded");
+    int64_t split = q3_gpu_split_rows(rows, seqs);
     if (l->gpu) {
-        if (rows <= l->gpu->ws.dev.rows && seqs <= l->gpu->ws.dev.seqs) return Q3_OK;
-        if (rows < l->gpu->ws.dev.rows) rows = l->gpu->ws.dev.rows;
-        if (seqs < l->gpu->ws.dev.seqs) seqs = l->gpu->ws.dev.seqs;
+        const q3_gpu_ws *held = &l->gpu->ws;
+        if (rows <= held->dev.rows && seqs <= held->dev.seqs && split <= held->split_rows) return Q3_OK;
+        if (rows < held->dev.rows) rows = held->dev.rows;
+        if (seqs < held->dev.seqs) seqs = held->dev.seqs;
+        if (split < held->split_rows) split = held->split_rows;
     }
     q3_layer_cuda_release(l);
     q3_cuda_state *s = calloc(1, sizeof *s);
     if (!s) return q3_fail(err, Q3_ERR_NOMEM, "cuda layer: out of host memory");
     l->gpu = s;
-    const q3_status status = q3_gpu_ws_alloc(&s->ws, l, rows, seqs, err);
+    const q3_status status = q3_gpu_ws_alloc(&s->ws, l, rows, seqs, split, err);
     if (status != Q3_OK) {
         q3_layer_cuda_release(l);
         return status;

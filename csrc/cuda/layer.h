@@ -18,10 +18,12 @@ size_t q3_layer_cuda_workspace_bytes(const q3_layer *layer);
  * kernel, no cuBLAS. Nothing in them waits for the host, so a CUDA graph can hold them. */
 #define Q3_DECODE_MAX_ROWS Q3_GRAPH_MAX_BATCH
 
-/* Device memory for passes of up to `rows` rows and `seqs` sequences: one allocation. */
+/* Device memory for passes of up to `rows` rows, `seqs` sequences and `split_rows` query rows
+ * of split-KV attention: one allocation. */
 typedef struct {
     q3_workspace dev;      /* carved like the host workspace */
-    float *partial;        /* split-KV partials (kernels/cuda/ops_cuda.h) */
+    int64_t split_rows;    /* rows of partial */
+    float *partial;        /* [split_rows] split-KV partials (kernels/cuda/ops_cuda.h) */
     int64_t *lengths;      /* [seqs] decode: tokens held by each sequence of the pass */
     int32_t *active;       /* [E + 1] decode: experts chosen in the pass (count first) */
     int32_t *pair_slot;    /* [Rd * k] decode: grouped slot of each (token, choice) */
@@ -31,7 +33,19 @@ typedef struct {
     int32_t *moe_plan;     /* [q3_moe_plan_ints] prefill: tiles and per-token slots (below) */
 } q3_gpu_ws;               /* rows, seqs, block and bytes: in dev; Rd = min(rows, Q3_DECODE_MAX_ROWS) */
 
-q3_status q3_gpu_ws_alloc(q3_gpu_ws *ws, const q3_layer *l, int64_t rows, int seqs, q3_error *err);
+/* The query rows of split-KV attention a pass of `rows` rows over `seqs` sequences may have:
+ * it runs for passes of at most Q3_SPLIT_MAX_TOKENS tokens per sequence (attention.cu). A
+ * dimension of the workspace of its own: from the largest rows and the most sequences of
+ * different calls (a long one-sequence prefill, a wide decode) it would be far larger than
+ * any call needs, and its rows are the workspace's widest (heads * Q3_SPLIT_MAX * (D + 2)
+ * floats: ~1 MiB at the real geometry). */
+static inline int64_t q3_gpu_split_rows(int64_t rows, int seqs) {
+    const int64_t most = (int64_t)seqs * Q3_SPLIT_MAX_TOKENS;
+    return rows < most ? rows : most;
+}
+
+q3_status q3_gpu_ws_alloc(q3_gpu_ws *ws, const q3_layer *l, int64_t rows, int seqs, int64_t split_rows,
+                          q3_error *err);
 void q3_gpu_ws_free(q3_gpu_ws *ws);
 
 /* A decode pass's starting state: sequences seqs [n]'s lengths and cache rows, staged in the

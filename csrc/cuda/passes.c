@@ -16,13 +16,12 @@
 
 #include "layer.h"
 
-q3_status q3_gpu_ws_alloc(q3_gpu_ws *ws, const q3_layer *l, int64_t rows, int seqs, q3_error *err) {
+q3_status q3_gpu_ws_alloc(q3_gpu_ws *ws, const q3_layer *l, int64_t rows, int seqs, int64_t split_rows,
+                          q3_error *err) {
     const q3_cuda_ops *g = q3_cuda();
     const q3_config *cf = &l->cfg;
     const int64_t E = cf->experts, k = cf->top_k, Rd = rows < Q3_DECODE_MAX_ROWS ? rows : Q3_DECODE_MAX_ROWS;
     const q3_attn_shape shape = {.heads = cf->heads, .kv_heads = cf->kv_heads, .head_dim = cf->head_dim};
-    /* split-KV runs for calls of at most Q3_SPLIT_MAX_TOKENS tokens per sequence */
-    const int64_t split_rows = rows < (int64_t)seqs * Q3_SPLIT_MAX_TOKENS ? rows : (int64_t)seqs * Q3_SPLIT_MAX_TOKENS;
     *ws = (q3_gpu_ws){0};
     size_t off = 0;
     char *base = NULL;
@@ -50,6 +49,7 @@ q3_status q3_gpu_ws_alloc(q3_gpu_ws *ws, const q3_layer *l, int64_t rows, int se
     ws->dev.bytes = off;
     ws->dev.rows = rows;
     ws->dev.seqs = seqs;
+    ws->split_rows = split_rows;
     /* the expert kernels of a decode pass look their weights up on the device */
     if (g->copy(ws->experts, l->expert_ptrs, (size_t)(Q3_X_COUNT * E) * sizeof(void *), 1)) {
         q3_gpu_ws_free(ws);
