@@ -251,6 +251,15 @@ def test_cuda_workspace_only_grows_across_alternating_shapes():
         assert all(rel(g, c) <= 1e-2 for g, c in zip(got, want))
     assert held[0] > 0 and held == [held[0]] * 3
 
+    # the split-KV partials grow as their own dimension (min(rows, 16 seqs) of each call): a
+    # decode of 8 sequences after a one-sequence prefill of 200 rows adds less than one row
+    # of them (heads x 32 slices x (D + 2) floats), not the 112 rows of min(200, 16 x 8) - 16
+    wide = q3.DecoderLayer(CFG, {k: v.cuda() for k, v in w.items()}, device="cuda")
+    wide.prefill(torch.randn(200, CFG.hidden_size, device="cuda").to(torch.bfloat16), wide.new_cache(200))
+    after_prefill = wide.workspace_bytes
+    wide.decode(torch.randn(8, CFG.hidden_size, device="cuda").to(torch.bfloat16), wide.new_cache(4, batch=8))
+    row = CFG.num_attention_heads * 32 * (CFG.head_dim + 2) * 4
+    assert after_prefill <= wide.workspace_bytes < after_prefill + row
 
 @needs_gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
