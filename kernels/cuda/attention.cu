@@ -1,31 +1,109 @@
 // Causal GQA attention over the KV cache, online softmax (twin: kernels/cpu/attention.c).
-// One block per (sequence, KV head, query token, slice of keys); its warps are the
+// One block per (sequence, KV head, query token, slice of keys); its G warps are the
 // G = Hq / Hkv query heads of that KV head, so each K/V row fetched into shared memory serves
 // all of them. Keys go in tiles of KEY_TILE: each lane scores one key per step, then the warp
-// rescales and adds the tile's values, one head dim per lane and step of 32.
+// rescales and adds the tile's values, 4 consecutive head dims per lane and step of 128.
 // Split-KV: a decode over a long context has few (token, KV head) pairs, so its keys are cut
 // into slices run by separate blocks, each writing its (max, sum, accumulator) partial; a
 // second kernel merges the slices of each query head. Prefill runs unsplit, and on tensor
 // cores (attention_tc.cu) where the shape allows.
+//
+// Shared memory (dynamic, fp32), rows of S = row_stride(D) floats, D rounded up to whole
+// 16-byte chunks of 4 dims and then to an odd number of them:
+//   kt [KEY_TILE][S]  the tile's keys, dims D .. 4 * ceil(D / 4) - 1 zero
+//   vt [KEY_TILE][S]  its values, the same
+//   qs [G][S]         each warp's query row, staged once, zero past D
+// Bank math (32 banks of 4 bytes; a 16-byte access is served a quarter-warp, 8 lanes, at a
+// time, without conflict when those 8 lanes hit 8 different 4-bank groups, i.e. 16-byte
+// chunk indices distinct mod 8):
+//   scoring: lane j reads chunk c of key j, index j * S/4 + c; S/4 odd makes j * S/4 distinct
+//            mod 8 for 8 consecutive j, so conflict-free. (The old [KEY_TILE][D] tile with
+//            D = 128 put all 32 lanes on one bank: 32-way.) q: every lane reads the same
+//            chunk of qs, a broadcast.
+//   values:  lane reads chunk lane + 32 i of one row: 32 consecutive chunks, conflict-free.
+//   staging: fp32 and the fallback store chunk c of row j from thread c of the row:
+//            consecutive, conflict-free. bf16 stores two chunks per 16-byte load (2c, 2c + 1),
+//            the half first that keeps the quarter-warp's 8 stores on 8 groups (c >> 2 & 1),
+//            conflict-free when a row is a whole number of quarter-warps (D % 64 == 0).
+// Registers: the accumulator is MAX_D / 128 float4 per lane, loops over it unrolled with
+// compile-time bounds and guards, so it stays in registers. __launch_bounds__(1024) caps a
+// thread at 64 registers; the unroll pragmas are what fits that without spilling on sm_80,
+// sm_90, sm_100 and sm_120 (ptxas -v: 0 bytes stack frame, 0 spill stores and loads).
 #include <math.h>
 
 #include "../attention.h"
 #include "common.cuh"
 #include "ops_cuda.h"
 
-#define KEY_TILE 32
-#define MAX_D 256
+#define KEY_TILE 32 // keys per step: one per lane while scoring
+#define MAX_D Q3_CUDA_MAX_HEAD_DIM
+#define MAX_CHUNKS (MAX_D / 128) // float4 accumulators a lane holds
 
-// partial layout: [item = (s, t, query head)][slice][D + 2]: acc[D], then m, l
-__global__ void attention_kernel(float *out, float *partial, const float *q, const q3_attn_seq *seqs,
-                                 q3_attn_shape sh, int splits) {
-    const int G = sh.heads / sh.kv_heads, D = sh.head_dim;
-    const int64_t L = sh.L;
-    const int t = (int)(blockIdx.x % L), h = (int)((blockIdx.x / L) % sh.kv_heads), s = (int)(blockIdx.x / (L * sh.kv_heads));
+// floats per row of the tiles: ceil(D / 4) chunks of 4, made odd (bank math above)
+__host__ __device__ static inline int row_stride(int D) { return ((D + 3) / 4 | 1) * 4; }
+
+// 4 bf16 (the low half of a first) as fp32
+__device__ __forceinline__ float4 bf16x4(uint32_t a, uint32_t b) {
+    return make_float4(__uint_as_float(a << 16), __uint_as_float(a & 0xffff0000u), __uint_as_float(b << 16),
+                       __uint_as_float(b & 0xffff0000u));
+}
+
+// nj cache rows of one KV head into kt and vt [KEY_TILE][S] as fp32 (k, v: the first key and
+// value row, rows contiguous, D elements each), a key and a value load in flight together.
+// 16-byte global loads where the dtype, D and alignment allow (8 bf16 dims or 4 fp32 dims a
+// load; __ldg: the cache is read-only here and its pointer comes from memory, so only it
+// makes them global loads, LDG.E.128), else one chunk of 4 dims a thread.
+__device__ __forceinline__ void stage_tile(float *kt, float *vt, const void *k, const void *v, q3_dtype dt, int nj,
+                                           int D, int S) {
+    const bool aligned = (((uintptr_t)k | (uintptr_t)v) & 15) == 0;
+    if (dt == Q3_BF16 && D % 8 == 0 && aligned) {
+        const int per = D / 8;
+#pragma unroll 1
+        for (int e = threadIdx.x; e < nj * per; e += blockDim.x) {
+            const int j = e / per, c = e % per, h = (c >> 2) & 1;
+            const uint4 a = __ldg((const uint4 *)k + e), b = __ldg((const uint4 *)v + e);
+            float *kd = kt + j * S + 8 * c, *vd = vt + j * S + 8 * c;
+            *(float4 *)(kd + 4 * h) = bf16x4(h ? a.z : a.x, h ? a.w : a.y); // half h first
+            *(float4 *)(kd + 4 - 4 * h) = bf16x4(h ? a.x : a.z, h ? a.y : a.w);
+            *(float4 *)(vd + 4 * h) = bf16x4(h ? b.z : b.x, h ? b.w : b.y);
+            *(float4 *)(vd + 4 - 4 * h) = bf16x4(h ? b.x : b.z, h ? b.y : b.w);
+        }
+    } else if (dt == Q3_F32 && D % 4 == 0 && aligned) {
+        const int per = D / 4;
+#pragma unroll 1
+        for (int e = threadIdx.x; e < nj * per; e += blockDim.x) {
+            const int off = e / per * S + 4 * (e % per);
+            const float4 a = __ldg((const float4 *)k + e), b = __ldg((const float4 *)v + e);
+            *(float4 *)(kt + off) = a;
+            *(float4 *)(vt + off) = b;
+        }
+    } else {
+        const int per = (D + 3) / 4;
+#pragma unroll 1
+        for (int e = threadIdx.x; e < nj * per; e += blockDim.x) {
+            const int j = e / per, d = 4 * (e % per), i = j * D + d; // D even: d + 1 < D
+            float4 a = make_float4(q3_load(k, dt, i), q3_load(k, dt, i + 1), 0.0f, 0.0f);
+            float4 b = make_float4(q3_load(v, dt, i), q3_load(v, dt, i + 1), 0.0f, 0.0f);
+            if (d + 2 < D) a.z = q3_load(k, dt, i + 2), b.z = q3_load(v, dt, i + 2);
+            if (d + 3 < D) a.w = q3_load(k, dt, i + 3), b.w = q3_load(v, dt, i + 3);
+            *(float4 *)(kt + j * S + d) = a;
+            *(float4 *)(vt + j * S + d) = b;
+        }
+    }
+}
+
+// partial layout: [item = (s, t, query head)][slice][D + 2]: acc[D], then m, l.
+// blockDim.x = 32 G: warp w is query head h G + w. Bounded for G = 32 (1024 threads): at
+// most 64 registers a thread, so that a block of any G fits an SM's 64K registers.
+__global__ void __launch_bounds__(Q3_CUDA_MAX_GROUP * 32)
+    attention_kernel(float *out, float *partial, const float *q, const q3_attn_seq *seqs, q3_attn_shape sh, int splits) {
+    const int G = sh.heads / sh.kv_heads, D = sh.head_dim, S = row_stride(D), C = (D + 3) / 4;
+    const unsigned L = (unsigned)sh.L, item = blockIdx.x; // items = n_seqs * Hkv * L < 2^32
+    const int t = (int)(item % L), h = (int)(item / L % (unsigned)sh.kv_heads), s = (int)(item / L / (unsigned)sh.kv_heads);
     const int slice = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    Q3_DYNAMIC_SHARED(float, smem); // k tile [KEY_TILE][D], v tile [KEY_TILE][D]
-    float *kt = smem, *vt = smem + KEY_TILE * D;
+    Q3_DYNAMIC_SHARED(float, smem); // kt [KEY_TILE][S], vt [KEY_TILE][S], qs [G][S]
+    float *kt = smem, *vt = smem + KEY_TILE * S, *qs = smem + (2 * KEY_TILE + warp) * S;
     const q3_attn_seq sq = seqs[s];
     const int64_t head_off = (int64_t)h * sh.capacity * D;
     const int64_t n_keys = sq.n_past + t + 1 + Q3_MUTANT(2);
@@ -35,22 +113,33 @@ __global__ void attention_kernel(float *out, float *partial, const float *q, con
     const int64_t k_begin = lo + slice * per, k_end = k_begin + per < n_keys ? k_begin + per : n_keys;
     const int64_t row = ((int64_t)s * L + t) * sh.heads + (int64_t)h * G + warp; // this warp's query head
     const float *qr = q + row * D;
-    float m = -INFINITY, l = 0.0f, acc[MAX_D / 32];
-    for (int i = 0; i < MAX_D / 32; i++) acc[i] = 0.0f;
-    for (int64_t j0 = k_begin; j0 < k_end; j0 += KEY_TILE) {
-        const int nj = (int)(k_end - j0 < KEY_TILE ? k_end - j0 : KEY_TILE);
-        __syncthreads();
-        for (int e = threadIdx.x; e < nj * D; e += blockDim.x) {
-            kt[e] = q3_load(sq.k, sh.kv_dtype, head_off + j0 * D + e);
-            vt[e] = q3_load(sq.v, sh.kv_dtype, head_off + j0 * D + e);
-        }
+    for (int i = lane; i < 4 * C; i += 32) qs[i] = i < D ? qr[i] : 0.0f; // read after the first barrier
+    float m = -INFINITY, l = 0.0f;
+    float4 acc[MAX_CHUNKS]; // dims 4 (lane + 32 i) .. + 3
+#pragma unroll
+    for (int i = 0; i < MAX_CHUNKS; i++) acc[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    // the slice's keys: n rows from its first, kp and vp (bytes)
+    const int es = sh.kv_dtype == Q3_BF16 ? 2 : 4, n = (int)(k_end - k_begin);
+    const int64_t first = (head_off + k_begin * D) * es;
+    const char *kp = (const char *)sq.k + first, *vp = (const char *)sq.v + first;
+    for (int j0 = 0; j0 < n; j0 += KEY_TILE) {
+        const int nj = n - j0 < KEY_TILE ? n - j0 : KEY_TILE;
+        __syncthreads(); // every warp is done with the previous tile
+        stage_tile(kt, vt, kp + (int64_t)j0 * D * es, vp + (int64_t)j0 * D * es, sh.kv_dtype, nj, D, S);
         if (!Q3_MUTANT(1)) __syncthreads();
-        if (warp >= G) continue;
         float sc = -INFINITY;
         if (lane < nj) {
-            float d = 0.0f;
-            for (int i = 0; i < D; i++) d += qr[i] * kt[lane * D + i];
-            sc = d * sh.scale;
+            const float4 *kr = (const float4 *)(kt + lane * S), *qv = (const float4 *)qs;
+            float4 d = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 2 // (and 1 below, 1 in stage_tile): the unrolling that stays within 64 registers
+            for (int c = 0; c < C; c++) {
+                const float4 a = qv[c], b = kr[c];
+                d.x = fmaf(a.x, b.x, d.x);
+                d.y = fmaf(a.y, b.y, d.y);
+                d.z = fmaf(a.z, b.z, d.z);
+                d.w = fmaf(a.w, b.w, d.w);
+            }
+            sc = ((d.x + d.y) + (d.z + d.w)) * sh.scale;
             if (Q3_MUTANT(7)) __syncthreads();
         }
         const float mt = fmaxf(m, q3_warp_max(sc));
@@ -58,29 +147,45 @@ __global__ void attention_kernel(float *out, float *partial, const float *q, con
         const float corr = m == -INFINITY ? 0.0f : expf(m - mt);
         l = l * corr + q3_warp_sum(p);
         m = mt;
-        for (int i = 0; i < (D + 31) / 32; i++) {
-            const int dim = i * 32 + lane;
-            float a = acc[i] * corr;
-            for (int j = 0; j < nj; j++) a += __shfl_sync(0xffffffffu, p, j) * (dim < D ? vt[j * D + dim] : 0.0f);
-            acc[i] = a;
+#pragma unroll
+        for (int i = 0; i < MAX_CHUNKS; i++) {
+            acc[i].x *= corr;
+            acc[i].y *= corr;
+            acc[i].z *= corr;
+            acc[i].w *= corr;
+        }
+#pragma unroll 1
+        for (int j = 0; j < nj; j++) {
+            const float pj = __shfl_sync(0xffffffffu, p, j);
+            const float4 *vr = (const float4 *)(vt + j * S);
+#pragma unroll
+            for (int i = 0; i < MAX_CHUNKS; i++) {
+                if (lane + 32 * i < C) {
+                    const float4 v = vr[lane + 32 * i];
+                    acc[i].x = fmaf(pj, v.x, acc[i].x);
+                    acc[i].y = fmaf(pj, v.y, acc[i].y);
+                    acc[i].z = fmaf(pj, v.z, acc[i].z);
+                    acc[i].w = fmaf(pj, v.w, acc[i].w);
+                }
+            }
         }
     }
-    if (warp >= G) return;
-    if (splits == 1) {
-        for (int i = 0; i < (D + 31) / 32; i++) {
-            const int dim = i * 32 + lane;
-            if (dim < D) out[row * D + dim] = acc[i] / l;
+    // one slice: the output row; several: this slice's partial, unnormalised
+    float *dst = splits == 1 ? out + row * D : partial + (row * splits + slice) * (D + 2);
+    const float div = splits == 1 ? l : 1.0f;
+#pragma unroll
+    for (int i = 0; i < MAX_CHUNKS; i++) {
+        const int d = 4 * (lane + 32 * i);
+        if (d < D) {
+            dst[d] = acc[i].x / div;
+            dst[d + 1] = acc[i].y / div; // D is even
+            if (d + 2 < D) dst[d + 2] = acc[i].z / div;
+            if (d + 3 < D) dst[d + 3] = acc[i].w / div;
         }
-        return;
     }
-    float *part = partial + (row * splits + slice) * (D + 2);
-    for (int i = 0; i < (D + 31) / 32; i++) {
-        const int dim = i * 32 + lane;
-        if (dim < D) part[dim] = acc[i];
-    }
-    if (lane == 0) {
-        part[D] = m;
-        part[D + 1] = l;
+    if (splits > 1 && lane == 0) {
+        dst[D] = m;
+        dst[D + 1] = l;
     }
 }
 
@@ -113,10 +218,14 @@ extern "C" int q3_attention_tc_cuda(float *out, const float *q, const q3_attn_se
 
 // out, q [n_seqs, L, Hq, D]; seqs: a device array of n_seqs entries. Calls of more tokens
 // per sequence than split-KV takes go to tensor cores where the shape fits (attention_tc.cu).
+// D even, at most MAX_D; G at most Q3_CUDA_MAX_GROUP (csrc/cuda/layer.c refuses layers past them).
 extern "C" int q3_attention_cuda(float *out, const float *q, const q3_attn_seq *seqs, int n_seqs,
                                  const q3_attn_shape *shape, float *partial, void *stream) {
+    const int D = shape->head_dim;
+    if (shape->kv_heads < 1 || shape->heads % shape->kv_heads || D < 2 || D % 2 || D > MAX_D)
+        return (int)cudaErrorInvalidValue;
     const int G = shape->heads / shape->kv_heads;
-    if (shape->head_dim > MAX_D || G > 32) return (int)cudaErrorInvalidValue;
+    if (G < 1 || G > Q3_CUDA_MAX_GROUP) return (int)cudaErrorInvalidValue;
     if (shape->L > Q3_SPLIT_MAX_TOKENS && q3_attention_tc_fits(shape))
         return q3_attention_tc_cuda(out, q, seqs, n_seqs, shape, stream);
     const unsigned items = (unsigned)((int64_t)n_seqs * shape->kv_heads * shape->L);
@@ -127,7 +236,16 @@ extern "C" int q3_attention_cuda(float *out, const float *q, const q3_attn_seq *
         splits = (int)(want < Q3_SPLIT_MAX ? want : Q3_SPLIT_MAX);
     }
     cudaStream_t s = (cudaStream_t)stream;
-    const size_t smem = 2 * KEY_TILE * (size_t)(Q3_MUTANT(8) ? MAX_D : shape->head_dim) * sizeof(float);
+    // at most (64 + 32) * 260 * 4 = 99,840 bytes (D = 256, G = 32), within the 99 KiB a block
+    // may opt into on every target (sm_80: 163, sm_90: 227, sm_86/89/120: 99 KiB). Past the
+    // default 48 KiB (D >= 190 at any G, D = 128 from G = 30) the kernel's limit is raised
+    // first: a host-side setting, so allowed while a graph is being captured.
+    const size_t smem = (size_t)(2 * KEY_TILE + G) * row_stride(D) * sizeof(float);
+    if (smem > 48 * 1024 && !Q3_MUTANT(8)) {
+        const cudaError_t e = cudaFuncSetAttribute((const void *)attention_kernel,
+                                                   cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+        if (e != cudaSuccess) return (int)e;
+    }
     Q3_LAUNCH(attention_kernel, dim3(items, (unsigned)splits), G * 32, smem, s)(out, partial, q, seqs, *shape, splits);
     if (splits > 1) {
         const int64_t rows = (int64_t)n_seqs * shape->L * shape->heads;

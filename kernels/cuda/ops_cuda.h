@@ -134,6 +134,11 @@ typedef struct {
     int (*from_f32)(void *dst, q3_dtype dst_dt, const float *src, int64_t n, void *stream);
 } q3_cuda_ops;
 
+/* The CUDA backend's limits on the attention geometry (attention.cu, qk_rope_kv.cu): a layer
+ * outside them is refused when it is created (csrc/cuda/layer.c), the CPU takes any. */
+#define Q3_CUDA_MAX_HEAD_DIM 256
+#define Q3_CUDA_MAX_GROUP 32 /* query heads per KV head: one warp each in attention.cu */
+
 /* Split-KV attention: calls of at most Q3_SPLIT_MAX_TOKENS tokens per sequence are split
  * into up to Q3_SPLIT_MAX slices of at least Q3_SPLIT_MIN_KEYS keys each. */
 #define Q3_SPLIT_MAX_TOKENS 16
