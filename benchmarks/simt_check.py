@@ -97,7 +97,7 @@ MUTANTS = [
            "executor"),
     Mutant(7, "__syncthreads inside a divergent branch (if (lane < nj), on a partial tile)", "attention_kernel",
            "executor"),
-    Mutant(8, "64 KiB of dynamic shared memory (sized for MAX_D) without cudaFuncSetAttribute",
+    Mutant(8, "cudaFuncSetAttribute skipped: head_dim 256 (66-98 KiB of shared memory) at the 48 KiB default",
            "q3_attention_cuda", "executor"),
     Mutant(9, "__syncwarp removed: RoPE reads a head dim another lane wrote", "qk_rope_kv_kernel", "race"),
     Mutant(10, "__syncthreads removed: the next k slice is staged over one other warps still read",

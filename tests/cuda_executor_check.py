@@ -63,6 +63,37 @@ for dtype in ("float32", "bfloat16"):
     out[f"{dtype} lengths"] = [list(cg.lengths), list(cc.lengths)]
     out[f"{dtype} output device"] = str(gpu.decode(_C.copy_tensor(s, 0), cg).device)
 
+# head_dim 256, the most the CUDA layer takes (the attention kernel's shared memory past
+# 48 KiB, its limit raised at launch), G = 4: a prefill of 20 tokens (too many for split-KV,
+# too wide for tensor cores), a plain decode step (unsplit) and two replays of a decode graph
+# (max_keys = the capacity, 1100: 4 slices), against the CPU layer; then layers the CUDA
+# kernels cannot run, refused when they are made (the CPU takes them)
+WIDE = q3.LayerConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+                      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+wide = {}
+for dtype in ("float32", "bfloat16"):
+    ww = _C.random_weights(WIDE, 16, dtype)
+    wcpu, wgpu = _C.Layer(WIDE, ww, None, -1), _C.Layer(WIDE, ww, None, 0)
+    wcc, wcg = wcpu.new_cache(1100, 2), wgpu.new_cache(1100, 2)
+    wx = _C.random_tensor((2, 20, 64), 17, dtype)
+    errs = [rel(host(wgpu.prefill(_C.copy_tensor(wx, 0), wcg)), host(wcpu.prefill(wx, wcc)))]
+    wx = _C.random_tensor((2, 64), 18, dtype)
+    errs.append(rel(host(wgpu.decode(_C.copy_tensor(wx, 0), wcg)), host(wcpu.decode(wx, wcc))))
+    wgraph = wgpu.decode_graph(wcg)
+    for t in range(2):
+        wx = _C.random_tensor((2, 64), 19 + t, dtype)
+        errs.append(rel(host(wgraph.replay(_C.copy_tensor(wx, 0))), host(wcpu.decode(wx, wcc))))
+    wide[dtype] = errs + [list(wcg.lengths) == list(wcc.lengths) == [23, 23]]
+    del wgraph, wcg, wgpu
+out["head_dim 256"] = wide
+TOO_WIDE = q3.LayerConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=272,
+                          num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+TOO_MANY = q3.LayerConfig(hidden_size=64, num_attention_heads=64, num_key_value_heads=1, head_dim=16,
+                          num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+out["refused geometries"] = errors_of([
+    lambda c=c, d=d: _C.Layer(c, _C.random_weights(c, 1, "bfloat16"), None, d)
+    for c in (TOO_WIDE, TOO_MANY) for d in (0, -1)])
+
 # weights already on the device are borrowed
 w_dev = {k: _C.copy_tensor(v, 0) for k, v in _C.random_weights(CFG, 5, "bfloat16").items()}
 layer = _C.Layer(CFG, w_dev, None, 0)
@@ -457,7 +488,7 @@ out["router ties"] = ties
 
 # the kernel self-check's own harness (uploads, pointer tables, tiles), twins against twins here:
 # (case, max_err, tol, schedules, agree, kernel) per case. cuBLAS: the executor's stand-in
-# opened as the library first, so the one run (260 cases without cuBLAS; the check is the
+# opened as the library first, so the one run (297 cases without cuBLAS; the check is the
 # longest part of this script) also takes its two cuBLAS cases, and must leave cuBLAS as it
 # found it (it used to save the new state as the old one, never run them, and leave cuBLAS
 # off); then a prefill on the cuBLAS path against the CPU layer

@@ -33,7 +33,7 @@ HAS_GPU = q3.cuda.built() and q3.cuda.device_count() > 0
                                         "benchmarks/gpu_check.sh where one is lent)")
 def test_every_cuda_kernel_matches_its_cpu_twin():
     results = q3.cuda.check_kernels(0)
-    assert len(results) >= 260  # 262 where cuBLAS is found (test_cuda_executor.py: the same cases)
+    assert len(results) >= 297  # 299 where cuBLAS is found (test_cuda_executor.py: the same cases)
     assert len({r["case"] for r in results}) == len(results) and all(r["kernel"] for r in results)
     bad = [r for r in results if not r["ok"]]
     assert not bad, bad
@@ -98,6 +98,46 @@ def test_cuda_tensor_core_prefill_matches_cpu_layer(chunk):
     assert rel(y_gpu - x.cuda(), y_cpu - x) <= 2e-2
     for b in range(2):
         assert rel(torch.from_dlpack(c_gpu.keys(b)), torch.from_dlpack(c_cpu.keys(b))) <= 1e-2
+
+
+# head_dim 256, the most the CUDA layer takes: the attention kernel's shared memory past the
+# 48 KiB default (66 KiB at G = 1, 83 KiB at G = 16); G = 4 and 16
+CFG_WIDE = [q3.LayerConfig(hidden_size=128, num_attention_heads=h, num_key_value_heads=kv, head_dim=256,
+                           num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64) for h, kv in ((8, 2), (16, 1))]
+
+
+@needs_gpu
+@pytest.mark.parametrize("cfg", CFG_WIDE, ids=["G=4", "G=16"])
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 1e-2)])
+def test_cuda_head_dim_256_decode_matches_cpu_layer(cfg, dtype, tol):
+    """Prefill (too wide for tensor cores), plain decode steps (unsplit, then split-KV past
+    512 keys) and decode-graph replays (split: max_keys is the capacity) against the CPU."""
+    import torch
+
+    tdt = torch.float32 if dtype == "float32" else torch.bfloat16
+    cpu = q3.DecoderLayer.random(cfg, seed=15, dtype=dtype)
+    gpu = q3.DecoderLayer.random(cfg, seed=15, dtype=dtype, device="cuda")
+    gen = torch.Generator().manual_seed(16)
+    c_cpu, c_gpu = cpu.new_cache(1200, batch=2), gpu.new_cache(1200, batch=2)
+    for c in (c_cpu, c_gpu):
+        c.set_padding(3, 1)
+    x = torch.randn(2, 600, cfg.hidden_size, generator=gen).to(tdt)
+    assert rel(gpu.prefill(x.cuda(), c_gpu, chunk_size=256), cpu.prefill(x, c_cpu, chunk_size=256)) <= tol
+    graph = gpu.decode_graph(c_gpu)
+    for t in range(4):
+        s = torch.randn(2, cfg.hidden_size, generator=gen).to(tdt)
+        y = gpu.decode(s.cuda(), c_gpu) if t % 2 else graph(s.cuda()).clone()
+        assert rel(y, cpu.decode(s, c_cpu)) <= tol
+    assert c_gpu.lengths == c_cpu.lengths == (604, 604)
+
+
+@needs_gpu
+def test_cuda_layer_refuses_head_dims_its_kernels_cannot_run():
+    cfg = q3.LayerConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=272,
+                         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    with pytest.raises(ValueError, match="head_dim: expected at most 256 on a CUDA device, got 272"):
+        q3.DecoderLayer.random(cfg, device="cuda")
+    assert q3.DecoderLayer.random(cfg).device == "cpu"
 
 
 @needs_gpu

@@ -44,6 +44,22 @@ def test_cuda_path_on_the_executor_matches_the_cpu_layer(out):
 
 
 
+def test_head_dim_256_on_the_executor_matches_the_cpu_layer(out):
+    """head_dim 256, the most the CUDA layer takes: the attention kernel needs more than the
+    48 KiB of shared memory a launch gets by default (the executor refuses such a launch, as a
+    GPU does, unless the kernel's limit was raised). Prefill (not tensor cores: D > 128), a
+    plain decode step and decode-graph replays (split-KV) match the CPU layer. A head_dim past
+    256, or more than 32 query heads a KV head, is refused when the CUDA layer is made, with
+    the limit and the value; the CPU layer takes both."""
+    for dtype, tol in (("float32", 1e-5), ("bfloat16", 5e-3)):
+        *errs, lengths_agree = out["head_dim 256"][dtype]
+        assert len(errs) == 4 and max(errs) <= tol and lengths_agree, (dtype, errs)
+    assert out["refused geometries"] == [
+        "ValueError: head_dim: expected at most 256 on a CUDA device, got 272", "accepted",
+        "ValueError: num_attention_heads / num_key_value_heads: expected at most 32 on a CUDA device, got 64",
+        "accepted"]
+
+
 def test_decode_graphs_on_the_executor(out):
     """Capture is modelled strictly (launches recorded, not run; host syncs, host copies and
     allocations refused and the capture invalidated), so a graph that captures at all queued
@@ -116,7 +132,7 @@ def test_every_kernel_matches_its_twin_on_the_executor_under_every_schedule(out)
     head dims 64 and 128, top-k 1 to 8, left padding); each names its launcher(s), and every
     launcher has a case."""
     cases = out["kernel check"]
-    assert len(cases) == 262  # with the cuBLAS stand-in open; 260 without cuBLAS
+    assert len(cases) == 299  # with the cuBLAS stand-in open; 297 without cuBLAS
     assert len({case[0] for case in cases}) == len(cases)
     for name, err, tol, schedules, agree, kernel in cases:
         assert err <= tol and schedules == 3 and agree, (name, kernel, err, tol, schedules, agree)

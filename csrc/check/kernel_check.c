@@ -122,6 +122,27 @@ static q3_status run_cases(check *k, q3_check_result *out, uint64_t *digests, in
         NAME("attention split-KV, tokens=1 context=%d batch=%d D=%d pad=%d", (int)ctx, B, D, pad);
         RUN("attention", name, 1e-5, q3_case_attention_batch(k, &one, G, D, Q3_BF16, 2100));
     }
+    /* The block-per-token kernel at other head dims and group sizes (issue 13): 256, the
+     * most the CUDA layer takes, and 192 and 200 past 48 KiB of shared memory (its limit
+     * raised); 72 (an odd number of 16-byte chunks a row); 36 and 18 without 16-byte loads
+     * of bf16 (36 % 8) and of fp32 (18 % 4); G = 1 to 32 (99,840 bytes at D = 256, G = 32).
+     * Each unsplit and split over both cache dtypes: a decode step of 3 sequences at context
+     * 100, padded ones among them; and 17 tokens at D = 256, which tensor cores don't take */
+    static const struct {
+        int D, G;
+    } WIDE[] = {{256, 16}, {256, 1}, {256, 4}, {192, 16}, {200, 4}, {72, 16}, {36, 4}, {18, 1}, {256, 32}};
+    for (size_t w = 0; w < sizeof WIDE / sizeof WIDE[0]; w++)
+        for (int f32 = 0; f32 < 2; f32++)
+            for (int split = 0; split < 2; split++) {
+                const q3_check_batch one = {1, 100, 5, 3};
+                NAME("attention%s D=%d G=%d %s cache, batch 3 pad 5", split ? " split-KV," : ",", WIDE[w].D,
+                     WIDE[w].G, f32 ? "f32" : "bf16");
+                RUN("attention", name, 1e-5,
+                    q3_case_attention_batch(k, &one, WIDE[w].G, WIDE[w].D, f32 ? Q3_F32 : Q3_BF16, split ? 2100 : 0));
+            }
+    const q3_check_batch prompt = {17, 33, 5, 3};
+    RUN("attention", "attention bf16 cache, 17 tokens D=256 G=4 (not tensor cores)", 1e-5,
+        q3_case_attention_batch(k, &prompt, 4, 256, Q3_BF16, 0));
     EACH(B, BATCHES) {
         NAME("decode_prepare: lengths, positions, batch=%d", B);
         RUN("decode_prepare", name, 0.0, q3_case_decode_prepare(k, B));

@@ -32,6 +32,7 @@ static void device_free(void *p) { table.free_device(p); }
 
 static const q3_device_backend cuda_device = {
     device_alloc_zeroed, device_free, q3_layer_forward_cuda, q3_layer_cuda_release, q3_layer_cuda_workspace_bytes,
+    q3_layer_cuda_config_check,
 };
 
 q3_status q3_cuda_open(const char *path, q3_error *err) {

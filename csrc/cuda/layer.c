@@ -9,6 +9,20 @@
 
 #include "layer.h"
 
+/* the limits of the attention kernels (kernels/cuda/ops_cuda.h): head_dim for their tiles,
+ * the query heads of a KV head for the warps of a block; the CPU takes any config */
+q3_status q3_layer_cuda_config_check(const q3_config *cfg, q3_error *err) {
+    if (cfg->head_dim > Q3_CUDA_MAX_HEAD_DIM)
+        return q3_fail(err, Q3_ERR_VALUE, "head_dim: expected at most %d on a CUDA device, got %d",
+                       Q3_CUDA_MAX_HEAD_DIM, cfg->head_dim);
+    const int G = cfg->heads / cfg->kv_heads;
+    if (G > Q3_CUDA_MAX_GROUP)
+        return q3_fail(err, Q3_ERR_VALUE,
+                       "num_attention_heads / num_key_value_heads: expected at most %d on a CUDA device, got %d",
+                       Q3_CUDA_MAX_GROUP, G);
+    return Q3_OK;
+}
+
 size_t q3_layer_cuda_workspace_bytes(const q3_layer *l) { return l->gpu ? l->gpu->ws.dev.bytes : 0; }
 
 void q3_layer_cuda_release(q3_layer *l) {

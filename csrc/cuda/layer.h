@@ -8,10 +8,11 @@
 
 /* q3_device_backend's layer entries (csrc/engine/device_backend.h): the forward of a layer
  * whose weights live on a CUDA device, after the engine checked the call; the release of its
- * state; the device workspace it holds now */
+ * state; the device workspace it holds now; whether the kernels take the layer's geometry */
 q3_status q3_layer_forward_cuda(q3_layer *layer, q3_cache *cache, const q3_forward_args *a, q3_error *err);
 void q3_layer_cuda_release(q3_layer *layer);
 size_t q3_layer_cuda_workspace_bytes(const q3_layer *layer);
+q3_status q3_layer_cuda_config_check(const q3_config *cfg, q3_error *err);
 
 /* Decode-sized passes (one token per sequence, at most this many sequences) keep every
  * decision on the device: positions from device-resident lengths, experts grouped by a

@@ -21,6 +21,10 @@ typedef struct {
     void (*layer_release)(q3_layer *layer);
     /* the workspace the backend holds for the layer now, in bytes */
     size_t (*layer_workspace_bytes)(const q3_layer *layer);
+    /* whether the backend's kernels take a layer of this geometry (checked by
+     * q3_layer_create after q3_config_check): Q3_OK, else Q3_ERR_VALUE naming the field, the
+     * backend's limit and the value */
+    q3_status (*layer_config_check)(const q3_config *cfg, q3_error *err);
 } q3_device_backend;
 
 /* Installs `b` (kept by reference) as the process's device backend; the one installed, or NULL. */

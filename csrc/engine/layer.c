@@ -11,6 +11,7 @@
 q3_status q3_layer_create(q3_layer **out, const q3_config *cfg, const q3_weights *w, q3_error *err) {
     *out = NULL;
     q3_status s = q3_config_check(cfg, err);
+    if (s == Q3_OK && w->device >= 0 && q3_device()) s = q3_device()->layer_config_check(cfg, err);
     if (s != Q3_OK) return s;
     for (int i = 0; i < Q3_W_DENSE_COUNT; i++)
         if (!w->dense[i])
