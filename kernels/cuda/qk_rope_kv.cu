@@ -8,9 +8,11 @@
 
 #include "../attention.h"
 #include "common.cuh"
+#include "ops_cuda.h"
 
 #define WARPS 8
 #define MAX_D 256
+static_assert(MAX_D >= Q3_CUDA_MAX_HEAD_DIM, "the CUDA layer takes head dims up to Q3_CUDA_MAX_HEAD_DIM");
 
 __global__ void qk_rope_kv_kernel(float *q, float *k, const float *v, const void *q_norm, const void *k_norm,
                                   q3_dtype w_dt, const int64_t *pos, const q3_attn_seq *seqs, q3_attn_shape sh,
