@@ -100,6 +100,16 @@ def test_a_barrier_in_a_divergent_branch_is_reported_as_a_deadlock():
                      r"threads \d+-31 at a warp primitive", error), error
 
 
+def test_a_launch_past_48_kib_without_raising_the_limit_is_the_executors_error():
+    """q3_attention_cuda without its cudaFuncSetAttribute call: the first case whose tiles
+    need more than the default 48 KiB of dynamic shared memory (head_dim 192 and 256: 50 to
+    98 KiB) fails its launch as on a GPU, the message naming the kernel and the bytes."""
+    error = run(8).get("error", "")
+    m = re.search(r"kernel attention_kernel: launch with (\d+) bytes of dynamic shared memory, past the kernel's "
+                  r"limit of 49152 \(48 KiB unless cudaFuncSetAttribute\(MaxDynamicSharedMemorySize\) raises it", error)
+    assert m and 48 * 1024 < int(m.group(1)) <= 99840, error
+
+
 def test_a_shared_index_one_past_its_array_is_addresssanitizers_report():
     """matmul_tc_kernel's warps stash fragments in out[warp + 1] of float out[4][16][16]: the
     results stay right (each warp reads back what it wrote), but the last warp writes just
