@@ -10,9 +10,10 @@ function). The engine picks the best one the CPU can run when the module is impo
 (csrc/engine/cpu_dispatch.c); QWEN3LAYER_CPU_PATH=portable|avx2|avx512|avx512bf16|amx forces one.
 
 Where nvcc is found (PATH, $CUDA_HOME/bin or /usr/local/cuda/bin), kernels/cuda/*.cu are
-built into qwen3layer/libq3cuda.so for sm_80 and sm_90, with the CUDA runtime linked in
-statically: the engine opens it only when a CUDA device is asked for, so the package works
-on machines without CUDA. Q3_CUDA=0 skips it; without nvcc the build says it is CPU-only.
+built into qwen3layer/libq3cuda.so for sm_80, sm_90, sm_100 and sm_120 (SASS) and compute_120
+(PTX, for later GPUs), with the CUDA runtime linked in statically (CUDA_SASS; a change of
+the targets or flags recompiles every CUDA object): the engine opens it only when a CUDA
+device is asked for, so the package works on machines without CUDA. Q3_CUDA=0 skips it; without nvcc the build says it is CPU-only.
 
 Where the CUDA toolkit's headers are found (cuda_runtime.h, cuda_bf16.h; no CUDA library is
 needed), the same kernels/cuda/*.cu are also compiled by the host C++ compiler ($CXX, g++)
@@ -73,7 +74,33 @@ def sanitize_flags(kinds):
 
 
 SANITIZE_FLAGS = sanitize_flags(SANITIZE)
-CUDA_ARCHS = ["-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90"]
+# The GPUs libq3cuda.so is compiled for: SASS for each (A100, H100/H200, B200, RTX 50xx), and
+# PTX for the newest as well, which the driver compiles (JIT) on a later GPU. The list is also
+# compiled into the library (Q3_CUDA_TARGETS, reported by q3_cuda_targets() in
+# kernels/cuda/runtime.cu), which is where q3.build_info()["cuda_targets"] reads it.
+CUDA_SASS = ["sm_80", "sm_90", "sm_100", "sm_120"]
+
+
+def cuda_targets(sass=CUDA_SASS):
+    """The targets, in the form cuobjdump names them: each SASS, then compute_<newest> (PTX)."""
+    return [*sass, "compute_" + sass[-1].split("_")[1]]
+
+
+def cuda_arch_flags(sass=CUDA_SASS):
+    """nvcc's -gencode flags: SASS for each of `sass`, PTX for the newest too."""
+    flags = []
+    for i, arch in enumerate(sass):
+        num = arch.split("_")[1]
+        code = f"[sm_{num},compute_{num}]" if i == len(sass) - 1 else f"sm_{num}"
+        flags += ["-gencode", f"arch=compute_{num},code={code}"]
+    return flags
+
+
+CUDA_ARCHS = cuda_arch_flags()
+# compiling: the targets recorded in the library; --threads 2: a file's gencode passes run
+# two at a time (the pool runs a file per core, but the build ends with its slowest file alone)
+CUDA_COMPILE = ["-std=c++17", "-O3", "-Xcompiler", "-fPIC", *CUDA_ARCHS, "--threads", "2",
+                f'-DQ3_CUDA_TARGETS="{",".join(cuda_targets())}"', "-Ikernels"]
 
 
 def find_nvcc():
@@ -121,6 +148,22 @@ def compile_objects(tool, compile_flags, sources, headers, objdir, force=False):
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         list(pool.map(compile_one, stale))
     return objects
+
+
+def command_changed(objdir, command):
+    """Whether objdir's objects were compiled with another command than `command` (or an
+    unknown one: no objdir/command.txt, which record_command writes after a build): the targets
+    or flags changed, so every object is stale, whatever its time."""
+    try:
+        with open(os.path.join(objdir, "command.txt")) as f:
+            return f.read() != " ".join(command) + "\n"
+    except OSError:
+        return True
+
+
+def record_command(objdir, command):
+    with open(os.path.join(objdir, "command.txt"), "w") as f:
+        f.write(" ".join(command) + "\n")
 
 
 def link_library(tool, objects, link_flags, target):
@@ -171,9 +214,15 @@ class BuildKernelVariants(build_ext):
                 os.remove(target)
             return
         headers = glob.glob("kernels/cuda/*.cuh") + glob.glob("kernels/cuda/*.h") + glob.glob("kernels/*.h")
-        self.compile_library(nvcc, ["-std=c++17", "-O3", "-Xcompiler", "-fPIC", *CUDA_ARCHS, "-Ikernels"],
-                             ["-shared", "-cudart", "static", *CUDA_ARCHS], sorted(glob.glob("kernels/cuda/*.cu")),
-                             headers, os.path.join(self.build_temp, "cuda"), target)
+        objdir = os.path.join(self.build_temp, "cuda")
+        command = [nvcc, *CUDA_COMPILE]
+        forced, self.force = self.force, self.force or command_changed(objdir, command)
+        try:
+            self.compile_library(nvcc, CUDA_COMPILE, ["-shared", "-cudart", "static", *CUDA_ARCHS],
+                                 sorted(glob.glob("kernels/cuda/*.cu")), headers, objdir, target)
+        finally:
+            self.force = forced
+        record_command(objdir, command)
         print(f"qwen3layer: built the CUDA backend {target}")
 
     def build_simt(self, ext):

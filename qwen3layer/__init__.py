@@ -13,11 +13,14 @@ __version__ = _C.build_info()["version"]
 
 def build_info() -> dict:
     """What this build contains: version, compiled backends ("cuda" when the CUDA library was
-    built; it is loaded only when used), the CPU kernel path in use and those this CPU can run
-    (lowest first), threads, compiler, default prefill chunk."""
+    built; it is loaded only when used), the GPU targets of the CUDA library ("cuda_targets":
+    SASS such as 'sm_90', then 'compute_NN', the PTX of the newest, for later GPUs; [] without
+    one), the CPU kernel path in use and those this CPU can run (lowest first), threads,
+    compiler, default prefill chunk."""
     info = _C.build_info()
     if cuda.built():
         info["backends"] = info["backends"] + ["cuda"]
+    info["cuda_targets"] = cuda.targets()
     return info
 
 

@@ -13,6 +13,7 @@ LIBRARY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "libq3cuda.so
 # the same kernels built for the SIMT executor, which runs them on the CPU (kernels/simt)
 SIMT_LIBRARY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "libq3simt.so")
 _blas: Optional[str] = None
+_targets: Optional[list] = None
 
 
 def _cublas_candidates() -> list:
@@ -28,6 +29,22 @@ def _cublas_candidates() -> list:
 def built() -> bool:
     """Whether this build has the CUDA backend (nvcc was found when it was built)."""
     return os.path.exists(LIBRARY)
+
+
+def targets() -> list[str]:
+    """The GPU targets the CUDA library holds code for, as the build recorded them in it
+    (q3_cuda_targets(), kernels/cuda/runtime.cu): SASS first ('sm_80', ...), then 'compute_NN'
+    for the PTX a later GPU compiles when it loads the library; [] without a CUDA library.
+    Reading it opens the library but initialises no CUDA."""
+    global _targets
+    if _targets is None:
+        if not built():
+            return []
+        import ctypes
+        get = ctypes.CDLL(LIBRARY).q3_cuda_targets
+        get.restype = ctypes.c_char_p
+        _targets = [t for t in get().decode().split(",") if t]
+    return list(_targets)
 
 
 def load() -> None:

@@ -17,6 +17,19 @@ def test_cuda_backend_is_built_and_loads_without_a_gpu():
     assert q3.cuda.device_count() >= 0  # the library opens even where no driver or GPU is
 
 
+@pytest.mark.skipif(not NVCC, reason="nvcc is not installed: this build is CPU-only by design")
+def test_build_info_lists_the_gpu_targets_the_build_compiled():
+    # the list comes from the library itself (a string compiled into it from setup.py's list);
+    # tests/test_sass_check.py also holds it against the fatbinary's own list (cuobjdump)
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("q3_setup", os.path.join(os.path.dirname(__file__), "..", "setup.py"))
+    setup = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(setup)
+    targets = q3.build_info()["cuda_targets"]
+    assert targets == setup.cuda_targets() == q3.cuda.targets()
+    assert targets == ["sm_80", "sm_90", "sm_100", "sm_120", "compute_120"]  # Ampere to Blackwell, PTX after
+
+
 def test_devices_that_are_not_there_are_refused_clearly():
     cfg = q3.LayerConfig.tiny()
     n = q3.cuda.device_count()
@@ -27,6 +40,22 @@ def test_devices_that_are_not_there_are_refused_clearly():
 
 
 HAS_GPU = q3.cuda.built() and q3.cuda.device_count() > 0
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="no CUDA device on this machine (the kernels are checked by "
+                                        "benchmarks/gpu_check.sh where one is lent)")
+def test_the_device_runs_a_target_of_the_build():
+    # SASS of the device's own major version (a cubin runs on later minors of its major), or
+    # PTX of an older architecture, which the driver compiles for it at load time
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA: the device's compute capability is not known")
+    major, minor = torch.cuda.get_device_capability(0)
+    cc = major * 10 + minor
+    targets = q3.build_info()["cuda_targets"]
+    sass = [int(t[3:]) for t in targets if t.startswith("sm_")]
+    ptx = [int(t[8:]) for t in targets if t.startswith("compute_")]
+    assert any(s // 10 == major and s <= cc for s in sass) or any(p <= cc for p in ptx), (cc, targets)
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="no CUDA device on this machine (the kernels are checked by "

@@ -223,3 +223,12 @@ extern "C" int q3_cuda_ops_get(q3_cuda_ops *ops) {
     ops->from_f32 = q3_from_f32_cuda;
     return 0;
 }
+
+// The GPU targets this library holds code for, comma-separated as cuobjdump names them
+// ("sm_80,...,sm_120,compute_120": SASS, then the PTX a later GPU compiles at load time).
+// setup.py passes the list it builds the -gencode flags from; the SIMT executor's build of
+// this file passes none. Read without initialising CUDA (q3.build_info()["cuda_targets"]).
+#ifndef Q3_CUDA_TARGETS
+#define Q3_CUDA_TARGETS ""
+#endif
+extern "C" const char *q3_cuda_targets(void) { return Q3_CUDA_TARGETS; }
