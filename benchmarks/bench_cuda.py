@@ -7,24 +7,116 @@ token over runs of consecutive steps), prefill of 8192 tokens in chunks of 2048 
 the device memory beyond weights and cache (and once with one MoE launch per expert, to
 compare with the grouped MoE). Needs a CUDA device and torch with CUDA; prints
 the tables last.
+
+Beside them, the per-stage model: for each stage of the engine's forward (q3.cost_model's
+stages, the ones layer.profile times) of decode batch 1 and batch 16 at context 8192 and of
+a prefill of 8192 tokens in one chunk, the bytes it moves and the FLOPs it does, the time
+the measured copy rate and matrix rate allow (max of bytes / copy rate and FLOPs / matrix
+rate: its floor), the time the layer's stage profile measures (CUDA events at each stage
+boundary) and their ratio. The layer table's rows also carry their model floor (the sum of
+the stages' floors).
+
+    python benchmarks/bench_cuda.py --predict [--reference PATH]
+
+prints the per-stage model alone, with no GPU and nothing measured: the floors at the H200
+figures of ../shared/REFERENCE.md (its "Physical limits" table: the copy rate in TB/s and
+the bf16 matrix rate in TFLOP/s), the table benchmarks/RESULTS.md holds until a GPU run
+replaces it.
 """
 from __future__ import annotations
 
+import argparse
 import os
+import re
 import sys
+from typing import Dict, Optional
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import qwen3layer as q3  # noqa: E402
 from qwen3layer import _C  # noqa: E402
-from qwen3layer.costs import decode_weight_bytes  # noqa: E402
+from qwen3layer.costs import CostModel, decode_weight_bytes  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REFERENCE = os.path.join(ROOT, "..", "shared", "REFERENCE.md")
 
 # (name, N, K) of y = x W^T for one layer of Qwen3-235B-A22B
 SHAPES = [("q_proj", 8192, 4096), ("k_proj / v_proj", 512, 4096), ("o_proj", 4096, 8192),
           ("router", 128, 4096), ("expert gate / up", 1536, 4096), ("expert down", 4096, 1536)]
 
 
-def main() -> int:
+# the rows the per-stage model is printed for: (title, q3.cost_model / layer.profile arguments)
+MODEL_ROWS = [("decode batch 1, context 8192", dict(mode="decode", tokens=1, context=8192, batch=1)),
+              ("decode batch 16, context 8192", dict(mode="decode", tokens=1, context=8192, batch=16)),
+              ("prefill 8192 tokens, one chunk of 8192", dict(mode="prefill", tokens=8192, context=0,
+                                                              chunk_size=8192))]
+
+
+def reference_rates(path: str) -> tuple:
+    """(copy TB/s, bf16 matrix TFLOP/s) of the H200 in REFERENCE.md's table of physical
+    limits: its column head reads 'H200 (4.3 TB/s copy, 790 TFLOP/s bf16 measured)'."""
+    with open(path) as f:
+        found = re.search(r"H200 \(([0-9.]+) TB/s copy, ([0-9.]+) TFLOP/s", f.read())
+    if not found:
+        raise ValueError(f"{path}: no 'H200 (<n> TB/s copy, <n> TFLOP/s ...' in its table of physical limits")
+    return float(found.group(1)), float(found.group(2))
+
+
+def stage_floor(nbytes: float, flops: float, copy_tbs: float, mm_tflops: float) -> float:
+    """Seconds a stage needs at least: moving its bytes at the copy rate or doing its FLOPs at
+    the matrix rate, whichever takes longer (one stage does not overlap the next)."""
+    return max(nbytes / (copy_tbs * 1e12), flops / (mm_tflops * 1e12))
+
+
+def model_floor(cost: CostModel, copy_tbs: float, mm_tflops: float) -> float:
+    return sum(stage_floor(s.bytes, s.flops, copy_tbs, mm_tflops) for s in cost.stages)
+
+
+def model_table(title: str, cost: CostModel, copy_tbs: float, mm_tflops: float,
+                measured: Optional[Dict[str, float]] = None) -> str:
+    """One row per stage and a total: MB moved, GFLOP, what bounds it (memory or matrix), its
+    floor in us; with `measured` (stage -> seconds) also the measured us and measured / floor."""
+    head = ["stage", "MB", "GFLOP", "bound", "floor us"] + (["measured us", "measured/floor"] if measured else [])
+    rows, tot = [], [0, 0.0, 0.0, 0.0]
+    for s in cost.stages:
+        floor = stage_floor(s.bytes, s.flops, copy_tbs, mm_tflops)
+        bound = "matrix" if s.flops / (mm_tflops * 1e12) > s.bytes / (copy_tbs * 1e12) else "memory"
+        row = [s.name, f"{s.bytes / 1e6:.3f}", f"{s.flops / 1e9:.3f}", bound, f"{floor * 1e6:.2f}"]
+        tot = [tot[0] + s.bytes, tot[1] + s.flops, tot[2] + floor, tot[3]]
+        if measured:
+            t = measured.get(s.name, 0.0)
+            tot[3] += t
+            row += [f"{t * 1e6:.2f}", f"{t / floor:.2f}" if floor > 0 else "-"]
+        rows.append(row)
+    total = ["total", f"{tot[0] / 1e6:.3f}", f"{tot[1] / 1e9:.3f}", "", f"{tot[2] * 1e6:.2f}"]
+    if measured:
+        total += [f"{tot[3] * 1e6:.2f}", f"{tot[3] / tot[2]:.2f}"]
+    rows.append(total)
+    widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
+    lines = [title, " | ".join(h.ljust(w) for h, w in zip(head, widths)), "-|-".join("-" * w for w in widths)]
+    lines += [" | ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
+    return "\n".join(lines)
+
+
+def predict(reference: str) -> int:
+    copy_tbs, mm_tflops = reference_rates(reference)
+    cfg = q3.LayerConfig.qwen3_235b_a22b()
+    print(f"per-stage model, real geometry, bf16; predicted, no GPU run: floors at the H200's {copy_tbs} TB/s copy "
+          f"and {mm_tflops:g} TFLOP/s bf16 matrix rate ({os.path.relpath(reference, ROOT)})")
+    for title, args in MODEL_ROWS:
+        print()
+        print(model_table(title, q3.cost_model(cfg, **args), copy_tbs, mm_tflops))
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--predict", action="store_true",
+                        help="print the per-stage model alone, at the H200 figures of REFERENCE.md (no GPU)")
+    parser.add_argument("--reference", default=REFERENCE, help="REFERENCE.md to read the H200 figures from")
+    args = parser.parse_args(argv)
+    if args.predict:
+        return predict(args.reference)
     if q3.cuda.device_count() == 0:
         print("bench_cuda: no CUDA device visible", file=sys.stderr)
         return 2
@@ -140,9 +232,11 @@ def layer_table(copy_tbs: float) -> None:
 
         t_ours, t_graph, t_hf = (wall(f, 10) / steps for f in (ours, ours_graph, theirs))
         nbytes = decode_weight_bytes(cfg) + batch * ctx * 2048
+        floor = model_floor(q3.cost_model(cfg, "decode", 1, ctx, batch=batch), copy_tbs, mm_tflops)
         for name, t in (("plain calls", t_ours), ("CUDA graph", t_graph)):
             rows.append((f"decode batch {batch}, context {ctx}, {name}", f"{t * 1e6:.0f} us", f"{t_hf * 1e6:.0f} us",
-                         f"{t_hf / t:.2f}x", f"{nbytes / t / 1e12:.2f} TB/s ({nbytes / t / 1e12 / copy_tbs:.0%} of copy)"))
+                         f"{t_hf / t:.2f}x", f"{nbytes / t / 1e12:.2f} TB/s ({nbytes / t / 1e12 / copy_tbs:.0%} of copy)",
+                         f"{floor * 1e6:.0f} us (measured {t / floor:.2f}x)"))
     S = 8192
     x = torch.randn(S, 4096, device="cuda", dtype=torch.bfloat16)
     pos = torch.arange(S, device="cuda")[None]
@@ -156,20 +250,30 @@ def layer_table(copy_tbs: float) -> None:
         t_ours = wall(lambda f=fresh, c=chunk: f.prefill(x, f.new_cache(S), chunk_size=c), 3)
         io = 2 * x.numel() * x.element_size()  # the caller's input and the output
         moe = "grouped MoE" if grouped else "MoE launch per expert"
+        floor = model_floor(q3.cost_model(cfg, "prefill", S, 0, chunk), copy_tbs, mm_tflops)
         rows.append((f"prefill {S} tokens, chunks of {chunk}, {moe}", f"{t_ours * 1e3:.1f} ms",
                      f"{t_hf * 1e3:.1f} ms", f"{t_hf / t_ours:.2f}x",
                      f"{prefill_flops(cfg, S) / t_ours / 1e12:.1f} TFLOP/s "
                      f"({prefill_flops(cfg, S) / t_ours / 1e12 / mm_tflops:.0%} of matrix rate); "
                      f"beyond weights and cache: {fresh.workspace_bytes / 2**20:.0f} MiB of workspace "
-                     f"(+ {io / 2**20:.0f} MiB input and output)"))
+                     f"(+ {io / 2**20:.0f} MiB input and output)",
+                     f"{floor * 1e3:.2f} ms (measured {t_ours / floor:.2f}x)"))
     _C.cuda_grouped_prefill(True)
-    head = ("layer, real geometry, bf16", "qwen3layer", "transformers", "speed-up", "achieved")
-    widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(5)]
+    head = ("layer, real geometry, bf16", "qwen3layer", "transformers", "speed-up", "achieved", "model floor")
+    widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
     print()
     print(" | ".join(h.ljust(w) for h, w in zip(head, widths)))
     print("-|-".join("-" * w for w in widths))
     for r in rows:
         print(" | ".join(str(v).ljust(w) for v, w in zip(r, widths)))
+    print(f"(model floor: the sum of the stages' floors at the measured {copy_tbs:.2f} TB/s copy and "
+          f"{mm_tflops:.0f} TFLOP/s matrix rates, per step for decode; the stages follow)")
+    for title, args in MODEL_ROWS:  # each printed as it is measured
+        p = layer.profile(repeat=3, **args)
+        print()
+        print(model_table(f"{title}: measured by layer.profile (CUDA events at each stage boundary; the "
+                          f"unprofiled call {p.call_seconds * 1e6:.0f} us)", p.cost, copy_tbs, mm_tflops,
+                          {st.name: st.seconds for st in p.stages}), flush=True)
 
 
 if __name__ == "__main__":

@@ -60,6 +60,20 @@ def test_the_device_runs_a_target_of_the_build():
 
 @pytest.mark.skipif(not HAS_GPU, reason="no CUDA device on this machine (the kernels are checked by "
                                         "benchmarks/gpu_check.sh where one is lent)")
+def test_the_stage_profile_times_the_stages_on_the_gpu():
+    # what benchmarks/bench_cuda.py sets beside each stage's floor: CUDA events at the boundaries
+    from qwen3layer.costs import STAGES
+    layer = q3.DecoderLayer.random(q3.LayerConfig.tiny(), seed=0, device="cuda", dtype="bfloat16")
+    for mode, tokens in (("decode", 1), ("prefill", 17)):
+        p = layer.profile(mode, tokens, context=33, repeat=2, batch=3)
+        assert [s.name for s in p.stages] == list(STAGES)
+        assert all(s.seconds >= 0 for s in p.stages)
+        assert all(p.cost.stage(name).flops > 0 and s.seconds > 0 for name, s in zip(STAGES, p.stages)
+                   if name in ("qkv_proj", "attention", "o_proj", "experts"))
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="no CUDA device on this machine (the kernels are checked by "
+                                        "benchmarks/gpu_check.sh where one is lent)")
 def test_every_cuda_kernel_matches_its_cpu_twin():
     results = q3.cuda.check_kernels(0)
     assert len(results) >= 297  # 299 where cuBLAS is found (test_cuda_executor.py: the same cases)
