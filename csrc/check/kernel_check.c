@@ -12,6 +12,9 @@
 /* the shapes the generated cases run at (issue 12): odd as well as usual ones */
 static const int64_t TOKENS[] = {1, 17}, CONTEXTS[] = {1, 33, 100}, ROWS[] = {1, 17};
 static const int BATCHES[] = {1, 3, 5}, HEAD_DIMS[] = {64, 128}, MAX_TOP = 8;
+/* the multi-row GEMV's token counts (matmul.cu): each block-column size (8, 16, 32, 64: a
+ * decode batch in one column) at and past its edges */
+static const int64_t GEMV_ROWS[] = {1, 7, 8, 9, 16, 17, 33, 64};
 /* left padding: a batch pads its even sequences (q3_check_batch), so one of 3 or 5 mixes
  * padded and unpadded ones; a batch of 1 runs without and with */
 static const int PADS_1[] = {0, 5}, PADS_MORE[] = {5};
@@ -72,8 +75,31 @@ static q3_status run_cases(check *k, q3_check_result *out, uint64_t *digests, in
         NAME("gate + up + SiLU*up fused, T=%d I=40 K=64", (int)T);
         RUN("gate_up", name, 1e-5, q3_case_gate_up(k, T, 40, 64));
     }
+    /* K = 64: 16-byte loads of w and x; 67: odd, one element a lane; x 4 bytes off 16-byte
+     * alignment: w in 16-byte loads, x in 4-byte ones; fp32 weights */
+    EACH(T, GEMV_ROWS) {
+        NAME("gemv bf16 T=%d K=64", (int)T);
+        RUN("matmul", name, 1e-5, q3_case_matmul(k, Q3_BF16, T, 64));
+        NAME("gemv bf16 T=%d K=67", (int)T);
+        RUN("matmul", name, 1e-5, q3_case_matmul(k, Q3_BF16, T, 67));
+        NAME("gemv bf16 T=%d K=64, x not 16-byte aligned", (int)T);
+        RUN("matmul", name, 1e-5, q3_case_matmul_at(k, Q3_BF16, T, 64, 4));
+        NAME("gemv f32 T=%d K=67", (int)T);
+        RUN("matmul", name, 1e-5, q3_case_matmul(k, Q3_F32, T, 67));
+    }
+    RUN("matmul", "gemv bf16 T=150 K=64: block columns of 64, the last partial", 1e-5,
+        q3_case_matmul(k, Q3_BF16, 150, 64));
+    RUN("gate_up", "gate + up + SiLU*up fused, T=9 I=40 K=64", 1e-5, q3_case_gate_up(k, 9, 40, 64));
+    RUN("gate_up", "gate + up + SiLU*up fused, T=16 I=40 K=100", 1e-5, q3_case_gate_up(k, 16, 40, 100));
+    RUN("gate_up", "gate + up + SiLU*up fused, T=33 I=40 K=64", 1e-5, q3_case_gate_up(k, 33, 40, 64));
     g->blas_enable(0); /* the WMMA kernel first, then cuBLAS where it was on */
     RUN("matmul_tc", "matmul tensor cores (WMMA) T=70 N=80 K=96", 1e-5, q3_case_matmul_tc(k, 70, 80, 96, 0));
+    RUN("matmul_tc", "matmul WMMA T=130 N=144 K=160: partial tiles, 5 k steps", 1e-5,
+        q3_case_matmul_tc(k, 130, 144, 160, 0));
+    RUN("matmul_tc", "matmul WMMA T=64 N=64 K=32: one whole tile, one k step", 1e-5,
+        q3_case_matmul_tc(k, 64, 64, 32, 0));
+    RUN("matmul_tc", "matmul WMMA T=17 N=48 K=64, x and w not 16-byte aligned", 1e-5,
+        q3_case_matmul_tc_at(k, 17, 48, 64, 0, 1));
     RUN("matmul_tc", "matmul tensor cores (WMMA) T=16 N=4096 K=1536", 1e-5, q3_case_matmul_tc(k, 16, 4096, 1536, 0));
     EACH(T, TOKENS) {
         NAME("matmul tensor cores (WMMA) T=%d N=80 K=96", (int)T);
@@ -161,6 +187,11 @@ static q3_status run_cases(check *k, q3_check_result *out, uint64_t *digests, in
     RUN("moe_route", "moe_route, T=17 k=8 E=128", 0.0, q3_case_moe_route(k, 17, 8, 128));
     RUN("moe_gate_up+moe_down+moe_combine", "moe gate_up + down + combine, T=5 k=3 E=16", 1e-5,
         q3_case_moe_experts(k, 5, 3, 16, 96, 256));
+    /* experts of many tokens (chunks of 8), and I, H with K % 8 != 0 (one element a lane) */
+    RUN("moe_gate_up+moe_down+moe_combine", "moe gate_up + down + combine, T=64 k=8 E=12", 1e-5,
+        q3_case_moe_experts(k, 64, 8, 12, 32, 64));
+    RUN("moe_gate_up+moe_down+moe_combine", "moe gate_up + down + combine, T=9 k=4 E=12 I=36 H=100", 1e-5,
+        q3_case_moe_experts(k, 9, 4, 12, 36, 100));
     RUN("moe_gate_up_tc+moe_down_tc", "moe prefill gate_up + down, tensor cores, E=6", 1e-5, q3_case_moe_prefill_tc(k));
     RUN("moe_combine_csr", "moe prefill combine_csr, 1..3 slots a token", 1e-6, q3_case_moe_combine_csr(k));
     /* E = 60 for the grouping (not a multiple of the warp's 32 lanes); E = 12 experts of

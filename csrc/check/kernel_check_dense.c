@@ -39,18 +39,29 @@ double q3_case_add_rmsnorm(check *k, q3_dtype wdt, int64_t rows, int alias) {
     return e_out > e_x ? e_out : e_x;
 }
 
-double q3_case_matmul(check *k, q3_dtype wdt, int64_t T, int64_t K) {
+/* src's bytes copied to `off` bytes into a fresh device buffer: with off % 16 != 0, a view
+ * that is not 16-byte aligned (the kernels' fallback from 16-byte loads) */
+static void *device_at(check *k, const void *src, size_t bytes, size_t off) {
+    char *d = device(k, NULL, bytes + off);
+    if (!d || !cuda_ok(k, k->g->copy(d + off, src, bytes, 1), "copy to device")) return NULL;
+    return d + off;
+}
+
+/* x_off: x placed that many bytes into its buffer (4: rows not 16-byte aligned) */
+double q3_case_matmul_at(check *k, q3_dtype wdt, int64_t T, int64_t K, size_t x_off) {
     const int64_t N = 70;
     float *x = host_random(k, T * K, Q3_F32, 3), *want = host_random(k, T * N, Q3_F32, 4), *got = host(k, T * N * 4);
     void *w = host_random(k, N * K, wdt, 5);
     if (k->failed) return INFINITY;
-    float *dy = device(k, want, T * N * 4), *dx = device(k, x, T * K * 4);
+    float *dy = device(k, want, T * N * 4), *dx = device_at(k, x, T * K * 4, x_off);
     void *dw = device(k, w, N * K * q3_dtype_size(wdt));
     k->c->matmul(want, x, w, wdt, T, N, K, 1, NULL);
     if (!k->failed) cuda_ok(k, k->g->matmul(dy, dx, dw, wdt, T, N, K, 1, NULL), "matmul launch");
     fetch(k, got, dy, T * N * 4);
     return k->failed ? INFINITY : max_err(got, want, Q3_F32, T * N);
 }
+
+double q3_case_matmul(check *k, q3_dtype wdt, int64_t T, int64_t K) { return q3_case_matmul_at(k, wdt, T, K, 0); }
 
 /* gate, up and SiLU * up in one pass against matmul, matmul, swiglu */
 double q3_case_gate_up(check *k, int64_t T, int64_t I, int64_t K) {
@@ -69,14 +80,15 @@ double q3_case_gate_up(check *k, int64_t T, int64_t I, int64_t K) {
 }
 
 /* tensor cores see x in bf16: give both sides bf16-valued x, so only summation order differs;
- * wmma_only: the entry that never calls cuBLAS */
-double q3_case_matmul_tc(check *k, int64_t T, int64_t N, int64_t K, int wmma_only) {
+ * wmma_only: the entry that never calls cuBLAS; misalign: x 4 bytes and w 2 bytes into their
+ * buffers (the staging's fallback from 16-byte loads) */
+double q3_case_matmul_tc_at(check *k, int64_t T, int64_t N, int64_t K, int wmma_only, int misalign) {
     float *x = host_random(k, T * K, Q3_F32, 19), *want = host_random(k, T * N, Q3_F32, 20), *got = host(k, T * N * 4);
     void *w = host_random(k, N * K, Q3_BF16, 21);
     if (k->failed) return INFINITY;
     for (int64_t i = 0; i < T * K; i++) x[i] = q3_bf16_to_f32(q3_f32_to_bf16(x[i]));
-    float *dy = device(k, want, T * N * 4), *dx = device(k, x, T * K * 4);
-    void *dw = device(k, w, N * K * 2);
+    float *dy = device(k, want, T * N * 4), *dx = device_at(k, x, T * K * 4, misalign ? 4 : 0);
+    void *dw = device_at(k, w, N * K * 2, misalign ? 2 : 0);
     uint16_t *dxb = device(k, NULL, T * K * 2);
     k->c->matmul(want, x, w, Q3_BF16, T, N, K, 1, NULL);
     int (*const tc)(float *, const float *, const void *, int64_t, int64_t, int64_t, int, uint16_t *, void *) =
@@ -84,6 +96,10 @@ double q3_case_matmul_tc(check *k, int64_t T, int64_t N, int64_t K, int wmma_onl
     if (!k->failed) cuda_ok(k, tc(dy, dx, dw, T, N, K, 1, dxb, NULL), "matmul_tc launch");
     fetch(k, got, dy, T * N * 4);
     return k->failed ? INFINITY : max_err(got, want, Q3_F32, T * N);
+}
+
+double q3_case_matmul_tc(check *k, int64_t T, int64_t N, int64_t K, int wmma_only) {
+    return q3_case_matmul_tc_at(k, T, N, K, wmma_only, 0);
 }
 
 /* T tokens' top `top` of E experts, one thread per token */

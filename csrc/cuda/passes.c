@@ -85,12 +85,18 @@ void q3_gpu_mark(q3_gpu_run *run, int stage) {
     if ((run->code = run->g->event_record(*ev, run->stream)) != 0) run->what = "cudaEventRecord";
 }
 
-/* y = x W^T: tensor cores for 16 tokens or more when the shape fits (cuBLAS where it is
- * open, except in a decode pass, which a graph may capture), else the GEMV */
+/* decode passes of up to this many rows (sequences) take the multi-row GEMV, which reads
+ * each weight row once for all of them (kernels/cuda/matmul.cu: why 64) */
+#define GEMV_MAX_ROWS 64
+
+/* y = x W^T: the GEMV for decode passes of up to GEMV_MAX_ROWS rows and for anything under
+ * 16 tokens, else tensor cores when the shape fits (cuBLAS where it is open, except in a
+ * decode pass, which a graph may capture) */
 static int project(q3_gpu_run *run, const q3_pass *p, float *y, const float *x, const void *w, q3_dtype dt,
                    int64_t T, int64_t N, int64_t K, int accumulate) {
     const q3_cuda_ops *g = run->g;
-    if (T >= 16 && dt == Q3_BF16 && N % 16 == 0 && K % 32 == 0)
+    const int gemv_rows = q3_gpu_is_decode(p) ? GEMV_MAX_ROWS : 15;
+    if (T > gemv_rows && dt == Q3_BF16 && N % 16 == 0 && K % 32 == 0)
         return (q3_gpu_is_decode(p) ? g->matmul_wmma : g->matmul_tc)(y, x, w, T, N, K, accumulate,
                                                                       run->ws->dev.xb, run->stream);
     return g->matmul(y, x, w, dt, T, N, K, accumulate, run->stream);

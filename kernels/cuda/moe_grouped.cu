@@ -99,7 +99,8 @@ __device__ __forceinline__ int active_expert(const int64_t *offsets, const int32
 
 // act [s, i] = silu(x[rows[s]] . G_e[i]) * (x[rows[s]] . U_e[i]) for the slots s of the
 // block column's expert e; one warp per weight row i, the group's tokens TOKENS_PER_WARP at
-// a time (later chunks re-read the two weight rows from L1/L2)
+// a time, each activation load serving the gate and the up row (later chunks re-read the two
+// weight rows from L1/L2: a decode step's expert has a few tokens, T * k / E on average)
 __global__ void moe_gate_up_kernel(float *act, const float *x, const int32_t *rows, const int64_t *offsets,
                                    const int32_t *active, const void *const *gate, const void *const *up,
                                    q3_dtype w_dt, int64_t I, int64_t K) {
@@ -108,16 +109,18 @@ __global__ void moe_gate_up_kernel(float *act, const float *x, const int32_t *ro
     const int64_t i = (int64_t)blockIdx.y * GROUP_WARPS + (threadIdx.x >> 5);
     if (e < 0 || i >= I) return;
     const int lane = threadIdx.x & 31;
-    const void *gate_e = gate[e], *up_e = up[e];
+    const void *ws[2] = {gate[e], up[e]};
     for (int64_t c0 = 0; c0 < n; c0 += TOKENS_PER_WARP) {
         const int nt = n - c0 < TOKENS_PER_WARP ? (int)(n - c0) : TOKENS_PER_WARP;
-        float g[TOKENS_PER_WARP] = {0}, u[TOKENS_PER_WARP] = {0};
-        row_dots(g, x, rows + first, gate_e, w_dt, i, K, c0, nt, lane);
-        row_dots(u, x, rows + first, up_e, w_dt, i, K, c0, nt, lane);
+        const float *xr[TOKENS_PER_WARP]; // the chunk's token rows of x
+#pragma unroll
+        for (int t = 0; t < TOKENS_PER_WARP; t++) xr[t] = t < nt ? x + (int64_t)rows[first + c0 + t] * K : x;
+        float acc[2][TOKENS_PER_WARP] = {{0}};
+        row_dots<TOKENS_PER_WARP, 2>(acc, x, xr, ws, w_dt, i, K, nt, lane);
 #pragma unroll
         for (int t = 0; t < TOKENS_PER_WARP; t++) {
             if (t >= nt) break;
-            const float gs = q3_warp_sum(g[t]), us = q3_warp_sum(u[t]);
+            const float gs = q3_warp_sum(acc[0][t]), us = q3_warp_sum(acc[1][t]);
             if (lane == 0) act[(first + c0 + t) * I + i] = gs / (1.0f + expf(-gs)) * us;
         }
     }
@@ -132,15 +135,15 @@ __global__ void moe_down_kernel(float *y, const float *act, const int64_t *offse
     const int64_t i = (int64_t)blockIdx.y * GROUP_WARPS + (threadIdx.x >> 5);
     if (e < 0 || i >= N) return;
     const int lane = threadIdx.x & 31;
-    const void *down_e = down[e];
+    const void *ws[1] = {down[e]};
     for (int64_t c0 = 0; c0 < n; c0 += TOKENS_PER_WARP) {
         const int nt = n - c0 < TOKENS_PER_WARP ? (int)(n - c0) : TOKENS_PER_WARP;
-        float acc[TOKENS_PER_WARP] = {0};
-        row_dots(acc, act + first * K, NULL, down_e, w_dt, i, K, c0, nt, lane);
+        float acc[1][TOKENS_PER_WARP] = {{0}};
+        row_dots<TOKENS_PER_WARP, 1>(acc, act + (first + c0) * K, NULL, ws, w_dt, i, K, nt, lane);
 #pragma unroll
         for (int t = 0; t < TOKENS_PER_WARP; t++) {
             if (t >= nt) break;
-            const float s = q3_warp_sum(acc[t]);
+            const float s = q3_warp_sum(acc[0][t]);
             if (lane == 0) y[(first + c0 + t) * N + i] = s;
         }
     }

@@ -6,70 +6,13 @@
 // the WMMA tile of wmma_tile.cuh, its expert's weights found through a device table of
 // pointers. The activations stay fp32 in memory and are rounded to bf16 as they are staged
 // (no bf16 copy of x). Double buffered: the next k slice is read into registers while the
-// tensor cores work on the current one, and two shared buffers need one barrier a step.
+// tensor cores work on the current one, and two shared buffers need one barrier a step
+// (the staging helpers are wmma_tile.cuh's, shared with matmul_tc.cu).
 #include "ops_cuda.h"
 #include "wmma_tile.cuh"
 
-// a slice is 64 rows x 32 columns; each thread moves A_VECS float4 of A and W_VECS uint4
-// (8 bf16) of each weight, rows threadIdx.x / A_PER_ROW + A_STRIDE * i (resp. W_*)
-#define A_PER_ROW (WMMA_KSTEP / 4)
-#define A_STRIDE (WMMA_THREADS / A_PER_ROW)
-#define A_VECS (WMMA_TILE / A_STRIDE)
-#define W_PER_ROW (WMMA_KSTEP / 8)
-#define W_STRIDE (WMMA_THREADS / W_PER_ROW)
-#define W_VECS (WMMA_TILE / W_STRIDE)
 #define MAX_GRID_Y 65535
 #define COMBINE_THREADS 256
-
-typedef __nv_bfloat16 staged_slice[WMMA_TILE][WMMA_LD];
-
-// the thread's share of an A slice, columns k .. k + 3 of its rows; src[i]: the row's start,
-// NULL past the tile's rows (zeros). vec: the rows are 16-byte aligned
-__device__ __forceinline__ void fetch_a(float4 *v, const float *const *src, int64_t k, bool vec) {
-#pragma unroll
-    for (int i = 0; i < A_VECS; i++) {
-        const float *p = src[i];
-        if (!p) v[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        else if (vec) v[i] = *(const float4 *)(p + k);
-        else v[i] = make_float4(p[k], p[k + 1], p[k + 2], p[k + 3]);
-    }
-}
-
-// ... rounded to bf16 into the staged slice
-__device__ __forceinline__ void stage_a(staged_slice s, const float4 *v) {
-    const int col = threadIdx.x % A_PER_ROW * 4;
-#pragma unroll
-    for (int i = 0; i < A_VECS; i++) {
-        __nv_bfloat162 *d = (__nv_bfloat162 *)&s[threadIdx.x / A_PER_ROW + A_STRIDE * i][col];
-        d[0] = __floats2bfloat162_rn(v[i].x, v[i].y);
-        d[1] = __floats2bfloat162_rn(v[i].z, v[i].w);
-    }
-}
-
-// the thread's share of the slice w [n0 .. +64, k0 .. +32] of bf16 w [N, K], as raw 16-byte
-// groups of 8; zeros past N. vec: w is 16-byte aligned (then so is every group: K % 32 == 0)
-__device__ __forceinline__ void fetch_w(uint4 *v, const uint16_t *w, int64_t n0, int64_t N, int64_t K, int64_t k0,
-                                        bool vec) {
-#pragma unroll
-    for (int i = 0; i < W_VECS; i++) {
-        const int64_t n = n0 + threadIdx.x / W_PER_ROW + W_STRIDE * i;
-        if (n >= N) {
-            v[i] = make_uint4(0u, 0u, 0u, 0u);
-            continue;
-        }
-        const uint16_t *p = w + n * K + k0 + threadIdx.x % W_PER_ROW * 8;
-        if (vec) v[i] = *(const uint4 *)p;
-        else
-            v[i] = make_uint4(p[0] | (uint32_t)p[1] << 16, p[2] | (uint32_t)p[3] << 16, p[4] | (uint32_t)p[5] << 16,
-                              p[6] | (uint32_t)p[7] << 16);
-    }
-}
-
-__device__ __forceinline__ void stage_w(staged_slice s, const uint4 *v) {
-#pragma unroll
-    for (int i = 0; i < W_VECS; i++)
-        *(uint4 *)&s[threadIdx.x / W_PER_ROW + W_STRIDE * i][threadIdx.x % W_PER_ROW * 8] = v[i];
-}
 
 // One tile's block of output columns n0 .. +64: out [first + r, n] for r < tile.rows, n < N
 // (row stride N) from A rows a + (rows ? rows[first + r] : first + r) * K and the tile's
