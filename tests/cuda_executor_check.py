@@ -93,6 +93,20 @@ TOO_MANY = q3.LayerConfig(hidden_size=64, num_attention_heads=64, num_key_value_
 out["refused geometries"] = errors_of([
     lambda c=c, d=d: _C.Layer(c, _C.random_weights(c, 1, "bfloat16"), None, d)
     for c in (TOO_WIDE, TOO_MANY) for d in (0, -1)])
+# batched decode of many sequences: 17 (the GEMV's 32-token block column) and 64 (the most a
+# cache holds, one 64-token column): every decode projection takes the multi-row GEMV
+for B in (17, 64):
+    for dtype in ("float32", "bfloat16"):
+        w = _C.random_weights(CFG, 7, dtype)
+        cpu, gpu = _C.Layer(CFG, w, None, -1), _C.Layer(CFG, w, None, 0)
+        cc, cg = cpu.new_cache(8, B), gpu.new_cache(8, B)
+        x = _C.random_tensor((B, 3, 64), 30, dtype)
+        errs = [rel(host(gpu.prefill(_C.copy_tensor(x, 0), cg)), host(cpu.prefill(x, cc)))]
+        for t in range(2):
+            s = _C.random_tensor((B, 64), 40 + t, dtype)
+            errs.append(rel(host(gpu.decode(_C.copy_tensor(s, 0), cg)), host(cpu.decode(s, cc))))
+        out[f"batch {B} {dtype} max rel err"] = max(errs)
+        out[f"batch {B} {dtype} lengths agree"] = list(cg.lengths) == list(cc.lengths) == [5] * B
 
 # weights already on the device are borrowed
 w_dev = {k: _C.copy_tensor(v, 0) for k, v in _C.random_weights(CFG, 5, "bfloat16").items()}
@@ -488,7 +502,7 @@ out["router ties"] = ties
 
 # the kernel self-check's own harness (uploads, pointer tables, tiles), twins against twins here:
 # (case, max_err, tol, schedules, agree, kernel) per case. cuBLAS: the executor's stand-in
-# opened as the library first, so the one run (338 cases without cuBLAS; the check is the
+# opened as the library first, so the one run (344 cases without cuBLAS; the check is the
 # longest part of this script) also takes its two cuBLAS cases, and must leave cuBLAS as it
 # found it (it used to save the new state as the old one, never run them, and leave cuBLAS
 # off); then a prefill on the cuBLAS path against the CPU layer

@@ -78,27 +78,37 @@ static q3_status run_cases(check *k, q3_check_result *out, uint64_t *digests, in
     /* K = 64: 16-byte loads of w and x; 67: odd, one element a lane; x 4 bytes off 16-byte
      * alignment: w in 16-byte loads, x in 4-byte ones; fp32 weights */
     EACH(T, GEMV_ROWS) {
-        NAME("gemv bf16 T=%d K=64", (int)T);
+        NAME("matmul GEMV bf16 T=%d K=64", (int)T);
         RUN("matmul", name, 1e-5, q3_case_matmul(k, Q3_BF16, T, 64));
-        NAME("gemv bf16 T=%d K=67", (int)T);
+        NAME("matmul GEMV bf16 T=%d K=67", (int)T);
         RUN("matmul", name, 1e-5, q3_case_matmul(k, Q3_BF16, T, 67));
-        NAME("gemv bf16 T=%d K=64, x not 16-byte aligned", (int)T);
-        RUN("matmul", name, 1e-5, q3_case_matmul_at(k, Q3_BF16, T, 64, 4));
-        NAME("gemv f32 T=%d K=67", (int)T);
+        NAME("matmul GEMV bf16 T=%d K=64, x not 16-byte aligned", (int)T);
+        RUN("matmul", name, 1e-5, q3_case_matmul_at(k, Q3_BF16, T, 70, 64, 4));
+        NAME("matmul GEMV f32 T=%d K=67", (int)T);
         RUN("matmul", name, 1e-5, q3_case_matmul(k, Q3_F32, T, 67));
     }
-    RUN("matmul", "gemv bf16 T=150 K=64: block columns of 64, the last partial", 1e-5,
+    RUN("matmul", "matmul GEMV bf16 T=150 K=64: 3 block columns of 64", 1e-5,
         q3_case_matmul(k, Q3_BF16, 150, 64));
+    /* N >= 4096: two weight rows a warp up to 32 tokens; N odd, so the last warp's second
+     * row is past N */
+    static const int64_t PAIR_ROWS[] = {1, 9, 17, 33};
+    EACH(T, PAIR_ROWS) {
+        NAME("matmul GEMV bf16 T=%d N=4097 K=64", (int)T);
+        RUN("matmul", name, 1e-5, q3_case_matmul_at(k, Q3_BF16, T, 4097, 64, 0));
+    }
+    RUN("matmul", "matmul GEMV f32 T=9 N=4097 K=67", 1e-5, q3_case_matmul_at(k, Q3_F32, 9, 4097, 67, 0));
+    RUN("matmul", "matmul GEMV bf16 T=17 N=4097 K=64, x not 16-byte aligned", 1e-5,
+        q3_case_matmul_at(k, Q3_BF16, 17, 4097, 64, 4));
     RUN("gate_up", "gate + up + SiLU*up fused, T=9 I=40 K=64", 1e-5, q3_case_gate_up(k, 9, 40, 64));
     RUN("gate_up", "gate + up + SiLU*up fused, T=16 I=40 K=100", 1e-5, q3_case_gate_up(k, 16, 40, 100));
     RUN("gate_up", "gate + up + SiLU*up fused, T=33 I=40 K=64", 1e-5, q3_case_gate_up(k, 33, 40, 64));
     g->blas_enable(0); /* the WMMA kernel first, then cuBLAS where it was on */
     RUN("matmul_tc", "matmul tensor cores (WMMA) T=70 N=80 K=96", 1e-5, q3_case_matmul_tc(k, 70, 80, 96, 0));
-    RUN("matmul_tc", "matmul WMMA T=130 N=144 K=160: partial tiles, 5 k steps", 1e-5,
+    RUN("matmul_tc", "matmul tensor cores T=130 N=144 K=160, partial tiles, 5 steps", 1e-5,
         q3_case_matmul_tc(k, 130, 144, 160, 0));
-    RUN("matmul_tc", "matmul WMMA T=64 N=64 K=32: one whole tile, one k step", 1e-5,
+    RUN("matmul_tc", "matmul tensor cores T=64 N=64 K=32: one tile, one k step", 1e-5,
         q3_case_matmul_tc(k, 64, 64, 32, 0));
-    RUN("matmul_tc", "matmul WMMA T=17 N=48 K=64, x and w not 16-byte aligned", 1e-5,
+    RUN("matmul_tc", "matmul tensor cores T=17 N=48 K=64, x, w not 16-byte aligned", 1e-5,
         q3_case_matmul_tc_at(k, 17, 48, 64, 0, 1));
     RUN("matmul_tc", "matmul tensor cores (WMMA) T=16 N=4096 K=1536", 1e-5, q3_case_matmul_tc(k, 16, 4096, 1536, 0));
     EACH(T, TOKENS) {

@@ -91,7 +91,7 @@ static inline double max_err(const void *a, const void *b, q3_dtype dt, int64_t 
 double q3_case_rmsnorm(check *k, q3_dtype wdt, int64_t rows, float scale);
 double q3_case_add_rmsnorm(check *k, q3_dtype wdt, int64_t rows, int alias);
 double q3_case_matmul(check *k, q3_dtype wdt, int64_t T, int64_t K);
-double q3_case_matmul_at(check *k, q3_dtype wdt, int64_t T, int64_t K, size_t x_off);
+double q3_case_matmul_at(check *k, q3_dtype wdt, int64_t T, int64_t N, int64_t K, size_t x_off);
 double q3_case_gate_up(check *k, int64_t T, int64_t I, int64_t K);
 double q3_case_matmul_tc(check *k, int64_t T, int64_t N, int64_t K, int wmma_only);
 double q3_case_matmul_tc_at(check *k, int64_t T, int64_t N, int64_t K, int wmma_only, int misalign);

@@ -47,9 +47,9 @@ static void *device_at(check *k, const void *src, size_t bytes, size_t off) {
     return d + off;
 }
 
-/* x_off: x placed that many bytes into its buffer (4: rows not 16-byte aligned) */
-double q3_case_matmul_at(check *k, q3_dtype wdt, int64_t T, int64_t K, size_t x_off) {
-    const int64_t N = 70;
+/* y [T, N] += x [T, K] W^T; x_off: x placed that many bytes into its buffer (4: rows not
+ * 16-byte aligned) */
+double q3_case_matmul_at(check *k, q3_dtype wdt, int64_t T, int64_t N, int64_t K, size_t x_off) {
     float *x = host_random(k, T * K, Q3_F32, 3), *want = host_random(k, T * N, Q3_F32, 4), *got = host(k, T * N * 4);
     void *w = host_random(k, N * K, wdt, 5);
     if (k->failed) return INFINITY;
@@ -61,7 +61,8 @@ double q3_case_matmul_at(check *k, q3_dtype wdt, int64_t T, int64_t K, size_t x_
     return k->failed ? INFINITY : max_err(got, want, Q3_F32, T * N);
 }
 
-double q3_case_matmul(check *k, q3_dtype wdt, int64_t T, int64_t K) { return q3_case_matmul_at(k, wdt, T, K, 0); }
+/* N = 70: the GEMV's one-row-a-warp kernel */
+double q3_case_matmul(check *k, q3_dtype wdt, int64_t T, int64_t K) { return q3_case_matmul_at(k, wdt, T, 70, K, 0); }
 
 /* gate, up and SiLU * up in one pass against matmul, matmul, swiglu */
 double q3_case_gate_up(check *k, int64_t T, int64_t I, int64_t K) {

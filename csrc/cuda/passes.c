@@ -86,7 +86,7 @@ void q3_gpu_mark(q3_gpu_run *run, int stage) {
 }
 
 /* decode passes of up to this many rows (sequences) take the multi-row GEMV, which reads
- * each weight row once for all of them (kernels/cuda/matmul.cu: why 64) */
+ * each weight row once for all of them (the trade against the WMMA GEMM: kernels/cuda/matmul.cu) */
 #define GEMV_MAX_ROWS 64
 
 /* y = x W^T: the GEMV for decode passes of up to GEMV_MAX_ROWS rows and for anything under
