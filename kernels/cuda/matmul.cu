@@ -90,9 +90,9 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, 2)
     }
 }
 
-// the grid: weight rows in blocks of GEMV_WARPS by tokens in columns of nt
-static dim3 gemv_grid(int64_t rows, int64_t T, int nt) {
-    return dim3((unsigned)((rows + GEMV_WARPS - 1) / GEMV_WARPS), (unsigned)((T + nt - 1) / nt));
+// the grid: weight rows in blocks of GEMV_WARPS * nw (nw rows a warp) by tokens in columns of nt
+static dim3 gemv_grid(int64_t rows, int nw, int64_t T, int nt) {
+    return dim3((unsigned)((rows + GEMV_WARPS * nw - 1) / (GEMV_WARPS * nw)), (unsigned)((T + nt - 1) / nt));
 }
 
 // the gate and up matrices together: 2 * NT accumulators, so at most 16 tokens a block column
@@ -100,15 +100,16 @@ extern "C" int q3_gate_up_cuda(float *act, const float *x, const void *gate, con
                                int64_t T, int64_t I, int64_t K, void *stream) {
     if (T == 0 || I == 0) return 0;
     const cudaStream_t s = (cudaStream_t)stream;
-    if (T <= 8) Q3_LAUNCH(gate_up_kernel<8>, gemv_grid(I, T, 8), GEMV_WARPS * 32, 0, s)(act, x, gate, up, w_dt, T, I, K);
-    else Q3_LAUNCH(gate_up_kernel<16>, gemv_grid(I, T, 16), GEMV_WARPS * 32, 0, s)(act, x, gate, up, w_dt, T, I, K);
+    const int threads = GEMV_WARPS * 32;
+    if (T <= 8) Q3_LAUNCH(gate_up_kernel<8>, gemv_grid(I, 1, T, 8), threads, 0, s)(act, x, gate, up, w_dt, T, I, K);
+    else Q3_LAUNCH(gate_up_kernel<16>, gemv_grid(I, 1, T, 16), threads, 0, s)(act, x, gate, up, w_dt, T, I, K);
     return q3_launch_status();
 }
 
 // NT tokens a block column; gemv_kernel takes 1 weight row a warp, gemv_pairs_kernel 2
-#define LAUNCH_GEMV(kernel, NT, NW)                                                                          \
-    Q3_LAUNCH(kernel<NT>, dim3((unsigned)((N + GEMV_WARPS * NW - 1) / (GEMV_WARPS * NW)), (unsigned)((T + NT - 1) / NT)), \
-              GEMV_WARPS * 32, 0, (cudaStream_t)stream)(y, x, w, w_dt, T, N, K, accumulate)
+#define LAUNCH_GEMV(kernel, NT, NW)                                                                       \
+    Q3_LAUNCH(kernel<NT>, gemv_grid(N, NW, T, NT), GEMV_WARPS * 32, 0, (cudaStream_t)stream)(y, x, w, w_dt, T, N, \
+                                                                                           K, accumulate)
 
 extern "C" int q3_matmul_cuda(float *y, const float *x, const void *w, q3_dtype w_dt, int64_t T, int64_t N, int64_t K,
                               int accumulate, void *stream) {
