@@ -43,6 +43,7 @@ CASE_KERNELS = [
     ("matmul tensor cores", ["matmul_tc_kernel"]),
     ("matmul WMMA only", ["matmul_tc_kernel"]),
     ("matmul cuBLAS", ["round_bf16_kernel", "cuBLAS"]),
+    ("matmul GEMV 2 rows a warp", ["gemv_pairs_kernel"]),
     ("matmul ", ["gemv_kernel"]),
     ("gate + up", ["gate_up_kernel"]),
     ("qk_norm", ["qk_rope_kv_kernel"]),

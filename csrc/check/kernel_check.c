@@ -93,11 +93,11 @@ static q3_status run_cases(check *k, q3_check_result *out, uint64_t *digests, in
      * row is past N */
     static const int64_t PAIR_ROWS[] = {1, 9, 17, 33};
     EACH(T, PAIR_ROWS) {
-        NAME("matmul GEMV bf16 T=%d N=4097 K=64", (int)T);
+        NAME("matmul GEMV 2 rows a warp, bf16 T=%d N=4097 K=64", (int)T);
         RUN("matmul", name, 1e-5, q3_case_matmul_at(k, Q3_BF16, T, 4097, 64, 0));
     }
-    RUN("matmul", "matmul GEMV f32 T=9 N=4097 K=67", 1e-5, q3_case_matmul_at(k, Q3_F32, 9, 4097, 67, 0));
-    RUN("matmul", "matmul GEMV bf16 T=17 N=4097 K=64, x not 16-byte aligned", 1e-5,
+    RUN("matmul", "matmul GEMV 2 rows a warp, f32 T=9 N=4097 K=67", 1e-5, q3_case_matmul_at(k, Q3_F32, 9, 4097, 67, 0));
+    RUN("matmul", "matmul GEMV 2 rows a warp, T=17 N=4097 K=64, x unaligned", 1e-5,
         q3_case_matmul_at(k, Q3_BF16, 17, 4097, 64, 4));
     RUN("gate_up", "gate + up + SiLU*up fused, T=9 I=40 K=64", 1e-5, q3_case_gate_up(k, 9, 40, 64));
     RUN("gate_up", "gate + up + SiLU*up fused, T=16 I=40 K=100", 1e-5, q3_case_gate_up(k, 16, 40, 100));
