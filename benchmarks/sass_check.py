@@ -65,6 +65,7 @@ DECODE_KERNELS = [
     Expect("rmsnorm_kernel", "rmsnorm.cu", 1024),                  # threads_for(4096)
     Expect("add_rmsnorm_kernel", "rmsnorm.cu", 1024),
     Expect("gemv_kernel", "matmul.cu", 256, wide_loads=True),      # 8 warps, a weight row each
+    Expect("gemv_pairs_kernel", "matmul.cu", 256, wide_loads=True),  # 8 warps, two rows each
     Expect("gate_up_kernel", "matmul.cu", 256, wide_loads=True),
     Expect("qk_rope_kv_kernel", "qk_rope_kv.cu", 256),             # WARPS 8
     Expect("attention_kernel", "attention.cu", 512, 2 * 32 * 128 * 4),  # G * 32; 2 KEY_TILE x D fp32
@@ -119,16 +120,28 @@ def sass_archs(tool: str, binary: str) -> List[int]:
     return sorted({int(a) for a in re.findall(r"\.sm_(\d+)\.cubin", out)})
 
 
+def instance_name(mangled: str) -> str:
+    """gemv_kernel<16> of _Z11gemv_kernelILi16EEv... (a template's integer arguments), else the
+    base name: each instance of a template is its own function, with its own registers."""
+    m = re.match(r"_Z(\d+)", mangled)
+    if not m:
+        return mangled
+    rest = mangled[m.end() + int(m.group(1)):]
+    args = re.match(r"I((?:Li-?\d+E)+)E", rest)
+    return base_name(mangled) + (f"<{','.join(re.findall(r'Li(-?[0-9]+)E', args.group(1)))}>" if args else "")
+
+
 def read_functions(tool: str, binary: str, arch: int, names) -> Dict[str, Function]:
-    """The kernels `names` (as in the source) of `binary` compiled for sm_<arch>: their
-    resources and their instructions (only theirs disassembled: -fun, by the mangled names)."""
+    """The kernels `names` (as in the source) of `binary` compiled for sm_<arch>, each template
+    instance apart (keyed by instance_name): their resources and their instructions (only theirs
+    disassembled: -fun, by the mangled names)."""
     funcs: Dict[str, Function] = {}
     mangled = []
     res = subprocess.run([tool, "-res-usage", "-arch", f"sm_{arch}", binary], capture_output=True, text=True,
                          check=True).stdout
     for name, usage in re.findall(r"Function (\S+):\s*\n\s*(REG:.*)", res):
         if base_name(name) in names:
-            funcs[base_name(name)] = Function(*map(int, RES.search(usage).groups()))
+            funcs[instance_name(name)] = Function(*map(int, RES.search(usage).groups()))
             mangled.append(name)
     if not mangled:
         return funcs
@@ -138,7 +151,7 @@ def read_functions(tool: str, binary: str, arch: int, names) -> Dict[str, Functi
     for line in sass.splitlines():
         head = re.search(r"Function : (\S+)", line)
         if head:
-            current = funcs.get(base_name(head.group(1)))
+            current = funcs.get(instance_name(head.group(1)))
         elif current is not None:
             m = INSTR.search(line)
             if m:
@@ -167,8 +180,9 @@ def blocks_per_sm(f: Function, e: Expect, arch: int) -> tuple:
     return by_regs, by_smem, min(threads_sm // e.block, blocks_sm)
 
 
-def check(f: Optional[Function], e: Expect, arch: int) -> tuple:
-    """(the printed row, the reasons it fails: [] when it passes)."""
+def check(f: Optional[Function], e: Expect, arch: int, label: str = "") -> tuple:
+    """(the printed row, the reasons it fails: [] when it passes) for the function f of e
+    (label: its instance's name, where e is a template)."""
     if f is None:
         return [e.name, f"sm_{arch}", "-", "-", "-", "-", "-", "FAIL: not in the binary"], ["missing"]
     loops = loop_ranges(f.code)
@@ -190,7 +204,7 @@ def check(f: Optional[Function], e: Expect, arch: int) -> tuple:
     if by_smem < 2:
         fails.append(f"{f.shared + e.dynamic_smem} B shared: {by_smem} block/SM")
     local = f"{len(local_ins)} LDL/STL, stack {f.stack}" if local_ins or f.stack or f.local else "none"
-    row = [e.name, f"sm_{arch}", str(f.regs), f"{blocks} ({'/'.join(binds)})",
+    row = [label or e.name, f"sm_{arch}", str(f.regs), f"{blocks} ({'/'.join(binds)})",
            f"{wide}" + ("" if e.wide_loads else " (not required)"), str(narrow), local,
            "ok" if not fails else "FAIL: " + "; ".join(fails)]
     return row, fails
@@ -234,14 +248,17 @@ def main(argv=None) -> int:
     for arch in archs:
         funcs = read_functions(tool, args.library, arch, {e.name for e in kernels})
         for e in kernels:
-            row, fails = check(funcs.get(e.name), e, arch)
-            rows.append(row)
-            if fails:
-                failed.setdefault(e.name, []).append(f"sm_{arch}")
+            instances = sorted((k for k in funcs if k == e.name or k.startswith(e.name + "<")),
+                               key=lambda k: [int(v) for v in re.findall(r"-?\d+", k[len(e.name):])])
+            for label in instances or [e.name]:
+                row, fails = check(funcs.get(label), e, arch, label)
+                rows.append(row)
+                if fails:
+                    failed.setdefault(label, []).append(f"sm_{arch}")
     widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head) - 1)]
     for r in [head] + rows:
         print(" | ".join(v.ljust(w) for v, w in zip(r, widths)) + " | " + r[-1])
-    print(f"sass: {len(kernels)} kernels x {len(archs)} architectures ({os.path.basename(args.library)}), "
+    print(f"sass: {len(kernels)} kernels ({len(rows) // len(archs)} functions) x {len(archs)} architectures ({os.path.basename(args.library)}), "
           f"{len(failed)} failed" + (": " + ", ".join(f"{k} ({' '.join(a)})" for k, a in failed.items())
                                      if failed else ""))
     return 1 if failed else 0

@@ -69,6 +69,28 @@ __global__ void greedy_kernel(float *y, const float4 *w, int n4) {
     for (int j = 0; j < 48; j++) s += a[j] * a[j];
     y[threadIdx.x] = s;
 }
+// a template whose instances differ: N = 4 keeps its array in registers, N = 64 indexes it at
+// run time (local memory); each instance is its own function and is checked apart
+template <int N>
+__global__ void instances_kernel(float *y, const float4 *w, const int *idx, int n4) {
+    float a[N];
+#pragma unroll
+    for (int j = 0; j < N; j++) a[j] = 0.0f;
+    for (int i = threadIdx.x; i < n4; i += blockDim.x) {
+        const float4 v = w[i];
+        if (N > 8) a[idx[i] % N] += v.x + v.y + v.z + v.w;
+        else {
+#pragma unroll
+            for (int j = 0; j < N; j++) a[j] += v.x * (float)j + v.y * v.z - v.w;
+        }
+    }
+    float s = 0.0f;
+#pragma unroll
+    for (int j = 0; j < N; j++) s += a[j];
+    y[threadIdx.x] = s;
+}
+template __global__ void instances_kernel<4>(float *, const float4 *, const int *, int);
+template __global__ void instances_kernel<64>(float *, const float4 *, const int *, int);
 """
 
 
@@ -110,7 +132,19 @@ def test_each_planted_defect_fails_the_check_and_its_repair_passes(planted):
     assert greedy_256[-1] == "ok" and int(greedy_256[3].split()[0]) >= 2
     big_smem = rows[("good_stream_kernel", "sm_90", 1)]
     assert big_smem[3] == "1 (smem)" and big_smem[-1] == "FAIL: 120000 B shared: 1 block/SM"  # 228 KiB per SM
-    assert r.stdout.splitlines()[-1].startswith("sass: 6 kernels x 1 architectures (planted.cubin), 4 failed")
+    assert r.stdout.splitlines()[-1].startswith("sass: 6 kernels (6 functions) x 1 architectures (planted.cubin), "
+                                                "4 failed")
+
+
+def test_each_instance_of_a_template_kernel_is_checked_apart(planted):
+    """gemv_kernel<8> and <16> are two functions with their own registers: one that spills
+    must fail under its own name, not be hidden (or blamed) by its sibling."""
+    r, rows = run("--library", planted, "--kernel", "instances_kernel:256:wide")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert rows[("instances_kernel<4>", "sm_90", 0)][-1] == "ok"
+    assert "local memory" in rows[("instances_kernel<64>", "sm_90", 0)][-1]
+    assert r.stdout.splitlines()[-1].startswith("sass: 1 kernels (2 functions) x 1 architectures (planted.cubin), "
+                                                "1 failed: instances_kernel<64> (sm_90)")
 
 
 def test_a_kernel_missing_from_the_binary_fails(planted):
@@ -149,7 +183,11 @@ def test_every_decode_kernel_is_read_on_every_architecture():
     assert r.returncode in (0, 1), r.stderr
     for e in sass_check.DECODE_KERNELS:
         for arch in ("sm_80", "sm_90", "sm_100", "sm_120"):
-            row = rows[(e.name, arch, 0)]
-            assert row[-1] != "FAIL: not in the binary" and int(row[2]) > 0
-            if e.wide_loads:
-                assert int(row[4]) >= 1, row
+            found = [row for (name, a, _), row in rows.items()
+                     if a == arch and (name == e.name or name.startswith(e.name + "<"))]
+            assert found, (e.name, arch)
+            for row in found:  # each template instance (gemv_kernel<8>, <16>) on a row of its own
+                assert row[-1] != "FAIL: not in the binary" and int(row[2]) > 0
+                if e.wide_loads:
+                    assert int(row[4]) >= 1, row
+    assert ("gemv_kernel<16>", "sm_120", 0) in rows

@@ -1,11 +1,12 @@
 // y [T, N] (+)= x [T, K] W^T, W [N, K] fp32 or bf16, fp32 accumulation (twin: kernels/cpu/matmul.c).
-// One warp per weight row (two for wide matrices, N >= GEMV_WIDE_ROWS), all of a block
-// column's tokens at once (row_dots.cuh: 16-byte loads of 8 bf16 a lane and two of 4
-// activations a token; fp32 weights or K % 8 != 0 one element a lane). NT, the tokens a block
-// column takes, is the smallest of 8, 16, 32, 64 that holds T, so for every decode batch of
-// up to 64 rows each weight byte is read once per call (more tokens: block columns of 64,
-// each re-reading the weights). The driver sends decode passes here up to GEMV_MAX_ROWS rows
-// (csrc/cuda/passes.c) and prefill-sized products to the tensor cores (matmul_tc.cu).
+// One warp per weight row (two for wide matrices, N >= GEMV_WIDE_ROWS), the tokens of a block
+// column at once (row_dots.cuh: 16-byte loads of 8 bf16 a lane and two of 4 activations a
+// token; fp32 weights or K % 8 != 0 one element a lane). A block column holds NT = 8 tokens
+// (T <= 8) or 16; the column blocks of one group of weight rows are consecutive in the grid
+// (block = row group * columns + column), so they run at the same time and a decode batch of
+// up to 64 rows reads each weight byte from HBM once: the first column's loads bring it in, the
+// others (at most 3) find it in L2. The driver sends decode passes here up to GEMV_MAX_ROWS
+// rows (csrc/cuda/passes.c) and prefill-sized products to the tensor cores (matmul_tc.cu).
 //
 // The traffic, per H200 SM (4.3 TB/s / 132 SMs / 1.98 GHz: ~16 bytes of HBM a cycle, against
 // 128 bytes of L1 and 128 fp32 FMAs a cycle): a weight row is 2K bytes (bf16) and carries
@@ -15,14 +16,16 @@
 // L1 costs 2-4x the weight time, at 64 rows ~16x. The WMMA GEMM would do better there on
 // wide matrices, but its 64-row tiles give a narrow one (k_proj, v_proj: N = 512) 8 blocks
 // for 132 SMs, which this kernel's warps a row do not suffer; GEMV_MAX_ROWS is the one
-// number to set from a GPU run. The accumulators, NW * NT registers, bound NW * NT at 64
-// (<= 116 registers: 2 blocks of 256 threads an SM).
+// number to set from a GPU run. The accumulators, NW * NT registers, are at most 32: with 32
+// or 64 of them the sm_100 and sm_120 compilers spill at the 128 registers that 2 blocks of
+// 256 threads an SM allow (benchmarks/sass_check.py).
 #include "row_dots.cuh"
 
 #define GEMV_WARPS 8
 #define GEMV_WIDE_ROWS 4096 // from this many weight rows, 2 rows a warp (up to 32 tokens)
 
-// block (b, c): weight rows (b * GEMV_WARPS + warp) * NW .. + NW, tokens c * NT .. + NT.
+// block b * cols + c (cols = ceil(T / NT)): weight rows (b * GEMV_WARPS + warp) * NW .. + NW,
+// tokens c * NT .. + NT.
 // NW = 2 rows a warp halves the activation traffic from L1 per weight byte (each x load
 // serves both rows) at the cost of half the warps, so it is taken only for wide matrices
 // (q_proj, o_proj of the real geometry), where half the warps still fill the GPU.
@@ -30,8 +33,9 @@ template <int NT, int NW>
 __device__ __forceinline__ void gemv(float *y, const float *x, const void *w, q3_dtype w_dt, int64_t T, int64_t N,
                                      int64_t K, int accumulate) {
     const int lane = threadIdx.x & 31;
-    const int64_t row0 = ((int64_t)blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5)) * NW;
-    const int64_t t0 = (int64_t)blockIdx.y * NT;
+    const int64_t cols = (T + NT - 1) / NT;
+    const int64_t row0 = ((int64_t)blockIdx.x / cols * GEMV_WARPS + (threadIdx.x >> 5)) * NW;
+    const int64_t t0 = (int64_t)blockIdx.x % cols * NT;
     if (row0 >= N) return;
     const int nt = T - t0 < NT ? (int)(T - t0) : NT;
     const void *ws[NW]; // the warp's rows; past N, the last row again (its sums are not stored)
@@ -75,8 +79,9 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, 2)
     gate_up_kernel(float *act, const float *x, const void *gate, const void *up, q3_dtype w_dt, int64_t T, int64_t I,
                    int64_t K) {
     const int lane = threadIdx.x & 31;
-    const int64_t row = (int64_t)blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
-    const int64_t t0 = (int64_t)blockIdx.y * NT;
+    const int64_t cols = (T + NT - 1) / NT;
+    const int64_t row = (int64_t)blockIdx.x / cols * GEMV_WARPS + (threadIdx.x >> 5);
+    const int64_t t0 = (int64_t)blockIdx.x % cols * NT;
     if (row >= I) return;
     const int nt = T - t0 < NT ? (int)(T - t0) : NT;
     float acc[2][NT] = {{0}};
@@ -90,9 +95,11 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, 2)
     }
 }
 
-// the grid: weight rows in blocks of GEMV_WARPS * nw (nw rows a warp) by tokens in columns of nt
-static dim3 gemv_grid(int64_t rows, int nw, int64_t T, int nt) {
-    return dim3((unsigned)((rows + GEMV_WARPS * nw - 1) / (GEMV_WARPS * nw)), (unsigned)((T + nt - 1) / nt));
+// the grid: groups of GEMV_WARPS * nw weight rows (nw a warp), each as ceil(T / nt) consecutive
+// blocks of nt tokens; 0 where the count passes what a grid takes (the launch then fails)
+static unsigned gemv_grid(int64_t rows, int nw, int64_t T, int nt) {
+    const int64_t blocks = (rows + GEMV_WARPS * nw - 1) / (GEMV_WARPS * nw) * ((T + nt - 1) / nt);
+    return blocks <= INT32_MAX ? (unsigned)blocks : 0u;
 }
 
 // the gate and up matrices together: 2 * NT accumulators, so at most 16 tokens a block column
@@ -117,10 +124,7 @@ extern "C" int q3_matmul_cuda(float *y, const float *x, const void *w, q3_dtype 
     const bool wide = N >= GEMV_WIDE_ROWS;
     if (T <= 8 && wide) LAUNCH_GEMV(gemv_pairs_kernel, 8, 2);
     else if (T <= 8) LAUNCH_GEMV(gemv_kernel, 8, 1);
-    else if (T <= 16 && wide) LAUNCH_GEMV(gemv_pairs_kernel, 16, 2);
-    else if (T <= 16) LAUNCH_GEMV(gemv_kernel, 16, 1);
-    else if (T <= 32 && wide) LAUNCH_GEMV(gemv_pairs_kernel, 32, 2);
-    else if (T <= 32) LAUNCH_GEMV(gemv_kernel, 32, 1);
-    else LAUNCH_GEMV(gemv_kernel, 64, 1);
+    else if (wide) LAUNCH_GEMV(gemv_pairs_kernel, 16, 2);
+    else LAUNCH_GEMV(gemv_kernel, 16, 1);
     return q3_launch_status();
 }
