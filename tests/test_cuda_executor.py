@@ -140,7 +140,7 @@ def test_every_kernel_matches_its_twin_on_the_executor_under_every_schedule(out)
     head dims 64 and 128, top-k 1 to 8, left padding); each names its launcher(s), and every
     launcher has a case."""
     cases = out["kernel check"]
-    assert len(cases) == 346  # with the cuBLAS stand-in open; 344 without cuBLAS
+    assert len(cases) == 350  # with the cuBLAS stand-in open; 348 without cuBLAS
     assert len({case[0] for case in cases}) == len(cases)
     for name, err, tol, schedules, agree, kernel in cases:
         assert err <= tol and schedules == 3 and agree, (name, kernel, err, tol, schedules, agree)
@@ -151,6 +151,9 @@ def test_every_kernel_matches_its_twin_on_the_executor_under_every_schedule(out)
         for path in ("attention tc, tokens=17 ", "attention f32 G=2, tokens=17 ", "attention, tokens=1 ",
                      "attention split-KV, tokens=1 ", "qk_rope_kv, tokens=1 ", "qk_rope_kv, tokens=17 "):
             assert path + shape in names
+    # the tensor-core attention's online softmax, rescaling on every key tile
+    assert sum(name.startswith(("attention tc, scores growing", "attention tc, scores in the thousands"))
+               for name in names) == 4
     for k in range(1, 9):
         assert f"router top-k, k={k} E=60 T=17, renormalised" in names
         for T in (1, 17):

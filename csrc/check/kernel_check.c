@@ -140,6 +140,17 @@ static q3_status run_cases(check *k, q3_check_result *out, uint64_t *digests, in
         q3_case_attention_heads(k, 37, 100, 0, 160, 45, 32, 2, 128));
     RUN("attention", "attention tensor cores, prompt in padding", 2e-2,
         q3_case_attention_heads(k, 21, 0, 3, 40, 12, 16, 2, 64));
+    /* the online softmax: scores growing along the keys over many key tiles (each tile
+     * rescales the output), mildly and into the thousands; G = 1 (a partial tile of 64
+     * rows) and 32 (the launcher's most) with D = 48 (an odd count of 16 columns) */
+    RUN("attention", "attention tc, scores growing, 9 key tiles, G=8 D=128", 2e-2,
+        q3_case_attention_growing(k, 70, 200, 30, 16, 2, 128, 0.01f));
+    RUN("attention", "attention tc, scores in the thousands, G=8 D=128", 2e-2,
+        q3_case_attention_growing(k, 70, 200, 0, 16, 2, 128, 0.5f));
+    RUN("attention", "attention tc, scores growing, G=1 D=64", 2e-2,
+        q3_case_attention_growing(k, 67, 100, 0, 2, 2, 64, 0.02f));
+    RUN("attention", "attention tc, scores growing, G=32 D=48", 2e-2,
+        q3_case_attention_growing(k, 19, 90, 7, 64, 2, 48, 0.02f));
     /* Each path of the launcher at the listed shapes, G = 8 query heads a KV head at D = 128
      * (Qwen3-MoE's) and 4 at D = 64: 17 tokens over a bf16 cache go to tensor cores, over an
      * fp32 one to a block per token (G = 2 there: the slowest kernel on the executor, and G

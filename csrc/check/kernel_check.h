@@ -106,6 +106,8 @@ double q3_case_qk_rope_kv(check *k, int D);
 double q3_case_attention_heads(check *k, int64_t L, int64_t past0, int64_t past1, int64_t capacity, int64_t pad0,
                                int Hq, int Hkv, int D);
 double q3_case_attention(check *k, int64_t L, int64_t past0, int64_t past1, int64_t capacity, int64_t pad0);
+double q3_case_attention_growing(check *k, int64_t L, int64_t past0, int64_t pad0, int Hq, int Hkv, int D,
+                                 float grow);
 /* A batch at one of the self-check's shapes: n_seqs (<= Q3_CHECK_MAX_SEQS) sequences of L new
  * tokens each; sequence s has context * (n_seqs - s) / n_seqs cached tokens before the call
  * (the first the longest, so lengths differ and later ones may be fresh), and the even ones

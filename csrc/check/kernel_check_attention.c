@@ -71,12 +71,21 @@ double q3_case_qk_rope_kv_batch(check *k, const q3_check_batch *b, int D) {
     return qk_rope_kv(k, &sh, b->n_seqs, past, pos);
 }
 
+/* key j of one head's rows [rows, D] plus grow * j in every element: with q positive, each
+ * key's score is about grow * j * (the sum of q) above the last one's */
+static void grow_keys(uint16_t *keys, int64_t rows, int D, float grow) {
+    for (int64_t j = 0; j < rows; j++)
+        for (int d = 0; d < D; d++)
+            keys[j * D + d] = q3_f32_to_bf16(q3_bf16_to_f32(keys[j * D + d]) + grow * (float)j);
+}
+
 /* attention of n_seqs sequences of sh->L new tokens after past[s] cached ones, start[s] of
  * them padding, against the CPU kernel. The cache is random in the rows a query sees and
  * a key tile beyond (where an overrun would read), zero past them: a large capacity costs
  * no random fill. The launcher picks the path: more tokens than split-KV takes go to
  * tensor cores where the shape fits; a long max_keys splits. */
-static double attention(check *k, const q3_attn_shape *sh, int n_seqs, const int64_t *past, const int64_t *start) {
+static double attention_grown(check *k, const q3_attn_shape *sh, int n_seqs, const int64_t *past,
+                              const int64_t *start, float grow) {
     const int64_t per_seq = (int64_t)sh->kv_heads * sh->capacity * sh->head_dim;
     const int64_t qn = n_seqs * sh->L * sh->heads * sh->head_dim;
     const size_t es = q3_dtype_size(sh->kv_dtype);
@@ -91,7 +100,10 @@ static double attention(check *k, const q3_attn_shape *sh, int n_seqs, const int
             const uint64_t stream = 7 + (uint64_t)(s * sh->kv_heads + h);
             k->c->fill_normal(kc + off, sh->kv_dtype, rows * sh->head_dim, 9, stream, 0.0f, 1.0f);
             k->c->fill_normal(vc + off, sh->kv_dtype, rows * sh->head_dim, 10, stream, 0.0f, 1.0f);
+            if (grow != 0.0f && sh->kv_dtype == Q3_BF16) grow_keys((uint16_t *)(kc + off), rows, sh->head_dim, grow);
         }
+    if (grow != 0.0f) /* positive, and exact in bf16: the tensor-core kernel rounds q to bf16 */
+        for (int64_t i = 0; i < qn; i++) q[i] = q3_bf16_to_f32(q3_f32_to_bf16(fabsf(q[i])));
     q3_attn_seq hs[Q3_CHECK_MAX_SEQS], ds[Q3_CHECK_MAX_SEQS];
     char *dk = device(k, kc, n_seqs * per_seq * es), *dv = device(k, vc, n_seqs * per_seq * es);
     for (int s = 0; s < n_seqs; s++) {
@@ -108,6 +120,10 @@ static double attention(check *k, const q3_attn_shape *sh, int n_seqs, const int
     return k->failed ? INFINITY : max_err(got, want, Q3_F32, qn);
 }
 
+static double attention(check *k, const q3_attn_shape *sh, int n_seqs, const int64_t *past, const int64_t *start) {
+    return attention_grown(k, sh, n_seqs, past, start, 0.0f);
+}
+
 /* L query tokens after n_past[s] cached ones, for 2 sequences (the first with pad0 tokens
  * of padding), Hq heads on Hkv of dim D, max_keys exact */
 double q3_case_attention_heads(check *k, int64_t L, int64_t past0, int64_t past1, int64_t capacity, int64_t pad0,
@@ -115,6 +131,19 @@ double q3_case_attention_heads(check *k, int64_t L, int64_t past0, int64_t past1
     const q3_attn_shape sh = {L, Hq, Hkv, D, capacity, Q3_BF16, 1.0f / sqrtf((float)D), (past0 > past1 ? past0 : past1) + L};
     const int64_t past[2] = {past0, past1}, start[2] = {pad0, 0};
     return attention(k, &sh, 2, past, start);
+}
+
+/* Scores that grow along the keys, so that every key tile raises the rows' maxima and the
+ * tensor-core kernel's online softmax rescales its output on every tile (grow_keys): L
+ * tokens after past0 and 3 cached ones (the first sequence with pad0 of padding), Hq heads
+ * on Hkv of dim D. At D = 128, grow 0.01 raises a scaled score by ~0.1 a key (~3 a tile:
+ * the earlier tiles still count), grow 0.5 by ~5 a key, to scores of thousands */
+double q3_case_attention_growing(check *k, int64_t L, int64_t past0, int64_t pad0, int Hq, int Hkv, int D,
+                                 float grow) {
+    const int64_t capacity = past0 + L + 8;
+    const q3_attn_shape sh = {L, Hq, Hkv, D, capacity, Q3_BF16, 1.0f / sqrtf((float)D), past0 + L};
+    const int64_t past[2] = {past0, 3}, start[2] = {pad0, 0};
+    return attention_grown(k, &sh, 2, past, start, grow);
 }
 
 double q3_case_attention(check *k, int64_t L, int64_t past0, int64_t past1, int64_t capacity, int64_t pad0) {

@@ -6,10 +6,13 @@
 // (token t0 + r / G, query head h G + r % G), so each tile of KT keys and values is read
 // once for all the G query heads of QT tokens; warp w owns rows 16 w .. 16 w + 15. Scores
 // S = Q K^T and the output O += P V are bf16 products with fp32 accumulation (WMMA); q is
-// rounded to bf16 as it is staged, P as it is formed. Softmax in two passes over the keys:
-// the first finds each row's max and sum, the second forms P = exp(S - max) / sum and adds
-// P V, so the output accumulates in fragments with no rescaling (a third of the products
-// again, for a kernel with no per-element fragment layout to depend on).
+// rounded to bf16 as it is staged, P as it is formed. Softmax in one pass over the keys
+// (online, as in FlashAttention-2): per key tile, S goes through shared memory (fp32), each
+// row's running max m and sum l are updated, P = exp(S - m) is rounded to bf16, the output
+// fragments are multiplied by exp(m_old - m_new) row by row where a row's max grew, and
+// O += P V; O / l at the end. A WMMA accumulator's element-to-row map is unspecified, so the
+// rescale goes through shared memory (store, scale each row, load back); a tile where no
+// row of a warp grew skips it (most tiles, once the maxima settle).
 #include <cuda_bf16.h>
 #include <mma.h>
 
@@ -81,6 +84,86 @@ __device__ __forceinline__ bool sees(int64_t i, int64_t j, int64_t start) {
     return i >= start ? (j >= start && j <= i) : j == i;
 }
 
+// max and sum over the 16 lanes of a half warp (xor offsets below 16 stay inside it)
+__device__ __forceinline__ float half_max(float v) {
+    for (int o = 8; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+__device__ __forceinline__ float half_sum(float v) {
+    for (int o = 8; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// One key tile's softmax step for this warp's 16 rows. Half warp hf = lane / 16 takes rows
+// 2 k + hf (k = 0..7) and each lane keys `lane` and `lane ^ 16` of the tile: ss[r][c] with
+// the row stride of 32 floats sits in bank c, so both reads are conflict-free. m[k] and l[k]
+// are row 2 k + hf's running max and sum (the same in all 16 lanes of the half); P (bf16)
+// goes to ps, each row's factor exp(m_old - m_new) to alpha[row - 16 warp]. The sum adds
+// P as rounded, the values O accumulates. Returns whether some row's factor is not 1.
+__device__ __forceinline__ bool warp_softmax(__nv_bfloat16 (*ps)[LDP], float *alpha, const float (*ss)[LDS],
+                                             float *m, float *l, int64_t j0, int64_t t0, int G,
+                                             const q3_attn_seq *sq, const q3_attn_shape *sh, int warp, int lane) {
+    const int hf = lane >> 4;
+    bool grew = false;
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        const int i = 2 * k + hf, r = 16 * warp + i;
+        const int64_t t = t0 + r / G, at = t < sh->L ? sq->n_past + t : -1; // -1: no query in this row
+        const int c0 = lane, c1 = lane ^ 16;
+        const bool ok0 = at >= 0 && sees(at, j0 + c0, sq->start), ok1 = at >= 0 && sees(at, j0 + c1, sq->start);
+        const float v0 = ok0 ? ss[r][c0] * sh->scale : -INFINITY, v1 = ok1 ? ss[r][c1] * sh->scale : -INFINITY;
+        const float mn = fmaxf(m[k], half_max(fmaxf(v0, v1)));
+        // nothing seen before (O and l are 0, any factor will do) or nothing seen still: 1
+        const float a = m[k] == -INFINITY ? 1.0f : expf(m[k] - mn);
+        const __nv_bfloat16 p0 = __float2bfloat16_rn(ok0 ? expf(v0 - mn) : 0.0f);
+        const __nv_bfloat16 p1 = __float2bfloat16_rn(ok1 ? expf(v1 - mn) : 0.0f);
+        ps[r][c0] = p0;
+        ps[r][c1] = p1;
+        l[k] = l[k] * a + half_sum(__bfloat162float(p0) + __bfloat162float(p1));
+        m[k] = mn;
+        if ((lane & 15) == 0) alpha[i] = a;
+        grew = grew || a != 1.0f;
+    }
+    return __any_sync(0xffffffffu, grew);
+}
+
+// o[f] (this warp's 16 rows, columns 16 f ..) times alpha[row], two fragments at a time
+// through the warp's 16 x 32 floats of ss: lane c scales column c of every row (bank c)
+__device__ __forceinline__ void warp_rescale(acc_frag *o, float (*stash)[LDS], const float *alpha, int D, int lane) {
+#pragma unroll
+    for (int f = 0; f < TC_MAX_D / 16; f += 2) {
+        if (16 * f >= D) break;
+        const bool two = 16 * (f + 1) < D;
+        wmma::store_matrix_sync(&stash[0][0], o[f], LDS, wmma::mem_row_major);
+        if (two) wmma::store_matrix_sync(&stash[0][16], o[f + 1], LDS, wmma::mem_row_major);
+        __syncwarp();
+#pragma unroll
+        for (int i = 0; i < 16; i++) stash[i][lane] *= alpha[i];
+        __syncwarp();
+        wmma::load_matrix_sync(o[f], &stash[0][0], LDS, wmma::mem_row_major);
+        if (two) wmma::load_matrix_sync(o[f + 1], &stash[0][16], LDS, wmma::mem_row_major);
+        __syncwarp(); // read before the next pair is stored
+    }
+}
+
+// O += P V for this warp's rows and the staged tile of values
+__device__ __forceinline__ void warp_accumulate(acc_frag *o, const __nv_bfloat16 (*ps)[LDP],
+                                                const __nv_bfloat16 (*vs)[LDQ], int D, int warp) {
+#pragma unroll
+    for (int k0 = 0; k0 < KT; k0 += 16) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a;
+        wmma::load_matrix_sync(a, &ps[16 * warp][k0], LDP);
+#pragma unroll
+        for (int f = 0; f < TC_MAX_D / 16; f++) {
+            if (16 * f >= D) break;
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major> b;
+            wmma::load_matrix_sync(b, &vs[k0][16 * f], LDQ);
+            wmma::mma_sync(o[f], a, b, o[f]);
+        }
+    }
+}
+
 __global__ void __launch_bounds__(TC_THREADS) attention_tc_kernel(float *out, const float *q,
                                                                   const q3_attn_seq *seqs, q3_attn_shape sh) {
     Q3_SHARED(__nv_bfloat16[ROWS][LDQ], qs);
@@ -88,6 +171,7 @@ __global__ void __launch_bounds__(TC_THREADS) attention_tc_kernel(float *out, co
     Q3_SHARED(__nv_bfloat16[KT][LDQ], vs);
     Q3_SHARED(float[ROWS][LDS], ss);
     Q3_SHARED(__nv_bfloat16[ROWS][LDP], ps);
+    Q3_SHARED(float[ROWS], alpha); // each row's rescale factor, then 1 / l
     const int G = sh.heads / sh.kv_heads, QT = ROWS / G, D = sh.head_dim;
     const int64_t tiles = (sh.L + QT - 1) / QT;
     const int64_t t0 = (int64_t)(blockIdx.x % tiles) * QT;
@@ -100,75 +184,46 @@ __global__ void __launch_bounds__(TC_THREADS) attention_tc_kernel(float *out, co
     const int64_t lo = first_q < sq.start ? first_q : sq.start, end = sq.n_past + last_t + 1;
     stage_queries(qs, q, &sh, s, h, t0, G);
 
-    // this warp's rows: query positions, running max and sum (the same in every lane)
-    int64_t pos[16];
-    float m[16], l[16];
+    float m[8], l[8]; // rows 2 k + lane / 16 of the warp's (warp_softmax)
 #pragma unroll
-    for (int i = 0; i < 16; i++) {
-        const int64_t t = t0 + (16 * warp + i) / G;
-        pos[i] = t < sh.L ? sq.n_past + t : -1; // -1: no query in this row
-        m[i] = -INFINITY;
-        l[i] = 0.0f;
+    for (int k = 0; k < 8; k++) {
+        m[k] = -INFINITY;
+        l[k] = 0.0f;
     }
-    for (int64_t j0 = lo; j0 < end; j0 += KT) { // pass 1: max and sum of each row
-        __syncthreads(); // the previous tile is no longer read
-        stage_keys(ks, sq.k, &sh, h, j0, end);
-        __syncthreads();
-        warp_scores(ss, qs, ks, D, warp);
-#pragma unroll
-        for (int i = 0; i < 16; i++) {
-            const bool ok = pos[i] >= 0 && sees(pos[i], j0 + lane, sq.start);
-            const float v = ok ? ss[16 * warp + i][lane] * sh.scale : -INFINITY;
-            const float mt = q3_warp_max(v);
-            if (mt == -INFINITY) continue; // nothing this row sees in the tile (warp-uniform)
-            const float mn = fmaxf(m[i], mt);
-            l[i] = l[i] * expf(m[i] - mn) + q3_warp_sum(ok ? expf(v - mn) : 0.0f);
-            m[i] = mn;
-        }
-    }
-
     acc_frag o[TC_MAX_D / 16];
 #pragma unroll
     for (int f = 0; f < TC_MAX_D / 16; f++) wmma::fill_fragment(o[f], 0.0f);
-    for (int64_t j0 = lo; j0 < end; j0 += KT) { // pass 2: O += P V
-        __syncthreads();
+    float(*stash)[LDS] = &ss[16 * warp];
+    for (int64_t j0 = lo; j0 < end; j0 += KT) {
+        __syncthreads(); // the previous tile is no longer read
         stage_keys(ks, sq.k, &sh, h, j0, end);
         stage_keys(vs, sq.v, &sh, h, j0, end);
         __syncthreads();
         warp_scores(ss, qs, ks, D, warp);
-#pragma unroll
-        for (int i = 0; i < 16; i++) {
-            const bool ok = pos[i] >= 0 && sees(pos[i], j0 + lane, sq.start);
-            const float p = ok ? expf(ss[16 * warp + i][lane] * sh.scale - m[i]) / l[i] : 0.0f;
-            ps[16 * warp + i][lane] = __float2bfloat16_rn(p);
-        }
-        __syncwarp();
-#pragma unroll
-        for (int k0 = 0; k0 < KT; k0 += 16) {
-            wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a;
-            wmma::load_matrix_sync(a, &ps[16 * warp][k0], LDP);
-#pragma unroll
-            for (int f = 0; f < TC_MAX_D / 16; f++) {
-                if (16 * f >= D) break;
-                wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major> b;
-                wmma::load_matrix_sync(b, &vs[k0][16 * f], LDQ);
-                wmma::mma_sync(o[f], a, b, o[f]);
-            }
-        }
+        const bool grew = warp_softmax(ps, &alpha[16 * warp], ss, m, l, j0, t0, G, &sq, &sh, warp, lane);
+        __syncwarp(); // the scores are read (the stash reuses them), P and alpha written
+        if (grew) warp_rescale(o, stash, &alpha[16 * warp], D, lane);
+        warp_accumulate(o, ps, vs, D, warp);
     }
 
-    // out rows through the warp's part of ss (16 x 16 at a time): each row to its own place
-    float(*stash)[LDS] = &ss[16 * warp];
+    // out rows = O / l through the warp's part of ss (16 x 32 at a time): lane c writes
+    // column c of each row, 128 contiguous bytes a row
 #pragma unroll
-    for (int f = 0; f < TC_MAX_D / 16; f++) {
+    for (int k = 0; k < 8; k++)
+        if ((lane & 15) == 0) alpha[16 * warp + 2 * k + (lane >> 4)] = l[k] > 0.0f ? 1.0f / l[k] : 0.0f;
+#pragma unroll
+    for (int f = 0; f < TC_MAX_D / 16; f += 2) {
         if (16 * f >= D) break;
         __syncwarp();
         wmma::store_matrix_sync(&stash[0][0], o[f], LDS, wmma::mem_row_major);
+        if (16 * (f + 1) < D) wmma::store_matrix_sync(&stash[0][16], o[f + 1], LDS, wmma::mem_row_major);
         __syncwarp();
-        for (int e = lane; e < 256; e += 32) {
-            const int i = e / 16, c = e % 16, r = 16 * warp + i;
+        const int d = 16 * f + lane;
+        for (int i = 0; i < 16; i++) {
+            const int r = 16 * warp + i;
             const int64_t t = t0 + r / G;
-            if (t < sh.L) out[(((int64_t)s * sh.L + t) * sh.heads + (int64_t)h * G + r % G) * D + 16 * f + c] = stash[i][c];
+            if (t < sh.L && d < D)
+                out[(((int64_t)s * sh.L + t) * sh.heads + (int64_t)h * G + r % G) * D + d] = stash[i][lane] * alpha[r];
         }
     }
 }
