@@ -259,6 +259,7 @@ def layer_table(copy_tbs: float) -> None:
                      f"(+ {io / 2**20:.0f} MiB input and output)",
                      f"{floor * 1e3:.2f} ms (measured {t_ours / floor:.2f}x)"))
     _C.cuda_grouped_prefill(True)
+    print_moe_path_choice(hf, x)
     head = ("layer, real geometry, bf16", "qwen3layer", "transformers", "speed-up", "achieved", "model floor")
     widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
     print()
@@ -274,6 +275,21 @@ def layer_table(copy_tbs: float) -> None:
         print(model_table(f"{title}: measured by layer.profile (CUDA events at each stage boundary; the "
                           f"unprofiled call {p.call_seconds * 1e6:.0f} us)", p.cost, copy_tbs, mm_tflops,
                           {st.name: st.seconds for st in p.stages}), flush=True)
+
+
+def print_moe_path_choice(hf, x) -> None:
+    """The prefill MoE path each size class gets by measured speed: a fresh layer's prefill of
+    x in one chunk of 8192 tokens, then in chunks of 2048 (one size class each; larger first, as
+    a workspace that grows is a new CUDA state, which measures again) times every path the pass
+    can take on its first pass of the class; prints the choice and the times."""
+    _C.cuda_moe_path("measured")
+    layer = q3.DecoderLayer.from_hf(hf, device="cuda")
+    for chunk in (8192, 2048):
+        layer.prefill(x, layer.new_cache(x.shape[0]), chunk_size=chunk)
+    print("\nprefill MoE path by measured speed (CUDA events, first pass of each size class):")
+    for (lo, hi), (chosen, times) in sorted(q3.cuda.moe_path_choice(layer).items()):
+        spread = ", ".join(f"{path} {ms:.2f} ms" for path, ms in sorted(times.items(), key=lambda t: t[1]))
+        print(f"  rows {lo}..{hi}: {chosen} ({spread})")
 
 
 if __name__ == "__main__":

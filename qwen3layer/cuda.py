@@ -133,3 +133,17 @@ def check_kernels(device: int = 0) -> list[dict]:
         load()
     return [{"case": c, "kernel": kern, "max_err": e, "tol": t, "schedules": n, "agree": a, "ok": e <= t and a}
             for c, e, t, n, a, kern in _C.cuda_check(device)]
+
+
+def moe_path(path: Optional[str] = None) -> str:
+    """The prefill MoE path of CUDA layers: 'measured' (the default: on each layer's first
+    prefill pass of a size class of rows, every path the pass can take is timed with CUDA
+    events and the fastest kept for the class), or one forced: 'per_expert_wmma',
+    'per_expert_cublas' or 'grouped_wmma'. None only reads it. Returns the setting."""
+    return _C.cuda_moe_path(path)
+
+
+def moe_path_choice(layer) -> dict:
+    """A CUDA layer's measured prefill MoE paths (a DecoderLayer or a _C.Layer):
+    {(lo, hi): (chosen, {path: ms})} for each size class measured (passes of lo..hi rows)."""
+    return _C.cuda_moe_choice(getattr(layer, "_core", layer))

@@ -519,4 +519,49 @@ out["cublas stand-in"] = {"enabled before": blas_before, "enabled after": _C.cud
                           "cases": [[name, err, tol, agree] for name, err, tol, _, agree, _ in blas_cases],
                           "prefill rel err": rel(got, want)}
 
+# the prefill MoE's path chosen by measured time, all three candidates open (cuBLAS: the
+# stand-in). The executor's event times mean nothing, so injected times decide: for each path
+# made the fastest, a fresh layer's first prefill of 200 rows (size class 128..255) measures and
+# keeps it, its output is the forced path's; a second pass of the class (150 rows) under times
+# that favour another path keeps the choice; a pass of 40 rows (class 32..63) is measured anew.
+# Then the events' own times (the choice their fastest), and decode steps and a decode graph,
+# which never measure (they group experts on the device; a graph capture cannot synchronise)
+PATHS = ("per_expert_wmma", "per_expert_cublas", "grouped_wmma")
+x200, x150, x40 = (_C.random_tensor((n, 64), 30 + n, "float32") for n in (200, 150, 40))
+want = host(cpu_g.prefill(x200, cpu_g.new_cache(256))) - host(x200)
+forced = {}
+for path in PATHS:
+    _C.cuda_moe_path(path)
+    forced[path] = host(gpu_g.prefill(_C.copy_tensor(x200, 0), gpu_g.new_cache(256))) - host(x200)
+out["moe path setting"] = [_C.cuda_moe_path(), _C.cuda_moe_path("measured"), _C.cuda_grouped_prefill()]
+chosen = {}
+for fastest in PATHS:
+    _C.cuda_moe_inject_times({p: 1.0 if p == fastest else 2.0 + i for i, p in enumerate(PATHS)})
+    layer = _C.Layer(G, wg, None, 0)
+    y = host(layer.prefill(_C.copy_tensor(x200, 0), layer.new_cache(256))) - host(x200)
+    first = _C.cuda_moe_choice(layer)
+    _C.cuda_moe_inject_times({p: 9.0 if p == fastest else 1.0 for p in PATHS})
+    layer.prefill(_C.copy_tensor(x150, 0), layer.new_cache(256))
+    second = _C.cuda_moe_choice(layer)
+    layer.prefill(_C.copy_tensor(x40, 0), layer.new_cache(256))
+    third = _C.cuda_moe_choice(layer)
+    chosen[fastest] = {"first": [[list(k), v[0], v[1]] for k, v in first.items()],
+                       "kept": second == first, "classes after 40 rows": sorted(list(k) for k in third),
+                       "40 rows": third.get((32, 63), ("none",))[0],
+                       "vs forced": rel(y, forced[fastest]), "vs cpu": rel(y, want)}
+_C.cuda_moe_inject_times(None)
+layer = _C.Layer(G, wg, None, 0)
+y = host(layer.prefill(_C.copy_tensor(x200, 0), layer.new_cache(256))) - host(x200)
+measured = _C.cuda_moe_choice(layer)[(128, 255)]
+chosen["events"] = {"chosen": measured[0], "times": measured[1], "vs cpu": rel(y, want)}
+layer = _C.Layer(G, wg, None, 0)
+dc = layer.new_cache(16, 2)
+for t in range(3):
+    layer.decode(_C.copy_tensor(_C.random_tensor((2, 64), 60 + t, "float32"), 0), dc)
+dgraph = layer.decode_graph(dc)
+for t in range(2):
+    dgraph.replay(_C.copy_tensor(_C.random_tensor((2, 64), 70 + t, "bfloat16"), 0))
+chosen["decode only"] = {str(k): v for k, v in _C.cuda_moe_choice(layer).items()}
+out["moe path choice"] = chosen
+
 print(json.dumps(out))

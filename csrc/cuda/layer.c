@@ -31,6 +31,8 @@ void q3_layer_cuda_release(q3_layer *l) {
     q3_gpu_ws_free(&s->ws);
     for (size_t i = 0; i < sizeof s->events / sizeof s->events[0]; i++)
         if (s->events[i] && q3_cuda()) q3_cuda()->event_destroy(s->events[i]);
+    for (size_t i = 0; i < sizeof s->moe_events / sizeof s->moe_events[0]; i++)
+        if (s->moe_events[i] && q3_cuda()) q3_cuda()->event_destroy(s->moe_events[i]);
     free(s->pos);
     free(s->seq_ptr);
     free(s->lengths);

@@ -72,6 +72,14 @@ typedef struct {
     int n_tokens;
 } q3_moe_batch;
 
+/* The prefill MoE's paths (q3_cuda.h's Q3_MOE_*, passes.c): unless one is forced
+ * (q3_cuda_moe_path), moe_paths.c times each path the pass can take on the first pass of a
+ * size class (rows in [2^(c-1), 2^c) for class c) and keeps the fastest for the class. */
+typedef struct {
+    int chosen;             /* 1 + the path kept, 0 while the class is unmeasured */
+    float ms[Q3_MOE_PATHS]; /* each path's time on the measured pass; < 0: not a candidate */
+} q3_moe_choice;
+
 /* A CUDA layer's state: its device memory and host staging, grown (never shrunk) for larger calls. */
 struct q3_cuda_state {
     q3_gpu_ws ws;
@@ -91,6 +99,10 @@ struct q3_cuda_state {
     q3_moe_batch *batches; /* [E] */
     int32_t *token_index; /* [rows] zero between uses: 1 + a token's place in its batch's list */
     int32_t *token_fill;  /* [rows] */
+    /* the prefill MoE path of each size class, and the two events that time the candidates;
+     * a resize (reserve) makes a new state, so a class is measured again after one */
+    q3_moe_choice moe_choice[Q3_MOE_SIZE_CLASSES];
+    void *moe_events[2];
 };
 
 /* One run of passes: the first failing call and its name; events while profiling. */
@@ -122,6 +134,17 @@ void q3_gpu_mark(q3_gpu_run *run, int stage);
  * and group experts on the host (one stream synchronisation). */
 void q3_gpu_attention_pass(q3_layer *l, q3_cache *c, const q3_pass *p, int64_t max_keys, q3_gpu_run *run);
 void q3_gpu_moe_pass(q3_layer *l, const q3_pass *p, q3_gpu_run *run);
+
+/* The prefill MoE's experts once the pairs are grouped and uploaded (passes.c): runs
+ * `path` (one of the Q3_MOE_* paths; one the shape cannot take runs per expert) */
+void q3_gpu_moe_run_path(q3_layer *l, const q3_pass *p, q3_gpu_run *run, int path);
+/* whether the pass can take `path`, and the path it takes (moe_paths.c): the forced one, or
+ * its size class's, timed among the candidates on the class's first pass (the pass's x is
+ * saved and restored around each; the candidates' outputs are discarded). A prefill pass
+ * only: it synchronises the stream, so it never runs inside a graph capture. */
+int q3_gpu_moe_path_fits(const q3_layer *l, const q3_cuda_ops *g, int path);
+int q3_gpu_moe_choose(q3_layer *l, const q3_pass *p, q3_gpu_run *run);
+int q3_moe_size_class(int64_t rows);
 
 static inline int q3_gpu_is_decode(const q3_pass *p) { return p->L == 1 && p->n_seqs <= Q3_DECODE_MAX_ROWS; }
 

@@ -7,10 +7,11 @@
  * grouped expert kernels read each chosen expert's weights once, guided by the device-side
  * groups. They can be captured in a CUDA graph (decode_graph.c). Larger passes stage
  * positions on the host and bring the router's choices back to group them there: one stream
- * synchronisation per pass. With bf16 weights the host then plans the experts in batches
- * (tiles of up to 64 slots of one expert, and each token's slots) so that three tensor-core
- * launches serve a whole batch (gate/up with SiLU*up, down, combine); otherwise one launch per
- * chosen expert and projection. */
+ * synchronisation per pass. The experts then take one of the paths of layer.h's Q3_MOE_*
+ * (moe_paths.c picks it): with bf16 weights the host may plan the experts in batches (tiles
+ * of up to 64 slots of one expert, and each token's slots) so that three tensor-core
+ * launches serve a whole batch (gate/up with SiLU*up, down, combine); or one launch per
+ * chosen expert and projection, on the WMMA kernel or through cuBLAS. */
 #include <math.h>
 #include <stdlib.h>
 
@@ -171,13 +172,6 @@ static void experts_on_device(q3_layer *l, const q3_pass *p, q3_gpu_run *run) {
     Q3_GPU(run, g->moe_combine(d->x, ws->pair_y, d->pair_w, ws->pair_slot, R, k, H, sm), "moe_combine");
 }
 
-static int grouped_prefill = 1;
-
-int q3_cuda_grouped_prefill(int on) {
-    if (on >= 0) grouped_prefill = on != 0;
-    return grouped_prefill;
-}
-
 /* the list of tokens batch b touches and each one's slots (local to the batch), in the plan */
 static int64_t plan_tokens(q3_cuda_state *st, q3_moe_batch *b, int64_t at) {
     int32_t *tokens = st->moe_plan + at, *index = st->token_index, *fill = st->token_fill;
@@ -231,16 +225,88 @@ static int plan_batches(q3_cuda_state *st, int64_t R, int k, int E, int64_t *use
     return n_batches;
 }
 
-/* the router's choices to the host, grouped there by expert; then either a few launches per
- * batch of experts (bf16 weights on tensor cores) or one per chosen expert and step */
-static void experts_from_host(q3_layer *l, const q3_pass *p, q3_gpu_run *run) {
+/* a few launches per batch of experts (bf16 weights on tensor cores): gate/up with SiLU * up,
+ * down, combine */
+static void experts_grouped(q3_layer *l, const q3_pass *p, q3_gpu_run *run) {
+    const q3_config *cf = &l->cfg;
+    const q3_cuda_ops *g = run->g;
+    q3_cuda_state *st = run->st;
+    q3_workspace *d = &run->ws->dev;
+    void *sm = run->stream;
+    const int64_t R = p->n_seqs * p->L, H = cf->hidden, I = cf->moe_inter;
+    const int E = cf->experts, k = cf->top_k;
+    int64_t used = 0;
+    const int n_batches = plan_batches(st, R, k, E, &used);
+    int32_t *plan = run->ws->moe_plan;
+    const q3_moe_tile *tiles = (const q3_moe_tile *)plan;
+    const void *const *gate = run->ws->experts, *const *up = gate + E, *const *down = gate + 2 * E;
+    Q3_GPU(run, g->copy_async(plan, st->moe_plan, (size_t)used * sizeof(int32_t), 1, sm), "copy plan");
+    for (int i = 0; i < n_batches && !run->code; i++) {
+        const q3_moe_batch *b = &st->batches[i];
+        if (b->n_tiles == 0) continue;
+        const int32_t *tokens = plan + b->tokens, *ptr = tokens + b->n_tokens, *slot = ptr + b->n_tokens + 1;
+        Q3_GPU(run, g->moe_gate_up_tc(d->gate, d->h, d->pair_row + b->slot_lo, tiles + b->tile_lo, b->n_tiles,
+                                      gate, up, I, H, sm), "moe_gate_up_tc");
+        Q3_GPU(run, g->moe_down_tc(d->ye, d->gate, tiles + b->tile_lo, b->n_tiles, down, H, I, sm), "moe_down_tc");
+        Q3_GPU(run, g->moe_combine_csr(d->x, d->ye, d->pair_w + b->slot_lo, tokens, ptr, slot, b->n_tokens, H, sm),
+               "moe_combine_csr");
+    }
+}
+
+/* y = x W^T for one expert's n rows: tensor cores for 16 rows or more when the shape fits
+ * (through matmul_tc, i.e. cuBLAS where it is open, when cublas is set; else the WMMA
+ * kernel), else the GEMV */
+static int expert_project(q3_gpu_run *run, float *y, const float *x, const void *w, q3_dtype dt, int64_t n,
+                          int64_t N, int64_t K, int cublas) {
+    const q3_cuda_ops *g = run->g;
+    if (n >= 16 && dt == Q3_BF16 && N % 16 == 0 && K % 32 == 0)
+        return (cublas ? g->matmul_tc : g->matmul_wmma)(y, x, w, n, N, K, 0, run->ws->dev.xb, run->stream);
+    return g->matmul(y, x, w, dt, n, N, K, 0, run->stream);
+}
+
+/* one launch per chosen expert and step */
+static void experts_one_by_one(q3_layer *l, q3_gpu_run *run, int cublas) {
     const q3_config *cf = &l->cfg;
     const q3_weights *w = &l->w;
     const q3_cuda_ops *g = run->g;
     q3_cuda_state *st = run->st;
     q3_workspace *d = &run->ws->dev;
     void *sm = run->stream;
-    const int64_t R = p->n_seqs * p->L, H = cf->hidden, I = cf->moe_inter;
+    const int64_t H = cf->hidden, I = cf->moe_inter;
+    for (int e = 0; e < cf->experts && !run->code; e++) {
+        const int64_t first = st->offsets[e], n = st->offsets[e + 1] - first;
+        if (n == 0) continue;
+        Q3_GPU(run, g->gather_rows(d->xe, d->h, d->pair_row + first, n, H, sm), "gather");
+        if (n < 16) { /* few tokens: gate, up and SiLU * up in one pass over both weight matrices */
+            Q3_GPU(run, g->gate_up(d->gate, d->xe, w->experts[Q3_X_GATE][e], w->experts[Q3_X_UP][e], w->dtype, n, I,
+                                   H, sm), "gate_up");
+        } else {
+            Q3_GPU(run, expert_project(run, d->gate, d->xe, w->experts[Q3_X_GATE][e], w->dtype, n, I, H, cublas),
+                   "gate_proj");
+            Q3_GPU(run, expert_project(run, d->up, d->xe, w->experts[Q3_X_UP][e], w->dtype, n, I, H, cublas),
+                   "up_proj");
+            Q3_GPU(run, g->swiglu(d->gate, d->gate, d->up, n * I, sm), "swiglu");
+        }
+        Q3_GPU(run, expert_project(run, d->ye, d->gate, w->experts[Q3_X_DOWN][e], w->dtype, n, H, I, cublas),
+               "down_proj");
+        Q3_GPU(run, g->scatter_add_rows(d->x, d->ye, d->pair_row + first, d->pair_w + first, n, H, sm), "combine");
+    }
+}
+
+void q3_gpu_moe_run_path(q3_layer *l, const q3_pass *p, q3_gpu_run *run, int path) {
+    if (path == Q3_MOE_GROUPED_WMMA && q3_gpu_moe_path_fits(l, run->g, path)) experts_grouped(l, p, run);
+    else experts_one_by_one(l, run, path == Q3_MOE_PER_EXPERT_CUBLAS);
+}
+
+/* the router's choices to the host, grouped there by expert; then the experts on the path
+ * forced or chosen for the pass's size (moe_paths.c) */
+static void experts_from_host(q3_layer *l, const q3_pass *p, q3_gpu_run *run) {
+    const q3_config *cf = &l->cfg;
+    const q3_cuda_ops *g = run->g;
+    q3_cuda_state *st = run->st;
+    q3_workspace *d = &run->ws->dev;
+    void *sm = run->stream;
+    const int64_t R = p->n_seqs * p->L;
     const int E = cf->experts, k = cf->top_k;
     Q3_GPU(run, g->copy_async(st->topk_idx, d->topk_idx, (size_t)(R * k) * sizeof(int32_t), 0, sm), "copy top-k");
     Q3_GPU(run, g->copy_async(st->topk_w, d->topk_w, (size_t)(R * k) * sizeof(float), 0, sm), "copy weights");
@@ -249,42 +315,9 @@ static void experts_from_host(q3_layer *l, const q3_pass *p, q3_gpu_run *run) {
     q3_cpu_ops_active()->moe_group(st->offsets, st->pair_row, st->pair_w, st->topk_idx, st->topk_w, R, k, E);
     Q3_GPU(run, g->copy_async(d->pair_row, st->pair_row, (size_t)(R * k) * sizeof(int32_t), 1, sm), "copy pairs");
     Q3_GPU(run, g->copy_async(d->pair_w, st->pair_w, (size_t)(R * k) * sizeof(float), 1, sm), "copy pair weights");
-    if (grouped_prefill && w->dtype == Q3_BF16 && H % 32 == 0 && I % 32 == 0) {
-        int64_t used = 0;
-        const int n_batches = plan_batches(st, R, k, E, &used);
-        int32_t *plan = run->ws->moe_plan;
-        const q3_moe_tile *tiles = (const q3_moe_tile *)plan;
-        const void *const *gate = run->ws->experts, *const *up = gate + E, *const *down = gate + 2 * E;
-        Q3_GPU(run, g->copy_async(plan, st->moe_plan, (size_t)used * sizeof(int32_t), 1, sm), "copy plan");
-        q3_gpu_mark(run, Q3_STAGE_TOP_K);
-        for (int i = 0; i < n_batches && !run->code; i++) {
-            const q3_moe_batch *b = &st->batches[i];
-            if (b->n_tiles == 0) continue;
-            const int32_t *tokens = plan + b->tokens, *ptr = tokens + b->n_tokens, *slot = ptr + b->n_tokens + 1;
-            Q3_GPU(run, g->moe_gate_up_tc(d->gate, d->h, d->pair_row + b->slot_lo, tiles + b->tile_lo, b->n_tiles,
-                                          gate, up, I, H, sm), "moe_gate_up_tc");
-            Q3_GPU(run, g->moe_down_tc(d->ye, d->gate, tiles + b->tile_lo, b->n_tiles, down, H, I, sm), "moe_down_tc");
-            Q3_GPU(run, g->moe_combine_csr(d->x, d->ye, d->pair_w + b->slot_lo, tokens, ptr, slot, b->n_tokens, H, sm),
-                   "moe_combine_csr");
-        }
-        return;
-    }
     q3_gpu_mark(run, Q3_STAGE_TOP_K);
-    for (int e = 0; e < E && !run->code; e++) {
-        const int64_t first = st->offsets[e], n = st->offsets[e + 1] - first;
-        if (n == 0) continue;
-        Q3_GPU(run, g->gather_rows(d->xe, d->h, d->pair_row + first, n, H, sm), "gather");
-        if (n < 16) { /* few tokens: gate, up and SiLU * up in one pass over both weight matrices */
-            Q3_GPU(run, g->gate_up(d->gate, d->xe, w->experts[Q3_X_GATE][e], w->experts[Q3_X_UP][e], w->dtype, n, I,
-                                   H, sm), "gate_up");
-        } else {
-            Q3_GPU(run, project(run, p, d->gate, d->xe, w->experts[Q3_X_GATE][e], w->dtype, n, I, H, 0), "gate_proj");
-            Q3_GPU(run, project(run, p, d->up, d->xe, w->experts[Q3_X_UP][e], w->dtype, n, I, H, 0), "up_proj");
-            Q3_GPU(run, g->swiglu(d->gate, d->gate, d->up, n * I, sm), "swiglu");
-        }
-        Q3_GPU(run, project(run, p, d->ye, d->gate, w->experts[Q3_X_DOWN][e], w->dtype, n, H, I, 0), "down_proj");
-        Q3_GPU(run, g->scatter_add_rows(d->x, d->ye, d->pair_row + first, d->pair_w + first, n, H, sm), "combine");
-    }
+    const int path = q3_gpu_moe_choose(l, p, run);
+    if (!run->code) q3_gpu_moe_run_path(l, p, run, path);
 }
 
 void q3_gpu_moe_pass(q3_layer *l, const q3_pass *p, q3_gpu_run *run) {

@@ -41,10 +41,26 @@ int q3_cuda_device_count(void);
 int q3_cuda_schedules(void);
 q3_status q3_cuda_set_schedule(int schedule, uint64_t seed, q3_error *err);
 
-/* The prefill MoE of CUDA layers with bf16 weights: grouped (a few launches per batch of
- * experts, tensor cores) when on (the default), else one launch per chosen expert and step.
- * on < 0 only reads the setting; returns the setting now. For comparisons. */
+/* The prefill MoE's paths (experts grouped on the host): one launch per chosen expert and
+ * step on the WMMA kernel, the same through cuBLAS (where it is open), or grouped: a few
+ * tensor-core launches per batch of experts (bf16 weights); size classes of rows
+ * [2^(c-1), 2^c) for class c (0: no rows). */
+enum { Q3_MOE_PER_EXPERT_WMMA, Q3_MOE_PER_EXPERT_CUBLAS, Q3_MOE_GROUPED_WMMA, Q3_MOE_PATHS };
+#define Q3_MOE_SIZE_CLASSES 40
+
+/* The prefill MoE path of CUDA layers (one of Q3_MOE_*), or -1 (the default): the fastest
+ * of the paths a pass can take, as measured on each layer's first pass of its size class.
+ * path < -1 only reads the setting; returns the setting now. For comparisons. */
+int q3_cuda_moe_path(int path);
+/* the older switch on top of it: on = 1 forces grouped, 0 per expert through matmul_tc
+ * (cuBLAS where open); on < 0 only reads; returns whether grouped is forced */
 int q3_cuda_grouped_prefill(int on);
+/* Times the measurement takes instead of the events' (ms[Q3_MOE_PATHS]; NULL: the events'):
+ * for tests on the SIMT executor, where the events' times mean nothing. */
+void q3_cuda_moe_inject_times(const float *ms);
+/* The path a CUDA layer keeps for size class c (rows in [2^(c-1), 2^c)): 1 + the path and
+ * each candidate's time in ms[Q3_MOE_PATHS] (< 0: not a candidate), or 0 while unmeasured */
+int q3_layer_cuda_moe_choice(const q3_layer *layer, int c, float *ms);
 
 /* ---- decode graphs (CUDA layers) ------------------------------------------------- */
 

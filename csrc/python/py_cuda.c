@@ -4,6 +4,7 @@
 #include "py_glue.h"
 
 #include "../cuda/backend.h"
+#include "py_layer.h"
 
 static PyObject *cuda_open(PyObject *m, PyObject *arg) {
     (void)m;
@@ -78,6 +79,84 @@ static PyObject *cuda_grouped_prefill(PyObject *m, PyObject *args) {
     const int flag = on == Py_None ? -1 : PyObject_IsTrue(on);
     if (on != Py_None && flag < 0) return NULL;
     return PyBool_FromLong(q3_cuda_grouped_prefill(flag));
+}
+
+static const char *const moe_path_names[Q3_MOE_PATHS] = {"per_expert_wmma", "per_expert_cublas", "grouped_wmma"};
+
+static int moe_path_of(PyObject *name) {
+    for (int i = 0; i < Q3_MOE_PATHS; i++)
+        if (PyUnicode_CompareWithASCIIString(name, moe_path_names[i]) == 0) return i;
+    if (PyUnicode_CompareWithASCIIString(name, "measured") == 0) return -1;
+    PyErr_Format(PyExc_ValueError, "path: expected 'measured', 'per_expert_wmma', 'per_expert_cublas' or "
+                 "'grouped_wmma', got %R", name);
+    return -2;
+}
+
+static PyObject *cuda_moe_path(PyObject *m, PyObject *args) {
+    (void)m;
+    PyObject *name = Py_None;
+    if (!PyArg_ParseTuple(args, "|O:cuda_moe_path", &name)) return NULL;
+    if (name != Py_None && !PyUnicode_Check(name))
+        return PyErr_Format(PyExc_TypeError, "path: expected a str or None, got %s", Py_TYPE(name)->tp_name);
+    const int path = name == Py_None ? -2 : moe_path_of(name);
+    if (name != Py_None && path == -2) return NULL;
+    const int now = q3_cuda_moe_path(path);
+    return PyUnicode_FromString(now < 0 ? "measured" : moe_path_names[now]);
+}
+
+/* {path name: ms} or None -> the measurement's times */
+static PyObject *cuda_moe_inject_times(PyObject *m, PyObject *args) {
+    (void)m;
+    PyObject *times = Py_None;
+    if (!PyArg_ParseTuple(args, "|O:cuda_moe_inject_times", &times)) return NULL;
+    if (times == Py_None) {
+        q3_cuda_moe_inject_times(NULL);
+        Py_RETURN_NONE;
+    }
+    if (!PyDict_Check(times))
+        return PyErr_Format(PyExc_TypeError, "times: expected a dict or None, got %s", Py_TYPE(times)->tp_name);
+    float ms[Q3_MOE_PATHS];
+    for (int i = 0; i < Q3_MOE_PATHS; i++) {
+        PyObject *v = PyDict_GetItemString(times, moe_path_names[i]);
+        if (!v) return PyErr_Format(PyExc_ValueError, "times: expected a time for '%s'", moe_path_names[i]);
+        const double d = PyFloat_AsDouble(v);
+        if (d == -1.0 && PyErr_Occurred()) return NULL;
+        ms[i] = (float)d;
+    }
+    q3_cuda_moe_inject_times(ms);
+    Py_RETURN_NONE;
+}
+
+/* {(lo, hi): (chosen, {path: ms})} of a CUDA layer's measured size classes */
+static PyObject *cuda_moe_choice(PyObject *m, PyObject *args) {
+    q3_module_state *st = PyModule_GetState(m);
+    PyObject *obj;
+    if (!PyArg_ParseTuple(args, "O:cuda_moe_choice", &obj)) return NULL;
+    if (!PyObject_TypeCheck(obj, st->layer_type))
+        return PyErr_Format(PyExc_TypeError, "layer: expected a Layer, got %s", Py_TYPE(obj)->tp_name);
+    const q3_layer *layer = ((q3_layer_object *)obj)->layer;
+    PyObject *out = PyDict_New();
+    for (int c = 0; out && c < Q3_MOE_SIZE_CLASSES; c++) {
+        float ms[Q3_MOE_PATHS];
+        const int chosen = q3_layer_cuda_moe_choice(layer, c, ms);
+        if (!chosen) continue;
+        PyObject *times = PyDict_New(), *key = NULL, *value = NULL;
+        for (int i = 0; times && i < Q3_MOE_PATHS; i++) {
+            if (ms[i] < 0.0f) continue;
+            PyObject *t = PyFloat_FromDouble(ms[i]);
+            if (!t || PyDict_SetItemString(times, moe_path_names[i], t) < 0) Py_CLEAR(times);
+            Py_XDECREF(t);
+        }
+        if (times) {
+            key = Py_BuildValue("(LL)", c ? (long long)1 << (c - 1) : 0LL, ((long long)1 << c) - 1);
+            value = Py_BuildValue("(sO)", moe_path_names[chosen - 1], times);
+        }
+        if (!key || !value || PyDict_SetItem(out, key, value) < 0) Py_CLEAR(out);
+        Py_XDECREF(times);
+        Py_XDECREF(key);
+        Py_XDECREF(value);
+    }
+    return out;
 }
 
 static PyObject *cuda_check(PyObject *m, PyObject *args) {
@@ -187,8 +266,19 @@ PyMethodDef q3_cuda_methods[] = {
     {"cuda_synchronize", cuda_synchronize, METH_VARARGS,
      "cuda_synchronize(device=0)\n--\n\nWaits until everything queued on the device has run."},
     {"cuda_grouped_prefill", cuda_grouped_prefill, METH_VARARGS,
-     "cuda_grouped_prefill(on=None)\n--\n\nThe prefill MoE of bf16 CUDA layers: grouped launches per batch of experts "
-     "(True, the default) or one launch per expert and step (False); None only reads it. Returns the setting."},
+     "cuda_grouped_prefill(on=None)\n--\n\nForces the prefill MoE of bf16 CUDA layers: grouped launches per batch "
+     "of experts (True) or one launch per expert and step through matmul_tc (False; cuBLAS where open); None only "
+     "reads it. Returns whether grouped is forced (cuda_moe_path('measured') undoes it)."},
+    {"cuda_moe_path", cuda_moe_path, METH_VARARGS,
+     "cuda_moe_path(path=None)\n--\n\nThe prefill MoE path of CUDA layers: 'measured' (the default: the fastest "
+     "of the paths a pass can take, timed on each layer's first pass of each size class), or one forced: "
+     "'per_expert_wmma', 'per_expert_cublas' or 'grouped_wmma'. None only reads it. Returns the setting."},
+    {"cuda_moe_inject_times", cuda_moe_inject_times, METH_VARARGS,
+     "cuda_moe_inject_times(times=None)\n--\n\nFor tests on the SIMT executor (whose event times mean nothing): "
+     "{path: ms} for every path, which the measurement then takes instead of the events'; None: the events'."},
+    {"cuda_moe_choice", cuda_moe_choice, METH_VARARGS,
+     "cuda_moe_choice(layer)\n--\n\nA CUDA layer's measured prefill MoE paths: {(lo, hi): (chosen, {path: ms})} "
+     "for each size class measured (passes of lo..hi rows)."},
     {"cuda_schedules", cuda_schedules, METH_NOARGS,
      "cuda_schedules()\n--\n\nThread schedules of the open backend: 1 on a GPU, 3 on the SIMT executor."},
     {"cuda_set_schedule", cuda_set_schedule, METH_VARARGS,

@@ -39,7 +39,13 @@ int q3_blas_enable(int);
 
 static int device_count(int *n) { return (int)cudaGetDeviceCount(n); }
 static int set_device(int d) { return (int)cudaSetDevice(d); }
-static int malloc_device(void **p, size_t bytes) { return (int)cudaMalloc(p, bytes); }
+// a failure is returned, and taken off the last error: the launch after it (which reads the
+// last error) must not report it (the prefill MoE timing goes on without its buffer)
+static int malloc_device(void **p, size_t bytes) {
+    const cudaError_t e = cudaMalloc(p, bytes);
+    if (e != cudaSuccess) (void)cudaGetLastError();
+    return (int)e;
+}
 static int free_device(void *p) { return (int)cudaFree(p); }
 static int copy(void *dst, const void *src, size_t bytes, int to_device) {
     return (int)cudaMemcpy(dst, src, bytes, to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost);
