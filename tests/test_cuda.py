@@ -6,6 +6,7 @@ import shutil
 import pytest
 
 import qwen3layer as q3
+from qwen3layer import _C
 
 NVCC = shutil.which("nvcc") or (os.path.exists("/usr/local/cuda/bin/nvcc") and "/usr/local/cuda/bin/nvcc")
 
@@ -208,6 +209,66 @@ def test_cuda_batch_32_decode_matches_cpu_layer(dtype, tol):
         assert rel(graph(x.cuda()).clone(), want) <= tol
     torch.cuda.synchronize()
     assert caches[0].lengths == caches[1].lengths == caches[2].lengths
+def growing_scores_weights(cfg, seed):
+    """Random bf16 weights (torch tensors) whose attention scores grow along the keys for
+    inputs on a line (x_t = a + s_t u with s_t increasing): each query head's q_proj rows are its
+    KV head's k_proj rows, so a query and a key score by the angle between their inputs'
+    projections, which closes as the key's s_t nears the query's; only the pairs RoPE turns
+    slowest are kept (with rope_theta 1e12 they turn by < 1e-2 over 2048 positions); QK-norm
+    weights of 2 put the scores in the tens (about -24 to 32 for a last query)."""
+    import torch
+
+    w = {k: torch.from_dlpack(v).clone() for k, v in _C.random_weights(cfg, seed, "bfloat16").items()}
+    D, G = cfg.head_dim, cfg.num_attention_heads // cfg.num_key_value_heads
+    k = w["self_attn.k_proj.weight"].view(cfg.num_key_value_heads, D, -1)
+    slow = torch.zeros(D, dtype=torch.bool)
+    slow[D // 4:D // 2] = slow[3 * D // 4:] = True
+    k[:, ~slow] = 0
+    w["self_attn.q_proj.weight"] = k.repeat_interleave(G, 0).reshape(-1, k.shape[-1]).clone()
+    for name in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
+        w[name] = torch.full((D,), 2.0, dtype=torch.bfloat16)
+    return w
+
+
+@needs_gpu
+def test_single_pass_tensor_core_attention_at_2048_tokens_with_scores_growing_along_the_keys():
+    """The tensor-core attention's online softmax over 64 key tiles, each raising the rows'
+    maxima (so the output is rescaled tile after tile), against the CPU layer: a 2048-token
+    prompt on inputs whose scores grow along the keys. Calibrated on the SIMT executor at 256
+    tokens: 1.8e-3 of the update."""
+    import torch
+
+    cfg = q3.LayerConfig(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, rope_theta=1e12)
+    w = growing_scores_weights(cfg, 21)
+    cpu, gpu = q3.DecoderLayer(cfg, w), q3.DecoderLayer(cfg, w, device="cuda")
+    L, g = 2048, torch.Generator().manual_seed(22)
+    a, u = torch.randn(cfg.hidden_size, generator=g), torch.randn(cfg.hidden_size, generator=g)
+    x = a + torch.linspace(-2, 2, L)[:, None] * u + 0.05 * torch.randn(L, cfg.hidden_size, generator=g)
+    y_cpu = cpu.prefill(x, cpu.new_cache(L))
+    y_gpu = gpu.prefill(x.cuda(), gpu.new_cache(L))
+    assert rel(y_gpu - x.cuda(), y_cpu - x) <= 2e-2
+
+
+@needs_gpu
+def test_prefill_moe_path_is_measured_once_per_size_class_on_the_gpu():
+    """By default a CUDA layer's first prefill of a size class times each MoE path it can
+    take (CUDA events) and keeps the fastest: the choice is the fastest of its times, the
+    output still the CPU layer's, and a second prefill of the class keeps the same entry."""
+    import torch
+
+    assert q3.cuda.moe_path() == "measured"
+    cpu = q3.DecoderLayer.random(CFG_TC, seed=31, dtype="bfloat16")
+    gpu = q3.DecoderLayer.random(CFG_TC, seed=31, dtype="bfloat16", device="cuda")
+    x = torch.randn(300, CFG_TC.hidden_size, generator=torch.Generator().manual_seed(32))
+    y_cpu = cpu.prefill(x, cpu.new_cache(300))
+    y_gpu = gpu.prefill(x.cuda(), gpu.new_cache(300))
+    assert rel(y_gpu - x.cuda(), y_cpu - x) <= 2e-2
+    choice = q3.cuda.moe_path_choice(gpu)
+    chosen, times = choice[(256, 511)]
+    assert {"per_expert_wmma", "grouped_wmma"} <= set(times) and chosen == min(times, key=times.get)
+    gpu.prefill(x[:260].cuda(), gpu.new_cache(300))
+    assert q3.cuda.moe_path_choice(gpu) == choice
 
 
 @needs_gpu
