@@ -234,8 +234,8 @@ def growing_scores_weights(cfg, seed):
 def test_single_pass_tensor_core_attention_at_2048_tokens_with_scores_growing_along_the_keys():
     """The tensor-core attention's online softmax over 64 key tiles, each raising the rows'
     maxima (so the output is rescaled tile after tile), against the CPU layer: a 2048-token
-    prompt on inputs whose scores grow along the keys. Calibrated on the SIMT executor at 256
-    tokens: 1.8e-3 of the update."""
+    prompt on inputs whose scores grow along the keys. The same on the SIMT executor (52 s
+    there, too long for CI): 1.7e-3 of the update."""
     import torch
 
     cfg = q3.LayerConfig(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
@@ -245,8 +245,8 @@ def test_single_pass_tensor_core_attention_at_2048_tokens_with_scores_growing_al
     L, g = 2048, torch.Generator().manual_seed(22)
     a, u = torch.randn(cfg.hidden_size, generator=g), torch.randn(cfg.hidden_size, generator=g)
     x = a + torch.linspace(-2, 2, L)[:, None] * u + 0.05 * torch.randn(L, cfg.hidden_size, generator=g)
-    y_cpu = cpu.prefill(x, cpu.new_cache(L))
-    y_gpu = gpu.prefill(x.cuda(), gpu.new_cache(L))
+    y_cpu = cpu.prefill(x, cpu.new_cache(L), chunk_size=L)  # one pass: 2048 queries over 2048 keys
+    y_gpu = gpu.prefill(x.cuda(), gpu.new_cache(L), chunk_size=L)
     assert rel(y_gpu - x.cuda(), y_cpu - x) <= 2e-2
 
 
