@@ -139,7 +139,8 @@ def moe_path(path: Optional[str] = None) -> str:
     """The prefill MoE path of CUDA layers: 'measured' (the default: on each layer's first
     prefill pass of a size class of rows, every path the pass can take is timed with CUDA
     events and the fastest kept for the class), or one forced: 'per_expert_wmma',
-    'per_expert_cublas' or 'grouped_wmma'. None only reads it. Returns the setting."""
+    'per_expert_cublas', 'grouped_wmma' or 'grouped_cublas' (cuBLAS's grouped GEMM, where the
+    found cuBLAS has cublasGemmGroupedBatchedEx). None only reads it. Returns the setting."""
     return _C.cuda_moe_path(path)
 
 

@@ -519,14 +519,14 @@ out["cublas stand-in"] = {"enabled before": blas_before, "enabled after": _C.cud
                           "cases": [[name, err, tol, agree] for name, err, tol, _, agree, _ in blas_cases],
                           "prefill rel err": rel(got, want)}
 
-# the prefill MoE's path chosen by measured time, all three candidates open (cuBLAS: the
-# stand-in). The executor's event times mean nothing, so injected times decide: for each path
+# the prefill MoE's path chosen by measured time, all four candidates open (cuBLAS and its
+# grouped GEMM: the stand-in's). The executor's event times mean nothing, so injected times decide: for each path
 # made the fastest, a fresh layer's first prefill of 200 rows (size class 128..255) measures and
 # keeps it, its output is the forced path's; a second pass of the class (150 rows) under times
 # that favour another path keeps the choice; a pass of 40 rows (class 32..63) is measured anew.
 # Then the events' own times (the choice their fastest), and decode steps and a decode graph,
 # which never measure (they group experts on the device; a graph capture cannot synchronise)
-PATHS = ("per_expert_wmma", "per_expert_cublas", "grouped_wmma")
+PATHS = ("per_expert_wmma", "per_expert_cublas", "grouped_wmma", "grouped_cublas")
 x200, x150, x40 = (_C.random_tensor((n, 64), 30 + n, "float32") for n in (200, 150, 40))
 want = host(cpu_g.prefill(x200, cpu_g.new_cache(256))) - host(x200)
 forced = {}

@@ -119,12 +119,12 @@ def test_grouped_prefill_moe_on_the_executor(out):
 
 def test_the_prefill_moe_path_is_the_measured_fastest_per_size_class(out):
     """With injected times (the executor's event times mean nothing), a layer's first prefill
-    of a size class times every path it can take (the three here: bf16 weights, H and I
-    multiples of 32, the cuBLAS stand-in open) and keeps the fastest; its output is that
+    of a size class times every path it can take (the four here: bf16 weights, H and I
+    multiples of 32, the cuBLAS stand-in open, with its grouped GEMM) and keeps the fastest; its output is that
     path's forced output and the CPU layer's; the class keeps its choice under other times
     while another class is measured anew with them. With the events' times the choice is
     their fastest. Decode steps and graphs never measure."""
-    paths = {"per_expert_wmma", "per_expert_cublas", "grouped_wmma"}
+    paths = {"per_expert_wmma", "per_expert_cublas", "grouped_wmma", "grouped_cublas"}
     tol = 2e-3 if out["cpu path"] in ("avx512bf16", "amx") else 8e-3
     choice = out["moe path choice"]
     for fastest in paths:
@@ -138,7 +138,7 @@ def test_the_prefill_moe_path_is_the_measured_fastest_per_size_class(out):
     assert set(events["times"]) == paths and all(t >= 0 for t in events["times"].values())
     assert events["chosen"] == min(events["times"], key=events["times"].get) and events["vs cpu"] <= tol
     assert choice["decode only"] == {}
-    assert out["moe path setting"] == ["grouped_wmma", "measured", False]
+    assert out["moe path setting"] == ["grouped_cublas", "measured", False]
 
 
 def test_router_ties_on_the_device_path_follow_the_lower_index_rule(out):

@@ -33,6 +33,9 @@ void q3_layer_cuda_release(q3_layer *l) {
         if (s->events[i] && q3_cuda()) q3_cuda()->event_destroy(s->events[i]);
     for (size_t i = 0; i < sizeof s->moe_events / sizeof s->moe_events[0]; i++)
         if (s->moe_events[i] && q3_cuda()) q3_cuda()->event_destroy(s->moe_events[i]);
+    if (s->blas_ptrs_dev && q3_cuda()) q3_cuda()->free_device(s->blas_ptrs_dev);
+    free(s->blas_ptrs);
+    free(s->blas_rows);
     free(s->pos);
     free(s->seq_ptr);
     free(s->lengths);

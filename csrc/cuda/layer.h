@@ -103,6 +103,11 @@ struct q3_cuda_state {
      * a resize (reserve) makes a new state, so a class is measured again after one */
     q3_moe_choice moe_choice[Q3_MOE_SIZE_CLASSES];
     void *moe_events[2];
+    /* the grouped cuBLAS path's matrix pointers, made on first use: 3 GEMMs x (w, x, y) x E,
+     * on the host and on the device, and each expert's rows in a batch [E] */
+    const void **blas_ptrs;
+    void **blas_ptrs_dev;
+    int *blas_rows;
 };
 
 /* One run of passes: the first failing call and its name; events while profiling. */
@@ -135,6 +140,11 @@ void q3_gpu_mark(q3_gpu_run *run, int stage);
 void q3_gpu_attention_pass(q3_layer *l, q3_cache *c, const q3_pass *p, int64_t max_keys, q3_gpu_run *run);
 void q3_gpu_moe_pass(q3_layer *l, const q3_pass *p, q3_gpu_run *run);
 
+/* The prefill MoE's plan (passes.c): the experts in batches of at most R slots, their tiles
+ * and token lists in st->moe_plan; returns the batches and sets *used to the int32s to upload.
+ * The grouped cuBLAS path over it (moe_cublas.c). */
+int q3_gpu_moe_plan_batches(q3_cuda_state *st, int64_t R, int k, int E, int64_t *used);
+void q3_gpu_moe_grouped_cublas(q3_layer *l, const q3_pass *p, q3_gpu_run *run);
 /* The prefill MoE's experts once the pairs are grouped and uploaded (passes.c): runs
  * `path` (one of the Q3_MOE_* paths; one the shape cannot take runs per expert) */
 void q3_gpu_moe_run_path(q3_layer *l, const q3_pass *p, q3_gpu_run *run, int path);

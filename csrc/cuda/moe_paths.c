@@ -50,6 +50,9 @@ int q3_gpu_moe_path_fits(const q3_layer *l, const q3_cuda_ops *g, int path) {
     const int bf16 = l->w.dtype == Q3_BF16;
     if (path == Q3_MOE_GROUPED_WMMA) return bf16 && cf->hidden % 32 == 0 && cf->moe_inter % 32 == 0;
     if (path == Q3_MOE_PER_EXPERT_CUBLAS) return bf16 && g->blas_enable(-1); /* else the WMMA one's twin */
+    if (path == Q3_MOE_GROUPED_CUBLAS) /* 16-byte aligned rows in the batch's buffers; blas.cu's most groups */
+        return bf16 && cf->hidden % 8 == 0 && cf->moe_inter % 8 == 0 && cf->experts <= 512 &&
+               g->blas_grouped_available();
     return path == Q3_MOE_PER_EXPERT_WMMA;
 }
 
@@ -79,7 +82,8 @@ static void measure(q3_layer *l, const q3_pass *p, q3_gpu_run *run, q3_moe_choic
     float *saved = NULL;
     if (run->code) return;
     if (g->malloc_device((void **)&saved, bytes) != 0) {
-        ch->chosen = 1 + (q3_gpu_moe_path_fits(l, g, Q3_MOE_GROUPED_WMMA) ? Q3_MOE_GROUPED_WMMA : Q3_MOE_PER_EXPERT_WMMA);
+        const int grouped = q3_gpu_moe_path_fits(l, g, Q3_MOE_GROUPED_WMMA);
+        ch->chosen = 1 + (grouped ? Q3_MOE_GROUPED_WMMA : Q3_MOE_PER_EXPERT_WMMA);
         return;
     }
     Q3_GPU(run, g->copy_device_async(saved, d->x, bytes, run->stream), "save x");

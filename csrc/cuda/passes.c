@@ -10,8 +10,9 @@
  * synchronisation per pass. The experts then take one of the paths of layer.h's Q3_MOE_*
  * (moe_paths.c picks it): with bf16 weights the host may plan the experts in batches (tiles
  * of up to 64 slots of one expert, and each token's slots) so that three tensor-core
- * launches serve a whole batch (gate/up with SiLU*up, down, combine); or one launch per
- * chosen expert and projection, on the WMMA kernel or through cuBLAS. */
+ * launches serve a whole batch (gate/up with SiLU*up, down, combine), or three cuBLAS
+ * grouped GEMMs and a few small kernels; or one launch per chosen expert and projection, on
+ * the WMMA kernel or through cuBLAS. */
 #include <math.h>
 #include <stdlib.h>
 
@@ -201,7 +202,7 @@ static int64_t plan_tokens(q3_cuda_state *st, q3_moe_batch *b, int64_t at) {
 
 /* the experts in batches of at most R slots, their tiles and token lists; returns the batches
  * and sets *used to the plan's int32s to upload */
-static int plan_batches(q3_cuda_state *st, int64_t R, int k, int E, int64_t *used) {
+int q3_gpu_moe_plan_batches(q3_cuda_state *st, int64_t R, int k, int E, int64_t *used) {
     const int64_t *off = st->offsets;
     q3_moe_tile *tiles = (q3_moe_tile *)st->moe_plan;
     int64_t at = 4 * q3_moe_plan_tiles(R, k, E); /* the token lists start after the tiles' room */
@@ -236,7 +237,7 @@ static void experts_grouped(q3_layer *l, const q3_pass *p, q3_gpu_run *run) {
     const int64_t R = p->n_seqs * p->L, H = cf->hidden, I = cf->moe_inter;
     const int E = cf->experts, k = cf->top_k;
     int64_t used = 0;
-    const int n_batches = plan_batches(st, R, k, E, &used);
+    const int n_batches = q3_gpu_moe_plan_batches(st, R, k, E, &used);
     int32_t *plan = run->ws->moe_plan;
     const q3_moe_tile *tiles = (const q3_moe_tile *)plan;
     const void *const *gate = run->ws->experts, *const *up = gate + E, *const *down = gate + 2 * E;
@@ -295,6 +296,7 @@ static void experts_one_by_one(q3_layer *l, q3_gpu_run *run, int cublas) {
 
 void q3_gpu_moe_run_path(q3_layer *l, const q3_pass *p, q3_gpu_run *run, int path) {
     if (path == Q3_MOE_GROUPED_WMMA && q3_gpu_moe_path_fits(l, run->g, path)) experts_grouped(l, p, run);
+    else if (path == Q3_MOE_GROUPED_CUBLAS && q3_gpu_moe_path_fits(l, run->g, path)) q3_gpu_moe_grouped_cublas(l, p, run);
     else experts_one_by_one(l, run, path == Q3_MOE_PER_EXPERT_CUBLAS);
 }
 

@@ -42,10 +42,11 @@ int q3_cuda_schedules(void);
 q3_status q3_cuda_set_schedule(int schedule, uint64_t seed, q3_error *err);
 
 /* The prefill MoE's paths (experts grouped on the host): one launch per chosen expert and
- * step on the WMMA kernel, the same through cuBLAS (where it is open), or grouped: a few
- * tensor-core launches per batch of experts (bf16 weights); size classes of rows
- * [2^(c-1), 2^c) for class c (0: no rows). */
-enum { Q3_MOE_PER_EXPERT_WMMA, Q3_MOE_PER_EXPERT_CUBLAS, Q3_MOE_GROUPED_WMMA, Q3_MOE_PATHS };
+ * step on the WMMA kernel, the same through cuBLAS (where it is open), grouped: a few
+ * tensor-core launches per batch of experts (bf16 weights), or per batch of experts three
+ * cuBLAS grouped GEMMs (cublasGemmGroupedBatchedEx, where the found cuBLAS has it); size
+ * classes of rows [2^(c-1), 2^c) for class c (0: no rows). */
+enum { Q3_MOE_PER_EXPERT_WMMA, Q3_MOE_PER_EXPERT_CUBLAS, Q3_MOE_GROUPED_WMMA, Q3_MOE_GROUPED_CUBLAS, Q3_MOE_PATHS };
 #define Q3_MOE_SIZE_CLASSES 40
 
 /* The prefill MoE path of CUDA layers (one of Q3_MOE_*), or -1 (the default): the fastest

@@ -81,14 +81,15 @@ static PyObject *cuda_grouped_prefill(PyObject *m, PyObject *args) {
     return PyBool_FromLong(q3_cuda_grouped_prefill(flag));
 }
 
-static const char *const moe_path_names[Q3_MOE_PATHS] = {"per_expert_wmma", "per_expert_cublas", "grouped_wmma"};
+static const char *const moe_path_names[Q3_MOE_PATHS] = {"per_expert_wmma", "per_expert_cublas", "grouped_wmma",
+                                                          "grouped_cublas"};
 
 static int moe_path_of(PyObject *name) {
     for (int i = 0; i < Q3_MOE_PATHS; i++)
         if (PyUnicode_CompareWithASCIIString(name, moe_path_names[i]) == 0) return i;
     if (PyUnicode_CompareWithASCIIString(name, "measured") == 0) return -1;
-    PyErr_Format(PyExc_ValueError, "path: expected 'measured', 'per_expert_wmma', 'per_expert_cublas' or "
-                 "'grouped_wmma', got %R", name);
+    PyErr_Format(PyExc_ValueError, "path: expected 'measured', 'per_expert_wmma', 'per_expert_cublas', "
+                 "'grouped_wmma' or 'grouped_cublas', got %R", name);
     return -2;
 }
 
@@ -272,7 +273,8 @@ PyMethodDef q3_cuda_methods[] = {
     {"cuda_moe_path", cuda_moe_path, METH_VARARGS,
      "cuda_moe_path(path=None)\n--\n\nThe prefill MoE path of CUDA layers: 'measured' (the default: the fastest "
      "of the paths a pass can take, timed on each layer's first pass of each size class), or one forced: "
-     "'per_expert_wmma', 'per_expert_cublas' or 'grouped_wmma'. None only reads it. Returns the setting."},
+     "'per_expert_wmma', 'per_expert_cublas', 'grouped_wmma' or 'grouped_cublas' (cublasGemmGroupedBatchedEx). None "
+     "only reads it. Returns the setting."},
     {"cuda_moe_inject_times", cuda_moe_inject_times, METH_VARARGS,
      "cuda_moe_inject_times(times=None)\n--\n\nFor tests on the SIMT executor (whose event times mean nothing): "
      "{path: ms} for every path, which the measurement then takes instead of the events'; None: the events'."},

@@ -46,6 +46,13 @@ typedef struct {
      * blas_enable switches it (for comparisons; on < 0 only reads) and returns whether it is on */
     int (*blas_open)(const char *path);
     int (*blas_enable)(int on);
+    /* cuBLAS's grouped GEMM (cublasGemmGroupedBatchedEx) where cuBLAS is on and has it: y[g]
+     * [T[g], N] = xb[g] [T[g], K] w[g]^T (bf16 in, fp32 out) for g < groups; y, xb, w device
+     * arrays of pointers (read when the call runs on the stream), T a host array; -1 when
+     * unavailable */
+    int (*blas_grouped_available)(void);
+    int (*blas_gemm_grouped)(float *const *y, const uint16_t *const *xb, const uint16_t *const *w, const int *T,
+                             int groups, int64_t N, int64_t K, void *stream);
     /* timings with CUDA events, milliseconds per call over `repeats` after a warm-up:
      * a device-to-device copy of `bytes`; the matmul on fresh device buffers [T, K] x [N, K]^T */
     int (*time_copy)(size_t bytes, int repeats, float *ms);

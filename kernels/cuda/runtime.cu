@@ -35,6 +35,9 @@ int q3_to_f32_cuda(float *, const void *, q3_dtype, int64_t, void *);
 int q3_from_f32_cuda(void *, q3_dtype, const float *, int64_t, void *);
 int q3_blas_open(const char *);
 int q3_blas_enable(int);
+int q3_blas_grouped_available(void);
+int q3_blas_gemm_grouped_bf16(float *const *, const uint16_t *const *, const uint16_t *const *, const int *, int,
+                              int64_t, int64_t, void *);
 }
 
 static int device_count(int *n) { return (int)cudaGetDeviceCount(n); }
@@ -198,6 +201,8 @@ extern "C" int q3_cuda_ops_get(q3_cuda_ops *ops) {
     ops->event_elapsed_ms = event_elapsed_ms;
     ops->blas_open = q3_blas_open;
     ops->blas_enable = q3_blas_enable;
+    ops->blas_grouped_available = q3_blas_grouped_available;
+    ops->blas_gemm_grouped = q3_blas_gemm_grouped_bf16;
     ops->error_string = error_string;
     ops->stream_create = stream_create;
     ops->stream_destroy = stream_destroy;

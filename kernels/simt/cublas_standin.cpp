@@ -1,5 +1,6 @@
-// A stand-in for the three cuBLAS entry points kernels/cuda/blas.cu opens at run time
-// (cublasCreate_v2, cublasSetStream_v2, cublasGemmEx), exported by libq3simt.so: opening the
+// A stand-in for the cuBLAS entry points kernels/cuda/blas.cu opens at run time
+// (cublasCreate_v2, cublasSetStream_v2, cublasGemmEx, cublasGemmGroupedBatchedEx), exported by
+// libq3simt.so: opening the
 // executor's own library as "cuBLAS" (q3.cuda.emulate(cublas=True)) runs blas.cu's path and
 // the kernel check's cuBLAS cases on the CPU. Column-major, as cuBLAS:
 //     C [m, n] = alpha op(A) [m, k] op(B) [k, n] + beta C,  op(X) = X or X^T,
@@ -74,6 +75,37 @@ void run_gemm(void *args) {
 
 void free_gemm(void *args) { delete (Gemm *)args; }
 
+// a grouped call's problems: sizes from the host arrays, taken at the call; the matrices'
+// pointers from the device arrays, read when the call runs in stream order (as on a GPU)
+struct Grouped {
+    std::vector<Gemm> gemms;
+    const void *const *a, *const *b;
+    void *const *c;
+};
+
+void run_grouped(void *args) {
+    const Grouped *g = (const Grouped *)args;
+    for (size_t i = 0; i < g->gemms.size(); i++) {
+        Gemm one = g->gemms[i];
+        one.a = g->a[i];
+        one.b = g->b[i];
+        one.c = (float *)g->c[i];
+        run_gemm(&one);
+    }
+}
+
+void free_grouped(void *args) { delete (Grouped *)args; }
+
+bool types_ok(cudaDataType_t a_type, cudaDataType_t b_type, cudaDataType_t c_type) {
+    return (a_type == CUDA_R_16BF || a_type == CUDA_R_32F) && (b_type == CUDA_R_16BF || b_type == CUDA_R_32F) &&
+           c_type == CUDA_R_32F;
+}
+
+bool sizes_ok(int transa, int transb, int m, int n, int k, int ldc) {
+    return m >= 0 && n >= 0 && k >= 0 && (transa == OP_N || transa == OP_T) && (transb == OP_N || transb == OP_T) &&
+           ldc >= (m > 1 ? m : 1);
+}
+
 } // namespace
 
 extern "C" int cublasCreate_v2(void **handle) {
@@ -91,14 +123,37 @@ extern "C" int cublasGemmEx(void *handle, int transa, int transb, int m, int n, 
                             const void *beta, void *c, cudaDataType_t c_type, int ldc, int compute, int algo) {
     (void)compute;
     (void)algo;
-    const bool input_ok = (a_type == CUDA_R_16BF || a_type == CUDA_R_32F) && (b_type == CUDA_R_16BF || b_type == CUDA_R_32F);
-    if (!input_ok || c_type != CUDA_R_32F) return STATUS_NOT_SUPPORTED;
-    if (m < 0 || n < 0 || k < 0 || (transa != OP_N && transa != OP_T) || (transb != OP_N && transb != OP_T) ||
-        ldc < (m > 1 ? m : 1))
-        return STATUS_INVALID_VALUE;
+    if (!types_ok(a_type, b_type, c_type)) return STATUS_NOT_SUPPORTED;
+    if (!sizes_ok(transa, transb, m, n, k, ldc)) return STATUS_INVALID_VALUE;
     Gemm *g = new Gemm{transa, transb, m, n, k, *(const float *)alpha, *(const float *)beta, a, b, a_type, b_type,
                        lda, ldb, ldc, (float *)c};
     return simt::submit_host(((Handle *)handle)->stream, "cublasGemmEx (stand-in)", run_gemm, g, free_gemm) == 0
+               ? STATUS_SUCCESS
+               : STATUS_INVALID_VALUE;
+}
+
+extern "C" int cublasGemmGroupedBatchedEx(void *handle, const int *transa, const int *transb, const int *m,
+                                          const int *n, const int *k, const void *alpha, const void *const *a,
+                                          cudaDataType_t a_type, const int *lda, const void *const *b,
+                                          cudaDataType_t b_type, const int *ldb, const void *beta, void *const *c,
+                                          cudaDataType_t c_type, const int *ldc, int groups, const int *group_size,
+                                          int compute) {
+    (void)compute;
+    if (!types_ok(a_type, b_type, c_type)) return STATUS_NOT_SUPPORTED;
+    if (groups < 0) return STATUS_INVALID_VALUE;
+    Grouped *g = new Grouped{{}, a, b, c};
+    for (int i = 0; i < groups; i++) {
+        if (!sizes_ok(transa[i], transb[i], m[i], n[i], k[i], ldc[i]) || group_size[i] < 0) {
+            delete g;
+            return STATUS_INVALID_VALUE;
+        }
+        for (int j = 0; j < group_size[i]; j++)
+            g->gemms.push_back(Gemm{transa[i], transb[i], m[i], n[i], k[i], ((const float *)alpha)[i],
+                                    ((const float *)beta)[i], nullptr, nullptr, a_type, b_type, lda[i], ldb[i],
+                                    ldc[i], nullptr});
+    }
+    return simt::submit_host(((Handle *)handle)->stream, "cublasGemmGroupedBatchedEx (stand-in)", run_grouped, g,
+                             free_grouped) == 0
                ? STATUS_SUCCESS
                : STATUS_INVALID_VALUE;
 }
