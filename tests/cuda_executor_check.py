@@ -562,6 +562,18 @@ dgraph = layer.decode_graph(dc)
 for t in range(2):
     dgraph.replay(_C.copy_tensor(_C.random_tensor((2, 64), 70 + t, "bfloat16"), 0))
 chosen["decode only"] = {str(k): v for k, v in _C.cuda_moe_choice(layer).items()}
+# a cuBLAS that refuses the grouped GEMM (the stand-in, told to): the measurement drops that
+# candidate and the pass goes on; the grouped GEMM is then off for the process (so: last here)
+import os  # noqa: E402
+
+os.environ["Q3_STANDIN_REFUSE_GROUPED"] = "1"
+_C.cuda_moe_inject_times({p: 1.0 if p == "grouped_cublas" else 2.0 + i for i, p in enumerate(PATHS)})
+layer = _C.Layer(G, wg, None, 0)
+y = host(layer.prefill(_C.copy_tensor(x200, 0), layer.new_cache(256))) - host(x200)
+refused = _C.cuda_moe_choice(layer)[(128, 255)]
+chosen["refused"] = {"chosen": refused[0], "times": sorted(refused[1]), "vs cpu": rel(y, want)}
+_C.cuda_moe_inject_times(None)
+del os.environ["Q3_STANDIN_REFUSE_GROUPED"]
 out["moe path choice"] = chosen
 
 print(json.dumps(out))

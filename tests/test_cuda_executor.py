@@ -123,7 +123,8 @@ def test_the_prefill_moe_path_is_the_measured_fastest_per_size_class(out):
     multiples of 32, the cuBLAS stand-in open, with its grouped GEMM) and keeps the fastest; its output is that
     path's forced output and the CPU layer's; the class keeps its choice under other times
     while another class is measured anew with them. With the events' times the choice is
-    their fastest. Decode steps and graphs never measure."""
+    their fastest. Decode steps and graphs never measure. A cuBLAS that refuses the grouped
+    GEMM costs that candidate only."""
     paths = {"per_expert_wmma", "per_expert_cublas", "grouped_wmma", "grouped_cublas"}
     tol = 2e-3 if out["cpu path"] in ("avx512bf16", "amx") else 8e-3
     choice = out["moe path choice"]
@@ -138,6 +139,9 @@ def test_the_prefill_moe_path_is_the_measured_fastest_per_size_class(out):
     assert set(events["times"]) == paths and all(t >= 0 for t in events["times"].values())
     assert events["chosen"] == min(events["times"], key=events["times"].get) and events["vs cpu"] <= tol
     assert choice["decode only"] == {}
+    # a cuBLAS refusing its grouped GEMM: that candidate dropped, the next fastest kept
+    assert choice["refused"]["chosen"] == "per_expert_wmma" and choice["refused"]["vs cpu"] <= tol
+    assert choice["refused"]["times"] == sorted(paths - {"grouped_cublas"})
     assert out["moe path setting"] == ["grouped_cublas", "measured", False]
 
 

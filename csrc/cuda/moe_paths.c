@@ -94,6 +94,12 @@ static void measure(q3_layer *l, const q3_pass *p, q3_gpu_run *run, q3_moe_choic
             Q3_GPU(run, g->copy_device_async(d->x, saved, bytes, run->stream), "restore x");
             time_path(l, p, run, path, &ch->ms[path]);
         }
+        if (run->code == Q3_BLAS_REFUSED) { /* cuBLAS refused the grouped GEMM: not a candidate */
+            run->code = 0;
+            run->what = NULL;
+            ch->ms[path] = -1.0f;
+            continue;
+        }
         if (!run->code && (best < 0 || ch->ms[path] < ch->ms[best])) best = path;
     }
     Q3_GPU(run, g->copy_device_async(d->x, saved, bytes, run->stream), "restore x");

@@ -9,6 +9,7 @@
 #include <library_types.h>
 
 #include "common.cuh"
+#include "ops_cuda.h" // Q3_BLAS_REFUSED
 
 typedef void *blas_handle;
 enum { BLAS_OP_N = 0, BLAS_OP_T = 1, BLAS_COMPUTE_32F = 68, BLAS_GEMM_DEFAULT = -1 };
@@ -93,7 +94,8 @@ extern "C" int q3_blas_grouped_available(void) { return blas.enabled && blas.gem
 
 // y[g] [T[g], N] = xb[g] [T[g], K] w[g]^T for g < groups, one GEMM a group in one cuBLAS call: y,
 // xb and w device arrays of `groups` pointers (read when the call runs on the stream), T a host
-// array; -1 when the grouped GEMM is not in use
+// array; -1 when the grouped GEMM is not in use, Q3_BLAS_REFUSED when cuBLAS refused the call
+// (nothing was queued; the grouped GEMM is then off for good)
 extern "C" int q3_blas_gemm_grouped_bf16(float *const *y, const uint16_t *const *xb, const uint16_t *const *w,
                                          const int *T, int groups, int64_t N, int64_t K, void *stream) {
     if (!q3_blas_grouped_available() || groups < 1 || groups > MAX_GROUPS) return -1;
@@ -114,5 +116,8 @@ extern "C" int q3_blas_gemm_grouped_bf16(float *const *y, const uint16_t *const 
     const int status = blas.gemm_grouped(h, op_t, op_n, m, T, k, alpha, (const void *const *)w, CUDA_R_16BF, k,
                                          (const void *const *)xb, CUDA_R_16BF, k, beta, (void *const *)y, CUDA_R_32F,
                                          m, groups, ones, BLAS_COMPUTE_32F);
-    return status == 0 ? 0 : (int)cudaErrorUnknown;
+    if (status == 0) return 0;
+    // refused (a cuBLAS without bf16 in and fp32 out for the grouped GEMM, say): not offered again
+    blas.gemm_grouped = NULL;
+    return Q3_BLAS_REFUSED;
 }

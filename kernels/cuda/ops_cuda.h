@@ -22,6 +22,8 @@ typedef struct {
     int32_t expert, first, rows, unused;
 } q3_moe_tile;
 
+#define Q3_BLAS_REFUSED (-2)
+
 typedef struct {
     /* runtime */
     int (*device_count)(int *count);
@@ -49,7 +51,7 @@ typedef struct {
     /* cuBLAS's grouped GEMM (cublasGemmGroupedBatchedEx) where cuBLAS is on and has it: y[g]
      * [T[g], N] = xb[g] [T[g], K] w[g]^T (bf16 in, fp32 out) for g < groups; y, xb, w device
      * arrays of pointers (read when the call runs on the stream), T a host array; -1 when
-     * unavailable */
+     * unavailable, Q3_BLAS_REFUSED when cuBLAS refused it (nothing queued; then unavailable) */
     int (*blas_grouped_available)(void);
     int (*blas_gemm_grouped)(float *const *y, const uint16_t *const *xb, const uint16_t *const *w, const int *T,
                              int groups, int64_t N, int64_t K, void *stream);
