@@ -209,6 +209,8 @@ def test_cuda_batch_32_decode_matches_cpu_layer(dtype, tol):
         assert rel(graph(x.cuda()).clone(), want) <= tol
     torch.cuda.synchronize()
     assert caches[0].lengths == caches[1].lengths == caches[2].lengths
+
+
 def growing_scores_weights(cfg, seed):
     """Random bf16 weights (torch tensors) whose attention scores grow along the keys for
     inputs on a line (x_t = a + s_t u with s_t increasing): each query head's q_proj rows are its

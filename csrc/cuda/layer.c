@@ -6,6 +6,7 @@
  * restores the cache lengths it started from. While profiling is on, an event is recorded at
  * each stage boundary and the stream is synchronised after each pass to read them. */
 #include <stdlib.h>
+#include <string.h>
 
 #include "layer.h"
 
@@ -61,17 +62,23 @@ void q3_layer_cuda_release(q3_layer *l) {
 static q3_status reserve(q3_layer *l, int64_t rows, int seqs, q3_error *err) {
     if (!q3_cuda()) return q3_fail(err, Q3_ERR_STATE, "cuda: the CUDA backend is not loaded");
     int64_t split = q3_gpu_split_rows(rows, seqs);
+    /* the prefill MoE paths measured so far outlive the growth (moe_paths.c): measuring
+     * again would time every path and allocate its scratch once more per size class */
+    q3_moe_choice kept[Q3_MOE_SIZE_CLASSES];
+    memset(kept, 0, sizeof kept);
     if (l->gpu) {
         const q3_gpu_ws *held = &l->gpu->ws;
         if (rows <= held->dev.rows && seqs <= held->dev.seqs && split <= held->split_rows) return Q3_OK;
         if (rows < held->dev.rows) rows = held->dev.rows;
         if (seqs < held->dev.seqs) seqs = held->dev.seqs;
         if (split < held->split_rows) split = held->split_rows;
+        memcpy(kept, l->gpu->moe_choice, sizeof kept);
     }
     q3_layer_cuda_release(l);
     q3_cuda_state *s = calloc(1, sizeof *s);
     if (!s) return q3_fail(err, Q3_ERR_NOMEM, "cuda layer: out of host memory");
     l->gpu = s;
+    memcpy(s->moe_choice, kept, sizeof kept);
     const q3_status status = q3_gpu_ws_alloc(&s->ws, l, rows, seqs, split, err);
     if (status != Q3_OK) {
         q3_layer_cuda_release(l);
