@@ -8,6 +8,7 @@ extras install the nvidia-cuda-cuobjdump wheel); the CI step runs the check itse
 library, where it must pass."""
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -191,3 +192,27 @@ def test_every_decode_kernel_is_read_on_every_architecture():
                 if e.wide_loads:
                     assert int(row[4]) >= 1, row
     assert ("gemv_kernel<16>", "sm_120", 0) in rows
+
+
+# the table's block sizes against the sources, for the kernels whose launch block is a named
+# constant: the launcher's block expression (found in the source) evaluated with its #defines
+LAUNCH_BLOCKS = {
+    "rmsnorm_kernel": ("rmsnorm.cu", "RMSNORM_THREADS"),  # threads_for(n): n >= RMSNORM_THREADS
+    "add_rmsnorm_kernel": ("rmsnorm.cu", "RMSNORM_THREADS"),
+    "router_kernel": ("router.cu", "ROUTER_WARPS * 32"),
+    "qk_rope_kv_kernel": ("qk_rope_kv.cu", "WARPS * 32"),
+}
+
+
+def test_the_table_records_the_launchers_block_sizes():
+    table = {e.name: e for e in sass_check.DECODE_KERNELS}
+    for name, (source, expr) in LAUNCH_BLOCKS.items():
+        with open(os.path.join(ROOT, "kernels", "cuda", source)) as f:
+            text = f.read()
+        assert table[name].source == source
+        launch = re.search(r"Q3_LAUNCH\(%s,[^;]*;" % name, text, re.S)
+        assert launch and (expr in launch.group(0) or "threads_for" in launch.group(0)), name
+        if "threads_for" in launch.group(0):
+            assert re.search(r"threads_for\(int64_t n\) \{ return n >= %s \? %s :" % (expr, expr), text), name
+        defines = dict(re.findall(r"^#define (\w+) (\d+)\b", text, re.M))
+        assert eval(re.sub(r"[A-Z_]+", lambda m: defines[m.group(0)], expr)) == table[name].block, name
