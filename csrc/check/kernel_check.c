@@ -204,6 +204,18 @@ static q3_status run_cases(check *k, q3_check_result *out, uint64_t *digests, in
         NAME("router top-k, k=%d E=128 T=1", top);
         RUN("router_topk", name, 1e-6, q3_case_router(k, 1, 128, top, 0));
     }
+    /* tied logits: E of the model (128), of Qwen1.5-MoE (60), a large one and one under a
+     * warp; k of 1, 8 and the launcher's largest, 32. The weights' tolerance grows with E: the
+     * softmax's sum is the CPU's E terms in turn and the kernel's 32 lanes' partials summed in
+     * a tree, each within about sqrt(E) roundings of the exact sum (1.2e-5 apart measured at
+     * E = 4096, 4e-7 at 128) */
+    static const struct { int T, E, top; } TIED[] = {{5, 60, 1}, {5, 60, 8}, {5, 60, 32}, {17, 128, 1}, {17, 128, 8},
+                                                      {3, 128, 32}, {2, 4096, 8}, {1, 4096, 32}, {6, 20, 8}};
+    for (size_t c = 0; c < sizeof TIED / sizeof TIED[0]; c++) {
+        NAME("router top-k, tied logits, k=%d E=%d T=%d", TIED[c].top, TIED[c].E, TIED[c].T);
+        RUN("router_topk", name, TIED[c].E > 128 ? 5e-5 : 1e-6,
+            q3_case_router_tied(k, TIED[c].T, TIED[c].E, TIED[c].top, (int)(c % 2)));
+    }
     RUN("moe_route", "moe_route: expert grouping on the device", 0.0, q3_case_moe_route(k, 5, 3, 16));
     RUN("moe_route", "moe_route, T=17 k=8 E=128", 0.0, q3_case_moe_route(k, 17, 8, 128));
     RUN("moe_gate_up+moe_down+moe_combine", "moe gate_up + down + combine, T=5 k=3 E=16", 1e-5,

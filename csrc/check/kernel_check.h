@@ -97,6 +97,7 @@ double q3_case_matmul_tc(check *k, int64_t T, int64_t N, int64_t K, int wmma_onl
 double q3_case_matmul_tc_at(check *k, int64_t T, int64_t N, int64_t K, int wmma_only, int misalign);
 double q3_case_router(check *k, int64_t T, int E, int top, int normalize);
 double q3_case_router_ties(check *k);
+double q3_case_router_tied(check *k, int64_t T, int E, int top, int normalize);
 double q3_case_swiglu(check *k);
 double q3_case_rows(check *k);
 double q3_case_convert(check *k);

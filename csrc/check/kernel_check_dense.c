@@ -103,11 +103,31 @@ double q3_case_matmul_tc(check *k, int64_t T, int64_t N, int64_t K, int wmma_onl
     return q3_case_matmul_tc_at(k, T, N, K, wmma_only, 0);
 }
 
-/* T tokens' top `top` of E experts, one thread per token */
+/* T tokens' top `top` of E experts (a warp per token, four a block) */
 double q3_case_router(check *k, int64_t T, int E, int top, int normalize) {
     float *logits = host_random(k, T * E, Q3_F32, 12), *w_want = host(k, T * top * 4), *w_got = host(k, T * top * 4);
     int32_t *i_want = host(k, T * top * 4), *i_got = host(k, T * top * 4);
     if (k->failed) return INFINITY;
+    float *dl = device(k, logits, T * E * 4), *dw = device(k, NULL, T * top * 4);
+    int32_t *di = device(k, NULL, T * top * 4);
+    k->c->router_topk(i_want, w_want, logits, T, E, top, normalize);
+    if (!k->failed) cuda_ok(k, k->g->router_topk(di, dw, dl, T, E, top, normalize, NULL), "router launch");
+    fetch(k, i_got, di, T * top * 4);
+    fetch(k, w_got, dw, T * top * 4);
+    if (k->failed || memcmp(i_got, i_want, T * top * 4)) return INFINITY;
+    return max_err(w_got, w_want, Q3_F32, T * top);
+}
+
+/* T tokens' top `top` of E experts on logits rounded to halves (normal ones: about a dozen
+ * distinct values, so every selection breaks ties, the k-th place too); the twin gives the
+ * tie rule of kernels/router.h (tests/test_router_ties.py), the kernel must give the twin's
+ * experts. Probabilities of distinct logits differ by a factor e^0.5, far past any expf
+ * rounding, so a GPU's choices are the CPU's too. */
+double q3_case_router_tied(check *k, int64_t T, int E, int top, int normalize) {
+    float *logits = host_random(k, T * E, Q3_F32, 31), *w_want = host(k, T * top * 4), *w_got = host(k, T * top * 4);
+    int32_t *i_want = host(k, T * top * 4), *i_got = host(k, T * top * 4);
+    if (k->failed) return INFINITY;
+    for (int64_t i = 0; i < T * E; i++) logits[i] = roundf(logits[i] * 2.0f) / 2.0f;
     float *dl = device(k, logits, T * E * 4), *dw = device(k, NULL, T * top * 4);
     int32_t *di = device(k, NULL, T * top * 4);
     k->c->router_topk(i_want, w_want, logits, T, E, top, normalize);
