@@ -56,6 +56,15 @@ double q3_case_qk_rope_kv(check *k, int D) {
     return qk_rope_kv(k, &sh, 2, past, pos);
 }
 
+/* the shape of q3_case_qk_rope_kv at large positions (the config allows up to 2^40): angles
+ * past sincosf's fast range (|a| > 105615), where the kernel reduces them itself */
+double q3_case_qk_rope_kv_far(check *k, int D) {
+    const q3_attn_shape sh = {3, 6, 2, D, 12, Q3_BF16, 1.0f, 0};
+    const int64_t past[2] = {4, 0};
+    const int64_t pos[6] = {100000, ((int64_t)1 << 31) + 5, 1000000000000, Q3_MAX_POSITIONS - 1, 987654321, 40959};
+    return qk_rope_kv(k, &sh, 2, past, pos);
+}
+
 /* 8 query heads on 2; positions count from each sequence's first token past its padding
  * (0 inside it), as the layer gives them */
 double q3_case_qk_rope_kv_batch(check *k, const q3_check_batch *b, int D) {

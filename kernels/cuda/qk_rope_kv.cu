@@ -14,6 +14,34 @@
 #define MAX_D 256
 static_assert(MAX_D >= Q3_CUDA_MAX_HEAD_DIM, "the CUDA layer takes head dims up to Q3_CUDA_MAX_HEAD_DIM");
 
+// The CPU's angle, bit for bit where its powf rounds correctly: a = (float)pos * inv_freq[i] in
+// fp32, inv_freq[i] = 1.0f / powf(theta, (float)(2i) / D) (kernels/cpu/rope.c). powf comes from
+// a double pow rounded once to float, the correctly rounded powf (bar a double rounding at a
+// tie): CUDA's powf is documented a few ulp off, and an ulp of inv_freq moves the angle by
+// a * 2^-24 rad, a whole turn at a ~ 1e8. Cost: D / 64 double pows a lane, recomputed by each
+// head's warp; FP64 is fast on sm_80/90/100 but 1/64 rate on sm_120 (an estimate there: about
+// 7M FP64 operations a batch-16 decode step at the real geometry, some 5 us).
+__device__ __forceinline__ float rope_angle(float p, int i, int D, float theta) {
+    const float e = (float)(2 * i) / (float)D;
+    return p * (1.0f / (float)pow((double)theta, (double)e));
+}
+
+// sin and cos of the fp32 angle a, |a| <= 2^40 (Q3_MAX_POSITIONS): sincosf itself would be
+// right but carries a Payne-Hanek path for |a| > 105615 that keeps a stack frame (local
+// memory) in the kernel. Instead a is reduced by n = rint(a / 2pi) turns in double with 2pi
+// as HI + LO: a - n * HI is exact (a >= pi is a multiple of 2^-22, n * HI of 2^-50, and the
+// difference is under 4 = 2^52 * 2^-50: 52 bits), the second fma leaves n * 2^-107 < 2^-69 of
+// 2pi unaccounted. The reduced angle, under pi plus an ulp, goes in half-turns to sincospif,
+// whose own reduction is exact: about 2e-7 absolute from the float rounding of r / pi, as
+// far from the true sin and cos as sincosf's ulp.
+#define TWO_PI_HI 6.283185307179586232  /* 2pi rounded to double (below it) */
+#define TWO_PI_LO 2.4492935982947064e-16  /* 2pi - TWO_PI_HI */
+__device__ __forceinline__ void rope_sincos(float a, float *sn, float *cs) {
+    const double x = (double)a, n = rint(x * (1.0 / TWO_PI_HI));
+    const double r = fma(-n, TWO_PI_LO, fma(-n, TWO_PI_HI, x));
+    sincospif((float)(r * (1.0 / 3.14159265358979323846)), sn, cs);
+}
+
 __global__ void qk_rope_kv_kernel(float *q, float *k, const float *v, const void *q_norm, const void *k_norm,
                                   q3_dtype w_dt, const int64_t *pos, const q3_attn_seq *seqs, q3_attn_shape sh,
                                   float eps, float theta) {
@@ -41,9 +69,8 @@ __global__ void qk_rope_kv_kernel(float *q, float *k, const float *v, const void
     if (!Q3_MUTANT(9)) __syncwarp();
     const float p = (float)pos[r];
     for (int i = lane; i < half; i += 32) {
-        const float a = p * (1.0f / powf(theta, (float)(2 * i) / (float)D));
         float sn, cs;
-        sincosf(a, &sn, &cs);
+        rope_sincos(rope_angle(p, i, D, theta), &sn, &cs);
         const float lo = head[warp][i], hi = head[warp][i + half];
         const float out_lo = lo * cs - hi * sn, out_hi = hi * cs + lo * sn;
         if (h < Hq) {

@@ -245,6 +245,12 @@ inline float __expf(float x) { return expf(x); }
 inline float __logf(float x) { return logf(x); }
 inline float __fdividef(float a, float b) { return a / b; }
 inline float __frcp_rn(float x) { return 1.0f / x; }
+// sin(pi x) and cos(pi x): x less a whole number of turns (exact in fp32), then in double
+inline void sincospif(float x, float *s, float *c) {
+    const double t = 3.14159265358979323846 * (double)(x - 2.0f * rintf(0.5f * x));
+    *s = (float)sin(t);
+    *c = (float)cos(t);
+}
 inline float __saturatef(float x) { return x < 0.0f ? 0.0f : x > 1.0f ? 1.0f : x; }
 template <class T> inline T __ldg(const T *p) { return *p; }
 inline int min(int a, int b) { return a < b ? a : b; }
