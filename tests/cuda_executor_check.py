@@ -352,29 +352,12 @@ out["split-KV partials"] = {"after prefill": after_prefill, "after decode": spli
 # copies each weight off the rule once, with the warning and a `converted` entry; the outputs
 # are bitwise those of the same weights borrowed aligned. Producers: a ctypes DLPack export
 # of executor device memory (device memory is host memory there) at an offset.
-class _DLDevice(ctypes.Structure):
-    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
-
-
-class _DLDataType(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
-
-
-class _DLTensor(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32),
-                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
-                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
-
-
-class _DLManaged(ctypes.Structure):
-    pass
-
-
-_DELETER = ctypes.CFUNCTYPE(None, ctypes.POINTER(_DLManaged))
-_DLManaged._fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", _DELETER)]
-_capsule_new = ctypes.pythonapi.PyCapsule_New
-_capsule_new.restype = ctypes.py_object
-_capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+from dlpack_ctypes import DELETER as _DELETER  # noqa: E402
+from dlpack_ctypes import DLDataType as _DLDataType  # noqa: E402
+from dlpack_ctypes import DLDevice as _DLDevice  # noqa: E402
+from dlpack_ctypes import DLManagedTensor as _DLManaged  # noqa: E402
+from dlpack_ctypes import DLTensor as _DLTensor  # noqa: E402
+from dlpack_ctypes import capsule_new as _capsule_new  # noqa: E402
 _DL_TYPES = {torch.bfloat16: (4, 16), torch.float32: (2, 32)}  # (DLPack type code, bits)
 
 
