@@ -100,6 +100,27 @@ def find_cuobjdump() -> Optional[str]:
     return next((f for f in found if f and os.access(f, os.X_OK)), None)
 
 
+def tool_env(tool: str) -> dict:
+    """The environment to run cuobjdump in: its own folder first on PATH, since its -sass runs
+    nvdisasm (from 13.5 on), which the wheels put beside it (nvidia-cuda-nvdisasm)."""
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([os.path.dirname(os.path.abspath(tool)), env.get("PATH", "")])
+    return env
+
+
+def run_tool(tool: str, *args: str) -> str:
+    """cuobjdump's standard output; a failure raises ToolError with its own message."""
+    r = subprocess.run([tool, *args], capture_output=True, text=True, env=tool_env(tool))
+    if r.returncode:
+        raise ToolError(f"{os.path.basename(tool)} {' '.join(args[:-1])}: exit {r.returncode}: "
+                        f"{r.stderr.strip() or r.stdout.strip()[-400:]}")
+    return r.stdout
+
+
+class ToolError(RuntimeError):
+    pass
+
+
 def base_name(mangled: str) -> str:
     """gemv_kernel of _Z11gemv_kernelPf... (the name as written in the source)."""
     m = re.match(r"_Z(\d+)", mangled)
@@ -116,7 +137,7 @@ class Function:
 
 
 def sass_archs(tool: str, binary: str) -> List[int]:
-    out = subprocess.run([tool, "--list-elf", binary], capture_output=True, text=True).stdout
+    out = run_tool(tool, "--list-elf", binary)
     return sorted({int(a) for a in re.findall(r"\.sm_(\d+)\.cubin", out)})
 
 
@@ -137,16 +158,14 @@ def read_functions(tool: str, binary: str, arch: int, names) -> Dict[str, Functi
     disassembled: -fun, by the mangled names)."""
     funcs: Dict[str, Function] = {}
     mangled = []
-    res = subprocess.run([tool, "-res-usage", "-arch", f"sm_{arch}", binary], capture_output=True, text=True,
-                         check=True).stdout
+    res = run_tool(tool, "-res-usage", "-arch", f"sm_{arch}", binary)
     for name, usage in re.findall(r"Function (\S+):\s*\n\s*(REG:.*)", res):
         if base_name(name) in names:
             funcs[instance_name(name)] = Function(*map(int, RES.search(usage).groups()))
             mangled.append(name)
     if not mangled:
         return funcs
-    sass = subprocess.run([tool, "-sass", "-arch", f"sm_{arch}", "-fun", ",".join(mangled), binary],
-                          capture_output=True, text=True, check=True).stdout  # stderr: the objects without them
+    sass = run_tool(tool, "-sass", "-arch", f"sm_{arch}", "-fun", ",".join(mangled), binary)
     current = None
     for line in sass.splitlines():
         head = re.search(r"Function : (\S+)", line)
@@ -264,5 +283,15 @@ def main(argv=None) -> int:
     return 1 if failed else 0
 
 
+def run(argv=None) -> int:
+    """main, with a cuobjdump that cannot read the library (or cannot disassemble: nvdisasm
+    missing) reported as such: exit 2, as for a missing tool, never as a kernel verdict."""
+    try:
+        return main(argv)
+    except ToolError as e:
+        print(f"sass_check: {e}", file=sys.stderr)
+        return 2
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run())

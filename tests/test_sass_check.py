@@ -216,3 +216,16 @@ def test_the_table_records_the_launchers_block_sizes():
             assert re.search(r"threads_for\(int64_t n\) \{ return n >= %s \? %s :" % (expr, expr), text), name
         defines = dict(re.findall(r"^#define (\w+) (\d+)\b", text, re.M))
         assert eval(re.sub(r"[A-Z_]+", lambda m: defines[m.group(0)], expr)) == table[name].block, name
+
+
+def test_a_cuobjdump_that_cannot_disassemble_is_exit_2_not_a_verdict(tmp_path):
+    """cuobjdump 13.5's -sass runs nvdisasm; without it (the nvidia-cuda-nvdisasm wheel) the
+    check must say so and exit 2, as for a missing tool, not fail kernels or crash."""
+    fake = tmp_path / "cuobjdump"
+    fake.write_text("#!/bin/sh\necho \"cuobjdump fatal   : Could not find executable file 'nvdisasm'\" >&2\nexit 1\n")
+    fake.chmod(0o755)
+    r = subprocess.run([sys.executable, SCRIPT, "--library", str(fake)], capture_output=True, text=True,
+                       env={**os.environ, "CUOBJDUMP": str(fake)}, timeout=60)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "sass_check: cuobjdump --list-elf: exit 1: cuobjdump fatal" in r.stderr and "nvdisasm" in r.stderr
+    assert "Traceback" not in r.stderr
