@@ -103,7 +103,7 @@ def find_cuobjdump() -> Optional[str]:
 def tool_env(tool: str) -> dict:
     """The environment to run cuobjdump in: its own folder first on PATH, since its -sass runs
     nvdisasm (from 13.5 on), which the wheels put beside it (nvidia-cuda-nvdisasm)."""
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}  # not a Python tool (.ci/sanitize)
     env["PATH"] = os.pathsep.join([os.path.dirname(os.path.abspath(tool)), env.get("PATH", "")])
     return env
 
