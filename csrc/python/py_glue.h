@@ -139,6 +139,10 @@ int q3_parse_config(PyObject *cfg, q3_config *out);
 
 extern PyMethodDef q3_cuda_methods[];
 
+/* ---- FP8 kernel test entries (py_fp8.c) ---------------------------------------------- */
+
+extern PyMethodDef q3_fp8_methods[];
+
 /* ---- DecodeGraph (py_graph.c) ------------------------------------------------------ */
 
 extern PyType_Spec q3_graph_spec;

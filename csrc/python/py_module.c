@@ -282,7 +282,7 @@ static int module_exec(PyObject *m) {
         PyExc_RuntimeError, NULL);
     if (!st->tensor_type || !st->cache_type || !st->layer_type || !st->graph_type || !st->cache_full_error)
         return -1;
-    if (PyModule_AddFunctions(m, q3_cuda_methods) < 0) return -1;
+    if (PyModule_AddFunctions(m, q3_cuda_methods) < 0 || PyModule_AddFunctions(m, q3_fp8_methods) < 0) return -1;
     if (PyModule_AddType(m, st->tensor_type) < 0 || PyModule_AddType(m, st->cache_type) < 0 ||
         PyModule_AddType(m, st->layer_type) < 0 || PyModule_AddType(m, st->graph_type) < 0 ||
         PyModule_AddObjectRef(m, "CacheFullError", st->cache_full_error) < 0)

@@ -1,0 +1,134 @@
+/* y [T, N] (+)= x [T, K] W^T with W block-scaled e4m3 (kernels/fp8.h): weights converted to
+ * fp32 in registers as they stream, one multiply by the block's scale per 128 columns.
+ *
+ * Decode (T < Q3_FP8_GEMV_MAX_T): threads split the weight rows; a row's bytes are read once
+ * and each converted vector serves up to 4 tokens (groups of 4 re-read the row from L1).
+ * Prefill: tiles of Q3_FP8_TILE_ROWS rows are dequantized to fp32 into the scratch and go
+ * through this variant's fp32 matmul, so prefill costs the fp32 matmul plus one pass over
+ * the tile (K bytes in, 4K out per row, against 2 T K flops per row). */
+#include "ops.h"
+#include "vec.h"
+
+#if Q3_LANES == 8 && defined(__F16C__)
+#include <immintrin.h>
+/* AVX2 + F16C: e4m3 S EEEE MMM placed as fp16 S 0EEEE MMM0000000 is the same value times
+ * 2^-8 (fp16 bias 15 = 7 + 8), subnormals included, and vcvtph2ps widens it exactly. From
+ * the sign-extended byte, << 7 puts S at bit 15 and a copy at bit 14 (masked off). NaN
+ * (|byte| = 0x7f -> fp16 0x3f80) gets the exponent all ones. 4 integer ops and one
+ * conversion per 8 weights. */
+#define UNIT 256.0f /* the vector values are the weights / UNIT; the block scale takes it back */
+static inline q3_vf e4m3_v(const uint8_t *p) {
+    const __m128i b = _mm_loadl_epi64((const __m128i *)p);
+    __m128i h = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(b), 7), _mm_set1_epi16((short)0xbf80));
+    const __m128i nan = _mm_cmpeq_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7fff)), _mm_set1_epi16(0x3f80));
+    h = _mm_or_si128(h, _mm_and_si128(nan, _mm_set1_epi16(0x7c00)));
+    return (q3_vf)_mm256_cvtph_ps(h);
+}
+#else
+/* Generic vectors (every other variant): the fp32 bits built with integer ops, no
+ * subnormal fp32 on the way (they are slow on some CPUs). E > 0: exponent E + 120, mantissa
+ * M << 20. E = 0 is read as E = 1 with the implicit 1, giving 2^-6 (1 + M/8), and 2^-6 is
+ * subtracted: M 2^-9 exactly. */
+#define UNIT 1.0f
+typedef uint8_t vbytes __attribute__((vector_size(Q3_LANES)));
+typedef uint32_t q3_vu __attribute__((vector_size(Q3_VBYTES)));
+static inline q3_vf e4m3_v(const uint8_t *p) {
+    vbytes b;
+    memcpy(&b, p, sizeof b);
+    const q3_vu u = __builtin_convertvector(b, q3_vu), mag = u & 0x7fu;
+    const q3_vu sub = (q3_vu)((mag & 0x78u) == 0), nan = (q3_vu)(mag == 0x7fu);
+    const q3_vu bits = ((mag + (sub & 8u)) << 20) + (120u << 23);
+    const q3_vf f = (q3_vf)bits - (q3_vf)(sub & 0x3c800000u); /* 0x3c800000 = 2^-6 */
+    return (q3_vf)((q3_vu)f | ((u & 0x80u) << 24) | (nan & 0x7fc00000u));
+}
+#endif
+
+static inline float hsum(q3_vf v) {
+    float s = 0;
+    for (int i = 0; i < Q3_LANES; i++) s += v[i];
+    return s;
+}
+
+/* y[t, n] for tokens t < NT (<= 4; x, y at the group's first token) of one weight row wr [K];
+ * srow: the row's scales [ceil(K/128)]. Two vector accumulators per token (two FMA chains). */
+static inline __attribute__((always_inline)) void gemv_row(float *y, const float *x, const uint8_t *wr,
+                                                            const void *scale, q3_dtype sdt, int64_t srow,
+                                                            int64_t N, int64_t K, int acc, const int NT) {
+    q3_vf tot[4] = {0}, a0[4], a1[4];
+    float tail[4] = {0};
+    for (int64_t k0 = 0; k0 < K; k0 += Q3_FP8_BLOCK) {
+        const int64_t k1 = k0 + Q3_FP8_BLOCK < K ? k0 + Q3_FP8_BLOCK : K;
+        const float s = q3_fp8_scale_at(scale, sdt, srow + k0 / Q3_FP8_BLOCK);
+        for (int t = 0; t < NT; t++) a0[t] = a1[t] = q3_vsplat(0);
+        int64_t k = k0;
+        for (; k + 2 * Q3_LANES <= k1; k += 2 * Q3_LANES) {
+            const q3_vf w0 = e4m3_v(wr + k), w1 = e4m3_v(wr + k + Q3_LANES);
+            for (int t = 0; t < NT; t++) {
+                a0[t] += q3_vload(x + t * K + k) * w0;
+                a1[t] += q3_vload(x + t * K + k + Q3_LANES) * w1;
+            }
+        }
+        for (; k + Q3_LANES <= k1; k += Q3_LANES) {
+            const q3_vf w0 = e4m3_v(wr + k);
+            for (int t = 0; t < NT; t++) a0[t] += q3_vload(x + t * K + k) * w0;
+        }
+        for (int t = 0; t < NT; t++) tot[t] += (a0[t] + a1[t]) * (s * UNIT);
+        for (; k < k1; k++) {
+            const float w = q3_e4m3_to_f32(wr[k]) * s;
+            for (int t = 0; t < NT; t++) tail[t] += x[t * K + k] * w;
+        }
+    }
+    for (int t = 0; t < NT; t++) y[t * N] = (acc ? y[t * N] : 0.0f) + hsum(tot[t]) + tail[t];
+}
+
+static void gemv(float *y, const float *x, const uint8_t *w, const void *scale, q3_dtype sdt, int64_t T,
+                 int64_t N, int64_t K, int acc) {
+    const int64_t kb = q3_fp8_blocks(K);
+#pragma omp parallel for schedule(static) if (T * N * K > (1 << 18))
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *wr = w + n * K;
+        const int64_t srow = n / Q3_FP8_BLOCK * kb;
+        for (int64_t t = 0; t < T; t += 4) {
+            float *yt = y + t * N + n;
+            const float *xt = x + t * K;
+            switch (T - t < 4 ? T - t : 4) { /* constant NT: the accumulators stay in registers */
+            case 1: gemv_row(yt, xt, wr, scale, sdt, srow, N, K, acc, 1); break;
+            case 2: gemv_row(yt, xt, wr, scale, sdt, srow, N, K, acc, 2); break;
+            case 3: gemv_row(yt, xt, wr, scale, sdt, srow, N, K, acc, 3); break;
+            default: gemv_row(yt, xt, wr, scale, sdt, srow, N, K, acc, 4); break;
+            }
+        }
+    }
+}
+
+/* dst [K] fp32 <- weight row wr [K] times its block scales (srow as in gemv_row) */
+static void dequant_row(float *dst, const uint8_t *wr, const void *scale, q3_dtype sdt, int64_t srow, int64_t K) {
+    for (int64_t k0 = 0; k0 < K; k0 += Q3_FP8_BLOCK) {
+        const int64_t k1 = k0 + Q3_FP8_BLOCK < K ? k0 + Q3_FP8_BLOCK : K;
+        const float s = q3_fp8_scale_at(scale, sdt, srow + k0 / Q3_FP8_BLOCK);
+        int64_t k = k0;
+        for (; k + Q3_LANES <= k1; k += Q3_LANES) q3_vstore(dst + k, e4m3_v(wr + k) * (s * UNIT));
+        for (; k < k1; k++) dst[k] = q3_e4m3_to_f32(wr[k]) * s;
+    }
+}
+
+void Q3_CPU_FN(q3_matmul_fp8)(float *y, const float *x, const uint8_t *w, const void *scale, q3_dtype sdt,
+                              int64_t T, int64_t N, int64_t K, int accumulate, float *scratch) {
+    if (T < Q3_FP8_GEMV_MAX_T) {
+        gemv(y, x, w, scale, sdt, T, N, K, accumulate);
+        return;
+    }
+    const int64_t kb = q3_fp8_blocks(K);
+    float *tile = scratch, *yt = scratch + Q3_FP8_TILE_ROWS * K; /* [rows, K], [T, rows] */
+    for (int64_t n0 = 0; n0 < N; n0 += Q3_FP8_TILE_ROWS) {
+        const int64_t nr = N - n0 < Q3_FP8_TILE_ROWS ? N - n0 : Q3_FP8_TILE_ROWS;
+#pragma omp parallel for schedule(static) if (nr * K > (1 << 16))
+        for (int64_t i = 0; i < nr; i++)
+            dequant_row(tile + i * K, w + (n0 + i) * K, scale, sdt, (n0 + i) / Q3_FP8_BLOCK * kb, K);
+        Q3_CPU_FN(q3_matmul)(yt, x, tile, Q3_F32, T, nr, K, 0, NULL);
+#pragma omp parallel for schedule(static) if (T * nr > (1 << 14))
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t i = 0; i < nr; i++)
+                y[t * N + n0 + i] = (accumulate ? y[t * N + n0 + i] : 0.0f) + yt[t * nr + i];
+    }
+}

@@ -1,0 +1,70 @@
+/* FP8 weights: float8 e4m3fn with one scale per 128 x 128 block (the fine-grained FP8
+ * checkpoints: quant_method "fp8", fmt "e4m3", weight_block_size [128, 128]).
+ *
+ * e4m3fn byte: S EEEE MMM, exponent bias 7, no infinities. E > 0: (-1)^S 2^(E-7) (1 + M/8);
+ * E = 0: subnormal (-1)^S 2^-6 (M/8) = (-1)^S M 2^-9; S 1111 111 (0x7f, 0xff) is NaN. Largest
+ * finite magnitude 448 (0x7e). Every value is exact in fp32.
+ *
+ * A weight W [N, K] (stored [out, in]) is w [N, K] bytes and scale_inv [ceil(N/128),
+ * ceil(K/128)] (fp32 or bf16); W[i, j] = e4m3(w[i, j]) * scale_inv[i / 128, j / 128]. The
+ * last row and column of blocks may be partial (N, K not multiples of 128). */
+#ifndef Q3_KERNELS_FP8_H
+#define Q3_KERNELS_FP8_H
+
+#include "dtype.h"
+
+#define Q3_FP8_BLOCK 128
+
+static inline int64_t q3_fp8_blocks(int64_t n) { return (n + Q3_FP8_BLOCK - 1) / Q3_FP8_BLOCK; }
+
+/* exact, branch per class; the vector kernels (kernels/cpu/matmul_fp8.c) build the same bits */
+static inline float q3_e4m3_to_f32(uint8_t b) {
+    const uint32_t sign = (uint32_t)(b & 0x80u) << 24, e = (b >> 3) & 0xfu, m = b & 7u;
+    uint32_t u;
+    if ((b & 0x7fu) == 0x7fu)
+        u = sign | 0x7fc00000u; /* quiet NaN, sign kept */
+    else if (e == 0) {
+        float f = (float)m * (1.0f / 512.0f); /* M 2^-9, exact */
+        memcpy(&u, &f, sizeof u);
+        u |= sign;
+    } else
+        u = sign | ((e + 120u) << 23) | (m << 20); /* fp32 exponent E - 7 + 127 */
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* scale_inv element idx of dtype dt (fp32 or bf16) as fp32 */
+static inline float q3_fp8_scale_at(const void *scale, q3_dtype dt, int64_t idx) {
+    return dt == Q3_BF16 ? q3_bf16_to_f32(((const uint16_t *)scale)[idx]) : ((const float *)scale)[idx];
+}
+
+/* dst [nr, K] fp32 <- rows [n0, n0 + nr) of the block-scaled weight (w [N, K] bytes, scale
+ * [ceil(N/128), ceil(K/128)] of dtype sdt): scalar and exact, the reference the kernels match */
+static inline void q3_fp8_dequant_rows(float *dst, const uint8_t *w, const void *scale, q3_dtype sdt,
+                                       int64_t n0, int64_t nr, int64_t K) {
+    const int64_t kb = q3_fp8_blocks(K);
+    for (int64_t i = 0; i < nr; i++) {
+        const int64_t n = n0 + i;
+        for (int64_t j = 0; j < K; j++)
+            dst[i * K + j] = q3_e4m3_to_f32(w[n * K + j]) *
+                             q3_fp8_scale_at(scale, sdt, n / Q3_FP8_BLOCK * kb + j / Q3_FP8_BLOCK);
+    }
+}
+
+/* y [T, N] fp32 (=, or += when accumulate) x [T, K] fp32 * W^T, W block-scaled e4m3 as above.
+ * scratch: q3_matmul_fp8_scratch_elems(T, K) floats (none for decode-sized T). */
+typedef void q3_matmul_fp8_fn(float *y, const float *x, const uint8_t *w, const void *scale, q3_dtype sdt,
+                              int64_t T, int64_t N, int64_t K, int accumulate, float *scratch);
+
+/* T below this: the GEMV, converting each weight in registers once for all T tokens; from it
+ * on: tiles of Q3_FP8_TILE_ROWS rows dequantized to fp32 and the fp32 matmul (compute-bound) */
+#define Q3_FP8_GEMV_MAX_T 16
+#define Q3_FP8_TILE_ROWS 256
+
+/* a tile [Q3_FP8_TILE_ROWS, K] of fp32 weights and its output [T, Q3_FP8_TILE_ROWS] */
+static inline int64_t q3_matmul_fp8_scratch_elems(int64_t T, int64_t K) {
+    return T < Q3_FP8_GEMV_MAX_T ? 0 : Q3_FP8_TILE_ROWS * (K + T);
+}
+
+#endif

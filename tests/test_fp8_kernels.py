@@ -1,0 +1,143 @@
+"""The FP8 kernels (kernels/fp8.h, kernels/cpu/matmul_fp8.c) through their test entries: the
+e4m3 conversion code by code against torch.float8_e4m3fn, and the block-scaled matmul of each
+CPU path against a float64 reference on the dequantized weights, at sizes with partial
+128-blocks, decode (GEMV) and prefill (dequantized tiles) token counts, bf16 and fp32 scales."""
+import numpy as np
+import pytest
+import torch
+
+import qwen3layer as q3
+
+PATHS = q3.build_info()["cpu_paths"]
+BEST = PATHS[-1]
+CODES = torch.arange(256, dtype=torch.uint8)
+TORCH_VALUES = CODES.view(torch.float8_e4m3fn).float()
+NAN_CODES = (0x7F, 0xFF)
+
+
+@pytest.fixture(autouse=True)
+def restore_path():
+    yield
+    q3.set_cpu_path(BEST)
+
+
+def blocks(n):
+    return (n + 127) // 128
+
+
+def random_fp8(n, k, seed):
+    """[n, k] e4m3 bytes: every finite code (both NaN codes left out), random"""
+    g = torch.Generator().manual_seed(seed)
+    finite = torch.tensor([c for c in range(256) if c not in NAN_CODES], dtype=torch.uint8)
+    return finite[torch.randint(0, len(finite), (n, k), generator=g)]
+
+
+def random_scale(n, k, dtype, seed):
+    """[ceil(n/128), ceil(k/128)] positive scales over a few binades, as in a checkpoint"""
+    g = torch.Generator().manual_seed(seed)
+    return torch.exp2(torch.rand(blocks(n), blocks(k), generator=g) * 6 - 12).to(dtype)
+
+
+def scale_args(scale):
+    if scale.dtype == torch.bfloat16:
+        return scale.view(torch.int16).numpy(), "bfloat16"
+    return scale.numpy(), "float32"
+
+
+def dequant_torch(w, scale):
+    """float64 W [n, k] = e4m3(w) * scale_inv[i // 128, j // 128], by torch"""
+    n, k = w.shape
+    s = scale.double().repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+    return w.view(torch.float8_e4m3fn).double() * s
+
+
+def fp8_matmul(x, w, scale, y=None, accumulate=False):
+    t, k = x.shape
+    n = w.shape[0]
+    y = torch.zeros(t, n) if y is None else y.clone()
+    s, sdt = scale_args(scale)
+    q3._C._fp8_matmul(y.numpy(), x.contiguous().numpy(), w.contiguous().numpy(), s, sdt, t, n, k, int(accumulate))
+    return y
+
+
+def test_every_code_converts_as_torch_does():
+    out = np.empty(256, dtype=np.float32)
+    q3._C._fp8_to_f32(CODES.numpy(), out)
+    out = torch.from_numpy(out)
+    nan = torch.isnan(TORCH_VALUES)
+    assert nan.nonzero().flatten().tolist() == list(NAN_CODES)
+    assert torch.isnan(out[nan]).all()
+    assert torch.equal(out[~nan], TORCH_VALUES[~nan])
+    # signed zeros: 0x80 is -0.0 in both
+    assert torch.equal(torch.signbit(out[~nan]), torch.signbit(TORCH_VALUES[~nan]))
+    assert TORCH_VALUES[0x7E] == 448 and TORCH_VALUES[0x01] == 2.0 ** -9
+
+
+@pytest.mark.parametrize("sdtype", [torch.float32, torch.bfloat16])
+def test_scalar_dequantization_matches_torch(sdtype):
+    n, k = 200, 300
+    w, scale = random_fp8(n, k, 1), random_scale(n, k, sdtype, 2)
+    out = np.empty((n, k), dtype=np.float32)
+    s, sdt = scale_args(scale)
+    q3._C._fp8_matmul(out, np.empty(0, np.float32), w.numpy(), s, sdt, 0, n, k, 0, 1)
+    assert torch.equal(torch.from_numpy(out).double(), dequant_torch(w, scale).float().double())
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_vector_conversion_of_every_code_is_exact(path):
+    """x = identity: y = W exactly, every finite code in every lane position, in the GEMV
+    (T = 8: y row t = column t of W) and in the prefill tiles (T = 128: all of W)"""
+    q3.set_cpu_path(path)
+    finite = torch.tensor([c for c in range(256) if c not in NAN_CODES], dtype=torch.uint8)
+    k = 128
+    w = finite.repeat(3)[: 2 * k].reshape(2, k)
+    w = torch.cat([w, w.roll(1, 1), w.roll(5, 1)])  # [6, 128]: each code at several offsets
+    scale = torch.ones(1, 1)
+    ref = dequant_torch(w, scale).float()
+    for t in (8, 128):
+        x = torch.eye(k)[:t]
+        assert torch.equal(fp8_matmul(x, w, scale), ref[:, :t].T)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("t", [1, 8, 17])
+def test_nan_weight_gives_nan(path, t):
+    q3.set_cpu_path(path)
+    w = random_fp8(5, 200, 3)
+    w[2, 150] = 0xFF
+    w[4, 7] = 0x7F
+    y = fp8_matmul(torch.randn(t, 200), w, torch.ones(1, 2))
+    assert torch.isnan(y[:, [2, 4]]).all() and not torch.isnan(y[:, [0, 1, 3]]).any()
+
+
+SIZES = [(200, 300), (5, 100), (130, 129), (256, 384), (1, 7)]  # (N, K): partial blocks, K < 128
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("sdtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", SIZES)
+def test_matmul_matches_float64_reference(path, sdtype, n, k):
+    q3.set_cpu_path(path)
+    w, scale = random_fp8(n, k, n * 1000 + k), random_scale(n, k, sdtype, k)
+    wd = dequant_torch(w, scale)
+    g = torch.Generator().manual_seed(7)
+    for t in (1, 3, 8, 17, 64):
+        x = torch.randn(t, k, generator=g)
+        ref = x.double() @ wd.T
+        # fp32 accumulation over k terms: bound by the magnitude of the terms, not of the sum
+        bound = 1e-6 * (k ** 0.5 + 4) * (x.double().abs() @ wd.abs().T) + 1e-30
+        y = fp8_matmul(x, w, scale)
+        assert ((y.double() - ref).abs() <= bound).all(), (path, t, float(((y.double() - ref).abs() / bound).max()))
+        y0 = torch.randn(t, n, generator=g)
+        ya = fp8_matmul(x, w, scale, y=y0, accumulate=True)
+        assert ((ya.double() - (ref + y0.double())).abs() <= bound + 1e-6 * y0.double().abs()).all(), (path, t)
+
+
+def test_short_buffers_are_rejected():
+    w, scale = random_fp8(4, 130, 1), torch.ones(1, 2)
+    with pytest.raises(ValueError, match="scale"):
+        q3._C._fp8_matmul(np.zeros((1, 4), np.float32), np.zeros((1, 130), np.float32), w.numpy(),
+                          np.ones(1, np.float32), "float32", 1, 4, 130, 0)
+    with pytest.raises(ValueError, match="x"):
+        q3._C._fp8_matmul(np.zeros((1, 4), np.float32), np.zeros((1, 129), np.float32), w.numpy(),
+                          scale.numpy(), "float32", 1, 4, 130, 0)
