@@ -1,5 +1,5 @@
 /* Test entries for the FP8 kernels (kernels/fp8.h, kernels/cpu/matmul_fp8.c), not yet used by
- * the layer: buffers in (numpy arrays, bytearrays: anything with the buffer protocol, C
+ * the layer, and for the dense matmul they are measured against: buffers in (numpy arrays, bytearrays: anything with the buffer protocol, C
  * contiguous), sizes checked against the shapes, the kernel of the active CPU path called. */
 #include <stdlib.h>
 
@@ -82,7 +82,45 @@ fail_y:
     return NULL;
 }
 
+/* _matmul_dense(y, x, w, w_dtype, T, N, K): y [T, N] = x [T, K] W^T by the active path's
+ * fp32/bf16 matmul, with the bf16 scratch the layer gives it: the FP8 kernel's yardstick */
+static PyObject *matmul_dense(PyObject *m, PyObject *args) {
+    PyObject *y_obj, *x_obj, *w_obj, *wdt_obj;
+    long long T, N, K;
+    if (!PyArg_ParseTuple(args, "OOOOLLL:_matmul_dense", &y_obj, &x_obj, &w_obj, &wdt_obj, &T, &N, &K)) return NULL;
+    q3_dtype wdt;
+    if (q3_parse_dtype(wdt_obj, "w_dtype", &wdt) < 0) return NULL;
+    if (T < 0 || N < 0 || K < 0 || T > (1 << 20) || N > (1 << 20) || K > (1 << 20))
+        return PyErr_Format(PyExc_ValueError, "T, N, K: expected 0 to 2^20");
+    Py_buffer y, x, w;
+    if (get_buf(y_obj, "y", &y, 4 * T * N, 1) < 0) return NULL;
+    if (get_buf(x_obj, "x", &x, 4 * T * K, 0) < 0) goto fail_y;
+    if (get_buf(w_obj, "w", &w, N * K * (int64_t)q3_dtype_size(wdt), 0) < 0) goto fail_x;
+    uint16_t *xb = malloc((size_t)q3_matmul_scratch_elems(T, K) * sizeof(uint16_t) + 1);
+    if (!xb) {
+        PyErr_NoMemory();
+        goto fail_w;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    q3_cpu_ops_active()->matmul(y.buf, x.buf, w.buf, wdt, T, N, K, 0, xb);
+    Py_END_ALLOW_THREADS
+    free(xb);
+    PyBuffer_Release(&w);
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&y);
+    Py_RETURN_NONE;
+fail_w:
+    PyBuffer_Release(&w);
+fail_x:
+    PyBuffer_Release(&x);
+fail_y:
+    PyBuffer_Release(&y);
+    return NULL;
+}
+
 PyMethodDef q3_fp8_methods[] = {
+    {"_matmul_dense", matmul_dense, METH_VARARGS,
+     "_matmul_dense(y, x, w, w_dtype, T, N, K)\n--\n\nTest entry: the fp32/bf16 matmul of the active CPU path."},
     {"_fp8_to_f32", fp8_to_f32, METH_VARARGS, "_fp8_to_f32(src, dst)\n--\n\nTest entry: e4m3 bytes to fp32."},
     {"_fp8_matmul", fp8_matmul, METH_VARARGS,
      "_fp8_matmul(y, x, w, scale, scale_dtype, T, N, K, accumulate=0, dequant=0)\n--\n\n"

@@ -6,6 +6,8 @@
  * Prefill: tiles of Q3_FP8_TILE_ROWS rows are dequantized to fp32 into the scratch and go
  * through this variant's fp32 matmul, so prefill costs the fp32 matmul plus one pass over
  * the tile (K bytes in, 4K out per row, against 2 T K flops per row). */
+#include <math.h>
+
 #include "ops.h"
 #include "vec.h"
 
@@ -15,7 +17,8 @@
  * 2^-8 (fp16 bias 15 = 7 + 8), subnormals included, and vcvtph2ps widens it exactly. From
  * the sign-extended byte, << 7 puts S at bit 15 and a copy at bit 14 (masked off). NaN
  * (|byte| = 0x7f -> fp16 0x3f80) gets the exponent all ones. 4 integer ops and one
- * conversion per 8 weights. */
+ * conversion per 8 weights. Measured here (AMD EPYC, AVX2, one thread, a [1536, 4096] GEMV
+ * from L3): 690 us against 2970 us for a 256-entry fp32 table read by _mm256_i32gather_ps. */
 #define UNIT 256.0f /* the vector values are the weights / UNIT; the block scale takes it back */
 static inline q3_vf e4m3_v(const uint8_t *p) {
     const __m128i b = _mm_loadl_epi64((const __m128i *)p);
@@ -24,6 +27,16 @@ static inline q3_vf e4m3_v(const uint8_t *p) {
     h = _mm_or_si128(h, _mm_and_si128(nan, _mm_set1_epi16(0x7c00)));
     return (q3_vf)_mm256_cvtph_ps(h);
 }
+/* the GEMV's pair: 16 weights, NaN codes left as 480 / UNIT (the row is checked for NaN
+ * codes once instead, row_has_nan): 3 integer ops, an extract and 2 conversions */
+static inline void e4m3_v2(const uint8_t *p, q3_vf *lo, q3_vf *hi) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)p);
+    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7),
+                                       _mm256_set1_epi16((short)0xbf80));
+    *lo = (q3_vf)_mm256_cvtph_ps(_mm256_castsi256_si128(h));
+    *hi = (q3_vf)_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+}
+#define ROW_NAN_CHECK 1
 #else
 /* Generic vectors (every other variant): the fp32 bits built with integer ops, no
  * subnormal fp32 on the way (they are slow on some CPUs). E > 0: exponent E + 120, mantissa
@@ -41,7 +54,28 @@ static inline q3_vf e4m3_v(const uint8_t *p) {
     const q3_vf f = (q3_vf)bits - (q3_vf)(sub & 0x3c800000u); /* 0x3c800000 = 2^-6 */
     return (q3_vf)((q3_vu)f | ((u & 0x80u) << 24) | (nan & 0x7fc00000u));
 }
+static inline void e4m3_v2(const uint8_t *p, q3_vf *lo, q3_vf *hi) {
+    *lo = e4m3_v(p);
+    *hi = e4m3_v(p + Q3_LANES);
+}
+#define ROW_NAN_CHECK 0
 #endif
+
+/* whether a row of K e4m3 bytes holds a NaN code (S 1111 111): 32 bytes a step */
+static int row_has_nan(const uint8_t *wr, int64_t K) {
+    typedef uint8_t v32 __attribute__((vector_size(32)));
+    v32 any = {0};
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        v32 b;
+        memcpy(&b, wr + k, sizeof b);
+        any |= (v32)((b & 0x7f) == 0x7f);
+    }
+    int r = 0;
+    for (int i = 0; i < 32; i++) r |= any[i];
+    for (; k < K; k++) r |= (wr[k] & 0x7f) == 0x7f;
+    return r;
+}
 
 static inline float hsum(q3_vf v) {
     float s = 0;
@@ -62,7 +96,8 @@ static inline __attribute__((always_inline)) void gemv_row(float *y, const float
         for (int t = 0; t < NT; t++) a0[t] = a1[t] = q3_vsplat(0);
         int64_t k = k0;
         for (; k + 2 * Q3_LANES <= k1; k += 2 * Q3_LANES) {
-            const q3_vf w0 = e4m3_v(wr + k), w1 = e4m3_v(wr + k + Q3_LANES);
+            q3_vf w0, w1;
+            e4m3_v2(wr + k, &w0, &w1);
             for (int t = 0; t < NT; t++) {
                 a0[t] += q3_vload(x + t * K + k) * w0;
                 a1[t] += q3_vload(x + t * K + k + Q3_LANES) * w1;
@@ -78,7 +113,8 @@ static inline __attribute__((always_inline)) void gemv_row(float *y, const float
             for (int t = 0; t < NT; t++) tail[t] += x[t * K + k] * w;
         }
     }
-    for (int t = 0; t < NT; t++) y[t * N] = (acc ? y[t * N] : 0.0f) + hsum(tot[t]) + tail[t];
+    const float nan = ROW_NAN_CHECK && row_has_nan(wr, K) ? NAN : 0.0f; /* a NaN weight: NaN out */
+    for (int t = 0; t < NT; t++) y[t * N] = (acc ? y[t * N] : 0.0f) + hsum(tot[t]) + tail[t] + nan;
 }
 
 static void gemv(float *y, const float *x, const uint8_t *w, const void *scale, q3_dtype sdt, int64_t T,
