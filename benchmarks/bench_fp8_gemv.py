@@ -1,7 +1,7 @@
 """The decode GEMV of one expert projection with block-scaled e4m3 weights against the same
 projection in bf16 (the layer's weights today), on the active CPU path (QWEN3LAYER_CPU_PATH
 chooses), in one run: GB/s of weight bytes (FP8: the bytes plus the fp32 scales) beside the
-read probe. Geometry of Qwen3-235B-A22B's experts: gate/up [1536, 4096], down [4096, 1536].
+read probe, and GFLOP/s (for --tokens 16 and more: the prefill path). Geometry of Qwen3-235B-A22B's experts: gate/up [1536, 4096], down [4096, 1536].
 
     python benchmarks/bench_fp8_gemv.py [--repeats 200] [--tokens 1]
 """
@@ -40,7 +40,7 @@ def main():
     rng = np.random.default_rng(0)
     read = _C.probe_read_bandwidth(1 << 30, 3)
     print(f"CPU path {_C.build_info()['cpu_path']}, T = {a.tokens}, {a.copies} weight copies in turn; read probe {read:.1f} GB/s (1 GiB, all threads)")
-    print(f"{'N x K':>12} {'weights':>8} {'us':>9} {'GB/s':>7} {'of probe':>9}")
+    print(f"{'N x K':>12} {'weights':>8} {'us':>9} {'GB/s':>7} {'of probe':>9} {'GFLOP/s':>8}")
     for n, k in SHAPES:
         x = rng.standard_normal((a.tokens, k), dtype=np.float32)
         y = np.empty((a.tokens, n), np.float32)
@@ -55,7 +55,7 @@ def main():
                             a.repeats)
         for name, nb, s in zip(names, nbytes, secs):
             gbs = nb / s / 1e9
-            print(f"{n:>5} x {k:<5} {name:>8} {s * 1e6:9.1f} {gbs:7.1f} {gbs / read:8.0%}")
+            print(f"{n:>5} x {k:<5} {name:>8} {s * 1e6:9.1f} {gbs:7.1f} {gbs / read:8.0%} {2 * a.tokens * n * k / s / 1e9:8.1f}")
 
 
 if __name__ == "__main__":

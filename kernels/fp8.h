@@ -53,18 +53,19 @@ static inline void q3_fp8_dequant_rows(float *dst, const uint8_t *w, const void 
 }
 
 /* y [T, N] fp32 (=, or += when accumulate) x [T, K] fp32 * W^T, W block-scaled e4m3 as above.
- * scratch: q3_matmul_fp8_scratch_elems(T, K) floats (none for decode-sized T). */
+ * scratch: threads * q3_matmul_fp8_scratch_floats(T, K) floats (none for decode-sized T); at
+ * most `threads` threads. */
 typedef void q3_matmul_fp8_fn(float *y, const float *x, const uint8_t *w, const void *scale, q3_dtype sdt,
-                              int64_t T, int64_t N, int64_t K, int accumulate, float *scratch);
+                              int64_t T, int64_t N, int64_t K, int accumulate, float *scratch, int threads);
 
 /* T below this: the GEMV, converting each weight in registers once for all T tokens; from it
- * on: tiles of Q3_FP8_TILE_ROWS rows dequantized to fp32 and the fp32 matmul (compute-bound) */
+ * on: chunks of Q3_FP8_CHUNK_ROWS rows dequantized to fp32 and the fp32 matmul (compute-bound) */
 #define Q3_FP8_GEMV_MAX_T 16
-#define Q3_FP8_TILE_ROWS 256
+#define Q3_FP8_CHUNK_ROWS 32 /* divides 128: a chunk has one row of scales */
 
-/* a tile [Q3_FP8_TILE_ROWS, K] of fp32 weights and its output [T, Q3_FP8_TILE_ROWS] */
-static inline int64_t q3_matmul_fp8_scratch_elems(int64_t T, int64_t K) {
-    return T < Q3_FP8_GEMV_MAX_T ? 0 : Q3_FP8_TILE_ROWS * (K + T);
+/* one thread's chunk [Q3_FP8_CHUNK_ROWS, K] of fp32 weights and its output [T, Q3_FP8_CHUNK_ROWS] */
+static inline int64_t q3_matmul_fp8_scratch_floats(int64_t T, int64_t K) {
+    return T < Q3_FP8_GEMV_MAX_T ? 0 : Q3_FP8_CHUNK_ROWS * (K + T);
 }
 
 #endif

@@ -54,7 +54,8 @@ static PyObject *fp8_matmul(PyObject *m, PyObject *args) {
     if (get_buf(s_obj, "scale", &s, q3_fp8_blocks(N) * q3_fp8_blocks(K) * (int64_t)q3_dtype_size(sdt), 0) < 0)
         goto fail_w;
     float *scratch = NULL;
-    const int64_t n_scratch = dequant ? 0 : q3_matmul_fp8_scratch_elems(T, K);
+    const int threads = q3_max_threads();
+    const int64_t n_scratch = dequant ? 0 : threads * q3_matmul_fp8_scratch_floats(T, K);
     if (n_scratch && !(scratch = malloc((size_t)n_scratch * sizeof(float)))) {
         PyErr_NoMemory();
         goto fail_s;
@@ -63,7 +64,7 @@ static PyObject *fp8_matmul(PyObject *m, PyObject *args) {
     if (dequant)
         q3_fp8_dequant_rows(y.buf, w.buf, s.buf, sdt, 0, N, K);
     else
-        q3_cpu_ops_active()->matmul_fp8(y.buf, x.buf, w.buf, s.buf, sdt, T, N, K, acc, scratch);
+        q3_cpu_ops_active()->matmul_fp8(y.buf, x.buf, w.buf, s.buf, sdt, T, N, K, acc, scratch, threads);
     Py_END_ALLOW_THREADS
     free(scratch);
     PyBuffer_Release(&s);

@@ -3,10 +3,13 @@
  *
  * Decode (T < Q3_FP8_GEMV_MAX_T): threads split the weight rows; a row's bytes are read once
  * and each converted vector serves up to 4 tokens (groups of 4 re-read the row from L1).
- * Prefill: tiles of Q3_FP8_TILE_ROWS rows are dequantized to fp32 into the scratch and go
- * through this variant's fp32 matmul, so prefill costs the fp32 matmul plus one pass over
- * the tile (K bytes in, 4K out per row, against 2 T K flops per row). */
+ * Prefill: chunks of Q3_FP8_CHUNK_ROWS rows are dequantized to fp32 into a thread's scratch
+ * and go through this variant's fp32 matmul, so prefill costs the fp32 matmul plus one pass
+ * over the chunk (K bytes in, 4K out per row, against 2 T K flops per row). */
 #include <math.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "ops.h"
 #include "vec.h"
@@ -118,9 +121,9 @@ static inline __attribute__((always_inline)) void gemv_row(float *y, const float
 }
 
 static void gemv(float *y, const float *x, const uint8_t *w, const void *scale, q3_dtype sdt, int64_t T,
-                 int64_t N, int64_t K, int acc) {
+                 int64_t N, int64_t K, int acc, int threads) {
     const int64_t kb = q3_fp8_blocks(K);
-#pragma omp parallel for schedule(static) if (T * N * K > (1 << 18))
+#pragma omp parallel for schedule(static) num_threads(threads) if (T * N * K > (1 << 18))
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *wr = w + n * K;
         const int64_t srow = n / Q3_FP8_BLOCK * kb;
@@ -149,20 +152,30 @@ static void dequant_row(float *dst, const uint8_t *wr, const void *scale, q3_dty
 }
 
 void Q3_CPU_FN(q3_matmul_fp8)(float *y, const float *x, const uint8_t *w, const void *scale, q3_dtype sdt,
-                              int64_t T, int64_t N, int64_t K, int accumulate, float *scratch) {
+                              int64_t T, int64_t N, int64_t K, int accumulate, float *scratch, int threads) {
     if (T < Q3_FP8_GEMV_MAX_T) {
-        gemv(y, x, w, scale, sdt, T, N, K, accumulate);
+        gemv(y, x, w, scale, sdt, T, N, K, accumulate, threads);
         return;
     }
-    const int64_t kb = q3_fp8_blocks(K);
-    float *tile = scratch, *yt = scratch + Q3_FP8_TILE_ROWS * K; /* [rows, K], [T, rows] */
-    for (int64_t n0 = 0; n0 < N; n0 += Q3_FP8_TILE_ROWS) {
-        const int64_t nr = N - n0 < Q3_FP8_TILE_ROWS ? N - n0 : Q3_FP8_TILE_ROWS;
-#pragma omp parallel for schedule(static) if (nr * K > (1 << 16))
+    /* One parallel region: each thread takes chunks of rows whole (dequantize, multiply, add
+     * out) in its own scratch, so there is no barrier per chunk; the fp32 matmul called in it
+     * runs on the calling thread (nested regions are inactive). x [T, K] is re-read from
+     * cache per chunk: 4 T K bytes against 2 T K CHUNK_ROWS flops. */
+    const int64_t kb = q3_fp8_blocks(K), chunks = (N + Q3_FP8_CHUNK_ROWS - 1) / Q3_FP8_CHUNK_ROWS;
+    const int64_t per_thread = q3_matmul_fp8_scratch_floats(T, K);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (chunks > 1)
+    for (int64_t c = 0; c < chunks; c++) {
+#ifdef _OPENMP
+        float *tile = scratch + omp_get_thread_num() * per_thread;
+#else
+        float *tile = scratch;
+#endif
+        float *yt = tile + Q3_FP8_CHUNK_ROWS * K; /* [T, nr] */
+        const int64_t n0 = c * Q3_FP8_CHUNK_ROWS;
+        const int64_t nr = N - n0 < Q3_FP8_CHUNK_ROWS ? N - n0 : Q3_FP8_CHUNK_ROWS;
         for (int64_t i = 0; i < nr; i++)
             dequant_row(tile + i * K, w + (n0 + i) * K, scale, sdt, (n0 + i) / Q3_FP8_BLOCK * kb, K);
         Q3_CPU_FN(q3_matmul)(yt, x, tile, Q3_F32, T, nr, K, 0, NULL);
-#pragma omp parallel for schedule(static) if (T * nr > (1 << 14))
         for (int64_t t = 0; t < T; t++)
             for (int64_t i = 0; i < nr; i++)
                 y[t * N + n0 + i] = (accumulate ? y[t * N + n0 + i] : 0.0f) + yt[t * nr + i];
