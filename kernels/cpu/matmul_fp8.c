@@ -39,29 +39,44 @@ static inline void e4m3_v2(const uint8_t *p, q3_vf *lo, q3_vf *hi) {
     *lo = (q3_vf)_mm256_cvtph_ps(_mm256_castsi256_si128(h));
     *hi = (q3_vf)_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
 }
-#define ROW_NAN_CHECK 1
 #else
 /* Generic vectors (every other variant): the fp32 bits built with integer ops, no
  * subnormal fp32 on the way (they are slow on some CPUs). E > 0: exponent E + 120, mantissa
  * M << 20. E = 0 is read as E = 1 with the implicit 1, giving 2^-6 (1 + M/8), and 2^-6 is
  * subtracted: M 2^-9 exactly. */
 #define UNIT 1.0f
+#if Q3_LANES == 4 && defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 typedef uint8_t vbytes __attribute__((vector_size(Q3_LANES)));
 typedef uint32_t q3_vu __attribute__((vector_size(Q3_VBYTES)));
-static inline q3_vf e4m3_v(const uint8_t *p) {
+/* Q3_LANES bytes zero-extended to 32-bit lanes (GCC scalarizes the SSE2 convertvector) */
+static inline q3_vu widen(const uint8_t *p) {
+#if Q3_LANES == 4 && defined(__SSE2__)
+    int32_t w;
+    memcpy(&w, p, sizeof w);
+    const __m128i z = _mm_setzero_si128();
+    return (q3_vu)_mm_unpacklo_epi16(_mm_unpacklo_epi8(_mm_cvtsi32_si128(w), z), z);
+#else
     vbytes b;
     memcpy(&b, p, sizeof b);
-    const q3_vu u = __builtin_convertvector(b, q3_vu), mag = u & 0x7fu;
-    const q3_vu sub = (q3_vu)((mag & 0x78u) == 0), nan = (q3_vu)(mag == 0x7fu);
+    return __builtin_convertvector(b, q3_vu);
+#endif
+}
+/* with_nan = 0 (the GEMV, which checks rows for NaN codes instead): NaN codes give 480 */
+static inline q3_vf e4m3_conv(const uint8_t *p, const int with_nan) {
+    const q3_vu u = widen(p), mag = u & 0x7fu;
+    const q3_vu sub = (q3_vu)((mag & 0x78u) == 0);
     const q3_vu bits = ((mag + (sub & 8u)) << 20) + (120u << 23);
     const q3_vf f = (q3_vf)bits - (q3_vf)(sub & 0x3c800000u); /* 0x3c800000 = 2^-6 */
-    return (q3_vf)((q3_vu)f | ((u & 0x80u) << 24) | (nan & 0x7fc00000u));
+    const q3_vu r = (q3_vu)f | ((u & 0x80u) << 24);
+    return (q3_vf)(with_nan ? r | ((q3_vu)(mag == 0x7fu) & 0x7fc00000u) : r);
 }
+static inline q3_vf e4m3_v(const uint8_t *p) { return e4m3_conv(p, 1); }
 static inline void e4m3_v2(const uint8_t *p, q3_vf *lo, q3_vf *hi) {
-    *lo = e4m3_v(p);
-    *hi = e4m3_v(p + Q3_LANES);
+    *lo = e4m3_conv(p, 0);
+    *hi = e4m3_conv(p + Q3_LANES, 0);
 }
-#define ROW_NAN_CHECK 0
 #endif
 
 /* whether a row of K e4m3 bytes holds a NaN code (S 1111 111): 32 bytes a step */
@@ -116,7 +131,7 @@ static inline __attribute__((always_inline)) void gemv_row(float *y, const float
             for (int t = 0; t < NT; t++) tail[t] += x[t * K + k] * w;
         }
     }
-    const float nan = ROW_NAN_CHECK && row_has_nan(wr, K) ? NAN : 0.0f; /* a NaN weight: NaN out */
+    const float nan = row_has_nan(wr, K) ? NAN : 0.0f; /* a NaN weight: NaN out */
     for (int t = 0; t < NT; t++) y[t * N] = (acc ? y[t * N] : 0.0f) + hsum(tot[t]) + tail[t] + nan;
 }
 
