@@ -141,3 +141,6 @@ def test_short_buffers_are_rejected():
     with pytest.raises(ValueError, match="x"):
         q3._C._fp8_matmul(np.zeros((1, 4), np.float32), np.zeros((1, 129), np.float32), w.numpy(),
                           scale.numpy(), "float32", 1, 4, 130, 0)
+    with pytest.raises(ValueError, match=r"T, N, K: expected each 0 to 2\^20, got 1, 2097152, 130"):
+        q3._C._fp8_matmul(np.zeros((1, 4), np.float32), np.zeros((1, 130), np.float32), w.numpy(),
+                          scale.numpy(), "float32", 1, 1 << 21, 130, 0)

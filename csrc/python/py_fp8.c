@@ -46,7 +46,7 @@ static PyObject *fp8_matmul(PyObject *m, PyObject *args) {
     q3_dtype sdt;
     if (q3_parse_dtype(sdt_obj, "scale_dtype", &sdt) < 0) return NULL;
     if (T < 0 || N < 0 || K < 0 || T > (1 << 20) || N > (1 << 20) || K > (1 << 20))
-        return PyErr_Format(PyExc_ValueError, "T, N, K: expected 0 to 2^20");
+        return PyErr_Format(PyExc_ValueError, "T, N, K: expected each 0 to 2^20, got %lld, %lld, %lld", T, N, K);
     Py_buffer y, x, w, s;
     if (get_buf(y_obj, "y", &y, 4 * (dequant ? N * K : T * N), 1) < 0) return NULL;
     if (get_buf(x_obj, "x", &x, dequant ? 0 : 4 * T * K, 0) < 0) goto fail_y;
@@ -92,7 +92,7 @@ static PyObject *matmul_dense(PyObject *m, PyObject *args) {
     q3_dtype wdt;
     if (q3_parse_dtype(wdt_obj, "w_dtype", &wdt) < 0) return NULL;
     if (T < 0 || N < 0 || K < 0 || T > (1 << 20) || N > (1 << 20) || K > (1 << 20))
-        return PyErr_Format(PyExc_ValueError, "T, N, K: expected 0 to 2^20");
+        return PyErr_Format(PyExc_ValueError, "T, N, K: expected each 0 to 2^20, got %lld, %lld, %lld", T, N, K);
     Py_buffer y, x, w;
     if (get_buf(y_obj, "y", &y, 4 * T * N, 1) < 0) return NULL;
     if (get_buf(x_obj, "x", &x, 4 * T * K, 0) < 0) goto fail_y;
