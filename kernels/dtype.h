@@ -1,16 +1,17 @@
 /* Element types shared by every kernel, and the bf16 <-> fp32 conversions.
  *
- * Storage is float32 or bfloat16 (the top 16 bits of an IEEE float32).
- * All arithmetic in the kernels is fp32; bf16 is a storage format only. */
+ * Storage is float32 or bfloat16 (the top 16 bits of an IEEE float32), and for the
+ * matrices of an FP8 layer float8 e4m3fn bytes (kernels/fp8.h; never an activation).
+ * All arithmetic in the kernels is fp32; bf16 and e4m3 are storage formats only. */
 #ifndef Q3_KERNELS_DTYPE_H
 #define Q3_KERNELS_DTYPE_H
 
 #include <stdint.h>
 #include <string.h>
 
-typedef enum { Q3_F32 = 0, Q3_BF16 = 1 } q3_dtype;
+typedef enum { Q3_F32 = 0, Q3_BF16 = 1, Q3_E4M3 = 2 } q3_dtype;
 
-static inline size_t q3_dtype_size(q3_dtype dt) { return dt == Q3_BF16 ? 2 : 4; }
+static inline size_t q3_dtype_size(q3_dtype dt) { return dt == Q3_BF16 ? 2 : dt == Q3_E4M3 ? 1 : 4; }
 
 static inline float q3_bf16_to_f32(uint16_t b) {
     uint32_t u = (uint32_t)b << 16;

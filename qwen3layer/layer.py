@@ -65,6 +65,12 @@ class DecoderLayer:
     with __dlpack__. Contiguous weights of the layer's dtype are borrowed without a copy
     (their owners are kept alive); others are converted once, here, with a warning.
     dtype: 'float32' or 'bfloat16'; default: the dtype of self_attn.q_proj.weight.
+    weight_format: how the projection matrices (q/k/v/o_proj, the experts' gate/up/down_proj)
+    are stored: 'dense' (of the layer's dtype) or 'fp8_e4m3_block128' (float8_e4m3fn, each
+    with a "<name>_scale_inv" of fp32 or bf16 block scales [ceil(out/128), ceil(in/128)], as
+    in the fine-grained FP8 checkpoints; borrowed as they are, never quantized here; CPU only
+    for now); default: FP8 when self_attn.q_proj.weight is float8_e4m3fn. `dtype` is then the
+    activations' (and the norms' and router's), by default input_layernorm.weight's.
     device: 'cpu', or 'cuda' / 'cuda:N' where the build has the CUDA backend: weights on that
     device are borrowed as above if their address is 16-byte aligned (the kernels' vector
     loads; a view at an odd offset is copied once, with the warning), host weights are
@@ -73,13 +79,13 @@ class DecoderLayer:
     """
 
     def __init__(self, config: LayerConfig, weights: Mapping[str, Any], device: str = "cpu",
-                 dtype: Optional[str] = None) -> None:
+                 dtype: Optional[str] = None, weight_format: Optional[str] = None) -> None:
         if not isinstance(config, LayerConfig):
             raise TypeError(f"config: expected a qwen3layer.LayerConfig, got {type(config).__name__}")
         index = _device_index(device)
         self.device = "cpu" if index < 0 else f"cuda:{index}"
         self.config = config
-        self._core = _C.Layer(config, canonical_weights(weights, config), dtype, index)
+        self._core = _C.Layer(config, canonical_weights(weights, config), dtype, index, weight_format)
         if self._core.converted:
             where = "" if index < 0 else f" on {self.device}"
             aligned = "" if index < 0 else ", 16-byte aligned"
@@ -236,12 +242,15 @@ class DecoderLayer:
         return self._core.workspace_bytes
 
     @property
+    def weight_format(self) -> str:
+        """'dense' or 'fp8_e4m3_block128' (see the class docstring)."""
+        return self._core.weight_format
+
+    @property
     def weight_bytes(self) -> int:
-        """Bytes of all the layer's weights in its dtype."""
-        c = self.config
-        H, D, I, E = c.hidden_size, c.head_dim, c.moe_intermediate_size, c.num_experts
-        params = H * D * (2 * c.num_attention_heads + 2 * c.num_key_value_heads) + 2 * D + 2 * H + E * H + E * 3 * H * I
-        return params * (2 if self.dtype == "bfloat16" else 4)
+        """Bytes of all the layer's weights as the engine reads them (FP8: the e4m3 bytes and
+        the scales)."""
+        return self._core.weight_bytes
 
     def __repr__(self) -> str:
         c = self.config
@@ -249,7 +258,9 @@ class DecoderLayer:
         size_text = f"{size / 1e9:.2f} GB" if size >= 1e9 else f"{size / 1e6:.1f} MB"
         return (f"DecoderLayer(hidden={c.hidden_size}, heads={c.num_attention_heads}/"
                 f"{c.num_key_value_heads}x{c.head_dim}, experts={c.num_experts} top-{c.num_experts_per_tok}"
-                f" x {c.moe_intermediate_size}, dtype={self.dtype}, device={self.device}, weights {size_text})")
+                f" x {c.moe_intermediate_size}, dtype={self.dtype}"
+                + (", weights fp8_e4m3_block128" if self.weight_format != "dense" else "")
+                + f", device={self.device}, weights {size_text})")
 
 
 class DecodeGraph:

@@ -3,7 +3,8 @@
 Accepted: the per-layer checkpoint names of REFERENCE.md, with or without a
 "model.layers.N." prefix; experts either per expert (mlp.experts.{e}.gate_proj.weight, ...)
 or fused as transformers 5.x holds them (mlp.experts.gate_up_proj [E, 2I, H],
-mlp.experts.down_proj [E, H, I]). Shapes and dtypes are checked by the engine.
+mlp.experts.down_proj [E, H, I]). FP8 layers add a "<matrix>_scale_inv" beside each projection
+matrix (SCALED: q/k/v/o_proj and the experts'). Shapes and dtypes are checked by the engine.
 """
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ DENSE = (
     "mlp.gate.weight",
 )
 FUSED = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+SCALED = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight")
+SCALE = "_scale_inv"
 EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")
 _PREFIX = re.compile(r"^(?:.*\.)?layers\.(\d+)\.")
 
@@ -59,6 +62,8 @@ def canonical_weights(weights: Mapping[str, Any], config: LayerConfig) -> dict[s
         raise ValueError("weights: expected experts either fused (mlp.experts.gate_up_proj, "
                          "mlp.experts.down_proj) or per expert (mlp.experts.{e}.*.weight), got both")
     expected = list(DENSE) + (list(FUSED) if fused else per_expert)
+    if any(n.endswith(SCALE) for n in out):  # FP8: every projection matrix has its scale
+        expected += [n + SCALE for n in SCALED + (FUSED if fused else tuple(per_expert))]
     expected_set = set(expected)
     extra = [n for n in out if n not in expected_set]
     if extra:

@@ -28,7 +28,7 @@ q3_status q3_gpu_ws_alloc(q3_gpu_ws *ws, const q3_layer *l, int64_t rows, int se
     size_t off = 0;
     char *base = NULL;
     for (int pass = 0; pass < 2; pass++) { /* measure, then carve */
-        off = q3_workspace_layout(&ws->dev, base, cf, rows, seqs, 1);
+        off = q3_workspace_layout(&ws->dev, base, cf, 0, rows, seqs, 1);
 #define CARVE(field, type, count)                                    \
     do {                                                             \
         ws->field = (type *)(base ? base + off : NULL);              \

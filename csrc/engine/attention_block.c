@@ -16,9 +16,9 @@ void q3_attention_block(q3_layer *layer, q3_cache *cache, const q3_pass *p) {
 
     k->rmsnorm(ws->h, ws->x, w->dense[Q3_W_INPUT_NORM], w->dtype, R, H, c->eps);
     q3_profile_mark(p->prof, Q3_STAGE_INPUT_NORM);
-    k->matmul(ws->q, ws->h, w->dense[Q3_W_Q_PROJ], w->dtype, R, QD, H, 0, ws->xb);
-    k->matmul(ws->k, ws->h, w->dense[Q3_W_K_PROJ], w->dtype, R, KVD, H, 0, ws->xb);
-    k->matmul(ws->v, ws->h, w->dense[Q3_W_V_PROJ], w->dtype, R, KVD, H, 0, ws->xb);
+    q3_project(layer, k, ws->q, ws->h, q3_dense_matrix(layer, Q3_W_Q_PROJ), R, QD, H, 0, ws->xb, ws->threads);
+    q3_project(layer, k, ws->k, ws->h, q3_dense_matrix(layer, Q3_W_K_PROJ), R, KVD, H, 0, ws->xb, ws->threads);
+    q3_project(layer, k, ws->v, ws->h, q3_dense_matrix(layer, Q3_W_V_PROJ), R, KVD, H, 0, ws->xb, ws->threads);
     q3_profile_mark(p->prof, Q3_STAGE_QKV_PROJ);
     k->rmsnorm(ws->q, ws->q, w->dense[Q3_W_Q_NORM], w->dtype, R * Hq, D, c->eps);
     k->rmsnorm(ws->k, ws->k, w->dense[Q3_W_K_NORM], w->dtype, R * Hkv, D, c->eps);
@@ -46,6 +46,6 @@ void q3_attention_block(q3_layer *layer, q3_cache *cache, const q3_pass *p) {
                                  1.0f / sqrtf((float)D), 0};
     k->attention(ws->attn, ws->q, ws->attn_seqs, p->n_seqs, &shape, ws->attn_scratch, ws->threads);
     q3_profile_mark(p->prof, Q3_STAGE_ATTENTION);
-    k->matmul(ws->x, ws->attn, w->dense[Q3_W_O_PROJ], w->dtype, R, H, QD, 1, ws->xb);
+    q3_project(layer, k, ws->x, ws->attn, q3_dense_matrix(layer, Q3_W_O_PROJ), R, H, QD, 1, ws->xb, ws->threads);
     q3_profile_mark(p->prof, Q3_STAGE_O_PROJ);
 }

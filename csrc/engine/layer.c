@@ -8,17 +8,37 @@
 #include "device_backend.h"
 #include "layer_internal.h"
 
+/* the FP8 fields: a known format, scales of fp32 or bf16 for every matrix; none for the rest */
+static q3_status check_format(const q3_weights *w, q3_error *err) {
+    if (w->format != Q3_WF_DENSE && w->format != Q3_WF_FP8_BLOCK128)
+        return q3_fail(err, Q3_ERR_VALUE, "weight_format: expected dense or fp8_e4m3_block128, got %d",
+                       (int)w->format);
+    if (w->format == Q3_WF_DENSE) return Q3_OK;
+    if (w->scale_dtype != Q3_F32 && w->scale_dtype != Q3_BF16)
+        return q3_fail(err, Q3_ERR_TYPE, "weight_scale_inv: expected float32 or bfloat16 scales, got dtype %d",
+                       (int)w->scale_dtype);
+    for (int i = 0; i < Q3_W_DENSE_COUNT; i++)
+        if (q3_dense_weight_is_matrix(i) && !w->dense_scale[i])
+            return q3_fail(err, Q3_ERR_VALUE, "weights: missing the scale_inv of %s", q3_dense_weight_name(i));
+    return Q3_OK;
+}
+
 q3_status q3_layer_create(q3_layer **out, const q3_config *cfg, const q3_weights *w, q3_error *err) {
     *out = NULL;
     q3_status s = q3_config_check(cfg, err);
+    if (s == Q3_OK) s = check_format(w, err);
+    if (s == Q3_OK && w->device >= 0 && w->format != Q3_WF_DENSE)
+        s = q3_fail(err, Q3_ERR_VALUE, "weight_format: %s layers run on the CPU only in this build (expected "
+                    "device cpu, got cuda:%d)", q3_weight_format_name(w->format), w->device);
     if (s == Q3_OK && w->device >= 0 && q3_device()) s = q3_device()->layer_config_check(cfg, err);
     if (s != Q3_OK) return s;
     for (int i = 0; i < Q3_W_DENSE_COUNT; i++)
         if (!w->dense[i])
             return q3_fail(err, Q3_ERR_VALUE, "weights: missing %s", q3_dense_weight_name(i));
+    const int fp8 = w->format == Q3_WF_FP8_BLOCK128;
     q3_layer *l = calloc(1, sizeof *l);
-    const size_t E = (size_t)cfg->experts;
-    const void **ptrs = calloc(Q3_X_COUNT * E, sizeof *ptrs);
+    const size_t E = (size_t)cfg->experts, arrays = fp8 ? 2 * Q3_X_COUNT : Q3_X_COUNT;
+    const void **ptrs = calloc(arrays * E, sizeof *ptrs); /* [arrays][E]: the weights, then the scales */
     if (!l || !ptrs) {
         free(l);
         free(ptrs);
@@ -26,20 +46,22 @@ q3_status q3_layer_create(q3_layer **out, const q3_config *cfg, const q3_weights
     }
     l->cfg = *cfg;
     l->w = *w;
-    for (int x = 0; x < Q3_X_COUNT; x++) {
-        for (size_t e = 0; e < E; e++) {
-            if (!w->experts[x] || !w->experts[x][e]) {
-                free(ptrs);
-                free(l);
-                return q3_fail(err, Q3_ERR_VALUE, "weights: missing mlp.experts.%zu.%s.weight", e,
-                               q3_expert_weight_name(x));
-            }
-            ptrs[x * E + e] = w->experts[x][e];
-        }
-        l->w.experts[x] = ptrs + x * E;
-    }
     l->expert_ptrs = ptrs;
-    s = w->device >= 0 ? Q3_OK : q3_workspace_reserve(&l->ws, cfg, 1, 1, err);
+    for (size_t a = 0; a < arrays; a++) {
+        const int x = (int)(a % Q3_X_COUNT);
+        const void *const *src = a < Q3_X_COUNT ? w->experts[x] : w->expert_scales[x];
+        for (size_t e = 0; e < E; e++) {
+            if (!src || !src[e]) {
+                q3_layer_destroy(l);
+                return q3_fail(err, Q3_ERR_VALUE, "weights: missing mlp.experts.%zu.%s.weight%s", e,
+                               q3_expert_weight_name(x), a < Q3_X_COUNT ? "" : "_scale_inv");
+            }
+            ptrs[a * E + e] = src[e];
+        }
+        if (a < Q3_X_COUNT) l->w.experts[x] = ptrs + a * E;
+        else l->w.expert_scales[x] = ptrs + a * E;
+    }
+    s = w->device >= 0 ? Q3_OK : q3_workspace_reserve(&l->ws, cfg, fp8, 1, 1, err);
     if (s != Q3_OK) {
         q3_layer_destroy(l);
         return s;
@@ -58,6 +80,29 @@ void q3_layer_destroy(q3_layer *l) {
 
 const q3_config *q3_layer_config(const q3_layer *l) { return &l->cfg; }
 q3_dtype q3_layer_dtype(const q3_layer *l) { return l->w.dtype; }
+q3_weight_format q3_layer_weight_format(const q3_layer *l) { return l->w.format; }
+/* bytes of a [dims] matrix in the layer's format (fits: q3_config_check bounds the weights) */
+static int64_t matrix_bytes(const q3_layer *l, const int64_t dims[2]) {
+    if (l->w.format != Q3_WF_FP8_BLOCK128) return dims[0] * dims[1] * (int64_t)q3_dtype_size(l->w.dtype);
+    int64_t s[2];
+    q3_fp8_scale_shape(dims, s);
+    return dims[0] * dims[1] + s[0] * s[1] * (int64_t)q3_dtype_size(l->w.scale_dtype);
+}
+
+int64_t q3_layer_weight_bytes(const q3_layer *l) {
+    int64_t total = 0, dims[2];
+    for (int i = 0; i < Q3_W_DENSE_COUNT; i++) {
+        const int rank = q3_dense_weight_shape(&l->cfg, i, dims);
+        total += q3_dense_weight_is_matrix(i) ? matrix_bytes(l, dims)
+                                              : dims[0] * (rank == 2 ? dims[1] : 1) * (int64_t)q3_dtype_size(l->w.dtype);
+    }
+    for (int x = 0; x < Q3_X_COUNT; x++) {
+        q3_expert_weight_shape(&l->cfg, x, dims);
+        total += l->cfg.experts * matrix_bytes(l, dims);
+    }
+    return total;
+}
+
 size_t q3_layer_workspace_bytes(const q3_layer *l) {
     if (l->w.device < 0) return l->ws.bytes;
     return q3_device() ? q3_device()->layer_workspace_bytes(l) : 0;
@@ -124,7 +169,7 @@ q3_status q3_layer_forward(q3_layer *l, q3_cache *c, const q3_forward_args *a, q
     }
     const int64_t chunk = a->chunk > 0 ? a->chunk : Q3_DEFAULT_CHUNK;
     const int64_t step = chunk < a->tokens ? chunk : a->tokens;
-    s = q3_workspace_reserve(&l->ws, &l->cfg, step * a->n_seqs, a->n_seqs, err);
+    s = q3_workspace_reserve(&l->ws, &l->cfg, l->w.format == Q3_WF_FP8_BLOCK128, step * a->n_seqs, a->n_seqs, err);
     if (s != Q3_OK) return s;
 
     const q3_cpu_ops *k = q3_cpu_ops_active();

@@ -28,6 +28,29 @@ typedef struct {
     int64_t L;
 } q3_pass;
 
+/* A projection matrix of the layer: its data, and its scale_inv in the FP8 format */
+typedef struct {
+    const void *w, *scale;
+} q3_matrix;
+
+static inline q3_matrix q3_dense_matrix(const q3_layer *l, q3_dense_weight i) {
+    return (q3_matrix){l->w.dense[i], l->w.dense_scale[i]};
+}
+static inline q3_matrix q3_expert_matrix(const q3_layer *l, q3_expert_weight x, int e) {
+    return (q3_matrix){l->w.experts[x][e], l->w.format == Q3_WF_FP8_BLOCK128 ? l->w.expert_scales[x][e] : NULL};
+}
+
+/* y [T, N] (=, or += when acc) x [T, K] m^T on the CPU, in the layer's weight format. xb: the
+ * bf16 scratch of kernels/matmul.h (dense format); threads: the FP8 kernel's, with its
+ * scratch in the workspace (1 and T < Q3_FP8_GEMV_MAX_T inside a parallel region: no scratch) */
+static inline void q3_project(const q3_layer *l, const q3_cpu_ops *k, float *y, const float *x, q3_matrix m,
+                              int64_t T, int64_t N, int64_t K, int acc, uint16_t *xb, int threads) {
+    if (l->w.format == Q3_WF_FP8_BLOCK128)
+        k->matmul_fp8(y, x, m.w, m.scale, l->w.scale_dtype, T, N, K, acc, l->ws.fp8_scratch, threads);
+    else
+        k->matmul(y, x, m.w, l->w.dtype, T, N, K, acc, xb);
+}
+
 /* the failure of a call stopped by its interrupt poll after `done` of `tokens` tokens */
 q3_status q3_layer_interrupted(q3_error *err, int64_t done, int64_t tokens);
 

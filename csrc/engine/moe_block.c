@@ -18,15 +18,15 @@ typedef struct {
     float *xe, *gate, *up; /* [n, H], [n, I], [n, I] */
 } expert_buffers;
 
-/* out [n, H] <- expert e applied to rows xe [n, H] (gate, up, SiLU * up, down) */
+/* out [n, H] <- expert e applied to rows xe [n, H] (gate, up, SiLU * up, down); threads: the
+ * FP8 matmuls' (1 when called by each thread of a parallel region) */
 static void expert_apply(const q3_cpu_ops *k, const q3_layer *layer, int e, int64_t n, float *out,
-                         const expert_buffers *b, uint16_t *xb) {
-    const q3_weights *w = &layer->w;
+                         const expert_buffers *b, uint16_t *xb, int threads) {
     const int64_t H = layer->cfg.hidden, I = layer->cfg.moe_inter;
-    k->matmul(b->gate, b->xe, w->experts[Q3_X_GATE][e], w->dtype, n, I, H, 0, xb);
-    k->matmul(b->up, b->xe, w->experts[Q3_X_UP][e], w->dtype, n, I, H, 0, xb);
+    q3_project(layer, k, b->gate, b->xe, q3_expert_matrix(layer, Q3_X_GATE, e), n, I, H, 0, xb, threads);
+    q3_project(layer, k, b->up, b->xe, q3_expert_matrix(layer, Q3_X_UP, e), n, I, H, 0, xb, threads);
     k->swiglu(b->gate, b->gate, b->up, n * I);
-    k->matmul(out, b->gate, w->experts[Q3_X_DOWN][e], w->dtype, n, H, I, 0, xb);
+    q3_project(layer, k, out, b->gate, q3_expert_matrix(layer, Q3_X_DOWN, e), n, H, I, 0, xb, threads);
 }
 
 static void experts_in_turn(q3_layer *layer, const q3_cpu_ops *k) {
@@ -37,7 +37,7 @@ static void experts_in_turn(q3_layer *layer, const q3_cpu_ops *k) {
         const int64_t first = ws->offsets[e], n = ws->offsets[e + 1] - first;
         if (n == 0) continue;
         k->gather_rows(ws->xe, ws->h, ws->pair_row + first, n, H);
-        expert_apply(k, layer, e, n, ws->ye, &b, ws->xb);
+        expert_apply(k, layer, e, n, ws->ye, &b, ws->xb, ws->threads);
         k->scatter_add_rows(ws->x, ws->ye, ws->pair_row + first, ws->pair_w + first, n, H);
     }
 }
@@ -49,7 +49,7 @@ static void expert_to_slots(const q3_cpu_ops *k, const q3_layer *layer, int e, c
     const int64_t first = ws->offsets[e], n = ws->offsets[e + 1] - first;
     float *out = ws->pair_out + first * H;
     k->gather_rows(b->xe, ws->h, ws->pair_row + first, n, H);
-    expert_apply(k, layer, e, n, out, b, NULL);
+    expert_apply(k, layer, e, n, out, b, NULL, 1); /* n <= Q3_MOE_THREAD_ROWS */
     for (int64_t i = 0; i < n; i++) {
         const float wt = ws->pair_w[first + i];
 #pragma omp simd

@@ -111,12 +111,37 @@ void q3_expert_weight_shape(const q3_config *cfg, q3_expert_weight w, int64_t di
  * N(0, 0.02) like a trained (and initialised) Qwen3 layer */
 void q3_weight_init(int is_norm, float *mean, float *std);
 
+/* How the projection matrices (q/k/v/o_proj and the experts' gate/up/down_proj) are stored.
+ * Norms and the router are always of the layer's dtype. */
+typedef enum {
+    Q3_WF_DENSE = 0,        /* of the layer's dtype, like every other weight */
+    Q3_WF_FP8_BLOCK128 = 1, /* float8 e4m3fn bytes, each with a scale_inv [ceil(N/128), ceil(K/128)]
+                             * of scale_dtype: W[i, j] = e4m3(w[i, j]) * scale_inv[i/128, j/128]
+                             * (kernels/fp8.h); the checkpoints' quant_method "fp8", fmt "e4m3",
+                             * weight_block_size [128, 128] */
+} q3_weight_format;
+
+const char *q3_weight_format_name(q3_weight_format f); /* "dense", "fp8_e4m3_block128" */
+/* whether dense weight w is a projection matrix (stored in the layer's weight format) */
+int q3_dense_weight_is_matrix(q3_dense_weight w);
+
 typedef struct {
-    q3_dtype dtype;                                   /* of every weight */
+    q3_dtype dtype;                                   /* of the norms and the router, and of the
+                                                       * matrices in the dense format */
     int device;                                       /* -1: host memory; else the CUDA device */
+    q3_weight_format format;
+    q3_dtype scale_dtype;                             /* FP8: of every scale_inv (fp32 or bf16) */
     const void *dense[Q3_W_DENSE_COUNT];              /* contiguous, shapes as above */
     const void *const *experts[Q3_X_COUNT];           /* [E] pointers each, contiguous */
+    const void *dense_scale[Q3_W_DENSE_COUNT];        /* FP8: scale_inv of each matrix, else NULL */
+    const void *const *expert_scales[Q3_X_COUNT];     /* FP8: [E] scale_inv pointers each */
 } q3_weights;
+
+/* scale_inv's shape for an FP8 matrix of shape dims [N, K] */
+static inline void q3_fp8_scale_shape(const int64_t dims[2], int64_t out[2]) {
+    out[0] = (dims[0] + 127) / 128;
+    out[1] = (dims[1] + 127) / 128;
+}
 
 /* ---- layer -------------------------------------------------------------------- */
 
@@ -128,6 +153,9 @@ q3_status q3_layer_create(q3_layer **out, const q3_config *cfg, const q3_weights
 void q3_layer_destroy(q3_layer *layer);
 const q3_config *q3_layer_config(const q3_layer *layer);
 q3_dtype q3_layer_dtype(const q3_layer *layer);
+q3_weight_format q3_layer_weight_format(const q3_layer *layer);
+/* bytes of all the layer's weights as the engine reads them (FP8: the bytes and the scales) */
+int64_t q3_layer_weight_bytes(const q3_layer *layer);
 size_t q3_layer_workspace_bytes(const q3_layer *layer);
 
 #define Q3_DEFAULT_CHUNK 512

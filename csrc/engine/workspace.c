@@ -1,9 +1,11 @@
 /* Workspace carving: every array is a 64-byte aligned slice of one block. */
+#include "../../kernels/fp8.h"
 #include "../../kernels/matmul.h"
 #include "workspace.h"
 
 /* Lays the arrays out from base (NULL: only measures); returns the bytes used. */
-size_t q3_workspace_layout(q3_workspace *w, char *base, const q3_config *c, int64_t R, int S, int threads) {
+size_t q3_workspace_layout(q3_workspace *w, char *base, const q3_config *c, int fp8, int64_t R, int S,
+                           int threads) {
     const int64_t H = c->hidden, QD = (int64_t)c->heads * c->head_dim,
                   KVD = (int64_t)c->kv_heads * c->head_dim, I = c->moe_inter;
     size_t off = 0;
@@ -43,11 +45,13 @@ size_t q3_workspace_layout(q3_workspace *w, char *base, const q3_config *c, int6
     CARVE(expert_thread, float, threads * q3_expert_thread_floats(c));
     CARVE(pair_out, float, (int64_t)Q3_MOE_THREAD_ROWS * c->top_k * H);
     CARVE(attn_seqs, q3_attn_seq, S);
+    CARVE(fp8_scratch, float, fp8 ? threads * q3_matmul_fp8_scratch_floats(R, max_k) : 0);
+    if (!fp8) w->fp8_scratch = NULL;
 #undef CARVE
     return off;
 }
 
-q3_status q3_workspace_reserve(q3_workspace *ws, const q3_config *cfg, int64_t rows, int seqs,
+q3_status q3_workspace_reserve(q3_workspace *ws, const q3_config *cfg, int fp8, int64_t rows, int seqs,
                                q3_error *err) {
     if (rows <= ws->rows && seqs <= ws->seqs && q3_max_threads() <= ws->threads) return Q3_OK;
     /* with the config's limits, rows * top_k <= 2^31 - 1 keeps every product of the layout
@@ -59,12 +63,12 @@ q3_status q3_workspace_reserve(q3_workspace *ws, const q3_config *cfg, int64_t r
     if (seqs < ws->seqs) seqs = ws->seqs;
     q3_workspace grown = *ws;
     const int threads = q3_max_threads();
-    const size_t bytes = q3_workspace_layout(&grown, NULL, cfg, rows, seqs, threads);
+    const size_t bytes = q3_workspace_layout(&grown, NULL, cfg, fp8, rows, seqs, threads);
     char *block = q3_alloc(bytes);
     if (!block)
         return q3_fail(err, Q3_ERR_NOMEM, "workspace: cannot allocate %zu bytes for %lld rows",
                        bytes, (long long)rows);
-    q3_workspace_layout(&grown, block, cfg, rows, seqs, threads);
+    q3_workspace_layout(&grown, block, cfg, fp8, rows, seqs, threads);
     grown.threads = threads;
     grown.block = block;
     grown.bytes = bytes;

@@ -36,6 +36,7 @@ typedef struct {
     float *attn_scratch; /* [threads] x q3_attention_scratch_floats */
     float *expert_thread; /* [threads] x q3_expert_thread_floats: decode's experts per thread */
     float *pair_out;      /* [Q3_MOE_THREAD_ROWS * k, H] decode's weighted expert outputs, by pair */
+    float *fp8_scratch;   /* FP8 layers: [threads] x q3_matmul_fp8_scratch_floats(R, max K), else NULL */
     q3_attn_seq *attn_seqs; /* [seqs] */
 } q3_workspace;
 
@@ -48,11 +49,13 @@ static inline int64_t q3_expert_thread_floats(const q3_config *c) {
 }
 
 /* Makes room for `rows` rows and `seqs` sequences; keeps the old block on failure. */
-q3_status q3_workspace_reserve(q3_workspace *ws, const q3_config *cfg, int64_t rows, int seqs,
+q3_status q3_workspace_reserve(q3_workspace *ws, const q3_config *cfg, int fp8, int64_t rows, int seqs,
                                q3_error *err);
 void q3_workspace_release(q3_workspace *ws);
 /* Lays the arrays out from base (NULL: only measures) for R rows, S sequences and `threads`
- * threads; returns the bytes. For a device block the host-only scratch is simply unused. */
-size_t q3_workspace_layout(q3_workspace *w, char *base, const q3_config *c, int64_t R, int S, int threads);
+ * threads (with the FP8 matmuls' scratch when fp8); returns the bytes. For a device block
+ * the host-only scratch is simply unused. */
+size_t q3_workspace_layout(q3_workspace *w, char *base, const q3_config *c, int fp8, int64_t R, int S,
+                           int threads);
 
 #endif

@@ -1,6 +1,6 @@
 /* The DLPack C ABI (data interchange between array libraries), declared from the DLPack
  * specification, version 1.x, for what this extension exchanges: CPU (and later CUDA)
- * tensors of float32 and bfloat16. Struct layouts must match the specification exactly;
+ * tensors of float32 and bfloat16, and float8 e4m3fn weights. Struct layouts must match the specification exactly;
  * names carry a q3_ prefix to make clear these are our declarations. */
 #ifndef Q3_PY_DLPACK_ABI_H
 #define Q3_PY_DLPACK_ABI_H
@@ -11,13 +11,15 @@
 enum { Q3_DL_CPU = 1, Q3_DL_CUDA = 2, Q3_DL_CUDA_HOST = 3, Q3_DL_CUDA_MANAGED = 13 };
 /* type codes (DLDataTypeCode) */
 enum { Q3_DL_INT = 0, Q3_DL_UINT = 1, Q3_DL_FLOAT = 2, Q3_DL_BFLOAT = 4, Q3_DL_COMPLEX = 5, Q3_DL_BOOL = 6 };
+/* the 8-bit float codes of DLPack 1.1, in their order (7 .. 14); bits 8, lanes 1 */
+enum { Q3_DL_FLOAT8_FIRST = 7, Q3_DL_FLOAT8_E4M3FN = 10, Q3_DL_FLOAT8_LAST = 14 };
 /* DLManagedTensorVersioned.flags bits */
 #define Q3_DL_FLAG_READ_ONLY ((uint64_t)1 << 0)
 #define Q3_DL_FLAG_IS_COPIED ((uint64_t)1 << 1)
 
-/* the version this extension produces; it consumes any 1.x */
+/* the version this extension produces (1.1: float8 codes); it consumes any 1.x */
 #define Q3_DL_MAJOR 1
-#define Q3_DL_MINOR 0
+#define Q3_DL_MINOR 1
 
 typedef struct {
     int32_t device_type;

@@ -20,9 +20,13 @@ static const char *device_name(int type) {
 
 static void dtype_desc(char *buf, size_t n, q3_dl_dtype d) {
     static const char *kinds[] = {"int", "uint", "float", "opaque", "bfloat", "complex", "bool"};
+    static const char *float8[] = {"e3m4", "e4m3", "e4m3b11fnuz", "e4m3fn", "e4m3fnuz", "e5m2", "e5m2fnuz",
+                                   "e8m0fnu"};
     const char *k = d.code < sizeof kinds / sizeof kinds[0] ? kinds[d.code] : "code";
     if (d.lanes != 1) snprintf(buf, n, "%s%u x%u", k, d.bits, d.lanes);
     else if (d.code == Q3_DL_BOOL) snprintf(buf, n, "bool");
+    else if (d.code >= Q3_DL_FLOAT8_FIRST && d.code <= Q3_DL_FLOAT8_LAST)
+        snprintf(buf, n, "float8_%s", float8[d.code - Q3_DL_FLOAT8_FIRST]);
     else snprintf(buf, n, "%s%u", k, d.bits);
 }
 
@@ -99,16 +103,20 @@ static int wrong_device(const char *arg, int type, int id, int device) {
     return -1;
 }
 
-static int fill_view(q3_view *v, const q3_dl_tensor *t, const char *arg, int device, int allow_host) {
+static int fill_view(q3_view *v, const q3_dl_tensor *t, const char *arg, int device, int allow) {
     char desc[64];
-    if (!device_fits(t->device.device_type, t->device.device_id, device, allow_host))
+    if (!device_fits(t->device.device_type, t->device.device_id, device, allow & Q3_VIEW_HOST))
         return wrong_device(arg, t->device.device_type, t->device.device_id, device);
     v->device = t->device.device_type == Q3_DL_CPU ? -1 : t->device.device_id;
     if (t->dtype.lanes == 1 && t->dtype.code == Q3_DL_FLOAT && t->dtype.bits == 32) v->dtype = Q3_F32;
     else if (t->dtype.lanes == 1 && t->dtype.code == Q3_DL_BFLOAT && t->dtype.bits == 16) v->dtype = Q3_BF16;
+    else if ((allow & Q3_VIEW_E4M3) && t->dtype.lanes == 1 && t->dtype.code == Q3_DL_FLOAT8_E4M3FN &&
+             t->dtype.bits == 8)
+        v->dtype = Q3_E4M3;
     else {
         dtype_desc(desc, sizeof desc, t->dtype);
-        PyErr_Format(PyExc_TypeError, "%s: expected dtype float32 or bfloat16, got %s", arg, desc);
+        PyErr_Format(PyExc_TypeError, "%s: expected dtype %s, got %s", arg,
+                     allow & Q3_VIEW_E4M3 ? "float32, bfloat16 or float8_e4m3fn" : "float32 or bfloat16", desc);
         return -1;
     }
     if (t->ndim < 0 || t->ndim > Q3_MAX_DIM) {
@@ -160,11 +168,11 @@ static int fill_view(q3_view *v, const q3_dl_tensor *t, const char *arg, int dev
     return 0;
 }
 
-int q3_view_acquire_on(PyObject *obj, const char *arg, q3_view *v, int device, int allow_host, void *stream) {
+int q3_view_acquire_on(PyObject *obj, const char *arg, q3_view *v, int device, int allow, void *stream) {
     memset(v, 0, sizeof *v);
     int type, id;
     if (query_device(obj, arg, &type, &id) < 0) return -1;
-    if (!device_fits(type, id, device, allow_host)) return wrong_device(arg, type, id, device);
+    if (!device_fits(type, id, device, allow & Q3_VIEW_HOST)) return wrong_device(arg, type, id, device);
     PyObject *cap = export_capsule(obj, type != Q3_DL_CPU, stream);
     if (!cap) return -1;
     const q3_dl_tensor *t = NULL;
@@ -192,7 +200,7 @@ int q3_view_acquire_on(PyObject *obj, const char *arg, q3_view *v, int device, i
         return -1;
     }
     Py_DECREF(cap);
-    if (fill_view(v, t, arg, device, allow_host) < 0) {
+    if (fill_view(v, t, arg, device, allow) < 0) {
         q3_view_release(v);
         return -1;
     }

@@ -56,7 +56,8 @@ static inline void q3_error_unstash(q3_pending_error *e) {
 /* Raises the Python exception for an engine failure; returns NULL. st gives the
  * module's CacheFullError (NULL only where the engine cannot report a full cache). */
 PyObject *q3_raise(q3_module_state *st, const q3_error *err);
-/* dtype <-> "float32" / "bfloat16"; q3_parse_dtype raises TypeError naming `arg` */
+/* dtype <-> "float32" / "bfloat16" ("float8_e4m3fn" named, never parsed: weights only);
+ * q3_parse_dtype raises TypeError naming `arg` */
 const char *q3_dtype_name(q3_dtype dt);
 int q3_parse_dtype(PyObject *obj, const char *arg, q3_dtype *out);
 
@@ -77,11 +78,13 @@ typedef struct {
 } q3_view;
 
 /* Imports obj (anything with __dlpack__) as a float32/bfloat16 tensor expected on `device`
- * (-1: cpu, else cuda:device; host tensors too when allow_host). Errors name `arg`:
+ * (-1: cpu, else cuda:device); `allow` may add host tensors (Q3_VIEW_HOST) and float8
+ * e4m3fn weights (Q3_VIEW_E4M3) to what is taken. Errors name `arg`:
  * TypeError for a non-tensor or another dtype, ValueError for another device. A CUDA
  * producer is handed `stream` (the consumer's, NULL: legacy default). Returns 0, or -1 with
  * an exception set (nothing to release then). */
-int q3_view_acquire_on(PyObject *obj, const char *arg, q3_view *v, int device, int allow_host, void *stream);
+enum { Q3_VIEW_HOST = 1, Q3_VIEW_E4M3 = 2 };
+int q3_view_acquire_on(PyObject *obj, const char *arg, q3_view *v, int device, int allow, void *stream);
 void q3_view_release(q3_view *v);
 /* "[2, 3, 4]" */
 void q3_format_shape(char *buf, size_t n, int ndim, const int64_t *shape);

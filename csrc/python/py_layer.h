@@ -11,12 +11,30 @@ typedef struct {
     int n_views;
     void **owned;        /* converted weights (q3_alloc) */
     int n_owned;
-    const void **expert_ptrs; /* [Q3_X_COUNT][E] */
+    const void **expert_ptrs; /* [Q3_X_COUNT][E], and for FP8 then their scales [Q3_X_COUNT][E] */
     PyObject *converted; /* list of names converted at construction */
     PyObject *weight_ptrs; /* dict name -> address the engine reads */
     PyThread_type_lock lock;
     int device;          /* -1: cpu; else the CUDA device of weights, caches and outputs */
 } q3_layer_object;
+
+/* construction (py_layer.c): weights[name] imported into the next view slot with its shape
+ * checked (`allow` as for q3_view_acquire_on; the slot is counted by the caller); the
+ * pointer the engine reads for a weight of `dtype` (borrowed, or converted once); and
+ * weight_ptrs[name] = p. Each returns NULL / -1 with an exception. */
+q3_view *q3_layer_acquire_shaped(q3_layer_object *self, PyObject *weights, const char *name, int rank,
+                                 const int64_t *dims, int allow, char *arg, size_t arg_size);
+const void *q3_layer_take_weight(q3_layer_object *self, PyObject *weights, const char *name, int rank,
+                                 const int64_t *dims, q3_dtype dtype);
+int q3_layer_record_ptr(q3_layer_object *self, const char *name, const void *p);
+
+/* the scale dtype of an FP8 layer: that of self_attn.q_proj.weight_scale_inv (py_layer.c) */
+int q3_layer_scale_dtype(PyObject *weights, int device, q3_dtype *sdt);
+/* FP8 weights (py_layer_fp8.c): a matrix and its scale (shape sdims, of dtype sdt) into
+ * *scale; the experts, per expert or fused */
+const void *q3_layer_take_fp8(q3_layer_object *self, PyObject *weights, const char *name, int rank,
+                              const int64_t *dims, const int64_t *sdims, q3_dtype sdt, const void **scale);
+int q3_layer_take_fp8_experts(q3_layer_object *self, PyObject *weights, const q3_config *c, q3_dtype sdt);
 
 extern PyMethodDef q3_layer_methods[];
 extern PyGetSetDef q3_layer_getset[];

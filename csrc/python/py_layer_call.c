@@ -355,13 +355,25 @@ static PyObject *get_device(q3_layer_object *self, void *c) {
     (void)c;
     return PyLong_FromLong(self->device);
 }
+static PyObject *get_weight_format(q3_layer_object *self, void *c) {
+    (void)c;
+    return PyUnicode_FromString(q3_weight_format_name(q3_layer_weight_format(self->layer)));
+}
+static PyObject *get_weight_bytes(q3_layer_object *self, void *c) {
+    (void)c;
+    return PyLong_FromLongLong(q3_layer_weight_bytes(self->layer));
+}
 static PyObject *get_workspace(q3_layer_object *self, void *c) {
     (void)c;
     return PyLong_FromSize_t(q3_layer_workspace_bytes(self->layer));
 }
 
 PyGetSetDef q3_layer_getset[] = {
-    {"dtype", (getter)get_dtype, NULL, "dtype of the weights", NULL},
+    {"dtype", (getter)get_dtype, NULL, "dtype of the activations, the norms and the router (and of the "
+     "projection matrices in the dense format)", NULL},
+    {"weight_format", (getter)get_weight_format, NULL, "'dense' or 'fp8_e4m3_block128'", NULL},
+    {"weight_bytes", (getter)get_weight_bytes, NULL, "bytes of all the weights as read (FP8: scales included)",
+     NULL},
     {"converted", (getter)get_converted, NULL, "names of weights converted at construction", NULL},
     {"weight_ptrs", (getter)get_weight_ptrs, NULL, "name -> address the engine reads", NULL},
     {"workspace_bytes", (getter)get_workspace, NULL, "activation workspace held now", NULL},

@@ -196,8 +196,10 @@ PyObject *q3_buffer_view(PyObject *module, PyObject *args) {
     PyObject *obj, *shape_obj, *dtype_obj;
     long long offset;
     if (!PyArg_ParseTuple(args, "OLOO:buffer_view", &obj, &offset, &shape_obj, &dtype_obj)) return NULL;
-    q3_dtype dt;
-    if (q3_parse_dtype(dtype_obj, "dtype", &dt) < 0) return NULL;
+    q3_dtype dt = Q3_E4M3; /* the checkpoint's FP8 weights too */
+    if (!(PyUnicode_Check(dtype_obj) && PyUnicode_CompareWithASCIIString(dtype_obj, "float8_e4m3fn") == 0) &&
+        q3_parse_dtype(dtype_obj, "dtype", &dt) < 0)
+        return NULL;
     int64_t shape[Q3_MAX_DIM], strides[Q3_MAX_DIM];
     PyObject *seq = PySequence_Fast(shape_obj, "shape: expected a sequence of ints");
     if (!seq) return NULL;
@@ -313,7 +315,9 @@ static void fill_dl(q3_dl_tensor *d, q3_tensor_object *t, int64_t *shape, int64_
     d->data = t->data;
     d->device = t->device < 0 ? (q3_dl_device){Q3_DL_CPU, 0} : (q3_dl_device){Q3_DL_CUDA, t->device};
     d->ndim = t->ndim;
-    d->dtype = t->dtype == Q3_BF16 ? (q3_dl_dtype){Q3_DL_BFLOAT, 16, 1} : (q3_dl_dtype){Q3_DL_FLOAT, 32, 1};
+    d->dtype = t->dtype == Q3_BF16   ? (q3_dl_dtype){Q3_DL_BFLOAT, 16, 1}
+               : t->dtype == Q3_E4M3 ? (q3_dl_dtype){Q3_DL_FLOAT8_E4M3FN, 8, 1}
+                                     : (q3_dl_dtype){Q3_DL_FLOAT, 32, 1};
     d->shape = shape;
     d->strides = strides;
     d->byte_offset = 0;
