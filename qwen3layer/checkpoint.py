@@ -8,7 +8,13 @@ open while the layer lives.
 The files are untrusted data: config.json and the index must be JSON objects of the expected
 form, a shard must be a regular file inside the folder, and every entry of the layer is
 checked (qwen3layer.safetensors) before a byte is borrowed. Anything else is a
-CheckpointError naming the file and, where there is one, the tensor."""
+CheckpointError naming the file and, where there is one, the tensor; the mappings opened so
+far are closed before it is raised.
+
+FP8 checkpoints (config.json's quantization_config, read by qwen3layer.quantization): each
+projection matrix is F8_E4M3 and has a "<matrix>_scale_inv" of F32 or BF16 beside it, of shape
+[ceil(out/128), ceil(in/128)]; both are borrowed from the mapping like any other tensor, nothing
+is dequantized at load."""
 from __future__ import annotations
 
 import os
@@ -16,9 +22,11 @@ from typing import Dict, List, Tuple
 
 from . import _C
 from .config import LayerConfig
-from .safetensors import (DTYPES, CheckpointError, Shard, UnsupportedDtypeError, check_entry, check_no_overlap,
-                          open_shard, read_json, show)
-from .weights import DENSE, expert_names
+from .quantization import FP8 as FP8_FORMAT
+from .quantization import weight_format
+from .safetensors import (DTYPES, FLOAT, FP8, CheckpointError, Entry, Shard, UnsupportedDtypeError, check_entry,
+                          check_no_overlap, open_shard, read_json, show)
+from .weights import DENSE, SCALE, SCALED, expert_names
 
 __all__ = ["CheckpointError", "UnsupportedDtypeError", "load_layer_weights"]
 
@@ -92,12 +100,15 @@ def _shard_path(folder: str, name: str, named_by: str) -> str:
 
 def _missing(path: str, names: List[str]) -> None:
     if names:
+        why = (" (the block scales of an FP8 matrix: config.json declares an FP8 quantization_config)"
+               if names[0].endswith(SCALE) else "")
         raise CheckpointError(f"checkpoint {path!r}: missing {', '.join(names[:3])}"
-                              + (f" and {len(names) - 3} more" if len(names) > 3 else ""))
+                              + (f" and {len(names) - 3} more" if len(names) > 3 else "") + why)
 
 
-def _layer_shards(path: str, names: List[str]) -> Dict[str, Shard]:
-    """{tensor name: its opened shard} for the layer's (prefixed) tensor names"""
+def _layer_shards(path: str, names: List[str], opened: List[Shard]) -> Dict[str, Shard]:
+    """{tensor name: its opened shard} for the layer's (prefixed) tensor names; each shard
+    opened is appended to `opened` as soon as it is (for the caller to close on an error)"""
     index = os.path.join(path, INDEX)
     if os.path.lexists(index):
         weight_map = _read_index(index)
@@ -111,35 +122,79 @@ def _layer_shards(path: str, names: List[str]) -> Dict[str, Shard]:
                 real = os.path.realpath(full)
                 if real not in by_real:
                     by_real[real] = open_shard(full, f"the shard of {n} in {index}")
+                    opened.append(by_real[real])
                 shard_of[file] = by_real[real]
         return {n: shard_of[weight_map[n]] for n in names}
     single = os.path.join(path, SINGLE)
     if not os.path.lexists(single):
         raise CheckpointError(f"checkpoint {path!r}: expected {INDEX} or {SINGLE}")
     shard = open_shard(_shard_path(path, SINGLE, f"checkpoint {path!r}"), "the checkpoint's only shard")
+    opened.append(shard)
     _missing(path, [n for n in names if n not in shard.entries])
     return {n: shard for n in names}
 
 
-def load_layer_weights(path: str, layer_idx: int) -> Tuple[LayerConfig, Dict[str, object], list]:
-    """(config, {per-layer name: zero-copy tensor}, open mappings) for layer `layer_idx`."""
-    cfg_path, raw, cfg = _read_config(path)
-    _check_layer_idx(cfg_path, raw, layer_idx)
-    prefix = f"model.layers.{layer_idx}."
-    wanted = list(DENSE) + expert_names(cfg.num_experts)
-    shards = _layer_shards(path, [prefix + n for n in wanted])
+def _wanted(fmt: str, num_experts: int) -> Dict[str, tuple]:
+    """{per-layer tensor name: the dtypes it may have} for a layer of weight format `fmt`"""
+    matrices = list(SCALED) + expert_names(num_experts)
+    wanted = {name: FLOAT for name in DENSE}
+    wanted.update({name: FLOAT for name in expert_names(num_experts)})
+    if fmt == FP8_FORMAT:
+        for name in matrices:
+            wanted[name] = FP8
+            wanted[name + SCALE] = FLOAT
+    return wanted
+
+
+def _check_scale(shard: Shard, name: str, matrix: Entry, scale: Entry) -> None:
+    """scale [ceil(out/128), ceil(in/128)] for matrix [out, in] (a matrix of another rank is
+    left to the engine, which names the shape it expects)"""
+    if len(matrix.shape) != 2:
+        return
+    want = [-(-d // 128) for d in matrix.shape]
+    if scale.shape != want:
+        raise CheckpointError(f"{shard.path}: {name}: expected shape {want} (one scale per 128 x 128 block of "
+                              f"the {matrix.shape} matrix), got {show(scale.shape)}")
+
+
+def _check_entries(shards: Dict[str, Shard], prefix: str, wanted: Dict[str, tuple]) -> Dict[str, Entry]:
+    """every entry checked, scales against their matrices, no two overlapping"""
     entries, spans = {}, {}
-    for name in wanted:  # every entry checked before a byte is borrowed
+    for name, dtypes in wanted.items():
         shard = shards[prefix + name]
         if prefix + name not in shard.entries:
             raise CheckpointError(f"{shard.path}: the index names it for {prefix + name}, its header does not")
-        entries[name] = entry = check_entry(shard, prefix + name)
+        entries[name] = entry = check_entry(shard, prefix + name, dtypes)
         spans.setdefault(shard.path, []).append((entry.begin, entry.end, prefix + name))
+    for name in wanted:
+        if name.endswith(SCALE):
+            matrix = name[:-len(SCALE)]
+            _check_scale(shards[prefix + name], prefix + name, entries[matrix], entries[name])
     for shard_path, ranges in spans.items():
         check_no_overlap(shard_path, ranges)
+    return entries
+
+
+def load_layer_weights(path: str, layer_idx: int) -> Tuple[LayerConfig, Dict[str, object], list, str]:
+    """(config, {per-layer name: zero-copy tensor}, open mappings, weight format) for layer
+    `layer_idx`. On an error the mappings opened so far are closed (no view of them exists
+    yet: every entry is checked before the first is borrowed)."""
+    cfg_path, raw, cfg = _read_config(path)
+    _check_layer_idx(cfg_path, raw, layer_idx)
+    fmt = weight_format(cfg_path, raw, layer_idx, cfg.num_experts)
+    prefix = f"model.layers.{layer_idx}."
+    wanted = _wanted(fmt, cfg.num_experts)
+    opened: List[Shard] = []
+    try:
+        shards = _layer_shards(path, [prefix + n for n in wanted], opened)
+        entries = _check_entries(shards, prefix, wanted)
+    except BaseException:
+        for shard in opened:
+            shard.mm.close()
+        raise
     weights = {}
     for name, entry in entries.items():
         shard = shards[prefix + name]
         weights[name] = _C.buffer_view(shard.mm, shard.start + entry.begin, entry.shape, DTYPES[entry.dtype])
     maps = list({id(s.mm): s.mm for s in shards.values()}.values())
-    return cfg, weights, maps
+    return cfg, weights, maps, fmt

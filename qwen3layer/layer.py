@@ -110,12 +110,26 @@ class DecoderLayer:
         """Layer `layer_idx` of a transformers safetensors checkpoint (the folder with
         config.json and the shards), its geometry from config.json. The shards are
         memory-mapped and only this layer's tensors are read; bf16/fp32 tensors of the
-        layer's dtype are used from the mapping without a copy. The files are checked as
-        untrusted data first: a bad one raises CheckpointError naming the file and the tensor."""
+        layer's dtype are used from the mapping without a copy. An FP8 checkpoint
+        (quantization_config with quant_method "fp8", e4m3, 128 x 128 blocks) gives an
+        fp8_e4m3_block128 layer: its e4m3 matrices and their scales are borrowed the same way,
+        nothing is dequantized; `dtype` is then the activations' (default: the norms' dtype).
+        The files are checked as untrusted data first: a bad one raises CheckpointError naming
+        the file and the tensor (or config.json and the field); no layer is made and the
+        mappings are closed."""
         from .checkpoint import load_layer_weights
 
-        cfg, weights, maps = load_layer_weights(path, layer_idx)
-        layer = cls(cfg, weights, device=device, dtype=dtype)
+        cfg, weights, maps, fmt = load_layer_weights(path, layer_idx)
+        try:
+            layer = cls(cfg, weights, device=device, dtype=dtype, weight_format=fmt)
+        except BaseException:
+            weights.clear()  # the views, so that the mappings can close now rather than at collection
+            for mm in maps:
+                try:
+                    mm.close()
+                except BufferError:  # a view still held (by the traceback): it closes when that goes
+                    pass
+            raise
         layer._mappings = maps  # the borrowed views keep them alive too; this makes it explicit
         return layer
 

@@ -3,7 +3,9 @@ length checked against the file before it is read, the header a JSON object, and
 the layer uses checked before the engine borrows its bytes. No torch, no safetensors package:
 the format is 8 bytes of little-endian header length, a JSON header of
 {name: {"dtype", "shape", "data_offsets": [begin, end]}} (offsets relative to the end of the
-header), then the data."""
+header), then the data. Dtypes taken: BF16 and F32, and F8_E4M3 (float8_e4m3fn) for the
+projection matrices of an FP8 checkpoint; which of them a tensor may have is the caller's
+choice (check_entry's `dtypes`)."""
 from __future__ import annotations
 
 import json
@@ -15,8 +17,10 @@ import stat
 import struct
 from typing import Any, List, NamedTuple, Tuple
 
-DTYPES = {"BF16": "bfloat16", "F32": "float32"}
-ITEMSIZE = {"BF16": 2, "F32": 4}
+DTYPES = {"BF16": "bfloat16", "F32": "float32", "F8_E4M3": "float8_e4m3fn"}
+ITEMSIZE = {"BF16": 2, "F32": 4, "F8_E4M3": 1}
+FLOAT = ("BF16", "F32")  # activations' dtypes: norms, the router, dense matrices, FP8 scales
+FP8 = ("F8_E4M3",)       # an FP8 checkpoint's projection matrices
 INT64_MAX = 2**63 - 1
 MAX_DIMS = 8                  # the engine's Q3_MAX_DIM
 MAX_JSON_BYTES = 100_000_000  # a header (safetensors' own limit), an index or a config.json
@@ -132,11 +136,16 @@ def open_shard(path: str, what: str) -> Shard:
 
 # ---- entries --------------------------------------------------------------------------------
 
-def _check_dtype(where: str, dtype: Any) -> str:
+def _check_dtype(where: str, dtype: Any, allowed: Tuple[str, ...]) -> str:
     if not isinstance(dtype, str):
         raise CheckpointError(f"{where}: dtype: expected a string, got {show(dtype)}")
-    if dtype not in DTYPES:
-        raise UnsupportedDtypeError(f"{where}: expected dtype BF16 or F32, got {dtype[:40]}")
+    if dtype not in allowed:
+        why = ""
+        if dtype.startswith("F8_") and allowed == FP8:
+            why = " (of the FP8 formats only e4m3, float8_e4m3fn, is taken)"
+        elif dtype.startswith("F8_"):
+            why = " (an FP8 tensor where config.json declares no FP8 quantization_config)"
+        raise UnsupportedDtypeError(f"{where}: expected dtype {' or '.join(allowed)}, got {dtype[:40]}{why}")
     return dtype
 
 
@@ -180,16 +189,16 @@ def _check_alignment(where: str, begin: int, file_offset: int, dtype: str) -> No
                               f"expected a multiple of {ITEMSIZE[dtype]}")
 
 
-def check_entry(shard: Shard, name: str) -> Entry:
+def check_entry(shard: Shard, name: str, dtypes: Tuple[str, ...] = FLOAT) -> Entry:
     """Entry `name` of the shard's header, every field checked; raises CheckpointError naming the
-    file and the tensor (UnsupportedDtypeError, a TypeError too, for a dtype other than BF16/F32)."""
+    file and the tensor (UnsupportedDtypeError, a TypeError too, for a dtype not in `dtypes`)."""
     where, entry = f"{shard.path}: {name}", shard.entries[name]
     if not isinstance(entry, dict):
         raise CheckpointError(f"{where}: expected an object with dtype, shape and data_offsets, got {show(entry)}")
     for key in ("dtype", "shape", "data_offsets"):
         if key not in entry:
             raise CheckpointError(f"{where}: missing '{key}' (expected dtype, shape and data_offsets)")
-    dtype = _check_dtype(where, entry["dtype"])
+    dtype = _check_dtype(where, entry["dtype"], dtypes)
     shape = _check_shape(where, entry["shape"], dtype)
     begin, end = _check_offsets(where, entry["data_offsets"], len(shard.mm) - shard.start)
     _check_byte_count(where, begin, end, shape, dtype)

@@ -1,0 +1,97 @@
+"""config.json's "quantization_config": which weight format a checkpoint's layer is stored in.
+
+None: dense (bf16/fp32 matrices). {"quant_method": "fp8", ...}: the fine-grained FP8 format of
+transformers' FineGrainedFP8Config and of the published Qwen3 FP8 checkpoints: every projection
+matrix (q/k/v/o_proj, each expert's gate/up/down_proj) float8_e4m3fn with a
+"<matrix>_scale_inv" of fp32 or bf16 scales, one per 128 x 128 block; the norms and the router
+as they were. Fields, as those configs write them:
+  quant_method       "fp8" (anything else: not taken)
+  fmt                "e4m3" (Qwen's configs write it; transformers' has no such field and
+                     always means e4m3); "e5m2" is refused
+  weight_block_size  [128, 128] (transformers' default when absent; null means one scale per
+                     matrix, refused, as is any other block)
+  activation_scheme  "dynamic" (the default): activations quantized per call by FP8 kernels;
+                     this layer keeps them in bf16/fp32 and reads only the weights in FP8.
+                     "static" (calibrated activation scales stored beside the weights) is
+                     refused rather than silently ignored
+  scale_fmt          "float" (the default); "ue8m0" (power-of-two scales in one byte) refused
+  expert_dtype       "fp8" (the default); "fp4" refused
+  modules_to_not_convert (alias ignored_layers): modules kept unquantized; one that names a
+                     projection of the loaded layer is refused (the engine takes all of a
+                     layer's projections in one format); others (lm_head, embeddings) are
+                     not this layer's business
+  dequantize, modules_to_convert: load options of transformers, not facts of the files.
+"""
+from __future__ import annotations
+
+from typing import Any, List
+
+from .safetensors import CheckpointError, show
+
+DENSE = "dense"
+FP8 = "fp8_e4m3_block128"
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _field(cfg_path: str, qc: dict, key: str, default: Any, expected: tuple, why: str) -> None:
+    value = qc.get(key, default)
+    if value not in expected or type(value) is not type(expected[0]):
+        raise CheckpointError(f"{cfg_path}: quantization_config.{key}: expected "
+                              f"{' or '.join(repr(e) for e in expected)}, got {show(value)}{why}")
+
+
+def _projections(layer_idx: int, num_experts: int) -> List[str]:
+    """the module names of the layer's projections, as transformers names them (experts both
+    fused, as 5.x holds them, and one by one, as the checkpoints store them)"""
+    p = f"model.layers.{layer_idx}."
+    return ([p + "self_attn." + a for a in ATTENTION] + [p + "mlp.experts"]
+            + [f"{p}mlp.experts.{e}.{x}" for e in range(num_experts) for x in EXPERT_PARTS])
+
+
+def _matches(pattern: str, module: str) -> bool:
+    """transformers' rule, taken literally: the pattern names the module, one of its parents
+    (a prefix ending at a '.'), or a tail of its name ("q_proj", "self_attn.q_proj")"""
+    return module == pattern or module.startswith(pattern + ".") or module.endswith("." + pattern)
+
+
+def _check_not_converted(cfg_path: str, qc: dict, layer_idx: int, num_experts: int) -> None:
+    key = "modules_to_not_convert" if "modules_to_not_convert" in qc else "ignored_layers"
+    skip = qc.get(key)
+    if skip is None:
+        return
+    if not isinstance(skip, list) or not all(isinstance(s, str) for s in skip):
+        raise CheckpointError(f"{cfg_path}: quantization_config.{key}: expected a list of module names, "
+                              f"got {show(skip)}")
+    for pattern in skip:
+        hit = next((m for m in _projections(layer_idx, num_experts) if _matches(pattern, m)), None)
+        if hit is not None:
+            raise CheckpointError(f"{cfg_path}: quantization_config.{key}: {show(pattern)} keeps {hit} unquantized; "
+                                  "expected every projection of the layer in FP8 (a layer mixing FP8 and "
+                                  "dense projections is not supported)")
+
+
+def weight_format(cfg_path: str, raw: dict, layer_idx: int, num_experts: int) -> str:
+    """DENSE or FP8 for layer `layer_idx` of the checkpoint whose config.json (at cfg_path)
+    holds `raw`; a quantization this layer cannot read raises CheckpointError naming
+    config.json and the field."""
+    if raw.get("quantization_config") is None:
+        return DENSE
+    qc = raw["quantization_config"]
+    if not isinstance(qc, dict):
+        raise CheckpointError(f"{cfg_path}: quantization_config: expected an object, got {show(qc)}")
+    _field(cfg_path, qc, "quant_method", None, ("fp8",),
+           " (block-scaled FP8; other quantizations are not supported: expected no quantization_config for "
+           "bf16/fp32 weights)")
+    _field(cfg_path, qc, "fmt", "e4m3", ("e4m3",), " (only float8_e4m3fn weights are supported)")
+    block = qc.get("weight_block_size", [128, 128])
+    if not (isinstance(block, list) and len(block) == 2 and all(type(b) is int for b in block)
+            and block == [128, 128]):
+        raise CheckpointError(f"{cfg_path}: quantization_config.weight_block_size: expected [128, 128], "
+                              f"got {show(block)} (only 128 x 128 scale blocks are supported)")
+    _field(cfg_path, qc, "activation_scheme", "dynamic", ("dynamic",),
+           " (static activation scales are not supported: this layer keeps activations in bf16/fp32)")
+    _field(cfg_path, qc, "scale_fmt", "float", ("float",), " (scales must be fp32 or bf16 numbers)")
+    _field(cfg_path, qc, "expert_dtype", "fp8", ("fp8",), " (FP4 experts are not supported)")
+    _check_not_converted(cfg_path, qc, layer_idx, num_experts)
+    return FP8
