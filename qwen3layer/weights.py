@@ -77,4 +77,23 @@ def canonical_weights(weights: Mapping[str, Any], config: LayerConfig) -> dict[s
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise ValueError(f"weights: missing {', '.join(repr(n) for n in missing[:5])}{more}")
+    _check_fused_gate_up_scale(out.get(FUSED[0] + SCALE), config)
     return out
+
+
+def _check_fused_gate_up_scale(scale: Any, config: LayerConfig) -> None:
+    """A fused FP8 gate_up_proj [E, 2I, H] may come with scales in one of two layouts: the
+    gate's ceil(I/128) row blocks then the up's (what per-expert checkpoints concatenate to,
+    the layout the engine reads), or ceil(2I/128) blocks over the fused rows (transformers'
+    FP8Experts when I is not a multiple of 128), where one block holds both gate and up rows
+    and neither half can be read on its own. The second gets its own message."""
+    shape = getattr(scale, "shape", None)
+    inter = config.moe_intermediate_size
+    split, fused = 2 * -(-inter // 128), -(-2 * inter // 128)
+    if shape is None or len(shape) != 3 or split == fused or shape[1] != fused:
+        return
+    raise ValueError(f"weights['{FUSED[0] + SCALE}']: expected shape [{shape[0]}, {split}, {shape[2]}] (the gate's "
+                     f"ceil(I/128) = {split // 2} row blocks, then the up's), got {list(shape)}: {fused} blocks "
+                     f"over the fused 2I = {2 * inter} rows, one of them holding gate and up rows together "
+                     f"(moe_intermediate_size {inter} is not a multiple of 128); not supported: pass the "
+                     "experts one by one (mlp.experts.{e}.{gate,up,down}_proj.weight and their scales)")
