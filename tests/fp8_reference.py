@@ -85,6 +85,17 @@ def layer_matrices(hf_layer) -> dict:
     return out
 
 
+def dense_tensors(model: Qwen3MoeForCausalLM) -> dict:
+    """{checkpoint name: tensor} of the whole model as a dense checkpoint holds it (experts
+    one by one, whichever way the installed transformers holds them)"""
+    tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items() if ".layers." not in k}
+    for i, layer in enumerate(model.model.layers):
+        tensors.update({f"model.layers.{i}.{k}": v.detach().contiguous() for k, v in layer.state_dict().items()
+                        if "proj" not in k})
+        tensors.update({f"model.layers.{i}.{k}": v.contiguous() for k, v in layer_matrices(layer).items()})
+    return tensors
+
+
 def quantize_model(model: Qwen3MoeForCausalLM, scale_dtype: torch.dtype = torch.float32) -> dict:
     """{checkpoint name: tensor} of the whole model with every layer's projections in FP8 (their
     scales beside them) and everything else as it is; the model's own projections are set to
@@ -107,7 +118,7 @@ def write_checkpoint(path, model: Qwen3MoeForCausalLM, tensors: dict, quant: dic
     """config.json (the model's, with `quant` as its quantization_config) and model.safetensors"""
     os.makedirs(path, exist_ok=True)
     cfg = model.config.to_dict()
-    cfg["quantization_config"] = dict(QUANT if quant is None else quant)
+    cfg["quantization_config"] = QUANT if quant is None else quant
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
