@@ -28,18 +28,24 @@ ALIGNED = dict(hidden_size=96, num_attention_heads=4, num_key_value_heads=2, hea
                num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True)
 
 
-def fp8_config(geometry: dict, layers: int = 1) -> Qwen3MoeConfig:
-    return Qwen3MoeConfig(vocab_size=16, intermediate_size=64, num_hidden_layers=layers, max_position_embeddings=512,
-                          rope_theta=1e6, rms_norm_eps=1e-6, attn_implementation="eager", **geometry)
+def fp8_config(geometry: dict, layers: int = 1, vocab: int = 16) -> Qwen3MoeConfig:
+    return Qwen3MoeConfig(vocab_size=vocab, intermediate_size=64, num_hidden_layers=layers, max_position_embeddings=512,
+                          rope_theta=1e6, rms_norm_eps=1e-6, attn_implementation="eager", pad_token_id=0, **geometry)
 
 
-def random_model(geometry: dict, seed: int, layers: int = 1) -> Qwen3MoeForCausalLM:
-    """A tiny fp32 model, every parameter re-randomised (norms near 1, matrices 1/sqrt(fan_in))."""
+def random_model(geometry: dict, seed: int, layers: int = 1, vocab: int = 16) -> Qwen3MoeForCausalLM:
+    """A tiny fp32 model, every parameter re-randomised (norms near 1, matrices 1/sqrt(fan_in);
+    embeddings and lm_head N(0, 9) so that greedy generation varies)."""
     torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(fp8_config(geometry, layers)).eval()
+    model = Qwen3MoeForCausalLM(fp8_config(geometry, layers, vocab)).eval()
     with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(1 + 0.2 * torch.randn_like(p)) if p.dim() == 1 else p.normal_(0.0, p.shape[-1] ** -0.5)
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif "embed" in name or "lm_head" in name:
+                p.normal_(0.0, 3.0)
+            else:
+                p.normal_(0.0, p.shape[-1] ** -0.5)
     return model
 
 
