@@ -4,16 +4,18 @@
     python tests/fuzz_checkpoint.py FILE...          # reproduce
 
 (tests/fuzz_common.py: the runner, the seeds, the findings log.) Each input becomes the
-model.safetensors of a one-layer checkpoint of a tiny geometry (config.json fixed, below),
-written to a temporary folder; the first byte chooses how:
+model.safetensors of a one-layer checkpoint of a tiny geometry (config.json fixed, below:
+dense, or FP8 with its quantization_config when byte // 6 is odd), written to a temporary
+folder; the first byte chooses how:
   0 (mod 3)  the rest is the whole file;
   1          the rest is the header's JSON, given its 8-byte length and spliced onto the data
-             of a valid tiny checkpoint (float32 data, or bfloat16 when byte // 3 is odd);
+             of a valid tiny checkpoint (float32 data, or bfloat16 when byte // 3 is odd; for
+             FP8, e4m3 matrices with scales and norms of that dtype);
   2          a valid tiny checkpoint's header edited field by field from the rest (offsets
              and shapes from a list of extremes and near-misses, dtypes, junk entries, a wrong
              length prefix, truncated data), the same splice.
-Seeds: valid tiny checkpoints in float32 and bfloat16 written by hand, and the one
-transformers' save_pretrained writes for the same geometry (when transformers is there),
+Seeds: valid tiny checkpoints in float32 and bfloat16, dense and FP8, written by hand, and the
+one transformers' save_pretrained writes for the same geometry (when transformers is there),
 in each mode.
 
 The entry point is the public one, DecoderLayer.from_checkpoint(path, layer_idx). Documented
@@ -50,6 +52,8 @@ GEOMETRY = dict(hidden_size=8, num_attention_heads=2, num_key_value_heads=1, hea
                 num_experts_per_tok=2, moe_intermediate_size=8)
 CONFIG = dict(GEOMETRY, model_type="qwen3_moe", num_hidden_layers=1, vocab_size=16, intermediate_size=16,
               norm_topk_prob=True, rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=64)
+FP8_CONFIG = dict(CONFIG, quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                               "weight_block_size": [128, 128]})
 H, HEADS, KV, D, E, I = (GEOMETRY[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads",
                                                 "head_dim", "num_experts", "moe_intermediate_size"))
 PREFIX = "model.layers.0."
@@ -71,24 +75,36 @@ def layer_shapes() -> dict:
 
 
 SHAPES = layer_shapes()
+MATRICES = {n for n in SHAPES if n.endswith("proj.weight")}  # an FP8 layer's e4m3 ones (not mlp.gate)
 SIZES = {"F32": 4, "BF16": 2}
+VIEW_SIZES = {"float32": 4, "bfloat16": 2, "float8_e4m3fn": 1}
 
 
-def tiny_checkpoint(dtype: str, seed: int = 0):
+def _floats(vals, dtype: str) -> bytes:
+    raw = struct.pack(f"<{len(vals)}f", *vals)
+    return b"".join(raw[i + 2:i + 4] for i in range(0, len(raw), 4)) if dtype == "BF16" else raw
+
+
+def tiny_checkpoint(dtype: str, seed: int = 0, fp8: bool = False):
     """(header dict, data bytes) of a valid one-layer safetensors file, written as the
-    safetensors library does (sorted names, contiguous data)."""
+    safetensors library does (sorted names, contiguous data). fp8: the projection matrices
+    F8_E4M3 (bytes of magnitude below 16, never NaN) with a [1, 1] scale of `dtype` each."""
     rng = random.Random(seed)
-    header, chunks, at = {}, [], 0
-    for name in sorted(SHAPES):
-        shape = SHAPES[name]
+    tensors = {}
+    for name, shape in SHAPES.items():
         n = 1
         for s in shape:
             n *= s
-        vals = [(1.0 + 0.1 * rng.gauss(0, 1)) if len(shape) == 1 else 0.3 * rng.gauss(0, 1) for _ in range(n)]
-        raw = struct.pack(f"<{n}f", *vals)
-        if dtype == "BF16":
-            raw = b"".join(raw[i + 2:i + 4] for i in range(0, len(raw), 4))
-        header[PREFIX + name] = {"dtype": dtype, "shape": shape, "data_offsets": [at, at + len(raw)]}
+        if fp8 and name in MATRICES:
+            tensors[name] = ("F8_E4M3", shape, bytes(rng.randrange(0x58) | rng.choice((0, 0x80)) for _ in range(n)))
+            tensors[name + "_scale_inv"] = (dtype, [1, 1], _floats([0.02], dtype))
+        else:
+            vals = [(1.0 + 0.1 * rng.gauss(0, 1)) if len(shape) == 1 else 0.3 * rng.gauss(0, 1) for _ in range(n)]
+            tensors[name] = (dtype, shape, _floats(vals, dtype))
+    header, chunks, at = {}, [], 0
+    for name in sorted(tensors):
+        kind, shape, raw = tensors[name]
+        header[PREFIX + name] = {"dtype": kind, "shape": shape, "data_offsets": [at, at + len(raw)]}
         chunks.append(raw)
         at += len(raw)
     return {"__metadata__": {"format": "pt"}, **header}, b"".join(chunks)
@@ -105,6 +121,7 @@ def file_bytes(header, data: bytes) -> bytes:
 
 
 BASES = {dt: tiny_checkpoint(dt) for dt in ("F32", "BF16")}
+BASES.update({"FP8-" + dt: tiny_checkpoint(dt, fp8=True) for dt in ("F32", "BF16")})
 
 
 def transformers_checkpoints() -> dict:
@@ -132,15 +149,17 @@ def seeds() -> dict:
     files.update(transformers_checkpoints())
     out = {}
     for name, data in files.items():
-        out[f"whole-{name}"] = b"\x00" + data
+        fp8 = 6 if name.startswith("hand-fp8") else 0  # the mode byte's FP8 bit: its config.json
+        out[f"whole-{name}"] = bytes([fp8]) + data
         (n,) = struct.unpack("<Q", data[:8])
         if name.endswith("f32"):  # the splice modes append the hand-written data of their dtype
-            out[f"header-{name}"] = b"\x01" + data[8:8 + n]
+            out[f"header-{name}"] = bytes([fp8 + 1]) + data[8:8 + n]
         elif name.endswith("bf16"):
-            out[f"header-{name}"] = b"\x04" + data[8:8 + n]
+            out[f"header-{name}"] = bytes([fp8 + 4]) + data[8:8 + n]
     for i, blob in enumerate((b"", b"\x00" * 16, bytes(range(64)), b"\xff" * 32)):
-        out[f"edit-f32-{i}"] = b"\x02" + blob
-        out[f"edit-bf16-{i}"] = b"\x05" + blob
+        for fp8, tag in ((0, ""), (6, "fp8-")):
+            out[f"edit-{tag}f32-{i}"] = bytes([fp8 + 2]) + blob
+            out[f"edit-{tag}bf16-{i}"] = bytes([fp8 + 5]) + blob
     return out
 
 
@@ -148,7 +167,7 @@ def seeds() -> dict:
 
 EXTREMES = [0, 1, -1, 2, 7, 8, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**53, 2**62, 2**63 - 1, 2**63,
             2**64 - 1, 2**64, -2**31, -2**63, -2**63 - 1]
-DTYPE_NAMES = ["F32", "BF16", "F16", "F64", "I8", "U8", "I32", "I64", "BOOL", "F8_E4M3", "", "f32", "bf16",
+DTYPE_NAMES = ["F32", "BF16", "F16", "F64", "I8", "U8", "I32", "I64", "BOOL", "F8_E4M3", "F8_E5M2", "", "f32", "bf16",
                None, 4, [], {}]
 
 
@@ -215,13 +234,18 @@ def edited(fdp, dtype: str) -> bytes:
     return struct.pack("<Q", n % 2**64) + text + data
 
 
+def is_fp8(data: bytes) -> bool:
+    """the input's checkpoint has the FP8 config.json"""
+    return bool(data) and (data[0] // 6) % 2 == 1
+
+
 def checkpoint_bytes(data: bytes) -> bytes:
     import atheris
 
     if not data:
         return b""
     mode, rest = data[0], data[1:]
-    dtype = "BF16" if (mode // 3) % 2 else "F32"
+    dtype = ("FP8-" if is_fp8(data) else "") + ("BF16" if (mode // 3) % 2 else "F32")
     if mode % 3 == 0:
         return rest
     if mode % 3 == 1:
@@ -282,8 +306,12 @@ def setup():
     from qwen3layer.checkpoint import CheckpointError
 
     d = tempfile.mkdtemp(prefix="fuzz-checkpoint-")
-    with open(os.path.join(d, "config.json"), "w") as f:
-        json.dump(CONFIG, f)
+    dirs = {}
+    for fp8, config in ((False, CONFIG), (True, FP8_CONFIG)):
+        dirs[fp8] = os.path.join(d, "fp8" if fp8 else "dense")
+        os.mkdir(dirs[fp8])
+        with open(os.path.join(dirs[fp8], "config.json"), "w") as f:
+            json.dump(config, f)
     views = []
     real_view = _C.buffer_view
 
@@ -292,11 +320,11 @@ def setup():
         n = 1
         for s in shape:
             n *= s
-        views.append((len(obj) if hasattr(obj, "__len__") else None, offset, n * (2 if dtype == "bfloat16" else 4)))
+        views.append((len(obj) if hasattr(obj, "__len__") else None, offset, n * VIEW_SIZES[dtype]))
         return t
 
     _C.buffer_view = watched_view  # the loader looks it up on the module at each call
-    STATE.update(q3=q3, _C=_C, CheckpointError=CheckpointError, dir=d, views=views,
+    STATE.update(q3=q3, _C=_C, CheckpointError=CheckpointError, dirs=dirs, views=views,
                  log=fuzz_common.Log(NAME))
 
 
@@ -309,13 +337,14 @@ def message_key(e: BaseException) -> str:
 def test_one_input(data: bytes) -> None:
     q3, _C, log, views = STATE["q3"], STATE["_C"], STATE["log"], STATE["views"]
     raw = checkpoint_bytes(data)
-    path = os.path.join(STATE["dir"], "model.safetensors")
+    folder = STATE["dirs"][is_fp8(data)]
+    path = os.path.join(folder, "model.safetensors")
     with open(path + ".new", "wb") as f:
         f.write(raw)
     os.replace(path + ".new", path)  # a new inode: the last layer's mapping (if alive) keeps the old one
     views.clear()
     try:
-        layer = q3.DecoderLayer.from_checkpoint(STATE["dir"], 0)
+        layer = q3.DecoderLayer.from_checkpoint(folder, 0)
     except STATE["CheckpointError"] as e:
         log.outcome("CheckpointError")
         return
@@ -338,10 +367,11 @@ def test_one_input(data: bytes) -> None:
     where = mapping_of(path)
     if where is not None:
         start = where[0]
-        size = 2 if layer.dtype == "bfloat16" else 4
         for name, ptr in layer.weight_ptrs.items():
-            if name in layer.converted or name not in SHAPES:
+            if name in layer.converted or name not in SHAPES:  # (scales: not in SHAPES, their views checked above)
                 continue
+            fp8 = layer.weight_format != "dense" and name in MATRICES
+            size = 1 if fp8 else 2 if layer.dtype == "bfloat16" else 4
             n = 1
             for s in SHAPES[name]:
                 n *= s
