@@ -89,6 +89,8 @@ def weight_format(cfg_path: str, raw: dict, layer_idx: int, num_experts: int) ->
             and block == [128, 128]):
         raise CheckpointError(f"{cfg_path}: quantization_config.weight_block_size: expected [128, 128], "
                               f"got {show(block)} (only 128 x 128 scale blocks are supported)")
+    scheme = qc.get("activation_scheme", "dynamic")
+    qc = dict(qc, activation_scheme=scheme.lower() if isinstance(scheme, str) else scheme)  # as transformers
     _field(cfg_path, qc, "activation_scheme", "dynamic", ("dynamic",),
            " (static activation scales are not supported: this layer keeps activations in bf16/fp32)")
     _field(cfg_path, qc, "scale_fmt", "float", ("float",), " (scales must be fp32 or bf16 numbers)")
