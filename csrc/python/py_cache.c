@@ -1,7 +1,8 @@
 /* qwen3layer KVCache: the Python face of the engine's q3_cache (layout in cache.h).
  * Made by DecoderLayer.new_cache; its memory is allocated once, at creation. keys() and
- * values() are zero-copy views that keep the cache alive. */
-#include "py_glue.h"
+ * values() are zero-copy views that keep the cache alive. The operations for generation
+ * (reorder, select, copy, ...) are in py_cache_ops.c. */
+#include "py_cache.h"
 
 q3_cache_object *q3_cache_object_new(q3_module_state *st, int batch, int64_t capacity,
                                      int kv_heads, int head_dim, q3_dtype dt, int device) {
@@ -29,14 +30,13 @@ static void cache_dealloc(q3_cache_object *o) {
     Py_DECREF(tp);
 }
 
-static int check_idle(q3_cache_object *o) {
+int q3_py_cache_check_idle(q3_cache_object *o) {
     if (!o->busy) return 0;
     PyErr_SetString(PyExc_RuntimeError, "cache: in use by a running layer call on another thread");
     return -1;
 }
 
-/* seq argument: an int in [0, batch), or None (-> -1, "every sequence") when allow_all */
-static int parse_seq(const q3_cache *c, PyObject *obj, int allow_all, int *seq) {
+int q3_py_cache_parse_seq(const q3_cache *c, PyObject *obj, int allow_all, int *seq) {
     if (obj == Py_None && allow_all) {
         *seq = -1;
         return 0;
@@ -57,7 +57,7 @@ static int parse_seq(const q3_cache *c, PyObject *obj, int allow_all, int *seq) 
     return 0;
 }
 
-static PyObject *status_or_none(q3_status s, const q3_error *err) {
+PyObject *q3_status_or_none(q3_status s, const q3_error *err) {
     if (s != Q3_OK) return q3_raise(NULL, err);
     Py_RETURN_NONE;
 }
@@ -67,9 +67,9 @@ static PyObject *cache_reset(q3_cache_object *o, PyObject *args, PyObject *kw) {
     PyObject *seq_obj = Py_None;
     int seq;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "|O:reset", names, &seq_obj)) return NULL;
-    if (parse_seq(o->cache, seq_obj, 1, &seq) < 0 || check_idle(o) < 0) return NULL;
+    if (q3_py_cache_parse_seq(o->cache, seq_obj, 1, &seq) < 0 || q3_py_cache_check_idle(o) < 0) return NULL;
     q3_error err;
-    return status_or_none(q3_cache_reset(o->cache, seq, &err), &err);
+    return q3_status_or_none(q3_cache_reset(o->cache, seq, &err), &err);
 }
 
 static PyObject *cache_truncate(q3_cache_object *o, PyObject *args, PyObject *kw) {
@@ -78,9 +78,9 @@ static PyObject *cache_truncate(q3_cache_object *o, PyObject *args, PyObject *kw
     PyObject *seq_obj = NULL;
     int seq = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "L|O:truncate", names, &n, &seq_obj)) return NULL;
-    if ((seq_obj && parse_seq(o->cache, seq_obj, 0, &seq) < 0) || check_idle(o) < 0) return NULL;
+    if ((seq_obj && q3_py_cache_parse_seq(o->cache, seq_obj, 0, &seq) < 0) || q3_py_cache_check_idle(o) < 0) return NULL;
     q3_error err;
-    return status_or_none(q3_cache_truncate(o->cache, seq, n, &err), &err);
+    return q3_status_or_none(q3_cache_truncate(o->cache, seq, n, &err), &err);
 }
 
 static PyObject *cache_set_padding(q3_cache_object *o, PyObject *args, PyObject *kw) {
@@ -89,9 +89,9 @@ static PyObject *cache_set_padding(q3_cache_object *o, PyObject *args, PyObject 
     PyObject *seq_obj = NULL;
     int seq = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "L|O:set_padding", names, &n, &seq_obj)) return NULL;
-    if ((seq_obj && parse_seq(o->cache, seq_obj, 0, &seq) < 0) || check_idle(o) < 0) return NULL;
+    if ((seq_obj && q3_py_cache_parse_seq(o->cache, seq_obj, 0, &seq) < 0) || q3_py_cache_check_idle(o) < 0) return NULL;
     q3_error err;
-    return status_or_none(q3_cache_set_padding(o->cache, seq, n, &err), &err);
+    return q3_status_or_none(q3_cache_set_padding(o->cache, seq, n, &err), &err);
 }
 
 static PyObject *cache_view(q3_cache_object *o, PyObject *args, PyObject *kw, int values) {
@@ -101,7 +101,7 @@ static PyObject *cache_view(q3_cache_object *o, PyObject *args, PyObject *kw, in
     if (!PyArg_ParseTupleAndKeywords(args, kw, values ? "|O:values" : "|O:keys", names, &seq_obj))
         return NULL;
     const q3_cache *c = o->cache;
-    if (seq_obj && parse_seq(c, seq_obj, 0, &seq) < 0) return NULL;
+    if (seq_obj && q3_py_cache_parse_seq(c, seq_obj, 0, &seq) < 0) return NULL;
     q3_module_state *st = q3_state_of_type(Py_TYPE(o));
     if (!st) return NULL;
     const int64_t shape[3] = {c->kv_heads, c->lengths[seq], c->head_dim};
@@ -162,6 +162,26 @@ static PyMethodDef cache_methods[] = {
      "(after QK-norm and RoPE), with __dlpack__. The view keeps the length it had when taken."},
     {"values", (PyCFunction)(void (*)(void))cache_values, KW,
      "values(seq=0)\n--\n\nZero-copy view [num_kv_heads, length, head_dim] of the sequence's values."},
+    {"reorder", (PyCFunction)(void (*)(void))q3_py_cache_reorder, KW,
+     "reorder(index)\n--\n\nIn place: sequence i becomes a copy of old sequence index[i] (len(index) == batch; "
+     "indices may repeat: beam search). Tokens, lengths and padding move together."},
+    {"select", (PyCFunction)(void (*)(void))q3_py_cache_select, KW,
+     "select(index)\n--\n\nA new KVCache of len(index) >= 1 sequences (same capacity): sequence i is a copy of "
+     "this cache's sequence index[i] (indices may repeat)."},
+    {"repeat_interleave", (PyCFunction)(void (*)(void))q3_py_cache_repeat_interleave, KW,
+     "repeat_interleave(n)\n--\n\nA new KVCache of batch * n sequences: sequence i * n + j is a copy of "
+     "sequence i (a prompt expanded to n beams)."},
+    {"crop", (PyCFunction)(void (*)(void))q3_py_cache_crop, KW,
+     "crop(length, seq=None)\n--\n\nKeep the first `length` tokens of sequence `seq`, or of every sequence "
+     "when seq is None; a sequence holding fewer keeps what it holds. length < 0 drops -length tokens from "
+     "the end of each (transformers' Cache.crop)."},
+    {"copy", (PyCFunction)q3_py_cache_copy, METH_NOARGS,
+     "copy()\n--\n\nA new KVCache with the same contents (copy.copy and copy.deepcopy call it)."},
+    {"__copy__", (PyCFunction)q3_py_cache_copy, METH_NOARGS, "The same as copy()."},
+    {"__deepcopy__", (PyCFunction)q3_py_cache_deepcopy, METH_O, "The same as copy()."},
+    {"copy_prefix", (PyCFunction)(void (*)(void))q3_py_cache_copy_prefix, KW,
+     "copy_prefix(src_seq, dst_seq, length)\n--\n\nSequence dst_seq becomes a copy of the first `length` "
+     "tokens of sequence src_seq (prefix reuse); what dst_seq held is dropped."},
     {NULL},
 };
 

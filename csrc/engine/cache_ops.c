@@ -1,0 +1,243 @@
+/* KV cache operations that generation needs: reorder and gather sequences (beam search, a
+ * prompt expanded to beams, a cache copied), crop, and copying a prefix between sequences.
+ *
+ * Layout as in cache.h: k and v are [batch, kv_heads, capacity, head_dim]. A sequence is
+ * moved as kv_heads blocks of [length, head_dim] (contiguous within a head, capacity *
+ * head_dim apart between heads): only the tokens it holds are copied, never the capacity.
+ *
+ * Every operation checks all of its arguments before it writes anything, and takes the
+ * memory it needs before it writes, so that a failure leaves the cache as it was. Device
+ * caches (device >= 0) are refused by the copying operations: the device backend has no
+ * copy entry yet. Cropping touches only the host-side lengths and works on both. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "cache.h"
+
+/* bytes of one [head_dim] row */
+static size_t row_bytes(const q3_cache *c) { return (size_t)c->head_dim * q3_dtype_size(c->dtype); }
+
+/* the [kv_heads, capacity, head_dim] block of sequence seq in k (values = 0) or v */
+static char *seq_block(const q3_cache *c, int seq, int values) {
+    return values ? q3_cache_seq_values(c, seq) : q3_cache_seq_keys(c, seq);
+}
+
+/* The first n tokens of every head, K and V, from a block of heads `src_stride` bytes apart
+ * to a block of heads `dst_stride` bytes apart. Blocks never overlap here. */
+static void copy_heads(char *dst, size_t dst_stride, const char *src, size_t src_stride, int kv_heads,
+                       size_t head_bytes) {
+    if (head_bytes == 0 || dst == src) return;
+    for (int h = 0; h < kv_heads; h++) memcpy(dst + h * dst_stride, src + h * src_stride, head_bytes);
+}
+
+/* sequence `from` of src -> sequence `to` of dst: the first n tokens of K and V */
+static void copy_seq(q3_cache *dst, int to, const q3_cache *src, int from, int64_t n) {
+    const size_t rb = row_bytes(src), head_bytes = (size_t)n * rb;
+    for (int values = 0; values < 2; values++)
+        copy_heads(seq_block(dst, to, values), (size_t)dst->capacity * rb, seq_block(src, from, values),
+                   (size_t)src->capacity * rb, src->kv_heads, head_bytes);
+}
+
+static q3_status refuse_device(const q3_cache *c, const char *op, q3_error *err) {
+    if (c->device < 0) return Q3_OK;
+    return q3_fail(err, Q3_ERR_STATE,
+                   "%s: the cache is on CUDA device %d; copying between sequences of a device cache is "
+                   "not implemented yet (host caches only)", op, c->device);
+}
+
+static q3_status check_index(const q3_cache *c, const int *index, int n, q3_error *err) {
+    for (int i = 0; i < n; i++)
+        if (index[i] < 0 || index[i] >= c->batch)
+            return q3_fail(err, Q3_ERR_INDEX, "index[%d]: expected 0 <= index < %d (the cache's batch), got %d",
+                           i, c->batch, index[i]);
+    return Q3_OK;
+}
+
+q3_status q3_cache_gather(q3_cache *dst, const q3_cache *src, const int *index, int n, q3_error *err) {
+    q3_status s = refuse_device(src, "gather", err);
+    if (s == Q3_OK) s = refuse_device(dst, "gather", err);
+    if (s != Q3_OK) return s;
+    if (dst == src)
+        return q3_fail(err, Q3_ERR_VALUE, "gather: expected two different caches, got the same (use reorder)");
+    if (n != dst->batch)
+        return q3_fail(err, Q3_ERR_VALUE, "index: expected %d entries (the destination's batch), got %d",
+                       dst->batch, n);
+    if (dst->kv_heads != src->kv_heads || dst->head_dim != src->head_dim || dst->dtype != src->dtype)
+        return q3_fail(err, Q3_ERR_VALUE,
+                       "gather: expected caches of one geometry, got kv_heads %d and %d, head_dim %d and %d, "
+                       "%d-byte and %d-byte elements", src->kv_heads, dst->kv_heads, src->head_dim, dst->head_dim,
+                       (int)q3_dtype_size(src->dtype), (int)q3_dtype_size(dst->dtype));
+    if ((s = check_index(src, index, n, err)) != Q3_OK) return s;
+    for (int i = 0; i < n; i++)
+        if (src->lengths[index[i]] > dst->capacity)
+            return q3_fail(err, Q3_ERR_CACHE_FULL,
+                           "gather: sequence %d holds %lld tokens, more than the destination's capacity %lld",
+                           index[i], (long long)src->lengths[index[i]], (long long)dst->capacity);
+    for (int i = 0; i < n; i++) {
+        copy_seq(dst, i, src, index[i], src->lengths[index[i]]);
+        dst->lengths[i] = src->lengths[index[i]];
+        dst->padding[i] = src->padding[index[i]];
+    }
+    return Q3_OK;
+}
+
+/* ---- reorder in place ------------------------------------------------------------ */
+
+/* One step of an in-place reorder: slot dst <- slot src, or slot src -> the spare block
+ * (dst == SPARE), or the spare block -> slot dst (src == SPARE). */
+enum { SPARE = -1 };
+typedef struct {
+    int dst, src;
+} move;
+
+/* Orders the copies of new[i] <- old[index[i]] so that no slot is overwritten while a later
+ * copy still reads it. A slot that no pending copy reads is written first (a leaf of the
+ * map i -> index[i]), which may free its source for writing in turn. What is left when no
+ * such slot remains is a set of cycles (each slot read by exactly one other): each goes
+ * through the spare block, starting at its shortest sequence so the spare is smallest.
+ * Writes the moves (at most 2 * batch) and returns their count; *spare_tokens gets the
+ * tokens the spare block must hold. need [batch] and pending [batch] are scratch. */
+static int plan_reorder(const q3_cache *c, const int *index, int *need, char *pending, move *moves,
+                        int64_t *spare_tokens) {
+    const int B = c->batch;
+    int n = 0, top = 0;
+    int *stack = need + B; /* need has 2 * B entries: the counts, then a stack of ready slots */
+    memset(need, 0, (size_t)B * sizeof *need);
+    for (int i = 0; i < B; i++) {
+        pending[i] = index[i] != i;
+        if (pending[i]) need[index[i]]++;
+    }
+    for (int i = 0; i < B; i++)
+        if (pending[i] && need[i] == 0) stack[top++] = i;
+    while (top > 0) {
+        const int i = stack[--top], from = index[i];
+        moves[n++] = (move){i, from};
+        pending[i] = 0;
+        if (--need[from] == 0 && pending[from]) stack[top++] = from;
+    }
+    *spare_tokens = 0;
+    for (int i = 0; i < B; i++) {
+        if (!pending[i]) continue;
+        int start = i; /* the cycle's shortest sequence */
+        for (int j = index[i]; j != i; j = index[j])
+            if (c->lengths[j] < c->lengths[start]) start = j;
+        if (c->lengths[start] > *spare_tokens) *spare_tokens = c->lengths[start];
+        moves[n++] = (move){SPARE, start};
+        int j = start;
+        for (; index[j] != start; j = index[j]) {
+            moves[n++] = (move){j, index[j]};
+            pending[j] = 0;
+        }
+        moves[n++] = (move){j, SPARE};
+        pending[j] = 0;
+    }
+    return n;
+}
+
+q3_status q3_cache_reorder(q3_cache *c, const int *index, int n, q3_error *err) {
+    q3_status s = refuse_device(c, "reorder", err);
+    if (s != Q3_OK) return s;
+    if (n != c->batch)
+        return q3_fail(err, Q3_ERR_VALUE, "index: expected %d entries (the cache's batch), got %d", c->batch, n);
+    if ((s = check_index(c, index, n, err)) != Q3_OK) return s;
+    const int B = c->batch;
+    int *need = malloc((size_t)B * 2 * sizeof *need);
+    char *pending = malloc((size_t)B);
+    move *moves = malloc((size_t)B * 2 * sizeof *moves);
+    int64_t *lengths = malloc((size_t)B * 2 * sizeof *lengths), *padding = lengths + B;
+    char *spare = NULL;
+    s = Q3_OK;
+    if (!need || !pending || !moves || !lengths) {
+        s = q3_fail(err, Q3_ERR_NOMEM, "reorder: out of memory for the plan of %d sequences", B);
+        goto done;
+    }
+    int64_t spare_tokens;
+    const int n_moves = plan_reorder(c, index, need, pending, moves, &spare_tokens);
+    const size_t rb = row_bytes(c), stride = (size_t)c->capacity * rb, spare_head = (size_t)spare_tokens * rb;
+    /* the spare block: [2 (K, V), kv_heads, spare_tokens, head_dim], heads packed */
+    if (spare_tokens > 0 && !(spare = q3_alloc(2 * (size_t)c->kv_heads * spare_head))) {
+        s = q3_fail(err, Q3_ERR_NOMEM, "reorder: cannot allocate a spare block of %lld tokens",
+                    (long long)spare_tokens);
+        goto done;
+    }
+    for (int i = 0; i < B; i++) {
+        lengths[i] = c->lengths[index[i]];
+        padding[i] = c->padding[index[i]];
+    }
+    /* c->lengths holds the old lengths until every block has moved */
+    for (int m = 0; m < n_moves; m++) {
+        const move mv = moves[m];
+        for (int values = 0; values < 2; values++) {
+            char *spare_v = spare ? spare + (size_t)values * c->kv_heads * spare_head : NULL;
+            if (mv.dst == SPARE)
+                copy_heads(spare_v, spare_head, seq_block(c, mv.src, values), stride, c->kv_heads,
+                           (size_t)c->lengths[mv.src] * rb);
+            else if (mv.src == SPARE)
+                copy_heads(seq_block(c, mv.dst, values), stride, spare_v, spare_head, c->kv_heads,
+                           (size_t)c->lengths[index[mv.dst]] * rb);
+            else
+                copy_heads(seq_block(c, mv.dst, values), stride, seq_block(c, mv.src, values), stride,
+                           c->kv_heads, (size_t)c->lengths[mv.src] * rb);
+        }
+    }
+    memcpy(c->lengths, lengths, (size_t)B * sizeof *lengths);
+    memcpy(c->padding, padding, (size_t)B * sizeof *padding);
+done:
+    q3_free(spare);
+    free(need);
+    free(pending);
+    free(moves);
+    free(lengths);
+    return s;
+}
+
+/* ---- crop and prefix copy ---------------------------------------------------------- */
+
+/* the length sequence seq keeps under crop(length): see cache.h */
+static q3_status crop_length(const q3_cache *c, int seq, int64_t length, int64_t *keep, q3_error *err) {
+    const int64_t held = c->lengths[seq];
+    if (length >= 0) {
+        *keep = length < held ? length : held;
+        return Q3_OK;
+    }
+    if (length < -held) /* -length > held, written so that INT64_MIN does not overflow */
+        return q3_fail(err, Q3_ERR_VALUE,
+                       "length: expected -%lld <= length (sequence %d holds %lld tokens), got %lld",
+                       (long long)held, seq, (long long)held, (long long)length);
+    *keep = held + length;
+    return Q3_OK;
+}
+
+q3_status q3_cache_crop(q3_cache *c, int seq, int64_t length, q3_error *err) {
+    if (seq >= c->batch)
+        return q3_fail(err, Q3_ERR_INDEX, "seq: expected 0 <= seq < %d (the cache's batch), got %d", c->batch, seq);
+    const int first = seq < 0 ? 0 : seq, last = seq < 0 ? c->batch : seq + 1;
+    int64_t keep = 0;
+    for (int i = first; i < last; i++) {
+        q3_status s = crop_length(c, i, length, &keep, err);
+        if (s != Q3_OK) return s;
+    }
+    for (int i = first; i < last; i++) {
+        crop_length(c, i, length, &keep, NULL);
+        q3_cache_truncate(c, i, keep, NULL);
+    }
+    return Q3_OK;
+}
+
+q3_status q3_cache_copy_prefix(q3_cache *c, int src_seq, int dst_seq, int64_t length, q3_error *err) {
+    q3_status s = refuse_device(c, "copy_prefix", err);
+    if (s != Q3_OK) return s;
+    if (src_seq < 0 || src_seq >= c->batch)
+        return q3_fail(err, Q3_ERR_INDEX, "src_seq: expected 0 <= src_seq < %d (the cache's batch), got %d",
+                       c->batch, src_seq);
+    if (dst_seq < 0 || dst_seq >= c->batch)
+        return q3_fail(err, Q3_ERR_INDEX, "dst_seq: expected 0 <= dst_seq < %d (the cache's batch), got %d",
+                       c->batch, dst_seq);
+    if (length < 0 || length > c->lengths[src_seq])
+        return q3_fail(err, Q3_ERR_VALUE, "length: expected 0 <= length <= %lld (the length of sequence %d), got %lld",
+                       (long long)c->lengths[src_seq], src_seq, (long long)length);
+    copy_seq(c, dst_seq, c, src_seq, length); /* nothing when src_seq == dst_seq */
+    c->lengths[dst_seq] = length;
+    c->padding[dst_seq] = c->padding[src_seq] < length ? c->padding[src_seq] : length;
+    return Q3_OK;
+}
