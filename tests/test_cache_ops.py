@@ -3,11 +3,15 @@ repeat_interleave, crop, copy and copy_prefix. Each is checked by content (the k
 values each sequence holds, its length and padding), by behaviour (decoding after the
 operation equals decoding on a cache built directly in the resulting state), and by its
 rejections (an error naming the argument, and the cache left as it was)."""
+import _thread
 import copy
 import os
 import random
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -297,6 +301,65 @@ def test_the_same_cache_can_take_a_reorder_after_a_rejection(cache):
     before = state(cache)
     cache.reorder([5, 4, 3, 2, 1, 0])
     assert_same(state(cache), gathered(before, [5, 4, 3, 2, 1, 0]))
+
+
+class Stop(Exception):
+    pass
+
+
+def test_operations_refuse_while_a_layer_call_runs_on_the_cache(layer):
+    """Python code that runs while a prefill is inside the engine (a signal handler, run by
+    the engine's poll at a chunk boundary) finds the cache busy: every operation refuses
+    with RuntimeError and changes nothing; the prefill then stops and rolls back."""
+    cache = filled(layer, prompts([3, 2]), capacity=8192)
+    before = state(cache)
+    started, refusals = threading.Event(), []
+
+    class Announcing:
+        """x, which announces that the glue has started importing it"""
+
+        def __init__(self, t):
+            self.t = t
+
+        def __dlpack_device__(self):
+            return self.t.__dlpack_device__()
+
+        def __dlpack__(self, **kw):
+            started.set()
+            return self.t.__dlpack__(**kw)
+
+    def handler(signum, frame):
+        for op in (lambda: cache.reorder([1, 0]), lambda: cache.select([0]), lambda: cache.repeat_interleave(2),
+                   cache.copy, lambda: cache.crop(1), lambda: cache.copy_prefix(0, 1, 1)):
+            try:
+                op()
+                refusals.append("accepted")
+            except RuntimeError as e:
+                refusals.append(str(e))
+        raise Stop
+
+    main = threading.get_ident()
+
+    def interrupt():
+        """once the main thread is inside the C call (its Python frame the wrapper's)"""
+        if not started.wait(60):
+            return
+        deadline = time.monotonic() + 60
+        while sys._current_frames()[main].f_code.co_name != "prefill":
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.001)
+        _thread.interrupt_main(signal.SIGINT)
+
+    old = signal.signal(signal.SIGINT, handler)
+    try:
+        threading.Thread(target=interrupt, daemon=True).start()
+        with pytest.raises(Stop):
+            layer.prefill(Announcing(x_of(8000, H, seed=9)), cache, 1, chunk_size=1)
+    finally:
+        signal.signal(signal.SIGINT, old)
+    assert refusals == ["cache: in use by a running layer call on another thread"] * 6
+    assert_same(state(cache), before)
 
 
 DEVICE_SCRIPT = """
