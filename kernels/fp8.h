@@ -34,6 +34,33 @@ static inline float q3_e4m3_to_f32(uint8_t b) {
     return f;
 }
 
+/* fp32 -> e4m3fn, exact round to nearest even, as torch's .to(torch.float8_e4m3fn) does (2.x
+ * on the CPU): saturating, every magnitude from 448 up (inf included) gives +-448 (0x7e), NaN
+ * gives NaN (0x7f, sign kept). Integer arithmetic only: independent of the FP environment. */
+static inline uint8_t q3_f32_to_e4m3(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    const uint8_t sign = (uint8_t)((u >> 24) & 0x80u);
+    u &= 0x7fffffffu;
+    if (u > 0x7f800000u) return sign | 0x7fu;  /* NaN */
+    if (u >= 0x43e00000u) return sign | 0x7eu; /* 448.0f and up */
+    if (u >= 0x3c800000u) {                    /* 2^-6 and up: a normal e4m3 */
+        /* keep 3 of the 23 mantissa bits; adding 2^19 - 1 plus the kept lsb rounds half to
+         * even, a carry moving into the exponent as it should */
+        u += 0x7ffffu + ((u >> 20) & 1u);
+        return sign | (uint8_t)((u - (120u << 23)) >> 20); /* exponent E - 127 + 7 */
+    }
+    /* below 2^-6: a multiple q of 2^-9 (q = 8 is 2^-6, byte 0x08: still right) */
+    const uint32_t e = u >> 23;
+    if (e == 0) return sign; /* fp32 zero or subnormal: far below 2^-10 */
+    const uint32_t sig = (u & 0x7fffffu) | 0x800000u, shift = 141u - e; /* f = sig 2^(e-150) */
+    if (shift > 25u) return sign;                                        /* f < 2^-11 */
+    uint32_t q = sig >> shift;
+    const uint32_t rem = sig & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+    q += rem > half || (rem == half && (q & 1u));
+    return sign | (uint8_t)q;
+}
+
 /* scale_inv element idx of dtype dt (fp32 or bf16) as fp32 */
 static inline float q3_fp8_scale_at(const void *scale, q3_dtype dt, int64_t idx) {
     return dt == Q3_BF16 ? q3_bf16_to_f32(((const uint16_t *)scale)[idx]) : ((const float *)scale)[idx];

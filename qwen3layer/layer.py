@@ -135,15 +135,17 @@ class DecoderLayer:
 
     @classmethod
     def random(cls, config: LayerConfig, seed: int = 0, dtype: str = "bfloat16",
-               device: str = "cpu") -> "DecoderLayer":
+               device: str = "cpu", weight_format: Optional[str] = None) -> "DecoderLayer":
         """Random weights in extension memory, scaled like a trained layer (matrices
         N(0, 0.02), norm weights N(1, 0.1)); the same seed gives the same weights. They are
-        made on the host; a CUDA layer copies them to its device once."""
+        made on the host; a CUDA layer copies them to its device once. weight_format
+        'fp8_e4m3_block128': the projection matrices are float8_e4m3fn with fp32 block scales,
+        quantized (in C) from the same draws; `dtype` is then the activations'."""
         _device_index(device)
-        weights = _C.random_weights(config, seed, dtype)
+        weights = _C.random_weights(config, seed, dtype, weight_format)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the copy to the device is the point here
-            return cls(config, weights, device=device)
+            return cls(config, weights, device=device, dtype=dtype, weight_format=weight_format)
 
     def random_input(self, shape, seed: int, dtype: Optional[str] = None) -> Tensor:
         """Random N(0, 1) activations of `shape` in extension memory on the layer's device

@@ -206,6 +206,14 @@ void q3_copy_strided(void *dst, q3_dtype dst_dt, const void *src, q3_dtype src_d
 void q3_fill_random(void *dst, q3_dtype dt, int64_t n, uint64_t seed, uint64_t stream,
                     float mean, float std);
 
+/* An FP8 matrix (kernels/fp8.h) quantized from the fp32 draws q3_fill_random(.., Q3_F32, ..,
+ * seed, stream, mean, std) makes from element `offset` of the stream on (so under one seed the
+ * FP8 matrix is, to the last bit of fp32 rounding, the quantized dense one): per 128 x 128
+ * block scale_inv = amax / 448 (an all-zero block: 1), w = e4m3(value / scale_inv).
+ * w [N, K] bytes, scale [ceil(N/128), ceil(K/128)] fp32. Deterministic whatever the threads. */
+void q3_fill_random_fp8(uint8_t *w, float *scale, int64_t N, int64_t K, uint64_t seed, uint64_t stream,
+                        int64_t offset, float mean, float std);
+
 /* Probes of this machine with the active CPU path (probe.c): the best of `repeats`
  * timed reads of a fresh `bytes` buffer in GB/s (0 if it cannot be allocated), and the
  * fp32 multiply-add peak of all threads in GFLOP/s. */

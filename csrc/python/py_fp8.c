@@ -33,6 +33,22 @@ static PyObject *fp8_to_f32(PyObject *m, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* _f32_to_fp8(src, dst): dst [n] e4m3 bytes <- the fp32 values src [n], q3_f32_to_e4m3 */
+static PyObject *f32_to_fp8(PyObject *m, PyObject *args) {
+    PyObject *src_obj, *dst_obj;
+    Py_buffer src, dst;
+    if (!PyArg_ParseTuple(args, "OO:_f32_to_fp8", &src_obj, &dst_obj)) return NULL;
+    if (get_buf(src_obj, "src", &src, 0, 0) < 0) return NULL;
+    if (get_buf(dst_obj, "dst", &dst, (int64_t)src.len / 4, 1) < 0) {
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < src.len / 4; i++) ((uint8_t *)dst.buf)[i] = q3_f32_to_e4m3(((const float *)src.buf)[i]);
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    Py_RETURN_NONE;
+}
+
 /* _fp8_matmul(y, x, w, scale, scale_dtype, T, N, K, accumulate=0, dequant=0): y [T, N] (+)=
  * x [T, K] W^T by the active path's matmul_fp8; dequant=1 instead writes y [N, K] = W with
  * the scalar reference q3_fp8_dequant_rows (x unused) */
@@ -123,6 +139,8 @@ PyMethodDef q3_fp8_methods[] = {
     {"_matmul_dense", matmul_dense, METH_VARARGS,
      "_matmul_dense(y, x, w, w_dtype, T, N, K)\n--\n\nTest entry: the fp32/bf16 matmul of the active CPU path."},
     {"_fp8_to_f32", fp8_to_f32, METH_VARARGS, "_fp8_to_f32(src, dst)\n--\n\nTest entry: e4m3 bytes to fp32."},
+    {"_f32_to_fp8", f32_to_fp8, METH_VARARGS,
+     "_f32_to_fp8(src, dst)\n--\n\nTest entry: fp32 to e4m3 bytes, round to nearest even, NaN past 464."},
     {"_fp8_matmul", fp8_matmul, METH_VARARGS,
      "_fp8_matmul(y, x, w, scale, scale_dtype, T, N, K, accumulate=0, dequant=0)\n--\n\n"
      "Test entry: the block-scaled e4m3 matmul of the active CPU path (or the scalar dequantization)."},

@@ -146,6 +146,10 @@ extern PyMethodDef q3_cuda_methods[];
 
 extern PyMethodDef q3_fp8_methods[];
 
+/* ---- random weights and inputs, FP8 dequantization (py_random.c) --------------------- */
+
+extern PyMethodDef q3_random_methods[];
+
 /* ---- DecodeGraph (py_graph.c) ------------------------------------------------------ */
 
 extern PyType_Spec q3_graph_spec;

@@ -1,5 +1,6 @@
 /* The module qwen3layer._C: multi-phase init, heap types in the module state, exceptions,
- * and the module-level functions (build_info, check_config, random_weights). */
+ * and the module-level functions (build_info, check_config, probes; random_weights and
+ * random_tensor are in py_random.c). */
 #include <stdlib.h>
 #include <string.h>
 
@@ -159,88 +160,7 @@ static PyObject *check_config(PyObject *m, PyObject *cfg) {
     Py_RETURN_NONE;
 }
 
-static int put_random(q3_module_state *st, PyObject *dict, const char *name, q3_dtype dt, int ndim,
-                      const int64_t *shape, uint64_t seed, uint64_t stream, int is_norm) {
-    q3_tensor_object *t = q3_tensor_new(st, dt, ndim, shape);
-    if (!t) return -1;
-    int64_t n;
-    q3_numel(ndim, shape, &n); /* fits: the tensor was made */
-    float mean, std;
-    q3_weight_init(is_norm, &mean, &std);
-    Py_BEGIN_ALLOW_THREADS
-    q3_fill_random(t->data, dt, n, seed, stream, mean, std);
-    Py_END_ALLOW_THREADS
-    const int rc = PyDict_SetItemString(dict, name, (PyObject *)t);
-    Py_DECREF(t);
-    return rc;
-}
-
-static PyObject *random_weights(PyObject *m, PyObject *args, PyObject *kw) {
-    static char *names[] = {"config", "seed", "dtype", NULL};
-    PyObject *cfg_obj, *dtype_obj;
-    unsigned long long seed;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OKO:random_weights", names, &cfg_obj, &seed, &dtype_obj))
-        return NULL;
-    q3_config c;
-    q3_dtype dt;
-    if (q3_parse_config(cfg_obj, &c) < 0 || q3_parse_dtype(dtype_obj, "dtype", &dt) < 0) return NULL;
-    q3_module_state *st = state_of_module(m);
-    PyObject *d = PyDict_New();
-    if (!d) return NULL;
-    for (int i = 0; i < Q3_W_DENSE_COUNT; i++) {
-        int64_t dims[2];
-        const int rank = q3_dense_weight_shape(&c, i, dims);
-        if (put_random(st, d, q3_dense_weight_name(i), dt, rank, dims, seed, (uint64_t)i, rank == 1) < 0)
-            goto fail;
-    }
-    const int64_t gu[3] = {c.experts, 2 * c.moe_inter, c.hidden}, dn[3] = {c.experts, c.hidden, c.moe_inter};
-    if (put_random(st, d, "mlp.experts.gate_up_proj", dt, 3, gu, seed, 100, 0) < 0 ||
-        put_random(st, d, "mlp.experts.down_proj", dt, 3, dn, seed, 101, 0) < 0)
-        goto fail;
-    return d;
-fail:
-    Py_DECREF(d);
-    return NULL;
-}
-
-static PyObject *random_tensor(PyObject *m, PyObject *args, PyObject *kw) {
-    static char *names[] = {"shape", "seed", "dtype", "std", NULL};
-    PyObject *shape_obj, *dtype_obj;
-    unsigned long long seed;
-    float std = 1.0f;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OKO|f:random_tensor", names, &shape_obj, &seed, &dtype_obj,
-                                     &std))
-        return NULL;
-    q3_dtype dt;
-    if (q3_parse_dtype(dtype_obj, "dtype", &dt) < 0) return NULL;
-    PyObject *seq = PySequence_Fast(shape_obj, "shape: expected a sequence of ints");
-    if (!seq) return NULL;
-    const Py_ssize_t ndim = PySequence_Fast_GET_SIZE(seq);
-    int64_t shape[Q3_MAX_DIM];
-    int ok = ndim >= 1 && ndim <= Q3_MAX_DIM;
-    for (Py_ssize_t d = 0; ok && d < ndim; d++) {
-        shape[d] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, d));
-        ok = shape[d] >= 0 && !PyErr_Occurred();
-    }
-    Py_DECREF(seq);
-    if (!ok) {
-        if (!PyErr_Occurred())
-            PyErr_Format(PyExc_ValueError, "shape: expected 1 to %d non-negative ints", Q3_MAX_DIM);
-        return NULL;
-    }
-    q3_tensor_object *t = q3_tensor_new(state_of_module(m), dt, (int)ndim, shape);
-    if (!t) return NULL;
-    int64_t n;
-    q3_numel((int)ndim, shape, &n); /* fits: the tensor was made */
-    Py_BEGIN_ALLOW_THREADS
-    q3_fill_random(t->data, dt, n, seed, 0, 0.0f, std);
-    Py_END_ALLOW_THREADS
-    return (PyObject *)t;
-}
-
 static PyMethodDef module_methods[] = {
-    {"random_tensor", (PyCFunction)(void (*)(void))random_tensor, METH_VARARGS | METH_KEYWORDS,
-     "random_tensor(shape, seed, dtype, std=1.0)\n--\n\nA Tensor of N(0, std^2) samples in extension memory."},
     {"build_info", build_info, METH_NOARGS, "build_info()\n--\n\nWhat this build contains."},
     {"set_cpu_path", set_cpu_path, METH_O,
      "set_cpu_path(name)\n--\n\nUse the CPU kernels of level `name` (one of build_info()['cpu_paths']) "
@@ -252,9 +172,6 @@ static PyMethodDef module_methods[] = {
     {"copy_tensor", copy_tensor, METH_VARARGS,
      "copy_tensor(tensor, device)\n--\n\nA contiguous copy of an extension Tensor on device (-1: host)."},
     {"check_config", check_config, METH_O, "check_config(config)\n--\n\nRaise if the geometry is impossible."},
-    {"random_weights", (PyCFunction)(void (*)(void))random_weights, METH_VARARGS | METH_KEYWORDS,
-     "random_weights(config, seed, dtype)\n--\n\nDict of random weights in extension memory "
-     "(fused expert names), deterministic in seed."},
     {"buffer_view", q3_buffer_view, METH_VARARGS,
      "buffer_view(obj, offset, shape, dtype)\n--\n\nA Tensor over bytes of a buffer-protocol object (kept alive)."},
     {"owned_buffers", q3_owned_buffers, METH_NOARGS,
@@ -284,7 +201,9 @@ static int module_exec(PyObject *m) {
         PyExc_RuntimeError, NULL);
     if (!st->tensor_type || !st->cache_type || !st->layer_type || !st->graph_type || !st->cache_full_error)
         return -1;
-    if (PyModule_AddFunctions(m, q3_cuda_methods) < 0 || PyModule_AddFunctions(m, q3_fp8_methods) < 0) return -1;
+    if (PyModule_AddFunctions(m, q3_cuda_methods) < 0 || PyModule_AddFunctions(m, q3_fp8_methods) < 0 ||
+        PyModule_AddFunctions(m, q3_random_methods) < 0)
+        return -1;
     if (PyModule_AddType(m, st->tensor_type) < 0 || PyModule_AddType(m, st->cache_type) < 0 ||
         PyModule_AddType(m, st->layer_type) < 0 || PyModule_AddType(m, st->graph_type) < 0 ||
         PyModule_AddObjectRef(m, "CacheFullError", st->cache_full_error) < 0)

@@ -1,0 +1,227 @@
+/* Random weights and inputs in extension memory (random_weights, random_tensor) and the
+ * dequantization of an FP8 matrix (dequantize_fp8): qwen3layer._C module functions.
+ *
+ * random_weights in the FP8 format holds the projection matrices as the fine-grained FP8
+ * checkpoints do (kernels/fp8.h), experts fused as in transformers 5.x: gate_up_proj
+ * [E, 2I, H] e4m3 with gate_up_proj_scale_inv [E, 2 ceil(I/128), ceil(H/128)] fp32 (the
+ * gate's blocks, then the up's), down_proj [E, H, I] with [E, ceil(H/128), ceil(I/128)];
+ * q/k/v/o_proj.weight [N, K] with .weight_scale_inv [ceil(N/128), ceil(K/128)]. */
+#include <string.h>
+
+#include "../../kernels/fp8.h"
+#include "py_glue.h"
+
+static q3_module_state *state_of(PyObject *m) { return (q3_module_state *)PyModule_GetState(m); }
+
+static int put(PyObject *dict, const char *name, q3_tensor_object *t) {
+    const int rc = PyDict_SetItemString(dict, name, (PyObject *)t);
+    Py_DECREF(t);
+    return rc;
+}
+
+static int put_random(q3_module_state *st, PyObject *dict, const char *name, q3_dtype dt, int ndim,
+                      const int64_t *shape, uint64_t seed, uint64_t stream, int is_norm) {
+    q3_tensor_object *t = q3_tensor_new(st, dt, ndim, shape);
+    if (!t) return -1;
+    int64_t n;
+    q3_numel(ndim, shape, &n); /* fits: the tensor was made */
+    float mean, std;
+    q3_weight_init(is_norm, &mean, &std);
+    Py_BEGIN_ALLOW_THREADS
+    q3_fill_random(t->data, dt, n, seed, stream, mean, std);
+    Py_END_ALLOW_THREADS
+    return put(dict, name, t);
+}
+
+/* weights[name] [M, parts * n, K] e4m3 and weights[name + "_scale_inv"] [M, parts * ceil(n/128),
+ * ceil(K/128)] fp32 (rank 2 without M): M x parts matrices [n, K], each the quantized draws
+ * of the dense tensor's elements under the same (seed, stream) */
+static int put_random_fp8(q3_module_state *st, PyObject *dict, const char *name, int rank, int64_t M, int parts,
+                          int64_t n, int64_t K, uint64_t seed, uint64_t stream) {
+    const int64_t nb = q3_fp8_blocks(n), kb = q3_fp8_blocks(K);
+    const int64_t shape[3] = {M, parts * n, K}, sshape[3] = {M, parts * nb, kb};
+    q3_tensor_object *w = q3_tensor_new(st, Q3_E4M3, rank, shape + 3 - rank);
+    if (!w) return -1;
+    q3_tensor_object *s = q3_tensor_new(st, Q3_F32, rank, sshape + 3 - rank);
+    if (!s) {
+        Py_DECREF(w);
+        return -1;
+    }
+    float mean, std;
+    q3_weight_init(0, &mean, &std);
+    Py_BEGIN_ALLOW_THREADS
+    for (int64_t i = 0; i < M * parts; i++)
+        q3_fill_random_fp8((uint8_t *)w->data + i * n * K, (float *)s->data + i * nb * kb, n, K, seed, stream,
+                           i * n * K, mean, std);
+    Py_END_ALLOW_THREADS
+    char scale_name[128];
+    snprintf(scale_name, sizeof scale_name, "%s_scale_inv", name);
+    if (put(dict, name, w) < 0) {
+        Py_DECREF(s);
+        return -1;
+    }
+    return put(dict, scale_name, s);
+}
+
+static int parse_format(PyObject *obj, q3_weight_format *wf) {
+    const char *f = obj == Py_None ? "dense" : PyUnicode_Check(obj) ? PyUnicode_AsUTF8(obj) : NULL;
+    if (f && (!strcmp(f, "dense") || !strcmp(f, "fp8_e4m3_block128"))) {
+        *wf = strcmp(f, "dense") ? Q3_WF_FP8_BLOCK128 : Q3_WF_DENSE;
+        return 0;
+    }
+    PyErr_Clear();
+    PyErr_Format(PyExc_ValueError, "weight_format: expected None, 'dense' or 'fp8_e4m3_block128', got %R", obj);
+    return -1;
+}
+
+static PyObject *random_weights(PyObject *m, PyObject *args, PyObject *kw) {
+    static char *names[] = {"config", "seed", "dtype", "weight_format", NULL};
+    PyObject *cfg_obj, *dtype_obj, *format_obj = Py_None;
+    unsigned long long seed;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OKO|O:random_weights", names, &cfg_obj, &seed, &dtype_obj,
+                                     &format_obj))
+        return NULL;
+    q3_config c;
+    q3_dtype dt;
+    q3_weight_format wf;
+    if (q3_parse_config(cfg_obj, &c) < 0 || q3_parse_dtype(dtype_obj, "dtype", &dt) < 0 ||
+        parse_format(format_obj, &wf) < 0)
+        return NULL;
+    const int fp8 = wf == Q3_WF_FP8_BLOCK128;
+    q3_module_state *st = state_of(m);
+    PyObject *d = PyDict_New();
+    if (!d) return NULL;
+    for (int i = 0; i < Q3_W_DENSE_COUNT; i++) {
+        int64_t dims[2];
+        const int rank = q3_dense_weight_shape(&c, i, dims);
+        const char *name = q3_dense_weight_name(i);
+        const int rc = fp8 && q3_dense_weight_is_matrix(i)
+                           ? put_random_fp8(st, d, name, 2, 1, 1, dims[0], dims[1], seed, (uint64_t)i)
+                           : put_random(st, d, name, dt, rank, dims, seed, (uint64_t)i, rank == 1);
+        if (rc < 0) goto fail;
+    }
+    const int64_t E = c.experts, H = c.hidden, I = c.moe_inter;
+    if (fp8) {
+        /* gate and up of expert e: elements [e 2I H, + I H) and [+ I H, + I H) of stream 100,
+         * as in the dense fused tensor */
+        if (put_random_fp8(st, d, "mlp.experts.gate_up_proj", 3, E, 2, I, H, seed, 100) < 0 ||
+            put_random_fp8(st, d, "mlp.experts.down_proj", 3, E, 1, H, I, seed, 101) < 0)
+            goto fail;
+        return d;
+    }
+    const int64_t gu[3] = {E, 2 * I, H}, dn[3] = {E, H, I};
+    if (put_random(st, d, "mlp.experts.gate_up_proj", dt, 3, gu, seed, 100, 0) < 0 ||
+        put_random(st, d, "mlp.experts.down_proj", dt, 3, dn, seed, 101, 0) < 0)
+        goto fail;
+    return d;
+fail:
+    Py_DECREF(d);
+    return NULL;
+}
+
+static PyObject *random_tensor(PyObject *m, PyObject *args, PyObject *kw) {
+    static char *names[] = {"shape", "seed", "dtype", "std", NULL};
+    PyObject *shape_obj, *dtype_obj;
+    unsigned long long seed;
+    float std = 1.0f;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OKO|f:random_tensor", names, &shape_obj, &seed, &dtype_obj,
+                                     &std))
+        return NULL;
+    q3_dtype dt;
+    if (q3_parse_dtype(dtype_obj, "dtype", &dt) < 0) return NULL;
+    PyObject *seq = PySequence_Fast(shape_obj, "shape: expected a sequence of ints");
+    if (!seq) return NULL;
+    const Py_ssize_t ndim = PySequence_Fast_GET_SIZE(seq);
+    int64_t shape[Q3_MAX_DIM];
+    int ok = ndim >= 1 && ndim <= Q3_MAX_DIM;
+    for (Py_ssize_t d = 0; ok && d < ndim; d++) {
+        shape[d] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, d));
+        ok = shape[d] >= 0 && !PyErr_Occurred();
+    }
+    Py_DECREF(seq);
+    if (!ok) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_ValueError, "shape: expected 1 to %d non-negative ints", Q3_MAX_DIM);
+        return NULL;
+    }
+    q3_tensor_object *t = q3_tensor_new(state_of(m), dt, (int)ndim, shape);
+    if (!t) return NULL;
+    int64_t n;
+    q3_numel((int)ndim, shape, &n); /* fits: the tensor was made */
+    Py_BEGIN_ALLOW_THREADS
+    q3_fill_random(t->data, dt, n, seed, 0, 0.0f, std);
+    Py_END_ALLOW_THREADS
+    return (PyObject *)t;
+}
+
+/* dequantize_fp8(weight, scale_inv, parts=1): weight [.., parts n, K] float8_e4m3fn (host,
+ * contiguous), scale_inv [.., parts ceil(n/128), ceil(K/128)] fp32 or bf16: each matrix of the
+ * leading dims is `parts` matrices [n, K] stacked, each with its own blocks (a fused
+ * gate_up_proj: parts = 2). Returns the fp32 weights, same shape, by q3_fp8_dequant_rows. */
+static PyObject *dequantize_fp8(PyObject *m, PyObject *args, PyObject *kw) {
+    static char *names[] = {"weight", "scale_inv", "parts", NULL};
+    PyObject *w_obj, *s_obj;
+    int parts = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|i:dequantize_fp8", names, &w_obj, &s_obj, &parts)) return NULL;
+    q3_view w, s;
+    if (q3_view_acquire_on(w_obj, "weight", &w, -1, Q3_VIEW_HOST | Q3_VIEW_E4M3, NULL) < 0) return NULL;
+    if (q3_view_acquire_on(s_obj, "scale_inv", &s, -1, Q3_VIEW_HOST, NULL) < 0) {
+        q3_view_release(&w);
+        return NULL;
+    }
+    PyObject *out = NULL;
+    char ws[96], ss[96];
+    q3_format_shape(ws, sizeof ws, w.ndim, w.shape);
+    q3_format_shape(ss, sizeof ss, s.ndim, s.shape);
+    if (w.dtype != Q3_E4M3 || !w.contiguous || !s.contiguous || w.ndim < 2 || s.ndim != w.ndim) {
+        PyErr_Format(PyExc_ValueError, "dequantize_fp8: expected a contiguous float8_e4m3fn weight of rank >= 2 "
+                     "and a contiguous scale_inv of the same rank, got %s %s and %s %s", q3_dtype_name(w.dtype), ws,
+                     q3_dtype_name(s.dtype), ss);
+        goto done;
+    }
+    const int r = w.ndim;
+    const int64_t rows = w.shape[r - 2], K = w.shape[r - 1];
+    if (parts < 1 || rows % parts) {
+        PyErr_Format(PyExc_ValueError, "parts: expected a positive divisor of the weight's rows (%lld), got %d",
+                     (long long)rows, parts);
+        goto done;
+    }
+    const int64_t n = rows / parts, nb = q3_fp8_blocks(n), kb = q3_fp8_blocks(K);
+    int ok = s.shape[r - 2] == parts * nb && s.shape[r - 1] == kb;
+    int64_t M = 1;
+    for (int d = 0; d < r - 2; d++) {
+        ok = ok && s.shape[d] == w.shape[d];
+        M *= w.shape[d];
+    }
+    if (!ok) {
+        PyErr_Format(PyExc_ValueError, "scale_inv: expected the block shape of weight %s in %d part(s), got %s", ws,
+                     parts, ss);
+        goto done;
+    }
+    q3_tensor_object *t = q3_tensor_new(state_of(m), Q3_F32, r, w.shape);
+    if (!t) goto done;
+    const size_t ssz = q3_dtype_size(s.dtype);
+    Py_BEGIN_ALLOW_THREADS
+    for (int64_t i = 0; i < M * parts; i++)
+        q3_fp8_dequant_rows((float *)t->data + i * n * K, (const uint8_t *)w.data + i * n * K,
+                            (const char *)s.data + (size_t)(i * nb * kb) * ssz, s.dtype, 0, n, K);
+    Py_END_ALLOW_THREADS
+    out = (PyObject *)t;
+done:
+    q3_view_release(&s);
+    q3_view_release(&w);
+    return out;
+}
+
+PyMethodDef q3_random_methods[] = {
+    {"random_tensor", (PyCFunction)(void (*)(void))random_tensor, METH_VARARGS | METH_KEYWORDS,
+     "random_tensor(shape, seed, dtype, std=1.0)\n--\n\nA Tensor of N(0, std^2) samples in extension memory."},
+    {"random_weights", (PyCFunction)(void (*)(void))random_weights, METH_VARARGS | METH_KEYWORDS,
+     "random_weights(config, seed, dtype, weight_format=None)\n--\n\nDict of random weights in extension memory "
+     "(fused expert names), deterministic in seed. weight_format 'fp8_e4m3_block128': the projection matrices "
+     "as float8_e4m3fn with fp32 *_scale_inv block scales, quantized from the dense draws of the same seed."},
+    {"dequantize_fp8", (PyCFunction)(void (*)(void))dequantize_fp8, METH_VARARGS | METH_KEYWORDS,
+     "dequantize_fp8(weight, scale_inv, parts=1)\n--\n\nfp32 Tensor of a block-scaled float8_e4m3fn weight "
+     "[.., parts*n, K] (parts > 1: stacked matrices with their own blocks, e.g. a fused gate_up_proj: 2)."},
+    {NULL},
+};
