@@ -47,6 +47,7 @@ class Layer:
     workspace_bytes: int
     weight_format: str
     weight_bytes: int
+    scale_dtype: Optional[str]
     def __init__(self, config: Any, weights: Dict[str, Any], dtype: Optional[str] = ..., device: int = ...,
                  weight_format: Optional[str] = ...) -> None: ...
     def prefill(self, x: Any, cache: KVCache, seq: Optional[int] = ..., chunk_size: Optional[int] = ..., *,

@@ -5,7 +5,9 @@ arithmetic intensity. No weights needed; stage names are the engine's (layer.pro
 Counting rules: FLOPs are those of the matrix products (2 per multiply-add: projections,
 router, experts, attention scores and values); elementwise stages count bytes only.
 Activations move as fp32 (the engine's working precision), the KV cache and weights in
-`dtype`. Weights are read once per pass (a chunk, or a decode step) for all its tokens; a
+`dtype`; with weight_format "fp8_e4m3_block128" the projection matrices (q/k/v/o_proj, the
+experts' gate/up/down_proj) are 1 byte an element plus one `scale_dtype` scale per 128 x 128
+block (partial blocks count whole), norms and router staying in `dtype`. Weights are read once per pass (a chunk, or a decode step) for all its tokens; a
 pass of R tokens is charged the experts that its R * k routing choices hit, expected under
 uniform routing (E * (1 - (1 - k/E)^R)). Attention reads each KV head's cache once per pass.
 """
@@ -26,8 +28,24 @@ KERNELS = {"io": "convert", "input_norm": "rmsnorm", "qkv_proj": "matmul", "qk_n
 ACT = 4  # bytes of an activation element
 
 
+WEIGHT_FORMATS = ("dense", "fp8_e4m3_block128")
+
+
 def _size(dtype: str) -> int:
     return 2 if dtype == "bfloat16" else 4
+
+
+@dataclasses.dataclass(frozen=True)
+class _Matrices:
+    """Bytes of a projection matrix [n, k] as stored: dense (`dense` bytes an element) or FP8
+    (1 byte an element and `scale` bytes per 128 x 128 block)."""
+    dense: int
+    scale: int = 0  # 0: the dense format
+
+    def bytes(self, n: int, k: int) -> int:
+        if not self.scale:
+            return n * k * self.dense
+        return n * k + math.ceil(n / 128) * math.ceil(k / 128) * self.scale
 
 
 @dataclasses.dataclass
@@ -83,8 +101,9 @@ def experts_hit(cfg: LayerConfig, rows: int) -> float:
     return E * (1.0 - (1.0 - k / E) ** rows)
 
 
-def _pass(cfg: LayerConfig, batch: int, L: int, n: int, wb: int, cb: int) -> List[Stage]:
-    """Stages of one pass: L new tokens for each of `batch` sequences holding n tokens."""
+def _pass(cfg: LayerConfig, batch: int, L: int, n: int, wb: int, cb: int, mat: _Matrices) -> List[Stage]:
+    """Stages of one pass: L new tokens for each of `batch` sequences holding n tokens; wb:
+    bytes of a norm or router element, mat: of the projection matrices."""
     H, D, Hq, Hkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     E, k, I = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
     R = batch * L
@@ -95,7 +114,7 @@ def _pass(cfg: LayerConfig, batch: int, L: int, n: int, wb: int, cb: int) -> Lis
         Stage("io", KERNELS["io"], [(R, H)], [(R, H)], 0, R * H * wb, R * H * wb),
         Stage("input_norm", KERNELS["input_norm"], [(R, H)], [(R, H)], H * wb, R * H * ACT, R * H * ACT),
         Stage("qkv_proj", KERNELS["qkv_proj"], [(R, H)], [(R, Hq * D), (R, Hkv * D), (R, Hkv * D)],
-              qkv * H * wb, R * H * ACT, R * qkv * ACT, 2.0 * R * H * qkv),
+              mat.bytes(Hq * D, H) + 2 * mat.bytes(Hkv * D, H), R * H * ACT, R * qkv * ACT, 2.0 * R * H * qkv),
         Stage("qk_norm_rope", KERNELS["qk_norm_rope"], [(R, Hq, D), (R, Hkv, D)], [(R, Hq, D), (R, Hkv, D)],
               2 * D * wb, R * (Hq + Hkv) * D * ACT, R * (Hq + Hkv) * D * ACT),
         Stage("kv_write", KERNELS["kv_write"], [(R, Hkv, D), (R, Hkv, D)], [(batch, Hkv, n + L, D)] * 2,
@@ -103,22 +122,24 @@ def _pass(cfg: LayerConfig, batch: int, L: int, n: int, wb: int, cb: int) -> Lis
         Stage("attention", KERNELS["attention"], [(R, Hq, D), (batch, Hkv, n + L, D), (batch, Hkv, n + L, D)],
               [(R, Hq, D)], 0, R * Hq * D * ACT + 2 * cache_rows * D * cb, R * Hq * D * ACT,
               4.0 * Hq * D * keys_seen),
-        Stage("o_proj", KERNELS["o_proj"], [(R, Hq * D), (R, H)], [(R, H)], H * Hq * D * wb,
+        Stage("o_proj", KERNELS["o_proj"], [(R, Hq * D), (R, H)], [(R, H)], mat.bytes(H, Hq * D),
               R * (Hq * D + H) * ACT, R * H * ACT, 2.0 * R * Hq * D * H),
         Stage("post_norm", KERNELS["post_norm"], [(R, H)], [(R, H)], H * wb, R * H * ACT, R * H * ACT),
         Stage("router", KERNELS["router"], [(R, H)], [(R, E)], E * H * wb, R * H * ACT, R * E * ACT,
               2.0 * R * H * E),
         Stage("top_k", KERNELS["top_k"], [(R, E)], [(R, k), (R, k)], 0, R * E * ACT, 2 * R * k * 4),
-        Stage("experts", KERNELS["experts"], [(R, H), (R, k)], [(R, H)], round(experts_hit(cfg, R)) * 3 * H * I * wb,
+        Stage("experts", KERNELS["experts"], [(R, H), (R, k)], [(R, H)], round(experts_hit(cfg, R)) * (2 * mat.bytes(I, H) + mat.bytes(H, I)),
               R * k * H * ACT + R * H * ACT, R * H * ACT, 2.0 * R * k * 3 * H * I),
     ]
 
 
 def cost_model(cfg: LayerConfig, mode: str = "prefill", tokens: int = 1, context: int = 0,
-               chunk_size: Optional[int] = None, dtype: str = "bfloat16", batch: int = 1) -> CostModel:
+               chunk_size: Optional[int] = None, dtype: str = "bfloat16", batch: int = 1,
+               weight_format: str = "dense", scale_dtype: str = "float32") -> CostModel:
     """The work of `tokens` new tokens per sequence for `batch` sequences that hold `context`
     tokens: prefill in passes of chunk_size tokens (default: all at once), or decode (one
-    token per sequence per pass: `tokens` steps)."""
+    token per sequence per pass: `tokens` steps). weight_format: 'dense' (matrices in dtype)
+    or 'fp8_e4m3_block128' (matrices in e4m3 with scale_dtype block scales)."""
     if mode not in ("prefill", "decode"):
         raise ValueError(f"mode: expected 'prefill' or 'decode', got {mode!r}")
     for name, value in (("tokens", tokens), ("batch", batch)):
@@ -130,13 +151,18 @@ def cost_model(cfg: LayerConfig, mode: str = "prefill", tokens: int = 1, context
         raise ValueError(f"chunk_size: expected a positive int or None, got {chunk_size!r}")
     if dtype not in ("bfloat16", "float32"):
         raise ValueError(f"dtype: expected 'float32' or 'bfloat16', got {dtype!r}")
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"weight_format: expected one of {WEIGHT_FORMATS}, got {weight_format!r}")
+    if scale_dtype not in ("bfloat16", "float32"):
+        raise ValueError(f"scale_dtype: expected 'float32' or 'bfloat16', got {scale_dtype!r}")
     wb = cb = _size(dtype)
+    mat = _Matrices(wb, _size(scale_dtype) if weight_format != "dense" else 0)
     step = 1 if mode == "decode" else min(chunk_size or tokens, tokens)
     passes = math.ceil(tokens / step)
     total: List[Stage] = []
     for p in range(passes):
         L = min(step, tokens - p * step)
-        stages = _pass(cfg, batch, L, context + p * step, wb, cb)
+        stages = _pass(cfg, batch, L, context + p * step, wb, cb, mat)
         if not total:
             total = stages  # shapes of the first pass
             continue
@@ -148,14 +174,17 @@ def cost_model(cfg: LayerConfig, mode: str = "prefill", tokens: int = 1, context
     return CostModel(mode, tokens, context, batch, step, passes, total)
 
 
-def decode_weight_bytes(cfg: LayerConfig, dtype: str = "bfloat16") -> int:
+def decode_weight_bytes(cfg: LayerConfig, dtype: str = "bfloat16", weight_format: str = "dense",
+                        scale_dtype: str = "float32") -> int:
     """Weight bytes one decode token reads (batch 1): attention, norms, router, its top-k experts."""
-    return cost_model(cfg, "decode", 1, 0, dtype=dtype).weight_bytes
+    return cost_model(cfg, "decode", 1, 0, dtype=dtype, weight_format=weight_format,
+                      scale_dtype=scale_dtype).weight_bytes
 
 
-def decode_bytes(cfg: LayerConfig, context: int, dtype: str = "bfloat16") -> int:
+def decode_bytes(cfg: LayerConfig, context: int, dtype: str = "bfloat16", weight_format: str = "dense",
+                 scale_dtype: str = "float32") -> int:
     """Bytes one decode token must read at `context` cached tokens: its weights and the KV cache."""
-    m = cost_model(cfg, "decode", 1, context, dtype=dtype)
+    m = cost_model(cfg, "decode", 1, context, dtype=dtype, weight_format=weight_format, scale_dtype=scale_dtype)
     return m.weight_bytes + 2 * cfg.num_key_value_heads * cfg.head_dim * _size(dtype) * (context + 1)
 
 

@@ -201,7 +201,8 @@ class DecoderLayer:
         from .costs import cost_model
         from .profile import Profile, join
 
-        cost = cost_model(self.config, mode, tokens, context, chunk_size, self.dtype, batch)
+        cost = cost_model(self.config, mode, tokens, context, chunk_size, self.dtype, batch, self.weight_format,
+                          self._core.scale_dtype or "float32")
         H = self.config.hidden_size
         rand = self.random_input
 

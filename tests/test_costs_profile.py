@@ -7,7 +7,7 @@ import sys
 import pytest
 
 import qwen3layer as q3
-from qwen3layer.costs import STAGES
+from qwen3layer.costs import STAGES, decode_bytes, decode_weight_bytes
 
 REAL = q3.LayerConfig.qwen3_235b_a22b()
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
@@ -18,6 +18,39 @@ def test_decode_token_touches_the_hand_counted_weight_bytes():
     assert m.weight_bytes == 445_661_696
     assert m.stage("qkv_proj").weight_bytes + m.stage("o_proj").weight_bytes == 142_606_336
     assert m.stage("experts").weight_bytes == 8 * 3 * 4096 * 1536 * 2
+
+
+def test_fp8_decode_token_touches_the_hand_counted_weight_bytes():
+    # e4m3 matrices: attention (8192 + 512 + 512) x 4096 + 4096 x 8192 = 71,303,168 B and 8 experts
+    # x 3 x 1536 x 4096 = 150,994,944 B; router 128 x 4096 bf16 = 1,048,576 B; norms (4096 + 4096 +
+    # 128 + 128) bf16 = 16,896 B; fp32 scales: attention 64x32 + 4x32 + 4x32 + 32x64 = 4,352, experts
+    # 8 x (12x32 + 12x32 + 32x12) = 9,216, 13,568 x 4 B = 54,272 B
+    m = q3.cost_model(REAL, "decode", tokens=1, weight_format="fp8_e4m3_block128")
+    assert m.weight_bytes == 71_303_168 + 150_994_944 + 1_048_576 + 16_896 + 54_272 == 223_417_856
+    assert m.stage("qkv_proj").weight_bytes + m.stage("o_proj").weight_bytes == 71_303_168 + 4_352 * 4
+    assert m.stage("experts").weight_bytes == 150_994_944 + 9_216 * 4
+    assert m.stage("router").weight_bytes == 1_048_576
+    assert q3.cost_model(REAL, "decode", tokens=1, weight_format="fp8_e4m3_block128",
+                         scale_dtype="bfloat16").weight_bytes == 223_417_856 - 13_568 * 2
+    assert decode_weight_bytes(REAL, "bfloat16", "fp8_e4m3_block128") == 223_417_856
+    # the KV cache stays in dtype: decode_bytes adds the same cache to both formats
+    assert (decode_bytes(REAL, 512, "bfloat16") - decode_bytes(REAL, 512, "bfloat16", "fp8_e4m3_block128")
+            == 445_661_696 - 223_417_856)
+    # flops do not depend on how the weights are stored
+    assert m.flops == q3.cost_model(REAL, "decode", tokens=1).flops
+
+
+@pytest.mark.parametrize("weight_format", ["dense", "fp8_e4m3_block128"])
+def test_a_pass_hitting_every_expert_reads_the_engines_weight_bytes(weight_format):
+    # odd sizes: partial 128-blocks on every matrix, and the gate/up split inside one
+    cfg = q3.LayerConfig(hidden_size=200, num_attention_heads=4, num_key_value_heads=2, head_dim=48,
+                         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=130)
+    layer = q3.DecoderLayer.random(cfg, seed=1, dtype="bfloat16", weight_format=weight_format)
+    m = q3.cost_model(cfg, "prefill", tokens=256, weight_format=weight_format)
+    assert m.weight_bytes == layer.weight_bytes
+    assert layer._core.scale_dtype == (None if weight_format == "dense" else "float32")
+    p = layer.profile("decode", tokens=2, context=3, repeat=1)
+    assert p.cost.weight_bytes == q3.cost_model(cfg, "decode", 2, 3, weight_format=weight_format).weight_bytes
 
 
 def test_prefill_of_8192_tokens_is_the_hand_counted_flops():
@@ -43,7 +76,10 @@ def test_chunks_change_the_bytes_not_the_flops():
                                         (dict(tokens=0), "tokens: expected a positive int, got 0"),
                                         (dict(context=-1), "context: expected a non-negative int, got -1"),
                                         (dict(chunk_size=0), "chunk_size: expected a positive int or None, got 0"),
-                                        (dict(dtype="int8"), "dtype: expected 'float32' or 'bfloat16', got 'int8'")])
+                                        (dict(dtype="int8"), "dtype: expected 'float32' or 'bfloat16', got 'int8'"),
+                                        (dict(weight_format="fp8"), "weight_format: expected one of"),
+                                        (dict(scale_dtype="float16"),
+                                         "scale_dtype: expected 'float32' or 'bfloat16', got 'float16'")])
 def test_cost_model_rejects_bad_arguments(kwargs, msg):
     with pytest.raises(ValueError, match=msg):
         q3.cost_model(REAL, **({"mode": "decode"} | kwargs))

@@ -311,6 +311,7 @@ static PyObject *layer_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     q3_layer_object *self = (q3_layer_object *)type->tp_alloc(type, 0);
     if (!self) return NULL;
     self->device = device < 0 ? -1 : device;
+    self->scale_dtype = sdt;
     const int max_tensors = (Q3_W_DENSE_COUNT + Q3_X_COUNT * cfg.experts) * (fp8 ? 2 : 1); /* FP8: + scales */
     self->views = PyMem_Calloc((size_t)max_tensors, sizeof *self->views);
     self->owned = PyMem_Calloc((size_t)max_tensors, sizeof *self->owned);

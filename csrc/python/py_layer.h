@@ -16,6 +16,7 @@ typedef struct {
     PyObject *weight_ptrs; /* dict name -> address the engine reads */
     PyThread_type_lock lock;
     int device;          /* -1: cpu; else the CUDA device of weights, caches and outputs */
+    q3_dtype scale_dtype; /* FP8: of the block scales the engine reads */
 } q3_layer_object;
 
 /* construction (py_layer.c): weights[name] imported into the next view slot with its shape

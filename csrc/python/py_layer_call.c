@@ -359,6 +359,11 @@ static PyObject *get_weight_format(q3_layer_object *self, void *c) {
     (void)c;
     return PyUnicode_FromString(q3_weight_format_name(q3_layer_weight_format(self->layer)));
 }
+static PyObject *get_scale_dtype(q3_layer_object *self, void *c) {
+    (void)c;
+    if (q3_layer_weight_format(self->layer) == Q3_WF_DENSE) Py_RETURN_NONE;
+    return PyUnicode_FromString(q3_dtype_name(self->scale_dtype));
+}
 static PyObject *get_weight_bytes(q3_layer_object *self, void *c) {
     (void)c;
     return PyLong_FromLongLong(q3_layer_weight_bytes(self->layer));
@@ -372,6 +377,7 @@ PyGetSetDef q3_layer_getset[] = {
     {"dtype", (getter)get_dtype, NULL, "dtype of the activations, the norms and the router (and of the "
      "projection matrices in the dense format)", NULL},
     {"weight_format", (getter)get_weight_format, NULL, "'dense' or 'fp8_e4m3_block128'", NULL},
+    {"scale_dtype", (getter)get_scale_dtype, NULL, "FP8: dtype of the block scales; dense: None", NULL},
     {"weight_bytes", (getter)get_weight_bytes, NULL, "bytes of all the weights as read (FP8: scales included)",
      NULL},
     {"converted", (getter)get_converted, NULL, "names of weights converted at construction", NULL},
