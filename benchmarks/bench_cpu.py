@@ -10,6 +10,12 @@ KV cache read / time) against the read probe. Prefill: tokens/s of S tokens in o
 the GFLOP/s it implies against the FMA probe. Every figure is set against transformers
 (its default attention and experts implementations: sdpa, grouped_mm), measured in the same
 run, interleaved call by call, medians of the repeats. Needs torch and transformers.
+
+FP8 rows: the same layer with its projection matrices in block-scaled e4m3
+(random_weights(..., "fp8_e4m3_block128"): the bf16 layer's draws quantized, fp32 scales)
+against the bf16 layer, interleaved call by call: decode at each context with the GB/s of
+its bytes (FP8 weights and scales + the bf16 KV cache) against the read probe, and the
+prefill. Targets (issue 14): FP8 decode >= 1.8x the bf16 decode, prefill no slower.
 """
 from __future__ import annotations
 
@@ -71,6 +77,65 @@ def timed(fn) -> float:
     return time.perf_counter() - t
 
 
+def interleaved(fns, repeats: int) -> list:
+    """median seconds of each function, called in turn `repeats` times after a warm-up call"""
+    for fn in fns:
+        fn()
+    times = [[] for _ in fns]
+    for _ in range(repeats):
+        for t, fn in zip(times, fns):
+            t.append(timed(fn))
+    return [statistics.median(t) for t in times]
+
+
+def decode_call(layer, cfg, context: int):
+    """one decode step of `layer` at `context` (its cache filled through the layer once)"""
+    H = cfg.hidden_size
+    cache = layer.new_cache(context + 1)
+    for t0 in range(0, context, 512):
+        n = min(512, context - t0)
+        layer.prefill(_C.random_tensor((n, H), 1000 + t0, "bfloat16"), cache, chunk_size=512)
+    x = _C.random_tensor((1, H), 17, "bfloat16")
+
+    def call():
+        layer.decode(x, cache)
+        cache.truncate(context)
+
+    return call
+
+
+def prefill_call(layer, cfg, tokens: int):
+    x = _C.random_tensor((tokens, cfg.hidden_size), 19, "bfloat16")
+    return lambda: layer.prefill(x, layer.new_cache(tokens), chunk_size=tokens)
+
+
+def fp8_rows(fp8, bf16, cfg, contexts, S: int, read_gbs: float, args) -> list:
+    """(measurement, FP8, bf16, speed-up, FP8 achieved, of limit, target) rows"""
+    rows = []
+    for ctx in contexts:
+        t8, t16 = interleaved([decode_call(fp8, cfg, ctx), decode_call(bf16, cfg, ctx)], args.decode_repeats)
+        nbytes = decode_bytes(cfg, ctx, "bfloat16", "fp8_e4m3_block128")
+        rows.append((f"decode, context {ctx}", f"{t8 * 1e3:.2f} ms/token", f"{t16 * 1e3:.2f} ms", t16 / t8,
+                     f"{nbytes / t8 / 1e9:.1f} GB/s", nbytes / (read_gbs * 1e9) / t8,
+                     f">= 1.8x bf16: {'met' if t16 / t8 >= 1.8 else 'not met'}"))
+    t8, t16 = interleaved([prefill_call(fp8, cfg, S), prefill_call(bf16, cfg, S)], args.prefill_repeats)
+    flops = prefill_flops(cfg, S)
+    rows.append((f"prefill, {S} tokens", f"{S / t8:.0f} tok/s", f"{S / t16:.0f} tok/s", t16 / t8,
+                 f"{flops / t8 / 1e9:.0f} GFLOP/s", None, f"no slower than bf16: {'met' if t16 / t8 >= 1.0 else 'not met'}"))
+    return rows
+
+
+def print_table(head, rows) -> None:
+    cell = lambda i, v: ("" if v is None else f"{v:.2f}x" if i == 3 else f"{v:.0%}" if i == 5 else str(v)) \
+        if not isinstance(v, str) else v
+    widths = [max(len(cell(i, r[i])) for r in rows + [head]) for i in range(len(head))]
+    fmt = lambda r: " | ".join(cell(i, v).ljust(widths[i] + 1) for i, v in enumerate(r))
+    print(fmt(head))
+    print("-|-".join("-" * (w + 1) for w in widths))
+    for r in rows:
+        print(fmt(r))
+
+
 def bench_decode(layer, hf, hc, rope, cfg, context: int, repeats: int):
     H = cfg.hidden_size
     cache = layer.new_cache(context + 1)
@@ -128,6 +193,7 @@ def main() -> int:
     ap.add_argument("--prefill-tokens", type=int, default=512)
     ap.add_argument("--decode-repeats", type=int, default=9)
     ap.add_argument("--prefill-repeats", type=int, default=3)
+    ap.add_argument("--no-fp8", action="store_true", help="leave out the FP8 rows")
     args = ap.parse_args()
     started = time.perf_counter()
     cfg = SMALL if args.small else q3.LayerConfig.qwen3_235b_a22b()
@@ -147,7 +213,8 @@ def main() -> int:
           f"({sum(w.nbytes for w in weights.values()) / 1e9:.2f} GB, built in {time.perf_counter() - t:.1f} s)\n")
 
     rows = []
-    for ctx in (int(c) for c in args.contexts.split(",")):
+    contexts = [int(c) for c in args.contexts.split(",")]
+    for ctx in contexts:
         ours, theirs = bench_decode(layer, hf, hc, rope, cfg, ctx, args.decode_repeats)
         nbytes = decode_bytes(cfg, ctx)
         floor = nbytes / (read_gbs * 1e9)
@@ -162,15 +229,15 @@ def main() -> int:
                  f">= 50% of FMA peak, >= 2x: "
                  f"{'met' if flops / ours / 1e9 >= 0.5 * fma_gflops and theirs / ours >= 2 else 'not met'}"))
 
-    head = ("measurement", "qwen3layer", "transformers", "speed-up", "achieved", "of limit", "targets")
-    widths = [max(len(str(r[i] if not isinstance(r[i], float) else f'{r[i]:.2f}')) for r in rows + [head])
-              for i in range(len(head))]
-    fmt = lambda r: " | ".join((f"{v:.2f}x" if i == 3 else f"{v:.0%}" if i == 5 else str(v)).ljust(widths[i] + 1)
-                               if isinstance(v, float) else str(v).ljust(widths[i] + 1) for i, v in enumerate(r))
-    print(fmt(head))
-    print("-|-".join("-" * (w + 1) for w in widths))
-    for r in rows:
-        print(fmt(r))
+    print_table(("measurement", "qwen3layer", "transformers", "speed-up", "achieved", "of limit", "targets"), rows)
+    if not args.no_fp8:
+        t = time.perf_counter()
+        fp8 = q3.DecoderLayer(cfg, _C.random_weights(cfg, 0, "bfloat16", "fp8_e4m3_block128"))
+        print(f"\nFP8 weights (fp8_e4m3_block128, fp32 scales: the bf16 layer's weights quantized, "
+              f"{fp8.weight_bytes / 1e9:.2f} GB against {layer.weight_bytes / 1e9:.2f} GB, built in "
+              f"{time.perf_counter() - t:.1f} s) against the bf16 layer, both qwen3layer:")
+        print_table(("measurement", "FP8", "bf16", "speed-up", "FP8 achieved", "of read", "target"),
+                    fp8_rows(fp8, layer, cfg, contexts, S, read_gbs, args))
     print(f"\nlimits: decode floor = bytes / {read_gbs:.1f} GB/s read probe; prefill peak = "
           f"{fma_gflops:.0f} GFLOP/s fp32 FMA probe (AMX bf16 tiles can exceed it). "
           f"Finished in {time.perf_counter() - started:.0f} s.")
