@@ -2,9 +2,13 @@
 (the three rulers).
 
 run: builds one decoder layer (the real Qwen3-235B-A22B geometry by default, random bf16
-weights), prefills --tokens tokens chunk by chunk with a progress line, decodes
---new-tokens steps, and prints the time of each phase with the rate it implies. Needs
-neither torch nor numpy: inputs and outputs are the extension's own tensors.
+weights, or with --fp8 random block-scaled FP8 projection matrices), prefills --tokens tokens
+chunk by chunk with a progress line, decodes --new-tokens steps, and prints the time of each
+phase with the rate it implies (decode: GB/s of the weight bytes as stored). Needs neither
+torch nor numpy: inputs and outputs are the extension's own tensors.
+
+check --fp8: the rulers on an FP8 layer; its accuracy is measured against transformers on the
+dequantized weights (fp32 reference; bf16: at most twice transformers' own bf16 error).
 """
 from __future__ import annotations
 
@@ -20,6 +24,8 @@ from .costs import cost_model, decode_weight_bytes, prefill_flops
 from .profile import join, stage_table
 from .layer import DecoderLayer
 from .rulers import activation_bytes
+
+FP8 = "fp8_e4m3_block128"
 
 GEOMETRIES = {"real": LayerConfig.qwen3_235b_a22b, "tiny": LayerConfig.tiny}
 
@@ -57,10 +63,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         layer = DecoderLayer.from_checkpoint(args.checkpoint, args.layer, device=args.device, dtype=args.dtype)
         cfg = layer.config
     else:
-        print(f"building a {args.geometry}-geometry layer with random {args.dtype or 'bfloat16'} weights ...",
-              flush=True)
-        layer = DecoderLayer.random(cfg, seed=args.seed, dtype=args.dtype or "bfloat16", device=args.device)
+        kind = f"FP8 ({FP8}) matrices and {args.dtype or 'bfloat16'} norms and router" if args.fp8 else \
+            f"{args.dtype or 'bfloat16'}"
+        print(f"building a {args.geometry}-geometry layer with random {kind} weights ...", flush=True)
+        layer = DecoderLayer.random(cfg, seed=args.seed, dtype=args.dtype or "bfloat16", device=args.device,
+                                    weight_format=FP8 if args.fp8 else None)
     args.dtype = layer.dtype
+    fmt = dict(weight_format=layer.weight_format, scale_dtype=layer._core.scale_dtype or "float32")
     print(f"  {layer}\n  built in {time.perf_counter() - t0:.1f} s")
     cache = layer.new_cache(args.tokens + args.new_tokens)
     H = cfg.hidden_size
@@ -93,10 +102,11 @@ def cmd_run(args: argparse.Namespace) -> int:
           f"{args.tokens / prefill_s:.1f} tok/s, {flops / prefill_s / 1e9:.1f} GFLOP/s")
     if step_ms:
         med = statistics.median(step_ms)
-        wbytes = decode_weight_bytes(cfg, args.dtype)
+        wbytes = decode_weight_bytes(cfg, args.dtype, **fmt)
+        stored = "FP8 weights and scales" if layer.weight_format == FP8 else "weights"
         print(f"decode   {args.new_tokens} steps at context {args.tokens}..{args.tokens + args.new_tokens - 1}: "
               f"median {med:.2f} ms/token (min {min(step_ms):.2f}), "
-              f"{wbytes / 1e6:.1f} MB of weights per token -> {wbytes / med / 1e6:.1f} GB/s")
+              f"{wbytes / 1e6:.1f} MB of {stored} per token -> {wbytes / med / 1e6:.1f} GB/s")
     decode_stages = layer._core.profile_seconds()
     layer._core.set_profiling(False)
     if layer.device != "cpu" and args.new_tokens:
@@ -105,11 +115,11 @@ def cmd_run(args: argparse.Namespace) -> int:
               f"{graph_ms:.3f} ms/token (wall clock, launches included)")
     print(f"cache    {cache}\nworkspace {layer.workspace_bytes / 2**20:.1f} MiB")
     print()
-    pre = cost_model(cfg, "prefill", args.tokens, chunk_size=chunk, dtype=args.dtype)
+    pre = cost_model(cfg, "prefill", args.tokens, chunk_size=chunk, dtype=args.dtype, **fmt)
     print(stage_table(join(pre, prefill_stages), f"the map, prefill of {args.tokens} tokens in {pre.passes} "
                       f"chunk(s) of {chunk} (all chunks together):"))
     if args.new_tokens:
-        dec = cost_model(cfg, "decode", args.new_tokens, context=args.tokens, dtype=args.dtype)
+        dec = cost_model(cfg, "decode", args.new_tokens, context=args.tokens, dtype=args.dtype, **fmt)
         print()
         print(stage_table(join(dec, decode_stages), f"the map, decode: {args.new_tokens} steps from context "
                           f"{args.tokens} (all steps together):"))
@@ -142,8 +152,8 @@ def cmd_map(args: argparse.Namespace) -> int:
     context = args.tokens if args.context is None else args.context
     os.makedirs(args.out, exist_ok=True)
     print(f"building a {args.geometry} layer ({args.dtype}, {args.device}) ...", flush=True)
-    weights = _C.random_weights(cfg, args.seed, args.dtype)
-    layer = DecoderLayer(cfg, weights, device=args.device)
+    weights = _C.random_weights(cfg, args.seed, args.dtype, FP8 if args.fp8 else None)
+    layer = DecoderLayer(cfg, weights, device=args.device, dtype=args.dtype)
     print(f"measuring prefill of {args.tokens} tokens in chunks of {args.chunk_size} ...", flush=True)
     pre = layer.profile("prefill", args.tokens, 0, args.chunk_size, repeat=args.repeat)
     print(f"measuring decode at context {context} ...", flush=True)
@@ -153,13 +163,14 @@ def cmd_map(args: argparse.Namespace) -> int:
     print()
     print(dec.table())
     stem = os.path.join(args.out, "map")
-    draw_map(pre, dec, f"one {args.geometry}-geometry Qwen3-MoE decoder layer, {args.dtype}, {args.device}",
+    draw_map(pre, dec, f"one {args.geometry}-geometry Qwen3-MoE decoder layer, {args.dtype}"
+             f"{', FP8 weights' if args.fp8 else ''}, {args.device}",
              [stem + ".svg", stem + ".png"])
     print(f"\nwrote {stem}.svg and {stem}.png")
     if args.sweep_chunk:
         points = []
         for chunk in args.sweep_chunk:
-            fresh = DecoderLayer(cfg, weights, device=args.device)  # its own workspace, the same weights
+            fresh = DecoderLayer(cfg, weights, device=args.device, dtype=args.dtype)  # its own workspace, the same weights
             print(f"sweep: prefill of {args.tokens} tokens in chunks of {chunk} ...", flush=True)
             p = fresh.profile("prefill", args.tokens, 0, chunk, repeat=1)
             points.append((chunk, p.call_seconds, activation_bytes(fresh, min(chunk, args.tokens), args.dtype)))
@@ -179,27 +190,46 @@ def cmd_check(args: argparse.Namespace) -> int:
     from . import rulers
 
     cfg = geometry(args.geometry)
-    weights = _C.random_weights(cfg, args.seed, args.dtype)
+    weights = _C.random_weights(cfg, args.seed, args.dtype, FP8 if args.fp8 else None)
     ours = dict(weights)
     if args.perturb:  # for demonstrating the accuracy ruler: our copy of one weight is changed
         if args.perturb not in ours:
             raise SystemExit(f"--perturb: expected one of {sorted(ours)}, got {args.perturb!r}")
         t = ours[args.perturb]
+        if t.dtype == "float8_e4m3fn":
+            raise SystemExit(f"--perturb: {args.perturb} is an FP8 matrix; with --fp8 change its scale "
+                             f"{args.perturb}_scale_inv, a norm or the router")
         ours[args.perturb] = _C.random_tensor(tuple(t.shape), 99, t.dtype, 0.05)
-    layer = DecoderLayer(cfg, ours, device=args.device)
+    layer = DecoderLayer(cfg, ours, device=args.device, dtype=args.dtype)
+    # the reference's weights: an FP8 layer's matrices dequantized to fp32 (in C), as they are meant
+    reference = dequantized(weights) if args.fp8 else weights
     results = [
-        rulers.accuracy(cfg, weights, layer, args.dtype, args.accuracy_tokens, args.seed),
+        rulers.accuracy(cfg, reference, layer, args.dtype, args.accuracy_tokens, args.seed),
         rulers.decode_latency(cfg, layer, args.dtype, args.context, args.latency_factor),
         rulers.prefill_memory(cfg, weights, args.dtype, args.device, args.tokens, args.chunk_size, args.max_memory_mb),
     ]
     failed = any(r.passed is False for r in results)
     if args.json:
-        print(json.dumps({"geometry": args.geometry, "dtype": args.dtype, "device": args.device, "pass": not failed,
+        print(json.dumps({"geometry": args.geometry, "dtype": args.dtype, "weight_format": layer.weight_format,
+                          "device": args.device, "pass": not failed,
                           "rulers": [dataclasses.asdict(r) for r in results]}, indent=2))
     else:
         for r in results:
             print(r.line())
     return 1 if failed else 0
+
+
+def dequantized(weights: dict) -> dict:
+    """weights with every FP8 matrix replaced by its fp32 dequantization (scales dropped)"""
+    out = {}
+    for name, t in weights.items():
+        if name.endswith("_scale_inv"):
+            continue
+        if t.dtype == "float8_e4m3fn":  # a fused gate_up_proj holds the gate's blocks, then the up's
+            out[name] = _C.dequantize_fp8(t, weights[name + "_scale_inv"], 2 if name.endswith("gate_up_proj") else 1)
+        else:
+            out[name] = t
+    return out
 
 
 def chunk_list(text: str) -> list:
@@ -218,6 +248,8 @@ def layer_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fp8", action="store_true", help=f"random {FP8} projection matrices (the accuracy "
+                   "ruler then measures against the dequantized weights)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -235,6 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--chunk-size", type=int, default=128, help="prefill chunk (default 128)")
     run.add_argument("--new-tokens", type=int, default=16, help="decode steps (default 16)")
     run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--fp8", action="store_true", help=f"random FP8 weights ({FP8}: e4m3 projection matrices "
+                     "with fp32 128x128 block scales, norms and router in --dtype)")
     run.set_defaults(func=cmd_run)
     mp = sub.add_parser("map", help="the dual prefill/decode map: tables, SVG and PNG")
     layer_options(mp)
@@ -269,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
         value = getattr(args, name, None)
         if value is not None and value < 0:
             build_parser().error(f"--{name.replace('_', '-')}: expected a non-negative int, got {value}")
+    if getattr(args, "fp8", False) and getattr(args, "checkpoint", None):
+        build_parser().error("--fp8: random weights only (a checkpoint's weights keep their own format)")
     try:
         return args.func(args)
     except KeyboardInterrupt:

@@ -35,7 +35,8 @@ class Ruler:
 def accuracy(cfg: LayerConfig, weights: dict, layer: DecoderLayer, dtype: str, tokens: int, seed: int) -> Ruler:
     """Our layer and transformers' on the same weights and input, each against an fp32 run of
     transformers on those (bf16-valued) weights: fp32 must agree to 1e-5, bf16 must err at most
-    twice as much as transformers' own bf16 run."""
+    twice as much as transformers' own bf16 run. An FP8 layer: `weights` are its matrices
+    dequantized to fp32 (transformers' bf16 run then rounds them to bf16)."""
     name = "accuracy against transformers"
     try:
         import torch
@@ -58,6 +59,8 @@ def accuracy(cfg: LayerConfig, weights: dict, layer: DecoderLayer, dtype: str, t
         m.load_state_dict({k: torch.from_dlpack(v).to(tensor_dtype) for k, v in weights.items()}, assign=True)
         return m.eval()
 
+    # an FP8 layer is measured against the dequantized weights it was given as reference
+    what = ", FP8 weights against their dequantization" if layer.weight_format != "dense" else ""
     tdt = torch.bfloat16 if dtype == "bfloat16" else torch.float32
     theirs, exact = hf_layer(tdt), hf_layer(torch.float32)
     rope = Qwen3MoeRotaryEmbedding(hc)
@@ -74,9 +77,9 @@ def accuracy(cfg: LayerConfig, weights: dict, layer: DecoderLayer, dtype: str, t
     err_theirs = float((y_theirs[0] - y_exact[0]).norm() / delta)
     if dtype == "float32":
         return Ruler(name, err_ours, 1e-5, "relative error", err_ours <= 1e-5,
-                     f"float32, {tokens} tokens; transformers' own error is {err_theirs:.2e}")
+                     f"float32{what}, {tokens} tokens; transformers' own error is {err_theirs:.2e}")
     return Ruler(name, err_ours, 2 * err_theirs, "relative error", err_ours <= 2 * err_theirs,
-                 f"bfloat16, {tokens} tokens; the threshold is twice transformers' own bf16 error")
+                 f"bfloat16{what}, {tokens} tokens; the threshold is twice transformers' own bf16 error")
 
 
 def decode_latency(cfg: LayerConfig, layer: DecoderLayer, dtype: str, context: int, factor: float) -> Ruler:
@@ -94,7 +97,8 @@ def decode_latency(cfg: LayerConfig, layer: DecoderLayer, dtype: str, context: i
         times.append(time.perf_counter() - t)
         cache.truncate(context)
     med = statistics.median(times[2:])
-    m = cost_model(cfg, "decode", 1, context, dtype=dtype)
+    m = cost_model(cfg, "decode", 1, context, dtype=dtype, weight_format=layer.weight_format,
+                   scale_dtype=layer._core.scale_dtype or "float32")
     floor = m.bytes / (gbs * 1e9)
     return Ruler("decode latency", med * 1e3, factor * floor * 1e3, "ms/token", med <= factor * floor,
                  f"context {context}; floor {floor * 1e3:.3f} ms = {m.bytes / 1e6:.1f} MB / {gbs:.1f} GB/s read "

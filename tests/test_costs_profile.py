@@ -166,6 +166,43 @@ def test_check_without_transformers_says_so(tmp_path):
     assert "Traceback" not in r.stderr
 
 
+def test_main_job_runs_on_random_fp8_weights():
+    r = run_cli("run", "--geometry", "tiny", "--fp8", "--tokens", "40", "--chunk-size", "16", "--new-tokens", "3")
+    assert r.returncode == 0, r.stderr
+    assert "random FP8 (fp8_e4m3_block128) matrices and bfloat16 norms and router" in r.stdout
+    assert "weights fp8_e4m3_block128" in r.stdout  # the layer's repr
+    assert "MB of FP8 weights and scales per token" in r.stdout
+    assert "the map, decode: 3 steps from context 40" in r.stdout
+
+
+def test_main_job_fp8_is_for_random_weights_only(tmp_path):
+    r = run_cli("run", "--fp8", "--checkpoint", str(tmp_path))
+    assert r.returncode == 2
+    assert "--fp8: random weights only (a checkpoint's weights keep their own format)" in r.stderr
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_check_fp8_measures_against_the_dequantized_weights(dtype):
+    import json
+
+    r = run_cli(*TINY_CHECK, "--fp8", "--dtype", dtype)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = json.loads(r.stdout)
+    assert out["pass"] is True and out["weight_format"] == "fp8_e4m3_block128"
+    assert "FP8 weights against their dequantization" in out["rulers"][0]["detail"]
+    assert all(x["passed"] for x in out["rulers"])
+
+
+def test_check_fp8_fails_when_a_scale_is_perturbed():
+    import json
+
+    r = run_cli(*TINY_CHECK, "--fp8", "--perturb", "self_attn.o_proj.weight_scale_inv")
+    assert r.returncode == 1
+    assert json.loads(r.stdout)["rulers"][0]["passed"] is False
+    r = run_cli(*TINY_CHECK, "--fp8", "--perturb", "self_attn.o_proj.weight")
+    assert r.returncode != 0 and "self_attn.o_proj.weight is an FP8 matrix" in r.stderr
+
+
 def test_cli_names_a_device_it_cannot_use():
     r = run_cli("run", "--geometry", "tiny", "--device", "tpu")
     assert r.returncode == 2
