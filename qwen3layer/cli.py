@@ -151,7 +151,8 @@ def cmd_map(args: argparse.Namespace) -> int:
     cfg = geometry(args.geometry)
     context = args.tokens if args.context is None else args.context
     os.makedirs(args.out, exist_ok=True)
-    print(f"building a {args.geometry} layer ({args.dtype}, {args.device}) ...", flush=True)
+    print(f"building a {args.geometry} layer ({args.dtype}{', FP8 weights' if args.fp8 else ''}, {args.device}) ...",
+          flush=True)
     weights = _C.random_weights(cfg, args.seed, args.dtype, FP8 if args.fp8 else None)
     layer = DecoderLayer(cfg, weights, device=args.device, dtype=args.dtype)
     print(f"measuring prefill of {args.tokens} tokens in chunks of {args.chunk_size} ...", flush=True)
