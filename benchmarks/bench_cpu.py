@@ -186,6 +186,15 @@ def bench_prefill(layer, hf, rope, cfg, tokens: int, repeats: int):
     return statistics.median(t_ours), statistics.median(t_hf)
 
 
+def prefill_row(layer, hf, rope, cfg, S: int, fma_gflops: float, args) -> tuple:
+    ours, theirs = bench_prefill(layer, hf, rope, cfg, S, args.prefill_repeats)
+    flops = prefill_flops(cfg, S)
+    return (f"prefill, {S} tokens", f"{S / ours:.0f} tok/s", f"{S / theirs:.0f} tok/s", theirs / ours,
+            f"{flops / ours / 1e9:.0f} GFLOP/s", flops / ours / 1e9 / fma_gflops,
+            f">= 50% of FMA peak, >= 2x: "
+            f"{'met' if flops / ours / 1e9 >= 0.5 * fma_gflops and theirs / ours >= 2 else 'not met'}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--small", action="store_true", help="a small geometry instead of the real one")
@@ -194,6 +203,7 @@ def main() -> int:
     ap.add_argument("--decode-repeats", type=int, default=9)
     ap.add_argument("--prefill-repeats", type=int, default=3)
     ap.add_argument("--no-fp8", action="store_true", help="leave out the FP8 rows")
+    ap.add_argument("--fp8-only", action="store_true", help="only the FP8 rows (no transformers layer)")
     args = ap.parse_args()
     started = time.perf_counter()
     cfg = SMALL if args.small else q3.LayerConfig.qwen3_235b_a22b()
@@ -208,13 +218,14 @@ def main() -> int:
     t = time.perf_counter()
     weights = _C.random_weights(cfg, 0, "bfloat16")
     layer = q3.DecoderLayer(cfg, weights)
-    hf, hc, rope = hf_layer_sharing(cfg, weights)
-    print(f"layer: {'small' if args.small else 'real'} geometry, bf16, weights shared zero-copy "
+    hf, hc, rope = (None, None, None) if args.fp8_only else hf_layer_sharing(cfg, weights)
+    print(f"layer: {'small' if args.small else 'real'} geometry, bf16, weights "
+          f"{'(no transformers layer) ' if args.fp8_only else 'shared zero-copy '}"
           f"({sum(w.nbytes for w in weights.values()) / 1e9:.2f} GB, built in {time.perf_counter() - t:.1f} s)\n")
 
     rows = []
     contexts = [int(c) for c in args.contexts.split(",")]
-    for ctx in contexts:
+    for ctx in [] if args.fp8_only else contexts:
         ours, theirs = bench_decode(layer, hf, hc, rope, cfg, ctx, args.decode_repeats)
         nbytes = decode_bytes(cfg, ctx)
         floor = nbytes / (read_gbs * 1e9)
@@ -222,14 +233,10 @@ def main() -> int:
                      theirs / ours, f"{nbytes / ours / 1e9:.1f} GB/s", floor / ours,
                      f">= 75% of read, >= 5x: {'met' if floor / ours >= 0.75 and theirs / ours >= 5 else 'not met'}"))
     S = args.prefill_tokens
-    ours, theirs = bench_prefill(layer, hf, rope, cfg, S, args.prefill_repeats)
-    flops = prefill_flops(cfg, S)
-    rows.append((f"prefill, {S} tokens", f"{S / ours:.0f} tok/s", f"{S / theirs:.0f} tok/s", theirs / ours,
-                 f"{flops / ours / 1e9:.0f} GFLOP/s", flops / ours / 1e9 / fma_gflops,
-                 f">= 50% of FMA peak, >= 2x: "
-                 f"{'met' if flops / ours / 1e9 >= 0.5 * fma_gflops and theirs / ours >= 2 else 'not met'}"))
-
-    print_table(("measurement", "qwen3layer", "transformers", "speed-up", "achieved", "of limit", "targets"), rows)
+    if not args.fp8_only:
+        rows.append(prefill_row(layer, hf, rope, cfg, S, fma_gflops, args))
+        print_table(("measurement", "qwen3layer", "transformers", "speed-up", "achieved", "of limit", "targets"),
+                    rows)
     if not args.no_fp8:
         t = time.perf_counter()
         fp8 = q3.DecoderLayer(cfg, _C.random_weights(cfg, 0, "bfloat16", "fp8_e4m3_block128"))
