@@ -59,6 +59,9 @@ CASE_KERNELS = [
     ("moe prefill gate_up + down", ["moe_tiles_kernel"]),
     ("moe prefill combine_csr", ["moe_combine_csr_kernel"]),
     ("moe prefill tiles + combine_csr", ["moe_tiles_kernel", "moe_combine_csr_kernel"]),
+    ("fp8 matmul GEMV", ["gemv_fp8_kernel"]),
+    ("fp8 dequant", ["fp8_dequant_kernel"]),
+    ("fp8 moe gate_up + down", ["moe_gate_up_fp8_kernel", "moe_down_fp8_kernel"]),
     ("swiglu", ["swiglu_kernel"]),
     ("gather + scatter_add", ["gather_kernel", "scatter_add_kernel"]),
     ("convert", ["from_f32_kernel", "to_f32_kernel"]),
@@ -103,6 +106,8 @@ MUTANTS = [
     Mutant(9, "__syncwarp removed: RoPE reads a head dim another lane wrote", "qk_rope_kv_kernel", "race"),
     Mutant(10, "__syncthreads removed: the next k slice is staged over one other warps still read",
            "matmul_tc_kernel", "race"),
+    Mutant(11, "FP8 block scale from the wrong column block: 16-byte chunk c's scale block c / 9, not c / 8",
+           "gemv_fp8_kernel", "twin"),
 ]
 
 CHILD = r"""

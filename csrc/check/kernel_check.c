@@ -240,6 +240,43 @@ static q3_status run_cases(check *k, q3_check_result *out, uint64_t *digests, in
         NAME("moe prefill tiles + combine_csr, T=%d k=%d E=12", (int)T, top);
         RUN("moe_gate_up_tc+moe_down_tc+moe_combine_csr", name, 1e-5, q3_case_moe_prefill_batch(k, T, top, 12, 32, 64));
     }
+    /* FP8 weights, fp32 and bf16 scales: K = 400 and N = 300 end in partial 128-blocks (16-byte
+     * loads, K % 16 == 0); K = 100 and w one byte off 16-byte alignment take one element a
+     * lane; NaN codes on both paths; T over each block-column size */
+    static const q3_dtype SCALE_DTYPES[] = {Q3_F32, Q3_BF16};
+    static const int64_t FP8_ROWS[] = {1, 7, 9, 17, 33};
+    EACH(sdt, SCALE_DTYPES) {
+        const char *sn = sdt == Q3_BF16 ? "bf16" : "f32";
+        EACH(T, FP8_ROWS) {
+            NAME("fp8 matmul GEMV %s scales T=%d N=300 K=400", sn, (int)T);
+            RUN("matmul_fp8", name, 1e-5, q3_case_fp8_matmul(k, sdt, T, 300, 400, 0, 0, 0));
+            NAME("fp8 matmul GEMV %s scales T=%d N=70 K=100", sn, (int)T);
+            RUN("matmul_fp8", name, 1e-5, q3_case_fp8_matmul(k, sdt, T, 70, 100, 0, 0, 0));
+        }
+        NAME("fp8 matmul GEMV %s scales T=1 N=70 K=4096", sn);
+        RUN("matmul_fp8", name, 1e-5, q3_case_fp8_matmul(k, sdt, 1, 70, 4096, 0, 0, 0));
+        NAME("fp8 matmul GEMV %s scales T=3 N=129 K=400, w unaligned", sn);
+        RUN("matmul_fp8", name, 1e-5, q3_case_fp8_matmul(k, sdt, 3, 129, 400, 1, 0, 0));
+        NAME("fp8 matmul GEMV %s scales T=9 N=70 K=256, x unaligned", sn);
+        RUN("matmul_fp8", name, 1e-5, q3_case_fp8_matmul(k, sdt, 9, 70, 256, 0, 4, 0));
+        NAME("fp8 matmul GEMV %s scales T=3 N=70 K=400, NaN codes", sn);
+        RUN("matmul_fp8", name, 1e-5, q3_case_fp8_matmul(k, sdt, 3, 70, 400, 0, 0, 1));
+        NAME("fp8 matmul GEMV %s scales T=3 N=70 K=100, NaN codes", sn);
+        RUN("matmul_fp8", name, 1e-5, q3_case_fp8_matmul(k, sdt, 3, 70, 100, 0, 0, 1));
+        NAME("fp8 dequant to bf16, %s scales N=300 K=400", sn);
+        RUN("fp8_dequant", name, 0.0, q3_case_fp8_dequant(k, sdt, 300, 400, 0));
+        NAME("fp8 dequant to bf16, %s scales N=130 K=100", sn);
+        RUN("fp8_dequant", name, 0.0, q3_case_fp8_dequant(k, sdt, 130, 100, 0));
+        NAME("fp8 dequant to bf16, %s scales N=129 K=256, w unaligned", sn);
+        RUN("fp8_dequant", name, 0.0, q3_case_fp8_dequant(k, sdt, 129, 256, 3));
+        /* H = 272, I = 144: 16-byte loads, partial blocks; H = 100, I = 36: one element a lane */
+        NAME("fp8 moe gate_up + down, %s scales T=5 k=3 E=16 I=144 H=272", sn);
+        RUN("moe_gate_up_fp8+moe_down_fp8", name, 1e-5, q3_case_moe_experts_fp8(k, 5, 3, 16, 144, 272, sdt));
+        NAME("fp8 moe gate_up + down, %s scales T=17 k=8 E=12 I=144 H=272", sn);
+        RUN("moe_gate_up_fp8+moe_down_fp8", name, 1e-5, q3_case_moe_experts_fp8(k, 17, 8, 12, 144, 272, sdt));
+        NAME("fp8 moe gate_up + down, %s scales T=9 k=4 E=12 I=36 H=100", sn);
+        RUN("moe_gate_up_fp8+moe_down_fp8", name, 1e-5, q3_case_moe_experts_fp8(k, 9, 4, 12, 36, 100, sdt));
+    }
     RUN("swiglu", "swiglu", 1e-5, q3_case_swiglu(k));
     RUN("gather_rows+scatter_add_rows", "gather + scatter_add rows", 1e-6, q3_case_rows(k));
     RUN("from_f32+to_f32", "convert fp32 <-> bf16", 0.0, q3_case_convert(k));

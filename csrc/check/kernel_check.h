@@ -134,4 +134,11 @@ double q3_case_moe_prefill_tc(check *k);
 double q3_case_moe_prefill_batch(check *k, int64_t T, int top, int E, int64_t I, int64_t H);
 double q3_case_moe_combine_csr(check *k);
 
+/* the FP8 kernels' cases (kernel_check_fp8.c): w_off, x_off bytes into their buffers (not 16-byte
+ * aligned: the fallbacks); nan: NaN codes in two rows */
+double q3_case_fp8_matmul(check *k, q3_dtype sdt, int64_t T, int64_t N, int64_t K, size_t w_off, size_t x_off,
+                          int nan);
+double q3_case_fp8_dequant(check *k, q3_dtype sdt, int64_t N, int64_t K, size_t w_off);
+double q3_case_moe_experts_fp8(check *k, int64_t T, int top, int E, int64_t I, int64_t H, q3_dtype sdt);
+
 #endif

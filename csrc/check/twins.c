@@ -155,3 +155,61 @@ void q3_moe_combine_csr_host(float *x, const float *y, const float *weights, con
         for (int32_t j = ptr[i]; j < ptr[i + 1]; j++)
             for (int64_t c = 0; c < H; c++) x[(int64_t)tokens[i] * H + c] += weights[slot[j]] * y[(int64_t)slot[j] * H + c];
 }
+
+int q3_matmul_fp8_host(float *y, const float *x, const uint8_t *w, const void *scale, q3_dtype sdt, int64_t T,
+                       int64_t N, int64_t K, int accumulate) {
+    const int64_t n = q3_matmul_fp8_scratch_floats(T, K);
+    float *scratch = n ? malloc((size_t)n * sizeof(float)) : NULL;
+    if (n && !scratch) return 1;
+    q3_cpu_ops_active()->matmul_fp8(y, x, w, scale, sdt, T, N, K, accumulate, scratch, 1);
+    free(scratch);
+    return 0;
+}
+
+int q3_fp8_dequant_host(uint16_t *dst, const uint8_t *w, const void *scale, q3_dtype sdt, int64_t N, int64_t K) {
+    float *row = malloc((size_t)(K ? K : 1) * sizeof(float));
+    if (!row) return 1;
+    for (int64_t n = 0; n < N; n++) {
+        q3_fp8_dequant_rows(row, w, scale, sdt, n, 1, K);
+        for (int64_t j = 0; j < K; j++) dst[n * K + j] = q3_f32_to_bf16(row[j]);
+    }
+    free(row);
+    return 0;
+}
+
+int q3_moe_gate_up_fp8_host(float *act, const float *x, const int32_t *rows, const int64_t *offsets,
+                            const int32_t *active, const uint8_t *const *gate, const uint8_t *const *up,
+                            const void *const *gate_scale, const void *const *up_scale, q3_dtype sdt, int64_t I,
+                            int64_t K) {
+    const q3_cpu_ops *c = q3_cpu_ops_active();
+    int64_t most = 0;
+    for (int a = 0; a < active[0]; a++) {
+        const int e = active[1 + a];
+        most = offsets[e + 1] - offsets[e] > most ? offsets[e + 1] - offsets[e] : most;
+    }
+    float *xe = malloc((size_t)(most * K + most * I + 1) * sizeof(float));
+    if (!xe) return 1;
+    float *upv = xe + most * K;
+    int bad = 0;
+    for (int a = 0; a < active[0] && !bad; a++) {
+        const int e = active[1 + a];
+        const int64_t first = offsets[e], n = offsets[e + 1] - first;
+        c->gather_rows(xe, x, rows + first, n, K);
+        bad = q3_matmul_fp8_host(act + first * I, xe, gate[e], gate_scale[e], sdt, n, I, K, 0) ||
+              q3_matmul_fp8_host(upv, xe, up[e], up_scale[e], sdt, n, I, K, 0);
+        c->swiglu(act + first * I, act + first * I, upv, n * I);
+    }
+    free(xe);
+    return bad;
+}
+
+int q3_moe_down_fp8_host(float *y, const float *act, const int64_t *offsets, const int32_t *active,
+                         const uint8_t *const *down, const void *const *down_scale, q3_dtype sdt, int64_t N,
+                         int64_t K) {
+    for (int a = 0; a < active[0]; a++) {
+        const int e = active[1 + a];
+        const int64_t first = offsets[e], n = offsets[e + 1] - first;
+        if (q3_matmul_fp8_host(y + first * N, act + first * K, down[e], down_scale[e], sdt, n, N, K, 0)) return 1;
+    }
+    return 0;
+}

@@ -10,6 +10,7 @@
 #include "../../kernels/attention.h"
 #include "../../kernels/cuda/ops_cuda.h"
 #include "../../kernels/dtype.h"
+#include "../../kernels/fp8.h"
 
 /* rmsnorm, rope and kv_write in turn */
 void q3_qk_rope_kv_host(float *q, float *k, const float *v, const void *q_norm, const void *k_norm, q3_dtype w_dt,
@@ -40,5 +41,19 @@ int q3_moe_down_tc_host(float *y, const float *act, const q3_moe_tile *tiles, in
                         int64_t N, int64_t K);
 void q3_moe_combine_csr_host(float *x, const float *y, const float *weights, const int32_t *tokens,
                              const int32_t *ptr, const int32_t *slot, int n, int64_t H);
+
+/* FP8 weights (kernels/fp8.h): the CPU's matmul_fp8 with its scratch, one thread */
+int q3_matmul_fp8_host(float *y, const float *x, const uint8_t *w, const void *scale, q3_dtype sdt, int64_t T,
+                       int64_t N, int64_t K, int accumulate);
+/* kernels/fp8.h's scalar dequantization, each value rounded to bf16 */
+int q3_fp8_dequant_host(uint16_t *dst, const uint8_t *w, const void *scale, q3_dtype sdt, int64_t N, int64_t K);
+/* per active expert: gather_rows, matmul_fp8, matmul_fp8, swiglu; and matmul_fp8 */
+int q3_moe_gate_up_fp8_host(float *act, const float *x, const int32_t *rows, const int64_t *offsets,
+                            const int32_t *active, const uint8_t *const *gate, const uint8_t *const *up,
+                            const void *const *gate_scale, const void *const *up_scale, q3_dtype sdt, int64_t I,
+                            int64_t K);
+int q3_moe_down_fp8_host(float *y, const float *act, const int64_t *offsets, const int32_t *active,
+                         const uint8_t *const *down, const void *const *down_scale, q3_dtype sdt, int64_t N,
+                         int64_t K);
 
 #endif

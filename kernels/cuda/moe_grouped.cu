@@ -5,11 +5,11 @@
 // the blocks past active[0] return at once, so the grids depend only on host arguments and
 // the whole sequence can be captured in a CUDA graph: no host sync, no allocation.
 // Expert weights come as device arrays of E device pointers.
+#include "moe_active.cuh"
 #include "row_dots.cuh"
 
 #define ROUTE_THREADS 256
 #define ROUTE_MAX_EXPERTS 12288 // one int32 of shared memory per expert, within the default 48 KiB
-#define GROUP_WARPS 8           // weight rows (warps) per block of the expert kernels
 #define COMBINE_THREADS 256
 #define COMBINE_MAX_K 32
 
@@ -86,17 +86,6 @@ extern "C" int q3_moe_route_cuda(int64_t *offsets, int32_t *rows, float *weights
     return q3_launch_status();
 }
 
-// block column a's expert (the a-th active one) and its slots [*first, *first + *n); -1
-// when fewer than a + 1 experts are active
-__device__ __forceinline__ int active_expert(const int64_t *offsets, const int32_t *active, int a, int64_t *first,
-                                             int64_t *n) {
-    if (a >= active[0]) return -1;
-    const int e = active[1 + a];
-    *first = offsets[e];
-    *n = offsets[e + 1] - *first;
-    return e;
-}
-
 // act [s, i] = silu(x[rows[s]] . G_e[i]) * (x[rows[s]] . U_e[i]) for the slots s of the
 // block column's expert e; one warp per weight row i, the group's tokens TOKENS_PER_WARP at
 // a time, each activation load serving the gate and the up row (later chunks re-read the two
@@ -147,14 +136,6 @@ __global__ void moe_down_kernel(float *y, const float *act, const int64_t *offse
             if (lane == 0) y[(first + c0 + t) * N + i] = s;
         }
     }
-}
-
-// the grid of the expert kernels: max_active block columns by the weight rows in warps
-static int expert_grid(dim3 *grid, int max_active, int64_t rows) {
-    const int64_t row_blocks = (rows + GROUP_WARPS - 1) / GROUP_WARPS;
-    if (row_blocks > 65535) return (int)cudaErrorInvalidValue;
-    *grid = dim3((unsigned)max_active, (unsigned)row_blocks);
-    return 0;
 }
 
 // act [T * k, I] by slot <- x [T, K]; max_active >= active[0] (min(E, T * k) always is)

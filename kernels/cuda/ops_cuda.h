@@ -135,6 +135,23 @@ typedef struct {
      * ptr[i + 1] - 1, added one at a time in that order (tokens distinct) */
     int (*moe_combine_csr)(float *x, const float *y, const float *weights, const int32_t *tokens,
                            const int32_t *ptr, const int32_t *slot, int n, int64_t H, void *stream);
+    /* ---- FP8 weights (kernels/fp8.h: e4m3 bytes w [N, K], scale_inv [ceil(N/128), ceil(K/128)]
+     * of sdt, fp32 or bf16); twins: the CPU's matmul_fp8 and csrc/check/twins.c ---- */
+    /* y [T, N] (+)= x [T, K] W^T, converted in registers (the decode GEMV; any T) */
+    int (*matmul_fp8)(float *y, const float *x, const uint8_t *w, const void *scale, q3_dtype sdt, int64_t T,
+                      int64_t N, int64_t K, int accumulate, void *stream);
+    /* dst [N, K] bf16 = round_bf16(e4m3(w) * scale): weights for the tensor-core paths */
+    int (*fp8_dequant)(uint16_t *dst, const uint8_t *w, const void *scale, q3_dtype sdt, int64_t N, int64_t K,
+                       void *stream);
+    /* moe_gate_up and moe_down over FP8 experts: gate, up, down device arrays of E device
+     * pointers to the bytes, gate_scale, up_scale, down_scale of E to their scale_inv */
+    int (*moe_gate_up_fp8)(float *act, const float *x, const int32_t *rows, const int64_t *offsets,
+                           const int32_t *active, const uint8_t *const *gate, const uint8_t *const *up,
+                           const void *const *gate_scale, const void *const *up_scale, q3_dtype sdt, int max_active,
+                           int64_t I, int64_t K, void *stream);
+    int (*moe_down_fp8)(float *y, const float *act, const int64_t *offsets, const int32_t *active,
+                        const uint8_t *const *down, const void *const *down_scale, q3_dtype sdt, int max_active,
+                        int64_t N, int64_t K, void *stream);
     int (*swiglu)(float *act, const float *gate, const float *up, int64_t n, void *stream);
     int (*gather_rows)(float *dst, const float *src, const int32_t *rows, int64_t n, int64_t H, void *stream);
     int (*scatter_add_rows)(float *dst, const float *src, const int32_t *rows, const float *scale, int64_t n,

@@ -28,6 +28,14 @@ int q3_moe_down_tc_cuda(float *, const float *, const q3_moe_tile *, int, const 
                         void *);
 int q3_moe_combine_csr_cuda(float *, const float *, const float *, const int32_t *, const int32_t *, const int32_t *,
                             int, int64_t, void *);
+int q3_matmul_fp8_cuda(float *, const float *, const uint8_t *, const void *, q3_dtype, int64_t, int64_t, int64_t, int,
+                       void *);
+int q3_fp8_dequant_cuda(uint16_t *, const uint8_t *, const void *, q3_dtype, int64_t, int64_t, void *);
+int q3_moe_gate_up_fp8_cuda(float *, const float *, const int32_t *, const int64_t *, const int32_t *,
+                            const uint8_t *const *, const uint8_t *const *, const void *const *, const void *const *,
+                            q3_dtype, int, int64_t, int64_t, void *);
+int q3_moe_down_fp8_cuda(float *, const float *, const int64_t *, const int32_t *, const uint8_t *const *,
+                         const void *const *, q3_dtype, int, int64_t, int64_t, void *);
 int q3_swiglu_cuda(float *, const float *, const float *, int64_t, void *);
 int q3_gather_rows_cuda(float *, const float *, const int32_t *, int64_t, int64_t, void *);
 int q3_scatter_add_rows_cuda(float *, const float *, const int32_t *, const float *, int64_t, int64_t, void *);
@@ -227,6 +235,10 @@ extern "C" int q3_cuda_ops_get(q3_cuda_ops *ops) {
     ops->moe_gate_up_tc = q3_moe_gate_up_tc_cuda;
     ops->moe_down_tc = q3_moe_down_tc_cuda;
     ops->moe_combine_csr = q3_moe_combine_csr_cuda;
+    ops->matmul_fp8 = q3_matmul_fp8_cuda;
+    ops->fp8_dequant = q3_fp8_dequant_cuda;
+    ops->moe_gate_up_fp8 = q3_moe_gate_up_fp8_cuda;
+    ops->moe_down_fp8 = q3_moe_down_fp8_cuda;
     ops->swiglu = q3_swiglu_cuda;
     ops->gather_rows = q3_gather_rows_cuda;
     ops->scatter_add_rows = q3_scatter_add_rows_cuda;
