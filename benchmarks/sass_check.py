@@ -75,6 +75,10 @@ DECODE_KERNELS = [
     Expect("moe_gate_up_kernel", "moe_grouped.cu", 256, wide_loads=True),  # GROUP_WARPS 8
     Expect("moe_down_kernel", "moe_grouped.cu", 256, wide_loads=True),
     Expect("moe_combine_kernel", "moe_grouped.cu", 256),           # COMBINE_THREADS
+    # FP8 weights (fp8.cuh's fp8_row_dots: 16-byte loads of 16 e4m3)
+    Expect("gemv_fp8_kernel", "matmul_fp8.cu", 256, wide_loads=True),  # FP8_GEMV_WARPS 8
+    Expect("moe_gate_up_fp8_kernel", "moe_grouped_fp8.cu", 256, wide_loads=True),  # GROUP_WARPS 8
+    Expect("moe_down_fp8_kernel", "moe_grouped_fp8.cu", 256, wide_loads=True),
 ]
 
 # per SM: (shared memory bytes, max threads, max blocks); all have 65536 registers

@@ -68,8 +68,8 @@ class DecoderLayer:
     weight_format: how the projection matrices (q/k/v/o_proj, the experts' gate/up/down_proj)
     are stored: 'dense' (of the layer's dtype) or 'fp8_e4m3_block128' (float8_e4m3fn, each
     with a "<name>_scale_inv" of fp32 or bf16 block scales [ceil(out/128), ceil(in/128)], as
-    in the fine-grained FP8 checkpoints; borrowed as they are, never quantized here; CPU only
-    for now); default: FP8 when self_attn.q_proj.weight is float8_e4m3fn. `dtype` is then the
+    in the fine-grained FP8 checkpoints; borrowed as they are, never quantized here; on CUDA,
+    host ones are uploaded once, still FP8); default: FP8 when self_attn.q_proj.weight is float8_e4m3fn. `dtype` is then the
     activations' (and the norms' and router's), by default input_layernorm.weight's.
     device: 'cpu', or 'cuda' / 'cuda:N' where the build has the CUDA backend: weights on that
     device are borrowed as above if their address is 16-byte aligned (the kernels' vector
@@ -89,8 +89,10 @@ class DecoderLayer:
         if self._core.converted:
             where = "" if index < 0 else f" on {self.device}"
             aligned = "" if index < 0 else ", 16-byte aligned"
+            kept = self._core.dtype if self._core.weight_format == "dense" else \
+                f"{self._core.dtype} (FP8 matrices kept float8_e4m3fn)"
             warnings.warn(f"DecoderLayer: copied {len(self._core.converted)} weight(s) to contiguous{aligned} "
-                          f"{self._core.dtype}{where} once at construction: {', '.join(self._core.converted[:4])}"
+                          f"{kept}{where} once at construction: {', '.join(self._core.converted[:4])}"
                           + (" ..." if len(self._core.converted) > 4 else ""), stacklevel=2)
 
     @classmethod

@@ -472,3 +472,41 @@ def test_cuda_misaligned_weight_views_are_copied_once_and_match_the_cpu(dtype):
     for _ in range(2):
         x = torch.randn(2, CFG.hidden_size, generator=gen).to(tdt)
         assert rel(gpu.decode(x.cuda(), c_gpu), cpu.decode(x, c_cpu)) <= tol
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 1e-2)])
+def test_cuda_fp8_layer_matches_the_cpu_fp8_layer(dtype, tol):
+    """An FP8 layer (e4m3 weights with 128 x 128 block scales, fused experts with bf16 scales,
+    hidden 320 / moe_inter 160: partial scale blocks) on the GPU against the CPU FP8 layer on
+    the same weights: host weights uploaded once, device weights borrowed; prefill in chunks
+    of 8 (the FP8 GEMV) and all 40 (bf16: dequantized to bf16 for the tensor cores), decode
+    steps (the FP8 GEMV and grouped FP8 experts) and decode-graph replays."""
+    import sys
+
+    import torch
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from fp8_weights import fp8_weights
+
+    cfg = q3.LayerConfig(hidden_size=320, num_attention_heads=4, num_key_value_heads=2, head_dim=48,
+                         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=160)
+    w = fp8_weights(cfg, dtype, torch.bfloat16, True, 7)
+    cpu = q3.DecoderLayer(cfg, w)
+    gpu = q3.DecoderLayer(cfg, w, device="cuda")
+    borrowed = q3.DecoderLayer(cfg, {k: v.cuda() for k, v in w.items()}, device="cuda")
+    assert cpu.weight_format == gpu.weight_format == "fp8_e4m3_block128" and gpu.weight_bytes == cpu.weight_bytes
+    tdt = getattr(torch, dtype)
+    for chunk in (8, None):
+        x = torch.randn(2, 40, cfg.hidden_size, generator=torch.Generator().manual_seed(8)).to(tdt)
+        c_cpu, c_gpu, c_b = cpu.new_cache(48, batch=2), gpu.new_cache(48, batch=2), borrowed.new_cache(48, batch=2)
+        want = cpu.prefill(x, c_cpu, chunk_size=chunk)
+        assert rel(gpu.prefill(x.cuda(), c_gpu, chunk_size=chunk), want) <= tol
+        assert rel(borrowed.prefill(x.cuda(), c_b, chunk_size=chunk), want) <= tol
+        graph = gpu.decode_graph(c_gpu)
+        for t in range(4):
+            s = torch.randn(2, cfg.hidden_size, generator=torch.Generator().manual_seed(9 + t)).to(tdt)
+            want = cpu.decode(s, c_cpu)
+            got = gpu.decode(s.cuda(), c_gpu) if t % 2 else graph(s.cuda()).clone()
+            assert rel(got, want) <= tol, (chunk, t)
+        assert c_gpu.lengths == c_cpu.lengths == (44, 44)

@@ -32,6 +32,8 @@ typedef struct {
     float *pair_y;         /* [Rd * k, H] decode: expert output of each slot */
     const void **experts;  /* [Q3_X_COUNT][E] device copies of the expert pointer tables */
     int32_t *moe_plan;     /* [q3_moe_plan_ints] prefill: tiles and per-token slots (below) */
+    uint16_t *wbf16;       /* FP8 layers with rows >= 16: one matrix dequantized to bf16
+                            * [q3_gpu_fp8_largest_matrix] for the tensor cores (project_fp8.c); else NULL */
 } q3_gpu_ws;               /* rows, seqs, block and bytes: in dev; Rd = min(rows, Q3_DECODE_MAX_ROWS) */
 
 /* The query rows of split-KV attention a pass of `rows` rows over `seqs` sequences may have:
@@ -155,6 +157,13 @@ void q3_gpu_moe_run_path(q3_layer *l, const q3_pass *p, q3_gpu_run *run, int pat
 int q3_gpu_moe_path_fits(const q3_layer *l, const q3_cuda_ops *g, int path);
 int q3_gpu_moe_choose(q3_layer *l, const q3_pass *p, q3_gpu_run *run);
 int q3_moe_size_class(int64_t rows);
+
+/* y [T, N] (+)= x [T, K] m^T for an FP8 matrix m (project_fp8.c): with tensor_cores (a product
+ * the dense layer would send to them) dequantized into ws->wbf16 and multiplied there (cuBLAS
+ * when cublas, else the WMMA kernel), else the FP8 GEMV; a CUDA code */
+int q3_gpu_project_fp8(const q3_layer *l, q3_gpu_run *run, int tensor_cores, int cublas, float *y, const float *x,
+                       q3_matrix m, int64_t T, int64_t N, int64_t K, int accumulate);
+int64_t q3_gpu_fp8_largest_matrix(const q3_config *cf);
 
 static inline int q3_gpu_is_decode(const q3_pass *p) { return p->L == 1 && p->n_seqs <= Q3_DECODE_MAX_ROWS; }
 

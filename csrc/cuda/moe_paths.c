@@ -48,6 +48,9 @@ int q3_layer_cuda_moe_choice(const q3_layer *l, int c, float *ms) {
 int q3_gpu_moe_path_fits(const q3_layer *l, const q3_cuda_ops *g, int path) {
     const q3_config *cf = &l->cfg;
     const int bf16 = l->w.dtype == Q3_BF16;
+    /* FP8 experts: the per-expert paths only, each hit expert's matrices dequantized to bf16
+     * one at a time (project_fp8.c); the grouped ones would need every expert in bf16 at once */
+    if (l->w.format == Q3_WF_FP8_BLOCK128 && (path == Q3_MOE_GROUPED_WMMA || path == Q3_MOE_GROUPED_CUBLAS)) return 0;
     if (path == Q3_MOE_GROUPED_WMMA) return bf16 && cf->hidden % 32 == 0 && cf->moe_inter % 32 == 0;
     if (path == Q3_MOE_PER_EXPERT_CUBLAS) return bf16 && g->blas_enable(-1); /* else the WMMA one's twin */
     if (path == Q3_MOE_GROUPED_CUBLAS) /* 16-byte aligned rows in the batch's buffers; blas.cu's most groups */

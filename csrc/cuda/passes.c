@@ -23,6 +23,9 @@ q3_status q3_gpu_ws_alloc(q3_gpu_ws *ws, const q3_layer *l, int64_t rows, int se
     const q3_cuda_ops *g = q3_cuda();
     const q3_config *cf = &l->cfg;
     const int64_t E = cf->experts, k = cf->top_k, Rd = rows < Q3_DECODE_MAX_ROWS ? rows : Q3_DECODE_MAX_ROWS;
+    const int fp8 = l->w.format == Q3_WF_FP8_BLOCK128;
+    /* the expert tables: the weights, then (FP8) their scales, as layer.c's expert_ptrs */
+    const int64_t tables = (fp8 ? 2 : 1) * Q3_X_COUNT * E;
     const q3_attn_shape shape = {.heads = cf->heads, .kv_heads = cf->kv_heads, .head_dim = cf->head_dim};
     *ws = (q3_gpu_ws){0};
     size_t off = 0;
@@ -40,8 +43,9 @@ q3_status q3_gpu_ws_alloc(q3_gpu_ws *ws, const q3_layer *l, int64_t rows, int se
         CARVE(pair_slot, int32_t, Rd * k);
         CARVE(pair_act, float, Rd * k * cf->moe_inter);
         CARVE(pair_y, float, Rd * k * cf->hidden);
-        CARVE(experts, const void *, Q3_X_COUNT * E);
+        CARVE(experts, const void *, tables);
         CARVE(moe_plan, int32_t, q3_moe_plan_ints(rows, (int)k, (int)E));
+        if (fp8 && rows >= 16) CARVE(wbf16, uint16_t, q3_gpu_fp8_largest_matrix(cf));
 #undef CARVE
         if (pass == 0 && (g->set_device(l->w.device) || g->malloc_device((void **)&base, off)))
             return q3_fail(err, Q3_ERR_NOMEM, "cuda workspace: cannot allocate %zu bytes on cuda:%d", off,
@@ -53,7 +57,7 @@ q3_status q3_gpu_ws_alloc(q3_gpu_ws *ws, const q3_layer *l, int64_t rows, int se
     ws->dev.seqs = seqs;
     ws->split_rows = split_rows;
     /* the expert kernels of a decode pass look their weights up on the device */
-    if (g->copy(ws->experts, l->expert_ptrs, (size_t)(Q3_X_COUNT * E) * sizeof(void *), 1)) {
+    if (g->copy(ws->experts, l->expert_ptrs, (size_t)tables * sizeof(void *), 1)) {
         q3_gpu_ws_free(ws);
         return q3_fail(err, Q3_ERR_STATE, "cuda workspace: cannot upload the expert pointer tables");
     }
@@ -93,11 +97,15 @@ void q3_gpu_mark(q3_gpu_run *run, int stage) {
 
 /* y = x W^T: the GEMV for decode passes of up to GEMV_MAX_ROWS rows and for anything under
  * 16 tokens, else tensor cores when the shape fits (cuBLAS where it is open, except in a
- * decode pass, which a graph may capture) */
-static int project(q3_gpu_run *run, const q3_pass *p, float *y, const float *x, const void *w, q3_dtype dt,
+ * decode pass, which a graph may capture); FP8 weights the same way (project_fp8.c) */
+static int project(const q3_layer *l, q3_gpu_run *run, const q3_pass *p, float *y, const float *x, q3_matrix m,
                    int64_t T, int64_t N, int64_t K, int accumulate) {
     const q3_cuda_ops *g = run->g;
     const int gemv_rows = q3_gpu_is_decode(p) ? GEMV_MAX_ROWS : 15;
+    const void *w = m.w;
+    const q3_dtype dt = l->w.dtype;
+    if (l->w.format == Q3_WF_FP8_BLOCK128)
+        return q3_gpu_project_fp8(l, run, T > gemv_rows, !q3_gpu_is_decode(p), y, x, m, T, N, K, accumulate);
     if (T > gemv_rows && dt == Q3_BF16 && N % 16 == 0 && K % 32 == 0)
         return (q3_gpu_is_decode(p) ? g->matmul_wmma : g->matmul_tc)(y, x, w, T, N, K, accumulate,
                                                                       run->ws->dev.xb, run->stream);
@@ -131,9 +139,9 @@ void q3_gpu_attention_pass(q3_layer *l, q3_cache *c, const q3_pass *p, int64_t m
     const int64_t QD = (int64_t)Hq * D, KVD = (int64_t)Hkv * D;
     Q3_GPU(run, g->rmsnorm(d->h, d->x, w->dense[Q3_W_INPUT_NORM], w->dtype, R, H, cf->eps, sm), "rmsnorm");
     q3_gpu_mark(run, Q3_STAGE_INPUT_NORM);
-    Q3_GPU(run, project(run, p, d->q, d->h, w->dense[Q3_W_Q_PROJ], w->dtype, R, QD, H, 0), "q_proj");
-    Q3_GPU(run, project(run, p, d->k, d->h, w->dense[Q3_W_K_PROJ], w->dtype, R, KVD, H, 0), "k_proj");
-    Q3_GPU(run, project(run, p, d->v, d->h, w->dense[Q3_W_V_PROJ], w->dtype, R, KVD, H, 0), "v_proj");
+    Q3_GPU(run, project(l, run, p, d->q, d->h, q3_dense_matrix(l, Q3_W_Q_PROJ), R, QD, H, 0), "q_proj");
+    Q3_GPU(run, project(l, run, p, d->k, d->h, q3_dense_matrix(l, Q3_W_K_PROJ), R, KVD, H, 0), "k_proj");
+    Q3_GPU(run, project(l, run, p, d->v, d->h, q3_dense_matrix(l, Q3_W_V_PROJ), R, KVD, H, 0), "v_proj");
     q3_gpu_mark(run, Q3_STAGE_QKV_PROJ);
     if (q3_gpu_is_decode(p))
         Q3_GPU(run, g->decode_prepare(d->attn_seqs, d->pos, run->ws->lengths, p->n_seqs, sm), "decode_prepare");
@@ -148,7 +156,7 @@ void q3_gpu_attention_pass(q3_layer *l, q3_cache *c, const q3_pass *p, int64_t m
     Q3_GPU(run, g->attention(d->attn, d->q, d->attn_seqs, p->n_seqs, &shape, run->ws->partial, sm), "attention");
     q3_gpu_mark(run, Q3_STAGE_ATTENTION);
     /* into h: the MoE pass adds it to the residual in the same kernel as its norm */
-    Q3_GPU(run, project(run, p, d->h, d->attn, w->dense[Q3_W_O_PROJ], w->dtype, R, H, QD, 0), "o_proj");
+    Q3_GPU(run, project(l, run, p, d->h, d->attn, q3_dense_matrix(l, Q3_W_O_PROJ), R, H, QD, 0), "o_proj");
     q3_gpu_mark(run, Q3_STAGE_O_PROJ);
 }
 
@@ -163,13 +171,23 @@ static void experts_on_device(q3_layer *l, const q3_pass *p, q3_gpu_run *run) {
     const int64_t R = p->n_seqs * p->L, H = cf->hidden, I = cf->moe_inter, E = cf->experts;
     const int k = cf->top_k, max_active = (int)(R * k < E ? R * k : E);
     const void *const *gate = ws->experts, *const *up = ws->experts + E, *const *down = ws->experts + 2 * E;
+    const void *const *scales = ws->experts + Q3_X_COUNT * E; /* FP8: gate's, up's, down's */
     Q3_GPU(run, g->moe_route(d->offsets, d->pair_row, d->pair_w, ws->active, ws->pair_slot, d->topk_idx, d->topk_w,
                              R, k, (int)E, sm), "moe_route");
     q3_gpu_mark(run, Q3_STAGE_TOP_K);
-    Q3_GPU(run, g->moe_gate_up(ws->pair_act, d->h, d->pair_row, d->offsets, ws->active, gate, up, l->w.dtype,
-                               max_active, I, H, sm), "moe_gate_up");
-    Q3_GPU(run, g->moe_down(ws->pair_y, ws->pair_act, d->offsets, ws->active, down, l->w.dtype, max_active, H, I,
-                            sm), "moe_down");
+    if (l->w.format == Q3_WF_FP8_BLOCK128) {
+        const q3_dtype sdt = l->w.scale_dtype;
+        Q3_GPU(run, g->moe_gate_up_fp8(ws->pair_act, d->h, d->pair_row, d->offsets, ws->active,
+                                       (const uint8_t *const *)gate, (const uint8_t *const *)up, scales,
+                                       scales + E, sdt, max_active, I, H, sm), "moe_gate_up_fp8");
+        Q3_GPU(run, g->moe_down_fp8(ws->pair_y, ws->pair_act, d->offsets, ws->active, (const uint8_t *const *)down,
+                                    scales + 2 * E, sdt, max_active, H, I, sm), "moe_down_fp8");
+    } else {
+        Q3_GPU(run, g->moe_gate_up(ws->pair_act, d->h, d->pair_row, d->offsets, ws->active, gate, up, l->w.dtype,
+                                   max_active, I, H, sm), "moe_gate_up");
+        Q3_GPU(run, g->moe_down(ws->pair_y, ws->pair_act, d->offsets, ws->active, down, l->w.dtype, max_active, H,
+                                I, sm), "moe_down");
+    }
     Q3_GPU(run, g->moe_combine(d->x, ws->pair_y, d->pair_w, ws->pair_slot, R, k, H, sm), "moe_combine");
 }
 
@@ -256,10 +274,13 @@ static void experts_grouped(q3_layer *l, const q3_pass *p, q3_gpu_run *run) {
 
 /* y = x W^T for one expert's n rows: tensor cores for 16 rows or more when the shape fits
  * (through matmul_tc, i.e. cuBLAS where it is open, when cublas is set; else the WMMA
- * kernel), else the GEMV */
-static int expert_project(q3_gpu_run *run, float *y, const float *x, const void *w, q3_dtype dt, int64_t n,
+ * kernel), else the GEMV; FP8 weights the same way (project_fp8.c) */
+static int expert_project(const q3_layer *l, q3_gpu_run *run, float *y, const float *x, q3_matrix m, int64_t n,
                           int64_t N, int64_t K, int cublas) {
     const q3_cuda_ops *g = run->g;
+    const void *w = m.w;
+    const q3_dtype dt = l->w.dtype;
+    if (l->w.format == Q3_WF_FP8_BLOCK128) return q3_gpu_project_fp8(l, run, n >= 16, cublas, y, x, m, n, N, K, 0);
     if (n >= 16 && dt == Q3_BF16 && N % 16 == 0 && K % 32 == 0)
         return (cublas ? g->matmul_tc : g->matmul_wmma)(y, x, w, n, N, K, 0, run->ws->dev.xb, run->stream);
     return g->matmul(y, x, w, dt, n, N, K, 0, run->stream);
@@ -278,17 +299,17 @@ static void experts_one_by_one(q3_layer *l, q3_gpu_run *run, int cublas) {
         const int64_t first = st->offsets[e], n = st->offsets[e + 1] - first;
         if (n == 0) continue;
         Q3_GPU(run, g->gather_rows(d->xe, d->h, d->pair_row + first, n, H, sm), "gather");
-        if (n < 16) { /* few tokens: gate, up and SiLU * up in one pass over both weight matrices */
+        if (n < 16 && w->format == Q3_WF_DENSE) { /* few tokens: gate, up and SiLU * up in one pass */
             Q3_GPU(run, g->gate_up(d->gate, d->xe, w->experts[Q3_X_GATE][e], w->experts[Q3_X_UP][e], w->dtype, n, I,
                                    H, sm), "gate_up");
         } else {
-            Q3_GPU(run, expert_project(run, d->gate, d->xe, w->experts[Q3_X_GATE][e], w->dtype, n, I, H, cublas),
+            Q3_GPU(run, expert_project(l, run, d->gate, d->xe, q3_expert_matrix(l, Q3_X_GATE, e), n, I, H, cublas),
                    "gate_proj");
-            Q3_GPU(run, expert_project(run, d->up, d->xe, w->experts[Q3_X_UP][e], w->dtype, n, I, H, cublas),
+            Q3_GPU(run, expert_project(l, run, d->up, d->xe, q3_expert_matrix(l, Q3_X_UP, e), n, I, H, cublas),
                    "up_proj");
             Q3_GPU(run, g->swiglu(d->gate, d->gate, d->up, n * I, sm), "swiglu");
         }
-        Q3_GPU(run, expert_project(run, d->ye, d->gate, w->experts[Q3_X_DOWN][e], w->dtype, n, H, I, cublas),
+        Q3_GPU(run, expert_project(l, run, d->ye, d->gate, q3_expert_matrix(l, Q3_X_DOWN, e), n, H, I, cublas),
                "down_proj");
         Q3_GPU(run, g->scatter_add_rows(d->x, d->ye, d->pair_row + first, d->pair_w + first, n, H, sm), "combine");
     }

@@ -27,9 +27,6 @@ q3_status q3_layer_create(q3_layer **out, const q3_config *cfg, const q3_weights
     *out = NULL;
     q3_status s = q3_config_check(cfg, err);
     if (s == Q3_OK) s = check_format(w, err);
-    if (s == Q3_OK && w->device >= 0 && w->format != Q3_WF_DENSE)
-        s = q3_fail(err, Q3_ERR_VALUE, "weight_format: %s layers run on the CPU only in this build (expected "
-                    "device cpu, got cuda:%d)", q3_weight_format_name(w->format), w->device);
     if (s == Q3_OK && w->device >= 0 && q3_device()) s = q3_device()->layer_config_check(cfg, err);
     if (s != Q3_OK) return s;
     for (int i = 0; i < Q3_W_DENSE_COUNT; i++)

@@ -113,6 +113,25 @@ static void *copy_on_device(q3_layer_object *self, const q3_view *v, size_t byte
     return dev;
 }
 
+void *q3_layer_device_copy(q3_layer_object *self, const q3_view *v, size_t bytes, const char *name, const char *arg) {
+    void *dev = NULL;
+    if (v->device >= 0) {
+        dev = copy_on_device(self, v, bytes, arg);
+    } else { /* from the host: uploaded once, now */
+        const q3_cuda_ops *g = q3_cuda();
+        int code = g->set_device(self->device);
+        if (!code) code = g->malloc_device(&dev, bytes ? bytes : 1);
+        if (!code) code = g->copy(dev, v->data, bytes, 1);
+        if (code) {
+            if (dev) g->free_device(dev);
+            PyErr_Format(PyExc_MemoryError, "%s: cannot copy %zu bytes to cuda:%d: %s", arg, bytes, self->device,
+                         g->error_string(code));
+            return NULL;
+        }
+    }
+    return dev ? record_converted(self, name, dev) : NULL;
+}
+
 /* Imports weights[name] into the next view slot (not yet counted) and checks its shape;
  * `allow` as for q3_view_acquire_on. Returns the view, or NULL with an exception. */
 q3_view *q3_layer_acquire_shaped(q3_layer_object *self, PyObject *weights, const char *name, int rank,

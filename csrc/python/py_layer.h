@@ -25,6 +25,10 @@ typedef struct {
  * weight_ptrs[name] = p. Each returns NULL / -1 with an exception. */
 q3_view *q3_layer_acquire_shaped(q3_layer_object *self, PyObject *weights, const char *name, int rank,
                                  const int64_t *dims, int allow, char *arg, size_t arg_size);
+/* a copy of the contiguous tensor v (bytes long; on the host, or on the layer's device) in a
+ * new block of the layer's CUDA device, owned by the layer and named in `converted`; NULL with
+ * an exception */
+void *q3_layer_device_copy(q3_layer_object *self, const q3_view *v, size_t bytes, const char *name, const char *arg);
 const void *q3_layer_take_weight(q3_layer_object *self, PyObject *weights, const char *name, int rank,
                                  const int64_t *dims, q3_dtype dtype);
 int q3_layer_record_ptr(q3_layer_object *self, const char *name, const void *p);

@@ -23,17 +23,29 @@ const void *q3_layer_take_fp8(q3_layer_object *self, PyObject *weights, const ch
     }
     q3_view *v = q3_layer_acquire_shaped(self, weights, name, rank, dims, Q3_VIEW_HOST | Q3_VIEW_E4M3, arg, sizeof arg);
     if (!v) return NULL;
-    if (v->dtype != Q3_E4M3 || !v->contiguous || v->device != self->device) {
+    /* a CUDA layer takes the bytes from its device or from the host (uploaded once) */
+    const int placed = v->device == self->device || (self->device >= 0 && v->device < 0);
+    if (v->dtype != Q3_E4M3 || !v->contiguous || !placed) {
         PyErr_Format(PyExc_ValueError, "%s: an fp8_e4m3_block128 layer expected a contiguous float8_e4m3fn "
                      "tensor on %s, got a%s %s tensor on %s", arg, self->device < 0 ? "cpu" : "cuda",
                      v->contiguous ? "" : " non-contiguous", q3_dtype_name(v->dtype), v->device < 0 ? "cpu" : "cuda");
         q3_view_release(v);
         return NULL;
     }
-    self->n_views++;
+    const void *data = v->data;
+    if (self->device >= 0 && (v->device < 0 || (uintptr_t)v->data % Q3_CUDA_WEIGHT_ALIGN != 0)) {
+        size_t bytes = 1; /* a host matrix, or a device one off the kernels' 16-byte alignment: copied */
+        for (int d = 0; d < rank; d++) bytes *= (size_t)dims[d];
+        data = q3_layer_device_copy(self, v, bytes, name, arg);
+        q3_view_release(v);
+        if (!data) return NULL;
+    } else {
+        self->n_views++;
+    }
     *scale = q3_layer_take_weight(self, weights, scale_name, rank, sdims, sdt);
-    if (!*scale || q3_layer_record_ptr(self, name, v->data) < 0 || q3_layer_record_ptr(self, scale_name, *scale) < 0) return NULL;
-    return v->data;
+    if (!*scale || q3_layer_record_ptr(self, name, data) < 0 || q3_layer_record_ptr(self, scale_name, *scale) < 0)
+        return NULL;
+    return data;
 }
 
 /* experts of an FP8 layer: per expert (mlp.experts.{e}.{gate,up,down}_proj.weight and their
