@@ -496,6 +496,7 @@ def test_cuda_fp8_layer_matches_the_cpu_fp8_layer(dtype, tol):
     gpu = q3.DecoderLayer(cfg, w, device="cuda")
     borrowed = q3.DecoderLayer(cfg, {k: v.cuda() for k, v in w.items()}, device="cuda")
     assert cpu.weight_format == gpu.weight_format == "fp8_e4m3_block128" and gpu.weight_bytes == cpu.weight_bytes
+    assert len(gpu.converted) == len(w) and borrowed.converted == ()  # host ones uploaded, device ones borrowed
     tdt = getattr(torch, dtype)
     for chunk in (8, None):
         x = torch.randn(2, 40, cfg.hidden_size, generator=torch.Generator().manual_seed(8)).to(tdt)

@@ -157,7 +157,8 @@ def test_router_ties_on_the_device_path_follow_the_lower_index_rule(out):
 # the kernel launchers of kernels/cuda/ops_cuda.h: each is exercised by some case
 LAUNCHERS = {"rmsnorm", "add_rmsnorm", "matmul", "gate_up", "matmul_tc", "matmul_wmma", "qk_rope_kv", "attention",
              "router_topk", "decode_prepare", "moe_route", "moe_gate_up", "moe_down", "moe_combine", "moe_gate_up_tc",
-             "moe_down_tc", "moe_combine_csr", "swiglu", "gather_rows", "scatter_add_rows", "to_f32", "from_f32"}
+             "moe_down_tc", "moe_combine_csr", "swiglu", "gather_rows", "scatter_add_rows", "to_f32", "from_f32",
+             "matmul_fp8", "fp8_dequant", "moe_gate_up_fp8", "moe_down_fp8"}
 
 
 def test_every_kernel_matches_its_twin_on_the_executor_under_every_schedule(out):
@@ -168,7 +169,7 @@ def test_every_kernel_matches_its_twin_on_the_executor_under_every_schedule(out)
     head dims 64 and 128, top-k 1 to 8, left padding); each names its launcher(s), and every
     launcher has a case."""
     cases = out["kernel check"]
-    assert len(cases) == 361  # with the cuBLAS stand-in open; 359 without cuBLAS
+    assert len(cases) == 403  # with the cuBLAS stand-in open; 401 without cuBLAS
     assert len({case[0] for case in cases}) == len(cases)
     for name, err, tol, schedules, agree, kernel in cases:
         assert err <= tol and schedules == 3 and agree, (name, kernel, err, tol, schedules, agree)
@@ -192,6 +193,15 @@ def test_every_kernel_matches_its_twin_on_the_executor_under_every_schedule(out)
             assert f"moe_route, T={T} k={k} E=60" in names
             assert f"moe gate_up + down + combine, T={T} k={k} E=12" in names
             assert f"moe prefill tiles + combine_csr, T={T} k={k} E=12" in names
+    # the FP8 kernels: both scale dtypes, each path (16-byte loads with partial blocks, one
+    # element a lane, unaligned operands, NaN codes)
+    for sdt in ("f32", "bf16"):
+        for T in (1, 7, 9, 17, 33):
+            assert f"fp8 matmul GEMV {sdt} scales T={T} N=300 K=400" in names
+        for case in ("K=400, w unaligned", "K=256, x unaligned", "K=400, NaN codes", "K=100, NaN codes"):
+            assert any(n.startswith(f"fp8 matmul GEMV {sdt} scales") and n.endswith(case) for n in names), case
+        assert sum(n.startswith(f"fp8 dequant to bf16, {sdt} scales") for n in names) == 3
+        assert sum(n.startswith(f"fp8 moe gate_up + down, {sdt} scales") for n in names) == 3
 
 
 def test_the_cli_run_on_a_cuda_layer_also_times_graph_decode(out):
@@ -306,7 +316,7 @@ def fp8():
 def test_fp8_layers_on_the_executor_match_the_cpu_fp8_layer(fp8):
     """FP8 layers (e4m3 weights with 128 x 128 block scales) on the emulated device against the
     CPU FP8 layer on the same weights: prefill in chunks of 5, 16 and 40 tokens of 2 sequences,
-    decode steps of 2 sequences and of 1, at hidden 320 / moe_inter 160 (16-byte FP8 loads,
+    decode steps of 2 sequences (plain, and replays of a decode graph) and of 1, at hidden 320 / moe_inter 160 (16-byte FP8 loads,
     partial scale blocks) and 200 / 130 (one element a lane), fp32 and bf16 scales, experts per
     expert and fused. fp32 layers stream FP8 everywhere (the GEMV, the grouped decode
     experts): as exact as the CPU's up to summation order. bf16 layers' prefill dequantizes to
