@@ -12,6 +12,8 @@ import torch
 from safetensors.torch import save_file
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from hf_reference import randomize_for_generation
+
 E4M3_MAX = 448.0
 QUANT = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -38,14 +40,7 @@ def random_model(geometry: dict, seed: int, layers: int = 1, vocab: int = 16) ->
     embeddings and lm_head N(0, 9) so that greedy generation varies)."""
     torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(fp8_config(geometry, layers, vocab)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            elif "embed" in name or "lm_head" in name:
-                p.normal_(0.0, 3.0)
-            else:
-                p.normal_(0.0, p.shape[-1] ** -0.5)
+    randomize_for_generation(model)
     return model
 
 

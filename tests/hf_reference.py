@@ -111,3 +111,29 @@ def draw_input(model: Qwen3MoeForCausalLM, shape, seed: int, dtype=torch.float32
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm())
+
+
+def randomize_for_generation(model: Qwen3MoeForCausalLM) -> Qwen3MoeForCausalLM:
+    """Weights that make greedy generation vary: norms N(1, 0.04), embeddings and lm_head
+    N(0, 9), matrices N(0, 1/in)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif "embed" in name or "lm_head" in name:
+                p.normal_(0.0, 3.0)
+            else:
+                p.normal_(0.0, p.shape[-1] ** -0.5)
+    return model
+
+
+def assert_bf16_within_twice_theirs(y: torch.Tensor, cache, x: torch.Tensor, theirs: Reference,
+                                    exact: Reference) -> None:
+    """Our bf16 output (y) and cached keys make at most twice the error transformers' bf16
+    layer (theirs) makes against the float64 reference (exact), on the residual's update."""
+    delta = exact.y[0] - x[0].double()
+    err_theirs = float((theirs.y[0].double() - exact.y[0]).norm() / delta.norm())
+    err_ours = float((y.double() - exact.y[0]).norm() / delta.norm())
+    assert err_ours <= 2 * err_theirs, (err_ours, err_theirs)
+    k_theirs = rel_err(theirs.keys[0], exact.keys[0])
+    assert rel_err(torch.from_dlpack(cache.keys()), exact.keys[0]) <= 2 * k_theirs

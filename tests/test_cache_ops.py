@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import qwen3layer as q3
+from dlpack_ctypes import Announcing
 
 CFG = q3.LayerConfig.tiny()
 H = CFG.hidden_size
@@ -315,18 +316,6 @@ def test_operations_refuse_while_a_layer_call_runs_on_the_cache(layer):
     before = state(cache)
     started, refusals = threading.Event(), []
 
-    class Announcing:
-        """x, which announces that the glue has started importing it"""
-
-        def __init__(self, t):
-            self.t = t
-
-        def __dlpack_device__(self):
-            return self.t.__dlpack_device__()
-
-        def __dlpack__(self, **kw):
-            started.set()
-            return self.t.__dlpack__(**kw)
 
     def handler(signum, frame):
         for op in (lambda: cache.reorder([1, 0]), lambda: cache.select([0]), lambda: cache.repeat_interleave(2),
@@ -355,7 +344,7 @@ def test_operations_refuse_while_a_layer_call_runs_on_the_cache(layer):
     try:
         threading.Thread(target=interrupt, daemon=True).start()
         with pytest.raises(Stop):
-            layer.prefill(Announcing(x_of(8000, H, seed=9)), cache, 1, chunk_size=1)
+            layer.prefill(Announcing(x_of(8000, H, seed=9), started), cache, 1, chunk_size=1)
     finally:
         signal.signal(signal.SIGINT, old)
     assert refusals == ["cache: in use by a running layer call on another thread"] * 6

@@ -9,7 +9,7 @@ from transformers import Qwen3MoeForCausalLM
 
 import qwen3layer as q3
 from fp8_reference import ALIGNED, ODD, quantize_model, random_model, write_checkpoint
-from hf_reference import converted, draw_input, rel_err, run
+from hf_reference import assert_bf16_within_twice_theirs, converted, draw_input, rel_err, run
 
 BEST = q3.build_info()["cpu_paths"][-1]
 SCALES = {"f32_scales": torch.float32, "bf16_scales": torch.bfloat16}
@@ -72,12 +72,7 @@ def test_bfloat16_fp8_layer_error_at_most_twice_transformers(tmp_path, scales):
     cache = layer.new_cache(32)
     y = torch.cat([layer.prefill(x[0, :S], cache), layer.decode(x[0, S:], cache)])
     assert y.dtype == torch.bfloat16
-    delta = exact.y[0] - x[0].double()
-    err_theirs = float((theirs.y[0].double() - exact.y[0]).norm() / delta.norm())
-    err_ours = float((y.double() - exact.y[0]).norm() / delta.norm())
-    assert err_ours <= 2 * err_theirs, (err_ours, err_theirs)
-    k_theirs = rel_err(theirs.keys[0], exact.keys[0])
-    assert rel_err(torch.from_dlpack(cache.keys()), exact.keys[0]) <= 2 * k_theirs
+    assert_bf16_within_twice_theirs(y, cache, x, theirs, exact)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

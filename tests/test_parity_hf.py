@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import qwen3layer as q3
-from hf_reference import GEOMETRIES, converted, draw_input, hf_model, rel_err, run
+from hf_reference import GEOMETRIES, assert_bf16_within_twice_theirs, converted, draw_input, hf_model, rel_err, run
 
 GEOS = sorted(GEOMETRIES)
 _PATHS = q3.build_info()["cpu_paths"]
@@ -124,12 +124,7 @@ def test_bfloat16_error_at_most_twice_transformers(geometry):
     cache = layer.new_cache(32)
     y = layer.prefill(x[0], cache)
     assert y.dtype == torch.bfloat16
-    delta = exact.y[0] - x[0].double()
-    err_theirs = float((theirs.y[0].double() - exact.y[0]).norm() / delta.norm())
-    err_ours = float((y.double() - exact.y[0]).norm() / delta.norm())
-    assert err_ours <= 2 * err_theirs, (err_ours, err_theirs)
-    k_theirs = rel_err(theirs.keys[0], exact.keys[0])
-    assert rel_err(torch.from_dlpack(cache.keys()), exact.keys[0]) <= 2 * k_theirs
+    assert_bf16_within_twice_theirs(y, cache, x, theirs, exact)
     v_theirs = rel_err(theirs.values[0], exact.values[0])
     assert rel_err(torch.from_dlpack(cache.values()), exact.values[0]) <= 2 * max(v_theirs, 2 ** -9)
 

@@ -5,6 +5,7 @@ import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 import qwen3layer.torch as q3t
+from hf_reference import randomize_for_generation
 
 
 def tiny_model(seed=0, dtype=torch.float32):
@@ -15,14 +16,7 @@ def tiny_model(seed=0, dtype=torch.float32):
                          num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
                          max_position_embeddings=512, rope_theta=1e4, pad_token_id=0, attn_implementation="eager")
     model = Qwen3MoeForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            elif "embed" in name or "lm_head" in name:
-                p.normal_(0.0, 3.0)
-            else:
-                p.normal_(0.0, p.shape[-1] ** -0.5)
+    randomize_for_generation(model)
     return model.to(dtype)
 
 

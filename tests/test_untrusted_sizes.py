@@ -128,7 +128,7 @@ def test_out_that_is_x_gives_the_same_result(layer):
 
 # ---- DLPack producers ------------------------------------------------------------------------------
 
-from dlpack_ctypes import DELETER as _DELETER  # noqa: E402
+from dlpack_ctypes import Announcing, DELETER as _DELETER  # noqa: E402
 from dlpack_ctypes import DLDataType as _DLDataType  # noqa: E402
 from dlpack_ctypes import DLDevice as _DLDevice  # noqa: E402
 from dlpack_ctypes import DLManagedTensor as _DLManaged  # noqa: E402
@@ -238,18 +238,6 @@ def test_ctrl_c_stops_a_prefill_at_a_chunk_boundary_and_rolls_the_cache_back(lay
     layer.prefill(first, cache)
     started = threading.Event()
 
-    class Announcing:
-        """x, which announces that the call has started when the glue imports it"""
-
-        def __init__(self, t):
-            self.t = t
-
-        def __dlpack_device__(self):
-            return self.t.__dlpack_device__()
-
-        def __dlpack__(self, **kw):
-            started.set()
-            return self.t.__dlpack__(**kw)
 
     main = threading.get_ident()
 
@@ -268,7 +256,7 @@ def test_ctrl_c_stops_a_prefill_at_a_chunk_boundary_and_rolls_the_cache_back(lay
     threading.Thread(target=interrupt).start()
     x = torch.randn(8000, H)
     with pytest.raises(KeyboardInterrupt) as info:
-        layer.prefill(Announcing(x), cache, chunk_size=1)
+        layer.prefill(Announcing(x, started), cache, chunk_size=1)
     assert cache.lengths == (3,)
     assert any("rolled back to where the call began" in note for note in getattr(info.value, "__notes__", []))
     # the cache is as if the call never happened: the same tokens again give a fresh cache's result
