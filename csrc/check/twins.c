@@ -53,15 +53,21 @@ void q3_moe_route_host(int64_t *offsets, int32_t *rows, float *weights, int32_t 
         }
 }
 
-int q3_moe_gate_up_host(float *act, const float *x, const int32_t *rows, const int64_t *offsets,
-                        const int32_t *active, const void *const *gate, const void *const *up, q3_dtype w_dt,
-                        int64_t I, int64_t K) {
-    const q3_cpu_ops *c = q3_cpu_ops_active();
+/* the most slots any active expert has (active[0] experts listed after it) */
+static int64_t most_slots(const int64_t *offsets, const int32_t *active) {
     int64_t most = 0;
     for (int a = 0; a < active[0]; a++) {
         const int e = active[1 + a];
         most = offsets[e + 1] - offsets[e] > most ? offsets[e + 1] - offsets[e] : most;
     }
+    return most;
+}
+
+int q3_moe_gate_up_host(float *act, const float *x, const int32_t *rows, const int64_t *offsets,
+                        const int32_t *active, const void *const *gate, const void *const *up, q3_dtype w_dt,
+                        int64_t I, int64_t K) {
+    const q3_cpu_ops *c = q3_cpu_ops_active();
+    const int64_t most = most_slots(offsets, active);
     float *xe = malloc((size_t)(most * K + most * I + 1) * sizeof(float));
     if (!xe) return 1;
     float *upv = xe + most * K;
@@ -182,11 +188,7 @@ int q3_moe_gate_up_fp8_host(float *act, const float *x, const int32_t *rows, con
                             const void *const *gate_scale, const void *const *up_scale, q3_dtype sdt, int64_t I,
                             int64_t K) {
     const q3_cpu_ops *c = q3_cpu_ops_active();
-    int64_t most = 0;
-    for (int a = 0; a < active[0]; a++) {
-        const int e = active[1 + a];
-        most = offsets[e + 1] - offsets[e] > most ? offsets[e + 1] - offsets[e] : most;
-    }
+    const int64_t most = most_slots(offsets, active);
     float *xe = malloc((size_t)(most * K + most * I + 1) * sizeof(float));
     if (!xe) return 1;
     float *upv = xe + most * K;
