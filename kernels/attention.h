@@ -49,4 +49,16 @@ static inline int64_t q3_attention_scratch_floats(const q3_attn_shape *s) {
 typedef void q3_attention_fn(float *out, const float *q, const q3_attn_seq *seqs, int n_seqs,
                              const q3_attn_shape *shape, float *scratch, int threads);
 
+/* The attention probabilities of the same call, for introspection (computed on request
+ * only, never on the layer's own path): for sequence s, query head h and new token t,
+ *     probs[((s * Hq + h) * out_tokens + t0 + t) * context + j] = softmax_j(scale q . K[j])
+ * over the keys the attention routine lets that query see (j in [start, n_past + t]; a
+ * padding query only itself), and 0 in every other column j < context. q as above
+ * [n_seqs, L, Hq, D]; rows t0 .. t0 + L - 1 of each (s, h) are written, the rest untouched
+ * (a call in passes fills them pass by pass). Needs context >= n_past + L for every sequence
+ * and t0 + L <= out_tokens. fp32 throughout; at most `threads` threads, no scratch. */
+typedef void q3_attention_probs_fn(float *probs, const float *q, const q3_attn_seq *seqs, int n_seqs,
+                                   const q3_attn_shape *shape, int64_t t0, int64_t out_tokens, int64_t context,
+                                   int threads);
+
 #endif

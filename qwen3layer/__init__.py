@@ -6,6 +6,7 @@ from .checkpoint import CheckpointError
 from .config import LayerConfig
 from .costs import CostModel, cost_model
 from .layer import DecodeGraph, DecoderLayer, KVCache, Tensor
+from .trace import LayerTrace
 
 CacheFullError = _C.CacheFullError
 __version__ = _C.build_info()["version"]
@@ -32,4 +33,4 @@ def set_cpu_path(name: str) -> None:
 
 
 __all__ = ["LayerConfig", "DecoderLayer", "DecodeGraph", "KVCache", "Tensor", "CacheFullError", "CheckpointError",
-           "build_info", "set_cpu_path", "cost_model", "CostModel"]
+           "build_info", "set_cpu_path", "cost_model", "CostModel", "LayerTrace"]

@@ -161,7 +161,8 @@ class DecoderLayer:
         return self._core.new_cache(max_tokens, batch, dtype)
 
     def prefill(self, x: Any, cache: KVCache, seq: Optional[int] = None,
-                chunk_size: Optional[int] = None, *, out: Any = None) -> Any:
+                chunk_size: Optional[int] = None, *, out: Any = None, return_router: bool = False,
+                return_attention: bool = False, attention_limit: Optional[int] = None) -> Any:
         """Appends tokens to the cache and returns the layer's output for them.
 
         x [S, hidden]: S tokens of sequence `seq` (default 0), at positions
@@ -170,14 +171,37 @@ class DecoderLayer:
         build_info()['default_chunk']): activation memory grows with it, not with S.
         Raises CacheFullError (cache unchanged) when the tokens do not fit. Ctrl-C stops it at
         the next chunk boundary, with the cache rolled back to where the call began.
-        """
-        y = self._core.prefill(x, cache, seq, chunk_size, out=out, stream=_stream_of(x, self._core.device))
-        return y if out is not None else _like(x, y)
 
-    def decode(self, x: Any, cache: KVCache, *, out: Any = None) -> Any:
-        """One new token for each sequence of the cache: x [cache.batch, hidden]."""
-        y = self._core.decode(x, cache, out=out, stream=_stream_of(x, self._core.device))
-        return y if out is not None else _like(x, y)
+        return_router / return_attention: return a LayerTrace (qwen3layer.trace) instead of
+        the output alone, with the router's logits, choices and weights taken from the call's
+        own passes, and/or the attention probabilities [batch, heads, S, context], computed for
+        this call only. The maps may take at most attention_limit bytes (default 2**30); a call
+        asking for more raises ValueError with their shape and size before anything runs.
+        """
+        y = self._core.prefill(x, cache, seq, chunk_size, out=out, stream=_stream_of(x, self._core.device),
+                               return_router=return_router, return_attention=return_attention,
+                               attention_limit=attention_limit)
+        return self._result(x, y, out)
+
+    def decode(self, x: Any, cache: KVCache, *, out: Any = None, return_router: bool = False,
+               return_attention: bool = False, attention_limit: Optional[int] = None) -> Any:
+        """One new token for each sequence of the cache: x [cache.batch, hidden]. The insides
+        as for prefill (router rows [batch, ...], attention [batch, heads, 1, context])."""
+        y = self._core.decode(x, cache, out=out, stream=_stream_of(x, self._core.device),
+                              return_router=return_router, return_attention=return_attention,
+                              attention_limit=attention_limit)
+        return self._result(x, y, out)
+
+    @staticmethod
+    def _result(x: Any, y: Any, out: Any) -> Any:
+        """The output as x's kind (or out itself); a LayerTrace when the call returned insides."""
+        if not isinstance(y, tuple):
+            return y if out is not None else _like(x, y)
+        from .trace import LayerTrace
+
+        output, *insides = y
+        return LayerTrace(output if out is not None else _like(x, output),
+                          *(None if t is None else _like(x, t) for t in insides))
 
     def decode_graph(self, cache: KVCache, batch: Optional[int] = None,
                      dtype: Optional[str] = None) -> "DecodeGraph":

@@ -58,7 +58,7 @@ static int sync_state(q3_decode_graph *g, void *stream) {
 static void enqueue_step(q3_decode_graph *g, q3_dtype io_dtype, q3_gpu_run *run) {
     q3_layer *l = g->layer;
     const int64_t rows = (int64_t)g->n_seqs * l->cfg.hidden;
-    const q3_pass p = {NULL, NULL, g->n_seqs, g->seqs, 1};
+    const q3_pass p = {NULL, NULL, g->n_seqs, g->seqs, 1, NULL, 0};
     Q3_GPU(run, run->g->to_f32(g->ws.dev.x, g->input, io_dtype, rows, run->stream), "input");
     q3_gpu_attention_pass(l, g->cache, &p, g->cache->capacity, run);
     q3_gpu_moe_pass(l, &p, run);
@@ -94,7 +94,7 @@ q3_status q3_decode_graph_create(q3_decode_graph **out, q3_layer *l, q3_cache *c
         return q3_fail(err, Q3_ERR_STATE, "decode graph: expected a layer on a CUDA device, got one on the cpu");
     if (n_seqs < 1 || n_seqs > Q3_GRAPH_MAX_BATCH)
         return q3_fail(err, Q3_ERR_VALUE, "batch: expected 1 to %d sequences, got %d", Q3_GRAPH_MAX_BATCH, n_seqs);
-    const q3_forward_args probe = {NULL, NULL, io_dtype, n_seqs, seqs, 1, 1, NULL, NULL, NULL};
+    const q3_forward_args probe = {.io_dtype = io_dtype, .n_seqs = n_seqs, .seqs = seqs, .tokens = 1, .chunk = 1};
     q3_status s = q3_layer_check_call(l, c, &probe, err);
     if (s != Q3_OK) return s;
     const q3_cuda_ops *cu = q3_cuda();

@@ -127,6 +127,8 @@ static void collect(q3_gpu_run *run) {
 q3_status q3_layer_forward_cuda(q3_layer *l, q3_cache *c, const q3_forward_args *a, q3_error *err) {
     const int64_t chunk = a->chunk > 0 ? a->chunk : Q3_DEFAULT_CHUNK;
     const int64_t step = chunk < a->tokens ? chunk : a->tokens;
+    if (a->attention && q3_cuda() && !q3_cuda()->attention_probs)
+        return q3_fail(err, Q3_ERR_STATE, "return_attention: this CUDA backend has no attention-map kernel");
     q3_status s = reserve(l, step * a->n_seqs, a->n_seqs, err);
     if (s != Q3_OK) return s;
     q3_gpu_run run = {q3_cuda(), a->stream, 0, NULL, l->prof.enabled ? &l->prof : NULL, l->gpu, &l->gpu->ws};
@@ -148,7 +150,7 @@ q3_status q3_layer_forward_cuda(q3_layer *l, q3_cache *c, const q3_forward_args 
             Q3_GPU(&run, run.g->to_f32(d->x + i * L * H, (const char *)a->x + ((size_t)i * a->tokens + t0) * H * es,
                                        a->io_dtype, (whole ? a->n_seqs : 1) * L * H, run.stream), "input");
         q3_gpu_mark(&run, Q3_STAGE_IO);
-        const q3_pass p = {NULL, NULL, a->n_seqs, a->seqs, L};
+        const q3_pass p = {NULL, NULL, a->n_seqs, a->seqs, L, a, t0};
         int64_t max_keys = 0;
         for (int i = 0; i < a->n_seqs; i++)
             max_keys = c->lengths[a->seqs[i]] + L > max_keys ? c->lengths[a->seqs[i]] + L : max_keys;

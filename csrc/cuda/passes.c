@@ -153,6 +153,9 @@ void q3_gpu_attention_pass(q3_layer *l, q3_cache *c, const q3_pass *p, int64_t m
                               d->attn_seqs, p->n_seqs, &shape, cf->eps, (float)cf->rope_theta, sm), "qk_rope_kv");
     q3_gpu_mark(run, Q3_STAGE_QK_NORM_ROPE);
     q3_gpu_mark(run, Q3_STAGE_KV_WRITE); /* fused into the stage before */
+    if (p->call && p->call->attention) /* before attention: its output overwrites q */
+        Q3_GPU(run, g->attention_probs(p->call->attention, d->q, d->attn_seqs, p->n_seqs, &shape, p->t0,
+                                       p->call->tokens, p->call->attention_context, sm), "attention_probs");
     Q3_GPU(run, g->attention(d->attn, d->q, d->attn_seqs, p->n_seqs, &shape, run->ws->partial, sm), "attention");
     q3_gpu_mark(run, Q3_STAGE_ATTENTION);
     /* into h: the MoE pass adds it to the residual in the same kernel as its norm */
@@ -343,6 +346,26 @@ static void experts_from_host(q3_layer *l, const q3_pass *p, q3_gpu_run *run) {
     if (!run->code) q3_gpu_moe_run_path(l, p, run, path);
 }
 
+/* the pass's router logits and choices into the call's outputs (rows s * tokens + t0 + t),
+ * device to device on the run's stream */
+static void write_router(const q3_layer *l, const q3_pass *p, q3_gpu_run *run) {
+    const q3_workspace *d = &run->ws->dev;
+    const q3_forward_args *a = p->call;
+    const int64_t E = l->cfg.experts, k = l->cfg.top_k;
+    for (int s = 0; s < p->n_seqs && !run->code; s++) {
+        const int64_t src = s * p->L, dst = s * a->tokens + p->t0;
+        if (a->router_logits)
+            Q3_GPU(run, run->g->copy_device_async(a->router_logits + dst * E, d->logits + src * E,
+                                                  (size_t)(p->L * E) * sizeof(float), run->stream), "router logits");
+        if (a->router_experts)
+            Q3_GPU(run, run->g->copy_device_async(a->router_experts + dst * k, d->topk_idx + src * k,
+                                                  (size_t)(p->L * k) * sizeof(int32_t), run->stream), "router experts");
+        if (a->router_weights)
+            Q3_GPU(run, run->g->copy_device_async(a->router_weights + dst * k, d->topk_w + src * k,
+                                                  (size_t)(p->L * k) * sizeof(float), run->stream), "router weights");
+    }
+}
+
 void q3_gpu_moe_pass(q3_layer *l, const q3_pass *p, q3_gpu_run *run) {
     const q3_config *cf = &l->cfg;
     const q3_weights *w = &l->w;
@@ -358,6 +381,7 @@ void q3_gpu_moe_pass(q3_layer *l, const q3_pass *p, q3_gpu_run *run) {
     Q3_GPU(run, run->g->matmul(d->logits, d->h, w->dense[Q3_W_ROUTER], w->dtype, R, E, H, 0, sm), "router");
     q3_gpu_mark(run, Q3_STAGE_ROUTER);
     Q3_GPU(run, run->g->router_topk(d->topk_idx, d->topk_w, d->logits, R, E, k, cf->norm_topk, sm), "top-k");
+    if (q3_pass_wants_router(p)) write_router(l, p, run);
     if (q3_gpu_is_decode(p)) experts_on_device(l, p, run);
     else experts_from_host(l, p, run);
     q3_gpu_mark(run, Q3_STAGE_EXPERTS);

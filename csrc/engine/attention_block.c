@@ -44,6 +44,9 @@ void q3_attention_block(q3_layer *layer, q3_cache *cache, const q3_pass *p) {
     q3_profile_mark(p->prof, Q3_STAGE_KV_WRITE);
     const q3_attn_shape shape = {p->L, Hq, Hkv, D, cache->capacity, cache->dtype,
                                  1.0f / sqrtf((float)D), 0};
+    if (p->call && p->call->attention) /* before attention: its output overwrites q */
+        k->attention_probs(p->call->attention, ws->q, ws->attn_seqs, p->n_seqs, &shape, p->t0, p->call->tokens,
+                           p->call->attention_context, ws->threads);
     k->attention(ws->attn, ws->q, ws->attn_seqs, p->n_seqs, &shape, ws->attn_scratch, ws->threads);
     q3_profile_mark(p->prof, Q3_STAGE_ATTENTION);
     q3_project(layer, k, ws->x, ws->attn, q3_dense_matrix(layer, Q3_W_O_PROJ), R, H, QD, 1, ws->xb, ws->threads);

@@ -111,6 +111,20 @@ static const char *device_name(int device, char *buf, size_t n) {
     return buf;
 }
 
+/* the attention maps' columns hold the longest sequence, and their size fits a size_t */
+static q3_status check_attention_output(const q3_layer *l, const q3_forward_args *a, int64_t longest, q3_error *err) {
+    if (!a->attention) return Q3_OK;
+    if (a->attention_context < longest)
+        return q3_fail(err, Q3_ERR_VALUE, "attention_context: expected at least %lld (the longest sequence after "
+                       "the call), got %lld", (long long)longest, (long long)a->attention_context);
+    int64_t n;
+    const int64_t shape[5] = {a->n_seqs, l->cfg.heads, a->tokens, a->attention_context, (int64_t)sizeof(float)};
+    if (!q3_numel(5, shape, &n) || (uint64_t)n > SIZE_MAX)
+        return q3_fail(err, Q3_ERR_VALUE, "attention: [%d, %d, %lld, %lld] fp32 maps overflow the address space",
+                       a->n_seqs, l->cfg.heads, (long long)a->tokens, (long long)a->attention_context);
+    return Q3_OK;
+}
+
 q3_status q3_layer_check_call(const q3_layer *l, const q3_cache *c, const q3_forward_args *a, q3_error *err) {
     char want[16], got[16];
     if (c->device != l->w.device)
@@ -134,6 +148,7 @@ q3_status q3_layer_check_call(const q3_layer *l, const q3_cache *c, const q3_for
                        "chunk_size: a pass of %lld tokens x %d sequences routes more than 2^31 - 1 (token, "
                        "expert) pairs; expected at most %lld tokens a pass", (long long)step, a->n_seqs,
                        (long long)(INT32_MAX / ((int64_t)a->n_seqs * l->cfg.top_k)));
+    int64_t longest = 0; /* the longest sequence after the call */
     for (int s = 0; s < a->n_seqs; s++) {
         const int seq = a->seqs[s];
         if (seq < 0 || seq >= c->batch)
@@ -147,8 +162,9 @@ q3_status q3_layer_check_call(const q3_layer *l, const q3_cache *c, const q3_for
                            "sequence %d holds %lld of %lld tokens: %lld more do not fit",
                            seq, (long long)c->lengths[seq], (long long)c->capacity,
                            (long long)a->tokens);
+        if (c->lengths[seq] + a->tokens > longest) longest = c->lengths[seq] + a->tokens;
     }
-    return Q3_OK;
+    return check_attention_output(l, a, longest, err);
 }
 
 q3_status q3_layer_interrupted(q3_error *err, int64_t done, int64_t tokens) {
@@ -184,7 +200,7 @@ q3_status q3_layer_forward(q3_layer *l, q3_cache *c, const q3_forward_args *a, q
                           (const char *)a->x + ((size_t)i * a->tokens + t0) * H * es,
                           a->io_dtype, L * H);
         q3_profile_mark(&l->prof, Q3_STAGE_IO);
-        const q3_pass p = {k, &l->prof, a->n_seqs, a->seqs, L};
+        const q3_pass p = {k, &l->prof, a->n_seqs, a->seqs, L, a, t0};
         q3_attention_block(l, c, &p);
         q3_moe_block(l, &p);
         for (int i = 0; i < a->n_seqs; i++) {

@@ -26,7 +26,14 @@ typedef struct {
     int n_seqs;
     const int32_t *seqs;
     int64_t L;
+    const q3_forward_args *call; /* the call's introspection outputs (NULL: none) */
+    int64_t t0;                  /* the pass's first token of each sequence within the call */
 } q3_pass;
+
+/* whether the call asks for the router's outputs */
+static inline int q3_pass_wants_router(const q3_pass *p) {
+    return p->call && (p->call->router_logits || p->call->router_experts || p->call->router_weights);
+}
 
 /* A projection matrix of the layer: its data, and its scale_inv in the FP8 format */
 typedef struct {

@@ -12,6 +12,8 @@
 #include <omp.h>
 #endif
 
+#include <string.h>
+
 #include "layer_internal.h"
 
 typedef struct {
@@ -88,6 +90,22 @@ static void experts_across_threads(q3_layer *layer, const q3_cpu_ops *k, int64_t
     }
 }
 
+/* the pass's router logits and choices into the call's outputs (rows s * tokens + t0 + t) */
+static void write_router(const q3_layer *layer, const q3_pass *p) {
+    const q3_workspace *ws = &layer->ws;
+    const q3_forward_args *a = p->call;
+    const int64_t E = layer->cfg.experts, k = layer->cfg.top_k;
+    for (int s = 0; s < p->n_seqs; s++) {
+        const int64_t src = s * p->L, dst = s * a->tokens + p->t0;
+        if (a->router_logits)
+            memcpy(a->router_logits + dst * E, ws->logits + src * E, (size_t)(p->L * E) * sizeof(float));
+        if (a->router_experts)
+            memcpy(a->router_experts + dst * k, ws->topk_idx + src * k, (size_t)(p->L * k) * sizeof(int32_t));
+        if (a->router_weights)
+            memcpy(a->router_weights + dst * k, ws->topk_w + src * k, (size_t)(p->L * k) * sizeof(float));
+    }
+}
+
 void q3_moe_block(q3_layer *layer, const q3_pass *p) {
     const q3_config *c = &layer->cfg;
     const q3_weights *w = &layer->w;
@@ -103,6 +121,7 @@ void q3_moe_block(q3_layer *layer, const q3_pass *p) {
     k->matmul(ws->logits, ws->h, w->dense[Q3_W_ROUTER], w->dtype, R, E, H, 0, NULL);
     q3_profile_mark(p->prof, Q3_STAGE_ROUTER);
     k->router_topk(ws->topk_idx, ws->topk_w, ws->logits, R, E, top_k, c->norm_topk);
+    if (q3_pass_wants_router(p)) write_router(layer, p);
     k->moe_group(ws->offsets, ws->pair_row, ws->pair_w, ws->topk_idx, ws->topk_w, R, top_k, E);
     q3_profile_mark(p->prof, Q3_STAGE_TOP_K);
     if (R <= Q3_MOE_THREAD_ROWS && ws->threads > 1) experts_across_threads(layer, k, R);

@@ -175,6 +175,19 @@ typedef struct {
      * cache back to where it began and returns Q3_ERR_INTERRUPTED (y is partly written) */
     int (*interrupted)(void *ctx);
     void *interrupt_ctx;
+    /* The layer's insides, on request (NULL: not produced), in memory on the layer's device,
+     * written pass by pass from the pass's own values; rows r = s * tokens + t as in x.
+     * router_logits [rows, E] fp32: the router's logits; router_experts [rows, top_k] int32
+     * and router_weights [rows, top_k] fp32: the experts chosen (by descending weight) and
+     * their weights (normalised when norm_topk). attention [n_seqs, Hq, tokens,
+     * attention_context] fp32: the probabilities of kernels/attention.h's
+     * q3_attention_probs_fn, column j = cache row j of the sequence; attention_context must
+     * hold the longest sequence after the call. */
+    float *router_logits;
+    int32_t *router_experts;
+    float *router_weights;
+    float *attention;
+    int64_t attention_context;
 } q3_forward_args;
 
 /* Runs the layer over the tokens, chunk by chunk, appending their K/V to the cache.

@@ -1,6 +1,7 @@
 /* Layer calls: prefill, decode, new_cache. Every check happens before the engine runs, and
  * the engine checks again before its first write, so a rejected call changes nothing. */
 #include "py_layer.h"
+#include "py_layer_insides.h"
 
 static q3_cache_object *as_cache(PyObject *obj, q3_module_state *st) {
     if (PyObject_TypeCheck(obj, st->cache_type)) return (q3_cache_object *)obj;
@@ -128,7 +129,8 @@ static void add_note(const char *note) {
 }
 
 static PyObject *run(q3_layer_object *self, PyObject *x_obj, PyObject *cache_obj, int decode,
-                     PyObject *seq_obj, PyObject *chunk_obj, PyObject *out_obj, PyObject *stream_obj) {
+                     PyObject *seq_obj, PyObject *chunk_obj, PyObject *out_obj, PyObject *stream_obj,
+                     q3_insides *ins) {
     q3_module_state *st = q3_state_of_type(Py_TYPE(self));
     if (!st) return NULL;
     q3_cache_object *co = as_cache(cache_obj, st);
@@ -189,13 +191,15 @@ static PyObject *run(q3_layer_object *self, PyObject *x_obj, PyObject *cache_obj
         goto done;
     }
     interrupt_poll poll = {NULL};
-    q3_forward_args a = {x.data, NULL, x.dtype, n_seqs, seq_list, tokens, chunk, stream, interrupted, &poll};
+    q3_forward_args a = {.x = x.data, .io_dtype = x.dtype, .n_seqs = n_seqs, .seqs = seq_list, .tokens = tokens,
+                         .chunk = chunk, .stream = stream, .interrupted = interrupted, .interrupt_ctx = &poll};
     q3_error err;
     q3_status s = q3_layer_check_call(self->layer, co->cache, &a, &err);
     if (s != Q3_OK) { /* before the output is made: a call that cannot run allocates nothing */
         q3_raise(st, &err);
         goto done;
     }
+    if (q3_insides_make(ins, st, self->layer, co->cache, &x, self->device, &a) < 0) goto done;
     if (out_obj != Py_None) {
         if (q3_view_acquire_on(out_obj, "out", &out, self->device, 0, stream) < 0 || check_out(&out, &x) < 0) goto done;
         result = Py_NewRef(out_obj);
@@ -223,22 +227,35 @@ done:
     if (seq_list != seqs) PyMem_Free(seq_list);
     q3_view_release(&out);
     q3_view_release(&x);
+    result = q3_insides_result(ins, result);
+    q3_insides_clear(ins);
     return result;
 }
 
 static PyObject *layer_prefill(q3_layer_object *self, PyObject *args, PyObject *kw) {
-    static char *names[] = {"x", "cache", "seq", "chunk_size", "out", "stream", NULL};
+    static char *names[] = {"x", "cache", "seq", "chunk_size", "out", "stream", "return_router", "return_attention",
+                            "attention_limit", NULL};
     PyObject *x, *cache, *seq = Py_None, *chunk = Py_None, *out = Py_None, *stream = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|OO$OO:prefill", names, &x, &cache, &seq, &chunk, &out, &stream))
+    PyObject *router = Py_False, *attention = Py_False, *limit = Py_None;
+    q3_insides ins;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|OO$OOOOO:prefill", names, &x, &cache, &seq, &chunk, &out, &stream,
+                                     &router, &attention, &limit) ||
+        q3_insides_parse(&ins, router, attention, limit) < 0)
         return NULL;
-    return run(self, x, cache, 0, seq, chunk, out, stream);
+    return run(self, x, cache, 0, seq, chunk, out, stream, &ins);
 }
 
 static PyObject *layer_decode(q3_layer_object *self, PyObject *args, PyObject *kw) {
-    static char *names[] = {"x", "cache", "out", "stream", NULL};
+    static char *names[] = {"x", "cache", "out", "stream", "return_router", "return_attention", "attention_limit",
+                            NULL};
     PyObject *x, *cache, *out = Py_None, *stream = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|$OO:decode", names, &x, &cache, &out, &stream)) return NULL;
-    return run(self, x, cache, 1, Py_None, Py_None, out, stream);
+    PyObject *router = Py_False, *attention = Py_False, *limit = Py_None;
+    q3_insides ins;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|$OOOOO:decode", names, &x, &cache, &out, &stream, &router,
+                                     &attention, &limit) ||
+        q3_insides_parse(&ins, router, attention, limit) < 0)
+        return NULL;
+    return run(self, x, cache, 1, Py_None, Py_None, out, stream, &ins);
 }
 
 static PyObject *layer_new_cache(q3_layer_object *self, PyObject *args, PyObject *kw) {
@@ -331,12 +348,15 @@ PyMethodDef q3_layer_methods[] = {
     {"profile_seconds", (PyCFunction)layer_profile_seconds, METH_NOARGS,
      "profile_seconds()\n--\n\n{stage: seconds} accumulated since set_profiling(True)."},
     {"prefill", (PyCFunction)(void (*)(void))layer_prefill, KW,
-     "prefill(x, cache, seq=None, chunk_size=None, *, out=None, stream=None)\n--\n\n"
+     "prefill(x, cache, seq=None, chunk_size=None, *, out=None, stream=None, return_router=False, "
+     "return_attention=False, attention_limit=None)\n--\n\n"
      "x [tokens, hidden] appended to sequence seq (default 0), or [batch, tokens, hidden] to every "
-     "sequence. Returns a Tensor of x's shape and dtype (or out)."},
+     "sequence. Returns a Tensor of x's shape and dtype (or out); with return_router or return_attention "
+     "the tuple (y, router_logits, router_experts, router_weights, attention), None for what was not asked."},
     {"decode", (PyCFunction)(void (*)(void))layer_decode, KW,
-     "decode(x, cache, *, out=None, stream=None)\n--\n\nx [batch, hidden]: one token for each sequence of the cache. "
-     "stream: a CUDA layer's cudaStream_t (int), NULL: the default stream."},
+     "decode(x, cache, *, out=None, stream=None, return_router=False, return_attention=False, "
+     "attention_limit=None)\n--\n\nx [batch, hidden]: one token for each sequence of the cache. "
+     "stream: a CUDA layer's cudaStream_t (int), NULL: the default stream. The insides as prefill's."},
     {"decode_graph", (PyCFunction)(void (*)(void))layer_decode_graph, KW,
      "decode_graph(cache, batch=None, dtype=None)\n--\n\nCaptures one decode step of sequences 0 .. batch - 1 "
      "(default: all) of the cache in a CUDA graph; returns a DecodeGraph."},

@@ -33,7 +33,7 @@ PyObject *q3_raise(q3_module_state *st, const q3_error *err) {
 }
 
 const char *q3_dtype_name(q3_dtype dt) {
-    return dt == Q3_BF16 ? "bfloat16" : dt == Q3_E4M3 ? "float8_e4m3fn" : "float32";
+    return dt == Q3_BF16 ? "bfloat16" : dt == Q3_E4M3 ? "float8_e4m3fn" : dt == Q3_I32 ? "int32" : "float32";
 }
 
 int q3_parse_dtype(PyObject *obj, const char *arg, q3_dtype *out) {

@@ -26,6 +26,7 @@ typedef struct {
     q3_rope_fn *rope;
     q3_kv_write_fn *kv_write;
     q3_attention_fn *attention;
+    q3_attention_probs_fn *attention_probs; /* introspection only (layer calls that ask for it) */
     q3_router_topk_fn *router_topk;
     q3_moe_group_fn *moe_group;
     q3_gather_rows_fn *gather_rows;
@@ -46,6 +47,7 @@ typedef struct {
     q3_rope_fn q3_rope_cpu_##isa;                                                    \
     q3_kv_write_fn q3_kv_write_cpu_##isa;                                            \
     q3_attention_fn q3_attention_cpu_##isa;                                          \
+    q3_attention_probs_fn q3_attention_probs_cpu_##isa;                              \
     q3_router_topk_fn q3_router_topk_cpu_##isa;                                      \
     q3_moe_group_fn q3_moe_group_cpu_##isa;                                          \
     q3_gather_rows_fn q3_gather_rows_cpu_##isa;                                      \

@@ -9,6 +9,7 @@ const q3_cpu_ops Q3_CPU_FN(q3_ops) = {
     .rope = Q3_CPU_FN(q3_rope),
     .kv_write = Q3_CPU_FN(q3_kv_write),
     .attention = Q3_CPU_FN(q3_attention),
+    .attention_probs = Q3_CPU_FN(q3_attention_probs),
     .router_topk = Q3_CPU_FN(q3_router_topk),
     .moe_group = Q3_CPU_FN(q3_moe_group),
     .gather_rows = Q3_CPU_FN(q3_gather_rows),

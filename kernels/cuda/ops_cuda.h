@@ -94,6 +94,11 @@ typedef struct {
      * for split-KV (NULL: one block per query token and KV head) */
     int (*attention)(float *out, const float *q, const q3_attn_seq *seqs, int n_seqs, const q3_attn_shape *shape,
                      float *partial, void *stream);
+    /* the attention probabilities for introspection (kernels/attention.h's q3_attention_probs_fn;
+     * seqs a device array), on request only */
+    int (*attention_probs)(float *probs, const float *q, const q3_attn_seq *seqs, int n_seqs,
+                           const q3_attn_shape *shape, int64_t t0, int64_t out_tokens, int64_t context,
+                           void *stream);
     int (*router_topk)(int32_t *idx, float *weight, const float *logits, int64_t T, int E, int k, int normalize,
                        void *stream);
     /* ---- decode without the host (CUDA-graph capturable); twins in csrc/check/twins.c ---- */

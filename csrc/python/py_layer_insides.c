@@ -1,0 +1,102 @@
+/* The layer's insides on request (prefill/decode's return_router and return_attention): the
+ * output tensors, made on the layer's device before the call runs and filled by the engine
+ * from the call's own passes (q3_forward_args), and the tuple handed back. */
+#include "py_layer_insides.h"
+
+/* attention_limit: None -> the default; else a non-negative int of bytes */
+static int parse_limit(PyObject *obj, int64_t *limit) {
+    *limit = Q3_ATTENTION_LIMIT_DEFAULT;
+    if (obj == Py_None) return 0;
+    long long v = PyLong_Check(obj) && !PyBool_Check(obj) ? PyLong_AsLongLong(obj) : -1;
+    if (v == -1 && PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError)) return -1;
+        PyErr_Clear();
+        v = INT64_MAX; /* more than any machine has: no limit */
+    }
+    if (v < 0) {
+        PyObject *r = PyObject_Repr(obj);
+        PyErr_Format(PyExc_ValueError, "attention_limit: expected a number of bytes >= 0 or None, got %S", r);
+        Py_XDECREF(r);
+        return -1;
+    }
+    *limit = v;
+    return 0;
+}
+
+int q3_insides_parse(q3_insides *ins, PyObject *router, PyObject *attention, PyObject *limit) {
+    *ins = (q3_insides){0};
+    if ((ins->router = PyObject_IsTrue(router)) < 0 || (ins->attention = PyObject_IsTrue(attention)) < 0) return -1;
+    if (limit != Py_None && !ins->attention) {
+        PyErr_SetString(PyExc_ValueError, "attention_limit: only with return_attention=True");
+        return -1;
+    }
+    return parse_limit(limit, &ins->limit);
+}
+
+static q3_tensor_object *make(q3_module_state *st, q3_dtype dt, int ndim, const int64_t *shape, int device) {
+    return q3_tensor_new_on(st, dt, ndim, shape, device);
+}
+
+int q3_insides_make(q3_insides *ins, q3_module_state *st, const q3_layer *layer, const q3_cache *c,
+                    const q3_view *x, int device, q3_forward_args *a) {
+    const q3_config *cfg = q3_layer_config(layer);
+    if (ins->router) {
+        int64_t shape[3];
+        for (int d = 0; d < x->ndim - 1; d++) shape[d] = x->shape[d];
+        shape[x->ndim - 1] = cfg->experts;
+        if (!(ins->logits = make(st, Q3_F32, x->ndim, shape, device))) return -1;
+        shape[x->ndim - 1] = cfg->top_k;
+        if (!(ins->experts = make(st, Q3_I32, x->ndim, shape, device)) ||
+            !(ins->weights = make(st, Q3_F32, x->ndim, shape, device)))
+            return -1;
+        a->router_logits = ins->logits->data;
+        a->router_experts = ins->experts->data;
+        a->router_weights = ins->weights->data;
+    }
+    if (ins->attention) {
+        int64_t context = 0, n;
+        for (int s = 0; s < a->n_seqs; s++)
+            if (c->lengths[a->seqs[s]] + a->tokens > context) context = c->lengths[a->seqs[s]] + a->tokens;
+        const int64_t shape[4] = {a->n_seqs, cfg->heads, a->tokens, context}, bytes_shape[5] = {
+            a->n_seqs, cfg->heads, a->tokens, context, (int64_t)sizeof(float)};
+        if (!q3_numel(5, bytes_shape, &n) || n > ins->limit) {
+            char what[64];
+            if (q3_numel(5, bytes_shape, &n)) snprintf(what, sizeof what, "%lld bytes", (long long)n);
+            else snprintf(what, sizeof what, "more than 2^63 bytes");
+            PyErr_Format(PyExc_ValueError,
+                         "return_attention: the attention maps [%d, %d, %lld, %lld] (batch, heads, new tokens, "
+                         "context) fp32 would take %s, above attention_limit=%lld bytes; pass a larger "
+                         "attention_limit, or fewer tokens per call", a->n_seqs, cfg->heads, (long long)a->tokens,
+                         (long long)context, what, (long long)ins->limit);
+            return -1;
+        }
+        if (!(ins->maps = make(st, Q3_F32, 4, shape, device))) return -1;
+        a->attention = ins->maps->data;
+        a->attention_context = context;
+    }
+    return 0;
+}
+
+static PyObject *or_none(q3_tensor_object *t) { return t ? Py_NewRef((PyObject *)t) : Py_NewRef(Py_None); }
+
+PyObject *q3_insides_result(q3_insides *ins, PyObject *y) {
+    if (!y || (!ins->router && !ins->attention)) return y;
+    PyObject *r = PyTuple_New(5);
+    if (!r) {
+        Py_DECREF(y);
+        return NULL;
+    }
+    PyTuple_SET_ITEM(r, 0, y); /* each SET_ITEM takes the reference given */
+    PyTuple_SET_ITEM(r, 1, or_none(ins->logits));
+    PyTuple_SET_ITEM(r, 2, or_none(ins->experts));
+    PyTuple_SET_ITEM(r, 3, or_none(ins->weights));
+    PyTuple_SET_ITEM(r, 4, or_none(ins->maps));
+    return r;
+}
+
+void q3_insides_clear(q3_insides *ins) {
+    Py_CLEAR(ins->logits);
+    Py_CLEAR(ins->experts);
+    Py_CLEAR(ins->weights);
+    Py_CLEAR(ins->maps);
+}
