@@ -61,6 +61,7 @@ class Reference:
     keys: torch.Tensor    # [B, Hkv, S, D]
     values: torch.Tensor  # [B, Hkv, S, D]
     router_logits: torch.Tensor  # [B * S, E]
+    attention: torch.Tensor | None = None  # [B, Hq, S, start + S] eager attention's probabilities
 
 
 def run(model: Qwen3MoeForCausalLM, x: torch.Tensor, cache: DynamicCache | None = None,
@@ -75,16 +76,20 @@ def run(model: Qwen3MoeForCausalLM, x: torch.Tensor, cache: DynamicCache | None 
     mask = torch.full((S, total), torch.finfo(x.dtype).min, dtype=x.dtype)
     mask = torch.triu(mask, diagonal=start + 1)[None, None].expand(B, 1, S, total)
     logits = []
-    hook = layer.mlp.gate.register_forward_hook(
-        lambda m, i, o: logits.append((o[0] if isinstance(o, tuple) else o).detach()))
+    maps = []
+    hooks = [layer.mlp.gate.register_forward_hook(
+                 lambda m, i, o: logits.append((o[0] if isinstance(o, tuple) else o).detach())),
+             layer.self_attn.register_forward_hook(  # (attn_output, attn_weights): eager gives the weights
+                 lambda m, i, o: maps.append(o[1].detach() if isinstance(o, tuple) and o[1] is not None else None))]
     try:
         with torch.no_grad():
             y = layer(x, attention_mask=mask, position_ids=pos, use_cache=True,
                       position_embeddings=(cos, sin), **{_cache_kwarg(layer): cache})
     finally:
-        hook.remove()
+        for h in hooks:
+            h.remove()
     y = y[0] if isinstance(y, tuple) else y
-    return Reference(y, cache.layers[layer_idx].keys, cache.layers[layer_idx].values, logits[0])
+    return Reference(y, cache.layers[layer_idx].keys, cache.layers[layer_idx].values, logits[0], maps[0])
 
 
 def routing_margin(logits: torch.Tensor, k: int) -> float:
