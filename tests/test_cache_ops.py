@@ -2,9 +2,11 @@
 repeat_interleave, crop, copy and copy_prefix. Each is checked by content (the keys and
 values each sequence holds, its length and padding), by behaviour (decoding after the
 operation equals decoding on a cache built directly in the resulting state), and by its
-rejections (an error naming the argument, and the cache left as it was)."""
+rejections (an error naming the argument, and the cache left as it was). On a CUDA cache (the
+SIMT executor's emulated device, tests/cache_ops_executor_check.py) each equals the host one."""
 import _thread
 import copy
+import json
 import os
 import random
 import signal
@@ -286,6 +288,9 @@ def test_copy_prefix_reuse_equals_a_fresh_prefill(layer):
     (lambda c: c.copy_prefix(0, 1, 4), ValueError,
      "length: expected 0 <= length <= 3 (the length of sequence 0), got 4"),
     (lambda c: c.copy_prefix(0, 1, -1), ValueError, "length: expected 0 <= length <= 3"),
+    (lambda c: c.reorder(range(6), stream=1), ValueError, "stream: expected None for a cache on the cpu"),
+    (lambda c: c.select([0], stream=0), ValueError, "stream: expected None for a cache on the cpu"),
+    (lambda c: c.copy_prefix(0, 1, 1, stream=7), ValueError, "stream: expected None for a cache on the cpu"),
 ])
 def test_rejections_name_the_argument_and_leave_the_cache_unchanged(layer, call, error, message):
     cache = filled(layer, prompts([3, 2, 0, 5, 1, 4]), [1, 0, 0, 2, 0, 0])
@@ -351,37 +356,68 @@ def test_operations_refuse_while_a_layer_call_runs_on_the_cache(layer):
     assert_same(state(cache), before)
 
 
-DEVICE_SCRIPT = """
-import sys
-sys.path.insert(0, sys.argv[1])
-import qwen3layer as q3
-from qwen3layer import _C
-q3.cuda.emulate()
-layer = _C.Layer(q3.LayerConfig.tiny(), _C.random_weights(q3.LayerConfig.tiny(), 1, "float32"), None, 0)
-cache = layer.new_cache(8, 2)
-layer.prefill(_C.copy_tensor(_C.random_tensor((2, 3, 64), 2, "float32"), 0), cache)
-for call in (lambda: cache.reorder([1, 0]), lambda: cache.select([0]), lambda: cache.repeat_interleave(2),
-             cache.copy, lambda: cache.copy_prefix(0, 1, 2)):
-    try:
-        call()
-        print("accepted")
-    except NotImplementedError as e:
-        print("NotImplementedError:", e)
-cache.crop(-1)
-cache.crop(1, 0)
-print(cache.lengths)
-"""
-
-
-def test_device_caches_refuse_copies_and_crop(layer):
-    """a cache on CUDA device 0 (the SIMT executor) refuses the copying operations, for now,
-    with NotImplementedError and the cache as it was; crop, which moves only lengths, works"""
+@pytest.fixture(scope="module")
+def device():
+    """tests/cache_ops_executor_check.py's findings: the operations on a CUDA cache of the SIMT
+    executor (an emulated device), in a subprocess (the executor is the whole process's backend)"""
     if not os.path.exists(os.path.join(ROOT, "qwen3layer", "libq3simt.so")):
         pytest.skip("this build has no SIMT executor")
-    r = subprocess.run([sys.executable, "-c", DEVICE_SCRIPT, ROOT], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "cache_ops_executor_check.py"), ROOT],
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
-    lines = r.stdout.splitlines()
-    for line, op in zip(lines, ["reorder", "select", "repeat_interleave", "copy", "copy_prefix"]):
-        assert line == (f"NotImplementedError: {op}: the cache is on CUDA device 0; copying between sequences of "
-                        "a device cache is not implemented yet (host caches only)")
-    assert lines[5] == "(1, 2)"
+    return json.loads(r.stdout)
+
+
+def test_device_cache_operations_equal_the_host_ones(device):
+    """each operation on a device cache leaves the same bytes, lengths and padding as on a host
+    cache that held the same bytes (a new cache: on the device, of the same capacity), float32
+    and bfloat16, with stream=None (the device synchronized around the copies), 0 (the same) and
+    a stream of the executor's own (queued there); random maps one after another; a reorder of
+    sequences of 300 tokens"""
+    content = device["content"]
+    ops = ["reorder identity", "reorder cycles", "reorder reverse", "reorder one", "reorder repeats",
+           "reorder repeats and a cycle", "reorder chain", "select", "select one", "repeat_interleave 1",
+           "repeat_interleave 3", "copy", "copy.copy", "copy.deepcopy", "copy_prefix", "crop"]
+    expected = [f"{dt} {op} stream {st}" for dt in ("float32", "bfloat16") for op in ops for st in ("none", "zero", "own")]
+    expected += ["float32 copy of a fresh pair", "bfloat16 copy of a fresh pair", "float32 random reorders",
+                 "bfloat16 long reorder"]
+    assert sorted(content) == sorted(expected)
+    assert [k for k, same in content.items() if not same] == []
+
+
+def test_decoding_after_device_cache_operations_equals_the_cpu_layer(device):
+    """the emulated CUDA layer decoding after reorder (repeats; a cycle through the spare block),
+    select, repeat_interleave, copy, copy_prefix (then the prefix's tail prefilled) and a
+    deepcopy branch equals the CPU layer doing the same on its host cache"""
+    decoding = device["decoding"]
+    assert len(decoding) == 13
+    for name, (err, agree) in decoding.items():
+        assert err <= 1e-5 and agree, (name, err, agree)
+
+
+def test_device_caches_reject_what_host_caches_reject(device):
+    for message, same_as_host, unchanged in device["rejections"]:
+        assert same_as_host and unchanged, message
+    assert len(device["rejections"]) == 10
+    assert device["stream errors"] == ["ValueError: stream: expected None for a cache on the cpu",
+                                       "TypeError: stream: expected an int (a cudaStream_t) or None, got str",
+                                       "ValueError: stream: expected None for a cache on the cpu"]
+
+
+def test_a_cuda_error_leaves_the_device_cache_as_it_was(device):
+    """while the thread captures a CUDA graph, the device cannot be synchronized (nor memory
+    allocated): each operation fails with CUDA's text, lengths, padding and bytes unchanged, and
+    the cache works once the capture is over"""
+    sync = "cuda: synchronizing device 0 failed: cudaDeviceSynchronize while this thread captures a CUDA graph"
+    reorder, spare, prefix, copied = device["cuda errors"]
+    assert reorder.startswith(f"RuntimeError: reorder: {sync}")
+    assert spare == "MemoryError: reorder: cannot allocate a spare block of 3 tokens on the CUDA device"
+    assert prefix.startswith(f"RuntimeError: copy_prefix: {sync}")
+    assert copied.startswith("MemoryError: KV cache: cannot allocate")
+    assert device["cuda errors leave the cache"] and device["after the errors"]
+
+
+def test_the_executors_2d_copy_checks_its_pitches_as_cuda(device):
+    code, text = device["pitch below width"]
+    assert code == 12  # cudaErrorInvalidPitchValue
+    assert text.startswith("cudaMemcpy2DAsync: width 16 bytes, dpitch 8, spitch 16")

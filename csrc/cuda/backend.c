@@ -30,9 +30,31 @@ static void *device_alloc_zeroed(size_t n, int device) {
 
 static void device_free(void *p) { table.free_device(p); }
 
+static q3_status device_copy_2d(void *dst, size_t dst_pitch, const void *src, size_t src_pitch, size_t width,
+                                size_t rows, int device, void *stream, q3_error *err) {
+    int code = table.set_device(device);
+    if (!code) code = table.copy_2d_device_async(dst, dst_pitch, src, src_pitch, width, rows, stream);
+    if (!code) return Q3_OK;
+    return q3_fail(err, Q3_ERR_STATE, "cuda: a device copy of %zu rows of %zu bytes on device %d failed: %s", rows,
+                   width, device, table.error_string(code));
+}
+
+static q3_status device_synchronize(int device, void *stream, q3_error *err) {
+    int code = table.set_device(device);
+    if (!code) code = stream ? table.stream_synchronize(stream) : table.synchronize();
+    if (!code) return Q3_OK;
+    return q3_fail(err, Q3_ERR_STATE, "cuda: synchronizing device %d failed: %s", device, table.error_string(code));
+}
+
 static const q3_device_backend cuda_device = {
-    device_alloc_zeroed, device_free, q3_layer_forward_cuda, q3_layer_cuda_release, q3_layer_cuda_workspace_bytes,
-    q3_layer_cuda_config_check,
+    .alloc_zeroed = device_alloc_zeroed,
+    .free = device_free,
+    .copy_2d = device_copy_2d,
+    .synchronize = device_synchronize,
+    .layer_forward = q3_layer_forward_cuda,
+    .layer_release = q3_layer_cuda_release,
+    .layer_workspace_bytes = q3_layer_cuda_workspace_bytes,
+    .layer_config_check = q3_layer_cuda_config_check,
 };
 
 q3_status q3_cuda_open(const char *path, q3_error *err) {

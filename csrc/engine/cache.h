@@ -41,23 +41,28 @@ q3_status q3_cache_set_padding(q3_cache *c, int seq, int64_t n, q3_error *err);
 q3_status q3_cache_truncate(q3_cache *c, int seq, int64_t n, q3_error *err);
 
 /* Operations for generation (cache_ops.c). Each checks every argument before it writes and
- * leaves the cache as it was on failure; the copying ones refuse device caches (Q3_ERR_STATE)
- * for now. Lengths and padding travel with the tokens. */
+ * leaves the cache as it was on failure. Lengths and padding travel with the tokens. On a
+ * device cache the copying ones queue 2-D device copies on `stream` (a cudaStream_t: ordered
+ * with the caller's layer calls on it, no wait); stream NULL: on the default stream between
+ * two synchronizations of the device (ordered against every stream). A CUDA error leaves
+ * lengths and padding unchanged (Q3_ERR_STATE, its text in the message). `stream` is ignored
+ * for host caches. */
 /* dst sequence i <- src sequence index[i], for i < n = dst->batch (indices may repeat): a
  * prompt expanded to beams, a subset kept, a whole cache copied. dst and src are distinct
- * caches of the same kv_heads, head_dim and dtype; dst's capacity may differ but must hold
- * each copied sequence. Only the tokens held are copied. */
-q3_status q3_cache_gather(q3_cache *dst, const q3_cache *src, const int *index, int n, q3_error *err);
+ * caches on one device of the same kv_heads, head_dim and dtype; dst's capacity may differ
+ * but must hold each copied sequence. Only the tokens held are copied. */
+q3_status q3_cache_gather(q3_cache *dst, const q3_cache *src, const int *index, int n, void *stream, q3_error *err);
 /* in place: sequence i <- old sequence index[i], n = c->batch (indices may repeat: beam
- * search). Takes a spare block of at most one sequence's tokens while it runs. */
-q3_status q3_cache_reorder(q3_cache *c, const int *index, int n, q3_error *err);
+ * search). Takes a spare block of at most one sequence's tokens while it runs (on the
+ * cache's device: allocating and freeing it waits for the device). */
+q3_status q3_cache_reorder(q3_cache *c, const int *index, int n, void *stream, q3_error *err);
 /* keep the first `length` tokens of sequence seq (seq < 0: of every sequence); a sequence
  * holding fewer keeps what it holds. length < 0 drops -length tokens from the end of each
  * (an error if one holds fewer). The same as transformers' Cache.crop on a batch. */
 q3_status q3_cache_crop(q3_cache *c, int seq, int64_t length, q3_error *err);
 /* the first `length` tokens of src_seq (length <= its length) become sequence dst_seq's
  * whole content (prefix reuse); padding min(src's, length). src_seq == dst_seq truncates. */
-q3_status q3_cache_copy_prefix(q3_cache *c, int src_seq, int dst_seq, int64_t length, q3_error *err);
+q3_status q3_cache_copy_prefix(q3_cache *c, int src_seq, int dst_seq, int64_t length, void *stream, q3_error *err);
 
 /* base of sequence seq's [kv_heads, capacity, head_dim] block */
 void *q3_cache_seq_keys(const q3_cache *c, int seq);

@@ -6,13 +6,17 @@
  * head_dim apart between heads): only the tokens it holds are copied, never the capacity.
  *
  * Every operation checks all of its arguments before it writes anything, and takes the
- * memory it needs before it writes, so that a failure leaves the cache as it was. Device
- * caches (device >= 0) are refused by the copying operations: the device backend has no
- * copy entry yet. Cropping touches only the host-side lengths and works on both. */
+ * memory it needs before it writes, so that a failure leaves the cache as it was. On a device
+ * cache (device >= 0) the same moves are 2-D device copies through the device backend (one
+ * per sequence, K or V: rows = kv_heads, width = the tokens held, pitch = a head's capacity),
+ * queued on the caller's stream (see `copier`); a CUDA error there leaves lengths and padding
+ * as they were and is reported with its text. Cropping touches only the host-side lengths. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "cache.h"
+#include "device_backend.h"
 
 /* bytes of one [head_dim] row */
 static size_t row_bytes(const q3_cache *c) { return (size_t)c->head_dim * q3_dtype_size(c->dtype); }
@@ -22,27 +26,72 @@ static char *seq_block(const q3_cache *c, int seq, int values) {
     return values ? q3_cache_seq_values(c, seq) : q3_cache_seq_keys(c, seq);
 }
 
-/* The first n tokens of every head, K and V, from a block of heads `src_stride` bytes apart
- * to a block of heads `dst_stride` bytes apart. Blocks never overlap here. */
-static void copy_heads(char *dst, size_t dst_stride, const char *src, size_t src_stride, int kv_heads,
+/* Where an operation's copies go: memcpy for a host cache; for a device cache, 2-D device
+ * copies queued on `stream` (a cudaStream_t). Ordering against the layer's calls, which queue
+ * on the caller's stream: a caller that names its stream (the glue's stream=, torch's current
+ * stream) gets the copies queued there, behind its layer calls and before its next ones, with
+ * no wait; stream NULL (none named) queues them on the legacy default stream between two
+ * synchronizations of the whole device, so they are ordered against work on any stream at the
+ * cost of two waits. The first failure is kept, with the operation's name before its text, and
+ * the copies after it are skipped. */
+typedef struct {
+    const char *op;
+    int device; /* -1: host */
+    void *stream;
+    q3_error *err;
+    q3_status status;
+} copier;
+
+/* a backend failure, its message prefixed with the operation's name */
+static void copier_failed(copier *cp, q3_status s) {
+    cp->status = s;
+    if (!cp->err) return;
+    char msg[sizeof cp->err->msg];
+    snprintf(msg, sizeof msg, "%s", cp->err->msg);
+    q3_fail(cp->err, s, "%s: %s", cp->op, msg);
+}
+
+static q3_status copier_begin(copier *cp, const char *op, int device, void *stream, q3_error *err) {
+    *cp = (copier){op, device, stream, err, Q3_OK};
+    if (device < 0) return Q3_OK;
+    const q3_device_backend *d = q3_device();
+    if (!d) return q3_fail(err, Q3_ERR_STATE, "%s: the cache is on CUDA device %d and no device backend is open", op, device);
+    if (!stream) {
+        q3_status s = d->synchronize(device, NULL, err);
+        if (s != Q3_OK) copier_failed(cp, s);
+    }
+    return cp->status;
+}
+
+/* after the last copy: waits for the device when no stream was named; the status */
+static q3_status copier_end(copier *cp) {
+    if (cp->device >= 0 && !cp->stream && cp->status == Q3_OK) {
+        q3_status s = q3_device()->synchronize(cp->device, NULL, cp->err);
+        if (s != Q3_OK) copier_failed(cp, s);
+    }
+    return cp->status;
+}
+
+/* The first n tokens of every head, from a block of heads `src_stride` bytes apart to a block
+ * of heads `dst_stride` bytes apart: kv_heads rows of head_bytes. Blocks never overlap here. */
+static void copy_heads(copier *cp, char *dst, size_t dst_stride, const char *src, size_t src_stride, int kv_heads,
                        size_t head_bytes) {
-    if (head_bytes == 0 || dst == src) return;
-    for (int h = 0; h < kv_heads; h++) memcpy(dst + h * dst_stride, src + h * src_stride, head_bytes);
+    if (head_bytes == 0 || dst == src || cp->status != Q3_OK) return;
+    if (cp->device < 0) {
+        for (int h = 0; h < kv_heads; h++) memcpy(dst + h * dst_stride, src + h * src_stride, head_bytes);
+        return;
+    }
+    q3_status s = q3_device()->copy_2d(dst, dst_stride, src, src_stride, head_bytes, (size_t)kv_heads, cp->device,
+                                       cp->stream, cp->err);
+    if (s != Q3_OK) copier_failed(cp, s);
 }
 
 /* sequence `from` of src -> sequence `to` of dst: the first n tokens of K and V */
-static void copy_seq(q3_cache *dst, int to, const q3_cache *src, int from, int64_t n) {
+static void copy_seq(copier *cp, q3_cache *dst, int to, const q3_cache *src, int from, int64_t n) {
     const size_t rb = row_bytes(src), head_bytes = (size_t)n * rb;
     for (int values = 0; values < 2; values++)
-        copy_heads(seq_block(dst, to, values), (size_t)dst->capacity * rb, seq_block(src, from, values),
+        copy_heads(cp, seq_block(dst, to, values), (size_t)dst->capacity * rb, seq_block(src, from, values),
                    (size_t)src->capacity * rb, src->kv_heads, head_bytes);
-}
-
-static q3_status refuse_device(const q3_cache *c, const char *op, q3_error *err) {
-    if (c->device < 0) return Q3_OK;
-    return q3_fail(err, Q3_ERR_STATE,
-                   "%s: the cache is on CUDA device %d; copying between sequences of a device cache is "
-                   "not implemented yet (host caches only)", op, c->device);
 }
 
 static q3_status check_index(const q3_cache *c, const int *index, int n, q3_error *err) {
@@ -53,12 +102,14 @@ static q3_status check_index(const q3_cache *c, const int *index, int n, q3_erro
     return Q3_OK;
 }
 
-q3_status q3_cache_gather(q3_cache *dst, const q3_cache *src, const int *index, int n, q3_error *err) {
-    q3_status s = refuse_device(src, "gather", err);
-    if (s == Q3_OK) s = refuse_device(dst, "gather", err);
-    if (s != Q3_OK) return s;
+q3_status q3_cache_gather(q3_cache *dst, const q3_cache *src, const int *index, int n, void *stream,
+                          q3_error *err) {
+    q3_status s;
     if (dst == src)
         return q3_fail(err, Q3_ERR_VALUE, "gather: expected two different caches, got the same (use reorder)");
+    if (dst->device != src->device)
+        return q3_fail(err, Q3_ERR_VALUE, "gather: expected caches on one device, got device %d and %d (-1: the host)",
+                       src->device, dst->device);
     if (n != dst->batch)
         return q3_fail(err, Q3_ERR_VALUE, "index: expected %d entries (the destination's batch), got %d",
                        dst->batch, n);
@@ -73,8 +124,11 @@ q3_status q3_cache_gather(q3_cache *dst, const q3_cache *src, const int *index, 
             return q3_fail(err, Q3_ERR_CACHE_FULL,
                            "gather: sequence %d holds %lld tokens, more than the destination's capacity %lld",
                            index[i], (long long)src->lengths[index[i]], (long long)dst->capacity);
+    copier cp;
+    if ((s = copier_begin(&cp, "gather", src->device, stream, err)) != Q3_OK) return s;
+    for (int i = 0; i < n; i++) copy_seq(&cp, dst, i, src, index[i], src->lengths[index[i]]);
+    if ((s = copier_end(&cp)) != Q3_OK) return s;
     for (int i = 0; i < n; i++) {
-        copy_seq(dst, i, src, index[i], src->lengths[index[i]]);
         dst->lengths[i] = src->lengths[index[i]];
         dst->padding[i] = src->padding[index[i]];
     }
@@ -134,9 +188,27 @@ static int plan_reorder(const q3_cache *c, const int *index, int *need, char *pe
     return n;
 }
 
-q3_status q3_cache_reorder(q3_cache *c, const int *index, int n, q3_error *err) {
-    q3_status s = refuse_device(c, "reorder", err);
-    if (s != Q3_OK) return s;
+/* the spare block's memory: on the cache's side (host or device) */
+static void *spare_alloc(const q3_cache *c, size_t bytes) {
+    return c->device < 0 ? q3_alloc(bytes) : q3_device()->alloc_zeroed(bytes, c->device);
+}
+
+/* frees the spare after the copies that read it: a device spare once its stream has run them */
+static void spare_free(const q3_cache *c, void *spare, copier *cp) {
+    if (!spare) return;
+    if (c->device < 0) {
+        q3_free(spare);
+        return;
+    }
+    if (cp->stream) {
+        q3_status s = q3_device()->synchronize(c->device, cp->stream, cp->err);
+        if (s != Q3_OK && cp->status == Q3_OK) copier_failed(cp, s);
+    }
+    q3_device()->free(spare);
+}
+
+q3_status q3_cache_reorder(q3_cache *c, const int *index, int n, void *stream, q3_error *err) {
+    q3_status s;
     if (n != c->batch)
         return q3_fail(err, Q3_ERR_VALUE, "index: expected %d entries (the cache's batch), got %d", c->batch, n);
     if ((s = check_index(c, index, n, err)) != Q3_OK) return s;
@@ -146,7 +218,7 @@ q3_status q3_cache_reorder(q3_cache *c, const int *index, int n, q3_error *err) 
     move *moves = malloc((size_t)B * 2 * sizeof *moves);
     int64_t *lengths = malloc((size_t)B * 2 * sizeof *lengths), *padding = lengths + B;
     char *spare = NULL;
-    s = Q3_OK;
+    copier cp = {"reorder", c->device, stream, err, Q3_OK};
     if (!need || !pending || !moves || !lengths) {
         s = q3_fail(err, Q3_ERR_NOMEM, "reorder: out of memory for the plan of %d sequences", B);
         goto done;
@@ -155,35 +227,40 @@ q3_status q3_cache_reorder(q3_cache *c, const int *index, int n, q3_error *err) 
     const int n_moves = plan_reorder(c, index, need, pending, moves, &spare_tokens);
     const size_t rb = row_bytes(c), stride = (size_t)c->capacity * rb, spare_head = (size_t)spare_tokens * rb;
     /* the spare block: [2 (K, V), kv_heads, spare_tokens, head_dim], heads packed */
-    if (spare_tokens > 0 && !(spare = q3_alloc(2 * (size_t)c->kv_heads * spare_head))) {
-        s = q3_fail(err, Q3_ERR_NOMEM, "reorder: cannot allocate a spare block of %lld tokens",
-                    (long long)spare_tokens);
+    if (spare_tokens > 0 && !(spare = spare_alloc(c, 2 * (size_t)c->kv_heads * spare_head))) {
+        s = q3_fail(err, Q3_ERR_NOMEM, "reorder: cannot allocate a spare block of %lld tokens on %s",
+                    (long long)spare_tokens, c->device < 0 ? "the host" : "the CUDA device");
         goto done;
     }
     for (int i = 0; i < B; i++) {
         lengths[i] = c->lengths[index[i]];
         padding[i] = c->padding[index[i]];
     }
+    if ((s = copier_begin(&cp, "reorder", c->device, stream, err)) != Q3_OK) goto done;
     /* c->lengths holds the old lengths until every block has moved */
     for (int m = 0; m < n_moves; m++) {
         const move mv = moves[m];
         for (int values = 0; values < 2; values++) {
             char *spare_v = spare ? spare + (size_t)values * c->kv_heads * spare_head : NULL;
             if (mv.dst == SPARE)
-                copy_heads(spare_v, spare_head, seq_block(c, mv.src, values), stride, c->kv_heads,
+                copy_heads(&cp, spare_v, spare_head, seq_block(c, mv.src, values), stride, c->kv_heads,
                            (size_t)c->lengths[mv.src] * rb);
             else if (mv.src == SPARE)
-                copy_heads(seq_block(c, mv.dst, values), stride, spare_v, spare_head, c->kv_heads,
+                copy_heads(&cp, seq_block(c, mv.dst, values), stride, spare_v, spare_head, c->kv_heads,
                            (size_t)c->lengths[index[mv.dst]] * rb);
             else
-                copy_heads(seq_block(c, mv.dst, values), stride, seq_block(c, mv.src, values), stride,
+                copy_heads(&cp, seq_block(c, mv.dst, values), stride, seq_block(c, mv.src, values), stride,
                            c->kv_heads, (size_t)c->lengths[mv.src] * rb);
         }
     }
+    copier_end(&cp);
+    spare_free(c, spare, &cp); /* before the lengths: a failed wait for the stream counts too */
+    spare = NULL;
+    if ((s = cp.status) != Q3_OK) goto done;
     memcpy(c->lengths, lengths, (size_t)B * sizeof *lengths);
     memcpy(c->padding, padding, (size_t)B * sizeof *padding);
 done:
-    q3_free(spare);
+    spare_free(c, spare, &cp);
     free(need);
     free(pending);
     free(moves);
@@ -224,9 +301,7 @@ q3_status q3_cache_crop(q3_cache *c, int seq, int64_t length, q3_error *err) {
     return Q3_OK;
 }
 
-q3_status q3_cache_copy_prefix(q3_cache *c, int src_seq, int dst_seq, int64_t length, q3_error *err) {
-    q3_status s = refuse_device(c, "copy_prefix", err);
-    if (s != Q3_OK) return s;
+q3_status q3_cache_copy_prefix(q3_cache *c, int src_seq, int dst_seq, int64_t length, void *stream, q3_error *err) {
     if (src_seq < 0 || src_seq >= c->batch)
         return q3_fail(err, Q3_ERR_INDEX, "src_seq: expected 0 <= src_seq < %d (the cache's batch), got %d",
                        c->batch, src_seq);
@@ -236,7 +311,11 @@ q3_status q3_cache_copy_prefix(q3_cache *c, int src_seq, int dst_seq, int64_t le
     if (length < 0 || length > c->lengths[src_seq])
         return q3_fail(err, Q3_ERR_VALUE, "length: expected 0 <= length <= %lld (the length of sequence %d), got %lld",
                        (long long)c->lengths[src_seq], src_seq, (long long)length);
-    copy_seq(c, dst_seq, c, src_seq, length); /* nothing when src_seq == dst_seq */
+    copier cp;
+    q3_status s = copier_begin(&cp, "copy_prefix", c->device, stream, err);
+    if (s != Q3_OK) return s;
+    copy_seq(&cp, c, dst_seq, c, src_seq, length); /* nothing when src_seq == dst_seq */
+    if ((s = copier_end(&cp)) != Q3_OK) return s;
     c->lengths[dst_seq] = length;
     c->padding[dst_seq] = c->padding[src_seq] < length ? c->padding[src_seq] : length;
     return Q3_OK;

@@ -14,6 +14,15 @@ typedef struct {
     /* n zeroed bytes on `device`, NULL when they cannot be had; their release */
     void *(*alloc_zeroed)(size_t n, int device);
     void (*free)(void *p);
+    /* rows x width bytes on `device`, row r from src + r * src_pitch to dst + r * dst_pitch,
+     * queued on `stream` (a cudaStream_t; NULL: the legacy default stream); the KV cache's
+     * operations move a sequence's [kv_heads] head blocks with one call. Q3_ERR_STATE with the
+     * CUDA error's text when the copy cannot be queued. */
+    q3_status (*copy_2d)(void *dst, size_t dst_pitch, const void *src, size_t src_pitch, size_t width,
+                         size_t rows, int device, void *stream, q3_error *err);
+    /* waits for the work queued on `stream`, or, stream NULL, for everything queued on `device`
+     * (every stream); Q3_ERR_STATE with the CUDA error's text if that work failed */
+    q3_status (*synchronize)(int device, void *stream, q3_error *err);
     /* q3_layer_forward of a layer whose weights live on the device, after the engine checked
      * the call (csrc/engine/layer.c); same contract */
     q3_status (*layer_forward)(q3_layer *layer, q3_cache *cache, const q3_forward_args *a, q3_error *err);

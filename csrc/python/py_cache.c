@@ -148,6 +148,12 @@ static PyObject *cache_repr(q3_cache_object *o) {
 }
 
 #define KW (METH_VARARGS | METH_KEYWORDS)
+/* the copying operations' stream rule (py_cache_ops.c) */
+#define STREAM_DOC                                                                                               \
+    "On a CUDA cache the copies are queued on `stream` (a cudaStream_t as int, e.g. torch's "                    \
+    "current_stream().cuda_stream: the stream of the layer calls they must follow); None or 0: the device is "   \
+    "synchronized before and after them. None for a cpu cache."
+
 static PyMethodDef cache_methods[] = {
     {"reset", (PyCFunction)(void (*)(void))cache_reset, KW,
      "reset(seq=None)\n--\n\nEmpty sequence `seq`, or every sequence when seq is None."},
@@ -163,25 +169,27 @@ static PyMethodDef cache_methods[] = {
     {"values", (PyCFunction)(void (*)(void))cache_values, KW,
      "values(seq=0)\n--\n\nZero-copy view [num_kv_heads, length, head_dim] of the sequence's values."},
     {"reorder", (PyCFunction)(void (*)(void))q3_py_cache_reorder, KW,
-     "reorder(index)\n--\n\nIn place: sequence i becomes a copy of old sequence index[i] (len(index) == batch; "
-     "indices may repeat: beam search). Tokens, lengths and padding move together."},
+     "reorder(index, *, stream=None)\n--\n\nIn place: sequence i becomes a copy of old sequence index[i] "
+     "(len(index) == batch; indices may repeat: beam search). Tokens, lengths and padding move together. "
+     STREAM_DOC},
     {"select", (PyCFunction)(void (*)(void))q3_py_cache_select, KW,
-     "select(index)\n--\n\nA new KVCache of len(index) >= 1 sequences (same capacity): sequence i is a copy of "
-     "this cache's sequence index[i] (indices may repeat)."},
+     "select(index, *, stream=None)\n--\n\nA new KVCache of len(index) >= 1 sequences (same capacity): "
+     "sequence i is a copy of this cache's sequence index[i] (indices may repeat). " STREAM_DOC},
     {"repeat_interleave", (PyCFunction)(void (*)(void))q3_py_cache_repeat_interleave, KW,
-     "repeat_interleave(n)\n--\n\nA new KVCache of batch * n sequences: sequence i * n + j is a copy of "
-     "sequence i (a prompt expanded to n beams)."},
+     "repeat_interleave(n, *, stream=None)\n--\n\nA new KVCache of batch * n sequences: sequence i * n + j "
+     "is a copy of sequence i (a prompt expanded to n beams). " STREAM_DOC},
     {"crop", (PyCFunction)(void (*)(void))q3_py_cache_crop, KW,
      "crop(length, seq=None)\n--\n\nKeep the first `length` tokens of sequence `seq`, or of every sequence "
      "when seq is None; a sequence holding fewer keeps what it holds. length < 0 drops -length tokens from "
      "the end of each (transformers' Cache.crop)."},
-    {"copy", (PyCFunction)q3_py_cache_copy, METH_NOARGS,
-     "copy()\n--\n\nA new KVCache with the same contents (copy.copy and copy.deepcopy call it)."},
-    {"__copy__", (PyCFunction)q3_py_cache_copy, METH_NOARGS, "The same as copy()."},
+    {"copy", (PyCFunction)(void (*)(void))q3_py_cache_copy, KW,
+     "copy(*, stream=None)\n--\n\nA new KVCache with the same contents (copy.copy and copy.deepcopy call it, "
+     "with no stream). " STREAM_DOC},
+    {"__copy__", (PyCFunction)q3_py_cache_copy_noargs, METH_NOARGS, "The same as copy()."},
     {"__deepcopy__", (PyCFunction)q3_py_cache_deepcopy, METH_O, "The same as copy()."},
     {"copy_prefix", (PyCFunction)(void (*)(void))q3_py_cache_copy_prefix, KW,
-     "copy_prefix(src_seq, dst_seq, length)\n--\n\nSequence dst_seq becomes a copy of the first `length` "
-     "tokens of sequence src_seq (prefix reuse); what dst_seq held is dropped."},
+     "copy_prefix(src_seq, dst_seq, length, *, stream=None)\n--\n\nSequence dst_seq becomes a copy of the "
+     "first `length` tokens of sequence src_seq (prefix reuse); what dst_seq held is dropped. " STREAM_DOC},
     {NULL},
 };
 

@@ -18,7 +18,8 @@ PyObject *q3_py_cache_reorder(q3_cache_object *o, PyObject *args, PyObject *kw);
 PyObject *q3_py_cache_select(q3_cache_object *o, PyObject *args, PyObject *kw);
 PyObject *q3_py_cache_repeat_interleave(q3_cache_object *o, PyObject *args, PyObject *kw);
 PyObject *q3_py_cache_crop(q3_cache_object *o, PyObject *args, PyObject *kw);
-PyObject *q3_py_cache_copy(q3_cache_object *o, PyObject *unused);
+PyObject *q3_py_cache_copy(q3_cache_object *o, PyObject *args, PyObject *kw);
+PyObject *q3_py_cache_copy_noargs(q3_cache_object *o, PyObject *unused);
 PyObject *q3_py_cache_deepcopy(q3_cache_object *o, PyObject *memo);
 PyObject *q3_py_cache_copy_prefix(q3_cache_object *o, PyObject *args, PyObject *kw);
 

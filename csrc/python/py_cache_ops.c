@@ -1,15 +1,27 @@
 /* KVCache operations for generation (the engine's cache_ops.c): reorder, select,
- * repeat_interleave, crop, copy and copy_prefix. The copying ones refuse device caches with
- * NotImplementedError for now; each marks the cache busy while it copies without the GIL, so
- * that a layer call on another thread cannot append to it meanwhile. */
+ * repeat_interleave, crop, copy and copy_prefix, on host and CUDA caches. Each marks the cache
+ * busy while it copies without the GIL, so that a layer call on another thread cannot append
+ * to it meanwhile. The copying ones take `stream=` (keyword only): on a CUDA cache the copies
+ * are queued on that cudaStream_t (an int, as torch's `current_stream().cuda_stream`), after
+ * the caller's layer calls on it; None or 0 (no stream named, or the legacy default one): the
+ * device is synchronized before and after them, so they are ordered against every stream. */
 #include "py_cache.h"
 
-static int refuse_device(const q3_cache *c, const char *op) {
-    if (c->device < 0) return 0;
-    PyErr_Format(PyExc_NotImplementedError,
-                 "%s: the cache is on CUDA device %d; copying between sequences of a device cache is not "
-                 "implemented yet (host caches only)", op, c->device);
-    return -1;
+/* stream argument: None -> NULL; an int (a cudaStream_t) for a CUDA cache only */
+static int parse_stream(const q3_cache *c, PyObject *obj, void **stream) {
+    *stream = NULL;
+    if (obj == Py_None) return 0;
+    if (c->device < 0) {
+        PyErr_SetString(PyExc_ValueError, "stream: expected None for a cache on the cpu");
+        return -1;
+    }
+    if (!PyLong_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "stream: expected an int (a cudaStream_t) or None, got %.100s",
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    *stream = PyLong_AsVoidPtr(obj);
+    return *stream || !PyErr_Occurred() ? 0 : -1;
 }
 
 /* index argument: a 1-D sequence of ints in [0, batch) (list, tuple, range, a torch or numpy
@@ -71,7 +83,7 @@ static int *parse_index(PyObject *obj, int batch, Py_ssize_t *n) {
 }
 
 /* A new cache of o's geometry and capacity for `batch` sequences: sequence i <- o's index[i] */
-static PyObject *gather_new(q3_cache_object *o, const int *index, int batch) {
+static PyObject *gather_new(q3_cache_object *o, const int *index, int batch, void *stream) {
     const q3_cache *c = o->cache;
     q3_module_state *st = q3_state_of_type(Py_TYPE(o));
     if (!st || q3_py_cache_check_idle(o) < 0) return NULL;
@@ -81,7 +93,7 @@ static PyObject *gather_new(q3_cache_object *o, const int *index, int batch) {
     q3_status s;
     o->busy = 1; /* a layer call on another thread must not append while we read */
     Py_BEGIN_ALLOW_THREADS
-    s = q3_cache_gather(out->cache, c, index, batch, &err);
+    s = q3_cache_gather(out->cache, c, index, batch, stream, &err);
     Py_END_ALLOW_THREADS
     o->busy = 0;
     if (s != Q3_OK) {
@@ -92,11 +104,12 @@ static PyObject *gather_new(q3_cache_object *o, const int *index, int batch) {
 }
 
 PyObject *q3_py_cache_reorder(q3_cache_object *o, PyObject *args, PyObject *kw) {
-    static char *names[] = {"index", NULL};
-    PyObject *index_obj;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O:reorder", names, &index_obj)) return NULL;
+    static char *names[] = {"index", "stream", NULL};
+    PyObject *index_obj, *stream_obj = Py_None;
+    void *stream;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|$O:reorder", names, &index_obj, &stream_obj)) return NULL;
     q3_cache *c = o->cache;
-    if (refuse_device(c, "reorder") < 0) return NULL;
+    if (parse_stream(c, stream_obj, &stream) < 0) return NULL;
     Py_ssize_t n;
     int *index = parse_index(index_obj, c->batch, &n);
     if (!index) return NULL;
@@ -108,7 +121,7 @@ PyObject *q3_py_cache_reorder(q3_cache_object *o, PyObject *args, PyObject *kw) 
         q3_status s;
         o->busy = 1;
         Py_BEGIN_ALLOW_THREADS
-        s = q3_cache_reorder(c, index, (int)n, &err);
+        s = q3_cache_reorder(c, index, (int)n, stream, &err);
         Py_END_ALLOW_THREADS
         o->busy = 0;
         result = q3_status_or_none(s, &err);
@@ -118,10 +131,11 @@ PyObject *q3_py_cache_reorder(q3_cache_object *o, PyObject *args, PyObject *kw) 
 }
 
 PyObject *q3_py_cache_select(q3_cache_object *o, PyObject *args, PyObject *kw) {
-    static char *names[] = {"index", NULL};
-    PyObject *index_obj;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O:select", names, &index_obj)) return NULL;
-    if (refuse_device(o->cache, "select") < 0) return NULL;
+    static char *names[] = {"index", "stream", NULL};
+    PyObject *index_obj, *stream_obj = Py_None;
+    void *stream;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|$O:select", names, &index_obj, &stream_obj)) return NULL;
+    if (parse_stream(o->cache, stream_obj, &stream) < 0) return NULL;
     Py_ssize_t n;
     int *index = parse_index(index_obj, o->cache->batch, &n);
     if (!index) return NULL;
@@ -129,17 +143,19 @@ PyObject *q3_py_cache_select(q3_cache_object *o, PyObject *args, PyObject *kw) {
     if (n < 1 || n > INT_MAX)
         PyErr_Format(PyExc_ValueError, "index: expected 1 to %d entries, got %zd", INT_MAX, n);
     else
-        result = gather_new(o, index, (int)n);
+        result = gather_new(o, index, (int)n, stream);
     PyMem_Free(index);
     return result;
 }
 
 PyObject *q3_py_cache_repeat_interleave(q3_cache_object *o, PyObject *args, PyObject *kw) {
-    static char *names[] = {"n", NULL};
+    static char *names[] = {"n", "stream", NULL};
     long long n;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "L:repeat_interleave", names, &n)) return NULL;
+    PyObject *stream_obj = Py_None;
+    void *stream;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "L|$O:repeat_interleave", names, &n, &stream_obj)) return NULL;
     const q3_cache *c = o->cache;
-    if (refuse_device(c, "repeat_interleave") < 0) return NULL;
+    if (parse_stream(c, stream_obj, &stream) < 0) return NULL;
     if (n < 1 || n > INT_MAX / c->batch) {
         PyErr_Format(PyExc_ValueError, "n: expected 1 <= n <= %d (a batch of at most %d from %d sequences), got %lld",
                      INT_MAX / c->batch, INT_MAX, c->batch, n);
@@ -149,27 +165,40 @@ PyObject *q3_py_cache_repeat_interleave(q3_cache_object *o, PyObject *args, PyOb
     int *index = PyMem_Malloc((size_t)batch * sizeof *index);
     if (!index) return PyErr_NoMemory();
     for (int i = 0; i < batch; i++) index[i] = i / (int)n;
-    PyObject *result = gather_new(o, index, batch);
+    PyObject *result = gather_new(o, index, batch, stream);
     PyMem_Free(index);
     return result;
 }
 
-PyObject *q3_py_cache_copy(q3_cache_object *o, PyObject *unused) {
-    (void)unused;
-    if (refuse_device(o->cache, "copy") < 0) return NULL;
+static PyObject *copy_on(q3_cache_object *o, void *stream) {
     const int batch = o->cache->batch;
     int *index = PyMem_Malloc((size_t)batch * sizeof *index);
     if (!index) return PyErr_NoMemory();
     for (int i = 0; i < batch; i++) index[i] = i;
-    PyObject *result = gather_new(o, index, batch);
+    PyObject *result = gather_new(o, index, batch, stream);
     PyMem_Free(index);
     return result;
+}
+
+PyObject *q3_py_cache_copy(q3_cache_object *o, PyObject *args, PyObject *kw) {
+    static char *names[] = {"stream", NULL};
+    PyObject *stream_obj = Py_None;
+    void *stream;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|$O:copy", names, &stream_obj)) return NULL;
+    if (parse_stream(o->cache, stream_obj, &stream) < 0) return NULL;
+    return copy_on(o, stream);
+}
+
+/* copy.copy(cache): no stream named */
+PyObject *q3_py_cache_copy_noargs(q3_cache_object *o, PyObject *unused) {
+    (void)unused;
+    return copy_on(o, NULL);
 }
 
 /* copy.deepcopy(cache): the memo needs nothing from us (copy records the result itself) */
 PyObject *q3_py_cache_deepcopy(q3_cache_object *o, PyObject *memo) {
     (void)memo;
-    return q3_py_cache_copy(o, NULL);
+    return copy_on(o, NULL);
 }
 
 PyObject *q3_py_cache_crop(q3_cache_object *o, PyObject *args, PyObject *kw) {
@@ -184,11 +213,14 @@ PyObject *q3_py_cache_crop(q3_cache_object *o, PyObject *args, PyObject *kw) {
 }
 
 PyObject *q3_py_cache_copy_prefix(q3_cache_object *o, PyObject *args, PyObject *kw) {
-    static char *names[] = {"src_seq", "dst_seq", "length", NULL};
+    static char *names[] = {"src_seq", "dst_seq", "length", "stream", NULL};
     long long src, dst, length;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "LLL:copy_prefix", names, &src, &dst, &length)) return NULL;
+    PyObject *stream_obj = Py_None;
+    void *stream;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "LLL|$O:copy_prefix", names, &src, &dst, &length, &stream_obj))
+        return NULL;
     q3_cache *c = o->cache;
-    if (refuse_device(c, "copy_prefix") < 0) return NULL;
+    if (parse_stream(c, stream_obj, &stream) < 0) return NULL;
     if (src < 0 || src >= c->batch || dst < 0 || dst >= c->batch) {
         const int bad_src = src < 0 || src >= c->batch;
         PyErr_Format(PyExc_IndexError, "%s: expected 0 <= %s < %d (the cache's batch), got %lld",
@@ -200,7 +232,7 @@ PyObject *q3_py_cache_copy_prefix(q3_cache_object *o, PyObject *args, PyObject *
     q3_status s;
     o->busy = 1;
     Py_BEGIN_ALLOW_THREADS
-    s = q3_cache_copy_prefix(c, (int)src, (int)dst, length, &err);
+    s = q3_cache_copy_prefix(c, (int)src, (int)dst, length, stream, &err);
     Py_END_ALLOW_THREADS
     o->busy = 0;
     return q3_status_or_none(s, &err);

@@ -36,6 +36,11 @@ typedef struct {
     int (*memset_async)(void *p, int value, size_t bytes, void *stream);
     /* device to device, queued on the stream (capturable) */
     int (*copy_device_async)(void *dst, const void *src, size_t bytes, void *stream);
+    /* `rows` rows of `width` bytes, device to device: row r from src + r * src_pitch to
+     * dst + r * dst_pitch (pitches >= width), queued on the stream (capturable); the KV cache's
+     * operations move a sequence's heads with one call (csrc/engine/cache_ops.c) */
+    int (*copy_2d_device_async)(void *dst, size_t dst_pitch, const void *src, size_t src_pitch, size_t width,
+                                size_t rows, void *stream);
     int (*stream_synchronize)(void *stream);
     int (*synchronize)(void);
     const char *(*error_string)(int code);

@@ -71,6 +71,26 @@ static int memset_async(void *p, int value, size_t bytes, void *stream) {
 static int copy_device_async(void *dst, const void *src, size_t bytes, void *stream) {
     return (int)cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, (cudaStream_t)stream);
 }
+// cudaMemcpy2DAsync refuses a pitch above the device's memPitch, 2^31 - 1 bytes on every GPU
+// so far (cudaDevAttrMaxPitch): a KV cache with more bytes than that per head (2^23 bf16
+// tokens of 128) goes one row at a time, as does a single row (no pitch to check). A failure
+// is returned and taken off the last error, as malloc_device's.
+#define MAX_COPY_PITCH ((size_t)2147483647)
+static int copy_2d_device_async(void *dst, size_t dst_pitch, const void *src, size_t src_pitch, size_t width,
+                                size_t rows, void *stream) {
+    cudaError_t e = cudaSuccess;
+    if (dst_pitch < width || src_pitch < width) return (int)cudaErrorInvalidPitchValue;
+    if (rows == 1 || dst_pitch > MAX_COPY_PITCH || src_pitch > MAX_COPY_PITCH) {
+        for (size_t r = 0; r < rows && e == cudaSuccess; r++)
+            e = cudaMemcpyAsync((char *)dst + r * dst_pitch, (const char *)src + r * src_pitch, width,
+                                cudaMemcpyDeviceToDevice, (cudaStream_t)stream);
+    } else {
+        e = cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, rows, cudaMemcpyDeviceToDevice,
+                              (cudaStream_t)stream);
+    }
+    if (e != cudaSuccess) (void)cudaGetLastError();
+    return (int)e;
+}
 static int stream_synchronize(void *stream) { return (int)cudaStreamSynchronize((cudaStream_t)stream); }
 static int synchronize(void) { return (int)cudaDeviceSynchronize(); }
 static int event_create(void **e) { return (int)cudaEventCreate((cudaEvent_t *)e); }
@@ -201,6 +221,7 @@ extern "C" int q3_cuda_ops_get(q3_cuda_ops *ops) {
     ops->copy_async = copy_async;
     ops->memset_async = memset_async;
     ops->copy_device_async = copy_device_async;
+    ops->copy_2d_device_async = copy_2d_device_async;
     ops->stream_synchronize = stream_synchronize;
     ops->synchronize = synchronize;
     ops->event_create = event_create;

@@ -95,6 +95,20 @@ static void memset_body(void *a) {
 }
 static void free_copy(void *a) { delete (CopyArgs *)a; }
 
+// a 2-D copy: rows of `width` bytes, `pitch` bytes apart on each side
+struct Copy2DArgs {
+    void *dst;
+    size_t dst_pitch;
+    const void *src;
+    size_t src_pitch, width, rows;
+};
+static void copy_2d_body(void *a) {
+    Copy2DArgs *c = (Copy2DArgs *)a;
+    for (size_t r = 0; r < c->rows; r++)
+        memmove((char *)c->dst + r * c->dst_pitch, (const char *)c->src + r * c->src_pitch, c->width);
+}
+static void free_copy_2d(void *a) { delete (Copy2DArgs *)a; }
+
 int submit_host(void *stream, const char *name, void (*body)(void *), void *args, void (*free_args)(void *)) {
     Launch l = {name, dim3(1), dim3(1), 0, nullptr, body, args, free_args};
     if (capture_launch(stream, &l)) return cudaSuccess;
@@ -132,6 +146,7 @@ const char *cudaGetErrorString(cudaError_t code) {
     switch (code) {
     case cudaSuccess: return "no error";
     case cudaErrorInvalidValue: return "invalid argument";
+    case cudaErrorInvalidPitchValue: return "invalid pitch argument";
     case cudaErrorMemoryAllocation: return "out of memory";
     case cudaErrorInvalidConfiguration: return "invalid configuration argument";
     case cudaErrorInvalidDevice: return "invalid device ordinal";
@@ -193,6 +208,28 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, enum cudaM
     if (kind != cudaMemcpyDeviceToDevice && forbidden_in_capture("cudaMemcpyAsync from or to host memory"))
         return cudaErrorStreamCaptureUnsupported;
     return queue(s, copy_body, CopyArgs{dst, src, bytes, 0}, "cudaMemcpyAsync");
+}
+// As CUDA: each pitch at least the width and at most the device's memPitch (2^31 - 1 bytes on
+// every GPU so far), else cudaErrorInvalidPitchValue; no rows or an empty row copy nothing
+cudaError_t cudaMemcpy2DAsync(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width, size_t height,
+                              enum cudaMemcpyKind kind, cudaStream_t s) {
+    const size_t max_pitch = 2147483647;
+    if (dpitch < width || spitch < width || dpitch > max_pitch || spitch > max_pitch) {
+        char what[160];
+        snprintf(what, sizeof what, "cudaMemcpy2DAsync: width %zu bytes, dpitch %zu, spitch %zu (a pitch below the "
+                 "width or above %zu)", width, dpitch, spitch, max_pitch);
+        record_error(cudaErrorInvalidPitchValue, what);
+        return cudaErrorInvalidPitchValue;
+    }
+    if (width == 0 || height == 0) return cudaSuccess;
+    if (!dst || !src) {
+        record_error(cudaErrorInvalidValue, "cudaMemcpy2DAsync: a NULL pointer");
+        return cudaErrorInvalidValue;
+    }
+    if (kind != cudaMemcpyDeviceToDevice && forbidden_in_capture("cudaMemcpy2DAsync from or to host memory"))
+        return cudaErrorStreamCaptureUnsupported;
+    return (cudaError_t)submit_host(s, "cudaMemcpy2DAsync", copy_2d_body,
+                                    new Copy2DArgs{dst, dpitch, src, spitch, width, height}, free_copy_2d);
 }
 cudaError_t cudaMemset(void *p, int value, size_t bytes) {
     if (forbidden_in_capture("cudaMemset")) return cudaErrorStreamCaptureUnsupported;
