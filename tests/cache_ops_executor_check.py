@@ -219,6 +219,19 @@ untouched = state(dc) == before
 errs = [rel(x, y) for x, y in zip(a, decode_steps(cpu, -1, copy.deepcopy(hc), seed=200))]
 errs += [rel(x, y) for x, y in zip(decode_steps(gpu, 0, dc, seed=300), decode_steps(cpu, -1, hc, seed=300))]
 decoding["deepcopy branches"] = [max(errs), untouched]
+# a decode graph replayed across a reorder (the graph reads each slot's blocks, which now hold
+# other sequences) and a copy_prefix (new lengths: uploaded at the next replay)
+hc, dc = fill(cpu, -1, lens, pads, 16, "float32"), fill(gpu, 0, lens, pads, 16, "float32")
+graph = gpu.decode_graph(dc)
+errs = []
+for t, op in enumerate((lambda c, **k: c.reorder([3, 1, 1, 0], **k), lambda c, **k: c.copy_prefix(0, 2, 4, **k),
+                        lambda c, **k: None)):
+    x = _C.random_tensor((4, H), 400 + t, "float32")
+    errs.append(rel(graph.replay(_C.copy_tensor(x, 0)), cpu.decode(x, hc)))
+    op(hc)
+    op(dc, stream=STREAMS["own"])
+decoding["decode graph replays"] = [max(errs), list(dc.lengths) == list(hc.lengths)]
+del graph
 out["decoding"] = decoding
 
 # ---- rejections: the same error as on the host, the cache as it was ------------------------

@@ -511,3 +511,120 @@ def test_cuda_fp8_layer_matches_the_cpu_fp8_layer(dtype, tol):
             got = gpu.decode(s.cuda(), c_gpu) if t % 2 else graph(s.cuda()).clone()
             assert rel(got, want) <= tol, (chunk, t)
         assert c_gpu.lengths == c_cpu.lengths == (44, 44)
+
+
+# ---- KV cache operations for generation on a device cache ---------------------------------
+
+
+def cache_pair(dtype, lengths=(3, 7, 0, 5, 2, 6), pads=(1, 0, 0, 2, 0, 3)):
+    """a CPU layer's host cache and a CUDA layer's device cache with the same lengths, padding
+    and bytes (the device one's K/V overwritten with the host's through its views)"""
+    import torch
+
+    cpu = q3.DecoderLayer.random(CFG, seed=3, dtype=dtype)
+    gpu = q3.DecoderLayer.random(CFG, seed=3, dtype=dtype, device="cuda")
+    hc, dc = cpu.new_cache(16, batch=len(lengths)), gpu.new_cache(16, batch=len(lengths))
+    for s, (n, p) in enumerate(zip(lengths, pads)):
+        for layer, cache, dev in ((cpu, hc, "cpu"), (gpu, dc, "cuda")):
+            if p:
+                cache.set_padding(p, s)
+            if n:
+                layer.prefill(torch.randn(n, CFG.hidden_size, generator=torch.Generator().manual_seed(s))
+                              .to(getattr(torch, dtype)).to(dev), cache, s)
+    torch.cuda.synchronize()
+    for s in range(hc.batch):
+        torch.from_dlpack(dc.keys(s)).copy_(torch.from_dlpack(hc.keys(s)))
+        torch.from_dlpack(dc.values(s)).copy_(torch.from_dlpack(hc.values(s)))
+    torch.cuda.synchronize()
+    return (cpu, hc), (gpu, dc)
+
+
+def cache_state(cache):
+    import torch
+
+    torch.cuda.synchronize()
+    kv = [(torch.from_dlpack(cache.keys(s)).cpu(), torch.from_dlpack(cache.values(s)).cpu())
+          for s in range(cache.batch)]
+    return cache.lengths, cache.padding, kv
+
+
+def assert_same_state(a, b):
+    import torch
+
+    assert a[0] == b[0] and a[1] == b[1]
+    for (ka, va), (kb, vb) in zip(a[2], b[2]):
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("where", ["none", "current", "side"])
+def test_cuda_cache_operations_equal_the_host_ones(dtype, where):
+    """each copying operation on a device cache leaves what it leaves on a host cache of the
+    same bytes: no stream (the device synchronized around it), torch's current stream, a side
+    stream (queued there, read after it is synchronized)"""
+    import copy
+
+    import torch
+
+    ops = [lambda c, **k: c.reorder([1, 2, 0, 4, 5, 3], **k), lambda c, **k: c.reorder([1, 0, 0, 1, 5, 5], **k),
+           lambda c, **k: c.reorder([3] * 6, **k), lambda c, **k: c.select([5, 5, 0, 2, 1, 1, 3, 4, 0], **k),
+           lambda c, **k: c.repeat_interleave(3, **k), lambda c, **k: c.copy(**k),
+           lambda c, **k: copy.deepcopy(c),
+           lambda c, **k: [c.copy_prefix(1, 2, 5, **k), c.copy_prefix(5, 0, 4, **k), c.copy_prefix(3, 3, 4, **k)]]
+    side = torch.cuda.Stream()
+    for op in ops:
+        (_, hc), (_, dc) = cache_pair(dtype)
+        rh = op(hc)
+        if where == "none":
+            rd = op(dc)
+        elif where == "current":
+            rd = op(dc, stream=torch.cuda.current_stream().cuda_stream)
+        else:
+            side.wait_stream(torch.cuda.current_stream())
+            rd = op(dc, stream=side.cuda_stream)
+            side.synchronize()
+        assert_same_state(cache_state(dc), cache_state(hc))
+        if isinstance(rh, q3.KVCache):
+            assert torch.from_dlpack(rd.keys(0)).is_cuda and rd.capacity == dc.capacity
+            assert_same_state(cache_state(rd), cache_state(rh))
+
+
+@needs_gpu
+def test_cuda_decode_after_cache_operations_matches_the_cpu_layer():
+    """reorder (a cycle through the device spare block), repeat_interleave and copy_prefix on
+    the caller's stream, then decode: the CUDA layer equals the CPU layer doing the same"""
+    import torch
+
+    for op in (lambda c, **k: (c.reorder([1, 2, 0, 4, 5, 3], **k), c)[1],
+               lambda c, **k: c.repeat_interleave(2, **k),
+               lambda c, **k: (c.copy_prefix(1, 2, 5, **k), c)[1]):
+        (cpu, hc), (gpu, dc) = cache_pair("float32")
+        hc, dc = op(hc), op(dc, stream=torch.cuda.current_stream().cuda_stream)
+        for t in range(3):
+            x = torch.randn(hc.batch, CFG.hidden_size, generator=torch.Generator().manual_seed(20 + t))
+            assert rel(gpu.decode(x.cuda(), dc), cpu.decode(x, hc)) <= 1e-5
+        assert dc.lengths == hc.lengths
+
+
+@needs_gpu
+def test_cuda_beam_search_on_a_patched_gpu_model_matches_transformers():
+    """beam search on a model on the GPU: the C caches on the device follow every reorder"""
+    import torch
+    from test_torch_dropin import left_padded, tiny_model
+
+    import qwen3layer.torch as q3t
+
+    model = tiny_model(0).cuda()
+    ids, mask = left_padded([5, 8], 8, seed=0)
+    ids, mask = ids.cuda(), mask.cuda()
+
+    def run():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=12, num_beams=5, num_return_sequences=2,
+                              do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+
+    ref = run()
+    q3t.patch_model(model)
+    out = run()
+    assert torch.equal(out.sequences, ref.sequences)
+    torch.testing.assert_close(out.sequences_scores, ref.sequences_scores, rtol=1e-4, atol=1e-4)

@@ -55,7 +55,9 @@ static q3_status copier_begin(copier *cp, const char *op, int device, void *stre
     *cp = (copier){op, device, stream, err, Q3_OK};
     if (device < 0) return Q3_OK;
     const q3_device_backend *d = q3_device();
-    if (!d) return q3_fail(err, Q3_ERR_STATE, "%s: the cache is on CUDA device %d and no device backend is open", op, device);
+    if (!d)
+        return q3_fail(err, Q3_ERR_STATE, "%s: the cache is on CUDA device %d and no device backend is open", op,
+                       device);
     if (!stream) {
         q3_status s = d->synchronize(device, NULL, err);
         if (s != Q3_OK) copier_failed(cp, s);
