@@ -108,7 +108,14 @@ static int fill_view(q3_view *v, const q3_dl_tensor *t, const char *arg, int dev
     if (!device_fits(t->device.device_type, t->device.device_id, device, allow & Q3_VIEW_HOST))
         return wrong_device(arg, t->device.device_type, t->device.device_id, device);
     v->device = t->device.device_type == Q3_DL_CPU ? -1 : t->device.device_id;
-    if (t->dtype.lanes == 1 && t->dtype.code == Q3_DL_FLOAT && t->dtype.bits == 32) v->dtype = Q3_F32;
+    if (allow & Q3_VIEW_I32) { /* int32 only: the router's chosen experts (py_routing.c) */
+        if (t->dtype.lanes != 1 || t->dtype.code != Q3_DL_INT || t->dtype.bits != 32) {
+            dtype_desc(desc, sizeof desc, t->dtype);
+            PyErr_Format(PyExc_TypeError, "%s: expected dtype int32, got %s", arg, desc);
+            return -1;
+        }
+        v->dtype = Q3_I32;
+    } else if (t->dtype.lanes == 1 && t->dtype.code == Q3_DL_FLOAT && t->dtype.bits == 32) v->dtype = Q3_F32;
     else if (t->dtype.lanes == 1 && t->dtype.code == Q3_DL_BFLOAT && t->dtype.bits == 16) v->dtype = Q3_BF16;
     else if ((allow & Q3_VIEW_E4M3) && t->dtype.lanes == 1 && t->dtype.code == Q3_DL_FLOAT8_E4M3FN &&
              t->dtype.bits == 8)

@@ -202,7 +202,8 @@ static int module_exec(PyObject *m) {
     if (!st->tensor_type || !st->cache_type || !st->layer_type || !st->graph_type || !st->cache_full_error)
         return -1;
     if (PyModule_AddFunctions(m, q3_cuda_methods) < 0 || PyModule_AddFunctions(m, q3_fp8_methods) < 0 ||
-        PyModule_AddFunctions(m, q3_random_methods) < 0)
+        PyModule_AddFunctions(m, q3_random_methods) < 0 ||
+        PyModule_AddFunctions(m, q3_routing_methods) < 0)
         return -1;
     if (PyModule_AddType(m, st->tensor_type) < 0 || PyModule_AddType(m, st->cache_type) < 0 ||
         PyModule_AddType(m, st->layer_type) < 0 || PyModule_AddType(m, st->graph_type) < 0 ||

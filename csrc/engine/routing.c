@@ -1,0 +1,47 @@
+/* Tokens per expert of one layer call (routing.h): a histogram of the router's choices,
+ * walking the experts tensor in row-major order whatever its strides. */
+#include "routing.h"
+
+#include <stdio.h>
+#include <string.h>
+
+/* "[2, 7]" for the multi-index idx[ndim] */
+static void format_index(char *buf, size_t n, int ndim, const int64_t *idx) {
+    size_t used = (size_t)snprintf(buf, n, "[");
+    for (int d = 0; d < ndim && used < n; d++)
+        used += (size_t)snprintf(buf + used, n - used, d ? ", %lld" : "%lld", (long long)idx[d]);
+    if (used < n) snprintf(buf + used, n - used, "]");
+}
+
+q3_status q3_count_experts(const int32_t *experts, int ndim, const int64_t *shape, const int64_t *strides, int E,
+                           int64_t *counts, q3_error *err) {
+    if (E < 1 || E > Q3_MAX_EXPERTS)
+        return q3_fail(err, Q3_ERR_VALUE, "num_experts: expected 1 <= num_experts <= %d, got %d", Q3_MAX_EXPERTS, E);
+    if (ndim < 1 || ndim > Q3_ROUTING_MAX_DIM)
+        return q3_fail(err, Q3_ERR_VALUE, "experts: expected 1 to %d dimensions, got %d", Q3_ROUTING_MAX_DIM, ndim);
+    if (!counts) return q3_fail(err, Q3_ERR_VALUE, "counts: expected an array of %d int64, got NULL", E);
+    int64_t n;
+    if (!q3_numel(ndim, shape, &n))
+        return q3_fail(err, Q3_ERR_VALUE, "experts: expected non-negative dimensions that fit int64");
+    if (n > 0 && !experts) return q3_fail(err, Q3_ERR_VALUE, "experts: NULL data for %lld entries", (long long)n);
+    memset(counts, 0, (size_t)E * sizeof *counts);
+    int64_t idx[Q3_ROUTING_MAX_DIM] = {0}, off = 0; /* off: the element offset of idx */
+    for (int64_t i = 0; i < n; i++) {
+        const int32_t e = experts[off];
+        if (e < 0 || e >= E) {
+            char where[8 * 24];
+            format_index(where, sizeof where, ndim, idx);
+            memset(counts, 0, (size_t)E * sizeof *counts);
+            return q3_fail(err, Q3_ERR_INDEX, "experts%s: expected an expert index in [0, %d) (num_experts), got %d",
+                           where, E, (int)e);
+        }
+        counts[e]++;
+        for (int d = ndim - 1; d >= 0; d--) { /* the next index, row-major */
+            off += strides[d];
+            if (++idx[d] < shape[d]) break;
+            off -= strides[d] * shape[d];
+            idx[d] = 0;
+        }
+    }
+    return Q3_OK;
+}
