@@ -6,6 +6,8 @@ from .checkpoint import CheckpointError
 from .config import LayerConfig
 from .costs import CostModel, cost_model
 from .layer import DecodeGraph, DecoderLayer, KVCache, Tensor
+from .mapplot import LayerMap, layer_map
+from .routing import RoutingSummary, routing_summary
 from .trace import LayerTrace
 
 CacheFullError = _C.CacheFullError
@@ -33,4 +35,5 @@ def set_cpu_path(name: str) -> None:
 
 
 __all__ = ["LayerConfig", "DecoderLayer", "DecodeGraph", "KVCache", "Tensor", "CacheFullError", "CheckpointError",
-           "build_info", "set_cpu_path", "cost_model", "CostModel", "LayerTrace"]
+           "build_info", "set_cpu_path", "cost_model", "CostModel", "LayerTrace",
+           "LayerMap", "layer_map", "RoutingSummary", "routing_summary"]

@@ -2,12 +2,22 @@
 stage a box in forward order annotated with its shapes, bytes, FLOPs and measured time (the
 colour is its share of the time; the dominant stage is outlined in red), and between the two
 columns what they share: the weights and the KV cache, with the stages that read or write
-them. Also the chunk-size sweep: prefill time and working memory against chunk size."""
+them. Also the chunk-size sweep: prefill time and working memory against chunk size.
+
+layer_map(layer, ...) measures both paths and returns a LayerMap: in Jupyter it shows as the
+drawing (_repr_svg_), in a terminal as the two stage tables; .save(path) writes files, as
+`python -m qwen3layer map` does. The figures are made without pyplot, so drawing a map
+neither changes a notebook's matplotlib backend nor opens a window."""
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+import dataclasses
+import io
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
 from .profile import Profile
+
+if TYPE_CHECKING:
+    from .layer import DecoderLayer
 
 READS_WEIGHTS = {"input_norm", "qkv_proj", "qk_norm_rope", "o_proj", "post_norm", "router", "experts"}
 TOUCHES_CACHE = {"kv_write": "writes", "attention": "reads"}
@@ -40,15 +50,21 @@ def _column(ax, x: float, profile: Profile, title: str) -> dict:
     return centres
 
 
-def draw_map(prefill: Profile, decode: Profile, title: str, paths: Sequence[str]) -> None:
-    import matplotlib
+def _figure_class():
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise ImportError("qwen3layer's drawings need matplotlib (pip install matplotlib)") from None
+    return Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+
+def map_figure(prefill: Profile, decode: Profile, title: str):
+    """The dual map as a matplotlib Figure (not registered with pyplot)."""
     from matplotlib.patches import FancyBboxPatch
 
     n = len(prefill.stages)
-    fig, ax = plt.subplots(figsize=(13, 1.0 + 0.62 * n))
+    fig = _figure_class()(figsize=(13, 1.0 + 0.62 * n))
+    ax = fig.subplots()
     left = _column(ax, -2.6, prefill, f"prefill: {prefill.cost.tokens} tokens, chunks of {prefill.cost.chunk_size}\n"
                    f"{prefill.stage_seconds * 1e3:.1f} ms")
     right = _column(ax, 2.6, decode, f"decode: 1 token at context {decode.cost.context}\n"
@@ -76,9 +92,59 @@ def draw_map(prefill: Profile, decode: Profile, title: str, paths: Sequence[str]
     ax.set_ylim(-1, n + 1.6)
     ax.axis("off")
     ax.set_title(title, fontsize=11)
+    return fig
+
+
+def draw_map(prefill: Profile, decode: Profile, title: str, paths: Sequence[str]) -> None:
+    fig = map_figure(prefill, decode, title)
     for path in paths:
         fig.savefig(path, dpi=150, bbox_inches="tight")
-    plt.close(fig)
+
+
+@dataclasses.dataclass(repr=False)
+class LayerMap:
+    """The dual map of one layer: the prefill and decode profiles (each a Profile, an HTML
+    table in Jupyter) and the drawing of both. Shown in Jupyter as the drawing (SVG, its text
+    kept as text), in a terminal as the two stage tables."""
+    prefill: Profile
+    decode: Profile
+    title: str
+
+    def figure(self):
+        """The drawing as a matplotlib Figure (not registered with pyplot)."""
+        return map_figure(self.prefill, self.decode, self.title)
+
+    def save(self, *paths: str) -> None:
+        """Writes the drawing to each path (its format from the extension: .svg, .png, .pdf)."""
+        draw_map(self.prefill, self.decode, self.title, paths)
+
+    def _repr_svg_(self) -> str:
+        import matplotlib
+
+        buf = io.StringIO()
+        with matplotlib.rc_context({"svg.fonttype": "none"}):  # text as <text>: small, searchable
+            self.figure().savefig(buf, format="svg", bbox_inches="tight")
+        return buf.getvalue()
+
+    def __repr__(self) -> str:
+        return f"{self.title}\n\n{self.prefill.table()}\n\n{self.decode.table()}"
+
+
+def layer_map(layer: "DecoderLayer", tokens: int = 512, context: Optional[int] = None, chunk_size: int = 512,
+              repeat: int = 2, title: Optional[str] = None) -> LayerMap:
+    """Measures `layer` as `python -m qwen3layer map` does (layer.profile: a prefill of
+    `tokens` tokens in chunks of `chunk_size`, one decode step at `context`, default
+    `tokens`; the median of `repeat` profiled calls, at least 3 for decode) and returns the
+    map: the drawing in Jupyter, the two stage tables in a terminal."""
+    context = tokens if context is None else context
+    pre = layer.profile("prefill", tokens, 0, chunk_size, repeat=repeat)
+    dec = layer.profile("decode", 1, context, repeat=max(3, repeat))
+    if title is None:
+        c = layer.config
+        title = (f"a Qwen3-MoE decoder layer ({c.num_experts} experts, top-{c.num_experts_per_tok}, hidden "
+                 f"{c.hidden_size}), {layer.dtype}{', FP8 weights' if layer.weight_format != 'dense' else ''}, "
+                 f"{layer.device}")
+    return LayerMap(pre, dec, title)
 
 
 def draw_sweep(points: List[Tuple[int, float, int]], title: str, paths: Sequence[str]) -> None:

@@ -2,7 +2,10 @@
 (DecoderLayer.prefill/decode with return_router=True or return_attention=True)."""
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
+
+if TYPE_CHECKING:
+    from .routing import RoutingSummary
 
 
 class LayerTrace(NamedTuple):
@@ -26,3 +29,15 @@ class LayerTrace(NamedTuple):
     experts: Optional[Any] = None
     expert_weights: Optional[Any] = None
     attention: Optional[Any] = None
+
+    def routing(self) -> "RoutingSummary":
+        """Tokens per expert for this call (qwen3layer.routing.RoutingSummary: the counts over
+        every row and top-k slot, busiest and idlest experts, max / mean; a table in Jupyter,
+        .plot() a bar chart). Counted in C; a CUDA trace's choices are copied to the host
+        there. Needs a trace made with return_router=True."""
+        if self.experts is None or self.router_logits is None:
+            raise ValueError("routing: this trace holds no router choices; call prefill/decode with "
+                             "return_router=True")
+        from .routing import routing_summary
+
+        return routing_summary(self.experts, int(self.router_logits.shape[-1]))
