@@ -172,6 +172,13 @@ def test_routing_summary_takes_any_layout_and_numpy(trace):
     assert not sliced.is_contiguous() and r.counts == bincount(sliced) and r.top_k == 2 and r.tokens == 9
     assert routing_summary(trace.experts.numpy(), 13).counts == bincount(trace.experts)
     assert routing_summary(trace.experts.T, 13).counts == bincount(trace.experts)
+    import numpy as np
+
+    backwards = trace.experts.numpy()[::-3, ::-1]  # negative strides
+    assert routing_summary(backwards, 13).counts == bincount(torch.from_numpy(backwards.copy()))
+    # a size-1 dimension's stride is never taken, whatever it is
+    odd = np.lib.stride_tricks.as_strided(trace.experts.numpy(), shape=(29, 1, 3), strides=(12, 2**61, 4))
+    assert routing_summary(odd, 13).counts == bincount(trace.experts)
     empty = routing_summary(trace.experts[:0], 13)
     assert empty.counts == (0,) * 13 and empty.tokens == 0 and empty.imbalance == 0.0
     assert _C.expert_counts(trace.experts, 13) == list(bincount(trace.experts))

@@ -36,10 +36,16 @@ q3_status q3_count_experts(const int32_t *experts, int ndim, const int64_t *shap
                            where, E, (int)e);
         }
         counts[e]++;
-        for (int d = ndim - 1; d >= 0; d--) { /* the next index, row-major */
-            off += strides[d];
-            if (++idx[d] < shape[d]) break;
-            off -= strides[d] * shape[d];
+        /* the next index, row-major. off only ever holds the offset of an element of the
+         * tensor (a stride is added only when the index stays inside its dimension), so it
+         * stays within the reach the caller checked, even for a stride of a size-1 dim that
+         * is never taken (any int64) */
+        for (int d = ndim - 1; d >= 0; d--) {
+            if (++idx[d] < shape[d]) {
+                off += strides[d];
+                break;
+            }
+            off -= strides[d] * (shape[d] - 1);
             idx[d] = 0;
         }
     }
