@@ -13,7 +13,9 @@ other kind of capsule, a wrong capsule name, not a capsule) is fuzzed too. The p
 then passed as
   x of layer.prefill / layer.decode, as out= of either (x valid), or as one weight of the
   DecoderLayer constructor (then a prefill and a decode run on the layer)
-of a tiny layer (float32 or bfloat16) with a small cache.
+of a tiny layer (float32 or bfloat16) with a small cache, or as the chosen experts of
+_C.expert_counts (int32 [tokens, top_k] mostly; it reads every element of any shape it
+accepts, so the producer then holds the strides' whole extent, or refuses past 64 MiB).
 
 The producer is honest about its memory and the input decides everything the extension can
 check: the struct, shape and strides arrays and the data are malloc'd at their exact sizes
@@ -50,7 +52,7 @@ GEOMETRY = dict(hidden_size=16, num_attention_heads=4, num_key_value_heads=2, he
                 num_experts_per_tok=2, moe_intermediate_size=16)
 H = GEOMETRY["hidden_size"]
 CAPACITY = 4  # tokens per sequence of the cache: at most this many can be accepted
-TARGETS = ("prefill x", "decode x", "prefill out", "decode out", "weight")
+TARGETS = ("prefill x", "decode x", "prefill out", "decode out", "weight", "experts")
 
 
 # ---- the DLPack ABI, from the specification (not the project's header) -------------------
@@ -154,9 +156,11 @@ class Spec:
         self.fdp = fdp
         f = fdp
         pick = f.ConsumeIntInRange
-        # dtype: mostly the two the extension takes
+        # dtype: mostly the two the extension takes (int32 for the experts)
         kind = pick(0, 9)
-        if kind <= 3:
+        if kind <= 6 and layer_dtype == "int32":
+            self.dtype = (0, 32, 1)
+        elif kind <= 3:
             self.dtype = (2, 32, 1)
         elif kind <= 6:
             self.dtype = (4, 16, 1)
@@ -260,7 +264,8 @@ class Producer:
     def __init__(self, spec: Spec, cap_bytes: int, read_whole=None):
         """cap_bytes: the most data any accepted call reads; read_whole: a shape that, when the
         tensor has it, makes the extension read every element wherever the strides put it
-        (a weight), so the data then spans the strides' whole extent."""
+        (a weight), so the data then spans the strides' whole extent; ANY_SHAPE: so for every
+        shape (the experts)."""
         self.spec = spec
         self.cap_bytes = cap_bytes
         self.read_whole = read_whole
@@ -293,10 +298,14 @@ class Producer:
         shape = [i64(v) for v in (s.shape + [1] * n_arr)[:n_arr]]
         strides = None if s.strides is None else [i64(v) for v in (s.strides + [1] * n_arr)[:n_arr]]
         cap_elems = max(1, self.cap_bytes // elem)
-        if self.read_whole is not None and shape == list(self.read_whole) and s.ndim == len(shape):
+        if self.read_whole is ANY_SHAPE or (self.read_whole is not None and shape == list(self.read_whole)
+                                             and s.ndim == len(shape)):
             whole = extent(shape, strides, 2**62)
             if whole is not None and (whole[1] - whole[0] + 1) * elem > 64 << 20:
                 strides = None  # no honest producer has that much memory: compact instead
+                whole = extent(shape, strides, 2**62)
+                if whole is not None and (whole[1] - whole[0] + 1) * elem > 64 << 20:
+                    raise ProducerError("no memory for a tensor of that shape")
             cap_elems = 2**62
         reach = extent(shape, strides, cap_elems)
         lo, hi = reach if reach is not None else (0, -1)
@@ -361,6 +370,8 @@ def describe(s: Spec) -> str:
 
 # ---- the calls -----------------------------------------------------------------------------
 
+ANY_SHAPE = object()  # Producer's read_whole: the consumer reads every element of any shape
+
 STATE: dict = {}
 
 
@@ -389,6 +400,11 @@ def attempt(fdp, q3, _C) -> tuple:
     filled = fdp.ConsumeIntInRange(0, CAPACITY)  # tokens already in the cache
     chunk = fdp.PickValueInList([None, None, 1, 2, 3])
     STATE["target"] = target
+    if target == "experts":
+        spec = Spec(fdp, [tokens, GEOMETRY["num_experts_per_tok"]], "int32")
+        STATE["producer"] = producer = Producer(spec, 0, read_whole=ANY_SHAPE)
+        _C.expert_counts(producer, fdp.PickValueInList([GEOMETRY["num_experts"], 1, 256, 0]))
+        return
     if target == "weight":
         weights = dict(STATE["weights"][dtype])
         name = fdp.PickValueInList(STATE["names"])

@@ -255,6 +255,33 @@ def test_a_trace_without_router_choices_says_how_to_get_them(layer):
         t.routing()
 
 
+NO_BACKEND_SCRIPT = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+from qwen3layer import _C
+
+class OnGpu:
+    def __dlpack_device__(self):
+        return (2, 0)
+
+    def __dlpack__(self, **kw):
+        raise AssertionError("exported before the device was checked")
+
+try:
+    _C.expert_counts(OnGpu(), 4)
+except ValueError as e:
+    print(e)
+"""
+
+
+def test_a_cuda_tensor_without_the_cuda_backend_is_refused_before_it_is_exported():
+    """In a fresh process (the backend, once loaded, stays for the process)."""
+    r = subprocess.run([sys.executable, "-c", NO_BACKEND_SCRIPT, ROOT], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == ("experts: expected a host tensor, or a CUDA one once the CUDA backend is loaded "
+                                "(qwen3layer.cuda.load()), got a tensor on cuda:0")
+
+
 DEVICE_SCRIPT = r"""
 import json, sys, torch
 sys.path.insert(0, sys.argv[1])

@@ -27,12 +27,7 @@ static int device_of(PyObject *obj) {
 /* the view's int32 entries in a fresh contiguous host array of n (a CUDA view must be
  * contiguous); NULL with an exception */
 static int32_t *device_to_host(const q3_view *v, int64_t n) {
-    const q3_cuda_ops *g = q3_cuda();
-    if (!g) {
-        PyErr_Format(PyExc_RuntimeError, "experts: a tensor on cuda:%d, but the CUDA backend is not loaded "
-                     "(qwen3layer.cuda.load())", v->device);
-        return NULL;
-    }
+    const q3_cuda_ops *g = q3_cuda(); /* loaded: checked before the import */
     if (!v->contiguous) {
         PyErr_SetString(PyExc_ValueError, "experts: expected a contiguous tensor on a CUDA device (or a host "
                         "tensor of any layout), got a strided view");
@@ -65,6 +60,11 @@ static PyObject *expert_counts(PyObject *m, PyObject *args, PyObject *kw) {
         return NULL;
     }
     const int device = device_of(obj);
+    if (device >= 0 && !q3_cuda()) {
+        PyErr_Format(PyExc_ValueError, "experts: expected a host tensor, or a CUDA one once the CUDA backend is "
+                     "loaded (qwen3layer.cuda.load()), got a tensor on cuda:%d", device);
+        return NULL;
+    }
     q3_view v;
     if (q3_view_acquire_on(obj, "experts", &v, device, Q3_VIEW_HOST | Q3_VIEW_I32, NULL) < 0) return NULL;
     PyObject *result = NULL;
