@@ -628,3 +628,28 @@ def test_cuda_beam_search_on_a_patched_gpu_model_matches_transformers():
     out = run()
     assert torch.equal(out.sequences, ref.sequences)
     torch.testing.assert_close(out.sequences_scores, ref.sequences_scores, rtol=1e-4, atol=1e-4)
+@needs_gpu
+def test_routing_of_a_gpu_trace_counts_the_finished_call():
+    """A CUDA trace's experts stay on the GPU; routing() copies them to the host after a
+    synchronisation of the device, so a call still queued on a side stream is counted whole.
+    The counts equal a bincount of the same experts on the host; the CPU layer routes alike."""
+    import torch
+
+    layer = q3.DecoderLayer.random(CFG, seed=9, dtype="float32", device="cuda")
+    cpu = q3.DecoderLayer.random(CFG, seed=9, dtype="float32")
+    cache, cpu_cache = layer.new_cache(64, batch=2), cpu.new_cache(64, batch=2)
+    x = torch.randn(2, 37, CFG.hidden_size, generator=torch.Generator().manual_seed(4))
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        xd = x.cuda()
+        trace = layer.prefill(xd, cache, return_router=True)
+        r = trace.routing()  # no synchronisation of the side stream before this
+    assert trace.experts.device.type == "cuda"
+    host = trace.experts.cpu()
+    assert r.counts == tuple(torch.bincount(host.flatten().long(), minlength=CFG.num_experts).tolist())
+    assert r.tokens == 74 and r.top_k == 2
+    assert r.counts == cpu.prefill(x, cpu_cache, return_router=True).routing().counts
+    d = layer.decode(torch.randn(2, CFG.hidden_size, device="cuda"), cache, return_router=True)
+    assert sum(d.routing().counts) == 4 == d.routing().choices
+    with pytest.raises(ValueError, match="experts: expected a contiguous tensor on a CUDA device"):
+        q3.routing_summary(trace.experts[:, ::2], CFG.num_experts)
