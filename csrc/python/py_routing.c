@@ -8,16 +8,17 @@
 
 #include "../cuda/backend.h"
 #include "../engine/routing.h"
+#include "dlpack_abi.h"
 #include "py_glue.h"
 
 /* obj's DLPack device: -1 for host memory (or anything else: the import then says why),
  * else the CUDA device index */
 static int device_of(PyObject *obj) {
     PyObject *dev = PyObject_CallMethod(obj, "__dlpack_device__", NULL);
-    int type = 1, id = 0, device = -1;
+    int type = Q3_DL_CPU, id = 0, device = -1;
     if (!dev) PyErr_Clear();
     else {
-        if (PyArg_ParseTuple(dev, "ii", &type, &id) && type == 2 /* kDLCUDA */) device = id;
+        if (PyArg_ParseTuple(dev, "ii", &type, &id) && type == Q3_DL_CUDA) device = id;
         PyErr_Clear();
         Py_DECREF(dev);
     }
