@@ -9,8 +9,9 @@
 #include <stdint.h>
 #include <string.h>
 
-/* Q3_I32: only for the layer's introspection outputs (the router's chosen experts): no
- * kernel's data argument takes it, and tensors coming in never carry it */
+/* Q3_I32: only the router's chosen experts (a layer call's introspection output, and what
+ * expert_counts reads back): no kernel's data argument takes it, and an imported tensor
+ * carries it only where the glue asks for it (Q3_VIEW_I32) */
 typedef enum { Q3_F32 = 0, Q3_BF16 = 1, Q3_E4M3 = 2, Q3_I32 = 3 } q3_dtype;
 
 static inline size_t q3_dtype_size(q3_dtype dt) { return dt == Q3_BF16 ? 2 : dt == Q3_E4M3 ? 1 : 4; }

@@ -628,6 +628,8 @@ def test_cuda_beam_search_on_a_patched_gpu_model_matches_transformers():
     out = run()
     assert torch.equal(out.sequences, ref.sequences)
     torch.testing.assert_close(out.sequences_scores, ref.sequences_scores, rtol=1e-4, atol=1e-4)
+
+
 @needs_gpu
 def test_routing_of_a_gpu_trace_counts_the_finished_call():
     """A CUDA trace's experts stay on the GPU; routing() copies them to the host after a
