@@ -51,6 +51,7 @@ CASE_KERNELS = [
     ("attention tensor cores", ["attention_tc_kernel"]),
     ("attention tc", ["attention_tc_kernel"]),
     ("attention split-KV", ["attention_kernel", "combine_kernel"]),
+    ("attention probs", ["attention_probs_kernel"]),
     ("attention", ["attention_kernel"]),
     ("router", ["router_kernel"]),
     ("decode_prepare", ["decode_prepare_kernel"]),
@@ -108,6 +109,8 @@ MUTANTS = [
            "matmul_tc_kernel", "race"),
     Mutant(11, "FP8 block scale from the wrong column block: 16-byte chunk c's scale block c / 9, not c / 8",
            "gemv_fp8_kernel", "twin"),
+    Mutant(12, "attention map from the wrong KV head: query head h reads h % Hkv, not h / G",
+           "attention_probs_kernel", "twin"),
 ]
 
 CHILD = r"""

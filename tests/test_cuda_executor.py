@@ -156,7 +156,7 @@ def test_router_ties_on_the_device_path_follow_the_lower_index_rule(out):
 
 # the kernel launchers of kernels/cuda/ops_cuda.h: each is exercised by some case
 LAUNCHERS = {"rmsnorm", "add_rmsnorm", "matmul", "gate_up", "matmul_tc", "matmul_wmma", "qk_rope_kv", "attention",
-             "router_topk", "decode_prepare", "moe_route", "moe_gate_up", "moe_down", "moe_combine", "moe_gate_up_tc",
+             "attention_probs", "router_topk", "decode_prepare", "moe_route", "moe_gate_up", "moe_down", "moe_combine", "moe_gate_up_tc",
              "moe_down_tc", "moe_combine_csr", "swiglu", "gather_rows", "scatter_add_rows", "to_f32", "from_f32",
              "matmul_fp8", "fp8_dequant", "moe_gate_up_fp8", "moe_down_fp8"}
 
@@ -169,7 +169,7 @@ def test_every_kernel_matches_its_twin_on_the_executor_under_every_schedule(out)
     head dims 64 and 128, top-k 1 to 8, left padding); each names its launcher(s), and every
     launcher has a case."""
     cases = out["kernel check"]
-    assert len(cases) == 403  # with the cuBLAS stand-in open; 401 without cuBLAS
+    assert len(cases) == 416  # with the cuBLAS stand-in open; 414 without cuBLAS
     assert len({case[0] for case in cases}) == len(cases)
     for name, err, tol, schedules, agree, kernel in cases:
         assert err <= tol and schedules == 3 and agree, (name, kernel, err, tol, schedules, agree)
@@ -180,6 +180,12 @@ def test_every_kernel_matches_its_twin_on_the_executor_under_every_schedule(out)
         for path in ("attention tc, tokens=17 ", "attention f32 G=2, tokens=17 ", "attention, tokens=1 ",
                      "attention split-KV, tokens=1 ", "qk_rope_kv, tokens=1 ", "qk_rope_kv, tokens=17 "):
             assert path + shape in names
+    # the attention maps: hand-made passes (decode, prefill, chunks of a longer call, padding,
+    # head dims 18 to 256, G = 1 to 16, 3000 keys) and the batches of the lists
+    assert sum(name.startswith("attention probs, ") for name in names) == 13
+    for B in (1, 3, 5):
+        for T in (1, 17):
+            assert f"attention probs, tokens={T} context=33 batch={B} D=64 pad=5" in names
     # the tensor-core attention's online softmax, rescaling on every key tile
     assert sum(name.startswith(("attention tc, scores growing", "attention tc, scores in the thousands"))
                for name in names) == 4

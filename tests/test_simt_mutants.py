@@ -137,3 +137,18 @@ def test_an_fp8_scale_from_the_wrong_column_block_fails_against_the_twin():
     assert len(wide) >= 16 and all(c["max_err"] > 100 * c["tol"] for c in wide), wide
     assert all(c["ok"] for c in mine if "K=100" in c["case"] or "w unaligned" in c["case"])
     assert all(c["agree"] for c in r["cases"]) and all(c["ok"] for c in others)
+
+
+def test_an_attention_map_from_the_wrong_kv_head_fails_against_the_cpu_kernel():
+    """attention_probs_kernel with query head h reading KV head h % Hkv instead of h / G: every
+    map case with more than one KV head and more than one query head on each is far off the CPU
+    kernel; the cases where both give the same head (G = 1, or one KV head) stay right, and no
+    schedule changes a result."""
+    r = run(12)
+    mine, others = cases_of(r, "attention probs")
+    same_head = [c for c in mine if "G=1 " in c["case"] or "after 300, G=2" in c["case"]]
+    wrong = [c for c in mine if c not in same_head]
+    assert len(same_head) == 2 and len(wrong) == 11, mine
+    assert all(c["max_err"] > 100 * c["tol"] for c in wrong), wrong
+    assert all(c["ok"] for c in same_head) and all(c["ok"] for c in others)
+    assert all(c["agree"] for c in r["cases"])

@@ -192,6 +192,38 @@ static q3_status run_cases(check *k, q3_check_result *out, uint64_t *digests, in
     const q3_check_batch prompt = {17, 33, 5, 3};
     RUN("attention", "attention bf16 cache, 17 tokens D=256 G=4 (not tensor cores)", 1e-5,
         q3_case_attention_batch(k, &prompt, 4, 256, Q3_BF16, 0));
+    /* The attention maps (on request only): decode and prefill rows; a pass that is a chunk
+     * of a longer call (t0 > 0, rows past it untouched); sequences of different lengths with
+     * left padding (padding queries see only themselves), one all inside it; context past the
+     * longest; both cache dtypes; head dims 128, 64, 72 (not a multiple of the warp's 32
+     * lanes), 18 (fewer than 32) and 256 (the most); G = 1 (where the wrong KV head is the
+     * right one), 2, 4, 8 and 16; and 3000 keys, 12 iterations of the block's 256-key loop.
+     * Then the batches of the lists above, decode and 17 tokens. */
+    static const q3_probs_case PROBS[] = {
+        {1, 0, 1, 7, 3, {40, 17, 0}, {5, 0, 3}, 8, 2, 128, Q3_BF16},
+        {9, 0, 9, 0, 2, {0, 0}, {4, 0}, 8, 2, 64, Q3_F32},
+        {6, 5, 20, 9, 2, {12, 7}, {3, 0}, 4, 2, 72, Q3_BF16},
+        {4, 3, 11, 2, 2, {1, 5}, {8, 2}, 2, 2, 18, Q3_F32},
+        {1, 0, 1, 5, 2, {2999, 1500}, {0, 700}, 4, 2, 128, Q3_BF16},
+        {17, 0, 17, 1, 1, {300}, {20}, 2, 1, 256, Q3_F32},
+        {1, 0, 1, 4, 2, {100, 61}, {0, 9}, 32, 2, 128, Q3_BF16},
+    };
+    static const char *const PROBS_NAMES[] = {
+        "attention probs, decode of 3, one in padding, G=4 D=128 bf16",
+        "attention probs, prefill 9 tokens after 4 of padding, D=64 f32",
+        "attention probs, chunk 5..10 of a 20-token call, D=72 bf16",
+        "attention probs, chunk inside the padding, G=1 D=18 f32",
+        "attention probs, decode over 3000 keys, G=2 D=128 bf16",
+        "attention probs, 17 tokens after 300, G=2 D=256 f32",
+        "attention probs, decode, G=16 D=128 bf16",
+    };
+    for (size_t c = 0; c < sizeof PROBS / sizeof PROBS[0]; c++)
+        RUN("attention_probs", PROBS_NAMES[c], 1e-5, q3_case_attention_probs(k, &PROBS[c]));
+    EACH(B, BATCHES) EACH(T, TOKENS) {
+        const q3_check_batch b = {T, 33, 5, B};
+        NAME("attention probs, tokens=%d context=33 batch=%d D=64 pad=5", (int)T, B);
+        RUN("attention_probs", name, 1e-5, q3_case_attention_probs_batch(k, &b, 4, 64, B == 3 ? Q3_F32 : Q3_BF16));
+    }
     EACH(B, BATCHES) {
         NAME("decode_prepare: lengths, positions, batch=%d", B);
         RUN("decode_prepare", name, 0.0, q3_case_decode_prepare(k, B));

@@ -126,6 +126,22 @@ double q3_case_qk_rope_kv_batch(check *k, const q3_check_batch *b, int D);
  * then `bound` rows; else the exact most keys a query sees */
 double q3_case_attention_batch(check *k, const q3_check_batch *b, int G, int D, q3_dtype kv_dt, int64_t bound);
 double q3_case_decode_prepare(check *k, int n_seqs);
+/* The attention maps (q3_attention_probs_fn) of one pass: n_seqs sequences of L new tokens
+ * after past[s] cached ones, start[s] of them padding, Hq heads on Hkv of dim D over a dt
+ * cache; the pass is rows t0 .. t0 + L - 1 of a call of out_tokens, and the maps' context
+ * extra columns past the longest sequence */
+#define Q3_PROBS_MAX_SEQS Q3_CHECK_MAX_SEQS
+typedef struct {
+    int64_t L, t0, out_tokens, extra;
+    int n_seqs;
+    int64_t past[Q3_PROBS_MAX_SEQS], start[Q3_PROBS_MAX_SEQS];
+    int Hq, Hkv, D;
+    q3_dtype dt;
+} q3_probs_case;
+double q3_case_attention_probs(check *k, const q3_probs_case *c);
+/* the maps of batch b in one pass, 2 G heads on 2, 3 columns past the longest sequence */
+double q3_case_attention_probs_batch(check *k, const q3_check_batch *b, int G, int D, q3_dtype kv_dt);
+
 
 /* the MoE cases (kernel_check_moe.c): max |cuda - twin| / max |twin| */
 double q3_case_moe_route(check *k, int64_t T, int top, int E);

@@ -1,7 +1,7 @@
 /* The self-check cases of the attention kernels (see kernel_check.c): the fused QK-norm +
  * RoPE + KV write, attention on each of its paths (a block per query token and KV head;
- * split-KV slices and their merge; tensor cores), and a decode step's bookkeeping, each
- * against its twin, on hand-made shapes and on the batches of kernel_check.c's lists
+ * split-KV slices and their merge; tensor cores), the attention maps a call may ask for, and
+ * a decode step's bookkeeping, each against its twin (the maps: the CPU kernel), on hand-made shapes and on the batches of kernel_check.c's lists
  * (sequences of different lengths, left padding). */
 #include "kernel_check.h"
 
@@ -168,6 +168,57 @@ double q3_case_attention_batch(check *k, const q3_check_batch *b, int G, int D, 
                               bound ? bound : most};
     if (sh.capacity < most) return INFINITY;
     return attention(k, &sh, b->n_seqs, past, start);
+}
+
+/* The attention maps of one pass against the CPU kernel (kernels/cpu/attention_probs.c, the
+ * oracle): c->n_seqs sequences of c->L new tokens after past[s] cached ones, start[s] of them
+ * padding, the pass being rows t0 .. t0 + L - 1 of a call of out_tokens; context = the
+ * longest sequence after the pass + extra. The cache is random in every row a query sees
+ * and 32 past them (a key past the causal bound, or another head's, changes the row); both
+ * outputs start as the same sentinel, so the rows and columns the pass must leave or zero
+ * are compared too. */
+double q3_case_attention_probs(check *k, const q3_probs_case *c) {
+    int64_t context = 0;
+    for (int s = 0; s < c->n_seqs; s++) context = c->past[s] + c->L > context ? c->past[s] + c->L : context;
+    context += c->extra;
+    const q3_attn_shape sh = {c->L, c->Hq, c->Hkv, c->D, context + 8, c->dt, 1.0f / sqrtf((float)c->D), context};
+    const int64_t per_seq = (int64_t)sh.kv_heads * sh.capacity * sh.head_dim;
+    const int64_t qn = c->n_seqs * c->L * c->Hq * c->D, pn = (int64_t)c->n_seqs * c->Hq * c->out_tokens * context;
+    const size_t es = q3_dtype_size(c->dt);
+    if (c->n_seqs < 1 || c->n_seqs > Q3_PROBS_MAX_SEQS) return INFINITY;
+    char *kc = host(k, c->n_seqs * per_seq * es);
+    float *q = host_random(k, qn, Q3_F32, 31), *want = host(k, pn * 4), *got = host(k, pn * 4);
+    if (k->failed) return INFINITY;
+    for (int64_t i = 0; i < pn; i++) want[i] = -1.0f; /* the sentinel: no probability */
+    for (int s = 0; s < c->n_seqs; s++)
+        for (int h = 0; h < c->Hkv; h++) {
+            const int64_t end = c->past[s] + c->L + 32, rows = end < sh.capacity ? end : sh.capacity;
+            const int64_t off = (s * per_seq + (int64_t)h * sh.capacity * c->D) * (int64_t)es;
+            k->c->fill_normal(kc + off, c->dt, rows * c->D, 32, 7 + (uint64_t)(s * c->Hkv + h), 0.0f, 1.0f);
+        }
+    q3_attn_seq hs[Q3_PROBS_MAX_SEQS], ds[Q3_PROBS_MAX_SEQS];
+    char *dk = device(k, kc, c->n_seqs * per_seq * es);
+    for (int s = 0; s < c->n_seqs; s++) {
+        const int64_t off = s * per_seq * (int64_t)es;
+        hs[s] = (q3_attn_seq){kc + off, NULL, c->past[s], c->start[s]};
+        ds[s] = (q3_attn_seq){dk ? dk + off : NULL, NULL, c->past[s], c->start[s]};
+    }
+    q3_attn_seq *dseqs = device(k, ds, c->n_seqs * sizeof ds[0]);
+    float *dq = device(k, q, qn * 4), *dprobs = device(k, want, pn * 4);
+    k->c->attention_probs(want, q, hs, c->n_seqs, &sh, c->t0, c->out_tokens, context, 1);
+    if (!k->failed)
+        cuda_ok(k, k->g->attention_probs(dprobs, dq, dseqs, c->n_seqs, &sh, c->t0, c->out_tokens, context, NULL),
+                "attention_probs launch");
+    fetch(k, got, dprobs, pn * 4);
+    return k->failed ? INFINITY : max_err(got, want, Q3_F32, pn);
+}
+
+/* the maps of a q3_check_batch (kernel_check.c's shapes): the whole call in one pass */
+double q3_case_attention_probs_batch(check *k, const q3_check_batch *b, int G, int D, q3_dtype kv_dt) {
+    q3_probs_case c = {b->L, 0, b->L, 3, b->n_seqs, {0}, {0}, 2 * G, 2, D, kv_dt};
+    if (b->n_seqs > Q3_PROBS_MAX_SEQS) return INFINITY;
+    q3_check_batch_seqs(b, c.past, c.start);
+    return q3_case_attention_probs(k, &c);
 }
 
 /* a decode step's bookkeeping for the first n_seqs of: one sequence past its padding, one

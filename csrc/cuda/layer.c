@@ -127,8 +127,6 @@ static void collect(q3_gpu_run *run) {
 q3_status q3_layer_forward_cuda(q3_layer *l, q3_cache *c, const q3_forward_args *a, q3_error *err) {
     const int64_t chunk = a->chunk > 0 ? a->chunk : Q3_DEFAULT_CHUNK;
     const int64_t step = chunk < a->tokens ? chunk : a->tokens;
-    if (a->attention && q3_cuda() && !q3_cuda()->attention_probs)
-        return q3_fail(err, Q3_ERR_STATE, "return_attention: this CUDA backend has no attention-map kernel");
     q3_status s = reserve(l, step * a->n_seqs, a->n_seqs, err);
     if (s != Q3_OK) return s;
     q3_gpu_run run = {q3_cuda(), a->stream, 0, NULL, l->prof.enabled ? &l->prof : NULL, l->gpu, &l->gpu->ws};

@@ -13,6 +13,8 @@ int q3_matmul_wmma_cuda(float *, const float *, const void *, int64_t, int64_t, 
 int q3_qk_rope_kv_cuda(float *, float *, const float *, const void *, const void *, q3_dtype, const int64_t *,
                        const q3_attn_seq *, int, const q3_attn_shape *, float, float, void *);
 int q3_attention_cuda(float *, const float *, const q3_attn_seq *, int, const q3_attn_shape *, float *, void *);
+int q3_attention_probs_cuda(float *, const float *, const q3_attn_seq *, int, const q3_attn_shape *, int64_t, int64_t,
+                            int64_t, void *);
 int q3_router_topk_cuda(int32_t *, float *, const float *, int64_t, int, int, int, void *);
 int q3_decode_prepare_cuda(q3_attn_seq *, int64_t *, int64_t *, int, void *);
 int q3_moe_route_cuda(int64_t *, int32_t *, float *, int32_t *, int32_t *, const int32_t *, const float *, int64_t, int,
@@ -247,6 +249,7 @@ extern "C" int q3_cuda_ops_get(q3_cuda_ops *ops) {
     ops->gate_up = q3_gate_up_cuda;
     ops->qk_rope_kv = q3_qk_rope_kv_cuda;
     ops->attention = q3_attention_cuda;
+    ops->attention_probs = q3_attention_probs_cuda;
     ops->router_topk = q3_router_topk_cuda;
     ops->decode_prepare = q3_decode_prepare_cuda;
     ops->moe_route = q3_moe_route_cuda;
