@@ -348,3 +348,63 @@ def test_fp8_device_weights_are_borrowed_and_misaligned_ones_copied_once(fp8):
     b = fp8["borrowed"]
     assert b["aligned converted"] == [] and b["odd converted"] == ["self_attn.o_proj.weight"]
     assert b["outputs equal"]
+
+
+@pytest.fixture(scope="module")
+def insides():
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "cuda_executor_insides_check.py"), ROOT],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+# the CPU's bf16 paths round activations to bf16 before their dot products, the CUDA path does
+# not: the router's logits and weights move as the layer's output does (5e-3), the maps' scores
+# with q (an absolute bound on probabilities)
+INSIDES_TOL = {"float32": {"rel": 1e-5, "maps": 1e-5}, "bfloat16": {"rel": 5e-3, "maps": 2e-2}}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_layers_insides_on_the_executor_match_the_cpu_layers(insides, dtype):
+    """return_router and return_attention on an emulated CUDA layer (issue 15, requirement 4):
+    a prefill of 2 sequences (one left-padded) in chunks of 4, each pass writing its rows of
+    the maps, a second chunked prefill after the first, and two plain decode steps give the
+    CPU layer's output, router logits, expert weights and maps within the dtype's tolerance,
+    the same experts on every row whose top k + 1 logits are clear of each other, tensors of
+    the documented shapes on the device; the CUDA maps keep their own rules (rows sum to 1,
+    zero outside the keys the query sees, a padding query's row one-hot at itself)."""
+    tol = INSIDES_TOL[dtype]
+    run = insides[dtype]
+    assert run["lengths agree"]
+    names = [name for name, _ in run["calls"]]
+    assert names == ["prefill 11 in chunks of 4", "prefill 5 more in chunks of 3", "decode step 0", "decode step 1"]
+    contexts = [11, 16, 17, 18]
+    clear_rows = 0
+    for (name, c), context in zip(run["calls"], contexts):
+        rows = [2, 11] if name.startswith("prefill 11") else [2, 5] if name.startswith("prefill 5") else [2]
+        tokens = rows[1] if len(rows) == 2 else 1
+        assert c["shapes"] == [rows + [8], rows + [2], rows + [2], [2, 8, tokens, context]], (name, c["shapes"])
+        assert c["devices"] == ["cuda:0"] * 5, name
+        assert max(c["output"], c["logits"], c["weights"]) <= tol["rel"], (name, c)
+        differ, within = c["experts"]
+        assert differ == 0, (name, c)
+        clear_rows += 2 * tokens - within
+        assert c["maps"] <= tol["maps"] and c["structure"] <= 1e-5, (name, c)
+    assert clear_rows >= 24  # of 36 rows: the experts were compared on most of them
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fp8_layers_router_outputs_on_the_executor_match_the_cpu_fp8_layer(insides, dtype):
+    """FP8 layers (e4m3, 128 x 128 block scales): a chunked prefill and a decode step asking for
+    the router's outputs only give the CPU FP8 layer's, and no maps."""
+    tol = INSIDES_TOL[dtype]["rel"]
+    prefill, decode = insides["fp8"][dtype]
+    for c in (prefill, decode):
+        assert max(c["output"], c["logits"], c["weights"]) <= tol and c["experts"][0] == 0 and c["no maps"], c
+
+
+def test_the_wrapper_returns_the_insides_of_a_cuda_layer_on_the_device(insides):
+    """DecoderLayer on cuda: a prefill asking for the maps only and a decode asking for the
+    router only return LayerTraces with what was asked on the device, None for the rest."""
+    assert insides["wrapper"]["prefill"] == ["LayerTrace", True, [2, 8, 6, 6], "cuda:0"]
+    assert insides["wrapper"]["decode"] == ["LayerTrace", True, [2, 8], [2, 2], "int32", "cuda:0"]
