@@ -77,7 +77,7 @@ def test_the_stage_profile_times_the_stages_on_the_gpu():
                                         "benchmarks/gpu_check.sh where one is lent)")
 def test_every_cuda_kernel_matches_its_cpu_twin():
     results = q3.cuda.check_kernels(0)
-    assert len(results) >= 359  # 361 where cuBLAS is found (test_cuda_executor.py: the same cases)
+    assert len(results) >= 414  # 416 where cuBLAS is found (test_cuda_executor.py: the same cases)
     assert len({r["case"] for r in results}) == len(results) and all(r["kernel"] for r in results)
     bad = [r for r in results if not r["ok"]]
     assert not bad, bad
@@ -434,6 +434,7 @@ def test_cuda_workspace_only_grows_across_alternating_shapes():
     row = CFG.num_attention_heads * 32 * (CFG.head_dim + 2) * 4
     assert after_prefill <= wide.workspace_bytes < after_prefill + row
 
+
 @needs_gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_cuda_misaligned_weight_views_are_copied_once_and_match_the_cpu(dtype):
@@ -655,3 +656,115 @@ def test_routing_of_a_gpu_trace_counts_the_finished_call():
     assert sum(d.routing().counts) == 4 == d.routing().choices
     with pytest.raises(ValueError, match="experts: expected a contiguous tensor on a CUDA device"):
         q3.routing_summary(trace.experts[:, ::2], CFG.num_experts)
+
+
+# ---- the layer's insides on request (issue 15, requirement 4) -----------------------------
+
+def experts_differ(got, want, logits, k, margin):
+    """rows whose top k + 1 logits are apart by more than margin (relative to the row's
+    largest) and whose chosen experts still differ"""
+    logits = logits.double().cpu().reshape(-1, logits.shape[-1])
+    top = logits.sort(dim=1, descending=True).values[:, :k + 1]
+    clear = ((top[:, :-1] - top[:, 1:]) > margin * top.abs().max(dim=1, keepdim=True).values).all(dim=1)
+    differ = (got.cpu().reshape(-1, k) != want.cpu().reshape(-1, k)).any(dim=1)
+    return int((clear & differ).sum()), int(clear.sum())
+
+
+def check_insides(got, want, tol, maps_tol, margin, k):
+    """a CUDA call's LayerTrace against the CPU's: output, logits, weights within tol, the
+    experts on the rows clear of the margin, maps within maps_tol (absolute) and rows summing
+    to 1; returns the count of rows whose experts were compared"""
+    assert got.output.is_cuda and got.router_logits.is_cuda and got.experts.is_cuda
+    assert rel(got.output, want.output) <= tol
+    assert rel(got.router_logits, want.router_logits) <= tol
+    assert rel(got.expert_weights, want.expert_weights) <= tol
+    differ, clear = experts_differ(got.experts, want.experts, want.router_logits, k, margin)
+    assert differ == 0
+    if want.attention is not None:
+        maps = got.attention.double().cpu()
+        assert maps.shape == want.attention.shape
+        assert float((maps - want.attention.double()).abs().max()) <= maps_tol
+        assert float((maps.sum(dim=-1) - 1).abs().max()) <= 1e-5
+    return clear
+
+
+@needs_gpu
+@pytest.mark.parametrize("cfg", [CFG, CFG_TC], ids=["block-per-token attention", "tensor-core attention"])
+@pytest.mark.parametrize("dtype,tol,maps_tol,margin", [("float32", 1e-5, 1e-5, 1e-4), ("bfloat16", 2e-2, 2e-2, 2e-2)])
+def test_cuda_layer_insides_match_the_cpu_layer(cfg, dtype, tol, maps_tol, margin):
+    """return_router and return_attention on the GPU: a prefill of 2 sequences (the second with
+    3 tokens of left padding) of 40 tokens in chunks of 20 (for CFG_TC in bf16, passes the
+    tensor cores take) and two plain decode steps give the CPU layer's output, router logits,
+    weights and maps, and its experts where the logits are clear of each other; the maps come
+    from their own fp32 kernel whichever path the attention takes. bf16: the tensor-core
+    attention's tolerance (it rounds q and the probabilities to bf16)."""
+    import torch
+
+    cpu = q3.DecoderLayer.random(cfg, seed=11, dtype=dtype)
+    gpu = q3.DecoderLayer.random(cfg, seed=11, dtype=dtype, device="cuda")
+    tdt = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(12)
+    c_cpu, c_gpu = cpu.new_cache(48, batch=2), gpu.new_cache(48, batch=2)
+    for c in (c_cpu, c_gpu):
+        c.set_padding(3, 1)
+    ask = {"return_router": True, "return_attention": True}
+    x = torch.randn(2, 40, cfg.hidden_size, generator=gen).to(tdt)
+    compared = check_insides(gpu.prefill(x.cuda(), c_gpu, chunk_size=20, **ask),
+                             cpu.prefill(x, c_cpu, chunk_size=20, **ask), tol, maps_tol, margin, cfg.num_experts_per_tok)
+    for _ in range(2):
+        s = torch.randn(2, cfg.hidden_size, generator=gen).to(tdt)
+        compared += check_insides(gpu.decode(s.cuda(), c_gpu, **ask), cpu.decode(s, c_cpu, **ask), tol, maps_tol,
+                                  margin, cfg.num_experts_per_tok)
+    assert compared >= 50  # of 84 rows
+    assert c_gpu.lengths == c_cpu.lengths == (42, 42)
+
+
+@needs_gpu
+def test_cuda_attention_maps_over_a_long_context_match_the_cpu_layer():
+    """A decode step over 3000 cached tokens at head_dim 128 with 8 query heads a KV head:
+    each map row crosses the kernel's block loop a dozen times (256 keys an iteration)."""
+    import torch
+
+    cfg = q3.LayerConfig(hidden_size=128, num_attention_heads=16, num_key_value_heads=2, head_dim=128,
+                         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    cpu = q3.DecoderLayer.random(cfg, seed=13, dtype="float32")
+    gpu = q3.DecoderLayer.random(cfg, seed=13, dtype="float32", device="cuda")
+    gen = torch.Generator().manual_seed(14)
+    c_cpu, c_gpu = cpu.new_cache(3008), gpu.new_cache(3008)
+    x = torch.randn(3000, cfg.hidden_size, generator=gen)
+    cpu.prefill(x, c_cpu)
+    gpu.prefill(x.cuda(), c_gpu)
+    s = torch.randn(1, cfg.hidden_size, generator=gen)
+    want, got = cpu.decode(s, c_cpu, return_attention=True), gpu.decode(s.cuda(), c_gpu, return_attention=True)
+    assert got.attention.shape == (1, 16, 1, 3001) and got.router_logits is None
+    assert float((got.attention.cpu() - want.attention).abs().max()) <= 1e-5
+    assert rel(got.output, want.output) <= 1e-5
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 1e-2)])
+def test_cuda_fp8_layer_router_outputs_match_the_cpu_fp8_layer(dtype, tol):
+    """An FP8 layer's router outputs on the GPU (a chunked prefill, a decode step) against the
+    CPU FP8 layer's on the same weights."""
+    import sys
+
+    import torch
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from fp8_weights import fp8_weights
+
+    cfg = q3.LayerConfig(hidden_size=320, num_attention_heads=4, num_key_value_heads=2, head_dim=48,
+                         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=160)
+    w = fp8_weights(cfg, dtype, torch.bfloat16, True, 15)
+    cpu, gpu = q3.DecoderLayer(cfg, w), q3.DecoderLayer(cfg, w, device="cuda")
+    c_cpu, c_gpu = cpu.new_cache(24, batch=2), gpu.new_cache(24, batch=2)
+    gen = torch.Generator().manual_seed(16)
+    tdt = getattr(torch, dtype)
+    margin = 1e-4 if dtype == "float32" else 2e-2
+    x = torch.randn(2, 17, cfg.hidden_size, generator=gen).to(tdt)
+    check_insides(gpu.prefill(x.cuda(), c_gpu, chunk_size=8, return_router=True),
+                  cpu.prefill(x, c_cpu, chunk_size=8, return_router=True), tol, 0.0, margin, 2)
+    s = torch.randn(2, cfg.hidden_size, generator=gen).to(tdt)
+    check_insides(gpu.decode(s.cuda(), c_gpu, return_router=True), cpu.decode(s, c_cpu, return_router=True), tol,
+                  0.0, margin, 2)
+
