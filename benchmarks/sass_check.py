@@ -70,6 +70,9 @@ DECODE_KERNELS = [
     Expect("qk_rope_kv_kernel", "qk_rope_kv.cu", 256),             # WARPS 8
     Expect("attention_kernel", "attention.cu", 512, 2 * 32 * 128 * 4),  # G * 32; 2 KEY_TILE x D fp32
     Expect("combine_kernel", "attention.cu", 256),
+    # a step asking for the attention maps (return_attention) also runs this one: key rows read
+    # a dim a lane (coalesced 2- or 4-byte loads), so 16-byte loads are not required of it
+    Expect("attention_probs_kernel", "attention_probs.cu", 256),  # PROBS_THREADS
     Expect("router_kernel", "router.cu", 128),
     Expect("moe_route_kernel", "moe_grouped.cu", 256, 128 * 4),    # ROUTE_THREADS; an int32 per expert
     Expect("moe_gate_up_kernel", "moe_grouped.cu", 256, wide_loads=True),  # GROUP_WARPS 8

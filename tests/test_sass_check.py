@@ -204,6 +204,7 @@ LAUNCH_BLOCKS = {
     "add_rmsnorm_kernel": ("rmsnorm.cu", "RMSNORM_THREADS"),
     "router_kernel": ("router.cu", "ROUTER_WARPS * 32"),
     "qk_rope_kv_kernel": ("qk_rope_kv.cu", "WARPS * 32"),
+    "attention_probs_kernel": ("attention_probs.cu", "PROBS_THREADS"),
 }
 
 
