@@ -1,7 +1,8 @@
 """Every CUDA kernel once, small, for a memory checker (gpu_check.sh runs this under
 compute-sanitizer --tool memcheck): the kernel self-check, then tiny layers through
 prefill (whole and chunked, the tensor-core attention and grouped MoE geometry and one they
-do not take), plain decode and CUDA-graph decode steps. Prints one line per part."""
+do not take), plain decode and CUDA-graph decode steps, the prefill and a decode step asking
+for the layer's insides (router outputs, attention maps). Prints one line per part."""
 import os
 import sys
 
@@ -23,9 +24,12 @@ for name, cfg in GEOMETRIES.items():
         layer = q3.DecoderLayer.random(cfg, seed=1, dtype=dtype, device="cuda")
         cache = layer.new_cache(64, batch=2)
         cache.set_padding(3, 1)
-        layer.prefill(layer.random_input((2, 40, cfg.hidden_size), 2), cache, chunk_size=24)
+        # the layer's insides too: the router's rows copied out, the maps' kernel pass by pass
+        layer.prefill(layer.random_input((2, 40, cfg.hidden_size), 2), cache, chunk_size=24, return_router=True,
+                      return_attention=True)
         for i in range(2):
-            layer.decode(layer.random_input((2, cfg.hidden_size), 3 + i), cache)
+            layer.decode(layer.random_input((2, cfg.hidden_size), 3 + i), cache, return_router=i == 1,
+                         return_attention=i == 1)
         graph = layer.decode_graph(cache)
         for i in range(3):
             graph()
