@@ -10,7 +10,8 @@ second prefill of 5 tokens in chunks of 3 (after 11 cached ones), and two plain 
 by more than a margin; the rows within it are counted), the maps (largest absolute error),
 and the maps' own structure on the device: rows sum to 1, zero outside the keys the query
 sees (the padding, the future, past a shorter sequence), a padding query's row the one-hot
-of itself. FP8 layers: the router's outputs of a chunked prefill and a decode step. Then the
+of itself; and the output bit for bit that of the same calls asking for nothing. FP8 layers:
+the router's outputs of a chunked prefill and a decode step. Then the
 Python wrapper: DecoderLayer.prefill/decode on cuda return LayerTraces on the device."""
 import json
 import sys
@@ -88,22 +89,25 @@ def calls(dtype, seed):
     """the sequence of calls on both layers, each asking for the router and the maps"""
     w = _C.random_weights(CFG, seed, dtype)
     cpu, gpu = _C.Layer(CFG, w, None, -1), _C.Layer(CFG, w, None, 0)
-    cc, cg = cpu.new_cache(24, 2), gpu.new_cache(24, 2)
-    for c in (cc, cg):
+    cc, cg, cp = cpu.new_cache(24, 2), gpu.new_cache(24, 2), gpu.new_cache(24, 2)  # cp: the calls asking nothing
+    for c in (cc, cg, cp):
         c.set_padding(PAD, 1)
     ask = {"return_router": True, "return_attention": True}
-    records = []
+    records, same = [], []
     for name, shape, chunk in (("prefill 11 in chunks of 4", (2, 11, 64), 4),
                                ("prefill 5 more in chunks of 3", (2, 5, 64), 3)):
         x = _C.random_tensor(shape, seed + len(records), dtype)
         want = cpu.prefill(x, cc, None, chunk, **ask)
         got = gpu.prefill(_C.copy_tensor(x, 0), cg, None, chunk, **ask)
         records.append([name, compare(got, want, dtype, list(cc.lengths), shape[1])])
+        same.append(np.array_equal(host(got[0]), host(gpu.prefill(_C.copy_tensor(x, 0), cp, None, chunk))))
     for step in range(2):
         x = _C.random_tensor((2, 64), seed + 10 + step, dtype)
         want, got = cpu.decode(x, cc, **ask), gpu.decode(_C.copy_tensor(x, 0), cg, **ask)
         records.append([f"decode step {step}", compare(got, want, dtype, list(cc.lengths), 1)])  # maps [2, 8, 1, context]
-    return {"calls": records, "lengths agree": list(cg.lengths) == list(cc.lengths)}
+        same.append(np.array_equal(host(got[0]), host(gpu.decode(_C.copy_tensor(x, 0), cp))))
+    return {"calls": records, "lengths agree": list(cg.lengths) == list(cc.lengths) == list(cp.lengths),
+            "outputs as without insides": same}
 
 
 out = {dtype: calls(dtype, 40 + i) for i, dtype in enumerate(("float32", "bfloat16"))}

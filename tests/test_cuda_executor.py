@@ -372,10 +372,11 @@ def test_the_layers_insides_on_the_executor_match_the_cpu_layers(insides, dtype)
     CPU layer's output, router logits, expert weights and maps within the dtype's tolerance,
     the same experts on every row whose top k + 1 logits are clear of each other, tensors of
     the documented shapes on the device; the CUDA maps keep their own rules (rows sum to 1,
-    zero outside the keys the query sees, a padding query's row one-hot at itself)."""
+    zero outside the keys the query sees, a padding query's row one-hot at itself), and the
+    outputs are bit for bit those of the same calls asking for nothing."""
     tol = INSIDES_TOL[dtype]
     run = insides[dtype]
-    assert run["lengths agree"]
+    assert run["lengths agree"] and run["outputs as without insides"] == [True] * 4
     names = [name for name, _ in run["calls"]]
     assert names == ["prefill 11 in chunks of 4", "prefill 5 more in chunks of 3", "decode step 0", "decode step 1"]
     contexts = [11, 16, 17, 18]
