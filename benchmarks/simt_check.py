@@ -336,7 +336,7 @@ def main(argv=None) -> int:
     if args.mutants:
         mutants = [m for m in MUTANTS if args.only is None or m.id in args.only]
         print()
-        print(f"{'#':>2}  {'where':<19} {'kernel':<20} {'planted defect':<82} caught by")
+        print(f"{'#':>2}  {'where':<21} {'kernel':<22} {'planted defect':<82} caught by")
         build_s = run_s = 0.0
         for m in mutants:
             r = check_mutant(m)
@@ -349,7 +349,7 @@ def main(argv=None) -> int:
             by = "; ".join(f"{MECHANISMS[k]}: {v}" for k, v in r["found"].items()) or "NOT CAUGHT"
             if r["found"] and m.expect not in r["found"]:
                 by += f" (expected: {MECHANISMS[m.expect]})"
-            print(f"{m.id:>2}  {where:<19} {m.kernel:<20} {what:<82} {by}", flush=True)
+            print(f"{m.id:>2}  {where:<21} {m.kernel:<22} {what:<82} {by}", flush=True)
         print(f"planted defects: {ran} variants built in {build_s:.1f} s, checked in {run_s:.1f} s")
     print(f"total {time.monotonic() - t0:.1f} s")
     print(f"simt: {len(table)} kernels, {len(cases)} cases, {caught}/{ran} planted defects caught")
