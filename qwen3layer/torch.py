@@ -17,10 +17,26 @@ generation performs on the entry: reorder_cache (beam search), crop (assisted an
 prompt-lookup decoding), batch_repeat_interleave, batch_select_indices and reset; and
 copy.deepcopy of the model cache copies the C cache with it (KVCache.__deepcopy__). An
 operation it cannot mirror (offloading) raises NotImplementedError naming it.
+
+The layer's insides reach the model's outputs where transformers collects them. transformers
+(4.57 and 5.x) records output_router_logits, output_attentions and output_hidden_states from
+the modules of the classes its model lists in `_can_record_outputs` (the router or the MoE
+block, the attention, the decoder layer), by wrapping their forward for the call (4.57) or by
+forward hooks installed once per model (5.x). Each patched layer holds a parameter-free
+stand-in of each such class (`recorders`), and after the C layer ran (asked for its router
+logits and attention maps from the same pass when the model wants them) it calls each
+stand-in with the value transformers would have read off the original module: router logits
+[tokens, experts] with the batch flattened, attention maps [batch, heads, new, context], the
+layer's input and output, in the model's dtype (the C layer hands them over in fp32).
+5.x's hooks move with the layers: patch_model puts those on the originals onto the stand-ins,
+unpatch_model those on the stand-ins onto the originals. Left padding's query rows are the one
+difference: transformers' eager attention gives a fully masked row a uniform 1/context row, the
+C layer zeros (a padding token looks at nothing), and so those rows of the router logits and
+hidden states differ too (transformers' aux_loss leaves them out through the attention mask).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -32,7 +48,7 @@ class DecoderLayer(torch.nn.Module):
     its outputs carry no gradient."""
 
     def __init__(self, core: _CoreLayer, layer_idx: int, original: Optional[torch.nn.Module] = None,
-                 max_tokens: int = 4096) -> None:
+                 max_tokens: int = 4096, recordable: Optional[Dict[str, Any]] = None) -> None:
         super().__init__()
         self.core = core
         self.layer_idx = layer_idx
@@ -40,20 +56,33 @@ class DecoderLayer(torch.nn.Module):
         self.kv_cache = None  # the C cache of the generation in progress
         # kept out of the module tree so that the model's parameters are not listed twice
         self.__dict__["original"] = original
+        # the model's config: its output_* flags are the defaults of the call's (as in transformers)
+        self.__dict__["config"] = getattr(getattr(original, "self_attn", None), "config", None)
+        self.recorders = torch.nn.ModuleDict()
+        for key, spec in (recordable or {}).items():
+            target, index = _recorder_spec(key, spec)
+            counterpart = _module_of(original, target) if target is not None else None
+            if counterpart is not None:
+                self.recorders[key] = _recorder_class(target)(key, index)
+                _carry_hooks(counterpart, self.recorders[key])
 
     @classmethod
-    def from_hf(cls, hf_layer: torch.nn.Module, max_tokens: int = 4096) -> "DecoderLayer":
+    def from_hf(cls, hf_layer: torch.nn.Module, max_tokens: int = 4096,
+                recordable: Optional[Dict[str, Any]] = None) -> "DecoderLayer":
         """From a transformers Qwen3MoeDecoderLayer; its weights are shared, not copied, and
         the C layer runs where they are (the CPU, or their CUDA device, on torch's stream).
-        max_tokens: the longest sequence (prompt + generated) a generation may reach."""
+        max_tokens: the longest sequence (prompt + generated) a generation may reach.
+        recordable: the model's `_can_record_outputs` (patch_model passes it), which makes the
+        layer hand its router logits, attention maps and hidden states to the model's outputs;
+        without it, asking for them raises NotImplementedError."""
         layer_idx = getattr(hf_layer.self_attn, "layer_idx", 0)
         where = next(hf_layer.parameters()).device
         device = "cpu" if where.type == "cpu" else f"cuda:{where.index or 0}"
-        return cls(_CoreLayer.from_hf(hf_layer, device=device), layer_idx, hf_layer, max_tokens)
+        return cls(_CoreLayer.from_hf(hf_layer, device=device), layer_idx, hf_layer, max_tokens, recordable)
 
-    def _cache_for(self, model_cache: Any, batch: int, position_ids: Optional[torch.Tensor]):
+    def _cache_for(self, model_cache: Any, batch: int, padding: list):
         """The C cache riding on the model cache's entry for this layer, or a new one when a
-        generation starts (each sequence's left padding read off its first position_ids)."""
+        generation starts (with each sequence's left padding)."""
         seen = model_cache.get_seq_length(self.layer_idx) if model_cache is not None else 0
         entry = _entry(model_cache, self.layer_idx)
         kv = getattr(entry, "_q3_cache", None)
@@ -61,15 +90,39 @@ class DecoderLayer(torch.nn.Module):
             if seen:
                 raise RuntimeError(f"qwen3layer layer {self.layer_idx}: the model cache holds {seen} tokens this "
                                    "layer never saw (was it patched in the middle of a generation?)")
-            kv = self.core.new_cache(self.max_tokens, batch)
-            for b, pad in enumerate(_left_padding(position_ids, batch)):
-                if pad:
-                    kv.set_padding(pad, b)
+            kv = self._new_cache(self.max_tokens, batch, padding)
         elif kv.lengths != (seen,) * batch:
             raise RuntimeError(f"qwen3layer layer {self.layer_idx}: the model cache holds {seen} tokens, this "
                                f"layer's cache {kv.lengths}")
         self.kv_cache = kv  # the last one used, for inspection
         return kv
+
+    def _new_cache(self, max_tokens: int, batch: int, padding: list):
+        kv = self.core.new_cache(max_tokens, batch)
+        for b, pad in enumerate(padding):
+            if pad:
+                kv.set_padding(pad, b)
+        return kv
+
+    def _wants(self, key: str, kwargs: Dict[str, Any]) -> bool:
+        """whether the call asks for output_<key>: the call's flag, else the config's (as
+        transformers decides); 5.x's output_hidden_states may be a list of indices"""
+        flag = kwargs.get(f"output_{key}")
+        if flag is None:
+            flag = getattr(self.config, f"output_{key}", False)
+        return flag is not None and flag is not False
+
+    def _recorder(self, key: str) -> Optional[torch.nn.Module]:
+        """the stand-in transformers records output_<key> from; NotImplementedError when the
+        call asks for it and nothing would record it (never an empty or a missing result)"""
+        rec = self.recorders[key] if key in self.recorders else None
+        if rec is None or not (rec._forward_hooks or "forward" in rec.__dict__):
+            import transformers
+            raise NotImplementedError(
+                f"qwen3layer layer {self.layer_idx}: output_{key}: no recorder of transformers "
+                f"{transformers.__version__} listens on this layer (made without the model's _can_record_outputs, "
+                "or recorded in a way the drop-in does not feed)")
+        return rec
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.LongTensor] = None, past_key_values: Any = None,
@@ -78,14 +131,89 @@ class DecoderLayer(torch.nn.Module):
         model_cache = cache if cache is not None else past_key_values
         B, L, _ = hidden_states.shape
         x = hidden_states.detach().contiguous()  # inference only: the C layer has no backward
-        if model_cache is None or not use_cache:
-            return self.core.prefill(x, self.core.new_cache(L, B))
-        kv = self._cache_for(model_cache, B, position_ids)
-        y = self.core.prefill(x, kv)
-        marker = torch.zeros(B, 1, L, 1, dtype=hidden_states.dtype, device=hidden_states.device)
-        model_cache.update(marker, marker, self.layer_idx)
-        _attach(_entry(model_cache, self.layer_idx), kv)
+        padding = _left_padding(attention_mask, position_ids, B)
+        want_router, want_maps = self._wants("router_logits", kwargs), self._wants("attentions", kwargs)
+        for key, wanted in (("router_logits", want_router), ("attentions", want_maps),
+                            ("hidden_states", self._wants("hidden_states", kwargs))):
+            if wanted:
+                self._recorder(key)
+        keep = model_cache is not None and use_cache
+        kv = self._cache_for(model_cache, B, padding) if keep else self._new_cache(L, B, padding)
+        y = self.core.prefill(x, kv, return_router=want_router, return_attention=want_maps)
+        if want_router or want_maps:
+            trace, y = y, y.output
+            if want_router:  # transformers' router logits: [batch * tokens, experts] in the model's dtype
+                _record(self.recorders["router_logits"], x, trace.router_logits.reshape(B * L, -1).to(x.dtype))
+            if want_maps:  # [batch, heads, tokens, context], as eager attention's probabilities
+                _record(self.recorders["attentions"], x, trace.attention.to(x.dtype))
+        if "hidden_states" in self.recorders:  # its hooks decide whether it is asked for
+            _record(self.recorders["hidden_states"], hidden_states, y)
+        if keep:
+            marker = torch.zeros(B, 1, L, 1, dtype=hidden_states.dtype, device=hidden_states.device)
+            model_cache.update(marker, marker, self.layer_idx)
+            _attach(_entry(model_cache, self.layer_idx), kv)
         return y
+
+
+def _record(recorder: torch.nn.Module, x: torch.Tensor, value: torch.Tensor) -> None:
+    """calls the stand-in as transformers' recording expects its class's output: value at the
+    recorder's index of a tuple (the original's other outputs are None: not recorded)"""
+    recorder(x, output=(None,) * recorder.index + (value,))
+
+
+def _recorder_spec(key: str, spec: Any) -> Tuple[Optional[type], int]:
+    """(class, output index) transformers records `key` from; (None, 0) for what the drop-in
+    cannot stand in for (several classes, a name or a layer name instead of a class)"""
+    if isinstance(spec, type):
+        return spec, 0 if "hidden_states" in key else 1  # transformers' default for a bare class
+    target = getattr(spec, "target_class", None)
+    if isinstance(target, type) and getattr(spec, "layer_name", None) is None:
+        return target, int(getattr(spec, "index", 0))
+    return None, 0
+
+
+def _module_of(layer: Optional[torch.nn.Module], target: type) -> Optional[torch.nn.Module]:
+    """the module of class `target` in the original layer (the layer itself included)"""
+    for module in (layer.modules() if layer is not None else ()):
+        if isinstance(module, target):
+            return module
+    return None
+
+
+_RECORDER_CLASSES: Dict[type, type] = {}
+
+
+def _recorder_class(target: type) -> type:
+    """A parameter-free subclass of `target` whose call returns the output it is given: the
+    modules transformers records from are found by isinstance, and no code of the original
+    class runs (torch's plain Module.__call__, so that its hooks run and 4.57's wrapped
+    forward is what is called)."""
+    if target not in _RECORDER_CLASSES:
+        def __init__(self, key: str, index: int) -> None:
+            torch.nn.Module.__init__(self)
+            self.key, self.index = key, index
+
+        def forward(self, *args: Any, output: Any = None) -> Any:
+            return output
+
+        def extra_repr(self) -> str:
+            return f"records {self.key}"
+
+        ns = {"__init__": __init__, "forward": forward, "extra_repr": extra_repr,
+              "__call__": torch.nn.Module.__call__}
+        _RECORDER_CLASSES[target] = type(f"Q3Recorder{target.__name__}", (target,), ns)
+    return _RECORDER_CLASSES[target]
+
+
+def _carry_hooks(src: Optional[torch.nn.Module], dst: Optional[torch.nn.Module]) -> None:
+    """transformers 5.x installs its recording hooks once per model, on the modules of the
+    recorded classes it finds then: those on src, which dst replaces in the model, go to dst"""
+    if src is None or dst is None:
+        return
+    have = set(dst._forward_hooks.values())
+    for hook in list(src._forward_hooks.values()):
+        if getattr(hook, "__name__", "") == "output_capturing_hook" and hook not in have:
+            dst.register_forward_hook(hook)
 
 
 def _entry(model_cache: Any, layer_idx: int) -> Any:
@@ -164,10 +292,18 @@ def _mirroring(base: type) -> type:
     return _MIRRORING[base]
 
 
-def _left_padding(position_ids: Optional[torch.Tensor], batch: int) -> list:
-    """Leading padding tokens of each sequence in a generation's first call: generate gives a
-    left-padded sequence's real tokens positions 0, 1, ... and its padding 0 (transformers 5)
-    or 1 (4.57), so the padding ends at the last position 0."""
+def _left_padding(mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor], batch: int) -> list:
+    """Leading padding tokens of each sequence, for a generation's first call. From the 4D
+    mask transformers gives the layers when it has one ([batch, 1, new, context], bool or
+    additive): the keys masked at the start of the last query row (a real token when the
+    batch is left padded). Else from generate's position_ids: a left-padded sequence's real
+    tokens have positions 0, 1, ... and its padding 0 (transformers 5) or 1 (4.57), so the
+    padding ends at the last position 0."""
+    if isinstance(mask, torch.Tensor) and mask.dim() == 4:
+        last = mask[:, 0, -1, :].expand(batch, -1)
+        masked = ~last if last.dtype == torch.bool else last < torch.finfo(last.dtype).min / 2
+        seen = torch.cumprod(masked.to(torch.int32), dim=1)  # 1 while the leading run lasts
+        return seen.sum(dim=1).tolist()
     if position_ids is None or position_ids.dim() != 2:
         return [0] * batch
     pads = []
@@ -188,9 +324,10 @@ def _layers(model: torch.nn.Module) -> torch.nn.ModuleList:
 def patch_model(model: torch.nn.Module, max_tokens: int = 4096) -> torch.nn.Module:
     """Replaces every decoder layer of the model by a qwen3layer one (in place; returns the model)."""
     layers = _layers(model)
+    recordable = getattr(model, "_can_record_outputs", None)
     for i, layer in enumerate(layers):
         if not isinstance(layer, DecoderLayer):
-            layers[i] = DecoderLayer.from_hf(layer, max_tokens)
+            layers[i] = DecoderLayer.from_hf(layer, max_tokens, recordable)
     return model
 
 
@@ -199,5 +336,7 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
     layers = _layers(model)
     for i, layer in enumerate(layers):
         if isinstance(layer, DecoderLayer):
+            for rec in layer.recorders.values():  # 5.x's hooks installed while it was patched
+                _carry_hooks(rec, _module_of(layer.original, type(rec).__mro__[1]))
             layers[i] = layer.original
     return model
