@@ -31,8 +31,9 @@ layer's input and output, in the model's dtype (the C layer hands them over in f
 5.x's hooks move with the layers: patch_model puts those on the originals onto the stand-ins,
 unpatch_model those on the stand-ins onto the originals. Left padding's query rows are the one
 difference: transformers' eager attention gives a fully masked row a uniform 1/context row, the
-C layer zeros (a padding token looks at nothing), and so those rows of the router logits and
-hidden states differ too (transformers' aux_loss leaves them out through the attention mask).
+C layer has a padding token look at itself only (1 on its own position), and so those rows of
+the router logits and hidden states differ too (transformers' aux_loss leaves them out through
+the attention mask; no real token looks at them).
 """
 from __future__ import annotations
 
