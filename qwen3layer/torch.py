@@ -55,6 +55,7 @@ class DecoderLayer(torch.nn.Module):
         self.layer_idx = layer_idx
         self.max_tokens = max_tokens
         self.kv_cache = None  # the C cache of the generation in progress
+        self.attention_limit: Optional[int] = None  # bytes of maps one call may make (None: the C layer's default)
         # kept out of the module tree so that the model's parameters are not listed twice
         self.__dict__["original"] = original
         # the model's config: its output_* flags are the defaults of the call's (as in transformers)
@@ -140,7 +141,8 @@ class DecoderLayer(torch.nn.Module):
                 self._recorder(key)
         keep = model_cache is not None and use_cache
         kv = self._cache_for(model_cache, B, padding) if keep else self._new_cache(L, B, padding)
-        y = self.core.prefill(x, kv, return_router=want_router, return_attention=want_maps)
+        y = self.core.prefill(x, kv, return_router=want_router, return_attention=want_maps,
+                              attention_limit=self.attention_limit if want_maps else None)
         if want_router or want_maps:
             trace, y = y, y.output
             if want_router:  # transformers' router logits: [batch * tokens, experts] in the model's dtype
@@ -322,13 +324,18 @@ def _layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     return layers
 
 
-def patch_model(model: torch.nn.Module, max_tokens: int = 4096) -> torch.nn.Module:
-    """Replaces every decoder layer of the model by a qwen3layer one (in place; returns the model)."""
+def patch_model(model: torch.nn.Module, max_tokens: int = 4096,
+                attention_limit: Optional[int] = None) -> torch.nn.Module:
+    """Replaces every decoder layer of the model by a qwen3layer one (in place; returns the model).
+    attention_limit: the bytes of attention maps one layer call may make when the model asks
+    for output_attentions (None: the C layer's default, 2**30); above it the call raises
+    ValueError with the maps' shape and size."""
     layers = _layers(model)
     recordable = getattr(model, "_can_record_outputs", None)
     for i, layer in enumerate(layers):
         if not isinstance(layer, DecoderLayer):
             layers[i] = DecoderLayer.from_hf(layer, max_tokens, recordable)
+        layers[i].attention_limit = attention_limit
     return model
 
 

@@ -144,6 +144,16 @@ def test_recording_survives_patching_in_either_order():
             assert rel(a, b) < 1e-5 and torch.equal(b, c)
 
 
+def test_maps_above_the_limit_are_refused_with_their_size():
+    model = q3t.patch_model(tiny_model(12), attention_limit=1000)
+    ids = torch.randint(1, 101, (2, 8), generator=torch.Generator().manual_seed(12))
+    with pytest.raises(ValueError, match=r"\[2, 8, 8, 8\] .* fp32 would take 4096 bytes"):
+        model(ids, output_attentions=True)
+    assert model(ids, output_router_logits=True).router_logits[0].shape == (16, 8)  # no maps, no limit
+    q3t.patch_model(model, attention_limit=4096)
+    assert model(ids, output_attentions=True).attentions[1].shape == (2, 8, 8, 8)
+
+
 def test_what_nothing_records_raises():
     model = tiny_model(10)
     layer = q3t.DecoderLayer.from_hf(model.model.layers[0])  # without the model's recorders
