@@ -8,8 +8,10 @@ DynamicCache, passed as `cache` or `past_key_values`) still drives its bookkeepi
 (get_seq_length, the masks it builds), so each call also appends placeholders of one
 element per token to it: 4 bytes per token, sequence and layer in fp32, instead of a second
 copy of K and V (2 * num_kv_heads * head_dim elements per token). Left-padded batches work:
-each sequence's padding is read off generate's position_ids and set on the C cache, so real
-tokens neither attend to the padding nor count it in their positions.
+each sequence's padding is read off the mask the model gives its layers (else generate's
+position_ids) and set on the C cache, so real tokens neither attend to the padding nor count it
+in their positions (RoPE's scores depend on position differences only, so a plain forward that
+counts the padding in the positions gives the same real-token outputs).
 
 Each layer's C cache rides on the model cache's entry for that layer (its `_q3_cache`), and the
 entry's class is swapped for a subclass that mirrors on the C cache every operation
@@ -114,9 +116,10 @@ class DecoderLayer(torch.nn.Module):
             flag = getattr(self.config, f"output_{key}", False)
         return flag is not None and flag is not False
 
-    def _recorder(self, key: str) -> Optional[torch.nn.Module]:
-        """the stand-in transformers records output_<key> from; NotImplementedError when the
-        call asks for it and nothing would record it (never an empty or a missing result)"""
+    def _refuse_unrecorded(self, key: str) -> None:
+        """NotImplementedError when the call asks for output_<key> and nothing would record it
+        from this layer: no stand-in, or one that neither 5.x's hooks nor 4.57's wrapped
+        forward listen on (never an empty or a missing result)"""
         rec = self.recorders[key] if key in self.recorders else None
         if rec is None or not (rec._forward_hooks or "forward" in rec.__dict__):
             import transformers
@@ -124,7 +127,6 @@ class DecoderLayer(torch.nn.Module):
                 f"qwen3layer layer {self.layer_idx}: output_{key}: no recorder of transformers "
                 f"{transformers.__version__} listens on this layer (made without the model's _can_record_outputs, "
                 "or recorded in a way the drop-in does not feed)")
-        return rec
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.LongTensor] = None, past_key_values: Any = None,
@@ -138,7 +140,7 @@ class DecoderLayer(torch.nn.Module):
         for key, wanted in (("router_logits", want_router), ("attentions", want_maps),
                             ("hidden_states", self._wants("hidden_states", kwargs))):
             if wanted:
-                self._recorder(key)
+                self._refuse_unrecorded(key)
         keep = model_cache is not None and use_cache
         kv = self._cache_for(model_cache, B, padding) if keep else self._new_cache(L, B, padding)
         y = self.core.prefill(x, kv, return_router=want_router, return_attention=want_maps,
