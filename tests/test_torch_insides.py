@@ -98,16 +98,19 @@ def test_bfloat16_insides_within_twice_transformers_error():
 
 
 def test_generate_returns_the_maps_of_every_step():
+    """a left-padded batch of 2: the prompt's maps on its real rows, then every new token's"""
     model, ref = patched_and_reference(7)
-    ids = torch.randint(1, 101, (1, 6), generator=torch.Generator().manual_seed(7))
-    ask = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
-               output_attentions=True)
+    ids, mask = padded_batch(7)
+    ask = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0,
+               return_dict_in_generate=True, output_attentions=True)
     ours, theirs = model.generate(ids, **ask), ref.generate(ids, **ask)
     assert torch.equal(ours.sequences, theirs.sequences)
     assert len(ours.attentions) == 4
-    for step_ours, step_theirs in zip(ours.attentions, theirs.attentions):
+    for step, (step_ours, step_theirs) in enumerate(zip(ours.attentions, theirs.attentions)):
+        real = mask.bool() if step == 0 else torch.ones(2, 1, dtype=torch.bool)
         for a, b in zip(step_ours, step_theirs):
-            assert a.shape == b.shape and rel(a, b) < 1e-5
+            assert a.shape == b.shape == (2, 8, real.shape[1], 8 + step)
+            assert rel(a.transpose(1, 2)[real], b.transpose(1, 2)[real]) < 1e-5
 
 
 def test_generate_with_router_logits_behaves_as_transformers():
