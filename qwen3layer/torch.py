@@ -254,10 +254,15 @@ def _mirroring(base: type) -> type:
         if kv is not None:
             kv.crop(self.get_seq_length())
 
+    def stream(kv: Any) -> dict:
+        """a device cache's copies go on torch's current stream, after the layer calls queued
+        there (KVCache's stream rule); a host cache takes none"""
+        return {} if kv.device == "cpu" else {"stream": torch.cuda.current_stream(torch.device(kv.device)).cuda_stream}
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         base.reorder_cache(self, beam_idx)
         if getattr(self, "_q3_cache", None) is not None:
-            self._q3_cache.reorder(beam_idx.tolist())
+            self._q3_cache.reorder(beam_idx.tolist(), **stream(self._q3_cache))
 
     def crop(self, *args: Any, **kwargs: Any) -> None:
         base.crop(self, *args, **kwargs)
@@ -266,7 +271,7 @@ def _mirroring(base: type) -> type:
     def batch_repeat_interleave(self, repeats: int) -> None:
         base.batch_repeat_interleave(self, repeats)
         if getattr(self, "_q3_cache", None) is not None:
-            self._q3_cache = self._q3_cache.repeat_interleave(repeats)
+            self._q3_cache = self._q3_cache.repeat_interleave(repeats, **stream(self._q3_cache))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         base.batch_select_indices(self, indices)
@@ -274,7 +279,7 @@ def _mirroring(base: type) -> type:
             idx = torch.as_tensor(indices)
             if idx.dtype == torch.bool:
                 idx = idx.nonzero().flatten()
-            self._q3_cache = self._q3_cache.select(idx.flatten().tolist())
+            self._q3_cache = self._q3_cache.select(idx.flatten().tolist(), **stream(self._q3_cache))
 
     def reset(self) -> None:
         base.reset(self)

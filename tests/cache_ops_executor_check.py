@@ -68,6 +68,7 @@ def fresh_twins(dtype, lengths=LENGTHS, pads=PADS, capacity=16):
     cpu, gpu = LAYERS[dtype]
     hc = fill(cpu, -1, lengths, pads, capacity, dtype)
     dc = fill(gpu, 0, lengths, pads, capacity, dtype)
+    assert (hc.device, dc.device) == ("cpu", "cuda:0")
     size = 4 if dtype == "float32" else 2
     for s in range(hc.batch):
         for view in ("keys", "values"):

@@ -87,6 +87,10 @@ def test_reorder_moves_tokens_lengths_and_padding(cache, index):
     assert_same(state(cache), gathered(before, index))
 
 
+def test_a_host_cache_says_where_it_lives(cache):
+    assert cache.device == "cpu"  # a device cache says "cuda:N" (cache_ops_executor_check.py)
+
+
 def test_reorder_any_map_and_index_kinds(cache):
     """random maps (cycles, chains, repeats), given as lists, tuples, ranges and torch and
     numpy integer arrays"""

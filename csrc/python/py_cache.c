@@ -135,6 +135,10 @@ static PyObject *cache_kv_heads(q3_cache_object *o, void *c) { (void)c; return P
 static PyObject *cache_head_dim(q3_cache_object *o, void *c) { (void)c; return PyLong_FromLong(o->cache->head_dim); }
 static PyObject *cache_dtype(q3_cache_object *o, void *c) { (void)c; return PyUnicode_FromString(q3_dtype_name(o->cache->dtype)); }
 static PyObject *cache_nbytes(q3_cache_object *o, void *c) { (void)c; return PyLong_FromSize_t(q3_cache_bytes(o->cache)); }
+static PyObject *cache_device(q3_cache_object *o, void *c) {
+    (void)c;
+    return o->cache->device < 0 ? PyUnicode_FromString("cpu") : PyUnicode_FromFormat("cuda:%d", o->cache->device);
+}
 
 static PyObject *cache_repr(q3_cache_object *o) {
     const q3_cache *c = o->cache;
@@ -202,6 +206,7 @@ static PyGetSetDef cache_getset[] = {
     {"head_dim", (getter)cache_head_dim, NULL, "head dimension", NULL},
     {"dtype", (getter)cache_dtype, NULL, "storage dtype", NULL},
     {"nbytes", (getter)cache_nbytes, NULL, "bytes of K and V together", NULL},
+    {"device", (getter)cache_device, NULL, "where K and V live: 'cpu' or 'cuda:N'", NULL},
     {NULL},
 };
 
