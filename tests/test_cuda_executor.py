@@ -14,12 +14,18 @@ import pytest
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 
-@pytest.fixture(scope="module")
-def out():
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "cuda_executor_check.py"), ROOT],
-                       capture_output=True, text=True, timeout=900)
+def run_check(script: str, timeout: int) -> dict:
+    """the JSON a check script of tests/ prints, run in a process of its own (the executor's
+    library loaded there only)"""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", script), ROOT],
+                       capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
+
+
+@pytest.fixture(scope="module")
+def out():
+    return run_check("cuda_executor_check.py", 900)
 
 
 def test_cuda_path_on_the_executor_matches_the_cpu_layer(out):
@@ -313,10 +319,7 @@ def test_misaligned_device_weights_are_copied_once_to_aligned_memory(out, dtype)
 
 @pytest.fixture(scope="module")
 def fp8():
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "cuda_executor_fp8_check.py"), ROOT],
-                       capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout)
+    return run_check("cuda_executor_fp8_check.py", 900)
 
 
 def test_fp8_layers_on_the_executor_match_the_cpu_fp8_layer(fp8):
@@ -352,10 +355,7 @@ def test_fp8_device_weights_are_borrowed_and_misaligned_ones_copied_once(fp8):
 
 @pytest.fixture(scope="module")
 def insides():
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "cuda_executor_insides_check.py"), ROOT],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout)
+    return run_check("cuda_executor_insides_check.py", 600)
 
 
 # the CPU's bf16 paths round activations to bf16 before their dot products, the CUDA path does
