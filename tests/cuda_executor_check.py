@@ -485,7 +485,7 @@ out["router ties"] = ties
 
 # the kernel self-check's own harness (uploads, pointer tables, tiles), twins against twins here:
 # (case, max_err, tol, schedules, agree, kernel) per case. cuBLAS: the executor's stand-in
-# opened as the library first, so the one run (359 cases without cuBLAS; the check is the
+# opened as the library first, so the one run (every case without cuBLAS; the check is the
 # longest part of this script) also takes its two cuBLAS cases, and must leave cuBLAS as it
 # found it (it used to save the new state as the old one, never run them, and leave cuBLAS
 # off); then a prefill on the cuBLAS path against the CPU layer

@@ -184,6 +184,22 @@ def test_routing_summary_takes_any_layout_and_numpy(trace):
     assert _C.expert_counts(trace.experts, 13) == list(bincount(trace.experts))
 
 
+def test_routing_summary_refuses_views_whose_elements_overlap(trace):
+    """an expand (stride 0) or an overlapping as_strided view would make the count walk far
+    more elements than the memory holds (2^40 here, over 4 bytes): refused at once, by name"""
+    import numpy as np
+
+    with pytest.raises(ValueError, match=r"experts: expected a view whose elements do not overlap, got shape "
+                                         r"\[1099511627776\] with strides \[0\] .*call .contiguous\(\)"):
+        routing_summary(torch.zeros(1, dtype=torch.int32).expand(2**40), 13)
+    with pytest.raises(ValueError, match="elements do not overlap"):
+        routing_summary(trace.experts[:1].expand(5, 3), 13)
+    flat = trace.experts.numpy().reshape(-1)
+    with pytest.raises(ValueError, match="elements do not overlap"):  # rows of 3 starting 1 apart
+        routing_summary(np.lib.stride_tricks.as_strided(flat, shape=(20, 3), strides=(4, 4)), 13)
+    assert routing_summary(trace.experts[:1].expand(5, 3).contiguous(), 13).tokens == 5
+
+
 def test_routing_html_lists_every_expert_and_its_count(trace):
     r = trace.routing()
     page = parse_html(r._repr_html_())

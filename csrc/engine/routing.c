@@ -3,6 +3,7 @@
 #include "routing.h"
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* "[2, 7]" for the multi-index idx[ndim] */
@@ -11,6 +12,28 @@ static void format_index(char *buf, size_t n, int ndim, const int64_t *idx) {
     for (int d = 0; d < ndim && used < n; d++)
         used += (size_t)snprintf(buf + used, n - used, d ? ", %lld" : "%lld", (long long)idx[d]);
     if (used < n) snprintf(buf + used, n - used, "]");
+}
+
+/* whether no two elements of the layout share an address: the dims of more than one element,
+ * by ascending |stride|, each step past the whole extent of the dims below it. A sufficient
+ * test (torch's for non-overlapping views): any slice, transpose or permutation of a dense
+ * tensor passes; an expand (stride 0) or an as_strided overlap does not. Without it a shape of
+ * 2^40 elements over a few bytes (stride 0) would be walked element by element. */
+static int elements_distinct(int ndim, const int64_t *shape, const int64_t *strides) {
+    int order[Q3_ROUTING_MAX_DIM], n = 0;
+    for (int d = 0; d < ndim; d++)
+        if (shape[d] > 1) {
+            if (strides[d] == 0 || strides[d] == INT64_MIN) return 0;
+            int i = n++;
+            for (; i > 0 && llabs(strides[order[i - 1]]) > llabs(strides[d]); i--) order[i] = order[i - 1];
+            order[i] = d;
+        }
+    int64_t extent = 1; /* elements spanned by the dims taken so far */
+    for (int i = 0; i < n; i++) {
+        const int d = order[i];
+        if (llabs(strides[d]) < extent || !q3_mul_i64(llabs(strides[d]), shape[d], &extent)) return 0;
+    }
+    return 1;
 }
 
 q3_status q3_count_experts(const int32_t *experts, int ndim, const int64_t *shape, const int64_t *strides, int E,
@@ -24,6 +47,13 @@ q3_status q3_count_experts(const int32_t *experts, int ndim, const int64_t *shap
     if (!q3_numel(ndim, shape, &n))
         return q3_fail(err, Q3_ERR_VALUE, "experts: expected non-negative dimensions that fit int64");
     if (n > 0 && !experts) return q3_fail(err, Q3_ERR_VALUE, "experts: NULL data for %lld entries", (long long)n);
+    if (n > 1 && !elements_distinct(ndim, shape, strides)) {
+        char sh[8 * 24], st[8 * 24];
+        format_index(sh, sizeof sh, ndim, shape);
+        format_index(st, sizeof st, ndim, strides);
+        return q3_fail(err, Q3_ERR_VALUE, "experts: expected a view whose elements do not overlap, got shape %s with "
+                       "strides %s (an expand or as_strided view: call .contiguous())", sh, st);
+    }
     memset(counts, 0, (size_t)E * sizeof *counts);
     int64_t idx[Q3_ROUTING_MAX_DIM] = {0}, off = 0; /* off: the element offset of idx */
     for (int64_t i = 0; i < n; i++) {

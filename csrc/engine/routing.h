@@ -13,7 +13,8 @@
  * [..., top_k] choices works as well), int32. counts is zeroed first and counts every
  * entry, so rows x top_k in all. An entry outside [0, E) fails with Q3_ERR_INDEX naming its
  * position ("experts[2, 7]") and value, counts then zeroed. E in [1, Q3_MAX_EXPERTS];
- * ndim in [1, Q3_ROUTING_MAX_DIM]; shape non-negative. The caller checked the strides as
+ * ndim in [1, Q3_ROUTING_MAX_DIM]; shape non-negative; no two elements at one address
+ * (Q3_ERR_VALUE otherwise: the walk is bounded by the memory the tensor holds). The caller checked the strides as
  * the DLPack import does: the sum over dims of (shape - 1) x |stride| fits int64 (and the
  * elements it reaches are the tensor's memory). */
 q3_status q3_count_experts(const int32_t *experts, int ndim, const int64_t *shape, const int64_t *strides, int E,
