@@ -33,10 +33,6 @@ int q3_insides_parse(q3_insides *ins, PyObject *router, PyObject *attention, PyO
     return parse_limit(limit, &ins->limit);
 }
 
-static q3_tensor_object *make(q3_module_state *st, q3_dtype dt, int ndim, const int64_t *shape, int device) {
-    return q3_tensor_new_on(st, dt, ndim, shape, device);
-}
-
 int q3_insides_make(q3_insides *ins, q3_module_state *st, const q3_layer *layer, const q3_cache *c,
                     const q3_view *x, int device, q3_forward_args *a) {
     const q3_config *cfg = q3_layer_config(layer);
@@ -44,10 +40,10 @@ int q3_insides_make(q3_insides *ins, q3_module_state *st, const q3_layer *layer,
         int64_t shape[3];
         for (int d = 0; d < x->ndim - 1; d++) shape[d] = x->shape[d];
         shape[x->ndim - 1] = cfg->experts;
-        if (!(ins->logits = make(st, Q3_F32, x->ndim, shape, device))) return -1;
+        if (!(ins->logits = q3_tensor_new_on(st, Q3_F32, x->ndim, shape, device))) return -1;
         shape[x->ndim - 1] = cfg->top_k;
-        if (!(ins->experts = make(st, Q3_I32, x->ndim, shape, device)) ||
-            !(ins->weights = make(st, Q3_F32, x->ndim, shape, device)))
+        if (!(ins->experts = q3_tensor_new_on(st, Q3_I32, x->ndim, shape, device)) ||
+            !(ins->weights = q3_tensor_new_on(st, Q3_F32, x->ndim, shape, device)))
             return -1;
         a->router_logits = ins->logits->data;
         a->router_experts = ins->experts->data;
@@ -70,7 +66,7 @@ int q3_insides_make(q3_insides *ins, q3_module_state *st, const q3_layer *layer,
                          (long long)context, what, (long long)ins->limit);
             return -1;
         }
-        if (!(ins->maps = make(st, Q3_F32, 4, shape, device))) return -1;
+        if (!(ins->maps = q3_tensor_new_on(st, Q3_F32, 4, shape, device))) return -1;
         a->attention = ins->maps->data;
         a->attention_context = context;
     }
