@@ -3,47 +3,41 @@ with Qwen3MoeDecoderLayer's forward signature that runs the C layer, sharing the
 layer's weights without copies; patch_model swaps every decoder layer of a Qwen3MoeModel or
 Qwen3MoeForCausalLM in place, unpatch_model puts the originals back.
 
-The keys and values live in the layer's own C cache. The model's cache (transformers'
-DynamicCache, passed as `cache` or `past_key_values`) still drives its bookkeeping
-(get_seq_length, the masks it builds), so each call also appends placeholders of one
-element per token to it: 4 bytes per token, sequence and layer in fp32, instead of a second
-copy of K and V (2 * num_kv_heads * head_dim elements per token). Left-padded batches work:
-each sequence's padding is read off the mask the model gives its layers (else generate's
-position_ids) and set on the C cache, so real tokens neither attend to the padding nor count it
-in their positions (RoPE's scores depend on position differences only, so a plain forward that
-counts the padding in the positions gives the same real-token outputs).
+A patched layer holds the original's submodules as its own (self_attn, mlp and the norms),
+so the model's state_dict, save_pretrained and load_state_dict see every weight under its own
+name; the C layer reads those very tensors, and a call after they were replaced (model.to(),
+.half(), a reassigned parameter) raises instead of computing with the old ones.
 
-Each layer's C cache rides on the model cache's entry for that layer (its `_q3_cache`), and the
-entry's class is swapped for a subclass that mirrors on the C cache every operation
-generation performs on the entry: reorder_cache (beam search), crop (assisted and
-prompt-lookup decoding), batch_repeat_interleave, batch_select_indices and reset; and
-copy.deepcopy of the model cache copies the C cache with it (KVCache.__deepcopy__). An
-operation it cannot mirror (offloading) raises NotImplementedError naming it.
+What each call asks for is read off the mask the model gives its layers, its position_ids and
+transformers' padding-free kwargs (qwen3layer.torch_masks): causal attention, left or right
+padding, packed sequences (each run as a sequence of its own), or a refusal naming the mask.
+The keys and values live in the layer's own C cache, and the model cache's entries hold
+zero-copy views of them (qwen3layer.torch_cache), for DynamicCache and StaticCache.
+The insides (router logits, attention maps, hidden states) reach the model's outputs where
+transformers records them (qwen3layer.torch_record). Padding query rows are the one
+difference: transformers' eager attention gives a fully masked row a uniform 1/context row,
+the C layer has a padding token look at itself only (1 on its own position; a right-padding
+row attends causally), so those rows of the outputs, router logits and hidden states differ
+(transformers' aux_loss leaves them out through the attention mask; no real token looks at
+them).
 
-The layer's insides reach the model's outputs where transformers collects them. transformers
-(4.57 and 5.x) records output_router_logits, output_attentions and output_hidden_states from
-the modules of the classes its model lists in `_can_record_outputs` (the router or the MoE
-block, the attention, the decoder layer), by wrapping their forward for the call (4.57) or by
-forward hooks installed once per model (5.x). Each patched layer holds a parameter-free
-stand-in of each such class (`recorders`), and after the C layer ran (asked for its router
-logits and attention maps from the same pass when the model wants them) it calls each
-stand-in with the value transformers would have read off the original module: router logits
-[tokens, experts] with the batch flattened, attention maps [batch, heads, new, context], the
-layer's input and output, in the model's dtype (the C layer hands them over in fp32).
-5.x's hooks move with the layers: patch_model puts those on the originals onto the stand-ins,
-unpatch_model those on the stand-ins onto the originals. Left padding's query rows are the one
-difference: transformers' eager attention gives a fully masked row a uniform 1/context row, the
-C layer has a padding token look at itself only (1 on its own position), and so those rows of
-the router logits and hidden states differ too (transformers' aux_loss leaves them out through
-the attention mask; no real token looks at them).
+Inference only: a call in training mode with gradients enabled raises before any work (the
+model's forward is guarded as well as each layer); an eval-mode call with gradients enabled
+works and warns once that no gradient flows through the layer.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+import warnings
+from typing import Any, Dict, List, Optional
 
 import torch
 
+from . import torch_cache as _cache
+from . import torch_masks as _masks
+from . import torch_record as _rec
 from .layer import DecoderLayer as _CoreLayer
+
+_GRAD_WARNED = [False]
 
 
 class DecoderLayer(torch.nn.Module):
@@ -58,24 +52,32 @@ class DecoderLayer(torch.nn.Module):
         self.max_tokens = max_tokens
         self.kv_cache = None  # the C cache of the generation in progress
         self.attention_limit: Optional[int] = None  # bytes of maps one call may make (None: the C layer's default)
-        # kept out of the module tree so that the model's parameters are not listed twice
+        # the original itself stays out of the module tree (the model lists each parameter once), its
+        # submodules are this module's: the state_dict keeps transformers' names and tensors
         self.__dict__["original"] = original
+        for name, child in (original.named_children() if original is not None else ()):
+            self.add_module(name, child)
+        # the tensors the C layer reads, as they were when it was made
+        self.__dict__["_borrowed"] = [(name, p, p.data_ptr(), p.dtype, p.device) for name, p in
+                                      (original.named_parameters() if original is not None else ())]
         # the model's config: its output_* flags are the defaults of the call's (as in transformers)
         self.__dict__["config"] = getattr(getattr(original, "self_attn", None), "config", None)
         self.recorders = torch.nn.ModuleDict()
+        self.training = bool(getattr(original, "training", False))  # the mode of the layer it replaces
         for key, spec in (recordable or {}).items():
-            target, index = _recorder_spec(key, spec)
-            counterpart = _module_of(original, target) if target is not None else None
+            target, index = _rec.recorder_spec(key, spec)
+            counterpart = _rec.module_of(original, target) if target is not None else None
             if counterpart is not None:
-                self.recorders[key] = _recorder_class(target)(key, index)
-                _carry_hooks(counterpart, self.recorders[key])
+                self.recorders[key] = _rec.recorder_class(target)(key, index)
+                _rec.carry_hooks(counterpart, self.recorders[key])
 
     @classmethod
     def from_hf(cls, hf_layer: torch.nn.Module, max_tokens: int = 4096,
                 recordable: Optional[Dict[str, Any]] = None) -> "DecoderLayer":
         """From a transformers Qwen3MoeDecoderLayer; its weights are shared, not copied, and
         the C layer runs where they are (the CPU, or their CUDA device, on torch's stream).
-        max_tokens: the longest sequence (prompt + generated) a generation may reach.
+        max_tokens: the longest sequence (prompt + generated) a generation may reach with a
+        DynamicCache (a StaticCache's max_cache_len sets it for its generations).
         recordable: the model's `_can_record_outputs` (patch_model passes it), which makes the
         layer hand its router logits, attention maps and hidden states to the model's outputs;
         without it, asking for them raises NotImplementedError."""
@@ -84,24 +86,45 @@ class DecoderLayer(torch.nn.Module):
         device = "cpu" if where.type == "cpu" else f"cuda:{where.index or 0}"
         return cls(_CoreLayer.from_hf(hf_layer, device=device), layer_idx, hf_layer, max_tokens, recordable)
 
-    def _cache_for(self, model_cache: Any, batch: int, padding: list):
-        """The C cache riding on the model cache's entry for this layer, or a new one when a
-        generation starts (with each sequence's left padding)."""
-        seen = model_cache.get_seq_length(self.layer_idx) if model_cache is not None else 0
-        entry = _entry(model_cache, self.layer_idx)
+    def check_inference(self) -> None:
+        """RuntimeError for a call that expects to train through the layer (training mode with
+        gradients enabled), before any work; a warning, once, for an eval-mode call with
+        gradients enabled (its output has none)"""
+        if self.training and torch.is_grad_enabled():
+            raise RuntimeError(
+                f"qwen3layer layer {self.layer_idx}: the C layer is inference-only (it has no backward), and the "
+                "model is in training mode with gradients enabled (model.train(), gradient checkpointing or a loss "
+                "to back-propagate): call model.eval() and run it under torch.no_grad() or torch.inference_mode()")
+        dropout = float(getattr(self.config, "attention_dropout", 0.0) or 0.0)
+        if self.training and dropout > 0:
+            raise RuntimeError(f"qwen3layer layer {self.layer_idx}: attention_dropout={dropout} in training mode: "
+                               "transformers would drop attention probabilities, the C layer does not; call model.eval()")
+        if torch.is_grad_enabled() and not _GRAD_WARNED[0]:
+            _GRAD_WARNED[0] = True
+            warnings.warn("qwen3layer: the patched layers run with gradients enabled but no gradient flows through "
+                          "them (inference only); use torch.no_grad() or torch.inference_mode()", stacklevel=3)
+
+    def _check_weights(self) -> None:
+        for name, p, ptr, dtype, device in self._borrowed:
+            if p.data_ptr() != ptr or p.dtype != dtype or p.device != device:
+                raise RuntimeError(
+                    f"qwen3layer layer {self.layer_idx}: {name} is no longer the tensor the C layer reads (it was "
+                    f"{dtype} on {device}, it is {p.dtype} on {p.device}: moved or replaced, e.g. by model.to() or "
+                    ".half()); call qwen3layer.torch.unpatch_model(model) and patch_model(model) again")
+
+    def _continued(self, entry: Any, seen: int, batch: int) -> Any:
+        """the C cache riding on the model cache's entry for this layer, for a call after `seen`
+        tokens"""
         kv = getattr(entry, "_q3_cache", None)
-        if seen == 0 or kv is None:
-            if seen:
-                raise RuntimeError(f"qwen3layer layer {self.layer_idx}: the model cache holds {seen} tokens this "
-                                   "layer never saw (was it patched in the middle of a generation?)")
-            kv = self._new_cache(self.max_tokens, batch, padding)
-        elif kv.lengths != (seen,) * batch:
-            raise RuntimeError(f"qwen3layer layer {self.layer_idx}: the model cache holds {seen} tokens, this "
-                               f"layer's cache {kv.lengths}")
-        self.kv_cache = kv  # the last one used, for inspection
+        if kv is None:
+            raise RuntimeError(f"qwen3layer layer {self.layer_idx}: the model cache holds {seen} tokens this "
+                               "layer never saw (was it patched in the middle of a generation?)")
+        if kv.lengths != (seen,) * batch:
+            raise RuntimeError(f"qwen3layer layer {self.layer_idx}: the model cache holds {seen} tokens for each of "
+                               f"{batch} sequences, this layer's cache {kv.lengths}")
         return kv
 
-    def _new_cache(self, max_tokens: int, batch: int, padding: list):
+    def _new_cache(self, max_tokens: int, batch: int, padding: List[int]) -> Any:
         kv = self.core.new_cache(max_tokens, batch)
         for b, pad in enumerate(padding):
             if pad:
@@ -128,199 +151,111 @@ class DecoderLayer(torch.nn.Module):
                 f"{transformers.__version__} listens on this layer (made without the model's _can_record_outputs, "
                 "or recorded in a way the drop-in does not feed)")
 
+    def _plan(self, mask: Any, position_ids: Any, batch: int, length: int, past: int, kv: Any,
+              kwargs: Dict[str, Any]) -> _masks.CallPlan:
+        """the call's plan, made once per model call (every layer gets the same mask)"""
+        cu = kwargs.get("cu_seq_lens_q")
+        if cu is not None and kwargs.get("cu_seq_lens_k") is not None and \
+                not torch.equal(torch.as_tensor(cu), torch.as_tensor(kwargs["cu_seq_lens_k"])):
+            raise ValueError("cu_seq_lens_k: expected the same sequences as cu_seq_lens_q (no cache in a packed call), "
+                             f"got {kwargs['cu_seq_lens_k'].tolist()} and {cu.tolist()}")
+        impl = getattr(self.config, "_attn_implementation", None)
+        padding = kv.padding if kv is not None else None
+        key = (batch, length, past, padding, impl)
+        memo = _PLAN_MEMO
+        if memo and memo[0] is mask and memo[1] is position_ids and memo[2] is cu and memo[3] == key and \
+                memo[4] == getattr(mask, "_version", None):
+            return memo[5]
+        plan = _masks.plan_call(mask, position_ids, batch, length, past, padding, impl, cu)
+        _PLAN_MEMO[:] = [mask, position_ids, cu, key, getattr(mask, "_version", None), plan]
+        return plan
+
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.LongTensor] = None, past_key_values: Any = None,
                 use_cache: Optional[bool] = False, cache_position: Optional[torch.LongTensor] = None,
                 position_embeddings: Any = None, cache: Any = None, **kwargs: Any) -> torch.Tensor:
+        self.check_inference()
+        self._check_weights()
+        # transformers' attention appends to the cache it is given, whatever use_cache says
         model_cache = cache if cache is not None else past_key_values
         B, L, _ = hidden_states.shape
-        x = hidden_states.detach().contiguous()  # inference only: the C layer has no backward
-        padding = _left_padding(attention_mask, position_ids, B)
         want_router, want_maps = self._wants("router_logits", kwargs), self._wants("attentions", kwargs)
         for key, wanted in (("router_logits", want_router), ("attentions", want_maps),
                             ("hidden_states", self._wants("hidden_states", kwargs))):
             if wanted:
                 self._refuse_unrecorded(key)
-        keep = model_cache is not None and use_cache
-        kv = self._cache_for(model_cache, B, padding) if keep else self._new_cache(L, B, padding)
-        y = self.core.prefill(x, kv, return_router=want_router, return_attention=want_maps,
-                              attention_limit=self.attention_limit if want_maps else None)
-        if want_router or want_maps:
-            trace, y = y, y.output
-            if want_router:  # transformers' router logits: [batch * tokens, experts] in the model's dtype
-                _record(self.recorders["router_logits"], x, trace.router_logits.reshape(B * L, -1).to(x.dtype))
-            if want_maps:  # [batch, heads, tokens, context], as eager attention's probabilities
-                _record(self.recorders["attentions"], x, trace.attention.to(x.dtype))
+        entry = _cache.entry_of(model_cache, self.layer_idx) if model_cache is not None else None
+        _cache.check_entry(entry)
+        past = _cache.seen_tokens(model_cache, self.layer_idx)
+        kv = self._continued(entry, past, B) if past else None
+        plan = self._plan(attention_mask, position_ids, B, L, past, kv, kwargs)
+        if plan.packed is not None and model_cache is not None:
+            raise ValueError(f"attention_mask: {plan.kind}: packed sequences cannot continue in one model cache "
+                             "(each is a sequence of its own): call the model with use_cache=False")
+        stored = getattr(entry, "_q3_offsets", None) if past else None
+        if stored is not None and plan.offsets is not None and plan.offsets != stored:
+            raise ValueError(f"position_ids: the sequences' positions run {plan.offsets} past the C layer's, "
+                             f"earlier calls of this generation {stored}")
+        x = hidden_states.detach().contiguous()  # inference only: the C layer has no backward
+        limit = self.attention_limit if want_maps else None
+        if plan.packed is None:
+            if kv is None:
+                static = _cache.static_length(entry)
+                kv = self._new_cache(static or (self.max_tokens if model_cache is not None else L), B, plan.padding)
+            y = self.core.prefill(x, kv, return_router=want_router, return_attention=want_maps, attention_limit=limit)
+            if want_router or want_maps:
+                y, logits, maps = y.output, y.router_logits, y.attention
+        else:
+            y, logits, maps = _run_packed(self, x, plan, want_router, want_maps, limit)
+        if want_router:  # transformers' router logits: [batch * tokens, experts] in the model's dtype
+            _rec.record(self.recorders["router_logits"], x, logits.reshape(B * L, -1).to(x.dtype))
+        if want_maps:  # [batch, heads, tokens, keys], as eager attention's probabilities (a static cache's width)
+            maps = torch.nn.functional.pad(maps, (0, plan.key_width - maps.shape[-1]))
+            _rec.record(self.recorders["attentions"], x, maps.to(x.dtype))
         if "hidden_states" in self.recorders:  # its hooks decide whether it is asked for
-            _record(self.recorders["hidden_states"], hidden_states, y)
-        if keep:
-            marker = torch.zeros(B, 1, L, 1, dtype=hidden_states.dtype, device=hidden_states.device)
-            model_cache.update(marker, marker, self.layer_idx)
-            _attach(_entry(model_cache, self.layer_idx), kv)
+            _rec.record(self.recorders["hidden_states"], hidden_states, y)
+        if model_cache is not None:
+            _cache.publish(model_cache, self.layer_idx, kv, L)
+            entry = _cache.entry_of(model_cache, self.layer_idx)
+            if not past:
+                entry._q3_offsets = plan.offsets
+            self.kv_cache = kv  # the last one used, for inspection
         return y
 
 
-def _record(recorder: torch.nn.Module, x: torch.Tensor, value: torch.Tensor) -> None:
-    """calls the stand-in as transformers' recording expects its class's output: value at the
-    recorder's index of a tuple (the original's other outputs are None: not recorded)"""
-    recorder(x, output=(None,) * recorder.index + (value,))
+_PLAN_MEMO: list = []
 
 
-def _recorder_spec(key: str, spec: Any) -> Tuple[Optional[type], int]:
-    """(class, output index) transformers records `key` from; (None, 0) for what the drop-in
-    cannot stand in for (several classes, a name or a layer name instead of a class)"""
-    if isinstance(spec, type):
-        return spec, 0 if "hidden_states" in key else 1  # transformers' default for a bare class
-    target = getattr(spec, "target_class", None)
-    if isinstance(target, type) and getattr(spec, "layer_name", None) is None:
-        return target, int(getattr(spec, "index", 0))
-    return None, 0
+def _run_packed(layer: DecoderLayer, x: torch.Tensor, plan: _masks.CallPlan, want_router: bool,
+                want_maps: bool, limit: Optional[int]) -> tuple:
+    """each packed sequence as a C call of its own, on rows of x in place (views: no copy),
+    its output into the rows of y; the insides gathered into the whole call's shapes"""
+    B, L, _ = x.shape
+    y = torch.empty_like(x)
+    logits = maps = None
+    for b, segments in enumerate(plan.packed):
+        for s in segments:
+            n = s.end - s.start
+            kv = layer._new_cache(n, 1, [s.padding])
+            r = layer.core.prefill(x[b, s.start:s.end], kv, out=y[b, s.start:s.end], return_router=want_router,
+                                   return_attention=want_maps, attention_limit=limit)
+            if want_router:
+                if logits is None:
+                    logits = torch.zeros(B, L, r.router_logits.shape[-1], dtype=torch.float32, device=x.device)
+                logits[b, s.start:s.end] = r.router_logits.reshape(n, -1)
+            if want_maps:
+                if maps is None:
+                    maps = torch.zeros(B, r.attention.shape[1], L, plan.key_width, dtype=torch.float32,
+                                       device=x.device)
+                maps[b, :, s.start:s.end, s.start:s.end] = r.attention[0, :, :, :n]
+    return y, logits, maps
 
 
-def _module_of(layer: Optional[torch.nn.Module], target: type) -> Optional[torch.nn.Module]:
-    """the module of class `target` in the original layer (the layer itself included)"""
-    for module in (layer.modules() if layer is not None else ()):
-        if isinstance(module, target):
-            return module
-    return None
-
-
-_RECORDER_CLASSES: Dict[type, type] = {}
-
-
-def _recorder_class(target: type) -> type:
-    """A parameter-free subclass of `target` whose call returns the output it is given: the
-    modules transformers records from are found by isinstance, and no code of the original
-    class runs (torch's plain Module.__call__, so that its hooks run and 4.57's wrapped
-    forward is what is called)."""
-    if target not in _RECORDER_CLASSES:
-        def __init__(self, key: str, index: int) -> None:
-            torch.nn.Module.__init__(self)
-            self.key, self.index = key, index
-
-        def forward(self, *args: Any, output: Any = None) -> Any:
-            return output
-
-        def extra_repr(self) -> str:
-            return f"records {self.key}"
-
-        ns = {"__init__": __init__, "forward": forward, "extra_repr": extra_repr,
-              "__call__": torch.nn.Module.__call__}
-        _RECORDER_CLASSES[target] = type(f"Q3Recorder{target.__name__}", (target,), ns)
-    return _RECORDER_CLASSES[target]
-
-
-def _carry_hooks(src: Optional[torch.nn.Module], dst: Optional[torch.nn.Module]) -> None:
-    """transformers 5.x installs its recording hooks once per model, on the modules of the
-    recorded classes it finds then: those on src, which dst replaces in the model, go to dst"""
-    if src is None or dst is None:
-        return
-    have = set(dst._forward_hooks.values())
-    for hook in list(src._forward_hooks.values()):
-        if getattr(hook, "__name__", "") == "output_capturing_hook" and hook not in have:
-            dst.register_forward_hook(hook)
-
-
-def _entry(model_cache: Any, layer_idx: int) -> Any:
-    """the model cache's entry (a cache layer) for layer_idx, None before it has one"""
-    layers = getattr(model_cache, "layers", None)
-    if layers is None:
-        raise NotImplementedError(f"qwen3layer: a model cache of type {type(model_cache).__name__} (without cache "
-                                  "layers) cannot be mirrored on the C cache")
-    return layers[layer_idx] if layer_idx < len(layers) else None
-
-
-def _attach(entry: Any, kv: Any) -> None:
-    """ties the C cache kv to the model cache's entry: the entry's class becomes one that
-    mirrors generation's operations on it"""
-    cls = type(entry)
-    if not getattr(cls, "_q3_mirrors", False):
-        entry.__class__ = _mirroring(cls)
-    entry._q3_cache = kv
-
-
-_MIRRORING: Dict[type, type] = {}
-
-
-def _mirroring(base: type) -> type:
-    """the subclass of a cache-layer class that mirrors its operations on `_q3_cache`"""
-    if base in _MIRRORING:
-        return _MIRRORING[base]
-
-    def mirrored_length(self) -> None:
-        """crop: whatever the transformers version's argument meant, the entry's new length is
-        what the C cache keeps"""
-        kv = getattr(self, "_q3_cache", None)
-        if kv is not None:
-            kv.crop(self.get_seq_length())
-
-    def stream(kv: Any) -> dict:
-        """a device cache's copies go on torch's current stream, after the layer calls queued
-        there (KVCache's stream rule); a host cache takes none"""
-        return {} if kv.device == "cpu" else {"stream": torch.cuda.current_stream(torch.device(kv.device)).cuda_stream}
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        base.reorder_cache(self, beam_idx)
-        if getattr(self, "_q3_cache", None) is not None:
-            self._q3_cache.reorder(beam_idx.tolist(), **stream(self._q3_cache))
-
-    def crop(self, *args: Any, **kwargs: Any) -> None:
-        base.crop(self, *args, **kwargs)
-        mirrored_length(self)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        base.batch_repeat_interleave(self, repeats)
-        if getattr(self, "_q3_cache", None) is not None:
-            self._q3_cache = self._q3_cache.repeat_interleave(repeats, **stream(self._q3_cache))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        base.batch_select_indices(self, indices)
-        if getattr(self, "_q3_cache", None) is not None:
-            idx = torch.as_tensor(indices)
-            if idx.dtype == torch.bool:
-                idx = idx.nonzero().flatten()
-            self._q3_cache = self._q3_cache.select(idx.flatten().tolist(), **stream(self._q3_cache))
-
-    def reset(self) -> None:
-        base.reset(self)
-        if getattr(self, "_q3_cache", None) is not None:
-            self._q3_cache.reset()
-
-    def refuse(name: str):
-        def method(self, *args: Any, **kwargs: Any) -> None:
-            raise NotImplementedError(f"qwen3layer: {name} of a cache layer cannot be mirrored on the C cache")
-        method.__name__ = name
-        return method
-
-    ns: Dict[str, Any] = {"_q3_mirrors": True, "reorder_cache": reorder_cache, "crop": crop,
-                          "batch_repeat_interleave": batch_repeat_interleave,
-                          "batch_select_indices": batch_select_indices, "reset": reset}
-    for name in ("offload", "prefetch"):
-        if hasattr(base, name):
-            ns[name] = refuse(name)
-    _MIRRORING[base] = type(f"Q3Mirrored{base.__name__}", (base,), ns)
-    return _MIRRORING[base]
-
-
-def _left_padding(mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor], batch: int) -> list:
-    """Leading padding tokens of each sequence, for a generation's first call. From the 4D
-    mask transformers gives the layers when it has one ([batch, 1, new, context], bool or
-    additive): the keys masked at the start of the last query row (a real token when the
-    batch is left padded). Else from generate's position_ids: a left-padded sequence's real
-    tokens have positions 0, 1, ... and its padding 0 (transformers 5) or 1 (4.57), so the
-    padding ends at the last position 0."""
-    if isinstance(mask, torch.Tensor) and mask.dim() == 4:
-        last = mask[:, 0, -1, :].expand(batch, -1)
-        masked = ~last if last.dtype == torch.bool else last < torch.finfo(last.dtype).min / 2
-        seen = torch.cumprod(masked.to(torch.int32), dim=1)  # 1 while the leading run lasts
-        return seen.sum(dim=1).tolist()
-    if position_ids is None or position_ids.dim() != 2:
-        return [0] * batch
-    pads = []
-    for row in position_ids.expand(batch, -1).tolist():
-        zeros = [i for i, p in enumerate(row) if p == 0]
-        pads.append(zeros[-1] if zeros else 0)
-    return pads
+def _guard(model: torch.nn.Module, args: Any) -> None:
+    """the model's forward pre-hook: a training call is refused before the embeddings run"""
+    layers = [m for m in _layers(model) if isinstance(m, DecoderLayer)]
+    if layers:
+        layers[0].check_inference()
 
 
 def _layers(model: torch.nn.Module) -> torch.nn.ModuleList:
@@ -339,10 +274,13 @@ def patch_model(model: torch.nn.Module, max_tokens: int = 4096,
     ValueError with the maps' shape and size."""
     layers = _layers(model)
     recordable = getattr(model, "_can_record_outputs", None)
-    for i, layer in enumerate(layers):
-        if not isinstance(layer, DecoderLayer):
-            layers[i] = DecoderLayer.from_hf(layer, max_tokens, recordable)
-        layers[i].attention_limit = attention_limit
+    made = [layer if isinstance(layer, DecoderLayer) else DecoderLayer.from_hf(layer, max_tokens, recordable)
+            for layer in layers]  # every layer made (and its config checked) before the model changes
+    for i, layer in enumerate(made):
+        layers[i] = layer
+        layer.attention_limit = attention_limit
+    if getattr(model, "_q3_guard", None) is None:
+        model._q3_guard = model.register_forward_pre_hook(_guard)
     return model
 
 
@@ -352,6 +290,10 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
     for i, layer in enumerate(layers):
         if isinstance(layer, DecoderLayer):
             for rec in layer.recorders.values():  # 5.x's hooks installed while it was patched
-                _carry_hooks(rec, _module_of(layer.original, type(rec).__mro__[1]))
+                _rec.carry_hooks(rec, _rec.module_of(layer.original, type(rec).__mro__[1]), replace=True)
             layers[i] = layer.original
+    guard = getattr(model, "_q3_guard", None)
+    if guard is not None:
+        guard.remove()
+        del model._q3_guard
     return model

@@ -52,9 +52,10 @@ def test_patching_shares_weights_and_unpatching_restores():
     layer = model.model.layers[0]
     assert layer.core.converted == ()
     assert layer.core.weight_ptrs["self_attn.q_proj.weight"] == originals[0].self_attn.q_proj.weight.data_ptr()
-    # the patched model lists no parameter twice and copies none
-    assert {n: p.data_ptr() for n, p in model.named_parameters()} == {
-        n: p for n, p in before.items() if not n.startswith("model.layers.")}
+    # the patched model lists every parameter under its own name, once, and copies none
+    names = [n for n, _ in model.named_parameters()]
+    assert len(names) == len(set(names))
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == before
     q3t.unpatch_model(model)
     assert list(model.model.layers) == originals
 
@@ -71,8 +72,9 @@ def test_model_cache_bookkeeping_is_kept():
     nxt = model(torch.tensor([[5], [6]]), past_key_values=model_cache, use_cache=True)
     assert nxt.past_key_values.get_seq_length() == 8
     assert model.model.layers[0].kv_cache.lengths == (8, 8)
-    # placeholders, not a second copy of K and V: one element per token
-    assert model_cache.layers[0].keys.shape == (2, 1, 8, 1)
+    # the real K and V, views of the C cache: [batch, kv_heads, tokens, head_dim]
+    assert model_cache.layers[0].keys.shape == (2, 2, 8, 24)
+    assert model_cache.layers[0].keys.data_ptr() == torch.from_dlpack(model.model.layers[0].kv_cache.keys(0)).data_ptr()
     full = tiny_model(3)(torch.cat([ids, torch.tensor([[5], [6]])], 1)).logits[:, -1]
     assert torch.allclose(nxt.logits[:, -1], full, rtol=1e-4, atol=1e-4)
 

@@ -115,6 +115,51 @@ static PyObject *cache_view(q3_cache_object *o, PyObject *args, PyObject *kw, in
 static PyObject *cache_keys(q3_cache_object *o, PyObject *a, PyObject *k) { return cache_view(o, a, k, 0); }
 static PyObject *cache_values(q3_cache_object *o, PyObject *a, PyObject *k) { return cache_view(o, a, k, 1); }
 
+/* [batch, kv_heads, tokens, head_dim] over every sequence: tokens <= capacity, default the
+ * length all sequences share (a view of positions past a sequence's length reads what the
+ * cache holds there: zeros until written) */
+static PyObject *cache_view_all(q3_cache_object *o, PyObject *args, PyObject *kw, int values) {
+    static char *names[] = {"tokens", NULL};
+    PyObject *tokens_obj = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, values ? "|O:all_values" : "|O:all_keys", names, &tokens_obj))
+        return NULL;
+    const q3_cache *c = o->cache;
+    int64_t tokens = c->lengths[0];
+    if (tokens_obj == Py_None) {
+        for (int b = 1; b < c->batch; b++)
+            if (c->lengths[b] != tokens) {
+                PyErr_Format(PyExc_ValueError, "tokens: the sequences hold different lengths (sequence 0: %lld, "
+                             "sequence %d: %lld): pass tokens= to view that many of each",
+                             (long long)tokens, b, (long long)c->lengths[b]);
+                return NULL;
+            }
+    } else {
+        if (!PyLong_Check(tokens_obj)) {
+            PyErr_Format(PyExc_TypeError, "tokens: expected an int or None, got %.100s", Py_TYPE(tokens_obj)->tp_name);
+            return NULL;
+        }
+        const long long v = PyLong_AsLongLong(tokens_obj);
+        if (v == -1 && PyErr_Occurred()) return NULL;
+        if (v < 0 || v > c->capacity) {
+            PyErr_Format(PyExc_ValueError, "tokens: expected 0 <= tokens <= %lld (the cache's capacity), got %lld",
+                         (long long)c->capacity, v);
+            return NULL;
+        }
+        tokens = v;
+    }
+    q3_module_state *st = q3_state_of_type(Py_TYPE(o));
+    if (!st) return NULL;
+    const int64_t shape[4] = {c->batch, c->kv_heads, tokens, c->head_dim};
+    const int64_t strides[4] = {c->kv_heads * c->capacity * c->head_dim, c->capacity * c->head_dim, c->head_dim, 1};
+    void *base = values ? q3_cache_seq_values(c, 0) : q3_cache_seq_keys(c, 0);
+    q3_tensor_object *t = q3_tensor_view(st, (PyObject *)o, base, c->dtype, 4, shape, strides);
+    if (t) t->device = c->device;
+    return (PyObject *)t;
+}
+
+static PyObject *cache_all_keys(q3_cache_object *o, PyObject *a, PyObject *k) { return cache_view_all(o, a, k, 0); }
+static PyObject *cache_all_values(q3_cache_object *o, PyObject *a, PyObject *k) { return cache_view_all(o, a, k, 1); }
+
 static PyObject *cache_lengths(q3_cache_object *o, void *c) {
     (void)c;
     PyObject *t = PyTuple_New(o->cache->batch);
@@ -172,6 +217,13 @@ static PyMethodDef cache_methods[] = {
      "(after QK-norm and RoPE), with __dlpack__. The view keeps the length it had when taken."},
     {"values", (PyCFunction)(void (*)(void))cache_values, KW,
      "values(seq=0)\n--\n\nZero-copy view [num_kv_heads, length, head_dim] of the sequence's values."},
+    {"all_keys", (PyCFunction)(void (*)(void))cache_all_keys, KW,
+     "all_keys(tokens=None)\n--\n\nZero-copy view [batch, num_kv_heads, tokens, head_dim] of every sequence's keys "
+     "(transformers' cache layout); tokens defaults to the length all sequences share (ValueError when they "
+     "differ), at most the capacity (positions never written read zeros)."},
+    {"all_values", (PyCFunction)(void (*)(void))cache_all_values, KW,
+     "all_values(tokens=None)\n--\n\nZero-copy view [batch, num_kv_heads, tokens, head_dim] of every sequence's "
+     "values, as all_keys."},
     {"reorder", (PyCFunction)(void (*)(void))q3_py_cache_reorder, KW,
      "reorder(index, *, stream=None)\n--\n\nIn place: sequence i becomes a copy of old sequence index[i] "
      "(len(index) == batch; indices may repeat: beam search). Tokens, lengths and padding move together. "

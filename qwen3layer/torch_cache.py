@@ -1,0 +1,179 @@
+"""The model cache's entries of a patched model hold the C cache's keys and values.
+
+transformers keeps each layer's K and V in a cache layer (its `keys` and `values`,
+[batch, kv_heads, tokens, head_dim]); the drop-in's K and V live in the layer's C cache
+(KVCache, the same layout per sequence). After each call the entry's keys and values become
+zero-copy views of the C cache (KVCache.all_keys / all_values): a DynamicLayer's as wide as
+the tokens held, a StaticLayer's as wide as its max_cache_len (its cumulative_length counted
+as transformers' update counts it), so everything that reads the model cache (its
+get_seq_length, the masks it sizes, a user reading the keys) sees the real K and V, and no
+step copies them. Keys are stored after QK-norm and RoPE, as transformers stores them.
+
+The entry also carries the C cache (`_q3_cache`), and its class becomes a subclass that mirrors
+on the C cache every operation generation performs on an entry: reorder_cache (beam search),
+crop (assisted and prompt-lookup decoding), batch_repeat_interleave, batch_select_indices and
+reset; the views are then taken anew, so none of them copies K and V in torch. copy.deepcopy
+of the model cache copies the C cache with it (KVCache.__deepcopy__). What cannot be mirrored
+(offloading, quantized or sliding-window layers) raises NotImplementedError naming it.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import torch
+
+# the cache-layer classes whose bookkeeping the drop-in keeps (by name: 4.57 and 5.x alike)
+_KEPT = ("DynamicLayer", "StaticLayer")
+
+
+def entry_of(model_cache: Any, layer_idx: int) -> Any:
+    """the model cache's entry (a cache layer) for layer_idx, None before it has one"""
+    layers = getattr(model_cache, "layers", None)
+    if layers is None:
+        raise NotImplementedError(f"qwen3layer: a model cache of type {type(model_cache).__name__} (without cache "
+                                  "layers) cannot be mirrored on the C cache")
+    return layers[layer_idx] if layer_idx < len(layers) else None
+
+
+def _base_name(entry: Any) -> str:
+    cls = type(entry)
+    return cls.__mro__[1].__name__ if getattr(cls, "_q3_mirrors", False) else cls.__name__
+
+
+def check_entry(entry: Any) -> None:
+    """NotImplementedError for a cache layer whose bookkeeping the drop-in does not keep"""
+    if entry is not None and _base_name(entry) not in _KEPT:
+        raise NotImplementedError(f"qwen3layer: a model cache layer of type {_base_name(entry)} cannot hold the C "
+                                  f"cache's keys and values (supported: {', '.join(_KEPT)}: DynamicCache, StaticCache)")
+
+
+def is_static(entry: Any) -> bool:
+    return entry is not None and _base_name(entry) == "StaticLayer"
+
+
+def static_length(entry: Any) -> Optional[int]:
+    """a StaticLayer's max_cache_len (the width of its keys and of transformers' masks)"""
+    return int(entry.max_cache_len) if is_static(entry) else None
+
+
+def seen_tokens(model_cache: Any, layer_idx: int) -> int:
+    if model_cache is None:
+        return 0
+    return int(model_cache.get_seq_length(layer_idx))
+
+
+def _views(kv: Any, tokens: int) -> tuple:
+    return torch.from_dlpack(kv.all_keys(tokens)), torch.from_dlpack(kv.all_values(tokens))
+
+
+def publish(model_cache: Any, layer_idx: int, kv: Any, new_tokens: int) -> None:
+    """after a call that appended new_tokens to the C cache kv: the entry's keys and values
+    become views of it (the entry is made first where the model cache has none yet)"""
+    entry = entry_of(model_cache, layer_idx)
+    check_entry(entry)
+    if entry is None or not getattr(entry, "is_initialized", False):
+        k0, v0 = _views(kv, 0)
+        # the model cache makes and initialises its entry as it would for the layer's first keys
+        # (0 tokens of them: nothing is copied); 4.57's static layer reads a cache_position
+        model_cache.update(k0, v0, layer_idx, {"cache_position": torch.zeros(0, dtype=torch.long,
+                                                                               device=k0.device)})
+        entry = entry_of(model_cache, layer_idx)
+        check_entry(entry)
+        if is_static(entry) and hasattr(entry, "cumulative_length"):
+            entry.cumulative_length.zero_()
+    if is_static(entry):
+        if kv.capacity != entry.max_cache_len:
+            raise RuntimeError(f"qwen3layer layer {layer_idx}: the C cache holds {kv.capacity} tokens a sequence, the "
+                               f"static cache {entry.max_cache_len}")
+        entry.keys, entry.values = _views(kv, entry.max_cache_len)
+        if isinstance(getattr(entry, "cumulative_length", None), torch.Tensor):
+            entry.cumulative_length.add_(new_tokens)
+    else:
+        entry.keys, entry.values = _views(kv, kv.lengths[0])
+    attach(entry, kv)
+
+
+def _repoint(entry: Any) -> None:
+    """the entry's views taken anew after an operation on its C cache"""
+    kv = entry._q3_cache
+    width = entry.max_cache_len if is_static(entry) else kv.lengths[0]
+    entry.keys, entry.values = _views(kv, width)
+
+
+def attach(entry: Any, kv: Any) -> None:
+    """ties the C cache kv to the model cache's entry: the entry's class becomes one that
+    mirrors generation's operations on it"""
+    cls = type(entry)
+    if not getattr(cls, "_q3_mirrors", False):
+        entry.__class__ = _mirroring(cls)
+    entry._q3_cache = kv
+
+
+_MIRRORING: Dict[type, type] = {}
+
+
+def _stream(kv: Any) -> dict:
+    """a device cache's copies go on torch's current stream, after the layer calls queued
+    there (KVCache's stream rule); a host cache takes none"""
+    return {} if kv.device == "cpu" else {"stream": torch.cuda.current_stream(torch.device(kv.device)).cuda_stream}
+
+
+def _mirroring(base: type) -> type:
+    """the subclass of a cache-layer class that mirrors its operations on `_q3_cache`"""
+    if base in _MIRRORING:
+        return _MIRRORING[base]
+
+    def held(self) -> Any:
+        return getattr(self, "_q3_cache", None) if getattr(self, "is_initialized", False) else None
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        kv = held(self)
+        if kv is None:
+            return base.reorder_cache(self, beam_idx)
+        kv.reorder(beam_idx.tolist(), **_stream(kv))
+        _repoint(self)
+
+    def crop(self, *args: Any, **kwargs: Any) -> None:
+        base.crop(self, *args, **kwargs)  # the entry's own bookkeeping (a view's slice, a length)
+        kv = held(self)
+        if kv is not None:  # whatever the version's argument meant, the C cache keeps what the entry says
+            kv.crop(int(self.get_seq_length()))
+            _repoint(self)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        kv = held(self)
+        if kv is None:
+            return base.batch_repeat_interleave(self, repeats)
+        self._q3_cache = kv.repeat_interleave(repeats, **_stream(kv))
+        _repoint(self)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        kv = held(self)
+        if kv is None:
+            return base.batch_select_indices(self, indices)
+        idx = torch.as_tensor(indices)
+        if idx.dtype == torch.bool:
+            idx = idx.nonzero().flatten()
+        self._q3_cache = kv.select(idx.flatten().tolist(), **_stream(kv))
+        _repoint(self)
+
+    def reset(self) -> None:
+        kv = getattr(self, "_q3_cache", None)
+        base.reset(self)
+        if kv is not None:
+            kv.reset()
+
+    def refuse(name: str):
+        def method(self, *args: Any, **kwargs: Any) -> None:
+            raise NotImplementedError(f"qwen3layer: {name} of a cache layer cannot be mirrored on the C cache")
+        method.__name__ = name
+        return method
+
+    ns: Dict[str, Any] = {"_q3_mirrors": True, "reorder_cache": reorder_cache, "crop": crop,
+                          "batch_repeat_interleave": batch_repeat_interleave,
+                          "batch_select_indices": batch_select_indices, "reset": reset}
+    for name in ("offload", "prefetch"):
+        if hasattr(base, name):
+            ns[name] = refuse(name)
+    _MIRRORING[base] = type(f"Q3Mirrored{base.__name__}", (base,), ns)
+    return _MIRRORING[base]

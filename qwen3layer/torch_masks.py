@@ -1,0 +1,264 @@
+"""What a transformers attention mask asks of the drop-in layer, decided before the C layer runs.
+
+The C layer computes one kind of attention: each sequence of its cache attends causally to
+its own tokens, after a run of leading padding that no later token attends to (a padding
+token looks at itself only), with positions counted from the first real token. A model
+call can ask for more: packed sequences (several sequences in one row, position_ids
+restarting at 0 for each), a custom 4D mask, a sliding window, a static cache wider than
+the tokens held. plan_call reads the mask the model gives its layers (None, 2D key padding
+as flash attention gets it, or 4D [batch, 1, queries, keys] bool or additive), the
+position_ids and transformers' padding-free kwargs (cu_seq_lens_q/k), and returns a
+CallPlan that the C layer runs exactly, or raises ValueError saying which mask it got.
+
+Rows: a query row is real when the mask lets it attend to its own key; a real row must
+attend exactly to a contiguous run of keys ending at itself, all of them real tokens (or the
+cache's real tokens). Rows that are not real (padding: their own key masked) are computed as
+the C layer computes padding, and no real row may look at them. So in one row of the batch:
+    causal, left padding: the real rows start at the first real token    -> one C sequence
+    right padding: padding rows after the real ones                      -> one C sequence
+    packed: real rows whose run starts at themselves open a new sequence -> one C sequence each
+    anything else (a sliding window, a tree of branches, holes): refused, named.
+position_ids must equal the C layer's positions plus one constant per sequence (RoPE's scores
+depend on position differences only); a restart that the mask does not separate is refused.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+
+
+@dataclasses.dataclass
+class Segment:
+    """rows [start, end) of one batch row run as one C sequence; its first `padding` rows
+    are padding (left padding), and rows after its real ones may be padding too"""
+    start: int
+    end: int
+    padding: int
+
+
+@dataclasses.dataclass
+class CallPlan:
+    """packed: None when every batch row is one sequence of the C cache (the ordinary call:
+    one C call over the batch, with `padding` leading padding rows each on a new cache);
+    else the segments of each batch row, each run as a sequence of its own.
+    key_width: the keys transformers' attention maps span (a static cache's length).
+    offsets: position_ids minus the C layer's positions, per sequence (None: not given)."""
+    padding: List[int]
+    packed: Optional[List[List[Segment]]]
+    key_width: int
+    offsets: Optional[List[int]]
+    kind: str
+
+
+def _describe_row(row: Sequence[bool], past: int, t: int) -> str:
+    keys = [j for j, a in enumerate(row) if a]
+    if not keys:
+        return "no key"
+    runs, start = [], keys[0]
+    for a, b in zip(keys, keys[1:] + [None]):
+        if b != a + 1:
+            runs.append(f"{start}" if start == a else f"{start}-{a}")
+            if b is not None:
+                start = b
+    return "keys " + ", ".join(runs[:6]) + (" ..." if len(runs) > 6 else "")
+
+
+def _refuse(what: str, b: int, t: int, past: int, row: Sequence[bool], expected: str) -> None:
+    raise ValueError(
+        f"attention_mask: {what}: query {t} of batch row {b} (cache position {past + t}) attends to "
+        f"{_describe_row(row, past, t)}, {expected}; the qwen3layer C layer computes causal attention over "
+        "each sequence after its left padding, packed sequences (a block-diagonal causal mask) and right "
+        "padding, and refuses other masks rather than run a different one")
+
+
+def allowed_keys(mask: Optional[torch.Tensor], batch: int, length: int, past: int) -> Optional[torch.Tensor]:
+    """[batch, length, keys] bool: which keys each query may attend to (None: causal)"""
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor):
+        raise ValueError(f"attention_mask: expected a tensor or None, got {type(mask).__name__}")
+    if mask.dim() == 2:  # flash attention's key padding [batch, keys]: 1 for a real token
+        if mask.shape[0] not in (1, batch) or mask.shape[1] < past + length:
+            raise ValueError(f"attention_mask: expected a 2D mask [{batch}, >= {past + length}], "
+                             f"got {list(mask.shape)}")
+        keys = mask.bool().expand(batch, -1)
+        causal = torch.ones(length, keys.shape[1], dtype=torch.bool, device=mask.device).tril(past)
+        return keys[:, None, :] & causal[None]
+    if mask.dim() != 4 or mask.shape[0] not in (1, batch) or mask.shape[2] != length \
+            or mask.shape[3] < past + length:
+        raise ValueError(f"attention_mask: expected a 4D mask [{batch}, 1, {length}, >= {past + length}] "
+                         f"(or a 2D one), got {list(mask.shape)}")
+    m = mask
+    if m.shape[1] != 1:
+        if not bool((m == m[:, :1]).all()):
+            raise ValueError(f"attention_mask: a mask per head ({m.shape[1]} heads) that differs between "
+                             "heads: the C layer applies one mask to every head")
+        m = m[:, :1]
+    m = m[:, 0].expand(batch, -1, -1)
+    if m.dtype == torch.bool:
+        return m
+    if not m.dtype.is_floating_point:
+        return m != 0
+    masked = m <= torch.finfo(m.dtype).min / 2
+    if not bool(((m == 0) | masked).all()):
+        bad = m[~((m == 0) | masked)].flatten()[0].item()
+        raise ValueError(f"attention_mask: an additive mask with a value other than 0 and -inf ({bad:g}): "
+                         "a bias on the scores, which the C layer does not add")
+    return ~masked
+
+
+def _row_summary(allowed: torch.Tensor, past: int) -> Tuple[List[bool], List[int], List[bool]]:
+    """per query of one batch row ([length, keys] allowed): whether it sees its own key,
+    the first key it sees, and whether it sees exactly the keys from that one to itself"""
+    length, width = allowed.shape
+    t = torch.arange(length, device=allowed.device)
+    real = allowed[t, past + t]
+    as_int = allowed.to(torch.int8)
+    first = as_int.argmax(dim=1)
+    last = width - 1 - as_int.flip(1).argmax(dim=1)
+    ok = (last == past + t) & (allowed.sum(dim=1) == last - first + 1)
+    return real.tolist(), first.tolist(), ok.tolist()
+
+
+def _plan_row(allowed: torch.Tensor, b: int, past: int, pad_cont: Optional[int]) -> Tuple[List[Segment], List[bool]]:
+    """the segments of batch row b from its allowed keys [length, keys], and which of its
+    rows are real"""
+    length = allowed.shape[0]
+    real, firsts, ok = _row_summary(allowed, past)
+    row = lambda t: allowed[t].tolist()  # noqa: E731  (for the messages only)
+    real_before = [0]
+    for r in real:
+        real_before.append(real_before[-1] + r)
+    segments: List[Segment] = []
+    for t in range(length):
+        if not real[t]:
+            if pad_cont is not None:
+                _refuse("a padding query after the cache's tokens", b, t, past, row(t),
+                        "but a call continuing the cache must see each new token's own key")
+            continue
+        first = firsts[t]
+        if not ok[t]:
+            hidden = [j for j in range(first, past + t + 1) if not allowed[t, j]]
+            if pad_cont is not None and hidden and hidden[-1] < past:
+                _refuse("cached tokens masked (right padding of an earlier call, or a hole)", b, t, past, row(t),
+                        f"but the C cache's sequence attends to each of its tokens after its {pad_cont} left padding "
+                        f"ones ({len(hidden)} masked from key {hidden[0]})")
+            _refuse("not a contiguous run of keys ending at the query", b, t, past, row(t),
+                    f"expected keys {first}-{past + t}")
+        if pad_cont is not None:  # continuing the cache: from its first real token on
+            if first != pad_cont:
+                _refuse("not the cache's causal attention", b, t, past, row(t),
+                        f"expected keys {pad_cont}-{past + t} (the sequence after its {pad_cont} padding tokens)")
+            continue
+        if real_before[t + 1] - real_before[first] != t - first + 1:
+            _refuse("a real token attending to a padding token", b, t, past, row(t),
+                    "but padding tokens (queries that do not see their own key) are computed as padding")
+        if first == t:  # opens a sequence: the rows before it belong to the previous one
+            if segments:
+                segments[-1].end = t
+                segments.append(Segment(t, length, 0))
+            else:
+                segments.append(Segment(0, length, t))  # leading padding rows
+        elif not segments or first != segments[-1].start + segments[-1].padding:
+            expected = (f"keys {segments[-1].start + segments[-1].padding}-{past + t} (its sequence's)"
+                        if segments else f"keys {t}-{t}")
+            _refuse("not causal within a sequence (a sliding window or a custom mask?)", b, t, past, row(t),
+                    expected)
+    if pad_cont is not None:
+        return [Segment(0, length, 0)], real
+    return segments or [Segment(0, length, length)], real  # every row padding
+
+
+def plan_call(mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor], batch: int, length: int,
+              past: int, cache_padding: Optional[Sequence[int]], attn_implementation: Optional[str] = None,
+              cu_seq_lens: Optional[torch.Tensor] = None) -> CallPlan:
+    """The plan of one layer call of `length` new tokens per batch row after `past` cached
+    ones; cache_padding: the C cache's padding per sequence when the call continues one."""
+    if position_ids is not None and (position_ids.dim() != 2 or position_ids.shape[-1] != length
+                                     or position_ids.shape[0] not in (1, batch)):
+        raise ValueError(f"position_ids: expected [{batch}, {length}] (or [1, {length}]), got "
+                         f"{list(position_ids.shape)}")
+    pos = position_ids.expand(batch, -1).tolist() if position_ids is not None else None
+    allowed = allowed_keys(mask, batch, length, past)
+    if allowed is not None:
+        key_width = allowed.shape[-1]
+        rows = [_plan_row(allowed[b], b, past, None if cache_padding is None else cache_padding[b])
+                for b in range(batch)]
+        plans, reals = [r[0] for r in rows], [r[1] for r in rows]
+        kind = "4D mask" if mask.dim() == 4 else "2D mask"
+    else:
+        key_width, reals = past + length, None
+        if cache_padding is not None and any(cache_padding):
+            raise ValueError(f"attention_mask: None (every key attended) in a call continuing a cache whose sequences "
+                             f"begin with padding {list(cache_padding)}: transformers would attend to the padding, "
+                             "the C layer does not; pass the attention mask of the generation")
+        plans = [[Segment(0, length, 0)] for _ in range(batch)]
+        kind = "no mask (causal)"
+        packed_by = None
+        if cu_seq_lens is not None:
+            packed_by = "cu_seq_lens"
+        elif pos is not None and attn_implementation and "flash" in attn_implementation:
+            packed_by = "position_ids"  # flash attention reads packing off restarting positions
+        if packed_by is not None:
+            if past:
+                raise ValueError(f"{packed_by}: packed sequences in a call that continues a cache of {past} tokens")
+            plans = [_segments_of(cu_seq_lens, pos, b, length, batch) for b in range(batch)]
+            kind = f"packed ({packed_by})"
+    if cu_seq_lens is not None and allowed is not None:
+        given = _segments_of(cu_seq_lens, None, 0, length, batch)
+        if batch != 1 or [(s.start, s.end) for s in given] != [(s.start, s.end) for s in plans[0]]:
+            raise ValueError(f"cu_seq_lens_q: sequences {[(s.start, s.end) for s in given]} differ from the "
+                             f"mask's {[(s.start, s.end) for s in plans[0]]}")
+    packed = any(len(p) > 1 for p in plans)
+    if packed and past:
+        raise ValueError("attention_mask: packed sequences in a call that continues a cache")
+    if packed:
+        kind = kind if kind.startswith("packed") else "packed (block-diagonal mask)"
+    offsets = None if pos is None else _offsets(pos, plans, past, cache_padding, reals)
+    padding = [p[0].padding if cache_padding is None else cache_padding[b] for b, p in enumerate(plans)]
+    return CallPlan(padding, plans if packed else None, key_width, offsets, kind)
+
+
+def _segments_of(cu_seq_lens: Optional[torch.Tensor], pos: Optional[List[List[int]]], b: int,
+                 length: int, batch: int) -> List[Segment]:
+    """packed sequences from cu_seq_lens ([0, l1, l1 + l2, ...] over the flattened batch) or
+    from position_ids restarting at 0"""
+    if cu_seq_lens is not None:
+        cuts = [int(c) for c in cu_seq_lens.flatten().tolist()]
+        if batch != 1 or cuts[0] != 0 or cuts[-1] != length or any(a >= b for a, b in zip(cuts, cuts[1:])):
+            raise ValueError(f"cu_seq_lens_q: expected increasing offsets from 0 to {length} over a batch of 1, "
+                             f"got {cuts} for a batch of {batch}")
+        return [Segment(a, e, 0) for a, e in zip(cuts, cuts[1:])]
+    row = pos[b]
+    starts = [t for t in range(length) if t == 0 or row[t] != row[t - 1] + 1]
+    return [Segment(a, e, 0) for a, e in zip(starts, starts[1:] + [length])]
+
+
+def _offsets(pos: List[List[int]], plans: List[List[Segment]], past: int, cache_padding: Optional[Sequence[int]],
+             reals: Optional[List[List[bool]]]) -> List[int]:
+    """position_ids minus the C layer's position of each real row, one constant per sequence
+    (per batch row for the ordinary call); ValueError naming the first row where it varies"""
+    out = []
+    for b, segments in enumerate(plans):
+        for seg in segments:
+            first_real = seg.start + seg.padding
+            offset = None
+            for t in range(first_real, seg.end):
+                if reals is not None and not reals[b][t]:
+                    continue  # a padding row: its position is not used
+                ours = (past + t - (cache_padding[b] if cache_padding is not None else first_real)
+                        if len(segments) == 1 else t - first_real)
+                if offset is None:
+                    offset = pos[b][t] - ours
+                elif pos[b][t] - ours != offset:
+                    raise ValueError(
+                        f"position_ids: token {t} of batch row {b} is at position {pos[b][t]}, expected "
+                        f"{ours + offset} (the sequence's positions run on from {first_real}); "
+                        + ("restarting positions are packed sequences, which transformers separates only "
+                           "without a cache (use_cache=False) or under flash attention: with this mask they would "
+                           "attend to each other" if pos[b][t] < ours + offset else
+                           "the C layer counts positions from the sequence's first real token"))
+            out.append(offset or 0)
+    return out
