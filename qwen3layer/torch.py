@@ -34,6 +34,7 @@ import torch
 
 from . import torch_cache as _cache
 from . import torch_masks as _masks
+from . import torch_op as _op
 from . import torch_record as _rec
 from .layer import DecoderLayer as _CoreLayer
 
@@ -62,6 +63,7 @@ class DecoderLayer(torch.nn.Module):
                                       (original.named_parameters() if original is not None else ())]
         # the model's config: its output_* flags are the defaults of the call's (as in transformers)
         self.__dict__["config"] = getattr(getattr(original, "self_attn", None), "config", None)
+        self.__dict__["_handle"] = _op.register_layer(self)  # the custom op's way back to this layer
         self.recorders = torch.nn.ModuleDict()
         self.training = bool(getattr(original, "training", False))  # the mode of the layer it replaces
         for key, spec in (recordable or {}).items():
@@ -99,7 +101,7 @@ class DecoderLayer(torch.nn.Module):
         if self.training and dropout > 0:
             raise RuntimeError(f"qwen3layer layer {self.layer_idx}: attention_dropout={dropout} in training mode: "
                                "transformers would drop attention probabilities, the C layer does not; call model.eval()")
-        if torch.is_grad_enabled() and not _GRAD_WARNED[0]:
+        if torch.is_grad_enabled() and not _GRAD_WARNED[0] and not torch.compiler.is_compiling():
             _GRAD_WARNED[0] = True
             warnings.warn("qwen3layer: the patched layers run with gradients enabled but no gradient flows through "
                           "them (inference only); use torch.no_grad() or torch.inference_mode()", stacklevel=3)
@@ -174,10 +176,37 @@ class DecoderLayer(torch.nn.Module):
                 position_ids: Optional[torch.LongTensor] = None, past_key_values: Any = None,
                 use_cache: Optional[bool] = False, cache_position: Optional[torch.LongTensor] = None,
                 position_embeddings: Any = None, cache: Any = None, **kwargs: Any) -> torch.Tensor:
-        self.check_inference()
-        self._check_weights()
         # transformers' attention appends to the cache it is given, whatever use_cache says
         model_cache = cache if cache is not None else past_key_values
+        if torch.compiler.is_compiling():
+            return self._traced(hidden_states, attention_mask, position_ids, model_cache, kwargs)
+        return self.call(hidden_states, attention_mask, position_ids, model_cache, kwargs)
+
+    def _traced(self, hidden_states: torch.Tensor, attention_mask: Any, position_ids: Any, model_cache: Any,
+                kwargs: Dict[str, Any]) -> torch.Tensor:
+        """the call as Dynamo traces it: one custom op (qwen3layer.torch_op), which makes the
+        eager call at run time"""
+        for key in ("router_logits", "attentions", "hidden_states"):
+            if self._wants(key, kwargs):
+                raise NotImplementedError(f"qwen3layer layer {self.layer_idx}: output_{key} under torch.compile")
+        if self.training and torch.is_grad_enabled():
+            raise RuntimeError(f"qwen3layer layer {self.layer_idx}: the C layer is inference-only: call model.eval() "
+                               "and compile under torch.no_grad() or torch.inference_mode()")
+        keys = None
+        if model_cache is not None:
+            layers = getattr(model_cache, "layers", [])
+            entry = layers[self.layer_idx] if self.layer_idx < len(layers) else None
+            if entry is not None and getattr(entry, "is_initialized", False):
+                keys = entry.keys
+        return _op.decoder_layer(hidden_states, attention_mask, position_ids, kwargs.get("cu_seq_lens_q"), keys,
+                                 self._handle, model_cache is not None)
+
+    def call(self, hidden_states: torch.Tensor, attention_mask: Any, position_ids: Any, model_cache: Any,
+             kwargs: Dict[str, Any]) -> torch.Tensor:
+        """the layer's call, eager: the plan of the call, the C layer, the insides recorded and
+        the model cache's entry updated"""
+        self.check_inference()
+        self._check_weights()
         B, L, _ = hidden_states.shape
         want_router, want_maps = self._wants("router_logits", kwargs), self._wants("attentions", kwargs)
         for key, wanted in (("router_logits", want_router), ("attentions", want_maps),

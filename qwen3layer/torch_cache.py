@@ -22,6 +22,8 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from . import torch_op
+
 # the cache-layer classes whose bookkeeping the drop-in keeps (by name: 4.57 and 5.x alike)
 _KEPT = ("DynamicLayer", "StaticLayer")
 
@@ -91,6 +93,7 @@ def publish(model_cache: Any, layer_idx: int, kv: Any, new_tokens: int) -> None:
     else:
         entry.keys, entry.values = _views(kv, kv.lengths[0])
     attach(entry, kv)
+    torch_op.register_cache(entry.keys, model_cache, layer_idx)  # a compiled call finds the model cache by it
 
 
 def _repoint(entry: Any) -> None:

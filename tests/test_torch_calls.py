@@ -227,3 +227,52 @@ def test_eval_with_gradients_warns_once_and_works():
         warnings.simplefilter("error")
         model(PACKED_IDS[:, :5])
     assert rel(out, ref(PACKED_IDS[:, :5]).logits) < 1e-5
+
+
+# ---- the planner alone (qwen3layer.torch_masks) ----
+from qwen3layer.torch_masks import plan_call  # noqa: E402
+
+
+def causal(n, past=0):
+    return torch.ones(n, past + n, dtype=torch.bool).tril(past)
+
+
+def test_plan_reads_left_padding_and_segments():
+    m = causal(5)[None, None].clone()
+    m[..., :2] = False  # two leading padding keys
+    plan = plan_call(m, None, 1, 5, 0, None)
+    assert plan.padding == [2] and plan.packed is None
+    bd = causal(6)
+    bd[3:, :3] = False
+    plan = plan_call(bd[None, None], torch.tensor([[0, 1, 2, 0, 1, 2]]), 1, 6, 0, None)
+    assert [(s.start, s.end, s.padding) for s in plan.packed[0]] == [(0, 3, 0), (3, 6, 0)]
+    # a 2D key-padding mask (flash attention's) as well
+    plan = plan_call(torch.tensor([[0, 0, 1, 1, 1]]), None, 1, 5, 0, None)
+    assert plan.padding == [2]
+
+
+def test_plan_continues_the_cache_and_keeps_a_static_width():
+    m = causal(1, past=6)
+    m = torch.cat([m, torch.zeros(1, 3, dtype=torch.bool)], 1)  # a static cache of 10
+    m[:, :2] = False
+    plan = plan_call(m[None, None], None, 1, 1, 6, (2,))
+    assert plan.key_width == 10 and plan.padding == [2]
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: torch.ones(4, 4).tril().log()[None, None] * 0 + torch.tensor(-1.0), "a value other than 0 and -inf"),
+    (lambda: torch.stack([causal(4), causal(4).T]).unsqueeze(0), "differs between heads"),
+    (lambda: (causal(6) & ~causal(6, past=0).tril(-3))[None, None], "sliding window"),
+    (lambda: torch.ones(1, 1, 3, 2, dtype=torch.bool), "expected a 4D mask"),
+    (lambda: torch.ones(1, 1, 3, 4, dtype=torch.bool), "attends to keys 0-3, expected keys 0-0"),
+])
+def test_plan_refuses_what_it_cannot_run(make, message):
+    m = make()
+    n = m.shape[-2]
+    with pytest.raises(ValueError, match=message):
+        plan_call(m, None, 1, n, 0, None)
+
+
+def test_plan_refuses_no_mask_over_a_padded_cache():
+    with pytest.raises(ValueError, match=r"None .* padding \[0, 3\]"):
+        plan_call(None, None, 2, 1, 5, (0, 3))
