@@ -768,3 +768,33 @@ def test_cuda_fp8_layer_router_outputs_match_the_cpu_fp8_layer(dtype, tol):
     check_insides(gpu.decode(s.cuda(), c_gpu, return_router=True), cpu.decode(s, c_cpu, return_router=True), tol,
                   0.0, margin, 2)
 
+
+
+@needs_gpu
+def test_drop_in_calls_on_the_gpu_match_transformers():
+    """the drop-in on a GPU model: packed sequences, right padding, the model cache's keys as
+    device views of the C cache, a static cache's generate, a compiled decode step"""
+    import copy
+
+    import torch
+    from test_torch_dropin import tiny_model
+
+    import qwen3layer.torch as q3t
+
+    model = tiny_model(3).cuda()
+    ref = copy.deepcopy(model)
+    q3t.patch_model(model)
+    ids = torch.randint(1, 101, (1, 9), generator=torch.Generator().manual_seed(3)).cuda()
+    pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3]]).cuda()
+    with torch.no_grad():
+        assert rel(model(ids, position_ids=pos, use_cache=False).logits,
+                   ref(ids, position_ids=pos, use_cache=False).logits) <= 1e-5
+        mask = torch.ones(1, 9, dtype=torch.long).cuda()
+        mask[0, 6:] = 0
+        ours, theirs = model(ids, attention_mask=mask), ref(ids, attention_mask=mask)
+        real = mask.bool()
+        assert rel(ours.logits[real], theirs.logits[real]) <= 1e-5
+        keys = ours.past_key_values.layers[0].keys
+        assert keys.is_cuda and keys.data_ptr() == torch.from_dlpack(model.model.layers[0].kv_cache.keys(0)).data_ptr()
+        kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert torch.equal(model.generate(ids, cache_implementation="static", **kw), ref.generate(ids, **kw))

@@ -276,3 +276,20 @@ def test_plan_refuses_what_it_cannot_run(make, message):
 def test_plan_refuses_no_mask_over_a_padded_cache():
     with pytest.raises(ValueError, match=r"None .* padding \[0, 3\]"):
         plan_call(None, None, 2, 1, 5, (0, 3))
+
+
+# ---- bf16: within twice transformers' bf16 error against its fp32 model ----
+@torch.no_grad()
+def test_bfloat16_right_padding_and_the_cache():
+    model, ref = pair(17, torch.bfloat16)
+    exact = copy.deepcopy(ref).float()
+    ids = torch.randint(1, 101, (2, 7), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, 5:] = 0
+    real = mask.bool()
+    ours, theirs, truth = model(ids, attention_mask=mask), ref(ids, attention_mask=mask), exact(ids, attention_mask=mask)
+    assert rel(ours.logits[real], truth.logits[real]) <= 2 * rel(theirs.logits[real], truth.logits[real])
+    for a, b, t in zip(ours.past_key_values.layers, theirs.past_key_values.layers, truth.past_key_values.layers):
+        assert a.keys.dtype == torch.bfloat16
+        k = lambda c: c.keys.transpose(1, 2)[real].float()  # noqa: E731
+        assert rel(k(a), k(t)) <= 2 * rel(k(b), k(t))
