@@ -165,11 +165,12 @@ class DecoderLayer(torch.nn.Module):
         padding = kv.padding if kv is not None else None
         key = (batch, length, past, padding, impl)
         memo = _PLAN_MEMO
+        versions = tuple(getattr(t, "_version", None) for t in (mask, position_ids, cu))  # in-place changes
         if memo and memo[0] is mask and memo[1] is position_ids and memo[2] is cu and memo[3] == key and \
-                memo[4] == getattr(mask, "_version", None):
+                memo[4] == versions:
             return memo[5]
         plan = _masks.plan_call(mask, position_ids, batch, length, past, padding, impl, cu)
-        _PLAN_MEMO[:] = [mask, position_ids, cu, key, getattr(mask, "_version", None), plan]
+        _PLAN_MEMO[:] = [mask, position_ids, cu, key, versions, plan]
         return plan
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,

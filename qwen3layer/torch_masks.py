@@ -231,8 +231,8 @@ def _segments_of(cu_seq_lens: Optional[torch.Tensor], pos: Optional[List[List[in
             raise ValueError(f"cu_seq_lens_q: expected increasing offsets from 0 to {length} over a batch of 1, "
                              f"got {cuts} for a batch of {batch}")
         return [Segment(a, e, 0) for a, e in zip(cuts, cuts[1:])]
-    row = pos[b]
-    starts = [t for t in range(length) if t == 0 or row[t] != row[t - 1] + 1]
+    row = pos[b]  # flash attention's rule: a sequence starts where its position is 0
+    starts = [t for t in range(length) if t == 0 or row[t] == 0]
     return [Segment(a, e, 0) for a, e in zip(starts, starts[1:] + [length])]
 
 

@@ -104,6 +104,17 @@ def test_decode_graphs_on_the_executor(out):
     assert out["wrapped graph"] == ["Tensor", [1, 1], "DecodeGraph(batch=2, dtype=bfloat16, device=cuda:0)"]
 
 
+def cpu_bound(out) -> float:
+    """the bound on the emulated CUDA layer's bf16 prefill against the CPU layer, relative to
+    the update: the CPU's bf16 paths (avx512bf16, amx) round the experts' inputs to bf16 as
+    the tensor cores do, and on an Intel Xeon with AMX both give 2.39e-3 to 2.53e-3 (one
+    sequence, two in chunks; 2.44e-3 through the measured path choice): bound 3e-3 (2e-3
+    before, set without such a CPU to run on); the fp32 paths move the update by the rounding
+    itself (4.0e-3 measured on an AMD EPYC's avx2, 4.2e-3 on the Xeon's portable, avx2 and
+    avx512): bound 8e-3"""
+    return 3e-3 if out["cpu path"] in ("avx512bf16", "amx") else 8e-3
+
+
 def test_grouped_prefill_moe_on_the_executor(out):
     """The prefill MoE in batches of experts (a few launches per batch: tiles, token lists
     made on the host) computes what one launch per expert does, step for step in the same
@@ -111,9 +122,9 @@ def test_grouped_prefill_moe_on_the_executor(out):
     with experts of two tiles and tokens with two slots in one batch. Errors are relative to
     the layer's update y - x, where a wrong expert term would show. The CPU layer rounds the
     experts' inputs to bf16 as the tensor cores do only on its bf16 paths (avx512bf16, amx);
-    the others keep them in fp32, which moves the update by the rounding itself (2^-9 of each
-    input: 4.0e-3 of the update measured on an AVX2 machine), so they get a wider bound."""
-    tol = 2e-3 if out["cpu path"] in ("avx512bf16", "amx") else 8e-3
+    the others keep them in fp32, which moves the update by the rounding itself, so they get
+    a wider bound (cpu_bound)."""
+    tol = cpu_bound(out)
     for name in ("one sequence", "two sequences in chunks", "three tokens: batches of at most 3 pairs"):
         grouped_vs_cpu, per_expert_vs_cpu, grouped_vs_per_expert = out["grouped prefill"][name]
         assert grouped_vs_cpu <= tol and per_expert_vs_cpu <= tol, (name, out["cpu path"])
@@ -132,7 +143,7 @@ def test_the_prefill_moe_path_is_the_measured_fastest_per_size_class(out):
     their fastest. Decode steps and graphs never measure. A cuBLAS that refuses the grouped
     GEMM costs that candidate only."""
     paths = {"per_expert_wmma", "per_expert_cublas", "grouped_wmma", "grouped_cublas"}
-    tol = 2e-3 if out["cpu path"] in ("avx512bf16", "amx") else 8e-3
+    tol = cpu_bound(out)
     choice = out["moe path choice"]
     for fastest in paths:
         c = choice[fastest]

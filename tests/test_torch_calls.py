@@ -140,9 +140,10 @@ def test_the_model_cache_holds_the_real_keys_and_values():
     assert rel(ours2.logits, theirs2.logits) < 1e-5
 
 
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
 @torch.no_grad()
-def test_generate_with_a_left_padded_batch_keeps_transformers_keys():
-    model, ref = pair(11)
+def test_generate_with_a_left_padded_batch_keeps_transformers_keys(impl):
+    model, ref = pair(11, impl=impl)
     ids, mask = left_padded([4, 7], 7, seed=4)
     kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
     ours, theirs = model.generate(ids, **kw), ref.generate(ids, **kw)
@@ -271,6 +272,18 @@ def test_plan_refuses_what_it_cannot_run(make, message):
     n = m.shape[-2]
     with pytest.raises(ValueError, match=message):
         plan_call(m, None, 1, n, 0, None)
+
+
+def test_plan_reads_flash_attentions_packing_off_the_positions():
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
+    plan = plan_call(None, pos, 1, 9, 0, None, "flash_attention_2")
+    assert [(s.start, s.end) for s in plan.packed[0]] == [(0, 3), (3, 5), (5, 9)]
+    # sdpa and eager see no packing without a mask saying so: restarting positions are refused
+    with pytest.raises(ValueError, match="position_ids: token 3 of batch row 0 is at position 0, expected 3"):
+        plan_call(None, pos, 1, 9, 0, None, "sdpa")
+    # a jump inside one of flash's sequences cannot be run
+    with pytest.raises(ValueError, match="token 2 of batch row 0 is at position 5, expected 2"):
+        plan_call(None, torch.tensor([[0, 1, 5, 6]]), 1, 4, 0, None, "flash_attention_2")
 
 
 def test_plan_refuses_no_mask_over_a_padded_cache():
