@@ -18,6 +18,8 @@ typedef struct {
     int64_t n_past;  /* cached tokens before this block */
     int64_t start;   /* leading padding: a query at i >= start sees keys [start, i]; a padding
                         query (i < start) sees only itself */
+    int64_t first_pos; /* RoPE position of the first real token (cache row start): row i >= start
+                          is at first_pos + i - start, a padding row at 0 */
 } q3_attn_seq;
 
 typedef struct {

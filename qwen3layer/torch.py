@@ -126,11 +126,15 @@ class DecoderLayer(torch.nn.Module):
                                f"{batch} sequences, this layer's cache {kv.lengths}")
         return kv
 
-    def _new_cache(self, max_tokens: int, batch: int, padding: List[int]) -> Any:
+    def _new_cache(self, max_tokens: int, batch: int, padding: List[int], first: List[int]) -> Any:
+        """a C cache whose sequences start with `padding` tokens of padding and put their first
+        real token at RoPE position `first` (transformers' position_ids)"""
         kv = self.core.new_cache(max_tokens, batch)
-        for b, pad in enumerate(padding):
+        for b, (pad, at) in enumerate(zip(padding, first)):
             if pad:
                 kv.set_padding(pad, b)
+            if at:
+                kv.set_first_position(at, b)
         return kv
 
     def _wants(self, key: str, kwargs: Dict[str, Any]) -> bool:
@@ -222,16 +226,16 @@ class DecoderLayer(torch.nn.Module):
         if plan.packed is not None and model_cache is not None:
             raise ValueError(f"attention_mask: {plan.kind}: packed sequences cannot continue in one model cache "
                              "(each is a sequence of its own): call the model with use_cache=False")
-        stored = getattr(entry, "_q3_offsets", None) if past else None
-        if stored is not None and plan.offsets is not None and plan.offsets != stored:
-            raise ValueError(f"position_ids: the sequences' positions run {plan.offsets} past the C layer's, "
-                             f"earlier calls of this generation {stored}")
+        if kv is not None and tuple(plan.offsets) != kv.first_positions:
+            raise ValueError(f"position_ids: the sequences' first real tokens are at positions {plan.offsets} for this "
+                             f"call, at {list(kv.first_positions)} in the cache it continues")
         x = hidden_states.detach().contiguous()  # inference only: the C layer has no backward
         limit = self.attention_limit if want_maps else None
         if plan.packed is None:
             if kv is None:
                 static = _cache.static_length(entry)
-                kv = self._new_cache(static or (self.max_tokens if model_cache is not None else L), B, plan.padding)
+                kv = self._new_cache(static or (self.max_tokens if model_cache is not None else L), B, plan.padding,
+                                     plan.offsets)
             y = self.core.prefill(x, kv, return_router=want_router, return_attention=want_maps, attention_limit=limit)
             if want_router or want_maps:
                 y, logits, maps = y.output, y.router_logits, y.attention
@@ -246,9 +250,6 @@ class DecoderLayer(torch.nn.Module):
             _rec.record(self.recorders["hidden_states"], hidden_states, y)
         if model_cache is not None:
             _cache.publish(model_cache, self.layer_idx, kv, L)
-            entry = _cache.entry_of(model_cache, self.layer_idx)
-            if not past:
-                entry._q3_offsets = plan.offsets
             self.kv_cache = kv  # the last one used, for inspection
         return y
 
@@ -263,10 +264,11 @@ def _run_packed(layer: DecoderLayer, x: torch.Tensor, plan: _masks.CallPlan, wan
     B, L, _ = x.shape
     y = torch.empty_like(x)
     logits = maps = None
+    first = iter(plan.offsets)
     for b, segments in enumerate(plan.packed):
         for s in segments:
             n = s.end - s.start
-            kv = layer._new_cache(n, 1, [s.padding])
+            kv = layer._new_cache(n, 1, [s.padding], [next(first)])
             r = layer.core.prefill(x[b, s.start:s.end], kv, out=y[b, s.start:s.end], return_router=want_router,
                                    return_attention=want_maps, attention_limit=limit)
             if want_router:

@@ -18,8 +18,9 @@ the C layer computes padding, and no real row may look at them. So in one row of
     right padding: padding rows after the real ones                      -> one C sequence
     packed: real rows whose run starts at themselves open a new sequence -> one C sequence each
     anything else (a sliding window, a tree of branches, holes): refused, named.
-position_ids must equal the C layer's positions plus one constant per sequence (RoPE's scores
-depend on position differences only); a restart that the mask does not separate is refused.
+position_ids must run on by one from each sequence's first real token (the C cache then
+places that token at its position: KVCache.set_first_position); a restart that the mask
+does not separate, or a jump, is refused.
 """
 from __future__ import annotations
 
@@ -44,11 +45,12 @@ class CallPlan:
     one C call over the batch, with `padding` leading padding rows each on a new cache);
     else the segments of each batch row, each run as a sequence of its own.
     key_width: the keys transformers' attention maps span (a static cache's length).
-    offsets: position_ids minus the C layer's positions, per sequence (None: not given)."""
+    offsets: each sequence's first real token's position (position_ids, else the cache
+    position): per batch row for the ordinary call, per segment in order when packed."""
     padding: List[int]
     packed: Optional[List[List[Segment]]]
     key_width: int
-    offsets: Optional[List[int]]
+    offsets: List[int]
     kind: str
 
 
@@ -216,7 +218,9 @@ def plan_call(mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor]
         raise ValueError("attention_mask: packed sequences in a call that continues a cache")
     if packed:
         kind = kind if kind.startswith("packed") else "packed (block-diagonal mask)"
-    offsets = None if pos is None else _offsets(pos, plans, past, cache_padding, reals)
+    if pos is None:  # transformers' positions without position_ids: the cache positions
+        pos = [list(range(past, past + length))] * batch
+    offsets = _offsets(pos, plans, past, cache_padding, reals)
     padding = [p[0].padding if cache_padding is None else cache_padding[b] for b, p in enumerate(plans)]
     return CallPlan(padding, plans if packed else None, key_width, offsets, kind)
 
@@ -238,8 +242,9 @@ def _segments_of(cu_seq_lens: Optional[torch.Tensor], pos: Optional[List[List[in
 
 def _offsets(pos: List[List[int]], plans: List[List[Segment]], past: int, cache_padding: Optional[Sequence[int]],
              reals: Optional[List[List[bool]]]) -> List[int]:
-    """position_ids minus the C layer's position of each real row, one constant per sequence
-    (per batch row for the ordinary call); ValueError naming the first row where it varies"""
+    """the position of each sequence's first real token, from which position_ids must run on
+    by one (per batch row for the ordinary call, per segment when packed); ValueError naming
+    the first row where they do not, or a negative one"""
     out = []
     for b, segments in enumerate(plans):
         for seg in segments:
@@ -260,5 +265,8 @@ def _offsets(pos: List[List[int]], plans: List[List[Segment]], past: int, cache_
                            "without a cache (use_cache=False) or under flash attention: with this mask they would "
                            "attend to each other" if pos[b][t] < ours + offset else
                            "the C layer counts positions from the sequence's first real token"))
+            if offset is not None and offset < 0:
+                raise ValueError(f"position_ids: batch row {b} puts its first real token (token {first_real}) at "
+                                 f"position {offset}: the C layer takes positions from 0 on")
             out.append(offset or 0)
     return out

@@ -33,9 +33,10 @@ def raw(t):
 
 
 def state(cache):
-    """lengths, padding, and the bits of each sequence's keys and values (as lists, for JSON)"""
+    """lengths, padding, the bits of each sequence's keys and values (as lists, for JSON), and
+    the first positions"""
     kv = [[raw(cache.keys(s)).tolist(), raw(cache.values(s)).tolist()] for s in range(cache.batch)]
-    return [list(cache.lengths), list(cache.padding), kv]
+    return [list(cache.lengths), list(cache.padding), kv, list(cache.first_positions)]
 
 
 def layers(dtype, seed=3):
@@ -48,6 +49,7 @@ def fill(layer, device, lengths, pads, capacity, dtype, seed=0):
     for s, (n, p) in enumerate(zip(lengths, pads)):
         if p:
             cache.set_padding(p, s)
+        cache.set_first_position(3 * s, s)  # the decodes after the operations read them too
         if n:
             x = _C.random_tensor((n, H), seed + s, dtype)
             layer.prefill(_C.copy_tensor(x, 0) if device >= 0 else x, cache, s)

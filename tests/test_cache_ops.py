@@ -36,14 +36,15 @@ def x_of(*shape, seed):
 
 
 def state(cache):
-    """what the cache holds: lengths, padding, and each sequence's keys and values (copies)"""
+    """what the cache holds: lengths, padding, and each sequence's keys and values (copies),
+    first positions"""
     kv = [(torch.from_dlpack(cache.keys(s)).clone(), torch.from_dlpack(cache.values(s)).clone())
           for s in range(cache.batch)]
-    return cache.lengths, cache.padding, kv
+    return cache.lengths, cache.padding, kv, cache.first_positions
 
 
 def assert_same(a, b):
-    assert a[0] == b[0] and a[1] == b[1]
+    assert a[0] == b[0] and a[1] == b[1] and a[3] == b[3]
     for (ka, va), (kb, vb) in zip(a[2], b[2]):
         assert torch.equal(ka, kb) and torch.equal(va, vb)
 
@@ -52,12 +53,15 @@ def prompts(lengths, seed=0):
     return [x_of(n, H, seed=seed + i) for i, n in enumerate(lengths)]
 
 
-def filled(layer, xs, pads=None, capacity=32):
-    """a cache whose sequence i holds prompt xs[i] (pads[i] of its first tokens padding)"""
+def filled(layer, xs, pads=None, capacity=32, firsts=None):
+    """a cache whose sequence i holds prompt xs[i] (pads[i] of its first tokens padding, its
+    first real token at position firsts[i])"""
     cache = layer.new_cache(capacity, batch=len(xs))
     for s, x in enumerate(xs):
         if pads and pads[s]:
             cache.set_padding(pads[s], s)
+        if firsts and firsts[s]:
+            cache.set_first_position(firsts[s], s)
         if len(x):
             layer.prefill(x, cache, s)
     return cache
@@ -65,15 +69,16 @@ def filled(layer, xs, pads=None, capacity=32):
 
 def gathered(st, index):
     """the state of a cache whose sequence i is sequence index[i] of state st"""
-    return tuple(st[0][i] for i in index), tuple(st[1][i] for i in index), [st[2][i] for i in index]
+    return (tuple(st[0][i] for i in index), tuple(st[1][i] for i in index), [st[2][i] for i in index],
+            tuple(st[3][i] for i in index))
 
 
-LENGTHS, PADS = [3, 7, 0, 5, 2, 6], [1, 0, 0, 2, 0, 3]
+LENGTHS, PADS, FIRSTS = [3, 7, 0, 5, 2, 6], [1, 0, 0, 2, 0, 3], [0, 4, 0, 9, 1, 0]
 
 
 @pytest.fixture
 def cache(layer):
-    return filled(layer, prompts(LENGTHS), PADS)
+    return filled(layer, prompts(LENGTHS), PADS, firsts=FIRSTS)
 
 
 # ---- content ------------------------------------------------------------------------

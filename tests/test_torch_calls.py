@@ -140,6 +140,28 @@ def test_the_model_cache_holds_the_real_keys_and_values():
     assert rel(ours2.logits, theirs2.logits) < 1e-5
 
 
+@torch.no_grad()
+def test_a_left_padded_forward_keeps_transformers_keys():
+    """a plain forward's position_ids count the padding (0, 1, ... over the row): the C cache
+    puts each sequence's first real token at its position_id, so the stored keys are
+    transformers' too, and a decode step continues from there"""
+    model, ref = pair(18)
+    ids, mask = left_padded([3, 6], 6, seed=7)
+    ours, theirs = model(ids, attention_mask=mask), ref(ids, attention_mask=mask)
+    assert model.model.layers[0].kv_cache.first_positions == (3, 0)
+    real = mask.bool()
+    for a, b in zip(ours.past_key_values.layers, theirs.past_key_values.layers):
+        assert rel(a.keys.transpose(1, 2)[real], b.keys.transpose(1, 2)[real]) < 1e-6
+    more = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
+    step = torch.tensor([[4], [5]])
+    a = model(step, attention_mask=more, past_key_values=ours.past_key_values).logits
+    b = ref(step, attention_mask=more, past_key_values=theirs.past_key_values).logits
+    assert rel(a, b) < 1e-5
+    with pytest.raises(ValueError, match=r"first real tokens are at positions \[4, 1\] for this call, at \[3, 0\]"):
+        model(step, attention_mask=torch.cat([more, torch.ones(2, 1, dtype=torch.long)], 1),
+              past_key_values=ours.past_key_values, position_ids=torch.tensor([[8], [8]]))
+
+
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
 @torch.no_grad()
 def test_generate_with_a_left_padded_batch_keeps_transformers_keys(impl):

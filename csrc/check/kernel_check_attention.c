@@ -30,8 +30,8 @@ static double qk_rope_kv(check *k, const q3_attn_shape *sh, int n_seqs, const in
     int64_t *dpos = device(k, pos, R * sizeof *pos);
     q3_attn_seq hs[Q3_CHECK_MAX_SEQS], ds[Q3_CHECK_MAX_SEQS];
     for (int s = 0; s < n_seqs; s++) {
-        hs[s] = (q3_attn_seq){kc + s * per_seq, vc + s * per_seq, past[s], 0};
-        ds[s] = (q3_attn_seq){dkc ? dkc + s * per_seq : NULL, dvc ? dvc + s * per_seq : NULL, past[s], 0};
+        hs[s] = (q3_attn_seq){kc + s * per_seq, vc + s * per_seq, past[s], 0, 0};
+        ds[s] = (q3_attn_seq){dkc ? dkc + s * per_seq : NULL, dvc ? dvc + s * per_seq : NULL, past[s], 0, 0};
     }
     q3_attn_seq *dseqs = device(k, ds, n_seqs * sizeof ds[0]);
     q3_qk_rope_kv_host(q, kk, v, qw, kw, Q3_BF16, pos, hs, n_seqs, sh, 1e-6f, 1e6f);
@@ -117,8 +117,8 @@ static double attention_grown(check *k, const q3_attn_shape *sh, int n_seqs, con
     char *dk = device(k, kc, n_seqs * per_seq * es), *dv = device(k, vc, n_seqs * per_seq * es);
     for (int s = 0; s < n_seqs; s++) {
         const int64_t off = s * per_seq * (int64_t)es;
-        hs[s] = (q3_attn_seq){kc + off, vc + off, past[s], start[s]};
-        ds[s] = (q3_attn_seq){dk ? dk + off : NULL, dv ? dv + off : NULL, past[s], start[s]};
+        hs[s] = (q3_attn_seq){kc + off, vc + off, past[s], start[s], 0};
+        ds[s] = (q3_attn_seq){dk ? dk + off : NULL, dv ? dv + off : NULL, past[s], start[s], 0};
     }
     q3_attn_seq *dseqs = device(k, ds, n_seqs * sizeof ds[0]);
     float *dq = device(k, q, qn * 4), *dout = device(k, NULL, qn * 4);
@@ -200,8 +200,8 @@ double q3_case_attention_probs(check *k, const q3_probs_case *c) {
     char *dk = device(k, kc, c->n_seqs * per_seq * es);
     for (int s = 0; s < c->n_seqs; s++) {
         const int64_t off = s * per_seq * (int64_t)es;
-        hs[s] = (q3_attn_seq){kc + off, NULL, c->past[s], c->start[s]};
-        ds[s] = (q3_attn_seq){dk ? dk + off : NULL, NULL, c->past[s], c->start[s]};
+        hs[s] = (q3_attn_seq){kc + off, NULL, c->past[s], c->start[s], 0};
+        ds[s] = (q3_attn_seq){dk ? dk + off : NULL, NULL, c->past[s], c->start[s], 0};
     }
     q3_attn_seq *dseqs = device(k, ds, c->n_seqs * sizeof ds[0]);
     float *dq = device(k, q, qn * 4), *dprobs = device(k, want, pn * 4);
@@ -221,13 +221,14 @@ double q3_case_attention_probs_batch(check *k, const q3_check_batch *b, int G, i
     return q3_case_attention_probs(k, &c);
 }
 
-/* a decode step's bookkeeping for the first n_seqs of: one sequence past its padding, one
- * empty, one still inside its padding (pos 0), one just at its padding's end, one long with
- * none; all of seqs, pos and lengths must match exactly */
+/* a decode step's bookkeeping for the first n_seqs of: one sequence past its padding (its
+ * first real token at position 9), one empty, one still inside its padding (pos 0), one just
+ * at its padding's end, one long with none (first at 2^40 - 200); all of seqs, pos and
+ * lengths must match exactly */
 double q3_case_decode_prepare(check *k, int n_seqs) {
     enum { MAX = 5 };
-    q3_attn_seq seqs[MAX] = {{NULL, NULL, -1, 3}, {NULL, NULL, -1, 0}, {NULL, NULL, -1, 4}, {NULL, NULL, -1, 5},
-                             {NULL, NULL, -1, 0}};
+    q3_attn_seq seqs[MAX] = {{NULL, NULL, -1, 3, 9}, {NULL, NULL, -1, 0, 0}, {NULL, NULL, -1, 4, 7},
+                             {NULL, NULL, -1, 5, 0}, {NULL, NULL, -1, 0, ((int64_t)1 << 40) - 200}};
     int64_t pos[MAX] = {-1, -1, -1, -1, -1}, lengths[MAX] = {7, 0, 2, 5, 100};
     q3_attn_seq seqs_got[MAX];
     int64_t pos_got[MAX], lengths_got[MAX];

@@ -32,7 +32,7 @@ void q3_decode_prepare_host(q3_attn_seq *seqs, int64_t *pos, int64_t *lengths, i
     for (int s = 0; s < n_seqs; s++) {
         const int64_t n = lengths[s];
         seqs[s].n_past = n;
-        pos[s] = n >= seqs[s].start ? n - seqs[s].start : 0;
+        pos[s] = n >= seqs[s].start ? seqs[s].first_pos + n - seqs[s].start : 0;
         lengths[s] = n + 1;
     }
 }

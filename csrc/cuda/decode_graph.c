@@ -46,7 +46,8 @@ static int sync_state(q3_decode_graph *g, void *stream) {
     const q3_cache *c = g->cache;
     int stale = 0;
     for (int s = 0; s < g->n_seqs; s++)
-        stale |= c->lengths[g->seqs[s]] != g->dev_lengths[s] || c->padding[g->seqs[s]] != g->staged[s].start;
+        stale |= c->lengths[g->seqs[s]] != g->dev_lengths[s] || c->padding[g->seqs[s]] != g->staged[s].start ||
+                 c->first_pos[g->seqs[s]] != g->staged[s].first_pos;
     if (!stale) return 0;
     const int code = q3_gpu_upload_decode_state(q3_cuda(), &g->ws, c, g->seqs, g->n_seqs, g->dev_lengths, g->staged,
                                                 stream);

@@ -118,8 +118,8 @@ static void stage_positions(q3_cache *c, const q3_pass *p, q3_gpu_run *run) {
     q3_workspace *d = &run->ws->dev;
     for (int s = 0; s < p->n_seqs; s++) {
         const int seq = p->seqs[s];
-        const int64_t n = c->lengths[seq], pad = c->padding[seq];
-        for (int64_t t = 0; t < p->L; t++) st->pos[s * p->L + t] = n + t >= pad ? n + t - pad : 0;
+        const int64_t n = c->lengths[seq], pad = c->padding[seq], first = c->first_pos[seq];
+        for (int64_t t = 0; t < p->L; t++) st->pos[s * p->L + t] = n + t >= pad ? first + n + t - pad : 0;
         st->seq_ptr[s] = q3_cache_attn_seq(c, seq);
     }
     Q3_GPU(run, run->g->copy_async(d->pos, st->pos, (size_t)(p->n_seqs * p->L) * sizeof *st->pos, 1, run->stream),

@@ -24,9 +24,10 @@ void q3_attention_block(q3_layer *layer, q3_cache *cache, const q3_pass *p) {
     k->rmsnorm(ws->k, ws->k, w->dense[Q3_W_K_NORM], w->dtype, R * Hkv, D, c->eps);
 
     for (int s = 0; s < p->n_seqs; s++) {
-        const int64_t n = cache->lengths[p->seqs[s]], pad = cache->padding[p->seqs[s]];
-        /* positions count from the first real token; padding tokens sit at 0 */
-        for (int64_t t = 0; t < p->L; t++) ws->pos[s * p->L + t] = n + t >= pad ? n + t - pad : 0;
+        const int seq = p->seqs[s];
+        const int64_t n = cache->lengths[seq], pad = cache->padding[seq], first = cache->first_pos[seq];
+        /* positions count from the first real token (at `first`); padding tokens sit at 0 */
+        for (int64_t t = 0; t < p->L; t++) ws->pos[s * p->L + t] = n + t >= pad ? first + n + t - pad : 0;
     }
     k->rope(ws->q, ws->pos, R, Hq, D, (float)c->rope_theta);
     k->rope(ws->k, ws->pos, R, Hkv, D, (float)c->rope_theta);

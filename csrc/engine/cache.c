@@ -53,9 +53,10 @@ q3_status q3_cache_create_on(q3_cache **out, int batch, int64_t capacity, int kv
     c->device = device;
     c->lengths = calloc((size_t)batch, sizeof *c->lengths);
     c->padding = calloc((size_t)batch, sizeof *c->padding);
+    c->first_pos = calloc((size_t)batch, sizeof *c->first_pos);
     c->k = cache_alloc((size_t)n, device);
     c->v = cache_alloc((size_t)n, device);
-    if (!c->lengths || !c->padding || !c->k || !c->v) {
+    if (!c->lengths || !c->padding || !c->first_pos || !c->k || !c->v) {
         q3_cache_destroy(c);
         return q3_fail(err, Q3_ERR_NOMEM, "KV cache: cannot allocate 2 x %lld bytes on %s", (long long)n,
                        device < 0 ? "the host" : "the CUDA device");
@@ -68,6 +69,7 @@ void q3_cache_destroy(q3_cache *c) {
     if (!c) return;
     free(c->lengths);
     free(c->padding);
+    free(c->first_pos);
     cache_free(c->k, c->device);
     cache_free(c->v, c->device);
     free(c);
@@ -84,10 +86,11 @@ q3_status q3_cache_reset(q3_cache *c, int seq, q3_error *err) {
     if (seq < 0) {
         memset(c->lengths, 0, (size_t)c->batch * sizeof *c->lengths);
         memset(c->padding, 0, (size_t)c->batch * sizeof *c->padding);
+        memset(c->first_pos, 0, (size_t)c->batch * sizeof *c->first_pos);
         return Q3_OK;
     }
     q3_status s = check_seq(c, seq, err);
-    if (s == Q3_OK) c->lengths[seq] = c->padding[seq] = 0;
+    if (s == Q3_OK) c->lengths[seq] = c->padding[seq] = c->first_pos[seq] = 0;
     return s;
 }
 
@@ -101,6 +104,19 @@ q3_status q3_cache_set_padding(q3_cache *c, int seq, int64_t n, q3_error *err) {
         return q3_fail(err, Q3_ERR_VALUE, "n: expected 0 <= n < %lld (the capacity), got %lld",
                        (long long)c->capacity, (long long)n);
     c->padding[seq] = n;
+    return Q3_OK;
+}
+
+q3_status q3_cache_set_first_position(q3_cache *c, int seq, int64_t p, q3_error *err) {
+    q3_status s = check_seq(c, seq, err);
+    if (s != Q3_OK) return s;
+    if (c->lengths[seq] != 0)
+        return q3_fail(err, Q3_ERR_STATE, "first_position: sequence %d already holds %lld tokens (set it while empty)",
+                       seq, (long long)c->lengths[seq]);
+    if (p < 0 || p > Q3_MAX_POSITIONS - c->capacity)
+        return q3_fail(err, Q3_ERR_VALUE, "position: expected 0 <= position <= %lld (2^40 less the capacity), got %lld",
+                       (long long)(Q3_MAX_POSITIONS - c->capacity), (long long)p);
+    c->first_pos[seq] = p;
     return Q3_OK;
 }
 
@@ -126,5 +142,6 @@ void *q3_cache_seq_values(const q3_cache *c, int seq) { return (char *)c->v + se
 size_t q3_cache_bytes(const q3_cache *c) { return 2 * seq_offset(c, c->batch); }
 
 q3_attn_seq q3_cache_attn_seq(const q3_cache *c, int seq) {
-    return (q3_attn_seq){q3_cache_seq_keys(c, seq), q3_cache_seq_values(c, seq), c->lengths[seq], c->padding[seq]};
+    return (q3_attn_seq){q3_cache_seq_keys(c, seq), q3_cache_seq_values(c, seq), c->lengths[seq], c->padding[seq],
+                         c->first_pos[seq]};
 }

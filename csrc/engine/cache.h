@@ -23,6 +23,8 @@ struct q3_cache {
     int64_t *lengths; /* [batch] tokens held by each sequence (host memory always) */
     int64_t *padding; /* [batch] leading tokens of each sequence that are padding: later tokens
                          do not attend to them, and positions count from the first real token */
+    int64_t *first_pos; /* [batch] the first real token's position (0 unless set): RoPE's
+                           position of row i >= padding is first_pos + i - padding */
     void *k;          /* [batch, kv_heads, capacity, head_dim] */
     void *v;          /* [batch, kv_heads, capacity, head_dim] */
 };
@@ -37,11 +39,15 @@ void q3_cache_destroy(q3_cache *c);
 q3_status q3_cache_reset(q3_cache *c, int seq, q3_error *err);
 /* the first n tokens sequence seq will receive are padding; only while it is empty */
 q3_status q3_cache_set_padding(q3_cache *c, int seq, int64_t n, q3_error *err);
+/* the first real token of sequence seq sits at position p (RoPE's, 0 by default: a caller
+ * whose positions count its left padding, or run on from elsewhere); only while it is empty;
+ * 0 <= p, p + capacity <= Q3_MAX_POSITIONS */
+q3_status q3_cache_set_first_position(q3_cache *c, int seq, int64_t p, q3_error *err);
 /* keep the first n tokens of sequence seq (n <= its length) */
 q3_status q3_cache_truncate(q3_cache *c, int seq, int64_t n, q3_error *err);
 
 /* Operations for generation (cache_ops.c). Each checks every argument before it writes and
- * leaves the cache as it was on failure. Lengths and padding travel with the tokens. On a
+ * leaves the cache as it was on failure. Lengths, padding and first positions travel with the tokens. On a
  * device cache the copying ones queue 2-D device copies on `stream` (a cudaStream_t: ordered
  * with the caller's layer calls on it, no wait); stream NULL: on the default stream between
  * two synchronizations of the device (ordered against every stream). A CUDA error leaves

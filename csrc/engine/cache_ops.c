@@ -133,6 +133,7 @@ q3_status q3_cache_gather(q3_cache *dst, const q3_cache *src, const int *index, 
     for (int i = 0; i < n; i++) {
         dst->lengths[i] = src->lengths[index[i]];
         dst->padding[i] = src->padding[index[i]];
+        dst->first_pos[i] = src->first_pos[index[i]];
     }
     return Q3_OK;
 }
@@ -218,7 +219,7 @@ q3_status q3_cache_reorder(q3_cache *c, const int *index, int n, void *stream, q
     int *need = malloc((size_t)B * 2 * sizeof *need);
     char *pending = malloc((size_t)B);
     move *moves = malloc((size_t)B * 2 * sizeof *moves);
-    int64_t *lengths = malloc((size_t)B * 2 * sizeof *lengths), *padding = lengths + B;
+    int64_t *lengths = malloc((size_t)B * 3 * sizeof *lengths), *padding = lengths + B, *first = lengths + 2 * B;
     char *spare = NULL;
     copier cp = {"reorder", c->device, stream, err, Q3_OK};
     if (!need || !pending || !moves || !lengths) {
@@ -237,6 +238,7 @@ q3_status q3_cache_reorder(q3_cache *c, const int *index, int n, void *stream, q
     for (int i = 0; i < B; i++) {
         lengths[i] = c->lengths[index[i]];
         padding[i] = c->padding[index[i]];
+        first[i] = c->first_pos[index[i]];
     }
     if ((s = copier_begin(&cp, "reorder", c->device, stream, err)) != Q3_OK) goto done;
     /* c->lengths holds the old lengths until every block has moved */
@@ -261,6 +263,7 @@ q3_status q3_cache_reorder(q3_cache *c, const int *index, int n, void *stream, q
     if ((s = cp.status) != Q3_OK) goto done;
     memcpy(c->lengths, lengths, (size_t)B * sizeof *lengths);
     memcpy(c->padding, padding, (size_t)B * sizeof *padding);
+    memcpy(c->first_pos, first, (size_t)B * sizeof *first);
 done:
     spare_free(c, spare, &cp);
     free(need);
@@ -320,5 +323,6 @@ q3_status q3_cache_copy_prefix(q3_cache *c, int src_seq, int dst_seq, int64_t le
     if ((s = copier_end(&cp)) != Q3_OK) return s;
     c->lengths[dst_seq] = length;
     c->padding[dst_seq] = c->padding[src_seq] < length ? c->padding[src_seq] : length;
+    c->first_pos[dst_seq] = c->first_pos[src_seq];
     return Q3_OK;
 }

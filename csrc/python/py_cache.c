@@ -83,6 +83,17 @@ static PyObject *cache_truncate(q3_cache_object *o, PyObject *args, PyObject *kw
     return q3_status_or_none(q3_cache_truncate(o->cache, seq, n, &err), &err);
 }
 
+static PyObject *cache_set_first_position(q3_cache_object *o, PyObject *args, PyObject *kw) {
+    static char *names[] = {"position", "seq", NULL};
+    long long position;
+    PyObject *seq_obj = NULL;
+    int seq = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "L|O:set_first_position", names, &position, &seq_obj)) return NULL;
+    if ((seq_obj && q3_py_cache_parse_seq(o->cache, seq_obj, 0, &seq) < 0) || q3_py_cache_check_idle(o) < 0) return NULL;
+    q3_error err;
+    return q3_status_or_none(q3_cache_set_first_position(o->cache, seq, position, &err), &err);
+}
+
 static PyObject *cache_set_padding(q3_cache_object *o, PyObject *args, PyObject *kw) {
     static char *names[] = {"n", "seq", NULL};
     long long n;
@@ -174,6 +185,13 @@ static PyObject *cache_padding(q3_cache_object *o, void *c) {
         PyTuple_SET_ITEM(t, i, PyLong_FromLongLong(o->cache->padding[i]));
     return t;
 }
+static PyObject *cache_first_positions(q3_cache_object *o, void *c) {
+    (void)c;
+    PyObject *t = PyTuple_New(o->cache->batch);
+    for (int i = 0; t && i < o->cache->batch; i++)
+        PyTuple_SET_ITEM(t, i, PyLong_FromLongLong(o->cache->first_pos[i]));
+    return t;
+}
 static PyObject *cache_capacity(q3_cache_object *o, void *c) { (void)c; return PyLong_FromLongLong(o->cache->capacity); }
 static PyObject *cache_batch(q3_cache_object *o, void *c) { (void)c; return PyLong_FromLong(o->cache->batch); }
 static PyObject *cache_kv_heads(q3_cache_object *o, void *c) { (void)c; return PyLong_FromLong(o->cache->kv_heads); }
@@ -212,6 +230,10 @@ static PyMethodDef cache_methods[] = {
      "set_padding(n, seq=0)\n--\n\nThe first n tokens sequence `seq` receives are padding (left padding of a "
      "batch): later tokens do not attend to them and positions count from the first real token. Only while "
      "the sequence is empty; reset() clears it."},
+    {"set_first_position", (PyCFunction)(void (*)(void))cache_set_first_position, KW,
+     "set_first_position(position, seq=0)\n--\n\nThe first real token sequence `seq` receives sits at RoPE position "
+     "`position` (default 0; the next at position + 1, ...): for callers whose positions count the left padding or "
+     "run on from elsewhere. Only while the sequence is empty; reset() clears it; the cache operations carry it."},
     {"keys", (PyCFunction)(void (*)(void))cache_keys, KW,
      "keys(seq=0)\n--\n\nZero-copy view [num_kv_heads, length, head_dim] of the sequence's keys "
      "(after QK-norm and RoPE), with __dlpack__. The view keeps the length it had when taken."},
@@ -253,6 +275,8 @@ static PyGetSetDef cache_getset[] = {
     {"lengths", (getter)cache_lengths, NULL, "tokens held by each sequence (tuple)", NULL},
     {"capacity", (getter)cache_capacity, NULL, "tokens each sequence can hold", NULL},
     {"padding", (getter)cache_padding, NULL, "leading padding tokens of each sequence (tuple)", NULL},
+    {"first_positions", (getter)cache_first_positions, NULL, "the RoPE position of each sequence's first real token (tuple)",
+     NULL},
     {"batch", (getter)cache_batch, NULL, "number of sequences", NULL},
     {"num_kv_heads", (getter)cache_kv_heads, NULL, "KV heads", NULL},
     {"head_dim", (getter)cache_head_dim, NULL, "head dimension", NULL},

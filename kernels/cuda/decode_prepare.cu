@@ -4,14 +4,14 @@
 #include "../attention.h"
 #include "common.cuh"
 
-// seqs[s].n_past = lengths[s]; pos[s] = lengths[s] - seqs[s].start, 0 inside the padding;
-// lengths[s] += 1
+// seqs[s].n_past = lengths[s]; pos[s] = seqs[s].first_pos + lengths[s] - seqs[s].start, 0
+// inside the padding; lengths[s] += 1
 __global__ void decode_prepare_kernel(q3_attn_seq *seqs, int64_t *pos, int64_t *lengths, int n_seqs) {
     const int s = blockIdx.x * blockDim.x + threadIdx.x;
     if (s >= n_seqs) return;
     const int64_t n = lengths[s], start = seqs[s].start;
     seqs[s].n_past = n;
-    pos[s] = n >= start ? n - start : 0;
+    pos[s] = n >= start ? seqs[s].first_pos + n - start : 0;
     lengths[s] = n + 1;
 }
 

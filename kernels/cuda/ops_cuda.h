@@ -108,7 +108,7 @@ typedef struct {
                        void *stream);
     /* ---- decode without the host (CUDA-graph capturable); twins in csrc/check/twins.c ---- */
     /* a decode step's bookkeeping from device-resident lengths: for s < n_seqs,
-     * seqs[s].n_past = lengths[s]; pos[s] = lengths[s] - seqs[s].start (0 while inside the
+     * seqs[s].n_past = lengths[s]; pos[s] = first_pos + lengths[s] - seqs[s].start (0 while inside the
      * padding); then lengths[s] += 1 */
     int (*decode_prepare)(q3_attn_seq *seqs, int64_t *pos, int64_t *lengths, int n_seqs, void *stream);
     /* expert grouping on the device: moe_group's offsets [E + 1], rows and weights [T * k]
