@@ -72,37 +72,34 @@ static PyObject *cache_reset(q3_cache_object *o, PyObject *args, PyObject *kw) {
     return q3_status_or_none(q3_cache_reset(o->cache, seq, &err), &err);
 }
 
-static PyObject *cache_truncate(q3_cache_object *o, PyObject *args, PyObject *kw) {
-    static char *names[] = {"n", "seq", NULL};
+/* the calls taking (n, seq=0) and setting one sequence's count: truncate, set_padding,
+ * set_first_position */
+typedef q3_status (*seq_setter)(q3_cache *c, int seq, int64_t n, q3_error *err);
+
+static PyObject *cache_set_seq(q3_cache_object *o, PyObject *args, PyObject *kw, const char *fmt, char **names,
+                               seq_setter set) {
     long long n;
     PyObject *seq_obj = NULL;
     int seq = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "L|O:truncate", names, &n, &seq_obj)) return NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, fmt, names, &n, &seq_obj)) return NULL;
     if ((seq_obj && q3_py_cache_parse_seq(o->cache, seq_obj, 0, &seq) < 0) || q3_py_cache_check_idle(o) < 0) return NULL;
     q3_error err;
-    return q3_status_or_none(q3_cache_truncate(o->cache, seq, n, &err), &err);
+    return q3_status_or_none(set(o->cache, seq, n, &err), &err);
+}
+
+static PyObject *cache_truncate(q3_cache_object *o, PyObject *args, PyObject *kw) {
+    static char *names[] = {"n", "seq", NULL};
+    return cache_set_seq(o, args, kw, "L|O:truncate", names, q3_cache_truncate);
 }
 
 static PyObject *cache_set_first_position(q3_cache_object *o, PyObject *args, PyObject *kw) {
     static char *names[] = {"position", "seq", NULL};
-    long long position;
-    PyObject *seq_obj = NULL;
-    int seq = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "L|O:set_first_position", names, &position, &seq_obj)) return NULL;
-    if ((seq_obj && q3_py_cache_parse_seq(o->cache, seq_obj, 0, &seq) < 0) || q3_py_cache_check_idle(o) < 0) return NULL;
-    q3_error err;
-    return q3_status_or_none(q3_cache_set_first_position(o->cache, seq, position, &err), &err);
+    return cache_set_seq(o, args, kw, "L|O:set_first_position", names, q3_cache_set_first_position);
 }
 
 static PyObject *cache_set_padding(q3_cache_object *o, PyObject *args, PyObject *kw) {
     static char *names[] = {"n", "seq", NULL};
-    long long n;
-    PyObject *seq_obj = NULL;
-    int seq = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "L|O:set_padding", names, &n, &seq_obj)) return NULL;
-    if ((seq_obj && q3_py_cache_parse_seq(o->cache, seq_obj, 0, &seq) < 0) || q3_py_cache_check_idle(o) < 0) return NULL;
-    q3_error err;
-    return q3_status_or_none(q3_cache_set_padding(o->cache, seq, n, &err), &err);
+    return cache_set_seq(o, args, kw, "L|O:set_padding", names, q3_cache_set_padding);
 }
 
 static PyObject *cache_view(q3_cache_object *o, PyObject *args, PyObject *kw, int values) {
