@@ -1,18 +1,33 @@
-"""LayerConfig: the geometry of one Qwen3-MoE decoder layer."""
+"""LayerConfig: the geometry and RoPE of one Qwen3-MoE decoder layer."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 from . import _C
 
+# the RoPE fields and their values when unused (the engine's Q3_ROPE_SCALING_DEFAULT)
+ROPE_DEFAULTS = dict(rope_type="default", rope_factor=1.0, rope_original_max_position_embeddings=None,
+                     rope_attention_factor=None, rope_beta_fast=32.0, rope_beta_slow=1.0, rope_mscale=None,
+                     rope_mscale_all_dim=None, rope_truncate=True)
 
-@dataclasses.dataclass(frozen=True)
+
+@dataclasses.dataclass(frozen=True, repr=False)
 class LayerConfig:
-    """Geometry of one Qwen3-MoE decoder layer (the fields of transformers' Qwen3MoeConfig).
+    """Geometry and RoPE of one Qwen3-MoE decoder layer (the fields of transformers'
+    Qwen3MoeConfig that change the layer's math).
 
     The engine checks it on construction: sizes positive, head_dim even, heads a multiple of
-    KV heads, top-k at most the number of experts.
+    KV heads, top-k at most the number of experts, the RoPE parameters in their domain.
+
+    RoPE (transformers' rope_parameters / rope_scaling, static variants only):
+    rope_type 'default' (inv_freq = rope_theta^(-2i/head_dim)), 'linear' (inv_freq /
+    rope_factor) or 'yarn' (rope_factor, rope_original_max_position_embeddings (None:
+    max_position_embeddings), rope_beta_fast, rope_beta_slow, rope_truncate, and cos/sin scaled
+    by rope_attention_factor, or when None by 0.1 ln(factor) + 1, or the ratio of that with
+    rope_mscale and rope_mscale_all_dim when both are set). A field the variant does not read
+    must keep its default. The engine computes the table once per layer
+    (DecoderLayer.rope_inv_freq, rope_attention_scaling).
     """
 
     hidden_size: int
@@ -26,9 +41,24 @@ class LayerConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1e6
     max_position_embeddings: int = 40960
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_original_max_position_embeddings: Optional[int] = None
+    rope_attention_factor: Optional[float] = None
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_mscale: Optional[float] = None
+    rope_mscale_all_dim: Optional[float] = None
+    rope_truncate: bool = True
 
     def __post_init__(self) -> None:
         _C.check_config(self)
+
+    def __repr__(self) -> str:
+        """Every field but the RoPE ones left at their defaults (all of them for the default RoPE)."""
+        shown = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+                 if f.name not in ROPE_DEFAULTS or getattr(self, f.name) != ROPE_DEFAULTS[f.name]]
+        return f"LayerConfig({', '.join(shown)})"
 
     @classmethod
     def qwen3_235b_a22b(cls) -> "LayerConfig":

@@ -186,7 +186,7 @@ def test_every_kernel_matches_its_twin_on_the_executor_under_every_schedule(out)
     head dims 64 and 128, top-k 1 to 8, left padding); each names its launcher(s), and every
     launcher has a case."""
     cases = out["kernel check"]
-    assert len(cases) == 416  # with the cuBLAS stand-in open; 414 without cuBLAS
+    assert len(cases) == 420  # with the cuBLAS stand-in open; 418 without cuBLAS
     assert len({case[0] for case in cases}) == len(cases)
     for name, err, tol, schedules, agree, kernel in cases:
         assert err <= tol and schedules == 3 and agree, (name, kernel, err, tol, schedules, agree)
@@ -210,6 +210,9 @@ def test_every_kernel_matches_its_twin_on_the_executor_under_every_schedule(out)
         assert any(n.startswith(f"router top-k, tied logits, k={k} E={E} ") for n in names)
     for D in (128, 24):
         assert f"qk_rope_kv at positions 1e5 to 2^40, D={D}" in names
+        # the scaled RoPE tables (csrc/engine/rope_table.c) at the same far positions
+        assert f"qk_rope_kv linear RoPE x4 at positions 1e5 to 2^40, D={D}" in names
+        assert f"qk_rope_kv YaRN x4 of 4096 at positions 1e5 to 2^40, D={D}" in names
     for k in range(1, 9):
         assert f"router top-k, k={k} E=60 T=17, renormalised" in names
         for T in (1, 17):

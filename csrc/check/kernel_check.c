@@ -123,8 +123,18 @@ static q3_status run_cases(check *k, q3_check_result *out, uint64_t *digests, in
 
     RUN("qk_rope_kv", "qk_norm + rope + kv_write fused, D=128", 1e-2, q3_case_qk_rope_kv(k, 128));
     RUN("qk_rope_kv", "qk_norm + rope + kv_write fused, D=24", 1e-2, q3_case_qk_rope_kv(k, 24));
-    RUN("qk_rope_kv", "qk_rope_kv at positions 1e5 to 2^40, D=128", 1e-2, q3_case_qk_rope_kv_far(k, 128));
-    RUN("qk_rope_kv", "qk_rope_kv at positions 1e5 to 2^40, D=24", 1e-2, q3_case_qk_rope_kv_far(k, 24));
+    RUN("qk_rope_kv", "qk_rope_kv at positions 1e5 to 2^40, D=128", 1e-2,
+        q3_case_qk_rope_kv_far(k, 128, Q3_ROPE_DEFAULT));
+    RUN("qk_rope_kv", "qk_rope_kv at positions 1e5 to 2^40, D=24", 1e-2, q3_case_qk_rope_kv_far(k, 24, Q3_ROPE_DEFAULT));
+    /* the scaled tables (rope_table.c) at the same positions, far past their original window */
+    RUN("qk_rope_kv", "qk_rope_kv linear RoPE x4 at positions 1e5 to 2^40, D=128", 1e-2,
+        q3_case_qk_rope_kv_far(k, 128, Q3_ROPE_LINEAR));
+    RUN("qk_rope_kv", "qk_rope_kv linear RoPE x4 at positions 1e5 to 2^40, D=24", 1e-2,
+        q3_case_qk_rope_kv_far(k, 24, Q3_ROPE_LINEAR));
+    RUN("qk_rope_kv", "qk_rope_kv YaRN x4 of 4096 at positions 1e5 to 2^40, D=128", 1e-2,
+        q3_case_qk_rope_kv_far(k, 128, Q3_ROPE_YARN));
+    RUN("qk_rope_kv", "qk_rope_kv YaRN x4 of 4096 at positions 1e5 to 2^40, D=24", 1e-2,
+        q3_case_qk_rope_kv_far(k, 24, Q3_ROPE_YARN));
     EACH(D, HEAD_DIMS) EACH(B, BATCHES) EACH(T, TOKENS) EACH(ctx, CONTEXTS) for (int p = 0; p < N_PADS(B); p++) {
         const int pad = PADS(B)[p];
         const q3_check_batch b = {T, ctx, pad, B};

@@ -104,7 +104,7 @@ double q3_case_convert(check *k);
 
 /* the attention kernels' cases (kernel_check_attention.c) */
 double q3_case_qk_rope_kv(check *k, int D);
-double q3_case_qk_rope_kv_far(check *k, int D);
+double q3_case_qk_rope_kv_far(check *k, int D, q3_rope_type type);
 double q3_case_attention_heads(check *k, int64_t L, int64_t past0, int64_t past1, int64_t capacity, int64_t pad0,
                                int Hq, int Hkv, int D);
 double q3_case_attention(check *k, int64_t L, int64_t past0, int64_t past1, int64_t capacity, int64_t pad0);

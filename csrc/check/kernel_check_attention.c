@@ -1,5 +1,5 @@
 /* The self-check cases of the attention kernels (see kernel_check.c): the fused QK-norm +
- * RoPE + KV write, attention on each of its paths (a block per query token and KV head;
+ * RoPE + KV write (default, linear and YaRN tables), attention on each of its paths (a block per query token and KV head;
  * split-KV slices and their merge; tensor cores), the attention maps a call may ask for, and
  * a decode step's bookkeeping, each against its twin (the maps: the CPU kernel), on hand-made shapes and on the batches of kernel_check.c's lists
  * (sequences of different lengths, left padding). */
@@ -12,11 +12,26 @@ void q3_check_batch_seqs(const q3_check_batch *b, int64_t *past, int64_t *start)
     }
 }
 
+/* The RoPE table of a head dim D, rope_theta 1e6 (Qwen3's) and the variant `type`: linear
+ * with factor 4; YaRN with factor 4 over an original 4096 positions (cos and sin scaled by
+ * 0.1 ln 4 + 1), as the model card's YaRN with a shorter original window */
+static void case_table(int D, q3_rope_type type, float *inv_freq, float *scale) {
+    q3_config c = {.head_dim = D, .rope_theta = 1e6, .max_positions = 40960, .rope = Q3_ROPE_SCALING_DEFAULT};
+    c.rope.type = type;
+    if (type != Q3_ROPE_DEFAULT) c.rope.factor = 4.0;
+    if (type == Q3_ROPE_YARN) c.rope.original_max = 4096;
+    q3_rope_table(&c, inv_freq, scale);
+}
+
 /* the fused QK-norm + RoPE + KV append against its composition, q and both caches: n_seqs
  * sequences of sh->L tokens, token t of sequence s at cache row past[s] + t and at
- * position pos[s * L + t] */
-static double qk_rope_kv(check *k, const q3_attn_shape *sh, int n_seqs, const int64_t *past, const int64_t *pos) {
+ * position pos[s * L + t]; RoPE of the variant `type` (case_table) */
+static double qk_rope_kv(check *k, const q3_attn_shape *sh, int n_seqs, const int64_t *past, const int64_t *pos,
+                         q3_rope_type type) {
     const int D = sh->head_dim;
+    float inv_freq[Q3_CUDA_MAX_HEAD_DIM / 2], scale;
+    if (D > Q3_CUDA_MAX_HEAD_DIM) return INFINITY;
+    case_table(D, type, inv_freq, &scale);
     const int64_t R = n_seqs * sh->L, qn = R * sh->heads * D, kn = R * sh->kv_heads * D;
     const int64_t per_seq = (int64_t)sh->kv_heads * sh->capacity * D, cn = n_seqs * per_seq;
     float *q = host_random(k, qn, Q3_F32, 22), *kk = host_random(k, kn, Q3_F32, 23), *v = host_random(k, kn, Q3_F32, 24);
@@ -34,10 +49,10 @@ static double qk_rope_kv(check *k, const q3_attn_shape *sh, int n_seqs, const in
         ds[s] = (q3_attn_seq){dkc ? dkc + s * per_seq : NULL, dvc ? dvc + s * per_seq : NULL, past[s], 0, 0};
     }
     q3_attn_seq *dseqs = device(k, ds, n_seqs * sizeof ds[0]);
-    q3_qk_rope_kv_host(q, kk, v, qw, kw, Q3_BF16, pos, hs, n_seqs, sh, 1e-6f, 1e6f);
+    q3_qk_rope_kv_host(q, kk, v, qw, kw, Q3_BF16, pos, hs, n_seqs, sh, 1e-6f, inv_freq, scale);
     if (!k->failed)
-        cuda_ok(k, k->g->qk_rope_kv(dq, dk, dv, dqw, dkw, Q3_BF16, dpos, dseqs, n_seqs, sh, 1e-6f, 1e6f, NULL),
-                "qk_rope_kv launch");
+        cuda_ok(k, k->g->qk_rope_kv(dq, dk, dv, dqw, dkw, Q3_BF16, dpos, dseqs, n_seqs, sh, 1e-6f, inv_freq, scale,
+                                    NULL), "qk_rope_kv launch");
     fetch(k, q_got, dq, qn * 4);
     fetch(k, kc_got, dkc, cn * 2);
     fetch(k, vc_got, dvc, cn * 2);
@@ -53,16 +68,17 @@ double q3_case_qk_rope_kv(check *k, int D) {
     const int64_t past[2] = {4, 0};
     int64_t pos[6];
     for (int64_t r = 0; r < 6; r++) pos[r] = past[r / sh.L] + r % sh.L;
-    return qk_rope_kv(k, &sh, 2, past, pos);
+    return qk_rope_kv(k, &sh, 2, past, pos, Q3_ROPE_DEFAULT);
 }
 
 /* the shape of q3_case_qk_rope_kv at large positions (the config allows up to 2^40): angles
- * past sincosf's fast range (|a| > 105615), where the kernel reduces them itself */
-double q3_case_qk_rope_kv_far(check *k, int D) {
+ * past sincosf's fast range (|a| > 105615), where the kernel reduces them itself; with a
+ * linear or YaRN table, all far past their original window too */
+double q3_case_qk_rope_kv_far(check *k, int D, q3_rope_type type) {
     const q3_attn_shape sh = {3, 6, 2, D, 12, Q3_BF16, 1.0f, 0};
     const int64_t past[2] = {4, 0};
     const int64_t pos[6] = {100000, ((int64_t)1 << 31) + 5, 1000000000000, Q3_MAX_POSITIONS - 1, 987654321, 40959};
-    return qk_rope_kv(k, &sh, 2, past, pos);
+    return qk_rope_kv(k, &sh, 2, past, pos, type);
 }
 
 /* 8 query heads on 2; positions count from each sequence's first token past its padding
@@ -77,7 +93,7 @@ double q3_case_qk_rope_kv_batch(check *k, const q3_check_batch *b, int D) {
             const int64_t n = past[s] + t;
             pos[s * b->L + t] = n >= start[s] ? n - start[s] : 0;
         }
-    return qk_rope_kv(k, &sh, b->n_seqs, past, pos);
+    return qk_rope_kv(k, &sh, b->n_seqs, past, pos, Q3_ROPE_DEFAULT);
 }
 
 /* key j of one head's rows [rows, D] plus grow * j in every element: with q positive, each

@@ -7,13 +7,13 @@
 
 void q3_qk_rope_kv_host(float *q, float *k, const float *v, const void *q_norm, const void *k_norm, q3_dtype w_dt,
                         const int64_t *pos, const q3_attn_seq *seqs, int n_seqs, const q3_attn_shape *sh,
-                        float eps, float theta) {
+                        float eps, const float *inv_freq, float scale) {
     const q3_cpu_ops *c = q3_cpu_ops_active();
     const int64_t R = n_seqs * sh->L, D = sh->head_dim, KVD = (int64_t)sh->kv_heads * D;
     c->rmsnorm(q, q, q_norm, w_dt, R * sh->heads, D, eps);
     c->rmsnorm(k, k, k_norm, w_dt, R * sh->kv_heads, D, eps);
-    c->rope(q, pos, R, sh->heads, (int)D, theta);
-    c->rope(k, pos, R, sh->kv_heads, (int)D, theta);
+    c->rope(q, pos, R, sh->heads, (int)D, inv_freq, scale);
+    c->rope(k, pos, R, sh->kv_heads, (int)D, inv_freq, scale);
     for (int s = 0; s < n_seqs; s++) {
         c->kv_write((void *)seqs[s].k, sh->kv_dtype, k + s * sh->L * KVD, KVD, sh->L, sh->kv_heads, (int)D,
                     sh->capacity, seqs[s].n_past);

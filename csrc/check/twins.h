@@ -12,10 +12,10 @@
 #include "../../kernels/dtype.h"
 #include "../../kernels/fp8.h"
 
-/* rmsnorm, rope and kv_write in turn */
+/* rmsnorm, rope (by the table inv_freq [D / 2] and scale) and kv_write in turn */
 void q3_qk_rope_kv_host(float *q, float *k, const float *v, const void *q_norm, const void *k_norm, q3_dtype w_dt,
                         const int64_t *pos, const q3_attn_seq *seqs, int n_seqs, const q3_attn_shape *shape,
-                        float eps, float theta);
+                        float eps, const float *inv_freq, float scale);
 /* x += r, then rmsnorm */
 void q3_add_rmsnorm_host(float *out, float *x, const float *r, const void *w, q3_dtype w_dt, int64_t rows,
                          int64_t n, float eps);

@@ -150,7 +150,8 @@ void q3_gpu_attention_pass(q3_layer *l, q3_cache *c, const q3_pass *p, int64_t m
     const q3_attn_shape shape = {p->L, Hq, Hkv, D, c->capacity, c->dtype, 1.0f / sqrtf((float)D), max_keys};
     /* QK-norm, RoPE and the K/V append in one kernel */
     Q3_GPU(run, g->qk_rope_kv(d->q, d->k, d->v, w->dense[Q3_W_Q_NORM], w->dense[Q3_W_K_NORM], w->dtype, d->pos,
-                              d->attn_seqs, p->n_seqs, &shape, cf->eps, (float)cf->rope_theta, sm), "qk_rope_kv");
+                              d->attn_seqs, p->n_seqs, &shape, cf->eps, l->rope_inv_freq, l->rope_scale, sm),
+           "qk_rope_kv");
     q3_gpu_mark(run, Q3_STAGE_QK_NORM_ROPE);
     q3_gpu_mark(run, Q3_STAGE_KV_WRITE); /* fused into the stage before */
     if (p->call && p->call->attention) /* before attention: its output overwrites q */

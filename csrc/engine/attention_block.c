@@ -1,5 +1,5 @@
 /* The attention half of the layer for one pass:
- *   h = rmsnorm(x); q, k, v = h Wq^T, h Wk^T, h Wv^T; QK-norm per head; RoPE;
+ *   h = rmsnorm(x); q, k, v = h Wq^T, h Wk^T, h Wv^T; QK-norm per head; RoPE (the layer's table);
  *   append k, v to the cache; causal GQA attention over the cache; x += attn Wo^T. */
 #include <math.h>
 
@@ -29,8 +29,8 @@ void q3_attention_block(q3_layer *layer, q3_cache *cache, const q3_pass *p) {
         /* positions count from the first real token (at `first`); padding tokens sit at 0 */
         for (int64_t t = 0; t < p->L; t++) ws->pos[s * p->L + t] = n + t >= pad ? first + n + t - pad : 0;
     }
-    k->rope(ws->q, ws->pos, R, Hq, D, (float)c->rope_theta);
-    k->rope(ws->k, ws->pos, R, Hkv, D, (float)c->rope_theta);
+    k->rope(ws->q, ws->pos, R, Hq, D, layer->rope_inv_freq, layer->rope_scale);
+    k->rope(ws->k, ws->pos, R, Hkv, D, layer->rope_inv_freq, layer->rope_scale);
     q3_profile_mark(p->prof, Q3_STAGE_QK_NORM_ROPE);
 
     for (int s = 0; s < p->n_seqs; s++) {

@@ -1,4 +1,6 @@
 /* Layer geometry: validation, weight names and shapes. */
+#include <math.h>
+
 #include "q3.h"
 
 /* every weight of the layer, in elements; bounded by the limits (at most about 2^56) */
@@ -44,9 +46,9 @@ q3_status q3_config_check(const q3_config *c, q3_error *err) {
     if (!(c->eps > 0.0f))
         return q3_fail(err, Q3_ERR_VALUE, "rms_norm_eps: expected a positive number, got %g",
                        (double)c->eps);
-    if (!(c->rope_theta > 1.0))
-        return q3_fail(err, Q3_ERR_VALUE, "rope_theta: expected a number > 1, got %g", c->rope_theta);
-    return Q3_OK;
+    if (!(c->rope_theta > 1.0) || !isfinite(c->rope_theta))
+        return q3_fail(err, Q3_ERR_VALUE, "rope_theta: expected a finite number > 1, got %g", c->rope_theta);
+    return q3_rope_check(c, err);
 }
 
 const char *q3_dense_weight_name(q3_dense_weight w) {

@@ -36,12 +36,16 @@ q3_status q3_layer_create(q3_layer **out, const q3_config *cfg, const q3_weights
     q3_layer *l = calloc(1, sizeof *l);
     const size_t E = (size_t)cfg->experts, arrays = fp8 ? 2 * Q3_X_COUNT : Q3_X_COUNT;
     const void **ptrs = calloc(arrays * E, sizeof *ptrs); /* [arrays][E]: the weights, then the scales */
-    if (!l || !ptrs) {
+    float *rope = malloc((size_t)cfg->head_dim / 2 * sizeof *rope);
+    if (!l || !ptrs || !rope) {
         free(l);
         free(ptrs);
+        free(rope);
         return q3_fail(err, Q3_ERR_NOMEM, "layer: out of memory");
     }
     l->cfg = *cfg;
+    l->rope_inv_freq = rope;
+    q3_rope_table(cfg, rope, &l->rope_scale); /* once: every pass rotates by this table */
     l->w = *w;
     l->expert_ptrs = ptrs;
     for (size_t a = 0; a < arrays; a++) {
@@ -72,6 +76,7 @@ void q3_layer_destroy(q3_layer *l) {
     if (q3_device()) q3_device()->layer_release(l);
     q3_workspace_release(&l->ws);
     free(l->expert_ptrs);
+    free(l->rope_inv_freq);
     free(l);
 }
 

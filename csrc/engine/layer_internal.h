@@ -16,6 +16,8 @@ struct q3_layer {
     q3_workspace ws;                  /* host workspace (CPU layers) */
     q3_cuda_state *gpu;               /* CUDA layers: device workspace and host staging */
     q3_profile prof;                  /* per-stage times while profiling is on */
+    float *rope_inv_freq;             /* [head_dim / 2] owned: q3_rope_table's, made at creation */
+    float rope_scale;                 /* of cos and sin (the RoPE's attention_scaling) */
 };
 
 /* One pass over the R = n_seqs * L rows in ws->x [R, H] (row s * L + t is token t of

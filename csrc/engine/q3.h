@@ -60,6 +60,29 @@ static inline int q3_numel(int ndim, const int64_t *shape, int64_t *out) {
  * refuses more than this many bytes of weights in all, far past any memory */
 #define Q3_MAX_WEIGHT_BYTES ((int64_t)1 << 50)
 
+/* RoPE variants of transformers' modeling_rope_utils the engine computes (static ones only:
+ * the same inv_freq at every sequence length) */
+typedef enum {
+    Q3_ROPE_DEFAULT = 0, /* inv_freq[i] = theta^(-2i/D) */
+    Q3_ROPE_LINEAR = 1,  /* the default inv_freq / factor */
+    Q3_ROPE_YARN = 2,    /* YaRN: a ramp between inv_freq / factor and inv_freq, cos and sin scaled */
+} q3_rope_type;
+
+/* The scaling parameters of a RoPE variant, as transformers names them (rope_parameters /
+ * rope_scaling) and with its defaults already resolved by the caller where the two transformers
+ * versions agree. Zeroes mean "unset" where transformers reads a falsy value so. */
+typedef struct {
+    q3_rope_type type;
+    double factor;              /* linear, yarn: > 0; default: 1 */
+    int64_t original_max;       /* yarn: original_max_position_embeddings; 0: max_position_embeddings */
+    double attention_factor;    /* yarn: the cos/sin scale, > 0; 0: from factor, mscale, mscale_all_dim */
+    double beta_fast, beta_slow; /* yarn: > 0 (transformers' defaults 32 and 1) */
+    double mscale, mscale_all_dim; /* yarn: 0 = unset (used only when both are set) */
+    int truncate;               /* yarn: the correction range floored / ceiled (transformers' default 1) */
+} q3_rope_scaling;
+/* the values a variant that does not read a field must leave in it (the default RoPE: all) */
+#define Q3_ROPE_SCALING_DEFAULT ((q3_rope_scaling){Q3_ROPE_DEFAULT, 1.0, 0, 0.0, 32.0, 1.0, 0.0, 0.0, 1})
+
 typedef struct {
     int64_t hidden;        /* hidden_size */
     int heads;             /* num_attention_heads (query heads) */
@@ -72,12 +95,24 @@ typedef struct {
     float eps;             /* rms_norm_eps */
     double rope_theta;     /* rope_theta */
     int64_t max_positions; /* max_position_embeddings */
+    q3_rope_scaling rope;  /* rope_parameters' variant and numbers (Q3_ROPE_SCALING_DEFAULT: none) */
 } q3_config;
 
 /* Rejects impossible geometry: non-positive sizes or sizes past the limits above, weights
  * of more than Q3_MAX_WEIGHT_BYTES, odd head_dim, heads not a multiple of kv_heads,
- * top_k > experts. */
+ * top_k > experts; and RoPE parameters out of their domain or unused by the variant
+ * (rope_table.c). */
 q3_status q3_config_check(const q3_config *cfg, q3_error *err);
+
+/* The RoPE of cfg as transformers' rotary embedding computes it (rope_table.c), in its fp32
+ * operation order: inv_freq [head_dim / 2] (model.rotary_emb.inv_freq) and *scale, which
+ * multiplies cos and sin (its attention_scaling, rounded to fp32 as torch multiplies by it).
+ * The angle of dim pair i at position p is (float)p * inv_freq[i]. cfg must pass
+ * q3_config_check. */
+void q3_rope_table(const q3_config *cfg, float *inv_freq, float *scale);
+/* The RoPE half of q3_config_check (cfg's geometry already checked): each field the variant
+ * reads in its domain, the others at Q3_ROPE_SCALING_DEFAULT's values, a finite table. */
+q3_status q3_rope_check(const q3_config *cfg, q3_error *err);
 
 /* ---- weights ------------------------------------------------------------------ */
 

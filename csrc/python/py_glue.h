@@ -137,7 +137,13 @@ q3_cache_object *q3_cache_object_new(q3_module_state *st, int batch, int64_t cap
 /* ---- Layer (py_layer.c) ------------------------------------------------------------ */
 
 extern PyType_Spec q3_layer_spec;
+
+/* ---- config (py_config.c) ------------------------------------------------------------ */
+
+/* a LayerConfig's fields into *out, checked (q3_config_check); -1 with an exception */
 int q3_parse_config(PyObject *cfg, q3_config *out);
+/* rope_table(config) -> (inv_freq tuple [head_dim / 2], scale): q3_rope_table's */
+PyObject *q3_py_rope_table(PyObject *m, PyObject *cfg);
 
 /* ---- CUDA functions (py_cuda.c) ------------------------------------------------------ */
 

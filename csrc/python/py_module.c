@@ -172,6 +172,8 @@ static PyMethodDef module_methods[] = {
     {"copy_tensor", copy_tensor, METH_VARARGS,
      "copy_tensor(tensor, device)\n--\n\nA contiguous copy of an extension Tensor on device (-1: host)."},
     {"check_config", check_config, METH_O, "check_config(config)\n--\n\nRaise if the geometry is impossible."},
+    {"rope_table", q3_py_rope_table, METH_O,
+     "rope_table(config)\n--\n\n(inv_freq, scale): the RoPE table a layer of this config rotates by, fp32 values."},
     {"buffer_view", q3_buffer_view, METH_VARARGS,
      "buffer_view(obj, offset, shape, dtype)\n--\n\nA Tensor over bytes of a buffer-protocol object (kept alive)."},
     {"owned_buffers", q3_owned_buffers, METH_NOARGS,

@@ -3,19 +3,18 @@
 
 #include "ops.h"
 
-void Q3_CPU_FN(q3_rope)(float *x, const int64_t *pos, int64_t rows, int heads, int D, float theta) {
+void Q3_CPU_FN(q3_rope)(float *x, const int64_t *pos, int64_t rows, int heads, int D, const float *inv_freq,
+                        float scale) {
     const int half = D / 2;
-    float inv_freq[half];
-    /* same fp32 expression as transformers: 1 / theta ** (arange(0, D, 2) / D) */
-    for (int i = 0; i < half; i++) inv_freq[i] = 1.0f / powf(theta, (float)(2 * i) / (float)D);
 #pragma omp parallel for schedule(static) if (rows * heads > 64)
     for (int64_t r = 0; r < rows; r++) {
         float c[half], s[half];
         const float p = (float)pos[r];
         for (int i = 0; i < half; i++) {
             const float a = p * inv_freq[i];
-            c[i] = cosf(a);
-            s[i] = sinf(a);
+            /* transformers: cos(emb) * attention_scaling in fp32 (exact for the scale 1) */
+            c[i] = cosf(a) * scale;
+            s[i] = sinf(a) * scale;
         }
         for (int h = 0; h < heads; h++) {
             float *v = x + (r * heads + h) * D;

@@ -91,10 +91,12 @@ typedef struct {
     int (*matmul_wmma)(float *y, const float *x, const void *w, int64_t T, int64_t N, int64_t K, int accumulate,
                        uint16_t *xb, void *stream);
     /* QK-norm + RoPE of q [R, Hq, D] and k [R, Hkv, D] (q in place), k and v [R, Hkv, D] into
-     * the cache rows of seqs (device array): rmsnorm, rope and kv_write fused; R = n_seqs * L */
+     * the cache rows of seqs (device array): rmsnorm, rope and kv_write fused; R = n_seqs * L.
+     * inv_freq [D / 2] and scale: the RoPE table (kernels/rope.h), inv_freq in host memory,
+     * passed by value in the launch */
     int (*qk_rope_kv)(float *q, float *k, const float *v, const void *q_norm, const void *k_norm, q3_dtype w_dt,
                       const int64_t *pos, const q3_attn_seq *seqs, int n_seqs, const q3_attn_shape *shape,
-                      float eps, float theta, void *stream);
+                      float eps, const float *inv_freq, float scale, void *stream);
     /* partial: device scratch of q3_attention_cuda_partial_floats(n_seqs * L, shape) floats
      * for split-KV (NULL: one block per query token and KV head) */
     int (*attention)(float *out, const float *q, const q3_attn_seq *seqs, int n_seqs, const q3_attn_shape *shape,

@@ -14,17 +14,13 @@
 #define MAX_D 256
 static_assert(MAX_D >= Q3_CUDA_MAX_HEAD_DIM, "the CUDA layer takes head dims up to Q3_CUDA_MAX_HEAD_DIM");
 
-// The CPU's angle, bit for bit where its powf rounds correctly: a = (float)pos * inv_freq[i] in
-// fp32, inv_freq[i] = 1.0f / powf(theta, (float)(2i) / D) (kernels/cpu/rope.c). powf comes from
-// a double pow rounded once to float, the correctly rounded powf (bar a double rounding at a
-// tie): CUDA's powf is documented a few ulp off, and an ulp of inv_freq moves the angle by
-// a * 2^-24 rad, a whole turn at a ~ 1e8. Cost: D / 64 double pows a lane, recomputed by each
-// head's warp; FP64 is fast on sm_80/90/100 but 1/64 rate on sm_120 (an estimate there: about
-// 7M FP64 operations a batch-16 decode step at the real geometry, some 5 us).
-__device__ __forceinline__ float rope_angle(float p, int i, int D, float theta) {
-    const float e = (float)(2 * i) / (float)D;
-    return p * (1.0f / (float)pow((double)theta, (double)e));
-}
+// The rotation's table, by value: the kernel parameter space holds it (constant bank reads,
+// no global load, nothing to upload or free, and a captured graph keeps its copy).
+// inv_freq [D / 2] of the engine's q3_rope_table; scale multiplies cos and sin.
+struct rope_table {
+    float inv_freq[MAX_D / 2];
+    float scale;
+};
 
 // sin and cos of the fp32 angle a, |a| <= 2^40 (Q3_MAX_POSITIONS): sincosf itself would be
 // right but carries a Payne-Hanek path for |a| > 105615 that keeps a stack frame (local
@@ -44,7 +40,7 @@ __device__ __forceinline__ void rope_sincos(float a, float *sn, float *cs) {
 
 __global__ void qk_rope_kv_kernel(float *q, float *k, const float *v, const void *q_norm, const void *k_norm,
                                   q3_dtype w_dt, const int64_t *pos, const q3_attn_seq *seqs, q3_attn_shape sh,
-                                  float eps, float theta) {
+                                  float eps, const rope_table rope) {
     Q3_SHARED(float[WARPS][MAX_D], head);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int64_t r = blockIdx.x;
@@ -70,7 +66,10 @@ __global__ void qk_rope_kv_kernel(float *q, float *k, const float *v, const void
     const float p = (float)pos[r];
     for (int i = lane; i < half; i += 32) {
         float sn, cs;
-        rope_sincos(rope_angle(p, i, D, theta), &sn, &cs);
+        // the CPU's angle and scaling, bit for bit: (float)pos * inv_freq[i], cos(a) * scale
+        rope_sincos(p * rope.inv_freq[i], &sn, &cs);
+        cs *= rope.scale;
+        sn *= rope.scale;
         const float lo = head[warp][i], hi = head[warp][i + half];
         const float out_lo = lo * cs - hi * sn, out_hi = hi * cs + lo * sn;
         if (h < Hq) {
@@ -85,16 +84,21 @@ __global__ void qk_rope_kv_kernel(float *q, float *k, const float *v, const void
 }
 
 // q [R, Hq, D] in place; k [R, Hkv, D] and v [R, Hkv, D] into the cache rows of seqs;
-// R = n_seqs * shape->L rows, pos [R] and seqs on the device
+// R = n_seqs * shape->L rows, pos [R] and seqs on the device; inv_freq [D / 2] on the host
+// (copied into the launch's parameters)
 extern "C" int q3_qk_rope_kv_cuda(float *q, float *k, const float *v, const void *q_norm, const void *k_norm,
                                   q3_dtype w_dt, const int64_t *pos, const q3_attn_seq *seqs, int n_seqs,
-                                  const q3_attn_shape *shape, float eps, float theta, void *stream) {
+                                  const q3_attn_shape *shape, float eps, const float *inv_freq, float scale,
+                                  void *stream) {
     if (shape->head_dim > MAX_D || shape->head_dim % 2) return (int)cudaErrorInvalidValue;
     const int64_t rows = (int64_t)n_seqs * shape->L;
     if (rows == 0) return 0;
+    rope_table rope = {};
+    for (int i = 0; i < shape->head_dim / 2; i++) rope.inv_freq[i] = inv_freq[i];
+    rope.scale = scale;
     const int heads = shape->heads + 2 * shape->kv_heads;
     const dim3 grid((unsigned)rows, (unsigned)((heads + WARPS - 1) / WARPS));
     Q3_LAUNCH(qk_rope_kv_kernel, grid, WARPS * 32, 0, (cudaStream_t)stream)(q, k, v, q_norm, k_norm, w_dt, pos, seqs, *shape,
-                                                                      eps, theta);
+                                                                      eps, rope);
     return q3_launch_status();
 }

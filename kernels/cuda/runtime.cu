@@ -11,7 +11,7 @@ int q3_gate_up_cuda(float *, const float *, const void *, const void *, q3_dtype
 int q3_matmul_tc_cuda(float *, const float *, const void *, int64_t, int64_t, int64_t, int, uint16_t *, void *);
 int q3_matmul_wmma_cuda(float *, const float *, const void *, int64_t, int64_t, int64_t, int, uint16_t *, void *);
 int q3_qk_rope_kv_cuda(float *, float *, const float *, const void *, const void *, q3_dtype, const int64_t *,
-                       const q3_attn_seq *, int, const q3_attn_shape *, float, float, void *);
+                       const q3_attn_seq *, int, const q3_attn_shape *, float, const float *, float, void *);
 int q3_attention_cuda(float *, const float *, const q3_attn_seq *, int, const q3_attn_shape *, float *, void *);
 int q3_attention_probs_cuda(float *, const float *, const q3_attn_seq *, int, const q3_attn_shape *, int64_t, int64_t,
                             int64_t, void *);
