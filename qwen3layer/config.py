@@ -1,8 +1,13 @@
-"""LayerConfig: the geometry and RoPE of one Qwen3-MoE decoder layer."""
+"""LayerConfig: the geometry and RoPE of one Qwen3-MoE decoder layer.
+
+LayerConfig.from_hf reads a transformers Qwen3MoeConfig (4.57 or 5.x) or its config.json;
+qwen3layer/hf_config.py holds the reading rules (which fields change the layer, which the
+C layer refuses, the RoPE parameters' spellings), docs/config_fields.md the table of them.
+"""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
 from . import _C
 
@@ -75,32 +80,15 @@ class LayerConfig:
                    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
 
     @classmethod
-    def from_hf(cls, hf_config: Any) -> "LayerConfig":
+    def from_hf(cls, hf_config: Any, layer_idx: Optional[int] = None) -> "LayerConfig":
         """From a transformers Qwen3MoeConfig (4.57 or 5.x) or a dict of its fields (a
-        config.json: num_experts may be spelled num_local_experts)."""
-        raw = hf_config.get if isinstance(hf_config, Mapping) else (lambda k, d=None: getattr(hf_config, k, d))
-        # transformers 5.x writes num_experts as num_local_experts in config.json
-        aliases = {"num_experts": "num_local_experts"}
-        get = lambda k, d=None: raw(k) if raw(k) is not None else raw(aliases.get(k, k), d)  # noqa: E731
-        hidden, heads = get("hidden_size"), get("num_attention_heads")
-        missing = [k for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "num_experts",
-                               "num_experts_per_tok", "moe_intermediate_size") if get(k) is None]
-        if missing:
-            raise ValueError(f"config: missing {', '.join(missing)}")
-        theta = get("rope_theta")
-        rope = get("rope_parameters") or get("rope_scaling") or {}
-        if not isinstance(rope, Mapping):
-            raise ValueError(f"config.rope_parameters: expected a mapping, got {type(rope).__name__}")
-        if theta is None:
-            theta = rope.get("rope_theta", 10000.0)
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise ValueError(f"config.rope_parameters: expected the default RoPE, got rope_type={rope_type!r}")
-        return cls(hidden_size=hidden, num_attention_heads=heads,
-                   num_key_value_heads=get("num_key_value_heads"),
-                   head_dim=get("head_dim") or hidden // heads,
-                   num_experts=get("num_experts"), num_experts_per_tok=get("num_experts_per_tok"),
-                   moe_intermediate_size=get("moe_intermediate_size"),
-                   norm_topk_prob=bool(get("norm_topk_prob", False)),
-                   rms_norm_eps=float(get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
-                   max_position_embeddings=get("max_position_embeddings", 40960))
+        config.json: num_experts may be spelled num_local_experts).
+
+        Every field that changes the layer's math is honoured or refused with a ValueError
+        naming it and its value (docs/config_fields.md): hidden_act other than silu,
+        attention_bias, a sliding window, a RoPE other than default / linear / yarn, a partial
+        rotary factor. layer_idx: the index of the layer in the model; given, a layer that
+        mlp_only_layers or decoder_sparse_step make a dense MLP layer is refused too."""
+        from .hf_config import layer_fields
+
+        return cls(**layer_fields(hf_config, layer_idx))

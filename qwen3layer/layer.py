@@ -97,14 +97,20 @@ class DecoderLayer:
 
     @classmethod
     def from_hf(cls, hf_layer: Any, device: str = "cpu") -> "DecoderLayer":
-        """From a transformers Qwen3MoeDecoderLayer (4.57 or 5.x), sharing its weights."""
+        """From a transformers Qwen3MoeDecoderLayer (4.57 or 5.x), sharing its weights. Its
+        model's config is read by LayerConfig.from_hf with the layer's index: a field the C
+        layer does not implement, a dense (Qwen3MoeMLP) layer of mlp_only_layers or
+        decoder_sparse_step among them, raises ValueError naming it."""
         attn = getattr(hf_layer, "self_attn", None)
         cfg = getattr(attn, "config", None)
-        if cfg is None or not hasattr(hf_layer, "mlp") or not hasattr(hf_layer.mlp, "experts"):
+        if cfg is None or not hasattr(hf_layer, "mlp"):
+            raise TypeError(f"hf_layer: expected a transformers Qwen3MoeDecoderLayer, got {type(hf_layer).__name__}")
+        config = LayerConfig.from_hf(cfg, layer_idx=getattr(attn, "layer_idx", None))
+        if not hasattr(hf_layer.mlp, "experts"):
             raise TypeError(f"hf_layer: expected a transformers Qwen3MoeDecoderLayer with a MoE block, "
-                            f"got {type(hf_layer).__name__}")
+                            f"got one whose mlp is a {type(hf_layer.mlp).__name__}")
         weights = {name: t.detach() for name, t in hf_layer.state_dict().items()}
-        return cls(LayerConfig.from_hf(cfg), weights, device=device)
+        return cls(config, weights, device=device)
 
     @classmethod
     def from_checkpoint(cls, path: str, layer_idx: int, device: str = "cpu",
@@ -357,6 +363,19 @@ class DecodeGraph:
     @property
     def dtype(self) -> str:
         return self._core.dtype
+
+    @property
+    def rope_inv_freq(self) -> tuple:
+        """The RoPE table the layer rotates by: inv_freq [head_dim / 2] as fp32 values (the
+        engine's, computed once from the config as transformers computes its
+        rotary_emb.inv_freq: the angle of dim pair i at position p is p * inv_freq[i])."""
+        return _C.rope_table(self.config)[0]
+
+    @property
+    def rope_attention_scaling(self) -> float:
+        """The fp32 factor of cos and sin (transformers' rotary_emb.attention_scaling): 1 but
+        for YaRN."""
+        return _C.rope_table(self.config)[1]
 
     @property
     def cache(self) -> KVCache:
