@@ -195,3 +195,18 @@ def layer_fields(hf_config: Any, layer_idx: Optional[int] = None) -> dict:
                   rms_norm_eps=float(get("rms_norm_eps", 1e-6)), max_position_embeddings=max_pos)
     fields.update(_rope_fields(get, _is_legacy_object(hf_config), max_pos))
     return fields
+
+
+def hf_rope_kwargs(cfg: Any) -> dict:
+    """The Qwen3MoeConfig keyword arguments (4.57 and 5.x take both) that give transformers
+    the RoPE of a LayerConfig: rope_theta, and rope_scaling for a scaled variant."""
+    if cfg.rope_type == "default":
+        return dict(rope_theta=cfg.rope_theta)
+    scaling = dict(rope_type=cfg.rope_type, factor=cfg.rope_factor)
+    if cfg.rope_type == "yarn":
+        optional = dict(original_max_position_embeddings=cfg.rope_original_max_position_embeddings,
+                        attention_factor=cfg.rope_attention_factor, mscale=cfg.rope_mscale,
+                        mscale_all_dim=cfg.rope_mscale_all_dim)
+        scaling.update({k: v for k, v in optional.items() if v is not None}, beta_fast=cfg.rope_beta_fast,
+                       beta_slow=cfg.rope_beta_slow, truncate=cfg.rope_truncate)
+    return dict(rope_theta=cfg.rope_theta, rope_scaling=scaling)

@@ -13,6 +13,7 @@ from typing import Optional
 from . import _C
 from .config import LayerConfig
 from .costs import cost_model
+from .hf_config import hf_rope_kwargs
 from .layer import DecoderLayer
 
 
@@ -49,7 +50,7 @@ def accuracy(cfg: LayerConfig, weights: dict, layer: DecoderLayer, dtype: str, t
                         num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
                         num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
                         moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
-                        rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta, num_hidden_layers=1,
+                        rms_norm_eps=cfg.rms_norm_eps, **hf_rope_kwargs(cfg), num_hidden_layers=1,
                         vocab_size=16, intermediate_size=64, max_position_embeddings=cfg.max_position_embeddings)
     hc._attn_implementation, hc._experts_implementation = "sdpa", "grouped_mm"
 

@@ -46,6 +46,10 @@ ROPES = {
 HEAD_DIMS = (16, 24, 128, 256)  # 8 and 12 frequencies: torch's scalar pow; 64 and 128: its vector pow
 
 
+GEOMETRY = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=16, num_experts=8,
+                num_experts_per_tok=2, moe_intermediate_size=32, max_position_embeddings=4096)
+
+
 def hf_config(rope: dict, head_dim: int = 24, theta: float = 1e6, max_pos: int = 4096, **kw) -> Qwen3MoeConfig:
     fields = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=head_dim, num_experts=8,
                   num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, vocab_size=16,
@@ -131,6 +135,35 @@ def test_layer_properties_report_its_table():
     assert yarn.rope_attention_scaling == f32(0.1 * math.log(4.0) + 1.0)
     assert yarn.rope_inv_freq[0] == layer.rope_inv_freq[0]  # the fastest dims are extrapolated: unchanged
     assert yarn.rope_inv_freq[-1] < layer.rope_inv_freq[-1]  # the slowest interpolated
+
+
+@pytest.mark.parametrize("name", ROPES)
+def test_layer_config_round_trips_through_transformers(name):
+    """hf_rope_kwargs (the accuracy ruler's transformers config) gives back the same RoPE."""
+    from qwen3layer.hf_config import hf_rope_kwargs
+
+    cfg = q3.LayerConfig.from_hf(hf_config(ROPES[name]))
+    fields = {k: getattr(cfg, k) for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                                           "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                                           "norm_topk_prob", "max_position_embeddings")}
+    assert q3.LayerConfig.from_hf(Qwen3MoeConfig(**fields, **hf_rope_kwargs(cfg))) == cfg
+
+
+@pytest.mark.skipif(not V5, reason="the accuracy ruler builds its transformers layer from 5.x's fused expert weights")
+def test_the_accuracy_ruler_builds_transformers_with_the_same_rope(tmp_path):
+    """`python -m qwen3layer check` on a YaRN config.json: its transformers layer gets the same
+    RoPE (40 tokens, 5 times YaRN's original window of 8), so the accuracy ruler passes."""
+    cfg = dict(GEOMETRY, rope_theta=1e4, rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                       "original_max_position_embeddings": 8})
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    r = subprocess.run([sys.executable, "-m", "qwen3layer", "check", "--geometry", str(path), "--tokens", "64",
+                        "--chunk-size", "16", "--context", "40", "--latency-factor", "1e6", "--accuracy-tokens", "40",
+                        "--json"], cwd=os.path.join(os.path.dirname(__file__), ".."), capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    accuracy = json.loads(r.stdout)["rulers"][0]
+    assert accuracy["name"] == "accuracy against transformers" and accuracy["passed"], accuracy
 
 
 # ---- the layer against transformers ----------------------------------------------------
@@ -235,10 +268,6 @@ def test_emulated_cuda_layer_matches_the_cpu_layer():
 
 
 # ---- refused variants and values -----------------------------------------------------------
-
-GEOMETRY = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=16, num_experts=8,
-                num_experts_per_tok=2, moe_intermediate_size=32, max_position_embeddings=4096)
-
 
 @pytest.mark.parametrize("rope,match", [
     ({"rope_type": "dynamic", "factor": 2.0}, r"rope_type'\]: expected one of 'default', 'linear', 'yarn', got "
