@@ -181,6 +181,10 @@ def load_layer_weights(path: str, layer_idx: int) -> Tuple[LayerConfig, Dict[str
     yet: every entry is checked before the first is borrowed)."""
     cfg_path, raw, cfg = _read_config(path)
     _check_layer_idx(cfg_path, raw, layer_idx)
+    try:  # the layer's own rules: a dense Qwen3MoeMLP layer (mlp_only_layers, decoder_sparse_step) is refused by name
+        LayerConfig.from_hf(raw, layer_idx=layer_idx)
+    except ValueError as e:
+        raise CheckpointError(f"{cfg_path}: {e}") from e
     fmt = weight_format(cfg_path, raw, layer_idx, cfg.num_experts)
     prefix = f"model.layers.{layer_idx}."
     wanted = _wanted(fmt, cfg.num_experts)
