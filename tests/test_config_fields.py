@@ -133,7 +133,7 @@ def test_refused_in_a_config_object_and_a_config_json(field):
                                    "decoder_sparse_step"])
 def test_refused_when_a_layer_is_taken_and_at_patch_time(field):
     """DecoderLayer.from_hf reads the layer's index; patch_model raises at the model's first
-    refused layer."""
+    refused layer, before it swaps any."""
     change, match, idx = REFUSALS[field]
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**GEOMETRY, **(dict(num_hidden_layers=3) | change),
@@ -145,6 +145,7 @@ def test_refused_when_a_layer_is_taken_and_at_patch_time(field):
 
     with pytest.raises(ValueError, match=re.escape(match.split(":")[0])):  # the model's first refused layer
         qt.patch_model(model)
+    assert all(type(m).__name__ == "Qwen3MoeDecoderLayer" for m in model.model.layers)  # none swapped
 
 
 def test_dense_layers_named_with_their_index_and_sparse_ones_taken():
