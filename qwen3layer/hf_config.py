@@ -124,7 +124,8 @@ def _rope_type(rope: Mapping, where: str) -> str:
         raise ValueError(f"config.{where}: rope_type {kind!r} and type {old!r} disagree")
     kind = kind if kind is not None else old if old is not None else "default"
     if kind not in ROPE_TYPES:
-        why = WHY_NOT.get(kind, "the C layer computes the static default, linear and yarn RoPE only")
+        why = WHY_NOT.get(kind, "the C layer computes the static default, linear and yarn RoPE only") \
+            if isinstance(kind, str) else "not a name"
         raise ValueError(f"config.{where}['rope_type']: expected one of {', '.join(map(repr, ROPE_TYPES))}, got "
                          f"{kind!r} ({why})")
     return kind
