@@ -28,6 +28,7 @@ works and warns once that no gradient flows through the layer.
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -169,12 +170,13 @@ class DecoderLayer(torch.nn.Module):
         padding = kv.padding if kv is not None else None
         key = (batch, length, past, padding, impl)
         memo = _PLAN_MEMO
-        versions = tuple(getattr(t, "_version", None) for t in (mask, position_ids, cu))  # in-place changes
-        if memo and memo[0] is mask and memo[1] is position_ids and memo[2] is cu and memo[3] == key and \
-                memo[4] == versions:
-            return memo[5]
+        tensors = (mask, position_ids, cu)
+        versions = tuple(getattr(t, "_version", None) for t in tensors)  # in-place changes
+        if memo and all(_same(ref, t) for ref, t in zip(memo[0], tensors)) and memo[1] == key and memo[2] == versions:
+            return memo[3]
         plan = _masks.plan_call(mask, position_ids, batch, length, past, padding, impl, cu)
-        _PLAN_MEMO[:] = [mask, position_ids, cu, key, versions, plan]
+        # weak references: a finished generation's mask is not kept alive by the memo
+        _PLAN_MEMO[:] = [tuple(None if t is None else weakref.ref(t) for t in tensors), key, versions, plan]
         return plan
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
@@ -254,7 +256,11 @@ class DecoderLayer(torch.nn.Module):
         return y
 
 
-_PLAN_MEMO: list = []
+_PLAN_MEMO: list = []  # the last call's (tensors, key, versions, plan): the next layers get the same mask
+
+
+def _same(ref: Any, t: Any) -> bool:
+    return t is None if ref is None else ref() is t
 
 
 def _run_packed(layer: DecoderLayer, x: torch.Tensor, plan: _masks.CallPlan, want_router: bool,
