@@ -762,11 +762,12 @@ def test_cuda_fp8_layer_router_outputs_match_the_cpu_fp8_layer(dtype, tol):
     tdt = getattr(torch, dtype)
     margin = 1e-4 if dtype == "float32" else 2e-2
     x = torch.randn(2, 17, cfg.hidden_size, generator=gen).to(tdt)
-    check_insides(gpu.prefill(x.cuda(), c_gpu, chunk_size=8, return_router=True),
-                  cpu.prefill(x, c_cpu, chunk_size=8, return_router=True), tol, 0.0, margin, 2)
+    compared = check_insides(gpu.prefill(x.cuda(), c_gpu, chunk_size=8, return_router=True),
+                             cpu.prefill(x, c_cpu, chunk_size=8, return_router=True), tol, 0.0, margin, 2)
     s = torch.randn(2, cfg.hidden_size, generator=gen).to(tdt)
-    check_insides(gpu.decode(s.cuda(), c_gpu, return_router=True), cpu.decode(s, c_cpu, return_router=True), tol,
-                  0.0, margin, 2)
+    compared += check_insides(gpu.decode(s.cuda(), c_gpu, return_router=True),
+                              cpu.decode(s, c_cpu, return_router=True), tol, 0.0, margin, 2)
+    assert compared >= 30  # of 36 rows (the CPU layer's logits clear the margin on 36 and 33 of them)
 
 
 
