@@ -108,8 +108,8 @@ def cpu_bound(out) -> float:
     """the bound on the emulated CUDA layer's bf16 prefill against the CPU layer, relative to
     the update: the CPU's bf16 paths (avx512bf16, amx) round the experts' inputs to bf16 as
     the tensor cores do, and on an Intel Xeon with AMX both give 2.39e-3 to 2.53e-3 (one
-    sequence, two in chunks; 2.44e-3 through the measured path choice): bound 3e-3 (2e-3
-    before, set without such a CPU to run on); the fp32 paths move the update by the rounding
+    sequence, two in chunks; 2.44e-3 through the measured path choice): bound 3e-3 (the 2e-3
+    before was exceeded there); the fp32 paths move the update by the rounding
     itself (4.0e-3 measured on an AMD EPYC's avx2, 4.2e-3 on the Xeon's portable, avx2 and
     avx512): bound 8e-3"""
     return 3e-3 if out["cpu path"] in ("avx512bf16", "amx") else 8e-3
