@@ -18,6 +18,7 @@ of the model cache copies the C cache with it (KVCache.__deepcopy__). What canno
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Dict, Optional
 
 import torch
@@ -93,6 +94,7 @@ def publish(model_cache: Any, layer_idx: int, kv: Any, new_tokens: int) -> None:
     else:
         entry.keys, entry.values = _views(kv, kv.lengths[0])
     attach(entry, kv)
+    entry._q3_owner = (weakref.ref(model_cache), layer_idx)
     torch_op.register_cache(entry.keys, model_cache, layer_idx)  # a compiled call finds the model cache by it
 
 
@@ -101,6 +103,10 @@ def _repoint(entry: Any) -> None:
     kv = entry._q3_cache
     width = entry.max_cache_len if is_static(entry) else kv.lengths[0]
     entry.keys, entry.values = _views(kv, width)
+    owner, layer_idx = getattr(entry, "_q3_owner", (None, 0))
+    model_cache = owner() if owner is not None else None
+    if model_cache is not None:  # a new C cache (select, repeat_interleave) at a new address
+        torch_op.register_cache(entry.keys, model_cache, layer_idx)
 
 
 def attach(entry: Any, kv: Any) -> None:

@@ -138,3 +138,18 @@ def test_inductor_compiles_the_forward():
     ids = ids_of(2, 6, 6)
     assert rel(compiled(ids, use_cache=False).logits, ref(ids, use_cache=False).logits) < 1e-5
     assert no_graph_breaks()
+
+
+@torch.no_grad()
+def test_compiled_decode_steps_after_a_batch_expansion():
+    """beam search's batch_repeat_interleave makes new C caches: compiled steps find them"""
+    model, ref = pair(27)
+    ids = ids_of(1, 6, 7)
+    ours, theirs = model(ids), ref(ids)
+    ours.past_key_values.batch_repeat_interleave(2)
+    theirs.past_key_values.batch_repeat_interleave(2)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    step = torch.tensor([[3], [4]])
+    a = compiled(step, past_key_values=ours.past_key_values).logits
+    assert rel(a, ref(step, past_key_values=theirs.past_key_values).logits) < 1e-5
+    assert no_graph_breaks()
