@@ -365,19 +365,6 @@ class DecodeGraph:
         return self._core.dtype
 
     @property
-    def rope_inv_freq(self) -> tuple:
-        """The RoPE table the layer rotates by: inv_freq [head_dim / 2] as fp32 values (the
-        engine's, computed once from the config as transformers computes its
-        rotary_emb.inv_freq: the angle of dim pair i at position p is p * inv_freq[i])."""
-        return _C.rope_table(self.config)[0]
-
-    @property
-    def rope_attention_scaling(self) -> float:
-        """The fp32 factor of cos and sin (transformers' rotary_emb.attention_scaling): 1 but
-        for YaRN."""
-        return _C.rope_table(self.config)[1]
-
-    @property
     def cache(self) -> KVCache:
         return self._core.cache
 
