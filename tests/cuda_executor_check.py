@@ -11,29 +11,11 @@ import torch
 sys.path.insert(0, sys.argv[1])
 import qwen3layer as q3  # noqa: E402
 from qwen3layer import _C  # noqa: E402
+from executor_arrays import host, executor_view, rel  # noqa: E402
 
 q3.cuda.emulate()
 CFG = q3.LayerConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=24,
                      num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48)
-
-
-def host(t):
-    return torch.from_dlpack(_C.copy_tensor(t, -1) if t.device != "cpu" else t).double().numpy()
-
-
-def executor_view(t):
-    """A strided view on the executor's device (cache keys: [kv_heads, length, head_dim] with a
-    stride of the capacity), read in place: the executor's device memory is host memory, and
-    copy_tensor takes contiguous tensors only"""
-    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.strides))
-    size = 4 if t.dtype == "float32" else 2
-    raw = np.frombuffer((ctypes.c_char * (span * size)).from_address(t.data_ptr), np.uint32 if size == 4 else np.uint16)
-    v = np.lib.stride_tricks.as_strided(raw, t.shape, [s * size for s in t.strides])
-    return (v if size == 4 else v.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-
-
-def rel(a, b):
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def errors_of(calls):

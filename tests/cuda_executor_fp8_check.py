@@ -19,6 +19,7 @@ import torch
 sys.path.insert(0, sys.argv[1])
 import qwen3layer as q3  # noqa: E402
 from qwen3layer import _C  # noqa: E402
+from executor_arrays import host, rel  # noqa: E402
 
 sys.path.insert(0, sys.argv[1] + "/tests")
 from fp8_weights import fp8_weights  # noqa: E402
@@ -30,14 +31,6 @@ GEOMETRIES = {
     "h200": q3.LayerConfig(hidden_size=200, num_attention_heads=4, num_key_value_heads=2, head_dim=40,
                            num_experts=6, num_experts_per_tok=2, moe_intermediate_size=130),
 }
-
-
-def host(t):
-    return torch.from_dlpack(_C.copy_tensor(t, -1) if t.device != "cpu" else t).double().numpy()
-
-
-def rel(a, b):
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def run_case(cfg, dtype, scale_dtype, fused, seed):

@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, sys.argv[1])
 import qwen3layer as q3  # noqa: E402
 from qwen3layer import _C  # noqa: E402
+from executor_arrays import host, rel  # noqa: E402
 
 sys.path.insert(0, sys.argv[1] + "/tests")
 from fp8_weights import fp8_weights  # noqa: E402
@@ -33,14 +34,6 @@ PAD = 3  # sequence 1's left padding
 # logits closer than this (relative to the row's largest) may order differently on the two
 # devices: the paths' own rounding (bf16 layers: the CPU rounds activations to bf16) moves them
 MARGIN = {"float32": 1e-4, "bfloat16": 2e-2}
-
-
-def host(t):
-    return torch.from_dlpack(_C.copy_tensor(t, -1) if t.device != "cpu" else t).double().numpy()
-
-
-def rel(a, b):
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def experts_check(got, want, logits, k, margin):

@@ -2,16 +2,15 @@
 emulated CUDA device (the real qk_rope_kv.cu on the SIMT executor) against the CPU layer, at
 positions far past the YaRN original window of 16: two sequences' chunked prefill (one starting
 after 3 tokens of left padding), plain decode steps and decode-graph replays. Prints a JSON dict."""
-import ctypes
 import json
 import sys
 
-import numpy as np
 import torch
 
 sys.path.insert(0, sys.argv[1])
 import qwen3layer as q3  # noqa: E402
 from qwen3layer import _C  # noqa: E402
+from executor_arrays import host, executor_view, rel  # noqa: E402
 
 q3.cuda.emulate()
 GEOMETRY = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=32, num_experts=8,
@@ -22,24 +21,6 @@ ROPES = {
     "yarn x4 untruncated, mscale": dict(rope_type="yarn", rope_factor=4.0, rope_original_max_position_embeddings=16,
                                         rope_truncate=False, rope_mscale=0.8, rope_mscale_all_dim=0.5),
 }
-
-
-def host(t):
-    return torch.from_dlpack(_C.copy_tensor(t, -1) if t.device != "cpu" else t).double().numpy()
-
-
-def executor_view(t):
-    """cache keys on the executor's device ([kv_heads, length, head_dim], capacity-strided), read
-    in place: its device memory is host memory"""
-    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.strides))
-    size = 4 if t.dtype == "float32" else 2
-    raw = np.frombuffer((ctypes.c_char * (span * size)).from_address(t.data_ptr), np.uint32 if size == 4 else np.uint16)
-    v = np.lib.stride_tricks.as_strided(raw, t.shape, [s * size for s in t.strides])
-    return (v if size == 4 else v.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-
-
-def rel(a, b):
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def compare(cfg, dtype):
