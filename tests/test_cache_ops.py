@@ -300,6 +300,17 @@ def test_copy_prefix_reuse_equals_a_fresh_prefill(layer):
     (lambda c: c.reorder(range(6), stream=1), ValueError, "stream: expected None for a cache on the cpu"),
     (lambda c: c.select([0], stream=0), ValueError, "stream: expected None for a cache on the cpu"),
     (lambda c: c.copy_prefix(0, 1, 1, stream=7), ValueError, "stream: expected None for a cache on the cpu"),
+    (lambda c: c.set_first_position(3, 0), RuntimeError,
+     "first_position: sequence 0 already holds 3 tokens (set it while empty)"),
+    (lambda c: c.set_first_position(-1, 2), ValueError,
+     "position: expected 0 <= position <= 1099511627744 (2^40 less the capacity), got -1"),
+    (lambda c: c.set_first_position(1 << 40, 2), ValueError, "position: expected 0 <= position <= 1099511627744"),
+    (lambda c: c.set_first_position(1, 6), IndexError, "seq: expected 0 <= seq < 6 (the cache's batch), got 6"),
+    (lambda c: c.all_keys(), ValueError,
+     "tokens: the sequences hold different lengths (sequence 0: 3, sequence 1: 2): pass tokens="),
+    (lambda c: c.all_values(33), ValueError, "tokens: expected 0 <= tokens <= 32 (the cache's capacity), got 33"),
+    (lambda c: c.all_keys(-1), ValueError, "tokens: expected 0 <= tokens <= 32"),
+    (lambda c: c.all_keys("3"), TypeError, "tokens: expected an int or None, got str"),
 ])
 def test_rejections_name_the_argument_and_leave_the_cache_unchanged(layer, call, error, message):
     cache = filled(layer, prompts([3, 2, 0, 5, 1, 4]), [1, 0, 0, 2, 0, 0])
@@ -432,3 +443,35 @@ def test_the_executors_2d_copy_checks_its_pitches_as_cuda(device):
     code, text = device["pitch below width"]
     assert code == 12  # cudaErrorInvalidPitchValue
     assert text.startswith("cudaMemcpy2DAsync: width 16 bytes, dpitch 8, spitch 16")
+
+
+def test_all_keys_and_values_are_views_of_every_sequence(layer):
+    cache = filled(layer, prompts([3, 3]))
+    keys, values = torch.from_dlpack(cache.all_keys()), torch.from_dlpack(cache.all_values(5))
+    assert keys.shape == (2, cache.num_kv_heads, 3, cache.head_dim) and values.shape[2] == 5
+    for s in range(2):
+        assert torch.equal(keys[s], torch.from_dlpack(cache.keys(s)))
+        assert torch.equal(values[s, :, :3], torch.from_dlpack(cache.values(s)))
+    assert keys.data_ptr() == torch.from_dlpack(cache.keys(0)).data_ptr()  # no copy
+    assert not values[:, :, 3:].any()  # rows never written read zeros
+
+
+def test_a_first_position_moves_the_rope_positions(layer):
+    """a sequence whose first real token is at position p: its real tokens' keys equal those of
+    the same tokens without padding started at p, and differ from those started at 0; reset
+    clears it"""
+    x = x_of(4, H, seed=9)
+    a = layer.new_cache(8, 1)
+    a.set_padding(2)
+    a.set_first_position(5)
+    layer.prefill(x, a)
+    b = layer.new_cache(8, 1)
+    b.set_first_position(5)
+    layer.prefill(x[2:].contiguous(), b)
+    plain = layer.new_cache(8, 1)
+    layer.prefill(x[2:].contiguous(), plain)
+    ka, kb = torch.from_dlpack(a.keys()), torch.from_dlpack(b.keys())
+    assert a.first_positions == (5,) and torch.equal(ka[:, 2:], kb)
+    assert not torch.equal(kb, torch.from_dlpack(plain.keys()))
+    a.reset()
+    assert a.first_positions == (0,)

@@ -126,6 +126,11 @@ q3_status q3_cache_gather(q3_cache *dst, const q3_cache *src, const int *index, 
             return q3_fail(err, Q3_ERR_CACHE_FULL,
                            "gather: sequence %d holds %lld tokens, more than the destination's capacity %lld",
                            index[i], (long long)src->lengths[index[i]], (long long)dst->capacity);
+    for (int i = 0; i < n; i++) /* q3_cache_set_first_position's bound, for the destination's capacity */
+        if (src->first_pos[index[i]] > Q3_MAX_POSITIONS - dst->capacity)
+            return q3_fail(err, Q3_ERR_VALUE,
+                           "gather: sequence %d's first position %lld and the destination's capacity %lld reach past "
+                           "2^40 positions", index[i], (long long)src->first_pos[index[i]], (long long)dst->capacity);
     copier cp;
     if ((s = copier_begin(&cp, "gather", src->device, stream, err)) != Q3_OK) return s;
     for (int i = 0; i < n; i++) copy_seq(&cp, dst, i, src, index[i], src->lengths[index[i]]);
