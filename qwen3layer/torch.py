@@ -170,11 +170,12 @@ class DecoderLayer(torch.nn.Module):
         padding = kv.padding if kv is not None else None
         key = (batch, length, past, padding, impl)
         memo = _PLAN_MEMO
-        tensors = (mask, position_ids, cu)
+        where = kwargs.get("cache_position")
+        tensors = (mask, position_ids, cu, where)
         versions = tuple(getattr(t, "_version", None) for t in tensors)  # in-place changes
         if memo and all(_same(ref, t) for ref, t in zip(memo[0], tensors)) and memo[1] == key and memo[2] == versions:
             return memo[3]
-        plan = _masks.plan_call(mask, position_ids, batch, length, past, padding, impl, cu)
+        plan = _masks.plan_call(mask, position_ids, batch, length, past, padding, impl, cu, where)
         # weak references: a finished generation's mask is not kept alive by the memo
         _PLAN_MEMO[:] = [tuple(None if t is None else weakref.ref(t) for t in tensors), key, versions, plan]
         return plan
@@ -185,6 +186,8 @@ class DecoderLayer(torch.nn.Module):
                 position_embeddings: Any = None, cache: Any = None, **kwargs: Any) -> torch.Tensor:
         # transformers' attention appends to the cache it is given, whatever use_cache says
         model_cache = cache if cache is not None else past_key_values
+        if cache_position is not None:  # where transformers would write the keys: checked with the plan
+            kwargs = dict(kwargs, cache_position=cache_position)
         if torch.compiler.is_compiling():
             return self._traced(hidden_states, attention_mask, position_ids, model_cache, kwargs)
         return self.call(hidden_states, attention_mask, position_ids, model_cache, kwargs)
@@ -205,8 +208,8 @@ class DecoderLayer(torch.nn.Module):
             entry = layers[self.layer_idx] if self.layer_idx < len(layers) else None
             if entry is not None and getattr(entry, "is_initialized", False):
                 keys = entry.keys
-        return _op.decoder_layer(hidden_states, attention_mask, position_ids, kwargs.get("cu_seq_lens_q"), keys,
-                                 self._handle, model_cache is not None)
+        return _op.decoder_layer(hidden_states, attention_mask, position_ids, kwargs.get("cu_seq_lens_q"),
+                                 kwargs.get("cache_position"), keys, self._handle, model_cache is not None)
 
     def call(self, hidden_states: torch.Tensor, attention_mask: Any, position_ids: Any, model_cache: Any,
              kwargs: Dict[str, Any]) -> torch.Tensor:
@@ -222,7 +225,7 @@ class DecoderLayer(torch.nn.Module):
                 self._refuse_unrecorded(key)
         entry = _cache.entry_of(model_cache, self.layer_idx) if model_cache is not None else None
         _cache.check_entry(entry)
-        past = _cache.seen_tokens(model_cache, self.layer_idx)
+        past = _cache.seen_tokens(model_cache, self.layer_idx, entry)
         kv = self._continued(entry, past, B) if past else None
         plan = self._plan(attention_mask, position_ids, B, L, past, kv, kwargs)
         if plan.packed is not None and model_cache is not None:
@@ -304,6 +307,34 @@ def _layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     return layers
 
 
+def _check_rotary(model: torch.nn.Module, core: _CoreLayer) -> None:
+    """ValueError when the model's rotary embedding (whose cos and sin the layers are handed)
+    is not the RoPE the C layers compute from the config: an inv_freq buffer changed after
+    loading, or a rotary class of another kind. 2 ulp of slack: torch's vector pow. A buffer
+    that model.to(bfloat16) rounded (transformers then rotates by the rounded frequencies, the
+    C layer by the fp32 ones) is taken with a warning saying so."""
+    rotary = getattr(getattr(model, "model", model), "rotary_emb", None)
+    inv_freq = getattr(rotary, "inv_freq", None)
+    if not isinstance(inv_freq, torch.Tensor):
+        return
+    theirs = inv_freq.detach().float().cpu()
+    ours = torch.tensor(core.rope_inv_freq, dtype=torch.float32)
+    scaling = float(getattr(rotary, "attention_scaling", 1.0))
+    if inv_freq.dtype != torch.float32 and theirs.shape == ours.shape and \
+            torch.equal(theirs, ours.to(inv_freq.dtype).float()):
+        warnings.warn(f"qwen3layer: model.rotary_emb.inv_freq is in {inv_freq.dtype} (rounded by model.to()): "
+                      "transformers rotates by the rounded frequencies, the C layers by the config's fp32 ones; load "
+                      "the model in that dtype (from_pretrained(dtype=...)) to keep the buffer in fp32", stacklevel=3)
+        return
+    if theirs.shape != ours.shape or not torch.allclose(theirs, ours, rtol=2.5e-7, atol=0.0) or \
+            abs(scaling - core.rope_attention_scaling) > 1e-7 * abs(scaling):
+        worst = int((theirs - ours).abs().argmax()) if theirs.shape == ours.shape else -1
+        raise ValueError(f"model.rotary_emb: its inv_freq {list(theirs.shape)} (at {worst}: "
+                         f"{theirs.flatten()[worst].item() if worst >= 0 else '-'}) and attention_scaling {scaling} are "
+                         f"not the RoPE of the config ({ours[worst].item() if worst >= 0 else list(ours.shape)}, "
+                         f"{core.rope_attention_scaling}), which the C layers compute")
+
+
 def patch_model(model: torch.nn.Module, max_tokens: int = 4096,
                 attention_limit: Optional[int] = None) -> torch.nn.Module:
     """Replaces every decoder layer of the model by a qwen3layer one (in place; returns the model).
@@ -314,6 +345,8 @@ def patch_model(model: torch.nn.Module, max_tokens: int = 4096,
     recordable = getattr(model, "_can_record_outputs", None)
     made = [layer if isinstance(layer, DecoderLayer) else DecoderLayer.from_hf(layer, max_tokens, recordable)
             for layer in layers]  # every layer made (and its config checked) before the model changes
+    if made:
+        _check_rotary(model, made[0].core)
     for i, layer in enumerate(made):
         layers[i] = layer
         layer.attention_limit = attention_limit

@@ -59,10 +59,20 @@ def static_length(entry: Any) -> Optional[int]:
     return int(entry.max_cache_len) if is_static(entry) else None
 
 
-def seen_tokens(model_cache: Any, layer_idx: int) -> int:
+def seen_tokens(model_cache: Any, layer_idx: int, entry: Any) -> int:
+    """the tokens the model cache holds for the layer: an entry tied to a C cache counts what
+    the C cache holds (host memory: no read of a device tensor, no stream synchronisation per
+    layer), after checking that a DynamicLayer's keys still are its views' width; else what
+    the model cache says (an entry this layer never filled: the caller refuses it)"""
     if model_cache is None:
         return 0
-    return int(model_cache.get_seq_length(layer_idx))
+    kv = getattr(entry, "_q3_cache", None) if getattr(entry, "is_initialized", False) else None
+    if kv is None:
+        return int(model_cache.get_seq_length(layer_idx))
+    if not is_static(entry) and entry.keys.shape[-2] != kv.lengths[0]:
+        raise RuntimeError(f"qwen3layer layer {layer_idx}: the model cache's keys hold {entry.keys.shape[-2]} tokens, "
+                           f"this layer's C cache {kv.lengths[0]} (were the entry's keys replaced?)")
+    return kv.lengths[0]
 
 
 def _views(kv: Any, tokens: int) -> tuple:

@@ -25,7 +25,7 @@ does not separate, or a jump, is refused.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -54,7 +54,7 @@ class CallPlan:
     kind: str
 
 
-def _describe_row(row: Sequence[bool], past: int, t: int) -> str:
+def _describe_row(row: Sequence[bool]) -> str:
     keys = [j for j, a in enumerate(row) if a]
     if not keys:
         return "no key"
@@ -70,7 +70,7 @@ def _describe_row(row: Sequence[bool], past: int, t: int) -> str:
 def _refuse(what: str, b: int, t: int, past: int, row: Sequence[bool], expected: str) -> None:
     raise ValueError(
         f"attention_mask: {what}: query {t} of batch row {b} (cache position {past + t}) attends to "
-        f"{_describe_row(row, past, t)}, {expected}; the qwen3layer C layer computes causal attention over "
+        f"{_describe_row(row)}, {expected}; the qwen3layer C layer computes causal attention over "
         "each sequence after its left padding, packed sequences (a block-diagonal causal mask) and right "
         "padding, and refuses other masks rather than run a different one")
 
@@ -175,9 +175,15 @@ def _plan_row(allowed: torch.Tensor, b: int, past: int, pad_cont: Optional[int])
 
 def plan_call(mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor], batch: int, length: int,
               past: int, cache_padding: Optional[Sequence[int]], attn_implementation: Optional[str] = None,
-              cu_seq_lens: Optional[torch.Tensor] = None) -> CallPlan:
+              cu_seq_lens: Optional[torch.Tensor] = None, cache_position: Optional[torch.Tensor] = None) -> CallPlan:
     """The plan of one layer call of `length` new tokens per batch row after `past` cached
-    ones; cache_padding: the C cache's padding per sequence when the call continues one."""
+    ones; cache_padding: the C cache's padding per sequence when the call continues one;
+    cache_position (4.57's): where transformers writes the new keys, which must be the C
+    cache's next rows."""
+    if cache_position is not None and cache_position.flatten().tolist() != list(range(past, past + length)):
+        got = cache_position.flatten().tolist()
+        raise ValueError(f"cache_position: expected {past} to {past + length - 1} (the C cache appends after the {past} "
+                         f"tokens it holds), got {got[:8]}{' ...' if len(got) > 8 else ''}")
     if position_ids is not None and (position_ids.dim() != 2 or position_ids.shape[-1] != length
                                      or position_ids.shape[0] not in (1, batch)):
         raise ValueError(f"position_ids: expected [{batch}, {length}] (or [1, {length}]), got "

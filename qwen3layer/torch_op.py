@@ -25,6 +25,7 @@ import torch
 
 _LAYERS: Dict[int, Any] = {}    # handle -> weakref of a drop-in DecoderLayer
 _CACHES: Dict[int, Tuple[Any, int]] = {}  # address of a C cache's keys -> (weakref of the model cache, layer)
+_PRUNE_AT = [4096]  # the registry's size at which dead entries are dropped (doubles with the live ones)
 
 
 def register_layer(layer: Any) -> int:
@@ -35,11 +36,17 @@ def register_layer(layer: Any) -> int:
 
 def register_cache(keys: torch.Tensor, model_cache: Any, layer_idx: int) -> None:
     """the model cache whose entry for layer_idx holds these keys (a view of a C cache)"""
-    if keys.numel():
-        if len(_CACHES) > 4096:  # the model caches of finished generations
-            for address in [a for a, (ref, _) in _CACHES.items() if ref() is None]:
-                del _CACHES[address]
-        _CACHES[keys.data_ptr()] = (weakref.ref(model_cache), layer_idx)
+    if not keys.numel():
+        return
+    address = keys.data_ptr()
+    known = _CACHES.get(address)
+    if known is not None and known[0]() is model_cache and known[1] == layer_idx:
+        return  # every step of a generation: the same C cache
+    if len(_CACHES) >= _PRUNE_AT[0]:  # the model caches of finished generations
+        for dead in [a for a, (ref, _) in _CACHES.items() if ref() is None]:
+            del _CACHES[dead]
+        _PRUNE_AT[0] = max(4096, 2 * len(_CACHES))
+    _CACHES[address] = (weakref.ref(model_cache), layer_idx)
 
 
 def _model_cache(keys: Optional[torch.Tensor], layer_idx: int) -> Any:
@@ -56,7 +63,8 @@ def _model_cache(keys: Optional[torch.Tensor], layer_idx: int) -> Any:
 @torch.library.custom_op("qwen3layer::decoder_layer", mutates_args=())
 def decoder_layer(hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor],
                   position_ids: Optional[torch.Tensor], cu_seq_lens: Optional[torch.Tensor],
-                  keys: Optional[torch.Tensor], handle: int, with_cache: bool) -> torch.Tensor:
+                  cache_position: Optional[torch.Tensor], keys: Optional[torch.Tensor], handle: int,
+                  with_cache: bool) -> torch.Tensor:
     """the drop-in layer `handle`'s call on hidden_states [batch, tokens, hidden]; with_cache:
     the call appends to the model cache whose entry holds `keys`"""
     ref = _LAYERS.get(handle)
@@ -64,11 +72,12 @@ def decoder_layer(hidden_states: torch.Tensor, attention_mask: Optional[torch.Te
     if layer is None:
         raise RuntimeError(f"qwen3layer: the drop-in layer of handle {handle} is gone")
     model_cache = _model_cache(keys, layer.layer_idx) if with_cache else None
-    kwargs = {} if cu_seq_lens is None else {"cu_seq_lens_q": cu_seq_lens}
+    kwargs = {name: t for name, t in (("cu_seq_lens_q", cu_seq_lens), ("cache_position", cache_position))
+              if t is not None}
     with torch.no_grad():
         return layer.call(hidden_states, attention_mask, position_ids, model_cache, kwargs)
 
 
 @decoder_layer.register_fake
-def _(hidden_states, attention_mask, position_ids, cu_seq_lens, keys, handle, with_cache):
+def _(hidden_states, attention_mask, position_ids, cu_seq_lens, cache_position, keys, handle, with_cache):
     return torch.empty_like(hidden_states)

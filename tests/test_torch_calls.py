@@ -328,3 +328,41 @@ def test_bfloat16_right_padding_and_the_cache():
         assert a.keys.dtype == torch.bfloat16
         k = lambda c: c.keys.transpose(1, 2)[real].float()  # noqa: E731
         assert rel(k(a), k(t)) <= 2 * rel(k(b), k(t))
+
+
+# ---- arguments transformers hands the layers that the C layer must not ignore ----
+@torch.no_grad()
+def test_a_cache_position_other_than_the_next_rows_is_refused():
+    model, _ = pair(19)
+    ids = PACKED_IDS[:, :5]
+    out = model(ids)
+    layer = model.model.layers[0]
+    with pytest.raises(ValueError, match=r"cache_position: expected 5 to 5 \(the C cache appends after the 5 tokens"):
+        layer(torch.zeros(1, 1, 64), position_ids=torch.tensor([[5]]), past_key_values=out.past_key_values,
+              cache_position=torch.tensor([3]))
+    assert layer.kv_cache.lengths == (5,)
+
+
+def test_a_rotary_embedding_other_than_the_configs_is_refused_at_patch_time():
+    model = tiny_model(19)
+    originals = list(model.model.layers)
+    with torch.no_grad():
+        model.model.rotary_emb.inv_freq.mul_(1.5)
+    with pytest.raises(ValueError, match=r"model.rotary_emb: its inv_freq \[12\] .* not the RoPE of the config"):
+        q3t.patch_model(model)
+    assert list(model.model.layers) == originals  # nothing swapped
+
+
+def test_a_bfloat16_rounded_rotary_buffer_is_taken_with_a_warning():
+    with pytest.warns(UserWarning, match=r"inv_freq is in torch.bfloat16 \(rounded by model.to\(\)\)"):
+        q3t.patch_model(tiny_model(19, torch.bfloat16))
+
+
+@torch.no_grad()
+def test_replaced_keys_in_the_model_cache_are_refused():
+    model, _ = pair(19)
+    out = model(PACKED_IDS[:, :5])
+    entry = out.past_key_values.layers[0]
+    entry.keys = entry.keys[:, :, :3]
+    with pytest.raises(RuntimeError, match="the model cache's keys hold 3 tokens, this layer's C cache 5"):
+        model(torch.tensor([[4]]), past_key_values=out.past_key_values)
