@@ -3,14 +3,11 @@ repeat_interleave, crop, copy and copy_prefix. Each is checked by content (the k
 values each sequence holds, its length and padding), by behaviour (decoding after the
 operation equals decoding on a cache built directly in the resulting state), and by its
 rejections (an error naming the argument, and the cache left as it was). On a CUDA cache (the
-SIMT executor's emulated device, tests/executor/cache_ops_executor_check.py) each equals the host one."""
+SIMT executor's emulated device, tests/executor/test_cache_ops_executor.py) each equals the host one."""
 import _thread
 import copy
-import json
-import os
 import random
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -23,7 +20,6 @@ from dlpack_ctypes import Announcing
 
 CFG = q3.LayerConfig.tiny()
 H = CFG.hidden_size
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +89,7 @@ def test_reorder_moves_tokens_lengths_and_padding(cache, index):
 
 
 def test_a_host_cache_says_where_it_lives(cache):
-    assert cache.device == "cpu"  # a device cache says "cuda:N" (cache_ops_executor_check.py)
+    assert cache.device == "cpu"  # a device cache says "cuda:N" (tests/executor/test_cache_ops_executor.py)
 
 
 def test_reorder_any_map_and_index_kinds(cache):
@@ -374,75 +370,6 @@ def test_operations_refuse_while_a_layer_call_runs_on_the_cache(layer):
         signal.signal(signal.SIGINT, old)
     assert refusals == ["cache: in use by a running layer call on another thread"] * 6
     assert_same(state(cache), before)
-
-
-@pytest.fixture(scope="module")
-def device():
-    """tests/executor/cache_ops_executor_check.py's findings: the operations on a CUDA cache of the SIMT
-    executor (an emulated device), in a subprocess (the executor is the whole process's backend)"""
-    if not os.path.exists(os.path.join(ROOT, "qwen3layer", "libq3simt.so")):
-        pytest.skip("this build has no SIMT executor")
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "executor", "cache_ops_executor_check.py"), ROOT],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout)
-
-
-def test_device_cache_operations_equal_the_host_ones(device):
-    """each operation on a device cache leaves the same bytes, lengths and padding as on a host
-    cache that held the same bytes (a new cache: on the device, of the same capacity), float32
-    and bfloat16, with stream=None (the device synchronized around the copies), 0 (the same) and
-    a stream of the executor's own (queued there); random maps one after another; a reorder of
-    sequences of 300 tokens"""
-    content = device["content"]
-    ops = ["reorder identity", "reorder cycles", "reorder reverse", "reorder one", "reorder repeats",
-           "reorder repeats and a cycle", "reorder chain", "select", "select one", "repeat_interleave 1",
-           "repeat_interleave 3", "copy", "copy.copy", "copy.deepcopy", "copy_prefix", "crop"]
-    expected = [f"{dt} {op} stream {st}"
-                for dt in ("float32", "bfloat16") for op in ops for st in ("none", "zero", "own")]
-    expected += ["float32 copy of a fresh pair", "bfloat16 copy of a fresh pair", "float32 random reorders",
-                 "bfloat16 long reorder"]
-    assert sorted(content) == sorted(expected)
-    assert [k for k, same in content.items() if not same] == []
-
-
-def test_decoding_after_device_cache_operations_equals_the_cpu_layer(device):
-    """the emulated CUDA layer decoding after reorder (repeats; a cycle through the spare block),
-    select, repeat_interleave, copy, copy_prefix (then the prefix's tail prefilled) and a
-    deepcopy branch equals the CPU layer doing the same on its host cache; so do a decode
-    graph's replays across a reorder and a copy_prefix"""
-    decoding = device["decoding"]
-    assert len(decoding) == 14
-    for name, (err, agree) in decoding.items():
-        assert err <= 1e-5 and agree, (name, err, agree)
-
-
-def test_device_caches_reject_what_host_caches_reject(device):
-    for message, same_as_host, unchanged in device["rejections"]:
-        assert same_as_host and unchanged, message
-    assert len(device["rejections"]) == 10
-    assert device["stream errors"] == ["ValueError: stream: expected None for a cache on the cpu",
-                                       "TypeError: stream: expected an int (a cudaStream_t) or None, got str",
-                                       "ValueError: stream: expected None for a cache on the cpu"]
-
-
-def test_a_cuda_error_leaves_the_device_cache_as_it_was(device):
-    """while the thread captures a CUDA graph, the device cannot be synchronized (nor memory
-    allocated): each operation fails with CUDA's text, lengths, padding and bytes unchanged, and
-    the cache works once the capture is over"""
-    sync = "cuda: synchronizing device 0 failed: cudaDeviceSynchronize while this thread captures a CUDA graph"
-    reorder, spare, prefix, copied = device["cuda errors"]
-    assert reorder.startswith(f"RuntimeError: reorder: {sync}")
-    assert spare == "MemoryError: reorder: cannot allocate a spare block of 3 tokens on the CUDA device"
-    assert prefix.startswith(f"RuntimeError: copy_prefix: {sync}")
-    assert copied.startswith("MemoryError: KV cache: cannot allocate")
-    assert device["cuda errors leave the cache"] and device["after the errors"]
-
-
-def test_the_executors_2d_copy_checks_its_pitches_as_cuda(device):
-    code, text = device["pitch below width"]
-    assert code == 12  # cudaErrorInvalidPitchValue
-    assert text.startswith("cudaMemcpy2DAsync: width 16 bytes, dpitch 8, spitch 16")
 
 
 def test_all_keys_and_values_are_views_of_every_sequence(layer):

@@ -1,6 +1,6 @@
-"""Arrays out of the SIMT executor's device for the executor check scripts (run in a process of
-their own, with qwen3layer importable): a tensor as float64 numpy, a strided device view read
-in place, and the relative error they are compared by."""
+"""Arrays out of the SIMT executor's device for the executor's cases (tests/executor/, run in a
+process of their own): a tensor as float64 numpy, a strided device view read in place, and the
+relative error they are compared by."""
 import ctypes
 
 import numpy as np

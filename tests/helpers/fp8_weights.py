@@ -1,7 +1,7 @@
 """FP8 test weights (weight_format fp8_e4m3_block128) made with torch's float8_e4m3fn from
 the library's random weights: every projection quantized in 128 x 128 blocks, each block's
 largest magnitude to 448 (the largest e4m3), its scale_inv beside it; norms and the router in
-the layer's dtype. For tests/executor/cuda_executor_fp8_check.py and tests/gpu/test_cuda.py."""
+the layer's dtype. For tests/executor/test_cuda_executor_fp8.py and tests/gpu/test_cuda.py."""
 import math
 
 import torch

@@ -1,6 +1,6 @@
 """A layer and inputs whose router logits tie exactly, and the layer's output computed in
 fp64 with the documented tie rule (kernels/router.h: equal probabilities go to the lower
-expert index), for test_router_ties.py and cuda_executor_check.py.
+expert index), for test_router_ties.py and test_cuda_executor.py.
 
 The attention adds nothing (o_proj = 0), so y = x + MoE(rmsnorm(x) * w_post). The router
 weight is zero but in two columns J and J2, so a token's logits are a[e] * h[J] + b[e] * h[J2]

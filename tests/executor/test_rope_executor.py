@@ -1,18 +1,17 @@
-"""Run by test_rope_scaling.py in a fresh process: layers with a linear and a YaRN RoPE on the
-emulated CUDA device (the real qk_rope_kv.cu on the SIMT executor) against the CPU layer, at
-positions far past the YaRN original window of 16: two sequences' chunked prefill (one starting
-after 3 tokens of left padding), plain decode steps and decode-graph replays. Prints a JSON dict."""
-import json
-import sys
-
+"""Layers with a linear and a YaRN RoPE on the emulated CUDA device (the real qk_rope_kv.cu on
+the SIMT executor) against the CPU layer, at positions far past the YaRN original window of 16:
+two sequences' chunked prefill (one starting after 3 tokens of left padding), plain decode
+steps and decode-graph replays. In a subprocess of its own (conftest.py); the RoPE scalings on
+the CPU: tests/layer/test_rope_scaling.py."""
+import pytest
 import torch
 
-sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests/helpers"]  # the checkout (built in place), the helpers
-import qwen3layer as q3  # noqa: E402
-from qwen3layer import _C  # noqa: E402
-from executor_arrays import host, executor_view, rel  # noqa: E402
+import qwen3layer as q3
+from executor_arrays import executor_view, host, rel
+from qwen3layer import _C
 
-q3.cuda.emulate()
+pytestmark = pytest.mark.executor_subprocess
+TIMEOUT = 600
 GEOMETRY = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=32, num_experts=8,
                 num_experts_per_tok=2, moe_intermediate_size=48, rope_theta=1e4, max_position_embeddings=128)
 ROPES = {
@@ -42,9 +41,18 @@ def compare(cfg, dtype):
     return {"max rel err": max(errs), "keys rel err": keys, "lengths": [list(cg.lengths), list(cc.lengths)]}
 
 
-out = {}
-for name, rope in ROPES.items():
-    cfg = q3.LayerConfig(**GEOMETRY, **rope)
-    for dtype in ("float32", "bfloat16"):
-        out[f"{name} {dtype}"] = compare(cfg, dtype)
-print(json.dumps(out))
+def test_emulated_cuda_layer_matches_the_cpu_layer():
+    """qk_rope_kv.cu with linear and YaRN tables on the SIMT executor: chunked prefill of two
+    sequences (one left-padded), decode steps and decode-graph replays at positions up to 73,
+    past the original 16, against the CPU layer; keys included."""
+    out = {}
+    for name, rope in ROPES.items():
+        cfg = q3.LayerConfig(**GEOMETRY, **rope)
+        for dtype in ("float32", "bfloat16"):
+            out[f"{name} {dtype}"] = compare(cfg, dtype)
+    assert len(out) == 6
+    for case, r in out.items():
+        fp32 = case.endswith("float32")
+        assert r["max rel err"] <= (1e-5 if fp32 else 5e-3), case
+        assert r["keys rel err"] <= (1e-5 if fp32 else 2e-3), case
+        assert r["lengths"] == [[74, 74], [74, 74]], case
