@@ -47,7 +47,7 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 VERSION = "0.1.0"
-CSRC_LAYERS = ["engine", "cuda", "check", "python"]  # csrc/<layer>/, bottom first (the rule: tests/include_layers.py)
+CSRC_LAYERS = ["engine", "cuda", "check", "python"]  # csrc/<layer>/, bottom first (the rule: tests/tools/include_layers.py)
 COMMON = ["-std=c11", "-O3", "-ffp-contract=fast", "-fopenmp", "-Wall", "-Wextra", "-Wno-unused-parameter",
           "-fno-strict-aliasing", "-D_GNU_SOURCE"]
 

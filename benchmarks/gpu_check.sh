@@ -23,7 +23,7 @@ timeout 120 python3 -m pip install --no-build-isolation --no-deps -q -e . > "$ou
 python3 -c "import qwen3layer as q3; print(q3.build_info()); print('cuda devices:', q3.cuda.device_count(), '- cuBLAS:', repr(q3.cuda.blas()))"
 
 echo "== GPU tests"
-timeout 90 python3 -m pytest -q -rs tests/test_cuda.py 2>&1 | tee "$out/gpu_tests.log" || status=1
+timeout 90 python3 -m pytest -q -rs tests/gpu/test_cuda.py 2>&1 | tee "$out/gpu_tests.log" || status=1
 timeout 60 python3 - <<'PY' 2>&1 | tee "$out/kernel_check.txt" || status=1
 import sys
 import qwen3layer as q3

@@ -6,7 +6,7 @@
  * index. The lower index is chosen first, also where the tie straddles the k-th place (experts
  * 3 and 5 tying for the last slot: 3 is chosen; all logits equal: experts 0 .. k-1). The rule
  * is ours: transformers leaves ties to torch.topk, which documents no order. Tested by
- * tests/test_router_ties.py (CPU) and the kernel self-check's tie case (CUDA against the CPU). */
+ * tests/ops/test_router_ties.py (CPU) and the kernel self-check's tie case (CUDA against the CPU). */
 #ifndef Q3_KERNELS_ROUTER_H
 #define Q3_KERNELS_ROUTER_H
 

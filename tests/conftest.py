@@ -1,16 +1,18 @@
 import os
 import sys
 
-# the tests import the package from the checkout (built in place by `pip install -e .`)
+# the tests import the package from the checkout (built in place by `pip install -e .`), and the
+# shared helpers (hf_reference, fp8_weights, ...) from tests/helpers/
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "helpers"))
 
 
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (the test command's -n auto --dist loadgroup): the tests that share a
-    module-scoped fixture (the executor's layers, computed in a subprocess in tens of seconds)
-    form one group, which runs on one worker, so the fixture is computed once, not once a
-    worker; every other test goes to whichever worker is free."""
+    module-scoped fixture (a layer built once, checkpoints written once) form one group, which
+    runs on one worker, so the fixture is computed once, not once a worker; every other test
+    goes to whichever worker is free. (The executor's modules, one subprocess each, mark their
+    own group: tests/executor/conftest.py.)"""
     if not config.pluginmanager.hasplugin("xdist"):
         return
     import pytest

@@ -120,7 +120,7 @@ double q3_case_router(check *k, int64_t T, int E, int top, int normalize) {
 
 /* T tokens' top `top` of E experts on logits rounded to halves (normal ones: about a dozen
  * distinct values, so every selection breaks ties, the k-th place too); the twin gives the
- * tie rule of kernels/router.h (tests/test_router_ties.py), the kernel must give the twin's
+ * tie rule of kernels/router.h (tests/ops/test_router_ties.py), the kernel must give the twin's
  * experts. Probabilities of distinct logits differ by a factor e^0.5, far past any expf
  * rounding, so a GPU's choices are the CPU's too. */
 double q3_case_router_tied(check *k, int64_t T, int E, int top, int normalize) {

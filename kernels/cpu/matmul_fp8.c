@@ -43,7 +43,7 @@ static inline void e4m3_v2(const uint8_t *p, q3_vf *lo, q3_vf *hi) {
 #include <immintrin.h>
 /* AVX-512 (F + BW): the AVX2 construction above at twice the width: 16 e4m3 bytes widened to
  * 16 fp16 words in a ymm, 32 in a zmm (vpmovsxbw), and vcvtph2ps to fp32 (exact). Compiled
- * here; not run on this project's AVX2 machines (tests/test_fp8_kernels.py runs it wherever
+ * here; not run on this project's AVX2 machines (tests/fp8/test_fp8_kernels.py runs it wherever
  * the CPU has the avx512 path). */
 #define UNIT 256.0f
 static inline q3_vf e4m3_v(const uint8_t *p) {

@@ -25,7 +25,7 @@
 //            consecutive, conflict-free. bf16 stores two chunks per 16-byte load (2c, 2c + 1),
 //            the half first that keeps the quarter-warp's 8 stores on 8 groups (c >> 2 & 1),
 //            conflict-free when a row is a whole number of quarter-warps (D % 64 == 0), at
-//            most 2-way otherwise (tests/test_attention_banks.py checks all of this).
+//            most 2-way otherwise (tests/ops/test_attention_banks.py checks all of this).
 // q sits in shared memory rather than registers: a lane scoring a key needs all D dims of q,
 // and a broadcast read of 4 of them costs one shared load beside the key's.
 // Registers: the accumulator is MAX_D / 128 float4 per lane, loops over it unrolled with

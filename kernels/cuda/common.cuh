@@ -21,7 +21,7 @@ template <class T> using q3_shared_t = T; // lets Q3_SHARED take array types: q3
 #define Q3_DYNAMIC_SHARED(T, name) extern __shared__ __align__(16) T name[]
 #endif
 
-// Planted defects (benchmarks/simt_check.py --mutants, tests/test_simt_mutants.py): a build
+// Planted defects (benchmarks/simt_check.py --mutants, tests/executor/test_simt_mutants.py): a build
 // with -DQ3_MUTANT_ID=n turns on defect n, written in a kernel as an expression such as
 // `if (!Q3_MUTANT(n)) __syncthreads();` for its number n, to show that the SIMT executor reports it. Every
 // other build, nvcc's and the executor's alike, sees the constant 0 and compiles it away.

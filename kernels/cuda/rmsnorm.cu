@@ -5,7 +5,7 @@
 // Threads a row, at most: 512 leaves registers for 2 blocks per SM on every target at up to
 // 64 registers a thread (sm_120 holds 1536 threads and 64K registers an SM; 1024-thread blocks
 // of 34 registers fit once there). A row of 4096 gives each thread 8 elements a pass.
-// benchmarks/sass_check.py's table records this block size (tests/test_sass_check.py reads it).
+// benchmarks/sass_check.py's table records this block size (tests/tools/test_sass_check.py reads it).
 #define RMSNORM_THREADS 512
 
 // o [n] = w * (x * rsqrt(mean(x^2) + eps)), given this thread's share ss of sum(x^2); the

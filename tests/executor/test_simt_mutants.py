@@ -1,0 +1,154 @@
+"""The SIMT executor catches real defects: builds of the executor with a defect planted in a
+real kernel (behind Q3_MUTANT(n), kernels/cuda/common.cuh; the list is MUTANTS in
+benchmarks/simt_check.py) run the kernel self-check, and each defect must be reported by the
+mechanism meant for it: the twin, the race check (results that differ across the thread
+schedules), the executor's own error naming kernel, block and thread, or AddressSanitizer.
+One plant per mechanism here (each variant compiles only the file with its plant, a few
+seconds); `python benchmarks/simt_check.py --mutants`, which CI runs, checks all of them."""
+import functools
+import importlib.util
+import os
+import re
+import sys
+
+import pytest
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+_spec = importlib.util.spec_from_file_location("simt_check", os.path.join(ROOT, "benchmarks", "simt_check.py"))
+simt_check = sys.modules.setdefault("simt_check", importlib.util.module_from_spec(_spec))
+_spec.loader.exec_module(simt_check)
+
+pytestmark = pytest.mark.skipif(simt_check._setup().find_cuda_headers() is None,
+                                reason="the CUDA toolkit's headers are needed to build the executor (CI has them)")
+MUTANTS = {m.id: m for m in simt_check.MUTANTS}
+
+
+@functools.lru_cache(maxsize=None)
+def run(mutant_id: int) -> dict:
+    """The kernel check on the executor with defect mutant_id planted (built on first use)."""
+    m = MUTANTS[mutant_id]
+    return simt_check.run_check(simt_check.build_variant(m.id, sanitized=m.sanitized), sanitized=m.sanitized)
+
+
+def cases_of(r: dict, *prefixes: str) -> tuple[list, list]:
+    """The run's cases whose names start with one of prefixes, and the others."""
+    mine = [c for c in r["cases"] if c["case"].startswith(prefixes)]
+    return mine, [c for c in r["cases"] if not c["case"].startswith(prefixes)]
+
+
+def test_each_planted_defect_is_written_once_in_the_kernels_and_listed():
+    """Every Q3_MUTANT(n) in kernels/cuda/ is one of simt_check's MUTANTS and each of those is
+    planted exactly once: the list and the sources cannot drift apart."""
+    planted = []
+    for name in os.listdir(os.path.join(ROOT, "kernels", "cuda")):
+        with open(os.path.join(ROOT, "kernels", "cuda", name), encoding="utf-8") as f:
+            planted += [int(n) for n in re.findall(r"Q3_MUTANT\((\d+)\)", f.read())]
+    assert sorted(planted) == sorted(MUTANTS) and len(MUTANTS) >= 8
+    assert all(len(simt_check.plant_sites(n)) == 1 for n in MUTANTS)
+    assert {m.expect for m in MUTANTS.values()} <= set(simt_check.MECHANISMS)
+
+
+def test_a_barrier_removed_between_two_uses_of_a_tile_shows_in_the_race_check():
+    """matmul_tc_kernel without the barrier that keeps the next k slice from being staged over
+    the one other warps still read: the schedule that runs each warp ahead to its next barrier
+    gives other results than the lockstep ones (agree is False), for its cases only. (With
+    the warps in lockstep in every schedule, as before, this defect went unseen.)"""
+    r = run(10)
+    mine, others = cases_of(r, "matmul tensor cores", "matmul WMMA only")
+    assert len(mine) >= 2 and r["returncode"] == 0
+    assert all(not c["agree"] for c in mine), mine
+    assert all(c["agree"] and c["ok"] for c in others)
+
+
+def test_an_attention_mask_one_key_too_far_fails_against_the_twin():
+    """attention_kernel sees one key past the causal mask (n_past + t + 2 keys): its cases
+    (4 hand-made, 72 at the listed shapes, 37 at other head dims and group sizes) are off
+    from the twin, every result is still the same under each schedule (no race)."""
+    r = run(2)
+    mine, others = cases_of(r, "attention bf16", "attention, ", "attention split-KV", "attention f32")
+    assert len(mine) == 113 and all(c["max_err"] > 100 * c["tol"] for c in mine), mine
+    assert all(c["agree"] for c in r["cases"]) and all(c["ok"] for c in others)
+
+
+def test_a_wrong_lane_mask_is_the_executors_error_naming_kernel_block_and_thread():
+    """__match_any_sync(0x0000ffff) reached by all 32 lanes of moe_route_kernel's warp: the
+    launch fails at the first lane outside the mask, and the message says which."""
+    error = run(6).get("error", "")
+    m = re.search(r"kernel moe_route_kernel, block \(0, 0, 0\), thread \((\d+), 0, 0\): "
+                  r"kernels/cuda/moe_grouped\.cu:\d+ with mask 0x0000ffff, which does not name the calling lane (\d+)",
+                  error)
+    assert m and m.group(1) == m.group(2) and int(m.group(2)) >= 16, error
+
+
+def test_a_misaligned_16_byte_load_fails_the_launch_as_on_a_gpu():
+    """A uint4 load from the bf16 KV cache one element (2 bytes) off: the executor's
+    alignment check (-fsanitize=alignment, handled in kernels/simt/reports.cpp) fails the
+    launch with the kernel, block, thread, source line and address."""
+    error = run(5).get("error", "")
+    m = re.search(r"kernel attention_tc_kernel, block \(\d+, 0, 0\), thread \(\d+, 0, 0\): "
+                  r"kernels/cuda/attention_tc\.cu:\d+: \w+ (?:\w+ )*misaligned address (0x[0-9a-f]+) of type "
+                  r"'[^']*uint4', which needs 16-byte alignment", error)
+    assert m and int(m.group(1), 16) % 16 == 2, error
+
+
+def test_a_barrier_in_a_divergent_branch_is_reported_as_a_deadlock():
+    """__syncthreads inside `if (lane < nj)`: on a partial key tile the lanes past nj wait at
+    the warp reduction while the others wait at the barrier; the executor names both."""
+    error = run(7).get("error", "")
+    assert re.search(r"kernel attention_kernel, block \(\d+, \d+, 0\): deadlock at a barrier while other threads "
+                     r"wait at a warp primitive: threads 0-\d+ at __syncthreads kernels/cuda/attention\.cu:\d+; "
+                     r"threads \d+-31 at a warp primitive", error), error
+
+
+def test_a_launch_past_48_kib_without_raising_the_limit_is_the_executors_error():
+    """q3_attention_cuda without its cudaFuncSetAttribute call: the first case whose tiles
+    need more than the default 48 KiB of dynamic shared memory (head_dim 192 and 256: 50 to
+    98 KiB) fails its launch as on a GPU, the message naming the kernel and the bytes."""
+    error = run(8).get("error", "")
+    m = re.search(r"kernel attention_kernel: launch with (\d+) bytes of dynamic shared memory, past the kernel's "
+                  r"limit of 49152 \(48 KiB unless cudaFuncSetAttribute\(MaxDynamicSharedMemorySize\) raises it", error)
+    assert m and 48 * 1024 < int(m.group(1)) <= 99840, error
+
+
+def test_a_shared_index_one_past_its_array_is_addresssanitizers_report():
+    """matmul_tc_kernel's warps stash fragments in out[warp + 1] of float out[4][16][16]: the
+    results stay right (each warp reads back what it wrote), but the last warp writes just
+    past the array, a heap block of exactly its size in the executor built with
+    AddressSanitizer, which stops the process; the executor adds where the abort came from."""
+    r = run(4)
+    assert r["returncode"] != 0 and "cases" not in r
+    assert "ERROR: AddressSanitizer: heap-buffer-overflow" in r["stderr"], r["stderr"][-3000:]
+    assert re.search(r"located 0 bytes (to the right of|after) 4096-byte region", r["stderr"]), r["stderr"][-3000:]
+    assert re.search(r"in matmul_tc_kernel\(.*kernels/cuda/matmul_tc\.cu:\d+", r["stderr"])
+    assert re.search(r"simt: aborted in kernel matmul_tc_kernel, block \(\d+, \d+, 0\), thread \(\d+, 0, 0\)",
+                     r["stderr"]), r["stderr"][-3000:]
+
+
+def test_an_fp8_scale_from_the_wrong_column_block_fails_against_the_twin():
+    """gemv_fp8_kernel takes 16-byte chunk c's block scale from block c / 9 instead of c / 8:
+    from column 128 on, some chunks are scaled by their neighbour block's scale. Its cases on
+    16-byte loads with K >= 256 are far off the twin (the one-element-a-lane ones, K = 100 and
+    w unaligned, and the FP8 MoE kernels, which instantiate the right block size, stay
+    right); no schedule changes a result."""
+    r = run(11)
+    mine, others = cases_of(r, "fp8 matmul GEMV")
+    wide = [c for c in mine if "K=400" in c["case"] or "K=4096" in c["case"] or "K=256" in c["case"]]
+    wide = [c for c in wide if "unaligned" not in c["case"] or "x unaligned" in c["case"]]
+    assert len(wide) >= 16 and all(c["max_err"] > 100 * c["tol"] for c in wide), wide
+    assert all(c["ok"] for c in mine if "K=100" in c["case"] or "w unaligned" in c["case"])
+    assert all(c["agree"] for c in r["cases"]) and all(c["ok"] for c in others)
+
+
+def test_an_attention_map_from_the_wrong_kv_head_fails_against_the_cpu_kernel():
+    """attention_probs_kernel with query head h reading KV head h % Hkv instead of h / G: every
+    map case with more than one KV head and more than one query head on each is far off the CPU
+    kernel; the cases where both give the same head (G = 1, or one KV head) stay right, and no
+    schedule changes a result."""
+    r = run(12)
+    mine, others = cases_of(r, "attention probs")
+    same_head = [c for c in mine if "G=1 " in c["case"] or "after 300, G=2" in c["case"]]
+    wrong = [c for c in mine if c not in same_head]
+    assert len(same_head) == 2 and len(wrong) == 11, mine
+    assert all(c["max_err"] > 100 * c["tol"] for c in wrong), wrong
+    assert all(c["ok"] for c in same_head) and all(c["ok"] for c in others)
+    assert all(c["agree"] for c in r["cases"])

@@ -1,0 +1,143 @@
+"""benchmarks/bench_cuda.py's per-stage model: `--predict` (no GPU) prints, for the issue's
+rows, every stage's bytes, FLOPs and floor at the H200 figures of ../shared/REFERENCE.md;
+the figures here are q3.cost_model's, recomputed, and the floors REFERENCE.md states. The
+measured columns (a GPU run) are checked on the emulated device's stage profile."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+import qwen3layer as q3
+from qwen3layer.costs import STAGES
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+BENCH = os.path.join(ROOT, "benchmarks", "bench_cuda.py")
+REFERENCE = os.path.join(ROOT, "..", "shared", "REFERENCE.md")
+ROWS = {"decode batch 1, context 8192": dict(mode="decode", tokens=1, context=8192, batch=1),
+        "decode batch 16, context 8192": dict(mode="decode", tokens=1, context=8192, batch=16),
+        "prefill 8192 tokens, one chunk of 8192": dict(mode="prefill", tokens=8192, context=0, chunk_size=8192)}
+COPY, MATRIX = 4.3e12, 790e12  # the H200 column of REFERENCE.md's physical limits (checked below)
+
+needs_reference = pytest.mark.skipif(not os.path.exists(REFERENCE), reason="no ../shared/REFERENCE.md beside "
+                                     "this checkout (CI and the project's machines have one)")
+
+
+def tables(text):
+    """{title: {stage: [cells]}} of the model tables in bench_cuda's output."""
+    out, rows = {}, None
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.split("|")]
+        if line.split(":")[0] in ROWS:
+            rows = out.setdefault(line.split(":")[0], {})
+        elif rows is not None and len(cells) > 1 and cells[0] not in ("stage", "") and not set(line) <= set("-| "):
+            rows[cells[0]] = cells[1:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def predicted():
+    run = subprocess.run([sys.executable, BENCH, "--predict", "--reference", REFERENCE], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    return run.stdout
+
+
+@needs_reference
+def test_the_reference_figures_are_the_h200s():
+    text = open(REFERENCE).read()
+    assert "H200 (4.3 TB/s copy, 790 TFLOP/s bf16 measured)" in text
+
+
+@needs_reference
+def test_predict_prints_every_stage_of_each_row_from_the_cost_model(predicted):
+    assert "4.3 TB/s copy and 790 TFLOP/s" in predicted.splitlines()[0]
+    got = tables(predicted)
+    assert list(got) == list(ROWS)
+    cfg = q3.LayerConfig.qwen3_235b_a22b()
+    for title, args in ROWS.items():
+        cost = q3.cost_model(cfg, **args)
+        rows = got[title]
+        assert list(rows) == list(STAGES) + ["total"]
+        floors = 0.0
+        for s in cost.stages:
+            mb, gflop, bound, floor_us = rows[s.name]  # the predicted column alone: nothing measured
+            floor = max(s.bytes / COPY, s.flops / MATRIX)
+            floors += floor
+            assert float(mb) == pytest.approx(s.bytes / 1e6, abs=6e-4)
+            assert float(gflop) == pytest.approx(s.flops / 1e9, abs=6e-4)
+            assert float(floor_us) == pytest.approx(floor * 1e6, abs=6e-3)
+            assert bound == ("matrix" if s.flops / MATRIX > s.bytes / COPY else "memory")
+        mb, gflop, _, floor_us = rows["total"]
+        assert float(mb) == pytest.approx(cost.bytes / 1e6, abs=6e-4)
+        assert float(gflop) == pytest.approx(cost.flops / 1e9, abs=6e-4)
+        assert float(floor_us) == pytest.approx(floors * 1e6, abs=6e-3)
+
+
+@needs_reference
+def test_predicted_totals_are_reference_mds_floors(predicted):
+    got = tables(predicted)
+    # decode batch 1 at 8192: 462 MB read, >= 107 us (REFERENCE.md); every stage memory-bound
+    d1 = got["decode batch 1, context 8192"]
+    assert 462 <= float(d1["total"][0]) < 463 and 107 <= float(d1["total"][3]) < 108
+    assert {r[2] for s, r in d1.items() if s != "total"} == {"memory"}
+    assert float(d1["experts"][0]) == pytest.approx(8 * 3 * 4096 * 1536 * 2 / 1e6, rel=1e-3)  # 8 experts' weights
+    # batch 16: the weights once for all 16 (82 experts expected hit); attention reads each
+    # sequence's cache (2 KiB a token, 8193 tokens) and its q, writes its output (fp32, 8192 each)
+    d16 = got["decode batch 16, context 8192"]
+    assert float(d16["attention"][0]) == pytest.approx(16 * (8193 * 2048 + 2 * 8192 * 4) / 1e6, abs=1e-3)
+    hit = round(128 * (1 - (1 - 8 / 128) ** 16))
+    assert hit == 82 and float(d16["experts"][0]) == pytest.approx(hit * 3 * 4096 * 1536 * 2 / 1e6, rel=1e-3)
+    assert float(d1["total"][3]) < float(d16["total"][3]) < 16 * float(d1["total"][3]) / 2
+    # prefill of 8192 tokens: 4.75 TFLOP, >= 6.0 ms; the projections, attention and experts matrix-bound
+    p = got["prefill 8192 tokens, one chunk of 8192"]
+    assert float(p["total"][1]) == pytest.approx(4750, abs=1)
+    assert 6000 <= float(p["total"][3]) < 7000
+    assert {s for s, r in p.items() if r[2] == "matrix"} == {"qkv_proj", "attention", "o_proj", "experts"}
+
+
+@needs_reference
+def test_results_md_holds_the_predicted_tables_until_a_gpu_run(predicted):
+    results = open(os.path.join(ROOT, "benchmarks", "RESULTS.md")).read()
+    if "predicted, no GPU run yet" not in results:
+        pytest.skip("benchmarks/RESULTS.md holds a GPU run")
+    for block in predicted.split("\n\n")[1:]:
+        assert block.strip() in results, block.splitlines()[0]
+
+
+def test_predict_refuses_a_reference_without_the_figures(tmp_path):
+    bad = tmp_path / "REFERENCE.md"
+    bad.write_text("# no table here\n")
+    run = subprocess.run([sys.executable, BENCH, "--predict", "--reference", str(bad)], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode != 0 and "no 'H200" in run.stderr
+
+
+@pytest.mark.skipif(not os.path.exists(q3.cuda.SIMT_LIBRARY), reason="no SIMT executor in this build")
+def test_the_measured_columns_are_the_stage_profile_against_the_floors():
+    # what a GPU run prints beside the floors, here from the emulated device's stage profile
+    code = f"""
+import sys
+sys.path.insert(0, {os.path.join(ROOT, 'benchmarks')!r})
+import bench_cuda, qwen3layer as q3
+q3.cuda.emulate()
+layer = q3.DecoderLayer.random(q3.LayerConfig.tiny(), seed=0, device="cuda", dtype="bfloat16")
+p = layer.profile("decode", 1, 33, None, repeat=1, batch=3)
+print(repr({{s.name: s.seconds for s in p.stages}}))
+print(bench_cuda.model_table("decode batch 1, context 8192: tiny", p.cost, 4.3, 790,
+                             {{s.name: s.seconds for s in p.stages}}))
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    measured = eval(run.stdout.splitlines()[0])
+    assert list(measured) == list(STAGES) and all(t > 0 for t in measured.values())
+    rows = tables(run.stdout)["decode batch 1, context 8192"]
+    cost = q3.cost_model(q3.LayerConfig.tiny(), "decode", 1, 33, dtype="bfloat16", batch=3)
+    for s in cost.stages:
+        mb, _, _, floor_us, measured_us, ratio = rows[s.name]
+        floor = max(s.bytes / COPY, s.flops / MATRIX)
+        assert float(measured_us) == pytest.approx(measured[s.name] * 1e6, abs=6e-3)
+        assert float(ratio) == pytest.approx(measured[s.name] / floor, rel=1e-3, abs=6e-3)
+    total = rows["total"]
+    assert float(total[4]) == pytest.approx(sum(measured.values()) * 1e6, abs=6e-3)

@@ -1,0 +1,368 @@
+"""qwen3layer.torch under transformers' own ways of calling a model: packed sequences, custom 4D
+masks, right padding, static caches, the model cache's keys and values. Each case either
+gives transformers' numbers (real tokens; fp32 1e-5, bf16 within twice transformers' bf16
+error against fp32) or a ValueError naming what it got. The tiny model's matrices are drawn
+N(0, 1/in) (0.125 at hidden 64: attention weights where a wrong mask shows)."""
+import copy
+
+import pytest
+import torch
+
+import qwen3layer.torch as q3t
+from hf_reference import left_padded, tiny_model
+
+MIN = torch.finfo(torch.float32).min
+
+
+def rel(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm())
+
+
+def pair(seed, dtype=torch.float32, impl="eager"):
+    model = tiny_model(seed, dtype)
+    model.config._attn_implementation = impl
+    ref = copy.deepcopy(model)
+    return q3t.patch_model(model), ref
+
+
+def additive(allowed):
+    """[q, k] bool -> transformers' eager mask [1, 1, q, k]"""
+    return torch.zeros(1, 1, *allowed.shape).masked_fill(~allowed, MIN)
+
+
+PACKED_IDS = torch.randint(1, 101, (1, 9), generator=torch.Generator().manual_seed(1))
+PACKED_POS = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3]])
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@torch.no_grad()
+def test_packed_sequences_equal_running_them_separately(impl):
+    model, ref = pair(5, impl=impl)
+    ours = model(PACKED_IDS, position_ids=PACKED_POS, use_cache=False).logits
+    theirs = ref(PACKED_IDS, position_ids=PACKED_POS, use_cache=False).logits
+    apart = torch.cat([ref(PACKED_IDS[:, :5]).logits, ref(PACKED_IDS[:, 5:]).logits], 1)
+    assert rel(ours, theirs) < 1e-5 and rel(ours, apart) < 1e-5
+    # each token of the second sequence against the first: a wrong mask would move them
+    assert rel(ours[:, 5:], apart[:, 5:]) < 1e-5
+
+
+@torch.no_grad()
+def test_packed_sequences_with_padding_free_kwargs():
+    model, ref = pair(5)
+    cu = torch.tensor([0, 5, 9], dtype=torch.int32)
+    kw = dict(position_ids=PACKED_POS, use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=5,
+              max_length_k=5)
+    assert rel(model(PACKED_IDS, **kw).logits, ref(PACKED_IDS, **kw).logits) < 1e-5
+    wrong = torch.tensor([0, 4, 9], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"cu_seq_lens_q: sequences \[\(0, 4\), \(4, 9\)\] differ"):
+        model(PACKED_IDS, **{**kw, "cu_seq_lens_q": wrong, "cu_seq_lens_k": wrong})
+
+
+@torch.no_grad()
+def test_packed_sequences_in_bfloat16():
+    model, ref = pair(6, torch.bfloat16)
+    exact = copy.deepcopy(ref).float()
+    kw = dict(position_ids=PACKED_POS, use_cache=False)
+    truth = exact(PACKED_IDS, **kw).logits
+    err_theirs = rel(ref(PACKED_IDS, **kw).logits, truth)
+    assert rel(model(PACKED_IDS, **kw).logits, truth) <= 2 * err_theirs
+
+
+@torch.no_grad()
+def test_packed_positions_under_a_causal_mask_are_refused():
+    """with a cache (use_cache's default) transformers does not separate packed sequences: the
+    mask is causal over the row, the positions restart, and the C layer cannot run that"""
+    model, _ = pair(5)
+    with pytest.raises(ValueError, match="position_ids: token 5 of batch row 0 is at position 0, expected 5"):
+        model(PACKED_IDS, position_ids=PACKED_POS)
+
+
+@torch.no_grad()
+def test_a_block_diagonal_4d_mask_is_computed():
+    model, ref = pair(7)
+    ids = PACKED_IDS[:, :6]
+    allowed = torch.ones(6, 6, dtype=torch.bool).tril()
+    allowed[3:, :3] = False
+    kw = dict(attention_mask=additive(allowed), position_ids=torch.tensor([[0, 1, 2, 0, 1, 2]]), use_cache=False)
+    assert rel(model(ids, **kw).logits, ref(ids, **kw).logits) < 1e-5
+    with pytest.raises(ValueError, match="packed sequences cannot continue in one model cache"):
+        model(ids, **{**kw, "use_cache": True})
+
+
+@torch.no_grad()
+def test_a_tree_mask_is_refused_by_name():
+    """a shared prefix with three branches (tree-style speculative decoding)"""
+    model, _ = pair(7)
+    allowed = torch.ones(6, 6, dtype=torch.bool).tril()
+    allowed[4, 3] = allowed[5, 3] = allowed[5, 4] = False
+    with pytest.raises(ValueError, match=r"attention_mask: .*query 4 of batch row 0 .* attends to keys 0-2, 4"):
+        model(PACKED_IDS[:, :6], attention_mask=additive(allowed), position_ids=torch.tensor([[0, 1, 2, 3, 3, 3]]))
+
+
+@torch.no_grad()
+def test_an_explicit_causal_4d_mask_is_computed():
+    model, ref = pair(8)
+    kw = dict(attention_mask=additive(torch.ones(6, 6, dtype=torch.bool).tril()))
+    ids = PACKED_IDS[:, :6]
+    assert rel(model(ids, **kw).logits, ref(ids, **kw).logits) < 1e-5
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@torch.no_grad()
+def test_right_padding_real_rows_match_and_continuing_is_refused(impl):
+    model, ref = pair(9, impl=impl)
+    ids = torch.randint(1, 101, (2, 7), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[0, 4:] = 0
+    ours, theirs = model(ids, attention_mask=mask), ref(ids, attention_mask=mask)
+    real = mask.bool()
+    assert rel(ours.logits[real], theirs.logits[real]) < 1e-5
+    more = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
+    with pytest.raises(ValueError, match=r"attention_mask: cached tokens masked \(right padding of an earlier call"):
+        model(torch.tensor([[3], [4]]), attention_mask=more, past_key_values=ours.past_key_values)
+
+
+@torch.no_grad()
+def test_the_model_cache_holds_the_real_keys_and_values():
+    model, ref = pair(10)
+    ids = torch.randint(1, 101, (2, 6), generator=torch.Generator().manual_seed(3))
+    ours, theirs = model(ids), ref(ids)
+    step = torch.tensor([[7], [8]])
+    ours2 = model(step, past_key_values=ours.past_key_values)
+    theirs2 = ref(step, past_key_values=theirs.past_key_values)
+    for i, (a, b) in enumerate(zip(ours2.past_key_values.layers, theirs2.past_key_values.layers)):
+        assert a.keys.shape == b.keys.shape == (2, 2, 7, 24)
+        assert rel(a.keys, b.keys) < 1e-6 and rel(a.values, b.values) < 1e-6
+        c = model.model.layers[i].kv_cache  # a view of the C cache, not a copy
+        assert a.keys.data_ptr() == torch.from_dlpack(c.keys(0)).data_ptr()
+        assert a.values.data_ptr() == torch.from_dlpack(c.values(0)).data_ptr()
+    assert rel(ours2.logits, theirs2.logits) < 1e-5
+
+
+@torch.no_grad()
+def test_a_left_padded_forward_keeps_transformers_keys():
+    """a plain forward's position_ids count the padding (0, 1, ... over the row): the C cache
+    puts each sequence's first real token at its position_id, so the stored keys are
+    transformers' too, and a decode step continues from there"""
+    model, ref = pair(18)
+    ids, mask = left_padded([3, 6], 6, seed=7)
+    ours, theirs = model(ids, attention_mask=mask), ref(ids, attention_mask=mask)
+    assert model.model.layers[0].kv_cache.first_positions == (3, 0)
+    real = mask.bool()
+    for a, b in zip(ours.past_key_values.layers, theirs.past_key_values.layers):
+        assert rel(a.keys.transpose(1, 2)[real], b.keys.transpose(1, 2)[real]) < 1e-6
+    more = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
+    step = torch.tensor([[4], [5]])
+    a = model(step, attention_mask=more, past_key_values=ours.past_key_values).logits
+    b = ref(step, attention_mask=more, past_key_values=theirs.past_key_values).logits
+    assert rel(a, b) < 1e-5
+    with pytest.raises(ValueError, match=r"first real tokens are at positions \[4, 1\] for this call, at \[3, 0\]"):
+        model(step, attention_mask=torch.cat([more, torch.ones(2, 1, dtype=torch.long)], 1),
+              past_key_values=ours.past_key_values, position_ids=torch.tensor([[8], [8]]))
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@torch.no_grad()
+def test_generate_with_a_left_padded_batch_keeps_transformers_keys(impl):
+    model, ref = pair(11, impl=impl)
+    ids, mask = left_padded([4, 7], 7, seed=4)
+    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+    ours, theirs = model.generate(ids, **kw), ref.generate(ids, **kw)
+    assert torch.equal(ours.sequences, theirs.sequences)
+    real = torch.cat([mask, torch.ones(2, 3, dtype=torch.long)], 1).bool()  # the last token is not cached
+    for a, b in zip(ours.past_key_values.layers, theirs.past_key_values.layers):
+        assert a.keys.shape == b.keys.shape
+        k_ours, k_theirs = a.keys.transpose(1, 2)[real], b.keys.transpose(1, 2)[real]
+        assert rel(k_ours, k_theirs) < 1e-6
+        assert rel(a.values.transpose(1, 2)[real], b.values.transpose(1, 2)[real]) < 1e-6
+
+
+@torch.no_grad()
+def test_static_cache_generation_maps_and_keys():
+    model, ref = pair(12)
+    ids = torch.randint(1, 101, (1, 7), generator=torch.Generator().manual_seed(5))
+    kw = dict(max_new_tokens=2, do_sample=False, pad_token_id=0, cache_implementation="static",
+              output_attentions=True, return_dict_in_generate=True)
+    ours, theirs = model.generate(ids, **kw), ref.generate(ids, **kw)
+    assert torch.equal(ours.sequences, theirs.sequences)
+    for step_ours, step_theirs in zip(ours.attentions, theirs.attentions):
+        for a, b in zip(step_ours, step_theirs):
+            assert a.shape == b.shape  # the static length's keys, as transformers gives them
+            assert rel(a, b) < 1e-5
+    assert type(ours.past_key_values.layers[0]).__name__ == "Q3MirroredStaticLayer"
+    width = ours.past_key_values.layers[0].max_cache_len
+    for a, b in zip(ours.past_key_values.layers, theirs.past_key_values.layers):
+        assert a.keys.shape == b.keys.shape == (1, 2, width, 24)
+        assert rel(a.keys, b.keys) < 1e-6 and rel(a.values, b.values) < 1e-6
+        assert int(a.get_seq_length()) == int(b.get_seq_length()) == 8
+
+
+def test_the_patched_model_keeps_its_whole_state_dict(tmp_path):
+    model, ref = pair(13)
+    ours, theirs = model.state_dict(), ref.state_dict()
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    model.save_pretrained(tmp_path)
+    from transformers import Qwen3MoeForCausalLM
+    again = Qwen3MoeForCausalLM.from_pretrained(tmp_path)
+    assert all(torch.equal(again.state_dict()[k], theirs[k]) for k in theirs)
+    # load_state_dict copies in place: the C layer reads the new weights
+    other = tiny_model(14)
+    model.load_state_dict(other.state_dict())
+    ids = PACKED_IDS[:, :5]
+    with torch.no_grad():
+        assert rel(model(ids).logits, other(ids).logits) < 1e-5
+    q3t.unpatch_model(model)
+    assert model.state_dict().keys() == theirs.keys()
+
+
+def test_moved_weights_are_refused():
+    model, _ = pair(13)
+    model.to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"layer 0: .*weight is no longer the tensor the C layer reads"):
+        with torch.no_grad():
+            model(PACKED_IDS[:, :5])
+
+
+@pytest.mark.parametrize("checkpointing", [None, True, False])
+def test_training_is_refused_before_any_work(checkpointing):
+    model, _ = pair(15)
+    if checkpointing is not None:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing})
+    model.train()
+    ran = []
+    model.model.embed_tokens.register_forward_hook(lambda *a: ran.append(1))
+    with pytest.raises(RuntimeError, match="inference-only .* model.eval\\(\\)"):
+        model(PACKED_IDS[:, :5], labels=PACKED_IDS[:, :5])
+    assert ran == []
+    with torch.no_grad():  # training mode without gradients: runs
+        model(PACKED_IDS[:, :5])
+
+
+def test_eval_with_gradients_warns_once_and_works():
+    model, ref = pair(16)
+    q3t._GRAD_WARNED[0] = False
+    with pytest.warns(UserWarning, match="no gradient flows through them"):
+        out = model(PACKED_IDS[:, :5]).logits
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(PACKED_IDS[:, :5])
+    assert rel(out, ref(PACKED_IDS[:, :5]).logits) < 1e-5
+
+
+# ---- the planner alone (qwen3layer.torch_masks) ----
+from qwen3layer.torch_masks import plan_call  # noqa: E402
+
+
+def causal(n, past=0):
+    return torch.ones(n, past + n, dtype=torch.bool).tril(past)
+
+
+def test_plan_reads_left_padding_and_segments():
+    m = causal(5)[None, None].clone()
+    m[..., :2] = False  # two leading padding keys
+    plan = plan_call(m, None, 1, 5, 0, None)
+    assert plan.padding == [2] and plan.packed is None
+    bd = causal(6)
+    bd[3:, :3] = False
+    plan = plan_call(bd[None, None], torch.tensor([[0, 1, 2, 0, 1, 2]]), 1, 6, 0, None)
+    assert [(s.start, s.end, s.padding) for s in plan.packed[0]] == [(0, 3, 0), (3, 6, 0)]
+    # a 2D key-padding mask (flash attention's) as well
+    plan = plan_call(torch.tensor([[0, 0, 1, 1, 1]]), None, 1, 5, 0, None)
+    assert plan.padding == [2]
+
+
+def test_plan_continues_the_cache_and_keeps_a_static_width():
+    m = causal(1, past=6)
+    m = torch.cat([m, torch.zeros(1, 3, dtype=torch.bool)], 1)  # a static cache of 10
+    m[:, :2] = False
+    plan = plan_call(m[None, None], None, 1, 1, 6, (2,))
+    assert plan.key_width == 10 and plan.padding == [2]
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: torch.ones(4, 4).tril().log()[None, None] * 0 + torch.tensor(-1.0), "a value other than 0 and -inf"),
+    (lambda: torch.stack([causal(4), causal(4).T]).unsqueeze(0), "differs between heads"),
+    (lambda: (causal(6) & ~causal(6, past=0).tril(-3))[None, None], "sliding window"),
+    (lambda: torch.ones(1, 1, 3, 2, dtype=torch.bool), "expected a 4D mask"),
+    (lambda: torch.ones(1, 1, 3, 4, dtype=torch.bool), "attends to keys 0-3, expected keys 0-0"),
+])
+def test_plan_refuses_what_it_cannot_run(make, message):
+    m = make()
+    n = m.shape[-2]
+    with pytest.raises(ValueError, match=message):
+        plan_call(m, None, 1, n, 0, None)
+
+
+def test_plan_reads_flash_attentions_packing_off_the_positions():
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
+    plan = plan_call(None, pos, 1, 9, 0, None, "flash_attention_2")
+    assert [(s.start, s.end) for s in plan.packed[0]] == [(0, 3), (3, 5), (5, 9)]
+    # sdpa and eager see no packing without a mask saying so: restarting positions are refused
+    with pytest.raises(ValueError, match="position_ids: token 3 of batch row 0 is at position 0, expected 3"):
+        plan_call(None, pos, 1, 9, 0, None, "sdpa")
+    # a jump inside one of flash's sequences cannot be run
+    with pytest.raises(ValueError, match="token 2 of batch row 0 is at position 5, expected 2"):
+        plan_call(None, torch.tensor([[0, 1, 5, 6]]), 1, 4, 0, None, "flash_attention_2")
+
+
+def test_plan_refuses_no_mask_over_a_padded_cache():
+    with pytest.raises(ValueError, match=r"None .* padding \[0, 3\]"):
+        plan_call(None, None, 2, 1, 5, (0, 3))
+
+
+# ---- bf16: within twice transformers' bf16 error against its fp32 model ----
+@torch.no_grad()
+def test_bfloat16_right_padding_and_the_cache():
+    model, ref = pair(17, torch.bfloat16)
+    exact = copy.deepcopy(ref).float()
+    ids = torch.randint(1, 101, (2, 7), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, 5:] = 0
+    real = mask.bool()
+    ours, theirs, truth = model(ids, attention_mask=mask), ref(ids, attention_mask=mask), exact(ids, attention_mask=mask)
+    assert rel(ours.logits[real], truth.logits[real]) <= 2 * rel(theirs.logits[real], truth.logits[real])
+    for a, b, t in zip(ours.past_key_values.layers, theirs.past_key_values.layers, truth.past_key_values.layers):
+        assert a.keys.dtype == torch.bfloat16
+        k = lambda c: c.keys.transpose(1, 2)[real].float()  # noqa: E731
+        assert rel(k(a), k(t)) <= 2 * rel(k(b), k(t))
+
+
+# ---- arguments transformers hands the layers that the C layer must not ignore ----
+@torch.no_grad()
+def test_a_cache_position_other_than_the_next_rows_is_refused():
+    model, _ = pair(19)
+    ids = PACKED_IDS[:, :5]
+    out = model(ids)
+    layer = model.model.layers[0]
+    with pytest.raises(ValueError, match=r"cache_position: expected 5 to 5 \(the C cache appends after the 5 tokens"):
+        layer(torch.zeros(1, 1, 64), position_ids=torch.tensor([[5]]), past_key_values=out.past_key_values,
+              cache_position=torch.tensor([3]))
+    assert layer.kv_cache.lengths == (5,)
+
+
+def test_a_rotary_embedding_other_than_the_configs_is_refused_at_patch_time():
+    model = tiny_model(19)
+    originals = list(model.model.layers)
+    with torch.no_grad():
+        model.model.rotary_emb.inv_freq.mul_(1.5)
+    with pytest.raises(ValueError, match=r"model.rotary_emb: its inv_freq \[12\] .* not the RoPE of the config"):
+        q3t.patch_model(model)
+    assert list(model.model.layers) == originals  # nothing swapped
+
+
+def test_a_bfloat16_rounded_rotary_buffer_is_taken_with_a_warning():
+    with pytest.warns(UserWarning, match=r"inv_freq is in torch.bfloat16 \(rounded by model.to\(\)\)"):
+        q3t.patch_model(tiny_model(19, torch.bfloat16))
+
+
+@torch.no_grad()
+def test_replaced_keys_in_the_model_cache_are_refused():
+    model, _ = pair(19)
+    out = model(PACKED_IDS[:, :5])
+    entry = out.past_key_values.layers[0]
+    entry.keys = entry.keys[:, :, :3]
+    with pytest.raises(RuntimeError, match="the model cache's keys hold 3 tokens, this layer's C cache 5"):
+        model(torch.tensor([[4]]), past_key_values=out.past_key_values)
