@@ -11,6 +11,7 @@ import torch
 sys.path.insert(0, sys.argv[1])
 import qwen3layer as q3  # noqa: E402
 from qwen3layer import _C  # noqa: E402
+_testing = q3.cuda.testing_module()  # the kernel check and the test-only switches
 from executor_arrays import host, executor_view, rel  # noqa: E402
 
 q3.cuda.emulate()
@@ -473,7 +474,7 @@ out["router ties"] = ties
 # off); then a prefill on the cuBLAS path against the CPU layer
 assert _C.cuda_blas_open(q3.cuda.SIMT_LIBRARY)
 blas_before = _C.cuda_blas_enable()
-out["kernel check"] = _C.cuda_check(0)
+out["kernel check"] = _testing.cuda_check(0)
 blas_cases = [c for c in out["kernel check"] if c[0].startswith("matmul cuBLAS")]
 cb = q3.DecoderLayer.random(CFG, seed=14, dtype="bfloat16")
 cb_gpu = _C.Layer(CFG, _C.random_weights(CFG, 14, "bfloat16"), None, 0)
@@ -501,11 +502,11 @@ for path in PATHS:
 out["moe path setting"] = [_C.cuda_moe_path(), _C.cuda_moe_path("measured"), _C.cuda_grouped_prefill()]
 chosen = {}
 for fastest in PATHS:
-    _C.cuda_moe_inject_times({p: 1.0 if p == fastest else 2.0 + i for i, p in enumerate(PATHS)})
+    _testing.cuda_moe_inject_times({p: 1.0 if p == fastest else 2.0 + i for i, p in enumerate(PATHS)})
     layer = _C.Layer(G, wg, None, 0)
     y = host(layer.prefill(_C.copy_tensor(x200, 0), layer.new_cache(256))) - host(x200)
     first = _C.cuda_moe_choice(layer)
-    _C.cuda_moe_inject_times({p: 9.0 if p == fastest else 1.0 for p in PATHS})
+    _testing.cuda_moe_inject_times({p: 9.0 if p == fastest else 1.0 for p in PATHS})
     layer.prefill(_C.copy_tensor(x150, 0), layer.new_cache(256))
     second = _C.cuda_moe_choice(layer)
     layer.prefill(_C.copy_tensor(x40, 0), layer.new_cache(256))
@@ -514,7 +515,7 @@ for fastest in PATHS:
                        "kept": second == first, "classes after 40 rows": sorted(list(k) for k in third),
                        "40 rows": third.get((32, 63), ("none",))[0],
                        "vs forced": rel(y, forced[fastest]), "vs cpu": rel(y, want)}
-_C.cuda_moe_inject_times(None)
+_testing.cuda_moe_inject_times(None)
 layer = _C.Layer(G, wg, None, 0)
 y = host(layer.prefill(_C.copy_tensor(x200, 0), layer.new_cache(256))) - host(x200)
 measured = _C.cuda_moe_choice(layer)[(128, 255)]
@@ -532,12 +533,12 @@ chosen["decode only"] = {str(k): v for k, v in _C.cuda_moe_choice(layer).items()
 import os  # noqa: E402
 
 os.environ["Q3_STANDIN_REFUSE_GROUPED"] = "1"
-_C.cuda_moe_inject_times({p: 1.0 if p == "grouped_cublas" else 2.0 + i for i, p in enumerate(PATHS)})
+_testing.cuda_moe_inject_times({p: 1.0 if p == "grouped_cublas" else 2.0 + i for i, p in enumerate(PATHS)})
 layer = _C.Layer(G, wg, None, 0)
 y = host(layer.prefill(_C.copy_tensor(x200, 0), layer.new_cache(256))) - host(x200)
 refused = _C.cuda_moe_choice(layer)[(128, 255)]
 chosen["refused"] = {"chosen": refused[0], "times": sorted(refused[1]), "vs cpu": rel(y, want)}
-_C.cuda_moe_inject_times(None)
+_testing.cuda_moe_inject_times(None)
 del os.environ["Q3_STANDIN_REFUSE_GROUPED"]
 out["moe path choice"] = chosen
 

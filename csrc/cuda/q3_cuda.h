@@ -63,6 +63,14 @@ void q3_cuda_moe_inject_times(const float *ms);
  * each candidate's time in ms[Q3_MOE_PATHS] (< 0: not a candidate), or 0 while unmeasured */
 int q3_layer_cuda_moe_choice(const q3_layer *layer, int c, float *ms);
 
+/* ---- the engine for a second module (engine_api.h) ----------------------------------- */
+
+/* The table of engine functions that qwen3layer._testing calls instead of linking an engine of
+ * its own; _C's glue exports it as a PyCapsule of this name. */
+#define Q3_ENGINE_API_CAPSULE "qwen3layer._C._engine_api"
+typedef struct q3_engine_api q3_engine_api;
+const q3_engine_api *q3_engine_api_get(void);
+
 /* ---- decode graphs (CUDA layers) ------------------------------------------------- */
 
 /* One decode step of a fixed set of sequences, captured once in a CUDA graph and replayed

@@ -7,6 +7,7 @@
 #ifndef Q3_ENGINE_H
 #define Q3_ENGINE_H
 
+#include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -31,6 +32,9 @@ typedef struct {
 /* Records status and a printf-style message in err (if not NULL); returns status. */
 q3_status q3_fail(q3_error *err, q3_status status, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
+/* the same with the arguments in a va_list (the engine API table's, csrc/cuda/engine_api.h) */
+q3_status q3_vfail(q3_error *err, q3_status status, const char *fmt, va_list ap)
+    __attribute__((format(printf, 3, 0)));
 
 /* ---- sizes from outside ---------------------------------------------------------- */
 

@@ -4,24 +4,23 @@
 #ifndef Q3_PY_GLUE_H
 #define Q3_PY_GLUE_H
 
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "py_convert.h"
+
 #include <pythread.h>
 
-#include "../check/q3_check.h"
 #include "../cuda/q3_cuda.h"
 #include "../engine/cache.h"
 #include "../engine/q3.h"
 
 #define Q3_MAX_DIM 8
 
-typedef struct {
+struct q3_module_state {
     PyTypeObject *tensor_type;
     PyTypeObject *cache_type;
     PyTypeObject *layer_type;
     PyTypeObject *graph_type;
     PyObject *cache_full_error;
-} q3_module_state;
+};
 
 extern PyModuleDef q3_module_def;
 q3_module_state *q3_state_of_type(PyTypeObject *type);
@@ -52,14 +51,6 @@ static inline void q3_error_unstash(q3_pending_error *e) {
     PyErr_Restore(e->type, e->value, e->tb);
 #endif
 }
-
-/* Raises the Python exception for an engine failure; returns NULL. st gives the
- * module's CacheFullError (NULL only where the engine cannot report a full cache). */
-PyObject *q3_raise(q3_module_state *st, const q3_error *err);
-/* dtype <-> "float32" / "bfloat16" ("float8_e4m3fn" named, never parsed: weights only);
- * q3_parse_dtype raises TypeError naming `arg` */
-const char *q3_dtype_name(q3_dtype dt);
-int q3_parse_dtype(PyObject *obj, const char *arg, q3_dtype *out);
 
 /* ---- DLPack import (py_dlpack.c) ---------------------------------------------- */
 
@@ -119,8 +110,6 @@ PyObject *q3_buffer_view(PyObject *module, PyObject *args);
 void q3_tensor_release_kept(void);
 /* [(device, nbytes, address)] of the kept blocks, oldest first */
 PyObject *q3_tensor_kept_blocks(void);
-/* the live extension-owned buffers, for zero-copy tests: list of (address, nbytes) */
-PyObject *q3_owned_buffers(PyObject *module, PyObject *unused);
 
 /* ---- KVCache (py_cache.c) --------------------------------------------------------- */
 
@@ -148,10 +137,6 @@ PyObject *q3_py_rope_table(PyObject *m, PyObject *cfg);
 /* ---- CUDA functions (py_cuda.c) ------------------------------------------------------ */
 
 extern PyMethodDef q3_cuda_methods[];
-
-/* ---- FP8 kernel test entries (py_fp8.c) ---------------------------------------------- */
-
-extern PyMethodDef q3_fp8_methods[];
 
 /* ---- random weights and inputs, FP8 dequantization (py_random.c) --------------------- */
 

@@ -18,37 +18,6 @@ q3_module_state *q3_state_of_type(PyTypeObject *type) {
 
 static q3_module_state *state_of_module(PyObject *m) { return (q3_module_state *)PyModule_GetState(m); }
 
-PyObject *q3_raise(q3_module_state *st, const q3_error *err) {
-    PyObject *type = PyExc_RuntimeError;
-    switch (err->status) {
-    case Q3_ERR_VALUE: type = PyExc_ValueError; break;
-    case Q3_ERR_TYPE: type = PyExc_TypeError; break;
-    case Q3_ERR_INDEX: type = PyExc_IndexError; break;
-    case Q3_ERR_CACHE_FULL: type = st ? st->cache_full_error : PyExc_RuntimeError; break;
-    case Q3_ERR_NOMEM: type = PyExc_MemoryError; break;
-    default: break;
-    }
-    PyErr_SetString(type, err->msg);
-    return NULL;
-}
-
-const char *q3_dtype_name(q3_dtype dt) {
-    return dt == Q3_BF16 ? "bfloat16" : dt == Q3_E4M3 ? "float8_e4m3fn" : dt == Q3_I32 ? "int32" : "float32";
-}
-
-int q3_parse_dtype(PyObject *obj, const char *arg, q3_dtype *out) {
-    const char *s = PyUnicode_Check(obj) ? PyUnicode_AsUTF8(obj) : NULL;
-    if (s && (!strcmp(s, "float32") || !strcmp(s, "fp32"))) *out = Q3_F32;
-    else if (s && (!strcmp(s, "bfloat16") || !strcmp(s, "bf16"))) *out = Q3_BF16;
-    else {
-        PyObject *r = PyObject_Repr(obj);
-        PyErr_Format(PyExc_TypeError, "%s: expected 'float32' or 'bfloat16', got %S", arg, r);
-        Py_XDECREF(r);
-        return -1;
-    }
-    return 0;
-}
-
 static PyObject *str_list(const char **names, int n) {
     PyObject *list = PyList_New(n);
     for (int i = 0; list && i < n; i++) {
@@ -176,8 +145,6 @@ static PyMethodDef module_methods[] = {
      "rope_table(config)\n--\n\n(inv_freq, scale): the RoPE table a layer of this config rotates by, fp32 values."},
     {"buffer_view", q3_buffer_view, METH_VARARGS,
      "buffer_view(obj, offset, shape, dtype)\n--\n\nA Tensor over bytes of a buffer-protocol object (kept alive)."},
-    {"owned_buffers", q3_owned_buffers, METH_NOARGS,
-     "owned_buffers()\n--\n\n(address, nbytes) of every live extension-owned tensor buffer."},
     {NULL},
 };
 
@@ -203,10 +170,15 @@ static int module_exec(PyObject *m) {
         PyExc_RuntimeError, NULL);
     if (!st->tensor_type || !st->cache_type || !st->layer_type || !st->graph_type || !st->cache_full_error)
         return -1;
-    if (PyModule_AddFunctions(m, q3_cuda_methods) < 0 || PyModule_AddFunctions(m, q3_fp8_methods) < 0 ||
+    if (PyModule_AddFunctions(m, q3_cuda_methods) < 0 ||
         PyModule_AddFunctions(m, q3_random_methods) < 0 ||
         PyModule_AddFunctions(m, q3_routing_methods) < 0)
         return -1;
+    /* the engine's table for qwen3layer._testing (csrc/cuda/engine_api.h), one engine a process */
+    PyObject *api = PyCapsule_New((void *)q3_engine_api_get(), Q3_ENGINE_API_CAPSULE, NULL);
+    const int added = api ? PyModule_AddObjectRef(m, "_engine_api", api) : -1;
+    Py_XDECREF(api);
+    if (added < 0) return -1;
     if (PyModule_AddType(m, st->tensor_type) < 0 || PyModule_AddType(m, st->cache_type) < 0 ||
         PyModule_AddType(m, st->layer_type) < 0 || PyModule_AddType(m, st->graph_type) < 0 ||
         PyModule_AddObjectRef(m, "CacheFullError", st->cache_full_error) < 0)

@@ -11,12 +11,6 @@
 #include "dlpack_abi.h"
 #include "py_glue.h"
 
-/* Owned buffers alive right now (under the GIL), for q3_owned_buffers. */
-typedef struct owned_node {
-    q3_tensor_object *t;
-    struct owned_node *next;
-} owned_node;
-static owned_node *owned_list;
 
 static size_t tensor_numel(const q3_tensor_object *t) {
     size_t n = 1;
@@ -146,17 +140,12 @@ q3_tensor_object *q3_tensor_new_on(q3_module_state *st, q3_dtype dt, int ndim, c
         t->strides[d] = stride;
         stride *= shape[d];
     }
-    owned_node *node = malloc(sizeof *node);
     t->device = device;
     t->alloc = t->data = buffer_alloc(bytes, device);
-    if (!t->alloc || !node) {
-        free(node);
+    if (!t->alloc) {
         Py_DECREF(t);
         return (q3_tensor_object *)PyErr_NoMemory();
     }
-    node->t = t;
-    node->next = owned_list;
-    owned_list = node;
     return t;
 }
 
@@ -173,13 +162,6 @@ q3_tensor_object *q3_tensor_view(q3_module_state *st, PyObject *base, void *data
 static void tensor_dealloc(q3_tensor_object *t) {
     PyTypeObject *tp = Py_TYPE(t);
     if (t->alloc) {
-        for (owned_node **p = &owned_list; *p; p = &(*p)->next)
-            if ((*p)->t == t) {
-                owned_node *dead = *p;
-                *p = dead->next;
-                free(dead);
-                break;
-            }
         if (t->device < 0) buffer_free(t->alloc, t->device);
         else buffer_keep(t->alloc, tensor_numel(t) * q3_dtype_size(t->dtype), t->device);
     }
@@ -249,19 +231,6 @@ PyObject *q3_buffer_view(PyObject *module, PyObject *args) {
     t->data = (char *)buf->buf + offset;
     t->buffer = buf;
     return (PyObject *)t;
-}
-
-PyObject *q3_owned_buffers(PyObject *module, PyObject *unused) {
-    (void)module;
-    (void)unused;
-    PyObject *list = PyList_New(0);
-    for (owned_node *n = owned_list; list && n; n = n->next) {
-        PyObject *item = Py_BuildValue("(Kn)", (unsigned long long)(uintptr_t)n->t->alloc,
-                                       (Py_ssize_t)(tensor_numel(n->t) * q3_dtype_size(n->t->dtype)));
-        if (!item || PyList_Append(list, item) < 0) Py_CLEAR(list);
-        Py_XDECREF(item);
-    }
-    return list;
 }
 
 /* ---- export ------------------------------------------------------------------------ */
