@@ -36,27 +36,6 @@ int q3_py_cache_check_idle(q3_cache_object *o) {
     return -1;
 }
 
-int q3_py_cache_parse_seq(const q3_cache *c, PyObject *obj, int allow_all, int *seq) {
-    if (obj == Py_None && allow_all) {
-        *seq = -1;
-        return 0;
-    }
-    if (!PyLong_Check(obj)) {
-        PyErr_Format(PyExc_TypeError, "seq: expected an int%s, got %.100s", allow_all ? " or None" : "",
-                     Py_TYPE(obj)->tp_name);
-        return -1;
-    }
-    const long long v = PyLong_AsLongLong(obj);
-    if (v == -1 && PyErr_Occurred()) return -1;
-    if (v < 0 || v >= c->batch) {
-        PyErr_Format(PyExc_IndexError, "seq: expected 0 <= seq < %d (the cache's batch), got %lld",
-                     c->batch, v);
-        return -1;
-    }
-    *seq = (int)v;
-    return 0;
-}
-
 PyObject *q3_status_or_none(q3_status s, const q3_error *err) {
     if (s != Q3_OK) return q3_raise(NULL, err);
     Py_RETURN_NONE;
@@ -67,7 +46,7 @@ static PyObject *cache_reset(q3_cache_object *o, PyObject *args, PyObject *kw) {
     PyObject *seq_obj = Py_None;
     int seq;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "|O:reset", names, &seq_obj)) return NULL;
-    if (q3_py_cache_parse_seq(o->cache, seq_obj, 1, &seq) < 0 || q3_py_cache_check_idle(o) < 0) return NULL;
+    if (q3py_seq(seq_obj, o->cache->batch, 1, &seq) < 0 || q3_py_cache_check_idle(o) < 0) return NULL;
     q3_error err;
     return q3_status_or_none(q3_cache_reset(o->cache, seq, &err), &err);
 }
@@ -82,7 +61,7 @@ static PyObject *cache_set_seq(q3_cache_object *o, PyObject *args, PyObject *kw,
     PyObject *seq_obj = NULL;
     int seq = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kw, fmt, names, &n, &seq_obj)) return NULL;
-    if ((seq_obj && q3_py_cache_parse_seq(o->cache, seq_obj, 0, &seq) < 0) || q3_py_cache_check_idle(o) < 0) return NULL;
+    if ((seq_obj && q3py_seq(seq_obj, o->cache->batch, 0, &seq) < 0) || q3_py_cache_check_idle(o) < 0) return NULL;
     q3_error err;
     return q3_status_or_none(set(o->cache, seq, n, &err), &err);
 }
@@ -109,7 +88,7 @@ static PyObject *cache_view(q3_cache_object *o, PyObject *args, PyObject *kw, in
     if (!PyArg_ParseTupleAndKeywords(args, kw, values ? "|O:values" : "|O:keys", names, &seq_obj))
         return NULL;
     const q3_cache *c = o->cache;
-    if (seq_obj && q3_py_cache_parse_seq(c, seq_obj, 0, &seq) < 0) return NULL;
+    if (seq_obj && q3py_seq(seq_obj, c->batch, 0, &seq) < 0) return NULL;
     q3_module_state *st = q3_state_of_type(Py_TYPE(o));
     if (!st) return NULL;
     const int64_t shape[3] = {c->kv_heads, c->lengths[seq], c->head_dim};

@@ -7,9 +7,6 @@
 
 /* 0, or -1 with RuntimeError while a layer call runs on the cache */
 int q3_py_cache_check_idle(q3_cache_object *o);
-/* seq argument: an int in [0, batch), or None (-> -1, "every sequence") when allow_all;
- * 0, or -1 with TypeError / IndexError naming seq */
-int q3_py_cache_parse_seq(const q3_cache *c, PyObject *obj, int allow_all, int *seq);
 /* None, or NULL with the engine's error raised */
 PyObject *q3_status_or_none(q3_status s, const q3_error *err);
 

@@ -7,23 +7,6 @@
  * device is synchronized before and after them, so they are ordered against every stream. */
 #include "py_cache.h"
 
-/* stream argument: None -> NULL; an int (a cudaStream_t) for a CUDA cache only */
-static int parse_stream(const q3_cache *c, PyObject *obj, void **stream) {
-    *stream = NULL;
-    if (obj == Py_None) return 0;
-    if (c->device < 0) {
-        PyErr_SetString(PyExc_ValueError, "stream: expected None for a cache on the cpu");
-        return -1;
-    }
-    if (!PyLong_Check(obj)) {
-        PyErr_Format(PyExc_TypeError, "stream: expected an int (a cudaStream_t) or None, got %.100s",
-                     Py_TYPE(obj)->tp_name);
-        return -1;
-    }
-    *stream = PyLong_AsVoidPtr(obj);
-    return *stream || !PyErr_Occurred() ? 0 : -1;
-}
-
 /* index argument: a 1-D sequence of ints in [0, batch) (list, tuple, range, a torch or numpy
  * integer array). Returns a PyMem_Malloc'd array of *n entries, or NULL with an exception. */
 static int *parse_index(PyObject *obj, int batch, Py_ssize_t *n) {
@@ -109,7 +92,7 @@ PyObject *q3_py_cache_reorder(q3_cache_object *o, PyObject *args, PyObject *kw) 
     void *stream;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "O|$O:reorder", names, &index_obj, &stream_obj)) return NULL;
     q3_cache *c = o->cache;
-    if (parse_stream(c, stream_obj, &stream) < 0) return NULL;
+    if (q3py_stream_on(stream_obj, c->device, "a cache on the cpu", &stream) < 0) return NULL;
     Py_ssize_t n;
     int *index = parse_index(index_obj, c->batch, &n);
     if (!index) return NULL;
@@ -135,7 +118,7 @@ PyObject *q3_py_cache_select(q3_cache_object *o, PyObject *args, PyObject *kw) {
     PyObject *index_obj, *stream_obj = Py_None;
     void *stream;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "O|$O:select", names, &index_obj, &stream_obj)) return NULL;
-    if (parse_stream(o->cache, stream_obj, &stream) < 0) return NULL;
+    if (q3py_stream_on(stream_obj, o->cache->device, "a cache on the cpu", &stream) < 0) return NULL;
     Py_ssize_t n;
     int *index = parse_index(index_obj, o->cache->batch, &n);
     if (!index) return NULL;
@@ -155,7 +138,7 @@ PyObject *q3_py_cache_repeat_interleave(q3_cache_object *o, PyObject *args, PyOb
     void *stream;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "L|$O:repeat_interleave", names, &n, &stream_obj)) return NULL;
     const q3_cache *c = o->cache;
-    if (parse_stream(c, stream_obj, &stream) < 0) return NULL;
+    if (q3py_stream_on(stream_obj, c->device, "a cache on the cpu", &stream) < 0) return NULL;
     if (n < 1 || n > INT_MAX / c->batch) {
         PyErr_Format(PyExc_ValueError, "n: expected 1 <= n <= %d (a batch of at most %d from %d sequences), got %lld",
                      INT_MAX / c->batch, INT_MAX, c->batch, n);
@@ -185,7 +168,7 @@ PyObject *q3_py_cache_copy(q3_cache_object *o, PyObject *args, PyObject *kw) {
     PyObject *stream_obj = Py_None;
     void *stream;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "|$O:copy", names, &stream_obj)) return NULL;
-    if (parse_stream(o->cache, stream_obj, &stream) < 0) return NULL;
+    if (q3py_stream_on(stream_obj, o->cache->device, "a cache on the cpu", &stream) < 0) return NULL;
     return copy_on(o, stream);
 }
 
@@ -207,7 +190,7 @@ PyObject *q3_py_cache_crop(q3_cache_object *o, PyObject *args, PyObject *kw) {
     PyObject *seq_obj = Py_None;
     int seq;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "L|O:crop", names, &length, &seq_obj)) return NULL;
-    if (q3_py_cache_parse_seq(o->cache, seq_obj, 1, &seq) < 0 || q3_py_cache_check_idle(o) < 0) return NULL;
+    if (q3py_seq(seq_obj, o->cache->batch, 1, &seq) < 0 || q3_py_cache_check_idle(o) < 0) return NULL;
     q3_error err;
     return q3_status_or_none(q3_cache_crop(o->cache, seq, length, &err), &err);
 }
@@ -220,7 +203,7 @@ PyObject *q3_py_cache_copy_prefix(q3_cache_object *o, PyObject *args, PyObject *
     if (!PyArg_ParseTupleAndKeywords(args, kw, "LLL|$O:copy_prefix", names, &src, &dst, &length, &stream_obj))
         return NULL;
     q3_cache *c = o->cache;
-    if (parse_stream(c, stream_obj, &stream) < 0) return NULL;
+    if (q3py_stream_on(stream_obj, c->device, "a cache on the cpu", &stream) < 0) return NULL;
     if (src < 0 || src >= c->batch || dst < 0 || dst >= c->batch) {
         const int bad_src = src < 0 || src >= c->batch;
         PyErr_Format(PyExc_IndexError, "%s: expected 0 <= %s < %d (the cache's batch), got %lld",

@@ -1,5 +1,5 @@
-/* The glue's shared conversions (py_convert.h): engine statuses to exceptions, dtype and MoE
- * path names. */
+/* The glue's shared conversions (py_convert.h): engine statuses to exceptions, the arguments
+ * many calls take (dtype, weight_format, stream, seq), the MoE paths' names. */
 #include <string.h>
 
 #include "py_glue.h"
@@ -38,3 +38,59 @@ int q3_parse_dtype(PyObject *obj, const char *arg, q3_dtype *out) {
 
 const char *const q3_moe_path_names[Q3_MOE_PATHS] = {"per_expert_wmma", "per_expert_cublas", "grouped_wmma",
                                                      "grouped_cublas"};
+
+int q3py_dtype(PyObject *obj, void *out) { return q3_parse_dtype(obj, "dtype", out) == 0; }
+
+int q3py_weight_format(PyObject *obj, void *out) {
+    if (obj == Py_None) return 1;
+    const char *f = PyUnicode_Check(obj) ? PyUnicode_AsUTF8(obj) : NULL;
+    if (f && (!strcmp(f, "dense") || !strcmp(f, "fp8_e4m3_block128"))) {
+        *(q3_weight_format *)out = strcmp(f, "dense") ? Q3_WF_FP8_BLOCK128 : Q3_WF_DENSE;
+        return 1;
+    }
+    PyErr_Clear();
+    PyErr_Format(PyExc_ValueError, "weight_format: expected None, 'dense' or 'fp8_e4m3_block128', got %R", obj);
+    return 0;
+}
+
+int q3py_stream(PyObject *obj, void *out) {
+    void **stream = out;
+    *stream = NULL;
+    if (obj == Py_None) return 1;
+    if (!PyLong_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "stream: expected an int (a cudaStream_t) or None, got %.100s",
+                     Py_TYPE(obj)->tp_name);
+        return 0;
+    }
+    *stream = PyLong_AsVoidPtr(obj);
+    return *stream || !PyErr_Occurred();
+}
+
+int q3py_stream_on(PyObject *obj, int device, const char *cpu_object, void **out) {
+    *out = NULL;
+    if (obj != Py_None && device < 0) {
+        PyErr_Format(PyExc_ValueError, "stream: expected None for %s", cpu_object);
+        return -1;
+    }
+    return q3py_stream(obj, out) ? 0 : -1;
+}
+
+int q3py_seq(PyObject *obj, int batch, int allow_none, int *seq) {
+    if (obj == Py_None && allow_none) {
+        *seq = -1;
+        return 0;
+    }
+    if (!PyLong_Check(obj) || PyBool_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "seq: expected an int%s, got %.100s", allow_none ? " or None" : "",
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    const long long v = PyLong_AsLongLong(obj);
+    if (v == -1 && PyErr_Occurred()) return -1;
+    if (v < 0 || v >= batch) {
+        PyErr_Format(PyExc_IndexError, "seq: expected 0 <= seq < %d (the cache's batch), got %lld", batch, v);
+        return -1;
+    }
+    *seq = (int)v;
+    return 0;
+}

@@ -95,8 +95,8 @@ static PyObject *graph_replay(q3_graph_object *self, PyObject *args, PyObject *k
     if (!PyArg_ParseTupleAndKeywords(args, kw, "|O$O:replay", names, &x, &stream_obj)) return NULL;
     q3_module_state *st = q3_state_of_type(Py_TYPE(self));
     if (!st) return NULL;
-    void *stream = NULL;
-    if (stream_obj != Py_None && !(stream = PyLong_AsVoidPtr(stream_obj)) && PyErr_Occurred()) return NULL;
+    void *stream;
+    if (!q3py_stream(stream_obj, &stream)) return NULL;
     if (self->cache->busy) {
         PyErr_SetString(PyExc_RuntimeError, "cache: in use by a running layer call on another thread");
         return NULL;

@@ -229,14 +229,7 @@ static int layer_dtype(PyObject *weights, PyObject *dtype_obj, PyObject *format_
         if (weight_dtype(weights, q_proj, device, Q3_VIEW_HOST | Q3_VIEW_E4M3, &q_dt) < 0) return -1;
         *wf = q_dt == Q3_E4M3 ? Q3_WF_FP8_BLOCK128 : Q3_WF_DENSE;
     } else {
-        const char *fmt = PyUnicode_Check(format_obj) ? PyUnicode_AsUTF8(format_obj) : NULL;
-        if (!fmt || (strcmp(fmt, "dense") && strcmp(fmt, "fp8_e4m3_block128"))) {
-            PyErr_Clear();
-            PyErr_Format(PyExc_ValueError, "weight_format: expected None, 'dense' or 'fp8_e4m3_block128', got %R",
-                         format_obj);
-            return -1;
-        }
-        *wf = strcmp(fmt, "dense") ? Q3_WF_FP8_BLOCK128 : Q3_WF_DENSE;
+        if (!q3py_weight_format(format_obj, wf)) return -1;
     }
     if (dtype_obj != Py_None) return q3_parse_dtype(dtype_obj, "dtype", dt);
     return weight_dtype(weights, *wf == Q3_WF_DENSE ? q_proj : q3_dense_weight_name(Q3_W_INPUT_NORM), device,

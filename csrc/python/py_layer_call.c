@@ -139,15 +139,8 @@ static PyObject *run(q3_layer_object *self, PyObject *x_obj, PyObject *cache_obj
     int64_t chunk;
     if (parse_chunk(chunk_obj, &chunk) < 0) return NULL;
 
-    void *stream = NULL;
-    if (stream_obj != Py_None) {
-        stream = PyLong_AsVoidPtr(stream_obj);
-        if (!stream && PyErr_Occurred()) return NULL;
-        if (self->device < 0) {
-            PyErr_SetString(PyExc_ValueError, "stream: expected None for a cpu layer");
-            return NULL;
-        }
-    }
+    void *stream;
+    if (q3py_stream_on(stream_obj, self->device, "a cpu layer", &stream) < 0) return NULL;
     q3_view x, out = {0};
     if (q3_view_acquire_on(x_obj, "x", &x, self->device, 0, stream) < 0) return NULL;
     PyObject *result = NULL;
@@ -157,21 +150,9 @@ static PyObject *run(q3_layer_object *self, PyObject *x_obj, PyObject *cache_obj
     int32_t *seq_list = seqs;
     if (check_x(&x, cfg, co->cache, decode, &n_seqs, &tokens) < 0) goto done;
     if (!decode && x.ndim == 2) {
-        long long s = 0;
-        if (seq_obj != Py_None) {
-            if (!PyLong_Check(seq_obj) || PyBool_Check(seq_obj)) {
-                PyErr_Format(PyExc_TypeError, "seq: expected an int, got %.100s", Py_TYPE(seq_obj)->tp_name);
-                goto done;
-            }
-            s = PyLong_AsLongLong(seq_obj);
-            if (s == -1 && PyErr_Occurred()) goto done;
-        }
-        if (s < 0 || s >= co->cache->batch) {
-            PyErr_Format(PyExc_IndexError, "seq: expected 0 <= seq < %d (the cache's batch), got %lld",
-                         co->cache->batch, s);
-            goto done;
-        }
-        seqs[0] = (int32_t)s;
+        int s = 0; /* None: the first sequence */
+        if (seq_obj != Py_None && q3py_seq(seq_obj, co->cache->batch, 0, &s) < 0) goto done;
+        seqs[0] = s;
     } else {
         if (!decode && seq_obj != Py_None) {
             PyErr_SetString(PyExc_ValueError,

@@ -63,30 +63,17 @@ static int put_random_fp8(q3_module_state *st, PyObject *dict, const char *name,
     return put(dict, scale_name, s);
 }
 
-static int parse_format(PyObject *obj, q3_weight_format *wf) {
-    const char *f = obj == Py_None ? "dense" : PyUnicode_Check(obj) ? PyUnicode_AsUTF8(obj) : NULL;
-    if (f && (!strcmp(f, "dense") || !strcmp(f, "fp8_e4m3_block128"))) {
-        *wf = strcmp(f, "dense") ? Q3_WF_FP8_BLOCK128 : Q3_WF_DENSE;
-        return 0;
-    }
-    PyErr_Clear();
-    PyErr_Format(PyExc_ValueError, "weight_format: expected None, 'dense' or 'fp8_e4m3_block128', got %R", obj);
-    return -1;
-}
-
 static PyObject *random_weights(PyObject *m, PyObject *args, PyObject *kw) {
     static char *names[] = {"config", "seed", "dtype", "weight_format", NULL};
-    PyObject *cfg_obj, *dtype_obj, *format_obj = Py_None;
+    PyObject *cfg_obj;
     unsigned long long seed;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OKO|O:random_weights", names, &cfg_obj, &seed, &dtype_obj,
-                                     &format_obj))
+    q3_dtype dt;
+    q3_weight_format wf = Q3_WF_DENSE; /* weight_format=None */
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OKO&|O&:random_weights", names, &cfg_obj, &seed, q3py_dtype, &dt,
+                                     q3py_weight_format, &wf))
         return NULL;
     q3_config c;
-    q3_dtype dt;
-    q3_weight_format wf;
-    if (q3_parse_config(cfg_obj, &c) < 0 || q3_parse_dtype(dtype_obj, "dtype", &dt) < 0 ||
-        parse_format(format_obj, &wf) < 0)
-        return NULL;
+    if (q3_parse_config(cfg_obj, &c) < 0) return NULL;
     const int fp8 = wf == Q3_WF_FP8_BLOCK128;
     q3_module_state *st = state_of(m);
     PyObject *d = PyDict_New();
