@@ -164,6 +164,15 @@ const char *q3_weight_format_name(q3_weight_format f); /* "dense", "fp8_e4m3_blo
 /* whether dense weight w is a projection matrix (stored in the layer's weight format) */
 int q3_dense_weight_is_matrix(q3_dense_weight w);
 
+/* The experts fused: gate_up_proj [E, 2I, H] (expert e's gate rows, then its up rows) and
+ * down_proj [E, H, I]; in the FP8 format their scale_inv are [E, 2 ceil(I/128), ceil(H/128)]
+ * (the gate's blocks, then the up's: a 128-row block never spans both halves) and
+ * [E, ceil(H/128), ceil(I/128)]. */
+typedef enum { Q3_FUSED_GATE_UP, Q3_FUSED_DOWN, Q3_FUSED_COUNT } q3_fused_expert;
+const char *q3_fused_expert_name(q3_fused_expert f); /* "mlp.experts.gate_up_proj", "mlp.experts.down_proj" */
+/* the shape of fused tensor f (scale: of its FP8 scale_inv) */
+void q3_fused_expert_shape(const q3_config *cfg, q3_fused_expert f, int scale, int64_t dims[3]);
+
 typedef struct {
     q3_dtype dtype;                                   /* of the norms and the router, and of the
                                                        * matrices in the dense format */
@@ -174,6 +183,10 @@ typedef struct {
     const void *const *experts[Q3_X_COUNT];           /* [E] pointers each, contiguous */
     const void *dense_scale[Q3_W_DENSE_COUNT];        /* FP8: scale_inv of each matrix, else NULL */
     const void *const *expert_scales[Q3_X_COUNT];     /* FP8: [E] scale_inv pointers each */
+    /* or the experts fused as transformers 5.x holds them (then experts and expert_scales are
+     * NULL): q3_layer_create slices them (q3_fused_expert_shape) */
+    const void *fused[Q3_FUSED_COUNT];                /* contiguous */
+    const void *fused_scales[Q3_FUSED_COUNT];         /* FP8: their scale_inv */
 } q3_weights;
 
 /* scale_inv's shape for an FP8 matrix of shape dims [N, K] */

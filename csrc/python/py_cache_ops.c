@@ -66,11 +66,11 @@ static int *parse_index(PyObject *obj, int batch, Py_ssize_t *n) {
 }
 
 /* A new cache of o's geometry and capacity for `batch` sequences: sequence i <- o's index[i] */
-static PyObject *gather_new(q3_cache_object *o, const int *index, int batch, void *stream) {
+static PyObject *gather_new(q3py_cache_object *o, const int *index, int batch, void *stream) {
     const q3_cache *c = o->cache;
     q3_module_state *st = q3_state_of_type(Py_TYPE(o));
-    if (!st || q3_py_cache_check_idle(o) < 0) return NULL;
-    q3_cache_object *out = q3_cache_object_new(st, batch, c->capacity, c->kv_heads, c->head_dim, c->dtype, c->device);
+    if (!st || q3py_cache_check_idle(o) < 0) return NULL;
+    q3py_cache_object *out = q3py_cache_object_new(st, batch, c->capacity, c->kv_heads, c->head_dim, c->dtype, c->device);
     if (!out) return NULL;
     q3_error err;
     q3_status s;
@@ -86,7 +86,7 @@ static PyObject *gather_new(q3_cache_object *o, const int *index, int batch, voi
     return (PyObject *)out;
 }
 
-PyObject *q3_py_cache_reorder(q3_cache_object *o, PyObject *args, PyObject *kw) {
+PyObject *q3py_cache_reorder(q3py_cache_object *o, PyObject *args, PyObject *kw) {
     static char *names[] = {"index", "stream", NULL};
     PyObject *index_obj, *stream_obj = Py_None;
     void *stream;
@@ -99,7 +99,7 @@ PyObject *q3_py_cache_reorder(q3_cache_object *o, PyObject *args, PyObject *kw) 
     PyObject *result = NULL;
     if (n != c->batch) {
         PyErr_Format(PyExc_ValueError, "index: expected %d entries (the cache's batch), got %zd", c->batch, n);
-    } else if (q3_py_cache_check_idle(o) == 0) {
+    } else if (q3py_cache_check_idle(o) == 0) {
         q3_error err;
         q3_status s;
         o->busy = 1;
@@ -113,7 +113,7 @@ PyObject *q3_py_cache_reorder(q3_cache_object *o, PyObject *args, PyObject *kw) 
     return result;
 }
 
-PyObject *q3_py_cache_select(q3_cache_object *o, PyObject *args, PyObject *kw) {
+PyObject *q3py_cache_select(q3py_cache_object *o, PyObject *args, PyObject *kw) {
     static char *names[] = {"index", "stream", NULL};
     PyObject *index_obj, *stream_obj = Py_None;
     void *stream;
@@ -131,7 +131,7 @@ PyObject *q3_py_cache_select(q3_cache_object *o, PyObject *args, PyObject *kw) {
     return result;
 }
 
-PyObject *q3_py_cache_repeat_interleave(q3_cache_object *o, PyObject *args, PyObject *kw) {
+PyObject *q3py_cache_repeat_interleave(q3py_cache_object *o, PyObject *args, PyObject *kw) {
     static char *names[] = {"n", "stream", NULL};
     long long n;
     PyObject *stream_obj = Py_None;
@@ -153,7 +153,7 @@ PyObject *q3_py_cache_repeat_interleave(q3_cache_object *o, PyObject *args, PyOb
     return result;
 }
 
-static PyObject *copy_on(q3_cache_object *o, void *stream) {
+static PyObject *copy_on(q3py_cache_object *o, void *stream) {
     const int batch = o->cache->batch;
     int *index = PyMem_Malloc((size_t)batch * sizeof *index);
     if (!index) return PyErr_NoMemory();
@@ -163,7 +163,7 @@ static PyObject *copy_on(q3_cache_object *o, void *stream) {
     return result;
 }
 
-PyObject *q3_py_cache_copy(q3_cache_object *o, PyObject *args, PyObject *kw) {
+PyObject *q3py_cache_copy(q3py_cache_object *o, PyObject *args, PyObject *kw) {
     static char *names[] = {"stream", NULL};
     PyObject *stream_obj = Py_None;
     void *stream;
@@ -173,29 +173,29 @@ PyObject *q3_py_cache_copy(q3_cache_object *o, PyObject *args, PyObject *kw) {
 }
 
 /* copy.copy(cache): no stream named */
-PyObject *q3_py_cache_copy_noargs(q3_cache_object *o, PyObject *unused) {
+PyObject *q3py_cache_copy_noargs(q3py_cache_object *o, PyObject *unused) {
     (void)unused;
     return copy_on(o, NULL);
 }
 
 /* copy.deepcopy(cache): the memo needs nothing from us (copy records the result itself) */
-PyObject *q3_py_cache_deepcopy(q3_cache_object *o, PyObject *memo) {
+PyObject *q3py_cache_deepcopy(q3py_cache_object *o, PyObject *memo) {
     (void)memo;
     return copy_on(o, NULL);
 }
 
-PyObject *q3_py_cache_crop(q3_cache_object *o, PyObject *args, PyObject *kw) {
+PyObject *q3py_cache_crop(q3py_cache_object *o, PyObject *args, PyObject *kw) {
     static char *names[] = {"length", "seq", NULL};
     long long length;
     PyObject *seq_obj = Py_None;
     int seq;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "L|O:crop", names, &length, &seq_obj)) return NULL;
-    if (q3py_seq(seq_obj, o->cache->batch, 1, &seq) < 0 || q3_py_cache_check_idle(o) < 0) return NULL;
+    if (q3py_seq(seq_obj, o->cache->batch, 1, &seq) < 0 || q3py_cache_check_idle(o) < 0) return NULL;
     q3_error err;
     return q3_status_or_none(q3_cache_crop(o->cache, seq, length, &err), &err);
 }
 
-PyObject *q3_py_cache_copy_prefix(q3_cache_object *o, PyObject *args, PyObject *kw) {
+PyObject *q3py_cache_copy_prefix(q3py_cache_object *o, PyObject *args, PyObject *kw) {
     static char *names[] = {"src_seq", "dst_seq", "length", "stream", NULL};
     long long src, dst, length;
     PyObject *stream_obj = Py_None;
@@ -210,7 +210,7 @@ PyObject *q3_py_cache_copy_prefix(q3_cache_object *o, PyObject *args, PyObject *
                      bad_src ? "src_seq" : "dst_seq", bad_src ? "src_seq" : "dst_seq", c->batch, bad_src ? src : dst);
         return NULL;
     }
-    if (q3_py_cache_check_idle(o) < 0) return NULL;
+    if (q3py_cache_check_idle(o) < 0) return NULL;
     q3_error err;
     q3_status s;
     o->busy = 1;

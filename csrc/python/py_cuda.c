@@ -4,8 +4,12 @@
  * are qwen3layer._testing's (csrc/testing). */
 #include "py_glue.h"
 
-#include "../cuda/backend.h"
 #include "py_layer.h"
+
+/* RuntimeError "<what>: the CUDA backend is not loaded"; NULL */
+static PyObject *not_loaded(const char *what) {
+    return PyErr_Format(PyExc_RuntimeError, "%s: the CUDA backend is not loaded", what);
+}
 
 static PyObject *cuda_open(PyObject *m, PyObject *arg) {
     (void)m;
@@ -24,12 +28,8 @@ static PyObject *cuda_blas_open(PyObject *m, PyObject *arg) {
     (void)m;
     const char *path = arg == Py_None ? NULL : PyUnicode_AsUTF8(arg);
     if (arg != Py_None && !path) return NULL;
-    const q3_cuda_ops *g = q3_cuda();
-    if (!g) {
-        PyErr_SetString(PyExc_RuntimeError, "cuda: the CUDA backend is not loaded");
-        return NULL;
-    }
-    return PyBool_FromLong(g->blas_open(path) == 0);
+    if (!q3_cuda_loaded()) return not_loaded("cuda");
+    return PyBool_FromLong(q3_cuda_blas_open(path));
 }
 
 static PyObject *cuda_blas_enable(PyObject *m, PyObject *args) {
@@ -38,12 +38,8 @@ static PyObject *cuda_blas_enable(PyObject *m, PyObject *args) {
     if (!PyArg_ParseTuple(args, "|O:cuda_blas_enable", &on)) return NULL;
     const int flag = on == Py_None ? -1 : PyObject_IsTrue(on);
     if (flag == -1 && on != Py_None) return NULL;
-    const q3_cuda_ops *g = q3_cuda();
-    if (!g) {
-        PyErr_SetString(PyExc_RuntimeError, "cuda: the CUDA backend is not loaded");
-        return NULL;
-    }
-    return PyBool_FromLong(g->blas_enable(flag));
+    if (!q3_cuda_loaded()) return not_loaded("cuda");
+    return PyBool_FromLong(q3_cuda_blas_enable(flag));
 }
 
 static PyObject *cuda_device_count(PyObject *m, PyObject *unused) {
@@ -56,20 +52,13 @@ static PyObject *cuda_synchronize(PyObject *m, PyObject *args) {
     (void)m;
     int device = 0;
     if (!PyArg_ParseTuple(args, "|i:cuda_synchronize", &device)) return NULL;
-    const q3_cuda_ops *g = q3_cuda();
-    if (!g) {
-        PyErr_SetString(PyExc_RuntimeError, "cuda_synchronize: the CUDA backend is not loaded");
-        return NULL;
-    }
-    int code;
+    if (!q3_cuda_loaded()) return not_loaded("cuda_synchronize");
+    q3_error err;
+    q3_status s;
     Py_BEGIN_ALLOW_THREADS
-    code = g->set_device(device);
-    if (!code) code = g->synchronize();
+    s = q3_device_synchronize(device, &err);
     Py_END_ALLOW_THREADS
-    if (code) {
-        PyErr_Format(PyExc_RuntimeError, "cuda_synchronize(%d): %s", device, g->error_string(code));
-        return NULL;
-    }
+    if (s != Q3_OK) return PyErr_Format(PyExc_RuntimeError, "cuda_synchronize(%d): %s", device, err.msg);
     Py_RETURN_NONE;
 }
 
@@ -110,7 +99,7 @@ static PyObject *cuda_moe_choice(PyObject *m, PyObject *args) {
     if (!PyArg_ParseTuple(args, "O:cuda_moe_choice", &obj)) return NULL;
     if (!PyObject_TypeCheck(obj, st->layer_type))
         return PyErr_Format(PyExc_TypeError, "layer: expected a Layer, got %s", Py_TYPE(obj)->tp_name);
-    const q3_layer *layer = ((q3_layer_object *)obj)->layer;
+    const q3_layer *layer = ((q3py_layer_object *)obj)->layer;
     PyObject *out = PyDict_New();
     for (int c = 0; out && c < Q3_MOE_SIZE_CLASSES; c++) {
         float ms[Q3_MOE_PATHS];
@@ -144,14 +133,26 @@ static PyObject *cuda_schedules(PyObject *m, PyObject *unused) {
 static PyObject *cuda_empty_cache(PyObject *m, PyObject *unused) {
     (void)m;
     (void)unused;
-    q3_tensor_release_kept();
+    q3_device_release_kept();
     Py_RETURN_NONE;
 }
 
+/* [(device, nbytes, address)] of the kept blocks (csrc/cuda/buffers.c), oldest first */
 static PyObject *cuda_cached_blocks(PyObject *m, PyObject *unused) {
     (void)m;
     (void)unused;
-    return q3_tensor_kept_blocks();
+    int device;
+    size_t bytes;
+    void *p;
+    const int n = q3_device_kept(0, &device, &bytes, &p);
+    PyObject *list = PyList_New(n);
+    for (int i = 0; list && i < n; i++) {
+        q3_device_kept(i, &device, &bytes, &p);
+        PyObject *item = Py_BuildValue("(inK)", device, (Py_ssize_t)bytes, (unsigned long long)(uintptr_t)p);
+        if (!item) Py_CLEAR(list);
+        else PyList_SET_ITEM(list, i, item);
+    }
+    return list;
 }
 
 PyMethodDef q3_cuda_methods[] = {

@@ -3,8 +3,8 @@
 #include "py_layer.h"
 #include "py_layer_insides.h"
 
-static q3_cache_object *as_cache(PyObject *obj, q3_module_state *st) {
-    if (PyObject_TypeCheck(obj, st->cache_type)) return (q3_cache_object *)obj;
+static q3py_cache_object *as_cache(PyObject *obj, q3_module_state *st) {
+    if (PyObject_TypeCheck(obj, st->cache_type)) return (q3py_cache_object *)obj;
     PyErr_Format(PyExc_TypeError, "cache: expected a qwen3layer KVCache (from layer.new_cache), got %.100s",
                  Py_TYPE(obj)->tp_name);
     return NULL;
@@ -128,12 +128,12 @@ static void add_note(const char *note) {
     q3_error_unstash(&e);
 }
 
-static PyObject *run(q3_layer_object *self, PyObject *x_obj, PyObject *cache_obj, int decode,
+static PyObject *run(q3py_layer_object *self, PyObject *x_obj, PyObject *cache_obj, int decode,
                      PyObject *seq_obj, PyObject *chunk_obj, PyObject *out_obj, PyObject *stream_obj,
                      q3_insides *ins) {
     q3_module_state *st = q3_state_of_type(Py_TYPE(self));
     if (!st) return NULL;
-    q3_cache_object *co = as_cache(cache_obj, st);
+    q3py_cache_object *co = as_cache(cache_obj, st);
     if (!co) return NULL;
     const q3_config *cfg = q3_layer_config(self->layer);
     int64_t chunk;
@@ -180,15 +180,15 @@ static PyObject *run(q3_layer_object *self, PyObject *x_obj, PyObject *cache_obj
         q3_raise(st, &err);
         goto done;
     }
-    if (q3_insides_make(ins, st, self->layer, co->cache, &x, self->device, &a) < 0) goto done;
+    if (q3py_insides_make(ins, st, self->layer, co->cache, &x, self->device, &a) < 0) goto done;
     if (out_obj != Py_None) {
         if (q3_view_acquire_on(out_obj, "out", &out, self->device, 0, stream) < 0 || check_out(&out, &x) < 0) goto done;
         result = Py_NewRef(out_obj);
         a.y = out.data;
     } else {
-        result = (PyObject *)q3_tensor_new_on(st, x.dtype, x.ndim, x.shape, self->device);
+        result = (PyObject *)q3py_tensor_new_on(st, x.dtype, x.ndim, x.shape, self->device);
         if (!result) goto done;
-        a.y = ((q3_tensor_object *)result)->data;
+        a.y = ((q3py_tensor_object *)result)->data;
     }
     co->busy = 1;
     poll.saved = PyEval_SaveThread();
@@ -208,12 +208,12 @@ done:
     if (seq_list != seqs) PyMem_Free(seq_list);
     q3_view_release(&out);
     q3_view_release(&x);
-    result = q3_insides_result(ins, result);
-    q3_insides_clear(ins);
+    result = q3py_insides_result(ins, result);
+    q3py_insides_clear(ins);
     return result;
 }
 
-static PyObject *layer_prefill(q3_layer_object *self, PyObject *args, PyObject *kw) {
+static PyObject *layer_prefill(q3py_layer_object *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"x", "cache", "seq", "chunk_size", "out", "stream", "return_router", "return_attention",
                             "attention_limit", NULL};
     PyObject *x, *cache, *seq = Py_None, *chunk = Py_None, *out = Py_None, *stream = Py_None;
@@ -221,12 +221,12 @@ static PyObject *layer_prefill(q3_layer_object *self, PyObject *args, PyObject *
     q3_insides ins;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|OO$OOOOO:prefill", names, &x, &cache, &seq, &chunk, &out, &stream,
                                      &router, &attention, &limit) ||
-        q3_insides_parse(&ins, router, attention, limit) < 0)
+        q3py_insides_parse(&ins, router, attention, limit) < 0)
         return NULL;
     return run(self, x, cache, 0, seq, chunk, out, stream, &ins);
 }
 
-static PyObject *layer_decode(q3_layer_object *self, PyObject *args, PyObject *kw) {
+static PyObject *layer_decode(q3py_layer_object *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"x", "cache", "out", "stream", "return_router", "return_attention", "attention_limit",
                             NULL};
     PyObject *x, *cache, *out = Py_None, *stream = Py_None;
@@ -234,12 +234,12 @@ static PyObject *layer_decode(q3_layer_object *self, PyObject *args, PyObject *k
     q3_insides ins;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|$OOOOO:decode", names, &x, &cache, &out, &stream, &router,
                                      &attention, &limit) ||
-        q3_insides_parse(&ins, router, attention, limit) < 0)
+        q3py_insides_parse(&ins, router, attention, limit) < 0)
         return NULL;
     return run(self, x, cache, 1, Py_None, Py_None, out, stream, &ins);
 }
 
-static PyObject *layer_new_cache(q3_layer_object *self, PyObject *args, PyObject *kw) {
+static PyObject *layer_new_cache(q3py_layer_object *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"max_tokens", "batch", "dtype", NULL};
     long long max_tokens;
     int batch = 1;
@@ -251,17 +251,17 @@ static PyObject *layer_new_cache(q3_layer_object *self, PyObject *args, PyObject
     q3_module_state *st = q3_state_of_type(Py_TYPE(self));
     if (!st) return NULL;
     const q3_config *c = q3_layer_config(self->layer);
-    return (PyObject *)q3_cache_object_new(st, batch, max_tokens, c->kv_heads, c->head_dim, dt, self->device);
+    return (PyObject *)q3py_cache_object_new(st, batch, max_tokens, c->kv_heads, c->head_dim, dt, self->device);
 }
 
-static PyObject *layer_decode_graph(q3_layer_object *self, PyObject *args, PyObject *kw) {
+static PyObject *layer_decode_graph(q3py_layer_object *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"cache", "batch", "dtype", NULL};
     PyObject *cache_obj, *batch_obj = Py_None, *dtype_obj = Py_None;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OO:decode_graph", names, &cache_obj, &batch_obj, &dtype_obj))
         return NULL;
     q3_module_state *st = q3_state_of_type(Py_TYPE(self));
     if (!st) return NULL;
-    q3_cache_object *co = as_cache(cache_obj, st);
+    q3py_cache_object *co = as_cache(cache_obj, st);
     if (!co) return NULL;
     q3_dtype dt = q3_layer_dtype(self->layer);
     if (dtype_obj != Py_None && q3_parse_dtype(dtype_obj, "dtype", &dt) < 0) return NULL;
@@ -290,12 +290,12 @@ static PyObject *layer_decode_graph(q3_layer_object *self, PyObject *args, PyObj
     Py_BEGIN_ALLOW_THREADS
     PyThread_acquire_lock(self->lock, WAIT_LOCK);
     Py_END_ALLOW_THREADS
-    g = q3_graph_new(st, (PyObject *)self, self->layer, self->device, co, (int)batch, dt);
+    g = q3py_graph_new(st, (PyObject *)self, self->layer, self->device, co, (int)batch, dt);
     PyThread_release_lock(self->lock);
     return g;
 }
 
-static PyObject *layer_set_profiling(q3_layer_object *self, PyObject *on) {
+static PyObject *layer_set_profiling(q3py_layer_object *self, PyObject *on) {
     const int flag = PyObject_IsTrue(on);
     if (flag < 0) return NULL;
     q3_error err;
@@ -309,7 +309,7 @@ static PyObject *layer_set_profiling(q3_layer_object *self, PyObject *on) {
     Py_RETURN_NONE;
 }
 
-static PyObject *layer_profile_seconds(q3_layer_object *self, PyObject *unused) {
+static PyObject *layer_profile_seconds(q3py_layer_object *self, PyObject *unused) {
     (void)unused;
     double seconds[32];
     const int n = q3_layer_profile_read(self->layer, seconds, 32);
@@ -323,7 +323,7 @@ static PyObject *layer_profile_seconds(q3_layer_object *self, PyObject *unused) 
 }
 
 #define KW (METH_VARARGS | METH_KEYWORDS)
-PyMethodDef q3_layer_methods[] = {
+PyMethodDef q3py_layer_methods[] = {
     {"set_profiling", (PyCFunction)layer_set_profiling, METH_O,
      "set_profiling(on)\n--\n\nTime every stage of the calls from now on (totals reset)."},
     {"profile_seconds", (PyCFunction)layer_profile_seconds, METH_NOARGS,
@@ -346,35 +346,35 @@ PyMethodDef q3_layer_methods[] = {
     {NULL},
 };
 
-static PyObject *get_dtype(q3_layer_object *self, void *c) {
+static PyObject *get_dtype(q3py_layer_object *self, void *c) {
     (void)c;
     return PyUnicode_FromString(q3_dtype_name(q3_layer_dtype(self->layer)));
 }
-static PyObject *get_converted(q3_layer_object *self, void *c) { (void)c; return PyList_AsTuple(self->converted); }
-static PyObject *get_weight_ptrs(q3_layer_object *self, void *c) { (void)c; return PyDict_Copy(self->weight_ptrs); }
-static PyObject *get_device(q3_layer_object *self, void *c) {
+static PyObject *get_converted(q3py_layer_object *self, void *c) { (void)c; return PyList_AsTuple(self->converted); }
+static PyObject *get_weight_ptrs(q3py_layer_object *self, void *c) { (void)c; return PyDict_Copy(self->weight_ptrs); }
+static PyObject *get_device(q3py_layer_object *self, void *c) {
     (void)c;
     return PyLong_FromLong(self->device);
 }
-static PyObject *get_weight_format(q3_layer_object *self, void *c) {
+static PyObject *get_weight_format(q3py_layer_object *self, void *c) {
     (void)c;
     return PyUnicode_FromString(q3_weight_format_name(q3_layer_weight_format(self->layer)));
 }
-static PyObject *get_scale_dtype(q3_layer_object *self, void *c) {
+static PyObject *get_scale_dtype(q3py_layer_object *self, void *c) {
     (void)c;
     if (q3_layer_weight_format(self->layer) == Q3_WF_DENSE) Py_RETURN_NONE;
     return PyUnicode_FromString(q3_dtype_name(self->scale_dtype));
 }
-static PyObject *get_weight_bytes(q3_layer_object *self, void *c) {
+static PyObject *get_weight_bytes(q3py_layer_object *self, void *c) {
     (void)c;
     return PyLong_FromLongLong(q3_layer_weight_bytes(self->layer));
 }
-static PyObject *get_workspace(q3_layer_object *self, void *c) {
+static PyObject *get_workspace(q3py_layer_object *self, void *c) {
     (void)c;
     return PyLong_FromSize_t(q3_layer_workspace_bytes(self->layer));
 }
 
-PyGetSetDef q3_layer_getset[] = {
+PyGetSetDef q3py_layer_getset[] = {
     {"dtype", (getter)get_dtype, NULL, "dtype of the activations, the norms and the router (and of the "
      "projection matrices in the dense format)", NULL},
     {"weight_format", (getter)get_weight_format, NULL, "'dense' or 'fp8_e4m3_block128'", NULL},

@@ -13,7 +13,7 @@
 
 static q3_module_state *state_of(PyObject *m) { return (q3_module_state *)PyModule_GetState(m); }
 
-static int put(PyObject *dict, const char *name, q3_tensor_object *t) {
+static int put(PyObject *dict, const char *name, q3py_tensor_object *t) {
     const int rc = PyDict_SetItemString(dict, name, (PyObject *)t);
     Py_DECREF(t);
     return rc;
@@ -21,7 +21,7 @@ static int put(PyObject *dict, const char *name, q3_tensor_object *t) {
 
 static int put_random(q3_module_state *st, PyObject *dict, const char *name, q3_dtype dt, int ndim,
                       const int64_t *shape, uint64_t seed, uint64_t stream, int is_norm) {
-    q3_tensor_object *t = q3_tensor_new(st, dt, ndim, shape);
+    q3py_tensor_object *t = q3py_tensor_new(st, dt, ndim, shape);
     if (!t) return -1;
     int64_t n;
     q3_numel(ndim, shape, &n); /* fits: the tensor was made */
@@ -40,9 +40,9 @@ static int put_random_fp8(q3_module_state *st, PyObject *dict, const char *name,
                           int64_t n, int64_t K, uint64_t seed, uint64_t stream) {
     const int64_t nb = q3_fp8_blocks(n), kb = q3_fp8_blocks(K);
     const int64_t shape[3] = {M, parts * n, K}, sshape[3] = {M, parts * nb, kb};
-    q3_tensor_object *w = q3_tensor_new(st, Q3_E4M3, rank, shape + 3 - rank);
+    q3py_tensor_object *w = q3py_tensor_new(st, Q3_E4M3, rank, shape + 3 - rank);
     if (!w) return -1;
-    q3_tensor_object *s = q3_tensor_new(st, Q3_F32, rank, sshape + 3 - rank);
+    q3py_tensor_object *s = q3py_tensor_new(st, Q3_F32, rank, sshape + 3 - rank);
     if (!s) {
         Py_DECREF(w);
         return -1;
@@ -131,7 +131,7 @@ static PyObject *random_tensor(PyObject *m, PyObject *args, PyObject *kw) {
             PyErr_Format(PyExc_ValueError, "shape: expected 1 to %d non-negative ints", Q3_MAX_DIM);
         return NULL;
     }
-    q3_tensor_object *t = q3_tensor_new(state_of(m), dt, (int)ndim, shape);
+    q3py_tensor_object *t = q3py_tensor_new(state_of(m), dt, (int)ndim, shape);
     if (!t) return NULL;
     int64_t n;
     q3_numel((int)ndim, shape, &n); /* fits: the tensor was made */
@@ -185,7 +185,7 @@ static PyObject *dequantize_fp8(PyObject *m, PyObject *args, PyObject *kw) {
                      parts, ss);
         goto done;
     }
-    q3_tensor_object *t = q3_tensor_new(state_of(m), Q3_F32, r, w.shape);
+    q3py_tensor_object *t = q3py_tensor_new(state_of(m), Q3_F32, r, w.shape);
     if (!t) goto done;
     const size_t ssz = q3_dtype_size(s.dtype);
     Py_BEGIN_ALLOW_THREADS
