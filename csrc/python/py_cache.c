@@ -46,7 +46,7 @@ static PyObject *cache_reset(q3py_cache_object *o, PyObject *args, PyObject *kw)
     PyObject *seq_obj = Py_None;
     int seq;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "|O:reset", names, &seq_obj)) return NULL;
-    if (q3py_seq(seq_obj, o->cache->batch, 1, &seq) < 0 || q3py_cache_check_idle(o) < 0) return NULL;
+    if (q3py_seq(seq_obj, q3_cache_batch(o->cache), 1, &seq) < 0 || q3py_cache_check_idle(o) < 0) return NULL;
     q3_error err;
     return q3_status_or_none(q3_cache_reset(o->cache, seq, &err), &err);
 }
@@ -61,7 +61,7 @@ static PyObject *cache_set_seq(q3py_cache_object *o, PyObject *args, PyObject *k
     PyObject *seq_obj = NULL;
     int seq = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kw, fmt, names, &n, &seq_obj)) return NULL;
-    if ((seq_obj && q3py_seq(seq_obj, o->cache->batch, 0, &seq) < 0) || q3py_cache_check_idle(o) < 0) return NULL;
+    if ((seq_obj && q3py_seq(seq_obj, q3_cache_batch(o->cache), 0, &seq) < 0) || q3py_cache_check_idle(o) < 0) return NULL;
     q3_error err;
     return q3_status_or_none(set(o->cache, seq, n, &err), &err);
 }
@@ -88,14 +88,14 @@ static PyObject *cache_view(q3py_cache_object *o, PyObject *args, PyObject *kw, 
     if (!PyArg_ParseTupleAndKeywords(args, kw, values ? "|O:values" : "|O:keys", names, &seq_obj))
         return NULL;
     const q3_cache *c = o->cache;
-    if (seq_obj && q3py_seq(seq_obj, c->batch, 0, &seq) < 0) return NULL;
+    if (seq_obj && q3py_seq(seq_obj, q3_cache_batch(c), 0, &seq) < 0) return NULL;
     q3_module_state *st = q3_state_of_type(Py_TYPE(o));
     if (!st) return NULL;
-    const int64_t shape[3] = {c->kv_heads, c->lengths[seq], c->head_dim};
-    const int64_t strides[3] = {c->capacity * c->head_dim, c->head_dim, 1};
+    const int64_t shape[3] = {q3_cache_kv_heads(c), q3_cache_length(c, seq), q3_cache_head_dim(c)};
+    const int64_t strides[3] = {q3_cache_capacity(c) * q3_cache_head_dim(c), q3_cache_head_dim(c), 1};
     void *base = values ? q3_cache_seq_values(c, seq) : q3_cache_seq_keys(c, seq);
-    q3py_tensor_object *t = q3py_tensor_view(st, (PyObject *)o, base, c->dtype, 3, shape, strides);
-    if (t) t->device = c->device;
+    q3py_tensor_object *t = q3py_tensor_view(st, (PyObject *)o, base, q3_cache_dtype(c), 3, shape, strides);
+    if (t) t->device = q3_cache_device(c);
     return (PyObject *)t;
 }
 
@@ -111,13 +111,13 @@ static PyObject *cache_view_all(q3py_cache_object *o, PyObject *args, PyObject *
     if (!PyArg_ParseTupleAndKeywords(args, kw, values ? "|O:all_values" : "|O:all_keys", names, &tokens_obj))
         return NULL;
     const q3_cache *c = o->cache;
-    int64_t tokens = c->lengths[0];
+    int64_t tokens = q3_cache_length(c, 0);
     if (tokens_obj == Py_None) {
-        for (int b = 1; b < c->batch; b++)
-            if (c->lengths[b] != tokens) {
+        for (int b = 1; b < q3_cache_batch(c); b++)
+            if (q3_cache_length(c, b) != tokens) {
                 PyErr_Format(PyExc_ValueError, "tokens: the sequences hold different lengths (sequence 0: %lld, "
                              "sequence %d: %lld): pass tokens= to view that many of each",
-                             (long long)tokens, b, (long long)c->lengths[b]);
+                             (long long)tokens, b, (long long)q3_cache_length(c, b));
                 return NULL;
             }
     } else {
@@ -127,20 +127,20 @@ static PyObject *cache_view_all(q3py_cache_object *o, PyObject *args, PyObject *
         }
         const long long v = PyLong_AsLongLong(tokens_obj);
         if (v == -1 && PyErr_Occurred()) return NULL;
-        if (v < 0 || v > c->capacity) {
+        if (v < 0 || v > q3_cache_capacity(c)) {
             PyErr_Format(PyExc_ValueError, "tokens: expected 0 <= tokens <= %lld (the cache's capacity), got %lld",
-                         (long long)c->capacity, v);
+                         (long long)q3_cache_capacity(c), v);
             return NULL;
         }
         tokens = v;
     }
     q3_module_state *st = q3_state_of_type(Py_TYPE(o));
     if (!st) return NULL;
-    const int64_t shape[4] = {c->batch, c->kv_heads, tokens, c->head_dim};
-    const int64_t strides[4] = {c->kv_heads * c->capacity * c->head_dim, c->capacity * c->head_dim, c->head_dim, 1};
+    const int64_t shape[4] = {q3_cache_batch(c), q3_cache_kv_heads(c), tokens, q3_cache_head_dim(c)};
+    const int64_t strides[4] = {q3_cache_kv_heads(c) * q3_cache_capacity(c) * q3_cache_head_dim(c), q3_cache_capacity(c) * q3_cache_head_dim(c), q3_cache_head_dim(c), 1};
     void *base = values ? q3_cache_seq_values(c, 0) : q3_cache_seq_keys(c, 0);
-    q3py_tensor_object *t = q3py_tensor_view(st, (PyObject *)o, base, c->dtype, 4, shape, strides);
-    if (t) t->device = c->device;
+    q3py_tensor_object *t = q3py_tensor_view(st, (PyObject *)o, base, q3_cache_dtype(c), 4, shape, strides);
+    if (t) t->device = q3_cache_device(c);
     return (PyObject *)t;
 }
 
@@ -149,45 +149,45 @@ static PyObject *cache_all_values(q3py_cache_object *o, PyObject *a, PyObject *k
 
 static PyObject *cache_lengths(q3py_cache_object *o, void *c) {
     (void)c;
-    PyObject *t = PyTuple_New(o->cache->batch);
-    for (int i = 0; t && i < o->cache->batch; i++)
-        PyTuple_SET_ITEM(t, i, PyLong_FromLongLong(o->cache->lengths[i]));
+    PyObject *t = PyTuple_New(q3_cache_batch(o->cache));
+    for (int i = 0; t && i < q3_cache_batch(o->cache); i++)
+        PyTuple_SET_ITEM(t, i, PyLong_FromLongLong(q3_cache_length(o->cache, i)));
     return t;
 }
 static PyObject *cache_padding(q3py_cache_object *o, void *c) {
     (void)c;
-    PyObject *t = PyTuple_New(o->cache->batch);
-    for (int i = 0; t && i < o->cache->batch; i++)
-        PyTuple_SET_ITEM(t, i, PyLong_FromLongLong(o->cache->padding[i]));
+    PyObject *t = PyTuple_New(q3_cache_batch(o->cache));
+    for (int i = 0; t && i < q3_cache_batch(o->cache); i++)
+        PyTuple_SET_ITEM(t, i, PyLong_FromLongLong(q3_cache_padding(o->cache, i)));
     return t;
 }
 static PyObject *cache_first_positions(q3py_cache_object *o, void *c) {
     (void)c;
-    PyObject *t = PyTuple_New(o->cache->batch);
-    for (int i = 0; t && i < o->cache->batch; i++)
-        PyTuple_SET_ITEM(t, i, PyLong_FromLongLong(o->cache->first_pos[i]));
+    PyObject *t = PyTuple_New(q3_cache_batch(o->cache));
+    for (int i = 0; t && i < q3_cache_batch(o->cache); i++)
+        PyTuple_SET_ITEM(t, i, PyLong_FromLongLong(q3_cache_first_position(o->cache, i)));
     return t;
 }
-static PyObject *cache_capacity(q3py_cache_object *o, void *c) { (void)c; return PyLong_FromLongLong(o->cache->capacity); }
-static PyObject *cache_batch(q3py_cache_object *o, void *c) { (void)c; return PyLong_FromLong(o->cache->batch); }
-static PyObject *cache_kv_heads(q3py_cache_object *o, void *c) { (void)c; return PyLong_FromLong(o->cache->kv_heads); }
-static PyObject *cache_head_dim(q3py_cache_object *o, void *c) { (void)c; return PyLong_FromLong(o->cache->head_dim); }
-static PyObject *cache_dtype(q3py_cache_object *o, void *c) { (void)c; return PyUnicode_FromString(q3_dtype_name(o->cache->dtype)); }
+static PyObject *cache_capacity(q3py_cache_object *o, void *c) { (void)c; return PyLong_FromLongLong(q3_cache_capacity(o->cache)); }
+static PyObject *cache_batch(q3py_cache_object *o, void *c) { (void)c; return PyLong_FromLong(q3_cache_batch(o->cache)); }
+static PyObject *cache_kv_heads(q3py_cache_object *o, void *c) { (void)c; return PyLong_FromLong(q3_cache_kv_heads(o->cache)); }
+static PyObject *cache_head_dim(q3py_cache_object *o, void *c) { (void)c; return PyLong_FromLong(q3_cache_head_dim(o->cache)); }
+static PyObject *cache_dtype(q3py_cache_object *o, void *c) { (void)c; return PyUnicode_FromString(q3_dtype_name(q3_cache_dtype(o->cache))); }
 static PyObject *cache_nbytes(q3py_cache_object *o, void *c) { (void)c; return PyLong_FromSize_t(q3_cache_bytes(o->cache)); }
 static PyObject *cache_device(q3py_cache_object *o, void *c) {
     (void)c;
-    return o->cache->device < 0 ? PyUnicode_FromString("cpu") : PyUnicode_FromFormat("cuda:%d", o->cache->device);
+    return q3_cache_device(o->cache) < 0 ? PyUnicode_FromString("cpu") : PyUnicode_FromFormat("cuda:%d", q3_cache_device(o->cache));
 }
 
 static PyObject *cache_repr(q3py_cache_object *o) {
     const q3_cache *c = o->cache;
     int64_t used = 0;
-    for (int i = 0; i < c->batch; i++) used += c->lengths[i];
+    for (int i = 0; i < q3_cache_batch(c); i++) used += q3_cache_length(c, i);
     return PyUnicode_FromFormat("KVCache(batch=%d, capacity=%lld, kv_heads=%d, head_dim=%d, dtype=%s, "
                                 "filled=%lld/%lld tokens, %zu MiB)",
-                                c->batch, (long long)c->capacity, c->kv_heads, c->head_dim,
-                                q3_dtype_name(c->dtype), (long long)used,
-                                (long long)c->capacity * c->batch, q3_cache_bytes(c) >> 20);
+                                q3_cache_batch(c), (long long)q3_cache_capacity(c), q3_cache_kv_heads(c), q3_cache_head_dim(c),
+                                q3_dtype_name(q3_cache_dtype(c)), (long long)used,
+                                (long long)q3_cache_capacity(c) * q3_cache_batch(c), q3_cache_bytes(c) >> 20);
 }
 
 #define KW (METH_VARARGS | METH_KEYWORDS)

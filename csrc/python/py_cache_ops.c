@@ -70,7 +70,7 @@ static PyObject *gather_new(q3py_cache_object *o, const int *index, int batch, v
     const q3_cache *c = o->cache;
     q3_module_state *st = q3_state_of_type(Py_TYPE(o));
     if (!st || q3py_cache_check_idle(o) < 0) return NULL;
-    q3py_cache_object *out = q3py_cache_object_new(st, batch, c->capacity, c->kv_heads, c->head_dim, c->dtype, c->device);
+    q3py_cache_object *out = q3py_cache_object_new(st, batch, q3_cache_capacity(c), q3_cache_kv_heads(c), q3_cache_head_dim(c), q3_cache_dtype(c), q3_cache_device(c));
     if (!out) return NULL;
     q3_error err;
     q3_status s;
@@ -92,13 +92,13 @@ PyObject *q3py_cache_reorder(q3py_cache_object *o, PyObject *args, PyObject *kw)
     void *stream;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "O|$O:reorder", names, &index_obj, &stream_obj)) return NULL;
     q3_cache *c = o->cache;
-    if (q3py_stream_on(stream_obj, c->device, "a cache on the cpu", &stream) < 0) return NULL;
+    if (q3py_stream_on(stream_obj, q3_cache_device(c), "a cache on the cpu", &stream) < 0) return NULL;
     Py_ssize_t n;
-    int *index = parse_index(index_obj, c->batch, &n);
+    int *index = parse_index(index_obj, q3_cache_batch(c), &n);
     if (!index) return NULL;
     PyObject *result = NULL;
-    if (n != c->batch) {
-        PyErr_Format(PyExc_ValueError, "index: expected %d entries (the cache's batch), got %zd", c->batch, n);
+    if (n != q3_cache_batch(c)) {
+        PyErr_Format(PyExc_ValueError, "index: expected %d entries (the cache's batch), got %zd", q3_cache_batch(c), n);
     } else if (q3py_cache_check_idle(o) == 0) {
         q3_error err;
         q3_status s;
@@ -118,9 +118,9 @@ PyObject *q3py_cache_select(q3py_cache_object *o, PyObject *args, PyObject *kw) 
     PyObject *index_obj, *stream_obj = Py_None;
     void *stream;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "O|$O:select", names, &index_obj, &stream_obj)) return NULL;
-    if (q3py_stream_on(stream_obj, o->cache->device, "a cache on the cpu", &stream) < 0) return NULL;
+    if (q3py_stream_on(stream_obj, q3_cache_device(o->cache), "a cache on the cpu", &stream) < 0) return NULL;
     Py_ssize_t n;
-    int *index = parse_index(index_obj, o->cache->batch, &n);
+    int *index = parse_index(index_obj, q3_cache_batch(o->cache), &n);
     if (!index) return NULL;
     PyObject *result = NULL;
     if (n < 1 || n > INT_MAX)
@@ -138,13 +138,13 @@ PyObject *q3py_cache_repeat_interleave(q3py_cache_object *o, PyObject *args, PyO
     void *stream;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "L|$O:repeat_interleave", names, &n, &stream_obj)) return NULL;
     const q3_cache *c = o->cache;
-    if (q3py_stream_on(stream_obj, c->device, "a cache on the cpu", &stream) < 0) return NULL;
-    if (n < 1 || n > INT_MAX / c->batch) {
+    if (q3py_stream_on(stream_obj, q3_cache_device(c), "a cache on the cpu", &stream) < 0) return NULL;
+    if (n < 1 || n > INT_MAX / q3_cache_batch(c)) {
         PyErr_Format(PyExc_ValueError, "n: expected 1 <= n <= %d (a batch of at most %d from %d sequences), got %lld",
-                     INT_MAX / c->batch, INT_MAX, c->batch, n);
+                     INT_MAX / q3_cache_batch(c), INT_MAX, q3_cache_batch(c), n);
         return NULL;
     }
-    const int batch = c->batch * (int)n;
+    const int batch = q3_cache_batch(c) * (int)n;
     int *index = PyMem_Malloc((size_t)batch * sizeof *index);
     if (!index) return PyErr_NoMemory();
     for (int i = 0; i < batch; i++) index[i] = i / (int)n;
@@ -154,7 +154,7 @@ PyObject *q3py_cache_repeat_interleave(q3py_cache_object *o, PyObject *args, PyO
 }
 
 static PyObject *copy_on(q3py_cache_object *o, void *stream) {
-    const int batch = o->cache->batch;
+    const int batch = q3_cache_batch(o->cache);
     int *index = PyMem_Malloc((size_t)batch * sizeof *index);
     if (!index) return PyErr_NoMemory();
     for (int i = 0; i < batch; i++) index[i] = i;
@@ -168,7 +168,7 @@ PyObject *q3py_cache_copy(q3py_cache_object *o, PyObject *args, PyObject *kw) {
     PyObject *stream_obj = Py_None;
     void *stream;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "|$O:copy", names, &stream_obj)) return NULL;
-    if (q3py_stream_on(stream_obj, o->cache->device, "a cache on the cpu", &stream) < 0) return NULL;
+    if (q3py_stream_on(stream_obj, q3_cache_device(o->cache), "a cache on the cpu", &stream) < 0) return NULL;
     return copy_on(o, stream);
 }
 
@@ -190,7 +190,7 @@ PyObject *q3py_cache_crop(q3py_cache_object *o, PyObject *args, PyObject *kw) {
     PyObject *seq_obj = Py_None;
     int seq;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "L|O:crop", names, &length, &seq_obj)) return NULL;
-    if (q3py_seq(seq_obj, o->cache->batch, 1, &seq) < 0 || q3py_cache_check_idle(o) < 0) return NULL;
+    if (q3py_seq(seq_obj, q3_cache_batch(o->cache), 1, &seq) < 0 || q3py_cache_check_idle(o) < 0) return NULL;
     q3_error err;
     return q3_status_or_none(q3_cache_crop(o->cache, seq, length, &err), &err);
 }
@@ -203,11 +203,11 @@ PyObject *q3py_cache_copy_prefix(q3py_cache_object *o, PyObject *args, PyObject 
     if (!PyArg_ParseTupleAndKeywords(args, kw, "LLL|$O:copy_prefix", names, &src, &dst, &length, &stream_obj))
         return NULL;
     q3_cache *c = o->cache;
-    if (q3py_stream_on(stream_obj, c->device, "a cache on the cpu", &stream) < 0) return NULL;
-    if (src < 0 || src >= c->batch || dst < 0 || dst >= c->batch) {
-        const int bad_src = src < 0 || src >= c->batch;
+    if (q3py_stream_on(stream_obj, q3_cache_device(c), "a cache on the cpu", &stream) < 0) return NULL;
+    if (src < 0 || src >= q3_cache_batch(c) || dst < 0 || dst >= q3_cache_batch(c)) {
+        const int bad_src = src < 0 || src >= q3_cache_batch(c);
         PyErr_Format(PyExc_IndexError, "%s: expected 0 <= %s < %d (the cache's batch), got %lld",
-                     bad_src ? "src_seq" : "dst_seq", bad_src ? "src_seq" : "dst_seq", c->batch, bad_src ? src : dst);
+                     bad_src ? "src_seq" : "dst_seq", bad_src ? "src_seq" : "dst_seq", q3_cache_batch(c), bad_src ? src : dst);
         return NULL;
     }
     if (q3py_cache_check_idle(o) < 0) return NULL;

@@ -9,7 +9,6 @@
 #include <pythread.h>
 
 #include "../cuda/q3_cuda.h"
-#include "../engine/cache.h"
 #include "../engine/q3.h"
 
 #define Q3_MAX_DIM 8

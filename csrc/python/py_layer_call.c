@@ -44,10 +44,10 @@ static int check_x(const q3_view *x, const q3_config *cfg, const q3_cache *c, in
         return -1;
     }
     if (decode) {
-        snprintf(want, sizeof want, "[batch=%d, hidden=%lld]", c->batch, (long long)cfg->hidden);
-        if (x->ndim != 2 || x->shape[0] != c->batch || x->shape[1] != cfg->hidden)
+        snprintf(want, sizeof want, "[batch=%d, hidden=%lld]", q3_cache_batch(c), (long long)cfg->hidden);
+        if (x->ndim != 2 || x->shape[0] != q3_cache_batch(c) || x->shape[1] != cfg->hidden)
             return shape_error("x", want, x);
-        *n_seqs = c->batch;
+        *n_seqs = q3_cache_batch(c);
         *tokens = 1;
         return 0;
     }
@@ -55,10 +55,10 @@ static int check_x(const q3_view *x, const q3_config *cfg, const q3_cache *c, in
         snprintf(want, sizeof want, "[tokens, hidden=%lld]", (long long)cfg->hidden);
         *n_seqs = 1;
     } else {
-        snprintf(want, sizeof want, "[batch=%d, tokens, hidden=%lld] or [tokens, hidden=%lld]", c->batch,
+        snprintf(want, sizeof want, "[batch=%d, tokens, hidden=%lld] or [tokens, hidden=%lld]", q3_cache_batch(c),
                  (long long)cfg->hidden, (long long)cfg->hidden);
-        if (x->ndim != 3 || x->shape[0] != c->batch) return shape_error("x", want, x);
-        *n_seqs = c->batch;
+        if (x->ndim != 3 || x->shape[0] != q3_cache_batch(c)) return shape_error("x", want, x);
+        *n_seqs = q3_cache_batch(c);
     }
     if (x->shape[x->ndim - 1] != cfg->hidden) return shape_error("x", want, x);
     *tokens = x->shape[x->ndim - 2];
@@ -151,7 +151,7 @@ static PyObject *run(q3py_layer_object *self, PyObject *x_obj, PyObject *cache_o
     if (check_x(&x, cfg, co->cache, decode, &n_seqs, &tokens) < 0) goto done;
     if (!decode && x.ndim == 2) {
         int s = 0; /* None: the first sequence */
-        if (seq_obj != Py_None && q3py_seq(seq_obj, co->cache->batch, 0, &s) < 0) goto done;
+        if (seq_obj != Py_None && q3py_seq(seq_obj, q3_cache_batch(co->cache), 0, &s) < 0) goto done;
         seqs[0] = s;
     } else {
         if (!decode && seq_obj != Py_None) {
@@ -265,7 +265,7 @@ static PyObject *layer_decode_graph(q3py_layer_object *self, PyObject *args, PyO
     if (!co) return NULL;
     q3_dtype dt = q3_layer_dtype(self->layer);
     if (dtype_obj != Py_None && q3_parse_dtype(dtype_obj, "dtype", &dt) < 0) return NULL;
-    long long batch = co->cache->batch;
+    long long batch = q3_cache_batch(co->cache);
     if (batch_obj != Py_None) {
         if (!PyLong_Check(batch_obj) || PyBool_Check(batch_obj)) {
             PyErr_Format(PyExc_TypeError, "batch: expected an int or None, got %.100s", Py_TYPE(batch_obj)->tp_name);
@@ -274,7 +274,7 @@ static PyObject *layer_decode_graph(q3py_layer_object *self, PyObject *args, PyO
         batch = PyLong_AsLongLong(batch_obj);
         if (batch == -1 && PyErr_Occurred()) return NULL;
     }
-    const int most = co->cache->batch < Q3_GRAPH_MAX_BATCH ? co->cache->batch : Q3_GRAPH_MAX_BATCH;
+    const int most = q3_cache_batch(co->cache) < Q3_GRAPH_MAX_BATCH ? q3_cache_batch(co->cache) : Q3_GRAPH_MAX_BATCH;
     if (batch < 1 || batch > most) {
         PyErr_Format(PyExc_ValueError, "batch: expected 1 to %d (the cache's batch, at most %d), got %lld", most,
                      Q3_GRAPH_MAX_BATCH, batch);

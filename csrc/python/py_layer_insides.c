@@ -52,7 +52,7 @@ int q3py_insides_make(q3_insides *ins, q3_module_state *st, const q3_layer *laye
     if (ins->attention) {
         int64_t context = 0, n;
         for (int s = 0; s < a->n_seqs; s++)
-            if (c->lengths[a->seqs[s]] + a->tokens > context) context = c->lengths[a->seqs[s]] + a->tokens;
+            if (q3_cache_length(c, a->seqs[s]) + a->tokens > context) context = q3_cache_length(c, a->seqs[s]) + a->tokens;
         const int64_t shape[4] = {a->n_seqs, cfg->heads, a->tokens, context}, bytes_shape[5] = {
             a->n_seqs, cfg->heads, a->tokens, context, (int64_t)sizeof(float)};
         if (!q3_numel(5, bytes_shape, &n) || n > ins->limit) {

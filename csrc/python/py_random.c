@@ -8,7 +8,6 @@
  * q/k/v/o_proj.weight [N, K] with .weight_scale_inv [ceil(N/128), ceil(K/128)]. */
 #include <string.h>
 
-#include "../../kernels/fp8.h"
 #include "py_glue.h"
 
 static q3_module_state *state_of(PyObject *m) { return (q3_module_state *)PyModule_GetState(m); }
@@ -38,8 +37,10 @@ static int put_random(q3_module_state *st, PyObject *dict, const char *name, q3_
  * of the dense tensor's elements under the same (seed, stream) */
 static int put_random_fp8(q3_module_state *st, PyObject *dict, const char *name, int rank, int64_t M, int parts,
                           int64_t n, int64_t K, uint64_t seed, uint64_t stream) {
-    const int64_t nb = q3_fp8_blocks(n), kb = q3_fp8_blocks(K);
-    const int64_t shape[3] = {M, parts * n, K}, sshape[3] = {M, parts * nb, kb};
+    const int64_t dims[2] = {n, K};
+    int64_t blocks[2]; /* of one matrix [n, K] */
+    q3_fp8_scale_shape(dims, blocks);
+    const int64_t shape[3] = {M, parts * n, K}, sshape[3] = {M, parts * blocks[0], blocks[1]};
     q3py_tensor_object *w = q3py_tensor_new(st, Q3_E4M3, rank, shape + 3 - rank);
     if (!w) return -1;
     q3py_tensor_object *s = q3py_tensor_new(st, Q3_F32, rank, sshape + 3 - rank);
@@ -51,7 +52,7 @@ static int put_random_fp8(q3_module_state *st, PyObject *dict, const char *name,
     q3_weight_init(0, &mean, &std);
     Py_BEGIN_ALLOW_THREADS
     for (int64_t i = 0; i < M * parts; i++)
-        q3_fill_random_fp8((uint8_t *)w->data + i * n * K, (float *)s->data + i * nb * kb, n, K, seed, stream,
+        q3_fill_random_fp8((uint8_t *)w->data + i * n * K, (float *)s->data + i * blocks[0] * blocks[1], n, K, seed, stream,
                            i * n * K, mean, std);
     Py_END_ALLOW_THREADS
     char scale_name[128];
@@ -173,8 +174,10 @@ static PyObject *dequantize_fp8(PyObject *m, PyObject *args, PyObject *kw) {
                      (long long)rows, parts);
         goto done;
     }
-    const int64_t n = rows / parts, nb = q3_fp8_blocks(n), kb = q3_fp8_blocks(K);
-    int ok = s.shape[r - 2] == parts * nb && s.shape[r - 1] == kb;
+    const int64_t n = rows / parts, dims[2] = {n, K};
+    int64_t blocks[2]; /* of one matrix [n, K] */
+    q3_fp8_scale_shape(dims, blocks);
+    int ok = s.shape[r - 2] == parts * blocks[0] && s.shape[r - 1] == blocks[1];
     int64_t M = 1;
     for (int d = 0; d < r - 2; d++) {
         ok = ok && s.shape[d] == w.shape[d];
@@ -187,11 +190,8 @@ static PyObject *dequantize_fp8(PyObject *m, PyObject *args, PyObject *kw) {
     }
     q3py_tensor_object *t = q3py_tensor_new(state_of(m), Q3_F32, r, w.shape);
     if (!t) goto done;
-    const size_t ssz = q3_dtype_size(s.dtype);
     Py_BEGIN_ALLOW_THREADS
-    for (int64_t i = 0; i < M * parts; i++)
-        q3_fp8_dequant_rows((float *)t->data + i * n * K, (const uint8_t *)w.data + i * n * K,
-                            (const char *)s.data + (size_t)(i * nb * kb) * ssz, s.dtype, 0, n, K);
+    q3_dequantize_fp8(t->data, w.data, s.data, s.dtype, M * parts, n, K);
     Py_END_ALLOW_THREADS
     out = (PyObject *)t;
 done:

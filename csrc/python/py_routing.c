@@ -6,7 +6,6 @@
  * choices. The counting is the engine's (csrc/engine/routing.c). */
 #include <stdlib.h>
 
-#include "../engine/routing.h"
 #include "dlpack_abi.h"
 #include "py_glue.h"
 
