@@ -59,3 +59,33 @@ def test_check_kernels_names_the_module_and_its_build_when_it_is_absent(monkeypa
     with pytest.raises(ImportError, match=r"qwen3layer\._testing .*build_ext --inplace") as e:
         q3.cuda.check_kernels()
     assert e.value.name == "qwen3layer._testing"
+
+
+def test_testing_runs_on_the_engine_of_c():
+    """_testing sees the backend _C opened (one engine a process): before emulate() the harness
+    finds none; after it, the SIMT executor's three schedules. In a fresh process, as emulate()
+    is once a process."""
+    import os
+    import subprocess
+    import sys
+
+    import qwen3layer as q3
+
+    if not os.path.exists(q3.cuda.SIMT_LIBRARY):
+        pytest.skip("this build has no SIMT executor")
+    code = """
+import pytest, qwen3layer as q3
+from qwen3layer import _testing
+assert _testing.cuda_schedules() == 1
+with pytest.raises(RuntimeError, match="cuda check: the CUDA backend is not loaded"):
+    _testing.cuda_check(0)
+q3.cuda.emulate()
+assert _testing.cuda_schedules() == 3
+_testing.cuda_set_schedule(2, 7)
+with pytest.raises(ValueError, match="schedule"):
+    _testing.cuda_set_schedule(3)
+print("shared")
+"""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(q3.__file__)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "shared", out.stderr

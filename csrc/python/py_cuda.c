@@ -1,7 +1,7 @@
-/* The module's CUDA functions: opening the library, devices, synchronisation, thread
- * schedules (the SIMT executor's count), the prefill MoE switch and its measured choices. Added
- * to qwen3layer._C by py_module.c; the kernel self-check, timings and the test-only switches
- * are qwen3layer._testing's (csrc/testing). */
+/* The module's CUDA functions: opening the library, devices, synchronisation, the kept
+ * device blocks, the prefill MoE switch and its measured choices. Added to qwen3layer._C by
+ * py_module.c; the kernel self-check, timings, thread schedules and the test-only switches are
+ * qwen3layer._testing's (csrc/testing). */
 #include "py_glue.h"
 
 #include "py_layer.h"
@@ -124,12 +124,6 @@ static PyObject *cuda_moe_choice(PyObject *m, PyObject *args) {
     return out;
 }
 
-static PyObject *cuda_schedules(PyObject *m, PyObject *unused) {
-    (void)m;
-    (void)unused;
-    return PyLong_FromLong(q3_cuda_schedules());
-}
-
 static PyObject *cuda_empty_cache(PyObject *m, PyObject *unused) {
     (void)m;
     (void)unused;
@@ -182,7 +176,5 @@ PyMethodDef q3_cuda_methods[] = {
     {"cuda_moe_choice", cuda_moe_choice, METH_VARARGS,
      "cuda_moe_choice(layer)\n--\n\nA CUDA layer's measured prefill MoE paths: {(lo, hi): (chosen, {path: ms})} "
      "for each size class measured (passes of lo..hi rows)."},
-    {"cuda_schedules", cuda_schedules, METH_NOARGS,
-     "cuda_schedules()\n--\n\nThread schedules of the open backend: 1 on a GPU, 3 on the SIMT executor."},
     {NULL},
 };

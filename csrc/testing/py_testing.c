@@ -54,6 +54,12 @@ static PyObject *cuda_time(PyObject *m, PyObject *args, PyObject *kw) {
     return s == Q3_OK ? PyFloat_FromDouble(ms) : q3_raise(NULL, &err);
 }
 
+static PyObject *cuda_schedules(PyObject *m, PyObject *unused) {
+    (void)m;
+    (void)unused;
+    return PyLong_FromLong(q3_cuda_schedules());
+}
+
 static PyObject *cuda_set_schedule(PyObject *m, PyObject *args) {
     (void)m;
     int schedule;
@@ -95,6 +101,8 @@ static PyMethodDef testing_methods[] = {
     {"cuda_time", (PyCFunction)(void (*)(void))cuda_time, METH_VARARGS | METH_KEYWORDS,
      "cuda_time(what, bytes=0, T=1, N=1, K=1, dtype='bfloat16', repeats=20)\n--\n\n"
      "ms per call, CUDA events: what='copy' (device to device) or 'matmul'."},
+    {"cuda_schedules", cuda_schedules, METH_NOARGS,
+     "cuda_schedules()\n--\n\nThread schedules of the open backend: 1 on a GPU, 3 on the SIMT executor."},
     {"cuda_set_schedule", cuda_set_schedule, METH_VARARGS,
      "cuda_set_schedule(schedule, seed=0)\n--\n\nThe SIMT executor's thread order for the launches that follow: "
      "0 forward, 1 reverse, 2 a shuffle seeded by seed."},
