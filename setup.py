@@ -1,7 +1,16 @@
-"""Build of the qwen3layer C extension (qwen3layer._C): csrc/ (the engine, its CUDA host
-side, the check harness and the CPython glue, one folder each) and the CPU kernels
-(kernels/cpu/), C11 with OpenMP. Nothing here needs torch. Every #include is a path
-relative to its file, so no include directories are passed.
+"""Build of the qwen3layer C extensions: qwen3layer._C, the one users load (csrc/engine,
+csrc/cuda and the CPython glue csrc/python, with the CPU kernels kernels/cpu/), and
+qwen3layer._testing, the kernel check harness (csrc/check) and the test-only entries (its glue
+csrc/testing), which q3.cuda.check_kernels(), the tests and the benchmarks import. C11 with
+OpenMP; nothing here needs torch. Every #include is a path relative to its file, so no
+include directories are passed.
+
+Both are compiled with -fvisibility=hidden: each exports its PyInit_ function alone
+(tests/test_symbols.py reads the dynamic symbol tables). _testing links no engine code: it
+calls _C's engine through the table of functions _C exports as a capsule
+(csrc/cuda/engine_api.h), so it runs on the one engine of the process. _testing is built by
+default (an extra such as [test] cannot change what setup.py builds, and the module costs
+nothing until imported); Q3_TESTING=0 leaves it out (a package of _C alone).
 
 The kernels are compiled once per instruction set, each copy with its own names
 (kernels/cpu/isa.h): "portable" for the architecture's baseline and, on x86-64, "avx2"
@@ -47,9 +56,13 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 VERSION = "0.1.0"
-CSRC_LAYERS = ["engine", "cuda", "check", "python"]  # csrc/<layer>/, bottom first (the rule: tests/tools/include_layers.py)
+# csrc/<layer>/ of each module, bottom first (the rule: tests/tools/include_layers.py); _testing also
+# compiles the glue's shared conversions (csrc/python/py_convert.c: no state)
+CSRC_LAYERS = ["engine", "cuda", "python"]
+TESTING_SOURCES = ["csrc/python/py_convert.c"]
+TESTING_LAYERS = ["check", "testing"]
 COMMON = ["-std=c11", "-O3", "-ffp-contract=fast", "-fopenmp", "-Wall", "-Wextra", "-Wno-unused-parameter",
-          "-fno-strict-aliasing", "-D_GNU_SOURCE"]
+          "-fno-strict-aliasing", "-D_GNU_SOURCE", "-fvisibility=hidden"]
 
 
 def isa_variants():
@@ -246,7 +259,7 @@ class BuildKernelVariants(build_ext):
         inplace = self.inplace
         super().run()
         if inplace:  # setuptools builds in build/lib, then copies only the extension back
-            for ext in self.extensions:
+            for ext in self.extensions[:1]:  # the libraries sit beside _C
                 package = os.path.dirname(ext.name.replace(".", os.sep))
                 for library in ("libq3cuda.so", "libq3simt.so"):
                     built = os.path.join(self.build_lib, package, library)
@@ -258,6 +271,8 @@ class BuildKernelVariants(build_ext):
                         os.remove(source)
 
     def build_extension(self, ext):
+        if ext.name != "qwen3layer._C":  # _testing: its sources alone, no kernels of its own
+            return super().build_extension(ext)
         self.build_cuda(ext)
         self.build_simt(ext)
         sources = sorted(glob.glob("kernels/cpu/*.c"))
@@ -279,18 +294,30 @@ class BuildKernelVariants(build_ext):
             self.force = forced
 
 
+def extensions():
+    """_C, then _testing unless Q3_TESTING=0."""
+    depends = sorted(glob.glob("csrc/*/*.h")) + sorted(glob.glob("kernels/*.h")) + sorted(glob.glob("kernels/cpu/*.h"))
+    found = [Extension(
+        "qwen3layer._C",
+        sources=[src for layer in CSRC_LAYERS for src in sorted(glob.glob(f"csrc/{layer}/*.c"))],
+        extra_compile_args=COMMON + [f'-DQ3_VERSION="{VERSION}"'] + SANITIZE_FLAGS,
+        extra_link_args=["-fopenmp", "-ldl"] + SANITIZE_FLAGS,
+        depends=depends,
+    )]
+    if os.environ.get("Q3_TESTING") != "0":
+        found.append(Extension(
+            "qwen3layer._testing",
+            sources=TESTING_SOURCES + [src for layer in TESTING_LAYERS for src in sorted(glob.glob(f"csrc/{layer}/*.c"))],
+            extra_compile_args=COMMON + SANITIZE_FLAGS,
+            extra_link_args=SANITIZE_FLAGS,
+            depends=depends,
+        ))
+    return found
+
+
 if __name__ == "__main__":  # pip and `python setup.py` run it so; benchmarks/simt_check.py imports the helpers
     setup(
         version=VERSION,
         cmdclass={"build_ext": BuildKernelVariants},
-        ext_modules=[
-            Extension(
-                "qwen3layer._C",
-                sources=[src for layer in CSRC_LAYERS for src in sorted(glob.glob(f"csrc/{layer}/*.c"))],
-                extra_compile_args=COMMON + [f'-DQ3_VERSION="{VERSION}"'] + SANITIZE_FLAGS,
-                extra_link_args=["-fopenmp", "-ldl"] + SANITIZE_FLAGS,
-                depends=sorted(glob.glob("csrc/*/*.h")) + sorted(glob.glob("kernels/*.h"))
-                + sorted(glob.glob("kernels/cpu/*.h")),
-            )
-        ],
+        ext_modules=extensions(),
     )

@@ -122,14 +122,14 @@ def main(argv=None) -> int:
         print("bench_cuda: no CUDA device visible", file=sys.stderr)
         return 2
     copy_bytes = 4 << 30
-    copy_ms = _C.cuda_time("copy", bytes=copy_bytes, repeats=10)
+    copy_ms = q3.cuda.testing_module().cuda_time("copy", bytes=copy_bytes, repeats=10)
     copy_tbs = 2 * copy_bytes / copy_ms / 1e9  # read + write
     rows = []
     per_token_ms = 0.0
     uses = {"q_proj": 1, "k_proj / v_proj": 2, "o_proj": 1, "router": 1, "expert gate / up": 16, "expert down": 8}
     for name, N, K in SHAPES:
         for T in (1, 16):
-            ms = _C.cuda_time("matmul", T=T, N=N, K=K, dtype="bfloat16", repeats=50)
+            ms = q3.cuda.testing_module().cuda_time("matmul", T=T, N=N, K=K, dtype="bfloat16", repeats=50)
             tbs = N * K * 2 / ms / 1e9
             rows.append((f"{name} [{N} x {K}]", T, f"{ms * 1e3:.1f} us", f"{tbs:.2f} TB/s", f"{tbs / copy_tbs:.0%}"))
             if T == 1:

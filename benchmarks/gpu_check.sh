@@ -20,7 +20,7 @@ python3 --version; nvcc --version | tail -1
 echo "== build"
 timeout 120 python3 -m pip install --no-build-isolation --no-deps -q -e . > "$out/build.log" 2>&1 \
     || { tail -30 "$out/build.log"; exit 1; }
-python3 -c "import qwen3layer as q3; print(q3.build_info()); print('cuda devices:', q3.cuda.device_count(), '- cuBLAS:', repr(q3.cuda.blas()))"
+python3 -c "import qwen3layer as q3, qwen3layer._testing; print(q3.build_info()); print('cuda devices:', q3.cuda.device_count(), '- cuBLAS:', repr(q3.cuda.blas()))"
 
 echo "== GPU tests"
 timeout 90 python3 -m pytest -q -rs tests/gpu/test_cuda.py 2>&1 | tee "$out/gpu_tests.log" || status=1

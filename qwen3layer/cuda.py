@@ -121,6 +121,19 @@ def cached_blocks() -> list[tuple[int, int, int]]:
     return _C.cuda_cached_blocks()
 
 
+def testing_module():
+    """qwen3layer._testing: the kernel check harness and the test-only entries, a module of
+    its own beside _C (built by setup.py unless Q3_TESTING=0), bound at import to _C's engine
+    (the backend emulate() or load() opened). ImportError naming how to build it if absent."""
+    try:
+        from . import _testing
+    except ImportError as e:
+        raise ImportError(f"qwen3layer._testing (the kernel check harness) cannot be imported: {e}; build it with "
+                          "`python setup.py build_ext --inplace` or `pip install -e \".[test]\"` (without "
+                          "Q3_TESTING=0)", name="qwen3layer._testing") from e
+    return _testing
+
+
 def check_kernels(device: int = 0) -> list[dict]:
     """Runs every CUDA kernel against its CPU twin on random inputs on `device` (loading the
     GPU library unless emulate() made the SIMT executor the backend): [{'case', 'kernel',
@@ -128,11 +141,13 @@ def check_kernels(device: int = 0) -> list[dict]:
     and kernel the launcher(s) of the case (as kernels/cuda/ops_cuda.h names them, e.g.
     'attention', 'moe_route'), to group cases by. On the executor each case runs under 3
     thread schedules and `agree` says whether their results were bitwise equal (a race shows
-    as not); on a GPU, schedules is 1."""
+    as not); on a GPU, schedules is 1. The harness is qwen3layer._testing's (testing_module()):
+    ImportError where that module was not built."""
+    harness = testing_module()
     if not _C.cuda_device_count():
         load()
     return [{"case": c, "kernel": kern, "max_err": e, "tol": t, "schedules": n, "agree": a, "ok": e <= t and a}
-            for c, e, t, n, a, kern in _C.cuda_check(device)]
+            for c, e, t, n, a, kern in harness.cuda_check(device)]
 
 
 def moe_path(path: Optional[str] = None) -> str:

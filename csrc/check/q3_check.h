@@ -1,10 +1,15 @@
 /* The check harness's public API: the CUDA kernels against their CPU twins, on a GPU or on
- * the SIMT executor (libq3simt.so). It ships in the extension so that a user with a GPU can
- * prove the kernels where they run (qwen3layer.cuda.check_kernels()). */
+ * the SIMT executor (libq3simt.so), and the entries the tests and benchmarks call a single
+ * kernel through. It builds into qwen3layer._testing, not into the extension users load:
+ * q3.cuda.check_kernels() imports that module when asked. */
 #ifndef Q3_CHECK_PUBLIC_H
 #define Q3_CHECK_PUBLIC_H
 
 #include "../cuda/q3_cuda.h"
+
+/* Binds the harness to the engine of _C (the table of its capsule, engine_link.c); once,
+ * before any other call here. Q3_ERR_STATE for a table of another version. */
+q3_status q3_check_link(const q3_engine_api *table, q3_error *err);
 
 /* Each CUDA kernel against its CPU twin on random inputs (kernel_check.c): one result
  * per case; max_err is max |cuda - cpu| / max |cpu| (the worst over the schedules). On the
@@ -21,5 +26,28 @@ typedef struct {
     int agree;
 } q3_check_result;
 q3_status q3_cuda_check(int device, q3_check_result *out, int max, int *n, q3_error *err);
+
+/* ---- single kernels, for tests and benchmarks (entries.c) ------------------------------ */
+
+/* ms per call of a device-to-device copy of `bytes` (what "copy") or else of the matmul
+ * y [T, N] = x [T, K] W^T with dt weights, CUDA events over `repeats` calls */
+q3_status q3_check_time(const char *what, size_t bytes, int64_t T, int64_t N, int64_t K, q3_dtype dt, int repeats,
+                        float *ms, q3_error *err);
+/* dst [n] fp32 <- e4m3 bytes src [n]; dst [n] e4m3 <- fp32 src [n] (kernels/fp8.h's scalar
+ * conversions: round to nearest even, NaN past 464) */
+void q3_check_e4m3_to_f32(float *dst, const uint8_t *src, int64_t n);
+void q3_check_f32_to_e4m3(uint8_t *dst, const float *src, int64_t n);
+/* the block scales of an [N, K] e4m3 matrix: ceil(N/128) * ceil(K/128) */
+int64_t q3_check_fp8_scales(int64_t N, int64_t K);
+/* y [T, N] (+)= x [T, K] W^T, w [N, K] e4m3 with block scales [ceil(N/128), ceil(K/128)] of
+ * sdt, by the active CPU path's matmul_fp8 on every thread (its scratch allocated here) */
+q3_status q3_check_matmul_fp8(float *y, const float *x, const uint8_t *w, const void *scale, q3_dtype sdt,
+                              int64_t T, int64_t N, int64_t K, int accumulate, q3_error *err);
+/* dst [N, K] fp32 = W by the scalar reference dequantization (kernels/fp8.h) */
+void q3_check_fp8_dequant(float *dst, const uint8_t *w, const void *scale, q3_dtype sdt, int64_t N, int64_t K);
+/* y [T, N] = x [T, K] W^T, w [N, K] of wdt (fp32 or bf16), by the active CPU path's matmul
+ * with the bf16 scratch the layer gives it (the FP8 kernel's yardstick) */
+q3_status q3_check_matmul_dense(float *y, const float *x, const void *w, q3_dtype wdt, int64_t T, int64_t N,
+                                int64_t K, q3_error *err);
 
 #endif

@@ -63,6 +63,49 @@ void q3_cuda_moe_inject_times(const float *ms);
  * each candidate's time in ms[Q3_MOE_PATHS] (< 0: not a candidate), or 0 while unmeasured */
 int q3_layer_cuda_moe_choice(const q3_layer *layer, int c, float *ms);
 
+/* ---- device memory and copies for the glue (buffers.c) -------------------------------- */
+
+/* Each failure is Q3_ERR_STATE with the CUDA runtime's error string as the message (or "the
+ * CUDA backend is not loaded"): the caller names the argument and the device around it. */
+int q3_cuda_loaded(void); /* whether q3_cuda_open succeeded */
+/* A block of `bytes` (0: 4) on `device` for an extension Tensor: a kept block of that size
+ * and device if there is one (the newest), else a new one (when that fails the kept blocks
+ * are freed and it is tried once more). */
+q3_status q3_device_alloc(void **out, size_t bytes, int device, q3_error *err);
+/* a dead Tensor's block back to the kept ones for reuse: at most 16 blocks and 512 MiB, the
+ * oldest freed to make room; a block past 512 MiB alone is freed */
+void q3_device_keep(void *p, size_t bytes, int device);
+void q3_device_free(void *p); /* at once (NULL: nothing) */
+void q3_device_release_kept(void);
+/* the number of kept blocks; block i's (oldest first) device, bytes and address where i is
+ * below it */
+int q3_device_kept(int i, int *device, size_t *bytes, void **p);
+/* A new block of `device` holding `bytes` copied from src (on src_device; -1: host), ready
+ * when this returns (a device source is copied on the legacy default stream, which the
+ * DLPack export was asked to order its producer's work before, then waited for); freed
+ * again on failure. A weight's one-time copy. */
+q3_status q3_device_upload(void **out, int device, const void *src, int src_device, size_t bytes, q3_error *err);
+/* synchronous: host to device (to_device) or device to host, after the legacy default
+ * stream's work */
+q3_status q3_device_copy(void *dst, const void *src, size_t bytes, int to_device, q3_error *err);
+/* device to device, queued on `stream` (NULL: the default stream) */
+q3_status q3_device_copy_async(void *dst, const void *src, size_t bytes, void *stream, q3_error *err);
+/* waits for everything queued on the device */
+q3_status q3_device_synchronize(int device, q3_error *err);
+/* cuBLAS for the prefill GEMMs: opens it (path NULL: the usual names), 1 if usable; switches
+ * it on (1) or off (0) where opened, on < 0 only reads; whether it is in use now (0 without a
+ * backend) */
+int q3_cuda_blas_open(const char *path);
+int q3_cuda_blas_enable(int on);
+
+/* ---- the engine for a second module (engine_api.h) ----------------------------------- */
+
+/* The table of engine functions that qwen3layer._testing calls instead of linking an engine of
+ * its own; _C's glue exports it as a PyCapsule of this name. */
+#define Q3_ENGINE_API_CAPSULE "qwen3layer._C._engine_api"
+typedef struct q3_engine_api q3_engine_api;
+const q3_engine_api *q3_engine_api_get(void);
+
 /* ---- decode graphs (CUDA layers) ------------------------------------------------- */
 
 /* One decode step of a fixed set of sequences, captured once in a CUDA graph and replayed

@@ -141,6 +141,16 @@ void *q3_cache_seq_values(const q3_cache *c, int seq) { return (char *)c->v + se
 
 size_t q3_cache_bytes(const q3_cache *c) { return 2 * seq_offset(c, c->batch); }
 
+int q3_cache_batch(const q3_cache *c) { return c->batch; }
+int q3_cache_kv_heads(const q3_cache *c) { return c->kv_heads; }
+int q3_cache_head_dim(const q3_cache *c) { return c->head_dim; }
+int64_t q3_cache_capacity(const q3_cache *c) { return c->capacity; }
+q3_dtype q3_cache_dtype(const q3_cache *c) { return c->dtype; }
+int q3_cache_device(const q3_cache *c) { return c->device; }
+int64_t q3_cache_length(const q3_cache *c, int seq) { return c->lengths[seq]; }
+int64_t q3_cache_padding(const q3_cache *c, int seq) { return c->padding[seq]; }
+int64_t q3_cache_first_position(const q3_cache *c, int seq) { return c->first_pos[seq]; }
+
 q3_attn_seq q3_cache_attn_seq(const q3_cache *c, int seq) {
     return (q3_attn_seq){q3_cache_seq_keys(c, seq), q3_cache_seq_values(c, seq), c->lengths[seq], c->padding[seq],
                          c->first_pos[seq]};

@@ -95,6 +95,19 @@ void q3_expert_weight_shape(const q3_config *c, q3_expert_weight w, int64_t d[2]
     d[1] = w == Q3_X_DOWN ? c->moe_inter : c->hidden;
 }
 
+const char *q3_fused_expert_name(q3_fused_expert f) {
+    static const char *names[Q3_FUSED_COUNT] = {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"};
+    return (unsigned)f < Q3_FUSED_COUNT ? names[f] : "?";
+}
+
+void q3_fused_expert_shape(const q3_config *c, q3_fused_expert f, int scale, int64_t d[3]) {
+    /* rows and columns of an expert's gate (and up) matrix, or of its scale's blocks */
+    const int64_t I = scale ? (c->moe_inter + 127) / 128 : c->moe_inter, H = scale ? (c->hidden + 127) / 128 : c->hidden;
+    d[0] = c->experts;
+    d[1] = f == Q3_FUSED_GATE_UP ? 2 * I : H;
+    d[2] = f == Q3_FUSED_GATE_UP ? H : I;
+}
+
 void q3_weight_init(int is_norm, float *mean, float *std) {
     *mean = is_norm ? 1.0f : 0.0f;
     *std = is_norm ? 0.1f : 0.02f;

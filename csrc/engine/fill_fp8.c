@@ -1,4 +1,5 @@
-/* Random FP8 weights (q3_fill_random_fp8, q3.h): each 128 x 128 block drawn into an fp32 tile,
+/* The FP8 reference dequantization (q3_dequantize_fp8, q3.h), and random FP8 weights
+ * (q3_fill_random_fp8, q3.h): each 128 x 128 block drawn into an fp32 tile,
  * its amax taken, then quantized. w [N, K] e4m3 bytes row-major, scale [ceil(N/128),
  * ceil(K/128)] fp32, the last row and column of blocks possibly partial. */
 #include "q3.h"
@@ -48,4 +49,13 @@ void q3_fill_random_fp8(uint8_t *w, float *scale, int64_t N, int64_t K, uint64_t
     /* blocks are independent; threads only for a matrix worth it (a test's 3 x 2 blocks is not) */
 #pragma omp parallel for schedule(static) if (nb * kb >= 16)
     for (int64_t b = 0; b < nb * kb; b++) fill_block(w, scale, N, K, b / kb, b % kb, key, offset, mean, std);
+}
+
+void q3_dequantize_fp8(float *dst, const uint8_t *w, const void *scale, q3_dtype sdt, int64_t count, int64_t n,
+                       int64_t K) {
+    const int64_t blocks = q3_fp8_blocks(n) * q3_fp8_blocks(K); /* of one matrix */
+    const size_t ssz = q3_dtype_size(sdt);
+    for (int64_t i = 0; i < count; i++)
+        q3_fp8_dequant_rows(dst + i * n * K, w + i * n * K, (const char *)scale + (size_t)(i * blocks) * ssz, sdt, 0,
+                            n, K);
 }

@@ -23,6 +23,51 @@ static q3_status check_format(const q3_weights *w, q3_error *err) {
     return Q3_OK;
 }
 
+/* Expert e's pointers into the fused tensors (q3_fused_expert_shape): gate [E], up [E] into
+ * gate_up [E, 2 rows, cols], down [E] into down_p [E, cols, rows], of elem-byte elements:
+ * rows = I and cols = H for the weights, their 128-blocks for the FP8 scales. */
+static void slice_fused(const void **gate, const void **up, const void **down, const void *gate_up,
+                        const void *down_p, size_t E, int64_t rows, int64_t cols, size_t elem) {
+    const size_t expert = (size_t)rows * (size_t)cols * elem; /* one matrix of an expert */
+    for (size_t e = 0; e < E; e++) {
+        gate[e] = (const char *)gate_up + 2 * e * expert;
+        up[e] = (const char *)gate_up + (2 * e + 1) * expert;
+        down[e] = (const char *)down_p + e * expert;
+    }
+}
+
+/* the experts' [arrays][E] pointers, per expert or sliced from the fused tensors */
+static q3_status take_experts(const void **ptrs, const q3_config *cfg, const q3_weights *w, int fp8, q3_error *err) {
+    const size_t E = (size_t)cfg->experts, arrays = fp8 ? 2 * Q3_X_COUNT : Q3_X_COUNT;
+    if (w->fused[Q3_FUSED_GATE_UP] || w->fused[Q3_FUSED_DOWN]) {
+        for (int s = 0; s <= fp8; s++) {
+            const void *const *f = s ? w->fused_scales : w->fused;
+            if (!f[Q3_FUSED_GATE_UP] || !f[Q3_FUSED_DOWN])
+                return q3_fail(err, Q3_ERR_VALUE, "weights: missing %s%s",
+                               q3_fused_expert_name(f[Q3_FUSED_GATE_UP] ? Q3_FUSED_DOWN : Q3_FUSED_GATE_UP),
+                               s ? "_scale_inv" : "");
+            int64_t dims[3];
+            q3_fused_expert_shape(cfg, Q3_FUSED_GATE_UP, s, dims);
+            const size_t elem = s ? q3_dtype_size(w->scale_dtype) : fp8 ? 1 : q3_dtype_size(w->dtype);
+            const void **base = ptrs + (size_t)s * Q3_X_COUNT * E;
+            slice_fused(base, base + E, base + 2 * E, f[Q3_FUSED_GATE_UP], f[Q3_FUSED_DOWN], E, dims[1] / 2, dims[2],
+                        elem);
+        }
+        return Q3_OK;
+    }
+    for (size_t a = 0; a < arrays; a++) {
+        const int x = (int)(a % Q3_X_COUNT);
+        const void *const *src = a < Q3_X_COUNT ? w->experts[x] : w->expert_scales[x];
+        for (size_t e = 0; e < E; e++) {
+            if (!src || !src[e])
+                return q3_fail(err, Q3_ERR_VALUE, "weights: missing mlp.experts.%zu.%s.weight%s", e,
+                               q3_expert_weight_name(x), a < Q3_X_COUNT ? "" : "_scale_inv");
+            ptrs[a * E + e] = src[e];
+        }
+    }
+    return Q3_OK;
+}
+
 q3_status q3_layer_create(q3_layer **out, const q3_config *cfg, const q3_weights *w, q3_error *err) {
     *out = NULL;
     q3_status s = q3_config_check(cfg, err);
@@ -49,20 +94,11 @@ q3_status q3_layer_create(q3_layer **out, const q3_config *cfg, const q3_weights
     l->w = *w;
     l->expert_ptrs = ptrs;
     for (size_t a = 0; a < arrays; a++) {
-        const int x = (int)(a % Q3_X_COUNT);
-        const void *const *src = a < Q3_X_COUNT ? w->experts[x] : w->expert_scales[x];
-        for (size_t e = 0; e < E; e++) {
-            if (!src || !src[e]) {
-                q3_layer_destroy(l);
-                return q3_fail(err, Q3_ERR_VALUE, "weights: missing mlp.experts.%zu.%s.weight%s", e,
-                               q3_expert_weight_name(x), a < Q3_X_COUNT ? "" : "_scale_inv");
-            }
-            ptrs[a * E + e] = src[e];
-        }
-        if (a < Q3_X_COUNT) l->w.experts[x] = ptrs + a * E;
-        else l->w.expert_scales[x] = ptrs + a * E;
+        if (a < Q3_X_COUNT) l->w.experts[a] = ptrs + a * E;
+        else l->w.expert_scales[a - Q3_X_COUNT] = ptrs + a * E;
     }
-    s = w->device >= 0 ? Q3_OK : q3_workspace_reserve(&l->ws, cfg, fp8, 1, 1, err);
+    s = take_experts(ptrs, cfg, w, fp8, err);
+    if (s == Q3_OK && w->device < 0) s = q3_workspace_reserve(&l->ws, cfg, fp8, 1, 1, err);
     if (s != Q3_OK) {
         q3_layer_destroy(l);
         return s;

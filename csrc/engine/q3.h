@@ -7,6 +7,7 @@
 #ifndef Q3_ENGINE_H
 #define Q3_ENGINE_H
 
+#include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -31,6 +32,9 @@ typedef struct {
 /* Records status and a printf-style message in err (if not NULL); returns status. */
 q3_status q3_fail(q3_error *err, q3_status status, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
+/* the same with the arguments in a va_list (the engine API table's, csrc/cuda/engine_api.h) */
+q3_status q3_vfail(q3_error *err, q3_status status, const char *fmt, va_list ap)
+    __attribute__((format(printf, 3, 0)));
 
 /* ---- sizes from outside ---------------------------------------------------------- */
 
@@ -160,6 +164,15 @@ const char *q3_weight_format_name(q3_weight_format f); /* "dense", "fp8_e4m3_blo
 /* whether dense weight w is a projection matrix (stored in the layer's weight format) */
 int q3_dense_weight_is_matrix(q3_dense_weight w);
 
+/* The experts fused: gate_up_proj [E, 2I, H] (expert e's gate rows, then its up rows) and
+ * down_proj [E, H, I]; in the FP8 format their scale_inv are [E, 2 ceil(I/128), ceil(H/128)]
+ * (the gate's blocks, then the up's: a 128-row block never spans both halves) and
+ * [E, ceil(H/128), ceil(I/128)]. */
+typedef enum { Q3_FUSED_GATE_UP, Q3_FUSED_DOWN, Q3_FUSED_COUNT } q3_fused_expert;
+const char *q3_fused_expert_name(q3_fused_expert f); /* "mlp.experts.gate_up_proj", "mlp.experts.down_proj" */
+/* the shape of fused tensor f (scale: of its FP8 scale_inv) */
+void q3_fused_expert_shape(const q3_config *cfg, q3_fused_expert f, int scale, int64_t dims[3]);
+
 typedef struct {
     q3_dtype dtype;                                   /* of the norms and the router, and of the
                                                        * matrices in the dense format */
@@ -170,6 +183,10 @@ typedef struct {
     const void *const *experts[Q3_X_COUNT];           /* [E] pointers each, contiguous */
     const void *dense_scale[Q3_W_DENSE_COUNT];        /* FP8: scale_inv of each matrix, else NULL */
     const void *const *expert_scales[Q3_X_COUNT];     /* FP8: [E] scale_inv pointers each */
+    /* or the experts fused as transformers 5.x holds them (then experts and expert_scales are
+     * NULL): q3_layer_create slices them (q3_fused_expert_shape) */
+    const void *fused[Q3_FUSED_COUNT];                /* contiguous */
+    const void *fused_scales[Q3_FUSED_COUNT];         /* FP8: their scale_inv */
 } q3_weights;
 
 /* scale_inv's shape for an FP8 matrix of shape dims [N, K] */
@@ -239,6 +256,82 @@ q3_status q3_layer_profiling(q3_layer *layer, int on, q3_error *err);
 int q3_layer_profile_read(const q3_layer *layer, double *seconds, int max);
 const char *q3_stage_name(int stage);
 
+/* ---- routing summary (routing.c) ----------------------------------------------------- */
+
+/* The router's choices summed up for a routing summary (qwen3layer.routing): how many
+ * (token, slot) choices went to each expert in one layer call. Host memory only. */
+#define Q3_ROUTING_MAX_DIM 8
+
+/* counts [E] = how many entries of experts equal each e in [0, E). experts: a tensor of
+ * `ndim` dims [shape], element strides `strides` (any layout: a slice of a trace's
+ * [..., top_k] choices works as well), int32. counts is zeroed first and counts every
+ * entry, so rows x top_k in all. An entry outside [0, E) fails with Q3_ERR_INDEX naming its
+ * position ("experts[2, 7]") and value, counts then zeroed. E in [1, Q3_MAX_EXPERTS];
+ * ndim in [1, Q3_ROUTING_MAX_DIM]; shape non-negative; no two elements at one address
+ * (Q3_ERR_VALUE otherwise: the walk is bounded by the memory the tensor holds). The caller checked the strides as
+ * the DLPack import does: the sum over dims of (shape - 1) x |stride| fits int64 (and the
+ * elements it reaches are the tensor's memory). */
+q3_status q3_count_experts(const int32_t *experts, int ndim, const int64_t *shape, const int64_t *strides, int E,
+                           int64_t *counts, q3_error *err);
+
+/* ---- the KV cache (cache.c, cache_ops.c; its layout: cache.h) ------------------------- */
+
+q3_status q3_cache_create(q3_cache **out, int batch, int64_t capacity, int kv_heads,
+                          int head_dim, q3_dtype dtype, q3_error *err);
+/* the same on CUDA device `device` (-1: host); the CUDA backend must be open */
+q3_status q3_cache_create_on(q3_cache **out, int batch, int64_t capacity, int kv_heads, int head_dim,
+                             q3_dtype dtype, int device, q3_error *err);
+void q3_cache_destroy(q3_cache *c);
+/* seq < 0: every sequence */
+q3_status q3_cache_reset(q3_cache *c, int seq, q3_error *err);
+/* the first n tokens sequence seq will receive are padding; only while it is empty */
+q3_status q3_cache_set_padding(q3_cache *c, int seq, int64_t n, q3_error *err);
+/* the first real token of sequence seq sits at position p (RoPE's, 0 by default: a caller
+ * whose positions count its left padding, or run on from elsewhere); only while it is empty;
+ * 0 <= p, p + capacity <= Q3_MAX_POSITIONS */
+q3_status q3_cache_set_first_position(q3_cache *c, int seq, int64_t p, q3_error *err);
+/* keep the first n tokens of sequence seq (n <= its length) */
+q3_status q3_cache_truncate(q3_cache *c, int seq, int64_t n, q3_error *err);
+
+/* Operations for generation (cache_ops.c). Each checks every argument before it writes and
+ * leaves the cache as it was on failure. Lengths, padding and first positions travel with the tokens. On a
+ * device cache the copying ones queue 2-D device copies on `stream` (a cudaStream_t: ordered
+ * with the caller's layer calls on it, no wait); stream NULL: on the default stream between
+ * two synchronizations of the device (ordered against every stream). A CUDA error leaves
+ * lengths and padding unchanged (Q3_ERR_STATE, its text in the message). `stream` is ignored
+ * for host caches. */
+/* dst sequence i <- src sequence index[i], for i < n = dst->batch (indices may repeat): a
+ * prompt expanded to beams, a subset kept, a whole cache copied. dst and src are distinct
+ * caches on one device of the same kv_heads, head_dim and dtype; dst's capacity may differ
+ * but must hold each copied sequence. Only the tokens held are copied. */
+q3_status q3_cache_gather(q3_cache *dst, const q3_cache *src, const int *index, int n, void *stream, q3_error *err);
+/* in place: sequence i <- old sequence index[i], n = c->batch (indices may repeat: beam
+ * search). Takes a spare block of at most one sequence's tokens while it runs (on the
+ * cache's device: allocating and freeing it waits for the device). */
+q3_status q3_cache_reorder(q3_cache *c, const int *index, int n, void *stream, q3_error *err);
+/* keep the first `length` tokens of sequence seq (seq < 0: of every sequence); a sequence
+ * holding fewer keeps what it holds. length < 0 drops -length tokens from the end of each
+ * (an error if one holds fewer). The same as transformers' Cache.crop on a batch. */
+q3_status q3_cache_crop(q3_cache *c, int seq, int64_t length, q3_error *err);
+/* the first `length` tokens of src_seq (length <= its length) become sequence dst_seq's
+ * whole content (prefix reuse); padding min(src's, length). src_seq == dst_seq truncates. */
+q3_status q3_cache_copy_prefix(q3_cache *c, int src_seq, int dst_seq, int64_t length, void *stream, q3_error *err);
+
+/* base of sequence seq's [kv_heads, capacity, head_dim] block */
+void *q3_cache_seq_keys(const q3_cache *c, int seq);
+void *q3_cache_seq_values(const q3_cache *c, int seq);
+size_t q3_cache_bytes(const q3_cache *c);
+/* its geometry, and sequence seq's tokens held, leading padding and first real position */
+int q3_cache_batch(const q3_cache *c);
+int q3_cache_kv_heads(const q3_cache *c);
+int q3_cache_head_dim(const q3_cache *c);
+int64_t q3_cache_capacity(const q3_cache *c);
+q3_dtype q3_cache_dtype(const q3_cache *c);
+int q3_cache_device(const q3_cache *c); /* -1: host memory; else the CUDA device */
+int64_t q3_cache_length(const q3_cache *c, int seq);
+int64_t q3_cache_padding(const q3_cache *c, int seq);
+int64_t q3_cache_first_position(const q3_cache *c, int seq);
+
 /* ---- utilities ------------------------------------------------------------------ */
 
 /* Aligned allocation for tensors (64-byte aligned; NULL when bytes cannot be had, an
@@ -259,6 +352,11 @@ void q3_fill_random(void *dst, q3_dtype dt, int64_t n, uint64_t seed, uint64_t s
  * FP8 matrix is, to the last bit of fp32 rounding, the quantized dense one): per 128 x 128
  * block scale_inv = amax / 448 (an all-zero block: 1), w = e4m3(value / scale_inv).
  * w [N, K] bytes, scale [ceil(N/128), ceil(K/128)] fp32. Deterministic whatever the threads. */
+/* dst [count, n, K] fp32 <- count matrices w [count, n, K] of e4m3 bytes, each with its own
+ * scale_inv blocks [ceil(n/128), ceil(K/128)] of sdt (stacked likewise): the scalar
+ * dequantization of kernels/fp8.h, the reference for an FP8 checkpoint's values */
+void q3_dequantize_fp8(float *dst, const uint8_t *w, const void *scale, q3_dtype sdt, int64_t count, int64_t n,
+                       int64_t K);
 void q3_fill_random_fp8(uint8_t *w, float *scale, int64_t N, int64_t K, uint64_t seed, uint64_t stream,
                         int64_t offset, float mean, float std);
 

@@ -1,6 +1,6 @@
-/* Tokens per expert of one layer call (routing.h): a histogram of the router's choices,
+/* Tokens per expert of one layer call (q3.h): a histogram of the router's choices,
  * walking the experts tensor in row-major order whatever its strides. */
-#include "routing.h"
+#include "q3.h"
 
 #include <stdio.h>
 #include <stdlib.h>

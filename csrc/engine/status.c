@@ -9,14 +9,19 @@
 
 #include "cpu_dispatch.h"
 
-q3_status q3_fail(q3_error *err, q3_status status, const char *fmt, ...) {
+q3_status q3_vfail(q3_error *err, q3_status status, const char *fmt, va_list ap) {
     if (err) {
-        va_list ap;
-        va_start(ap, fmt);
         vsnprintf(err->msg, sizeof err->msg, fmt, ap);
-        va_end(ap);
         err->status = status;
     }
+    return status;
+}
+
+q3_status q3_fail(q3_error *err, q3_status status, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    q3_vfail(err, status, fmt, ap);
+    va_end(ap);
     return status;
 }
 

@@ -4,7 +4,7 @@
  * (reorder, select, copy, ...) are in py_cache_ops.c. */
 #include "py_cache.h"
 
-q3_cache_object *q3_cache_object_new(q3_module_state *st, int batch, int64_t capacity,
+q3py_cache_object *q3py_cache_object_new(q3_module_state *st, int batch, int64_t capacity,
                                      int kv_heads, int head_dim, q3_dtype dt, int device) {
     q3_cache *c;
     q3_error err;
@@ -12,8 +12,8 @@ q3_cache_object *q3_cache_object_new(q3_module_state *st, int batch, int64_t cap
     Py_BEGIN_ALLOW_THREADS
     s = q3_cache_create_on(&c, batch, capacity, kv_heads, head_dim, dt, device, &err);
     Py_END_ALLOW_THREADS
-    if (s != Q3_OK) return (q3_cache_object *)q3_raise(st, &err);
-    q3_cache_object *o = PyObject_New(q3_cache_object, st->cache_type);
+    if (s != Q3_OK) return (q3py_cache_object *)q3_raise(st, &err);
+    q3py_cache_object *o = PyObject_New(q3py_cache_object, st->cache_type);
     if (!o) {
         q3_cache_destroy(c);
         return NULL;
@@ -23,38 +23,17 @@ q3_cache_object *q3_cache_object_new(q3_module_state *st, int batch, int64_t cap
     return o;
 }
 
-static void cache_dealloc(q3_cache_object *o) {
+static void cache_dealloc(q3py_cache_object *o) {
     PyTypeObject *tp = Py_TYPE(o);
     q3_cache_destroy(o->cache);
     PyObject_Free(o);
     Py_DECREF(tp);
 }
 
-int q3_py_cache_check_idle(q3_cache_object *o) {
+int q3py_cache_check_idle(q3py_cache_object *o) {
     if (!o->busy) return 0;
     PyErr_SetString(PyExc_RuntimeError, "cache: in use by a running layer call on another thread");
     return -1;
-}
-
-int q3_py_cache_parse_seq(const q3_cache *c, PyObject *obj, int allow_all, int *seq) {
-    if (obj == Py_None && allow_all) {
-        *seq = -1;
-        return 0;
-    }
-    if (!PyLong_Check(obj)) {
-        PyErr_Format(PyExc_TypeError, "seq: expected an int%s, got %.100s", allow_all ? " or None" : "",
-                     Py_TYPE(obj)->tp_name);
-        return -1;
-    }
-    const long long v = PyLong_AsLongLong(obj);
-    if (v == -1 && PyErr_Occurred()) return -1;
-    if (v < 0 || v >= c->batch) {
-        PyErr_Format(PyExc_IndexError, "seq: expected 0 <= seq < %d (the cache's batch), got %lld",
-                     c->batch, v);
-        return -1;
-    }
-    *seq = (int)v;
-    return 0;
 }
 
 PyObject *q3_status_or_none(q3_status s, const q3_error *err) {
@@ -62,12 +41,12 @@ PyObject *q3_status_or_none(q3_status s, const q3_error *err) {
     Py_RETURN_NONE;
 }
 
-static PyObject *cache_reset(q3_cache_object *o, PyObject *args, PyObject *kw) {
+static PyObject *cache_reset(q3py_cache_object *o, PyObject *args, PyObject *kw) {
     static char *names[] = {"seq", NULL};
     PyObject *seq_obj = Py_None;
     int seq;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "|O:reset", names, &seq_obj)) return NULL;
-    if (q3_py_cache_parse_seq(o->cache, seq_obj, 1, &seq) < 0 || q3_py_cache_check_idle(o) < 0) return NULL;
+    if (q3py_seq(seq_obj, q3_cache_batch(o->cache), 1, &seq) < 0 || q3py_cache_check_idle(o) < 0) return NULL;
     q3_error err;
     return q3_status_or_none(q3_cache_reset(o->cache, seq, &err), &err);
 }
@@ -76,69 +55,69 @@ static PyObject *cache_reset(q3_cache_object *o, PyObject *args, PyObject *kw) {
  * set_first_position */
 typedef q3_status (*seq_setter)(q3_cache *c, int seq, int64_t n, q3_error *err);
 
-static PyObject *cache_set_seq(q3_cache_object *o, PyObject *args, PyObject *kw, const char *fmt, char **names,
+static PyObject *cache_set_seq(q3py_cache_object *o, PyObject *args, PyObject *kw, const char *fmt, char **names,
                                seq_setter set) {
     long long n;
     PyObject *seq_obj = NULL;
     int seq = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kw, fmt, names, &n, &seq_obj)) return NULL;
-    if ((seq_obj && q3_py_cache_parse_seq(o->cache, seq_obj, 0, &seq) < 0) || q3_py_cache_check_idle(o) < 0) return NULL;
+    if ((seq_obj && q3py_seq(seq_obj, q3_cache_batch(o->cache), 0, &seq) < 0) || q3py_cache_check_idle(o) < 0) return NULL;
     q3_error err;
     return q3_status_or_none(set(o->cache, seq, n, &err), &err);
 }
 
-static PyObject *cache_truncate(q3_cache_object *o, PyObject *args, PyObject *kw) {
+static PyObject *cache_truncate(q3py_cache_object *o, PyObject *args, PyObject *kw) {
     static char *names[] = {"n", "seq", NULL};
     return cache_set_seq(o, args, kw, "L|O:truncate", names, q3_cache_truncate);
 }
 
-static PyObject *cache_set_first_position(q3_cache_object *o, PyObject *args, PyObject *kw) {
+static PyObject *cache_set_first_position(q3py_cache_object *o, PyObject *args, PyObject *kw) {
     static char *names[] = {"position", "seq", NULL};
     return cache_set_seq(o, args, kw, "L|O:set_first_position", names, q3_cache_set_first_position);
 }
 
-static PyObject *cache_set_padding(q3_cache_object *o, PyObject *args, PyObject *kw) {
+static PyObject *cache_set_padding(q3py_cache_object *o, PyObject *args, PyObject *kw) {
     static char *names[] = {"n", "seq", NULL};
     return cache_set_seq(o, args, kw, "L|O:set_padding", names, q3_cache_set_padding);
 }
 
-static PyObject *cache_view(q3_cache_object *o, PyObject *args, PyObject *kw, int values) {
+static PyObject *cache_view(q3py_cache_object *o, PyObject *args, PyObject *kw, int values) {
     static char *names[] = {"seq", NULL};
     PyObject *seq_obj = NULL;
     int seq = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kw, values ? "|O:values" : "|O:keys", names, &seq_obj))
         return NULL;
     const q3_cache *c = o->cache;
-    if (seq_obj && q3_py_cache_parse_seq(c, seq_obj, 0, &seq) < 0) return NULL;
+    if (seq_obj && q3py_seq(seq_obj, q3_cache_batch(c), 0, &seq) < 0) return NULL;
     q3_module_state *st = q3_state_of_type(Py_TYPE(o));
     if (!st) return NULL;
-    const int64_t shape[3] = {c->kv_heads, c->lengths[seq], c->head_dim};
-    const int64_t strides[3] = {c->capacity * c->head_dim, c->head_dim, 1};
+    const int64_t shape[3] = {q3_cache_kv_heads(c), q3_cache_length(c, seq), q3_cache_head_dim(c)};
+    const int64_t strides[3] = {q3_cache_capacity(c) * q3_cache_head_dim(c), q3_cache_head_dim(c), 1};
     void *base = values ? q3_cache_seq_values(c, seq) : q3_cache_seq_keys(c, seq);
-    q3_tensor_object *t = q3_tensor_view(st, (PyObject *)o, base, c->dtype, 3, shape, strides);
-    if (t) t->device = c->device;
+    q3py_tensor_object *t = q3py_tensor_view(st, (PyObject *)o, base, q3_cache_dtype(c), 3, shape, strides);
+    if (t) t->device = q3_cache_device(c);
     return (PyObject *)t;
 }
 
-static PyObject *cache_keys(q3_cache_object *o, PyObject *a, PyObject *k) { return cache_view(o, a, k, 0); }
-static PyObject *cache_values(q3_cache_object *o, PyObject *a, PyObject *k) { return cache_view(o, a, k, 1); }
+static PyObject *cache_keys(q3py_cache_object *o, PyObject *a, PyObject *k) { return cache_view(o, a, k, 0); }
+static PyObject *cache_values(q3py_cache_object *o, PyObject *a, PyObject *k) { return cache_view(o, a, k, 1); }
 
 /* [batch, kv_heads, tokens, head_dim] over every sequence: tokens <= capacity, default the
  * length all sequences share (a view of positions past a sequence's length reads what the
  * cache holds there: zeros until written) */
-static PyObject *cache_view_all(q3_cache_object *o, PyObject *args, PyObject *kw, int values) {
+static PyObject *cache_view_all(q3py_cache_object *o, PyObject *args, PyObject *kw, int values) {
     static char *names[] = {"tokens", NULL};
     PyObject *tokens_obj = Py_None;
     if (!PyArg_ParseTupleAndKeywords(args, kw, values ? "|O:all_values" : "|O:all_keys", names, &tokens_obj))
         return NULL;
     const q3_cache *c = o->cache;
-    int64_t tokens = c->lengths[0];
+    int64_t tokens = q3_cache_length(c, 0);
     if (tokens_obj == Py_None) {
-        for (int b = 1; b < c->batch; b++)
-            if (c->lengths[b] != tokens) {
+        for (int b = 1; b < q3_cache_batch(c); b++)
+            if (q3_cache_length(c, b) != tokens) {
                 PyErr_Format(PyExc_ValueError, "tokens: the sequences hold different lengths (sequence 0: %lld, "
                              "sequence %d: %lld): pass tokens= to view that many of each",
-                             (long long)tokens, b, (long long)c->lengths[b]);
+                             (long long)tokens, b, (long long)q3_cache_length(c, b));
                 return NULL;
             }
     } else {
@@ -148,67 +127,67 @@ static PyObject *cache_view_all(q3_cache_object *o, PyObject *args, PyObject *kw
         }
         const long long v = PyLong_AsLongLong(tokens_obj);
         if (v == -1 && PyErr_Occurred()) return NULL;
-        if (v < 0 || v > c->capacity) {
+        if (v < 0 || v > q3_cache_capacity(c)) {
             PyErr_Format(PyExc_ValueError, "tokens: expected 0 <= tokens <= %lld (the cache's capacity), got %lld",
-                         (long long)c->capacity, v);
+                         (long long)q3_cache_capacity(c), v);
             return NULL;
         }
         tokens = v;
     }
     q3_module_state *st = q3_state_of_type(Py_TYPE(o));
     if (!st) return NULL;
-    const int64_t shape[4] = {c->batch, c->kv_heads, tokens, c->head_dim};
-    const int64_t strides[4] = {c->kv_heads * c->capacity * c->head_dim, c->capacity * c->head_dim, c->head_dim, 1};
+    const int64_t shape[4] = {q3_cache_batch(c), q3_cache_kv_heads(c), tokens, q3_cache_head_dim(c)};
+    const int64_t strides[4] = {q3_cache_kv_heads(c) * q3_cache_capacity(c) * q3_cache_head_dim(c), q3_cache_capacity(c) * q3_cache_head_dim(c), q3_cache_head_dim(c), 1};
     void *base = values ? q3_cache_seq_values(c, 0) : q3_cache_seq_keys(c, 0);
-    q3_tensor_object *t = q3_tensor_view(st, (PyObject *)o, base, c->dtype, 4, shape, strides);
-    if (t) t->device = c->device;
+    q3py_tensor_object *t = q3py_tensor_view(st, (PyObject *)o, base, q3_cache_dtype(c), 4, shape, strides);
+    if (t) t->device = q3_cache_device(c);
     return (PyObject *)t;
 }
 
-static PyObject *cache_all_keys(q3_cache_object *o, PyObject *a, PyObject *k) { return cache_view_all(o, a, k, 0); }
-static PyObject *cache_all_values(q3_cache_object *o, PyObject *a, PyObject *k) { return cache_view_all(o, a, k, 1); }
+static PyObject *cache_all_keys(q3py_cache_object *o, PyObject *a, PyObject *k) { return cache_view_all(o, a, k, 0); }
+static PyObject *cache_all_values(q3py_cache_object *o, PyObject *a, PyObject *k) { return cache_view_all(o, a, k, 1); }
 
-static PyObject *cache_lengths(q3_cache_object *o, void *c) {
+static PyObject *cache_lengths(q3py_cache_object *o, void *c) {
     (void)c;
-    PyObject *t = PyTuple_New(o->cache->batch);
-    for (int i = 0; t && i < o->cache->batch; i++)
-        PyTuple_SET_ITEM(t, i, PyLong_FromLongLong(o->cache->lengths[i]));
+    PyObject *t = PyTuple_New(q3_cache_batch(o->cache));
+    for (int i = 0; t && i < q3_cache_batch(o->cache); i++)
+        PyTuple_SET_ITEM(t, i, PyLong_FromLongLong(q3_cache_length(o->cache, i)));
     return t;
 }
-static PyObject *cache_padding(q3_cache_object *o, void *c) {
+static PyObject *cache_padding(q3py_cache_object *o, void *c) {
     (void)c;
-    PyObject *t = PyTuple_New(o->cache->batch);
-    for (int i = 0; t && i < o->cache->batch; i++)
-        PyTuple_SET_ITEM(t, i, PyLong_FromLongLong(o->cache->padding[i]));
+    PyObject *t = PyTuple_New(q3_cache_batch(o->cache));
+    for (int i = 0; t && i < q3_cache_batch(o->cache); i++)
+        PyTuple_SET_ITEM(t, i, PyLong_FromLongLong(q3_cache_padding(o->cache, i)));
     return t;
 }
-static PyObject *cache_first_positions(q3_cache_object *o, void *c) {
+static PyObject *cache_first_positions(q3py_cache_object *o, void *c) {
     (void)c;
-    PyObject *t = PyTuple_New(o->cache->batch);
-    for (int i = 0; t && i < o->cache->batch; i++)
-        PyTuple_SET_ITEM(t, i, PyLong_FromLongLong(o->cache->first_pos[i]));
+    PyObject *t = PyTuple_New(q3_cache_batch(o->cache));
+    for (int i = 0; t && i < q3_cache_batch(o->cache); i++)
+        PyTuple_SET_ITEM(t, i, PyLong_FromLongLong(q3_cache_first_position(o->cache, i)));
     return t;
 }
-static PyObject *cache_capacity(q3_cache_object *o, void *c) { (void)c; return PyLong_FromLongLong(o->cache->capacity); }
-static PyObject *cache_batch(q3_cache_object *o, void *c) { (void)c; return PyLong_FromLong(o->cache->batch); }
-static PyObject *cache_kv_heads(q3_cache_object *o, void *c) { (void)c; return PyLong_FromLong(o->cache->kv_heads); }
-static PyObject *cache_head_dim(q3_cache_object *o, void *c) { (void)c; return PyLong_FromLong(o->cache->head_dim); }
-static PyObject *cache_dtype(q3_cache_object *o, void *c) { (void)c; return PyUnicode_FromString(q3_dtype_name(o->cache->dtype)); }
-static PyObject *cache_nbytes(q3_cache_object *o, void *c) { (void)c; return PyLong_FromSize_t(q3_cache_bytes(o->cache)); }
-static PyObject *cache_device(q3_cache_object *o, void *c) {
+static PyObject *cache_capacity(q3py_cache_object *o, void *c) { (void)c; return PyLong_FromLongLong(q3_cache_capacity(o->cache)); }
+static PyObject *cache_batch(q3py_cache_object *o, void *c) { (void)c; return PyLong_FromLong(q3_cache_batch(o->cache)); }
+static PyObject *cache_kv_heads(q3py_cache_object *o, void *c) { (void)c; return PyLong_FromLong(q3_cache_kv_heads(o->cache)); }
+static PyObject *cache_head_dim(q3py_cache_object *o, void *c) { (void)c; return PyLong_FromLong(q3_cache_head_dim(o->cache)); }
+static PyObject *cache_dtype(q3py_cache_object *o, void *c) { (void)c; return PyUnicode_FromString(q3_dtype_name(q3_cache_dtype(o->cache))); }
+static PyObject *cache_nbytes(q3py_cache_object *o, void *c) { (void)c; return PyLong_FromSize_t(q3_cache_bytes(o->cache)); }
+static PyObject *cache_device(q3py_cache_object *o, void *c) {
     (void)c;
-    return o->cache->device < 0 ? PyUnicode_FromString("cpu") : PyUnicode_FromFormat("cuda:%d", o->cache->device);
+    return q3_cache_device(o->cache) < 0 ? PyUnicode_FromString("cpu") : PyUnicode_FromFormat("cuda:%d", q3_cache_device(o->cache));
 }
 
-static PyObject *cache_repr(q3_cache_object *o) {
+static PyObject *cache_repr(q3py_cache_object *o) {
     const q3_cache *c = o->cache;
     int64_t used = 0;
-    for (int i = 0; i < c->batch; i++) used += c->lengths[i];
+    for (int i = 0; i < q3_cache_batch(c); i++) used += q3_cache_length(c, i);
     return PyUnicode_FromFormat("KVCache(batch=%d, capacity=%lld, kv_heads=%d, head_dim=%d, dtype=%s, "
                                 "filled=%lld/%lld tokens, %zu MiB)",
-                                c->batch, (long long)c->capacity, c->kv_heads, c->head_dim,
-                                q3_dtype_name(c->dtype), (long long)used,
-                                (long long)c->capacity * c->batch, q3_cache_bytes(c) >> 20);
+                                q3_cache_batch(c), (long long)q3_cache_capacity(c), q3_cache_kv_heads(c), q3_cache_head_dim(c),
+                                q3_dtype_name(q3_cache_dtype(c)), (long long)used,
+                                (long long)q3_cache_capacity(c) * q3_cache_batch(c), q3_cache_bytes(c) >> 20);
 }
 
 #define KW (METH_VARARGS | METH_KEYWORDS)
@@ -243,26 +222,26 @@ static PyMethodDef cache_methods[] = {
     {"all_values", (PyCFunction)(void (*)(void))cache_all_values, KW,
      "all_values(tokens=None)\n--\n\nZero-copy view [batch, num_kv_heads, tokens, head_dim] of every sequence's "
      "values, as all_keys."},
-    {"reorder", (PyCFunction)(void (*)(void))q3_py_cache_reorder, KW,
+    {"reorder", (PyCFunction)(void (*)(void))q3py_cache_reorder, KW,
      "reorder(index, *, stream=None)\n--\n\nIn place: sequence i becomes a copy of old sequence index[i] "
      "(len(index) == batch; indices may repeat: beam search). Tokens, lengths and padding move together. "
      STREAM_DOC},
-    {"select", (PyCFunction)(void (*)(void))q3_py_cache_select, KW,
+    {"select", (PyCFunction)(void (*)(void))q3py_cache_select, KW,
      "select(index, *, stream=None)\n--\n\nA new KVCache of len(index) >= 1 sequences (same capacity): "
      "sequence i is a copy of this cache's sequence index[i] (indices may repeat). " STREAM_DOC},
-    {"repeat_interleave", (PyCFunction)(void (*)(void))q3_py_cache_repeat_interleave, KW,
+    {"repeat_interleave", (PyCFunction)(void (*)(void))q3py_cache_repeat_interleave, KW,
      "repeat_interleave(n, *, stream=None)\n--\n\nA new KVCache of batch * n sequences: sequence i * n + j "
      "is a copy of sequence i (a prompt expanded to n beams). " STREAM_DOC},
-    {"crop", (PyCFunction)(void (*)(void))q3_py_cache_crop, KW,
+    {"crop", (PyCFunction)(void (*)(void))q3py_cache_crop, KW,
      "crop(length, seq=None)\n--\n\nKeep the first `length` tokens of sequence `seq`, or of every sequence "
      "when seq is None; a sequence holding fewer keeps what it holds. length < 0 drops -length tokens from "
      "the end of each (transformers' Cache.crop)."},
-    {"copy", (PyCFunction)(void (*)(void))q3_py_cache_copy, KW,
+    {"copy", (PyCFunction)(void (*)(void))q3py_cache_copy, KW,
      "copy(*, stream=None)\n--\n\nA new KVCache with the same contents (copy.copy and copy.deepcopy call it, "
      "with no stream). " STREAM_DOC},
-    {"__copy__", (PyCFunction)q3_py_cache_copy_noargs, METH_NOARGS, "The same as copy()."},
-    {"__deepcopy__", (PyCFunction)q3_py_cache_deepcopy, METH_O, "The same as copy()."},
-    {"copy_prefix", (PyCFunction)(void (*)(void))q3_py_cache_copy_prefix, KW,
+    {"__copy__", (PyCFunction)q3py_cache_copy_noargs, METH_NOARGS, "The same as copy()."},
+    {"__deepcopy__", (PyCFunction)q3py_cache_deepcopy, METH_O, "The same as copy()."},
+    {"copy_prefix", (PyCFunction)(void (*)(void))q3py_cache_copy_prefix, KW,
      "copy_prefix(src_seq, dst_seq, length, *, stream=None)\n--\n\nSequence dst_seq becomes a copy of the "
      "first `length` tokens of sequence src_seq (prefix reuse); what dst_seq held is dropped. " STREAM_DOC},
     {NULL},
@@ -292,9 +271,9 @@ static PyType_Slot cache_slots[] = {
     {0, NULL},
 };
 
-PyType_Spec q3_cache_spec = {
+PyType_Spec q3py_cache_spec = {
     .name = "qwen3layer._C.KVCache",
-    .basicsize = sizeof(q3_cache_object),
+    .basicsize = sizeof(q3py_cache_object),
     .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION | Py_TPFLAGS_IMMUTABLETYPE,
     .slots = cache_slots,
 };

@@ -6,21 +6,18 @@
 #include "py_glue.h"
 
 /* 0, or -1 with RuntimeError while a layer call runs on the cache */
-int q3_py_cache_check_idle(q3_cache_object *o);
-/* seq argument: an int in [0, batch), or None (-> -1, "every sequence") when allow_all;
- * 0, or -1 with TypeError / IndexError naming seq */
-int q3_py_cache_parse_seq(const q3_cache *c, PyObject *obj, int allow_all, int *seq);
+int q3py_cache_check_idle(q3py_cache_object *o);
 /* None, or NULL with the engine's error raised */
 PyObject *q3_status_or_none(q3_status s, const q3_error *err);
 
 /* KVCache methods (py_cache_ops.c); their docstrings are in py_cache.c's table */
-PyObject *q3_py_cache_reorder(q3_cache_object *o, PyObject *args, PyObject *kw);
-PyObject *q3_py_cache_select(q3_cache_object *o, PyObject *args, PyObject *kw);
-PyObject *q3_py_cache_repeat_interleave(q3_cache_object *o, PyObject *args, PyObject *kw);
-PyObject *q3_py_cache_crop(q3_cache_object *o, PyObject *args, PyObject *kw);
-PyObject *q3_py_cache_copy(q3_cache_object *o, PyObject *args, PyObject *kw);
-PyObject *q3_py_cache_copy_noargs(q3_cache_object *o, PyObject *unused);
-PyObject *q3_py_cache_deepcopy(q3_cache_object *o, PyObject *memo);
-PyObject *q3_py_cache_copy_prefix(q3_cache_object *o, PyObject *args, PyObject *kw);
+PyObject *q3py_cache_reorder(q3py_cache_object *o, PyObject *args, PyObject *kw);
+PyObject *q3py_cache_select(q3py_cache_object *o, PyObject *args, PyObject *kw);
+PyObject *q3py_cache_repeat_interleave(q3py_cache_object *o, PyObject *args, PyObject *kw);
+PyObject *q3py_cache_crop(q3py_cache_object *o, PyObject *args, PyObject *kw);
+PyObject *q3py_cache_copy(q3py_cache_object *o, PyObject *args, PyObject *kw);
+PyObject *q3py_cache_copy_noargs(q3py_cache_object *o, PyObject *unused);
+PyObject *q3py_cache_deepcopy(q3py_cache_object *o, PyObject *memo);
+PyObject *q3py_cache_copy_prefix(q3py_cache_object *o, PyObject *args, PyObject *kw);
 
 #endif

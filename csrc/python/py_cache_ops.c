@@ -7,23 +7,6 @@
  * device is synchronized before and after them, so they are ordered against every stream. */
 #include "py_cache.h"
 
-/* stream argument: None -> NULL; an int (a cudaStream_t) for a CUDA cache only */
-static int parse_stream(const q3_cache *c, PyObject *obj, void **stream) {
-    *stream = NULL;
-    if (obj == Py_None) return 0;
-    if (c->device < 0) {
-        PyErr_SetString(PyExc_ValueError, "stream: expected None for a cache on the cpu");
-        return -1;
-    }
-    if (!PyLong_Check(obj)) {
-        PyErr_Format(PyExc_TypeError, "stream: expected an int (a cudaStream_t) or None, got %.100s",
-                     Py_TYPE(obj)->tp_name);
-        return -1;
-    }
-    *stream = PyLong_AsVoidPtr(obj);
-    return *stream || !PyErr_Occurred() ? 0 : -1;
-}
-
 /* index argument: a 1-D sequence of ints in [0, batch) (list, tuple, range, a torch or numpy
  * integer array). Returns a PyMem_Malloc'd array of *n entries, or NULL with an exception. */
 static int *parse_index(PyObject *obj, int batch, Py_ssize_t *n) {
@@ -83,11 +66,11 @@ static int *parse_index(PyObject *obj, int batch, Py_ssize_t *n) {
 }
 
 /* A new cache of o's geometry and capacity for `batch` sequences: sequence i <- o's index[i] */
-static PyObject *gather_new(q3_cache_object *o, const int *index, int batch, void *stream) {
+static PyObject *gather_new(q3py_cache_object *o, const int *index, int batch, void *stream) {
     const q3_cache *c = o->cache;
     q3_module_state *st = q3_state_of_type(Py_TYPE(o));
-    if (!st || q3_py_cache_check_idle(o) < 0) return NULL;
-    q3_cache_object *out = q3_cache_object_new(st, batch, c->capacity, c->kv_heads, c->head_dim, c->dtype, c->device);
+    if (!st || q3py_cache_check_idle(o) < 0) return NULL;
+    q3py_cache_object *out = q3py_cache_object_new(st, batch, q3_cache_capacity(c), q3_cache_kv_heads(c), q3_cache_head_dim(c), q3_cache_dtype(c), q3_cache_device(c));
     if (!out) return NULL;
     q3_error err;
     q3_status s;
@@ -103,20 +86,20 @@ static PyObject *gather_new(q3_cache_object *o, const int *index, int batch, voi
     return (PyObject *)out;
 }
 
-PyObject *q3_py_cache_reorder(q3_cache_object *o, PyObject *args, PyObject *kw) {
+PyObject *q3py_cache_reorder(q3py_cache_object *o, PyObject *args, PyObject *kw) {
     static char *names[] = {"index", "stream", NULL};
     PyObject *index_obj, *stream_obj = Py_None;
     void *stream;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "O|$O:reorder", names, &index_obj, &stream_obj)) return NULL;
     q3_cache *c = o->cache;
-    if (parse_stream(c, stream_obj, &stream) < 0) return NULL;
+    if (q3py_stream_on(stream_obj, q3_cache_device(c), "a cache on the cpu", &stream) < 0) return NULL;
     Py_ssize_t n;
-    int *index = parse_index(index_obj, c->batch, &n);
+    int *index = parse_index(index_obj, q3_cache_batch(c), &n);
     if (!index) return NULL;
     PyObject *result = NULL;
-    if (n != c->batch) {
-        PyErr_Format(PyExc_ValueError, "index: expected %d entries (the cache's batch), got %zd", c->batch, n);
-    } else if (q3_py_cache_check_idle(o) == 0) {
+    if (n != q3_cache_batch(c)) {
+        PyErr_Format(PyExc_ValueError, "index: expected %d entries (the cache's batch), got %zd", q3_cache_batch(c), n);
+    } else if (q3py_cache_check_idle(o) == 0) {
         q3_error err;
         q3_status s;
         o->busy = 1;
@@ -130,14 +113,14 @@ PyObject *q3_py_cache_reorder(q3_cache_object *o, PyObject *args, PyObject *kw) 
     return result;
 }
 
-PyObject *q3_py_cache_select(q3_cache_object *o, PyObject *args, PyObject *kw) {
+PyObject *q3py_cache_select(q3py_cache_object *o, PyObject *args, PyObject *kw) {
     static char *names[] = {"index", "stream", NULL};
     PyObject *index_obj, *stream_obj = Py_None;
     void *stream;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "O|$O:select", names, &index_obj, &stream_obj)) return NULL;
-    if (parse_stream(o->cache, stream_obj, &stream) < 0) return NULL;
+    if (q3py_stream_on(stream_obj, q3_cache_device(o->cache), "a cache on the cpu", &stream) < 0) return NULL;
     Py_ssize_t n;
-    int *index = parse_index(index_obj, o->cache->batch, &n);
+    int *index = parse_index(index_obj, q3_cache_batch(o->cache), &n);
     if (!index) return NULL;
     PyObject *result = NULL;
     if (n < 1 || n > INT_MAX)
@@ -148,20 +131,20 @@ PyObject *q3_py_cache_select(q3_cache_object *o, PyObject *args, PyObject *kw) {
     return result;
 }
 
-PyObject *q3_py_cache_repeat_interleave(q3_cache_object *o, PyObject *args, PyObject *kw) {
+PyObject *q3py_cache_repeat_interleave(q3py_cache_object *o, PyObject *args, PyObject *kw) {
     static char *names[] = {"n", "stream", NULL};
     long long n;
     PyObject *stream_obj = Py_None;
     void *stream;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "L|$O:repeat_interleave", names, &n, &stream_obj)) return NULL;
     const q3_cache *c = o->cache;
-    if (parse_stream(c, stream_obj, &stream) < 0) return NULL;
-    if (n < 1 || n > INT_MAX / c->batch) {
+    if (q3py_stream_on(stream_obj, q3_cache_device(c), "a cache on the cpu", &stream) < 0) return NULL;
+    if (n < 1 || n > INT_MAX / q3_cache_batch(c)) {
         PyErr_Format(PyExc_ValueError, "n: expected 1 <= n <= %d (a batch of at most %d from %d sequences), got %lld",
-                     INT_MAX / c->batch, INT_MAX, c->batch, n);
+                     INT_MAX / q3_cache_batch(c), INT_MAX, q3_cache_batch(c), n);
         return NULL;
     }
-    const int batch = c->batch * (int)n;
+    const int batch = q3_cache_batch(c) * (int)n;
     int *index = PyMem_Malloc((size_t)batch * sizeof *index);
     if (!index) return PyErr_NoMemory();
     for (int i = 0; i < batch; i++) index[i] = i / (int)n;
@@ -170,8 +153,8 @@ PyObject *q3_py_cache_repeat_interleave(q3_cache_object *o, PyObject *args, PyOb
     return result;
 }
 
-static PyObject *copy_on(q3_cache_object *o, void *stream) {
-    const int batch = o->cache->batch;
+static PyObject *copy_on(q3py_cache_object *o, void *stream) {
+    const int batch = q3_cache_batch(o->cache);
     int *index = PyMem_Malloc((size_t)batch * sizeof *index);
     if (!index) return PyErr_NoMemory();
     for (int i = 0; i < batch; i++) index[i] = i;
@@ -180,39 +163,39 @@ static PyObject *copy_on(q3_cache_object *o, void *stream) {
     return result;
 }
 
-PyObject *q3_py_cache_copy(q3_cache_object *o, PyObject *args, PyObject *kw) {
+PyObject *q3py_cache_copy(q3py_cache_object *o, PyObject *args, PyObject *kw) {
     static char *names[] = {"stream", NULL};
     PyObject *stream_obj = Py_None;
     void *stream;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "|$O:copy", names, &stream_obj)) return NULL;
-    if (parse_stream(o->cache, stream_obj, &stream) < 0) return NULL;
+    if (q3py_stream_on(stream_obj, q3_cache_device(o->cache), "a cache on the cpu", &stream) < 0) return NULL;
     return copy_on(o, stream);
 }
 
 /* copy.copy(cache): no stream named */
-PyObject *q3_py_cache_copy_noargs(q3_cache_object *o, PyObject *unused) {
+PyObject *q3py_cache_copy_noargs(q3py_cache_object *o, PyObject *unused) {
     (void)unused;
     return copy_on(o, NULL);
 }
 
 /* copy.deepcopy(cache): the memo needs nothing from us (copy records the result itself) */
-PyObject *q3_py_cache_deepcopy(q3_cache_object *o, PyObject *memo) {
+PyObject *q3py_cache_deepcopy(q3py_cache_object *o, PyObject *memo) {
     (void)memo;
     return copy_on(o, NULL);
 }
 
-PyObject *q3_py_cache_crop(q3_cache_object *o, PyObject *args, PyObject *kw) {
+PyObject *q3py_cache_crop(q3py_cache_object *o, PyObject *args, PyObject *kw) {
     static char *names[] = {"length", "seq", NULL};
     long long length;
     PyObject *seq_obj = Py_None;
     int seq;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "L|O:crop", names, &length, &seq_obj)) return NULL;
-    if (q3_py_cache_parse_seq(o->cache, seq_obj, 1, &seq) < 0 || q3_py_cache_check_idle(o) < 0) return NULL;
+    if (q3py_seq(seq_obj, q3_cache_batch(o->cache), 1, &seq) < 0 || q3py_cache_check_idle(o) < 0) return NULL;
     q3_error err;
     return q3_status_or_none(q3_cache_crop(o->cache, seq, length, &err), &err);
 }
 
-PyObject *q3_py_cache_copy_prefix(q3_cache_object *o, PyObject *args, PyObject *kw) {
+PyObject *q3py_cache_copy_prefix(q3py_cache_object *o, PyObject *args, PyObject *kw) {
     static char *names[] = {"src_seq", "dst_seq", "length", "stream", NULL};
     long long src, dst, length;
     PyObject *stream_obj = Py_None;
@@ -220,14 +203,14 @@ PyObject *q3_py_cache_copy_prefix(q3_cache_object *o, PyObject *args, PyObject *
     if (!PyArg_ParseTupleAndKeywords(args, kw, "LLL|$O:copy_prefix", names, &src, &dst, &length, &stream_obj))
         return NULL;
     q3_cache *c = o->cache;
-    if (parse_stream(c, stream_obj, &stream) < 0) return NULL;
-    if (src < 0 || src >= c->batch || dst < 0 || dst >= c->batch) {
-        const int bad_src = src < 0 || src >= c->batch;
+    if (q3py_stream_on(stream_obj, q3_cache_device(c), "a cache on the cpu", &stream) < 0) return NULL;
+    if (src < 0 || src >= q3_cache_batch(c) || dst < 0 || dst >= q3_cache_batch(c)) {
+        const int bad_src = src < 0 || src >= q3_cache_batch(c);
         PyErr_Format(PyExc_IndexError, "%s: expected 0 <= %s < %d (the cache's batch), got %lld",
-                     bad_src ? "src_seq" : "dst_seq", bad_src ? "src_seq" : "dst_seq", c->batch, bad_src ? src : dst);
+                     bad_src ? "src_seq" : "dst_seq", bad_src ? "src_seq" : "dst_seq", q3_cache_batch(c), bad_src ? src : dst);
         return NULL;
     }
-    if (q3_py_cache_check_idle(o) < 0) return NULL;
+    if (q3py_cache_check_idle(o) < 0) return NULL;
     q3_error err;
     q3_status s;
     o->busy = 1;

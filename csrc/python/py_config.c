@@ -135,7 +135,7 @@ int q3_parse_config(PyObject *cfg, q3_config *c) {
     return 0;
 }
 
-PyObject *q3_py_rope_table(PyObject *m, PyObject *cfg) {
+PyObject *q3py_rope_table(PyObject *m, PyObject *cfg) {
     (void)m;
     q3_config c;
     if (q3_parse_config(cfg, &c) < 0) return NULL;

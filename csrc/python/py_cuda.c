@@ -1,10 +1,15 @@
-/* The module's CUDA functions: opening the library, devices, synchronisation, the kernel
- * self-check and timings, thread schedules (the SIMT executor's), the prefill MoE switch. Added to
- * qwen3layer._C by py_module.c. */
+/* The module's CUDA functions: opening the library, devices, synchronisation, the kept
+ * device blocks, the prefill MoE switch and its measured choices. Added to qwen3layer._C by
+ * py_module.c; the kernel self-check, timings, thread schedules and the test-only switches are
+ * qwen3layer._testing's (csrc/testing). */
 #include "py_glue.h"
 
-#include "../cuda/backend.h"
 #include "py_layer.h"
+
+/* RuntimeError "<what>: the CUDA backend is not loaded"; NULL */
+static PyObject *not_loaded(const char *what) {
+    return PyErr_Format(PyExc_RuntimeError, "%s: the CUDA backend is not loaded", what);
+}
 
 static PyObject *cuda_open(PyObject *m, PyObject *arg) {
     (void)m;
@@ -23,12 +28,8 @@ static PyObject *cuda_blas_open(PyObject *m, PyObject *arg) {
     (void)m;
     const char *path = arg == Py_None ? NULL : PyUnicode_AsUTF8(arg);
     if (arg != Py_None && !path) return NULL;
-    const q3_cuda_ops *g = q3_cuda();
-    if (!g) {
-        PyErr_SetString(PyExc_RuntimeError, "cuda: the CUDA backend is not loaded");
-        return NULL;
-    }
-    return PyBool_FromLong(g->blas_open(path) == 0);
+    if (!q3_cuda_loaded()) return not_loaded("cuda");
+    return PyBool_FromLong(q3_cuda_blas_open(path));
 }
 
 static PyObject *cuda_blas_enable(PyObject *m, PyObject *args) {
@@ -37,12 +38,8 @@ static PyObject *cuda_blas_enable(PyObject *m, PyObject *args) {
     if (!PyArg_ParseTuple(args, "|O:cuda_blas_enable", &on)) return NULL;
     const int flag = on == Py_None ? -1 : PyObject_IsTrue(on);
     if (flag == -1 && on != Py_None) return NULL;
-    const q3_cuda_ops *g = q3_cuda();
-    if (!g) {
-        PyErr_SetString(PyExc_RuntimeError, "cuda: the CUDA backend is not loaded");
-        return NULL;
-    }
-    return PyBool_FromLong(g->blas_enable(flag));
+    if (!q3_cuda_loaded()) return not_loaded("cuda");
+    return PyBool_FromLong(q3_cuda_blas_enable(flag));
 }
 
 static PyObject *cuda_device_count(PyObject *m, PyObject *unused) {
@@ -55,20 +52,13 @@ static PyObject *cuda_synchronize(PyObject *m, PyObject *args) {
     (void)m;
     int device = 0;
     if (!PyArg_ParseTuple(args, "|i:cuda_synchronize", &device)) return NULL;
-    const q3_cuda_ops *g = q3_cuda();
-    if (!g) {
-        PyErr_SetString(PyExc_RuntimeError, "cuda_synchronize: the CUDA backend is not loaded");
-        return NULL;
-    }
-    int code;
+    if (!q3_cuda_loaded()) return not_loaded("cuda_synchronize");
+    q3_error err;
+    q3_status s;
     Py_BEGIN_ALLOW_THREADS
-    code = g->set_device(device);
-    if (!code) code = g->synchronize();
+    s = q3_device_synchronize(device, &err);
     Py_END_ALLOW_THREADS
-    if (code) {
-        PyErr_Format(PyExc_RuntimeError, "cuda_synchronize(%d): %s", device, g->error_string(code));
-        return NULL;
-    }
+    if (s != Q3_OK) return PyErr_Format(PyExc_RuntimeError, "cuda_synchronize(%d): %s", device, err.msg);
     Py_RETURN_NONE;
 }
 
@@ -81,12 +71,9 @@ static PyObject *cuda_grouped_prefill(PyObject *m, PyObject *args) {
     return PyBool_FromLong(q3_cuda_grouped_prefill(flag));
 }
 
-static const char *const moe_path_names[Q3_MOE_PATHS] = {"per_expert_wmma", "per_expert_cublas", "grouped_wmma",
-                                                          "grouped_cublas"};
-
 static int moe_path_of(PyObject *name) {
     for (int i = 0; i < Q3_MOE_PATHS; i++)
-        if (PyUnicode_CompareWithASCIIString(name, moe_path_names[i]) == 0) return i;
+        if (PyUnicode_CompareWithASCIIString(name, q3_moe_path_names[i]) == 0) return i;
     if (PyUnicode_CompareWithASCIIString(name, "measured") == 0) return -1;
     PyErr_Format(PyExc_ValueError, "path: expected 'measured', 'per_expert_wmma', 'per_expert_cublas', "
                  "'grouped_wmma' or 'grouped_cublas', got %R", name);
@@ -102,30 +89,7 @@ static PyObject *cuda_moe_path(PyObject *m, PyObject *args) {
     const int path = name == Py_None ? -2 : moe_path_of(name);
     if (name != Py_None && path == -2) return NULL;
     const int now = q3_cuda_moe_path(path);
-    return PyUnicode_FromString(now < 0 ? "measured" : moe_path_names[now]);
-}
-
-/* {path name: ms} or None -> the measurement's times */
-static PyObject *cuda_moe_inject_times(PyObject *m, PyObject *args) {
-    (void)m;
-    PyObject *times = Py_None;
-    if (!PyArg_ParseTuple(args, "|O:cuda_moe_inject_times", &times)) return NULL;
-    if (times == Py_None) {
-        q3_cuda_moe_inject_times(NULL);
-        Py_RETURN_NONE;
-    }
-    if (!PyDict_Check(times))
-        return PyErr_Format(PyExc_TypeError, "times: expected a dict or None, got %s", Py_TYPE(times)->tp_name);
-    float ms[Q3_MOE_PATHS];
-    for (int i = 0; i < Q3_MOE_PATHS; i++) {
-        PyObject *v = PyDict_GetItemString(times, moe_path_names[i]);
-        if (!v) return PyErr_Format(PyExc_ValueError, "times: expected a time for '%s'", moe_path_names[i]);
-        const double d = PyFloat_AsDouble(v);
-        if (d == -1.0 && PyErr_Occurred()) return NULL;
-        ms[i] = (float)d;
-    }
-    q3_cuda_moe_inject_times(ms);
-    Py_RETURN_NONE;
+    return PyUnicode_FromString(now < 0 ? "measured" : q3_moe_path_names[now]);
 }
 
 /* {(lo, hi): (chosen, {path: ms})} of a CUDA layer's measured size classes */
@@ -135,7 +99,7 @@ static PyObject *cuda_moe_choice(PyObject *m, PyObject *args) {
     if (!PyArg_ParseTuple(args, "O:cuda_moe_choice", &obj)) return NULL;
     if (!PyObject_TypeCheck(obj, st->layer_type))
         return PyErr_Format(PyExc_TypeError, "layer: expected a Layer, got %s", Py_TYPE(obj)->tp_name);
-    const q3_layer *layer = ((q3_layer_object *)obj)->layer;
+    const q3_layer *layer = ((q3py_layer_object *)obj)->layer;
     PyObject *out = PyDict_New();
     for (int c = 0; out && c < Q3_MOE_SIZE_CLASSES; c++) {
         float ms[Q3_MOE_PATHS];
@@ -145,12 +109,12 @@ static PyObject *cuda_moe_choice(PyObject *m, PyObject *args) {
         for (int i = 0; times && i < Q3_MOE_PATHS; i++) {
             if (ms[i] < 0.0f) continue;
             PyObject *t = PyFloat_FromDouble(ms[i]);
-            if (!t || PyDict_SetItemString(times, moe_path_names[i], t) < 0) Py_CLEAR(times);
+            if (!t || PyDict_SetItemString(times, q3_moe_path_names[i], t) < 0) Py_CLEAR(times);
             Py_XDECREF(t);
         }
         if (times) {
             key = Py_BuildValue("(LL)", c ? (long long)1 << (c - 1) : 0LL, ((long long)1 << c) - 1);
-            value = Py_BuildValue("(sO)", moe_path_names[chosen - 1], times);
+            value = Py_BuildValue("(sO)", q3_moe_path_names[chosen - 1], times);
         }
         if (!key || !value || PyDict_SetItem(out, key, value) < 0) Py_CLEAR(out);
         Py_XDECREF(times);
@@ -160,88 +124,29 @@ static PyObject *cuda_moe_choice(PyObject *m, PyObject *args) {
     return out;
 }
 
-static PyObject *cuda_check(PyObject *m, PyObject *args) {
-    (void)m;
-    int device = 0, n = 0;
-    if (!PyArg_ParseTuple(args, "|i:cuda_check", &device)) return NULL;
-    enum { MAX_CASES = 512 };
-    q3_check_result *results = PyMem_Calloc(MAX_CASES, sizeof *results);
-    if (!results) return PyErr_NoMemory();
-    q3_error err;
-    q3_status s;
-    Py_BEGIN_ALLOW_THREADS
-    s = q3_cuda_check(device, results, MAX_CASES, &n, &err);
-    Py_END_ALLOW_THREADS
-    PyObject *list = s == Q3_OK ? PyList_New(n) : q3_raise(NULL, &err);
-    for (int i = 0; list && i < n; i++) {
-        PyObject *row = Py_BuildValue("(sddiOs)", results[i].name, results[i].max_err, results[i].tol,
-                                      results[i].schedules, results[i].agree ? Py_True : Py_False, results[i].kernel);
-        if (!row) Py_CLEAR(list);
-        else PyList_SET_ITEM(list, i, row);
-    }
-    PyMem_Free(results);
-    return list;
-}
-
-/* milliseconds per call of a CUDA device copy or matmul (kernels/cuda/ops_cuda.h) */
-static PyObject *cuda_time(PyObject *m, PyObject *args, PyObject *kw) {
-    (void)m;
-    static char *names[] = {"what", "bytes", "T", "N", "K", "dtype", "repeats", NULL};
-    const char *what;
-    unsigned long long bytes = 0;
-    long long T = 1, N = 1, K = 1;
-    PyObject *dtype_obj = NULL;
-    int repeats = 20;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "s|KLLLOi:cuda_time", names, &what, &bytes, &T, &N, &K, &dtype_obj,
-                                     &repeats))
-        return NULL;
-    const q3_cuda_ops *g = q3_cuda();
-    if (!g) {
-        PyErr_SetString(PyExc_RuntimeError, "cuda: the CUDA backend is not loaded");
-        return NULL;
-    }
-    q3_dtype dt = Q3_BF16;
-    if (dtype_obj && q3_parse_dtype(dtype_obj, "dtype", &dt) < 0) return NULL;
-    float ms = 0.0f;
-    int code;
-    Py_BEGIN_ALLOW_THREADS
-    code = !strcmp(what, "copy") ? g->time_copy((size_t)bytes, repeats, &ms)
-                                 : g->time_matmul(T, N, K, dt, repeats, &ms);
-    Py_END_ALLOW_THREADS
-    if (code) {
-        PyErr_Format(PyExc_RuntimeError, "cuda_time(%s): %s", what, g->error_string(code));
-        return NULL;
-    }
-    return PyFloat_FromDouble(ms);
-}
-
-static PyObject *cuda_schedules(PyObject *m, PyObject *unused) {
-    (void)m;
-    (void)unused;
-    return PyLong_FromLong(q3_cuda_schedules());
-}
-
-static PyObject *cuda_set_schedule(PyObject *m, PyObject *args) {
-    (void)m;
-    int schedule;
-    unsigned long long seed = 0;
-    if (!PyArg_ParseTuple(args, "i|K:cuda_set_schedule", &schedule, &seed)) return NULL;
-    q3_error err;
-    if (q3_cuda_set_schedule(schedule, seed, &err) != Q3_OK) return q3_raise(NULL, &err);
-    Py_RETURN_NONE;
-}
-
 static PyObject *cuda_empty_cache(PyObject *m, PyObject *unused) {
     (void)m;
     (void)unused;
-    q3_tensor_release_kept();
+    q3_device_release_kept();
     Py_RETURN_NONE;
 }
 
+/* [(device, nbytes, address)] of the kept blocks (csrc/cuda/buffers.c), oldest first */
 static PyObject *cuda_cached_blocks(PyObject *m, PyObject *unused) {
     (void)m;
     (void)unused;
-    return q3_tensor_kept_blocks();
+    int device;
+    size_t bytes;
+    void *p;
+    const int n = q3_device_kept(0, &device, &bytes, &p);
+    PyObject *list = PyList_New(n);
+    for (int i = 0; list && i < n; i++) {
+        q3_device_kept(i, &device, &bytes, &p);
+        PyObject *item = Py_BuildValue("(inK)", device, (Py_ssize_t)bytes, (unsigned long long)(uintptr_t)p);
+        if (!item) Py_CLEAR(list);
+        else PyList_SET_ITEM(list, i, item);
+    }
+    return list;
 }
 
 PyMethodDef q3_cuda_methods[] = {
@@ -257,13 +162,6 @@ PyMethodDef q3_cuda_methods[] = {
      "cuBLAS was opened; None only reads. Returns whether cuBLAS is in use now."},
     {"cuda_device_count", cuda_device_count, METH_NOARGS,
      "cuda_device_count()\n--\n\nCUDA devices visible (0 before cuda_open or without a driver)."},
-    {"cuda_check", cuda_check, METH_VARARGS,
-     "cuda_check(device=0)\n--\n\n[(case, max_err, tol, schedules, agree, kernel)]: every CUDA kernel against its "
-     "CPU twin, under each thread schedule of the backend (agree: bitwise equal results across them; kernel: the "
-     "launcher(s) the case exercises)."},
-    {"cuda_time", (PyCFunction)(void (*)(void))cuda_time, METH_VARARGS | METH_KEYWORDS,
-     "cuda_time(what, bytes=0, T=1, N=1, K=1, dtype='bfloat16', repeats=20)\n--\n\n"
-     "ms per call, CUDA events: what='copy' (device to device) or 'matmul'."},
     {"cuda_synchronize", cuda_synchronize, METH_VARARGS,
      "cuda_synchronize(device=0)\n--\n\nWaits until everything queued on the device has run."},
     {"cuda_grouped_prefill", cuda_grouped_prefill, METH_VARARGS,
@@ -275,16 +173,8 @@ PyMethodDef q3_cuda_methods[] = {
      "of the paths a pass can take, timed on each layer's first pass of each size class), or one forced: "
      "'per_expert_wmma', 'per_expert_cublas', 'grouped_wmma' or 'grouped_cublas' (cublasGemmGroupedBatchedEx). None "
      "only reads it. Returns the setting."},
-    {"cuda_moe_inject_times", cuda_moe_inject_times, METH_VARARGS,
-     "cuda_moe_inject_times(times=None)\n--\n\nFor tests on the SIMT executor (whose event times mean nothing): "
-     "{path: ms} for every path, which the measurement then takes instead of the events'; None: the events'."},
     {"cuda_moe_choice", cuda_moe_choice, METH_VARARGS,
      "cuda_moe_choice(layer)\n--\n\nA CUDA layer's measured prefill MoE paths: {(lo, hi): (chosen, {path: ms})} "
      "for each size class measured (passes of lo..hi rows)."},
-    {"cuda_schedules", cuda_schedules, METH_NOARGS,
-     "cuda_schedules()\n--\n\nThread schedules of the open backend: 1 on a GPU, 3 on the SIMT executor."},
-    {"cuda_set_schedule", cuda_set_schedule, METH_VARARGS,
-     "cuda_set_schedule(schedule, seed=0)\n--\n\nThe SIMT executor's thread order for the launches that follow: "
-     "0 forward, 1 reverse, 2 a shuffle seeded by seed."},
     {NULL},
 };

@@ -4,24 +4,22 @@
 #ifndef Q3_PY_GLUE_H
 #define Q3_PY_GLUE_H
 
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "py_convert.h"
+
 #include <pythread.h>
 
-#include "../check/q3_check.h"
 #include "../cuda/q3_cuda.h"
-#include "../engine/cache.h"
 #include "../engine/q3.h"
 
 #define Q3_MAX_DIM 8
 
-typedef struct {
+struct q3_module_state {
     PyTypeObject *tensor_type;
     PyTypeObject *cache_type;
     PyTypeObject *layer_type;
     PyTypeObject *graph_type;
     PyObject *cache_full_error;
-} q3_module_state;
+};
 
 extern PyModuleDef q3_module_def;
 q3_module_state *q3_state_of_type(PyTypeObject *type);
@@ -52,14 +50,6 @@ static inline void q3_error_unstash(q3_pending_error *e) {
     PyErr_Restore(e->type, e->value, e->tb);
 #endif
 }
-
-/* Raises the Python exception for an engine failure; returns NULL. st gives the
- * module's CacheFullError (NULL only where the engine cannot report a full cache). */
-PyObject *q3_raise(q3_module_state *st, const q3_error *err);
-/* dtype <-> "float32" / "bfloat16" ("float8_e4m3fn" named, never parsed: weights only);
- * q3_parse_dtype raises TypeError naming `arg` */
-const char *q3_dtype_name(q3_dtype dt);
-int q3_parse_dtype(PyObject *obj, const char *arg, q3_dtype *out);
 
 /* ---- DLPack import (py_dlpack.c) ---------------------------------------------- */
 
@@ -103,24 +93,18 @@ typedef struct {
     q3_dtype dtype;
     int device; /* -1: host memory; else the CUDA device */
     Py_buffer *buffer; /* a view of a buffer-protocol object (a memory-mapped file), or NULL */
-} q3_tensor_object;
+} q3py_tensor_object;
 
-extern PyType_Spec q3_tensor_spec;
+extern PyType_Spec q3py_tensor_spec;
 /* new contiguous tensor of fresh extension memory (uninitialised) */
-q3_tensor_object *q3_tensor_new(q3_module_state *st, q3_dtype dt, int ndim, const int64_t *shape);
+q3py_tensor_object *q3py_tensor_new(q3_module_state *st, q3_dtype dt, int ndim, const int64_t *shape);
 /* the same on CUDA device `device` (-1: host) */
-q3_tensor_object *q3_tensor_new_on(q3_module_state *st, q3_dtype dt, int ndim, const int64_t *shape, int device);
+q3py_tensor_object *q3py_tensor_new_on(q3_module_state *st, q3_dtype dt, int ndim, const int64_t *shape, int device);
 /* view of memory owned by base */
-q3_tensor_object *q3_tensor_view(q3_module_state *st, PyObject *base, void *data, q3_dtype dt,
+q3py_tensor_object *q3py_tensor_view(q3_module_state *st, PyObject *base, void *data, q3_dtype dt,
                                  int ndim, const int64_t *shape, const int64_t *strides);
 /* view [shape] of dtype at byte `offset` of any buffer-protocol object (kept alive) */
 PyObject *q3_buffer_view(PyObject *module, PyObject *args);
-/* frees the device blocks kept for reuse by later tensors (py_tensor.c) */
-void q3_tensor_release_kept(void);
-/* [(device, nbytes, address)] of the kept blocks, oldest first */
-PyObject *q3_tensor_kept_blocks(void);
-/* the live extension-owned buffers, for zero-copy tests: list of (address, nbytes) */
-PyObject *q3_owned_buffers(PyObject *module, PyObject *unused);
 
 /* ---- KVCache (py_cache.c) --------------------------------------------------------- */
 
@@ -128,30 +112,26 @@ typedef struct {
     PyObject_HEAD
     q3_cache *cache;
     int busy; /* a layer call is running on it with the GIL released */
-} q3_cache_object;
+} q3py_cache_object;
 
-extern PyType_Spec q3_cache_spec;
-q3_cache_object *q3_cache_object_new(q3_module_state *st, int batch, int64_t capacity,
+extern PyType_Spec q3py_cache_spec;
+q3py_cache_object *q3py_cache_object_new(q3_module_state *st, int batch, int64_t capacity,
                                      int kv_heads, int head_dim, q3_dtype dt, int device);
 
 /* ---- Layer (py_layer.c) ------------------------------------------------------------ */
 
-extern PyType_Spec q3_layer_spec;
+extern PyType_Spec q3py_layer_spec;
 
 /* ---- config (py_config.c) ------------------------------------------------------------ */
 
 /* a LayerConfig's fields into *out, checked (q3_config_check); -1 with an exception */
 int q3_parse_config(PyObject *cfg, q3_config *out);
 /* rope_table(config) -> (inv_freq tuple [head_dim / 2], scale): q3_rope_table's */
-PyObject *q3_py_rope_table(PyObject *m, PyObject *cfg);
+PyObject *q3py_rope_table(PyObject *m, PyObject *cfg);
 
 /* ---- CUDA functions (py_cuda.c) ------------------------------------------------------ */
 
 extern PyMethodDef q3_cuda_methods[];
-
-/* ---- FP8 kernel test entries (py_fp8.c) ---------------------------------------------- */
-
-extern PyMethodDef q3_fp8_methods[];
 
 /* ---- random weights and inputs, FP8 dequantization (py_random.c) --------------------- */
 
@@ -163,10 +143,10 @@ extern PyMethodDef q3_routing_methods[];
 
 /* ---- DecodeGraph (py_graph.c) ------------------------------------------------------ */
 
-extern PyType_Spec q3_graph_spec;
+extern PyType_Spec q3py_graph_spec;
 /* captures one decode step of sequences 0 .. batch - 1 of the cache (layer_obj kept alive);
  * batch already checked: 1 .. min(cache batch, Q3_GRAPH_MAX_BATCH) */
-PyObject *q3_graph_new(q3_module_state *st, PyObject *layer_obj, q3_layer *layer, int device,
-                       q3_cache_object *cache, int batch, q3_dtype dtype);
+PyObject *q3py_graph_new(q3_module_state *st, PyObject *layer_obj, q3_layer *layer, int device,
+                       q3py_cache_object *cache, int batch, q3_dtype dtype);
 
 #endif

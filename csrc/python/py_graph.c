@@ -1,32 +1,31 @@
 /* DecodeGraph: a captured decode step (csrc/cuda/decode_graph.c) as a Python object. It keeps its
  * layer and cache alive; its input and output are device tensors exported through DLPack. */
-#include "../cuda/backend.h"
 #include "py_layer.h"
 
 typedef struct {
     PyObject_HEAD
     q3_decode_graph *graph;
     PyObject *layer;         /* the Layer: the graph reads its weights */
-    q3_cache_object *cache;  /* the graph appends to it */
+    q3py_cache_object *cache;  /* the graph appends to it */
     int batch;
     int64_t hidden;
     q3_dtype dtype;
     int device;
-} q3_graph_object;
+} q3py_graph_object;
 
-PyObject *q3_graph_new(q3_module_state *st, PyObject *layer_obj, q3_layer *layer, int device,
-                       q3_cache_object *co, int batch, q3_dtype dtype) {
+PyObject *q3py_graph_new(q3_module_state *st, PyObject *layer_obj, q3_layer *layer, int device,
+                       q3py_cache_object *co, int batch, q3_dtype dtype) {
     if (co->busy) {
         PyErr_SetString(PyExc_RuntimeError, "cache: in use by a running layer call on another thread");
         return NULL;
     }
     int32_t seqs[Q3_GRAPH_MAX_BATCH];
     for (int i = 0; i < batch; i++) seqs[i] = i;
-    q3_graph_object *self = PyObject_New(q3_graph_object, st->graph_type);
+    q3py_graph_object *self = PyObject_New(q3py_graph_object, st->graph_type);
     if (!self) return NULL;
     self->graph = NULL;
     self->layer = Py_NewRef(layer_obj);
-    self->cache = (q3_cache_object *)Py_NewRef((PyObject *)co);
+    self->cache = (q3py_cache_object *)Py_NewRef((PyObject *)co);
     self->batch = batch;
     self->hidden = q3_layer_config(layer)->hidden;
     self->dtype = dtype;
@@ -43,7 +42,7 @@ PyObject *q3_graph_new(q3_module_state *st, PyObject *layer_obj, q3_layer *layer
     return (PyObject *)self;
 }
 
-static void graph_dealloc(q3_graph_object *self) {
+static void graph_dealloc(q3py_graph_object *self) {
     PyTypeObject *tp = Py_TYPE(self);
     q3_decode_graph_destroy(self->graph);
     Py_XDECREF(self->layer);
@@ -53,17 +52,17 @@ static void graph_dealloc(q3_graph_object *self) {
 }
 
 /* a [batch, hidden] view of the graph's input or output, keeping the graph alive */
-static PyObject *buffer(q3_graph_object *self, void *data) {
+static PyObject *buffer(q3py_graph_object *self, void *data) {
     q3_module_state *st = q3_state_of_type(Py_TYPE(self));
     if (!st) return NULL;
     const int64_t shape[2] = {self->batch, self->hidden}, strides[2] = {self->hidden, 1};
-    q3_tensor_object *t = q3_tensor_view(st, (PyObject *)self, data, self->dtype, 2, shape, strides);
+    q3py_tensor_object *t = q3py_tensor_view(st, (PyObject *)self, data, self->dtype, 2, shape, strides);
     if (t) t->device = self->device;
     return (PyObject *)t;
 }
 
 /* x into the graph's input, on the stream (x: a [batch, hidden] tensor on the graph's device) */
-static int load_input(q3_graph_object *self, PyObject *x_obj, void *stream) {
+static int load_input(q3py_graph_object *self, PyObject *x_obj, void *stream) {
     q3_view x;
     if (q3_view_acquire_on(x_obj, "x", &x, self->device, 0, stream) < 0) return -1;
     int rc = -1;
@@ -80,23 +79,22 @@ static int load_input(q3_graph_object *self, PyObject *x_obj, void *stream) {
     else {
         void *input = q3_decode_graph_input(self->graph);
         const size_t bytes = (size_t)self->batch * (size_t)self->hidden * q3_dtype_size(self->dtype);
-        const int code = x.data == input ? 0 : q3_cuda()->copy_device_async(input, x.data, bytes, stream);
-        if (code) PyErr_Format(PyExc_RuntimeError, "x: copy to the graph's input failed: %s",
-                               q3_cuda()->error_string(code));
-        rc = code ? -1 : 0;
+        q3_error err;
+        rc = x.data == input || q3_device_copy_async(input, x.data, bytes, stream, &err) == Q3_OK ? 0 : -1;
+        if (rc) PyErr_Format(PyExc_RuntimeError, "x: copy to the graph's input failed: %s", err.msg);
     }
     q3_view_release(&x);
     return rc;
 }
 
-static PyObject *graph_replay(q3_graph_object *self, PyObject *args, PyObject *kw) {
+static PyObject *graph_replay(q3py_graph_object *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"x", "stream", NULL};
     PyObject *x = Py_None, *stream_obj = Py_None;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "|O$O:replay", names, &x, &stream_obj)) return NULL;
     q3_module_state *st = q3_state_of_type(Py_TYPE(self));
     if (!st) return NULL;
-    void *stream = NULL;
-    if (stream_obj != Py_None && !(stream = PyLong_AsVoidPtr(stream_obj)) && PyErr_Occurred()) return NULL;
+    void *stream;
+    if (!q3py_stream(stream_obj, &stream)) return NULL;
     if (self->cache->busy) {
         PyErr_SetString(PyExc_RuntimeError, "cache: in use by a running layer call on another thread");
         return NULL;
@@ -113,17 +111,17 @@ static PyObject *graph_replay(q3_graph_object *self, PyObject *args, PyObject *k
     return buffer(self, q3_decode_graph_output(self->graph));
 }
 
-static PyObject *get_input(q3_graph_object *self, void *c) {
+static PyObject *get_input(q3py_graph_object *self, void *c) {
     (void)c;
     return buffer(self, q3_decode_graph_input(self->graph));
 }
-static PyObject *get_output(q3_graph_object *self, void *c) {
+static PyObject *get_output(q3py_graph_object *self, void *c) {
     (void)c;
     return buffer(self, q3_decode_graph_output(self->graph));
 }
-static PyObject *get_batch(q3_graph_object *self, void *c) { (void)c; return PyLong_FromLong(self->batch); }
-static PyObject *get_dtype(q3_graph_object *self, void *c) { (void)c; return PyUnicode_FromString(q3_dtype_name(self->dtype)); }
-static PyObject *get_cache(q3_graph_object *self, void *c) { (void)c; return Py_NewRef((PyObject *)self->cache); }
+static PyObject *get_batch(q3py_graph_object *self, void *c) { (void)c; return PyLong_FromLong(self->batch); }
+static PyObject *get_dtype(q3py_graph_object *self, void *c) { (void)c; return PyUnicode_FromString(q3_dtype_name(self->dtype)); }
+static PyObject *get_cache(q3py_graph_object *self, void *c) { (void)c; return Py_NewRef((PyObject *)self->cache); }
 
 static PyMethodDef graph_methods[] = {
     {"replay", (PyCFunction)(void (*)(void))graph_replay, METH_VARARGS | METH_KEYWORDS,
@@ -150,9 +148,9 @@ static PyType_Slot graph_slots[] = {
     {0, NULL},
 };
 
-PyType_Spec q3_graph_spec = {
+PyType_Spec q3py_graph_spec = {
     .name = "qwen3layer._C.DecodeGraph",
-    .basicsize = sizeof(q3_graph_object),
+    .basicsize = sizeof(q3py_graph_object),
     .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION,
     .slots = graph_slots,
 };

@@ -7,17 +7,14 @@
  * layer's lock (the workspace is per layer). */
 #include <string.h>
 
-#include "../cuda/backend.h"
 #include "py_layer.h"
 
-#define FUSED_GATE_UP "mlp.experts.gate_up_proj"
-#define FUSED_DOWN "mlp.experts.down_proj"
 
 
 /* ---- weights --------------------------------------------------------------------- */
 
 /* a converted copy, owned by the layer from now on (freed with it), named in `converted` */
-static void *record_converted(q3_layer_object *self, const char *name, void *copy) {
+static void *record_converted(q3py_layer_object *self, const char *name, void *copy) {
     self->owned[self->n_owned++] = copy;
     PyObject *nm = PyUnicode_FromString(name);
     if (!nm || PyList_Append(self->converted, nm) < 0) {
@@ -28,48 +25,26 @@ static void *record_converted(q3_layer_object *self, const char *name, void *cop
     return copy;
 }
 
-/* a copy of the contiguous device weight v (bytes long) in a new block of the layer's
- * device, or NULL with an exception */
-static void *copy_on_device(q3_layer_object *self, const q3_view *v, size_t bytes, const char *arg) {
-    const q3_cuda_ops *g = q3_cuda();
-    void *dev = NULL;
-    int code = g->set_device(self->device);
-    if (!code) code = g->malloc_device(&dev, bytes ? bytes : 1);
-    /* on the legacy default stream, which the producer's export was asked to order its
-     * work before (DLPack stream 1); then waited for, as the upload of a host weight is */
-    if (!code) code = g->copy_device_async(dev, v->data, bytes, NULL);
-    if (!code) code = g->synchronize();
-    if (code) {
-        if (dev) g->free_device(dev);
-        PyErr_Format(PyExc_MemoryError, "%s: cannot copy %zu bytes to an aligned block on cuda:%d: %s", arg, bytes,
-                     self->device, g->error_string(code));
-        return NULL;
-    }
-    return dev;
+/* bytes of src (on src_device, -1: host) copied into a new block of the layer's device
+ * (csrc/cuda/buffers.c), or NULL with MemoryError naming arg: a device weight not 16-byte
+ * aligned, or a host weight uploaded once, now */
+static void *upload(q3py_layer_object *self, const void *src, int src_device, size_t bytes, const char *arg) {
+    void *dev;
+    q3_error err;
+    if (q3_device_upload(&dev, self->device, src, src_device, bytes, &err) == Q3_OK) return dev;
+    PyErr_Format(PyExc_MemoryError, "%s: cannot copy %zu bytes to %scuda:%d: %s", arg, bytes,
+                 src_device >= 0 ? "an aligned block on " : "", self->device, err.msg);
+    return NULL;
 }
 
-void *q3_layer_device_copy(q3_layer_object *self, const q3_view *v, size_t bytes, const char *name, const char *arg) {
-    void *dev = NULL;
-    if (v->device >= 0) {
-        dev = copy_on_device(self, v, bytes, arg);
-    } else { /* from the host: uploaded once, now */
-        const q3_cuda_ops *g = q3_cuda();
-        int code = g->set_device(self->device);
-        if (!code) code = g->malloc_device(&dev, bytes ? bytes : 1);
-        if (!code) code = g->copy(dev, v->data, bytes, 1);
-        if (code) {
-            if (dev) g->free_device(dev);
-            PyErr_Format(PyExc_MemoryError, "%s: cannot copy %zu bytes to cuda:%d: %s", arg, bytes, self->device,
-                         g->error_string(code));
-            return NULL;
-        }
-    }
+void *q3py_layer_device_copy(q3py_layer_object *self, const q3_view *v, size_t bytes, const char *name, const char *arg) {
+    void *dev = upload(self, v->data, v->device, bytes, arg);
     return dev ? record_converted(self, name, dev) : NULL;
 }
 
 /* Imports weights[name] into the next view slot (not yet counted) and checks its shape;
  * `allow` as for q3_view_acquire_on. Returns the view, or NULL with an exception. */
-q3_view *q3_layer_acquire_shaped(q3_layer_object *self, PyObject *weights, const char *name, int rank,
+q3_view *q3py_layer_acquire_shaped(q3py_layer_object *self, PyObject *weights, const char *name, int rank,
                                const int64_t *dims, int allow, char *arg, size_t arg_size) {
     PyObject *obj = PyDict_GetItemString(weights, name);
     if (!obj) {
@@ -98,10 +73,10 @@ q3_view *q3_layer_acquire_shaped(q3_layer_object *self, PyObject *weights, const
  * 16-byte loads; csrc/cuda/q3_cuda.h says which, and why experts of a fused tensor follow
  * its base): a device weight elsewhere (a view at an odd offset) would fault there, so it
  * is copied once into a cudaMalloc block (256-byte aligned) and listed in `converted`. */
-const void *q3_layer_take_weight(q3_layer_object *self, PyObject *weights, const char *name,
+const void *q3py_layer_take_weight(q3py_layer_object *self, PyObject *weights, const char *name,
                                int rank, const int64_t *dims, q3_dtype dtype) {
     char arg[160];
-    q3_view *v = q3_layer_acquire_shaped(self, weights, name, rank, dims, Q3_VIEW_HOST, arg, sizeof arg);
+    q3_view *v = q3py_layer_acquire_shaped(self, weights, name, rank, dims, Q3_VIEW_HOST, arg, sizeof arg);
     if (!v) return NULL;
     const int aligned = v->device < 0 || (uintptr_t)v->data % Q3_CUDA_WEIGHT_ALIGN == 0;
     if (v->device == self->device && v->dtype == dtype && v->contiguous && aligned) {
@@ -120,7 +95,7 @@ const void *q3_layer_take_weight(q3_layer_object *self, PyObject *weights, const
     const size_t bytes = n * q3_dtype_size(dtype);
     void *copy;
     if (v->device >= 0) { /* of the layer's dtype and contiguous, but not 16-byte aligned */
-        copy = copy_on_device(self, v, bytes, arg);
+        copy = upload(self, v->data, v->device, bytes, arg);
         q3_view_release(v);
         if (!copy) return NULL;
         return record_converted(self, name, copy);
@@ -136,59 +111,62 @@ const void *q3_layer_take_weight(q3_layer_object *self, PyObject *weights, const
     Py_END_ALLOW_THREADS
     q3_view_release(v);
     if (self->device >= 0) { /* a host weight for a CUDA layer: uploaded once, now */
-        void *dev = NULL;
-        const q3_cuda_ops *g = q3_cuda();
-        int code = g->set_device(self->device);
-        if (!code) code = g->malloc_device(&dev, bytes);
-        if (!code) code = g->copy(dev, copy, bytes, 1);
+        void *dev = upload(self, copy, -1, bytes, arg);
         q3_free(copy);
-        if (code) {
-            if (dev) g->free_device(dev);
-            PyErr_Format(PyExc_MemoryError, "%s: cannot copy %zu bytes to cuda:%d: %s", arg, bytes, self->device,
-                         g->error_string(code));
-            return NULL;
-        }
+        if (!dev) return NULL;
         copy = dev;
     }
     return record_converted(self, name, copy);
 }
 
-int q3_layer_record_ptr(q3_layer_object *self, const char *name, const void *p) {
+int q3py_layer_record_ptr(q3py_layer_object *self, const char *name, const void *p) {
     PyObject *addr = PyLong_FromVoidPtr((void *)p);
     const int rc = addr ? PyDict_SetItemString(self->weight_ptrs, name, addr) : -1;
     Py_XDECREF(addr);
     return rc;
 }
 
-static int take_experts(q3_layer_object *self, PyObject *weights, const q3_config *c, q3_dtype dt) {
-    const int E = c->experts;
-    const int64_t H = c->hidden, I = c->moe_inter;
-    const void **gate = self->expert_ptrs, **up = gate + E, **down = up + E;
-    if (PyDict_GetItemString(weights, FUSED_GATE_UP)) {
-        /* transformers 5.x: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I] */
-        const int64_t gu_dims[3] = {E, 2 * I, H}, d_dims[3] = {E, H, I};
-        const char *gu = q3_layer_take_weight(self, weights, FUSED_GATE_UP, 3, gu_dims, dt);
-        if (!gu) return -1;
-        const char *dn = q3_layer_take_weight(self, weights, FUSED_DOWN, 3, d_dims, dt);
-        if (!dn) return -1;
-        const size_t es = q3_dtype_size(dt);
-        for (int e = 0; e < E; e++) {
-            gate[e] = gu + (size_t)e * 2 * I * H * es;
-            up[e] = gu + ((size_t)e * 2 * I + I) * H * es;
-            down[e] = dn + (size_t)e * H * I * es;
+/* A projection matrix (or fused experts) weights[name] of shape dims: in the FP8 format with
+ * its scale_inv of shape sdims into *scale (q3py_layer_take_fp8), else of the layer's dtype;
+ * its address recorded in weight_ptrs. NULL with an exception. */
+static const void *take_matrix(q3py_layer_object *self, PyObject *weights, const char *name, int rank,
+                               const int64_t *dims, const int64_t *sdims, const q3_weights *w, const void **scale) {
+    if (w->format == Q3_WF_FP8_BLOCK128)
+        return q3py_layer_take_fp8(self, weights, name, rank, dims, sdims, w->scale_dtype, scale);
+    const void *p = q3py_layer_take_weight(self, weights, name, rank, dims, w->dtype);
+    return p && q3py_layer_record_ptr(self, name, p) == 0 ? p : NULL;
+}
+
+/* The experts into w: transformers 5.x's fused tensors as they are (the engine slices them,
+ * q3_fused_expert_shape), or mlp.experts.{e}.{gate,up,down}_proj.weight (and their scales)
+ * into self->expert_ptrs [Q3_X_COUNT][E] (then [Q3_X_COUNT][E] scales). */
+static int take_experts(q3py_layer_object *self, PyObject *weights, const q3_config *c, q3_weights *w) {
+    if (PyDict_GetItemString(weights, q3_fused_expert_name(Q3_FUSED_GATE_UP))) {
+        for (int f = 0; f < Q3_FUSED_COUNT; f++) {
+            int64_t dims[3], sdims[3];
+            q3_fused_expert_shape(c, f, 0, dims);
+            q3_fused_expert_shape(c, f, 1, sdims);
+            w->fused[f] = take_matrix(self, weights, q3_fused_expert_name(f), 3, dims, sdims, w, &w->fused_scales[f]);
+            if (!w->fused[f]) return -1;
         }
-        return q3_layer_record_ptr(self, FUSED_GATE_UP, gu) || q3_layer_record_ptr(self, FUSED_DOWN, dn) ? -1 : 0;
+        return 0;
     }
-    const void **slots[Q3_X_COUNT] = {gate, up, down};
+    const int E = c->experts;
+    const void **ptrs = self->expert_ptrs;
     for (int e = 0; e < E; e++)
         for (int x = 0; x < Q3_X_COUNT; x++) {
             char name[96];
-            int64_t dims[2];
+            int64_t dims[2], sdims[2];
             snprintf(name, sizeof name, "mlp.experts.%d.%s.weight", e, q3_expert_weight_name(x));
             q3_expert_weight_shape(c, x, dims);
-            slots[x][e] = q3_layer_take_weight(self, weights, name, 2, dims, dt);
-            if (!slots[x][e] || q3_layer_record_ptr(self, name, slots[x][e]) < 0) return -1;
+            q3_fp8_scale_shape(dims, sdims);
+            ptrs[x * E + e] = take_matrix(self, weights, name, 2, dims, sdims, w, &ptrs[(Q3_X_COUNT + x) * E + e]);
+            if (!ptrs[x * E + e]) return -1;
         }
+    for (int x = 0; x < Q3_X_COUNT; x++) {
+        w->experts[x] = ptrs + (size_t)x * E;
+        if (w->format == Q3_WF_FP8_BLOCK128) w->expert_scales[x] = ptrs + (size_t)(Q3_X_COUNT + x) * E;
+    }
     return 0;
 }
 
@@ -208,7 +186,7 @@ static int weight_dtype(PyObject *weights, const char *name, int device, int all
     return 0;
 }
 
-int q3_layer_scale_dtype(PyObject *weights, int device, q3_dtype *sdt) {
+int q3py_layer_scale_dtype(PyObject *weights, int device, q3_dtype *sdt) {
     const char *name = "self_attn.q_proj.weight_scale_inv";
     if (!PyDict_GetItemString(weights, name)) {
         PyErr_Format(PyExc_ValueError, "weights['self_attn.q_proj.weight']: an FP8 weight without its scale: "
@@ -229,14 +207,7 @@ static int layer_dtype(PyObject *weights, PyObject *dtype_obj, PyObject *format_
         if (weight_dtype(weights, q_proj, device, Q3_VIEW_HOST | Q3_VIEW_E4M3, &q_dt) < 0) return -1;
         *wf = q_dt == Q3_E4M3 ? Q3_WF_FP8_BLOCK128 : Q3_WF_DENSE;
     } else {
-        const char *fmt = PyUnicode_Check(format_obj) ? PyUnicode_AsUTF8(format_obj) : NULL;
-        if (!fmt || (strcmp(fmt, "dense") && strcmp(fmt, "fp8_e4m3_block128"))) {
-            PyErr_Clear();
-            PyErr_Format(PyExc_ValueError, "weight_format: expected None, 'dense' or 'fp8_e4m3_block128', got %R",
-                         format_obj);
-            return -1;
-        }
-        *wf = strcmp(fmt, "dense") ? Q3_WF_FP8_BLOCK128 : Q3_WF_DENSE;
+        if (!q3py_weight_format(format_obj, wf)) return -1;
     }
     if (dtype_obj != Py_None) return q3_parse_dtype(dtype_obj, "dtype", dt);
     return weight_dtype(weights, *wf == Q3_WF_DENSE ? q_proj : q3_dense_weight_name(Q3_W_INPUT_NORM), device,
@@ -250,7 +221,7 @@ static PyObject *layer_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OO!|OiO:Layer", names, &cfg_obj, &PyDict_Type, &weights,
                                      &dtype_obj, &device, &format_obj))
         return NULL;
-    if (device >= 0 && !q3_cuda()) {
+    if (device >= 0 && !q3_cuda_loaded()) {
         PyErr_SetString(PyExc_RuntimeError, "device: the CUDA backend is not loaded (qwen3layer.cuda.load())");
         return NULL;
     }
@@ -258,11 +229,11 @@ static PyObject *layer_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     q3_dtype dt, sdt = Q3_F32;
     q3_weight_format wf;
     if (q3_parse_config(cfg_obj, &cfg) < 0 || layer_dtype(weights, dtype_obj, format_obj, device, &dt, &wf) < 0 ||
-        (wf == Q3_WF_FP8_BLOCK128 && q3_layer_scale_dtype(weights, device, &sdt) < 0))
+        (wf == Q3_WF_FP8_BLOCK128 && q3py_layer_scale_dtype(weights, device, &sdt) < 0))
         return NULL;
     const int fp8 = wf == Q3_WF_FP8_BLOCK128;
 
-    q3_layer_object *self = (q3_layer_object *)type->tp_alloc(type, 0);
+    q3py_layer_object *self = (q3py_layer_object *)type->tp_alloc(type, 0);
     if (!self) return NULL;
     self->device = device < 0 ? -1 : device;
     self->scale_dtype = sdt;
@@ -283,25 +254,21 @@ static PyObject *layer_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
         int64_t dims[2], sdims[2];
         const int rank = q3_dense_weight_shape(&cfg, i, dims);
         const char *name = q3_dense_weight_name(i);
-        if (fp8 && q3_dense_weight_is_matrix(i)) {
+        if (q3_dense_weight_is_matrix(i)) {
             q3_fp8_scale_shape(dims, sdims);
-            w.dense[i] = q3_layer_take_fp8(self, weights, name, 2, dims, sdims, sdt, &w.dense_scale[i]);
-        } else {
-            w.dense[i] = q3_layer_take_weight(self, weights, name, rank, dims, dt);
-            if (w.dense[i] && q3_layer_record_ptr(self, name, w.dense[i]) < 0) w.dense[i] = NULL;
+            w.dense[i] = take_matrix(self, weights, name, 2, dims, sdims, &w, &w.dense_scale[i]);
+        } else { /* norms (and the router) keep the layer's dtype in either format */
+            w.dense[i] = q3py_layer_take_weight(self, weights, name, rank, dims, dt);
+            if (w.dense[i] && q3py_layer_record_ptr(self, name, w.dense[i]) < 0) w.dense[i] = NULL;
         }
         if (!w.dense[i]) {
             Py_DECREF(self);
             return NULL;
         }
     }
-    if ((fp8 ? q3_layer_take_fp8_experts(self, weights, &cfg, sdt) : take_experts(self, weights, &cfg, dt)) < 0) {
+    if (take_experts(self, weights, &cfg, &w) < 0) {
         Py_DECREF(self);
         return NULL;
-    }
-    for (int x = 0; x < Q3_X_COUNT; x++) {
-        w.experts[x] = self->expert_ptrs + (size_t)x * cfg.experts;
-        if (fp8) w.expert_scales[x] = self->expert_ptrs + (size_t)(Q3_X_COUNT + x) * cfg.experts;
     }
     q3_error err;
     if (q3_layer_create(&self->layer, &cfg, &w, &err) != Q3_OK) {
@@ -311,13 +278,13 @@ static PyObject *layer_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     return (PyObject *)self;
 }
 
-static void layer_dealloc(q3_layer_object *self) {
+static void layer_dealloc(q3py_layer_object *self) {
     PyTypeObject *tp = Py_TYPE(self);
     q3_layer_destroy(self->layer);
     for (int i = 0; self->views && i < self->n_views; i++) q3_view_release(&self->views[i]);
     for (int i = 0; self->owned && i < self->n_owned; i++) {
         if (self->device < 0) q3_free(self->owned[i]);
-        else if (q3_cuda()) q3_cuda()->free_device(self->owned[i]);
+        else q3_device_free(self->owned[i]);
     }
     PyMem_Free(self->views);
     PyMem_Free(self->owned);
@@ -332,16 +299,16 @@ static void layer_dealloc(q3_layer_object *self) {
 static PyType_Slot layer_slots[] = {
     {Py_tp_new, layer_new},
     {Py_tp_dealloc, layer_dealloc},
-    {Py_tp_methods, q3_layer_methods},
-    {Py_tp_getset, q3_layer_getset},
+    {Py_tp_methods, q3py_layer_methods},
+    {Py_tp_getset, q3py_layer_getset},
     {Py_tp_doc, "Layer(config, weights, dtype=None, device=-1, weight_format=None)\n--\n\nEngine layer; use "
                  "qwen3layer.DecoderLayer."},
     {0, NULL},
 };
 
-PyType_Spec q3_layer_spec = {
+PyType_Spec q3py_layer_spec = {
     .name = "qwen3layer._C.Layer",
-    .basicsize = sizeof(q3_layer_object),
+    .basicsize = sizeof(q3py_layer_object),
     .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
     .slots = layer_slots,
 };

@@ -17,31 +17,30 @@ typedef struct {
     PyThread_type_lock lock;
     int device;          /* -1: cpu; else the CUDA device of weights, caches and outputs */
     q3_dtype scale_dtype; /* FP8: of the block scales the engine reads */
-} q3_layer_object;
+} q3py_layer_object;
 
 /* construction (py_layer.c): weights[name] imported into the next view slot with its shape
  * checked (`allow` as for q3_view_acquire_on; the slot is counted by the caller); the
  * pointer the engine reads for a weight of `dtype` (borrowed, or converted once); and
  * weight_ptrs[name] = p. Each returns NULL / -1 with an exception. */
-q3_view *q3_layer_acquire_shaped(q3_layer_object *self, PyObject *weights, const char *name, int rank,
+q3_view *q3py_layer_acquire_shaped(q3py_layer_object *self, PyObject *weights, const char *name, int rank,
                                  const int64_t *dims, int allow, char *arg, size_t arg_size);
 /* a copy of the contiguous tensor v (bytes long; on the host, or on the layer's device) in a
  * new block of the layer's CUDA device, owned by the layer and named in `converted`; NULL with
  * an exception */
-void *q3_layer_device_copy(q3_layer_object *self, const q3_view *v, size_t bytes, const char *name, const char *arg);
-const void *q3_layer_take_weight(q3_layer_object *self, PyObject *weights, const char *name, int rank,
+void *q3py_layer_device_copy(q3py_layer_object *self, const q3_view *v, size_t bytes, const char *name, const char *arg);
+const void *q3py_layer_take_weight(q3py_layer_object *self, PyObject *weights, const char *name, int rank,
                                  const int64_t *dims, q3_dtype dtype);
-int q3_layer_record_ptr(q3_layer_object *self, const char *name, const void *p);
+int q3py_layer_record_ptr(q3py_layer_object *self, const char *name, const void *p);
 
 /* the scale dtype of an FP8 layer: that of self_attn.q_proj.weight_scale_inv (py_layer.c) */
-int q3_layer_scale_dtype(PyObject *weights, int device, q3_dtype *sdt);
-/* FP8 weights (py_layer_fp8.c): a matrix and its scale (shape sdims, of dtype sdt) into
- * *scale; the experts, per expert or fused */
-const void *q3_layer_take_fp8(q3_layer_object *self, PyObject *weights, const char *name, int rank,
+int q3py_layer_scale_dtype(PyObject *weights, int device, q3_dtype *sdt);
+/* FP8 weights (py_layer_fp8.c): a matrix (or fused experts) and its scale (shape sdims, of
+ * dtype sdt) into *scale */
+const void *q3py_layer_take_fp8(q3py_layer_object *self, PyObject *weights, const char *name, int rank,
                               const int64_t *dims, const int64_t *sdims, q3_dtype sdt, const void **scale);
-int q3_layer_take_fp8_experts(q3_layer_object *self, PyObject *weights, const q3_config *c, q3_dtype sdt);
 
-extern PyMethodDef q3_layer_methods[];
-extern PyGetSetDef q3_layer_getset[];
+extern PyMethodDef q3py_layer_methods[];
+extern PyGetSetDef q3py_layer_getset[];
 
 #endif

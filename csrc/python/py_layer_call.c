@@ -3,8 +3,8 @@
 #include "py_layer.h"
 #include "py_layer_insides.h"
 
-static q3_cache_object *as_cache(PyObject *obj, q3_module_state *st) {
-    if (PyObject_TypeCheck(obj, st->cache_type)) return (q3_cache_object *)obj;
+static q3py_cache_object *as_cache(PyObject *obj, q3_module_state *st) {
+    if (PyObject_TypeCheck(obj, st->cache_type)) return (q3py_cache_object *)obj;
     PyErr_Format(PyExc_TypeError, "cache: expected a qwen3layer KVCache (from layer.new_cache), got %.100s",
                  Py_TYPE(obj)->tp_name);
     return NULL;
@@ -44,10 +44,10 @@ static int check_x(const q3_view *x, const q3_config *cfg, const q3_cache *c, in
         return -1;
     }
     if (decode) {
-        snprintf(want, sizeof want, "[batch=%d, hidden=%lld]", c->batch, (long long)cfg->hidden);
-        if (x->ndim != 2 || x->shape[0] != c->batch || x->shape[1] != cfg->hidden)
+        snprintf(want, sizeof want, "[batch=%d, hidden=%lld]", q3_cache_batch(c), (long long)cfg->hidden);
+        if (x->ndim != 2 || x->shape[0] != q3_cache_batch(c) || x->shape[1] != cfg->hidden)
             return shape_error("x", want, x);
-        *n_seqs = c->batch;
+        *n_seqs = q3_cache_batch(c);
         *tokens = 1;
         return 0;
     }
@@ -55,10 +55,10 @@ static int check_x(const q3_view *x, const q3_config *cfg, const q3_cache *c, in
         snprintf(want, sizeof want, "[tokens, hidden=%lld]", (long long)cfg->hidden);
         *n_seqs = 1;
     } else {
-        snprintf(want, sizeof want, "[batch=%d, tokens, hidden=%lld] or [tokens, hidden=%lld]", c->batch,
+        snprintf(want, sizeof want, "[batch=%d, tokens, hidden=%lld] or [tokens, hidden=%lld]", q3_cache_batch(c),
                  (long long)cfg->hidden, (long long)cfg->hidden);
-        if (x->ndim != 3 || x->shape[0] != c->batch) return shape_error("x", want, x);
-        *n_seqs = c->batch;
+        if (x->ndim != 3 || x->shape[0] != q3_cache_batch(c)) return shape_error("x", want, x);
+        *n_seqs = q3_cache_batch(c);
     }
     if (x->shape[x->ndim - 1] != cfg->hidden) return shape_error("x", want, x);
     *tokens = x->shape[x->ndim - 2];
@@ -128,26 +128,19 @@ static void add_note(const char *note) {
     q3_error_unstash(&e);
 }
 
-static PyObject *run(q3_layer_object *self, PyObject *x_obj, PyObject *cache_obj, int decode,
+static PyObject *run(q3py_layer_object *self, PyObject *x_obj, PyObject *cache_obj, int decode,
                      PyObject *seq_obj, PyObject *chunk_obj, PyObject *out_obj, PyObject *stream_obj,
                      q3_insides *ins) {
     q3_module_state *st = q3_state_of_type(Py_TYPE(self));
     if (!st) return NULL;
-    q3_cache_object *co = as_cache(cache_obj, st);
+    q3py_cache_object *co = as_cache(cache_obj, st);
     if (!co) return NULL;
     const q3_config *cfg = q3_layer_config(self->layer);
     int64_t chunk;
     if (parse_chunk(chunk_obj, &chunk) < 0) return NULL;
 
-    void *stream = NULL;
-    if (stream_obj != Py_None) {
-        stream = PyLong_AsVoidPtr(stream_obj);
-        if (!stream && PyErr_Occurred()) return NULL;
-        if (self->device < 0) {
-            PyErr_SetString(PyExc_ValueError, "stream: expected None for a cpu layer");
-            return NULL;
-        }
-    }
+    void *stream;
+    if (q3py_stream_on(stream_obj, self->device, "a cpu layer", &stream) < 0) return NULL;
     q3_view x, out = {0};
     if (q3_view_acquire_on(x_obj, "x", &x, self->device, 0, stream) < 0) return NULL;
     PyObject *result = NULL;
@@ -157,21 +150,9 @@ static PyObject *run(q3_layer_object *self, PyObject *x_obj, PyObject *cache_obj
     int32_t *seq_list = seqs;
     if (check_x(&x, cfg, co->cache, decode, &n_seqs, &tokens) < 0) goto done;
     if (!decode && x.ndim == 2) {
-        long long s = 0;
-        if (seq_obj != Py_None) {
-            if (!PyLong_Check(seq_obj) || PyBool_Check(seq_obj)) {
-                PyErr_Format(PyExc_TypeError, "seq: expected an int, got %.100s", Py_TYPE(seq_obj)->tp_name);
-                goto done;
-            }
-            s = PyLong_AsLongLong(seq_obj);
-            if (s == -1 && PyErr_Occurred()) goto done;
-        }
-        if (s < 0 || s >= co->cache->batch) {
-            PyErr_Format(PyExc_IndexError, "seq: expected 0 <= seq < %d (the cache's batch), got %lld",
-                         co->cache->batch, s);
-            goto done;
-        }
-        seqs[0] = (int32_t)s;
+        int s = 0; /* None: the first sequence */
+        if (seq_obj != Py_None && q3py_seq(seq_obj, q3_cache_batch(co->cache), 0, &s) < 0) goto done;
+        seqs[0] = s;
     } else {
         if (!decode && seq_obj != Py_None) {
             PyErr_SetString(PyExc_ValueError,
@@ -199,15 +180,15 @@ static PyObject *run(q3_layer_object *self, PyObject *x_obj, PyObject *cache_obj
         q3_raise(st, &err);
         goto done;
     }
-    if (q3_insides_make(ins, st, self->layer, co->cache, &x, self->device, &a) < 0) goto done;
+    if (q3py_insides_make(ins, st, self->layer, co->cache, &x, self->device, &a) < 0) goto done;
     if (out_obj != Py_None) {
         if (q3_view_acquire_on(out_obj, "out", &out, self->device, 0, stream) < 0 || check_out(&out, &x) < 0) goto done;
         result = Py_NewRef(out_obj);
         a.y = out.data;
     } else {
-        result = (PyObject *)q3_tensor_new_on(st, x.dtype, x.ndim, x.shape, self->device);
+        result = (PyObject *)q3py_tensor_new_on(st, x.dtype, x.ndim, x.shape, self->device);
         if (!result) goto done;
-        a.y = ((q3_tensor_object *)result)->data;
+        a.y = ((q3py_tensor_object *)result)->data;
     }
     co->busy = 1;
     poll.saved = PyEval_SaveThread();
@@ -227,12 +208,12 @@ done:
     if (seq_list != seqs) PyMem_Free(seq_list);
     q3_view_release(&out);
     q3_view_release(&x);
-    result = q3_insides_result(ins, result);
-    q3_insides_clear(ins);
+    result = q3py_insides_result(ins, result);
+    q3py_insides_clear(ins);
     return result;
 }
 
-static PyObject *layer_prefill(q3_layer_object *self, PyObject *args, PyObject *kw) {
+static PyObject *layer_prefill(q3py_layer_object *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"x", "cache", "seq", "chunk_size", "out", "stream", "return_router", "return_attention",
                             "attention_limit", NULL};
     PyObject *x, *cache, *seq = Py_None, *chunk = Py_None, *out = Py_None, *stream = Py_None;
@@ -240,12 +221,12 @@ static PyObject *layer_prefill(q3_layer_object *self, PyObject *args, PyObject *
     q3_insides ins;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|OO$OOOOO:prefill", names, &x, &cache, &seq, &chunk, &out, &stream,
                                      &router, &attention, &limit) ||
-        q3_insides_parse(&ins, router, attention, limit) < 0)
+        q3py_insides_parse(&ins, router, attention, limit) < 0)
         return NULL;
     return run(self, x, cache, 0, seq, chunk, out, stream, &ins);
 }
 
-static PyObject *layer_decode(q3_layer_object *self, PyObject *args, PyObject *kw) {
+static PyObject *layer_decode(q3py_layer_object *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"x", "cache", "out", "stream", "return_router", "return_attention", "attention_limit",
                             NULL};
     PyObject *x, *cache, *out = Py_None, *stream = Py_None;
@@ -253,12 +234,12 @@ static PyObject *layer_decode(q3_layer_object *self, PyObject *args, PyObject *k
     q3_insides ins;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|$OOOOO:decode", names, &x, &cache, &out, &stream, &router,
                                      &attention, &limit) ||
-        q3_insides_parse(&ins, router, attention, limit) < 0)
+        q3py_insides_parse(&ins, router, attention, limit) < 0)
         return NULL;
     return run(self, x, cache, 1, Py_None, Py_None, out, stream, &ins);
 }
 
-static PyObject *layer_new_cache(q3_layer_object *self, PyObject *args, PyObject *kw) {
+static PyObject *layer_new_cache(q3py_layer_object *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"max_tokens", "batch", "dtype", NULL};
     long long max_tokens;
     int batch = 1;
@@ -270,21 +251,21 @@ static PyObject *layer_new_cache(q3_layer_object *self, PyObject *args, PyObject
     q3_module_state *st = q3_state_of_type(Py_TYPE(self));
     if (!st) return NULL;
     const q3_config *c = q3_layer_config(self->layer);
-    return (PyObject *)q3_cache_object_new(st, batch, max_tokens, c->kv_heads, c->head_dim, dt, self->device);
+    return (PyObject *)q3py_cache_object_new(st, batch, max_tokens, c->kv_heads, c->head_dim, dt, self->device);
 }
 
-static PyObject *layer_decode_graph(q3_layer_object *self, PyObject *args, PyObject *kw) {
+static PyObject *layer_decode_graph(q3py_layer_object *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"cache", "batch", "dtype", NULL};
     PyObject *cache_obj, *batch_obj = Py_None, *dtype_obj = Py_None;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OO:decode_graph", names, &cache_obj, &batch_obj, &dtype_obj))
         return NULL;
     q3_module_state *st = q3_state_of_type(Py_TYPE(self));
     if (!st) return NULL;
-    q3_cache_object *co = as_cache(cache_obj, st);
+    q3py_cache_object *co = as_cache(cache_obj, st);
     if (!co) return NULL;
     q3_dtype dt = q3_layer_dtype(self->layer);
     if (dtype_obj != Py_None && q3_parse_dtype(dtype_obj, "dtype", &dt) < 0) return NULL;
-    long long batch = co->cache->batch;
+    long long batch = q3_cache_batch(co->cache);
     if (batch_obj != Py_None) {
         if (!PyLong_Check(batch_obj) || PyBool_Check(batch_obj)) {
             PyErr_Format(PyExc_TypeError, "batch: expected an int or None, got %.100s", Py_TYPE(batch_obj)->tp_name);
@@ -293,7 +274,7 @@ static PyObject *layer_decode_graph(q3_layer_object *self, PyObject *args, PyObj
         batch = PyLong_AsLongLong(batch_obj);
         if (batch == -1 && PyErr_Occurred()) return NULL;
     }
-    const int most = co->cache->batch < Q3_GRAPH_MAX_BATCH ? co->cache->batch : Q3_GRAPH_MAX_BATCH;
+    const int most = q3_cache_batch(co->cache) < Q3_GRAPH_MAX_BATCH ? q3_cache_batch(co->cache) : Q3_GRAPH_MAX_BATCH;
     if (batch < 1 || batch > most) {
         PyErr_Format(PyExc_ValueError, "batch: expected 1 to %d (the cache's batch, at most %d), got %lld", most,
                      Q3_GRAPH_MAX_BATCH, batch);
@@ -309,12 +290,12 @@ static PyObject *layer_decode_graph(q3_layer_object *self, PyObject *args, PyObj
     Py_BEGIN_ALLOW_THREADS
     PyThread_acquire_lock(self->lock, WAIT_LOCK);
     Py_END_ALLOW_THREADS
-    g = q3_graph_new(st, (PyObject *)self, self->layer, self->device, co, (int)batch, dt);
+    g = q3py_graph_new(st, (PyObject *)self, self->layer, self->device, co, (int)batch, dt);
     PyThread_release_lock(self->lock);
     return g;
 }
 
-static PyObject *layer_set_profiling(q3_layer_object *self, PyObject *on) {
+static PyObject *layer_set_profiling(q3py_layer_object *self, PyObject *on) {
     const int flag = PyObject_IsTrue(on);
     if (flag < 0) return NULL;
     q3_error err;
@@ -328,7 +309,7 @@ static PyObject *layer_set_profiling(q3_layer_object *self, PyObject *on) {
     Py_RETURN_NONE;
 }
 
-static PyObject *layer_profile_seconds(q3_layer_object *self, PyObject *unused) {
+static PyObject *layer_profile_seconds(q3py_layer_object *self, PyObject *unused) {
     (void)unused;
     double seconds[32];
     const int n = q3_layer_profile_read(self->layer, seconds, 32);
@@ -342,7 +323,7 @@ static PyObject *layer_profile_seconds(q3_layer_object *self, PyObject *unused) 
 }
 
 #define KW (METH_VARARGS | METH_KEYWORDS)
-PyMethodDef q3_layer_methods[] = {
+PyMethodDef q3py_layer_methods[] = {
     {"set_profiling", (PyCFunction)layer_set_profiling, METH_O,
      "set_profiling(on)\n--\n\nTime every stage of the calls from now on (totals reset)."},
     {"profile_seconds", (PyCFunction)layer_profile_seconds, METH_NOARGS,
@@ -365,35 +346,35 @@ PyMethodDef q3_layer_methods[] = {
     {NULL},
 };
 
-static PyObject *get_dtype(q3_layer_object *self, void *c) {
+static PyObject *get_dtype(q3py_layer_object *self, void *c) {
     (void)c;
     return PyUnicode_FromString(q3_dtype_name(q3_layer_dtype(self->layer)));
 }
-static PyObject *get_converted(q3_layer_object *self, void *c) { (void)c; return PyList_AsTuple(self->converted); }
-static PyObject *get_weight_ptrs(q3_layer_object *self, void *c) { (void)c; return PyDict_Copy(self->weight_ptrs); }
-static PyObject *get_device(q3_layer_object *self, void *c) {
+static PyObject *get_converted(q3py_layer_object *self, void *c) { (void)c; return PyList_AsTuple(self->converted); }
+static PyObject *get_weight_ptrs(q3py_layer_object *self, void *c) { (void)c; return PyDict_Copy(self->weight_ptrs); }
+static PyObject *get_device(q3py_layer_object *self, void *c) {
     (void)c;
     return PyLong_FromLong(self->device);
 }
-static PyObject *get_weight_format(q3_layer_object *self, void *c) {
+static PyObject *get_weight_format(q3py_layer_object *self, void *c) {
     (void)c;
     return PyUnicode_FromString(q3_weight_format_name(q3_layer_weight_format(self->layer)));
 }
-static PyObject *get_scale_dtype(q3_layer_object *self, void *c) {
+static PyObject *get_scale_dtype(q3py_layer_object *self, void *c) {
     (void)c;
     if (q3_layer_weight_format(self->layer) == Q3_WF_DENSE) Py_RETURN_NONE;
     return PyUnicode_FromString(q3_dtype_name(self->scale_dtype));
 }
-static PyObject *get_weight_bytes(q3_layer_object *self, void *c) {
+static PyObject *get_weight_bytes(q3py_layer_object *self, void *c) {
     (void)c;
     return PyLong_FromLongLong(q3_layer_weight_bytes(self->layer));
 }
-static PyObject *get_workspace(q3_layer_object *self, void *c) {
+static PyObject *get_workspace(q3py_layer_object *self, void *c) {
     (void)c;
     return PyLong_FromSize_t(q3_layer_workspace_bytes(self->layer));
 }
 
-PyGetSetDef q3_layer_getset[] = {
+PyGetSetDef q3py_layer_getset[] = {
     {"dtype", (getter)get_dtype, NULL, "dtype of the activations, the norms and the router (and of the "
      "projection matrices in the dense format)", NULL},
     {"weight_format", (getter)get_weight_format, NULL, "'dense' or 'fp8_e4m3_block128'", NULL},

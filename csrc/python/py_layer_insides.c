@@ -23,7 +23,7 @@ static int parse_limit(PyObject *obj, int64_t *limit) {
     return 0;
 }
 
-int q3_insides_parse(q3_insides *ins, PyObject *router, PyObject *attention, PyObject *limit) {
+int q3py_insides_parse(q3_insides *ins, PyObject *router, PyObject *attention, PyObject *limit) {
     *ins = (q3_insides){0};
     if ((ins->router = PyObject_IsTrue(router)) < 0 || (ins->attention = PyObject_IsTrue(attention)) < 0) return -1;
     if (limit != Py_None && !ins->attention) {
@@ -33,17 +33,17 @@ int q3_insides_parse(q3_insides *ins, PyObject *router, PyObject *attention, PyO
     return parse_limit(limit, &ins->limit);
 }
 
-int q3_insides_make(q3_insides *ins, q3_module_state *st, const q3_layer *layer, const q3_cache *c,
+int q3py_insides_make(q3_insides *ins, q3_module_state *st, const q3_layer *layer, const q3_cache *c,
                     const q3_view *x, int device, q3_forward_args *a) {
     const q3_config *cfg = q3_layer_config(layer);
     if (ins->router) {
         int64_t shape[3];
         for (int d = 0; d < x->ndim - 1; d++) shape[d] = x->shape[d];
         shape[x->ndim - 1] = cfg->experts;
-        if (!(ins->logits = q3_tensor_new_on(st, Q3_F32, x->ndim, shape, device))) return -1;
+        if (!(ins->logits = q3py_tensor_new_on(st, Q3_F32, x->ndim, shape, device))) return -1;
         shape[x->ndim - 1] = cfg->top_k;
-        if (!(ins->experts = q3_tensor_new_on(st, Q3_I32, x->ndim, shape, device)) ||
-            !(ins->weights = q3_tensor_new_on(st, Q3_F32, x->ndim, shape, device)))
+        if (!(ins->experts = q3py_tensor_new_on(st, Q3_I32, x->ndim, shape, device)) ||
+            !(ins->weights = q3py_tensor_new_on(st, Q3_F32, x->ndim, shape, device)))
             return -1;
         a->router_logits = ins->logits->data;
         a->router_experts = ins->experts->data;
@@ -52,7 +52,7 @@ int q3_insides_make(q3_insides *ins, q3_module_state *st, const q3_layer *layer,
     if (ins->attention) {
         int64_t context = 0, n;
         for (int s = 0; s < a->n_seqs; s++)
-            if (c->lengths[a->seqs[s]] + a->tokens > context) context = c->lengths[a->seqs[s]] + a->tokens;
+            if (q3_cache_length(c, a->seqs[s]) + a->tokens > context) context = q3_cache_length(c, a->seqs[s]) + a->tokens;
         const int64_t shape[4] = {a->n_seqs, cfg->heads, a->tokens, context}, bytes_shape[5] = {
             a->n_seqs, cfg->heads, a->tokens, context, (int64_t)sizeof(float)};
         if (!q3_numel(5, bytes_shape, &n) || n > ins->limit) {
@@ -66,16 +66,16 @@ int q3_insides_make(q3_insides *ins, q3_module_state *st, const q3_layer *layer,
                          (long long)context, what, (long long)ins->limit);
             return -1;
         }
-        if (!(ins->maps = q3_tensor_new_on(st, Q3_F32, 4, shape, device))) return -1;
+        if (!(ins->maps = q3py_tensor_new_on(st, Q3_F32, 4, shape, device))) return -1;
         a->attention = ins->maps->data;
         a->attention_context = context;
     }
     return 0;
 }
 
-static PyObject *or_none(q3_tensor_object *t) { return t ? Py_NewRef((PyObject *)t) : Py_NewRef(Py_None); }
+static PyObject *or_none(q3py_tensor_object *t) { return t ? Py_NewRef((PyObject *)t) : Py_NewRef(Py_None); }
 
-PyObject *q3_insides_result(q3_insides *ins, PyObject *y) {
+PyObject *q3py_insides_result(q3_insides *ins, PyObject *y) {
     if (!y || (!ins->router && !ins->attention)) return y;
     PyObject *r = PyTuple_New(5);
     if (!r) {
@@ -90,7 +90,7 @@ PyObject *q3_insides_result(q3_insides *ins, PyObject *y) {
     return r;
 }
 
-void q3_insides_clear(q3_insides *ins) {
+void q3py_insides_clear(q3_insides *ins) {
     Py_CLEAR(ins->logits);
     Py_CLEAR(ins->experts);
     Py_CLEAR(ins->weights);

@@ -4,7 +4,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../cuda/backend.h"
 #include "py_glue.h"
 
 #ifndef Q3_VERSION
@@ -17,37 +16,6 @@ q3_module_state *q3_state_of_type(PyTypeObject *type) {
 }
 
 static q3_module_state *state_of_module(PyObject *m) { return (q3_module_state *)PyModule_GetState(m); }
-
-PyObject *q3_raise(q3_module_state *st, const q3_error *err) {
-    PyObject *type = PyExc_RuntimeError;
-    switch (err->status) {
-    case Q3_ERR_VALUE: type = PyExc_ValueError; break;
-    case Q3_ERR_TYPE: type = PyExc_TypeError; break;
-    case Q3_ERR_INDEX: type = PyExc_IndexError; break;
-    case Q3_ERR_CACHE_FULL: type = st ? st->cache_full_error : PyExc_RuntimeError; break;
-    case Q3_ERR_NOMEM: type = PyExc_MemoryError; break;
-    default: break;
-    }
-    PyErr_SetString(type, err->msg);
-    return NULL;
-}
-
-const char *q3_dtype_name(q3_dtype dt) {
-    return dt == Q3_BF16 ? "bfloat16" : dt == Q3_E4M3 ? "float8_e4m3fn" : dt == Q3_I32 ? "int32" : "float32";
-}
-
-int q3_parse_dtype(PyObject *obj, const char *arg, q3_dtype *out) {
-    const char *s = PyUnicode_Check(obj) ? PyUnicode_AsUTF8(obj) : NULL;
-    if (s && (!strcmp(s, "float32") || !strcmp(s, "fp32"))) *out = Q3_F32;
-    else if (s && (!strcmp(s, "bfloat16") || !strcmp(s, "bf16"))) *out = Q3_BF16;
-    else {
-        PyObject *r = PyObject_Repr(obj);
-        PyErr_Format(PyExc_TypeError, "%s: expected 'float32' or 'bfloat16', got %S", arg, r);
-        Py_XDECREF(r);
-        return -1;
-    }
-    return 0;
-}
 
 static PyObject *str_list(const char **names, int n) {
     PyObject *list = PyList_New(n);
@@ -120,7 +88,7 @@ static PyObject *copy_tensor(PyObject *m, PyObject *args) {
         PyErr_Format(PyExc_TypeError, "tensor: expected a qwen3layer Tensor, got %.100s", Py_TYPE(obj)->tp_name);
         return NULL;
     }
-    q3_tensor_object *t = (q3_tensor_object *)obj;
+    q3py_tensor_object *t = (q3py_tensor_object *)obj;
     int contiguous = 1;
     int64_t expect = 1; /* ends as the element count: fits, the tensor exists */
     for (int d = t->ndim - 1; d >= 0; d--) {
@@ -131,23 +99,22 @@ static PyObject *copy_tensor(PyObject *m, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "tensor: expected a contiguous tensor");
         return NULL;
     }
-    if ((t->device >= 0 || device >= 0) && !q3_cuda()) {
+    if ((t->device >= 0 || device >= 0) && !q3_cuda_loaded()) {
         PyErr_SetString(PyExc_RuntimeError, "device: the CUDA backend is not loaded");
         return NULL;
     }
-    q3_tensor_object *c = q3_tensor_new_on(st, t->dtype, t->ndim, t->shape, device);
+    q3py_tensor_object *c = q3py_tensor_new_on(st, t->dtype, t->ndim, t->shape, device);
     if (!c) return NULL;
     const size_t bytes = (size_t)expect * q3_dtype_size(t->dtype);
-    int code = 0;
+    q3_error err;
     if (t->device < 0 && device < 0) memcpy(c->data, t->data, bytes);
     else if (t->device >= 0 && device >= 0) {
         PyErr_SetString(PyExc_ValueError, "device: copies between two CUDA buffers are not supported here");
         Py_DECREF(c);
         return NULL;
-    } else code = q3_cuda()->copy(c->data, t->data, bytes, device >= 0);
-    if (code) {
+    } else if (q3_device_copy(c->data, t->data, bytes, device >= 0, &err) != Q3_OK) {
         Py_DECREF(c);
-        PyErr_Format(PyExc_RuntimeError, "copy_tensor: %s", q3_cuda()->error_string(code));
+        PyErr_Format(PyExc_RuntimeError, "copy_tensor: %s", err.msg);
         return NULL;
     }
     return (PyObject *)c;
@@ -172,12 +139,10 @@ static PyMethodDef module_methods[] = {
     {"copy_tensor", copy_tensor, METH_VARARGS,
      "copy_tensor(tensor, device)\n--\n\nA contiguous copy of an extension Tensor on device (-1: host)."},
     {"check_config", check_config, METH_O, "check_config(config)\n--\n\nRaise if the geometry is impossible."},
-    {"rope_table", q3_py_rope_table, METH_O,
+    {"rope_table", q3py_rope_table, METH_O,
      "rope_table(config)\n--\n\n(inv_freq, scale): the RoPE table a layer of this config rotates by, fp32 values."},
     {"buffer_view", q3_buffer_view, METH_VARARGS,
      "buffer_view(obj, offset, shape, dtype)\n--\n\nA Tensor over bytes of a buffer-protocol object (kept alive)."},
-    {"owned_buffers", q3_owned_buffers, METH_NOARGS,
-     "owned_buffers()\n--\n\n(address, nbytes) of every live extension-owned tensor buffer."},
     {NULL},
 };
 
@@ -193,20 +158,25 @@ static int select_cpu_path(void) {
 static int module_exec(PyObject *m) {
     q3_module_state *st = state_of_module(m);
     if (select_cpu_path() < 0) return -1;
-    st->tensor_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &q3_tensor_spec, NULL);
-    st->cache_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &q3_cache_spec, NULL);
-    st->layer_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &q3_layer_spec, NULL);
-    st->graph_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &q3_graph_spec, NULL);
+    st->tensor_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &q3py_tensor_spec, NULL);
+    st->cache_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &q3py_cache_spec, NULL);
+    st->layer_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &q3py_layer_spec, NULL);
+    st->graph_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &q3py_graph_spec, NULL);
     st->cache_full_error = PyErr_NewExceptionWithDoc(
         "qwen3layer.CacheFullError",
         "The tokens of a call do not fit in the KV cache; the cache is left unchanged.",
         PyExc_RuntimeError, NULL);
     if (!st->tensor_type || !st->cache_type || !st->layer_type || !st->graph_type || !st->cache_full_error)
         return -1;
-    if (PyModule_AddFunctions(m, q3_cuda_methods) < 0 || PyModule_AddFunctions(m, q3_fp8_methods) < 0 ||
+    if (PyModule_AddFunctions(m, q3_cuda_methods) < 0 ||
         PyModule_AddFunctions(m, q3_random_methods) < 0 ||
         PyModule_AddFunctions(m, q3_routing_methods) < 0)
         return -1;
+    /* the engine's table for qwen3layer._testing (csrc/cuda/engine_api.h), one engine a process */
+    PyObject *api = PyCapsule_New((void *)q3_engine_api_get(), Q3_ENGINE_API_CAPSULE, NULL);
+    const int added = api ? PyModule_AddObjectRef(m, "_engine_api", api) : -1;
+    Py_XDECREF(api);
+    if (added < 0) return -1;
     if (PyModule_AddType(m, st->tensor_type) < 0 || PyModule_AddType(m, st->cache_type) < 0 ||
         PyModule_AddType(m, st->layer_type) < 0 || PyModule_AddType(m, st->graph_type) < 0 ||
         PyModule_AddObjectRef(m, "CacheFullError", st->cache_full_error) < 0)

@@ -8,12 +8,11 @@
  * q/k/v/o_proj.weight [N, K] with .weight_scale_inv [ceil(N/128), ceil(K/128)]. */
 #include <string.h>
 
-#include "../../kernels/fp8.h"
 #include "py_glue.h"
 
 static q3_module_state *state_of(PyObject *m) { return (q3_module_state *)PyModule_GetState(m); }
 
-static int put(PyObject *dict, const char *name, q3_tensor_object *t) {
+static int put(PyObject *dict, const char *name, q3py_tensor_object *t) {
     const int rc = PyDict_SetItemString(dict, name, (PyObject *)t);
     Py_DECREF(t);
     return rc;
@@ -21,7 +20,7 @@ static int put(PyObject *dict, const char *name, q3_tensor_object *t) {
 
 static int put_random(q3_module_state *st, PyObject *dict, const char *name, q3_dtype dt, int ndim,
                       const int64_t *shape, uint64_t seed, uint64_t stream, int is_norm) {
-    q3_tensor_object *t = q3_tensor_new(st, dt, ndim, shape);
+    q3py_tensor_object *t = q3py_tensor_new(st, dt, ndim, shape);
     if (!t) return -1;
     int64_t n;
     q3_numel(ndim, shape, &n); /* fits: the tensor was made */
@@ -38,11 +37,13 @@ static int put_random(q3_module_state *st, PyObject *dict, const char *name, q3_
  * of the dense tensor's elements under the same (seed, stream) */
 static int put_random_fp8(q3_module_state *st, PyObject *dict, const char *name, int rank, int64_t M, int parts,
                           int64_t n, int64_t K, uint64_t seed, uint64_t stream) {
-    const int64_t nb = q3_fp8_blocks(n), kb = q3_fp8_blocks(K);
-    const int64_t shape[3] = {M, parts * n, K}, sshape[3] = {M, parts * nb, kb};
-    q3_tensor_object *w = q3_tensor_new(st, Q3_E4M3, rank, shape + 3 - rank);
+    const int64_t dims[2] = {n, K};
+    int64_t blocks[2]; /* of one matrix [n, K] */
+    q3_fp8_scale_shape(dims, blocks);
+    const int64_t shape[3] = {M, parts * n, K}, sshape[3] = {M, parts * blocks[0], blocks[1]};
+    q3py_tensor_object *w = q3py_tensor_new(st, Q3_E4M3, rank, shape + 3 - rank);
     if (!w) return -1;
-    q3_tensor_object *s = q3_tensor_new(st, Q3_F32, rank, sshape + 3 - rank);
+    q3py_tensor_object *s = q3py_tensor_new(st, Q3_F32, rank, sshape + 3 - rank);
     if (!s) {
         Py_DECREF(w);
         return -1;
@@ -51,7 +52,7 @@ static int put_random_fp8(q3_module_state *st, PyObject *dict, const char *name,
     q3_weight_init(0, &mean, &std);
     Py_BEGIN_ALLOW_THREADS
     for (int64_t i = 0; i < M * parts; i++)
-        q3_fill_random_fp8((uint8_t *)w->data + i * n * K, (float *)s->data + i * nb * kb, n, K, seed, stream,
+        q3_fill_random_fp8((uint8_t *)w->data + i * n * K, (float *)s->data + i * blocks[0] * blocks[1], n, K, seed, stream,
                            i * n * K, mean, std);
     Py_END_ALLOW_THREADS
     char scale_name[128];
@@ -63,30 +64,17 @@ static int put_random_fp8(q3_module_state *st, PyObject *dict, const char *name,
     return put(dict, scale_name, s);
 }
 
-static int parse_format(PyObject *obj, q3_weight_format *wf) {
-    const char *f = obj == Py_None ? "dense" : PyUnicode_Check(obj) ? PyUnicode_AsUTF8(obj) : NULL;
-    if (f && (!strcmp(f, "dense") || !strcmp(f, "fp8_e4m3_block128"))) {
-        *wf = strcmp(f, "dense") ? Q3_WF_FP8_BLOCK128 : Q3_WF_DENSE;
-        return 0;
-    }
-    PyErr_Clear();
-    PyErr_Format(PyExc_ValueError, "weight_format: expected None, 'dense' or 'fp8_e4m3_block128', got %R", obj);
-    return -1;
-}
-
 static PyObject *random_weights(PyObject *m, PyObject *args, PyObject *kw) {
     static char *names[] = {"config", "seed", "dtype", "weight_format", NULL};
-    PyObject *cfg_obj, *dtype_obj, *format_obj = Py_None;
+    PyObject *cfg_obj;
     unsigned long long seed;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OKO|O:random_weights", names, &cfg_obj, &seed, &dtype_obj,
-                                     &format_obj))
+    q3_dtype dt;
+    q3_weight_format wf = Q3_WF_DENSE; /* weight_format=None */
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OKO&|O&:random_weights", names, &cfg_obj, &seed, q3py_dtype, &dt,
+                                     q3py_weight_format, &wf))
         return NULL;
     q3_config c;
-    q3_dtype dt;
-    q3_weight_format wf;
-    if (q3_parse_config(cfg_obj, &c) < 0 || q3_parse_dtype(dtype_obj, "dtype", &dt) < 0 ||
-        parse_format(format_obj, &wf) < 0)
-        return NULL;
+    if (q3_parse_config(cfg_obj, &c) < 0) return NULL;
     const int fp8 = wf == Q3_WF_FP8_BLOCK128;
     q3_module_state *st = state_of(m);
     PyObject *d = PyDict_New();
@@ -144,7 +132,7 @@ static PyObject *random_tensor(PyObject *m, PyObject *args, PyObject *kw) {
             PyErr_Format(PyExc_ValueError, "shape: expected 1 to %d non-negative ints", Q3_MAX_DIM);
         return NULL;
     }
-    q3_tensor_object *t = q3_tensor_new(state_of(m), dt, (int)ndim, shape);
+    q3py_tensor_object *t = q3py_tensor_new(state_of(m), dt, (int)ndim, shape);
     if (!t) return NULL;
     int64_t n;
     q3_numel((int)ndim, shape, &n); /* fits: the tensor was made */
@@ -186,8 +174,10 @@ static PyObject *dequantize_fp8(PyObject *m, PyObject *args, PyObject *kw) {
                      (long long)rows, parts);
         goto done;
     }
-    const int64_t n = rows / parts, nb = q3_fp8_blocks(n), kb = q3_fp8_blocks(K);
-    int ok = s.shape[r - 2] == parts * nb && s.shape[r - 1] == kb;
+    const int64_t n = rows / parts, dims[2] = {n, K};
+    int64_t blocks[2]; /* of one matrix [n, K] */
+    q3_fp8_scale_shape(dims, blocks);
+    int ok = s.shape[r - 2] == parts * blocks[0] && s.shape[r - 1] == blocks[1];
     int64_t M = 1;
     for (int d = 0; d < r - 2; d++) {
         ok = ok && s.shape[d] == w.shape[d];
@@ -198,13 +188,10 @@ static PyObject *dequantize_fp8(PyObject *m, PyObject *args, PyObject *kw) {
                      parts, ss);
         goto done;
     }
-    q3_tensor_object *t = q3_tensor_new(state_of(m), Q3_F32, r, w.shape);
+    q3py_tensor_object *t = q3py_tensor_new(state_of(m), Q3_F32, r, w.shape);
     if (!t) goto done;
-    const size_t ssz = q3_dtype_size(s.dtype);
     Py_BEGIN_ALLOW_THREADS
-    for (int64_t i = 0; i < M * parts; i++)
-        q3_fp8_dequant_rows((float *)t->data + i * n * K, (const uint8_t *)w.data + i * n * K,
-                            (const char *)s.data + (size_t)(i * nb * kb) * ssz, s.dtype, 0, n, K);
+    q3_dequantize_fp8(t->data, w.data, s.data, s.dtype, M * parts, n, K);
     Py_END_ALLOW_THREADS
     out = (PyObject *)t;
 done:

@@ -6,8 +6,6 @@
  * choices. The counting is the engine's (csrc/engine/routing.c). */
 #include <stdlib.h>
 
-#include "../cuda/backend.h"
-#include "../engine/routing.h"
 #include "dlpack_abi.h"
 #include "py_glue.h"
 
@@ -28,7 +26,6 @@ static int device_of(PyObject *obj) {
 /* the view's int32 entries in a fresh contiguous host array of n (a CUDA view must be
  * contiguous); NULL with an exception */
 static int32_t *device_to_host(const q3_view *v, int64_t n) {
-    const q3_cuda_ops *g = q3_cuda(); /* loaded: checked before the import */
     if (!v->contiguous) {
         PyErr_SetString(PyExc_ValueError, "experts: expected a contiguous tensor on a CUDA device (or a host "
                         "tensor of any layout), got a strided view");
@@ -36,15 +33,15 @@ static int32_t *device_to_host(const q3_view *v, int64_t n) {
     }
     int32_t *host = malloc((size_t)(n ? n : 1) * sizeof *host);
     if (!host) return (int32_t *)PyErr_NoMemory();
-    int code;
-    Py_BEGIN_ALLOW_THREADS
-    code = g->set_device(v->device);
-    if (!code) code = g->synchronize();
-    if (!code && n) code = g->copy(host, v->data, (size_t)n * sizeof *host, 0);
+    q3_error err;
+    q3_status s;
+    Py_BEGIN_ALLOW_THREADS /* the backend is loaded: checked before the import */
+    s = q3_device_synchronize(v->device, &err);
+    if (s == Q3_OK) s = q3_device_copy(host, v->data, (size_t)n * sizeof *host, 0, &err);
     Py_END_ALLOW_THREADS
-    if (code) {
+    if (s != Q3_OK) {
         free(host);
-        PyErr_Format(PyExc_RuntimeError, "experts: copying them from cuda:%d: %s", v->device, g->error_string(code));
+        PyErr_Format(PyExc_RuntimeError, "experts: copying them from cuda:%d: %s", v->device, err.msg);
         return NULL;
     }
     return host;
@@ -61,7 +58,7 @@ static PyObject *expert_counts(PyObject *m, PyObject *args, PyObject *kw) {
         return NULL;
     }
     const int device = device_of(obj);
-    if (device >= 0 && !q3_cuda()) {
+    if (device >= 0 && !q3_cuda_loaded()) {
         PyErr_Format(PyExc_ValueError, "experts: expected a host tensor, or a CUDA one once the CUDA backend is "
                      "loaded (qwen3layer.cuda.load()), got a tensor on cuda:%d", device);
         return NULL;

@@ -7,25 +7,18 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../cuda/backend.h"
 #include "dlpack_abi.h"
 #include "py_glue.h"
 
-/* Owned buffers alive right now (under the GIL), for q3_owned_buffers. */
-typedef struct owned_node {
-    q3_tensor_object *t;
-    struct owned_node *next;
-} owned_node;
-static owned_node *owned_list;
 
-static size_t tensor_numel(const q3_tensor_object *t) {
+static size_t tensor_numel(const q3py_tensor_object *t) {
     size_t n = 1;
     for (int d = 0; d < t->ndim; d++) n *= (size_t)t->shape[d];
     return n;
 }
 
-static q3_tensor_object *tensor_alloc(q3_module_state *st, q3_dtype dt, int ndim, const int64_t *shape) {
-    q3_tensor_object *t = PyObject_New(q3_tensor_object, st->tensor_type);
+static q3py_tensor_object *tensor_alloc(q3_module_state *st, q3_dtype dt, int ndim, const int64_t *shape) {
+    q3py_tensor_object *t = PyObject_New(q3py_tensor_object, st->tensor_type);
     if (!t) return NULL;
     t->data = t->alloc = NULL;
     t->base = NULL;
@@ -37,100 +30,21 @@ static q3_tensor_object *tensor_alloc(q3_module_state *st, q3_dtype dt, int ndim
     return t;
 }
 
-/* Device blocks of freed tensors, kept for the next tensor of the same size on the same
- * device (a decode step's output is the size of the last one's): cudaFree waits for the
- * whole device, so freeing an output every step would stall the caller's stream each time.
- * A block is reused by the next call's work on the caller's stream, after what was queued
- * there before, as torch's caching allocator does. Under the GIL (Tensor deallocation and
- * allocation hold it). */
-#define KEPT_BLOCKS 16
-#define KEPT_BYTES ((size_t)512 << 20)
-static struct {
-    void *p[KEPT_BLOCKS];
-    size_t bytes[KEPT_BLOCKS];
-    int device[KEPT_BLOCKS];
-    int n;
-    size_t total;
-} kept;
-
-static void kept_release_all(void) {
-    for (int i = 0; i < kept.n; i++)
-        if (q3_cuda()) q3_cuda()->free_device(kept.p[i]);
-    kept.n = 0;
-    kept.total = 0;
-}
-
-/* drops kept block i (the others keep their order: oldest first) */
-static void kept_drop(int i) {
-    kept.total -= kept.bytes[i];
-    kept.n--;
-    memmove(&kept.p[i], &kept.p[i + 1], (size_t)(kept.n - i) * sizeof kept.p[0]);
-    memmove(&kept.bytes[i], &kept.bytes[i + 1], (size_t)(kept.n - i) * sizeof kept.bytes[0]);
-    memmove(&kept.device[i], &kept.device[i + 1], (size_t)(kept.n - i) * sizeof kept.device[0]);
-}
-
-void q3_tensor_release_kept(void) { kept_release_all(); }
-
-PyObject *q3_tensor_kept_blocks(void) {
-    PyObject *list = PyList_New(kept.n);
-    for (int i = 0; list && i < kept.n; i++) {
-        PyObject *item = Py_BuildValue("(inK)", kept.device[i], (Py_ssize_t)kept.bytes[i],
-                                       (unsigned long long)(uintptr_t)kept.p[i]);
-        if (!item) Py_CLEAR(list);
-        else PyList_SET_ITEM(list, i, item);
-    }
-    return list;
-}
-
+/* bytes of host memory, or a block of a CUDA device (csrc/cuda/buffers.c: a kept one of the
+ * size when there is one); NULL when out of memory */
 static void *buffer_alloc(size_t bytes, int device) {
     if (device < 0) return q3_alloc(bytes);
-    bytes = bytes ? bytes : 4;
-    for (int i = kept.n - 1; i >= 0; i--) /* the newest of the size first */
-        if (kept.bytes[i] == bytes && kept.device[i] == device) {
-            void *p = kept.p[i];
-            kept_drop(i);
-            return p;
-        }
-    void *p = NULL;
-    const q3_cuda_ops *g = q3_cuda();
-    if (!g || g->set_device(device)) return NULL;
-    if (g->malloc_device(&p, bytes)) { /* the kept blocks may be what is missing */
-        kept_release_all();
-        if (g->set_device(device) || g->malloc_device(&p, bytes)) return NULL;
-    }
-    return p;
+    void *p;
+    q3_error err;
+    return q3_device_alloc(&p, bytes, device, &err) == Q3_OK ? p : NULL;
 }
 
-static void buffer_free(void *p, int device) {
-    if (device < 0) q3_free(p);
-    else if (p && q3_cuda()) q3_cuda()->free_device(p);
+q3py_tensor_object *q3py_tensor_new(q3_module_state *st, q3_dtype dt, int ndim, const int64_t *shape) {
+    return q3py_tensor_new_on(st, dt, ndim, shape, -1);
 }
 
-/* a tensor's own device block back to the kept ones, the oldest freed to make room (a
- * block past the byte limit on its own is freed) */
-static void buffer_keep(void *p, size_t bytes, int device) {
-    bytes = bytes ? bytes : 4;
-    if (bytes > KEPT_BYTES) {
-        buffer_free(p, device);
-        return;
-    }
-    while (kept.n == KEPT_BLOCKS || kept.total + bytes > KEPT_BYTES) {
-        buffer_free(kept.p[0], kept.device[0]);
-        kept_drop(0);
-    }
-    kept.p[kept.n] = p;
-    kept.bytes[kept.n] = bytes;
-    kept.device[kept.n] = device;
-    kept.n++;
-    kept.total += bytes;
-}
-
-q3_tensor_object *q3_tensor_new(q3_module_state *st, q3_dtype dt, int ndim, const int64_t *shape) {
-    return q3_tensor_new_on(st, dt, ndim, shape, -1);
-}
-
-q3_tensor_object *q3_tensor_new_on(q3_module_state *st, q3_dtype dt, int ndim, const int64_t *shape, int device) {
-    q3_tensor_object *t = tensor_alloc(st, dt, ndim, shape);
+q3py_tensor_object *q3py_tensor_new_on(q3_module_state *st, q3_dtype dt, int ndim, const int64_t *shape, int device) {
+    q3py_tensor_object *t = tensor_alloc(st, dt, ndim, shape);
     if (!t) return NULL;
     int64_t n;
     size_t bytes;
@@ -146,23 +60,18 @@ q3_tensor_object *q3_tensor_new_on(q3_module_state *st, q3_dtype dt, int ndim, c
         t->strides[d] = stride;
         stride *= shape[d];
     }
-    owned_node *node = malloc(sizeof *node);
     t->device = device;
     t->alloc = t->data = buffer_alloc(bytes, device);
-    if (!t->alloc || !node) {
-        free(node);
+    if (!t->alloc) {
         Py_DECREF(t);
-        return (q3_tensor_object *)PyErr_NoMemory();
+        return (q3py_tensor_object *)PyErr_NoMemory();
     }
-    node->t = t;
-    node->next = owned_list;
-    owned_list = node;
     return t;
 }
 
-q3_tensor_object *q3_tensor_view(q3_module_state *st, PyObject *base, void *data, q3_dtype dt,
+q3py_tensor_object *q3py_tensor_view(q3_module_state *st, PyObject *base, void *data, q3_dtype dt,
                                  int ndim, const int64_t *shape, const int64_t *strides) {
-    q3_tensor_object *t = tensor_alloc(st, dt, ndim, shape);
+    q3py_tensor_object *t = tensor_alloc(st, dt, ndim, shape);
     if (!t) return NULL;
     memcpy(t->strides, strides, (size_t)ndim * sizeof *strides);
     t->data = data;
@@ -170,18 +79,11 @@ q3_tensor_object *q3_tensor_view(q3_module_state *st, PyObject *base, void *data
     return t;
 }
 
-static void tensor_dealloc(q3_tensor_object *t) {
+static void tensor_dealloc(q3py_tensor_object *t) {
     PyTypeObject *tp = Py_TYPE(t);
     if (t->alloc) {
-        for (owned_node **p = &owned_list; *p; p = &(*p)->next)
-            if ((*p)->t == t) {
-                owned_node *dead = *p;
-                *p = dead->next;
-                free(dead);
-                break;
-            }
-        if (t->device < 0) buffer_free(t->alloc, t->device);
-        else buffer_keep(t->alloc, tensor_numel(t) * q3_dtype_size(t->dtype), t->device);
+        if (t->device < 0) q3_free(t->alloc);
+        else q3_device_keep(t->alloc, tensor_numel(t) * q3_dtype_size(t->dtype), t->device);
     }
     Py_XDECREF(t->base);
     if (t->buffer) {
@@ -239,7 +141,7 @@ PyObject *q3_buffer_view(PyObject *module, PyObject *args) {
         return NULL;
     }
     q3_module_state *st = PyModule_GetState(module);
-    q3_tensor_object *t = tensor_alloc(st, dt, (int)ndim, shape);
+    q3py_tensor_object *t = tensor_alloc(st, dt, (int)ndim, shape);
     if (!t) {
         PyBuffer_Release(buf);
         PyMem_Free(buf);
@@ -249,19 +151,6 @@ PyObject *q3_buffer_view(PyObject *module, PyObject *args) {
     t->data = (char *)buf->buf + offset;
     t->buffer = buf;
     return (PyObject *)t;
-}
-
-PyObject *q3_owned_buffers(PyObject *module, PyObject *unused) {
-    (void)module;
-    (void)unused;
-    PyObject *list = PyList_New(0);
-    for (owned_node *n = owned_list; list && n; n = n->next) {
-        PyObject *item = Py_BuildValue("(Kn)", (unsigned long long)(uintptr_t)n->t->alloc,
-                                       (Py_ssize_t)(tensor_numel(n->t) * q3_dtype_size(n->t->dtype)));
-        if (!item || PyList_Append(list, item) < 0) Py_CLEAR(list);
-        Py_XDECREF(item);
-    }
-    return list;
 }
 
 /* ---- export ------------------------------------------------------------------------ */
@@ -309,7 +198,7 @@ static void capsule_free_legacy(PyObject *cap) {
     }
 }
 
-static void fill_dl(q3_dl_tensor *d, q3_tensor_object *t, int64_t *shape, int64_t *strides) {
+static void fill_dl(q3_dl_tensor *d, q3py_tensor_object *t, int64_t *shape, int64_t *strides) {
     memcpy(shape, t->shape, sizeof t->shape);
     memcpy(strides, t->strides, sizeof t->strides);
     d->data = t->data;
@@ -324,7 +213,7 @@ static void fill_dl(q3_dl_tensor *d, q3_tensor_object *t, int64_t *shape, int64_
     d->byte_offset = 0;
 }
 
-static PyObject *make_capsule(q3_tensor_object *t, int versioned, int copied) {
+static PyObject *make_capsule(q3py_tensor_object *t, int versioned, int copied) {
     if (versioned) {
         export_v *e = calloc(1, sizeof *e);
         if (!e) return PyErr_NoMemory();
@@ -347,15 +236,15 @@ static PyObject *make_capsule(q3_tensor_object *t, int versioned, int copied) {
     return cap;
 }
 
-static q3_tensor_object *tensor_copy(q3_tensor_object *t) {
+static q3py_tensor_object *tensor_copy(q3py_tensor_object *t) {
     q3_module_state *st = q3_state_of_type(Py_TYPE(t));
     if (!st) return NULL;
-    q3_tensor_object *c = q3_tensor_new(st, t->dtype, t->ndim, t->shape);
+    q3py_tensor_object *c = q3py_tensor_new(st, t->dtype, t->ndim, t->shape);
     if (c) q3_copy_strided(c->data, t->dtype, t->data, t->dtype, t->ndim, t->shape, t->strides);
     return c;
 }
 
-static PyObject *tensor_dlpack(q3_tensor_object *t, PyObject *args, PyObject *kw) {
+static PyObject *tensor_dlpack(q3py_tensor_object *t, PyObject *args, PyObject *kw) {
     static char *names[] = {"stream", "max_version", "dl_device", "copy", NULL};
     PyObject *stream = Py_None, *max_version = Py_None, *dl_device = Py_None, *copy = Py_None;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "|$OOOO:__dlpack__", names, &stream, &max_version,
@@ -394,14 +283,14 @@ static PyObject *tensor_dlpack(q3_tensor_object *t, PyObject *args, PyObject *kw
         PyErr_SetString(PyExc_BufferError, "copy: copies of CUDA tensors are not supported; copy with the consumer");
         return NULL;
     }
-    q3_tensor_object *c = tensor_copy(t);
+    q3py_tensor_object *c = tensor_copy(t);
     if (!c) return NULL;
     PyObject *cap = make_capsule(c, versioned, 1);
     Py_DECREF(c);
     return cap;
 }
 
-static PyObject *tensor_dlpack_device(q3_tensor_object *t, PyObject *unused) {
+static PyObject *tensor_dlpack_device(q3py_tensor_object *t, PyObject *unused) {
     (void)unused;
     return t->device < 0 ? Py_BuildValue("(ii)", Q3_DL_CPU, 0) : Py_BuildValue("(ii)", Q3_DL_CUDA, t->device);
 }
@@ -412,20 +301,20 @@ static PyObject *dims_tuple(int n, const int64_t *v) {
     return tup;
 }
 
-static PyObject *tensor_shape(q3_tensor_object *t, void *c) { (void)c; return dims_tuple(t->ndim, t->shape); }
-static PyObject *tensor_strides(q3_tensor_object *t, void *c) { (void)c; return dims_tuple(t->ndim, t->strides); }
-static PyObject *tensor_dtype(q3_tensor_object *t, void *c) { (void)c; return PyUnicode_FromString(q3_dtype_name(t->dtype)); }
-static PyObject *tensor_ptr(q3_tensor_object *t, void *c) { (void)c; return PyLong_FromVoidPtr(t->data); }
-static PyObject *tensor_device(q3_tensor_object *t, void *c) {
+static PyObject *tensor_shape(q3py_tensor_object *t, void *c) { (void)c; return dims_tuple(t->ndim, t->shape); }
+static PyObject *tensor_strides(q3py_tensor_object *t, void *c) { (void)c; return dims_tuple(t->ndim, t->strides); }
+static PyObject *tensor_dtype(q3py_tensor_object *t, void *c) { (void)c; return PyUnicode_FromString(q3_dtype_name(t->dtype)); }
+static PyObject *tensor_ptr(q3py_tensor_object *t, void *c) { (void)c; return PyLong_FromVoidPtr(t->data); }
+static PyObject *tensor_device(q3py_tensor_object *t, void *c) {
     (void)c;
     return t->device < 0 ? PyUnicode_FromString("cpu") : PyUnicode_FromFormat("cuda:%d", t->device);
 }
-static PyObject *tensor_nbytes(q3_tensor_object *t, void *c) {
+static PyObject *tensor_nbytes(q3py_tensor_object *t, void *c) {
     (void)c;
     return PyLong_FromSize_t(tensor_numel(t) * q3_dtype_size(t->dtype));
 }
 
-static PyObject *tensor_repr(q3_tensor_object *t) {
+static PyObject *tensor_repr(q3py_tensor_object *t) {
     char shape[160];
     q3_format_shape(shape, sizeof shape, t->ndim, t->shape);
     PyObject *dev = tensor_device(t, NULL);
@@ -463,9 +352,9 @@ static PyType_Slot tensor_slots[] = {
     {0, NULL},
 };
 
-PyType_Spec q3_tensor_spec = {
+PyType_Spec q3py_tensor_spec = {
     .name = "qwen3layer._C.Tensor",
-    .basicsize = sizeof(q3_tensor_object),
+    .basicsize = sizeof(q3py_tensor_object),
     .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION | Py_TPFLAGS_IMMUTABLETYPE,
     .slots = tensor_slots,
 };

@@ -28,6 +28,7 @@ from dlpack_ctypes import DLTensor as _DLTensor
 from dlpack_ctypes import capsule_new as _capsule_new
 from executor_arrays import executor_view, host, rel
 from qwen3layer import _C
+_testing = q3.cuda.testing_module()  # the kernel check and the test-only switches
 
 pytestmark = pytest.mark.executor_subprocess
 TIMEOUT = 900
@@ -648,7 +649,7 @@ def kernel_check():
     cuBLAS off); then a prefill on the cuBLAS path against the CPU layer"""
     assert _C.cuda_blas_open(q3.cuda.SIMT_LIBRARY)
     blas_before = _C.cuda_blas_enable()
-    cases = _C.cuda_check(0)
+    cases = _testing.cuda_check(0)
     blas_cases = [c for c in cases if c[0].startswith("matmul cuBLAS")]
     cb = q3.DecoderLayer.random(CFG, seed=14, dtype="bfloat16")
     cb_gpu = _C.Layer(CFG, _C.random_weights(CFG, 14, "bfloat16"), None, 0)
@@ -753,11 +754,11 @@ def moe_path_choice(grouped):
     setting = [_C.cuda_moe_path(), _C.cuda_moe_path("measured"), _C.cuda_grouped_prefill()]
     chosen = {}
     for fastest in PATHS:
-        _C.cuda_moe_inject_times({p: 1.0 if p == fastest else 2.0 + i for i, p in enumerate(PATHS)})
+        _testing.cuda_moe_inject_times({p: 1.0 if p == fastest else 2.0 + i for i, p in enumerate(PATHS)})
         layer = _C.Layer(G, wg, None, 0)
         y = host(layer.prefill(_C.copy_tensor(x200, 0), layer.new_cache(256))) - host(x200)
         first = _C.cuda_moe_choice(layer)
-        _C.cuda_moe_inject_times({p: 9.0 if p == fastest else 1.0 for p in PATHS})
+        _testing.cuda_moe_inject_times({p: 9.0 if p == fastest else 1.0 for p in PATHS})
         layer.prefill(_C.copy_tensor(x150, 0), layer.new_cache(256))
         second = _C.cuda_moe_choice(layer)
         layer.prefill(_C.copy_tensor(x40, 0), layer.new_cache(256))
@@ -766,7 +767,7 @@ def moe_path_choice(grouped):
                            "kept": second == first, "classes after 40 rows": sorted(list(k) for k in third),
                            "40 rows": third.get((32, 63), ("none",))[0],
                            "vs forced": rel(y, forced[fastest]), "vs cpu": rel(y, want)}
-    _C.cuda_moe_inject_times(None)
+    _testing.cuda_moe_inject_times(None)
     layer = _C.Layer(G, wg, None, 0)
     y = host(layer.prefill(_C.copy_tensor(x200, 0), layer.new_cache(256))) - host(x200)
     measured = _C.cuda_moe_choice(layer)[(128, 255)]
@@ -782,12 +783,12 @@ def moe_path_choice(grouped):
     # a cuBLAS that refuses the grouped GEMM (the stand-in, told to): the measurement drops that
     # candidate and the pass goes on; the grouped GEMM is then off for the process (so: last here)
     os.environ["Q3_STANDIN_REFUSE_GROUPED"] = "1"
-    _C.cuda_moe_inject_times({p: 1.0 if p == "grouped_cublas" else 2.0 + i for i, p in enumerate(PATHS)})
+    _testing.cuda_moe_inject_times({p: 1.0 if p == "grouped_cublas" else 2.0 + i for i, p in enumerate(PATHS)})
     layer = _C.Layer(G, wg, None, 0)
     y = host(layer.prefill(_C.copy_tensor(x200, 0), layer.new_cache(256))) - host(x200)
     refused = _C.cuda_moe_choice(layer)[(128, 255)]
     chosen["refused"] = {"chosen": refused[0], "times": sorted(refused[1]), "vs cpu": rel(y, want)}
-    _C.cuda_moe_inject_times(None)
+    _testing.cuda_moe_inject_times(None)
     del os.environ["Q3_STANDIN_REFUSE_GROUPED"]
     return chosen, setting
 

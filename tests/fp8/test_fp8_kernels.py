@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import qwen3layer as q3
+from qwen3layer import _testing
 
 PATHS = q3.build_info()["cpu_paths"]
 BEST = PATHS[-1]
@@ -56,13 +57,13 @@ def fp8_matmul(x, w, scale, y=None, accumulate=False):
     n = w.shape[0]
     y = torch.zeros(t, n) if y is None else y.clone()
     s, sdt = scale_args(scale)
-    q3._C._fp8_matmul(y.numpy(), x.contiguous().numpy(), w.contiguous().numpy(), s, sdt, t, n, k, int(accumulate))
+    _testing.fp8_matmul(y.numpy(), x.contiguous().numpy(), w.contiguous().numpy(), s, sdt, t, n, k, int(accumulate))
     return y
 
 
 def test_every_code_converts_as_torch_does():
     out = np.empty(256, dtype=np.float32)
-    q3._C._fp8_to_f32(CODES.numpy(), out)
+    _testing.fp8_to_f32(CODES.numpy(), out)
     out = torch.from_numpy(out)
     nan = torch.isnan(TORCH_VALUES)
     assert nan.nonzero().flatten().tolist() == list(NAN_CODES)
@@ -79,7 +80,7 @@ def test_scalar_dequantization_matches_torch(sdtype):
     w, scale = random_fp8(n, k, 1), random_scale(n, k, sdtype, 2)
     out = np.empty((n, k), dtype=np.float32)
     s, sdt = scale_args(scale)
-    q3._C._fp8_matmul(out, np.empty(0, np.float32), w.numpy(), s, sdt, 0, n, k, 0, 1)
+    _testing.fp8_matmul(out, np.empty(0, np.float32), w.numpy(), s, sdt, 0, n, k, 0, 1)
     assert torch.equal(torch.from_numpy(out).double(), dequant_torch(w, scale).float().double())
 
 
@@ -136,11 +137,11 @@ def test_matmul_matches_float64_reference(path, sdtype, n, k):
 def test_short_buffers_are_rejected():
     w, scale = random_fp8(4, 130, 1), torch.ones(1, 2)
     with pytest.raises(ValueError, match="scale"):
-        q3._C._fp8_matmul(np.zeros((1, 4), np.float32), np.zeros((1, 130), np.float32), w.numpy(),
+        _testing.fp8_matmul(np.zeros((1, 4), np.float32), np.zeros((1, 130), np.float32), w.numpy(),
                           np.ones(1, np.float32), "float32", 1, 4, 130, 0)
     with pytest.raises(ValueError, match="x"):
-        q3._C._fp8_matmul(np.zeros((1, 4), np.float32), np.zeros((1, 129), np.float32), w.numpy(),
+        _testing.fp8_matmul(np.zeros((1, 4), np.float32), np.zeros((1, 129), np.float32), w.numpy(),
                           scale.numpy(), "float32", 1, 4, 130, 0)
     with pytest.raises(ValueError, match=r"T, N, K: expected each 0 to 2\^20, got 1, 2097152, 130"):
-        q3._C._fp8_matmul(np.zeros((1, 4), np.float32), np.zeros((1, 130), np.float32), w.numpy(),
+        _testing.fp8_matmul(np.zeros((1, 4), np.float32), np.zeros((1, 130), np.float32), w.numpy(),
                           scale.numpy(), "float32", 1, 1 << 21, 130, 0)

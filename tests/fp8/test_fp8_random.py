@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import qwen3layer as q3
-from qwen3layer import _C
+from qwen3layer import _C, _testing
 
 FP8 = "fp8_e4m3_block128"
 ODD = q3.LayerConfig(hidden_size=200, num_attention_heads=4, num_key_value_heads=2, head_dim=48,
@@ -19,7 +19,7 @@ ODD = q3.LayerConfig(hidden_size=200, num_attention_heads=4, num_key_value_heads
 def ours_e4m3(x: torch.Tensor) -> np.ndarray:
     src = x.to(torch.float32).contiguous().numpy()
     dst = np.zeros(src.size, dtype=np.uint8)
-    _C._f32_to_fp8(src, dst)
+    _testing.f32_to_fp8(src, dst)
     return dst
 
 

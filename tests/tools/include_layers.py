@@ -9,12 +9,18 @@ A folder is a layer. A file includes only from its own folder and from layers be
     csrc/engine/             the engine: layer, KV cache, workspace, CPU dispatch (rank 3)
     csrc/cuda/               the engine's CUDA host side (rank 4)
     csrc/check/              kernel self-check against the CPU twins (rank 5)
-    csrc/python/             the CPython glue (rank 6)
+    csrc/python/             the CPython glue of qwen3layer._C (rank 6)
+    csrc/testing/            the CPython glue of qwen3layer._testing, the check harness's
+                             module (rank 7)
+
+The glue includes, besides its own folder, only the engine's public headers: csrc/engine/q3.h
+and csrc/cuda/q3_cuda.h (csrc/testing/ also csrc/check/q3_check.h and csrc/python/py_convert.h),
+so that engine internals (structs, dispatch tables) stay the engine's.
 
 Folders of equal rank do not include each other (the CPU and CUDA kernels are twins, not
 clients). Quoted includes are paths relative to the including file (the build passes no
 include directories but the executor's, reached with <...>), so each must name a file of the
-tree. Python's headers belong to csrc/python/ alone, the CUDA toolkit's to kernels/cuda/ and
+tree. Python's headers belong to the glue (csrc/python/, csrc/testing/) alone, the CUDA toolkit's to kernels/cuda/ and
 kernels/simt/ alone: the engine reaches CUDA only through the launcher table.
 
     python tests/tools/include_layers.py        # prints each violation, exit 1 if any
@@ -36,7 +42,14 @@ LAYERS = {
     "csrc/cuda": 4,
     "csrc/check": 5,
     "csrc/python": 6,
+    "csrc/testing": 7,
 }
+GLUE_LAYERS = ("csrc/python", "csrc/testing")  # the folders that may include Python's headers
+# Below its own folder the glue sees the engine only through its public headers (and the
+# testing module's glue the check harness's and the conversions shared with _C's glue)
+PUBLIC_HEADERS = ("csrc/engine/q3.h", "csrc/cuda/q3_cuda.h")
+GLUE_SEES = {"csrc/python": PUBLIC_HEADERS,
+             "csrc/testing": PUBLIC_HEADERS + ("csrc/check/q3_check.h", "csrc/python/py_convert.h")}
 PART_OF = {"kernels/simt/include": "kernels/simt"}  # a folder that belongs to another's layer
 CUDA_LAYERS = ("kernels/cuda", "kernels/simt")
 SOURCE_EXTENSIONS = (".c", ".h", ".cu", ".cuh", ".cpp")
@@ -78,8 +91,8 @@ def violations(root: str = ROOT) -> list[str]:
             quote, name = m.groups()
             where = f"{path}:{number}"
             if PYTHON_HEADERS.match(os.path.basename(name)) or PYTHON_HEADERS.match(name):
-                if layer != "csrc/python":
-                    out.append(f"{where}: includes {name}, which only csrc/python/ may")
+                if layer not in GLUE_LAYERS:
+                    out.append(f"{where}: includes {name}, which only csrc/python/ and csrc/testing/ may")
                 continue
             if CUDA_HEADERS.match(name):
                 if layer not in CUDA_LAYERS:
@@ -98,6 +111,9 @@ def violations(root: str = ROOT) -> list[str]:
             elif target_layer != layer and LAYERS[target_layer] >= LAYERS[layer]:
                 side = "beside" if LAYERS[target_layer] == LAYERS[layer] else "above"
                 out.append(f"{where}: {layer}/ includes {target}, from {target_layer}/, a layer {side} it")
+            elif target_layer != layer and layer in GLUE_SEES and target.replace(os.sep, "/") not in GLUE_SEES[layer]:
+                out.append(f"{where}: {layer}/ includes {target}, no public header of the engine (the glue "
+                           f"includes {', '.join(GLUE_SEES[layer])} and its own folder)")
     return out
 
 

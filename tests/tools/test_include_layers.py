@@ -36,7 +36,9 @@ def test_planted_violations_are_reported(tmp_path):
         "csrc/engine/cudart.c": "#include <cuda_bf16.h>\n",                        # CUDA outside kernels/cuda/
         "csrc/engine/lost.c": '#include "missing.h"\n',                           # no such file
         "csrc/cuda/backend.h": '#include "../engine/q3.h"\n#include "../../kernels/cuda/ops_cuda.h"\n',
-        "csrc/python/module.c": '#include <Python.h>\n#include "../cuda/backend.h"\n#include "../check/h.h"\n',
+        "csrc/cuda/q3_cuda.h": '#include "../engine/q3.h"\n',
+        "csrc/python/module.c": '#include <Python.h>\n#include "../engine/q3.h"\n#include "../cuda/q3_cuda.h"\n'
+                                '#include "../cuda/backend.h"\n#include "../check/h.h"\n',   # internals
         "csrc/check/h.h": '#include "../python/x.h"\n',                            # upward
         "csrc/python/x.h": "\n",
         "csrc/stray.c": "\n",                                                    # in no layer
@@ -48,6 +50,8 @@ def test_planted_violations_are_reported(tmp_path):
         ("csrc/engine/glue.c:1", "Python.h"),
         ("csrc/engine/layer.c:2", "from csrc/cuda/, a layer above"),
         ("csrc/engine/lost.c:1", "no file of the tree"),
+        ("csrc/python/module.c:4", "csrc/cuda/backend.h, no public header of the engine"),
+        ("csrc/python/module.c:5", "csrc/check/h.h, no public header of the engine"),
         ("csrc/stray.c", "in no layer"),
         ("kernels/cuda/twin.cu:1", "from kernels/cpu/, a layer beside"),
     ]

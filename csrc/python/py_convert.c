@@ -1,0 +1,96 @@
+/* The glue's shared conversions (py_convert.h): engine statuses to exceptions, the arguments
+ * many calls take (dtype, weight_format, stream, seq), the MoE paths' names. */
+#include <string.h>
+
+#include "py_glue.h"
+
+PyObject *q3_raise(q3_module_state *st, const q3_error *err) {
+    PyObject *type = PyExc_RuntimeError;
+    switch (err->status) {
+    case Q3_ERR_VALUE: type = PyExc_ValueError; break;
+    case Q3_ERR_TYPE: type = PyExc_TypeError; break;
+    case Q3_ERR_INDEX: type = PyExc_IndexError; break;
+    case Q3_ERR_CACHE_FULL: type = st ? st->cache_full_error : PyExc_RuntimeError; break;
+    case Q3_ERR_NOMEM: type = PyExc_MemoryError; break;
+    default: break;
+    }
+    PyErr_SetString(type, err->msg);
+    return NULL;
+}
+
+const char *q3_dtype_name(q3_dtype dt) {
+    return dt == Q3_BF16 ? "bfloat16" : dt == Q3_E4M3 ? "float8_e4m3fn" : dt == Q3_I32 ? "int32" : "float32";
+}
+
+int q3_parse_dtype(PyObject *obj, const char *arg, q3_dtype *out) {
+    const char *s = PyUnicode_Check(obj) ? PyUnicode_AsUTF8(obj) : NULL;
+    if (s && (!strcmp(s, "float32") || !strcmp(s, "fp32"))) *out = Q3_F32;
+    else if (s && (!strcmp(s, "bfloat16") || !strcmp(s, "bf16"))) *out = Q3_BF16;
+    else {
+        PyObject *r = PyObject_Repr(obj);
+        PyErr_Format(PyExc_TypeError, "%s: expected 'float32' or 'bfloat16', got %S", arg, r);
+        Py_XDECREF(r);
+        return -1;
+    }
+    return 0;
+}
+
+
+const char *const q3_moe_path_names[Q3_MOE_PATHS] = {"per_expert_wmma", "per_expert_cublas", "grouped_wmma",
+                                                     "grouped_cublas"};
+
+int q3py_dtype(PyObject *obj, void *out) { return q3_parse_dtype(obj, "dtype", out) == 0; }
+
+int q3py_weight_format(PyObject *obj, void *out) {
+    if (obj == Py_None) return 1;
+    const char *f = PyUnicode_Check(obj) ? PyUnicode_AsUTF8(obj) : NULL;
+    if (f && (!strcmp(f, "dense") || !strcmp(f, "fp8_e4m3_block128"))) {
+        *(q3_weight_format *)out = strcmp(f, "dense") ? Q3_WF_FP8_BLOCK128 : Q3_WF_DENSE;
+        return 1;
+    }
+    PyErr_Clear();
+    PyErr_Format(PyExc_ValueError, "weight_format: expected None, 'dense' or 'fp8_e4m3_block128', got %R", obj);
+    return 0;
+}
+
+int q3py_stream(PyObject *obj, void *out) {
+    void **stream = out;
+    *stream = NULL;
+    if (obj == Py_None) return 1;
+    if (!PyLong_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "stream: expected an int (a cudaStream_t) or None, got %.100s",
+                     Py_TYPE(obj)->tp_name);
+        return 0;
+    }
+    *stream = PyLong_AsVoidPtr(obj);
+    return *stream || !PyErr_Occurred();
+}
+
+int q3py_stream_on(PyObject *obj, int device, const char *cpu_object, void **out) {
+    *out = NULL;
+    if (obj != Py_None && device < 0) {
+        PyErr_Format(PyExc_ValueError, "stream: expected None for %s", cpu_object);
+        return -1;
+    }
+    return q3py_stream(obj, out) ? 0 : -1;
+}
+
+int q3py_seq(PyObject *obj, int batch, int allow_none, int *seq) {
+    if (obj == Py_None && allow_none) {
+        *seq = -1;
+        return 0;
+    }
+    if (!PyLong_Check(obj) || PyBool_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "seq: expected an int%s, got %.100s", allow_none ? " or None" : "",
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    const long long v = PyLong_AsLongLong(obj);
+    if (v == -1 && PyErr_Occurred()) return -1;
+    if (v < 0 || v >= batch) {
+        PyErr_Format(PyExc_IndexError, "seq: expected 0 <= seq < %d (the cache's batch), got %lld", batch, v);
+        return -1;
+    }
+    *seq = (int)v;
+    return 0;
+}

@@ -1,0 +1,40 @@
+/* What every glue file of both modules (qwen3layer._C, csrc/python; qwen3layer._testing,
+ * csrc/testing) parses and raises the same way: engine statuses to exceptions, and the
+ * arguments many calls take (dtype, weight_format, stream, a sequence index), each parsed in
+ * one place. Needs only Python.h and the engine's public headers, so _testing compiles
+ * py_convert.c too. The q3py_* converters fit PyArg_Parse's "O&": 1 with *out set, or 0 with
+ * the exception raised (it names the argument, what was expected and what came). */
+#ifndef Q3_PY_CONVERT_H
+#define Q3_PY_CONVERT_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "../cuda/q3_cuda.h"
+
+typedef struct q3_module_state q3_module_state;
+
+/* Raises the Python exception for an engine failure; returns NULL. st gives the
+ * module's CacheFullError (NULL only where the engine cannot report a full cache). */
+PyObject *q3_raise(q3_module_state *st, const q3_error *err);
+/* dtype <-> "float32" / "bfloat16" ("float8_e4m3fn" named, never parsed: weights only);
+ * q3_parse_dtype raises TypeError naming `arg` */
+const char *q3_dtype_name(q3_dtype dt);
+int q3_parse_dtype(PyObject *obj, const char *arg, q3_dtype *out);
+/* "dtype": 'float32' or 'bfloat16' -> q3_dtype *out */
+int q3py_dtype(PyObject *obj, void *out);
+/* "weight_format": 'dense' or 'fp8_e4m3_block128' -> q3_weight_format *out; None leaves *out
+ * as it was (the caller's default) */
+int q3py_weight_format(PyObject *obj, void *out);
+/* "stream": a cudaStream_t as int, or None (NULL: the default stream) -> void **out */
+int q3py_stream(PyObject *obj, void *out);
+/* the same for an object on `device` (-1: the cpu, where only None is taken; ValueError
+ * "stream: expected None for <cpu_object>"); 0 or -1 */
+int q3py_stream_on(PyObject *obj, int device, const char *cpu_object, void **out);
+/* "seq": an int in [0, batch) -> *seq, or None -> -1 ("every sequence") where allow_none;
+ * a bool is not an int here; 0, or -1 with TypeError / IndexError */
+int q3py_seq(PyObject *obj, int batch, int allow_none, int *seq);
+/* the prefill MoE paths' names (Q3_MOE_* order), as cuda_moe_path takes them */
+extern const char *const q3_moe_path_names[Q3_MOE_PATHS];
+
+#endif
