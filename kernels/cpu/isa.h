@@ -14,4 +14,13 @@
 #define Q3_CPU_CAT(name, isa) Q3_CPU_CAT_(name, isa)
 #define Q3_CPU_FN(name) Q3_CPU_CAT(name, Q3_ISA)
 
+/* #if Q3_ISA_PORTABLE: code for the portable variant only (the CPU twins of the CUDA kernels,
+ * twins.h, which call the portable kernels by name) */
+#define Q3_ISA_IS_portable 1
+#define Q3_ISA_IS_avx2 0
+#define Q3_ISA_IS_avx512 0
+#define Q3_ISA_IS_(isa) Q3_ISA_IS_##isa
+#define Q3_ISA_IS(isa) Q3_ISA_IS_(isa)
+#define Q3_ISA_PORTABLE Q3_ISA_IS(Q3_ISA)
+
 #endif

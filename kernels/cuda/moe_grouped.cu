@@ -1,5 +1,5 @@
-// The routed experts of a decode step without the host (twins: q3_moe_route_host,
-// q3_moe_gate_up_host, q3_moe_down_host, q3_moe_combine_host and the _fp8 pair in csrc/check/twins.c).
+// The routed experts of a decode step without the host (twins: kernels/cpu/moe_grouped.c,
+// q3_moe_route_host, q3_moe_gate_up_host, q3_moe_down_host, q3_moe_combine_host, the _fp8 pair).
 // moe_route groups the (token, expert) pairs by expert on the device; the expert kernels
 // then run one block column per *possible* active expert (max_active, a host number) and
 // the blocks past active[0] return at once, so the grids depend only on host arguments and
