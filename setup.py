@@ -6,9 +6,11 @@ OpenMP; nothing here needs torch. Every #include is a path relative to its file,
 include directories are passed.
 
 Both are compiled with -fvisibility=hidden: each exports its PyInit_ function alone
-(tests/test_symbols.py reads the dynamic symbol tables). _testing links no engine code: it
+(tests/tools/test_symbols.py reads the dynamic symbol tables). _testing links no engine code: it
 calls _C's engine through the table of functions _C exports as a capsule
-(csrc/cuda/engine_api.h), so it runs on the one engine of the process. _testing is built by
+(csrc/cuda/engine_api.h), so it runs on the one engine of the process. It has its own copy of
+the portable CPU kernels, compiled with the twins of the CUDA kernels (-DQ3_TWINS=1,
+kernels/cpu/isa.h): the oracle of the kernel check, which the shipped _C does not carry. _testing is built by
 default (an extra such as [test] cannot change what setup.py builds, and the module costs
 nothing until imported); Q3_TESTING=0 leaves it out (a package of _C alone).
 
@@ -271,17 +273,21 @@ class BuildKernelVariants(build_ext):
                         os.remove(source)
 
     def build_extension(self, ext):
-        if ext.name != "qwen3layer._C":  # _testing: its sources alone, no kernels of its own
-            return super().build_extension(ext)
-        self.build_cuda(ext)
-        self.build_simt(ext)
         sources = sorted(glob.glob("kernels/cpu/*.c"))
         objects = []
-        for isa, flags in isa_variants().items():
+        if ext.name == "qwen3layer._C":
+            self.build_cuda(ext)
+            self.build_simt(ext)
+            for isa, flags in isa_variants().items():
+                objects += self.compiler.compile(
+                    sources, output_dir=os.path.join(self.build_temp, "isa", isa),
+                    macros=[("Q3_ISA", isa)], include_dirs=ext.include_dirs,
+                    extra_postargs=COMMON + flags + SANITIZE_FLAGS, depends=ext.depends)
+        else:  # _testing: the oracle, the portable kernels with the twins (Q3_CPU_TWINS, isa.h)
             objects += self.compiler.compile(
-                sources, output_dir=os.path.join(self.build_temp, "isa", isa),
-                macros=[("Q3_ISA", isa)], include_dirs=ext.include_dirs,
-                extra_postargs=COMMON + flags + SANITIZE_FLAGS, depends=ext.depends)
+                sources, output_dir=os.path.join(self.build_temp, "isa", "portable-twins"),
+                macros=[("Q3_ISA", "portable"), ("Q3_TWINS", "1")], include_dirs=ext.include_dirs,
+                extra_postargs=COMMON + SANITIZE_FLAGS, depends=ext.depends)
         ext.extra_objects = objects
         # setuptools relinks only for newer sources or depends, not for newer extra objects:
         # a kernel edited alone must still reach the extension
@@ -309,7 +315,7 @@ def extensions():
             "qwen3layer._testing",
             sources=TESTING_SOURCES + [src for layer in TESTING_LAYERS for src in sorted(glob.glob(f"csrc/{layer}/*.c"))],
             extra_compile_args=COMMON + SANITIZE_FLAGS,
-            extra_link_args=SANITIZE_FLAGS,
+            extra_link_args=["-fopenmp"] + SANITIZE_FLAGS,
             depends=depends,
         ))
     return found

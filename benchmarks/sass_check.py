@@ -75,13 +75,13 @@ DECODE_KERNELS = [
     Expect("attention_probs_kernel", "attention_probs.cu", 256),  # PROBS_THREADS
     Expect("router_kernel", "router.cu", 128),
     Expect("moe_route_kernel", "moe_grouped.cu", 256, 128 * 4),    # ROUTE_THREADS; an int32 per expert
+    # the expert kernels: one template each, an instance per weight-row reader (<dense_rows>:
+    # bf16 rows; <fp8_rows>: fp8.cuh's fp8_row_dots, 16-byte loads of 16 e4m3)
     Expect("moe_gate_up_kernel", "moe_grouped.cu", 256, wide_loads=True),  # GROUP_WARPS 8
     Expect("moe_down_kernel", "moe_grouped.cu", 256, wide_loads=True),
     Expect("moe_combine_kernel", "moe_grouped.cu", 256),           # COMBINE_THREADS
     # FP8 weights (fp8.cuh's fp8_row_dots: 16-byte loads of 16 e4m3)
     Expect("gemv_fp8_kernel", "matmul_fp8.cu", 256, wide_loads=True),  # FP8_GEMV_WARPS 8
-    Expect("moe_gate_up_fp8_kernel", "moe_grouped_fp8.cu", 256, wide_loads=True),  # GROUP_WARPS 8
-    Expect("moe_down_fp8_kernel", "moe_grouped_fp8.cu", 256, wide_loads=True),
 ]
 
 # per SM: (shared memory bytes, max threads, max blocks); all have 65536 registers
@@ -148,15 +148,31 @@ def sass_archs(tool: str, binary: str) -> List[int]:
     return sorted({int(a) for a in re.findall(r"\.sm_(\d+)\.cubin", out)})
 
 
+TEMPLATE_ARG = re.compile(r"Li(-?\d+)E|(\d+)")  # an int argument, or a class's name (its length first)
+
+
 def instance_name(mangled: str) -> str:
-    """gemv_kernel<16> of _Z11gemv_kernelILi16EEv... (a template's integer arguments), else the
+    """gemv_kernel<16> of _Z11gemv_kernelILi16EEv... and moe_gate_up_kernel<fp8_rows> of
+    _Z18moe_gate_up_kernelI8fp8_rowsEv... (a template's integer and class arguments), else the
     base name: each instance of a template is its own function, with its own registers."""
     m = re.match(r"_Z(\d+)", mangled)
     if not m:
         return mangled
-    rest = mangled[m.end() + int(m.group(1)):]
-    args = re.match(r"I((?:Li-?\d+E)+)E", rest)
-    return base_name(mangled) + (f"<{','.join(re.findall(r'Li(-?[0-9]+)E', args.group(1)))}>" if args else "")
+    rest, args = mangled[m.end() + int(m.group(1)):], []
+    if not rest.startswith("I"):
+        return base_name(mangled)
+    at = 1
+    while at < len(rest) and rest[at] != "E":
+        a = TEMPLATE_ARG.match(rest, at)
+        if not a:  # an argument of another kind: the base name, as before
+            return base_name(mangled)
+        if a.group(1) is not None:
+            args.append(a.group(1))
+            at = a.end()
+        else:
+            args.append(rest[a.end():a.end() + int(a.group(2))])
+            at = a.end() + int(a.group(2))
+    return base_name(mangled) + f"<{','.join(args)}>"
 
 
 def read_functions(tool: str, binary: str, arch: int, names) -> Dict[str, Function]:
@@ -275,7 +291,7 @@ def main(argv=None) -> int:
         funcs = read_functions(tool, args.library, arch, {e.name for e in kernels})
         for e in kernels:
             instances = sorted((k for k in funcs if k == e.name or k.startswith(e.name + "<")),
-                               key=lambda k: [int(v) for v in re.findall(r"-?\d+", k[len(e.name):])])
+                               key=lambda k: ([int(v) for v in re.findall(r"<(-?\d+)[,>]", k[len(e.name):])], k))
             for label in instances or [e.name]:
                 row, fails = check(funcs.get(label), e, arch, label)
                 rows.append(row)

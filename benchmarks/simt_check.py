@@ -37,7 +37,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUILD = os.path.join(ROOT, "build", "simt-check")
 
 # the kernels each case of csrc/check/kernel_check.c runs, by the start of its name (the first
-# match wins); a case that matches none is shown as a row of its own
+# match wins; a template kernel's instances by name<argument>, where they run different code);
+# a case that matches none is shown as a row of its own
 CASE_KERNELS = [
     ("add + rmsnorm", ["add_rmsnorm_kernel"]),
     ("rmsnorm", ["rmsnorm_kernel"]),
@@ -57,13 +58,14 @@ CASE_KERNELS = [
     ("router", ["router_kernel"]),
     ("decode_prepare", ["decode_prepare_kernel"]),
     ("moe_route", ["moe_route_kernel"]),
-    ("moe gate_up + down + combine", ["moe_gate_up_kernel", "moe_down_kernel", "moe_combine_kernel"]),
+    ("moe gate_up + down + combine", ["moe_gate_up_kernel<dense_rows>", "moe_down_kernel<dense_rows>",
+                                      "moe_combine_kernel"]),
     ("moe prefill gate_up + down", ["moe_tiles_kernel"]),
     ("moe prefill combine_csr", ["moe_combine_csr_kernel"]),
     ("moe prefill tiles + combine_csr", ["moe_tiles_kernel", "moe_combine_csr_kernel"]),
     ("fp8 matmul GEMV", ["gemv_fp8_kernel"]),
     ("fp8 dequant", ["fp8_dequant_kernel"]),
-    ("fp8 moe gate_up + down", ["moe_gate_up_fp8_kernel", "moe_down_fp8_kernel"]),
+    ("fp8 moe gate_up + down", ["moe_gate_up_kernel<fp8_rows>", "moe_down_kernel<fp8_rows>"]),
     ("swiglu", ["swiglu_kernel"]),
     ("gather + scatter_add", ["gather_kernel", "scatter_add_kernel"]),
     ("convert", ["from_f32_kernel", "to_f32_kernel"]),
@@ -287,7 +289,8 @@ def kernel_rows(cases: list[dict]) -> list[dict]:
                     for c in group)
         result = (f"ok (worst err/tol {worst:.2g})" if not bad else "FAILED: " + "; ".join(
             f"{c['case']}: err {c['max_err']:.3g} tol {c['tol']:g} agree {c['agree']}" for c in bad))
-        table.append({"kernel": kernel, "file": files.get(kernel, "cuBLAS" if kernel == "cuBLAS" else "?"),
+        file = files.get(kernel.split("<")[0], "cuBLAS" if kernel == "cuBLAS" else "?")  # an instance: its template's
+        table.append({"kernel": kernel, "file": file,
                       "cases": len(group), "schedules": sorted({c["schedules"] for c in group}), "ok": not bad,
                       "result": result})
     return table
@@ -295,11 +298,11 @@ def kernel_rows(cases: list[dict]) -> list[dict]:
 
 def print_kernel_table(table: list[dict], covered_from: dict) -> None:
     """The rows of kernel_rows, then the __global__ functions no case runs."""
-    print(f"{'kernel':<24} {'file':<17} {'cases':>5} {'schedules':>9}  result")
+    print(f"{'kernel':<30} {'file':<17} {'cases':>5} {'schedules':>9}  result")
     for r in table:
         schedules = ",".join(map(str, r["schedules"]))
-        print(f"{r['kernel']:<24} {r['file']:<17} {r['cases']:>5} {schedules:>9}  {r['result']}")
-    missing = sorted(set(covered_from) - {r["kernel"] for r in table})
+        print(f"{r['kernel']:<30} {r['file']:<17} {r['cases']:>5} {schedules:>9}  {r['result']}")
+    missing = sorted(set(covered_from) - {r["kernel"].split("<")[0] for r in table})
     if missing:
         print("not run by any case: " + ", ".join(f"{k} ({covered_from[k]})" for k in missing))
 

@@ -2,7 +2,7 @@
  * functions it names (q3_fail, q3_cuda, q3_cpu_ops_active, ...) as in _C, and these
  * definitions forward each to the table that _C exports (csrc/cuda/engine_api.h), so the
  * harness runs on _C's one engine: its CPU path, its open CUDA library, its schedules. No
- * engine source is compiled into _testing (tests/test_symbols.py checks that none is
+ * engine source is compiled into _testing (tests/tools/test_symbols.py checks that none is
  * missing). q3_check_link runs once, at import, before any other call. */
 #include <stdio.h>
 

@@ -331,7 +331,8 @@ q3_status q3_cuda_check(int device_index, q3_check_result *out, int max, int *n,
     *n = 0;
     const q3_cuda_ops *g = q3_cuda();
     if (!g) return q3_fail(err, Q3_ERR_STATE, "cuda check: the CUDA backend is not loaded");
-    check k = {g, q3_cpu_ops_active(), err, 0, {0}, 0, {0}, 0, 0};
+    /* against the portable CPU kernels, whichever variant the engine picked for this CPU */
+    check k = {g, &q3_ops_cpu_portable, err, 0, {0}, 0, {0}, 0, 0};
     if (!cuda_ok(&k, g->set_device(device_index), "cudaSetDevice")) return err->status;
     const int schedules = q3_cuda_schedules();
     q3_check_result *again = calloc((size_t)max, sizeof *again);

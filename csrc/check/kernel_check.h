@@ -9,14 +9,14 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../engine/cpu_dispatch.h"
+#include "../../kernels/cpu/ops.h"
+#include "../../kernels/cpu/twins.h"
 #include "../cuda/backend.h"
 #include "q3_check.h"
-#include "twins.h"
 
 typedef struct {
     const q3_cuda_ops *g;
-    const q3_cpu_ops *c;
+    const q3_cpu_ops *c; /* the portable kernels, the readable oracle (as the twins use) */
     q3_error *err;
     int failed;
     void *dev[32];

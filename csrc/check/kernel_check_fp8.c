@@ -1,8 +1,9 @@
 /* The self-check cases of the FP8 kernels (see kernel_check.c): the GEMV, the dequantization
- * to bf16 and the grouped decode experts, each against its twin (the CPU's matmul_fp8, and
- * twins.c), on random e4m3 codes with scales that differ from block to block (a scale taken
- * from the wrong block shows), at sizes that are not multiples of 128 (partial scale blocks)
- * or of 16 (the one-element-a-lane paths), with fp32 and bf16 scales and NaN codes. */
+ * to bf16 and the grouped decode experts, each against its twin (kernels/cpu/twins.h: the
+ * portable matmul_fp8 and its compositions), on random e4m3 codes with scales that differ
+ * from block to block (a scale taken from the wrong block shows), at sizes that are not
+ * multiples of 128 (partial scale blocks) or of 16 (the one-element-a-lane paths), with fp32
+ * and bf16 scales and NaN codes. */
 #include "kernel_check.h"
 
 /* n random e4m3 codes from a fixed LCG: every finite code (NaN codes 0x7f, 0xff replaced by

@@ -1,7 +1,7 @@
 /* The self-check cases of the MoE kernels (see kernel_check.c): device-side grouping, the
  * grouped decode experts, the grouped prefill experts and their combine, each against its
- * twin in twins.c, on hand-made tiles and on the routings of kernel_check.c's lists (top-k
- * 1 to 8, 1 and 17 tokens). */
+ * twin (kernels/cpu/twins.h), on hand-made tiles and on the routings of kernel_check.c's
+ * lists (top-k 1 to 8, 1 and 17 tokens). */
 #include "kernel_check.h"
 
 /* k distinct experts of E per token, in no particular order (as the router's top-k), from a

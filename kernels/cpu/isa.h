@@ -14,4 +14,18 @@
 #define Q3_CPU_CAT(name, isa) Q3_CPU_CAT_(name, isa)
 #define Q3_CPU_FN(name) Q3_CPU_CAT(name, Q3_ISA)
 
+/* #if Q3_CPU_TWINS: the CPU twins of the CUDA kernels (twins.h), which call the portable
+ * kernels by name: compiled in the portable variant that qwen3layer._testing links
+ * (-DQ3_TWINS=1, setup.py), never into the shipped _C */
+#define Q3_ISA_IS_portable 1
+#define Q3_ISA_IS_avx2 0
+#define Q3_ISA_IS_avx512 0
+#define Q3_ISA_IS_(isa) Q3_ISA_IS_##isa
+#define Q3_ISA_IS(isa) Q3_ISA_IS_(isa)
+#define Q3_ISA_PORTABLE Q3_ISA_IS(Q3_ISA)
+#ifndef Q3_TWINS
+#define Q3_TWINS 0
+#endif
+#define Q3_CPU_TWINS (Q3_ISA_PORTABLE && Q3_TWINS)
+
 #endif

@@ -5,13 +5,17 @@
  * and each converted vector serves up to 4 tokens (groups of 4 re-read the row from L1).
  * Prefill: chunks of Q3_FP8_CHUNK_ROWS rows are dequantized to fp32 into a thread's scratch
  * and go through this variant's fp32 matmul, so prefill costs the fp32 matmul plus one pass
- * over the chunk (K bytes in, 4K out per row, against 2 T K flops per row). */
+ * over the chunk (K bytes in, 4K out per row, against 2 T K flops per row).
+ *
+ * In the portable variant only, at the end: the twins of kernels/cuda/matmul_fp8.cu (twins.h). */
 #include <math.h>
+#include <stdlib.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
 #include "ops.h"
+#include "twins.h"
 #include "vec.h"
 
 #if Q3_LANES == 8 && defined(__F16C__)
@@ -217,3 +221,28 @@ void Q3_CPU_FN(q3_matmul_fp8)(float *y, const float *x, const uint8_t *w, const 
                 y[t * N + n0 + i] = (accumulate ? y[t * N + n0 + i] : 0.0f) + yt[t * nr + i];
     }
 }
+
+#if Q3_CPU_TWINS
+/* the CUDA GEMV's twin: this matmul with its scratch, one thread */
+int q3_matmul_fp8_host(float *y, const float *x, const uint8_t *w, const void *scale, q3_dtype sdt, int64_t T,
+                       int64_t N, int64_t K, int accumulate) {
+    const int64_t n = q3_matmul_fp8_scratch_floats(T, K);
+    float *scratch = n ? malloc((size_t)n * sizeof(float)) : NULL;
+    if (n && !scratch) return 1;
+    q3_matmul_fp8_cpu_portable(y, x, w, scale, sdt, T, N, K, accumulate, scratch, 1);
+    free(scratch);
+    return 0;
+}
+
+/* the dequantization kernel's twin: kernels/fp8.h's scalar dequantization, rounded to bf16 */
+int q3_fp8_dequant_host(uint16_t *dst, const uint8_t *w, const void *scale, q3_dtype sdt, int64_t N, int64_t K) {
+    float *row = malloc((size_t)(K ? K : 1) * sizeof(float));
+    if (!row) return 1;
+    for (int64_t n = 0; n < N; n++) {
+        q3_fp8_dequant_rows(row, w, scale, sdt, n, 1, K);
+        for (int64_t j = 0; j < K; j++) dst[n * K + j] = q3_f32_to_bf16(row[j]);
+    }
+    free(row);
+    return 0;
+}
+#endif

@@ -1,7 +1,10 @@
-/* RMSNorm, one row per iteration; rows split across threads. */
+/* RMSNorm, one row per iteration; rows split across threads. And, in the portable variant
+ * only, the twin of kernels/cuda/rmsnorm.cu's add_rmsnorm, the residual add fused in front of
+ * it (twins.h). x, out [rows, n]. */
 #include <math.h>
 
 #include "ops.h"
+#include "twins.h"
 
 static void rmsnorm_row(float *out, const float *x, const void *w, q3_dtype w_dt,
                         int64_t n, float eps) {
@@ -25,3 +28,11 @@ void Q3_CPU_FN(q3_rmsnorm)(float *out, const float *x, const void *w, q3_dtype w
 #pragma omp parallel for schedule(static) if (rows * n > 8192)
     for (int64_t r = 0; r < rows; r++) rmsnorm_row(out + r * n, x + r * n, w, w_dt, n, eps);
 }
+
+#if Q3_CPU_TWINS
+void q3_add_rmsnorm_host(float *out, float *x, const float *r, const void *w, q3_dtype w_dt, int64_t rows,
+                         int64_t n, float eps) {
+    for (int64_t i = 0; i < rows * n; i++) x[i] += r[i];
+    q3_rmsnorm_cpu_portable(out, x, w, w_dt, rows, n, eps);
+}
+#endif

@@ -1,4 +1,4 @@
-// A decode step's bookkeeping on the device (twin: q3_decode_prepare_host, csrc/check/twins.c),
+// A decode step's bookkeeping on the device (twin: kernels/cpu/decode_prepare.c),
 // so that a captured decode step reads the sequence lengths where the previous step left
 // them instead of taking them from the host. One thread per sequence.
 #include "../attention.h"

@@ -1,5 +1,5 @@
 // FP8 weights in registers: block-scaled e4m3 bytes (kernels/fp8.h) turned into fp32 as the
-// GEMV-style kernels (matmul_fp8.cu, moe_grouped_fp8.cu) stream them, and their inner loop.
+// GEMV-style kernels (matmul_fp8.cu, moe_grouped.cu) stream them, and their inner loop.
 //
 // The conversion is bit assembly, exact for every code: byte S EEEE MMM becomes the fp32 bits
 // S 0000 EEEE MMM 0...0, i.e. 2^-120 times the e4m3 value (E > 0: exponent E - 7 - 120 + 127

@@ -1,7 +1,7 @@
 // FP8 weights (kernels/fp8.h: e4m3 bytes, one fp32 or bf16 scale per 128 x 128 block) on the
 // device: the decode GEMV that converts them in registers, and the dequantization to bf16
-// that feeds the tensor-core paths of prefill (twins: the CPU's matmul_fp8, and
-// q3_fp8_dequant_host in csrc/check/twins.c).
+// that feeds the tensor-core paths of prefill (twins: q3_matmul_fp8_host, the CPU's matmul_fp8,
+// and q3_fp8_dequant_host, both in kernels/cpu/matmul_fp8.c).
 //
 // matmul_fp8: y [T, N] (+)= x [T, K] W^T, fp32 accumulation, with matmul.cu's structure: one
 // warp per weight row, GEMV_WARPS rows a block, the tokens of a block column at once (NT = 8

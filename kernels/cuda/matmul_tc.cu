@@ -1,7 +1,7 @@
 // y [T, N] (+)= x [T, K] W^T on tensor cores (WMMA, bf16 inputs, fp32 accumulation), for
-// prefill: many tokens. Twin: kernels/cpu/matmul.c (on bf16-valued activations, as the AMX
-// path). x is rounded to bf16 as transformers computes in bf16: as it is staged, for the
-// WMMA kernel; into xb first, for cuBLAS. W [N, K] row-major is read in place as the
+// prefill: many tokens. Twin: kernels/cpu/matmul_tc.c (the CPU matmul on bf16-valued
+// activations, as the AMX path). x is rounded to bf16 as transformers computes in bf16: as it
+// is staged, for the WMMA kernel; into xb first, for cuBLAS. W [N, K] row-major is read in place as the
 // column-major B = W^T operand. A block of 4 warps computes a 64 x 64 tile of y
 // (wmma_tile.cuh), each warp 32 x 32 as 2 x 2 fragments of 16 x 16, from the 64 x 32 slices
 // of x and W for each k step staged in shared memory. Each thread moves 4 float4 of x and 2

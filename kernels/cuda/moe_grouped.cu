@@ -1,12 +1,14 @@
-// The routed experts of a decode step without the host (twins: q3_moe_route_host,
-// q3_moe_gate_up_host, q3_moe_down_host, q3_moe_combine_host in csrc/check/twins.c).
+// The routed experts of a decode step without the host (twins: kernels/cpu/moe_grouped.c,
+// q3_moe_route_host, q3_moe_gate_up_host, q3_moe_down_host, q3_moe_combine_host, the _fp8 pair).
 // moe_route groups the (token, expert) pairs by expert on the device; the expert kernels
 // then run one block column per *possible* active expert (max_active, a host number) and
 // the blocks past active[0] return at once, so the grids depend only on host arguments and
 // the whole sequence can be captured in a CUDA graph: no host sync, no allocation.
-// Expert weights come as device arrays of E device pointers.
-#include "moe_active.cuh"
-#include "row_dots.cuh"
+// Expert weights come as device arrays of E device pointers: dense (bf16 or fp32) matrices
+// [rows, K], or FP8 ones (kernels/fp8.h: e4m3 bytes [rows, K] and E more pointers to their
+// scale_inv [ceil(rows/128), ceil(K/128)] of dtype sdt). The gate/up and down kernels are one
+// source for both, templated on the weight-row reader (dense_rows or fp8_rows, below).
+#include "fp8.cuh"
 
 #define ROUTE_THREADS 256
 #define ROUTE_MAX_EXPERTS 12288 // one int32 of shared memory per expert, within the default 48 KiB
@@ -86,26 +88,100 @@ extern "C" int q3_moe_route_cuda(int64_t *offsets, int32_t *rows, float *weights
     return q3_launch_status();
 }
 
+// ---- the weight-row readers: all that differs between dense and FP8 experts ----
+// A reader is the expert kernels' weight argument: per matrix j (gate and up for gate/up;
+// down, and an unused second, for down), the device array of its E experts' device pointers.
+// expert_rows<NW> takes one expert's NW pointers, once a block; expert_row_dots then dots its
+// rows with the tokens' activations (row_dots.cuh, fp8.cuh: acc as there). Written without a
+// loop over j and passed by value: with either, nvcc kept the fallback loop's dtype test
+// inside the loop, and the kernels no longer compiled to the code of the two hand copies
+// they replace (the same registers and instructions, checked on the PTX and the SASS).
+
+// dense experts: bf16 or fp32 matrices [rows, K] (16-byte loads of 8 bf16 where K % 8 == 0)
+struct dense_rows {
+    const void *const *w[2]; // [E] device pointers to [rows, K] of dt, per matrix
+    q3_dtype dt;
+};
+template <int NW> struct dense_expert {
+    const void *w[NW]; // [rows, K] of dt
+    q3_dtype dt;
+};
+template <int NW> __device__ __forceinline__ dense_expert<NW> expert_rows(const dense_rows &r, int e) {
+    static_assert(NW == 1 || NW == 2, "one matrix (down) or two (gate, up)");
+    dense_expert<NW> x;
+    x.w[0] = r.w[0][e];
+    if (NW == 2) x.w[NW - 1] = r.w[1][e];
+    x.dt = r.dt;
+    return x;
+}
+template <int NT, int NW>
+__device__ __forceinline__ void expert_row_dots(float (*acc)[NT], const dense_expert<NW> w, const float *x,
+                                                const float *const *xr, int64_t row, int64_t K, int nt, int lane) {
+    row_dots<NT, NW>(acc, x, xr, w.w, w.dt, row, K, nt, lane);
+}
+
+// FP8 experts: e4m3 bytes [rows, K] and their block scales (16-byte loads of 16 e4m3 where
+// K % 16 == 0 and the rows are 16-byte aligned)
+struct fp8_rows {
+    const uint8_t *const *w[2];  // [E] device pointers to the bytes [rows, K], per matrix
+    const void *const *scale[2]; // [E] device pointers to their scale_inv [ceil(rows/128), ceil(K/128)]
+    q3_dtype sdt;                // of the scales: fp32 or bf16
+};
+template <int NW> struct fp8_expert {
+    const uint8_t *w[NW];  // [rows, K] e4m3
+    const void *scale[NW]; // [ceil(rows/128), ceil(K/128)] of sdt
+    q3_dtype sdt;
+};
+template <int NW> __device__ __forceinline__ fp8_expert<NW> expert_rows(const fp8_rows &r, int e) {
+    static_assert(NW == 1 || NW == 2, "one matrix (down) or two (gate, up)");
+    fp8_expert<NW> x;
+    x.w[0] = r.w[0][e];
+    if (NW == 2) x.w[NW - 1] = r.w[1][e];
+    x.scale[0] = r.scale[0][e];
+    if (NW == 2) x.scale[NW - 1] = r.scale[1][e];
+    x.sdt = r.sdt;
+    return x;
+}
+template <int NT, int NW>
+__device__ __forceinline__ void expert_row_dots(float (*acc)[NT], const fp8_expert<NW> w, const float *x,
+                                                const float *const *xr, int64_t row, int64_t K, int nt, int lane) {
+    fp8_row_dots<NT, NW>(acc, x, xr, w.w, w.scale, w.sdt, row, K, nt, lane);
+}
+
+// ---- the expert kernels, one source for either reader R ----
+#define GROUP_WARPS 8 // weight rows (warps) per block of the expert kernels
+
+// block column a's expert (the a-th active one) and its slots [*first, *first + *n); -1
+// when fewer than a + 1 experts are active
+__device__ __forceinline__ int active_expert(const int64_t *offsets, const int32_t *active, int a, int64_t *first,
+                                             int64_t *n) {
+    if (a >= active[0]) return -1;
+    const int e = active[1 + a];
+    *first = offsets[e];
+    *n = offsets[e + 1] - *first;
+    return e;
+}
+
 // act [s, i] = silu(x[rows[s]] . G_e[i]) * (x[rows[s]] . U_e[i]) for the slots s of the
 // block column's expert e; one warp per weight row i, the group's tokens TOKENS_PER_WARP at
 // a time, each activation load serving the gate and the up row (later chunks re-read the two
 // weight rows from L1/L2: a decode step's expert has a few tokens, T * k / E on average)
+template <class R>
 __global__ void moe_gate_up_kernel(float *act, const float *x, const int32_t *rows, const int64_t *offsets,
-                                   const int32_t *active, const void *const *gate, const void *const *up,
-                                   q3_dtype w_dt, int64_t I, int64_t K) {
+                                   const int32_t *active, R gate_up, int64_t I, int64_t K) {
     int64_t first, n;
     const int e = active_expert(offsets, active, blockIdx.x, &first, &n);
     const int64_t i = (int64_t)blockIdx.y * GROUP_WARPS + (threadIdx.x >> 5);
     if (e < 0 || i >= I) return;
     const int lane = threadIdx.x & 31;
-    const void *ws[2] = {gate[e], up[e]};
+    const auto w = expert_rows<2>(gate_up, e);
     for (int64_t c0 = 0; c0 < n; c0 += TOKENS_PER_WARP) {
         const int nt = n - c0 < TOKENS_PER_WARP ? (int)(n - c0) : TOKENS_PER_WARP;
         const float *xr[TOKENS_PER_WARP]; // the chunk's token rows of x
 #pragma unroll
         for (int t = 0; t < TOKENS_PER_WARP; t++) xr[t] = t < nt ? x + (int64_t)rows[first + c0 + t] * K : x;
         float acc[2][TOKENS_PER_WARP] = {{0}};
-        row_dots<TOKENS_PER_WARP, 2>(acc, x, xr, ws, w_dt, i, K, nt, lane);
+        expert_row_dots(acc, w, x, xr, i, K, nt, lane);
 #pragma unroll
         for (int t = 0; t < TOKENS_PER_WARP; t++) {
             if (t >= nt) break;
@@ -117,18 +193,19 @@ __global__ void moe_gate_up_kernel(float *act, const float *x, const int32_t *ro
 
 // y [s, i] = act [s] . D_e[i] for the slots s of the block column's expert e: its act rows
 // are contiguous, act + first * K
-__global__ void moe_down_kernel(float *y, const float *act, const int64_t *offsets, const int32_t *active,
-                                const void *const *down, q3_dtype w_dt, int64_t N, int64_t K) {
+template <class R>
+__global__ void moe_down_kernel(float *y, const float *act, const int64_t *offsets, const int32_t *active, R down,
+                                int64_t N, int64_t K) {
     int64_t first, n;
     const int e = active_expert(offsets, active, blockIdx.x, &first, &n);
     const int64_t i = (int64_t)blockIdx.y * GROUP_WARPS + (threadIdx.x >> 5);
     if (e < 0 || i >= N) return;
     const int lane = threadIdx.x & 31;
-    const void *ws[1] = {down[e]};
+    const auto w = expert_rows<1>(down, e);
     for (int64_t c0 = 0; c0 < n; c0 += TOKENS_PER_WARP) {
         const int nt = n - c0 < TOKENS_PER_WARP ? (int)(n - c0) : TOKENS_PER_WARP;
         float acc[1][TOKENS_PER_WARP] = {{0}};
-        row_dots<TOKENS_PER_WARP, 1>(acc, act + (first + c0) * K, NULL, ws, w_dt, i, K, nt, lane);
+        expert_row_dots(acc, w, act + (first + c0) * K, NULL, i, K, nt, lane);
 #pragma unroll
         for (int t = 0; t < TOKENS_PER_WARP; t++) {
             if (t >= nt) break;
@@ -138,28 +215,64 @@ __global__ void moe_down_kernel(float *y, const float *act, const int64_t *offse
     }
 }
 
-// act [T * k, I] by slot <- x [T, K]; max_active >= active[0] (min(E, T * k) always is)
+// the grid of the expert kernels: max_active block columns by the weight rows in warps;
+// grid->x = 0 when there is nothing to launch (no possible expert, or no rows)
+static inline int expert_grid(dim3 *grid, int max_active, int64_t rows) {
+    *grid = dim3(0);
+    if (max_active <= 0 || rows == 0) return 0;
+    const int64_t row_blocks = (rows + GROUP_WARPS - 1) / GROUP_WARPS;
+    if (row_blocks > 65535) return (int)cudaErrorInvalidValue;
+    *grid = dim3((unsigned)max_active, (unsigned)row_blocks);
+    return 0;
+}
+
+// The launchers: one instance of each kernel per reader, launched by its own name (the
+// executor's reports and sass_check name them so). gate/up: act [T * k, I] by slot <- x
+// [T, K]; max_active >= active[0] (min(E, T * k) always is). down: y [T * k, N] by slot <-
+// act [T * k, K].
 extern "C" int q3_moe_gate_up_cuda(float *act, const float *x, const int32_t *rows, const int64_t *offsets,
                                    const int32_t *active, const void *const *gate, const void *const *up,
                                    q3_dtype w_dt, int max_active, int64_t I, int64_t K, void *stream) {
-    if (max_active <= 0 || I == 0) return 0;
     dim3 grid;
     const int bad = expert_grid(&grid, max_active, I);
-    if (bad) return bad;
-    Q3_LAUNCH(moe_gate_up_kernel, grid, GROUP_WARPS * 32, 0, (cudaStream_t)stream)(act, x, rows, offsets, active, gate, up,
-                                                                             w_dt, I, K);
+    if (bad || !grid.x) return bad;
+    const dense_rows r = {{gate, up}, w_dt};
+    Q3_LAUNCH(moe_gate_up_kernel<dense_rows>, grid, GROUP_WARPS * 32, 0, stream)(act, x, rows, offsets, active, r, I,
+                                                                                 K);
     return q3_launch_status();
 }
 
-// y [T * k, N] by slot <- act [T * k, K]
 extern "C" int q3_moe_down_cuda(float *y, const float *act, const int64_t *offsets, const int32_t *active,
                                 const void *const *down, q3_dtype w_dt, int max_active, int64_t N, int64_t K,
                                 void *stream) {
-    if (max_active <= 0 || N == 0) return 0;
     dim3 grid;
     const int bad = expert_grid(&grid, max_active, N);
-    if (bad) return bad;
-    Q3_LAUNCH(moe_down_kernel, grid, GROUP_WARPS * 32, 0, (cudaStream_t)stream)(y, act, offsets, active, down, w_dt, N, K);
+    if (bad || !grid.x) return bad;
+    const dense_rows r = {{down, NULL}, w_dt};
+    Q3_LAUNCH(moe_down_kernel<dense_rows>, grid, GROUP_WARPS * 32, 0, stream)(y, act, offsets, active, r, N, K);
+    return q3_launch_status();
+}
+
+extern "C" int q3_moe_gate_up_fp8_cuda(float *act, const float *x, const int32_t *rows, const int64_t *offsets,
+                                       const int32_t *active, const uint8_t *const *gate, const uint8_t *const *up,
+                                       const void *const *gate_scale, const void *const *up_scale, q3_dtype sdt,
+                                       int max_active, int64_t I, int64_t K, void *stream) {
+    dim3 grid;
+    const int bad = expert_grid(&grid, max_active, I);
+    if (bad || !grid.x) return bad;
+    const fp8_rows r = {{gate, up}, {gate_scale, up_scale}, sdt};
+    Q3_LAUNCH(moe_gate_up_kernel<fp8_rows>, grid, GROUP_WARPS * 32, 0, stream)(act, x, rows, offsets, active, r, I, K);
+    return q3_launch_status();
+}
+
+extern "C" int q3_moe_down_fp8_cuda(float *y, const float *act, const int64_t *offsets, const int32_t *active,
+                                    const uint8_t *const *down, const void *const *down_scale, q3_dtype sdt,
+                                    int max_active, int64_t N, int64_t K, void *stream) {
+    dim3 grid;
+    const int bad = expert_grid(&grid, max_active, N);
+    if (bad || !grid.x) return bad;
+    const fp8_rows r = {{down, NULL}, {down_scale, NULL}, sdt};
+    Q3_LAUNCH(moe_down_kernel<fp8_rows>, grid, GROUP_WARPS * 32, 0, stream)(y, act, offsets, active, r, N, K);
     return q3_launch_status();
 }
 

@@ -1,5 +1,5 @@
 // The routed experts of a prefill on tensor cores (twins: q3_moe_gate_up_tc_host,
-// q3_moe_down_tc_host, q3_moe_combine_csr_host in csrc/check/twins.c). The host has grouped
+// q3_moe_down_tc_host, q3_moe_combine_csr_host in kernels/cpu/moe_prefill.c). The host has grouped
 // the (token, expert) pairs by expert into slots and cut each expert's run of slots into
 // tiles of at most 64 (q3_moe_tile), so one launch per projection covers a batch of
 // experts: block (c, t) computes output columns c * 64 .. + 64 for the slots of tile t with

@@ -10,17 +10,11 @@
 
 #include "../attention.h"
 #include "../dtype.h"
+#include "../moe_group.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
-
-/* A tile of the grouped prefill MoE: `rows` (1 .. Q3_MOE_TILE_ROWS) consecutive slots from
- * `first`, all of expert `expert`. */
-#define Q3_MOE_TILE_ROWS 64
-typedef struct {
-    int32_t expert, first, rows, unused;
-} q3_moe_tile;
 
 #define Q3_BLAS_REFUSED (-2)
 
@@ -108,7 +102,7 @@ typedef struct {
                            void *stream);
     int (*router_topk)(int32_t *idx, float *weight, const float *logits, int64_t T, int E, int k, int normalize,
                        void *stream);
-    /* ---- decode without the host (CUDA-graph capturable); twins in csrc/check/twins.c ---- */
+    /* ---- decode without the host (CUDA-graph capturable); twins in kernels/cpu/twins.h ---- */
     /* a decode step's bookkeeping from device-resident lengths: for s < n_seqs,
      * seqs[s].n_past = lengths[s]; pos[s] = first_pos + lengths[s] - seqs[s].start (0 while inside the
      * padding); then lengths[s] += 1 */
@@ -148,7 +142,7 @@ typedef struct {
     int (*moe_combine_csr)(float *x, const float *y, const float *weights, const int32_t *tokens,
                            const int32_t *ptr, const int32_t *slot, int n, int64_t H, void *stream);
     /* ---- FP8 weights (kernels/fp8.h: e4m3 bytes w [N, K], scale_inv [ceil(N/128), ceil(K/128)]
-     * of sdt, fp32 or bf16); twins: the CPU's matmul_fp8 and csrc/check/twins.c ---- */
+     * of sdt, fp32 or bf16); twins: the CPU's matmul_fp8 and kernels/cpu/twins.h ---- */
     /* y [T, N] (+)= x [T, K] W^T, converted in registers (the decode GEMV; any T) */
     int (*matmul_fp8)(float *y, const float *x, const uint8_t *w, const void *scale, q3_dtype sdt, int64_t T,
                       int64_t N, int64_t K, int accumulate, void *stream);

@@ -1,7 +1,7 @@
-// QK-norm, RoPE and the KV-cache append in one kernel (twin: kernels/cpu rmsnorm, rope and
-// kv_write in turn). One warp per head of one token row: q heads are normalised and rotated
-// in place; k heads are normalised, rotated and written to the cache; v heads are written to
-// the cache. The head is staged in shared memory so RoPE can pair dims d and d + D/2 for any
+// QK-norm, RoPE and the KV-cache append in one kernel (twin: kernels/cpu/qk_rope_kv.c:
+// rmsnorm, rope and kv_write in turn). One warp per head of one token row: q heads are
+// normalised and rotated in place; k heads are normalised, rotated and written to the cache;
+// v heads are written to the cache. The head is staged in shared memory so RoPE can pair dims d and d + D/2 for any
 // head_dim. Row r is token t = r % L of sequence s = r / L, at cache position n_past + t
 // (seqs: the device array the attention kernel reads too).
 #include <math.h>

@@ -1,5 +1,5 @@
 // RMSNorm on the GPU: one block per row (twin: kernels/cpu/rmsnorm.c), and the residual add
-// fused in front of it (twin: q3_add_rmsnorm_host, csrc/check/twins.c).
+// fused in front of it (twin: q3_add_rmsnorm_host, kernels/cpu/rmsnorm.c).
 #include "common.cuh"
 
 // Threads a row, at most: 512 leaves registers for 2 blocks per SM on every target at up to

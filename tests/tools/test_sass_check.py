@@ -195,6 +195,18 @@ def test_every_decode_kernel_is_read_on_every_architecture():
                 if e.wide_loads:
                     assert int(row[4]) >= 1, row
     assert ("gemv_kernel<16>", "sm_120", 0) in rows
+    # the grouped experts: one template a kernel, an instance per weight-row reader
+    for name in ("moe_gate_up_kernel", "moe_down_kernel"):
+        assert {(f"{name}<{r}>", "sm_90", 0) for r in ("dense_rows", "fp8_rows")} <= set(rows)
+
+
+def test_a_template_instance_is_named_by_its_integer_and_class_arguments():
+    assert sass_check.instance_name("_Z11gemv_kernelILi16EEvPfPKfPKv8q3_dtypellli") == "gemv_kernel<16>"
+    assert sass_check.instance_name("_Z18moe_gate_up_kernelI8fp8_rowsEvPfPKfPKiPKlS5_T_ll") == \
+        "moe_gate_up_kernel<fp8_rows>"
+    assert sass_check.instance_name("_Z1kILi-3E10dense_rowsEvv") == "k<-3,dense_rows>"
+    assert sass_check.instance_name("_Z13router_kernelPiPfPKfliii") == "router_kernel"
+    assert sass_check.instance_name("_Z16moe_tiles_kernelILb1EEvPf") == "moe_tiles_kernel"  # a bool: not told apart
 
 
 # the table's block sizes against the sources, for the kernels whose launch block is a named

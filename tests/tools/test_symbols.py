@@ -1,6 +1,7 @@
 """What each extension module exports and links (setup.py: -fvisibility=hidden): _C's dynamic
-symbol table holds PyInit__C alone and _testing's PyInit__testing alone; the check harness is
-in _testing, not in _C; and _testing needs no engine symbol from elsewhere: it reaches _C's one
+symbol table holds PyInit__C alone and _testing's PyInit__testing alone; the check harness and
+the twins of the CUDA kernels are in _testing, not in _C (_testing has its own portable CPU
+kernels, the oracle); and _testing needs no engine symbol from elsewhere: it reaches _C's one
 engine through the capsule's table (csrc/cuda/engine_api.h), so no engine is linked twice; and
 check_kernels() names the module and its build where it is absent. The tables are read with
 binutils' nm (those tests skip where there is none)."""
@@ -36,7 +37,7 @@ def test_each_module_exports_only_its_init_function():
 def test_the_check_harness_is_not_in_the_shipped_extension():
     names = {fields[-1] for fields in symbols(_C.__file__)}  # the static table too (not stripped)
     assert "PyInit__C" in names and "q3_layer_forward" in names
-    assert not {"q3_cuda_check", "q3_case_matmul", "q3_matmul_fp8_host"} & names
+    assert not {"q3_cuda_check", "q3_case_matmul", "q3_matmul_fp8_host", "q3_moe_gate_up_host"} & names
 
 
 @needs_nm
@@ -46,7 +47,10 @@ def test_testing_links_no_engine_of_its_own():
     defined = {fields[-1] for fields in symbols(_testing.__file__, "--defined-only")}
     assert "q3_cuda_check" in defined
     # the engine's functions are the forwarders of csrc/check/engine_link.c, not their code
-    assert not {"q3_layer_forward", "q3_cpu_select", "q3_cuda_open", "q3_matmul_cpu_portable"} & defined
+    assert not {"q3_layer_forward", "q3_cpu_select", "q3_cuda_open"} & defined
+    # its own oracle: the portable kernels with the twins, no other variant
+    assert {"q3_matmul_cpu_portable", "q3_ops_cpu_portable", "q3_moe_gate_up_host"} <= defined
+    assert not {name for name in defined if name.endswith(("_cpu_avx2", "_cpu_avx512"))}
 
 
 def test_check_kernels_names_the_module_and_its_build_when_it_is_absent(monkeypatch):
