@@ -1,5 +1,8 @@
 import os
+import re
 import sys
+
+import pytest
 
 # the tests import the package from the checkout (built in place by `pip install -e .`), and the
 # shared helpers (hf_reference, fp8_weights, ...) from tests/helpers/
@@ -7,31 +10,46 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "helpers"))
 
 
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (the test command's -n auto --dist loadgroup): the tests that share a
-    module-scoped fixture (a layer built once, checkpoints written once) form one group, which
-    runs on one worker, so the fixture is computed once, not once a worker; every other test
-    goes to whichever worker is free. (The executor's modules, one subprocess each, mark their
-    own group: tests/executor/conftest.py.)"""
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    import pytest
+# A module whose tests share state computed once per process (a module- or session-scoped
+# fixture: a layer built, checkpoints written; or the executor's one subprocess a module,
+# tests/executor/conftest.py) is read from its source by this pattern
+SHARES_STATE = re.compile(r"""scope=["'](module|session)["']|executor_subprocess""")
 
-    parent: dict = {}
 
-    def root(a):
-        while parent.setdefault(a, a) != a:
-            a = parent[a]
-        return a
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: unknown where it is absent or off
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's work units under the test command's -n (its default --dist load; another
+    --dist named on the command line is left alone): the whole module for a module that shares
+    state between its tests (SHARES_STATE), so that state is computed once, on one worker, not
+    once a worker; each test alone otherwise, to whichever worker is free. The executor's modules
+    (tests/executor/: subprocesses of a minute) are handed out first, the rest in collection
+    order, so that no long unit starts last. (xdist's own --dist loadgroup would do the first
+    part, but it marks groups in node ids in a way pytest 9.2's node ids no longer take.)"""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
 
-    shared = {}
-    for item in items:
-        info = getattr(item, "_fixtureinfo", None)
-        names = [f"{item.nodeid.split('::')[0]}::{name}" for name, defs in (info.name2fixturedefs if info else {}).items()
-                 if defs and defs[-1].scope == "module"]
-        for a in names[1:]:
-            parent[root(a)] = root(names[0])
-        shared[item] = names[0] if names else None
-    for item, name in shared.items():
-        if name is not None:
-            item.add_marker(pytest.mark.xdist_group(root(name)))
+    shares: dict = {}
+
+    def module_shares_state(module: str) -> bool:
+        if module not in shares:
+            try:
+                with open(os.path.join(str(config.rootpath), module), encoding="utf-8") as f:
+                    shares[module] = bool(SHARES_STATE.search(f.read()))
+            except OSError:
+                shares[module] = True  # unknown: kept together, as xdist's loadscope would
+        return shares[module]
+
+    class ModulesThatShareStateTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if module_shares_state(module) else nodeid
+
+        def _assign_work_unit(self, node):
+            first = next((scope for scope in self.workqueue if scope.startswith("tests/executor/")), None)
+            if first is not None:  # the executor's units before the others
+                self.workqueue.move_to_end(first, last=False)
+            super()._assign_work_unit(node)
+
+    config.option.loadscopereorder = False  # the order above, not xdist's (most tests first)
+    return ModulesThatShareStateTogether(config, log)

@@ -29,9 +29,6 @@ def inner() -> bool:
 def pytest_configure(config):
     config.addinivalue_line("markers", f"{MARK}: the module's cases run in a subprocess on the SIMT executor "
                                        "(tests/executor/conftest.py)")
-    # pytest-xdist's: with --dist loadgroup the cases of a module go to one worker, which runs
-    # the module's subprocess once (registered here too, for runs without xdist)
-    config.addinivalue_line("markers", "xdist_group(name): the tests of one group run on one xdist worker")
 
 
 def pytest_sessionstart(session):
@@ -91,7 +88,6 @@ class ExecutorCase(pytest.Item):
         self.case = case
         self.own_markers = list(case.own_markers)
         self.keywords.update(case.keywords)
-        self.add_marker(pytest.mark.xdist_group(name=case.module.__name__))
 
     def runtest(self):
         module = self.case.module

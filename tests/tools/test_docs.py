@@ -14,7 +14,7 @@ README = os.path.join(ROOT, "README.md")
 DOCS = sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
 PAGES = [README] + DOCS
 
-TEST_COMMAND = 'pip install -e ".[test]" && python -m pytest -n auto --dist loadgroup tests'
+TEST_COMMAND = 'pip install -e ".[test]" && python -m pytest -n auto tests'
 MAIN_COMMAND = "python -m qwen3layer run"
 README_MAX_LINES = 220
 
