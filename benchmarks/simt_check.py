@@ -17,7 +17,11 @@ tolerance (the twin), a case whose results differ across schedules (the race che
 executor's error (a launch that fails, naming kernel, block and thread), or a sanitizer's
 report (the shared-memory overflow needs the variant built with AddressSanitizer, run with
 gcc's libasan preloaded as .ci/sanitize does). One row per defect: what was planted, where,
-and what caught it. Exit status 1 when a planted defect is not caught or a real case fails.
+and what caught it. Each check is of every case, and the defect must show in the cases of its
+own kernel's launchers alone (Mutant.launchers): a case of another kernel that fails or differs
+across schedules fails the run too (the planted code is in one kernel; tests/executor/
+test_simt_mutants.py runs the focused checks, of those launchers' cases only). Exit status 1
+when a planted defect is not caught or shows elsewhere, or a real case fails.
 """
 from __future__ import annotations
 
@@ -80,40 +84,45 @@ MECHANISMS = {"twin": "the twin", "race": "the race check", "executor": "the exe
 @dataclasses.dataclass(frozen=True)
 class Mutant:
     """A defect planted behind Q3_MUTANT(id) in kernels/cuda/ (kernel: the function that
-    has it), and the mechanism expected to catch it (a key of MECHANISMS)."""
+    has it), the mechanism expected to catch it (a key of MECHANISMS), and the launchers of
+    the kernel check's cases that run the planted code (the harness's names, ops_cuda.h's):
+    a full check of the variant must find the defect in their cases alone (every other case
+    passes and agrees across schedules), and a focused one runs only their cases."""
     id: int
     what: str
     kernel: str
     expect: str
+    launchers: tuple
     sanitized: bool = False  # caught only in the variant built with AddressSanitizer
 
 
 MUTANTS = [
     Mutant(1, "__syncthreads removed: the K/V tile is read before every thread staged it", "attention_kernel",
-           "race"),
-    Mutant(2, "attention mask one key too far: n_keys = n_past + t + 2", "attention_kernel", "twin"),
+           "race", ("attention",)),
+    Mutant(2, "attention mask one key too far: n_keys = n_past + t + 2", "attention_kernel", "twin", ("attention",)),
     # its wrong offsets place pairs past the end of `rows`: in the plain executor the
     # overflow corrupts the heap (a crash, or allocator slack at small E); AddressSanitizer
     # names it
     Mutant(3, "wrong shuffle offset in a reduction: the warp scan's __shfl_up_sync by o + 1",
-           "moe_route_kernel", "asan", sanitized=True),
+           "moe_route_kernel", "asan", ("moe_route",), sanitized=True),
     Mutant(4, "shared index one past its array: out[warp + 1] of float[4][16][16]", "matmul_tc_kernel", "asan",
-           sanitized=True),
+           ("matmul_tc", "matmul_wmma"), sanitized=True),
     Mutant(5, "16-byte load at an odd offset: uint4 from the bf16 cache + 1 element", "attention_tc_kernel",
-           "executor"),
+           "executor", ("attention",)),
     Mutant(6, "wrong lane mask: __match_any_sync(0x0000ffff) called by all 32 lanes", "moe_route_kernel",
-           "executor"),
+           "executor", ("moe_route",)),
     Mutant(7, "__syncthreads inside a divergent branch (if (lane < nj), on a partial tile)", "attention_kernel",
-           "executor"),
+           "executor", ("attention",)),
     Mutant(8, "cudaFuncSetAttribute skipped: head_dim 256 (66-98 KiB of shared memory) at the 48 KiB default",
-           "q3_attention_cuda", "executor"),
-    Mutant(9, "__syncwarp removed: RoPE reads a head dim another lane wrote", "qk_rope_kv_kernel", "race"),
+           "q3_attention_cuda", "executor", ("attention",)),
+    Mutant(9, "__syncwarp removed: RoPE reads a head dim another lane wrote", "qk_rope_kv_kernel", "race",
+           ("qk_rope_kv",)),
     Mutant(10, "__syncthreads removed: the next k slice is staged over one other warps still read",
-           "matmul_tc_kernel", "race"),
+           "matmul_tc_kernel", "race", ("matmul_tc", "matmul_wmma")),
     Mutant(11, "FP8 block scale from the wrong column block: 16-byte chunk c's scale block c / 9, not c / 8",
-           "gemv_fp8_kernel", "twin"),
+           "gemv_fp8_kernel", "twin", ("matmul_fp8", "fp8_dequant", "moe_gate_up_fp8")),
     Mutant(12, "attention map from the wrong KV head: query head h reads h % Hkv, not h / G",
-           "attention_probs_kernel", "twin"),
+           "attention_probs_kernel", "twin", ("attention_probs",)),
 ]
 
 CHILD = r"""
@@ -122,7 +131,7 @@ sys.path.insert(0, sys.argv[1])
 import qwen3layer as q3
 q3.cuda.emulate(sys.argv[2] or None)
 try:
-    out = {"cases": q3.cuda.check_kernels()}
+    out = {"cases": q3.cuda.check_kernels(kernels=sys.argv[3].split(",") if sys.argv[3] else None)}
 except RuntimeError as e:
     out = {"error": str(e)}
 print("simt_check:" + json.dumps(out), flush=True)
@@ -213,12 +222,14 @@ def build_variant(mutant_id: Optional[int], sanitized: bool = False, quiet: bool
     return target
 
 
-def run_check(library: Optional[str], sanitized: bool = False, timeout: float = 900) -> dict:
+def run_check(library: Optional[str], sanitized: bool = False, timeout: float = 900,
+              kernels: Optional[tuple] = None) -> dict:
     """q3.cuda.check_kernels() on the executor `library` (None: the package's) in a fresh
-    process: {'cases': [...]} or {'error': the executor's message}, with 'returncode',
-    'stderr' and 'seconds'."""
+    process, the cases of the launchers `kernels` alone where given: {'cases': [...]} or
+    {'error': the executor's message}, with 'returncode', 'stderr' and 'seconds'."""
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-c", CHILD, ROOT, library or ""], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", CHILD, ROOT, library or "", ",".join(kernels or ())],
+                       capture_output=True, text=True,
                        timeout=timeout, env=asan_env() if sanitized else None, cwd=ROOT)
     out = {}
     for line in r.stdout.splitlines():
@@ -307,11 +318,18 @@ def print_kernel_table(table: list[dict], covered_from: dict) -> None:
         print("not run by any case: " + ", ".join(f"{k} ({covered_from[k]})" for k in missing))
 
 
+def elsewhere(m: Mutant, run: dict) -> list:
+    """The cases of a full run of m's variant that do not run its launchers (m.launchers) and
+    still fail or differ across schedules: a defect must show in its own kernel's cases alone."""
+    return [c for c in run.get("cases", [])
+            if not set(c["kernel"].split("+")) & set(m.launchers) and not (c["ok"] and c["agree"])]
+
+
 def check_mutants(mutants: list, jobs: int = 1):
     """Builds each mutant's variant (one at a time: the build works in the checkout), then runs
     the kernel check on the variants, `jobs` at a time (each in a process of its own); yields,
     for each mutant in order as soon as its check is done, {'sites', 'found' (verdict),
-    'caught', 'build_s', 'run_s', 'run'}."""
+    'caught', 'elsewhere' (cases of other kernels that fail), 'build_s', 'run_s', 'run'}."""
     built = []
     for m in mutants:
         t0 = time.monotonic()
@@ -320,8 +338,8 @@ def check_mutants(mutants: list, jobs: int = 1):
         runs = pool.map(lambda b: run_check(b[1], sanitized=b[0].sanitized), built)
         for (m, _, build_s), run in zip(built, runs):
             found = verdict(run)
-            yield {"sites": plant_sites(m.id), "found": found, "caught": bool(found), "build_s": build_s,
-                   "run_s": run["seconds"], "run": run}
+            yield {"sites": plant_sites(m.id), "found": found, "caught": bool(found), "elsewhere": elsewhere(m, run),
+                   "build_s": build_s, "run_s": run["seconds"], "run": run}
 
 
 def main(argv=None) -> int:
@@ -343,7 +361,7 @@ def main(argv=None) -> int:
     failed = bool(real.get("error") or real["returncode"] or not all(c["ok"] for c in cases))
     print(f"real kernels: {len(cases)} cases in {real['seconds']:.1f} s")
 
-    caught = ran = 0
+    caught = ran = misplaced = 0
     if args.mutants:
         mutants = [m for m in MUTANTS if args.only is None or m.id in args.only]
         print()
@@ -359,12 +377,18 @@ def main(argv=None) -> int:
             by = "; ".join(f"{MECHANISMS[k]}: {v}" for k, v in r["found"].items()) or "NOT CAUGHT"
             if r["found"] and m.expect not in r["found"]:
                 by += f" (expected: {MECHANISMS[m.expect]})"
+            if r["elsewhere"]:
+                misplaced += 1
+                by += (f"; BUT ALSO in {len(r['elsewhere'])} case(s) of other kernels, e.g. "
+                       f"{r['elsewhere'][0]['case']} ({r['elsewhere'][0]['kernel']})")
             print(f"{m.id:>2}  {where:<21} {m.kernel:<22} {what:<82} {by}", flush=True)
         print(f"planted defects: {ran} variants built in {build_s:.1f} s, checked in {run_s:.1f} s "
               f"(process seconds, {args.jobs} at a time)")
     print(f"total {time.monotonic() - t0:.1f} s")
     print(f"simt: {len(table)} kernels, {len(cases)} cases, {caught}/{ran} planted defects caught")
-    return 1 if failed or caught < ran else 0
+    if misplaced:
+        print(f"simt_check: {misplaced} planted defect(s) also failed cases of kernels they are not in")
+    return 1 if failed or caught < ran or misplaced else 0
 
 
 if __name__ == "__main__":

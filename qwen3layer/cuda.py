@@ -5,7 +5,7 @@ from __future__ import annotations
 import glob
 import importlib.util
 import os
-from typing import Optional
+from typing import Optional, Sequence
 
 from . import _C
 
@@ -134,20 +134,33 @@ def testing_module():
     return _testing
 
 
-def check_kernels(device: int = 0) -> list[dict]:
+def check_kernels(device: int = 0, kernels: Optional[Sequence[str]] = None) -> list[dict]:
     """Runs every CUDA kernel against its CPU twin on random inputs on `device` (loading the
     GPU library unless emulate() made the SIMT executor the backend): [{'case', 'kernel',
     'max_err', 'tol', 'schedules', 'agree', 'ok'}], max_err being max |cuda - cpu| / max |cpu|
     and kernel the launcher(s) of the case (as kernels/cuda/ops_cuda.h names them, e.g.
     'attention', 'moe_route'), to group cases by. On the executor each case runs under 3
     thread schedules and `agree` says whether their results were bitwise equal (a race shows
-    as not); on a GPU, schedules is 1. The harness is qwen3layer._testing's (testing_module()):
-    ImportError where that module was not built."""
+    as not); on a GPU, schedules is 1. kernels: the cases of these launchers alone (a case
+    runs where one of its launchers is named; e.g. ['attention_probs']), ValueError for a name
+    no case has. The harness is qwen3layer._testing's (testing_module()): ImportError where
+    that module was not built."""
+    if kernels is not None:
+        if isinstance(kernels, str) or not kernels or not all(isinstance(k, str) and k and "," not in k
+                                                              for k in kernels):
+            raise ValueError(f"kernels: expected a non-empty list of launcher names, got {kernels!r}")
     harness = testing_module()
     if not _C.cuda_device_count():
         load()
+    rows = harness.cuda_check(device, None if kernels is None else ",".join(kernels))
+    if kernels is not None:
+        found = {name for row in rows for name in row[5].split("+")}
+        unknown = [k for k in kernels if k not in found]
+        if unknown:
+            raise ValueError(f"kernels: no case exercises {', '.join(map(repr, unknown))} "
+                             f"(cases ran for {sorted(found) or 'none'})")
     return [{"case": c, "kernel": kern, "max_err": e, "tol": t, "schedules": n, "agree": a, "ok": e <= t and a}
-            for c, e, t, n, a, kern in harness.cuda_check(device)]
+            for c, e, t, n, a, kern in rows]
 
 
 def moe_path(path: Optional[str] = None) -> str:

@@ -25,7 +25,23 @@ static const int PADS_1[] = {0, 5}, PADS_MORE[] = {5};
     for (size_t v##_i = 0; v##_i < sizeof list / sizeof list[0]; v##_i++)                         \
         for (__typeof__(list[0] + 0) v = list[v##_i], v##_once = 1; v##_once; v##_once = 0)
 
-/* one pass over every case; out[i].max_err and digests[i] filled, *n counted */
+/* whether a case of launchers `kernel` ('+'-separated) runs: every case where only is NULL,
+ * else the cases with at least one launcher named in only (','-separated) */
+static int selected(const char *only, const char *kernel) {
+    if (!only) return 1;
+    for (const char *a = kernel; *a;) {
+        const size_t n = strcspn(a, "+");
+        for (const char *b = only; *b;) {
+            const size_t m = strcspn(b, ",");
+            if (m == n && strncmp(a, b, n) == 0) return 1;
+            b += m + (b[m] == ',');
+        }
+        a += n + (a[n] == '+');
+    }
+    return 0;
+}
+
+/* one pass over every selected case; out[i].max_err and digests[i] filled, *n counted */
 static q3_status run_cases(check *k, q3_check_result *out, uint64_t *digests, int max, int *n, int blas) {
     const q3_cuda_ops *g = k->g;
     char name[sizeof out->name + 32];
@@ -33,6 +49,7 @@ static q3_status run_cases(check *k, q3_check_result *out, uint64_t *digests, in
      * the case exercises, label the case (unique, at most 63 characters) */
 #define RUN(kernel_, label, tolerance, expr)                                                       \
     do {                                                                                           \
+        if (!selected(k->only, kernel_)) break;                                                    \
         if (*n >= max) return q3_fail(k->err, Q3_ERR_VALUE, "cuda check: more than %d cases", max); \
         if (snprintf(out[*n].name, sizeof out[*n].name, "%s", label) >= (int)sizeof out[*n].name || \
             snprintf(out[*n].kernel, sizeof out[*n].kernel, "%s", kernel_) >= (int)sizeof out[*n].kernel) \
@@ -327,12 +344,12 @@ static q3_status run_cases(check *k, q3_check_result *out, uint64_t *digests, in
     return Q3_OK;
 }
 
-q3_status q3_cuda_check(int device_index, q3_check_result *out, int max, int *n, q3_error *err) {
+q3_status q3_cuda_check(int device_index, const char *only, q3_check_result *out, int max, int *n, q3_error *err) {
     *n = 0;
     const q3_cuda_ops *g = q3_cuda();
     if (!g) return q3_fail(err, Q3_ERR_STATE, "cuda check: the CUDA backend is not loaded");
     /* against the portable CPU kernels, whichever variant the engine picked for this CPU */
-    check k = {g, &q3_ops_cpu_portable, err, 0, {0}, 0, {0}, 0, 0};
+    check k = {g, &q3_ops_cpu_portable, err, 0, {0}, 0, {0}, 0, 0, only};
     if (!cuda_ok(&k, g->set_device(device_index), "cudaSetDevice")) return err->status;
     const int schedules = q3_cuda_schedules();
     q3_check_result *again = calloc((size_t)max, sizeof *again);

@@ -25,6 +25,7 @@ typedef struct {
     int n_host;
     uint64_t digest; /* of every result fetched since the case began: the race check compares it
                         across thread schedules */
+    const char *only; /* the launchers whose cases run (','-separated), NULL: every case */
 } check;
 
 static inline int cuda_ok(check *k, int code, const char *what) {

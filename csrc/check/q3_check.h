@@ -25,7 +25,9 @@ typedef struct {
     int schedules;
     int agree;
 } q3_check_result;
-q3_status q3_cuda_check(int device, q3_check_result *out, int max, int *n, q3_error *err);
+/* only: the launchers whose cases run, ','-separated ("attention,matmul_tc"), a case running
+ * when one of its launchers is named; NULL runs every case */
+q3_status q3_cuda_check(int device, const char *only, q3_check_result *out, int max, int *n, q3_error *err);
 
 /* ---- single kernels, for tests and benchmarks (entries.c) ------------------------------ */
 

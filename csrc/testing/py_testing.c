@@ -7,18 +7,19 @@
 #include "../python/py_convert.h"
 #include "py_testing.h"
 
-/* cuda_check(device=0) -> [(case, max_err, tol, schedules, agree, kernel)] */
+/* cuda_check(device=0, only=None) -> [(case, max_err, tol, schedules, agree, kernel)] */
 static PyObject *cuda_check(PyObject *m, PyObject *args) {
     (void)m;
     int device = 0, n = 0;
-    if (!PyArg_ParseTuple(args, "|i:cuda_check", &device)) return NULL;
+    const char *only = NULL;
+    if (!PyArg_ParseTuple(args, "|iz:cuda_check", &device, &only)) return NULL;
     enum { MAX_CASES = 512 };
     q3_check_result *results = PyMem_Calloc(MAX_CASES, sizeof *results);
     if (!results) return PyErr_NoMemory();
     q3_error err;
     q3_status s;
     Py_BEGIN_ALLOW_THREADS
-    s = q3_cuda_check(device, results, MAX_CASES, &n, &err);
+    s = q3_cuda_check(device, only, results, MAX_CASES, &n, &err);
     Py_END_ALLOW_THREADS
     PyObject *list = s == Q3_OK ? PyList_New(n) : q3_raise(NULL, &err);
     for (int i = 0; list && i < n; i++) {
@@ -95,9 +96,9 @@ static PyObject *cuda_moe_inject_times(PyObject *m, PyObject *args) {
 
 static PyMethodDef testing_methods[] = {
     {"cuda_check", cuda_check, METH_VARARGS,
-     "cuda_check(device=0)\n--\n\n[(case, max_err, tol, schedules, agree, kernel)]: every CUDA kernel against its "
-     "CPU twin, under each thread schedule of the backend (agree: bitwise equal results across them; kernel: the "
-     "launcher(s) the case exercises)."},
+     "cuda_check(device=0, only=None)\n--\n\n[(case, max_err, tol, schedules, agree, kernel)]: every CUDA kernel "
+     "against its CPU twin, under each thread schedule of the backend (agree: bitwise equal results across them; "
+     "kernel: the launcher(s) the case exercises); only: the cases of these launchers alone (','-separated)."},
     {"cuda_time", (PyCFunction)(void (*)(void))cuda_time, METH_VARARGS | METH_KEYWORDS,
      "cuda_time(what, bytes=0, T=1, N=1, K=1, dtype='bfloat16', repeats=20)\n--\n\n"
      "ms per call, CUDA events: what='copy' (device to device) or 'matmul'."},

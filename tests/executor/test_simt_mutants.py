@@ -4,7 +4,9 @@ benchmarks/simt_check.py) run the kernel self-check, and each defect must be rep
 mechanism meant for it: the twin, the race check (results that differ across the thread
 schedules), the executor's own error naming kernel, block and thread, or AddressSanitizer.
 One plant per mechanism here (each variant compiles only the file with its plant, a few
-seconds); `python benchmarks/simt_check.py --mutants`, which CI runs, checks all of them."""
+seconds), each checked on the cases of the planted kernel's launchers;
+`python benchmarks/simt_check.py --mutants`, which CI runs, checks all of them on every case,
+and that each shows in its own kernel's cases alone."""
 import functools
 import importlib.util
 import os
@@ -25,15 +27,30 @@ MUTANTS = {m.id: m for m in simt_check.MUTANTS}
 
 @functools.lru_cache(maxsize=None)
 def run(mutant_id: int) -> dict:
-    """The kernel check on the executor with defect mutant_id planted (built on first use)."""
+    """The kernel check on the executor with defect mutant_id planted (built on first use),
+    focused: the cases of the launchers that run the planted code (Mutant.launchers) alone.
+    That the other kernels' cases stay right under each defect is simt_check.py --mutants'
+    part (CI), which checks every case of every variant."""
     m = MUTANTS[mutant_id]
-    return simt_check.run_check(simt_check.build_variant(m.id, sanitized=m.sanitized), sanitized=m.sanitized)
+    return simt_check.run_check(simt_check.build_variant(m.id, sanitized=m.sanitized), sanitized=m.sanitized,
+                                kernels=m.launchers)
 
 
 def cases_of(r: dict, *prefixes: str) -> tuple[list, list]:
     """The run's cases whose names start with one of prefixes, and the others."""
     mine = [c for c in r["cases"] if c["case"].startswith(prefixes)]
     return mine, [c for c in r["cases"] if not c["case"].startswith(prefixes)]
+
+
+def test_a_focused_check_runs_the_cases_of_the_named_launchers_alone():
+    """check_kernels(kernels=...) runs the cases with one of the named launchers and no other,
+    and refuses a name no case has (a focused mutant check cannot silently run nothing)."""
+    r = simt_check.run_check(None, kernels=("attention_probs", "moe_route"))
+    kinds = {c["kernel"] for c in r["cases"]}
+    assert r["returncode"] == 0 and kinds == {"attention_probs", "moe_route"}, (kinds, r["stderr"][-2000:])
+    assert all(c["ok"] for c in r["cases"]) and len(r["cases"]) >= 10
+    bad = simt_check.run_check(None, kernels=("attention_probs", "no_such_launcher"))
+    assert "no case exercises 'no_such_launcher'" in bad["stderr"], bad["stderr"][-2000:]
 
 
 def test_each_planted_defect_is_written_once_in_the_kernels_and_listed():
@@ -46,6 +63,7 @@ def test_each_planted_defect_is_written_once_in_the_kernels_and_listed():
     assert sorted(planted) == sorted(MUTANTS) and len(MUTANTS) >= 8
     assert all(len(simt_check.plant_sites(n)) == 1 for n in MUTANTS)
     assert {m.expect for m in MUTANTS.values()} <= set(simt_check.MECHANISMS)
+    assert all(m.launchers and all(isinstance(x, str) for x in m.launchers) for m in MUTANTS.values())
 
 
 def test_a_barrier_removed_between_two_uses_of_a_tile_shows_in_the_race_check():
@@ -152,3 +170,17 @@ def test_an_attention_map_from_the_wrong_kv_head_fails_against_the_cpu_kernel():
     assert all(c["max_err"] > 100 * c["tol"] for c in wrong), wrong
     assert all(c["ok"] for c in same_head) and all(c["ok"] for c in others)
     assert all(c["agree"] for c in r["cases"])
+
+
+def test_a_defect_that_shows_in_another_kernels_cases_is_flagged():
+    """simt_check.py --mutants fails a defect whose full check fails a case of a kernel it is
+    not planted in (elsewhere): read on a made-up run, cases of the mutant's own launchers
+    (attention) may fail, a failing or racy case of another launcher is named."""
+    m = MUTANTS[2]
+    case = lambda name, kernel, ok=True, agree=True: {"case": name, "kernel": kernel, "ok": ok, "agree": agree}
+    run = {"cases": [case("attention a", "attention", ok=False), case("rmsnorm", "rmsnorm"),
+                     case("moe", "moe_gate_up+moe_down+moe_combine")]}
+    assert simt_check.elsewhere(m, run) == []
+    run["cases"] += [case("matmul x", "matmul", ok=False), case("router y", "router_topk", agree=False)]
+    assert [c["case"] for c in simt_check.elsewhere(m, run)] == ["matmul x", "router y"]
+    assert simt_check.elsewhere(m, {"error": "stopped"}) == []
