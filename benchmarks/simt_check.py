@@ -334,7 +334,7 @@ def check_mutants(mutants: list, jobs: int = 1):
     for m in mutants:
         t0 = time.monotonic()
         built.append((m, build_variant(m.id, sanitized=m.sanitized), time.monotonic() - t0))
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
         runs = pool.map(lambda b: run_check(b[1], sanitized=b[0].sanitized), built)
         for (m, _, build_s), run in zip(built, runs):
             found = verdict(run)
@@ -350,6 +350,8 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                         help="with --mutants: kernel checks run at once, one process each (default: the cores)")
     args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error(f"--jobs: expected at least 1, got {args.jobs}")
     t0 = time.monotonic()
 
     real = run_check(None)

@@ -10,7 +10,6 @@
 #include "dlpack_abi.h"
 #include "py_glue.h"
 
-
 static size_t tensor_numel(const q3py_tensor_object *t) {
     size_t n = 1;
     for (int d = 0; d < t->ndim; d++) n *= (size_t)t->shape[d];

@@ -315,6 +315,21 @@ def test_device_caches_reject_what_host_caches_reject():
                              "ValueError: stream: expected None for a cache on the cpu"]
 
 
+def test_a_device_layer_call_names_a_stream_that_is_no_int_and_leaves_the_cache():
+    """prefill and decode of a CUDA layer with stream="0": the TypeError of the cache
+    operations, naming stream, before any work (the device cache's lengths and bytes as they were)"""
+    _, gpu = layers_of("float32")
+    _, dc = twins("float32")
+    before = state(dc)
+    x = _C.copy_tensor(_C.random_tensor((2, H), 5, "float32"), 0)
+    x1 = _C.copy_tensor(_C.random_tensor((dc.batch, H), 6, "float32"), 0)
+    errors = [outcome(lambda: gpu.prefill(x, dc, 0, stream="0"))[0],
+              outcome(lambda: gpu.decode(x1, dc, stream=1.0))[0]]
+    assert errors == ["TypeError: stream: expected an int (a cudaStream_t) or None, got str",
+                      "TypeError: stream: expected an int (a cudaStream_t) or None, got float"]
+    assert state(dc) == before
+
+
 # ---- a CUDA error: while this thread captures a graph, synchronizing the device fails -------
 def test_a_cuda_error_leaves_the_device_cache_as_it_was():
     """while the thread captures a CUDA graph, the device cannot be synchronized (nor memory
