@@ -31,11 +31,13 @@ needed), the same kernels/cuda/*.cu are also compiled by the host C++ compiler (
 with -DQ3_SIMT against the SIMT executor (kernels/simt: its cuda_runtime.h and mma.h come
 first on the include path) into qwen3layer/libq3simt.so: a CUDA device that runs the real
 kernels on the CPU (qwen3layer.cuda.emulate()). Q3_SIMT=0 skips it. A sanitized build
-instruments it too. Its every typed access is checked for alignment (-fsanitize=alignment,
-handled by the executor itself: a misaligned load fails the launch, as on a GPU). Its recipe
-is in module-level helpers (simt_recipe, compile_objects, link_library), which
-benchmarks/simt_check.py imports to build variants with a defect planted (-DQ3_MUTANT_ID=n):
-setup() runs only where this file is the main script (pip's build backend, python setup.py).
+instruments it too. The kernels' every typed access is checked for alignment
+(-fsanitize=alignment, handled by the executor itself: a misaligned load fails the launch, as
+on a GPU; not the executor's own code, FOLDER_FLAGS). Its recipe is in module-level helpers
+(simt_recipe, compile_objects, link_library), which benchmarks/simt_check.py imports to build
+variants with a defect planted (-DQ3_MUTANT_ID=n), and its objects in build/simt-check/plain/base
+(SIMT_OBJECTS), where those variants take the files without a defect from: setup() runs only
+where this file is the main script (pip's build backend, python setup.py).
 
 Q3_SANITIZE=address,undefined (any list of -fsanitize= kinds) builds the extension, kernel
 variants included, instrumented: -fsanitize=<kinds> -fno-sanitize-recover=undefined
@@ -145,9 +147,17 @@ def find_cuda_headers():
     return None
 
 
+# flags a folder's sources get after the recipe's: the SIMT executor's runtime is not checked
+# for alignment (its own types keep it aligned; the check is for the kernels' accesses, and
+# in the runtime's hot paths, the warp primitives and the scheduler, it cost a quarter of
+# their time)
+FOLDER_FLAGS = {"kernels/simt": ["-fno-sanitize=alignment"]}
+
+
 def compile_objects(tool, compile_flags, sources, headers, objdir, force=False):
     """Compiles the stale sources (newer than their object or a header) with `tool`, in
-    parallel (one core a file), into objdir/<name>.o; the objects in the sources' order."""
+    parallel (one core a file), into objdir/<name>.o; the objects in the sources' order.
+    A source in a folder of FOLDER_FLAGS gets that folder's flags last."""
     os.makedirs(objdir, exist_ok=True)
     objects, stale = [], []
     newest_header = max(map(os.path.getmtime, headers), default=0)
@@ -160,7 +170,8 @@ def compile_objects(tool, compile_flags, sources, headers, objdir, force=False):
     def compile_one(job):
         src, obj = job
         print(f"{os.path.basename(tool)} {src}")
-        subprocess.check_call([tool, *compile_flags, "-c", src, "-o", obj])
+        extra = FOLDER_FLAGS.get(os.path.dirname(os.path.normpath(src)), [])
+        subprocess.check_call([tool, *compile_flags, *extra, "-c", src, "-o", obj])
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         list(pool.map(compile_one, stale))
@@ -187,6 +198,12 @@ def link_library(tool, objects, link_flags, target):
     """Links the objects into the shared library `target` with `tool`."""
     os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
     subprocess.check_call([tool, *objects, *link_flags, "-o", target])
+
+
+# the unsanitized executor's objects, shared by the package's libq3simt.so and
+# benchmarks/simt_check.py's variants with a defect planted, which build with the same recipe:
+# compiled once, by whichever comes first (relative to the checkout)
+SIMT_OBJECTS = os.path.join("build", "simt-check", "plain", "base")
 
 
 def simt_recipe(include, sanitize=SANITIZE_FLAGS):
@@ -254,7 +271,8 @@ class BuildKernelVariants(build_ext):
                 os.remove(target)
             return
         cxx, flags, link, sources, headers = simt_recipe(include)
-        self.compile_library(cxx, flags, link, sources, headers, os.path.join(self.build_temp, "simt"), target)
+        objdir = os.path.join(self.build_temp, "simt") if SANITIZE else SIMT_OBJECTS
+        self.compile_library(cxx, flags, link, sources, headers, objdir, target)
         print(f"qwen3layer: built the SIMT executor {target}")
 
     def run(self):

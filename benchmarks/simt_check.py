@@ -11,7 +11,8 @@ exactly one line `simt: K kernels, C cases, M/M planted defects caught`.
 With --mutants it then builds, for each defect planted in kernels/cuda/*.cu behind
 Q3_MUTANT(n) (kernels/cuda/common.cuh), a variant of the executor compiled with
 -DQ3_MUTANT_ID=n (setup.py's recipe, simt_recipe; only the files with the plant are compiled
-again, the others' objects are built once in build/simt-check/ and reused), runs the kernel
+again, the others' objects are the package build's, setup.py's SIMT_OBJECTS, or built once
+there and reused), runs the kernel
 check against it in a subprocess and decides whether the defect was caught: a case over its
 tolerance (the twin), a case whose results differ across schedules (the race check), the
 executor's error (a launch that fails, naming kernel, block and thread), or a sanitizer's
@@ -188,7 +189,11 @@ def build_variant(mutant_id: Optional[int], sanitized: bool = False, quiet: bool
     """Builds libq3simt.so with defect mutant_id planted (None: none) in build/simt-check/
     <plain|asan>/ and returns its path. The objects without the defect are built once per
     flavour and reused; the files that hold Q3_MUTANT(mutant_id) are compiled again with
-    -DQ3_MUTANT_ID (all of them where a header holds it)."""
+    -DQ3_MUTANT_ID (all of them where a header holds it). The AddressSanitizer flavour
+    instruments the executor's runtime (kernels/simt/*.cpp: its fiber switches must tell the
+    sanitizer) and the planted files; the other kernels are the plain flavour's objects, as a
+    sanitizer's report there would be another kernel's, not the defect's (and the sanitized
+    suite, .ci/sanitize, checks every kernel instrumented)."""
     s = _setup()
     flavour = "asan" if sanitized else "plain"
     with _InRoot():
@@ -201,7 +206,15 @@ def build_variant(mutant_id: Optional[int], sanitized: bool = False, quiet: bool
         try:
             if quiet:
                 sys.stdout = open(os.devnull, "w")
-            objects = s.compile_objects(cxx, flags, sources, headers, os.path.join(BUILD, flavour, "base"))
+            if sanitized:
+                _, plain_flags, _, _, _ = s.simt_recipe(include, [])
+                objects = s.compile_objects(cxx, plain_flags, sources, headers, os.path.join(ROOT, s.SIMT_OBJECTS))
+                runtime = [src for src in sources if src.startswith("kernels/simt/")]
+                instrumented = s.compile_objects(cxx, flags, runtime, headers, os.path.join(BUILD, flavour, "base"))
+                replace = dict(zip(runtime, instrumented))
+                objects = [replace.get(src, obj) for src, obj in zip(sources, objects)]
+            else:  # the package build's own objects where it made them (setup.py's SIMT_OBJECTS)
+                objects = s.compile_objects(cxx, flags, sources, headers, os.path.join(ROOT, s.SIMT_OBJECTS))
             name = "libq3simt.so"
             if mutant_id is not None:
                 planted = [src for src in sources + headers if f"Q3_MUTANT({mutant_id})" in open(src).read()]
@@ -213,6 +226,9 @@ def build_variant(mutant_id: Optional[int], sanitized: bool = False, quiet: bool
                 replace = dict(zip(again, mutated))
                 objects = [replace.get(src, obj) for src, obj in zip(sources, objects)]
                 name = f"libq3simt-mutant-{mutant_id}.so"
+            if sanitized:  # the instrumented objects first: the linker keeps their copies of inline functions
+                plain_dir = os.path.join(ROOT, s.SIMT_OBJECTS) + os.sep
+                objects.sort(key=lambda obj: obj.startswith(plain_dir))
             target = os.path.join(BUILD, flavour, name)
             s.link_library(cxx, objects, link, target)
         finally:

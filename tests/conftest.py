@@ -4,6 +4,14 @@ import sys
 
 import pytest
 
+# Idle threads sleep instead of spinning: under the parallel suite (-n auto, a process a core)
+# the OpenMP threads of the extension and torch and numpy's OpenBLAS threads spin-wait after
+# each parallel region on cores another worker needs (a third of the suite's CPU time on 2
+# cores). Set before anything loads those libraries, which read these once; a value the caller
+# set is kept. The kernels' threads and their splits are the same either way.
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 # the tests import the package from the checkout (built in place by `pip install -e .`), and the
 # shared helpers (hf_reference, fp8_weights, ...) from tests/helpers/
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))

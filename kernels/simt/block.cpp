@@ -10,7 +10,7 @@
 #include <string.h>
 
 #include <algorithm>
-#include <random>
+#include <new>
 
 #include "block.h"
 
@@ -28,10 +28,6 @@ static thread_local Fiber *tl_fiber;
 
 Fiber *current_fiber() { return tl_fiber; }
 Block *current_block() { return tl_block; }
-const uint3 &thread_idx() { return tl_fiber->idx; }
-const uint3 &block_idx() { return tl_block->idx; }
-const dim3 &block_dim() { return tl_block->dim; }
-const dim3 &grid_dim() { return tl_block->launch->grid; }
 
 bool where(char *buf, size_t n) {
     const Block *b = tl_block;
@@ -51,11 +47,18 @@ std::string where() {
 }
 
 // ---- switching -------------------------------------------------------------------------------
+// The scheduler enters the first fiber of a pass; from then on a fiber that stops (at a
+// barrier, a warp primitive, its end) switches straight to the next one the schedule runs
+// (next_in_schedule), one switch a step instead of two through the scheduler, and back to the
+// scheduler only when the pass ran nothing more, the schedule's order unchanged.
 
-// from the scheduler into fiber f, until f yields
+static Fiber *next_in_schedule(Block *b);
+
+// from the scheduler into fiber f, until a fiber switches back to the scheduler
 static void enter(Block *b, Fiber *f) {
     b->running = f;
     tl_fiber = f;
+    b->from_scheduler = true;
 #if Q3_SIMT_ASAN
     __sanitizer_start_switch_fiber(&b->scheduler_fake_stack, f->stack, f->stack_bytes);
 #endif
@@ -67,24 +70,41 @@ static void enter(Block *b, Fiber *f) {
     b->running = nullptr;
 }
 
-// from the running fiber back to the scheduler (done: never to come back)
+// in a fiber that has just been switched to
+static void arrived(Block *b, Fiber *f) {
+#if Q3_SIMT_ASAN
+    const void *bottom;
+    size_t size;
+    __sanitizer_finish_switch_fiber(f->fake_stack, b->from_scheduler ? &b->scheduler_stack_bottom : &bottom,
+                                    b->from_scheduler ? &b->scheduler_stack_size : &size);
+#else
+    (void)b, (void)f;
+#endif
+}
+
+// from the running fiber, which stopped (done: never to come back), to the next fiber of the
+// schedule, or to the scheduler when there is none
 static void yield(Block *b, Fiber *f, bool done) {
+    Fiber *next = next_in_schedule(b);
+    b->running = next;
+    tl_fiber = next;
+    b->from_scheduler = false;
 #if Q3_SIMT_ASAN
-    __sanitizer_start_switch_fiber(done ? nullptr : &f->fake_stack, b->scheduler_stack_bottom,
-                                   b->scheduler_stack_size);
+    if (next) __sanitizer_start_switch_fiber(done ? nullptr : &f->fake_stack, next->stack, next->stack_bytes);
+    else
+        __sanitizer_start_switch_fiber(done ? nullptr : &f->fake_stack, b->scheduler_stack_bottom,
+                                       b->scheduler_stack_size);
+#else
+    (void)done;
 #endif
-    context_switch(&f->context, &b->scheduler);
-#if Q3_SIMT_ASAN
-    __sanitizer_finish_switch_fiber(f->fake_stack, &b->scheduler_stack_bottom, &b->scheduler_stack_size);
-#endif
+    context_switch(&f->context, next ? &next->context : &b->scheduler);
+    arrived(b, f);
 }
 
 static void fiber_main(void *self) {
     Fiber *f = (Fiber *)self;
     Block *b = tl_block;
-#if Q3_SIMT_ASAN
-    __sanitizer_finish_switch_fiber(nullptr, &b->scheduler_stack_bottom, &b->scheduler_stack_size);
-#endif
+    arrived(b, f);
     b->launch->body(b->launch->args);
     f->state = DONE;
     yield(b, f, true);
@@ -167,9 +187,9 @@ static bool release_barrier(Block *b) {
 
 void warp_sync(Collective kind, unsigned mask, int width, const char *site, void *ctx,
                void (*complete)(void *const ctx[32], unsigned mask)) {
-    Block *b = tl_block;
-    Fiber *f = tl_fiber;
-    if (!f) fail("a warp primitive outside a kernel");
+    const ThreadRecord &here = thread_record(); // only kernels call it: always on a fiber's stack
+    Block *b = here.block_of;
+    Fiber *f = here.fiber;
     const int warp = f->linear / 32, lane = f->linear % 32;
     const int in_warp = std::min(32, b->threads - warp * 32);
     const unsigned existing = in_warp == 32 ? 0xffffffffu : (1u << in_warp) - 1u;
@@ -179,9 +199,15 @@ void warp_sync(Collective kind, unsigned mask, int width, const char *site, void
              warp, in_warp - 1);
     if (width != 32 && (width <= 0 || width > 32 || (width & (width - 1))))
         fail("%s with width %d (expected a power of 2 up to 32)", site, width);
-    PendingCollective &p = b->warps[warp];
+    PendingCollective &p = b->warps[(size_t)warp];
     if (!p.open) {
-        p = PendingCollective{true, kind, width, mask, 0, site, {}, complete};
+        p.open = true; // (ctx[] of the lanes not arrived is never read)
+        p.kind = kind;
+        p.width = width;
+        p.mask = mask;
+        p.arrived = 0;
+        p.site = site;
+        p.complete = complete;
     } else if (p.kind != kind || p.mask != mask || p.width != width) {
         fail("lanes of warp %d at different warp primitives: this lane at %s (mask 0x%08x), lanes 0x%08x at %s "
              "(mask 0x%08x)", warp, site, mask, p.arrived, p.site, p.mask);
@@ -195,15 +221,12 @@ void warp_sync(Collective kind, unsigned mask, int width, const char *site, void
         return;
     }
     // the last lane: the collective runs once, for every lane, before anyone goes on
-    void *ctxs[32];
-    memcpy(ctxs, p.ctx, sizeof ctxs);
     const unsigned lanes = p.mask;
-    void (*done)(void *const[32], unsigned) = p.complete;
     p.open = false;
     p.arrived = 0;
-    if (done) done(ctxs, lanes);
-    for (int l = 0; l < 32; l++)
-        if (lanes >> l & 1u && l != lane) b->fibers[warp * 32 + l].state = READY;
+    if (p.complete) p.complete(p.ctx, lanes);
+    Fiber *lane0 = &b->fibers[(size_t)warp * 32];
+    for (unsigned rest = lanes & ~(1u << lane); rest; rest &= rest - 1) lane0[__builtin_ctz(rest)].state = READY;
 }
 
 struct LaneValue {
@@ -283,9 +306,69 @@ unsigned active_mask() {
 }
 
 // ---- the block's scheduler -----------------------------------------------------------------------
+// FORWARD and REVERSE: one step of every ready fiber a pass, in index order or its reverse,
+// so the warps go in lockstep. SHUFFLE: the warps in a seeded order, each run (its lanes in a
+// seeded order, shuffled again each round) until none of its lanes is ready, i.e. to a
+// barrier or its end, before the next: one warp gets a whole barrier interval ahead of the
+// others, so a shared buffer overwritten without a barrier while other warps still read it
+// shows.
+
+// the lanes of warp_order[c.warp] as the range, in a fresh seeded order
+static void shuffle_warp(Block *b) {
+    Cursor &c = b->cursor;
+    const int first = b->warp_order[(size_t)c.warp] * 32, n = std::min(32, b->threads - first);
+    std::shuffle(b->order.begin() + first, b->order.begin() + first + n, b->rng);
+    c.pos = first;
+    c.end = first + n;
+    c.ran_range = false;
+}
+
+static void begin_pass(Block *b) {
+    Cursor &c = b->cursor;
+    c.ran_pass = false;
+    if (b->schedule == SHUFFLE) {
+        std::shuffle(b->warp_order.begin(), b->warp_order.end(), b->rng);
+        c.warp = 0;
+        shuffle_warp(b);
+    } else {
+        c.pos = 0;
+        c.end = b->threads;
+        c.ran_range = false;
+    }
+}
+
+// the next fiber the schedule runs; NULL when the block has failed, or when a pass ran no
+// fiber (all wait at a barrier or have ended: the scheduler decides), the next pass begun
+static Fiber *next_in_schedule(Block *b) {
+    Cursor &c = b->cursor;
+    while (b->error.empty()) {
+        while (c.pos < c.end) {
+            Fiber *f = &b->fibers[(size_t)b->order[(size_t)c.pos++]];
+            if (f->state == READY) {
+                c.ran_range = c.ran_pass = true;
+                return f;
+            }
+        }
+        if (b->schedule == SHUFFLE) {
+            if (c.ran_range) { // the warp again, until none of its lanes is ready
+                shuffle_warp(b);
+                continue;
+            }
+            if (++c.warp < (int)b->warp_order.size()) {
+                shuffle_warp(b);
+                continue;
+            }
+        }
+        const bool ran = c.ran_pass;
+        begin_pass(b);
+        if (!ran) return nullptr;
+    }
+    return nullptr;
+}
 
 bool run_block(Block *b, int schedule, uint64_t seed) {
     const size_t bytes = stack_bytes();
+    const size_t record_bytes = (sizeof(ThreadRecord) + 63) & ~(size_t)63;
     b->fibers.assign((size_t)b->threads, Fiber{});
     b->warps.assign((size_t)(b->threads + 31) / 32, PendingCollective{});
     void **stacks = stacks_acquire(b->threads);
@@ -296,54 +379,36 @@ bool run_block(Block *b, int schedule, uint64_t seed) {
         f.linear = i;
         f.idx = make_uint3((unsigned)i % b->dim.x, (unsigned)i / b->dim.x % b->dim.y,
                            (unsigned)i / (b->dim.x * b->dim.y));
-        f.stack_bytes = bytes;
-        f.stack = stacks[i];
+        // the thread's record at the stack's base (simt.h), its frames above it
+        new (stacks[i]) ThreadRecord{f.idx, b->idx, b->dim, b->launch->grid, &f, b};
+        f.stack_bytes = bytes - record_bytes;
+        f.stack = (char *)stacks[i] + record_bytes;
         f.state = READY;
         f.site = "";
-        context_make(&f.context, f.stack, bytes, fiber_main, &f);
+        // the frames start below the top by a color of 17 cache lines a thread (32 colors):
+        // stacks aligned to their size would otherwise put every thread's top frames in the
+        // same cache sets, and each switch would miss
+        const size_t color = (size_t)(i % 32) * 17 * 64;
+        context_make(&f.context, f.stack, f.stack_bytes - color, fiber_main, &f);
     }
-    // FORWARD and REVERSE: one step of every ready fiber a pass, in index order or its
-    // reverse, so the warps go in lockstep. SHUFFLE: the warps in a seeded order, each run
-    // (its lanes in a seeded order) until none of its lanes is ready, i.e. to a barrier or
-    // its end, before the next: one warp gets a whole barrier interval ahead of the others,
-    // so a shared buffer overwritten without a barrier while other warps still read it shows
-    std::vector<int> order((size_t)b->threads);
-    for (int i = 0; i < b->threads; i++) order[(size_t)i] = schedule == REVERSE ? b->threads - 1 - i : i;
-    std::vector<int> warp_order((size_t)(b->threads + 31) / 32);
-    for (size_t w = 0; w < warp_order.size(); w++) warp_order[w] = (int)w;
-    std::mt19937_64 rng(seed ^ ((uint64_t)b->idx.x * 0x9E3779B97F4A7C15ull) ^ ((uint64_t)b->idx.y << 32) ^ b->idx.z);
-    // one step of each ready fiber of order[first, first + n); whether any ran
-    auto step = [&](int first, int n) {
-        bool ran = false;
-        for (int k = first; k < first + n && b->error.empty(); k++) {
-            Fiber &f = b->fibers[(size_t)order[(size_t)k]];
-            if (f.state == READY) {
-                enter(b, &f);
-                ran = true;
-            }
-        }
-        return ran;
-    };
+    b->schedule = schedule;
+    b->order.resize((size_t)b->threads);
+    for (int i = 0; i < b->threads; i++) b->order[(size_t)i] = schedule == REVERSE ? b->threads - 1 - i : i;
+    b->warp_order.resize((size_t)(b->threads + 31) / 32);
+    for (size_t w = 0; w < b->warp_order.size(); w++) b->warp_order[w] = (int)w;
+    b->rng.seed(seed ^ ((uint64_t)b->idx.x * 0x9E3779B97F4A7C15ull) ^ ((uint64_t)b->idx.y << 32) ^ b->idx.z);
+    begin_pass(b);
+    const FloatControl caller = float_control_defaults(); // for every fiber of the block (context.h)
     while (b->error.empty()) {
-        bool ran = false;
-        if (schedule == SHUFFLE) {
-            std::shuffle(warp_order.begin(), warp_order.end(), rng);
-            for (int w : warp_order) {
-                const int first = w * 32, n = std::min(32, b->threads - first);
-                for (bool again = true; again && b->error.empty(); ran = ran || again) {
-                    std::shuffle(order.begin() + first, order.begin() + first + n, rng);
-                    again = step(first, n);
-                }
-            }
-        } else {
-            ran = step(0, b->threads);
+        if (Fiber *f = next_in_schedule(b)) {
+            enter(b, f); // the fibers run one after another until a pass runs none
+            continue;
         }
         if (!b->error.empty()) break;
-        if (!ran) {
-            if (std::all_of(b->fibers.begin(), b->fibers.end(), [](const Fiber &f) { return f.state == DONE; })) break;
-            if (!release_barrier(b)) break;
-        }
+        if (std::all_of(b->fibers.begin(), b->fibers.end(), [](const Fiber &f) { return f.state == DONE; })) break;
+        if (!release_barrier(b)) break;
     }
+    float_control_restore(caller);
     stacks_release(stacks, b->threads);
     for (auto &s : b->statics) free(s.second);
     b->statics.clear();

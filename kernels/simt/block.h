@@ -3,6 +3,7 @@
 #ifndef Q3_SIMT_BLOCK_H
 #define Q3_SIMT_BLOCK_H
 
+#include <random>
 #include <string>
 #include <vector>
 
@@ -36,6 +37,14 @@ struct PendingCollective {
     void (*complete)(void *const ctx[32], unsigned mask);
 };
 
+// where the schedule stands (run_block): the pass, and in a SHUFFLE pass the warp being run
+struct Cursor {
+    int pos, end;       // the next index into `order` to look at, and the end of the range
+    int warp;           // SHUFFLE: the index into warp_order of the warp being run
+    bool ran_range;     // a fiber of the range ran since the range began (SHUFFLE: run it again)
+    bool ran_pass;      // a fiber ran in this pass
+};
+
 struct Block {
     const Launch *launch;
     uint3 idx;
@@ -52,6 +61,12 @@ struct Block {
     size_t scheduler_stack_size;
     std::string error; // the first failure: the launch fails with it
     Fiber *running;
+    bool from_scheduler; // whether the fiber switched to last came from the scheduler (AddressSanitizer)
+    // the schedule: fibers by index in the order they run, warps in theirs (SHUFFLE), the seed
+    int schedule;
+    std::vector<int> order, warp_order;
+    Cursor cursor;
+    std::mt19937_64 rng;
 };
 
 // runs every thread of the block to its end under the launch's schedule; false with

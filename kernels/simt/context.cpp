@@ -1,10 +1,13 @@
 // Fiber contexts and their stacks (context.h).
+#include <fenv.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include <mutex>
 #include <vector>
+
+#include <cuda_runtime.h> // the executor's: its simt.h declares the stacks' geometry
 
 #include "context.h"
 
@@ -13,10 +16,11 @@
 #endif
 
 #if defined(__x86_64__)
-// q3_simt_switch(save, load): pushes the callee-saved registers and the floating-point
-// control words, stores the stack pointer in *save, loads `load`, pops them back, returns
-// into the other context. A new context starts in q3_simt_entry with entry in r12 and its
-// argument in r13.
+// q3_simt_switch(save, load): pushes the callee-saved registers, stores the stack pointer in
+// *save, loads `load`, pops them back, returns into the other context. The floating-point
+// control words (MXCSR, the x87 control word) are not switched: every fiber of a block runs
+// with the defaults, which run_block sets once for the whole block (context.h). A new context
+// starts in q3_simt_entry with entry in r12 and its argument in r13.
 extern "C" void q3_simt_switch(void **save, void *load);
 extern "C" void q3_simt_entry();
 asm(R"(
@@ -30,14 +34,8 @@ q3_simt_switch:
     pushq %r13
     pushq %r14
     pushq %r15
-    subq $8, %rsp
-    stmxcsr (%rsp)
-    fnstcw 4(%rsp)
     movq %rsp, (%rdi)
     movq %rsi, %rsp
-    ldmxcsr (%rsp)
-    fldcw 4(%rsp)
-    addq $8, %rsp
     popq %r15
     popq %r14
     popq %r13
@@ -62,8 +60,8 @@ namespace simt {
 #if defined(__x86_64__)
 void context_make(Context *c, void *stack, size_t bytes, void (*entry)(void *), void *arg) {
     // from the 16-byte aligned top: the return address (q3_simt_entry), rbp, rbx, r12 = entry,
-    // r13 = arg, r14, r15, then MXCSR and the x87 control word; after the `ret`, rsp is the
-    // aligned top, as a call expects before it pushes its return address
+    // r13 = arg, r14, r15; after the `ret`, rsp is the aligned top, as a call expects before
+    // it pushes its return address
     uintptr_t top = ((uintptr_t)stack + bytes) & ~(uintptr_t)15;
     uint64_t *slot = (uint64_t *)top;
     slot[-1] = (uint64_t)(uintptr_t)&q3_simt_entry;
@@ -73,11 +71,7 @@ void context_make(Context *c, void *stack, size_t bytes, void (*entry)(void *), 
     slot[-5] = (uint64_t)(uintptr_t)arg;   // r13
     slot[-6] = 0;                      // r14
     slot[-7] = 0;                      // r15
-    const uint32_t mxcsr = 0x1F80;     // the defaults: every exception masked, round to nearest
-    const uint16_t fpcw = 0x037F;
-    memcpy((char *)&slot[-8], &mxcsr, 4);
-    memcpy((char *)&slot[-8] + 4, &fpcw, 2);
-    c->sp = &slot[-8];
+    c->sp = &slot[-7];
 }
 
 void context_switch(Context *from, Context *to) { q3_simt_switch(&from->sp, to->sp); }
@@ -100,7 +94,18 @@ void context_make(Context *c, void *stack, size_t bytes, void (*entry)(void *), 
 void context_switch(Context *from, Context *to) { swapcontext(&from->uc, &to->uc); }
 #endif
 
+FloatControl float_control_defaults() {
+    FloatControl saved;
+    fegetenv(&saved.env);
+    fesetenv(FE_DFL_ENV);
+    return saved;
+}
+
+void float_control_restore(const FloatControl &saved) { fesetenv(&saved.env); }
+
 // ---- stacks ------------------------------------------------------------------------------------
+
+uintptr_t g_stack_base_mask; // simt.h
 
 size_t stack_bytes() {
     static const size_t bytes = [] {
@@ -110,7 +115,10 @@ size_t stack_bytes() {
 #else
         const size_t kb = env ? strtoul(env, nullptr, 10) : 64;
 #endif
-        return (kb < 16 ? 16 : kb) * 1024;
+        unsigned shift = 14; // the next power of two, 16 KiB at least (stacks are aligned to their size: simt.h)
+        while (((size_t)1 << shift) < kb * 1024 && shift < 30) shift++;
+        g_stack_base_mask = ~(((uintptr_t)1 << shift) - 1);
+        return (size_t)1 << shift;
     }();
     return bytes;
 }
@@ -126,7 +134,7 @@ void **stacks_acquire(int n) {
         if (!g_pool.empty()) {
             out[i] = g_pool.back();
             g_pool.pop_back();
-        } else if (!(out[i] = malloc(stack_bytes()))) {
+        } else if (posix_memalign(&out[i], stack_bytes(), stack_bytes()) != 0) {
             for (int j = 0; j < i; j++) g_pool.push_back(out[j]);
             free(out);
             return nullptr;

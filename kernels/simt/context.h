@@ -1,12 +1,16 @@
 // Fiber contexts for the SIMT executor's blocks: a stack of its own and a switch that saves
-// only what the C ABI asks a callee to keep. On x86-64 a few instructions (callee-saved
-// registers, MXCSR and the x87 control word pushed on the fiber's own stack, then the stack
-// pointer swapped); elsewhere ucontext, whose swapcontext also saves the signal mask (a
-// system call a switch, so several times slower). Stacks come from a pool shared by the
-// launches, so a block does not map and unmap its threads' stacks.
+// only what the C ABI asks a callee to keep. On x86-64 a few instructions (the callee-saved
+// registers pushed on the fiber's own stack, then the stack pointer swapped); elsewhere
+// ucontext, whose swapcontext also saves the signal mask (a system call a switch, so several
+// times slower). The floating-point control state (rounding, flush-to-zero: MXCSR and the x87
+// control word) is not switched, which cost half of a switch: a block's fibers all run with
+// the defaults, set once around the block (float_control_defaults), as CUDA kernels have no
+// such state to change (their rounding is per instruction). Stacks come from a pool shared
+// by the launches, so a block does not map and unmap its threads' stacks.
 #ifndef Q3_SIMT_CONTEXT_H
 #define Q3_SIMT_CONTEXT_H
 
+#include <fenv.h>
 #include <stddef.h>
 
 #if !defined(__x86_64__)
@@ -27,9 +31,19 @@ void context_make(Context *c, void *stack, size_t bytes, void (*entry)(void *), 
 // saves the running context in `from` and continues `to`
 void context_switch(Context *from, Context *to);
 
-// `n` stacks of stack_bytes() each, from the pool; back to it
+// the calling thread's floating-point environment, replaced by the defaults (round to
+// nearest, exceptions masked, no flush-to-zero) until float_control_restore
+struct FloatControl {
+    fenv_t env;
+};
+FloatControl float_control_defaults();
+void float_control_restore(const FloatControl &saved);
+
+// `n` stacks of stack_bytes() each, each aligned to its size, from the pool; back to it
 void **stacks_acquire(int n);
 void stacks_release(void **stacks, int n);
+// Q3_SIMT_STACK_KB (64 by default, 256 under AddressSanitizer) up to a power of two, at least
+// 16 KiB; sets g_stack_base_mask (simt.h) the first time
 size_t stack_bytes();
 
 } // namespace simt

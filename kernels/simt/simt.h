@@ -37,10 +37,32 @@ struct Block;
 // the fiber and block running now on this OS thread (NULL outside a kernel)
 Fiber *current_fiber();
 Block *current_block();
-const uint3 &thread_idx();
-const uint3 &block_idx();
-const dim3 &block_dim();
-const dim3 &grid_dim();
+
+// What a running thread is, kept at the base (lowest address) of its fiber's stack. Every
+// stack is aligned to its size, a power of two (context.h), so a kernel finds its record from
+// its stack pointer: threadIdx costs a mask and a load, not a call and a thread-local lookup.
+struct ThreadRecord {
+    uint3 thread, block;
+    dim3 block_dim, grid_dim;
+    Fiber *fiber;
+    Block *block_of;
+};
+extern uintptr_t g_stack_base_mask; // ~(stack bytes - 1), set before the first block runs (context.cpp)
+
+// the running thread's record: only inside a kernel, on its fiber's stack
+inline ThreadRecord &thread_record() {
+    uintptr_t sp;
+#if defined(__x86_64__)
+    __asm__("movq %%rsp, %0" : "=r"(sp)); // not volatile: a fiber never leaves its stack
+#else
+    sp = (uintptr_t)__builtin_frame_address(0);
+#endif
+    return *reinterpret_cast<ThreadRecord *>(sp & g_stack_base_mask);
+}
+inline const uint3 &thread_idx() { return thread_record().thread; }
+inline const uint3 &block_idx() { return thread_record().block; }
+inline const dim3 &block_dim() { return thread_record().block_dim; }
+inline const dim3 &grid_dim() { return thread_record().grid_dim; }
 
 // ---- synchronisation ---------------------------------------------------------------------------
 
