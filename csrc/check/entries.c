@@ -45,10 +45,10 @@ void q3_check_fp8_dequant(float *dst, const uint8_t *w, const void *scale, q3_dt
 }
 
 q3_status q3_check_matmul_dense(float *y, const float *x, const void *w, q3_dtype wdt, int64_t T, int64_t N,
-                                int64_t K, q3_error *err) {
+                                int64_t K, int accumulate, q3_error *err) {
     uint16_t *xb = malloc((size_t)q3_matmul_scratch_elems(T, K) * sizeof(uint16_t) + 1);
     if (!xb) return q3_fail(err, Q3_ERR_NOMEM, "matmul: out of memory for its bf16 scratch");
-    q3_cpu_ops_active()->matmul(y, x, w, wdt, T, N, K, 0, xb);
+    q3_cpu_ops_active()->matmul(y, x, w, wdt, T, N, K, accumulate, xb);
     free(xb);
     return Q3_OK;
 }

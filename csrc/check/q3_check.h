@@ -47,9 +47,9 @@ q3_status q3_check_matmul_fp8(float *y, const float *x, const uint8_t *w, const 
                               int64_t T, int64_t N, int64_t K, int accumulate, q3_error *err);
 /* dst [N, K] fp32 = W by the scalar reference dequantization (kernels/fp8.h) */
 void q3_check_fp8_dequant(float *dst, const uint8_t *w, const void *scale, q3_dtype sdt, int64_t N, int64_t K);
-/* y [T, N] = x [T, K] W^T, w [N, K] of wdt (fp32 or bf16), by the active CPU path's matmul
- * with the bf16 scratch the layer gives it (the FP8 kernel's yardstick) */
+/* y [T, N] (+= when accumulate) x [T, K] W^T, w [N, K] of wdt (fp32 or bf16), by the active
+ * CPU path's matmul with the bf16 scratch the layer gives it (the FP8 kernel's yardstick) */
 q3_status q3_check_matmul_dense(float *y, const float *x, const void *w, q3_dtype wdt, int64_t T, int64_t N,
-                                int64_t K, q3_error *err);
+                                int64_t K, int accumulate, q3_error *err);
 
 #endif

@@ -84,12 +84,15 @@ fail_y:
     return NULL;
 }
 
-/* matmul_dense(y, x, w, w_dtype, T, N, K): y [T, N] = x [T, K] W^T by the active path's
- * fp32/bf16 matmul, with the bf16 scratch the layer gives it: the FP8 kernel's yardstick */
+/* matmul_dense(y, x, w, w_dtype, T, N, K, accumulate=0): y [T, N] (+)= x [T, K] W^T by the
+ * active path's fp32/bf16 matmul, with the bf16 scratch the layer gives it: the FP8 kernel's
+ * yardstick, and the paths' matmuls against each other */
 static PyObject *matmul_dense(PyObject *m, PyObject *args) {
     PyObject *y_obj, *x_obj, *w_obj, *wdt_obj;
     long long T, N, K;
-    if (!PyArg_ParseTuple(args, "OOOOLLL:matmul_dense", &y_obj, &x_obj, &w_obj, &wdt_obj, &T, &N, &K)) return NULL;
+    int accumulate = 0;
+    if (!PyArg_ParseTuple(args, "OOOOLLL|p:matmul_dense", &y_obj, &x_obj, &w_obj, &wdt_obj, &T, &N, &K, &accumulate))
+        return NULL;
     q3_dtype wdt;
     if (q3_parse_dtype(wdt_obj, "w_dtype", &wdt) < 0 || check_sizes(T, N, K) < 0) return NULL;
     Py_buffer y, x, w;
@@ -99,7 +102,7 @@ static PyObject *matmul_dense(PyObject *m, PyObject *args) {
     q3_error err;
     q3_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = q3_check_matmul_dense(y.buf, x.buf, w.buf, wdt, T, N, K, &err);
+    st = q3_check_matmul_dense(y.buf, x.buf, w.buf, wdt, T, N, K, accumulate, &err);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&w);
     PyBuffer_Release(&x);
@@ -115,7 +118,7 @@ fail_y:
 
 PyMethodDef q3py_fp8_methods[] = {
     {"matmul_dense", matmul_dense, METH_VARARGS,
-     "matmul_dense(y, x, w, w_dtype, T, N, K)\n--\n\nThe fp32/bf16 matmul of the active CPU path."},
+     "matmul_dense(y, x, w, w_dtype, T, N, K, accumulate=0)\n--\n\nThe fp32/bf16 matmul of the active CPU path."},
     {"fp8_to_f32", fp8_to_f32, METH_VARARGS, "fp8_to_f32(src, dst)\n--\n\ne4m3 bytes to fp32."},
     {"f32_to_fp8", f32_to_fp8, METH_VARARGS,
      "f32_to_fp8(src, dst)\n--\n\nfp32 to e4m3 bytes, round to nearest even, NaN past 464."},

@@ -1,5 +1,7 @@
 /* y [T, N] = x [T, K] W^T with W [N, K] in fp32 or bf16: the generic kernel, in C that
- * the compiler vectorises for each variant; the AVX-512 variant adds matmul_avx512.c.
+ * the compiler vectorises for each variant. The portable variant uses it for every T, avx2
+ * below PACKED_MIN_TOKENS (more tokens: the packed panels of matmul_packed.c); the AVX-512
+ * variant has its own (matmul_avx512.c).
  *
  * Register tiles of 4 tokens x 4 weight rows: each step over k loads 4 x values and
  * 4 weights and does 16 multiply-adds, so a weight row fetched from memory is used
@@ -93,8 +95,18 @@ void Q3_CPU_FN(q3_matmul_generic)(float *y, const float *x, const void *w, q3_dt
 }
 
 #if !defined(__AVX512F__)
+/* avx2: from PACKED_MIN_TOKENS tokens on, the packed panels (matmul_packed.c); below, a pass
+ * that streams W once is what counts */
+#define PACKED_MIN_TOKENS 8
+
 void Q3_CPU_FN(q3_matmul)(float *y, const float *x, const void *w, q3_dtype w_dt, int64_t T,
                           int64_t N, int64_t K, int accumulate, uint16_t *xb) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if (T >= PACKED_MIN_TOKENS) {
+        Q3_CPU_FN(q3_matmul_packed)(y, x, w, w_dt, T, N, K, accumulate);
+        return;
+    }
+#endif
     Q3_CPU_FN(q3_matmul_generic)(y, x, w, w_dt, T, N, K, accumulate, xb);
 }
 #endif

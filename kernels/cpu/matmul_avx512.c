@@ -3,7 +3,7 @@
  * Few tokens (decode): a GEMV that streams W once, 4 rows at a time, 64-byte loads, bf16
  * widened to fp32 in registers; x stays fp32. Many tokens: with AVX512-BF16 a 4x4 tile of
  * bf16 dot products (x rounded to bf16 in xb, 32 multiply-adds an instruction); without,
- * the generic kernel. */
+ * the packed panels of matmul_packed.c at 16 lanes. */
 #include "ops.h"
 
 #if defined(__AVX512F__)
@@ -119,8 +119,9 @@ static void gemv(float *y, const float *x, const void *w, q3_dtype dt, int64_t T
 
 void Q3_CPU_FN(q3_matmul)(float *y, const float *x, const void *w, q3_dtype w_dt, int64_t T,
                           int64_t N, int64_t K, int accumulate, uint16_t *xb) {
+    (void)xb;
     if (T < GEMV_MAX_TOKENS) gemv(y, x, w, w_dt, T, N, K, accumulate);
-    else Q3_CPU_FN(q3_matmul_generic)(y, x, w, w_dt, T, N, K, accumulate, xb);
+    else Q3_CPU_FN(q3_matmul_packed)(y, x, w, w_dt, T, N, K, accumulate);
 }
 
 /* ---- AVX512-BF16: 4 tokens x 4 rows of bf16 dot products ------------------------------- */

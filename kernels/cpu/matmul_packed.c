@@ -1,0 +1,176 @@
+/* Many-token matmul on packed weight panels (the avx2 and avx512 variants; the portable one
+ * keeps matmul.c's generic kernel): y [T, N] (+)= x [T, K] W^T, x fp32, W fp32 or bf16.
+ *
+ * The generic kernel converts each bf16 weight every time a 4-token tile reads it, and the
+ * conversion takes the ports the multiply-adds need. Here a thread converts a panel of NR
+ * weight rows by KC columns to fp32 once (pack_panel, rows kept k-contiguous: a conversion,
+ * not a transpose), and every token of the block reads it from L1: MR tokens x NR rows of
+ * accumulators in registers, vectorised along k, each step MR x loads, NR weight loads and
+ * MR x NR multiply-adds; the horizontal sums once a tile and k block. fp32 weights are packed
+ * too (a copy, so the panel is contiguous in L1).
+ *
+ * Blocking, from the machine's caches (sysconf, read once): KC so a panel fills half of L1d,
+ * MC tokens so their x rows of one k block fill half of L2 and stay there while the threads
+ * sweep their panels. Threads split the panels of each k block (static, the same panels to
+ * the same thread every block, so a thread's partial sums in y are its own): each weight
+ * byte is converted once per token block, by one thread.
+ *
+ * Sums: fp32, per k block in lane order then across lanes, k blocks in order; not the generic
+ * kernel's order (both are compared with the portable kernel by tests/ops/test_matmul_packed.py). */
+#include <unistd.h>
+
+#include "ops.h"
+#include "vec.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* the sum of v's lanes, by halves */
+static inline float hsum(q3_vf v) {
+#if Q3_LANES == 16
+    return _mm512_reduce_add_ps((__m512)v);
+#else
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+#endif
+}
+
+#ifndef MR
+#define MR 4                              /* tokens a tile */
+#endif
+#ifndef NR
+#define NR (Q3_LANES == 16 ? 6 : 3)       /* weight rows a tile (at most 6): 24 (zmm) or 12 (ymm) accumulators */
+#endif
+#define KC_MAX 2048
+
+/* the k block and the token block, from L1d and L2 (fallbacks where sysconf does not know) */
+static void blocking(int64_t *kc, int64_t *mc) {
+    static int64_t kc_once, mc_once;
+    if (!kc_once) {
+        long l1 = 0, l2 = 0;
+#if defined(_SC_LEVEL1_DCACHE_SIZE) && defined(_SC_LEVEL2_CACHE_SIZE)
+        l1 = sysconf(_SC_LEVEL1_DCACHE_SIZE);
+        l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+#endif
+        if (l1 < 16 * 1024 || l1 > 1024 * 1024) l1 = 32 * 1024;
+        if (l2 < 128 * 1024 || l2 > 64 * 1024 * 1024) l2 = 512 * 1024;
+        int64_t k = (int64_t)l1 / 2 / (NR * (int64_t)sizeof(float)) / 64 * 64;
+        k = k < 256 ? 256 : k > KC_MAX ? KC_MAX : k;
+        int64_t m = (int64_t)l2 / 2 / (k * (int64_t)sizeof(float)) / MR * MR;
+        mc_once = m < MR ? MR : m > 1024 ? 1024 : m;
+        __atomic_store_n(&kc_once, k, __ATOMIC_RELEASE);
+    }
+    *kc = __atomic_load_n(&kc_once, __ATOMIC_ACQUIRE);
+    *mc = mc_once;
+}
+
+/* panel [nr][kc] fp32 <- W rows [n0, n0 + nr) x columns [k0, k0 + kc) */
+static void pack_panel(float *panel, const void *w, q3_dtype dt, int64_t K, int64_t n0, int nr, int64_t k0,
+                       int64_t kc) {
+    for (int r = 0; r < nr; r++) {
+        float *out = panel + r * kc;
+        if (dt == Q3_BF16) {
+            const uint16_t *src = (const uint16_t *)w + (n0 + r) * K + k0;
+#pragma omp simd
+            for (int64_t k = 0; k < kc; k++) out[k] = q3_bf16_to_f32(src[k]);
+        } else {
+            memcpy(out, (const float *)w + (n0 + r) * K + k0, (size_t)kc * sizeof(float));
+        }
+    }
+}
+
+/* y[t * N + r] (+)= sum_k x[t * K + k] panel[r * kc + k] for t < TT, r < RR over one k block
+ * of kc columns (x already at the block's first column); first: the block that starts y */
+static inline __attribute__((always_inline)) void tile(float *y, int64_t N, const float *x, int64_t K,
+                                                       const float *panel, int64_t kc, int TT, int RR,
+                                                       int first, int accumulate) {
+    q3_vf acc[MR][NR];
+    for (int t = 0; t < TT; t++)
+        for (int r = 0; r < RR; r++) acc[t][r] = q3_vsplat(0.0f);
+    int64_t k = 0;
+    for (; k + Q3_LANES <= kc; k += Q3_LANES) {
+        q3_vf wv[NR];
+        for (int r = 0; r < RR; r++) wv[r] = q3_vload(panel + r * kc + k);
+        for (int t = 0; t < TT; t++) {
+            const q3_vf xv = q3_vload(x + t * K + k);
+            for (int r = 0; r < RR; r++) acc[t][r] += xv * wv[r];
+        }
+    }
+    for (int t = 0; t < TT; t++)
+        for (int r = 0; r < RR; r++) {
+            float s = hsum(acc[t][r]);
+            for (int64_t j = k; j < kc; j++) s += x[t * K + j] * panel[r * kc + j]; /* the k tail */
+            float *out = y + t * N + r;
+            *out = (first && !accumulate ? 0.0f : *out) + s;
+        }
+}
+
+/* the tokens [t0, t1) against one packed panel of RR rows at column n0 */
+static inline __attribute__((always_inline)) void panel_tokens(float *y, const float *x, const float *panel,
+                                                               int64_t t0, int64_t t1, int64_t n0, int64_t N,
+                                                               int64_t K, int64_t kc, int RR, int first,
+                                                               int accumulate) {
+    int64_t t = t0;
+    for (; t + MR <= t1; t += MR) tile(y + t * N + n0, N, x + t * K, K, panel, kc, MR, RR, first, accumulate);
+    switch (t1 - t) {
+#if MR > 3
+    case 3: tile(y + t * N + n0, N, x + t * K, K, panel, kc, 3, RR, first, accumulate); break;
+#endif
+#if MR > 2
+    case 2: tile(y + t * N + n0, N, x + t * K, K, panel, kc, 2, RR, first, accumulate); break;
+#endif
+    case 1: tile(y + t * N + n0, N, x + t * K, K, panel, kc, 1, RR, first, accumulate); break;
+    default: break;
+    }
+}
+
+/* rr (1 .. NR) rows as a compile-time count, so each tile's accumulators stay in registers */
+static void panel_any(float *y, const float *x, const float *panel, int64_t t0, int64_t t1, int64_t n0, int64_t N,
+                      int64_t K, int64_t kc, int rr, int first, int accumulate) {
+#define PANEL_ROWS(R) \
+    case R: panel_tokens(y, x, panel, t0, t1, n0, N, K, kc, R, first, accumulate); break;
+    switch (rr) {
+#if NR > 5
+        PANEL_ROWS(6)
+#endif
+#if NR > 4
+        PANEL_ROWS(5)
+#endif
+#if NR > 3
+        PANEL_ROWS(4)
+#endif
+#if NR > 2
+        PANEL_ROWS(3)
+#endif
+        PANEL_ROWS(2)
+        default: panel_tokens(y, x, panel, t0, t1, n0, N, K, kc, 1, first, accumulate); break;
+    }
+#undef PANEL_ROWS
+}
+
+void Q3_CPU_FN(q3_matmul_packed)(float *y, const float *x, const void *w, q3_dtype w_dt, int64_t T, int64_t N,
+                                 int64_t K, int accumulate) {
+    int64_t KC, MC;
+    blocking(&KC, &MC);
+    const int64_t panels = (N + NR - 1) / NR;
+#pragma omp parallel if (T * N * K > (1 << 18))
+    {
+        float panel[NR * KC_MAX] __attribute__((aligned(64)));
+        for (int64_t t0 = 0; t0 < T; t0 += MC) {
+            const int64_t t1 = t0 + MC < T ? t0 + MC : T;
+            for (int64_t k0 = 0; k0 < K; k0 += KC) {
+                const int64_t kc = K - k0 < KC ? K - k0 : KC;
+#pragma omp for schedule(static) nowait
+                for (int64_t p = 0; p < panels; p++) {
+                    const int64_t n0 = p * NR;
+                    const int rr = N - n0 < NR ? (int)(N - n0) : NR;
+                    pack_panel(panel, w, w_dt, K, n0, rr, k0, kc);
+                    panel_any(y, x + k0, panel, t0, t1, n0, N, K, kc, rr, k0 == 0, accumulate);
+                }
+            }
+        }
+    }
+}
+
+#endif

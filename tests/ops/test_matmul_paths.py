@@ -1,0 +1,53 @@
+"""The dense matmul of every CPU path (kernels/cpu/matmul*.c: the generic tiles, the packed
+panels of avx2 and avx512, the GEMV, AVX512-BF16 and AMX) against float64 on the same
+operands, at sizes that reach every edge: K not a multiple of the vector (7, 300), K past one
+packed k block (5000), N not a multiple of a tile's rows, 1, 2, 3, 17 and more tokens, with and
+without accumulate."""
+import numpy as np
+import pytest
+import torch
+
+import qwen3layer as q3
+
+_testing = pytest.importorskip("qwen3layer._testing", reason="the kernel entries are in qwen3layer._testing")
+PATHS = q3.build_info()["cpu_paths"]
+# they may round x to bf16 before their dot products (kernels/matmul.h: for enough tokens, and
+# AMX for whole tiles), so they match one of the two references
+BF16_PATHS = {"avx512bf16", "amx"}
+SHAPES = [(1, 5, 7), (2, 16, 64), (3, 7, 300), (8, 13, 300), (17, 37, 300), (40, 64, 96), (130, 19, 72),
+          (9, 6, 5000), (33, 50, 2050)]
+
+
+@pytest.fixture(autouse=True)
+def restore_path():
+    yield
+    q3.set_cpu_path(PATHS[-1])
+
+
+def operands(T, N, K, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, K, generator=g)
+    w = torch.randn(N, K, generator=g).to(torch.float32 if dtype == "float32" else torch.bfloat16)
+    y0 = torch.randn(T, N, generator=g)
+    return x, w, y0
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_matmul_matches_float64(path, dtype, accumulate):
+    q3.set_cpu_path(path)
+    assert q3.build_info()["cpu_path"] == path
+    for i, (T, N, K) in enumerate(SHAPES):
+        x, w, y0 = operands(T, N, K, dtype, 100 + i)
+        y = y0.clone()
+        _testing.matmul_dense(y.numpy(), x.numpy(), w.view(torch.int16).numpy() if dtype == "bfloat16" else w.numpy(),
+                              dtype, T, N, K, accumulate)
+        xs = [x, x.to(torch.bfloat16)] if dtype == "bfloat16" and path in BF16_PATHS else [x]
+        errs = []
+        for xr in xs:
+            want = xr.double() @ w.double().T + (y0.double() if accumulate else 0)
+            scale = (xr.double().abs() @ w.double().abs().T).numpy() + 1.0  # a bound on each sum's rounding
+            errs.append(float((np.abs(y.double().numpy() - want.numpy()) / scale).max()))
+        assert np.isfinite(y.numpy()).all(), (path, T, N, K)
+        assert min(errs) <= 1e-5, (path, dtype, T, N, K, errs)
