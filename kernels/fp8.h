@@ -88,7 +88,7 @@ typedef void q3_matmul_fp8_fn(float *y, const float *x, const uint8_t *w, const 
 /* T below this: the GEMV, converting each weight in registers once for all T tokens; from it
  * on: chunks of Q3_FP8_CHUNK_ROWS rows dequantized to fp32 and the fp32 matmul (compute-bound) */
 #define Q3_FP8_GEMV_MAX_T 16
-#define Q3_FP8_CHUNK_ROWS 32 /* divides 128: a chunk has one row of scales */
+#define Q3_FP8_CHUNK_ROWS 128 /* one row of scale blocks; fewer rows re-read x [T, K] more often */
 
 /* one thread's chunk [Q3_FP8_CHUNK_ROWS, K] of fp32 weights and its output [T, Q3_FP8_CHUNK_ROWS] */
 static inline int64_t q3_matmul_fp8_scratch_floats(int64_t T, int64_t K) {

@@ -6,8 +6,9 @@
  * weight rows by KC columns to fp32 once (pack_panel, rows kept k-contiguous: a conversion,
  * not a transpose), and every token of the block reads it from L1: MR tokens x NR rows of
  * accumulators in registers, vectorised along k, each step MR x loads, NR weight loads and
- * MR x NR multiply-adds; the horizontal sums once a tile and k block. fp32 weights are packed
- * too (a copy, so the panel is contiguous in L1).
+ * MR x NR multiply-adds; the horizontal sums once a tile and k block. fp32 weights are read
+ * in place (their rows are already fp32 and k-contiguous: the FP8 prefill's dequantized
+ * chunks come this way).
  *
  * Blocking, from the machine's caches (sysconf, read once): KC so a panel fills half of L1d,
  * MC tokens so their x rows of one k block fill half of L2 and stay there while the threads
@@ -65,33 +66,28 @@ static void blocking(int64_t *kc, int64_t *mc) {
     *mc = mc_once;
 }
 
-/* panel [nr][kc] fp32 <- W rows [n0, n0 + nr) x columns [k0, k0 + kc) */
-static void pack_panel(float *panel, const void *w, q3_dtype dt, int64_t K, int64_t n0, int nr, int64_t k0,
-                       int64_t kc) {
+/* panel [nr][kc] fp32 <- bf16 W rows [n0, n0 + nr) x columns [k0, k0 + kc) */
+static void pack_panel(float *panel, const uint16_t *w, int64_t K, int64_t n0, int nr, int64_t k0, int64_t kc) {
     for (int r = 0; r < nr; r++) {
+        const uint16_t *src = w + (n0 + r) * K + k0;
         float *out = panel + r * kc;
-        if (dt == Q3_BF16) {
-            const uint16_t *src = (const uint16_t *)w + (n0 + r) * K + k0;
 #pragma omp simd
-            for (int64_t k = 0; k < kc; k++) out[k] = q3_bf16_to_f32(src[k]);
-        } else {
-            memcpy(out, (const float *)w + (n0 + r) * K + k0, (size_t)kc * sizeof(float));
-        }
+        for (int64_t k = 0; k < kc; k++) out[k] = q3_bf16_to_f32(src[k]);
     }
 }
 
-/* y[t * N + r] (+)= sum_k x[t * K + k] panel[r * kc + k] for t < TT, r < RR over one k block
- * of kc columns (x already at the block's first column); first: the block that starts y */
+/* y[t * N + r] (+)= sum_k x[t * K + k] panel[r * ldp + k] for t < TT, r < RR over one k block
+ * of kc columns (x and panel at the block's first column); first: the block that starts y */
 static inline __attribute__((always_inline)) void tile(float *y, int64_t N, const float *x, int64_t K,
-                                                       const float *panel, int64_t kc, int TT, int RR,
-                                                       int first, int accumulate) {
+                                                       const float *panel, int64_t ldp, int64_t kc, int TT,
+                                                       int RR, int first, int accumulate) {
     q3_vf acc[MR][NR];
     for (int t = 0; t < TT; t++)
         for (int r = 0; r < RR; r++) acc[t][r] = q3_vsplat(0.0f);
     int64_t k = 0;
     for (; k + Q3_LANES <= kc; k += Q3_LANES) {
         q3_vf wv[NR];
-        for (int r = 0; r < RR; r++) wv[r] = q3_vload(panel + r * kc + k);
+        for (int r = 0; r < RR; r++) wv[r] = q3_vload(panel + r * ldp + k);
         for (int t = 0; t < TT; t++) {
             const q3_vf xv = q3_vload(x + t * K + k);
             for (int r = 0; r < RR; r++) acc[t][r] += xv * wv[r];
@@ -100,7 +96,7 @@ static inline __attribute__((always_inline)) void tile(float *y, int64_t N, cons
     for (int t = 0; t < TT; t++)
         for (int r = 0; r < RR; r++) {
             float s = hsum(acc[t][r]);
-            for (int64_t j = k; j < kc; j++) s += x[t * K + j] * panel[r * kc + j]; /* the k tail */
+            for (int64_t j = k; j < kc; j++) s += x[t * K + j] * panel[r * ldp + j]; /* the k tail */
             float *out = y + t * N + r;
             *out = (first && !accumulate ? 0.0f : *out) + s;
         }
@@ -108,28 +104,28 @@ static inline __attribute__((always_inline)) void tile(float *y, int64_t N, cons
 
 /* the tokens [t0, t1) against one packed panel of RR rows at column n0 */
 static inline __attribute__((always_inline)) void panel_tokens(float *y, const float *x, const float *panel,
-                                                               int64_t t0, int64_t t1, int64_t n0, int64_t N,
-                                                               int64_t K, int64_t kc, int RR, int first,
+                                                               int64_t ldp, int64_t t0, int64_t t1, int64_t n0,
+                                                               int64_t N, int64_t K, int64_t kc, int RR, int first,
                                                                int accumulate) {
     int64_t t = t0;
-    for (; t + MR <= t1; t += MR) tile(y + t * N + n0, N, x + t * K, K, panel, kc, MR, RR, first, accumulate);
+    for (; t + MR <= t1; t += MR) tile(y + t * N + n0, N, x + t * K, K, panel, ldp, kc, MR, RR, first, accumulate);
     switch (t1 - t) {
 #if MR > 3
-    case 3: tile(y + t * N + n0, N, x + t * K, K, panel, kc, 3, RR, first, accumulate); break;
+    case 3: tile(y + t * N + n0, N, x + t * K, K, panel, ldp, kc, 3, RR, first, accumulate); break;
 #endif
 #if MR > 2
-    case 2: tile(y + t * N + n0, N, x + t * K, K, panel, kc, 2, RR, first, accumulate); break;
+    case 2: tile(y + t * N + n0, N, x + t * K, K, panel, ldp, kc, 2, RR, first, accumulate); break;
 #endif
-    case 1: tile(y + t * N + n0, N, x + t * K, K, panel, kc, 1, RR, first, accumulate); break;
+    case 1: tile(y + t * N + n0, N, x + t * K, K, panel, ldp, kc, 1, RR, first, accumulate); break;
     default: break;
     }
 }
 
 /* rr (1 .. NR) rows as a compile-time count, so each tile's accumulators stay in registers */
-static void panel_any(float *y, const float *x, const float *panel, int64_t t0, int64_t t1, int64_t n0, int64_t N,
-                      int64_t K, int64_t kc, int rr, int first, int accumulate) {
+static void panel_any(float *y, const float *x, const float *panel, int64_t ldp, int64_t t0, int64_t t1, int64_t n0,
+                      int64_t N, int64_t K, int64_t kc, int rr, int first, int accumulate) {
 #define PANEL_ROWS(R) \
-    case R: panel_tokens(y, x, panel, t0, t1, n0, N, K, kc, R, first, accumulate); break;
+    case R: panel_tokens(y, x, panel, ldp, t0, t1, n0, N, K, kc, R, first, accumulate); break;
     switch (rr) {
 #if NR > 5
         PANEL_ROWS(6)
@@ -144,7 +140,7 @@ static void panel_any(float *y, const float *x, const float *panel, int64_t t0, 
         PANEL_ROWS(3)
 #endif
         PANEL_ROWS(2)
-        default: panel_tokens(y, x, panel, t0, t1, n0, N, K, kc, 1, first, accumulate); break;
+        default: panel_tokens(y, x, panel, ldp, t0, t1, n0, N, K, kc, 1, first, accumulate); break;
     }
 #undef PANEL_ROWS
 }
@@ -165,8 +161,13 @@ void Q3_CPU_FN(q3_matmul_packed)(float *y, const float *x, const void *w, q3_dty
                 for (int64_t p = 0; p < panels; p++) {
                     const int64_t n0 = p * NR;
                     const int rr = N - n0 < NR ? (int)(N - n0) : NR;
-                    pack_panel(panel, w, w_dt, K, n0, rr, k0, kc);
-                    panel_any(y, x + k0, panel, t0, t1, n0, N, K, kc, rr, k0 == 0, accumulate);
+                    if (w_dt == Q3_BF16) {
+                        pack_panel(panel, (const uint16_t *)w, K, n0, rr, k0, kc);
+                        panel_any(y, x + k0, panel, kc, t0, t1, n0, N, K, kc, rr, k0 == 0, accumulate);
+                    } else { /* fp32 rows are their own panel: read in place, a row stride apart */
+                        panel_any(y, x + k0, (const float *)w + n0 * K + k0, K, t0, t1, n0, N, K, kc, rr, k0 == 0,
+                                  accumulate);
+                    }
                 }
             }
         }
