@@ -143,7 +143,8 @@ static inline __attribute__((always_inline)) void gemv_row(float *y, const float
     for (int64_t k0 = 0; k0 < K; k0 += Q3_FP8_BLOCK) {
         const int64_t k1 = k0 + Q3_FP8_BLOCK < K ? k0 + Q3_FP8_BLOCK : K;
         const float s = q3_fp8_scale_at(scale, sdt, srow + k0 / Q3_FP8_BLOCK);
-        /* the block's two cache lines FP8_PREFETCH bytes ahead (into the next rows at a row's end) */
+        /* the block's two cache lines FP8_PREFETCH bytes ahead (into the next rows at a row's end,
+         * past the matrix at its end: a prefetch never faults) */
         __builtin_prefetch(wr + k0 + FP8_PREFETCH);
         __builtin_prefetch(wr + k0 + FP8_PREFETCH + 64);
         for (int t = 0; t < NT; t++) a0[t] = a1[t] = q3_vsplat(0);

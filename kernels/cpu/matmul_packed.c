@@ -16,8 +16,8 @@
  * the same thread every block, so a thread's partial sums in y are its own): each weight
  * byte is converted once per token block, by one thread.
  *
- * Sums: fp32, per k block in lane order then across lanes, k blocks in order; not the generic
- * kernel's order (both are compared with the portable kernel by tests/ops/test_matmul_packed.py). */
+ * Sums: fp32, per k block in lanes then across them, k blocks in order; not the generic
+ * kernel's order (every path is compared with float64 by tests/ops/test_matmul_paths.py). */
 #include <unistd.h>
 
 #include "ops.h"
@@ -45,10 +45,12 @@ static inline float hsum(q3_vf v) {
 #endif
 #define KC_MAX 2048
 
-/* the k block and the token block, from L1d and L2 (fallbacks where sysconf does not know) */
+/* the k block and the token block, from L1d and L2 (fallbacks where sysconf does not know);
+ * threads may race to compute them the first time (the FP8 prefill calls this from its own
+ * parallel region): each computes the same values, stored atomically */
 static void blocking(int64_t *kc, int64_t *mc) {
     static int64_t kc_once, mc_once;
-    if (!kc_once) {
+    if (!__atomic_load_n(&kc_once, __ATOMIC_ACQUIRE)) {
         long l1 = 0, l2 = 0;
 #if defined(_SC_LEVEL1_DCACHE_SIZE) && defined(_SC_LEVEL2_CACHE_SIZE)
         l1 = sysconf(_SC_LEVEL1_DCACHE_SIZE);
@@ -59,11 +61,11 @@ static void blocking(int64_t *kc, int64_t *mc) {
         int64_t k = (int64_t)l1 / 2 / (NR * (int64_t)sizeof(float)) / 64 * 64;
         k = k < 256 ? 256 : k > KC_MAX ? KC_MAX : k;
         int64_t m = (int64_t)l2 / 2 / (k * (int64_t)sizeof(float)) / MR * MR;
-        mc_once = m < MR ? MR : m > 1024 ? 1024 : m;
+        __atomic_store_n(&mc_once, m < MR ? MR : m > 1024 ? 1024 : m, __ATOMIC_RELAXED);
         __atomic_store_n(&kc_once, k, __ATOMIC_RELEASE);
     }
     *kc = __atomic_load_n(&kc_once, __ATOMIC_ACQUIRE);
-    *mc = mc_once;
+    *mc = __atomic_load_n(&mc_once, __ATOMIC_RELAXED);
 }
 
 /* panel [nr][kc] fp32 <- bf16 W rows [n0, n0 + nr) x columns [k0, k0 + kc) */

@@ -113,7 +113,7 @@ size_t stack_bytes() {
 #if defined(__SANITIZE_ADDRESS__)
         const size_t kb = env ? strtoul(env, nullptr, 10) : 256; // frames with redzones
 #else
-        const size_t kb = env ? strtoul(env, nullptr, 10) : 64;
+        const size_t kb = env ? strtoul(env, nullptr, 10) : 128; // 94 KiB or more left below the color (block.cpp)
 #endif
         unsigned shift = 14; // the next power of two, 16 KiB at least (stacks are aligned to their size: simt.h)
         while (((size_t)1 << shift) < kb * 1024 && shift < 30) shift++;

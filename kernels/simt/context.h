@@ -42,8 +42,9 @@ void float_control_restore(const FloatControl &saved);
 // `n` stacks of stack_bytes() each, each aligned to its size, from the pool; back to it
 void **stacks_acquire(int n);
 void stacks_release(void **stacks, int n);
-// Q3_SIMT_STACK_KB (64 by default, 256 under AddressSanitizer) up to a power of two, at least
-// 16 KiB; sets g_stack_base_mask (simt.h) the first time
+// Q3_SIMT_STACK_KB (128 by default, 256 under AddressSanitizer) up to a power of two, at least
+// 16 KiB, of which the thread's record and its frames' color (up to 34 KiB, block.cpp) are not
+// the frames'; sets g_stack_base_mask (simt.h) the first time
 size_t stack_bytes();
 
 } // namespace simt
