@@ -81,9 +81,11 @@ static inline void q3_fp8_dequant_rows(float *dst, const uint8_t *w, const void 
 
 /* y [T, N] fp32 (=, or += when accumulate) x [T, K] fp32 * W^T, W block-scaled e4m3 as above.
  * scratch: threads * q3_matmul_fp8_scratch_floats(T, K) floats (none for decode-sized T); at
- * most `threads` threads. */
+ * most `threads` threads. xb: NULL, or the bf16 scratch of kernels/matmul.h, given which the
+ * amx path rounds x and the dequantized weights to bf16 for its tiles (as the CUDA prefill). */
 typedef void q3_matmul_fp8_fn(float *y, const float *x, const uint8_t *w, const void *scale, q3_dtype sdt,
-                              int64_t T, int64_t N, int64_t K, int accumulate, float *scratch, int threads);
+                              int64_t T, int64_t N, int64_t K, int accumulate, float *scratch, int threads,
+                              uint16_t *xb);
 
 /* T below this: the GEMV, converting each weight in registers once for all T tokens; from it
  * on: chunks of Q3_FP8_CHUNK_ROWS rows dequantized to fp32 and the fp32 matmul (compute-bound) */

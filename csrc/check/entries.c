@@ -35,7 +35,13 @@ q3_status q3_check_matmul_fp8(float *y, const float *x, const uint8_t *w, const 
     float *scratch = NULL;
     if (n_scratch && !(scratch = malloc((size_t)n_scratch * sizeof(float))))
         return q3_fail(err, Q3_ERR_NOMEM, "matmul_fp8: out of memory for %lld scratch floats", (long long)n_scratch);
-    q3_cpu_ops_active()->matmul_fp8(y, x, w, scale, sdt, T, N, K, accumulate, scratch, threads);
+    uint16_t *xb = malloc((size_t)q3_matmul_scratch_elems(T, K) * sizeof(uint16_t) + 1); /* as a layer has */
+    if (!xb) {
+        free(scratch);
+        return q3_fail(err, Q3_ERR_NOMEM, "matmul_fp8: out of memory for its bf16 scratch");
+    }
+    q3_cpu_ops_active()->matmul_fp8(y, x, w, scale, sdt, T, N, K, accumulate, scratch, threads, xb);
+    free(xb);
     free(scratch);
     return Q3_OK;
 }

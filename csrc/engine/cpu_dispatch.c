@@ -2,6 +2,7 @@
  * run, and the one in use. Levels, lowest first: portable (the baseline C), avx2 (with FMA),
  * avx512 (F, BW, VL, DQ), avx512bf16 (+ bf16 dot products), amx (+ AMX-BF16 tiles, granted
  * by the kernel on request). The best available level is the default. */
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__x86_64__)
@@ -12,6 +13,7 @@
 #endif
 #endif
 
+#include "../../kernels/cpu/matmul_packed.h"
 #include "cpu_dispatch.h"
 
 typedef struct {
@@ -71,6 +73,7 @@ static void init_levels(void) {
     bf16.matmul = q3_matmul_cpu_avx512bf16;
     amx.name = "amx";
     amx.matmul = q3_matmul_cpu_amx;
+    amx.matmul_fp8 = q3_matmul_fp8_cpu_amx;
     levels[n_levels] = (level){"avx512bf16", NULL, bf16};
     levels[n_levels].ops = &levels[n_levels].with_matmul;
     n_levels++;
@@ -120,4 +123,17 @@ const char *q3_cpu_path(void) {
 const q3_cpu_ops *q3_cpu_ops_active(void) {
     if (!active) q3_cpu_select(NULL, NULL);
     return active;
+}
+
+q3_status q3_cpu_set_packed_kc(const char *value, q3_error *err) {
+    char *end = NULL;
+    const long kc = value && *value ? strtol(value, &end, 10) : -1;
+    if (!value || !*value || *end || kc < 0 || kc > Q3_PACKED_KC_MAX)
+        return q3_fail(err, Q3_ERR_VALUE, "packed k block: expected 0 (from the L1 data cache) to %d columns, "
+                       "got '%s'", Q3_PACKED_KC_MAX, value ? value : "");
+#if defined(__x86_64__)
+    q3_matmul_packed_set_kc_cpu_avx2(kc);
+    q3_matmul_packed_set_kc_cpu_avx512(kc);
+#endif
+    return Q3_OK;
 }

@@ -50,12 +50,14 @@ static inline q3_matrix q3_expert_matrix(const q3_layer *l, q3_expert_weight x, 
 }
 
 /* y [T, N] (=, or += when acc) x [T, K] m^T on the CPU, in the layer's weight format. xb: the
- * bf16 scratch of kernels/matmul.h (dense format); threads: the FP8 kernel's, with its
+ * bf16 scratch of kernels/matmul.h (NULL: x stays fp32); threads: the FP8 kernel's, with its
  * scratch in the workspace (1 and T < Q3_FP8_GEMV_MAX_T inside a parallel region: no scratch) */
 static inline void q3_project(const q3_layer *l, const q3_cpu_ops *k, float *y, const float *x, q3_matrix m,
                               int64_t T, int64_t N, int64_t K, int acc, uint16_t *xb, int threads) {
     if (l->w.format == Q3_WF_FP8_BLOCK128)
-        k->matmul_fp8(y, x, m.w, m.scale, l->w.scale_dtype, T, N, K, acc, l->ws.fp8_scratch, threads);
+        /* an fp32 layer keeps fp32 products (xb lets the amx path round to bf16) */
+        k->matmul_fp8(y, x, m.w, m.scale, l->w.scale_dtype, T, N, K, acc, l->ws.fp8_scratch, threads,
+                      l->w.dtype == Q3_BF16 ? xb : NULL);
     else
         k->matmul(y, x, m.w, l->w.dtype, T, N, K, acc, xb);
 }

@@ -372,5 +372,8 @@ int q3_cpu_paths(const char **names, int max);
 q3_status q3_cpu_select(const char *name, q3_error *err);
 const char *q3_cpu_path(void);
 int q3_max_threads(void);
+/* the k block of the avx2 and avx512 packed matmuls (kernels/cpu/matmul_packed.c), a decimal
+ * count of columns, 1 to 2048 (0: from the L1 data cache, the default) */
+q3_status q3_cpu_set_packed_kc(const char *value, q3_error *err);
 
 #endif

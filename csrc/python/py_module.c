@@ -155,9 +155,18 @@ static int select_cpu_path(void) {
     return -1;
 }
 
+/* QWEN3LAYER_PACKED_KC sets the packed matmul's k block (the tests run other machines' blocks) */
+static int set_packed_kc(void) {
+    const char *kc = getenv("QWEN3LAYER_PACKED_KC");
+    q3_error err;
+    if (!kc || q3_cpu_set_packed_kc(kc, &err) == Q3_OK) return 0;
+    PyErr_Format(PyExc_ImportError, "QWEN3LAYER_PACKED_KC: %s", err.msg);
+    return -1;
+}
+
 static int module_exec(PyObject *m) {
     q3_module_state *st = state_of_module(m);
-    if (select_cpu_path() < 0) return -1;
+    if (select_cpu_path() < 0 || set_packed_kc() < 0) return -1;
     st->tensor_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &q3py_tensor_spec, NULL);
     st->cache_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &q3py_cache_spec, NULL);
     st->layer_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &q3py_layer_spec, NULL);

@@ -9,6 +9,7 @@
  * x rows of a block stay in L2 while the threads sweep the weight rows. Threads
  * split the weight rows: each weight byte is read by one thread once per token block
  * (once per call when T <= TOKEN_BLOCK, as in decode). */
+#include "matmul_packed.h"
 #include "ops.h"
 
 #define TOKEN_BLOCK 64

@@ -6,8 +6,15 @@
  *     xb[((tb * Ks + s) * 16 + r) * 32 + 2 * i + j] = bf16(x[16 tb + i, 32 s + 2 r + j])
  * (token block tb of 16, k step s of 32, pair r, token i, j in {0, 1}), zero-padded.
  * A block of 32 weight rows x 32 tokens keeps 4 C tiles; threads split the weight rows.
- * Shapes with N % 16 or K % 32 left over go to the AVX512-BF16 kernel. Linux grants AMX
+ * Shapes with N % 16 or K % 32 left over go to the AVX512-BF16 kernel. Other weight formats
+ * come through a row source (matmul_amx.h: the FP8 prefill, kernels/cpu/matmul_fp8.c), which a
+ * thread converts 32 rows at a time into its scratch for the tiles. Linux grants AMX
  * per process on request: csrc/engine/cpu_dispatch.c asks before this level is offered. */
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "matmul_amx.h"
 #include "ops.h"
 
 #if defined(__AVX512F__)
@@ -67,46 +74,64 @@ static void store_transposed(float *y, int64_t N, const float c[16][16], int64_t
     }
 }
 
-/* weight rows [n0, n0 + 16 * na) against every token block; na, nt in {1, 2} */
-static AMX_TARGET void amx_rows(float *y, const uint16_t *w, const uint16_t *xb, int64_t T, int64_t N,
-                                int64_t K, int64_t n0, int na, int accumulate) {
-    const int64_t Ks = K / 32, blocks = (T + 15) / 16, wstride = K * 2;
+/* the tiles C (0-3) of token blocks tb, tb + 1 (nt of them) and row tiles a < na into y's
+ * columns [0, 16 * na) */
+static AMX_TARGET void store_tiles(float *y, int64_t N, int64_t T, int64_t tb, int na, int nt, int accumulate) {
     float c[16][16] __attribute__((aligned(64)));
+    for (int a = 0; a < na; a++)
+        for (int b = 0; b < nt; b++) {
+            switch (2 * a + b) {
+            case 0: _tile_stored(0, c, 64); break;
+            case 1: _tile_stored(1, c, 64); break;
+            case 2: _tile_stored(2, c, 64); break;
+            default: _tile_stored(3, c, 64); break;
+            }
+            store_transposed(y, N, (const float(*)[16])c, (tb + b) * 16, T, 16 * a, accumulate);
+        }
+}
+
+/* C (0-3) += one k step: row tiles a0 (and a1 when na == 2) of stride lda bytes against the
+ * step's x tiles b0 (and the next token block's, Ks steps on, when nt == 2) */
+static inline __attribute__((always_inline)) AMX_TARGET void tiles_step(const uint16_t *a0, const uint16_t *a1,
+                                                                       int64_t lda, const uint16_t *b0,
+                                                                       int64_t Ks, int na, int nt) {
+    _tile_loadd(4, a0, lda);
+    _tile_loadd(6, b0, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (nt == 2) {
+        _tile_loadd(7, b0 + Ks * 512, 64);
+        _tile_dpbf16ps(1, 4, 7);
+    }
+    if (na == 2) {
+        _tile_loadd(5, a1, lda);
+        _tile_dpbf16ps(2, 5, 6);
+        if (nt == 2) _tile_dpbf16ps(3, 5, 7);
+    }
+}
+
+static AMX_TARGET void tiles_zero(void) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+}
+
+/* weight rows w [16 * na, K] against every token block, into y's columns [0, 16 * na) (y and w
+ * at the block's first row); na, nt in {1, 2} */
+static AMX_TARGET void amx_rows(float *y, const uint16_t *w, const uint16_t *xb, int64_t T, int64_t N,
+                                int64_t K, int na, int accumulate) {
+    const int64_t Ks = K / 32, blocks = (T + 15) / 16, wstride = K * 2;
     for (int64_t tb = 0; tb < blocks; tb += 2) {
         const int nt = blocks - tb >= 2 ? 2 : 1;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
+        tiles_zero();
         for (int64_t s = 0; s < Ks; s++) {
-            const uint16_t *b0 = xb + (tb * Ks + s) * 512;
             /* the weight rows come from memory as 16 * na strided streams: fetch ahead */
             if (s + AMX_PREFETCH_STEPS < Ks)
                 for (int r = 0; r < 16 * na; r++)
-                    _mm_prefetch((const char *)(w + (n0 + r) * K + (s + AMX_PREFETCH_STEPS) * 32), _MM_HINT_T0);
-            _tile_loadd(4, w + n0 * K + s * 32, wstride);
-            _tile_loadd(6, b0, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            if (nt == 2) {
-                _tile_loadd(7, b0 + Ks * 512, 64);
-                _tile_dpbf16ps(1, 4, 7);
-            }
-            if (na == 2) {
-                _tile_loadd(5, w + (n0 + 16) * K + s * 32, wstride);
-                _tile_dpbf16ps(2, 5, 6);
-                if (nt == 2) _tile_dpbf16ps(3, 5, 7);
-            }
+                    _mm_prefetch((const char *)(w + r * K + (s + AMX_PREFETCH_STEPS) * 32), _MM_HINT_T0);
+            tiles_step(w + s * 32, w + 16 * K + s * 32, wstride, xb + (tb * Ks + s) * 512, Ks, na, nt);
         }
-        for (int a = 0; a < na; a++)
-            for (int b = 0; b < nt; b++) {
-                switch (2 * a + b) {
-                case 0: _tile_stored(0, c, 64); break;
-                case 1: _tile_stored(1, c, 64); break;
-                case 2: _tile_stored(2, c, 64); break;
-                default: _tile_stored(3, c, 64); break;
-                }
-                store_transposed(y, N, (const float(*)[16])c, (tb + b) * 16, T, n0 + 16 * a, accumulate);
-            }
+        store_tiles(y, N, T, tb, na, nt, accumulate);
     }
 }
 
@@ -117,9 +142,73 @@ static AMX_TARGET void amx_thread(float *y, const uint16_t *w, const uint16_t *x
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < pairs; p++) {
         const int64_t n0 = 32 * p;
-        amx_rows(y, w, xb, T, N, K, n0, N - n0 >= 32 ? 2 : 1, accumulate);
+        amx_rows(y + n0, w + n0 * K, xb, T, N, K, N - n0 >= 32 ? 2 : 1, accumulate);
     }
     _tile_release();
+}
+
+#define STEP_COLS 128 /* columns the stepwise conversion takes at a time: one FP8 scale block */
+
+/* up to 2 token blocks: rows [n0, n0 + 16 * na) from the source STEP_COLS columns at a time
+ * into one half of `buf` while the tiles read the other half (the last stretch). A stretch
+ * takes whole cache lines of each row: rows K apart may share an L1 set (K = 4096) */
+static AMX_TARGET void amx_rows_stepwise(float *y, q3_amx_rows_fn *rows, const void *src, int64_t n0,
+                                         const uint16_t *xb, int64_t T, int64_t N, int64_t K, int na,
+                                         int accumulate, int64_t n_next) {
+    uint16_t buf[2][Q3_AMX_ROWS * STEP_COLS] __attribute__((aligned(64))); /* [32 rows][STEP_COLS] each */
+    const int64_t Ks = K / 32, stretches = (K + STEP_COLS - 1) / STEP_COLS;
+    const int nt = T > 16 ? 2 : 1;
+    tiles_zero();
+    rows(buf[0], STEP_COLS, src, n0, 16 * na, 0, K < STEP_COLS ? K : STEP_COLS);
+    for (int64_t c = 0; c < stretches; c++) {
+        const int64_t c0 = c * STEP_COLS, next = c0 + STEP_COLS;
+        if (c + 1 < stretches)
+            rows(buf[(c + 1) & 1], STEP_COLS, src, n0, 16 * na, next, K - next < STEP_COLS ? K - next : STEP_COLS);
+        if (n_next < N) /* the same stretch of the thread's next rows, towards L2 */
+            rows(NULL, 0, src, n_next, N - n_next < 32 ? 16 : 32, c0, K - c0 < STEP_COLS ? K - c0 : STEP_COLS);
+        const uint16_t *a = buf[c & 1];
+        const int64_t steps = (K - c0 < STEP_COLS ? K - c0 : STEP_COLS) / 32;
+        for (int64_t j = 0; j < steps; j++)
+            tiles_step(a + 32 * j, a + 16 * STEP_COLS + 32 * j, STEP_COLS * 2, xb + (c0 / 32 + j) * 512, Ks, na, nt);
+    }
+    store_tiles(y, N, T, 0, na, nt, accumulate);
+}
+
+/* as amx_thread, the rows from a row source */
+static AMX_TARGET void amx_thread_from(float *y, q3_amx_rows_fn *rows, const void *src, const uint16_t *xb,
+                                       int64_t T, int64_t N, int64_t K, int accumulate, uint16_t *scratch) {
+    tiles_configure();
+    const int64_t pairs = (N / 16 + 1) / 2;
+#ifdef _OPENMP
+    const int64_t first = omp_get_thread_num(), step = omp_get_num_threads();
+#else
+    const int64_t first = 0, step = 1;
+#endif
+    for (int64_t p = first; p < pairs; p += step) { /* in turn: a thread knows its next rows, to fetch them */
+        const int64_t n0 = 32 * p;
+        const int na = N - n0 >= 32 ? 2 : 1;
+        if (T <= 32) {
+            amx_rows_stepwise(y + n0, rows, src, n0, xb, T, N, K, na, accumulate, 32 * (p + step));
+        } else {
+            rows(scratch, K, src, n0, 16 * na, 0, K);
+            amx_rows(y + n0, scratch, xb, T, N, K, na, accumulate);
+        }
+    }
+    _tile_release();
+}
+
+void q3_matmul_amx_from(float *y, const float *x, q3_amx_rows_fn *rows, const void *src, int64_t T, int64_t N,
+                        int64_t K, int accumulate, uint16_t *xb, uint16_t *scratch, int64_t stride, int threads) {
+    pack_x(xb, x, T, K);
+#pragma omp parallel num_threads(threads)
+    {
+#ifdef _OPENMP
+        uint16_t *mine = scratch + omp_get_thread_num() * stride;
+#else
+        uint16_t *mine = scratch;
+#endif
+        amx_thread_from(y, rows, src, xb, T, N, K, accumulate, mine);
+    }
 }
 
 void q3_matmul_cpu_amx(float *y, const float *x, const void *w, q3_dtype w_dt, int64_t T, int64_t N,

@@ -4,6 +4,7 @@
  * widened to fp32 in registers; x stays fp32. Many tokens: with AVX512-BF16 a 4x4 tile of
  * bf16 dot products (x rounded to bf16 in xb, 32 multiply-adds an instruction); without,
  * the packed panels of matmul_packed.c at 16 lanes. */
+#include "matmul_packed.h"
 #include "ops.h"
 
 #if defined(__AVX512F__)

@@ -6,9 +6,10 @@
  * row at a time is one short stream that the hardware prefetcher did not keep ahead of: each
  * 128-byte block prefetches the bytes FP8_PREFETCH ahead (2048; 1024-4096 measured alike),
  * which took a [1536, 4096] GEMV on an Intel Xeon (2 threads) from 9 to 14-15 GB/s.
- * Prefill: chunks of Q3_FP8_CHUNK_ROWS rows are dequantized to fp32 into a thread's scratch
- * and go through this variant's fp32 matmul, so prefill costs the fp32 matmul plus one pass
- * over the chunk (K bytes in, 4K out per row, against 2 T K flops per row).
+ * Prefill, avx2 and avx512: the packed matmul (matmul_packed.h) with pack_e4m3 as its panel
+ * source, the weights decoded and scaled into each panel in L1 once per token block, as bf16
+ * weights are converted: the same cost as bf16 less half the bytes. Portable: chunks of
+ * Q3_FP8_CHUNK_ROWS rows dequantized to fp32 into a thread's scratch and the fp32 matmul.
  *
  * In the portable variant only, at the end: the twins of kernels/cuda/matmul_fp8.cu (twins.h). */
 #include <math.h>
@@ -17,6 +18,8 @@
 #include <omp.h>
 #endif
 
+#include "matmul_amx.h"
+#include "matmul_packed.h"
 #include "ops.h"
 #include "twins.h"
 #include "vec.h"
@@ -191,6 +194,7 @@ static void gemv(float *y, const float *x, const uint8_t *w, const void *scale, 
     }
 }
 
+#if !(defined(__AVX2__) && defined(__FMA__))
 /* dst [K] fp32 <- weight row wr [K] times its block scales (srow as in gemv_row) */
 static void dequant_row(float *dst, const uint8_t *wr, const void *scale, q3_dtype sdt, int64_t srow, int64_t K) {
     for (int64_t k0 = 0; k0 < K; k0 += Q3_FP8_BLOCK) {
@@ -201,13 +205,52 @@ static void dequant_row(float *dst, const uint8_t *wr, const void *scale, q3_dty
         for (; k < k1; k++) dst[k] = q3_e4m3_to_f32(wr[k]) * s;
     }
 }
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+typedef struct {
+    const uint8_t *w; /* [N, K] e4m3 */
+    const void *scale;
+    q3_dtype sdt;
+    int64_t K, kb; /* kb: scale blocks a row of blocks */
+} e4m3_rows;
+
+/* the FP8 panel source of the packed matmul (matmul_packed.h): panel [nr][kc] fp32 <- the
+ * weights of rows [n0, n0 + nr) x columns [k0, k0 + kc), each 128-column stretch times its
+ * block's scale (the rows of a panel may straddle two row blocks: each row its own) */
+static void pack_e4m3(float *panel, const void *src, int64_t n0, int nr, int64_t k0, int64_t kc) {
+    const e4m3_rows *m = src;
+    for (int r = 0; r < nr; r++) {
+        const uint8_t *wr = m->w + (n0 + r) * m->K;
+        const int64_t srow = (n0 + r) / Q3_FP8_BLOCK * m->kb;
+        float *out = panel + r * kc; /* out[k - k0]: column k */
+        for (int64_t b0 = k0; b0 < k0 + kc;) {
+            const int64_t b1 = (b0 / Q3_FP8_BLOCK + 1) * Q3_FP8_BLOCK < k0 + kc ? (b0 / Q3_FP8_BLOCK + 1) * Q3_FP8_BLOCK
+                                                                              : k0 + kc;
+            const float s = q3_fp8_scale_at(m->scale, m->sdt, srow + b0 / Q3_FP8_BLOCK);
+            int64_t k = b0;
+            for (; k + Q3_LANES <= b1; k += Q3_LANES) q3_vstore(out + (k - k0), e4m3_v(wr + k) * (s * UNIT));
+            for (; k < b1; k++) out[k - k0] = q3_e4m3_to_f32(wr[k]) * s;
+            b0 = b1;
+        }
+    }
+}
+#endif
 
 void Q3_CPU_FN(q3_matmul_fp8)(float *y, const float *x, const uint8_t *w, const void *scale, q3_dtype sdt,
-                              int64_t T, int64_t N, int64_t K, int accumulate, float *scratch, int threads) {
+                              int64_t T, int64_t N, int64_t K, int accumulate, float *scratch, int threads,
+                              uint16_t *xb) {
+    (void)xb; /* x stays fp32 */
     if (T < Q3_FP8_GEMV_MAX_T) {
         gemv(y, x, w, scale, sdt, T, N, K, accumulate, threads);
         return;
     }
+#if defined(__AVX2__) && defined(__FMA__)
+    /* avx2, avx512: e4m3 decoded into the packed matmul's panels, once per token block */
+    (void)scratch;
+    const e4m3_rows m = {w, scale, sdt, K, q3_fp8_blocks(K)};
+    Q3_CPU_FN(q3_matmul_packed_from)(y, x, pack_e4m3, &m, T, N, K, accumulate, threads);
+#else
     /* One parallel region: each thread takes chunks of rows whole (dequantize, multiply, add
      * out) in its own scratch, so there is no barrier per chunk; the fp32 matmul called in it
      * runs on the calling thread (nested regions are inactive). x [T, K] is re-read from
@@ -231,7 +274,77 @@ void Q3_CPU_FN(q3_matmul_fp8)(float *y, const float *x, const uint8_t *w, const 
             for (int64_t i = 0; i < nr; i++)
                 y[t * N + n0 + i] = (accumulate ? y[t * N + n0 + i] : 0.0f) + yt[t * nr + i];
     }
+#endif
 }
+
+#if Q3_LANES == 16 && defined(__AVX512BW__)
+/* The FP8 prefill on AMX (the "amx" level of this variant): the AMX matmul (matmul_amx.h)
+ * with rows_e4m3_bf16 as its row source. Each weight times its block scale is rounded to
+ * bf16 (to nearest even), as the CUDA prefill's dequantization does, and x to bf16, as the
+ * bf16 paths do; sums in fp32. Without xb, or off the tiles' shapes (N % 16, K % 32), and for
+ * decode-sized T: this variant's FP8 matmul. */
+#define BF16_CVT __attribute__((target("avx512bf16")))
+#define CODES8(n) n, n + 1, n + 2, n + 3, n + 4, n + 5, n + 6, n + 7
+#define CODES32(n) CODES8(n), CODES8(n + 8), CODES8(n + 16), CODES8(n + 24)
+static const uint8_t magnitude_codes[128] = {CODES32(0), CODES32(32), CODES32(64), CODES32(96)};
+
+/* t[q] word i = bf16(e4m3 code 32 q + i times s), rounded to nearest even: the 128 magnitudes
+ * (NaN at 0x7f) of one scale block, built with the NaN-aware vector conversion */
+static inline BF16_CVT void magnitude_tables(__m512i t[4], float s) {
+    const q3_vf sv = q3_vsplat(s * UNIT);
+    for (int q = 0; q < 4; q++) {
+        const q3_vf lo = e4m3_v(magnitude_codes + 32 * q) * sv, hi = e4m3_v(magnitude_codes + 32 * q + 16) * sv;
+        t[q] = (__m512i)_mm512_cvtne2ps_pbh((__m512)hi, (__m512)lo);
+    }
+}
+
+/* the row source of the AMX matmul (matmul_amx.h): out [nr][kc] bf16 (row stride ld) <- rows
+ * [n0, n0 + nr) x columns [k0, k0 + kc) of the weights times their block scales. A 128-code
+ * table per scale block (the rows lie in one row block: n0 is a multiple of 32) makes each 32
+ * weights a table lookup: two word permutes over the four tables' pairs, a blend on code bit 6
+ * and the sign bit ORed in; -bf16(v) = bf16(-v), and NaN codes find NaN. */
+static BF16_CVT void rows_e4m3_bf16(uint16_t *out, int64_t ld, const void *src, int64_t n0, int nr, int64_t k0,
+                                   int64_t kc) {
+    const e4m3_rows *m = src;
+    const int64_t K = m->K, srow = n0 / Q3_FP8_BLOCK * m->kb;
+    if (!out) {
+        for (int r = 0; r < nr; r++)
+            for (int64_t k = k0; k < k0 + kc; k += 64) _mm_prefetch((const char *)(m->w + (n0 + r) * K + k), _MM_HINT_T1);
+        return;
+    }
+    const __m512i bit6 = _mm512_set1_epi16(0x40), sign = _mm512_set1_epi16((short)0x8000);
+    for (int64_t b0 = k0; b0 < k0 + kc;) {
+        const int64_t end = (b0 / Q3_FP8_BLOCK + 1) * Q3_FP8_BLOCK, b1 = end < k0 + kc ? end : k0 + kc;
+        __m512i t[4];
+        magnitude_tables(t, q3_fp8_scale_at(m->scale, m->sdt, srow + b0 / Q3_FP8_BLOCK));
+        for (int r = 0; r < nr; r++) {
+            const uint8_t *wr = m->w + (n0 + r) * K;
+            uint16_t *o = out + r * ld; /* o[k - k0]: column k */
+            for (int64_t k = b0; k < b1; k += 32) {
+                const __m512i c = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(wr + k)));
+                const __m512i lo = _mm512_permutex2var_epi16(t[0], c, t[1]); /* codes 0-63 by bits 0-5 */
+                const __m512i hi = _mm512_permutex2var_epi16(t[2], c, t[3]); /* codes 64-127 */
+                const __m512i v = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(c, bit6), lo, hi);
+                /* v | (c << 8 & 0x8000): the code's sign bit */
+                _mm512_storeu_si512(o + (k - k0), _mm512_ternarylogic_epi32(v, _mm512_slli_epi16(c, 8), sign, 0xF8));
+            }
+        }
+        b0 = b1;
+    }
+}
+
+void q3_matmul_fp8_cpu_amx(float *y, const float *x, const uint8_t *w, const void *scale, q3_dtype sdt, int64_t T,
+                           int64_t N, int64_t K, int accumulate, float *scratch, int threads, uint16_t *xb) {
+    if (T < Q3_FP8_GEMV_MAX_T || !xb || !scratch || N % 16 || K % 32) {
+        q3_matmul_fp8_cpu_avx512(y, x, w, scale, sdt, T, N, K, accumulate, scratch, threads, xb);
+        return;
+    }
+    const e4m3_rows m = {w, scale, sdt, K, q3_fp8_blocks(K)};
+    /* a thread's scratch, 2 * Q3_FP8_CHUNK_ROWS * (K + T) bf16, holds its Q3_AMX_ROWS * K rows */
+    q3_matmul_amx_from(y, x, rows_e4m3_bf16, &m, T, N, K, accumulate, xb, (uint16_t *)scratch,
+                       2 * q3_matmul_fp8_scratch_floats(T, K), threads);
+}
+#endif
 
 #if Q3_CPU_TWINS
 /* the CUDA GEMV's twin: this matmul with its scratch, one thread */
@@ -240,7 +353,7 @@ int q3_matmul_fp8_host(float *y, const float *x, const uint8_t *w, const void *s
     const int64_t n = q3_matmul_fp8_scratch_floats(T, K);
     float *scratch = n ? malloc((size_t)n * sizeof(float)) : NULL;
     if (n && !scratch) return 1;
-    q3_matmul_fp8_cpu_portable(y, x, w, scale, sdt, T, N, K, accumulate, scratch, 1);
+    q3_matmul_fp8_cpu_portable(y, x, w, scale, sdt, T, N, K, accumulate, scratch, 1, NULL);
     free(scratch);
     return 0;
 }

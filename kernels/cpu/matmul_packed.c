@@ -14,12 +14,18 @@
  * MC tokens so their x rows of one k block fill half of L2 and stay there while the threads
  * sweep their panels. Threads split the panels of each k block (static, the same panels to
  * the same thread every block, so a thread's partial sums in y are its own): each weight
- * byte is converted once per token block, by one thread.
+ * byte is converted once per token block, by one thread. QWEN3LAYER_PACKED_KC sets KC instead
+ * (q3_matmul_packed_set_kc: the tests run other machines' k blocks here).
+ *
+ * Other weight formats bring their own panel source (matmul_packed.h): the FP8 prefill packs
+ * e4m3 rows times their block scales straight into the panel (kernels/cpu/matmul_fp8.c), so
+ * a weight is decoded once per token block, as a bf16 one is converted.
  *
  * Sums: fp32, per k block in lanes then across them, k blocks in order; not the generic
  * kernel's order (every path is compared with float64 by tests/ops/test_matmul_paths.py). */
 #include <unistd.h>
 
+#include "matmul_packed.h"
 #include "ops.h"
 #include "vec.h"
 
@@ -43,13 +49,19 @@ static inline float hsum(q3_vf v) {
 #ifndef NR
 #define NR (Q3_LANES == 16 ? 6 : 3)       /* weight rows a tile (at most 6): 24 (zmm) or 12 (ymm) accumulators */
 #endif
-#define KC_MAX 2048
+#define KC_MAX Q3_PACKED_KC_MAX
 
 /* the k block and the token block, from L1d and L2 (fallbacks where sysconf does not know);
  * threads may race to compute them the first time (the FP8 prefill calls this from its own
  * parallel region): each computes the same values, stored atomically */
+static int64_t kc_once, mc_once, kc_forced;
+
+void Q3_CPU_FN(q3_matmul_packed_set_kc)(int64_t kc) {
+    __atomic_store_n(&kc_forced, kc, __ATOMIC_RELAXED);
+    __atomic_store_n(&kc_once, 0, __ATOMIC_RELEASE); /* recomputed at the next call */
+}
+
 static void blocking(int64_t *kc, int64_t *mc) {
-    static int64_t kc_once, mc_once;
     if (!__atomic_load_n(&kc_once, __ATOMIC_ACQUIRE)) {
         long l1 = 0, l2 = 0;
 #if defined(_SC_LEVEL1_DCACHE_SIZE) && defined(_SC_LEVEL2_CACHE_SIZE)
@@ -60,6 +72,8 @@ static void blocking(int64_t *kc, int64_t *mc) {
         if (l2 < 128 * 1024 || l2 > 64 * 1024 * 1024) l2 = 512 * 1024;
         int64_t k = (int64_t)l1 / 2 / (NR * (int64_t)sizeof(float)) / 64 * 64;
         k = k < 256 ? 256 : k > KC_MAX ? KC_MAX : k;
+        const int64_t forced = __atomic_load_n(&kc_forced, __ATOMIC_RELAXED);
+        if (forced >= 1 && forced <= KC_MAX) k = forced;
         int64_t m = (int64_t)l2 / 2 / (k * (int64_t)sizeof(float)) / MR * MR;
         __atomic_store_n(&mc_once, m < MR ? MR : m > 1024 ? 1024 : m, __ATOMIC_RELAXED);
         __atomic_store_n(&kc_once, k, __ATOMIC_RELEASE);
@@ -68,13 +82,19 @@ static void blocking(int64_t *kc, int64_t *mc) {
     *mc = __atomic_load_n(&mc_once, __ATOMIC_RELAXED);
 }
 
-/* panel [nr][kc] fp32 <- bf16 W rows [n0, n0 + nr) x columns [k0, k0 + kc) */
-static void pack_panel(float *panel, const uint16_t *w, int64_t K, int64_t n0, int nr, int64_t k0, int64_t kc) {
+typedef struct {
+    const uint16_t *w; /* [N, K] bf16 */
+    int64_t K;
+} bf16_rows;
+
+/* the bf16 panel source: panel [nr][kc] fp32 <- W rows [n0, n0 + nr) x columns [k0, k0 + kc) */
+static void pack_bf16(float *panel, const void *src, int64_t n0, int nr, int64_t k0, int64_t kc) {
+    const bf16_rows *b = src;
     for (int r = 0; r < nr; r++) {
-        const uint16_t *src = w + (n0 + r) * K + k0;
+        const uint16_t *row = b->w + (n0 + r) * b->K + k0;
         float *out = panel + r * kc;
 #pragma omp simd
-        for (int64_t k = 0; k < kc; k++) out[k] = q3_bf16_to_f32(src[k]);
+        for (int64_t k = 0; k < kc; k++) out[k] = q3_bf16_to_f32(row[k]);
     }
 }
 
@@ -147,12 +167,13 @@ static void panel_any(float *y, const float *x, const float *panel, int64_t ldp,
 #undef PANEL_ROWS
 }
 
-void Q3_CPU_FN(q3_matmul_packed)(float *y, const float *x, const void *w, q3_dtype w_dt, int64_t T, int64_t N,
-                                 int64_t K, int accumulate) {
+/* the packed matmul; pack NULL: w_f32 [N, K] fp32 rows, read in place as their own panels */
+static void packed(float *y, const float *x, q3_panel_fn *pack, const void *src, const float *w_f32, int64_t T,
+                   int64_t N, int64_t K, int accumulate, int threads) {
     int64_t KC, MC;
     blocking(&KC, &MC);
     const int64_t panels = (N + NR - 1) / NR;
-#pragma omp parallel if (T * N * K > (1 << 18))
+#pragma omp parallel num_threads(threads) if (T * N * K > (1 << 18))
     {
         float panel[NR * KC_MAX] __attribute__((aligned(64)));
         for (int64_t t0 = 0; t0 < T; t0 += MC) {
@@ -163,17 +184,29 @@ void Q3_CPU_FN(q3_matmul_packed)(float *y, const float *x, const void *w, q3_dty
                 for (int64_t p = 0; p < panels; p++) {
                     const int64_t n0 = p * NR;
                     const int rr = N - n0 < NR ? (int)(N - n0) : NR;
-                    if (w_dt == Q3_BF16) {
-                        pack_panel(panel, (const uint16_t *)w, K, n0, rr, k0, kc);
+                    if (pack) {
+                        pack(panel, src, n0, rr, k0, kc);
                         panel_any(y, x + k0, panel, kc, t0, t1, n0, N, K, kc, rr, k0 == 0, accumulate);
                     } else { /* fp32 rows are their own panel: read in place, a row stride apart */
-                        panel_any(y, x + k0, (const float *)w + n0 * K + k0, K, t0, t1, n0, N, K, kc, rr, k0 == 0,
+                        panel_any(y, x + k0, w_f32 + n0 * K + k0, K, t0, t1, n0, N, K, kc, rr, k0 == 0,
                                   accumulate);
                     }
                 }
             }
         }
     }
+}
+
+void Q3_CPU_FN(q3_matmul_packed)(float *y, const float *x, const void *w, q3_dtype w_dt, int64_t T, int64_t N,
+                                 int64_t K, int accumulate) {
+    const bf16_rows b = {(const uint16_t *)w, K};
+    if (w_dt == Q3_BF16) packed(y, x, pack_bf16, &b, NULL, T, N, K, accumulate, q3_packed_threads());
+    else packed(y, x, NULL, NULL, (const float *)w, T, N, K, accumulate, q3_packed_threads());
+}
+
+void Q3_CPU_FN(q3_matmul_packed_from)(float *y, const float *x, q3_panel_fn *pack, const void *src, int64_t T,
+                                      int64_t N, int64_t K, int accumulate, int threads) {
+    packed(y, x, pack, src, NULL, T, N, K, accumulate, threads);
 }
 
 #endif

@@ -64,13 +64,9 @@ Q3_CPU_DECLARE(portable)
 #if defined(__x86_64__)
 Q3_CPU_DECLARE(avx2)
 Q3_CPU_DECLARE(avx512)
-/* levels above avx512 differ only in their matmul (kernels/cpu/matmul_avx512.c) */
+/* levels above avx512 differ only in their matmuls (kernels/cpu/matmul_avx512.c, matmul_amx.c) */
 q3_matmul_fn q3_matmul_cpu_avx512bf16, q3_matmul_cpu_amx;
-/* many tokens on packed weight panels (kernels/cpu/matmul_packed.c): q3_matmul_fn without xb */
-void q3_matmul_packed_cpu_avx2(float *y, const float *x, const void *w, q3_dtype w_dt, int64_t T, int64_t N,
-                               int64_t K, int accumulate);
-void q3_matmul_packed_cpu_avx512(float *y, const float *x, const void *w, q3_dtype w_dt, int64_t T, int64_t N,
-                                 int64_t K, int accumulate);
+q3_matmul_fp8_fn q3_matmul_fp8_cpu_amx; /* the FP8 prefill on AMX tiles (kernels/cpu/matmul_fp8.c) */
 #endif
 
 #endif

@@ -101,17 +101,25 @@ def test_vector_conversion_of_every_code_is_exact(path):
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("t", [1, 8, 17])
-def test_nan_weight_gives_nan(path, t):
+@pytest.mark.parametrize("t", [1, 8, 17, 40])
+@pytest.mark.parametrize("n,k", [(5, 200), (32, 256)])  # (32, 256): the amx path's tiles, step by step and whole rows
+def test_nan_weight_gives_nan(path, t, n, k):
     q3.set_cpu_path(path)
-    w = random_fp8(5, 200, 3)
+    w = random_fp8(n, k, 3)
     w[2, 150] = 0xFF
     w[4, 7] = 0x7F
-    y = fp8_matmul(torch.randn(t, 200), w, torch.ones(1, 2))
-    assert torch.isnan(y[:, [2, 4]]).all() and not torch.isnan(y[:, [0, 1, 3]]).any()
+    y = fp8_matmul(torch.randn(t, k), w, torch.ones(1, 2))
+    rest = [i for i in range(n) if i not in (2, 4)]
+    assert torch.isnan(y[:, [2, 4]]).all() and not torch.isnan(y[:, rest]).any()
 
 
-SIZES = [(200, 300), (5, 100), (130, 129), (256, 384), (1, 7)]  # (N, K): partial blocks, K < 128
+SIZES = [(200, 300), (5, 100), (130, 129), (256, 384), (1, 7), (48, 1056)]  # (N, K): partial blocks, K < 128
+
+
+def rounds_to_bf16(path, t, n, k):
+    """the amx path's FP8 prefill: x and each dequantized weight rounded to bf16 for its tiles
+    (kernels/cpu/matmul_fp8.c), where the tiles' shapes fit"""
+    return path == "amx" and t >= 16 and n % 16 == 0 and k % 32 == 0
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -121,12 +129,16 @@ def test_matmul_matches_float64_reference(path, sdtype, n, k):
     q3.set_cpu_path(path)
     w, scale = random_fp8(n, k, n * 1000 + k), random_scale(n, k, sdtype, k)
     wd = dequant_torch(w, scale)
+    # e4m3 times its fp32 scale, rounded to fp32 and then to bf16 (to nearest even), as the tiles take it
+    wd_bf16 = wd.float().bfloat16().double()
     g = torch.Generator().manual_seed(7)
     for t in (1, 3, 6, 8, 17, 64):  # GEMV groups of 4 tokens + 1, 3, 2, 0 tokens; prefill
         x = torch.randn(t, k, generator=g)
-        ref = x.double() @ wd.T
+        # the operands the path multiplies (the kernel is given x itself)
+        xr, wr = (x.bfloat16().double(), wd_bf16) if rounds_to_bf16(path, t, n, k) else (x.double(), wd)
+        ref = xr @ wr.T
         # fp32 accumulation over k terms: bound by the magnitude of the terms, not of the sum
-        bound = 1e-6 * (k ** 0.5 + 4) * (x.double().abs() @ wd.abs().T) + 1e-30
+        bound = 1e-6 * (k ** 0.5 + 4) * (xr.abs() @ wr.abs().T) + 1e-30
         y = fp8_matmul(x, w, scale)
         assert ((y.double() - ref).abs() <= bound).all(), (path, t, float(((y.double() - ref).abs() / bound).max()))
         y0 = torch.randn(t, n, generator=g)

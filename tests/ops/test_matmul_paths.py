@@ -3,6 +3,10 @@ panels of avx2 and avx512, the GEMV, AVX512-BF16 and AMX) against float64 on the
 operands, at sizes that reach every edge: K not a multiple of the vector (7, 300), K past one
 packed k block (5000), N not a multiple of a tile's rows, 1, 2, 3, 17 and more tokens, with and
 without accumulate."""
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -11,6 +15,8 @@ import qwen3layer as q3
 
 _testing = pytest.importorskip("qwen3layer._testing", reason="the kernel entries are in qwen3layer._testing")
 PATHS = q3.build_info()["cpu_paths"]
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+HELPERS = os.path.join(os.path.dirname(__file__), "..", "helpers")
 # they may round x to bf16 before their dot products (kernels/matmul.h: for enough tokens, and
 # AMX for whole tiles), so they match one of the two references
 BF16_PATHS = {"avx512bf16", "amx"}
@@ -51,3 +57,26 @@ def test_matmul_matches_float64(path, dtype, accumulate):
             errs.append(float((np.abs(y.double().numpy() - want.numpy()) / scale).max()))
         assert np.isfinite(y.numpy()).all(), (path, T, N, K)
         assert min(errs) <= 1e-5, (path, dtype, T, N, K, errs)
+
+
+def run_with_kc(value):
+    env = dict(os.environ, QWEN3LAYER_PACKED_KC=value)
+    return subprocess.run([sys.executable, os.path.join(HELPERS, "packed_blocks_check.py")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.skipif(not {"avx2", "avx512"} & set(PATHS), reason="no packed-matmul path on this CPU")
+@pytest.mark.parametrize("kc", ["1344", "200", "37"])
+def test_other_machines_k_blocks(kc):
+    """k blocks of other caches (1344: the avx2 block of a 32 KiB L1d), off the vector width
+    (37) and across 128-column scale blocks (the FP8 panels): dense bf16 and FP8 on every packed
+    path against float64"""
+    r = run_with_kc(kc)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("err/bound") == 2 * len({"avx2", "avx512"} & set(PATHS)), r.stdout
+
+
+def test_bad_k_block_fails_the_import():
+    r = run_with_kc("4096")
+    assert r.returncode != 0 and "QWEN3LAYER_PACKED_KC: packed k block: expected 0 (from the L1 data cache) " \
+        "to 2048 columns, got '4096'" in r.stderr, r.stderr
