@@ -52,4 +52,31 @@ void q3_check_fp8_dequant(float *dst, const uint8_t *w, const void *scale, q3_dt
 q3_status q3_check_matmul_dense(float *y, const float *x, const void *w, q3_dtype wdt, int64_t T, int64_t N,
                                 int64_t K, int accumulate, q3_error *err);
 
+/* ---- e4m3 decoders measured against each other (e4m3_decoders*.c) -------------------------
+ * Variants of the e4m3 -> fp32 vector decoding, each in the same one-token GEMV (y [N] = W x)
+ * and dequantization loops; w [N, K] e4m3, scale [ceil(N/128), ceil(K/128)] fp32. A variant
+ * is named; a name unknown, or of a variant this CPU cannot run, fails with Q3_ERR_VALUE
+ * naming it and those it runs. */
+typedef struct {
+    const char *name, *isa, *what;
+    const char *shipped; /* the CPU path whose GEMV decodes so ("avx2", "avx512"), or NULL */
+    int width;           /* codes a decoder call */
+    int runs;            /* whether this CPU has its instruction sets */
+} q3_e4m3_variant_info;
+/* the variants this CPU runs, or with all every one compiled (how many: the return value; the
+ * first max into out) */
+int q3_check_e4m3_variants(q3_e4m3_variant_info *out, int max, int all);
+/* dst [n] fp32 <- src [n] codes, every one through the variant's vector code: its exact decoder
+ * (that of its dequantization: NaN codes NaN), or with fast its GEMV's (NaN codes unspecified) */
+q3_status q3_check_e4m3_decode(const char *variant, int fast, float *dst, const uint8_t *src, int64_t n,
+                               q3_error *err);
+/* y [N] = W x [K], `repeats` times, on `threads` threads (a row a thread's step) */
+q3_status q3_check_e4m3_gemv(const char *variant, float *y, const float *x, const uint8_t *w, const float *scale,
+                             int64_t N, int64_t K, int threads, int repeats, q3_error *err);
+/* dst [rows, K] <- W by rows, `repeats` times, on `threads` threads: rows = N the whole of W;
+ * threads <= rows < N a ring that stays in cache (each thread's rows into its own rows / threads
+ * rows of dst in turn), for timing the decoding */
+q3_status q3_check_e4m3_dequant(const char *variant, float *dst, const uint8_t *w, const float *scale, int64_t N,
+                                int64_t K, int64_t rows, int threads, int repeats, q3_error *err);
+
 #endif
