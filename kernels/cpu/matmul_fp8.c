@@ -249,7 +249,8 @@ void Q3_CPU_FN(q3_matmul_fp8)(float *y, const float *x, const uint8_t *w, const 
     /* avx2, avx512: e4m3 decoded into the packed matmul's panels, once per token block */
     (void)scratch;
     const e4m3_rows m = {w, scale, sdt, K, q3_fp8_blocks(K)};
-    Q3_CPU_FN(q3_matmul_packed_from)(y, x, pack_e4m3, &m, T, N, K, accumulate, threads);
+    const q3_panel_source src = {pack_e4m3, &m, w, K, 1};
+    Q3_CPU_FN(q3_matmul_packed_from)(y, x, &src, T, N, K, accumulate, threads);
 #else
     /* One parallel region: each thread takes chunks of rows whole (dequantize, multiply, add
      * out) in its own scratch, so there is no barrier per chunk; the fp32 matmul called in it
