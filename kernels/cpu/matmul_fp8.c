@@ -224,12 +224,22 @@ static void pack_e4m3(float *panel, const void *src, int64_t n0, int nr, int64_t
         const uint8_t *wr = m->w + (n0 + r) * m->K;
         const int64_t srow = (n0 + r) / Q3_FP8_BLOCK * m->kb;
         float *out = panel + r * kc; /* out[k - k0]: column k */
+        /* e4m3_v2 (two vectors a load, NaN codes read as 480) unless this stretch of the row
+         * holds a NaN code: a check of its bytes costs less than the NaN-aware conversion */
+        const int nan = row_has_nan(wr + k0, kc);
         for (int64_t b0 = k0; b0 < k0 + kc;) {
             const int64_t b1 = (b0 / Q3_FP8_BLOCK + 1) * Q3_FP8_BLOCK < k0 + kc ? (b0 / Q3_FP8_BLOCK + 1) * Q3_FP8_BLOCK
                                                                               : k0 + kc;
             const float s = q3_fp8_scale_at(m->scale, m->sdt, srow + b0 / Q3_FP8_BLOCK);
+            const q3_vf sv = q3_vsplat(s * UNIT);
             int64_t k = b0;
-            for (; k + Q3_LANES <= b1; k += Q3_LANES) q3_vstore(out + (k - k0), e4m3_v(wr + k) * (s * UNIT));
+            for (; !nan && k + 2 * Q3_LANES <= b1; k += 2 * Q3_LANES) {
+                q3_vf lo, hi;
+                e4m3_v2(wr + k, &lo, &hi);
+                q3_vstore(out + (k - k0), lo * sv);
+                q3_vstore(out + (k - k0) + Q3_LANES, hi * sv);
+            }
+            for (; k + Q3_LANES <= b1; k += Q3_LANES) q3_vstore(out + (k - k0), e4m3_v(wr + k) * sv);
             for (; k < b1; k++) out[k - k0] = q3_e4m3_to_f32(wr[k]) * s;
             b0 = b1;
         }
