@@ -99,10 +99,10 @@ static void pack_bf16(float *panel, const void *src, int64_t n0, int nr, int64_t
 }
 
 /* the lines of the next panel a tile fetches towards L2 as it runs: line i of [first, end) is
- * cache line i / NR of that panel's row i % NR */
+ * cache line i / rows of that panel's row i % rows */
 typedef struct {
     const char *base; /* the next panel's first row at the k block's first column; NULL: none */
-    int64_t row_bytes, first, end;
+    int64_t row_bytes, rows, first, end;
 } next_lines;
 
 /* one step along k: MR x NR multiply-adds of Q3_LANES each */
@@ -129,7 +129,7 @@ static inline __attribute__((always_inline)) void tile(float *y, int64_t N, cons
     int64_t k = 0, line = pf->first;
     for (; k + PREFETCH_EVERY * Q3_LANES <= kc; k += PREFETCH_EVERY * Q3_LANES) {
         if (line < pf->end) {
-            __builtin_prefetch(pf->base + line % NR * pf->row_bytes + line / NR * 64, 0, 2);
+            __builtin_prefetch(pf->base + line % pf->rows * pf->row_bytes + line / pf->rows * 64, 0, 2);
             line++;
         }
         for (int u = 0; u < PREFETCH_EVERY; u++) TILE_STEP(k + u * Q3_LANES);
@@ -195,10 +195,11 @@ static void panel_any(float *y, const float *x, const float *panel, int64_t ldp,
  * 32 tokens an expert (perf, avx2) */
 static void panel_run(float *y, const float *x, const float *panel, const q3_panel_source *w, int64_t t0, int64_t t1,
                       int64_t n0, int rr, int64_t N, int64_t K, int64_t k0, int64_t kc, int accumulate) {
-    next_lines pf = {NULL, 0, 0, 0};
-    const int64_t tile_rows = (t1 - t0 + MR - 1) / MR;
-    const int64_t lines = w->bytes ? NR * ((kc * w->col_bytes + 63) / 64) : 0, share = (lines + tile_rows - 1) / tile_rows;
-    if (lines) pf = (next_lines){(const char *)w->bytes + (n0 + NR) * w->row_bytes + k0 * w->col_bytes, w->row_bytes, 0, 0};
+    next_lines pf = {NULL, 0, 1, 0, 0};
+    const int64_t tile_rows = (t1 - t0 + MR - 1) / MR, next = n0 + NR; /* the next panel: rows [next, N) */
+    const int64_t rows = next >= N ? 0 : N - next < NR ? N - next : NR;
+    const int64_t lines = w->bytes ? rows * ((kc * w->col_bytes + 63) / 64) : 0, share = (lines + tile_rows - 1) / tile_rows;
+    if (lines) pf = (next_lines){(const char *)w->bytes + next * w->row_bytes + k0 * w->col_bytes, w->row_bytes, rows, 0, 0};
     for (int64_t i = 0; i < tile_rows; i++) {
         const int64_t a = t0 + i * MR, e = a + MR < t1 ? a + MR : t1;
         pf.first = i * share < lines ? i * share : lines;
@@ -213,7 +214,7 @@ static void packed(float *y, const float *x, const q3_panel_source *w, const flo
     int64_t KC, MC;
     blocking(&KC, &MC);
     const int64_t panels = (N + NR - 1) / NR;
-    const next_lines none = {NULL, 0, 0, 0};
+    const next_lines none = {NULL, 0, 1, 0, 0};
 #pragma omp parallel num_threads(threads) if (T * N * K > (1 << 18))
     {
         float panel[NR * KC_MAX] __attribute__((aligned(64)));
