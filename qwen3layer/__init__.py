@@ -29,7 +29,8 @@ def build_info() -> dict:
 
 def set_cpu_path(name: str) -> None:
     """Use the CPU kernels of level `name` (one of build_info()['cpu_paths']) for the calls
-    that start from now on. The best level is chosen at import; the environment variable
+    that start from now on. The best level is chosen at import (never avx512bf16: docs/api.md
+    says why); the environment variable
     QWEN3LAYER_CPU_PATH chooses another. For comparisons and tests."""
     _C.set_cpu_path(name)
 
