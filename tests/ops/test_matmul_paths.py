@@ -68,9 +68,8 @@ def run_with_kc(value):
 @pytest.mark.skipif(not {"avx2", "avx512"} & set(PATHS), reason="no packed-matmul path on this CPU")
 @pytest.mark.parametrize("kc", ["1344", "200", "37"])
 def test_other_machines_k_blocks(kc):
-    """k blocks of other caches (1344: the avx2 block of a 32 KiB L1d), off the vector width
-    (37) and across 128-column scale blocks (the FP8 panels): dense bf16 and FP8 on every packed
-    path against float64"""
+    """k blocks of other sizes: 1344 (a k block that ends inside a 128-column FP8 scale block),
+    200 and 37 (off the vector width): dense bf16 and FP8 on every packed path against float64"""
     r = run_with_kc(kc)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("err/bound") == 2 * len({"avx2", "avx512"} & set(PATHS)), r.stdout
