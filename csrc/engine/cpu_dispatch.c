@@ -49,8 +49,17 @@ static int amx_granted(void) {
 }
 #endif
 
+static char hidden[5]; /* levels q3_cpu_hide took away, by index in levels */
+
+static int is_hidden(const char *name) {
+    for (int i = 0; i < n_levels; i++)
+        if (!strcmp(levels[i].name, name)) return hidden[i];
+    return 0;
+}
+
 static int supported(const char *name) {
     if (!strcmp(name, "portable")) return 1;
+    if (is_hidden(name)) return 0;
 #if defined(__x86_64__)
     __builtin_cpu_init();
     const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
@@ -139,5 +148,25 @@ q3_status q3_cpu_set_packed_kc(const char *value, q3_error *err) {
     q3_matmul_packed_set_kc_cpu_avx2(kc);
     q3_matmul_packed_set_kc_cpu_avx512(kc);
 #endif
+    return Q3_OK;
+}
+
+q3_status q3_cpu_hide(const char *names, q3_error *err) {
+    init_levels();
+    char hide[5] = {0};
+    for (const char *p = names; p && *p;) {
+        const char *end = strchr(p, ',');
+        const size_t len = end ? (size_t)(end - p) : strlen(p);
+        int found = -1;
+        for (int i = 0; i < n_levels; i++)
+            if (strlen(levels[i].name) == len && !strncmp(levels[i].name, p, len)) found = i;
+        if (found <= 0) /* portable (0) is what every CPU runs: it cannot be hidden */
+            return q3_fail(err, Q3_ERR_VALUE, "cpu paths to hide: expected a comma-separated list of avx2, avx512, "
+                           "avx512bf16, amx (as this build compiled them), got '%.*s'", (int)len, p);
+        hide[found] = 1;
+        p = end ? end + 1 : p + len;
+    }
+    memcpy(hidden, hide, sizeof hidden);
+    if (active && is_hidden(active_name)) active = NULL; /* chosen again at the next use */
     return Q3_OK;
 }

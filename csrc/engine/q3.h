@@ -372,6 +372,9 @@ int q3_cpu_paths(const char **names, int max);
 q3_status q3_cpu_select(const char *name, q3_error *err);
 const char *q3_cpu_path(void);
 int q3_max_threads(void);
+/* take levels away from this CPU's (a comma-separated list of level names, not portable), as
+ * if it lacked them: which path a CPU without them gets by default, tried on this one */
+q3_status q3_cpu_hide(const char *names, q3_error *err);
 /* the k block of the avx2 and avx512 packed matmuls (kernels/cpu/matmul_packed.c), a decimal
  * count of columns, 1 to 2048 (0: from the L1 data cache, the default) */
 q3_status q3_cpu_set_packed_kc(const char *value, q3_error *err);

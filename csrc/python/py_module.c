@@ -146,10 +146,15 @@ static PyMethodDef module_methods[] = {
     {NULL},
 };
 
-/* QWEN3LAYER_CPU_PATH forces a kernel level; an impossible one fails the import */
+/* QWEN3LAYER_CPU_HIDE takes levels away first (as if the CPU lacked them); QWEN3LAYER_CPU_PATH
+ * forces a kernel level; an impossible one fails the import */
 static int select_cpu_path(void) {
-    const char *forced = getenv("QWEN3LAYER_CPU_PATH");
+    const char *hide = getenv("QWEN3LAYER_CPU_HIDE"), *forced = getenv("QWEN3LAYER_CPU_PATH");
     q3_error err;
+    if (hide && q3_cpu_hide(hide, &err) != Q3_OK) {
+        PyErr_Format(PyExc_ImportError, "QWEN3LAYER_CPU_HIDE: %s", err.msg);
+        return -1;
+    }
     if (q3_cpu_select(forced, &err) == Q3_OK) return 0;
     PyErr_Format(PyExc_ImportError, "QWEN3LAYER_CPU_PATH: %s", err.msg);
     return -1;

@@ -114,3 +114,40 @@ def test_environment_variable_forces_a_path():
 def test_probes_measure_something():
     assert q3._C.probe_read_bandwidth(64 << 20, 1) > 0.1
     assert q3._C.probe_fma_peak(0.05) > 0.1
+
+
+def import_hiding(hide, path=None):
+    """qwen3layer imported with QWEN3LAYER_CPU_HIDE (and QWEN3LAYER_CPU_PATH): its path and paths"""
+    env = dict(os.environ, QWEN3LAYER_CPU_HIDE=hide)
+    env.pop("QWEN3LAYER_CPU_PATH", None)
+    if path:
+        env["QWEN3LAYER_CPU_PATH"] = path
+    code = "import qwen3layer; i = qwen3layer.build_info(); print(i['cpu_path'], ','.join(i['cpu_paths']))"
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+
+
+@pytest.mark.skipif("avx512bf16" not in PATHS, reason="this CPU has no avx512bf16 level to be the highest")
+def test_avx512bf16_is_never_the_default():
+    """a CPU whose highest level is avx512bf16 (here: amx hidden) gets avx512 by default; the
+    bf16 dot products ran at half the fp32 FMA rate on the CPU measured (cpu_dispatch.c)"""
+    r = import_hiding("amx")
+    assert r.returncode == 0, r.stderr
+    path, paths = r.stdout.split()
+    assert path == "avx512" and paths.split(",")[-1] == "avx512bf16", r.stdout
+    r = import_hiding("amx", path="avx512bf16")  # still there when asked for
+    assert r.returncode == 0 and r.stdout.split()[0] == "avx512bf16", r.stderr
+
+
+@pytest.mark.skipif("avx2" not in PATHS, reason="no avx2 level on this CPU")
+def test_hidden_levels_are_gone():
+    r = import_hiding("avx2,avx512,avx512bf16,amx")
+    assert r.returncode == 0 and r.stdout.split() == ["portable", "portable"], r.stdout + r.stderr
+    r = import_hiding("avx2", path="avx2")
+    assert r.returncode != 0 and "'avx2' is compiled but this CPU cannot run it" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("hide", ["sse9", "portable", "avx2,,amx"])
+def test_hiding_what_is_not_a_level_fails_the_import(hide):
+    r = import_hiding(hide)
+    assert r.returncode != 0 and "QWEN3LAYER_CPU_HIDE: cpu paths to hide: expected a comma-separated list" \
+        in r.stderr, r.stderr
