@@ -5,8 +5,7 @@
  * of bf16 dot products (x rounded to bf16 in xb, 32 multiply-adds an instruction), the rows
  * read in place in k blocks that stay in L1; without, the packed panels of matmul_packed.c at
  * 16 lanes. */
-#include <unistd.h>
-
+#include "cache_sizes.h"
 #include "matmul_packed.h"
 #include "ops.h"
 
@@ -211,13 +210,8 @@ static BF16_TARGET void dot_rows(float *y, const uint16_t *xb, const uint16_t *w
 static void dot_blocking(int64_t *kc, int64_t *mc) {
     static int64_t kc_once, mc_once;
     if (!__atomic_load_n(&kc_once, __ATOMIC_ACQUIRE)) {
-        long l1 = 0, l2 = 0;
-#if defined(_SC_LEVEL1_DCACHE_SIZE) && defined(_SC_LEVEL2_CACHE_SIZE)
-        l1 = sysconf(_SC_LEVEL1_DCACHE_SIZE);
-        l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
-#endif
-        if (l1 < 16 * 1024 || l1 > 1024 * 1024) l1 = 32 * 1024;
-        if (l2 < 128 * 1024 || l2 > 64 * 1024 * 1024) l2 = 512 * 1024;
+        long l1, l2;
+        q3_cache_sizes(&l1, &l2);
         int64_t k = (int64_t)l1 / 2 / (DOT_ROWS * 2) / 32 * 32; /* the x tile streams from L2 beside them */
         k = k < 256 ? 256 : k > 4096 ? 4096 : k;
         const int64_t m = (int64_t)l2 / 2 / (k * 2) / 4 * 4;

@@ -26,8 +26,7 @@
  *
  * Sums: fp32, per k block in lanes then across them, k blocks in order; not the generic
  * kernel's order (every path is compared with float64 by tests/ops/test_matmul_paths.py). */
-#include <unistd.h>
-
+#include "cache_sizes.h"
 #include "matmul_packed.h"
 #include "ops.h"
 #include "vec.h"
@@ -66,13 +65,8 @@ void Q3_CPU_FN(q3_matmul_packed_set_kc)(int64_t kc) {
 
 static void blocking(int64_t *kc, int64_t *mc) {
     if (!__atomic_load_n(&kc_once, __ATOMIC_ACQUIRE)) {
-        long l1 = 0, l2 = 0;
-#if defined(_SC_LEVEL1_DCACHE_SIZE) && defined(_SC_LEVEL2_CACHE_SIZE)
-        l1 = sysconf(_SC_LEVEL1_DCACHE_SIZE);
-        l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
-#endif
-        if (l1 < 16 * 1024 || l1 > 1024 * 1024) l1 = 32 * 1024;
-        if (l2 < 128 * 1024 || l2 > 64 * 1024 * 1024) l2 = 512 * 1024;
+        long l1, l2;
+        q3_cache_sizes(&l1, &l2);
         int64_t k = (int64_t)l1 / (NR * (int64_t)sizeof(float)) / 64 * 64;
         k = k < 256 ? 256 : k > KC_MAX ? KC_MAX : k;
         const int64_t forced = __atomic_load_n(&kc_forced, __ATOMIC_RELAXED);
