@@ -36,20 +36,11 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (  # noqa: E402
 import qwen3layer as q3  # noqa: E402
 from qwen3layer import _C  # noqa: E402
 from qwen3layer.costs import decode_bytes, prefill_flops  # noqa: E402
+from machine import cpu_name  # noqa: E402
 
 SMALL = q3.LayerConfig(hidden_size=1024, num_attention_heads=16, num_key_value_heads=2, head_dim=128,
                        num_experts=32, num_experts_per_tok=4, moe_intermediate_size=512)
 
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown cpu"
 
 
 def hf_layer_sharing(cfg: q3.LayerConfig, weights: dict):

@@ -12,7 +12,6 @@ ratio is against the variant of the shipped GEMV of the active CPU path (`shippe
 """
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
@@ -22,6 +21,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import qwen3layer as q3  # noqa: E402
 from qwen3layer import _C  # noqa: E402
+from machine import cpu_name  # noqa: E402
 
 _testing = q3.cuda.testing_module()
 
@@ -29,16 +29,6 @@ N, K = 1536, 4096   # an expert's gate/up projection
 N_L2 = 256          # the L2 matrix's rows: 1 MiB
 TARGET_S = 0.02     # a cached measurement repeats its call about this long
 
-
-def cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def cache_sizes():
@@ -168,7 +158,7 @@ def main():
     dst = np.empty((2 * max(counts), K), np.float32)
     read = _C.probe_read_bandwidth(2 << 30, 3)
 
-    print(f"CPU: {cpu_model()} ({os.cpu_count()} logical CPUs; {cache_sizes()}); active CPU path {path} "
+    print(f"CPU: {cpu_name()} ({os.cpu_count()} logical CPUs; {cache_sizes()}); active CPU path {path} "
           f"(its GEMV decodes as {shipped})")
     print(f"read probe {read:.1f} GB/s (2 GiB, all threads); GEMV [{N}, {K}], T = 1; 'mem': {copies} distinct "
           f"matrices, {copies * N * K / 1e6:.0f} MB; medians of {a.repeats} repeats")

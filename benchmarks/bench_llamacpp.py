@@ -35,6 +35,7 @@ import numpy as np
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
+from machine import cpu_name  # noqa: E402
 
 VOCAB = 320          # tokens of the GGUF's vocabulary: <unk> <s> </s>, 256 byte tokens, 61 words
 UBATCH = 512         # llama-bench's default -ub; our prefill runs in chunks of as many tokens
@@ -62,16 +63,6 @@ __AMX_INT8__: the -D flags below name them as ggml's own CMake does for MSVC.
 then: python benchmarks/bench_llamacpp.py --llama-bench /tmp/llama-build/bin/llama-bench \\
           --llama-quantize /tmp/llama-build/bin/llama-quantize"""
 
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown cpu"
 
 
 def layer_config(small: bool):
