@@ -150,12 +150,13 @@ def _check_dtype(where: str, dtype: Any, allowed: Tuple[str, ...]) -> str:
 
 
 def _check_shape(where: str, shape: Any, dtype: str) -> List[int]:
-    """a list of at most MAX_DIMS non-negative ints whose element and byte counts fit in int64"""
+    """a list of at most MAX_DIMS non-negative ints whose byte count, and strides, fit in int64"""
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape[:MAX_DIMS + 1]):
         raise CheckpointError(f"{where}: shape: expected a list of non-negative ints, got {show(shape)}")
     if len(shape) > MAX_DIMS:
         raise CheckpointError(f"{where}: shape: expected at most {MAX_DIMS} dims, got {len(shape)}")
-    nbytes = math.prod(shape) * ITEMSIZE[dtype]
+    # a 0 dim empties the tensor but its other dims still make strides: they too must fit
+    nbytes = math.prod(d or 1 for d in shape) * ITEMSIZE[dtype]
     if nbytes > INT64_MAX:
         raise CheckpointError(f"{where}: shape {show(shape)} of {dtype} needs {nbytes} bytes, "
                               f"expected at most {INT64_MAX} (int64)")

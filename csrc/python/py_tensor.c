@@ -29,6 +29,19 @@ static q3py_tensor_object *tensor_alloc(q3_module_state *st, q3_dtype dt, int nd
     return t;
 }
 
+/* the row-major strides of `shape` (non-negative dims); 0 when a stride, or the bytes the
+ * dims span with each 0 dim counted as 1, overflows int64: a 0 dim empties the tensor
+ * but leaves the other dims' products as strides, so the size alone does not bound them.
+ * numel <= that span, so the tensor's bytes fit whenever this returns 1. */
+static int contiguous_strides(int ndim, const int64_t *shape, size_t itemsize, int64_t *strides) {
+    int64_t span = 1;
+    for (int d = ndim - 1; d >= 0; d--) {
+        strides[d] = span;
+        if (shape[d] < 0 || !q3_mul_i64(span, shape[d] ? shape[d] : 1, &span)) return 0;
+    }
+    return q3_mul_i64(span, (int64_t)itemsize, &span);
+}
+
 /* bytes of host memory, or a block of a CUDA device (csrc/cuda/buffers.c: a kept one of the
  * size when there is one); NULL when out of memory */
 static void *buffer_alloc(size_t bytes, int device) {
@@ -45,20 +58,14 @@ q3py_tensor_object *q3py_tensor_new(q3_module_state *st, q3_dtype dt, int ndim, 
 q3py_tensor_object *q3py_tensor_new_on(q3_module_state *st, q3_dtype dt, int ndim, const int64_t *shape, int device) {
     q3py_tensor_object *t = tensor_alloc(st, dt, ndim, shape);
     if (!t) return NULL;
-    int64_t n;
-    size_t bytes;
-    if (!q3_numel(ndim, shape, &n) || !q3_mul_size((size_t)n, q3_dtype_size(dt), &bytes)) {
+    if (!contiguous_strides(ndim, shape, q3_dtype_size(dt), t->strides)) {
         char got[160];
         q3_format_shape(got, sizeof got, ndim, shape);
-        PyErr_Format(PyExc_ValueError, "shape: %s has a negative dimension or a size that overflows", got);
+        PyErr_Format(PyExc_ValueError, "shape: %s has a negative dimension or a size that overflows int64", got);
         Py_DECREF(t);
         return NULL;
     }
-    int64_t stride = 1;
-    for (int d = ndim - 1; d >= 0; d--) {
-        t->strides[d] = stride;
-        stride *= shape[d];
-    }
+    const size_t bytes = tensor_numel(t) * q3_dtype_size(dt);
     t->device = device;
     t->alloc = t->data = buffer_alloc(bytes, device);
     if (!t->alloc) {
@@ -110,22 +117,25 @@ PyObject *q3_buffer_view(PyObject *module, PyObject *args) {
         shape[d] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, d));
         ok = shape[d] >= 0 && !PyErr_Occurred();
     }
+    if (!ok && PyErr_ExceptionMatches(PyExc_OverflowError)) {
+        PyErr_Clear(); /* a dim past int64 is a bad shape like any other */
+        PyErr_Format(PyExc_ValueError, "shape: expected at most %d non-negative ints of int64, got %R", Q3_MAX_DIM,
+                     shape_obj);
+    }
     Py_DECREF(seq);
     if (!ok) {
         if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "shape: expected at most %d non-negative ints", Q3_MAX_DIM);
         return NULL;
     }
     int64_t n, bytes, end;
-    if (!q3_numel((int)ndim, shape, &n) || !q3_mul_i64(n, (int64_t)q3_dtype_size(dt), &bytes)) {
+    if (!contiguous_strides((int)ndim, shape, q3_dtype_size(dt), strides)) {
         char got[160];
         q3_format_shape(got, sizeof got, (int)ndim, shape);
         PyErr_Format(PyExc_ValueError, "shape: the size of %s overflows int64", got);
         return NULL;
     }
-    for (Py_ssize_t d = ndim - 1, stride = 1; d >= 0; d--) {
-        strides[d] = stride;
-        stride *= shape[d];
-    }
+    q3_numel((int)ndim, shape, &n);
+    bytes = n * (int64_t)q3_dtype_size(dt);
     Py_buffer *buf = PyMem_Malloc(sizeof *buf);
     if (!buf) return PyErr_NoMemory();
     if (PyObject_GetBuffer(obj, buf, PyBUF_SIMPLE) < 0) {

@@ -168,6 +168,8 @@ ENTRY_CASES = {
     "shape_not_a_list": (shape(24), "non-negative ints"),
     "dims_overflow_int64": (shape([2**40, 2**40]), "int64"),
     "bytes_overflow_int64": (shape([2**62]), "int64"),
+    "a_dim_past_int64_beside_a_zero": (shape([0, 2**70]), "int64"),       # fuzz_checkpoint's finding
+    "strides_overflow_beside_a_zero": (shape([0, 2**40, 2**40]), "int64"),
     "too_many_dims": (shape([1] * 9 + [24]), "at most 8 dims"),
     "misaligned_offset": (offsets(lambda o, n: [o[0] + 2, o[1] + 2]), "multiple of 4"),
     "dtype_not_a_string": (lambda e, n: e.update(dtype=5), "dtype: expected a string"),

@@ -41,6 +41,23 @@ def test_buffer_view_out_of_range_is_rejected(offset, shape):
         _C.buffer_view(bytearray(64), offset, shape, "float32")
 
 
+@pytest.mark.parametrize("shape", [
+    [0, 2**70],                  # a dim past int64 beside a 0: raised OverflowError, not the shape's error
+    [0, 2**40, 2**40],           # 0 elements, but the stride of dim 0 overflowed int64 (signed overflow)
+    [0, 2**31, 2**31, 2],        # the same, its bytes overflowing only with the item size
+])
+def test_buffer_view_of_an_empty_shape_with_huge_dims_is_a_value_error(shape):
+    """Found by fuzz_checkpoint: a header entry of shape [0, 2**70] passed the loader's size
+    check (0 bytes) and reached the view as an OverflowError no caller expects."""
+    with pytest.raises(ValueError, match="shape"):
+        _C.buffer_view(bytearray(64), 0, shape, "float32")
+
+
+def test_buffer_view_of_an_empty_shape_with_fitting_dims_works():
+    t = torch.from_dlpack(_C.buffer_view(bytearray(64), 0, [3, 0, 2**20], "float32"))
+    assert t.shape == (3, 0, 2**20) and t.numel() == 0
+
+
 def test_buffer_view_in_range_still_works():
     buf = bytearray(np.arange(16, dtype=np.float32).tobytes())
     t = _C.buffer_view(buf, 8, [2, 3], "float32")
