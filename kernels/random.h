@@ -31,8 +31,9 @@ static inline float q3_normal_at(uint64_t key, uint64_t i) {
     return ((float)s * (1.0f / 65536.0f) - 2.0f) * 1.7320508075688772f;
 }
 
-/* dst [n] of dtype dt <- mean + std * z, z ~ approximately N(0, 1) */
-typedef void q3_fill_normal_fn(void *dst, q3_dtype dt, int64_t n, uint64_t seed, uint64_t stream,
+/* dst [n] of dtype dt <- mean + std * z, z ~ approximately N(0, 1): dst[i] is element first + i
+ * of the stream (a slice of a tensor drawn whole is the slice's draws) */
+typedef void q3_fill_normal_fn(void *dst, q3_dtype dt, int64_t n, uint64_t seed, uint64_t stream, uint64_t first,
                         float mean, float std);
 
 #endif

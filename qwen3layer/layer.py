@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import sys
 import warnings
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 from . import _C, cuda
 from .config import LayerConfig
-from .weights import canonical_weights
+from .weights import canonical_weights, expert_id_list
 
 if TYPE_CHECKING:
     from .profile import Profile
@@ -71,6 +71,9 @@ class DecoderLayer:
     in the fine-grained FP8 checkpoints; borrowed as they are, never quantized here; on CUDA,
     host ones are uploaded once, still FP8); default: FP8 when self_attn.q_proj.weight is float8_e4m3fn. `dtype` is then the
     activations' (and the norms' and router's), by default input_layernorm.weight's.
+    experts: the expert ids a layer holding a subset holds (default: all): the other experts'
+    weights are neither needed nor read, prefill and decode refuse to run (the whole layer needs
+    every expert), and attention_half / expert_half run the layer split (qwen3layer.parallel).
     device: 'cpu', or 'cuda' / 'cuda:N' where the build has the CUDA backend: weights on that
     device are borrowed as above if their address is 16-byte aligned (the kernels' vector
     loads; a view at an odd offset is copied once, with the warning), host weights are
@@ -79,13 +82,15 @@ class DecoderLayer:
     """
 
     def __init__(self, config: LayerConfig, weights: Mapping[str, Any], device: str = "cpu",
-                 dtype: Optional[str] = None, weight_format: Optional[str] = None) -> None:
+                 dtype: Optional[str] = None, weight_format: Optional[str] = None,
+                 experts: Optional[Sequence[int]] = None) -> None:
         if not isinstance(config, LayerConfig):
             raise TypeError(f"config: expected a qwen3layer.LayerConfig, got {type(config).__name__}")
         index = _device_index(device)
         self.device = "cpu" if index < 0 else f"cuda:{index}"
         self.config = config
-        self._core = _C.Layer(config, canonical_weights(weights, config), dtype, index, weight_format)
+        ids = expert_id_list(experts)
+        self._core = _C.Layer(config, canonical_weights(weights, config, ids), dtype, index, weight_format, ids)
         if self._core.converted:
             where = "" if index < 0 else f" on {self.device}"
             aligned = "" if index < 0 else ", 16-byte aligned"
@@ -143,17 +148,21 @@ class DecoderLayer:
 
     @classmethod
     def random(cls, config: LayerConfig, seed: int = 0, dtype: str = "bfloat16",
-               device: str = "cpu", weight_format: Optional[str] = None) -> "DecoderLayer":
+               device: str = "cpu", weight_format: Optional[str] = None,
+               experts: Optional[Sequence[int]] = None) -> "DecoderLayer":
         """Random weights in extension memory, scaled like a trained layer (matrices
         N(0, 0.02), norm weights N(1, 0.1)); the same seed gives the same weights. They are
         made on the host; a CUDA layer copies them to its device once. weight_format
         'fp8_e4m3_block128': the projection matrices are float8_e4m3fn with fp32 block scales,
-        quantized (in C) from the same draws; `dtype` is then the activations'."""
+        quantized (in C) from the same draws; `dtype` is then the activations'. experts: a
+        layer holding only these expert ids (the others never made), each equal to that
+        expert of the whole layer of the same seed."""
         _device_index(device)
-        weights = _C.random_weights(config, seed, dtype, weight_format)
+        ids = expert_id_list(experts)
+        weights = _C.random_weights(config, seed, dtype, weight_format, ids)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the copy to the device is the point here
-            return cls(config, weights, device=device, dtype=dtype, weight_format=weight_format)
+            return cls(config, weights, device=device, dtype=dtype, weight_format=weight_format, experts=ids)
 
     def random_input(self, shape, seed: int, dtype: Optional[str] = None) -> Tensor:
         """Random N(0, 1) activations of `shape` in extension memory on the layer's device
@@ -197,6 +206,33 @@ class DecoderLayer:
                               return_router=return_router, return_attention=return_attention,
                               attention_limit=attention_limit)
         return self._result(x, y, out)
+
+    def attention_half(self, x: Any, cache: KVCache, seq: Optional[int] = None,
+                       chunk_size: Optional[int] = None, *, decode: bool = False) -> tuple:
+        """The layer up to its experts, for x as prefill takes it (decode=True: as decode):
+        the tokens' K/V appended to the cache as prefill/decode append them. Returns (resid,
+        normed, experts, weights): x + attention (fp32) and post_attention_layernorm of it
+        (x's dtype), both of x's shape, and the router's top-k expert ids (int32, by
+        descending weight) and weights (fp32), [..., top_k]. With expert_half on those rows,
+        and resid + its output, it is the layer: prefill is the two halves run pass by pass.
+        A layer holding a subset of the experts runs it like any other. CPU layers."""
+        return tuple(_like(x, t) for t in self._core.attention_half(x, cache, seq, chunk_size, decode=decode))
+
+    def expert_half(self, rows: Any, experts: Any, weights: Any, *, out: Any = None,
+                    accumulate: bool = False) -> Any:
+        """The layer's experts on rows [n, hidden] (fp32 or bf16, post-attention-normed),
+        routed by experts [n, top_k] (int32: -1 for an expert held elsewhere, every other id
+        one this layer holds) with weights [n, top_k] (fp32): out [n, hidden] = (or += with
+        accumulate) sum_j weights[i, j] expert_{experts[i, j]}(rows[i]), the experts' outputs
+        summed in expert order as the whole layer sums them. out: fp32 or bf16 (default: a new
+        tensor of rows' dtype). Each expert's weights are read once per call. CPU layers."""
+        y = self._core.expert_half(rows, experts, weights, out=out, accumulate=accumulate)
+        return y if out is not None else _like(rows, y)
+
+    @property
+    def held_experts(self) -> tuple:
+        """The ids of the experts this layer holds (all of them unless made with experts=)."""
+        return self._core.held_experts
 
     @staticmethod
     def _result(x: Any, y: Any, out: Any) -> Any:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import difflib
 import re
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional, Sequence
 
 from .config import LayerConfig
 
@@ -32,13 +32,27 @@ EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")
 _PREFIX = re.compile(r"^(?:.*\.)?layers\.(\d+)\.")
 
 
-def expert_names(num_experts: int) -> list[str]:
-    return [f"mlp.experts.{e}.{p}.weight" for e in range(num_experts) for p in EXPERT_PARTS]
+def expert_names(num_experts: int, experts: Optional[Sequence[int]] = None) -> list[str]:
+    """the per-expert names of every expert, or of `experts` (ids) only"""
+    ids = range(num_experts) if experts is None else experts
+    return [f"mlp.experts.{e}.{p}.weight" for e in ids for p in EXPERT_PARTS]
 
 
-def canonical_weights(weights: Mapping[str, Any], config: LayerConfig) -> dict[str, Any]:
+def expert_id_list(experts: Optional[Sequence[int]]) -> Optional[list]:
+    """experts= as a list (None stays None); a TypeError for what is no sequence of ids (the
+    engine checks the ids themselves)"""
+    if experts is None:
+        return None
+    if isinstance(experts, (str, bytes)) or not isinstance(experts, Sequence):
+        raise TypeError(f"experts: expected a sequence of expert ids, got {type(experts).__name__}")
+    return list(experts)
+
+
+def canonical_weights(weights: Mapping[str, Any], config: LayerConfig,
+                      experts: Optional[Sequence[int]] = None) -> dict[str, Any]:
     """Returns {canonical name: tensor}; raises ValueError naming any missing, extra or
-    misnamed weight."""
+    misnamed weight. experts: the ids a layer holding a subset holds (checked by the engine):
+    per-expert weights of the others are left out (fused tensors stay whole)."""
     if not isinstance(weights, Mapping):
         raise TypeError(f"weights: expected a mapping of name -> tensor, got {type(weights).__name__}")
     out: dict[str, Any] = {}
@@ -57,6 +71,12 @@ def canonical_weights(weights: Mapping[str, Any], config: LayerConfig) -> dict[s
         raise ValueError(f"weights: expected the tensors of one layer, got layers {sorted(layers)}")
 
     per_expert = expert_names(config.num_experts)
+    if experts is not None:  # the other experts' weights belong to other layers holding them
+        valid = [e for e in expert_id_list(experts) if type(e) is int and 0 <= e < config.num_experts]  # the engine names the rest
+        held = set(expert_names(config.num_experts, valid))
+        others = {n for n in per_expert if n not in held}
+        out = {n: t for n, t in out.items() if n not in others and n.removesuffix(SCALE) not in others}
+        per_expert = [n for n in per_expert if n in held]
     fused = any(n in out for n in FUSED)
     if fused and any(n in out for n in per_expert):
         raise ValueError("weights: expected experts either fused (mlp.experts.gate_up_proj, "

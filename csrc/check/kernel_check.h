@@ -49,7 +49,7 @@ static inline void *host(check *k, size_t bytes) {
 
 static inline float *host_random(check *k, int64_t n, q3_dtype dt, uint64_t seed) {
     void *p = host(k, (size_t)n * q3_dtype_size(dt));
-    if (p) k->c->fill_normal(p, dt, n, seed, 7, 0.0f, 1.0f);
+    if (p) k->c->fill_normal(p, dt, n, seed, 7, 0, 0.0f, 1.0f);
     return p;
 }
 

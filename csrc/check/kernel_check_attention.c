@@ -123,8 +123,8 @@ static double attention_grown(check *k, const q3_attn_shape *sh, int n_seqs, con
             const int64_t end = past[s] + sh->L + 64, rows = end < sh->capacity ? end : sh->capacity;
             const int64_t off = (s * per_seq + (int64_t)h * sh->capacity * sh->head_dim) * (int64_t)es;
             const uint64_t stream = 7 + (uint64_t)(s * sh->kv_heads + h);
-            k->c->fill_normal(kc + off, sh->kv_dtype, rows * sh->head_dim, 9, stream, 0.0f, 1.0f);
-            k->c->fill_normal(vc + off, sh->kv_dtype, rows * sh->head_dim, 10, stream, 0.0f, 1.0f);
+            k->c->fill_normal(kc + off, sh->kv_dtype, rows * sh->head_dim, 9, stream, 0, 0.0f, 1.0f);
+            k->c->fill_normal(vc + off, sh->kv_dtype, rows * sh->head_dim, 10, stream, 0, 0.0f, 1.0f);
             if (grow != 0.0f && sh->kv_dtype == Q3_BF16) grow_keys((uint16_t *)(kc + off), rows, sh->head_dim, grow);
         }
     if (grow != 0.0f) /* positive, and exact in bf16: the tensor-core kernel rounds q to bf16 */
@@ -210,7 +210,7 @@ double q3_case_attention_probs(check *k, const q3_probs_case *c) {
         for (int h = 0; h < c->Hkv; h++) {
             const int64_t end = c->past[s] + c->L + 32, rows = end < sh.capacity ? end : sh.capacity;
             const int64_t off = (s * per_seq + (int64_t)h * sh.capacity * c->D) * (int64_t)es;
-            k->c->fill_normal(kc + off, c->dt, rows * c->D, 32, 7 + (uint64_t)(s * c->Hkv + h), 0.0f, 1.0f);
+            k->c->fill_normal(kc + off, c->dt, rows * c->D, 32, 7 + (uint64_t)(s * c->Hkv + h), 0, 0.0f, 1.0f);
         }
     q3_attn_seq hs[Q3_PROBS_MAX_SEQS], ds[Q3_PROBS_MAX_SEQS];
     char *dk = device(k, kc, c->n_seqs * per_seq * es);

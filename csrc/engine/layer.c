@@ -53,12 +53,16 @@ static q3_status take_experts(const void **ptrs, const q3_config *cfg, const q3_
             slice_fused(base, base + E, base + 2 * E, f[Q3_FUSED_GATE_UP], f[Q3_FUSED_DOWN], E, dims[1] / 2, dims[2],
                         elem);
         }
+        for (size_t a = 0; a < arrays; a++) /* the experts held elsewhere: not there to read */
+            for (size_t e = 0; e < E; e++)
+                if (w->held && !w->held[e]) ptrs[a * E + e] = NULL;
         return Q3_OK;
     }
     for (size_t a = 0; a < arrays; a++) {
         const int x = (int)(a % Q3_X_COUNT);
         const void *const *src = a < Q3_X_COUNT ? w->experts[x] : w->expert_scales[x];
         for (size_t e = 0; e < E; e++) {
+            if (w->held && !w->held[e]) continue;
             if (!src || !src[e])
                 return q3_fail(err, Q3_ERR_VALUE, "weights: missing mlp.experts.%zu.%s.weight%s", e,
                                q3_expert_weight_name(x), a < Q3_X_COUNT ? "" : "_scale_inv");
@@ -82,12 +86,16 @@ q3_status q3_layer_create(q3_layer **out, const q3_config *cfg, const q3_weights
     const size_t E = (size_t)cfg->experts, arrays = fp8 ? 2 * Q3_X_COUNT : Q3_X_COUNT;
     const void **ptrs = calloc(arrays * E, sizeof *ptrs); /* [arrays][E]: the weights, then the scales */
     float *rope = malloc((size_t)cfg->head_dim / 2 * sizeof *rope);
-    if (!l || !ptrs || !rope) {
+    uint8_t *held = malloc(E);
+    if (!l || !ptrs || !rope || !held) {
         free(l);
         free(ptrs);
         free(rope);
+        free(held);
         return q3_fail(err, Q3_ERR_NOMEM, "layer: out of memory");
     }
+    for (size_t e = 0; e < E; e++) l->n_held += held[e] = !w->held || w->held[e];
+    l->held = held;
     l->cfg = *cfg;
     l->rope_inv_freq = rope;
     q3_rope_table(cfg, rope, &l->rope_scale); /* once: every pass rotates by this table */
@@ -97,7 +105,10 @@ q3_status q3_layer_create(q3_layer **out, const q3_config *cfg, const q3_weights
         if (a < Q3_X_COUNT) l->w.experts[a] = ptrs + a * E;
         else l->w.expert_scales[a - Q3_X_COUNT] = ptrs + a * E;
     }
-    s = take_experts(ptrs, cfg, w, fp8, err);
+    s = l->n_held < cfg->experts && w->device >= 0
+            ? q3_fail(err, Q3_ERR_VALUE, "experts: a layer holding %d of the %d experts runs on the CPU only, got "
+                      "cuda:%d", l->n_held, cfg->experts, w->device)
+            : take_experts(ptrs, cfg, w, fp8, err);
     if (s == Q3_OK && w->device < 0) s = q3_workspace_reserve(&l->ws, cfg, fp8, 1, 1, err);
     if (s != Q3_OK) {
         q3_layer_destroy(l);
@@ -113,6 +124,7 @@ void q3_layer_destroy(q3_layer *l) {
     q3_workspace_release(&l->ws);
     free(l->expert_ptrs);
     free(l->rope_inv_freq);
+    free(l->held);
     free(l);
 }
 
@@ -136,7 +148,7 @@ int64_t q3_layer_weight_bytes(const q3_layer *l) {
     }
     for (int x = 0; x < Q3_X_COUNT; x++) {
         q3_expert_weight_shape(&l->cfg, x, dims);
-        total += l->cfg.experts * matrix_bytes(l, dims);
+        total += l->n_held * matrix_bytes(l, dims);
     }
     return total;
 }
@@ -167,6 +179,14 @@ static q3_status check_attention_output(const q3_layer *l, const q3_forward_args
 }
 
 q3_status q3_layer_check_call(const q3_layer *l, const q3_cache *c, const q3_forward_args *a, q3_error *err) {
+    if (l->n_held < l->cfg.experts)
+        return q3_fail(err, Q3_ERR_VALUE, "layer: holds %d of the %d experts, and the whole layer needs every one "
+                       "(run its halves: attention_half, then expert_half where the experts are)", l->n_held,
+                       l->cfg.experts);
+    return q3_layer_check_pass(l, c, a, err);
+}
+
+q3_status q3_layer_check_pass(const q3_layer *l, const q3_cache *c, const q3_forward_args *a, q3_error *err) {
     char want[16], got[16];
     if (c->device != l->w.device)
         return q3_fail(err, Q3_ERR_VALUE, "cache: expected a cache on %s (this layer's device), got one on %s",
@@ -214,6 +234,9 @@ q3_status q3_layer_interrupted(q3_error *err, int64_t done, int64_t tokens) {
                    "call began", (long long)done, (long long)tokens);
 }
 
+int q3_layer_held_experts(const q3_layer *l) { return l->n_held; }
+int q3_layer_holds_expert(const q3_layer *l, int e) { return e >= 0 && e < l->cfg.experts && l->held[e]; }
+
 q3_status q3_layer_forward(q3_layer *l, q3_cache *c, const q3_forward_args *a, q3_error *err) {
     q3_status s = q3_layer_check_call(l, c, a, err);
     if (s != Q3_OK) return s;
@@ -221,9 +244,15 @@ q3_status q3_layer_forward(q3_layer *l, q3_cache *c, const q3_forward_args *a, q
         if (!q3_device()) return q3_fail(err, Q3_ERR_STATE, "cuda: the CUDA backend is not loaded");
         return q3_device()->layer_forward(l, c, a, err);
     }
+    return q3_layer_passes(l, c, a, NULL, err);
+}
+
+q3_status q3_layer_passes(q3_layer *l, q3_cache *c, const q3_forward_args *a, const q3_attention_half_out *half,
+                          q3_error *err) {
     const int64_t chunk = a->chunk > 0 ? a->chunk : Q3_DEFAULT_CHUNK;
     const int64_t step = chunk < a->tokens ? chunk : a->tokens;
-    s = q3_workspace_reserve(&l->ws, &l->cfg, l->w.format == Q3_WF_FP8_BLOCK128, step * a->n_seqs, a->n_seqs, err);
+    q3_status s =
+        q3_workspace_reserve(&l->ws, &l->cfg, l->w.format == Q3_WF_FP8_BLOCK128, step * a->n_seqs, a->n_seqs, err);
     if (s != Q3_OK) return s;
 
     const q3_cpu_ops *k = q3_cpu_ops_active();
@@ -243,12 +272,16 @@ q3_status q3_layer_forward(q3_layer *l, q3_cache *c, const q3_forward_args *a, q
         q3_profile_mark(&l->prof, Q3_STAGE_IO);
         const q3_pass p = {k, &l->prof, a->n_seqs, a->seqs, L, a, t0};
         q3_attention_block(l, c, &p);
-        q3_moe_block(l, &p);
-        for (int i = 0; i < a->n_seqs; i++) {
-            k->from_f32((char *)a->y + ((size_t)i * a->tokens + t0) * H * es, a->io_dtype,
-                            l->ws.x + i * L * H, L * H);
-            c->lengths[a->seqs[i]] += L;
+        q3_route_block(l, &p);
+        if (half) {
+            q3_attention_half_write(l, &p, half);
+        } else {
+            q3_experts_block(l, k, &l->prof, L * a->n_seqs, 0, l->ws.x);
+            for (int i = 0; i < a->n_seqs; i++)
+                k->from_f32((char *)a->y + ((size_t)i * a->tokens + t0) * H * es, a->io_dtype, l->ws.x + i * L * H,
+                            L * H);
         }
+        for (int i = 0; i < a->n_seqs; i++) c->lengths[a->seqs[i]] += L;
         q3_profile_mark(&l->prof, Q3_STAGE_IO);
     }
     return Q3_OK;

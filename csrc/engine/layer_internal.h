@@ -18,6 +18,8 @@ struct q3_layer {
     q3_profile prof;                  /* per-stage times while profiling is on */
     float *rope_inv_freq;             /* [head_dim / 2] owned: q3_rope_table's, made at creation */
     float rope_scale;                 /* of cos and sin (the RoPE's attention_scaling) */
+    uint8_t *held;                    /* [E] owned: 1 for each expert the layer holds */
+    int n_held;                       /* how many (E: the whole layer can run) */
 };
 
 /* One pass over the R = n_seqs * L rows in ws->x [R, H] (row s * L + t is token t of
@@ -62,13 +64,25 @@ static inline void q3_project(const q3_layer *l, const q3_cpu_ops *k, float *y, 
         k->matmul(y, x, m.w, l->w.dtype, T, N, K, acc, xb);
 }
 
+/* q3_layer_check_call without its demand for every expert (the attention half's checks) */
+q3_status q3_layer_check_pass(const q3_layer *l, const q3_cache *c, const q3_forward_args *a, q3_error *err);
+/* the CPU passes of a checked call: the whole layer (half NULL), or its attention half
+ * (layer.c); a pass's half outputs written from the workspace (layer_halves.c) */
+q3_status q3_layer_passes(q3_layer *l, q3_cache *c, const q3_forward_args *a, const q3_attention_half_out *half,
+                          q3_error *err);
+void q3_attention_half_write(const q3_layer *l, const q3_pass *p, const q3_attention_half_out *half);
+
 /* the failure of a call stopped by its interrupt poll after `done` of `tokens` tokens */
 q3_status q3_layer_interrupted(q3_error *err, int64_t done, int64_t tokens);
 
 /* x += o_proj(attention(rmsnorm(x))); appends the pass's K/V to the cache */
 void q3_attention_block(q3_layer *layer, q3_cache *cache, const q3_pass *p);
-/* x += sum_k w_k expert_k(rmsnorm(x)) */
-void q3_moe_block(q3_layer *layer, const q3_pass *p);
+/* h = post_attention_layernorm(x); the router's logits and top-k into the workspace (and
+ * the call's insides) */
+void q3_route_block(q3_layer *layer, const q3_pass *p);
+/* dst [R, H] += sum over each row's pairs of w x expert(h): the top-k in ws->topk_idx and
+ * ws->topk_w; with `skip` an entry E is another process's expert and is passed over */
+void q3_experts_block(q3_layer *layer, const q3_cpu_ops *k, q3_profile *prof, int64_t R, int skip, float *dst);
 
 
 #endif

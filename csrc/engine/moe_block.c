@@ -2,6 +2,8 @@
  *   h = rmsnorm(x); router softmax/top-k; pairs grouped by expert; for each expert with
  *   tokens: gather its rows, (silu(h G^T) * h U^T) D^T, scatter-add w * y into x.
  * Each selected expert's weights are read once per pass, whatever its token count.
+ * q3_route_block is the norm and the router, q3_experts_block the rest, adding into any fp32
+ * rows: the residual stream (the whole layer), or the expert half's output (layer_halves.c).
  *
  * Many rows (prefill): experts one after the other, each product split across threads.
  * Few rows (decode): whole experts split across threads, each thread streaming its experts'
@@ -31,7 +33,7 @@ static void expert_apply(const q3_cpu_ops *k, const q3_layer *layer, int e, int6
     q3_project(layer, k, out, b->gate, q3_expert_matrix(layer, Q3_X_DOWN, e), n, H, I, 0, xb, threads);
 }
 
-static void experts_in_turn(q3_layer *layer, const q3_cpu_ops *k) {
+static void experts_in_turn(q3_layer *layer, const q3_cpu_ops *k, float *dst) {
     q3_workspace *ws = &layer->ws;
     const int64_t H = layer->cfg.hidden;
     const expert_buffers b = {ws->xe, ws->gate, ws->up};
@@ -40,7 +42,7 @@ static void experts_in_turn(q3_layer *layer, const q3_cpu_ops *k) {
         if (n == 0) continue;
         k->gather_rows(ws->xe, ws->h, ws->pair_row + first, n, H);
         expert_apply(k, layer, e, n, ws->ye, &b, ws->xb, ws->threads);
-        k->scatter_add_rows(ws->x, ws->ye, ws->pair_row + first, ws->pair_w + first, n, H);
+        k->scatter_add_rows(dst, ws->ye, ws->pair_row + first, ws->pair_w + first, n, H);
     }
 }
 
@@ -59,10 +61,10 @@ static void expert_to_slots(const q3_cpu_ops *k, const q3_layer *layer, int e, c
     }
 }
 
-static void experts_across_threads(q3_layer *layer, const q3_cpu_ops *k, int64_t R) {
+static void experts_across_threads(q3_layer *layer, const q3_cpu_ops *k, float *dst) {
     q3_workspace *ws = &layer->ws;
     const int64_t H = layer->cfg.hidden, I = layer->cfg.moe_inter, per = q3_expert_thread_floats(&layer->cfg);
-    const int64_t pairs = R * layer->cfg.top_k, rows = Q3_MOE_THREAD_ROWS;
+    const int64_t pairs = ws->offsets[layer->cfg.experts], rows = Q3_MOE_THREAD_ROWS; /* skipped ones after */
     int active[layer->cfg.experts], n_active = 0;
     for (int e = 0; e < layer->cfg.experts; e++)
         if (ws->offsets[e + 1] > ws->offsets[e]) active[n_active++] = e;
@@ -81,10 +83,10 @@ static void experts_across_threads(q3_layer *layer, const q3_cpu_ops *k, int64_t
         for (int64_t j0 = 0; j0 < H; j0 += 256) {
             const int64_t j1 = j0 + 256 < H ? j0 + 256 : H;
             for (int64_t s = 0; s < pairs; s++) {
-                float *dst = ws->x + ws->pair_row[s] * H;
+                float *row = dst + ws->pair_row[s] * H;
                 const float *src = ws->pair_out + s * H;
 #pragma omp simd
-                for (int64_t j = j0; j < j1; j++) dst[j] += src[j];
+                for (int64_t j = j0; j < j1; j++) row[j] += src[j];
             }
         }
     }
@@ -106,25 +108,30 @@ static void write_router(const q3_layer *layer, const q3_pass *p) {
     }
 }
 
-void q3_moe_block(q3_layer *layer, const q3_pass *p) {
+void q3_route_block(q3_layer *layer, const q3_pass *p) {
     const q3_config *c = &layer->cfg;
     const q3_weights *w = &layer->w;
     q3_workspace *ws = &layer->ws;
-    const int64_t H = c->hidden;
-    const int E = c->experts, top_k = c->top_k;
     const int64_t R = p->n_seqs * p->L;
     const q3_cpu_ops *k = p->k;
 
-    k->rmsnorm(ws->h, ws->x, w->dense[Q3_W_POST_NORM], w->dtype, R, H, c->eps);
+    k->rmsnorm(ws->h, ws->x, w->dense[Q3_W_POST_NORM], w->dtype, R, c->hidden, c->eps);
     q3_profile_mark(p->prof, Q3_STAGE_POST_NORM);
     /* the router stays in fp32 (no bf16 scratch): its top-k choice is sensitive to rounding */
-    k->matmul(ws->logits, ws->h, w->dense[Q3_W_ROUTER], w->dtype, R, E, H, 0, NULL);
+    k->matmul(ws->logits, ws->h, w->dense[Q3_W_ROUTER], w->dtype, R, c->experts, c->hidden, 0, NULL);
     q3_profile_mark(p->prof, Q3_STAGE_ROUTER);
-    k->router_topk(ws->topk_idx, ws->topk_w, ws->logits, R, E, top_k, c->norm_topk);
+    k->router_topk(ws->topk_idx, ws->topk_w, ws->logits, R, c->experts, c->top_k, c->norm_topk);
     if (q3_pass_wants_router(p)) write_router(layer, p);
-    k->moe_group(ws->offsets, ws->pair_row, ws->pair_w, ws->topk_idx, ws->topk_w, R, top_k, E);
-    q3_profile_mark(p->prof, Q3_STAGE_TOP_K);
-    if (R <= Q3_MOE_THREAD_ROWS && ws->threads > 1) experts_across_threads(layer, k, R);
-    else experts_in_turn(layer, k);
-    q3_profile_mark(p->prof, Q3_STAGE_EXPERTS);
+}
+
+void q3_experts_block(q3_layer *layer, const q3_cpu_ops *k, q3_profile *prof, int64_t R, int skip, float *dst) {
+    q3_workspace *ws = &layer->ws;
+    const int E = layer->cfg.experts;
+    /* skipped entries (E) make a group of their own after the last expert's, never run */
+    k->moe_group(ws->offsets, ws->pair_row, ws->pair_w, ws->topk_idx, ws->topk_w, R, layer->cfg.top_k,
+                 skip ? E + 1 : E);
+    q3_profile_mark(prof, Q3_STAGE_TOP_K);
+    if (R <= Q3_MOE_THREAD_ROWS && ws->threads > 1) experts_across_threads(layer, k, dst);
+    else experts_in_turn(layer, k, dst);
+    q3_profile_mark(prof, Q3_STAGE_EXPERTS);
 }

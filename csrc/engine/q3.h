@@ -187,6 +187,9 @@ typedef struct {
      * NULL): q3_layer_create slices them (q3_fused_expert_shape) */
     const void *fused[Q3_FUSED_COUNT];                /* contiguous */
     const void *fused_scales[Q3_FUSED_COUNT];         /* FP8: their scale_inv */
+    /* [E]: nonzero for each expert the layer holds, the others' pointers not read (may be
+     * NULL); NULL: every expert. A layer holding a subset runs only its halves (below) */
+    const uint8_t *held;
 } q3_weights;
 
 /* scale_inv's shape for an FP8 matrix of shape dims [N, K] */
@@ -206,7 +209,8 @@ void q3_layer_destroy(q3_layer *layer);
 const q3_config *q3_layer_config(const q3_layer *layer);
 q3_dtype q3_layer_dtype(const q3_layer *layer);
 q3_weight_format q3_layer_weight_format(const q3_layer *layer);
-/* bytes of all the layer's weights as the engine reads them (FP8: the bytes and the scales) */
+/* bytes of all the layer's weights as the engine reads them (FP8: the bytes and the scales);
+ * of the experts, only the held ones' */
 int64_t q3_layer_weight_bytes(const q3_layer *layer);
 size_t q3_layer_workspace_bytes(const q3_layer *layer);
 
@@ -249,6 +253,49 @@ q3_status q3_layer_forward(q3_layer *layer, q3_cache *cache, const q3_forward_ar
  * size of a pass), reading neither x nor y: a caller runs them before it makes the output. */
 q3_status q3_layer_check_call(const q3_layer *layer, const q3_cache *cache, const q3_forward_args *a,
                               q3_error *err);
+
+/* ---- the layer's two halves (expert parallelism) ----------------------------------------
+ * q3_layer_forward is, pass by pass, the attention half then the expert half on the same
+ * rows; a caller that runs the experts elsewhere (other processes holding other experts)
+ * runs the halves itself, moving rows between them. */
+
+/* The attention half's outputs, rows r = s * tokens + t as in x, in host memory. */
+typedef struct {
+    float *resid;          /* [rows, H] fp32: x + o_proj(attention(input_layernorm(x))) */
+    void *normed;          /* [rows, H] of normed_dtype: post_attention_layernorm(resid), the experts' input */
+    q3_dtype normed_dtype; /* fp32 or bf16 */
+    int32_t *experts;      /* [rows, top_k] the router's choices, by descending weight */
+    float *weights;        /* [rows, top_k] their weights (normalised when norm_topk) */
+} q3_attention_half_out;
+
+/* The call up to the experts: the K/V appended to the cache, the router run (its insides
+ * written as by q3_layer_forward; a->y unused). The same checks as q3_layer_forward, except
+ * that the layer may hold a subset of the experts. CPU layers. */
+q3_status q3_layer_attention_half(q3_layer *layer, q3_cache *cache, const q3_forward_args *a,
+                                  const q3_attention_half_out *out, q3_error *err);
+/* its checks alone, reading neither x nor the outputs (a caller runs them before it makes them) */
+q3_status q3_layer_check_attention_half(const q3_layer *layer, const q3_cache *cache, const q3_forward_args *a,
+                                        q3_error *err);
+
+/* The expert half: out [n, H] (=, or += when acc) sum over j of weights[i, j] x
+ * expert_{experts[i, j]}(rows[i]); an entry of -1 is skipped (an expert held elsewhere), every
+ * other must be an expert the layer holds (Q3_ERR_VALUE naming [i, j] otherwise, before any
+ * work). The experts' outputs are summed in expert order, as q3_layer_forward sums them.
+ * n = 0 does nothing. CPU layers. */
+typedef struct {
+    const void *rows;  /* [n, H] */
+    q3_dtype dtype;    /* of rows: fp32 or bf16 */
+    int64_t n;
+    const int32_t *experts; /* [n, top_k] */
+    const float *weights;   /* [n, top_k] */
+    void *out;              /* [n, H] of out_dtype (fp32 or bf16); not overlapping the inputs */
+    q3_dtype out_dtype;
+    int acc;
+} q3_expert_half_args;
+q3_status q3_layer_expert_half(q3_layer *layer, const q3_expert_half_args *a, q3_error *err);
+/* how many experts the layer holds, and whether it holds expert e */
+int q3_layer_held_experts(const q3_layer *layer);
+int q3_layer_holds_expert(const q3_layer *layer, int e);
 
 /* Per-stage timing of the forward (profile.h): on (resets the totals) or off; the
  * seconds accumulated per stage since; the stages' names (NULL past the last). */
@@ -346,6 +393,10 @@ void q3_copy_strided(void *dst, q3_dtype dst_dt, const void *src, q3_dtype src_d
 /* dst [n] <- mean + std * N(0,1), deterministic in (seed, stream) */
 void q3_fill_random(void *dst, q3_dtype dt, int64_t n, uint64_t seed, uint64_t stream,
                     float mean, float std);
+/* the same from element `first` of the stream on: elements [first, first + n) of a tensor
+ * drawn by q3_fill_random (one expert of a fused tensor) */
+void q3_fill_random_from(void *dst, q3_dtype dt, int64_t n, uint64_t seed, uint64_t stream, int64_t first,
+                         float mean, float std);
 
 /* An FP8 matrix (kernels/fp8.h) quantized from the fp32 draws q3_fill_random(.., Q3_F32, ..,
  * seed, stream, mean, std) makes from element `offset` of the stream on (so under one seed the

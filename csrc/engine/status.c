@@ -54,7 +54,12 @@ void q3_copy_strided(void *dst, q3_dtype dst_dt, const void *src, q3_dtype src_d
 
 void q3_fill_random(void *dst, q3_dtype dt, int64_t n, uint64_t seed, uint64_t stream,
                     float mean, float std) {
-    q3_cpu_ops_active()->fill_normal(dst, dt, n, seed, stream, mean, std);
+    q3_cpu_ops_active()->fill_normal(dst, dt, n, seed, stream, 0, mean, std);
+}
+
+void q3_fill_random_from(void *dst, q3_dtype dt, int64_t n, uint64_t seed, uint64_t stream, int64_t first,
+                         float mean, float std) {
+    q3_cpu_ops_active()->fill_normal(dst, dt, n, seed, stream, (uint64_t)first, mean, std);
 }
 
 int q3_max_threads(void) {

@@ -19,7 +19,7 @@ size_t q3_workspace_layout(q3_workspace *w, char *base, const q3_config *c, int 
     CARVE(logits, float, R * c->experts);
     CARVE(topk_idx, int32_t, R * c->top_k);
     CARVE(topk_w, float, R * c->top_k);
-    CARVE(offsets, int64_t, c->experts + 1);
+    CARVE(offsets, int64_t, c->experts + 2); /* + the group of skipped entries (the expert half) */
     CARVE(pair_row, int32_t, R * c->top_k);
     CARVE(pair_w, float, R * c->top_k);
     /* the attention stage's buffers and the MoE stage's share memory: neither stage reads

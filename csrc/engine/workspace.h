@@ -23,7 +23,7 @@ typedef struct {
     float *logits;     /* [R, E] router logits */
     int32_t *topk_idx; /* [R, k] */
     float *topk_w;     /* [R, k] */
-    int64_t *offsets;  /* [E + 1] expert groups */
+    int64_t *offsets;  /* [E + 2] expert groups (and the expert half's skipped entries) */
     int32_t *pair_row; /* [R * k] token of each (token, expert) pair, grouped by expert */
     float *pair_w;     /* [R * k] its routing weight */
     /* MoE stage */

@@ -93,3 +93,41 @@ int q3py_seq(PyObject *obj, int batch, int allow_none, int *seq) {
     *seq = (int)v;
     return 0;
 }
+
+int q3py_held_experts(PyObject *obj, int E, uint8_t **held) {
+    *held = NULL;
+    PyObject *seq = PySequence_Fast(obj, "experts: expected a sequence of expert ids (ints) or None");
+    if (!seq) return -1;
+    uint8_t *h = PyMem_Calloc((size_t)E, 1);
+    if (!h) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return -1;
+    }
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        long long e = -1;
+        if (PyLong_Check(item) && !PyBool_Check(item)) {
+            int overflow;
+            e = PyLong_AsLongLongAndOverflow(item, &overflow);
+            if (overflow) e = -1;
+        } else {
+            PyErr_Format(PyExc_TypeError, "experts[%zd]: expected an int, got %.100s", i, Py_TYPE(item)->tp_name);
+        }
+        if (!PyErr_Occurred() && (e < 0 || e >= E))
+            PyErr_Format(PyExc_ValueError, "experts[%zd]: expected an expert id in [0, %d) (num_experts), got %R", i,
+                         E, item);
+        if (!PyErr_Occurred() && h[e])
+            PyErr_Format(PyExc_ValueError, "experts[%zd]: expert %lld appears twice", i, e);
+        if (PyErr_Occurred()) {
+            PyMem_Free(h);
+            Py_DECREF(seq);
+            return -1;
+        }
+        h[e] = 1;
+    }
+    Py_DECREF(seq);
+    *held = h;
+    return 0;
+}

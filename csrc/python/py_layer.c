@@ -139,7 +139,8 @@ static const void *take_matrix(q3py_layer_object *self, PyObject *weights, const
 
 /* The experts into w: transformers 5.x's fused tensors as they are (the engine slices them,
  * q3_fused_expert_shape), or mlp.experts.{e}.{gate,up,down}_proj.weight (and their scales)
- * into self->expert_ptrs [Q3_X_COUNT][E] (then [Q3_X_COUNT][E] scales). */
+ * into self->expert_ptrs [Q3_X_COUNT][E] (then [Q3_X_COUNT][E] scales); of a layer holding a
+ * subset (w->held), only the held experts' names are read, the others' pointers stay NULL. */
 static int take_experts(q3py_layer_object *self, PyObject *weights, const q3_config *c, q3_weights *w) {
     if (PyDict_GetItemString(weights, q3_fused_expert_name(Q3_FUSED_GATE_UP))) {
         for (int f = 0; f < Q3_FUSED_COUNT; f++) {
@@ -154,7 +155,7 @@ static int take_experts(q3py_layer_object *self, PyObject *weights, const q3_con
     const int E = c->experts;
     const void **ptrs = self->expert_ptrs;
     for (int e = 0; e < E; e++)
-        for (int x = 0; x < Q3_X_COUNT; x++) {
+        for (int x = 0; x < Q3_X_COUNT && (!w->held || w->held[e]); x++) {
             char name[96];
             int64_t dims[2], sdims[2];
             snprintf(name, sizeof name, "mlp.experts.%d.%s.weight", e, q3_expert_weight_name(x));
@@ -215,11 +216,11 @@ static int layer_dtype(PyObject *weights, PyObject *dtype_obj, PyObject *format_
 }
 
 static PyObject *layer_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
-    static char *names[] = {"config", "weights", "dtype", "device", "weight_format", NULL};
-    PyObject *cfg_obj, *weights, *dtype_obj = Py_None, *format_obj = Py_None;
+    static char *names[] = {"config", "weights", "dtype", "device", "weight_format", "experts", NULL};
+    PyObject *cfg_obj, *weights, *dtype_obj = Py_None, *format_obj = Py_None, *experts_obj = Py_None;
     int device = -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO!|OiO:Layer", names, &cfg_obj, &PyDict_Type, &weights,
-                                     &dtype_obj, &device, &format_obj))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO!|OiOO:Layer", names, &cfg_obj, &PyDict_Type, &weights,
+                                     &dtype_obj, &device, &format_obj, &experts_obj))
         return NULL;
     if (device >= 0 && !q3_cuda_loaded()) {
         PyErr_SetString(PyExc_RuntimeError, "device: the CUDA backend is not loaded (qwen3layer.cuda.load())");
@@ -232,9 +233,14 @@ static PyObject *layer_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
         (wf == Q3_WF_FP8_BLOCK128 && q3py_layer_scale_dtype(weights, device, &sdt) < 0))
         return NULL;
     const int fp8 = wf == Q3_WF_FP8_BLOCK128;
+    uint8_t *held = NULL; /* experts=None: every expert */
+    if (experts_obj != Py_None && q3py_held_experts(experts_obj, cfg.experts, &held) < 0) return NULL;
 
     q3py_layer_object *self = (q3py_layer_object *)type->tp_alloc(type, 0);
-    if (!self) return NULL;
+    if (!self) {
+        PyMem_Free(held);
+        return NULL;
+    }
     self->device = device < 0 ? -1 : device;
     self->scale_dtype = sdt;
     const int max_tensors = (Q3_W_DENSE_COUNT + Q3_X_COUNT * cfg.experts) * (fp8 ? 2 : 1); /* FP8: + scales */
@@ -246,10 +252,11 @@ static PyObject *layer_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     self->lock = PyThread_allocate_lock();
     if (!self->views || !self->owned || !self->expert_ptrs || !self->converted || !self->weight_ptrs ||
         !self->lock) {
+        PyMem_Free(held);
         Py_DECREF(self);
         return PyErr_NoMemory();
     }
-    q3_weights w = {.dtype = dt, .device = self->device, .format = wf, .scale_dtype = sdt};
+    q3_weights w = {.dtype = dt, .device = self->device, .format = wf, .scale_dtype = sdt, .held = held};
     for (int i = 0; i < Q3_W_DENSE_COUNT; i++) {
         int64_t dims[2], sdims[2];
         const int rank = q3_dense_weight_shape(&cfg, i, dims);
@@ -262,16 +269,20 @@ static PyObject *layer_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
             if (w.dense[i] && q3py_layer_record_ptr(self, name, w.dense[i]) < 0) w.dense[i] = NULL;
         }
         if (!w.dense[i]) {
+            PyMem_Free(held);
             Py_DECREF(self);
             return NULL;
         }
     }
     if (take_experts(self, weights, &cfg, &w) < 0) {
+        PyMem_Free(held);
         Py_DECREF(self);
         return NULL;
     }
     q3_error err;
-    if (q3_layer_create(&self->layer, &cfg, &w, &err) != Q3_OK) {
+    const q3_status s = q3_layer_create(&self->layer, &cfg, &w, &err); /* copies the mask */
+    PyMem_Free(held);
+    if (s != Q3_OK) {
         Py_DECREF(self);
         return q3_raise(NULL, &err);
     }
@@ -301,7 +312,8 @@ static PyType_Slot layer_slots[] = {
     {Py_tp_dealloc, layer_dealloc},
     {Py_tp_methods, q3py_layer_methods},
     {Py_tp_getset, q3py_layer_getset},
-    {Py_tp_doc, "Layer(config, weights, dtype=None, device=-1, weight_format=None)\n--\n\nEngine layer; use "
+    {Py_tp_doc, "Layer(config, weights, dtype=None, device=-1, weight_format=None, experts=None)\n--\n\nEngine "
+                "layer; use "
                  "qwen3layer.DecoderLayer."},
     {0, NULL},
 };

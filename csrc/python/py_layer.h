@@ -40,6 +40,9 @@ int q3py_layer_scale_dtype(PyObject *weights, int device, q3_dtype *sdt);
 const void *q3py_layer_take_fp8(q3py_layer_object *self, PyObject *weights, const char *name, int rank,
                               const int64_t *dims, const int64_t *sdims, q3_dtype sdt, const void **scale);
 
+/* layer.expert_half (py_layer_halves.c) */
+PyObject *q3py_layer_expert_half(q3py_layer_object *self, PyObject *args, PyObject *kw);
+
 extern PyMethodDef q3py_layer_methods[];
 extern PyGetSetDef q3py_layer_getset[];
 

@@ -128,9 +128,25 @@ static void add_note(const char *note) {
     q3_error_unstash(&e);
 }
 
+/* the attention half's four outputs for x (shape [..., H]): resid fp32 and normed of x's
+ * dtype like x, experts int32 and weights fp32 [..., top_k]; pointed at by *o. -1 with an
+ * exception (each made one is in t[] for the caller to release) */
+static int make_half_outputs(q3_module_state *st, const q3_config *cfg, const q3_view *x, q3py_tensor_object *t[4],
+                             q3_attention_half_out *o) {
+    int64_t lead[Q3_MAX_DIM];
+    memcpy(lead, x->shape, sizeof lead);
+    lead[x->ndim - 1] = cfg->top_k;
+    if (!(t[0] = q3py_tensor_new(st, Q3_F32, x->ndim, x->shape)) ||
+        !(t[1] = q3py_tensor_new(st, x->dtype, x->ndim, x->shape)) ||
+        !(t[2] = q3py_tensor_new(st, Q3_I32, x->ndim, lead)) || !(t[3] = q3py_tensor_new(st, Q3_F32, x->ndim, lead)))
+        return -1;
+    *o = (q3_attention_half_out){t[0]->data, t[1]->data, x->dtype, t[2]->data, t[3]->data};
+    return 0;
+}
+
 static PyObject *run(q3py_layer_object *self, PyObject *x_obj, PyObject *cache_obj, int decode,
                      PyObject *seq_obj, PyObject *chunk_obj, PyObject *out_obj, PyObject *stream_obj,
-                     q3_insides *ins) {
+                     q3_insides *ins, int half) {
     q3_module_state *st = q3_state_of_type(Py_TYPE(self));
     if (!st) return NULL;
     q3py_cache_object *co = as_cache(cache_obj, st);
@@ -144,6 +160,8 @@ static PyObject *run(q3py_layer_object *self, PyObject *x_obj, PyObject *cache_o
     q3_view x, out = {0};
     if (q3_view_acquire_on(x_obj, "x", &x, self->device, 0, stream) < 0) return NULL;
     PyObject *result = NULL;
+    q3py_tensor_object *halves[4] = {NULL, NULL, NULL, NULL}; /* the attention half's outputs */
+    q3_attention_half_out half_out;
     int n_seqs;
     int64_t tokens;
     int32_t seqs[64]; /* the sequences of the call: no heap allocation for batches up to 64 */
@@ -175,13 +193,18 @@ static PyObject *run(q3py_layer_object *self, PyObject *x_obj, PyObject *cache_o
     q3_forward_args a = {.x = x.data, .io_dtype = x.dtype, .n_seqs = n_seqs, .seqs = seq_list, .tokens = tokens,
                          .chunk = chunk, .stream = stream, .interrupted = interrupted, .interrupt_ctx = &poll};
     q3_error err;
-    q3_status s = q3_layer_check_call(self->layer, co->cache, &a, &err);
+    q3_status s = half ? q3_layer_check_attention_half(self->layer, co->cache, &a, &err)
+                       : q3_layer_check_call(self->layer, co->cache, &a, &err);
     if (s != Q3_OK) { /* before the output is made: a call that cannot run allocates nothing */
         q3_raise(st, &err);
         goto done;
     }
-    if (q3py_insides_make(ins, st, self->layer, co->cache, &x, self->device, &a) < 0) goto done;
-    if (out_obj != Py_None) {
+    if (half) {
+        if (make_half_outputs(st, cfg, &x, halves, &half_out) < 0) goto done;
+        result = Py_NewRef(Py_None);
+    } else if (q3py_insides_make(ins, st, self->layer, co->cache, &x, self->device, &a) < 0) {
+        goto done;
+    } else if (out_obj != Py_None) {
         if (q3_view_acquire_on(out_obj, "out", &out, self->device, 0, stream) < 0 || check_out(&out, &x) < 0) goto done;
         result = Py_NewRef(out_obj);
         a.y = out.data;
@@ -193,7 +216,8 @@ static PyObject *run(q3py_layer_object *self, PyObject *x_obj, PyObject *cache_o
     co->busy = 1;
     poll.saved = PyEval_SaveThread();
     PyThread_acquire_lock(self->lock, WAIT_LOCK);
-    s = q3_layer_forward(self->layer, co->cache, &a, &err);
+    s = half ? q3_layer_attention_half(self->layer, co->cache, &a, &half_out, &err)
+             : q3_layer_forward(self->layer, co->cache, &a, &err);
     PyThread_release_lock(self->lock);
     PyEval_RestoreThread(poll.saved);
     co->busy = 0;
@@ -208,6 +232,11 @@ done:
     if (seq_list != seqs) PyMem_Free(seq_list);
     q3_view_release(&out);
     q3_view_release(&x);
+    if (half) { /* (resid, normed, experts, weights) */
+        if (result) Py_SETREF(result, PyTuple_Pack(4, halves[0], halves[1], halves[2], halves[3]));
+        for (int i = 0; i < 4; i++) Py_XDECREF(halves[i]);
+        return result;
+    }
     result = q3py_insides_result(ins, result);
     q3py_insides_clear(ins);
     return result;
@@ -223,7 +252,7 @@ static PyObject *layer_prefill(q3py_layer_object *self, PyObject *args, PyObject
                                      &router, &attention, &limit) ||
         q3py_insides_parse(&ins, router, attention, limit) < 0)
         return NULL;
-    return run(self, x, cache, 0, seq, chunk, out, stream, &ins);
+    return run(self, x, cache, 0, seq, chunk, out, stream, &ins, 0);
 }
 
 static PyObject *layer_decode(q3py_layer_object *self, PyObject *args, PyObject *kw) {
@@ -236,7 +265,23 @@ static PyObject *layer_decode(q3py_layer_object *self, PyObject *args, PyObject 
                                      &attention, &limit) ||
         q3py_insides_parse(&ins, router, attention, limit) < 0)
         return NULL;
-    return run(self, x, cache, 1, Py_None, Py_None, out, stream, &ins);
+    return run(self, x, cache, 1, Py_None, Py_None, out, stream, &ins, 0);
+}
+
+static PyObject *layer_attention_half(q3py_layer_object *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"x", "cache", "seq", "chunk_size", "decode", NULL};
+    PyObject *x, *cache, *seq = Py_None, *chunk = Py_None;
+    int decode = 0;
+    q3_insides ins;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|OO$p:attention_half", names, &x, &cache, &seq, &chunk, &decode) ||
+        q3py_insides_parse(&ins, Py_False, Py_False, Py_None) < 0)
+        return NULL;
+    if (decode && (seq != Py_None || chunk != Py_None)) {
+        PyErr_SetString(PyExc_ValueError, "attention_half: decode=True takes no seq or chunk_size (x [batch, hidden] "
+                        "is one token of every sequence)");
+        return NULL;
+    }
+    return run(self, x, cache, decode, seq, chunk, Py_None, Py_None, &ins, 1);
 }
 
 static PyObject *layer_new_cache(q3py_layer_object *self, PyObject *args, PyObject *kw) {
@@ -341,6 +386,16 @@ PyMethodDef q3py_layer_methods[] = {
     {"decode_graph", (PyCFunction)(void (*)(void))layer_decode_graph, KW,
      "decode_graph(cache, batch=None, dtype=None)\n--\n\nCaptures one decode step of sequences 0 .. batch - 1 "
      "(default: all) of the cache in a CUDA graph; returns a DecodeGraph."},
+    {"attention_half", (PyCFunction)(void (*)(void))layer_attention_half, KW,
+     "attention_half(x, cache, seq=None, chunk_size=None, *, decode=False)\n--\n\n"
+     "The layer up to its experts, for x as prefill (decode=True: as decode) takes it: the K/V appended to the "
+     "cache. Returns (resid, normed, experts, weights): x + attention fp32 and post_attention_layernorm of it of "
+     "x's dtype, of x's shape, and the router's top-k expert ids (int32) and weights (fp32), [..., top_k]."},
+    {"expert_half", (PyCFunction)(void (*)(void))q3py_layer_expert_half, KW,
+     "expert_half(rows, experts, weights, *, out=None, accumulate=False)\n--\n\n"
+     "rows [n, hidden], experts [n, top_k] int32 (-1: an expert held elsewhere), weights [n, top_k] fp32: "
+     "out [n, hidden] (=, or += with accumulate) the weighted sum of each row's experts that this layer holds. "
+     "out: fp32 or bf16 (None: a new tensor of rows' dtype). Returns out."},
     {"new_cache", (PyCFunction)(void (*)(void))layer_new_cache, KW,
      "new_cache(max_tokens, batch=1, dtype=None)\n--\n\nA KVCache for this layer's geometry."},
     {NULL},
@@ -374,7 +429,24 @@ static PyObject *get_workspace(q3py_layer_object *self, void *c) {
     return PyLong_FromSize_t(q3_layer_workspace_bytes(self->layer));
 }
 
+static PyObject *get_held_experts(q3py_layer_object *self, void *c) {
+    (void)c;
+    const int E = q3_layer_config(self->layer)->experts;
+    PyObject *ids = PyTuple_New(q3_layer_held_experts(self->layer));
+    for (int e = 0, i = 0; ids && e < E; e++) {
+        if (!q3_layer_holds_expert(self->layer, e)) continue;
+        PyObject *v = PyLong_FromLong(e);
+        if (!v) {
+            Py_CLEAR(ids);
+            break;
+        }
+        PyTuple_SET_ITEM(ids, i++, v);
+    }
+    return ids;
+}
+
 PyGetSetDef q3py_layer_getset[] = {
+    {"held_experts", (getter)get_held_experts, NULL, "the ids of the experts the layer holds, ascending", NULL},
     {"dtype", (getter)get_dtype, NULL, "dtype of the activations, the norms and the router (and of the "
      "projection matrices in the dense format)", NULL},
     {"weight_format", (getter)get_weight_format, NULL, "'dense' or 'fp8_e4m3_block128'", NULL},

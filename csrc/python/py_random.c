@@ -18,8 +18,9 @@ static int put(PyObject *dict, const char *name, q3py_tensor_object *t) {
     return rc;
 }
 
+/* weights[name] of `shape`: elements [first, first + its size) of the stream */
 static int put_random(q3_module_state *st, PyObject *dict, const char *name, q3_dtype dt, int ndim,
-                      const int64_t *shape, uint64_t seed, uint64_t stream, int is_norm) {
+                      const int64_t *shape, uint64_t seed, uint64_t stream, int64_t first, int is_norm) {
     q3py_tensor_object *t = q3py_tensor_new(st, dt, ndim, shape);
     if (!t) return -1;
     int64_t n;
@@ -27,16 +28,16 @@ static int put_random(q3_module_state *st, PyObject *dict, const char *name, q3_
     float mean, std;
     q3_weight_init(is_norm, &mean, &std);
     Py_BEGIN_ALLOW_THREADS
-    q3_fill_random(t->data, dt, n, seed, stream, mean, std);
+    q3_fill_random_from(t->data, dt, n, seed, stream, first, mean, std);
     Py_END_ALLOW_THREADS
     return put(dict, name, t);
 }
 
 /* weights[name] [M, parts * n, K] e4m3 and weights[name + "_scale_inv"] [M, parts * ceil(n/128),
  * ceil(K/128)] fp32 (rank 2 without M): M x parts matrices [n, K], each the quantized draws
- * of the dense tensor's elements under the same (seed, stream) */
+ * of the dense tensor's elements under the same (seed, stream), from element `first` on */
 static int put_random_fp8(q3_module_state *st, PyObject *dict, const char *name, int rank, int64_t M, int parts,
-                          int64_t n, int64_t K, uint64_t seed, uint64_t stream) {
+                          int64_t n, int64_t K, uint64_t seed, uint64_t stream, int64_t first) {
     const int64_t dims[2] = {n, K};
     int64_t blocks[2]; /* of one matrix [n, K] */
     q3_fp8_scale_shape(dims, blocks);
@@ -53,7 +54,7 @@ static int put_random_fp8(q3_module_state *st, PyObject *dict, const char *name,
     Py_BEGIN_ALLOW_THREADS
     for (int64_t i = 0; i < M * parts; i++)
         q3_fill_random_fp8((uint8_t *)w->data + i * n * K, (float *)s->data + i * blocks[0] * blocks[1], n, K, seed, stream,
-                           i * n * K, mean, std);
+                           first + i * n * K, mean, std);
     Py_END_ALLOW_THREADS
     char scale_name[128];
     snprintf(scale_name, sizeof scale_name, "%s_scale_inv", name);
@@ -64,17 +65,39 @@ static int put_random_fp8(q3_module_state *st, PyObject *dict, const char *name,
     return put(dict, scale_name, s);
 }
 
+/* expert e's three matrices by name (mlp.experts.{e}.{gate,up,down}_proj.weight, and FP8
+ * scales), each the draws of its part of the fused tensors: gate and up of expert e are
+ * elements [e 2I H, + I H) and [+ I H, + I H) of stream 100, down [e H I, + H I) of 101 */
+static int put_random_expert(q3_module_state *st, PyObject *d, const q3_config *c, int e, q3_dtype dt, int fp8,
+                             uint64_t seed) {
+    const int64_t H = c->hidden, I = c->moe_inter;
+    for (int x = 0; x < Q3_X_COUNT; x++) {
+        char name[96];
+        snprintf(name, sizeof name, "mlp.experts.%d.%s.weight", e, q3_expert_weight_name(x));
+        int64_t dims[2];
+        q3_expert_weight_shape(c, x, dims);
+        const uint64_t stream = x == Q3_X_DOWN ? 101 : 100;
+        const int64_t first = x == Q3_X_DOWN ? e * H * I : e * 2 * I * H + (x == Q3_X_UP ? I * H : 0);
+        if ((fp8 ? put_random_fp8(st, d, name, 2, 1, 1, dims[0], dims[1], seed, stream, first)
+                 : put_random(st, d, name, dt, 2, dims, seed, stream, first, 0)) < 0)
+            return -1;
+    }
+    return 0;
+}
+
 static PyObject *random_weights(PyObject *m, PyObject *args, PyObject *kw) {
-    static char *names[] = {"config", "seed", "dtype", "weight_format", NULL};
-    PyObject *cfg_obj;
+    static char *names[] = {"config", "seed", "dtype", "weight_format", "experts", NULL};
+    PyObject *cfg_obj, *experts_obj = Py_None;
     unsigned long long seed;
     q3_dtype dt;
     q3_weight_format wf = Q3_WF_DENSE; /* weight_format=None */
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OKO&|O&:random_weights", names, &cfg_obj, &seed, q3py_dtype, &dt,
-                                     q3py_weight_format, &wf))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OKO&|O&O:random_weights", names, &cfg_obj, &seed, q3py_dtype, &dt,
+                                     q3py_weight_format, &wf, &experts_obj))
         return NULL;
     q3_config c;
     if (q3_parse_config(cfg_obj, &c) < 0) return NULL;
+    uint8_t *held = NULL;
+    if (experts_obj != Py_None && q3py_held_experts(experts_obj, c.experts, &held) < 0) return NULL;
     const int fp8 = wf == Q3_WF_FP8_BLOCK128;
     q3_module_state *st = state_of(m);
     PyObject *d = PyDict_New();
@@ -84,25 +107,32 @@ static PyObject *random_weights(PyObject *m, PyObject *args, PyObject *kw) {
         const int rank = q3_dense_weight_shape(&c, i, dims);
         const char *name = q3_dense_weight_name(i);
         const int rc = fp8 && q3_dense_weight_is_matrix(i)
-                           ? put_random_fp8(st, d, name, 2, 1, 1, dims[0], dims[1], seed, (uint64_t)i)
-                           : put_random(st, d, name, dt, rank, dims, seed, (uint64_t)i, rank == 1);
+                           ? put_random_fp8(st, d, name, 2, 1, 1, dims[0], dims[1], seed, (uint64_t)i, 0)
+                           : put_random(st, d, name, dt, rank, dims, seed, (uint64_t)i, 0, rank == 1);
         if (rc < 0) goto fail;
+    }
+    if (held) { /* a subset: per-expert tensors of the held experts only */
+        for (int e = 0; e < c.experts; e++)
+            if (held[e] && put_random_expert(st, d, &c, e, dt, fp8, seed) < 0) goto fail;
+        PyMem_Free(held);
+        return d;
     }
     const int64_t E = c.experts, H = c.hidden, I = c.moe_inter;
     if (fp8) {
         /* gate and up of expert e: elements [e 2I H, + I H) and [+ I H, + I H) of stream 100,
          * as in the dense fused tensor */
-        if (put_random_fp8(st, d, "mlp.experts.gate_up_proj", 3, E, 2, I, H, seed, 100) < 0 ||
-            put_random_fp8(st, d, "mlp.experts.down_proj", 3, E, 1, H, I, seed, 101) < 0)
+        if (put_random_fp8(st, d, "mlp.experts.gate_up_proj", 3, E, 2, I, H, seed, 100, 0) < 0 ||
+            put_random_fp8(st, d, "mlp.experts.down_proj", 3, E, 1, H, I, seed, 101, 0) < 0)
             goto fail;
         return d;
     }
     const int64_t gu[3] = {E, 2 * I, H}, dn[3] = {E, H, I};
-    if (put_random(st, d, "mlp.experts.gate_up_proj", dt, 3, gu, seed, 100, 0) < 0 ||
-        put_random(st, d, "mlp.experts.down_proj", dt, 3, dn, seed, 101, 0) < 0)
+    if (put_random(st, d, "mlp.experts.gate_up_proj", dt, 3, gu, seed, 100, 0, 0) < 0 ||
+        put_random(st, d, "mlp.experts.down_proj", dt, 3, dn, seed, 101, 0, 0) < 0)
         goto fail;
     return d;
 fail:
+    PyMem_Free(held);
     Py_DECREF(d);
     return NULL;
 }
@@ -204,8 +234,9 @@ PyMethodDef q3_random_methods[] = {
     {"random_tensor", (PyCFunction)(void (*)(void))random_tensor, METH_VARARGS | METH_KEYWORDS,
      "random_tensor(shape, seed, dtype, std=1.0)\n--\n\nA Tensor of N(0, std^2) samples in extension memory."},
     {"random_weights", (PyCFunction)(void (*)(void))random_weights, METH_VARARGS | METH_KEYWORDS,
-     "random_weights(config, seed, dtype, weight_format=None)\n--\n\nDict of random weights in extension memory "
-     "(fused expert names), deterministic in seed. weight_format 'fp8_e4m3_block128': the projection matrices "
+     "random_weights(config, seed, dtype, weight_format=None, experts=None)\n--\n\nDict of random weights in "
+     "extension memory (fused expert names; with experts=, a list of expert ids, those experts' per-expert tensors "
+     "only, each equal to its part of the fused ones), deterministic in seed. weight_format 'fp8_e4m3_block128': the projection matrices "
      "as float8_e4m3fn with fp32 *_scale_inv block scales, quantized from the dense draws of the same seed."},
     {"dequantize_fp8", (PyCFunction)(void (*)(void))dequantize_fp8, METH_VARARGS | METH_KEYWORDS,
      "dequantize_fp8(weight, scale_inv, parts=1)\n--\n\nfp32 Tensor of a block-scaled float8_e4m3fn weight "

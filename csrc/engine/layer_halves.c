@@ -1,0 +1,106 @@
+/* The layer's two halves (q3.h) for a caller that moves rows between them: the attention
+ * half is q3_layer_forward's passes stopped after the router, the expert half the same
+ * experts block on rows handed in. Both run the code the whole layer runs. */
+#include <string.h>
+
+#include "layer_internal.h"
+
+static int io_dtype_ok(q3_dtype dt) { return dt == Q3_F32 || dt == Q3_BF16; }
+static int dtype_code(q3_dtype dt) { return (int)dt; }
+
+static q3_status cpu_only(const q3_layer *l, const char *what, q3_error *err) {
+    if (l->w.device < 0) return Q3_OK;
+    return q3_fail(err, Q3_ERR_VALUE, "%s: runs on CPU layers only (so far), got a layer on cuda:%d", what,
+                   l->w.device);
+}
+
+void q3_attention_half_write(const q3_layer *l, const q3_pass *p, const q3_attention_half_out *half) {
+    const q3_workspace *ws = &l->ws;
+    const int64_t H = l->cfg.hidden, k = l->cfg.top_k, L = p->L;
+    const size_t es = q3_dtype_size(half->normed_dtype);
+    for (int s = 0; s < p->n_seqs; s++) {
+        const int64_t src = s * L, dst = s * p->call->tokens + p->t0; /* rows of the pass, of the call */
+        memcpy(half->resid + dst * H, ws->x + src * H, (size_t)(L * H) * sizeof(float));
+        p->k->from_f32((char *)half->normed + (size_t)(dst * H) * es, half->normed_dtype, ws->h + src * H, L * H);
+        memcpy(half->experts + dst * k, ws->topk_idx + src * k, (size_t)(L * k) * sizeof(int32_t));
+        memcpy(half->weights + dst * k, ws->topk_w + src * k, (size_t)(L * k) * sizeof(float));
+    }
+}
+
+q3_status q3_layer_check_attention_half(const q3_layer *l, const q3_cache *c, const q3_forward_args *a,
+                                        q3_error *err) {
+    const q3_status s = cpu_only(l, "attention_half", err);
+    return s == Q3_OK ? q3_layer_check_pass(l, c, a, err) : s;
+}
+
+q3_status q3_layer_attention_half(q3_layer *l, q3_cache *c, const q3_forward_args *a,
+                                  const q3_attention_half_out *out, q3_error *err) {
+    const q3_status s = q3_layer_check_attention_half(l, c, a, err);
+    if (s != Q3_OK) return s;
+    if (!out || !out->resid || !out->normed || !out->experts || !out->weights)
+        return q3_fail(err, Q3_ERR_VALUE, "attention_half: expected its four outputs, got a NULL one");
+    if (!io_dtype_ok(out->normed_dtype))
+        return q3_fail(err, Q3_ERR_TYPE, "normed: expected float32 or bfloat16, got dtype %d",
+                       dtype_code(out->normed_dtype));
+    return q3_layer_passes(l, c, a, out, err);
+}
+
+/* the entries' expert ids into ws->topk_idx (-1: E, the skipped group) and their weights;
+ * *skip: whether any is skipped. Fails for an id the layer cannot run, before it writes. */
+static q3_status take_routes(q3_layer *l, const q3_expert_half_args *a, int *skip, q3_error *err) {
+    const int E = l->cfg.experts, k = l->cfg.top_k;
+    *skip = 0;
+    for (int64_t i = 0; i < a->n; i++)
+        for (int j = 0; j < k; j++) {
+            const int32_t e = a->experts[i * k + j];
+            if (e == -1)
+                *skip = 1;
+            else if (e < 0 || e >= E)
+                return q3_fail(err, Q3_ERR_INDEX, "experts[%lld, %d]: expected -1 (held elsewhere) or an expert index "
+                               "in [0, %d), got %d", (long long)i, j, E, (int)e);
+            else if (!l->held[e])
+                return q3_fail(err, Q3_ERR_VALUE, "experts[%lld, %d]: expert %d is not held by this layer (it holds "
+                               "%d of the %d; mark an expert held elsewhere -1)", (long long)i, j, (int)e, l->n_held,
+                               E);
+        }
+    for (int64_t i = 0; i < a->n * k; i++) {
+        l->ws.topk_idx[i] = a->experts[i] < 0 ? E : a->experts[i];
+        l->ws.topk_w[i] = a->weights[i];
+    }
+    return Q3_OK;
+}
+
+q3_status q3_layer_expert_half(q3_layer *l, const q3_expert_half_args *a, q3_error *err) {
+    q3_status s = cpu_only(l, "expert_half", err);
+    if (s != Q3_OK) return s;
+    const q3_config *c = &l->cfg;
+    int64_t pairs;
+    if (a->n < 0 || !q3_mul_i64(a->n, c->top_k, &pairs) || pairs > INT32_MAX)
+        return q3_fail(err, Q3_ERR_VALUE, "rows: expected 0 to %d rows (their (row, expert) pairs are indexed by "
+                       "int32), got %lld", INT32_MAX / c->top_k, (long long)a->n);
+    if (!io_dtype_ok(a->dtype) || !io_dtype_ok(a->out_dtype))
+        return q3_fail(err, Q3_ERR_TYPE, "%s: expected float32 or bfloat16, got dtype %d",
+                       io_dtype_ok(a->dtype) ? "out" : "rows", dtype_code(io_dtype_ok(a->dtype) ? a->out_dtype
+                                                                                              : a->dtype));
+    if (a->n == 0) return Q3_OK;
+    if (!a->rows || !a->experts || !a->weights || !a->out)
+        return q3_fail(err, Q3_ERR_VALUE, "expert_half: expected rows, experts, weights and out, got a NULL one");
+    /* every row in one pass: each expert's weights are read once, whatever the rows */
+    s = q3_workspace_reserve(&l->ws, c, l->w.format == Q3_WF_FP8_BLOCK128, a->n, 1, err);
+    int skip;
+    if (s == Q3_OK) s = take_routes(l, a, &skip, err);
+    if (s != Q3_OK) return s;
+
+    const q3_cpu_ops *k = q3_cpu_ops_active();
+    const int64_t H = c->hidden, n = a->n;
+    q3_profile_start(&l->prof);
+    k->to_f32(l->ws.h, a->rows, a->dtype, n * H);
+    float *dst = a->out_dtype == Q3_F32 ? a->out : l->ws.x; /* fp32: summed in place */
+    if (!a->acc) memset(dst, 0, (size_t)(n * H) * sizeof(float));
+    else if (dst == l->ws.x) k->to_f32(dst, a->out, a->out_dtype, n * H);
+    q3_profile_mark(&l->prof, Q3_STAGE_IO);
+    q3_experts_block(l, k, &l->prof, n, skip, dst);
+    if (dst == l->ws.x) k->from_f32(a->out, a->out_dtype, dst, n * H);
+    q3_profile_mark(&l->prof, Q3_STAGE_IO);
+    return Q3_OK;
+}

@@ -1,0 +1,255 @@
+"""The layer's two halves (attention_half, expert_half) and layers holding a subset of the
+experts: the halves run back to back are the layer, to the bit in fp32; experts split over
+subset layers sum to the whole layer's; a subset layer never needs the others' weights and
+refuses what it cannot run, naming it, before any work."""
+import pytest
+import torch
+
+import qwen3layer as q3
+from qwen3layer import _C
+
+# 16 experts top-4: a row's experts fall on both sides of any split
+CFG = q3.LayerConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=24,
+                     num_experts=16, num_experts_per_tok=4, moe_intermediate_size=48)
+E, K, H = CFG.num_experts, CFG.num_experts_per_tok, CFG.hidden_size
+DT = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def x_of(*shape, seed=0, dtype="float32"):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DT[dtype])
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def whole(request):
+    return q3.DecoderLayer.random(CFG, seed=5, dtype=request.param)
+
+
+def halves_prefill(layer, x, cache, chunk_size=None):
+    """prefill as the halves, pass by pass: each chunk of tokens through the attention half,
+    then its rows through the expert half (a matmul over other rows may round otherwise)"""
+    step = chunk_size or x.shape[-2]
+    outs = []
+    for t0 in range(0, x.shape[-2], step):
+        resid, normed, experts, weights = layer.attention_half(x[..., t0:t0 + step, :].contiguous(), cache)
+        out = resid.reshape(-1, H).clone()
+        layer.expert_half(normed.reshape(-1, H), experts.reshape(-1, K), weights.reshape(-1, K), out=out,
+                          accumulate=True)
+        outs.append(out.reshape(resid.shape))
+    return torch.cat(outs, dim=-2)
+
+
+def kv(cache, batch):
+    return [(torch.from_dlpack(cache.keys(s)).clone(), torch.from_dlpack(cache.values(s)).clone())
+            for s in range(batch)]
+
+
+def assert_same_output(got, want, dtype):
+    """fp32: the same code on the same rows, to the bit. bf16: the experts read the normed rows
+    rounded to bf16 and the sum is rounded once more: within bf16 rounding"""
+    if dtype == "float32":
+        assert torch.equal(got, want)
+    else:
+        assert torch.allclose(got.to(torch.bfloat16).float(), want.float(), rtol=2 ** -7, atol=2 ** -7)
+
+
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_the_two_halves_are_the_layer_in_prefill(whole, chunk):
+    x = x_of(37, H, seed=1, dtype=whole.dtype)
+    c_whole, c_half = whole.new_cache(64), whole.new_cache(64)
+    y = whole.prefill(x, c_whole, chunk_size=chunk)
+    got = halves_prefill(whole, x, c_half, chunk_size=chunk)
+    assert got.dtype == torch.float32 and got.shape == x.shape
+    assert_same_output(got, y, whole.dtype)
+    for (k0, v0), (k1, v1) in zip(kv(c_whole, 1), kv(c_half, 1)):  # the K/V: the attention half's own
+        assert torch.equal(k0, k1) and torch.equal(v0, v1)
+    assert c_half.lengths == c_whole.lengths
+
+
+def test_the_halves_over_a_left_padded_batch_then_decode(whole):
+    """3-D x over every sequence, left padding, then decode steps of few rows (the experts then
+    split over threads whole, the other code path of the expert block)"""
+    x = x_of(3, 9, H, seed=2, dtype=whole.dtype)
+    caches = [whole.new_cache(16, batch=3) for _ in range(2)]
+    for c in caches:
+        c.set_padding(4, 1)
+    y = whole.prefill(x, caches[0], chunk_size=4)
+    assert_same_output(halves_prefill(whole, x, caches[1], chunk_size=4), y, whole.dtype)
+    assert caches[1].lengths == caches[0].lengths == (9, 9, 9)
+    for step in range(3):
+        t = x_of(3, H, seed=10 + step, dtype=whole.dtype)
+        y = whole.decode(t, caches[0])
+        resid, normed, experts, weights = whole.attention_half(t, caches[1], decode=True)
+        assert resid.shape == (3, H) and experts.shape == (3, K)
+        out = whole.expert_half(normed, experts, weights, out=resid.clone(), accumulate=True)
+        assert_same_output(out, y, whole.dtype)
+    for (k0, v0), (k1, v1) in zip(kv(caches[0], 3), kv(caches[1], 3)):
+        assert torch.equal(k0, k1) and torch.equal(v0, v1)
+
+
+def test_the_attention_half_gives_the_routers_choices(whole):
+    x = x_of(11, H, seed=3, dtype=whole.dtype)
+    trace = whole.prefill(x, whole.new_cache(16), return_router=True)
+    _, _, experts, weights = whole.attention_half(x, whole.new_cache(16))
+    assert torch.equal(experts, trace.experts) and torch.equal(weights, trace.expert_weights)
+
+
+@pytest.mark.parametrize("split", [[0, 16], [0, 7, 16], [0, 1, 2, 16], [0, 0, 16]])
+def test_experts_split_over_subset_layers_sum_to_the_whole_layer(whole, split):
+    """contiguous shards, uneven, one of a single expert, one holding none"""
+    x = x_of(23, H, seed=4, dtype=whole.dtype)
+    y = whole.prefill(x, whole.new_cache(32))
+    resid, normed, experts, weights = whole.attention_half(x, whole.new_cache(32))
+    out = resid.clone()
+    for lo, hi in zip(split, split[1:]):
+        part = q3.DecoderLayer.random(CFG, seed=5, dtype=whole.dtype, experts=range(lo, hi))
+        assert part.held_experts == tuple(range(lo, hi))
+        mine = (experts >= lo) & (experts < hi)
+        part.expert_half(normed, torch.where(mine, experts, -1), weights, out=out, accumulate=True)
+    if whole.dtype == "float32":  # the same products, summed in another order
+        assert torch.allclose(out, y, rtol=1e-6, atol=1e-6)
+    else:
+        assert_same_output(out, y, whole.dtype)
+
+
+def test_a_subset_layer_runs_the_attention_half_as_the_whole_one(whole):
+    part = q3.DecoderLayer.random(CFG, seed=5, dtype=whole.dtype, experts=[3, 9])
+    x = x_of(13, H, seed=6, dtype=whole.dtype)
+    a = whole.attention_half(x, whole.new_cache(16))
+    b = part.attention_half(x, part.new_cache(16))
+    assert all(torch.equal(u, v) for u, v in zip(a, b))
+
+
+def test_rows_whose_experts_are_all_elsewhere_get_zero(whole):
+    rows = x_of(5, H, seed=7, dtype=whole.dtype)
+    experts = torch.full((5, K), -1, dtype=torch.int32)
+    experts[2, 1] = 4
+    weights = torch.rand(5, K)
+    got = whole.expert_half(rows, experts, weights)
+    assert got.dtype == rows.dtype and got.shape == (5, H)
+    assert torch.all(got[[0, 1, 3, 4]] == 0) and torch.any(got[2] != 0)
+    empty = whole.expert_half(rows[:0], experts[:0], weights[:0])
+    assert empty.shape == (0, H)
+
+
+def test_expert_half_without_accumulate_overwrites_out_and_bf16_out_works(whole):
+    rows = x_of(6, H, seed=8, dtype=whole.dtype)
+    experts = torch.randint(0, E, (6, K), generator=torch.Generator().manual_seed(1), dtype=torch.int32)
+    weights = torch.rand(6, K)
+    want = whole.expert_half(rows, experts, weights, out=torch.zeros(6, H))
+    out = torch.full((6, H), 7.0)
+    assert whole.expert_half(rows, experts, weights, out=out) is out and torch.equal(out, want)
+    b = torch.full((6, H), 1.0, dtype=torch.bfloat16)
+    whole.expert_half(rows, experts, weights, out=b, accumulate=True)
+    assert torch.equal(b, (want + 1.0).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("fmt", ["dense", "fp8_e4m3_block128"])
+def test_random_subset_experts_are_the_whole_layers(fmt):
+    whole = _C.random_weights(CFG, 11, "bfloat16", fmt)
+    part = _C.random_weights(CFG, 11, "bfloat16", fmt, [2, 13])
+    I = CFG.moe_intermediate_size
+    assert not any(n.startswith("mlp.experts.") and n.split(".")[2] not in ("2", "13") for n in part)
+    suffixes = ["", "_scale_inv"] if fmt != "dense" else [""]
+    blocks = -(-I // 128)
+    for e in (2, 13):
+        for s in suffixes:
+            gu = torch.from_dlpack(whole["mlp.experts.gate_up_proj" + s])[e]
+            down = torch.from_dlpack(whole["mlp.experts.down_proj" + s])[e]
+            half = blocks if s else I
+            gate = torch.from_dlpack(part[f"mlp.experts.{e}.gate_proj.weight{s}"])
+            up = torch.from_dlpack(part[f"mlp.experts.{e}.up_proj.weight{s}"])
+            mine = torch.from_dlpack(part[f"mlp.experts.{e}.down_proj.weight{s}"])
+            for a, b in ((gate, gu[:half]), (up, gu[half:]), (mine, down)):
+                assert torch.equal(a.view(torch.uint8), b.contiguous().view(torch.uint8))
+    for name in part:
+        if not name.startswith("mlp.experts."):
+            assert torch.equal(torch.from_dlpack(part[name]).view(torch.uint8),
+                               torch.from_dlpack(whole[name]).view(torch.uint8))
+
+
+def test_a_subset_layer_counts_only_its_experts_bytes():
+    whole = q3.DecoderLayer.random(CFG, seed=1, dtype="bfloat16")
+    none = q3.DecoderLayer.random(CFG, seed=1, dtype="bfloat16", experts=[])
+    three = q3.DecoderLayer.random(CFG, seed=1, dtype="bfloat16", experts=[0, 5, 15])
+    per_expert = 3 * H * CFG.moe_intermediate_size * 2
+    assert none.weight_bytes == whole.weight_bytes - E * per_expert
+    assert three.weight_bytes == none.weight_bytes + 3 * per_expert
+    assert none.held_experts == () and whole.held_experts == tuple(range(E))
+
+
+def test_a_subset_layer_from_a_full_weights_dict_takes_only_its_experts():
+    """per-expert weights of the other experts are left alone (not imported), fused tensors
+    are sliced for the held ones"""
+    per = {k: torch.from_dlpack(v) for k, v in _C.random_weights(CFG, 2, "float32", None, list(range(E))).items()}
+    part = q3.DecoderLayer(CFG, per, experts=[1, 2])
+    assert not any(n.startswith("mlp.experts.") and n.split(".")[2] not in ("1", "2") for n in part.weight_ptrs)
+    fused = q3.DecoderLayer(CFG, {k: torch.from_dlpack(v) for k, v in _C.random_weights(CFG, 2, "float32").items()},
+                            experts=[1, 2])
+    rows = x_of(4, H, seed=9)
+    experts = torch.tensor([[1, 2, -1, -1]] * 4, dtype=torch.int32)
+    weights = torch.rand(4, K)
+    assert torch.equal(part.expert_half(rows, experts, weights), fused.expert_half(rows, experts, weights))
+
+
+# ---- refusals ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def part():
+    return q3.DecoderLayer.random(CFG, seed=5, dtype="float32", experts=range(8))
+
+
+def test_prefill_and_decode_refuse_a_subset_layer(part):
+    cache = part.new_cache(8)
+    with pytest.raises(ValueError, match=r"holds 8 of the 16 experts.*attention_half, then expert_half"):
+        part.prefill(x_of(3, H), cache)
+    with pytest.raises(ValueError, match="holds 8 of the 16 experts"):
+        part.decode(x_of(1, H), cache)
+    assert cache.lengths == (0,)
+
+
+@pytest.mark.parametrize("bad,err,match", [
+    (9, ValueError, r"experts\[1, 2\]: expert 9 is not held by this layer \(it holds 8 of the 16"),
+    (16, IndexError, r"experts\[1, 2\]: expected -1 \(held elsewhere\) or an expert index in \[0, 16\), got 16"),
+    (-2, IndexError, r"got -2"),
+])
+def test_an_expert_id_the_layer_cannot_run_is_refused_before_any_write(part, bad, err, match):
+    rows = x_of(3, H)
+    experts = torch.zeros(3, K, dtype=torch.int32)
+    experts[1, 2] = bad
+    out = torch.full((3, H), 2.0)
+    with pytest.raises(err, match=match):
+        part.expert_half(rows, experts, torch.rand(3, K), out=out, accumulate=True)
+    assert torch.all(out == 2.0)
+
+
+@pytest.mark.parametrize("call,err,match", [
+    (lambda l, r, e, w: l.expert_half(r[:, :5], e, w), ValueError, r"rows: expected shape \[n, hidden=64\], got \[3, 5\]"),
+    (lambda l, r, e, w: l.expert_half(r, e[:2], w), ValueError, r"experts: expected shape \[3, top_k=4\] \(rows'\), got \[2, 4\]"),
+    (lambda l, r, e, w: l.expert_half(r, e, w[:, :3]), ValueError, r"weights: expected shape \[3, top_k=4\]"),
+    (lambda l, r, e, w: l.expert_half(r, e.long(), w), TypeError, "experts"),
+    (lambda l, r, e, w: l.expert_half(r, e, w.bfloat16()), TypeError, r"weights: expected dtype float32"),
+    (lambda l, r, e, w: l.expert_half(r, e, w, accumulate=True), ValueError, "accumulate=True adds into out, got out=None"),
+    (lambda l, r, e, w: l.expert_half(r, e, w, out=torch.zeros(2, H)), ValueError, r"out: expected shape \[3, hidden=64\]"),
+    (lambda l, r, e, w: l.expert_half(r, e, w, out=r), ValueError, "out: overlaps rows"),
+    (lambda l, r, e, w: l.expert_half(r.t().contiguous().t(), e, w), ValueError, "rows: expected a contiguous"),
+    (lambda l, r, e, w: l.attention_half(r, l.new_cache(4), decode=True, seq=0), ValueError, "decode=True takes no seq"),
+])
+def test_bad_expert_half_arguments_are_named(part, call, err, match):
+    rows, experts, weights = x_of(3, H), torch.zeros(3, K, dtype=torch.int32), torch.rand(3, K)
+    with pytest.raises(err, match=match):
+        call(part, rows, experts, weights)
+
+
+@pytest.mark.parametrize("experts,err,match", [
+    ([1, 1], ValueError, r"experts\[1\]: expert 1 appears twice"),
+    ([0, 16], ValueError, r"experts\[1\]: expected an expert id in \[0, 16\) \(num_experts\), got 16"),
+    ([-1], ValueError, r"got -1"),
+    ([2 ** 70], ValueError, r"got 1180591620717411303424"),
+    ([1.0], TypeError, r"experts\[0\]: expected an int, got float"),
+    ([True], TypeError, r"experts\[0\]: expected an int, got bool"),
+    (3, TypeError, "experts: expected a sequence of expert ids, got int"),
+    ("01", TypeError, "experts: expected a sequence of expert ids, got str"),
+])
+def test_bad_experts_lists_are_refused_naming_the_entry(experts, err, match):
+    with pytest.raises(err, match=match):
+        q3.DecoderLayer.random(CFG, seed=1, dtype="float32", experts=experts)
