@@ -293,6 +293,12 @@ typedef struct {
     int acc;
 } q3_expert_half_args;
 q3_status q3_layer_expert_half(q3_layer *layer, const q3_expert_half_args *a, q3_error *err);
+/* The combine of rows whose experts ran elsewhere: resid [R, H] fp32 += parts[i] at row
+ * rows[i] for i < n in turn (parts [n, H] of parts_dtype, fp32 or bf16; a row may be named
+ * by several parts: they add in order), then out [R, H] of out_dtype (NULL: none) <- resid.
+ * Fails for a row outside [0, R) naming it, before any write. Host memory. */
+q3_status q3_combine_rows(float *resid, int64_t R, int64_t H, const void *parts, q3_dtype parts_dtype,
+                          const int32_t *rows, int64_t n, void *out, q3_dtype out_dtype, q3_error *err);
 /* how many experts the layer holds, and whether it holds expert e */
 int q3_layer_held_experts(const q3_layer *layer);
 int q3_layer_holds_expert(const q3_layer *layer, int e);

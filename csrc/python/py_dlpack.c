@@ -157,7 +157,7 @@ static int fill_view(q3_view *v, const q3_dl_tensor *t, const char *arg, int dev
     v->contiguous = 1;
     for (int d = v->ndim - 1; d >= 0; d--) {
         v->strides[d] = t->strides ? t->strides[d] : expect;
-        if (v->shape[d] != 1 && v->strides[d] != expect) v->contiguous = 0;
+        if (n > 0 && v->shape[d] != 1 && v->strides[d] != expect) v->contiguous = 0; /* an empty one always is */
         /* an empty tensor reaches nothing */
         const int64_t stride = v->strides[d] < 0 && v->strides[d] > INT64_MIN ? -v->strides[d] : v->strides[d];
         int64_t step;

@@ -105,6 +105,8 @@ q3py_tensor_object *q3py_tensor_view(q3_module_state *st, PyObject *base, void *
                                  int ndim, const int64_t *shape, const int64_t *strides);
 /* view [shape] of dtype at byte `offset` of any buffer-protocol object (kept alive) */
 PyObject *q3_buffer_view(PyObject *module, PyObject *args);
+/* _C.combine_rows (py_layer_halves.c) */
+PyObject *q3py_combine_rows(PyObject *module, PyObject *args, PyObject *kw);
 
 /* ---- KVCache (py_cache.c) --------------------------------------------------------- */
 

@@ -107,3 +107,63 @@ done:
     q3_view_release(&rows);
     return result;
 }
+
+PyObject *q3py_combine_rows(PyObject *module, PyObject *args, PyObject *kw) {
+    static char *names[] = {"resid", "parts", "rows", "out", NULL};
+    PyObject *resid_obj, *parts_obj, *rows_obj, *out_obj = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|O:combine_rows", names, &resid_obj, &parts_obj, &rows_obj,
+                                     &out_obj))
+        return NULL;
+    q3_module_state *st = PyModule_GetState(module);
+    q3_view resid = {0}, parts = {0}, rows = {0}, out = {0};
+    PyObject *result = NULL;
+    if (q3_view_acquire_on(resid_obj, "resid", &resid, -1, 0, NULL) < 0) goto done;
+    if (resid.ndim != 2 || resid.dtype != Q3_F32 || !resid.contiguous || resid.readonly) {
+        PyErr_SetString(PyExc_ValueError, "resid: expected a writable contiguous float32 tensor [R, hidden]");
+        goto done;
+    }
+    const int64_t R = resid.shape[0], H = resid.shape[1];
+    char hidden[32];
+    snprintf(hidden, sizeof hidden, "hidden");
+    if (q3_view_acquire_on(parts_obj, "parts", &parts, -1, 0, NULL) < 0 ||
+        check_2d(&parts, "parts", -1, H, hidden) < 0)
+        goto done;
+    if (q3_view_acquire_on(rows_obj, "rows", &rows, -1, Q3_VIEW_I32, NULL) < 0) goto done;
+    if (rows.ndim != 1 || rows.shape[0] != parts.shape[0] || !rows.contiguous) {
+        char got[128];
+        q3_format_shape(got, sizeof got, rows.ndim, rows.shape);
+        PyErr_Format(PyExc_ValueError, "rows: expected a contiguous int32 tensor [%lld] (one per part), got %s",
+                     (long long)parts.shape[0], got);
+        goto done;
+    }
+    if (out_obj != Py_None) {
+        if (q3_view_acquire_on(out_obj, "out", &out, -1, 0, NULL) < 0 || check_2d(&out, "out", R, H, hidden) < 0)
+            goto done;
+        if (out.readonly) {
+            PyErr_SetString(PyExc_ValueError, "out: expected a writable tensor, got a read-only one");
+            goto done;
+        }
+        if (out.data != resid.data && (overlaps(&out, &resid) || overlaps(&out, &parts))) {
+            PyErr_SetString(PyExc_ValueError, "out: overlaps resid or parts; expected separate memory");
+            goto done;
+        }
+    }
+    if (overlaps(&resid, &parts)) {
+        PyErr_SetString(PyExc_ValueError, "parts: overlaps resid; expected separate memory");
+        goto done;
+    }
+    q3_error err;
+    q3_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = q3_combine_rows(resid.data, R, H, parts.data, parts.dtype, rows.data, parts.shape[0],
+                        out_obj != Py_None ? out.data : NULL, out.dtype, &err);
+    Py_END_ALLOW_THREADS
+    if (s != Q3_OK) q3_raise(st, &err);
+    else result = Py_NewRef(Py_None);
+done:
+    q3_view_release(&out);
+    q3_view_release(&rows);
+    q3_view_release(&parts);
+    q3_view_release(&resid);
+    return result;
+}

@@ -141,6 +141,10 @@ static PyMethodDef module_methods[] = {
     {"check_config", check_config, METH_O, "check_config(config)\n--\n\nRaise if the geometry is impossible."},
     {"rope_table", q3py_rope_table, METH_O,
      "rope_table(config)\n--\n\n(inv_freq, scale): the RoPE table a layer of this config rotates by, fp32 values."},
+    {"combine_rows", (PyCFunction)(void (*)(void))q3py_combine_rows, METH_VARARGS | METH_KEYWORDS,
+     "combine_rows(resid, parts, rows, out=None)\n--\n\nresid [R, hidden] fp32 += parts[i] [n, hidden] (fp32 or "
+     "bf16) at row rows[i] (int32 [n]) in turn, then out [R, hidden] (fp32 or bf16) <- resid: the combine of rows "
+     "whose experts ran in other processes."},
     {"buffer_view", q3_buffer_view, METH_VARARGS,
      "buffer_view(obj, offset, shape, dtype)\n--\n\nA Tensor over bytes of a buffer-protocol object (kept alive)."},
     {NULL},

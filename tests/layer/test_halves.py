@@ -253,3 +253,53 @@ def test_bad_expert_half_arguments_are_named(part, call, err, match):
 def test_bad_experts_lists_are_refused_naming_the_entry(experts, err, match):
     with pytest.raises(err, match=match):
         q3.DecoderLayer.random(CFG, seed=1, dtype="float32", experts=experts)
+
+
+# ---- the combine, the checks alone ----------------------------------------------------------
+
+def test_combine_rows_adds_each_part_at_its_row_in_turn_then_writes_out():
+    resid = x_of(4, H, seed=20)
+    parts = x_of(5, H, seed=21)
+    rows = torch.tensor([2, 0, 2, 3, 2], dtype=torch.int32)
+    want = resid.clone()
+    for i, r in enumerate(rows.tolist()):
+        want[r] += parts[i]
+    out = torch.empty(4, H, dtype=torch.bfloat16)
+    _C.combine_rows(resid, parts, rows, out)
+    assert torch.equal(resid, want) and torch.equal(out, want.to(torch.bfloat16))
+    again, expect = want.clone(), want.clone()
+    _C.combine_rows(again, parts.bfloat16(), rows)  # bf16 parts, no out
+    for i, r in enumerate(rows.tolist()):
+        expect[r] += parts[i].bfloat16().float()
+    assert torch.equal(again, expect)
+
+
+@pytest.mark.parametrize("resid,parts,rows,err,match", [
+    (torch.zeros(4, H), torch.zeros(2, H), torch.tensor([1, 4], dtype=torch.int32), IndexError,
+     r"rows\[1\]: expected a row in \[0, 4\), got 4"),
+    (torch.zeros(4, H), torch.zeros(2, H), torch.tensor([1], dtype=torch.int32), ValueError, r"rows: expected .*\[2\]"),
+    (torch.zeros(4, H).bfloat16(), torch.zeros(2, H), torch.tensor([1, 2], dtype=torch.int32), ValueError,
+     "resid: expected a writable contiguous float32"),
+    (torch.zeros(4, H), torch.zeros(2, 5), torch.tensor([1, 2], dtype=torch.int32), ValueError, "parts: expected shape"),
+])
+def test_combine_rows_refuses_before_any_write(resid, parts, rows, err, match):
+    before = resid.clone()
+    with pytest.raises(err, match=match):
+        _C.combine_rows(resid, parts, rows)
+    assert torch.equal(resid, before)
+
+
+def test_empty_views_count_as_contiguous(whole):
+    """a 0-row slice of a wider tensor keeps its strides: it was refused as not contiguous
+    (an EP rank receiving no rows hit it)"""
+    meta = torch.empty(0, 2 * K, dtype=torch.int32)
+    got = whole.expert_half(torch.empty(0, H, dtype=DT[whole.dtype]), meta[:, :K], meta[:, K:].view(torch.float32))
+    assert got.shape == (0, H)
+
+
+def test_attention_half_check_only_runs_the_checks_and_nothing_else(whole):
+    cache = whole.new_cache(4)
+    x = x_of(3, H, dtype=whole.dtype)
+    assert whole._core.attention_half(x, cache, check_only=True) is None and cache.lengths == (0,)
+    with pytest.raises(q3.CacheFullError, match="5 more do not fit"):
+        whole._core.attention_half(x_of(5, H, dtype=whole.dtype), cache, check_only=True)

@@ -1,0 +1,244 @@
+"""Expert parallelism over torch.distributed: the layer's experts sharded over the ranks of a
+process group, tokens exchanged all-to-all, attention data-parallel.
+
+Every rank holds the attention and router weights, its own KV cache and its own sequences,
+and a subset of the experts (DecoderLayer(experts=...)). A call runs pass by pass (chunk by
+chunk of prefill; one pass for decode), every rank taking part in every pass:
+
+  1. the call's kind and pass count are agreed (an all_gather): ranks whose calls need fewer
+     passes take part in the last ones with no rows; a rank whose call failed its checks, or
+     that called another method, makes every rank raise, naming it, before any work;
+  2. the attention half of the rank's own rows of the pass (attention_half);
+  3. each row goes once to each rank holding one of its experts, with its expert ids (-1
+     where the expert is another rank's) and weights: counts, then rows and routes, by
+     all_to_all_single with uneven splits;
+  4. each rank runs its experts on the rows it received (expert_half, every expert's weights
+     read once); a failure there is raised on every rank;
+  5. the weighted sums go back by a second all_to_all_single and are added into the residual
+     stream (combine_rows), in rank order.
+
+A rank with no tokens calls the same method with x of 0 rows ([0, hidden]) and takes part in
+every exchange. The group's timeout bounds every collective. The rows travel in the layer's
+dtype (bf16 rows: the sums then differ from the single-process layer within bf16 rounding).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, List, Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+from .config import LayerConfig
+from .layer import DecoderLayer, KVCache
+
+__all__ = ["ExpertParallelLayer", "contiguous_placement"]
+
+_KINDS = ("prefill", "decode")
+
+
+def contiguous_placement(num_experts: int, world: int) -> List[List[int]]:
+    """Experts in contiguous shards, the first num_experts % world ranks one more."""
+    if world < 1:
+        raise ValueError(f"world: expected at least 1 rank, got {world}")
+    base, extra = divmod(num_experts, world)
+    shards, start = [], 0
+    for r in range(world):
+        n = base + (r < extra)
+        shards.append(list(range(start, start + n)))
+        start += n
+    return shards
+
+
+def _check_placement(placement: Sequence[Sequence[int]], num_experts: int, world: int) -> List[List[int]]:
+    if len(placement) != world:
+        raise ValueError(f"placement: expected a list of expert ids for each of the {world} ranks, "
+                         f"got {len(placement)} lists")
+    seen: dict = {}
+    for r, ids in enumerate(placement):
+        for e in ids:
+            if type(e) is not int or not 0 <= e < num_experts:
+                raise ValueError(f"placement[{r}]: expected expert ids in [0, {num_experts}), got {e!r}")
+            if e in seen:
+                raise ValueError(f"placement: expert {e} placed on ranks {seen[e]} and {r}; expected each on one")
+            seen[e] = r
+    missing = [e for e in range(num_experts) if e not in seen]
+    if missing:
+        raise ValueError(f"placement: experts {missing[:8]}{' ...' if len(missing) > 8 else ''} are on no rank")
+    return [list(ids) for ids in placement]
+
+
+class ExpertParallelLayer:
+    """A DecoderLayer whose experts are split over the ranks of `group` (default: the world).
+
+    placement: the expert ids of each rank (default contiguous_placement); every rank must be
+    given the same. Each rank builds only its own experts. prefill/decode take and return what
+    DecoderLayer's do, for this rank's sequences and cache; every rank of the group must call
+    the same method the same number of times (x of 0 rows when it has nothing)."""
+
+    def __init__(self, config: LayerConfig, weights: Mapping[str, Any], *, group: Any = None,
+                 placement: Optional[Sequence[Sequence[int]]] = None, dtype: Optional[str] = None,
+                 weight_format: Optional[str] = None) -> None:
+        self._place(config, group, placement)
+        self.layer = DecoderLayer(config, weights, dtype=dtype, weight_format=weight_format, experts=self.experts)
+
+    @classmethod
+    def random(cls, config: LayerConfig, seed: int = 0, dtype: str = "bfloat16", *, group: Any = None,
+               placement: Optional[Sequence[Sequence[int]]] = None,
+               weight_format: Optional[str] = None) -> "ExpertParallelLayer":
+        """Each rank's share of DecoderLayer.random(config, seed): the same attention weights,
+        and its experts equal, expert for expert, to the whole layer's (the others never made)."""
+        self = cls.__new__(cls)
+        self._place(config, group, placement)
+        self.layer = DecoderLayer.random(config, seed, dtype, weight_format=weight_format, experts=self.experts)
+        return self
+
+    def _place(self, config: LayerConfig, group: Any, placement: Optional[Sequence[Sequence[int]]]) -> None:
+        """the group, this rank, the placement and the owner of each expert"""
+        if not isinstance(config, LayerConfig):
+            raise TypeError(f"config: expected a qwen3layer.LayerConfig, got {type(config).__name__}")
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("ExpertParallelLayer: torch.distributed is not initialized "
+                               "(call torch.distributed.init_process_group first)")
+        self.group = group if group is not None else dist.group.WORLD
+        self.world = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        self.config = config
+        E = config.num_experts
+        self.placement = _check_placement(placement, E, self.world) if placement is not None \
+            else contiguous_placement(E, self.world)
+        owner = [0] * E
+        for r, ids in enumerate(self.placement):
+            for e in ids:
+                owner[e] = r
+        self._owner = torch.tensor(owner, dtype=torch.int64)
+        self.experts = tuple(sorted(self.placement[self.rank]))
+
+    # ---- calls -------------------------------------------------------------------------------
+
+    @property
+    def dtype(self) -> str:
+        return self.layer.dtype
+
+    def new_cache(self, max_tokens: int, batch: int = 1, dtype: Optional[str] = None) -> KVCache:
+        return self.layer.new_cache(max_tokens, batch, dtype)
+
+    def prefill(self, x: Any, cache: KVCache, seq: Optional[int] = None,
+                chunk_size: Optional[int] = None) -> Any:
+        """As DecoderLayer.prefill, x [S, hidden] or [batch, S, hidden]; S may be 0 (an empty
+        call: no attention, 0 rows out, every exchange taken part in)."""
+        tokens = x.shape[-2] if x.dim() >= 2 else 0
+        step = chunk_size or int(_C.build_info()["default_chunk"])
+        passes = math.ceil(tokens / step) if tokens else 0
+        return self._call("prefill", x, cache, passes, step, seq=seq, chunk_size=chunk_size)
+
+    def decode(self, x: Any, cache: KVCache) -> Any:
+        """As DecoderLayer.decode, x [batch, hidden]; x of 0 rows is the empty call."""
+        return self._call("decode", x, cache, 1 if x.shape[0] else 0, 1)
+
+    def _call(self, kind: str, x: Any, cache: KVCache, passes: int, step: int, **kw) -> Any:
+        H = self.config.hidden_size
+        problem = None
+        if x.shape[-1] != H:
+            problem = f"x: expected shape [..., hidden={H}], got {list(x.shape)}"
+        elif passes:
+            try:
+                self.layer._core.attention_half(x, cache, **kw, decode=kind == "decode", check_only=True)
+            except Exception as e:  # raised on this rank below, named on the others
+                problem = e
+        calls = [None] * self.world
+        dist.all_gather_object(calls, (kind, passes, None if problem is None else str(problem)), group=self.group)
+        self._agree(calls, problem)
+        total = max(c[1] for c in calls)
+        lengths = None if not passes else list(cache.lengths)
+        y = torch.empty(x.shape, dtype=x.dtype)
+        try:
+            for p in range(total):
+                if p < passes:
+                    sl = slice(p * step, (p + 1) * step)
+                    xp = x if kind == "decode" else x[..., sl, :].contiguous()
+                    halves = self.layer.attention_half(xp, cache, seq=kw.get("seq"), decode=kind == "decode") \
+                        if kind == "prefill" else self.layer.attention_half(xp, cache, decode=True)
+                    out = self._exchange(*(t.reshape(-1, t.shape[-1]) for t in halves), x.dtype)
+                    if kind == "decode":
+                        y = out.reshape(x.shape)
+                    else:
+                        y[..., sl, :] = out.reshape(xp.shape)
+                else:
+                    self._exchange(None, None, None, None, x.dtype)
+        except BaseException:
+            if lengths is not None:  # nothing half-written: the cache back to where the call began
+                for s, n in enumerate(lengths):
+                    if cache.lengths[s] != n:
+                        cache.truncate(n, s)
+            raise
+        return y
+
+    def _agree(self, calls: list, problem: Any) -> None:
+        kinds = {c[0] for c in calls}
+        if len(kinds) > 1:
+            who = ", ".join(f"rank {r} called {c[0]}" for r, c in enumerate(calls))
+            raise RuntimeError(f"ExpertParallelLayer: the ranks made different calls ({who}); every rank must call "
+                               "the same method (x of 0 rows when it has no tokens)")
+        failed = [(r, c[2]) for r, c in enumerate(calls) if c[2] is not None]
+        if problem is not None:
+            raise problem if isinstance(problem, BaseException) else ValueError(problem)
+        if failed:
+            r, msg = failed[0]
+            raise RuntimeError(f"ExpertParallelLayer: rank {r}'s {calls[r][0]} call failed its checks, so no rank ran "
+                               f"it: {msg}")
+
+    def _exchange(self, resid, normed, experts, weights, dtype) -> Optional[torch.Tensor]:
+        """One pass's dispatch, experts and combine; every argument None: a pass with no rows"""
+        W, H, K, g = self.world, self.config.hidden_size, self.config.num_experts_per_tok, self.group
+        if resid is None:
+            normed = torch.empty(0, H, dtype=dtype)
+            experts = torch.empty(0, K, dtype=torch.int32)
+            weights = torch.empty(0, K, dtype=torch.float32)
+        dest = self._owner[experts.long()]                               # [n, K] rank of each choice
+        hit = torch.zeros(experts.shape[0], W, dtype=torch.bool)
+        hit.scatter_(1, dest, True)                                      # [n, W] row i goes to rank d
+        to_rank, rows = hit.t().nonzero(as_tuple=True)                   # by rank, rows ascending
+        send = hit.sum(0).tolist()
+        routes = torch.where(dest[rows] == to_rank[:, None], experts[rows], -1)
+        meta = torch.cat([routes, weights[rows].view(torch.int32)], 1)   # [m, 2K]: ids, weights' bits
+        counts = torch.empty(W, dtype=torch.int64)
+        dist.all_to_all_single(counts, torch.tensor(send, dtype=torch.int64), group=g)
+        recv = counts.tolist()
+        in_rows = torch.empty(sum(recv), H, dtype=dtype)
+        dist.all_to_all_single(in_rows, normed[rows], recv, send, group=g)
+        in_meta = torch.empty(sum(recv), 2 * K, dtype=torch.int32)
+        dist.all_to_all_single(in_meta, meta, recv, send, group=g)
+        status, partial = None, None
+        try:
+            partial = self.layer.expert_half(in_rows, in_meta[:, :K].contiguous(),
+                                             in_meta[:, K:].contiguous().view(torch.float32))
+        except Exception as e:
+            status = e
+        self._agree_status(status)
+        back = torch.empty(len(rows), H, dtype=dtype)
+        dist.all_to_all_single(back, partial, send, recv, group=g)
+        if resid is None:
+            return None
+        out = torch.empty(resid.shape, dtype=dtype)
+        _C.combine_rows(resid, back, rows.to(torch.int32), out)
+        return out
+
+    def _agree_status(self, status: Optional[BaseException]) -> None:
+        flags = [torch.zeros(1, dtype=torch.int32) for _ in range(self.world)]
+        dist.all_gather(flags, torch.tensor([0 if status is None else 1], dtype=torch.int32), group=self.group)
+        failed = [r for r, f in enumerate(flags) if int(f)]
+        if not failed:
+            return
+        msgs = [None] * self.world
+        dist.all_gather_object(msgs, None if status is None else f"{type(status).__name__}: {status}", group=self.group)
+        if status is not None:
+            raise status
+        r = failed[0]
+        raise RuntimeError(f"ExpertParallelLayer: rank {r}'s experts failed: {msgs[r]}")
+
+    def __repr__(self) -> str:
+        return (f"ExpertParallelLayer(rank {self.rank} of {self.world}, experts {len(self.experts)} of "
+                f"{self.config.num_experts}, {self.layer!r})")
+

@@ -1,0 +1,147 @@
+"""One rank of the expert-parallel tests (tests/parallel/): started by torch.multiprocessing
+with gloo over a file:// rendezvous; every check is an assert in the rank, so a failing rank
+fails the spawn with its traceback. Each rank compares its ExpertParallelLayer with the
+single-process DecoderLayer of the same seed on the same rows, its own."""
+import datetime
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+CFG_ARGS = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=24,
+                num_experts=16, num_experts_per_tok=4, moe_intermediate_size=48)
+H = CFG_ARGS["hidden_size"]
+
+
+def _x(shape, seed, dtype):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _close(got, want, dtype, what):
+    if dtype == torch.float32:
+        err = (got - want).abs().max().item() if got.numel() else 0.0
+        assert err <= 1e-5 * max(1.0, want.abs().max().item()), f"{what}: fp32 off by {err}"
+    else:  # the rows travel in bf16, the sums are rounded once more: within bf16 rounding
+        assert torch.allclose(got.float(), want.float(), rtol=2 ** -7, atol=2 ** -7), \
+            f"{what}: bf16 off by {(got.float() - want.float()).abs().max().item()}"
+
+
+def _same_cache(a, b, batch):
+    assert a.lengths == b.lengths, (a.lengths, b.lengths)
+    for s in range(batch):
+        assert torch.equal(torch.from_dlpack(a.keys(s)), torch.from_dlpack(b.keys(s)))
+        assert torch.equal(torch.from_dlpack(a.values(s)), torch.from_dlpack(b.values(s)))
+
+
+def _expect(call, exc, *needles):
+    try:
+        call()
+    except exc as e:
+        for n in needles:
+            assert n in str(e), (n, str(e))
+        return
+    raise AssertionError(f"expected {exc.__name__} with {needles}")
+
+
+def scenarios(ep, ref, rank, world, dtype):
+    """prefill (ragged, chunked differently per rank, a rank with no tokens), a left-padded
+    batch then decode steps, all against the single-process layer, caches included"""
+    tokens = [37, 5, 0, 12][rank % 4]            # rank 2 (of 3) has nothing to prefill
+    chunk = [16, None, 4, 7][rank % 4]           # different pass counts: the ranks agree on the largest
+    x = _x((tokens, H), 100 + rank, dtype)
+    c_ep, c_ref = ep.new_cache(64), ref.new_cache(64)
+    y = ep.prefill(x, c_ep, chunk_size=chunk)
+    assert y.shape == x.shape and y.dtype == dtype
+    if tokens:
+        _close(y, ref.prefill(x, c_ref, chunk_size=chunk), dtype, "prefill")
+    _same_cache(c_ep, c_ref, 1)
+
+    batch = 2
+    b_ep, b_ref = ep.new_cache(32, batch=batch), ref.new_cache(32, batch=batch)
+    for c in (b_ep, b_ref):
+        c.set_padding(3, 0)
+    xb = _x((batch, 9, H), 200 + rank, dtype)
+    if rank == 1:  # an empty call for the batch too: 0 rows
+        assert ep.prefill(xb[:, :0].reshape(0, H), b_ep).shape == (0, H)
+    else:
+        _close(ep.prefill(xb, b_ep, chunk_size=4), ref.prefill(xb, b_ref, chunk_size=4), dtype, "batched prefill")
+    for step in range(3):
+        if rank == 1:
+            assert ep.decode(torch.empty(0, H, dtype=dtype), b_ep).shape == (0, H)
+            continue
+        t = _x((batch, H), 300 + 10 * rank + step, dtype)
+        _close(ep.decode(t, b_ep), ref.decode(t, b_ref), dtype, f"decode step {step}")
+    _same_cache(b_ep, b_ref, batch)
+
+
+def refusals(ep, rank, world, dtype):
+    """a mismatched call, a call failing its checks on one rank, a failure inside one rank's
+    experts: raised on every rank, the caches as they were, the group still in step after"""
+    cache = ep.new_cache(16 if rank != world - 1 else 2)
+    x = _x((3, H), 400 + rank, dtype)
+    if rank == 0:
+        _expect(lambda: ep.decode(x[:1], cache), RuntimeError, "rank 0 called decode", "rank 1 called prefill")
+    else:
+        _expect(lambda: ep.prefill(x, cache), RuntimeError, "rank 0 called decode", "rank 1 called prefill")
+    assert cache.lengths == (0,)
+
+    last = world - 1  # its cache holds 2 tokens: 3 do not fit
+    if rank == last:
+        _expect(lambda: ep.prefill(x, cache), Exception, "do not fit")
+    else:
+        _expect(lambda: ep.prefill(x, cache), RuntimeError, f"rank {last}'s prefill call failed its checks",
+                "do not fit")
+    assert cache.lengths == (0,)
+
+    real = ep.layer.expert_half
+    if rank == 1:
+        def planted(*args, **kw):
+            raise OSError("planted in rank 1's experts")
+        ep.layer.expert_half = planted
+    x2 = x[:2]
+    if rank == 1:
+        _expect(lambda: ep.prefill(x2, cache, chunk_size=1), OSError, "planted")
+    else:
+        _expect(lambda: ep.prefill(x2, cache, chunk_size=1), RuntimeError,
+                "rank 1's experts failed: OSError: planted in rank 1's experts")
+    assert cache.lengths == (0,), cache.lengths  # rolled back: nothing half-written
+    ep.layer.expert_half = real
+    assert ep.prefill(x2, cache).shape == x2.shape  # in step again
+
+
+def run_rank(rank, world, init_file, placement_kind):
+    import faulthandler
+    faulthandler.enable()  # a rank that crashes says where
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        import qwen3layer as q3
+        from qwen3layer.parallel import ExpertParallelLayer, contiguous_placement
+
+        cfg = q3.LayerConfig(**CFG_ARGS)
+        E = cfg.num_experts
+        placement = None
+        if placement_kind == "one_rank_gets_nothing":  # the last rank's experts: none, so never a row
+            placement = contiguous_placement(E, world - 1) + [[]]
+        elif placement_kind == "strided":
+            placement = [list(range(r, E, world)) for r in range(world)]
+        for name in ("float32", "bfloat16"):
+            dtype = getattr(torch, name)
+            ep = ExpertParallelLayer.random(cfg, seed=5, dtype=name, placement=placement)
+            want = (placement or contiguous_placement(E, world))[rank]
+            assert ep.layer.held_experts == tuple(sorted(want))
+            ref = q3.DecoderLayer.random(cfg, seed=5, dtype=name)
+            scenarios(ep, ref, rank, world, dtype)
+        refusals(ep, rank, world, dtype)
+        dist.barrier()  # no rank tears its connections down while another still reads from them
+    finally:
+        dist.destroy_process_group()
+    # Every check passed. The process then ends without the interpreter's teardown: after the
+    # planted failure of refusals() (and only then: 0 of 30 runs without it), ~1 run in 12 of 3
+    # ranks aborted in C++ teardown ("terminate called without an active exception", no Python
+    # frame), never with OMP_NUM_THREADS=1; not yet understood, recorded in the issue's note.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
