@@ -208,15 +208,25 @@ class DecoderLayer:
         return self._result(x, y, out)
 
     def attention_half(self, x: Any, cache: KVCache, seq: Optional[int] = None,
-                       chunk_size: Optional[int] = None, *, decode: bool = False) -> tuple:
+                       chunk_size: Optional[int] = None, *, decode: bool = False, return_router: bool = False,
+                       return_attention: bool = False, attention_limit: Optional[int] = None) -> tuple:
         """The layer up to its experts, for x as prefill takes it (decode=True: as decode):
         the tokens' K/V appended to the cache as prefill/decode append them. Returns (resid,
         normed, experts, weights): x + attention (fp32) and post_attention_layernorm of it
         (x's dtype), both of x's shape, and the router's top-k expert ids (int32, by
         descending weight) and weights (fp32), [..., top_k]. With expert_half on those rows,
         and resid + its output, it is the layer: prefill is the two halves run pass by pass.
-        A layer holding a subset of the experts runs it like any other. CPU layers."""
-        return tuple(_like(x, t) for t in self._core.attention_half(x, cache, seq, chunk_size, decode=decode))
+        A layer holding a subset of the experts runs it like any other. CPU layers.
+        return_router / return_attention: a fifth element, a LayerTrace (output None) of the
+        insides prefill would give for the call."""
+        r = self._core.attention_half(x, cache, seq, chunk_size, decode=decode, return_router=return_router,
+                                      return_attention=return_attention, attention_limit=attention_limit)
+        if len(r) == 4:
+            return tuple(_like(x, t) for t in r)
+        from .trace import LayerTrace
+
+        halves, *insides = r
+        return (*(_like(x, t) for t in halves), LayerTrace(None, *(None if t is None else _like(x, t) for t in insides)))
 
     def expert_half(self, rows: Any, experts: Any, weights: Any, *, out: Any = None,
                     accumulate: bool = False) -> Any:

@@ -24,6 +24,7 @@ dtype (bf16 rows: the sums then differ from the single-process layer within bf16
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, List, Mapping, Optional, Sequence
 
 import torch
@@ -35,7 +36,48 @@ from .layer import DecoderLayer, KVCache
 
 __all__ = ["ExpertParallelLayer", "contiguous_placement"]
 
-_KINDS = ("prefill", "decode")
+STAT_KEYS = ("attention_s", "dispatch_s", "experts_s", "combine_s", "passes", "rows_sent", "rows_received",
+             "bytes_sent", "bytes_received")
+
+
+def _as_torch(x: Any) -> torch.Tensor:
+    return x if isinstance(x, torch.Tensor) else torch.from_dlpack(x)
+
+
+class _Insides:
+    """A call's insides gathered pass by pass into the shapes DecoderLayer gives for the whole
+    call: router rows at the pass's tokens; attention maps [batch, heads, tokens, context] with
+    each pass's columns (the cache so far) placed and the rest 0, as the whole call's are where
+    a query does not look."""
+
+    def __init__(self, c: LayerConfig, kind: str, x: torch.Tensor, cache: KVCache, insides: dict,
+                 seq: Optional[int]) -> None:
+        lead = tuple(x.shape[:-1])
+        self.router = insides["return_router"]
+        self.logits = torch.zeros(lead + (c.num_experts,)) if self.router else None
+        self.experts = torch.zeros(lead + (c.num_experts_per_tok,), dtype=torch.int32) if self.router else None
+        self.weights = torch.zeros(lead + (c.num_experts_per_tok,)) if self.router else None
+        self.maps = None
+        if insides["return_attention"]:
+            decode = kind == "decode"
+            batch = x.shape[0] if decode or x.dim() == 3 else 1
+            tokens = 1 if decode else x.shape[-2]
+            seqs = range(batch) if decode or x.dim() == 3 else [seq or 0]
+            context = max((cache.lengths[s] + tokens for s in seqs), default=0) if x.shape[0] else 0
+            self.maps = torch.zeros(batch, c.num_attention_heads, tokens, context)
+
+    def add(self, sl: slice, trace: Any) -> None:
+        if self.router:
+            for mine, theirs in ((self.logits, trace.router_logits), (self.experts, trace.experts),
+                                 (self.weights, trace.expert_weights)):
+                mine[..., sl, :] = theirs
+        if self.maps is not None:
+            maps = trace.attention
+            self.maps[:, :, sl, :maps.shape[-1]] = maps
+
+    def done(self, y: torch.Tensor) -> Any:
+        from .trace import LayerTrace
+        return LayerTrace(y, self.logits, self.experts, self.weights, self.maps)
 
 
 def contiguous_placement(num_experts: int, world: int) -> List[List[int]]:
@@ -114,6 +156,14 @@ class ExpertParallelLayer:
                 owner[e] = r
         self._owner = torch.tensor(owner, dtype=torch.int64)
         self.experts = tuple(sorted(self.placement[self.rank]))
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        """Zero `stats`: this rank's seconds in each phase of its passes (attention: the
+        attention half; dispatch: the counts, rows and routes out; experts: its experts on what
+        it received; combine: the sums back and their addition) and what it moved (rows sent to
+        other ranks' experts and received for its own, and their bytes with the routes)."""
+        self.stats = {k: 0 for k in STAT_KEYS}
 
     # ---- calls -------------------------------------------------------------------------------
 
@@ -124,56 +174,82 @@ class ExpertParallelLayer:
     def new_cache(self, max_tokens: int, batch: int = 1, dtype: Optional[str] = None) -> KVCache:
         return self.layer.new_cache(max_tokens, batch, dtype)
 
-    def prefill(self, x: Any, cache: KVCache, seq: Optional[int] = None,
-                chunk_size: Optional[int] = None) -> Any:
+    def prefill(self, x: Any, cache: KVCache, seq: Optional[int] = None, chunk_size: Optional[int] = None, *,
+                out: Any = None, return_router: bool = False, return_attention: bool = False,
+                attention_limit: Optional[int] = None) -> Any:
         """As DecoderLayer.prefill, x [S, hidden] or [batch, S, hidden]; S may be 0 (an empty
-        call: no attention, 0 rows out, every exchange taken part in)."""
+        call: no attention, 0 rows out, every exchange taken part in). x: a torch tensor, or
+        anything with __dlpack__ (taken as a torch tensor, zero-copy); y is a torch tensor (or
+        out). The insides as DecoderLayer's, gathered pass by pass."""
+        x = _as_torch(x)
         tokens = x.shape[-2] if x.dim() >= 2 else 0
         step = chunk_size or int(_C.build_info()["default_chunk"])
         passes = math.ceil(tokens / step) if tokens else 0
-        return self._call("prefill", x, cache, passes, step, seq=seq, chunk_size=chunk_size)
+        insides = dict(return_router=return_router, return_attention=return_attention, attention_limit=attention_limit)
+        return self._call("prefill", x, cache, passes, step, out, insides, seq=seq, chunk_size=chunk_size)
 
-    def decode(self, x: Any, cache: KVCache) -> Any:
+    def decode(self, x: Any, cache: KVCache, *, out: Any = None, return_router: bool = False,
+               return_attention: bool = False, attention_limit: Optional[int] = None) -> Any:
         """As DecoderLayer.decode, x [batch, hidden]; x of 0 rows is the empty call."""
-        return self._call("decode", x, cache, 1 if x.shape[0] else 0, 1)
+        x = _as_torch(x)
+        insides = dict(return_router=return_router, return_attention=return_attention, attention_limit=attention_limit)
+        return self._call("decode", x, cache, 1 if x.shape[0] else 0, 1, out, insides)
 
-    def _call(self, kind: str, x: Any, cache: KVCache, passes: int, step: int, **kw) -> Any:
+    def _check(self, kind: str, x: torch.Tensor, cache: KVCache, passes: int, out: Any, insides: dict,
+               kw: dict) -> Any:
+        """this rank's call's problem (None: none), found by the engine's own checks"""
         H = self.config.hidden_size
-        problem = None
-        if x.shape[-1] != H:
-            problem = f"x: expected shape [..., hidden={H}], got {list(x.shape)}"
-        elif passes:
-            try:
-                self.layer._core.attention_half(x, cache, **kw, decode=kind == "decode", check_only=True)
-            except Exception as e:  # raised on this rank below, named on the others
-                problem = e
+        if x.dim() < 2 or x.shape[-1] != H:
+            return ValueError(f"x: expected shape [..., hidden={H}], got {list(x.shape)}")
+        if out is not None and (not isinstance(out, torch.Tensor) or out.shape != x.shape or out.dtype != x.dtype):
+            got = f"{type(out).__name__} {list(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) \
+                else type(out).__name__
+            return ValueError(f"out: expected a torch tensor of x's shape {list(x.shape)} and dtype {x.dtype}, "
+                              f"got {got}")
+        if not passes:
+            return None
+        try:
+            self.layer._core.attention_half(x, cache, **kw, decode=kind == "decode", check_only=True, **insides)
+        except Exception as e:  # raised on this rank, named on the others
+            return e
+        return None
+
+    def _call(self, kind: str, x: torch.Tensor, cache: KVCache, passes: int, step: int, out: Any,
+              insides: dict, **kw) -> Any:
+        problem = self._check(kind, x, cache, passes, out, insides, kw)
         calls = [None] * self.world
         dist.all_gather_object(calls, (kind, passes, None if problem is None else str(problem)), group=self.group)
         self._agree(calls, problem)
         total = max(c[1] for c in calls)
         lengths = None if not passes else list(cache.lengths)
-        y = torch.empty(x.shape, dtype=x.dtype)
+        y = out if out is not None else torch.empty(x.shape, dtype=x.dtype)
+        trace = _Insides(self.config, kind, x, cache, insides, kw.get("seq")) \
+            if insides["return_router"] or insides["return_attention"] else None
         try:
             for p in range(total):
-                if p < passes:
-                    sl = slice(p * step, (p + 1) * step)
-                    xp = x if kind == "decode" else x[..., sl, :].contiguous()
-                    halves = self.layer.attention_half(xp, cache, seq=kw.get("seq"), decode=kind == "decode") \
-                        if kind == "prefill" else self.layer.attention_half(xp, cache, decode=True)
-                    out = self._exchange(*(t.reshape(-1, t.shape[-1]) for t in halves), x.dtype)
-                    if kind == "decode":
-                        y = out.reshape(x.shape)
-                    else:
-                        y[..., sl, :] = out.reshape(xp.shape)
-                else:
+                if p >= passes:
                     self._exchange(None, None, None, None, x.dtype)
+                    continue
+                sl = slice(None) if kind == "decode" else slice(p * step, (p + 1) * step)  # the pass's tokens
+                xp = x if kind == "decode" else x[..., sl, :].contiguous()
+                t0 = time.perf_counter()
+                r = self.layer.attention_half(xp, cache, decode=kind == "decode", **insides,
+                                              **({} if kind == "decode" else {"seq": kw.get("seq")}))
+                self.stats["attention_s"] += time.perf_counter() - t0
+                if trace is not None:
+                    trace.add(sl, r[4])
+                y_p = self._exchange(*(t.reshape(-1, t.shape[-1]) for t in r[:4]), x.dtype).reshape(xp.shape)
+                if kind == "decode":
+                    y.copy_(y_p)
+                else:
+                    y[..., sl, :] = y_p
         except BaseException:
             if lengths is not None:  # nothing half-written: the cache back to where the call began
                 for s, n in enumerate(lengths):
                     if cache.lengths[s] != n:
                         cache.truncate(n, s)
             raise
-        return y
+        return y if trace is None else trace.done(y)
 
     def _agree(self, calls: list, problem: Any) -> None:
         kinds = {c[0] for c in calls}
@@ -192,6 +268,7 @@ class ExpertParallelLayer:
     def _exchange(self, resid, normed, experts, weights, dtype) -> Optional[torch.Tensor]:
         """One pass's dispatch, experts and combine; every argument None: a pass with no rows"""
         W, H, K, g = self.world, self.config.hidden_size, self.config.num_experts_per_tok, self.group
+        t0 = time.perf_counter()
         if resid is None:
             normed = torch.empty(0, H, dtype=dtype)
             experts = torch.empty(0, K, dtype=torch.int32)
@@ -210,6 +287,7 @@ class ExpertParallelLayer:
         dist.all_to_all_single(in_rows, normed[rows], recv, send, group=g)
         in_meta = torch.empty(sum(recv), 2 * K, dtype=torch.int32)
         dist.all_to_all_single(in_meta, meta, recv, send, group=g)
+        t1 = time.perf_counter()
         status, partial = None, None
         try:
             partial = self.layer.expert_half(in_rows, in_meta[:, :K].contiguous(),
@@ -217,12 +295,25 @@ class ExpertParallelLayer:
         except Exception as e:
             status = e
         self._agree_status(status)
+        t2 = time.perf_counter()
         back = torch.empty(len(rows), H, dtype=dtype)
         dist.all_to_all_single(back, partial, send, recv, group=g)
-        if resid is None:
-            return None
-        out = torch.empty(resid.shape, dtype=dtype)
-        _C.combine_rows(resid, back, rows.to(torch.int32), out)
+        out = None
+        if resid is not None:
+            out = torch.empty(resid.shape, dtype=dtype)
+            _C.combine_rows(resid, back, rows.to(torch.int32), out)
+        st, row_bytes = self.stats, H * in_rows.element_size() + 8 * K  # a row, its ids and weights
+        st["dispatch_s"] += t1 - t0
+        st["experts_s"] += t2 - t1
+        st["combine_s"] += time.perf_counter() - t2
+        st["passes"] += 1
+        away = sum(send) - send[self.rank]  # what stays on this rank is not on the wire
+        came = sum(recv) - recv[self.rank]
+        st["rows_sent"] += away
+        st["rows_received"] += came
+        # out: rows with routes, then back the sums for what came; in: the mirror
+        st["bytes_sent"] += away * row_bytes + came * H * in_rows.element_size()
+        st["bytes_received"] += came * row_bytes + away * H * in_rows.element_size()
         return out
 
     def _agree_status(self, status: Optional[BaseException]) -> None:

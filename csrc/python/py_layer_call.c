@@ -199,12 +199,14 @@ static PyObject *run(q3py_layer_object *self, PyObject *x_obj, PyObject *cache_o
         q3_raise(st, &err);
         goto done;
     }
-    if (half == 2) { /* the checks alone */
-        result = Py_NewRef(Py_None);
+    if (half == 2) { /* the checks alone (with the insides' limit: their outputs made and dropped) */
+        if (q3py_insides_make(ins, st, self->layer, co->cache, &x, self->device, &a) == 0) result = Py_NewRef(Py_None);
         goto done;
     }
     if (half) {
-        if (make_half_outputs(st, cfg, &x, halves, &half_out) < 0) goto done;
+        if (make_half_outputs(st, cfg, &x, halves, &half_out) < 0 ||
+            q3py_insides_make(ins, st, self->layer, co->cache, &x, self->device, &a) < 0)
+            goto done;
         result = Py_NewRef(Py_None);
     } else if (q3py_insides_make(ins, st, self->layer, co->cache, &x, self->device, &a) < 0) {
         goto done;
@@ -236,9 +238,12 @@ done:
     if (seq_list != seqs) PyMem_Free(seq_list);
     q3_view_release(&out);
     q3_view_release(&x);
-    if (half == 1) { /* (resid, normed, experts, weights) */
+    if (half == 1) { /* (resid, normed, experts, weights), in the insides' tuple when asked for */
         if (result) Py_SETREF(result, PyTuple_Pack(4, halves[0], halves[1], halves[2], halves[3]));
         for (int i = 0; i < 4; i++) Py_XDECREF(halves[i]);
+    }
+    if (half == 2) {
+        q3py_insides_clear(ins);
         return result;
     }
     result = q3py_insides_result(ins, result);
@@ -273,13 +278,15 @@ static PyObject *layer_decode(q3py_layer_object *self, PyObject *args, PyObject 
 }
 
 static PyObject *layer_attention_half(q3py_layer_object *self, PyObject *args, PyObject *kw) {
-    static char *names[] = {"x", "cache", "seq", "chunk_size", "decode", "check_only", NULL};
+    static char *names[] = {"x", "cache", "seq", "chunk_size", "decode", "check_only", "return_router",
+                            "return_attention", "attention_limit", NULL};
     PyObject *x, *cache, *seq = Py_None, *chunk = Py_None;
+    PyObject *router = Py_False, *attention = Py_False, *limit = Py_None;
     int decode = 0, check_only = 0;
     q3_insides ins;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|OO$pp:attention_half", names, &x, &cache, &seq, &chunk, &decode,
-                                     &check_only) ||
-        q3py_insides_parse(&ins, Py_False, Py_False, Py_None) < 0)
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|OO$ppOOO:attention_half", names, &x, &cache, &seq, &chunk, &decode,
+                                     &check_only, &router, &attention, &limit) ||
+        q3py_insides_parse(&ins, router, attention, limit) < 0)
         return NULL;
     if (decode && (seq != Py_None || chunk != Py_None)) {
         PyErr_SetString(PyExc_ValueError, "attention_half: decode=True takes no seq or chunk_size (x [batch, hidden] "
@@ -392,11 +399,13 @@ PyMethodDef q3py_layer_methods[] = {
      "decode_graph(cache, batch=None, dtype=None)\n--\n\nCaptures one decode step of sequences 0 .. batch - 1 "
      "(default: all) of the cache in a CUDA graph; returns a DecodeGraph."},
     {"attention_half", (PyCFunction)(void (*)(void))layer_attention_half, KW,
-     "attention_half(x, cache, seq=None, chunk_size=None, *, decode=False, check_only=False)\n--\n\n"
+     "attention_half(x, cache, seq=None, chunk_size=None, *, decode=False, check_only=False, return_router=False, "
+     "return_attention=False, attention_limit=None)\n--\n\n"
      "The layer up to its experts, for x as prefill (decode=True: as decode) takes it: the K/V appended to the "
      "cache. Returns (resid, normed, experts, weights): x + attention fp32 and post_attention_layernorm of it of "
      "x's dtype, of x's shape, and the router's top-k expert ids (int32) and weights (fp32), [..., top_k]. "
-     "check_only: the call's checks alone (raising what the call would), returning None."},
+     "check_only: the call's checks alone (raising what the call would), returning None. With return_router or "
+     "return_attention: (that tuple, router_logits, router_experts, router_weights, attention) as prefill's."},
     {"expert_half", (PyCFunction)(void (*)(void))q3py_layer_expert_half, KW,
      "expert_half(rows, experts, weights, *, out=None, accumulate=False)\n--\n\n"
      "rows [n, hidden], experts [n, top_k] int32 (-1: an expert held elsewhere), weights [n, top_k] fp32: "

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 CFG_ARGS = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=24,
                 num_experts=16, num_experts_per_tok=4, moe_intermediate_size=48)
-H = CFG_ARGS["hidden_size"]
+H, E, K = CFG_ARGS["hidden_size"], CFG_ARGS["num_experts"], CFG_ARGS["num_experts_per_tok"]
 
 
 def _x(shape, seed, dtype):
@@ -51,11 +51,37 @@ def scenarios(ep, ref, rank, world, dtype):
     chunk = [16, None, 4, 7][rank % 4]           # different pass counts: the ranks agree on the largest
     x = _x((tokens, H), 100 + rank, dtype)
     c_ep, c_ref = ep.new_cache(64), ref.new_cache(64)
+    ep.reset_stats()
     y = ep.prefill(x, c_ep, chunk_size=chunk)
     assert y.shape == x.shape and y.dtype == dtype
+    assert ep.stats["passes"] == 3  # rank 0's 37 tokens in chunks of 16: every rank takes part in 3
+    moved = torch.tensor([ep.stats["rows_sent"], ep.stats["rows_received"], ep.stats["bytes_sent"],
+                          ep.stats["bytes_received"]], dtype=torch.int64)
+    dist.all_reduce(moved)  # what left the ranks arrived
+    assert moved[0] == moved[1] > 0 and moved[2] == moved[3], moved
     if tokens:
         _close(y, ref.prefill(x, c_ref, chunk_size=chunk), dtype, "prefill")
     _same_cache(c_ep, c_ref, 1)
+
+    # the insides, gathered pass by pass, and out=; the ranks without tokens make the empty call
+    xi = _x((tokens, H), 500 + rank, dtype)
+    i_ep, i_ref = ep.new_cache(64), ref.new_cache(64)
+    out = torch.empty_like(xi)
+    got = ep.prefill(xi, i_ep, chunk_size=chunk, out=out, return_router=True, return_attention=True)
+    assert got.output is out
+    if tokens:
+        want = ref.prefill(xi, i_ref, chunk_size=chunk, return_router=True, return_attention=True)
+        _close(got.output, want.output, dtype, "prefill with insides")
+        for name in ("router_logits", "experts", "expert_weights", "attention"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+        t = _x((1, H), 600 + rank, dtype)
+        got = ep.decode(t, i_ep, return_router=True)
+        want = ref.decode(t, i_ref, return_router=True)
+        assert torch.equal(got.experts, want.experts) and got.attention is None
+    else:
+        assert got.router_logits.shape == (0, E) and got.attention.shape[2] == 0
+        got = ep.decode(torch.empty(0, H, dtype=dtype), i_ep, return_router=True)
+        assert got.output.shape == (0, H) and got.experts.shape == (0, K)
 
     batch = 2
     b_ep, b_ref = ep.new_cache(32, batch=batch), ref.new_cache(32, batch=batch)

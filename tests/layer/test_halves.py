@@ -303,3 +303,12 @@ def test_attention_half_check_only_runs_the_checks_and_nothing_else(whole):
     assert whole._core.attention_half(x, cache, check_only=True) is None and cache.lengths == (0,)
     with pytest.raises(q3.CacheFullError, match="5 more do not fit"):
         whole._core.attention_half(x_of(5, H, dtype=whole.dtype), cache, check_only=True)
+
+
+def test_the_attention_half_gives_prefills_insides(whole):
+    x = x_of(2, 7, H, seed=30, dtype=whole.dtype)
+    want = whole.prefill(x, whole.new_cache(8, batch=2), return_router=True, return_attention=True)
+    *halves, trace = whole.attention_half(x, whole.new_cache(8, batch=2), return_router=True, return_attention=True)
+    assert trace.output is None and len(halves) == 4
+    for name in ("router_logits", "experts", "expert_weights", "attention"):
+        assert torch.equal(getattr(trace, name), getattr(want, name)), name

@@ -35,3 +35,31 @@ def spawn(world, tmp_path, placement_kind):
                                                    (3, "strided")])
 def test_expert_parallel_layer_equals_the_single_process_layer(world, placement_kind, tmp_path):
     spawn(world, tmp_path, placement_kind)
+
+
+def test_contiguous_placement_gives_the_first_ranks_the_extra_experts():
+    from qwen3layer.parallel import contiguous_placement
+    assert contiguous_placement(16, 3) == [list(range(0, 6)), list(range(6, 11)), list(range(11, 16))]
+    assert contiguous_placement(2, 3) == [[0], [1], []]
+    with pytest.raises(ValueError, match="world: expected at least 1 rank, got 0"):
+        contiguous_placement(4, 0)
+
+
+@pytest.mark.parametrize("placement,match", [
+    ([[0, 1], [2]], r"experts \[3\] are on no rank"),
+    ([[0, 1], [1, 2, 3]], "expert 1 placed on ranks 0 and 1"),
+    ([[0, 1, 2, 3]], "for each of the 2 ranks, got 1 lists"),
+    ([[0, 1], [2, 4]], r"placement\[1\]: expected expert ids in \[0, 4\), got 4"),
+])
+def test_a_bad_placement_is_refused_naming_it(placement, match):
+    from qwen3layer.parallel import _check_placement
+    with pytest.raises(ValueError, match=match):
+        _check_placement(placement, 4, 2)
+
+
+def test_without_a_process_group_the_layer_says_so():
+    import qwen3layer as q3
+    from qwen3layer.parallel import ExpertParallelLayer
+    assert not dist.is_initialized()  # the ranks' groups live in their own processes
+    with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
+        ExpertParallelLayer.random(q3.LayerConfig.tiny(), seed=0)
