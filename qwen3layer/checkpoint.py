@@ -18,15 +18,15 @@ is dequantized at load."""
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from . import _C
 from .config import LayerConfig
 from .quantization import FP8 as FP8_FORMAT
 from .quantization import weight_format
 from .safetensors import (DTYPES, FLOAT, FP8, CheckpointError, Entry, Shard, UnsupportedDtypeError, check_entry,
-                          check_no_overlap, open_shard, read_json, show)
-from .weights import DENSE, SCALE, SCALED, expert_names
+                          check_no_overlap, map_spans, mapping_offset, open_shard, read_json, show)
+from .weights import DENSE, SCALE, SCALED, expert_id_list, expert_names
 
 __all__ = ["CheckpointError", "UnsupportedDtypeError", "load_layer_weights"]
 
@@ -134,11 +134,13 @@ def _layer_shards(path: str, names: List[str], opened: List[Shard]) -> Dict[str,
     return {n: shard for n in names}
 
 
-def _wanted(fmt: str, num_experts: int) -> Dict[str, tuple]:
-    """{per-layer tensor name: the dtypes it may have} for a layer of weight format `fmt`"""
-    matrices = list(SCALED) + expert_names(num_experts)
+def _wanted(fmt: str, num_experts: int, experts: Optional[List[int]] = None) -> Dict[str, tuple]:
+    """{per-layer tensor name: the dtypes it may have} for a layer of weight format `fmt`
+    holding `experts` (None: all)"""
+    mine = expert_names(num_experts, experts)
+    matrices = list(SCALED) + mine
     wanted = {name: FLOAT for name in DENSE}
-    wanted.update({name: FLOAT for name in expert_names(num_experts)})
+    wanted.update({name: FLOAT for name in mine})
     if fmt == FP8_FORMAT:
         for name in matrices:
             wanted[name] = FP8
@@ -175,10 +177,47 @@ def _check_entries(shards: Dict[str, Shard], prefix: str, wanted: Dict[str, tupl
     return entries
 
 
-def load_layer_weights(path: str, layer_idx: int) -> Tuple[LayerConfig, Dict[str, object], list, str]:
-    """(config, {per-layer name: zero-copy tensor}, open mappings, weight format) for layer
-    `layer_idx`. On an error the mappings opened so far are closed (no view of them exists
-    yet: every entry is checked before the first is borrowed)."""
+def _borrow(shards: Dict[str, Shard], prefix: str, entries: Dict[str, Entry]) -> Tuple[Dict[str, object], list, list]:
+    """the views of the entries, from mappings of their own bytes only (map_spans: a file's
+    other tensors, another layer's or another rank's experts, are not mapped), the mappings,
+    and the (file, first byte, end) each covers; each file's mapping of the whole, used to read
+    its header, closed after"""
+    by_shard: Dict[int, List[str]] = {}
+    for name in entries:
+        by_shard.setdefault(id(shards[prefix + name]), []).append(name)
+    weights, maps, spans = {}, [], []
+    try:
+        for names in by_shard.values():
+            shard = shards[prefix + names[0]]
+            mapped = map_spans(shard, [(entries[n].begin, entries[n].end) for n in names])
+            maps.extend(mm for _, _, mm in mapped)
+            spans.extend((shard.path, shard.start + b, shard.start + e) for b, e, _ in mapped)
+            for n in names:
+                e = entries[n]
+                home = next((m for m in mapped if m[0] <= e.begin and e.end <= m[1]), None)
+                if home is None:  # no bytes: nothing to map
+                    weights[n] = _C.buffer_view(b"", 0, e.shape, DTYPES[e.dtype])
+                else:
+                    weights[n] = _C.buffer_view(home[2], mapping_offset(shard, home, e.begin), e.shape, DTYPES[e.dtype])
+    except BaseException:
+        weights.clear()
+        for mm in maps:
+            mm.close()
+        raise
+    finally:
+        for shard in {id(s): s for s in shards.values()}.values():
+            shard.mm.close()
+    return weights, maps, spans
+
+
+def load_layer_weights(path: str, layer_idx: int,
+                       experts: Optional[List[int]] = None) -> Tuple[LayerConfig, Dict[str, object], list, str, list]:
+    """(config, {per-layer name: zero-copy tensor}, open mappings, weight format, the (file,
+    first byte, end) of the tensors each mapping covers) for layer
+    `layer_idx`, of its experts `experts` only (None: all; the others' tensors are neither
+    checked nor mapped). Only the layer's own bytes are mapped. On an error the mappings
+    opened so far are closed (no view of them exists yet: every entry is checked before the
+    first is borrowed)."""
     cfg_path, raw, cfg = _read_config(path)
     _check_layer_idx(cfg_path, raw, layer_idx)
     try:  # the layer's own rules: a dense Qwen3MoeMLP layer (mlp_only_layers, decoder_sparse_step) is refused by name
@@ -187,7 +226,9 @@ def load_layer_weights(path: str, layer_idx: int) -> Tuple[LayerConfig, Dict[str
         raise CheckpointError(f"{cfg_path}: {e}") from e
     fmt = weight_format(cfg_path, raw, layer_idx, cfg.num_experts)
     prefix = f"model.layers.{layer_idx}."
-    wanted = _wanted(fmt, cfg.num_experts)
+    if experts is not None:  # ids out of range are the engine's to name; names are made of valid ones
+        experts = [e for e in expert_id_list(experts) if type(e) is int and 0 <= e < cfg.num_experts]
+    wanted = _wanted(fmt, cfg.num_experts, experts)
     opened: List[Shard] = []
     try:
         shards = _layer_shards(path, [prefix + n for n in wanted], opened)
@@ -196,9 +237,5 @@ def load_layer_weights(path: str, layer_idx: int) -> Tuple[LayerConfig, Dict[str
         for shard in opened:
             shard.mm.close()
         raise
-    weights = {}
-    for name, entry in entries.items():
-        shard = shards[prefix + name]
-        weights[name] = _C.buffer_view(shard.mm, shard.start + entry.begin, entry.shape, DTYPES[entry.dtype])
-    maps = list({id(s.mm): s.mm for s in shards.values()}.values())
-    return cfg, weights, maps, fmt
+    weights, maps, spans = _borrow(shards, prefix, entries)
+    return cfg, weights, maps, fmt, spans

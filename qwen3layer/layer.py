@@ -119,10 +119,11 @@ class DecoderLayer:
 
     @classmethod
     def from_checkpoint(cls, path: str, layer_idx: int, device: str = "cpu",
-                        dtype: Optional[str] = None) -> "DecoderLayer":
+                        dtype: Optional[str] = None, experts: Optional[Sequence[int]] = None) -> "DecoderLayer":
         """Layer `layer_idx` of a transformers safetensors checkpoint (the folder with
-        config.json and the shards), its geometry from config.json. The shards are
-        memory-mapped and only this layer's tensors are read; bf16/fp32 tensors of the
+        config.json and the shards), its geometry from config.json. Only this layer's tensors
+        are memory-mapped (with experts=, only those experts' besides the attention and the
+        router: the others are neither read, checked nor mapped), and only they are read; bf16/fp32 tensors of the
         layer's dtype are used from the mapping without a copy. An FP8 checkpoint
         (quantization_config with quant_method "fp8", e4m3, 128 x 128 blocks) gives an
         fp8_e4m3_block128 layer: its e4m3 matrices and their scales are borrowed the same way,
@@ -132,9 +133,10 @@ class DecoderLayer:
         mappings are closed."""
         from .checkpoint import load_layer_weights
 
-        cfg, weights, maps, fmt = load_layer_weights(path, layer_idx)
+        ids = expert_id_list(experts)
+        cfg, weights, maps, fmt, spans = load_layer_weights(path, layer_idx, ids)
         try:
-            layer = cls(cfg, weights, device=device, dtype=dtype, weight_format=fmt)
+            layer = cls(cfg, weights, device=device, dtype=dtype, weight_format=fmt, experts=ids)
         except BaseException:
             weights.clear()  # the views, so that the mappings can close now rather than at collection
             for mm in maps:
@@ -144,6 +146,7 @@ class DecoderLayer:
                     pass
             raise
         layer._mappings = maps  # the borrowed views keep them alive too; this makes it explicit
+        layer._mapped_spans = spans  # (file, first byte, end) of the tensors each mapping covers
         return layer
 
     @classmethod

@@ -126,6 +126,19 @@ class ExpertParallelLayer:
         self.layer = DecoderLayer(config, weights, dtype=dtype, weight_format=weight_format, experts=self.experts)
 
     @classmethod
+    def from_checkpoint(cls, path: str, layer_idx: int, *, group: Any = None,
+                        placement: Optional[Sequence[Sequence[int]]] = None,
+                        dtype: Optional[str] = None) -> "ExpertParallelLayer":
+        """Layer `layer_idx` of a safetensors checkpoint (DecoderLayer.from_checkpoint), each
+        rank mapping only its experts' bytes and the attention and router weights."""
+        from .checkpoint import _read_config
+
+        self = cls.__new__(cls)
+        self._place(_read_config(path)[2], group, placement)
+        self.layer = DecoderLayer.from_checkpoint(path, layer_idx, dtype=dtype, experts=self.experts)
+        return self
+
+    @classmethod
     def random(cls, config: LayerConfig, seed: int = 0, dtype: str = "bfloat16", *, group: Any = None,
                placement: Optional[Sequence[Sequence[int]]] = None,
                weight_format: Optional[str] = None) -> "ExpertParallelLayer":

@@ -134,6 +134,45 @@ def open_shard(path: str, what: str) -> Shard:
     return Shard(path, header, 8 + n, mm)
 
 
+def map_spans(shard: Shard, spans: List[Tuple[int, int]]) -> List[Tuple[int, int, mmap.mmap]]:
+    """Read-only mappings of the file covering the data byte ranges [begin, end) (relative to
+    Shard.start, checked against the file by check_entry) and no other tensor's: spans that
+    touch share one mapping, each from the allocation-granularity boundary at or below its
+    first byte (so a mapping may begin inside the page of the tensor before it).
+    Returns (data begin, data end, mapping) for each; the mapping's byte 0 is file offset
+    (start + begin) rounded down to the granularity. The file must be as long as it was when
+    its header was read."""
+    spans = sorted((b, e) for b, e in spans if e > b)
+    merged: List[List[int]] = []
+    for b, e in spans:
+        if merged and b <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([b, e])
+    fd = _open_regular(shard.path, "a shard, mapped again for its tensors")
+    maps: List[Tuple[int, int, mmap.mmap]] = []
+    try:
+        if os.fstat(fd).st_size != len(shard.mm):
+            raise CheckpointError(f"{shard.path}: changed size while it was being read "
+                                  f"({len(shard.mm)} bytes, now {os.fstat(fd).st_size})")
+        for b, e in merged:
+            first = (shard.start + b) // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
+            maps.append((b, e, mmap.mmap(fd, shard.start + e - first, access=mmap.ACCESS_READ, offset=first)))
+    except BaseException:
+        for _, _, mm in maps:
+            mm.close()
+        raise
+    finally:
+        os.close(fd)
+    return maps
+
+
+def mapping_offset(shard: Shard, mapped: Tuple[int, int, mmap.mmap], begin: int) -> int:
+    """the offset in mapping `mapped` (of map_spans) of data byte `begin` of the shard"""
+    first = (shard.start + mapped[0]) // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
+    return shard.start + begin - first
+
+
 # ---- entries --------------------------------------------------------------------------------
 
 def _check_dtype(where: str, dtype: Any, allowed: Tuple[str, ...]) -> str:

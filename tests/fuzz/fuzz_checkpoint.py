@@ -285,16 +285,18 @@ def declared_regions(raw: bytes):
     return regions
 
 
-def mapping_of(path: str):
-    """(start, end) addresses of the live mapping of `path` from offset 0, or None"""
+def mappings_of(path: str):
+    """[(start, end, file offset)] of the live mappings of `path` (the loader maps each run of
+    the layer's tensors on its own, from an allocation-granularity boundary)"""
     real = os.path.realpath(path)
+    out = []
     with open("/proc/self/maps") as f:
         for line in f:
             parts = line.split(None, 5)
-            if len(parts) == 6 and parts[5].strip() == real and int(parts[2], 16) == 0:
+            if len(parts) == 6 and parts[5].strip() == real:
                 a, b = (int(v, 16) for v in parts[0].split("-"))
-                return a, b
-    return None
+                out.append((a, b, int(parts[2], 16)))
+    return out
 
 
 STATE = {}
@@ -314,17 +316,31 @@ def setup():
             json.dump(config, f)
     views = []
     real_view = _C.buffer_view
+    firsts = {}  # id of a mapping the loader made -> the file offset of its byte 0
+    import mmap as mmap_module
+
+    import qwen3layer.checkpoint as checkpoint
+    real_map_spans = checkpoint.map_spans
+
+    def watched_map_spans(shard, spans):
+        mapped = real_map_spans(shard, spans)
+        for b, _, mm in mapped:
+            g = mmap_module.ALLOCATIONGRANULARITY
+            firsts[id(mm)] = (shard.start + b) // g * g
+        return mapped
 
     def watched_view(obj, offset, shape, dtype):
         t = real_view(obj, offset, shape, dtype)
         n = 1
         for s in shape:
             n *= s
-        views.append((len(obj) if hasattr(obj, "__len__") else None, offset, n * VIEW_SIZES[dtype]))
+        # the view's bytes as file offsets (a view of no bytes is made over b"")
+        views.append((firsts.get(id(obj), 0) + offset, n * VIEW_SIZES[dtype]))
         return t
 
     _C.buffer_view = watched_view  # the loader looks it up on the module at each call
-    STATE.update(q3=q3, _C=_C, CheckpointError=CheckpointError, dirs=dirs, views=views,
+    checkpoint.map_spans = watched_map_spans
+    STATE.update(q3=q3, _C=_C, CheckpointError=CheckpointError, dirs=dirs, views=views, firsts=firsts,
                  log=fuzz_common.Log(NAME))
 
 
@@ -343,6 +359,7 @@ def test_one_input(data: bytes) -> None:
         f.write(raw)
     os.replace(path + ".new", path)  # a new inode: the last layer's mapping (if alive) keeps the old one
     views.clear()
+    STATE["firsts"].clear()
     try:
         layer = q3.DecoderLayer.from_checkpoint(folder, 0)
     except STATE["CheckpointError"] as e:
@@ -358,27 +375,29 @@ def test_one_input(data: bytes) -> None:
     # every view within the bytes its entry declares, and within the file
     regions = declared_regions(raw)
     if regions is not None:
-        for size, offset, nbytes in views:
-            ok = any(b == offset and offset + nbytes <= e for b, e in regions) and offset + nbytes <= len(raw)
+        for offset, nbytes in views:
+            ok = nbytes == 0 or (any(b == offset and offset + nbytes <= e for b, e in regions)
+                                 and offset + nbytes <= len(raw))
             if not ok:
                 log.finding("a loaded tensor reaches past its declared bytes",
                             f"view of bytes [{offset}, {offset + nbytes}) of a {len(raw)}-byte file; declared "
                             f"regions {sorted(regions)[:20]}", data)
-    where = mapping_of(path)
-    if where is not None:
-        start = where[0]
-        for name, ptr in layer.weight_ptrs.items():
-            if name in layer.converted or name not in SHAPES:  # (scales: not in SHAPES, their views checked above)
-                continue
-            fp8 = layer.weight_format != "dense" and name in MATRICES
-            size = 1 if fp8 else 2 if layer.dtype == "bfloat16" else 4
-            n = 1
-            for s in SHAPES[name]:
-                n *= s
-            if not (start <= ptr and ptr + n * size <= start + len(raw)):
-                log.finding("a borrowed weight lies outside the file",
-                            f"{name}: bytes [{ptr - start}, {ptr - start + n * size}) of a {len(raw)}-byte file",
-                            data)
+    maps = mappings_of(path)
+    for name, ptr in layer.weight_ptrs.items():
+        if name in layer.converted or name not in SHAPES:  # (scales: not in SHAPES, their views checked above)
+            continue
+        fp8 = layer.weight_format != "dense" and name in MATRICES
+        size = 1 if fp8 else 2 if layer.dtype == "bfloat16" else 4
+        n = 1
+        for s in SHAPES[name]:
+            n *= s
+        if n == 0:
+            continue
+        home = [(a, off) for a, b, off in maps if a <= ptr and ptr + n * size <= b]
+        if not home or home[0][1] + (ptr - home[0][0]) + n * size > len(raw):
+            log.finding("a borrowed weight lies outside the file",
+                        f"{name}: {n * size} bytes at {ptr:#x}, in no mapping of the {len(raw)}-byte file within it "
+                        f"(mappings {maps[:8]})", data)
     try:
         x = _C.random_tensor((3, H), 1, layer.dtype)
         layer.prefill(x, layer.new_cache(4))

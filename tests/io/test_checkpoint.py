@@ -155,3 +155,50 @@ def test_more_than_64_experts(tmp_path):
     cache, ref_cache = layer.new_cache(8), ref.new_cache(8)
     assert torch.equal(layer.prefill(x, cache), ref.prefill(x, ref_cache))
     assert torch.equal(layer.decode(step, cache), ref.decode(step, ref_cache))
+
+
+def _tensor_spans(path, idx):
+    """{name: (file, first byte, end)} of layer idx's tensors, from the shards' headers"""
+    import struct
+    out = {}
+    for f in os.listdir(path):
+        if not f.endswith(".safetensors"):
+            continue
+        with open(os.path.join(path, f), "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        for name, e in header.items():
+            if name.startswith(f"model.layers.{idx}."):
+                b, end = e["data_offsets"]
+                out[name[len(f"model.layers.{idx}."):]] = (os.path.join(path, f), 8 + n + b, 8 + n + end)
+    return out
+
+
+def test_a_subset_of_the_experts_maps_only_their_bytes(saved):
+    """what each rank of qwen3layer.parallel loads: the attention and router weights and its
+    experts' bytes; no other expert's byte is mapped (nor checked, nor read)"""
+    path, model = saved
+    mine = [1, 3]
+    layer = q3.DecoderLayer.from_checkpoint(path, 1, experts=mine)
+    assert layer.held_experts == (1, 3)
+    spans = _tensor_spans(path, 1)
+    wanted = {n for n in spans if not n.startswith("mlp.experts.") or n.split(".")[2] in ("1", "3")}
+    others = set(spans) - wanted
+    assert others and len(wanted) == 9 + 3 * len(mine)
+    mapped = layer._mapped_spans
+    for f, b, e in mapped:  # each mapping covers whole wanted tensors and nothing of another
+        assert not any(sf == f and sb < e and b < se for sf, sb, se in (spans[n] for n in others)), (f, b, e)
+    for n in wanted:  # and every wanted tensor is inside one
+        sf, sb, se = spans[n]
+        assert any(f == sf and b <= sb and se <= e for f, b, e in mapped), n
+    ranges = mapped_ranges(layer)
+    for name, ptr in layer.weight_ptrs.items():
+        assert any(a <= ptr < a + n for a, n in ranges), name
+    whole = q3.DecoderLayer.from_checkpoint(path, 1)
+    assert layer.weight_bytes < whole.weight_bytes
+    x = torch.randn(5, model.config.hidden_size)
+    a = layer.attention_half(x, layer.new_cache(8))
+    b = whole.attention_half(x, whole.new_cache(8))
+    assert all(torch.equal(u, v) for u, v in zip(a, b))
+    ids = torch.where((a[2] == 1) | (a[2] == 3), a[2], -1)
+    assert torch.equal(layer.expert_half(a[1], ids, a[3]), whole.expert_half(a[1], ids, a[3]))

@@ -37,6 +37,24 @@ def test_expert_parallel_layer_equals_the_single_process_layer(world, placement_
     spawn(world, tmp_path, placement_kind)
 
 
+def test_each_rank_maps_only_its_experts_of_a_checkpoint(tmp_path):
+    """2 ranks over a transformers checkpoint (per-expert tensors in small shards): each maps
+    the attention and its experts' bytes only, and runs as the single-process layer"""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    a = ep_worker.CFG_ARGS
+    cfg = Qwen3MoeConfig(vocab_size=16, intermediate_size=64, num_hidden_layers=1, max_position_embeddings=256,
+                         rms_norm_eps=1e-6, **a)
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p)) if p.dim() == 1 else p.normal_(0.0, 0.15)
+    model.save_pretrained(tmp_path / "ckpt", max_shard_size="200KB")
+    spawn(2, tmp_path, "checkpoint:" + str(tmp_path / "ckpt"))
+
+
 def test_contiguous_placement_gives_the_first_ranks_the_extra_experts():
     from qwen3layer.parallel import contiguous_placement
     assert contiguous_placement(16, 3) == [list(range(0, 6)), list(range(6, 11)), list(range(11, 16))]
