@@ -53,6 +53,12 @@ def progress(done: int, total: int, started: float, label: str) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    if args.ep != 1:
+        if args.ep < 1:
+            print(f"run: --ep: expected a number of processes >= 1, got {args.ep}", file=sys.stderr)
+            return 2
+        from .cli_ep import cmd_run_ep
+        return cmd_run_ep(args)
     cfg = geometry(args.geometry)
     info = _C.build_info()
     print(f"qwen3layer {info['version']}: {info['threads']} threads, cpu path {info['cpu_path']} "
@@ -268,6 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--chunk-size", type=int, default=128, help="prefill chunk (default 128)")
     run.add_argument("--new-tokens", type=int, default=16, help="decode steps (default 16)")
     run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--ep", type=int, default=1, metavar="N",
+                     help="the experts over N local processes (gloo; needs torch): per-rank phase times and bytes")
     run.add_argument("--fp8", action="store_true", help=f"random FP8 weights ({FP8}: e4m3 projection matrices "
                      "with fp32 128x128 block scales, norms and router in --dtype)")
     run.set_defaults(func=cmd_run)

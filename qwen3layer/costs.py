@@ -18,6 +18,7 @@ import math
 from typing import List, Optional
 
 from .config import LayerConfig
+from .placement import check_placement, contiguous_placement
 
 STAGES = ("io", "input_norm", "qkv_proj", "qk_norm_rope", "kv_write", "attention", "o_proj",
           "post_norm", "router", "top_k", "experts")
@@ -191,3 +192,43 @@ def decode_bytes(cfg: LayerConfig, context: int, dtype: str = "bfloat16", weight
 def prefill_flops(cfg: LayerConfig, tokens: int, context: int = 0) -> float:
     """Matrix FLOPs of a causal prefill of `tokens` new tokens after `context` cached ones."""
     return cost_model(cfg, "prefill", tokens, context).flops
+
+
+@dataclasses.dataclass(frozen=True)
+class Exchange:
+    """What expert parallelism moves in one pass of `rows` rows on every rank (qwen3layer.parallel),
+    expected under uniform routing. Per rank r: rows_out[r] rows go to other ranks' experts
+    (a row once to each rank holding one of its top-k), rows_in[r] come in for its own; bytes
+    counted as layer.stats counts them: a row out is hidden x dtype plus its k expert ids and
+    weights (8 bytes each), and its sum comes back at hidden x dtype."""
+    world: int
+    rows: int
+    rows_out: List[float]
+    rows_in: List[float]
+    bytes_sent: List[float]
+    bytes_received: List[float]
+    expert_bytes: List[int]   # the experts each rank holds, as stored
+
+
+def ep_exchange(cfg: LayerConfig, world: int, rows: int, dtype: str = "bfloat16",
+                placement: Optional[List[List[int]]] = None, weight_format: str = "dense",
+                scale_dtype: str = "float32") -> Exchange:
+    """The exchange of a pass with `rows` rows on each of `world` ranks; placement: the expert
+    ids of each rank (default: contiguous shards, the first E % world ranks one more)."""
+    if not isinstance(world, int) or world < 1:
+        raise ValueError(f"world: expected a positive int, got {world!r}")
+    if not isinstance(rows, int) or rows < 0:
+        raise ValueError(f"rows: expected a non-negative int, got {rows!r}")
+    E, k, H, I = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
+    shards = contiguous_placement(E, world) if placement is None else check_placement(placement, E, world)
+    counts = [len(ids) for ids in shards]
+    # P(a row's k distinct experts include one of rank d's n) = 1 - C(E - n, k) / C(E, k)
+    reach = [1.0 - math.comb(E - n, k) / math.comb(E, k) for n in counts]
+    row, back = H * _size(dtype) + 8 * k, H * _size(dtype)
+    out = [rows * sum(p for d, p in enumerate(reach) if d != r) for r in range(world)]
+    into = [(world - 1) * rows * reach[r] for r in range(world)]
+    mat = _Matrices(_size(dtype), _size(scale_dtype) if weight_format != "dense" else 0)
+    per_expert = 2 * mat.bytes(I, H) + mat.bytes(H, I)
+    return Exchange(world, rows, out, into, [o * row + i * back for o, i in zip(out, into)],
+                    [i * row + o * back for o, i in zip(out, into)], [n * per_expert for n in counts])
+

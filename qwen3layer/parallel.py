@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, List, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,8 @@ import torch.distributed as dist
 from . import _C
 from .config import LayerConfig
 from .layer import DecoderLayer, KVCache
+from .placement import check_placement as _check_placement
+from .placement import contiguous_placement
 
 __all__ = ["ExpertParallelLayer", "contiguous_placement"]
 
@@ -78,37 +80,6 @@ class _Insides:
     def done(self, y: torch.Tensor) -> Any:
         from .trace import LayerTrace
         return LayerTrace(y, self.logits, self.experts, self.weights, self.maps)
-
-
-def contiguous_placement(num_experts: int, world: int) -> List[List[int]]:
-    """Experts in contiguous shards, the first num_experts % world ranks one more."""
-    if world < 1:
-        raise ValueError(f"world: expected at least 1 rank, got {world}")
-    base, extra = divmod(num_experts, world)
-    shards, start = [], 0
-    for r in range(world):
-        n = base + (r < extra)
-        shards.append(list(range(start, start + n)))
-        start += n
-    return shards
-
-
-def _check_placement(placement: Sequence[Sequence[int]], num_experts: int, world: int) -> List[List[int]]:
-    if len(placement) != world:
-        raise ValueError(f"placement: expected a list of expert ids for each of the {world} ranks, "
-                         f"got {len(placement)} lists")
-    seen: dict = {}
-    for r, ids in enumerate(placement):
-        for e in ids:
-            if type(e) is not int or not 0 <= e < num_experts:
-                raise ValueError(f"placement[{r}]: expected expert ids in [0, {num_experts}), got {e!r}")
-            if e in seen:
-                raise ValueError(f"placement: expert {e} placed on ranks {seen[e]} and {r}; expected each on one")
-            seen[e] = r
-    missing = [e for e in range(num_experts) if e not in seen]
-    if missing:
-        raise ValueError(f"placement: experts {missing[:8]}{' ...' if len(missing) > 8 else ''} are on no rank")
-    return [list(ids) for ids in placement]
 
 
 class ExpertParallelLayer:

@@ -70,7 +70,7 @@ def test_contiguous_placement_gives_the_first_ranks_the_extra_experts():
     ([[0, 1], [2, 4]], r"placement\[1\]: expected expert ids in \[0, 4\), got 4"),
 ])
 def test_a_bad_placement_is_refused_naming_it(placement, match):
-    from qwen3layer.parallel import _check_placement
+    from qwen3layer.placement import check_placement as _check_placement
     with pytest.raises(ValueError, match=match):
         _check_placement(placement, 4, 2)
 

@@ -1,0 +1,40 @@
+"""Where the experts live under expert parallelism (qwen3layer.parallel; the cost model's
+exchange, qwen3layer.costs): each rank's expert ids. No torch needed."""
+from __future__ import annotations
+
+from typing import List, Sequence
+
+__all__ = ["contiguous_placement", "check_placement"]
+
+
+def contiguous_placement(num_experts: int, world: int) -> List[List[int]]:
+    """Experts in contiguous shards, the first num_experts % world ranks one more."""
+    if world < 1:
+        raise ValueError(f"world: expected at least 1 rank, got {world}")
+    base, extra = divmod(num_experts, world)
+    shards, start = [], 0
+    for r in range(world):
+        n = base + (r < extra)
+        shards.append(list(range(start, start + n)))
+        start += n
+    return shards
+
+
+def check_placement(placement: Sequence[Sequence[int]], num_experts: int, world: int) -> List[List[int]]:
+    """placement as lists, refused naming the problem unless each of the num_experts experts
+    is on exactly one of the world ranks"""
+    if len(placement) != world:
+        raise ValueError(f"placement: expected a list of expert ids for each of the {world} ranks, "
+                         f"got {len(placement)} lists")
+    seen: dict = {}
+    for r, ids in enumerate(placement):
+        for e in ids:
+            if type(e) is not int or not 0 <= e < num_experts:
+                raise ValueError(f"placement[{r}]: expected expert ids in [0, {num_experts}), got {e!r}")
+            if e in seen:
+                raise ValueError(f"placement: expert {e} placed on ranks {seen[e]} and {r}; expected each on one")
+            seen[e] = r
+    missing = [e for e in range(num_experts) if e not in seen]
+    if missing:
+        raise ValueError(f"placement: experts {missing[:8]}{' ...' if len(missing) > 8 else ''} are on no rank")
+    return [list(ids) for ids in placement]
