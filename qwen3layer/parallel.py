@@ -202,7 +202,8 @@ class ExpertParallelLayer:
               insides: dict, **kw) -> Any:
         problem = self._check(kind, x, cache, passes, out, insides, kw)
         calls = [None] * self.world
-        dist.all_gather_object(calls, (kind, passes, None if problem is None else str(problem)), group=self.group)
+        header = (kind, passes, None if problem is None else str(problem), str(x.dtype).replace("torch.", ""))
+        dist.all_gather_object(calls, header, group=self.group)
         self._agree(calls, problem)
         total = max(c[1] for c in calls)
         lengths = None if not passes else list(cache.lengths)
@@ -241,6 +242,10 @@ class ExpertParallelLayer:
             who = ", ".join(f"rank {r} called {c[0]}" for r, c in enumerate(calls))
             raise RuntimeError(f"ExpertParallelLayer: the ranks made different calls ({who}); every rank must call "
                                "the same method (x of 0 rows when it has no tokens)")
+        if len({c[3] for c in calls}) > 1:  # the rows travel in x's dtype: every rank must send the same
+            who = ", ".join(f"rank {r}'s x is {c[3]}" for r, c in enumerate(calls))
+            raise RuntimeError(f"ExpertParallelLayer: the ranks' x differ in dtype ({who}); expected one dtype on "
+                               "every rank, the rows' on the wire")
         failed = [(r, c[2]) for r, c in enumerate(calls) if c[2] is not None]
         if problem is not None:
             raise problem if isinstance(problem, BaseException) else ValueError(problem)

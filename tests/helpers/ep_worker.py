@@ -112,6 +112,10 @@ def refusals(ep, rank, world, dtype):
         _expect(lambda: ep.prefill(x, cache), RuntimeError, "rank 0 called decode", "rank 1 called prefill")
     assert cache.lengths == (0,)
 
+    xd = x.float() if rank == 0 else x  # the rows travel in x's dtype: the ranks must agree on it
+    _expect(lambda: ep.prefill(xd, cache), RuntimeError, "rank 0's x is float32", "rank 1's x is bfloat16")
+    assert cache.lengths == (0,)
+
     last = world - 1  # its cache holds 2 tokens: 3 do not fit
     if rank == last:
         _expect(lambda: ep.prefill(x, cache), Exception, "do not fit")
