@@ -38,6 +38,10 @@ from .placement import contiguous_placement
 
 __all__ = ["ExpertParallelLayer", "contiguous_placement"]
 
+_KINDS = {1: "prefill", 2: "decode"}
+_KIND_CODES = {v: k for k, v in _KINDS.items()}
+_DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4}
+_DTYPE_NAMES = {v: str(k).replace("torch.", "") for k, v in _DTYPE_CODES.items()}
 STAT_KEYS = ("attention_s", "dispatch_s", "experts_s", "combine_s", "passes", "rows_sent", "rows_received",
              "bytes_sent", "bytes_received")
 
@@ -201,9 +205,7 @@ class ExpertParallelLayer:
     def _call(self, kind: str, x: torch.Tensor, cache: KVCache, passes: int, step: int, out: Any,
               insides: dict, **kw) -> Any:
         problem = self._check(kind, x, cache, passes, out, insides, kw)
-        calls = [None] * self.world
-        header = (kind, passes, None if problem is None else str(problem), str(x.dtype).replace("torch.", ""))
-        dist.all_gather_object(calls, header, group=self.group)
+        calls = self._headers(kind, passes, x.dtype, problem)
         try:
             self._agree(calls, problem)
         finally:
@@ -238,6 +240,21 @@ class ExpertParallelLayer:
                         cache.truncate(n, s)
             raise
         return y if trace is None else trace.done(y)
+
+    def _headers(self, kind: str, passes: int, dtype: torch.dtype, problem: Any) -> list:
+        """every rank's (kind, passes, its checks' message or None, x's dtype): one all_gather
+        of 4 ints, and the messages only when a rank's checks failed"""
+        mine = torch.tensor([_KIND_CODES[kind], passes, _DTYPE_CODES.get(dtype, 0), problem is not None],
+                            dtype=torch.int64)
+        heads = [torch.empty(4, dtype=torch.int64) for _ in range(self.world)]
+        dist.all_gather(heads, mine, group=self.group)
+        calls = [[_KINDS[int(h[0])], int(h[1]), None, _DTYPE_NAMES.get(int(h[2]), "another dtype")] for h in heads]
+        if any(int(h[3]) for h in heads):
+            msgs = [None] * self.world
+            dist.all_gather_object(msgs, None if problem is None else str(problem), group=self.group)
+            for c, m in zip(calls, msgs):
+                c[2] = m
+        return calls
 
     def _agree(self, calls: list, problem: Any) -> None:
         kinds = {c[0] for c in calls}
