@@ -20,7 +20,6 @@ import datetime
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -44,7 +43,6 @@ def _median_call(fn, repeats):
 
 
 def rank_main(rank, world, init_file, args, queue):
-    os.environ["OMP_NUM_THREADS"] = "1"  # before the extension loads: one thread a rank
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)
@@ -93,26 +91,10 @@ def rank_main(rank, world, init_file, args, queue):
 
 
 def run_world(world, args):
-    import torch.multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    init = os.path.join(tempfile.mkdtemp(), "rendezvous")
-    procs = [ctx.Process(target=rank_main, args=(r, world, init, args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = {}
-    while len(results) < world:  # a rank that dies says so here instead of leaving us waiting
-        if not queue.empty():
-            rank, result = queue.get()
-            results[rank] = result
-        elif any(p.exitcode not in (None, 0) for p in procs):
-            for p in procs:
-                p.kill()
-            raise SystemExit(f"bench_ep: a rank of {world} failed (exit codes {[p.exitcode for p in procs]})")
-        else:
-            time.sleep(0.05)
-    for p in procs:
-        p.join(60)
+    from qwen3layer.cli_ep import spawn_ranks
+    results = spawn_ranks(rank_main, world, args, threads=1)
+    if results is None:
+        raise SystemExit(f"bench_ep: a rank of {world} failed")
     return results
 
 

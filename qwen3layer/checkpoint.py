@@ -25,8 +25,8 @@ from .config import LayerConfig
 from .quantization import FP8 as FP8_FORMAT
 from .quantization import weight_format
 from .safetensors import (DTYPES, FLOAT, FP8, CheckpointError, Entry, Shard, UnsupportedDtypeError, check_entry,
-                          check_no_overlap, map_spans, mapping_offset, open_shard, read_json, show)
-from .weights import DENSE, SCALE, SCALED, expert_id_list, expert_names
+                          check_no_overlap, map_spans, open_shard, read_json, show)
+from .weights import DENSE, SCALE, SCALED, expert_names, valid_expert_ids
 
 __all__ = ["CheckpointError", "UnsupportedDtypeError", "load_layer_weights"]
 
@@ -190,15 +190,16 @@ def _borrow(shards: Dict[str, Shard], prefix: str, entries: Dict[str, Entry]) ->
         for names in by_shard.values():
             shard = shards[prefix + names[0]]
             mapped = map_spans(shard, [(entries[n].begin, entries[n].end) for n in names])
-            maps.extend(mm for _, _, mm in mapped)
-            spans.extend((shard.path, shard.start + b, shard.start + e) for b, e, _ in mapped)
+            maps.extend(mm for *_, mm in mapped)
+            spans.extend((shard.path, shard.start + b, shard.start + e) for b, e, _, _ in mapped)
             for n in names:
                 e = entries[n]
                 home = next((m for m in mapped if m[0] <= e.begin and e.end <= m[1]), None)
                 if home is None:  # no bytes: nothing to map
                     weights[n] = _C.buffer_view(b"", 0, e.shape, DTYPES[e.dtype])
                 else:
-                    weights[n] = _C.buffer_view(home[2], mapping_offset(shard, home, e.begin), e.shape, DTYPES[e.dtype])
+                    _, _, first, mm = home
+                    weights[n] = _C.buffer_view(mm, shard.start + e.begin - first, e.shape, DTYPES[e.dtype])
     except BaseException:
         weights.clear()
         for mm in maps:
@@ -226,9 +227,7 @@ def load_layer_weights(path: str, layer_idx: int,
         raise CheckpointError(f"{cfg_path}: {e}") from e
     fmt = weight_format(cfg_path, raw, layer_idx, cfg.num_experts)
     prefix = f"model.layers.{layer_idx}."
-    if experts is not None:  # ids out of range are the engine's to name; names are made of valid ones
-        experts = [e for e in expert_id_list(experts) if type(e) is int and 0 <= e < cfg.num_experts]
-    wanted = _wanted(fmt, cfg.num_experts, experts)
+    wanted = _wanted(fmt, cfg.num_experts, valid_expert_ids(experts, cfg.num_experts))
     opened: List[Shard] = []
     try:
         shards = _layer_shards(path, [prefix + n for n in wanted], opened)

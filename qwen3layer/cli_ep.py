@@ -11,6 +11,7 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Any, Optional
 
 from .costs import ep_exchange
 from .placement import contiguous_placement
@@ -57,7 +58,45 @@ def _rank(rank: int, world: int, init: str, opts: dict, queue) -> None:
         report["error"] = f"{type(e).__name__}: {e}"
     finally:
         dist.destroy_process_group()
-    queue.put(report)
+    queue.put((rank, report))
+
+
+def spawn_ranks(target, world: int, opts: Any, threads: Optional[int] = None) -> Optional[dict]:
+    """`world` spawned processes running target(rank, world, rendezvous file, opts, queue), each
+    putting (rank, report) on the queue; threads: OMP_NUM_THREADS of each (read as its extension
+    loads). {rank: report}, or None if a rank died before reporting (the others then killed)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    init = os.path.join(tempfile.mkdtemp(prefix="qwen3layer-ep-"), "rendezvous")
+    saved = os.environ.get("OMP_NUM_THREADS")
+    if threads is not None:
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+    try:
+        procs = [ctx.Process(target=target, args=(r, world, init, opts, queue)) for r in range(world)]
+        for p in procs:
+            p.start()
+    finally:
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+    reports: dict = {}
+    while len(reports) < world:  # a rank that dies says so here instead of leaving us waiting
+        if not queue.empty():
+            rank, report = queue.get()
+            reports[rank] = report
+        elif any(p.exitcode not in (None, 0) for p in procs):
+            for p in procs:
+                p.kill()
+            print(f"a rank of {world} died (exit codes {[p.exitcode for p in procs]})", file=sys.stderr)
+            return None
+        else:
+            time.sleep(0.05)
+    for p in procs:
+        p.join(60)
+    return reports
 
 
 def _size(n: float) -> str:
@@ -70,9 +109,8 @@ def _phases(stats: dict) -> str:
 
 
 def cmd_run_ep(args: argparse.Namespace) -> int:
-    try:
-        import torch.multiprocessing as mp
-    except ImportError:
+    import importlib.util
+    if importlib.util.find_spec("torch") is None:
         print("run --ep: needs torch (pip install torch): the ranks exchange rows with torch.distributed",
               file=sys.stderr)
         return 2
@@ -92,34 +130,9 @@ def cmd_run_ep(args: argparse.Namespace) -> int:
           f"{args.chunk_size}, then decodes {args.new_tokens} steps", flush=True)
     opts = dict(geometry=args.geometry, seed=args.seed, dtype=dtype, tokens=args.tokens, chunk_size=args.chunk_size,
                 new_tokens=args.new_tokens, timeout=600)
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    init = os.path.join(tempfile.mkdtemp(prefix="qwen3layer-ep-"), "rendezvous")
-    saved = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = str(threads)  # the ranks' extension reads it as it loads
-    try:
-        procs = [ctx.Process(target=_rank, args=(r, world, init, opts, queue)) for r in range(world)]
-        for p in procs:
-            p.start()
-    finally:
-        if saved is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved
-    reports = {}
-    while len(reports) < world:
-        if not queue.empty():
-            r = queue.get()
-            reports[r["rank"]] = r
-        elif any(p.exitcode not in (None, 0) for p in procs):
-            for p in procs:
-                p.kill()
-            print(f"run --ep: a rank died (exit codes {[p.exitcode for p in procs]})", file=sys.stderr)
-            return 1
-        else:
-            time.sleep(0.05)
-    for p in procs:
-        p.join(60)
+    reports = spawn_ranks(_rank, world, opts, threads)
+    if reports is None:
+        return 1
     failed = [r for r in reports.values() if "error" in r]
     for r in failed:
         print(f"rank {r['rank']}: {r['error']}", file=sys.stderr)

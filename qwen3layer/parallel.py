@@ -267,9 +267,9 @@ class ExpertParallelLayer:
             raise RuntimeError(f"ExpertParallelLayer: the ranks' x differ in dtype ({who}); expected one dtype on "
                                "every rank, the rows' on the wire")
         failed = [(r, c[2]) for r, c in enumerate(calls) if c[2] is not None]
-        if problem is not None:
+        if problem is not None:  # an exception of this rank's own checks
             try:
-                raise problem if isinstance(problem, BaseException) else ValueError(problem)
+                raise problem
             finally:
                 problem = None
         if failed:

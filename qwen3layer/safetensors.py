@@ -134,14 +134,13 @@ def open_shard(path: str, what: str) -> Shard:
     return Shard(path, header, 8 + n, mm)
 
 
-def map_spans(shard: Shard, spans: List[Tuple[int, int]]) -> List[Tuple[int, int, mmap.mmap]]:
+def map_spans(shard: Shard, spans: List[Tuple[int, int]]) -> List[Tuple[int, int, int, mmap.mmap]]:
     """Read-only mappings of the file covering the data byte ranges [begin, end) (relative to
     Shard.start, checked against the file by check_entry) and no other tensor's: spans that
     touch share one mapping, each from the allocation-granularity boundary at or below its
     first byte (so a mapping may begin inside the page of the tensor before it).
-    Returns (data begin, data end, mapping) for each; the mapping's byte 0 is file offset
-    (start + begin) rounded down to the granularity. The file must be as long as it was when
-    its header was read."""
+    Returns (data begin, data end, file offset of the mapping's byte 0, mapping) for each. The
+    file must be as long as it was when its header was read."""
     spans = sorted((b, e) for b, e in spans if e > b)
     merged: List[List[int]] = []
     for b, e in spans:
@@ -150,27 +149,21 @@ def map_spans(shard: Shard, spans: List[Tuple[int, int]]) -> List[Tuple[int, int
         else:
             merged.append([b, e])
     fd = _open_regular(shard.path, "a shard, mapped again for its tensors")
-    maps: List[Tuple[int, int, mmap.mmap]] = []
+    maps: List[Tuple[int, int, int, mmap.mmap]] = []
     try:
         if os.fstat(fd).st_size != len(shard.mm):
             raise CheckpointError(f"{shard.path}: changed size while it was being read "
                                   f"({len(shard.mm)} bytes, now {os.fstat(fd).st_size})")
         for b, e in merged:
             first = (shard.start + b) // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
-            maps.append((b, e, mmap.mmap(fd, shard.start + e - first, access=mmap.ACCESS_READ, offset=first)))
+            maps.append((b, e, first, mmap.mmap(fd, shard.start + e - first, access=mmap.ACCESS_READ, offset=first)))
     except BaseException:
-        for _, _, mm in maps:
+        for *_, mm in maps:
             mm.close()
         raise
     finally:
         os.close(fd)
     return maps
-
-
-def mapping_offset(shard: Shard, mapped: Tuple[int, int, mmap.mmap], begin: int) -> int:
-    """the offset in mapping `mapped` (of map_spans) of data byte `begin` of the shard"""
-    first = (shard.start + mapped[0]) // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
-    return shard.start + begin - first
 
 
 # ---- entries --------------------------------------------------------------------------------
@@ -197,7 +190,8 @@ def _check_shape(where: str, shape: Any, dtype: str) -> List[int]:
     # a 0 dim empties the tensor but its other dims still make strides: they too must fit
     nbytes = math.prod(d or 1 for d in shape) * ITEMSIZE[dtype]
     if nbytes > INT64_MAX:
-        raise CheckpointError(f"{where}: shape {show(shape)} of {dtype} needs {nbytes} bytes, "
+        raise CheckpointError(f"{where}: shape {show(shape)} of {dtype} spans {nbytes} bytes (its dims' product, a 0 "
+                              "counted as 1), "
                               f"expected at most {INT64_MAX} (int64)")
     return shape
 

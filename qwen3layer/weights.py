@@ -48,6 +48,14 @@ def expert_id_list(experts: Optional[Sequence[int]]) -> Optional[list]:
     return list(experts)
 
 
+def valid_expert_ids(experts: Optional[Sequence[int]], num_experts: int) -> Optional[list]:
+    """the ids of experts= that name an expert (None stays None): the names a subset layer
+    needs are made of these; the others are the engine's to refuse by position"""
+    if experts is None:
+        return None
+    return [e for e in expert_id_list(experts) if type(e) is int and 0 <= e < num_experts]
+
+
 def canonical_weights(weights: Mapping[str, Any], config: LayerConfig,
                       experts: Optional[Sequence[int]] = None) -> dict[str, Any]:
     """Returns {canonical name: tensor}; raises ValueError naming any missing, extra or
@@ -72,8 +80,7 @@ def canonical_weights(weights: Mapping[str, Any], config: LayerConfig,
 
     per_expert = expert_names(config.num_experts)
     if experts is not None:  # the other experts' weights belong to other layers holding them
-        valid = [e for e in expert_id_list(experts) if type(e) is int and 0 <= e < config.num_experts]  # the engine names the rest
-        held = set(expert_names(config.num_experts, valid))
+        held = set(expert_names(config.num_experts, valid_expert_ids(experts, config.num_experts)))
         others = {n for n in per_expert if n not in held}
         out = {n: t for n, t in out.items() if n not in others and n.removesuffix(SCALE) not in others}
         per_expert = [n for n in per_expert if n in held]

@@ -6,7 +6,6 @@
 #include "layer_internal.h"
 
 static int io_dtype_ok(q3_dtype dt) { return dt == Q3_F32 || dt == Q3_BF16; }
-static int dtype_code(q3_dtype dt) { return (int)dt; }
 
 static q3_status cpu_only(const q3_layer *l, const char *what, q3_error *err) {
     if (l->w.device < 0) return Q3_OK;
@@ -41,7 +40,7 @@ q3_status q3_layer_attention_half(q3_layer *l, q3_cache *c, const q3_forward_arg
         return q3_fail(err, Q3_ERR_VALUE, "attention_half: expected its four outputs, got a NULL one");
     if (!io_dtype_ok(out->normed_dtype))
         return q3_fail(err, Q3_ERR_TYPE, "normed: expected float32 or bfloat16, got dtype %d",
-                       dtype_code(out->normed_dtype));
+                       (int)out->normed_dtype);
     return q3_layer_passes(l, c, a, out, err);
 }
 
@@ -80,8 +79,7 @@ q3_status q3_layer_expert_half(q3_layer *l, const q3_expert_half_args *a, q3_err
                        "int32), got %lld", INT32_MAX / c->top_k, (long long)a->n);
     if (!io_dtype_ok(a->dtype) || !io_dtype_ok(a->out_dtype))
         return q3_fail(err, Q3_ERR_TYPE, "%s: expected float32 or bfloat16, got dtype %d",
-                       io_dtype_ok(a->dtype) ? "out" : "rows", dtype_code(io_dtype_ok(a->dtype) ? a->out_dtype
-                                                                                              : a->dtype));
+                       io_dtype_ok(a->dtype) ? "out" : "rows", (int)(io_dtype_ok(a->dtype) ? a->out_dtype : a->dtype));
     if (a->n == 0) return Q3_OK;
     if (!a->rows || !a->experts || !a->weights || !a->out)
         return q3_fail(err, Q3_ERR_VALUE, "expert_half: expected rows, experts, weights and out, got a NULL one");

@@ -101,7 +101,10 @@ static PyObject *random_weights(PyObject *m, PyObject *args, PyObject *kw) {
     const int fp8 = wf == Q3_WF_FP8_BLOCK128;
     q3_module_state *st = state_of(m);
     PyObject *d = PyDict_New();
-    if (!d) return NULL;
+    if (!d) {
+        PyMem_Free(held);
+        return NULL;
+    }
     for (int i = 0; i < Q3_W_DENSE_COUNT; i++) {
         int64_t dims[2];
         const int rank = q3_dense_weight_shape(&c, i, dims);

@@ -317,16 +317,13 @@ def setup():
     views = []
     real_view = _C.buffer_view
     firsts = {}  # id of a mapping the loader made -> the file offset of its byte 0
-    import mmap as mmap_module
-
     import qwen3layer.checkpoint as checkpoint
     real_map_spans = checkpoint.map_spans
 
     def watched_map_spans(shard, spans):
         mapped = real_map_spans(shard, spans)
-        for b, _, mm in mapped:
-            g = mmap_module.ALLOCATIONGRANULARITY
-            firsts[id(mm)] = (shard.start + b) // g * g
+        for _, _, first, mm in mapped:
+            firsts[id(mm)] = first
         return mapped
 
     def watched_view(obj, offset, shape, dtype):
