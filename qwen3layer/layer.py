@@ -56,6 +56,20 @@ def _like(x: Any, y: Any) -> Any:
     return y
 
 
+def hf_layer_parts(hf_layer: Any) -> tuple:
+    """(LayerConfig, weights) of a transformers Qwen3MoeDecoderLayer: its model's config read
+    with the layer's index, and its state_dict's tensors (detached, shared, not copied)"""
+    attn = getattr(hf_layer, "self_attn", None)
+    cfg = getattr(attn, "config", None)
+    if cfg is None or not hasattr(hf_layer, "mlp"):
+        raise TypeError(f"hf_layer: expected a transformers Qwen3MoeDecoderLayer, got {type(hf_layer).__name__}")
+    config = LayerConfig.from_hf(cfg, layer_idx=getattr(attn, "layer_idx", None))
+    if not hasattr(hf_layer.mlp, "experts"):
+        raise TypeError(f"hf_layer: expected a transformers Qwen3MoeDecoderLayer with a MoE block, "
+                        f"got one whose mlp is a {type(hf_layer.mlp).__name__}")
+    return config, {name: t.detach() for name, t in hf_layer.state_dict().items()}
+
+
 class DecoderLayer:
     """One Qwen3-MoE decoder layer: RMSNorm, GQA attention with QK-norm and RoPE over a
     KV cache, RMSNorm, top-k routed SwiGLU experts, both with residuals.
@@ -106,15 +120,7 @@ class DecoderLayer:
         model's config is read by LayerConfig.from_hf with the layer's index: a field the C
         layer does not implement, a dense (Qwen3MoeMLP) layer of mlp_only_layers or
         decoder_sparse_step among them, raises ValueError naming it."""
-        attn = getattr(hf_layer, "self_attn", None)
-        cfg = getattr(attn, "config", None)
-        if cfg is None or not hasattr(hf_layer, "mlp"):
-            raise TypeError(f"hf_layer: expected a transformers Qwen3MoeDecoderLayer, got {type(hf_layer).__name__}")
-        config = LayerConfig.from_hf(cfg, layer_idx=getattr(attn, "layer_idx", None))
-        if not hasattr(hf_layer.mlp, "experts"):
-            raise TypeError(f"hf_layer: expected a transformers Qwen3MoeDecoderLayer with a MoE block, "
-                            f"got one whose mlp is a {type(hf_layer.mlp).__name__}")
-        weights = {name: t.detach() for name, t in hf_layer.state_dict().items()}
+        config, weights = hf_layer_parts(hf_layer)
         return cls(config, weights, device=device)
 
     @classmethod

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from . import _C
 from .config import LayerConfig
-from .layer import DecoderLayer, KVCache
+from .layer import DecoderLayer, KVCache, hf_layer_parts
 from .placement import check_placement as _check_placement
 from .placement import contiguous_placement
 
@@ -114,6 +114,19 @@ class ExpertParallelLayer:
         return self
 
     @classmethod
+    def from_hf(cls, hf_layer: Any, *, group: Any = None,
+                placement: Optional[Sequence[Sequence[int]]] = None) -> "ExpertParallelLayer":
+        """From a transformers Qwen3MoeDecoderLayer on the CPU (DecoderLayer.from_hf): the
+        attention, router and this rank's experts borrowed from its tensors, not copied; the
+        other ranks' experts are not read."""
+        where = {p.device for p in hf_layer.parameters()}
+        if where != {torch.device("cpu")}:
+            raise NotImplementedError(f"hf_layer: expert parallelism runs on CPU layers (gloo) so far; the layer's "
+                                      f"weights are on {sorted(str(d) for d in where)}")
+        config, weights = hf_layer_parts(hf_layer)
+        return cls(config, weights, group=group, placement=placement)
+
+    @classmethod
     def random(cls, config: LayerConfig, seed: int = 0, dtype: str = "bfloat16", *, group: Any = None,
                placement: Optional[Sequence[Sequence[int]]] = None,
                weight_format: Optional[str] = None) -> "ExpertParallelLayer":
@@ -159,6 +172,18 @@ class ExpertParallelLayer:
     def dtype(self) -> str:
         return self.layer.dtype
 
+    @property
+    def device(self) -> str:
+        return self.layer.device
+
+    @property
+    def rope_inv_freq(self) -> tuple:
+        return self.layer.rope_inv_freq
+
+    @property
+    def rope_attention_scaling(self) -> float:
+        return self.layer.rope_attention_scaling
+
     def new_cache(self, max_tokens: int, batch: int = 1, dtype: Optional[str] = None) -> KVCache:
         return self.layer.new_cache(max_tokens, batch, dtype)
 
@@ -182,6 +207,19 @@ class ExpertParallelLayer:
         x = _as_torch(x)
         insides = dict(return_router=return_router, return_attention=return_attention, attention_limit=attention_limit)
         return self._call("decode", x, cache, 1 if x.shape[0] else 0, 1, out, insides)
+
+    def refuse(self, kind: str, error: BaseException, dtype: torch.dtype = torch.float32) -> None:
+        """Takes part in a `kind` call ("prefill" or "decode") that failed on this rank before
+        it reached the layer (a caller's own check: qwen3layer.torch's drop-in uses it), so
+        that no rank waits for it: the other ranks' calls raise RuntimeError naming this rank
+        and `error`, and `error` is raised here. dtype: x's, as the others' calls travel."""
+        if kind not in _KIND_CODES:
+            raise ValueError(f"kind: expected 'prefill' or 'decode', got {kind!r}")
+        calls = self._headers(kind, 0, dtype, error)
+        try:
+            self._agree(calls, error)
+        finally:
+            error = None  # see _exchange: no cycle through this frame
 
     def _check(self, kind: str, x: torch.Tensor, cache: KVCache, passes: int, out: Any, insides: dict,
                kw: dict) -> Any:
@@ -247,7 +285,15 @@ class ExpertParallelLayer:
         mine = torch.tensor([_KIND_CODES[kind], passes, _DTYPE_CODES.get(dtype, 0), problem is not None],
                             dtype=torch.int64)
         heads = [torch.empty(4, dtype=torch.int64) for _ in range(self.world)]
-        dist.all_gather(heads, mine, group=self.group)
+        try:
+            dist.all_gather(heads, mine, group=self.group)
+        except RuntimeError as e:  # gloo's and NCCL's timeouts and a closed peer
+            raise RuntimeError(
+                f"ExpertParallelLayer: rank {self.rank}'s {kind} call found no partner: not every rank of the group "
+                f"made a call within the group's timeout, or one left the group ({e}). Every rank must call the "
+                "layer the same number of times, with x of 0 rows when it has nothing; transformers' generate "
+                "stops each rank on its own prompts' end unless called with synced_gpus=True (the default of "
+                "a model patched with qwen3layer.torch.patch_model(ep_group=...))") from e
         calls = [[_KINDS[int(h[0])], int(h[1]), None, _DTYPE_NAMES.get(int(h[2]), "another dtype")] for h in heads]
         if any(int(h[3]) for h in heads):
             msgs = [None] * self.world

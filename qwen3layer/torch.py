@@ -21,6 +21,10 @@ row attends causally), so those rows of the outputs, router logits and hidden st
 (transformers' aux_loss leaves them out through the attention mask; no real token looks at
 them).
 
+With patch_model(ep_group=), each layer's experts are split over the ranks of a
+torch.distributed group (qwen3layer.parallel.ExpertParallelLayer), each rank running its own
+prompts; a call refused on one rank is refused on all, and generate syncs the ranks' calls.
+
 Inference only: a call in training mode with gradients enabled raises before any work (the
 model's forward is guarded as well as each layer); an eval-mode call with gradients enabled
 works and warns once that no gradient flows through the layer.
@@ -76,18 +80,31 @@ class DecoderLayer(torch.nn.Module):
 
     @classmethod
     def from_hf(cls, hf_layer: torch.nn.Module, max_tokens: int = 4096,
-                recordable: Optional[Dict[str, Any]] = None) -> "DecoderLayer":
+                recordable: Optional[Dict[str, Any]] = None, ep_group: Any = None,
+                ep_placement: Optional[List[List[int]]] = None) -> "DecoderLayer":
         """From a transformers Qwen3MoeDecoderLayer; its weights are shared, not copied, and
         the C layer runs where they are (the CPU, or their CUDA device, on torch's stream).
         max_tokens: the longest sequence (prompt + generated) a generation may reach with a
         DynamicCache (a StaticCache's max_cache_len sets it for its generations).
         recordable: the model's `_can_record_outputs` (patch_model passes it), which makes the
         layer hand its router logits, attention maps and hidden states to the model's outputs;
-        without it, asking for them raises NotImplementedError."""
+        without it, asking for them raises NotImplementedError.
+        ep_group: a torch.distributed process group to split the layer's experts over
+        (qwen3layer.parallel.ExpertParallelLayer, ep_placement its placement): each rank's C
+        layer reads its own experts only, and every rank must call the layer alike."""
         layer_idx = getattr(hf_layer.self_attn, "layer_idx", 0)
+        if ep_group is not None:
+            from .parallel import ExpertParallelLayer
+            core = ExpertParallelLayer.from_hf(hf_layer, group=ep_group, placement=ep_placement)
+            return cls(core, layer_idx, hf_layer, max_tokens, recordable)
         where = next(hf_layer.parameters()).device
         device = "cpu" if where.type == "cpu" else f"cuda:{where.index or 0}"
         return cls(_CoreLayer.from_hf(hf_layer, device=device), layer_idx, hf_layer, max_tokens, recordable)
+
+    @property
+    def expert_parallel(self) -> bool:
+        """whether the layer's experts are split over a process group (patch_model(ep_group=))"""
+        return not isinstance(self.core, _CoreLayer)
 
     def check_inference(self) -> None:
         """RuntimeError for a call that expects to train through the layer (training mode with
@@ -214,7 +231,22 @@ class DecoderLayer(torch.nn.Module):
     def call(self, hidden_states: torch.Tensor, attention_mask: Any, position_ids: Any, model_cache: Any,
              kwargs: Dict[str, Any]) -> torch.Tensor:
         """the layer's call, eager: the plan of the call, the C layer, the insides recorded and
-        the model cache's entry updated"""
+        the model cache's entry updated. Split over a group, a call refused before the C layer
+        is refused on every rank (ExpertParallelLayer.refuse): none waits for it."""
+        try:
+            x, kv, plan, entry, wants = self._prepare(hidden_states, attention_mask, position_ids, model_cache,
+                                                      kwargs)
+        except Exception as e:
+            if not self.expert_parallel:
+                raise
+            self.core.refuse("prefill", e, hidden_states.dtype)
+            raise  # refuse raised it; not reached
+        return self._run(hidden_states, x, kv, plan, entry, model_cache, *wants)
+
+    def _prepare(self, hidden_states: torch.Tensor, attention_mask: Any, position_ids: Any, model_cache: Any,
+                 kwargs: Dict[str, Any]) -> tuple:
+        """the call's checks and plan, before the C layer: (x, its C cache, the plan, the model
+        cache's entry, (router logits, maps) wanted)"""
         self.check_inference()
         self._check_weights()
         B, L, _ = hidden_states.shape
@@ -234,13 +266,23 @@ class DecoderLayer(torch.nn.Module):
         if kv is not None and tuple(plan.offsets) != kv.first_positions:
             raise ValueError(f"position_ids: the sequences' first real tokens are at positions {plan.offsets} for this "
                              f"call, at {list(kv.first_positions)} in the cache it continues")
+        if plan.packed is not None and self.expert_parallel:
+            raise NotImplementedError(f"attention_mask: {plan.kind}: packed sequences are not run with the experts "
+                                      "split over a group (each would be a call of its own, and the ranks' calls "
+                                      "would differ in number): pass a padded batch")
         x = hidden_states.detach().contiguous()  # inference only: the C layer has no backward
+        if plan.packed is None and kv is None:
+            static = _cache.static_length(entry)
+            kv = self._new_cache(static or (self.max_tokens if model_cache is not None else L), B, plan.padding,
+                                 plan.offsets)
+        return x, kv, plan, entry, (want_router, want_maps)
+
+    def _run(self, hidden_states: torch.Tensor, x: torch.Tensor, kv: Any, plan: _masks.CallPlan, entry: Any,
+             model_cache: Any, want_router: bool, want_maps: bool) -> torch.Tensor:
+        """the C layer on the prepared call, the insides recorded, the model cache updated"""
+        B, L, _ = x.shape
         limit = self.attention_limit if want_maps else None
         if plan.packed is None:
-            if kv is None:
-                static = _cache.static_length(entry)
-                kv = self._new_cache(static or (self.max_tokens if model_cache is not None else L), B, plan.padding,
-                                     plan.offsets)
             y = self.core.prefill(x, kv, return_router=want_router, return_attention=want_maps, attention_limit=limit)
             if want_router or want_maps:
                 y, logits, maps = y.output, y.router_logits, y.attention
@@ -335,15 +377,24 @@ def _check_rotary(model: torch.nn.Module, core: _CoreLayer) -> None:
                          f"{core.rope_attention_scaling}), which the C layers compute")
 
 
-def patch_model(model: torch.nn.Module, max_tokens: int = 4096,
-                attention_limit: Optional[int] = None) -> torch.nn.Module:
+def patch_model(model: torch.nn.Module, max_tokens: int = 4096, attention_limit: Optional[int] = None,
+                ep_group: Any = None, ep_placement: Optional[List[List[int]]] = None) -> torch.nn.Module:
     """Replaces every decoder layer of the model by a qwen3layer one (in place; returns the model).
     attention_limit: the bytes of attention maps one layer call may make when the model asks
     for output_attentions (None: the C layer's default, 2**30); above it the call raises
-    ValueError with the maps' shape and size."""
+    ValueError with the maps' shape and size.
+    ep_group: a torch.distributed process group (torch.distributed.group.WORLD for all of
+    them): each layer's experts are split over its ranks (ExpertParallelLayer, placement
+    ep_placement, contiguous by default), each rank running its own prompts through its own
+    copy of the model. Every rank must make the same forward calls in number: the model's
+    generate then defaults to synced_gpus=True (a rank whose sequences all ended keeps
+    stepping until every rank's have; transformers syncs over the world group)."""
     layers = _layers(model)
     recordable = getattr(model, "_can_record_outputs", None)
-    made = [layer if isinstance(layer, DecoderLayer) else DecoderLayer.from_hf(layer, max_tokens, recordable)
+    if ep_group is None and ep_placement is not None:
+        raise ValueError("ep_placement: given without ep_group (the process group to split the experts over)")
+    made = [layer if isinstance(layer, DecoderLayer) else
+            DecoderLayer.from_hf(layer, max_tokens, recordable, ep_group, ep_placement)
             for layer in layers]  # every layer made (and its config checked) before the model changes
     if made:
         _check_rotary(model, made[0].core)
@@ -352,7 +403,23 @@ def patch_model(model: torch.nn.Module, max_tokens: int = 4096,
         layer.attention_limit = attention_limit
     if getattr(model, "_q3_guard", None) is None:
         model._q3_guard = model.register_forward_pre_hook(_guard)
+    if any(layer.expert_parallel for layer in made) and "generate" not in model.__dict__ and \
+            hasattr(model, "generate"):
+        model.generate = _synced_generate(model.generate)
     return model
+
+
+def _synced_generate(generate: Any) -> Any:
+    """the model's generate with synced_gpus=True unless the call says otherwise"""
+    import functools
+
+    @functools.wraps(generate)
+    def synced(*args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("synced_gpus", True)
+        return generate(*args, **kwargs)
+
+    synced._q3_synced = True
+    return synced
 
 
 def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -367,4 +434,6 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
     if guard is not None:
         guard.remove()
         del model._q3_guard
+    if getattr(model.__dict__.get("generate"), "_q3_synced", False):
+        del model.__dict__["generate"]
     return model

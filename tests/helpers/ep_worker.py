@@ -175,7 +175,10 @@ def run_rank(rank, world, init_file, placement_kind):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     try:
-        if placement_kind.startswith("checkpoint:"):
+        if placement_kind == "dropin":
+            import ep_dropin_worker
+            ep_dropin_worker.run(rank, world, init_file)
+        elif placement_kind.startswith("checkpoint:"):
             from_checkpoint(rank, world, placement_kind.split(":", 1)[1])
         else:
             against_the_single_process_layer(rank, world, placement_kind)

@@ -55,6 +55,15 @@ def test_each_rank_maps_only_its_experts_of_a_checkpoint(tmp_path):
     spawn(2, tmp_path, "checkpoint:" + str(tmp_path / "ckpt"))
 
 
+def test_patch_model_over_two_ranks_generates_as_the_unpatched_model(tmp_path):
+    """patch_model(ep_group=WORLD) on 2 gloo ranks, each its own prompts: greedy generate
+    equal to the unpatched model's on each rank, one rank ending first (synced_gpus); the
+    logits and router logits; a call one rank refuses, named on the other; a timeout that
+    says why (tests/helpers/ep_dropin_worker.py)"""
+    pytest.importorskip("transformers")
+    spawn(2, tmp_path, "dropin")
+
+
 def test_contiguous_placement_gives_the_first_ranks_the_extra_experts():
     from qwen3layer.parallel import contiguous_placement
     assert contiguous_placement(16, 3) == [list(range(0, 6)), list(range(6, 11)), list(range(11, 16))]
