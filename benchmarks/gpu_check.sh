@@ -4,7 +4,7 @@
 # run the GPU tests (every CUDA kernel against its CPU twin), every kernel path once under
 # compute-sanitizer's memory checker, then the CUDA benchmark; its table is printed last.
 # The CPU suite (the same kernels on the SIMT executor included) runs in CI, not here. The
-# steps' own time limits sum to 540 s (120 + 90 + 60 + 120 + 150), so one device call of
+# steps' own time limits sum to 540 s (120 + 90 + 60 + 100 + 40 + 130), so one device call of
 # 600 s always gets to the end. Logs go to $OUT if set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -38,7 +38,7 @@ PY
 
 echo "== memory checker over every kernel path (compute-sanitizer, where it runs)"
 if command -v compute-sanitizer > /dev/null; then
-    timeout 120 compute-sanitizer --tool memcheck --print-limit 20 python3 benchmarks/sanitize_check.py 2>&1 \
+    timeout 100 compute-sanitizer --tool memcheck --print-limit 20 python3 benchmarks/sanitize_check.py 2>&1 \
         | tee "$out/memcheck.log" | grep -E "ERROR SUMMARY|Invalid|kernel self-check|ran;|Error" | head -40
     if grep -q "Device not supported" "$out/memcheck.log"; then
         echo "compute-sanitizer: skipped (it answers 'Device not supported' on this runtime; not a kernel failure)"
@@ -49,6 +49,14 @@ else
     echo "compute-sanitizer not found: skipped"
 fi
 
+echo "== expert parallelism over NCCL (2 GPUs or more)"
+gpus=$(nvidia-smi --list-gpus 2> /dev/null | wc -l)
+if [ "$gpus" -ge 2 ]; then
+    timeout 40 python3 -m pytest -q -rs tests/gpu/test_nccl_ep.py 2>&1 | tee "$out/nccl_ep.log" || status=1
+else
+    echo "skipped: $gpus GPU(s) on this machine, NCCL expert parallelism needs 2"
+fi
+
 echo "== CUDA benchmark"
-timeout 150 python3 benchmarks/bench_cuda.py 2>&1 | tee "$out/bench_cuda.txt" || status=1
+timeout 130 python3 benchmarks/bench_cuda.py 2>&1 | tee "$out/bench_cuda.txt" || status=1
 exit $status

@@ -60,9 +60,11 @@ class _Insides:
                  seq: Optional[int]) -> None:
         lead = tuple(x.shape[:-1])
         self.router = insides["return_router"]
-        self.logits = torch.zeros(lead + (c.num_experts,)) if self.router else None
-        self.experts = torch.zeros(lead + (c.num_experts_per_tok,), dtype=torch.int32) if self.router else None
-        self.weights = torch.zeros(lead + (c.num_experts_per_tok,)) if self.router else None
+        at = x.device
+        self.logits = torch.zeros(lead + (c.num_experts,), device=at) if self.router else None
+        self.experts = torch.zeros(lead + (c.num_experts_per_tok,), dtype=torch.int32, device=at) \
+            if self.router else None
+        self.weights = torch.zeros(lead + (c.num_experts_per_tok,), device=at) if self.router else None
         self.maps = None
         if insides["return_attention"]:
             decode = kind == "decode"
@@ -70,7 +72,7 @@ class _Insides:
             tokens = 1 if decode else x.shape[-2]
             seqs = range(batch) if decode or x.dim() == 3 else [seq or 0]
             context = max((cache.lengths[s] + tokens for s in seqs), default=0) if x.shape[0] else 0
-            self.maps = torch.zeros(batch, c.num_attention_heads, tokens, context)
+            self.maps = torch.zeros(batch, c.num_attention_heads, tokens, context, device=at)
 
     def add(self, sl: slice, trace: Any) -> None:
         if self.router:
@@ -96,49 +98,53 @@ class ExpertParallelLayer:
 
     def __init__(self, config: LayerConfig, weights: Mapping[str, Any], *, group: Any = None,
                  placement: Optional[Sequence[Sequence[int]]] = None, dtype: Optional[str] = None,
-                 weight_format: Optional[str] = None) -> None:
-        self._place(config, group, placement)
-        self.layer = DecoderLayer(config, weights, dtype=dtype, weight_format=weight_format, experts=self.experts)
+                 weight_format: Optional[str] = None, device: str = "cpu") -> None:
+        self._place(config, group, placement, device)
+        self.layer = DecoderLayer(config, weights, device=device, dtype=dtype, weight_format=weight_format,
+                                  experts=self.experts)
 
     @classmethod
     def from_checkpoint(cls, path: str, layer_idx: int, *, group: Any = None,
                         placement: Optional[Sequence[Sequence[int]]] = None,
-                        dtype: Optional[str] = None) -> "ExpertParallelLayer":
+                        dtype: Optional[str] = None, device: str = "cpu") -> "ExpertParallelLayer":
         """Layer `layer_idx` of a safetensors checkpoint (DecoderLayer.from_checkpoint), each
         rank mapping only its experts' bytes and the attention and router weights."""
         from .checkpoint import _read_config
 
         self = cls.__new__(cls)
-        self._place(_read_config(path)[2], group, placement)
-        self.layer = DecoderLayer.from_checkpoint(path, layer_idx, dtype=dtype, experts=self.experts)
+        self._place(_read_config(path)[2], group, placement, device)
+        self.layer = DecoderLayer.from_checkpoint(path, layer_idx, device=device, dtype=dtype, experts=self.experts)
         return self
 
     @classmethod
     def from_hf(cls, hf_layer: Any, *, group: Any = None,
                 placement: Optional[Sequence[Sequence[int]]] = None) -> "ExpertParallelLayer":
-        """From a transformers Qwen3MoeDecoderLayer on the CPU (DecoderLayer.from_hf): the
-        attention, router and this rank's experts borrowed from its tensors, not copied; the
-        other ranks' experts are not read."""
-        where = {p.device for p in hf_layer.parameters()}
-        if where != {torch.device("cpu")}:
-            raise NotImplementedError(f"hf_layer: expert parallelism runs on CPU layers (gloo) so far; the layer's "
-                                      f"weights are on {sorted(str(d) for d in where)}")
+        """From a transformers Qwen3MoeDecoderLayer (DecoderLayer.from_hf), on the device its
+        weights are on: the attention, router and this rank's experts borrowed from its
+        tensors, not copied; the other ranks' experts are not read."""
+        where = sorted({str(p.device) for p in hf_layer.parameters()})
+        if len(where) != 1:
+            raise ValueError(f"hf_layer: expected its weights on one device, got them on {where}")
+        device = where[0] if where[0] != "cuda" else "cuda:0"
         config, weights = hf_layer_parts(hf_layer)
-        return cls(config, weights, group=group, placement=placement)
+        return cls(config, weights, group=group, placement=placement, device=device)
 
     @classmethod
     def random(cls, config: LayerConfig, seed: int = 0, dtype: str = "bfloat16", *, group: Any = None,
                placement: Optional[Sequence[Sequence[int]]] = None,
-               weight_format: Optional[str] = None) -> "ExpertParallelLayer":
+               weight_format: Optional[str] = None, device: str = "cpu") -> "ExpertParallelLayer":
         """Each rank's share of DecoderLayer.random(config, seed): the same attention weights,
         and its experts equal, expert for expert, to the whole layer's (the others never made)."""
         self = cls.__new__(cls)
-        self._place(config, group, placement)
-        self.layer = DecoderLayer.random(config, seed, dtype, weight_format=weight_format, experts=self.experts)
+        self._place(config, group, placement, device)
+        self.layer = DecoderLayer.random(config, seed, dtype, device=device, weight_format=weight_format,
+                                         experts=self.experts)
         return self
 
-    def _place(self, config: LayerConfig, group: Any, placement: Optional[Sequence[Sequence[int]]]) -> None:
-        """the group, this rank, the placement and the owner of each expert"""
+    def _place(self, config: LayerConfig, group: Any, placement: Optional[Sequence[Sequence[int]]],
+               device: str) -> None:
+        """the group, this rank, the placement and the owner of each expert, the device the
+        collectives' tensors live on (the layer's with NCCL, the CPU with gloo)"""
         if not isinstance(config, LayerConfig):
             raise TypeError(f"config: expected a qwen3layer.LayerConfig, got {type(config).__name__}")
         if not dist.is_available() or not dist.is_initialized():
@@ -148,6 +154,12 @@ class ExpertParallelLayer:
         self.world = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         self.config = config
+        self._device = torch.device(device if device != "cuda" else "cuda:0")
+        backend = str(dist.get_backend(self.group))
+        if (self._device.type == "cuda" and "nccl" not in backend) or (self._device.type == "cpu" and backend == "nccl"):
+            want = "nccl" if self._device.type == "cuda" else "gloo (NCCL moves CUDA tensors only)"
+            raise ValueError(f"group: a layer on {self._device} exchanges its rows over {want}, got a group of "
+                             f"backend {backend!r}")
         E = config.num_experts
         self.placement = _check_placement(placement, E, self.world) if placement is not None \
             else contiguous_placement(E, self.world)
@@ -155,7 +167,7 @@ class ExpertParallelLayer:
         for r, ids in enumerate(self.placement):
             for e in ids:
                 owner[e] = r
-        self._owner = torch.tensor(owner, dtype=torch.int64)
+        self._owner = torch.tensor(owner, dtype=torch.int64, device=self._device)
         self.experts = tuple(sorted(self.placement[self.rank]))
         self.reset_stats()
 
@@ -227,11 +239,14 @@ class ExpertParallelLayer:
         H = self.config.hidden_size
         if x.dim() < 2 or x.shape[-1] != H:
             return ValueError(f"x: expected shape [..., hidden={H}], got {list(x.shape)}")
-        if out is not None and (not isinstance(out, torch.Tensor) or out.shape != x.shape or out.dtype != x.dtype):
-            got = f"{type(out).__name__} {list(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) \
-                else type(out).__name__
-            return ValueError(f"out: expected a torch tensor of x's shape {list(x.shape)} and dtype {x.dtype}, "
-                              f"got {got}")
+        if x.device != self._device:  # the empty call's x too: its exchanges are on the layer's device
+            return ValueError(f"x: expected a tensor on the layer's device {self._device}, got one on {x.device}")
+        if out is not None and (not isinstance(out, torch.Tensor) or out.shape != x.shape or out.dtype != x.dtype
+                                or out.device != x.device):
+            got = f"{type(out).__name__} {list(out.shape)} {out.dtype} on {out.device}" \
+                if isinstance(out, torch.Tensor) else type(out).__name__
+            return ValueError(f"out: expected a torch tensor of x's shape {list(x.shape)}, dtype {x.dtype} and "
+                              f"device {x.device}, got {got}")
         if not passes:
             return None
         try:
@@ -250,7 +265,7 @@ class ExpertParallelLayer:
             problem = None  # see _exchange: no cycle through this frame
         total = max(c[1] for c in calls)
         lengths = None if not passes else list(cache.lengths)
-        y = out if out is not None else torch.empty(x.shape, dtype=x.dtype)
+        y = out if out is not None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
         trace = _Insides(self.config, kind, x, cache, insides, kw.get("seq")) \
             if insides["return_router"] or insides["return_attention"] else None
         try:
@@ -283,8 +298,8 @@ class ExpertParallelLayer:
         """every rank's (kind, passes, its checks' message or None, x's dtype): one all_gather
         of 4 ints, and the messages only when a rank's checks failed"""
         mine = torch.tensor([_KIND_CODES[kind], passes, _DTYPE_CODES.get(dtype, 0), problem is not None],
-                            dtype=torch.int64)
-        heads = [torch.empty(4, dtype=torch.int64) for _ in range(self.world)]
+                            dtype=torch.int64, device=self._device)
+        heads = [torch.empty(4, dtype=torch.int64, device=self._device) for _ in range(self.world)]
         try:
             dist.all_gather(heads, mine, group=self.group)
         except RuntimeError as e:  # gloo's and NCCL's timeouts and a closed peer
@@ -326,24 +341,25 @@ class ExpertParallelLayer:
     def _exchange(self, resid, normed, experts, weights, dtype) -> Optional[torch.Tensor]:
         """One pass's dispatch, experts and combine; every argument None: a pass with no rows"""
         W, H, K, g = self.world, self.config.hidden_size, self.config.num_experts_per_tok, self.group
+        at = self._device
         t0 = time.perf_counter()
         if resid is None:
-            normed = torch.empty(0, H, dtype=dtype)
-            experts = torch.empty(0, K, dtype=torch.int32)
-            weights = torch.empty(0, K, dtype=torch.float32)
+            normed = torch.empty(0, H, dtype=dtype, device=at)
+            experts = torch.empty(0, K, dtype=torch.int32, device=at)
+            weights = torch.empty(0, K, dtype=torch.float32, device=at)
         dest = self._owner[experts.long()]                               # [n, K] rank of each choice
-        hit = torch.zeros(experts.shape[0], W, dtype=torch.bool)
+        hit = torch.zeros(experts.shape[0], W, dtype=torch.bool, device=at)
         hit.scatter_(1, dest, True)                                      # [n, W] row i goes to rank d
         to_rank, rows = hit.t().nonzero(as_tuple=True)                   # by rank, rows ascending
         send = hit.sum(0).tolist()
         routes = torch.where(dest[rows] == to_rank[:, None], experts[rows], -1)
         meta = torch.cat([routes, weights[rows].view(torch.int32)], 1)   # [m, 2K]: ids, weights' bits
-        counts = torch.empty(W, dtype=torch.int64)
-        dist.all_to_all_single(counts, torch.tensor(send, dtype=torch.int64), group=g)
+        counts = torch.empty(W, dtype=torch.int64, device=at)
+        dist.all_to_all_single(counts, torch.tensor(send, dtype=torch.int64, device=at), group=g)
         recv = counts.tolist()
-        in_rows = torch.empty(sum(recv), H, dtype=dtype)
+        in_rows = torch.empty(sum(recv), H, dtype=dtype, device=at)
         dist.all_to_all_single(in_rows, normed[rows], recv, send, group=g)
-        in_meta = torch.empty(sum(recv), 2 * K, dtype=torch.int32)
+        in_meta = torch.empty(sum(recv), 2 * K, dtype=torch.int32, device=at)
         dist.all_to_all_single(in_meta, meta, recv, send, group=g)
         t1 = time.perf_counter()
         status, partial = None, None
@@ -361,11 +377,11 @@ class ExpertParallelLayer:
             # exception", ~1 run in 12 of 3 ranks; none with this)
             status = None
         t2 = time.perf_counter()
-        back = torch.empty(len(rows), H, dtype=dtype)
+        back = torch.empty(len(rows), H, dtype=dtype, device=at)
         dist.all_to_all_single(back, partial, send, recv, group=g)
         out = None
         if resid is not None:
-            out = torch.empty(resid.shape, dtype=dtype)
+            out = torch.empty(resid.shape, dtype=dtype, device=at)
             _C.combine_rows(resid, back, rows.to(torch.int32), out)
         st, row_bytes = self.stats, H * in_rows.element_size() + 8 * K  # a row, its ids and weights
         st["dispatch_s"] += t1 - t0
@@ -382,8 +398,10 @@ class ExpertParallelLayer:
         return out
 
     def _agree_status(self, status: Optional[BaseException]) -> None:
-        flags = [torch.zeros(1, dtype=torch.int32) for _ in range(self.world)]
-        dist.all_gather(flags, torch.tensor([0 if status is None else 1], dtype=torch.int32), group=self.group)
+        at = self._device
+        flags = [torch.zeros(1, dtype=torch.int32, device=at) for _ in range(self.world)]
+        dist.all_gather(flags, torch.tensor([0 if status is None else 1], dtype=torch.int32, device=at),
+                        group=self.group)
         failed = [r for r, f in enumerate(flags) if int(f)]
         if not failed:
             return

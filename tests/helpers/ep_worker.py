@@ -10,10 +10,11 @@ import torch.distributed as dist
 CFG_ARGS = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=24,
                 num_experts=16, num_experts_per_tok=4, moe_intermediate_size=48)
 H, E, K = CFG_ARGS["hidden_size"], CFG_ARGS["num_experts"], CFG_ARGS["num_experts_per_tok"]
+DEVICE = ["cpu"]  # the ranks' layers' and tensors' device: cuda:<rank> with NCCL
 
 
 def _x(shape, seed, dtype):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype).to(DEVICE[0])
 
 
 def _close(got, want, dtype, what):
@@ -54,7 +55,7 @@ def scenarios(ep, ref, rank, world, dtype):
     assert y.shape == x.shape and y.dtype == dtype
     assert ep.stats["passes"] == 3  # rank 0's 37 tokens in chunks of 16: every rank takes part in 3
     moved = torch.tensor([ep.stats["rows_sent"], ep.stats["rows_received"], ep.stats["bytes_sent"],
-                          ep.stats["bytes_received"]], dtype=torch.int64)
+                          ep.stats["bytes_received"]], dtype=torch.int64, device=DEVICE[0])
     dist.all_reduce(moved)  # what left the ranks arrived
     assert moved[0] == moved[1] > 0 and moved[2] == moved[3], moved
     if tokens:
@@ -78,7 +79,7 @@ def scenarios(ep, ref, rank, world, dtype):
         assert torch.equal(got.experts, want.experts) and got.attention is None
     else:
         assert got.router_logits.shape == (0, E) and got.attention.shape[2] == 0
-        got = ep.decode(torch.empty(0, H, dtype=dtype), i_ep, return_router=True)
+        got = ep.decode(torch.empty(0, H, dtype=dtype, device=DEVICE[0]), i_ep, return_router=True)
         assert got.output.shape == (0, H) and got.experts.shape == (0, K)
 
     batch = 2
@@ -92,7 +93,7 @@ def scenarios(ep, ref, rank, world, dtype):
         _close(ep.prefill(xb, b_ep, chunk_size=4), ref.prefill(xb, b_ref, chunk_size=4), dtype, "batched prefill")
     for step in range(3):
         if rank == 1:
-            assert ep.decode(torch.empty(0, H, dtype=dtype), b_ep).shape == (0, H)
+            assert ep.decode(torch.empty(0, H, dtype=dtype, device=DEVICE[0]), b_ep).shape == (0, H)
             continue
         t = _x((batch, H), 300 + 10 * rank + step, dtype)
         _close(ep.decode(t, b_ep), ref.decode(t, b_ref), dtype, f"decode step {step}")
@@ -137,6 +138,9 @@ def refusals(ep, rank, world, dtype):
     ep.layer.expert_half = real
     assert ep.prefill(x2, cache).shape == x2.shape  # in step again
 
+    other = "cuda:0" if DEVICE[0] == "cpu" else "cpu"  # a layer whose device the group's backend cannot move
+    _expect(lambda: type(ep).random(ep.config, 5, "float32", device=other), ValueError, "got a group of backend")
+
 
 def from_checkpoint(rank, world, path):
     """each rank maps the attention and router weights and its own experts' bytes, nothing of
@@ -168,11 +172,14 @@ def from_checkpoint(rank, world, path):
            torch.float32, "prefill from a checkpoint")
 
 
-def run_rank(rank, world, init_file, placement_kind):
+def run_rank(rank, world, init_file, placement_kind, backend="gloo"):
     import faulthandler
     faulthandler.enable()  # a rank that crashes says where
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        DEVICE[0] = f"cuda:{rank}"
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     try:
         if placement_kind == "dropin":
@@ -203,9 +210,30 @@ def against_the_single_process_layer(rank, world, placement_kind):
         placement = [list(range(r, E, world)) for r in range(world)]
     for name in ("float32", "bfloat16"):
         dtype = getattr(torch, name)
-        ep = ExpertParallelLayer.random(cfg, seed=5, dtype=name, placement=placement)
+        ep = ExpertParallelLayer.random(cfg, seed=5, dtype=name, placement=placement, device=DEVICE[0])
         want = (placement or contiguous_placement(E, world))[rank]
         assert ep.layer.held_experts == tuple(sorted(want))
-        ref = q3.DecoderLayer.random(cfg, seed=5, dtype=name)
+        ref = q3.DecoderLayer.random(cfg, seed=5, dtype=name, device=DEVICE[0])
         scenarios(ep, ref, rank, world, dtype)
     refusals(ep, rank, world, dtype)
+
+
+DEADLINE_S = 240  # the ranks' collectives time out at 60 s each; the spawn as a whole at this
+
+
+def spawn_ranks(world, init_file, placement_kind, backend="gloo"):
+    """runs run_rank in `world` spawned processes; None, or why they did not finish (a rank's
+    failure raises with its traceback)"""
+    import time
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(run_rank, args=(world, init_file, placement_kind, backend), nprocs=world, join=False,
+                             start_method="spawn")
+    end = time.monotonic() + DEADLINE_S
+    while not ctx.join(timeout=max(1.0, end - time.monotonic())):
+        if time.monotonic() > end:
+            for p in ctx.processes:
+                p.kill()
+            return f"the {world} ranks did not finish in {DEADLINE_S} s (a hang in a collective)"
+    return None
