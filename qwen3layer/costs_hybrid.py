@@ -1,0 +1,133 @@
+"""The cost model of a layer split over one GPU and the host: attention, the router and the
+`gpu_experts` on the GPU, the other experts in host memory run by the CPU (DecoderLayer with
+expert_device="cpu"). Per pass (a prefill chunk or a decode step of `rows` rows):
+
+  GPU:   attention and router (qwen3layer.costs' stages before the experts), then its experts
+  PCIe:  each row routed to a host expert goes down once (hidden x dtype, its k ids and weights
+         at 4 bytes each), its partial sum comes back (hidden x fp32)
+  host:  the host experts the pass hits, each read once from host memory
+
+The GPU's experts run while the rows cross and the CPU computes, so a pass takes the
+attention's time plus the longer of the GPU's experts and the host path (down, CPU, up): the
+`bound` side. Each stage's time is its roofline, max(bytes / bandwidth, FLOPs / peak), at the
+machine figures given (`Machine`; the host's from the probes qwen3layer._C runs, the device's
+and the link's from ../shared/REFERENCE.md's H200 and PCIe 5 x16). Routing is uniform unless
+`shares` (each expert's fraction of the choices, from a calibration call's counts) is given;
+with shares, a row's k choices are taken as independent draws (the rows that reach the host
+are then an estimate)."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional, Sequence
+
+from .config import LayerConfig
+from .costs import WEIGHT_FORMATS, _Matrices, _size, cost_model
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    """The figures a prediction uses: bytes/s and FLOP/s"""
+    device_read: float = 4.3e12     # H200 HBM3e, a copy's measured rate
+    device_flops: float = 790e12    # H200 bf16 dense, measured
+    link: float = 50e9              # PCIe 5 x16, each way
+    host_read: float = 36e9         # this project's CPU VM; pass the read probe's
+    host_flops: float = 180e9       # fp32 FMA, 2 cores; pass the FMA probe's
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridSplit:
+    """One pass of `rows` rows with `gpu_experts` of the experts on the GPU (bytes and seconds)"""
+    rows: int
+    gpu_experts: int
+    rows_to_host: float
+    link_down_bytes: float
+    link_up_bytes: float
+    host_expert_bytes: float      # host experts' weights read from host memory
+    device_expert_bytes: float    # the GPU's experts' weights read from device memory
+    device_other_bytes: float     # attention, norms, router, KV cache, activations
+    attention_s: float
+    device_experts_s: float
+    link_s: float
+    host_experts_s: float
+
+    @property
+    def host_path_s(self) -> float:
+        return self.link_s + self.host_experts_s
+
+    @property
+    def pass_s(self) -> float:
+        return self.attention_s + max(self.device_experts_s, self.host_path_s)
+
+    @property
+    def bound(self) -> str:
+        """the side the pass waits for after the attention: 'device' or 'host'"""
+        return "host" if self.host_path_s > self.device_experts_s else "device"
+
+
+def _shares(cfg: LayerConfig, shares: Optional[Sequence[float]]) -> list:
+    E = cfg.num_experts
+    if shares is None:
+        return [1.0 / E] * E
+    got = [float(s) for s in shares]
+    if len(got) != E or any(not math.isfinite(s) or s < 0 for s in got) or not sum(got) > 0:
+        raise ValueError(f"shares: expected {E} non-negative numbers (each expert's fraction of the choices), "
+                         f"got {len(got)} of them" + ("" if len(got) != E else f" summing to {sum(got)}"))
+    total = sum(got)
+    return [s / total for s in got]
+
+
+def _gpu_ids(cfg: LayerConfig, gpu_experts: Sequence[int]) -> set:
+    E = cfg.num_experts
+    ids = set()
+    for e in gpu_experts:
+        if not isinstance(e, int) or isinstance(e, bool) or not 0 <= e < E:
+            raise ValueError(f"gpu_experts: expected expert ids in [0, {E}), got {e!r}")
+        if e in ids:
+            raise ValueError(f"gpu_experts: expert {e} is listed twice")
+        ids.add(e)
+    return ids
+
+
+def hybrid_split(cfg: LayerConfig, rows: int, gpu_experts: Sequence[int], *, mode: str = "decode", context: int = 0,
+                 dtype: str = "bfloat16", weight_format: str = "dense", shares: Optional[Sequence[float]] = None,
+                 machine: Machine = Machine()) -> HybridSplit:
+    """The pass of `rows` rows (mode "decode": a step of `rows` sequences; "prefill": a
+    chunk of `rows` tokens of one sequence), `context` tokens already cached (each), with the
+    experts `gpu_experts` (ids) on the GPU and the rest on the host."""
+    if not isinstance(rows, int) or rows < 1:
+        raise ValueError(f"rows: expected a positive int, got {rows!r}")
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"weight_format: expected one of {WEIGHT_FORMATS}, got {weight_format!r}")
+    E, k, H, I = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
+    on_gpu = _gpu_ids(cfg, gpu_experts)
+    p = _shares(cfg, shares)
+    mat = _Matrices(_size(dtype), 4 if weight_format != "dense" else 0)
+    per_expert = 2 * mat.bytes(I, H) + mat.bytes(H, I)
+    # an expert is read when a row chooses it: P = 1 - (1 - k p_e)^rows
+    hit = [1.0 - max(0.0, 1.0 - k * pe) ** rows for pe in p]
+    host_share = sum(pe for e, pe in enumerate(p) if e not in on_gpu)
+    if shares is None:  # a row's k distinct experts all on the GPU: C(n, k) / C(E, k)
+        all_gpu = math.comb(len(on_gpu), k) / math.comb(E, k)
+    else:
+        all_gpu = (1.0 - host_share) ** k
+    to_host = rows * (1.0 - all_gpu)
+    down, up = to_host * (H * _size(dtype) + 8 * k), to_host * H * 4
+    host_bytes = per_expert * sum(h for e, h in enumerate(hit) if e not in on_gpu)
+    dev_bytes = per_expert * sum(h for e, h in enumerate(hit) if e in on_gpu)
+    expert_flops = 2.0 * rows * k * 3 * H * I
+    if mode not in ("prefill", "decode"):
+        raise ValueError(f"mode: expected 'prefill' or 'decode', got {mode!r}")
+    m = cost_model(cfg, "prefill", rows, context, dtype=dtype, weight_format=weight_format) if mode == "prefill" \
+        else cost_model(cfg, "decode", 1, context, dtype=dtype, weight_format=weight_format, batch=rows)
+    other = [s for s in m.stages if s.name != "experts"]
+    other_bytes = sum(s.bytes for s in other)
+    ex = m.stage("experts")
+    act = ex.act_read + ex.act_written  # the rows in and out of the experts, on the GPU
+    mc = machine
+    return HybridSplit(
+        rows, len(on_gpu), to_host, down, up, host_bytes, dev_bytes, other_bytes + act,
+        attention_s=max(other_bytes / mc.device_read, sum(s.flops for s in other) / mc.device_flops),
+        device_experts_s=max((dev_bytes + act) / mc.device_read, expert_flops * (1 - host_share) / mc.device_flops),
+        link_s=(down + up) / mc.link,
+        host_experts_s=max(host_bytes / mc.host_read, expert_flops * host_share / mc.host_flops))

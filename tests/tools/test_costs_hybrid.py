@@ -1,0 +1,103 @@
+"""qwen3layer.costs_hybrid: the GPU + host split's bytes against routings drawn at random
+(uniform, and from skewed shares), its ends (every expert on one side), its bounds, and its
+refusals."""
+import math
+
+import pytest
+import torch
+
+import qwen3layer as q3
+from qwen3layer.costs import cost_model
+from qwen3layer.costs_hybrid import Machine, hybrid_split
+
+REAL = q3.LayerConfig.qwen3_235b_a22b()
+SMALL = q3.LayerConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=24, num_experts=16,
+                       num_experts_per_tok=4, moe_intermediate_size=48)
+
+
+def _drawn(cfg, rows, gpu, shares, trials, seed):
+    """mean rows with a host expert and mean distinct host experts hit, over routings drawn
+    by independent choices of `shares` (uniform: k distinct experts a row)"""
+    g = torch.Generator().manual_seed(seed)
+    E, k = cfg.num_experts, cfg.num_experts_per_tok
+    host = torch.ones(E, dtype=torch.bool)
+    host[list(gpu)] = False
+    p = torch.full((E,), 1.0 / E) if shares is None else torch.tensor(shares, dtype=torch.float64)
+    to_host = hit = 0.0
+    for _ in range(trials):
+        if shares is None:
+            ids = torch.rand(rows, E, generator=g).argsort(1)[:, :k]  # k distinct, uniform
+        else:
+            ids = torch.multinomial(p.expand(rows, E), k, replacement=True, generator=g)
+        on_host = host[ids]
+        to_host += on_host.any(1).sum().item()
+        hit += host[ids.unique()].sum().item()
+    return to_host / trials, hit / trials
+
+
+@pytest.mark.parametrize("rows,gpu", [(1, range(4)), (3, range(8)), (12, [0, 5, 9]), (40, range(12))])
+def test_uniform_routing_bytes_match_drawn_routings(rows, gpu):
+    s = hybrid_split(SMALL, rows, list(gpu), mode="prefill")
+    want_rows, want_hit = _drawn(SMALL, rows, gpu, None, 4000, rows)
+    assert s.rows_to_host == pytest.approx(want_rows, rel=0.03, abs=0.02)
+    per_expert = 3 * SMALL.hidden_size * SMALL.moe_intermediate_size * 2
+    assert s.host_expert_bytes / per_expert == pytest.approx(want_hit, rel=0.03, abs=0.02)
+    H, k = SMALL.hidden_size, SMALL.num_experts_per_tok
+    assert s.link_down_bytes == pytest.approx(s.rows_to_host * (2 * H + 8 * k))
+    assert s.link_up_bytes == pytest.approx(s.rows_to_host * 4 * H)
+
+
+def test_skewed_shares_with_the_hottest_on_the_gpu_send_fewer_rows_and_match_drawn_routings():
+    shares = [2.0 ** -(e / 3) for e in range(SMALL.num_experts)]  # expert 0 hottest
+    hot, cold = list(range(4)), list(range(12, 16))
+    s_hot = hybrid_split(SMALL, 10, hot, shares=shares)
+    s_cold = hybrid_split(SMALL, 10, cold, shares=shares)
+    assert s_hot.rows_to_host < s_cold.rows_to_host and s_hot.host_expert_bytes < s_cold.host_expert_bytes
+    want_rows, _ = _drawn(SMALL, 10, hot, shares, 4000, 7)
+    assert s_hot.rows_to_host == pytest.approx(want_rows, rel=0.03)  # independent draws: the model's premise
+
+
+def test_the_ends_every_expert_on_one_side():
+    E = REAL.num_experts
+    whole = cost_model(REAL, "decode", 1, 0, batch=4)
+    gpu = hybrid_split(REAL, 4, list(range(E)))
+    host = hybrid_split(REAL, 4, [])
+    assert gpu.rows_to_host == 0 and gpu.host_expert_bytes == 0 and gpu.link_s == 0 and gpu.bound == "device"
+    assert host.rows_to_host == 4 and host.device_expert_bytes == 0 and host.bound == "host"
+    # either way the experts read are the whole layer's (cost_model rounds the experts hit)
+    per_expert = whole.stage("experts").weight_bytes / round(E * (1 - (1 - 8 / E) ** 4))
+    for s in (gpu, host):
+        assert abs(s.host_expert_bytes + s.device_expert_bytes - whole.stage("experts").weight_bytes) < per_expert
+
+
+def test_the_bound_moves_to_the_device_as_experts_move_there():
+    fast_host = Machine(host_read=400e9, host_flops=4e12)
+    bounds = [hybrid_split(REAL, 1, list(range(n)), context=512, machine=fast_host).bound for n in (0, 64, 120, 128)]
+    assert bounds[0] == "host" and bounds[-1] == "device"
+    times = [hybrid_split(REAL, 1, list(range(n)), context=512).pass_s for n in (0, 32, 64, 96, 128)]
+    assert times == sorted(times, reverse=True)  # the default host is the slower side: each expert moved helps
+
+
+def test_fp8_halves_the_expert_bytes():
+    dense = hybrid_split(REAL, 1, list(range(16)))
+    fp8 = hybrid_split(REAL, 1, list(range(16)), weight_format="fp8_e4m3_block128")
+    assert fp8.host_expert_bytes / dense.host_expert_bytes == pytest.approx(0.5, rel=0.01)
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(rows=0), "rows: expected a positive int, got 0"),
+    (dict(gpu_experts=[1, 1]), "expert 1 is listed twice"),
+    (dict(gpu_experts=[16]), "expected expert ids in [0, 16), got 16"),
+    (dict(gpu_experts=[True]), "got True"),
+    (dict(shares=[1.0] * 15), "expected 16 non-negative numbers"),
+    (dict(shares=[0.0] * 16), "summing to 0.0"),
+    (dict(shares=[math.nan] + [1.0] * 15), "expected 16 non-negative numbers"),
+    (dict(mode="train"), "mode: expected 'prefill' or 'decode', got 'train'"),
+    (dict(weight_format="int4"), "weight_format: expected one of"),
+])
+def test_refusals_name_the_argument(kwargs, needle):
+    args = dict(rows=2, gpu_experts=[0])
+    args.update(kwargs)
+    with pytest.raises(ValueError) as e:
+        hybrid_split(SMALL, args.pop("rows"), args.pop("gpu_experts"), **args)
+    assert needle in str(e.value)
