@@ -5,6 +5,7 @@ patch_model(ep_group=WORLD) and runs them again, each layer's experts split over
 Rank 0 generates for a left-padded batch of 2 to the end; rank 1 for one prompt whose end of
 sequence comes at its third new token, so it stops first and keeps stepping (synced_gpus, the
 patched generate's default) while rank 0 generates. Then a forward with the router's logits,
+beam search and a static cache's generation (each as the unpatched model's),
 a call one rank's checks refuse (named on the other), and a group whose other rank never calls
 (the timeout's message says why)."""
 import datetime
@@ -61,6 +62,8 @@ def run(rank, world, init_file):
         eos = int(whole[0, ids.shape[1] + 2]) if rank == 1 else None  # rank 1 ends at its third new token
         want = _generate(model, ids, mask, eos) if eos is not None else whole
         ref = model(ids, attention_mask=mask, output_router_logits=True)
+        beams = _generate(model, ids, mask, None, num_beams=2)
+        static = _generate(model, ids, mask, None, cache_implementation="static")
     if rank == 1:
         assert want.shape[1] < whole.shape[1], (want.shape, whole.shape)  # it does stop first
 
@@ -73,6 +76,9 @@ def run(rank, world, init_file):
         assert torch.equal(got, want), (rank, got.tolist(), want.tolist())
         assert calls[0] == steps, (calls[0], steps)  # rank 1 stepped on after its end, as rank 0 generated
         out = model(ids, attention_mask=mask, output_router_logits=True)
+        # beam search (the caches reordered each step) and a static cache, as the unpatched model
+        assert torch.equal(_generate(model, ids, mask, None, num_beams=2), beams)
+        assert torch.equal(_generate(model, ids, mask, None, cache_implementation="static"), static)
     real = mask.bool()
     err = (out.logits - ref.logits)[real].abs().max().item()
     assert err <= 1e-4 * max(1.0, ref.logits.abs().max().item()), f"logits off by {err}"
