@@ -128,17 +128,18 @@ static void add_note(const char *note) {
     q3_error_unstash(&e);
 }
 
-/* the attention half's four outputs for x (shape [..., H]): resid fp32 and normed of x's
- * dtype like x, experts int32 and weights fp32 [..., top_k]; pointed at by *o. -1 with an
- * exception (each made one is in t[] for the caller to release) */
-static int make_half_outputs(q3_module_state *st, const q3_config *cfg, const q3_view *x, q3py_tensor_object *t[4],
-                             q3_attention_half_out *o) {
+/* the attention half's four outputs for x (shape [..., H]) on `device` (-1: the host): resid
+ * fp32 and normed of x's dtype like x, experts int32 and weights fp32 [..., top_k]; pointed
+ * at by *o. -1 with an exception (each made one is in t[] for the caller to release) */
+static int make_half_outputs(q3_module_state *st, const q3_config *cfg, const q3_view *x, int device,
+                             q3py_tensor_object *t[4], q3_attention_half_out *o) {
     int64_t lead[Q3_MAX_DIM];
     memcpy(lead, x->shape, sizeof lead);
     lead[x->ndim - 1] = cfg->top_k;
-    if (!(t[0] = q3py_tensor_new(st, Q3_F32, x->ndim, x->shape)) ||
-        !(t[1] = q3py_tensor_new(st, x->dtype, x->ndim, x->shape)) ||
-        !(t[2] = q3py_tensor_new(st, Q3_I32, x->ndim, lead)) || !(t[3] = q3py_tensor_new(st, Q3_F32, x->ndim, lead)))
+    if (!(t[0] = q3py_tensor_new_on(st, Q3_F32, x->ndim, x->shape, device)) ||
+        !(t[1] = q3py_tensor_new_on(st, x->dtype, x->ndim, x->shape, device)) ||
+        !(t[2] = q3py_tensor_new_on(st, Q3_I32, x->ndim, lead, device)) ||
+        !(t[3] = q3py_tensor_new_on(st, Q3_F32, x->ndim, lead, device)))
         return -1;
     *o = (q3_attention_half_out){t[0]->data, t[1]->data, x->dtype, t[2]->data, t[3]->data};
     return 0;
@@ -204,7 +205,7 @@ static PyObject *run(q3py_layer_object *self, PyObject *x_obj, PyObject *cache_o
         goto done;
     }
     if (half) {
-        if (make_half_outputs(st, cfg, &x, halves, &half_out) < 0 ||
+        if (make_half_outputs(st, cfg, &x, self->device, halves, &half_out) < 0 ||
             q3py_insides_make(ins, st, self->layer, co->cache, &x, self->device, &a) < 0)
             goto done;
         result = Py_NewRef(Py_None);
