@@ -50,7 +50,6 @@ q3_status q3_layer_expert_half_cuda(q3_layer *l, const q3_expert_half_args *a, q
     /* fit: the engine bounds n * k by INT32_MAX, the workspace holds n rows of H */
     const size_t pairs = (size_t)(n * k), bytes = (size_t)(n * H) * sizeof(float);
     Q3_GPU(&run, g->set_device(l->w.device), "cudaSetDevice");
-    q3_gpu_mark(&run, -1);
     Q3_GPU(&run, g->copy_async(st->topk_idx, a->experts, pairs * sizeof(int32_t), 0, NULL), "copy experts");
     Q3_GPU(&run, g->copy_async(st->topk_w, a->weights, pairs * sizeof(float), 0, NULL), "copy weights");
     Q3_GPU(&run, g->stream_synchronize(NULL), "synchronize");
@@ -61,6 +60,7 @@ q3_status q3_layer_expert_half_cuda(q3_layer *l, const q3_expert_half_args *a, q
     const int on_device = n <= Q3_DECODE_MAX_ROWS && !skip;
     for (size_t i = 0; i < pairs; i++)
         if (st->topk_idx[i] < 0) st->topk_idx[i] = E;
+    q3_gpu_mark(&run, -1); /* profiling: the call's stages from here (a refused call records none) */
     Q3_GPU(&run, g->to_f32(d->h, a->rows, a->dtype, n * H, NULL), "rows");
     if (a->acc) Q3_GPU(&run, g->to_f32(d->x, a->out, a->out_dtype, n * H, NULL), "out (accumulate)");
     else Q3_GPU(&run, g->memset_async(d->x, 0, bytes, NULL), "out (zeros)");
