@@ -225,7 +225,8 @@ class DecoderLayer:
         return_router / return_attention: a fifth element, a LayerTrace (output None) of the
         insides prefill would give for the call."""
         r = self._core.attention_half(x, cache, seq, chunk_size, decode=decode, return_router=return_router,
-                                      return_attention=return_attention, attention_limit=attention_limit)
+                                      return_attention=return_attention, attention_limit=attention_limit,
+                                      stream=_stream_of(x, self._core.device))
         if len(r) == 4:
             return tuple(_like(x, t) for t in r)
         from .trace import LayerTrace
@@ -242,7 +243,8 @@ class DecoderLayer:
         summed in expert order as the whole layer sums them. out: fp32 or bf16 (default: a new
         tensor of rows' dtype). Each expert's weights are read once per call. CPU and CUDA
         layers (on a CUDA layer every tensor on its device; a skipped entry is never computed)."""
-        y = self._core.expert_half(rows, experts, weights, out=out, accumulate=accumulate)
+        y = self._core.expert_half(rows, experts, weights, out=out, accumulate=accumulate,
+                                   stream=_stream_of(rows, self._core.device))
         return y if out is not None else _like(rows, y)
 
     @property

@@ -44,15 +44,16 @@ q3_status q3_layer_expert_half_cuda(q3_layer *l, const q3_expert_half_args *a, q
     q3_status s = q3_layer_cuda_reserve(l, n, 1, err);
     if (s != Q3_OK) return s;
     q3_cuda_state *st = l->gpu;
-    q3_gpu_run run = {q3_cuda(), NULL, 0, NULL, l->prof.enabled ? &l->prof : NULL, st, &st->ws};
+    void *sm = a->stream;
+    q3_gpu_run run = {q3_cuda(), sm, 0, NULL, l->prof.enabled ? &l->prof : NULL, st, &st->ws};
     const q3_cuda_ops *g = run.g;
     q3_workspace *d = &st->ws.dev;
     /* fit: the engine bounds n * k by INT32_MAX, the workspace holds n rows of H */
     const size_t pairs = (size_t)(n * k), bytes = (size_t)(n * H) * sizeof(float);
     Q3_GPU(&run, g->set_device(l->w.device), "cudaSetDevice");
-    Q3_GPU(&run, g->copy_async(st->topk_idx, a->experts, pairs * sizeof(int32_t), 0, NULL), "copy experts");
-    Q3_GPU(&run, g->copy_async(st->topk_w, a->weights, pairs * sizeof(float), 0, NULL), "copy weights");
-    Q3_GPU(&run, g->stream_synchronize(NULL), "synchronize");
+    Q3_GPU(&run, g->copy_async(st->topk_idx, a->experts, pairs * sizeof(int32_t), 0, sm), "copy experts");
+    Q3_GPU(&run, g->copy_async(st->topk_w, a->weights, pairs * sizeof(float), 0, sm), "copy weights");
+    Q3_GPU(&run, g->stream_synchronize(sm), "synchronize");
     if (run.code) return q3_fail(err, Q3_ERR_STATE, "cuda: %s failed: %s", run.what, g->error_string(run.code));
     int skip;
     s = q3_layer_check_expert_ids(l, st->topk_idx, n, &skip, err);
@@ -61,17 +62,17 @@ q3_status q3_layer_expert_half_cuda(q3_layer *l, const q3_expert_half_args *a, q
     for (size_t i = 0; i < pairs; i++)
         if (st->topk_idx[i] < 0) st->topk_idx[i] = E;
     q3_gpu_mark(&run, -1); /* profiling: the call's stages from here (a refused call records none) */
-    Q3_GPU(&run, g->to_f32(d->h, a->rows, a->dtype, n * H, NULL), "rows");
-    if (a->acc) Q3_GPU(&run, g->to_f32(d->x, a->out, a->out_dtype, n * H, NULL), "out (accumulate)");
-    else Q3_GPU(&run, g->memset_async(d->x, 0, bytes, NULL), "out (zeros)");
+    Q3_GPU(&run, g->to_f32(d->h, a->rows, a->dtype, n * H, sm), "rows");
+    if (a->acc) Q3_GPU(&run, g->to_f32(d->x, a->out, a->out_dtype, n * H, sm), "out (accumulate)");
+    else Q3_GPU(&run, g->memset_async(d->x, 0, bytes, sm), "out (zeros)");
     if (on_device) {
-        Q3_GPU(&run, g->copy_device_async(d->topk_idx, a->experts, pairs * sizeof(int32_t), NULL), "experts");
-        Q3_GPU(&run, g->copy_device_async(d->topk_w, a->weights, pairs * sizeof(float), NULL), "weights");
+        Q3_GPU(&run, g->copy_device_async(d->topk_idx, a->experts, pairs * sizeof(int32_t), sm), "experts");
+        Q3_GPU(&run, g->copy_device_async(d->topk_w, a->weights, pairs * sizeof(float), sm), "weights");
     }
     q3_gpu_mark(&run, Q3_STAGE_IO);
     const q3_pass p = {NULL, NULL, 1, NULL, n, NULL, 0};
     q3_gpu_experts_rows(l, &p, &run, on_device);
-    Q3_GPU(&run, g->from_f32(a->out, a->out_dtype, d->x, n * H, NULL), "out");
+    Q3_GPU(&run, g->from_f32(a->out, a->out_dtype, d->x, n * H, sm), "out");
     q3_gpu_mark(&run, Q3_STAGE_IO);
     q3_gpu_collect(&run);
     if (run.code) return q3_fail(err, Q3_ERR_STATE, "cuda: %s failed: %s", run.what, g->error_string(run.code));

@@ -284,8 +284,8 @@ q3_status q3_layer_check_attention_half(const q3_layer *layer, const q3_cache *c
  * other must be an expert the layer holds (Q3_ERR_VALUE naming [i, j] otherwise, before any
  * work). The experts' outputs are summed in expert order, as q3_layer_forward sums them.
  * n = 0 does nothing. CPU and CUDA layers: a CUDA layer's tensors are in its device's memory
- * (the ids copied to the host and checked there, on the legacy default stream, before any
- * work is queued), its experts those of its forward's passes. */
+ * (the ids copied to the host and checked there, on a->stream, before any work is queued),
+ * its experts those of its forward's passes. */
 typedef struct {
     const void *rows;  /* [n, H] */
     q3_dtype dtype;    /* of rows: fp32 or bf16 */
@@ -295,6 +295,7 @@ typedef struct {
     void *out;              /* [n, H] of out_dtype (fp32 or bf16); not overlapping the inputs */
     q3_dtype out_dtype;
     int acc;
+    void *stream; /* CUDA layers: the cudaStream_t the work is queued on (NULL: default) */
 } q3_expert_half_args;
 q3_status q3_layer_expert_half(q3_layer *layer, const q3_expert_half_args *a, q3_error *err);
 /* The combine of rows whose experts ran elsewhere: resid [R, H] fp32 += parts[i] at row

@@ -286,7 +286,7 @@ def test_the_halves_on_the_executor_refuse_what_they_cannot_run():
     """An expert the layer does not hold or no expert at all, named by its entry, before out
     is written; host tensors for a CUDA layer's halves (never copied); combine_rows on device
     tensors; a subset CUDA layer's prefill, decode and decode graph, and its fused host
-    experts (which would upload every one)."""
+    experts (which would upload every one); a stream for a CPU layer's expert half."""
     sub = _C.Layer(CFG, _C.random_weights(CFG, 15, "float32", None, [1, 5]), None, 0, None, [1, 5])
     rows = to_device(torch.ones(2, H), "float32")
     w = to_device(torch.ones(2, K), "float32")
@@ -309,6 +309,7 @@ def test_the_halves_on_the_executor_refuse_what_they_cannot_run():
         lambda: sub.decode(_C.copy_tensor(_C.random_tensor((1, H), 1, "float32"), 0), cache),
         lambda: sub.decode_graph(cache),
         lambda: _C.Layer(CFG, fused, None, 0, None, [1, 5]),
+        lambda: _C.Layer(CFG, fused, None, -1).expert_half(torch.ones(2, H), ids, torch.ones(2, K), stream=1),
     ])
     holds = ("expert 2 is not held by this layer (it holds 2 of the 8; mark an expert held elsewhere -1)")
     assert found == [
@@ -323,8 +324,12 @@ def test_the_halves_on_the_executor_refuse_what_they_cannot_run():
     ] + ["ValueError: layer: holds 2 of the 8 experts, and the whole layer needs every one (run its halves: "
          "attention_half, then expert_half where the experts are)"] * 3 + [
         "ValueError: mlp.experts.gate_up_proj: a CUDA layer holding a subset of the experts takes host experts per "
-        "expert (mlp.experts.{e}.*.weight, only the held ones uploaded), got the fused host tensor of all 8"], found
+        "expert (mlp.experts.{e}.*.weight, only the held ones uploaded), got the fused host tensor of all 8",
+        "ValueError: stream: expected None for a cpu layer"], found
     assert torch.equal(on_host(out, [2, H], "float32"), base)  # the refused call wrote nothing
+    ok = torch.tensor([[1, -1], [5, 1]], dtype=torch.int32)
+    sub.expert_half(rows, to_device(ok, "int32"), w, out=out, stream=0)  # 0: the default stream, as None
+    assert not torch.equal(on_host(out, [2, H], "float32"), base)
     assert list(cache.lengths) == [0]
     # the fused experts already on the device are borrowed whole (nothing allocated)
     dev = {k: _C.copy_tensor(v, 0) for k, v in fused.items()}
