@@ -88,6 +88,7 @@ class DecoderLayer:
     experts: the expert ids a layer holding a subset holds (default: all): the other experts'
     weights are neither needed nor read, prefill and decode refuse to run (the whole layer needs
     every expert), and attention_half / expert_half run the layer split (qwen3layer.parallel).
+    On a CUDA device only the held experts are uploaded (fused host experts are refused).
     device: 'cpu', or 'cuda' / 'cuda:N' where the build has the CUDA backend: weights on that
     device are borrowed as above if their address is 16-byte aligned (the kernels' vector
     loads; a view at an odd offset is copied once, with the warning), host weights are
@@ -225,11 +226,13 @@ class DecoderLayer:
         (x's dtype), both of x's shape, and the router's top-k expert ids (int32, by
         descending weight) and weights (fp32), [..., top_k]. With expert_half on those rows,
         and resid + its output, it is the layer: prefill is the two halves run pass by pass.
-        A layer holding a subset of the experts runs it like any other. CPU layers.
+        A layer holding a subset of the experts runs it like any other. CPU and CUDA layers
+        (on a CUDA layer: x on its device, the outputs made there, the forward's own passes).
         return_router / return_attention: a fifth element, a LayerTrace (output None) of the
         insides prefill would give for the call."""
         r = self._core.attention_half(x, cache, seq, chunk_size, decode=decode, return_router=return_router,
-                                      return_attention=return_attention, attention_limit=attention_limit)
+                                      return_attention=return_attention, attention_limit=attention_limit,
+                                      stream=_stream_of(x, self._core.device))
         if len(r) == 4:
             return tuple(_like(x, t) for t in r)
         from .trace import LayerTrace
@@ -244,8 +247,10 @@ class DecoderLayer:
         one this layer holds) with weights [n, top_k] (fp32): out [n, hidden] = (or += with
         accumulate) sum_j weights[i, j] expert_{experts[i, j]}(rows[i]), the experts' outputs
         summed in expert order as the whole layer sums them. out: fp32 or bf16 (default: a new
-        tensor of rows' dtype). Each expert's weights are read once per call. CPU layers."""
-        y = self._core.expert_half(rows, experts, weights, out=out, accumulate=accumulate)
+        tensor of rows' dtype). Each expert's weights are read once per call. CPU and CUDA
+        layers (on a CUDA layer every tensor on its device; a skipped entry is never computed)."""
+        y = self._core.expert_half(rows, experts, weights, out=out, accumulate=accumulate,
+                                   stream=_stream_of(rows, self._core.device))
         return y if out is not None else _like(rows, y)
 
     @property

@@ -59,7 +59,7 @@ void q3_layer_cuda_release(q3_layer *l) {
  * Sized to each call instead, alternating a one-sequence prefill (many rows, one sequence)
  * with a batched decode (few rows, many sequences) reallocated on every switch, and cudaFree
  * waits for the whole device; now only the first call of each shape may allocate. */
-static q3_status reserve(q3_layer *l, int64_t rows, int seqs, q3_error *err) {
+q3_status q3_layer_cuda_reserve(q3_layer *l, int64_t rows, int seqs, q3_error *err) {
     if (!q3_cuda()) return q3_fail(err, Q3_ERR_STATE, "cuda: the CUDA backend is not loaded");
     int64_t split = q3_gpu_split_rows(rows, seqs);
     /* the prefill MoE paths measured so far outlive the growth (moe_paths.c): measuring
@@ -90,7 +90,7 @@ static q3_status reserve(q3_layer *l, int64_t rows, int seqs, q3_error *err) {
     s->lengths = malloc((size_t)seqs * sizeof *s->lengths);
     s->topk_idx = malloc((size_t)(rows * k) * sizeof *s->topk_idx);
     s->topk_w = malloc((size_t)(rows * k) * sizeof *s->topk_w);
-    s->offsets = malloc((size_t)(l->cfg.experts + 1) * sizeof *s->offsets);
+    s->offsets = malloc((size_t)(l->cfg.experts + 2) * sizeof *s->offsets);
     s->pair_row = malloc((size_t)(rows * k) * sizeof *s->pair_row);
     s->pair_w = malloc((size_t)(rows * k) * sizeof *s->pair_w);
     s->moe_plan = malloc((size_t)q3_moe_plan_ints(rows, k, l->cfg.experts) * sizeof *s->moe_plan);
@@ -105,8 +105,7 @@ static q3_status reserve(q3_layer *l, int64_t rows, int seqs, q3_error *err) {
     return Q3_OK;
 }
 
-/* after a pass: wait for it, charge each interval to its stage */
-static void collect(q3_gpu_run *run) {
+void q3_gpu_collect(q3_gpu_run *run) {
     q3_cuda_state *st = run->st;
     if (!run->prof || run->code) return;
     if ((run->code = run->g->stream_synchronize(run->stream)) != 0) {
@@ -125,9 +124,14 @@ static void collect(q3_gpu_run *run) {
 }
 
 q3_status q3_layer_forward_cuda(q3_layer *l, q3_cache *c, const q3_forward_args *a, q3_error *err) {
+    return q3_layer_cuda_passes(l, c, a, NULL, err);
+}
+
+q3_status q3_layer_cuda_passes(q3_layer *l, q3_cache *c, const q3_forward_args *a, const q3_attention_half_out *half,
+                               q3_error *err) {
     const int64_t chunk = a->chunk > 0 ? a->chunk : Q3_DEFAULT_CHUNK;
     const int64_t step = chunk < a->tokens ? chunk : a->tokens;
-    q3_status s = reserve(l, step * a->n_seqs, a->n_seqs, err);
+    q3_status s = q3_layer_cuda_reserve(l, step * a->n_seqs, a->n_seqs, err);
     if (s != Q3_OK) return s;
     q3_gpu_run run = {q3_cuda(), a->stream, 0, NULL, l->prof.enabled ? &l->prof : NULL, l->gpu, &l->gpu->ws};
     int64_t advanced = 0; /* tokens added to each sequence's length so far */
@@ -156,14 +160,19 @@ q3_status q3_layer_forward_cuda(q3_layer *l, q3_cache *c, const q3_forward_args 
             Q3_GPU(&run, q3_gpu_upload_decode_state(run.g, run.ws, c, a->seqs, a->n_seqs, l->gpu->lengths,
                                                     l->gpu->seq_ptr, run.stream), "uploading lengths");
         q3_gpu_attention_pass(l, c, &p, max_keys, &run);
-        q3_gpu_moe_pass(l, &p, &run);
-        for (int i = 0; i < (whole ? 1 : a->n_seqs); i++)
-            Q3_GPU(&run, run.g->from_f32((char *)a->y + ((size_t)i * a->tokens + t0) * H * es, a->io_dtype,
-                                         d->x + i * L * H, (whole ? a->n_seqs : 1) * L * H, run.stream), "output");
+        q3_gpu_route_pass(l, &p, &run);
+        if (half) {
+            q3_gpu_attention_half_write(l, &p, half, &run);
+        } else {
+            q3_gpu_experts_pass(l, &p, &run);
+            for (int i = 0; i < (whole ? 1 : a->n_seqs); i++)
+                Q3_GPU(&run, run.g->from_f32((char *)a->y + ((size_t)i * a->tokens + t0) * H * es, a->io_dtype,
+                                             d->x + i * L * H, (whole ? a->n_seqs : 1) * L * H, run.stream), "output");
+        }
         for (int i = 0; i < a->n_seqs; i++) c->lengths[a->seqs[i]] += L;
         advanced += L;
         q3_gpu_mark(&run, Q3_STAGE_IO);
-        collect(&run);
+        q3_gpu_collect(&run);
     }
     if (!run.code) return Q3_OK;
     for (int i = 0; i < a->n_seqs; i++) c->lengths[a->seqs[i]] -= advanced;

@@ -13,6 +13,19 @@ q3_status q3_layer_forward_cuda(q3_layer *layer, q3_cache *cache, const q3_forwa
 void q3_layer_cuda_release(q3_layer *layer);
 size_t q3_layer_cuda_workspace_bytes(const q3_layer *layer);
 q3_status q3_layer_cuda_config_check(const q3_config *cfg, q3_error *err);
+/* the layer's halves (layer_halves.c): q3_layer_attention_half and q3_layer_expert_half of a
+ * CUDA layer, after the engine's checks */
+q3_status q3_layer_attention_half_cuda(q3_layer *layer, q3_cache *cache, const q3_forward_args *a,
+                                       const q3_attention_half_out *out, q3_error *err);
+q3_status q3_layer_expert_half_cuda(q3_layer *layer, const q3_expert_half_args *a, q3_error *err);
+
+/* The passes of a checked call chunk by chunk (layer.c): the whole layer (half NULL), or its
+ * attention half, each pass stopped after the router and its rows written to half's outputs
+ * (q3_gpu_attention_half_write, layer_halves.c). The device state grown for passes of `rows`
+ * rows and `seqs` sequences first (q3_layer_cuda_reserve: Q3_OK, or the failure). */
+q3_status q3_layer_cuda_passes(q3_layer *layer, q3_cache *cache, const q3_forward_args *a,
+                               const q3_attention_half_out *half, q3_error *err);
+q3_status q3_layer_cuda_reserve(q3_layer *layer, int64_t rows, int seqs, q3_error *err);
 
 /* Decode-sized passes (one token per sequence, at most this many sequences) keep every
  * decision on the device: positions from device-resident lengths, experts grouped by a
@@ -94,7 +107,7 @@ struct q3_cuda_state {
     int64_t *lengths;     /* [seqs] */
     int32_t *topk_idx;    /* [rows, k] */
     float *topk_w;        /* [rows, k] */
-    int64_t *offsets;     /* [E + 1] */
+    int64_t *offsets;     /* [E + 2]: an expert half's choices group a skipped entry as expert E */
     int32_t *pair_row;    /* [rows * k] */
     float *pair_w;        /* [rows * k] */
     int32_t *moe_plan;    /* [q3_moe_plan_ints] */
@@ -133,6 +146,12 @@ typedef struct {
 
 /* records the boundary that ends `stage` (stage < 0: the start of a pass) */
 void q3_gpu_mark(q3_gpu_run *run, int stage);
+/* after a pass while profiling (layer.c): waits for it, charges each interval to its stage */
+void q3_gpu_collect(q3_gpu_run *run);
+/* a pass's rows of the attention half's outputs, from dev.x (resid), dev.h (normed) and the
+ * router's choices, device to device on the run's stream */
+void q3_gpu_attention_half_write(const q3_layer *l, const q3_pass *p, const q3_attention_half_out *half,
+                                 q3_gpu_run *run);
 
 /* One pass over the rows in ws->dev.x. A decode pass (p->L == 1, n_seqs <= Q3_DECODE_MAX_ROWS)
  * reads its positions from ws->lengths (which it advances) and ws->dev.attn_seqs' cache
@@ -140,7 +159,18 @@ void q3_gpu_mark(q3_gpu_run *run, int stage);
  * (a graph passes the capacity). Other passes stage positions from the cache's host lengths
  * and group experts on the host (one stream synchronisation). */
 void q3_gpu_attention_pass(q3_layer *l, q3_cache *c, const q3_pass *p, int64_t max_keys, q3_gpu_run *run);
+/* the MoE stage: the router's (post norm: x += h, h = norm(x); logits, top-k into dev.topk_idx
+ * and dev.topk_w, the call's router insides), then the experts' (x += the weighted experts of
+ * h); a forward pass is q3_gpu_attention_pass, q3_gpu_route_pass, q3_gpu_experts_pass, and
+ * q3_gpu_moe_pass the last two */
+void q3_gpu_route_pass(q3_layer *l, const q3_pass *p, q3_gpu_run *run);
+void q3_gpu_experts_pass(q3_layer *l, const q3_pass *p, q3_gpu_run *run);
 void q3_gpu_moe_pass(q3_layer *l, const q3_pass *p, q3_gpu_run *run);
+/* The expert half's experts on the p->L rows of dev.h into dev.x: on_device, grouped on the
+ * device from dev.topk_idx and dev.topk_w (a decode pass's way; every entry an expert held);
+ * else grouped on the host from st->topk_idx and st->topk_w already staged there, an entry
+ * E marking an expert held elsewhere, skipped, on the prefill path forced or chosen */
+void q3_gpu_experts_rows(q3_layer *l, const q3_pass *p, q3_gpu_run *run, int on_device);
 
 /* The prefill MoE's plan (passes.c): the experts in batches of at most R slots, their tiles
  * and token lists in st->moe_plan; returns the batches and sets *used to the int32s to upload.

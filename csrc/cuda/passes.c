@@ -326,8 +326,11 @@ void q3_gpu_moe_run_path(q3_layer *l, const q3_pass *p, q3_gpu_run *run, int pat
 }
 
 /* the router's choices to the host, grouped there by expert; then the experts on the path
- * forced or chosen for the pass's size (moe_paths.c) */
-static void experts_from_host(q3_layer *l, const q3_pass *p, q3_gpu_run *run) {
+ * forced or chosen for the pass's size (moe_paths.c). staged (the expert half's rows): the
+ * choices are on the host already, in st->topk_idx and st->topk_w, an entry E marking an
+ * expert held elsewhere: grouped as expert E + 1, past the last expert's slots, where no path
+ * reads (st->offsets has E + 2 entries) */
+static void experts_from_host(q3_layer *l, const q3_pass *p, q3_gpu_run *run, int staged) {
     const q3_config *cf = &l->cfg;
     const q3_cuda_ops *g = run->g;
     q3_cuda_state *st = run->st;
@@ -335,11 +338,14 @@ static void experts_from_host(q3_layer *l, const q3_pass *p, q3_gpu_run *run) {
     void *sm = run->stream;
     const int64_t R = p->n_seqs * p->L;
     const int E = cf->experts, k = cf->top_k;
-    Q3_GPU(run, g->copy_async(st->topk_idx, d->topk_idx, (size_t)(R * k) * sizeof(int32_t), 0, sm), "copy top-k");
-    Q3_GPU(run, g->copy_async(st->topk_w, d->topk_w, (size_t)(R * k) * sizeof(float), 0, sm), "copy weights");
-    Q3_GPU(run, g->stream_synchronize(sm), "synchronize");
+    if (!staged) {
+        Q3_GPU(run, g->copy_async(st->topk_idx, d->topk_idx, (size_t)(R * k) * sizeof(int32_t), 0, sm), "copy top-k");
+        Q3_GPU(run, g->copy_async(st->topk_w, d->topk_w, (size_t)(R * k) * sizeof(float), 0, sm), "copy weights");
+        Q3_GPU(run, g->stream_synchronize(sm), "synchronize");
+    }
     if (run->code) return;
-    q3_cpu_ops_active()->moe_group(st->offsets, st->pair_row, st->pair_w, st->topk_idx, st->topk_w, R, k, E);
+    q3_cpu_ops_active()->moe_group(st->offsets, st->pair_row, st->pair_w, st->topk_idx, st->topk_w, R, k,
+                                   staged ? E + 1 : E);
     Q3_GPU(run, g->copy_async(d->pair_row, st->pair_row, (size_t)(R * k) * sizeof(int32_t), 1, sm), "copy pairs");
     Q3_GPU(run, g->copy_async(d->pair_w, st->pair_w, (size_t)(R * k) * sizeof(float), 1, sm), "copy pair weights");
     q3_gpu_mark(run, Q3_STAGE_TOP_K);
@@ -367,7 +373,7 @@ static void write_router(const q3_layer *l, const q3_pass *p, q3_gpu_run *run) {
     }
 }
 
-void q3_gpu_moe_pass(q3_layer *l, const q3_pass *p, q3_gpu_run *run) {
+void q3_gpu_route_pass(q3_layer *l, const q3_pass *p, q3_gpu_run *run) {
     const q3_config *cf = &l->cfg;
     const q3_weights *w = &l->w;
     q3_workspace *d = &run->ws->dev;
@@ -383,7 +389,21 @@ void q3_gpu_moe_pass(q3_layer *l, const q3_pass *p, q3_gpu_run *run) {
     q3_gpu_mark(run, Q3_STAGE_ROUTER);
     Q3_GPU(run, run->g->router_topk(d->topk_idx, d->topk_w, d->logits, R, E, k, cf->norm_topk, sm), "top-k");
     if (q3_pass_wants_router(p)) write_router(l, p, run);
+}
+
+void q3_gpu_experts_pass(q3_layer *l, const q3_pass *p, q3_gpu_run *run) {
     if (q3_gpu_is_decode(p)) experts_on_device(l, p, run);
-    else experts_from_host(l, p, run);
+    else experts_from_host(l, p, run, 0);
     q3_gpu_mark(run, Q3_STAGE_EXPERTS);
+}
+
+void q3_gpu_experts_rows(q3_layer *l, const q3_pass *p, q3_gpu_run *run, int on_device) {
+    if (on_device) experts_on_device(l, p, run);
+    else experts_from_host(l, p, run, 1);
+    q3_gpu_mark(run, Q3_STAGE_EXPERTS);
+}
+
+void q3_gpu_moe_pass(q3_layer *l, const q3_pass *p, q3_gpu_run *run) {
+    q3_gpu_route_pass(l, p, run);
+    q3_gpu_experts_pass(l, p, run);
 }

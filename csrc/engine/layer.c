@@ -105,10 +105,7 @@ q3_status q3_layer_create(q3_layer **out, const q3_config *cfg, const q3_weights
         if (a < Q3_X_COUNT) l->w.experts[a] = ptrs + a * E;
         else l->w.expert_scales[a - Q3_X_COUNT] = ptrs + a * E;
     }
-    s = l->n_held < cfg->experts && w->device >= 0
-            ? q3_fail(err, Q3_ERR_VALUE, "experts: a layer holding %d of the %d experts runs on the CPU only, got "
-                      "cuda:%d", l->n_held, cfg->experts, w->device)
-            : take_experts(ptrs, cfg, w, fp8, err);
+    s = take_experts(ptrs, cfg, w, fp8, err);
     if (s == Q3_OK && w->device < 0) s = q3_workspace_reserve(&l->ws, cfg, fp8, 1, 1, err);
     if (s != Q3_OK) {
         q3_layer_destroy(l);

@@ -1,17 +1,15 @@
 /* The layer's two halves (q3.h) for a caller that moves rows between them: the attention
  * half is q3_layer_forward's passes stopped after the router, the expert half the same
- * experts block on rows handed in. Both run the code the whole layer runs. */
+ * experts block on rows handed in. Both run the code the whole layer runs: on the CPU here,
+ * on a device through the installed backend (csrc/cuda/layer_halves.c) after the same checks. */
 #include <string.h>
 
+#include "device_backend.h"
 #include "layer_internal.h"
 
 static int io_dtype_ok(q3_dtype dt) { return dt == Q3_F32 || dt == Q3_BF16; }
 
-static q3_status cpu_only(const q3_layer *l, const char *what, q3_error *err) {
-    if (l->w.device < 0) return Q3_OK;
-    return q3_fail(err, Q3_ERR_VALUE, "%s: runs on CPU layers only (so far), got a layer on cuda:%d", what,
-                   l->w.device);
-}
+static q3_status no_backend(q3_error *err) { return q3_fail(err, Q3_ERR_STATE, "cuda: the CUDA backend is not loaded"); }
 
 void q3_attention_half_write(const q3_layer *l, const q3_pass *p, const q3_attention_half_out *half) {
     const q3_workspace *ws = &l->ws;
@@ -28,8 +26,7 @@ void q3_attention_half_write(const q3_layer *l, const q3_pass *p, const q3_atten
 
 q3_status q3_layer_check_attention_half(const q3_layer *l, const q3_cache *c, const q3_forward_args *a,
                                         q3_error *err) {
-    const q3_status s = cpu_only(l, "attention_half", err);
-    return s == Q3_OK ? q3_layer_check_pass(l, c, a, err) : s;
+    return q3_layer_check_pass(l, c, a, err);
 }
 
 q3_status q3_layer_attention_half(q3_layer *l, q3_cache *c, const q3_forward_args *a,
@@ -41,17 +38,16 @@ q3_status q3_layer_attention_half(q3_layer *l, q3_cache *c, const q3_forward_arg
     if (!io_dtype_ok(out->normed_dtype))
         return q3_fail(err, Q3_ERR_TYPE, "normed: expected float32 or bfloat16, got dtype %d",
                        (int)out->normed_dtype);
+    if (l->w.device >= 0) return q3_device() ? q3_device()->layer_attention_half(l, c, a, out, err) : no_backend(err);
     return q3_layer_passes(l, c, a, out, err);
 }
 
-/* the entries' expert ids into ws->topk_idx (-1: E, the skipped group) and their weights;
- * *skip: whether any is skipped. Fails for an id the layer cannot run, before it writes. */
-static q3_status take_routes(q3_layer *l, const q3_expert_half_args *a, int *skip, q3_error *err) {
+q3_status q3_layer_check_expert_ids(const q3_layer *l, const int32_t *experts, int64_t n, int *skip, q3_error *err) {
     const int E = l->cfg.experts, k = l->cfg.top_k;
     *skip = 0;
-    for (int64_t i = 0; i < a->n; i++)
+    for (int64_t i = 0; i < n; i++)
         for (int j = 0; j < k; j++) {
-            const int32_t e = a->experts[i * k + j];
+            const int32_t e = experts[i * k + j];
             if (e == -1)
                 *skip = 1;
             else if (e < 0 || e >= E)
@@ -62,6 +58,15 @@ static q3_status take_routes(q3_layer *l, const q3_expert_half_args *a, int *ski
                                "%d of the %d; mark an expert held elsewhere -1)", (long long)i, j, (int)e, l->n_held,
                                E);
         }
+    return Q3_OK;
+}
+
+/* the entries' expert ids into ws->topk_idx (-1: E, the skipped group) and their weights;
+ * *skip: whether any is skipped. Fails for an id the layer cannot run, before it writes. */
+static q3_status take_routes(q3_layer *l, const q3_expert_half_args *a, int *skip, q3_error *err) {
+    const int E = l->cfg.experts, k = l->cfg.top_k;
+    const q3_status s = q3_layer_check_expert_ids(l, a->experts, a->n, skip, err);
+    if (s != Q3_OK) return s;
     for (int64_t i = 0; i < a->n * k; i++) {
         l->ws.topk_idx[i] = a->experts[i] < 0 ? E : a->experts[i];
         l->ws.topk_w[i] = a->weights[i];
@@ -70,8 +75,6 @@ static q3_status take_routes(q3_layer *l, const q3_expert_half_args *a, int *ski
 }
 
 q3_status q3_layer_expert_half(q3_layer *l, const q3_expert_half_args *a, q3_error *err) {
-    q3_status s = cpu_only(l, "expert_half", err);
-    if (s != Q3_OK) return s;
     const q3_config *c = &l->cfg;
     int64_t pairs;
     if (a->n < 0 || !q3_mul_i64(a->n, c->top_k, &pairs) || pairs > INT32_MAX)
@@ -83,8 +86,9 @@ q3_status q3_layer_expert_half(q3_layer *l, const q3_expert_half_args *a, q3_err
     if (a->n == 0) return Q3_OK;
     if (!a->rows || !a->experts || !a->weights || !a->out)
         return q3_fail(err, Q3_ERR_VALUE, "expert_half: expected rows, experts, weights and out, got a NULL one");
+    if (l->w.device >= 0) return q3_device() ? q3_device()->layer_expert_half(l, a, err) : no_backend(err);
     /* every row in one pass: each expert's weights are read once, whatever the rows */
-    s = q3_workspace_reserve(&l->ws, c, l->w.format == Q3_WF_FP8_BLOCK128, a->n, 1, err);
+    q3_status s = q3_workspace_reserve(&l->ws, c, l->w.format == Q3_WF_FP8_BLOCK128, a->n, 1, err);
     int skip;
     if (s == Q3_OK) s = take_routes(l, a, &skip, err);
     if (s != Q3_OK) return s;

@@ -71,6 +71,9 @@ q3_status q3_layer_check_pass(const q3_layer *l, const q3_cache *c, const q3_for
 q3_status q3_layer_passes(q3_layer *l, q3_cache *c, const q3_forward_args *a, const q3_attention_half_out *half,
                           q3_error *err);
 void q3_attention_half_write(const q3_layer *l, const q3_pass *p, const q3_attention_half_out *half);
+/* the expert half's ids experts [n, top_k] (host memory), checked: each -1 (then *skip = 1)
+ * or an expert the layer holds; else the failure naming the first other entry [i, j] */
+q3_status q3_layer_check_expert_ids(const q3_layer *l, const int32_t *experts, int64_t n, int *skip, q3_error *err);
 
 /* the failure of a call stopped by its interrupt poll after `done` of `tokens` tokens */
 q3_status q3_layer_interrupted(q3_error *err, int64_t done, int64_t tokens);

@@ -259,7 +259,8 @@ q3_status q3_layer_check_call(const q3_layer *layer, const q3_cache *cache, cons
  * rows; a caller that runs the experts elsewhere (other processes holding other experts)
  * runs the halves itself, moving rows between them. */
 
-/* The attention half's outputs, rows r = s * tokens + t as in x, in host memory. */
+/* The attention half's outputs, rows r = s * tokens + t as in x, in memory on the layer's
+ * device (host memory for a CPU layer). */
 typedef struct {
     float *resid;          /* [rows, H] fp32: x + o_proj(attention(input_layernorm(x))) */
     void *normed;          /* [rows, H] of normed_dtype: post_attention_layernorm(resid), the experts' input */
@@ -270,7 +271,8 @@ typedef struct {
 
 /* The call up to the experts: the K/V appended to the cache, the router run (its insides
  * written as by q3_layer_forward; a->y unused). The same checks as q3_layer_forward, except
- * that the layer may hold a subset of the experts. CPU layers. */
+ * that the layer may hold a subset of the experts. CPU and CUDA layers (a CUDA layer's passes
+ * are its forward's, queued on a->stream). */
 q3_status q3_layer_attention_half(q3_layer *layer, q3_cache *cache, const q3_forward_args *a,
                                   const q3_attention_half_out *out, q3_error *err);
 /* its checks alone, reading neither x nor the outputs (a caller runs them before it makes them) */
@@ -281,7 +283,9 @@ q3_status q3_layer_check_attention_half(const q3_layer *layer, const q3_cache *c
  * expert_{experts[i, j]}(rows[i]); an entry of -1 is skipped (an expert held elsewhere), every
  * other must be an expert the layer holds (Q3_ERR_VALUE naming [i, j] otherwise, before any
  * work). The experts' outputs are summed in expert order, as q3_layer_forward sums them.
- * n = 0 does nothing. CPU layers. */
+ * n = 0 does nothing. CPU and CUDA layers: a CUDA layer's tensors are in its device's memory
+ * (the ids copied to the host and checked there, on a->stream, before any work is queued),
+ * its experts those of its forward's passes. */
 typedef struct {
     const void *rows;  /* [n, H] */
     q3_dtype dtype;    /* of rows: fp32 or bf16 */
@@ -291,6 +295,7 @@ typedef struct {
     void *out;              /* [n, H] of out_dtype (fp32 or bf16); not overlapping the inputs */
     q3_dtype out_dtype;
     int acc;
+    void *stream; /* CUDA layers: the cudaStream_t the work is queued on (NULL: default) */
 } q3_expert_half_args;
 q3_status q3_layer_expert_half(q3_layer *layer, const q3_expert_half_args *a, q3_error *err);
 /* The combine of rows whose experts ran elsewhere: resid [R, H] fp32 += parts[i] at row

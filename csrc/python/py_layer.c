@@ -137,12 +137,39 @@ static const void *take_matrix(q3py_layer_object *self, PyObject *weights, const
     return p && q3py_layer_record_ptr(self, name, p) == 0 ? p : NULL;
 }
 
+/* 0 when the fused experts of `experts` are on a device; else -1 with an exception: a CUDA layer holding
+ * a subset uploads only its experts, and the fused host tensors hold every one (a fused
+ * tensor already on the device is borrowed whole, nothing allocated) */
+static int fused_on_host(PyObject *weights, int experts) {
+    for (int f = 0; f < Q3_FUSED_COUNT; f++) {
+        const char *name = q3_fused_expert_name(f);
+        PyObject *obj = PyDict_GetItemString(weights, name), *dev = NULL;
+        int type = 0, id = 0;
+        if (!obj) continue; /* missing: take_matrix names it */
+        if (!(dev = PyObject_CallMethod(obj, "__dlpack_device__", NULL))) {
+            PyErr_Clear(); /* not a tensor: take_matrix says so */
+            continue;
+        }
+        const int ok = PyArg_ParseTuple(dev, "ii", &type, &id);
+        Py_DECREF(dev);
+        if (!ok) PyErr_Clear();
+        if (ok && type == 1) { /* kDLCPU */
+            PyErr_Format(PyExc_ValueError, "%s: a CUDA layer holding a subset of the experts takes host experts per "
+                         "expert (mlp.experts.{e}.*.weight, only the held ones uploaded), got the fused host tensor "
+                         "of all %d", name, experts);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 /* The experts into w: transformers 5.x's fused tensors as they are (the engine slices them,
  * q3_fused_expert_shape), or mlp.experts.{e}.{gate,up,down}_proj.weight (and their scales)
  * into self->expert_ptrs [Q3_X_COUNT][E] (then [Q3_X_COUNT][E] scales); of a layer holding a
  * subset (w->held), only the held experts' names are read, the others' pointers stay NULL. */
 static int take_experts(q3py_layer_object *self, PyObject *weights, const q3_config *c, q3_weights *w) {
     if (PyDict_GetItemString(weights, q3_fused_expert_name(Q3_FUSED_GATE_UP))) {
+        if (w->held && self->device >= 0 && fused_on_host(weights, c->experts) != 0) return -1;
         for (int f = 0; f < Q3_FUSED_COUNT; f++) {
             int64_t dims[3], sdims[3];
             q3_fused_expert_shape(c, f, 0, dims);

@@ -128,17 +128,18 @@ static void add_note(const char *note) {
     q3_error_unstash(&e);
 }
 
-/* the attention half's four outputs for x (shape [..., H]): resid fp32 and normed of x's
- * dtype like x, experts int32 and weights fp32 [..., top_k]; pointed at by *o. -1 with an
- * exception (each made one is in t[] for the caller to release) */
-static int make_half_outputs(q3_module_state *st, const q3_config *cfg, const q3_view *x, q3py_tensor_object *t[4],
-                             q3_attention_half_out *o) {
+/* the attention half's four outputs for x (shape [..., H]) on `device` (-1: the host): resid
+ * fp32 and normed of x's dtype like x, experts int32 and weights fp32 [..., top_k]; pointed
+ * at by *o. -1 with an exception (each made one is in t[] for the caller to release) */
+static int make_half_outputs(q3_module_state *st, const q3_config *cfg, const q3_view *x, int device,
+                             q3py_tensor_object *t[4], q3_attention_half_out *o) {
     int64_t lead[Q3_MAX_DIM];
     memcpy(lead, x->shape, sizeof lead);
     lead[x->ndim - 1] = cfg->top_k;
-    if (!(t[0] = q3py_tensor_new(st, Q3_F32, x->ndim, x->shape)) ||
-        !(t[1] = q3py_tensor_new(st, x->dtype, x->ndim, x->shape)) ||
-        !(t[2] = q3py_tensor_new(st, Q3_I32, x->ndim, lead)) || !(t[3] = q3py_tensor_new(st, Q3_F32, x->ndim, lead)))
+    if (!(t[0] = q3py_tensor_new_on(st, Q3_F32, x->ndim, x->shape, device)) ||
+        !(t[1] = q3py_tensor_new_on(st, x->dtype, x->ndim, x->shape, device)) ||
+        !(t[2] = q3py_tensor_new_on(st, Q3_I32, x->ndim, lead, device)) ||
+        !(t[3] = q3py_tensor_new_on(st, Q3_F32, x->ndim, lead, device)))
         return -1;
     *o = (q3_attention_half_out){t[0]->data, t[1]->data, x->dtype, t[2]->data, t[3]->data};
     return 0;
@@ -204,7 +205,7 @@ static PyObject *run(q3py_layer_object *self, PyObject *x_obj, PyObject *cache_o
         goto done;
     }
     if (half) {
-        if (make_half_outputs(st, cfg, &x, halves, &half_out) < 0 ||
+        if (make_half_outputs(st, cfg, &x, self->device, halves, &half_out) < 0 ||
             q3py_insides_make(ins, st, self->layer, co->cache, &x, self->device, &a) < 0)
             goto done;
         result = Py_NewRef(Py_None);
@@ -279,13 +280,13 @@ static PyObject *layer_decode(q3py_layer_object *self, PyObject *args, PyObject 
 
 static PyObject *layer_attention_half(q3py_layer_object *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"x", "cache", "seq", "chunk_size", "decode", "check_only", "return_router",
-                            "return_attention", "attention_limit", NULL};
-    PyObject *x, *cache, *seq = Py_None, *chunk = Py_None;
+                            "return_attention", "attention_limit", "stream", NULL};
+    PyObject *x, *cache, *seq = Py_None, *chunk = Py_None, *stream = Py_None;
     PyObject *router = Py_False, *attention = Py_False, *limit = Py_None;
     int decode = 0, check_only = 0;
     q3_insides ins;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|OO$ppOOO:attention_half", names, &x, &cache, &seq, &chunk, &decode,
-                                     &check_only, &router, &attention, &limit) ||
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|OO$ppOOOO:attention_half", names, &x, &cache, &seq, &chunk,
+                                     &decode, &check_only, &router, &attention, &limit, &stream) ||
         q3py_insides_parse(&ins, router, attention, limit) < 0)
         return NULL;
     if (decode && (seq != Py_None || chunk != Py_None)) {
@@ -293,7 +294,7 @@ static PyObject *layer_attention_half(q3py_layer_object *self, PyObject *args, P
                         "is one token of every sequence)");
         return NULL;
     }
-    return run(self, x, cache, decode, seq, chunk, Py_None, Py_None, &ins, check_only ? 2 : 1);
+    return run(self, x, cache, decode, seq, chunk, Py_None, stream, &ins, check_only ? 2 : 1);
 }
 
 static PyObject *layer_new_cache(q3py_layer_object *self, PyObject *args, PyObject *kw) {
@@ -400,17 +401,17 @@ PyMethodDef q3py_layer_methods[] = {
      "(default: all) of the cache in a CUDA graph; returns a DecodeGraph."},
     {"attention_half", (PyCFunction)(void (*)(void))layer_attention_half, KW,
      "attention_half(x, cache, seq=None, chunk_size=None, *, decode=False, check_only=False, return_router=False, "
-     "return_attention=False, attention_limit=None)\n--\n\n"
+     "return_attention=False, attention_limit=None, stream=None)\n--\n\n"
      "The layer up to its experts, for x as prefill (decode=True: as decode) takes it: the K/V appended to the "
      "cache. Returns (resid, normed, experts, weights): x + attention fp32 and post_attention_layernorm of it of "
      "x's dtype, of x's shape, and the router's top-k expert ids (int32) and weights (fp32), [..., top_k]. "
      "check_only: the call's checks alone (raising what the call would), returning None. With return_router or "
      "return_attention: (that tuple, router_logits, router_experts, router_weights, attention) as prefill's."},
     {"expert_half", (PyCFunction)(void (*)(void))q3py_layer_expert_half, KW,
-     "expert_half(rows, experts, weights, *, out=None, accumulate=False)\n--\n\n"
+     "expert_half(rows, experts, weights, *, out=None, accumulate=False, stream=None)\n--\n\n"
      "rows [n, hidden], experts [n, top_k] int32 (-1: an expert held elsewhere), weights [n, top_k] fp32: "
      "out [n, hidden] (=, or += with accumulate) the weighted sum of each row's experts that this layer holds. "
-     "out: fp32 or bf16 (None: a new tensor of rows' dtype). Returns out."},
+     "out: fp32 or bf16 (None: a new tensor of rows' dtype). stream: a CUDA layer's cudaStream_t. Returns out."},
     {"new_cache", (PyCFunction)(void (*)(void))layer_new_cache, KW,
      "new_cache(max_tokens, batch=1, dtype=None)\n--\n\nA KVCache for this layer's geometry."},
     {NULL},

@@ -1,9 +1,11 @@
 /* layer.expert_half: the expert half of the layer (q3_layer_expert_half) on rows handed in,
- * for a caller that moves rows between processes (qwen3layer.parallel). Every argument is
- * checked before the engine runs; a rejected call writes nothing. */
+ * for a caller that moves rows between processes (qwen3layer.parallel): tensors on the
+ * layer's device (a CUDA layer's on its device; one elsewhere is refused, never copied).
+ * Every argument is checked before the engine runs; a rejected call writes nothing.
+ * combine_rows: on host tensors. */
 #include "py_layer.h"
 
-/* v is a contiguous host tensor [rows, cols] (rows < 0: any) of one of the dtypes allowed */
+/* v is a contiguous tensor [rows, cols] (rows < 0: any) of one of the dtypes allowed */
 static int check_2d(const q3_view *v, const char *arg, int64_t rows, int64_t cols, const char *cols_name) {
     if (v->ndim != 2 || (rows >= 0 && v->shape[0] != rows) || v->shape[1] != cols) {
         char got[128];
@@ -31,17 +33,14 @@ static int overlaps(const q3_view *a, const q3_view *b) {
 }
 
 PyObject *q3py_layer_expert_half(q3py_layer_object *self, PyObject *args, PyObject *kw) {
-    static char *names[] = {"rows", "experts", "weights", "out", "accumulate", NULL};
-    PyObject *rows_obj, *experts_obj, *weights_obj, *out_obj = Py_None;
+    static char *names[] = {"rows", "experts", "weights", "out", "accumulate", "stream", NULL};
+    PyObject *rows_obj, *experts_obj, *weights_obj, *out_obj = Py_None, *stream_obj = Py_None;
     int acc = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|$Op:expert_half", names, &rows_obj, &experts_obj, &weights_obj,
-                                     &out_obj, &acc))
+    void *stream;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|$OpO:expert_half", names, &rows_obj, &experts_obj, &weights_obj,
+                                     &out_obj, &acc, &stream_obj) ||
+        q3py_stream_on(stream_obj, self->device, "a cpu layer", &stream) < 0)
         return NULL;
-    if (self->device >= 0) {
-        PyErr_Format(PyExc_ValueError, "expert_half: runs on CPU layers only (so far), got a layer on cuda:%d",
-                     self->device);
-        return NULL;
-    }
     if (acc && out_obj == Py_None) {
         PyErr_SetString(PyExc_ValueError, "out: accumulate=True adds into out, got out=None");
         return NULL;
@@ -51,13 +50,13 @@ PyObject *q3py_layer_expert_half(q3py_layer_object *self, PyObject *args, PyObje
     const q3_config *c = q3_layer_config(self->layer);
     q3_view rows = {0}, experts = {0}, weights = {0}, out = {0};
     PyObject *result = NULL;
-    if (q3_view_acquire_on(rows_obj, "rows", &rows, -1, 0, NULL) < 0) goto done;
+    if (q3_view_acquire_on(rows_obj, "rows", &rows, self->device, 0, stream) < 0) goto done;
     if (check_2d(&rows, "rows", -1, c->hidden, "hidden") < 0) goto done;
     const int64_t n = rows.shape[0];
-    if (q3_view_acquire_on(experts_obj, "experts", &experts, -1, Q3_VIEW_I32, NULL) < 0 ||
+    if (q3_view_acquire_on(experts_obj, "experts", &experts, self->device, Q3_VIEW_I32, stream) < 0 ||
         check_2d(&experts, "experts", n, c->top_k, "top_k") < 0)
         goto done;
-    if (q3_view_acquire_on(weights_obj, "weights", &weights, -1, 0, NULL) < 0 ||
+    if (q3_view_acquire_on(weights_obj, "weights", &weights, self->device, 0, stream) < 0 ||
         check_2d(&weights, "weights", n, c->top_k, "top_k") < 0)
         goto done;
     if (weights.dtype != Q3_F32) {
@@ -66,7 +65,7 @@ PyObject *q3py_layer_expert_half(q3py_layer_object *self, PyObject *args, PyObje
         goto done;
     }
     if (out_obj != Py_None) {
-        if (q3_view_acquire_on(out_obj, "out", &out, -1, 0, NULL) < 0 ||
+        if (q3_view_acquire_on(out_obj, "out", &out, self->device, 0, stream) < 0 ||
             check_2d(&out, "out", n, c->hidden, "hidden") < 0)
             goto done;
         if (out.readonly) {
@@ -82,13 +81,14 @@ PyObject *q3py_layer_expert_half(q3py_layer_object *self, PyObject *args, PyObje
             }
         result = Py_NewRef(out_obj);
     } else {
-        q3py_tensor_object *t = q3py_tensor_new(st, rows.dtype, 2, rows.shape);
+        q3py_tensor_object *t = q3py_tensor_new_on(st, rows.dtype, 2, rows.shape, self->device);
         if (!t) goto done;
         result = (PyObject *)t;
         out.data = t->data;
         out.dtype = rows.dtype;
     }
-    const q3_expert_half_args a = {rows.data, rows.dtype, n, experts.data, weights.data, out.data, out.dtype, acc};
+    const q3_expert_half_args a = {rows.data, rows.dtype, n, experts.data, weights.data, out.data, out.dtype, acc,
+                                   stream};
     q3_error err;
     q3_status s;
     Py_BEGIN_ALLOW_THREADS

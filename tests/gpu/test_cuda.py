@@ -799,3 +799,75 @@ def test_drop_in_calls_on_the_gpu_match_transformers():
         assert keys.is_cuda and keys.data_ptr() == torch.from_dlpack(model.model.layers[0].kv_cache.keys(0)).data_ptr()
         kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
         assert torch.equal(model.generate(ids, cache_implementation="static", **kw), ref.generate(ids, **kw))
+
+
+# ---- the layer's halves on a GPU (tests/executor/test_cuda_executor_halves.py's twins) -----
+
+@needs_gpu
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 1e-2)])
+def test_cuda_halves_match_the_cpu_halves_and_the_cuda_forward(dtype, tol):
+    """attention_half on the GPU gives the CPU's resid, normed and weights; resid + expert_half
+    of its rows (added into resid on the device) is the GPU layer's own prefill and decode;
+    expert_half with entries of -1 (NaN weights: a skipped entry computed would show) is the
+    CPU's on the same rows"""
+    import torch
+
+    H = CFG.hidden_size
+    cpu = q3.DecoderLayer.random(CFG, seed=3, dtype=dtype)
+    gpu = q3.DecoderLayer.random(CFG, seed=3, dtype=dtype, device="cuda")
+    tdt = torch.float32 if dtype == "float32" else torch.bfloat16
+    cc, cg, cf = cpu.new_cache(16, batch=2), gpu.new_cache(16, batch=2), gpu.new_cache(16, batch=2)
+    gen = torch.Generator().manual_seed(4)
+    for x, kw in ((torch.randn(2, 9, H, generator=gen).to(tdt), {"chunk_size": 4}),
+                  (torch.randn(2, H, generator=gen).to(tdt), {"decode": True})):
+        want = cpu.attention_half(x, cc, **kw)
+        got = gpu.attention_half(x.cuda(), cg, **kw)
+        assert all(t.is_cuda for t in got) and [t.dtype for t in got] == [torch.float32, tdt, torch.int32,
+                                                                           torch.float32]
+        assert max(rel(got[i], want[i]) for i in (0, 1, 3)) <= tol
+        assert (got[2].cpu() == want[2]).all(-1).float().mean() >= 0.5  # ties may order apart
+        y = gpu.decode(x.cuda(), cf) if kw.get("decode") else gpu.prefill(x.cuda(), cf, chunk_size=4)
+        resid, normed, experts, weights = (t.reshape(-1, t.shape[-1]) for t in got)
+        out = resid.clone()
+        assert gpu.expert_half(normed, experts, weights, out=out, accumulate=True) is out
+        assert rel(out, y.reshape(-1, H)) <= (1e-5 if dtype == "float32" else 2 ** -8)
+        ids, w = experts.clone(), weights.clone()
+        ids[::2, 1], w[::2, 1] = -1, float("nan")
+        part = gpu.expert_half(normed, ids, w)
+        assert part.is_cuda and torch.isfinite(part).all()
+        assert rel(part, cpu.expert_half(normed.cpu(), ids.cpu(), w.cpu())) <= tol
+    assert cg.lengths == cc.lengths == cf.lengths == (10, 10)
+
+
+@needs_gpu
+def test_cuda_layers_of_disjoint_experts_are_the_whole_layer_and_refuse_the_whole_call():
+    """two GPU layers holding disjoint experts (only theirs uploaded), their expert halves
+    added into resid in turn, give the whole GPU layer's prefill; a subset layer refuses
+    prefill and decode graphs, an expert it does not hold and host tensors"""
+    import torch
+
+    H = CFG.hidden_size
+    a_ids, b_ids = [0, 2, 5], [1, 3, 4, 6, 7]
+    whole = q3.DecoderLayer.random(CFG, seed=5, dtype="float32", device="cuda")
+    a = q3.DecoderLayer.random(CFG, seed=5, dtype="float32", device="cuda", experts=a_ids)
+    b = q3.DecoderLayer.random(CFG, seed=5, dtype="float32", device="cuda", experts=b_ids)
+    assert a.held_experts == tuple(a_ids) and a.weight_bytes < whole.weight_bytes
+    x = torch.randn(9, H, generator=torch.Generator().manual_seed(6)).cuda()
+    y = whole.prefill(x, whole.new_cache(16), chunk_size=4)
+    resid, normed, experts, weights = a.attention_half(x, a.new_cache(16), chunk_size=4)
+    in_a = torch.isin(experts, torch.tensor(a_ids, device="cuda"))
+    a.expert_half(normed, torch.where(in_a, experts, -1), weights, out=resid, accumulate=True)
+    b.expert_half(normed, torch.where(in_a, -1, experts), weights, out=resid, accumulate=True)
+    assert rel(resid, y) <= 1e-5
+    wrong = torch.where(in_a, experts, -1)
+    wrong[0, 0] = 1  # held by b
+    with pytest.raises(ValueError, match=r"experts\[0, 0\]: expert 1 is not held by this layer"):
+        a.expert_half(normed, wrong, weights)
+    with pytest.raises(ValueError, match="rows: expected a tensor on device cuda:0, got cpu"):
+        a.expert_half(normed.cpu(), experts, weights)
+    cache = a.new_cache(16)
+    with pytest.raises(ValueError, match="layer: holds 3 of the 8 experts"):
+        a.prefill(x, cache)
+    with pytest.raises(ValueError, match="layer: holds 3 of the 8 experts"):
+        a.decode_graph(cache)
+    assert cache.lengths == (0,)
