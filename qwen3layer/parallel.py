@@ -88,6 +88,29 @@ class _Insides:
         return LayerTrace(y, self.logits, self.experts, self.weights, self.maps)
 
 
+def combine(resid: torch.Tensor, parts: torch.Tensor, rows: torch.Tensor, split: Sequence[int],
+            dtype: torch.dtype) -> torch.Tensor:
+    """resid [R, H] fp32 += parts[i] at row rows[i], in turn, into a new tensor of dtype; rows
+    in blocks of sizes `split` (the sums back from rank 0, 1, ...), each block's rows distinct.
+    Host tensors: _C.combine_rows. Device tensors: one index_add_ a block, in rank order (each
+    element added once a block: the same order and rounding as combine_rows, bit for bit,
+    tests/parallel/test_exchange_model.py; no atomics racing on a row)."""
+    if resid.device.type == "cpu":
+        out = torch.empty(resid.shape, dtype=dtype)
+        _C.combine_rows(resid, parts, rows.to(torch.int32), out)
+        return out
+    return _combine_blocks(resid, parts, rows, split, dtype)
+
+
+def _combine_blocks(resid: torch.Tensor, parts: torch.Tensor, rows: torch.Tensor, split: Sequence[int],
+                    dtype: torch.dtype) -> torch.Tensor:
+    first = 0
+    for n in split:
+        resid.index_add_(0, rows[first:first + n], parts[first:first + n].float())
+        first += n
+    return resid.to(dtype)
+
+
 class ExpertParallelLayer:
     """A DecoderLayer whose experts are split over the ranks of `group` (default: the world).
 
@@ -381,8 +404,7 @@ class ExpertParallelLayer:
         dist.all_to_all_single(back, partial, send, recv, group=g)
         out = None
         if resid is not None:
-            out = torch.empty(resid.shape, dtype=dtype, device=at)
-            _C.combine_rows(resid, back, rows.to(torch.int32), out)
+            out = combine(resid, back, rows, send, dtype)
         st, row_bytes = self.stats, H * in_rows.element_size() + 8 * K  # a row, its ids and weights
         st["dispatch_s"] += t1 - t0
         st["experts_s"] += t2 - t1

@@ -68,3 +68,23 @@ def test_the_real_geometry_figures_of_the_docs():
     x = ep_exchange(q3.LayerConfig.qwen3_235b_a22b(), 2, 512)
     assert x.rows_out[0] == pytest.approx(510.4, abs=0.05)
     assert x.bytes_sent[0] == pytest.approx(8.40e6, rel=1e-3) and x.expert_bytes[0] == 64 * 3 * 1536 * 4096 * 2
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_device_combine_adds_as_combine_rows_to_the_bit(dtype):
+    """the combine a CUDA rank runs (one index_add_ a rank's block, in rank order), here on
+    host tensors, against _C.combine_rows: rows named by several blocks, a block of none"""
+    import torch
+    from qwen3layer import _C
+    from qwen3layer.parallel import _combine_blocks
+
+    g = torch.Generator().manual_seed(3)
+    R, H, dt = 9, 64, getattr(torch, dtype)
+    split = [4, 0, 6, 3]
+    rows = torch.cat([torch.randperm(R, generator=g)[:n] for n in split]).to(torch.int64)
+    parts = (100 * torch.randn(len(rows), H, generator=g)).to(dt)  # large parts: an order change would show
+    resid = torch.randn(R, H, generator=g)
+    want = torch.empty(R, H, dtype=dt)
+    _C.combine_rows(resid.clone(), parts, rows.to(torch.int32), want)
+    got = _combine_blocks(resid.clone(), parts, rows, split, dt)
+    assert got.dtype == dt and torch.equal(got, want)
