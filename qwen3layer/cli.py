@@ -60,6 +60,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         from .cli_ep import cmd_run_ep
         return cmd_run_ep(args)
     cfg = geometry(args.geometry)
+    if args.expert_device is not None:
+        from .cli_hybrid import cmd_run_hybrid
+        return cmd_run_hybrid(args, cfg)
     info = _C.build_info()
     print(f"qwen3layer {info['version']}: {info['threads']} threads, cpu path {info['cpu_path']} "
           f"(of {', '.join(info['cpu_paths'])}), {info['compiler']}")
@@ -96,12 +99,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     layer._core.set_profiling(True)
     sys.stderr.write("\n")
 
-    step_ms = []
-    for i in range(args.new_tokens):
-        x = layer.random_input((1, H), args.seed * 104729 + i)
-        t = time.perf_counter()
-        layer.decode(x, cache)
-        step_ms.append((time.perf_counter() - t) * 1e3)
+    step_ms = [s * 1e3 for s in decode_steps(layer, cache, args.new_tokens, args.seed)]
 
     flops = prefill_flops(cfg, args.tokens)
     print(f"\nprefill  {args.tokens} tokens in chunks of {chunk}: {prefill_s:.2f} s, "
@@ -132,6 +130,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def decode_steps(layer: DecoderLayer, cache, steps: int, seed: int) -> list:
+    """the seconds of `steps` decode steps of random inputs"""
+    H, took = layer.config.hidden_size, []
+    for i in range(steps):
+        x = layer.random_input((1, H), seed * 104729 + i)
+        t = time.perf_counter()
+        layer.decode(x, cache)
+        took.append(time.perf_counter() - t)
+    return took
+
+
 def graph_decode_ms(layer: DecoderLayer, cache, args: argparse.Namespace) -> float:
     """The decode step captured in a CUDA graph, replayed --new-tokens times over the same
     context as the plain steps (the cache is cut back to the prompt first), timed from the
@@ -155,6 +164,9 @@ def cmd_map(args: argparse.Namespace) -> int:
     from .mapplot import draw_map, draw_sweep
 
     cfg = geometry(args.geometry)
+    if args.expert_device is not None:
+        from .cli_hybrid import cmd_map_hybrid
+        return cmd_map_hybrid(args, cfg)
     context = args.tokens if args.context is None else args.context
     os.makedirs(args.out, exist_ok=True)
     print(f"building a {args.geometry} layer ({args.dtype}{', FP8 weights' if args.fp8 else ''}, {args.device}) ...",
@@ -259,6 +271,14 @@ def layer_options(p: argparse.ArgumentParser) -> None:
                    "ruler then measures against the dequantized weights)")
 
 
+def split_options(p: argparse.ArgumentParser) -> None:
+    """The options of a layer split over one GPU and the host (cli_hybrid.py)."""
+    p.add_argument("--expert-device", choices=["cpu"], default=None,
+                   help="the experts not in --gpu-experts in host memory, run by the CPU (with --device cuda)")
+    p.add_argument("--gpu-experts", default="0", metavar="N|IDS",
+                   help="with --expert-device: experts 0..N-1, or a comma-separated list of ids, on the GPU")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m qwen3layer", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -278,6 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the experts over N local processes (gloo; needs torch): per-rank phase times and bytes")
     run.add_argument("--fp8", action="store_true", help=f"random FP8 weights ({FP8}: e4m3 projection matrices "
                      "with fp32 128x128 block scales, norms and router in --dtype)")
+    split_options(run)
     run.set_defaults(func=cmd_run)
     mp = sub.add_parser("map", help="the dual prefill/decode map: tables, SVG and PNG")
     layer_options(mp)
@@ -288,6 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also plot prefill time and memory against these chunk sizes")
     mp.add_argument("--repeat", type=int, default=2)
     mp.add_argument("--out", default="qwen3layer-map", help="folder for map.svg/png (and sweep.svg/png)")
+    split_options(mp)
     mp.set_defaults(func=cmd_map)
     ck = sub.add_parser("check", help="the three rulers: accuracy, decode latency, prefill memory")
     layer_options(ck)

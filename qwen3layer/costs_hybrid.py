@@ -3,13 +3,16 @@
 expert_device="cpu"). Per pass (a prefill chunk or a decode step of `rows` rows):
 
   GPU:   attention and router (qwen3layer.costs' stages before the experts), then its experts
-  PCIe:  each row routed to a host expert goes down once (hidden x dtype, its k ids and weights
-         at 4 bytes each), its partial sum comes back (hidden x fp32)
+  PCIe:  as qwen3layer.hybrid moves them: every row's normed input (hidden x dtype), residual
+         (hidden x fp32) and k ids and weights (4 bytes each) down; with GPU experts, their
+         ids up (4 bytes each) and the residual after them down again; the output up
+         (hidden x dtype)
   host:  the host experts the pass hits, each read once from host memory
 
-The GPU's experts run while the rows cross and the CPU computes, so a pass takes the
-attention's time plus the longer of the GPU's experts and the host path (down, CPU, up): the
-`bound` side. Each stage's time is its roofline, max(bytes / bandwidth, FLOPs / peak), at the
+The GPU's experts run while the CPU computes, so a pass takes the attention's time, the
+copies', and the longer of the two sides' experts: the `bound` side. (Moving only the
+`rows_to_host` rows, which qwen3layer.hybrid does not do yet, would cut the copies where most
+choices stay on the GPU.) Each stage's time is its roofline, max(bytes / bandwidth, FLOPs / peak), at the
 machine figures given (`Machine`; the host's from the probes qwen3layer._C runs, the device's
 and the link's from ../shared/REFERENCE.md's H200 and PCIe 5 x16). Routing is uniform unless
 `shares` (each expert's fraction of the choices, from a calibration call's counts) is given;
@@ -40,7 +43,7 @@ class HybridSplit:
     """One pass of `rows` rows with `gpu_experts` of the experts on the GPU (bytes and seconds)"""
     rows: int
     gpu_experts: int
-    rows_to_host: float
+    rows_to_host: float           # rows with a host expert among their k
     link_down_bytes: float
     link_up_bytes: float
     host_expert_bytes: float      # host experts' weights read from host memory
@@ -52,17 +55,13 @@ class HybridSplit:
     host_experts_s: float
 
     @property
-    def host_path_s(self) -> float:
-        return self.link_s + self.host_experts_s
-
-    @property
     def pass_s(self) -> float:
-        return self.attention_s + max(self.device_experts_s, self.host_path_s)
+        return self.attention_s + self.link_s + max(self.device_experts_s, self.host_experts_s)
 
     @property
     def bound(self) -> str:
-        """the side the pass waits for after the attention: 'device' or 'host'"""
-        return "host" if self.host_path_s > self.device_experts_s else "device"
+        """the side whose experts the pass waits for: 'device' or 'host'"""
+        return "host" if self.host_experts_s > self.device_experts_s else "device"
 
 
 def _shares(cfg: LayerConfig, shares: Optional[Sequence[float]]) -> list:
@@ -112,7 +111,9 @@ def hybrid_split(cfg: LayerConfig, rows: int, gpu_experts: Sequence[int], *, mod
     else:
         all_gpu = (1.0 - host_share) ** k
     to_host = rows * (1.0 - all_gpu)
-    down, up = to_host * (H * _size(dtype) + 8 * k), to_host * H * 4
+    es, gpu_used = _size(dtype), bool(on_gpu)
+    down = rows * (H * es + H * 4 + 8 * k) + (rows * H * 4 if gpu_used else 0)
+    up = (rows * 4 * k if gpu_used else 0) + rows * H * es
     host_bytes = per_expert * sum(h for e, h in enumerate(hit) if e not in on_gpu)
     dev_bytes = per_expert * sum(h for e, h in enumerate(hit) if e in on_gpu)
     expert_flops = 2.0 * rows * k * 3 * H * I

@@ -56,6 +56,37 @@ def _like(x: Any, y: Any) -> Any:
     return y
 
 
+def _split_placement(config: LayerConfig, index: int, experts: Any, expert_device: Any, gpu_experts: Any,
+                     expert_counts: Any) -> tuple:
+    """(the GPU's expert ids, the host's) of a layer split over a CUDA device and the host"""
+    if expert_device != "cpu":
+        raise ValueError(f"expert_device: expected 'cpu' (the experts not in gpu_experts in host memory), got "
+                         f"{expert_device!r}")
+    if index < 0:
+        raise ValueError("expert_device='cpu': splits a layer on a CUDA device between it and the host; device is "
+                         "'cpu' (every expert is on the host already: leave expert_device out)")
+    if experts is not None:
+        raise ValueError("experts: a layer split over the GPU and the host holds every expert (gpu_experts says "
+                         "which on the GPU); got experts= too")
+    E = config.num_experts
+    if gpu_experts is None:
+        gpu_experts = []
+    if isinstance(gpu_experts, int) and not isinstance(gpu_experts, bool):
+        from .hybrid import choose_gpu_experts
+        gpu = choose_gpu_experts(gpu_experts, expert_counts, E)
+    else:
+        if expert_counts is not None:
+            raise ValueError("expert_counts: chooses gpu_experts=N; got a list of gpu_experts too")
+        gpu = expert_id_list(gpu_experts)
+        for e in gpu:
+            if not 0 <= e < E:
+                raise ValueError(f"gpu_experts: expected expert ids in [0, {E}), got {e}")
+        if len(set(gpu)) != len(gpu):
+            raise ValueError(f"gpu_experts: expected distinct expert ids, got {list(gpu)}")
+        gpu = sorted(gpu)
+    return gpu, [e for e in range(E) if e not in set(gpu)]
+
+
 def hf_layer_parts(hf_layer: Any) -> tuple:
     """(LayerConfig, weights) of a transformers Qwen3MoeDecoderLayer: its model's config read
     with the layer's index, and its state_dict's tensors (detached, shared, not copied)"""
@@ -98,14 +129,23 @@ class DecoderLayer:
 
     def __init__(self, config: LayerConfig, weights: Mapping[str, Any], device: str = "cpu",
                  dtype: Optional[str] = None, weight_format: Optional[str] = None,
-                 experts: Optional[Sequence[int]] = None) -> None:
+                 experts: Optional[Sequence[int]] = None, expert_device: Optional[str] = None,
+                 gpu_experts: Any = None, expert_counts: Any = None) -> None:
         if not isinstance(config, LayerConfig):
             raise TypeError(f"config: expected a qwen3layer.LayerConfig, got {type(config).__name__}")
         index = _device_index(device)
         self.device = "cpu" if index < 0 else f"cuda:{index}"
         self.config = config
+        self._hybrid = None
         ids = expert_id_list(experts)
+        if expert_device is not None or gpu_experts is not None:
+            ids, host_ids = _split_placement(config, index, experts, expert_device, gpu_experts, expert_counts)
+            host = _C.Layer(config, canonical_weights(weights, config, host_ids), dtype, -1, weight_format, host_ids)
         self._core = _C.Layer(config, canonical_weights(weights, config, ids), dtype, index, weight_format, ids)
+        if expert_device is not None or gpu_experts is not None:
+            from .hybrid import HybridRunner
+            self._hybrid = HybridRunner(self._core, host, ids, config.num_experts)
+            self.expert_device, self.gpu_experts = "cpu", tuple(ids)
         if self._core.converted:
             where = "" if index < 0 else f" on {self.device}"
             aligned = "" if index < 0 else ", 16-byte aligned"
@@ -126,7 +166,9 @@ class DecoderLayer:
 
     @classmethod
     def from_checkpoint(cls, path: str, layer_idx: int, device: str = "cpu",
-                        dtype: Optional[str] = None, experts: Optional[Sequence[int]] = None) -> "DecoderLayer":
+                        dtype: Optional[str] = None, experts: Optional[Sequence[int]] = None,
+                        expert_device: Optional[str] = None, gpu_experts: Any = None,
+                        expert_counts: Any = None) -> "DecoderLayer":
         """Layer `layer_idx` of a transformers safetensors checkpoint (the folder with
         config.json and the shards), its geometry from config.json. Only this layer's tensors
         are memory-mapped (with experts=, only those experts' besides the attention and the
@@ -143,7 +185,8 @@ class DecoderLayer:
         ids = expert_id_list(experts)
         cfg, weights, maps, fmt, spans = load_layer_weights(path, layer_idx, ids)
         try:
-            layer = cls(cfg, weights, device=device, dtype=dtype, weight_format=fmt, experts=ids)
+            layer = cls(cfg, weights, device=device, dtype=dtype, weight_format=fmt, experts=ids,
+                        expert_device=expert_device, gpu_experts=gpu_experts, expert_counts=expert_counts)
         except BaseException:
             weights.clear()  # the views, so that the mappings can close now rather than at collection
             for mm in maps:
@@ -159,7 +202,8 @@ class DecoderLayer:
     @classmethod
     def random(cls, config: LayerConfig, seed: int = 0, dtype: str = "bfloat16",
                device: str = "cpu", weight_format: Optional[str] = None,
-               experts: Optional[Sequence[int]] = None) -> "DecoderLayer":
+               experts: Optional[Sequence[int]] = None, expert_device: Optional[str] = None,
+               gpu_experts: Any = None, expert_counts: Any = None) -> "DecoderLayer":
         """Random weights in extension memory, scaled like a trained layer (matrices
         N(0, 0.02), norm weights N(1, 0.1)); the same seed gives the same weights. They are
         made on the host; a CUDA layer copies them to its device once. weight_format
@@ -169,10 +213,12 @@ class DecoderLayer:
         expert of the whole layer of the same seed."""
         _device_index(device)
         ids = expert_id_list(experts)
-        weights = _C.random_weights(config, seed, dtype, weight_format, ids)
+        split = expert_device is not None or gpu_experts is not None  # per-expert tensors, for each side's share
+        weights = _C.random_weights(config, seed, dtype, weight_format, list(range(config.num_experts)) if split else ids)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the copy to the device is the point here
-            return cls(config, weights, device=device, dtype=dtype, weight_format=weight_format, experts=ids)
+            return cls(config, weights, device=device, dtype=dtype, weight_format=weight_format, experts=ids,
+                       expert_device=expert_device, gpu_experts=gpu_experts, expert_counts=expert_counts)
 
     def random_input(self, shape, seed: int, dtype: Optional[str] = None) -> Tensor:
         """Random N(0, 1) activations of `shape` in extension memory on the layer's device
@@ -203,6 +249,9 @@ class DecoderLayer:
         this call only. The maps may take at most attention_limit bytes (default 2**30); a call
         asking for more raises ValueError with their shape and size before anything runs.
         """
+        if self._hybrid is not None:
+            self._hybrid_check(out, return_router, return_attention)
+            return self._hybrid.call(x, cache, False, seq, chunk_size)
         y = self._core.prefill(x, cache, seq, chunk_size, out=out, stream=_stream_of(x, self._core.device),
                                return_router=return_router, return_attention=return_attention,
                                attention_limit=attention_limit)
@@ -212,6 +261,9 @@ class DecoderLayer:
                return_attention: bool = False, attention_limit: Optional[int] = None) -> Any:
         """One new token for each sequence of the cache: x [cache.batch, hidden]. The insides
         as for prefill (router rows [batch, ...], attention [batch, heads, 1, context])."""
+        if self._hybrid is not None:
+            self._hybrid_check(out, return_router, return_attention)
+            return self._hybrid.call(x, cache, True)
         y = self._core.decode(x, cache, out=out, stream=_stream_of(x, self._core.device),
                               return_router=return_router, return_attention=return_attention,
                               attention_limit=attention_limit)
@@ -259,6 +311,21 @@ class DecoderLayer:
         return self._core.held_experts
 
     @staticmethod
+    def _hybrid_check(out: Any, return_router: bool, return_attention: bool) -> None:
+        for name, asked in (("out", out is not None), ("return_router", return_router),
+                            ("return_attention", return_attention)):
+            if asked:
+                raise NotImplementedError(f"{name}: not yet on a layer split over the GPU and the host "
+                                          "(expert_device='cpu'): the output comes as a new tensor, without insides")
+
+    @property
+    def hybrid_stats(self) -> Optional[dict]:
+        """A layer split over the GPU and the host: the calls, and the rows and (row, slot)
+        choices each side's experts ran (a row with experts on both sides counts on both);
+        None for other layers."""
+        return None if self._hybrid is None else dict(self._hybrid.stats)
+
+    @staticmethod
     def _result(x: Any, y: Any, out: Any) -> Any:
         """The output as x's kind (or out itself); a LayerTrace when the call returned insides."""
         if not isinstance(y, tuple):
@@ -278,6 +345,9 @@ class DecoderLayer:
         and output buffers ([batch, hidden] of `dtype`, default the layer's) and keeps the
         layer and the cache alive; calls of the layer on the same cache may be mixed with it.
         """
+        if self._hybrid is not None:
+            raise ValueError("decode_graph: a layer split over the GPU and the host (expert_device='cpu') cannot be "
+                             "captured: its host experts run on the CPU between the device's kernels; call decode")
         return DecodeGraph(self._core.decode_graph(cache, batch, dtype), self._core.device)
 
     def profile(self, mode: str = "decode", tokens: int = 1, context: int = 0, chunk_size: Optional[int] = None,
@@ -296,6 +366,9 @@ class DecoderLayer:
         cost = cost_model(self.config, mode, tokens, context, chunk_size, self.dtype, batch, self.weight_format,
                           self._core.scale_dtype or "float32")
         H = self.config.hidden_size
+        if self._hybrid is not None:
+            raise NotImplementedError("profile: not yet for a layer split over the GPU and the host "
+                                      "(expert_device='cpu'); time its prefill and decode calls")
         rand = self.random_input
 
         cache = self.new_cache(context + tokens, batch)

@@ -104,9 +104,11 @@ PyObject *q3_buffer_view(PyObject *module, PyObject *args) {
     PyObject *obj, *shape_obj, *dtype_obj;
     long long offset;
     if (!PyArg_ParseTuple(args, "OLOO:buffer_view", &obj, &offset, &shape_obj, &dtype_obj)) return NULL;
-    q3_dtype dt = Q3_E4M3; /* the checkpoint's FP8 weights too */
-    if (!(PyUnicode_Check(dtype_obj) && PyUnicode_CompareWithASCIIString(dtype_obj, "float8_e4m3fn") == 0) &&
-        q3_parse_dtype(dtype_obj, "dtype", &dt) < 0)
+    q3_dtype dt = Q3_E4M3; /* the checkpoint's FP8 weights too, and int32 expert ids (a split layer's routes) */
+    const int named = PyUnicode_Check(dtype_obj);
+    if (named && PyUnicode_CompareWithASCIIString(dtype_obj, "int32") == 0) dt = Q3_I32;
+    else if (!(named && PyUnicode_CompareWithASCIIString(dtype_obj, "float8_e4m3fn") == 0) &&
+             q3_parse_dtype(dtype_obj, "dtype", &dt) < 0)
         return NULL;
     int64_t shape[Q3_MAX_DIM], strides[Q3_MAX_DIM];
     PyObject *seq = PySequence_Fast(shape_obj, "shape: expected a sequence of ints");

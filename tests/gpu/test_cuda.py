@@ -871,3 +871,34 @@ def test_cuda_layers_of_disjoint_experts_are_the_whole_layer_and_refuse_the_whol
     with pytest.raises(ValueError, match="layer: holds 3 of the 8 experts"):
         a.decode_graph(cache)
     assert cache.lengths == (0,)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 5e-3)])
+@pytest.mark.parametrize("gpu_experts", [[], [1, 4, 6], list(range(8))])
+def test_layer_split_over_the_gpu_and_the_host_matches_the_cpu_layer(dtype, tol, gpu_experts):
+    """DecoderLayer(device="cuda", expert_device="cpu", gpu_experts=...) on torch CUDA tensors:
+    a left-padded chunked prefill and decode steps against the CPU layer, the output on the
+    GPU, the rows each side ran counted (the executor's twin: tests/executor/test_cuda_executor_hybrid.py)"""
+    import torch
+
+    H = CFG.hidden_size
+    cpu = q3.DecoderLayer.random(CFG, seed=3, dtype=dtype)
+    split = q3.DecoderLayer.random(CFG, seed=3, dtype=dtype, device="cuda", expert_device="cpu",
+                                   gpu_experts=gpu_experts)
+    tdt = torch.float32 if dtype == "float32" else torch.bfloat16
+    cc, cs = cpu.new_cache(16, batch=2), split.new_cache(16, batch=2)
+    for c in (cc, cs):
+        c.set_padding(3, 1)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 7, H, generator=gen).to(tdt)
+    y = split.prefill(x.cuda(), cs, chunk_size=3)
+    assert y.is_cuda and y.dtype == tdt
+    want = cpu.prefill(x, cc, chunk_size=3)
+    assert rel(y[0], want[0]) <= tol and rel(y[1, 3:], want[1, 3:]) <= tol
+    for _ in range(2):
+        t = torch.randn(2, H, generator=gen).to(tdt)
+        assert rel(split.decode(t.cuda(), cs), cpu.decode(t, cc)) <= tol
+    st = split.hybrid_stats
+    assert st["device_choices"] + st["host_choices"] == (14 + 4) * CFG.num_experts_per_tok
+    assert (st["device_choices"] == 0) == (not gpu_experts) and (st["host_choices"] == 0) == (len(gpu_experts) == 8)

@@ -42,9 +42,9 @@ def test_uniform_routing_bytes_match_drawn_routings(rows, gpu):
     assert s.rows_to_host == pytest.approx(want_rows, rel=0.03, abs=0.02)
     per_expert = 3 * SMALL.hidden_size * SMALL.moe_intermediate_size * 2
     assert s.host_expert_bytes / per_expert == pytest.approx(want_hit, rel=0.03, abs=0.02)
-    H, k = SMALL.hidden_size, SMALL.num_experts_per_tok
-    assert s.link_down_bytes == pytest.approx(s.rows_to_host * (2 * H + 8 * k))
-    assert s.link_up_bytes == pytest.approx(s.rows_to_host * 4 * H)
+    H, k = SMALL.hidden_size, SMALL.num_experts_per_tok  # what qwen3layer.hybrid moves: every row
+    assert s.link_down_bytes == rows * (2 * H + 4 * H + 8 * k) + rows * 4 * H
+    assert s.link_up_bytes == rows * 4 * k + rows * 2 * H
 
 
 def test_skewed_shares_with_the_hottest_on_the_gpu_send_fewer_rows_and_match_drawn_routings():
@@ -62,7 +62,7 @@ def test_the_ends_every_expert_on_one_side():
     whole = cost_model(REAL, "decode", 1, 0, batch=4)
     gpu = hybrid_split(REAL, 4, list(range(E)))
     host = hybrid_split(REAL, 4, [])
-    assert gpu.rows_to_host == 0 and gpu.host_expert_bytes == 0 and gpu.link_s == 0 and gpu.bound == "device"
+    assert gpu.rows_to_host == 0 and gpu.host_expert_bytes == 0 and gpu.bound == "device"
     assert host.rows_to_host == 4 and host.device_expert_bytes == 0 and host.bound == "host"
     # either way the experts read are the whole layer's (cost_model rounds the experts hit)
     per_expert = whole.stage("experts").weight_bytes / round(E * (1 - (1 - 8 / E) ** 4))
@@ -101,3 +101,23 @@ def test_refusals_name_the_argument(kwargs, needle):
     with pytest.raises(ValueError) as e:
         hybrid_split(SMALL, args.pop("rows"), args.pop("gpu_experts"), **args)
     assert needle in str(e.value)
+
+
+def test_map_and_run_take_the_split_flags():
+    """map --expert-device cpu prints the predicted split (no GPU needed); run with them on a
+    CPU device is refused, naming the flag"""
+    import os
+    import subprocess
+    import sys
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+    r = subprocess.run([sys.executable, "-m", "qwen3layer", "map", "--geometry", "tiny", "--tokens", "64",
+                        "--expert-device", "cpu", "--gpu-experts", "1,3"], cwd=root, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    rows = [line for line in r.stdout.splitlines() if line.strip().startswith("2*")]
+    assert len(rows) == 2, r.stdout  # the prefill and the decode table, this run's 2 experts marked
+    assert "predicted pass: prefill of 64 row(s)" in r.stdout and "predicted pass: decode of 1 row(s)" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "qwen3layer", "run", "--geometry", "tiny", "--tokens", "8",
+                        "--expert-device", "cpu", "--gpu-experts", "2"], cwd=root, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "expert_device='cpu'" in r.stderr and "device is 'cpu'" in r.stderr, r.stderr

@@ -1,0 +1,137 @@
+"""A layer split over one GPU and the host (DecoderLayer(..., device="cuda",
+expert_device="cpu", gpu_experts=...): attention, router and the GPU's experts on the CUDA
+device, the other experts on the CPU kernels) on the SIMT executor, against the CPU layer of
+the same seed; in a subprocess of its own (conftest.py).
+
+For fp32 and bf16 and gpu_experts none, all and a mixed set: 2 sequences, the second with 3
+tokens of left padding, a prefill of 7 tokens in chunks of 3 and two decode steps; the rows
+and choices each side ran against the router's own choices (the host side's counted at the
+host layer's expert half itself); the same bits on a second run; gpu_experts=N from a
+calibration call's counts; and what is refused."""
+import pytest
+import torch
+
+import qwen3layer as q3
+from executor_arrays import host, rel
+from qwen3layer import _C
+
+pytestmark = pytest.mark.executor_subprocess
+TIMEOUT = 600
+CFG = q3.LayerConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=24,
+                     num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48)
+H, K, E, PAD = 64, 2, 8, 3
+TOL = {"float32": 1e-5, "bfloat16": 5e-3}  # the CPU's bf16 paths round activations first, CUDA's not
+SETS = {"none": [], "all": list(range(E)), "mixed": [1, 4, 6]}
+
+
+def _inputs(dtype):
+    g = torch.Generator().manual_seed(9)
+    xs = [torch.randn(2, 7, H, generator=g)] + [torch.randn(2, H, generator=g) for _ in range(2)]
+    return [x.to(getattr(torch, dtype)) for x in xs]
+
+
+def _on(layer, x):
+    """x in the layer's memory: the executor's device, or the host"""
+    if layer.device == "cpu":
+        return x
+    raw = x.view(torch.int16) if x.dtype == torch.bfloat16 else x
+    return _C.copy_tensor(_C.buffer_view(raw.numpy(), 0, list(x.shape), str(x.dtype)[6:]), 0)
+
+
+def _run(layer, dtype):
+    cache = layer.new_cache(16, batch=2)
+    cache.set_padding(PAD, 1)
+    outs, xs = [], _inputs(dtype)
+    outs.append(layer.prefill(_on(layer, xs[0]), cache, chunk_size=3))
+    for x in xs[1:]:
+        outs.append(layer.decode(_on(layer, x), cache))
+    return [y.double().numpy() if isinstance(y, torch.Tensor) else host(y) for y in outs]
+
+
+class _Counting:
+    """the host layer's expert half, counting the rows it is handed"""
+
+    def __init__(self, core):
+        self.core, self.rows = core, 0
+
+    def expert_half(self, rows, *args, **kw):
+        self.rows += rows.shape[0]
+        return self.core.expert_half(rows, *args, **kw)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("which", ["none", "all", "mixed"])
+def test_split_layer_equals_the_cpu_layer(dtype, which):
+    gpu = SETS[which]
+    split = q3.DecoderLayer.random(CFG, 3, dtype, device="cuda", expert_device="cpu", gpu_experts=gpu)
+    assert split.gpu_experts == tuple(gpu) and split.expert_device == "cpu"
+    cpu = q3.DecoderLayer.random(CFG, 3, dtype)
+    counting = _Counting(split._hybrid.host)
+    split._hybrid.host = counting
+    got = _run(split, dtype)
+    want = _run(cpu, dtype)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.shape == w.shape
+        assert rel(g[1, PAD:] if g.ndim == 3 else g, w[1, PAD:] if w.ndim == 3 else w) <= TOL[dtype], (i, which)
+        assert rel(g[0], w[0]) <= TOL[dtype], (i, which)
+    # the choices each side ran are the router's: the CPU layer's own, call by call
+    ref_cache = cpu.new_cache(16, batch=2)
+    ref_cache.set_padding(PAD, 1)
+    xs = _inputs(dtype)
+    traces = [cpu.prefill(xs[0], ref_cache, chunk_size=3, return_router=True)]
+    traces += [cpu.decode(x, ref_cache, return_router=True) for x in xs[1:]]
+    ids = torch.cat([torch.from_dlpack(t.experts).reshape(-1, K) for t in traces])
+    on_gpu = torch.isin(ids, torch.tensor(gpu, dtype=ids.dtype))
+    st = split.hybrid_stats
+    assert st["calls"] == 3
+    assert st["device_choices"] == int(on_gpu.sum()) and st["host_choices"] == int((~on_gpu).sum())
+    assert st["device_rows"] == int(on_gpu.any(1).sum()) and st["host_rows"] == int((~on_gpu).any(1).sum())
+    assert counting.rows == st["host_rows"]  # the host's rows went through the CPU layer's experts
+    if which == "mixed":
+        assert st["device_rows"] > 0 and st["host_rows"] > 0
+    # the same bits again: every sum in a fixed order
+    again = _run(q3.DecoderLayer.random(CFG, 3, dtype, device="cuda", expert_device="cpu", gpu_experts=gpu), dtype)
+    assert all((a == b).all() for a, b in zip(got, again))
+
+
+def test_gpu_experts_n_from_a_calibration_call():
+    cpu = q3.DecoderLayer.random(CFG, 3, "float32")
+    x = torch.randn(40, H, generator=torch.Generator().manual_seed(2))
+    summary = cpu.prefill(x, cpu.new_cache(40), return_router=True).routing()
+    split = q3.DecoderLayer.random(CFG, 3, "float32", device="cuda", expert_device="cpu", gpu_experts=3,
+                                   expert_counts=summary)
+    assert split.gpu_experts == tuple(sorted(summary.ranking()[:3]))
+    same = q3.DecoderLayer.random(CFG, 3, "float32", device="cuda", expert_device="cpu", gpu_experts=3,
+                                  expert_counts=list(summary.counts))
+    assert same.gpu_experts == split.gpu_experts
+
+
+@pytest.mark.parametrize("kwargs,exc,needle", [
+    (dict(device="cpu", expert_device="cpu"), ValueError, "device is 'cpu'"),
+    (dict(expert_device="cuda"), ValueError, "expert_device: expected 'cpu'"),
+    (dict(expert_device="cpu", gpu_experts=[8]), ValueError, "expected expert ids in [0, 8), got 8"),
+    (dict(expert_device="cpu", gpu_experts=[1, 1]), ValueError, "distinct expert ids"),
+    (dict(expert_device="cpu", gpu_experts=2), ValueError, "expected expert_counts"),
+    (dict(expert_device="cpu", gpu_experts=2, expert_counts=[1] * 7), ValueError, "expected 8 non-negative ints"),
+    (dict(expert_device="cpu", gpu_experts=9, expert_counts=[1] * 8), ValueError, "expected an int in [0, 8]"),
+    (dict(expert_device="cpu", experts=[0, 1]), ValueError, "got experts= too"),
+])
+def test_refusals_name_the_argument(kwargs, exc, needle):
+    kw = dict(device="cuda")
+    kw.update(kwargs)
+    with pytest.raises(exc) as e:
+        q3.DecoderLayer.random(CFG, 3, "float32", **kw)
+    assert needle in str(e.value)
+
+
+def test_calls_it_does_not_run_yet_are_refused():
+    split = q3.DecoderLayer.random(CFG, 3, "float32", device="cuda", expert_device="cpu", gpu_experts=[0])
+    cache = split.new_cache(8)
+    x = _on(split, torch.randn(2, H))
+    for kw, name in ((dict(return_router=True), "return_router"), (dict(return_attention=True), "return_attention"),
+                     (dict(out=x), "out")):
+        with pytest.raises(NotImplementedError, match=name):
+            split.prefill(x, cache, **kw)
+    assert cache.lengths == (0,)
+    with pytest.raises(ValueError, match="cannot be captured"):
+        split.decode_graph(cache)
