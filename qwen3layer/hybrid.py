@@ -78,12 +78,15 @@ class HybridRunner:
         self.on_gpu = mask
         self.stats = {k: 0 for k in STAT_KEYS}
 
-    def call(self, x: Any, cache: Any, decode: bool, seq: Optional[int] = None,
-             chunk_size: Optional[int] = None) -> Any:
+    def call(self, x: Any, cache: Any, decode: bool, seq: Optional[int] = None, chunk_size: Optional[int] = None,
+             **insides: Any) -> tuple:
+        """(y on the device, the call's insides from the attention half: (router logits,
+        experts, weights, maps) as the extension's tensors, or None when none was asked)"""
         kw = {} if decode else {"seq": seq, "chunk_size": chunk_size}
         # torch tensors: the device's work on the caller's current stream, as DecoderLayer queues it
         stream = torch.cuda.current_stream(self.index).cuda_stream if isinstance(x, torch.Tensor) else None
-        resid, normed, ids, w = self.device.attention_half(x, cache, decode=decode, stream=stream, **kw)
+        r = self.device.attention_half(x, cache, decode=decode, stream=stream, **kw, **insides)
+        (resid, normed, ids, w), trace = (r, None) if len(r) == 4 else (r[0], tuple(r[1:]))
         shape = tuple(resid.shape)
         H = shape[-1]
         ids_h, w_h = _to_host(ids).reshape(-1, ids.shape[-1]), _to_host(w).reshape(-1, ids.shape[-1])
@@ -116,4 +119,4 @@ class HybridRunner:
             y_h.copy_(total)
         else:
             _C.combine_rows(total, part, host_rows.to(torch.int32), y_h)
-        return _to_device(y_h.reshape(shape), x, self.index)
+        return _to_device(y_h.reshape(shape), x, self.index), trace

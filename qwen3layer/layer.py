@@ -250,8 +250,8 @@ class DecoderLayer:
         asking for more raises ValueError with their shape and size before anything runs.
         """
         if self._hybrid is not None:
-            self._hybrid_check(out, return_router, return_attention)
-            return self._hybrid.call(x, cache, False, seq, chunk_size)
+            return self._split_call(x, cache, False, out, seq=seq, chunk_size=chunk_size, return_router=return_router,
+                                    return_attention=return_attention, attention_limit=attention_limit)
         y = self._core.prefill(x, cache, seq, chunk_size, out=out, stream=_stream_of(x, self._core.device),
                                return_router=return_router, return_attention=return_attention,
                                attention_limit=attention_limit)
@@ -262,8 +262,8 @@ class DecoderLayer:
         """One new token for each sequence of the cache: x [cache.batch, hidden]. The insides
         as for prefill (router rows [batch, ...], attention [batch, heads, 1, context])."""
         if self._hybrid is not None:
-            self._hybrid_check(out, return_router, return_attention)
-            return self._hybrid.call(x, cache, True)
+            return self._split_call(x, cache, True, out, return_router=return_router,
+                                    return_attention=return_attention, attention_limit=attention_limit)
         y = self._core.decode(x, cache, out=out, stream=_stream_of(x, self._core.device),
                               return_router=return_router, return_attention=return_attention,
                               attention_limit=attention_limit)
@@ -310,13 +310,24 @@ class DecoderLayer:
         """The ids of the experts this layer holds (all of them unless made with experts=)."""
         return self._core.held_experts
 
-    @staticmethod
-    def _hybrid_check(out: Any, return_router: bool, return_attention: bool) -> None:
-        for name, asked in (("out", out is not None), ("return_router", return_router),
-                            ("return_attention", return_attention)):
-            if asked:
-                raise NotImplementedError(f"{name}: not yet on a layer split over the GPU and the host "
-                                          "(expert_device='cpu'): the output comes as a new tensor, without insides")
+    def _split_call(self, x: Any, cache: KVCache, decode: bool, out: Any, seq: Optional[int] = None,
+                    chunk_size: Optional[int] = None, **insides: Any) -> Any:
+        """prefill or decode of a layer split over the GPU and the host (qwen3layer.hybrid)"""
+        if out is not None and not (type(out).__module__.startswith("torch") and type(x).__module__.startswith("torch")):
+            raise NotImplementedError(f"out: a layer split over the GPU and the host writes into torch tensors only "
+                                      f"(copied in), got x of {type(x).__name__} and out of {type(out).__name__}")
+        if out is not None and (tuple(out.shape) != tuple(x.shape) or out.dtype != x.dtype or out.device != x.device):
+            raise ValueError(f"out: expected x's shape {list(x.shape)}, dtype {x.dtype} and device {x.device}, got "
+                             f"{list(out.shape)} {out.dtype} on {out.device}")
+        y, trace = self._hybrid.call(x, cache, decode, seq, chunk_size, **insides)
+        if out is not None:
+            out.copy_(_like(x, y))
+        y = out if out is not None else _like(x, y)
+        if trace is None:
+            return y
+        from .trace import LayerTrace
+
+        return LayerTrace(y, *(None if t is None else _like(x, t) for t in trace))
 
     @property
     def hybrid_stats(self) -> Optional[dict]:

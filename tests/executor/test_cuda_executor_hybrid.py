@@ -6,8 +6,8 @@ the same seed; in a subprocess of its own (conftest.py).
 For fp32 and bf16 and gpu_experts none, all and a mixed set: 2 sequences, the second with 3
 tokens of left padding, a prefill of 7 tokens in chunks of 3 and two decode steps; the rows
 and choices each side ran against the router's own choices (the host side's counted at the
-host layer's expert half itself); the same bits on a second run; gpu_experts=N from a
-calibration call's counts; and what is refused."""
+host layer's expert half itself); the same bits on a second run; the insides against the CPU
+layer's; gpu_experts=N from a calibration call's counts; and what is refused."""
 import pytest
 import torch
 
@@ -124,14 +124,38 @@ def test_refusals_name_the_argument(kwargs, exc, needle):
     assert needle in str(e.value)
 
 
-def test_calls_it_does_not_run_yet_are_refused():
+def test_insides_are_the_cpu_layers_and_the_output_unchanged():
+    """return_router and return_attention on the split layer: the CPU layer's logits, weights
+    and maps (fp32), the chosen experts equal, the output the bits of the call asking nothing"""
+    split = q3.DecoderLayer.random(CFG, 3, "float32", device="cuda", expert_device="cpu", gpu_experts=[1, 4, 6])
+    cpu = q3.DecoderLayer.random(CFG, 3, "float32")
+    x = _inputs("float32")[0]
+    caches = []
+    for layer in (split, cpu, split):
+        c = layer.new_cache(16, batch=2)
+        c.set_padding(PAD, 1)
+        caches.append(c)
+    got = split.prefill(_on(split, x), caches[0], chunk_size=3, return_router=True, return_attention=True)
+    want = cpu.prefill(x, caches[1], chunk_size=3, return_router=True, return_attention=True)
+    plain = split.prefill(_on(split, x), caches[2], chunk_size=3)
+    assert (host(got.output) == host(plain)).all()
+    for name in ("router_logits", "expert_weights", "attention"):
+        assert rel(host(getattr(got, name)), getattr(want, name).double().numpy()) <= 1e-5, name
+    assert (host(got.experts) == want.experts.double().numpy()).all()
+    t = torch.randn(2, H)
+    step = split.decode(_on(split, t), caches[0], return_router=True)
+    assert rel(host(step.router_logits), cpu.decode(t, caches[1], return_router=True).router_logits.double().numpy()) \
+        <= 1e-5 and step.attention is None
+
+
+def test_what_it_does_not_run_is_refused_before_any_work():
     split = q3.DecoderLayer.random(CFG, 3, "float32", device="cuda", expert_device="cpu", gpu_experts=[0])
     cache = split.new_cache(8)
     x = _on(split, torch.randn(2, H))
-    for kw, name in ((dict(return_router=True), "return_router"), (dict(return_attention=True), "return_attention"),
-                     (dict(out=x), "out")):
-        with pytest.raises(NotImplementedError, match=name):
-            split.prefill(x, cache, **kw)
+    with pytest.raises(NotImplementedError, match="out: a layer split over the GPU and the host writes into torch"):
+        split.prefill(x, cache, out=x)
     assert cache.lengths == (0,)
     with pytest.raises(ValueError, match="cannot be captured"):
         split.decode_graph(cache)
+    with pytest.raises(NotImplementedError, match="profile"):
+        split.profile("decode")

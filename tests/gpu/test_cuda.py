@@ -879,7 +879,8 @@ def test_cuda_layers_of_disjoint_experts_are_the_whole_layer_and_refuse_the_whol
 def test_layer_split_over_the_gpu_and_the_host_matches_the_cpu_layer(dtype, tol, gpu_experts):
     """DecoderLayer(device="cuda", expert_device="cpu", gpu_experts=...) on torch CUDA tensors:
     a left-padded chunked prefill and decode steps against the CPU layer, the output on the
-    GPU, the rows each side ran counted (the executor's twin: tests/executor/test_cuda_executor_hybrid.py)"""
+    GPU, out= and the router's logits, the rows each side ran counted (the executor's twin:
+    tests/executor/test_cuda_executor_hybrid.py)"""
     import torch
 
     H = CFG.hidden_size
@@ -899,6 +900,10 @@ def test_layer_split_over_the_gpu_and_the_host_matches_the_cpu_layer(dtype, tol,
     for _ in range(2):
         t = torch.randn(2, H, generator=gen).to(tdt)
         assert rel(split.decode(t.cuda(), cs), cpu.decode(t, cc)) <= tol
+    t = torch.randn(2, H, generator=gen).to(tdt)
+    o = torch.empty_like(t).cuda()
+    got, want = split.decode(t.cuda(), cs, out=o, return_router=True), cpu.decode(t, cc, return_router=True)
+    assert got.output is o and rel(o, want.output) <= tol and rel(got.router_logits, want.router_logits) <= tol
     st = split.hybrid_stats
-    assert st["device_choices"] + st["host_choices"] == (14 + 4) * CFG.num_experts_per_tok
+    assert st["device_choices"] + st["host_choices"] == (14 + 6) * CFG.num_experts_per_tok
     assert (st["device_choices"] == 0) == (not gpu_experts) and (st["host_choices"] == 0) == (len(gpu_experts) == 8)
