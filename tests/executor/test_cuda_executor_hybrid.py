@@ -159,3 +159,20 @@ def test_what_it_does_not_run_is_refused_before_any_work():
         split.decode_graph(cache)
     with pytest.raises(NotImplementedError, match="profile"):
         split.profile("decode")
+
+
+def test_fp8_split_layer_equals_the_cpu_fp8_layer():
+    """FP8 weights (fp8_e4m3_block128) on both sides: the GPU's experts and the host's each from
+    their e4m3 bytes and block scales, as the CPU FP8 layer"""
+    cfg = q3.LayerConfig(hidden_size=128, num_attention_heads=8, num_key_value_heads=2, head_dim=32, num_experts=8,
+                         num_experts_per_tok=2, moe_intermediate_size=128)
+    fmt = "fp8_e4m3_block128"
+    split = q3.DecoderLayer.random(cfg, 3, "bfloat16", device="cuda", weight_format=fmt, expert_device="cpu",
+                                   gpu_experts=[1, 5])
+    cpu = q3.DecoderLayer.random(cfg, 3, "bfloat16", weight_format=fmt)
+    assert split.weight_format == fmt
+    x = torch.randn(6, 128, generator=torch.Generator().manual_seed(5)).bfloat16()
+    y = split.prefill(_on(split, x), split.new_cache(8))
+    assert rel(host(y), cpu.prefill(x, cpu.new_cache(8)).double().numpy()) <= TOL["bfloat16"]
+    st = split.hybrid_stats
+    assert st["device_choices"] > 0 and st["host_choices"] > 0
