@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 from . import _C, cuda
 from .config import LayerConfig
-from .weights import canonical_weights, expert_id_list
+from .weights import canonical_weights, expert_id_list, held_expert_views
 
 if TYPE_CHECKING:
     from .profile import Profile
@@ -119,7 +119,8 @@ class DecoderLayer:
     experts: the expert ids a layer holding a subset holds (default: all): the other experts'
     weights are neither needed nor read, prefill and decode refuse to run (the whole layer needs
     every expert), and attention_half / expert_half run the layer split (qwen3layer.parallel).
-    On a CUDA device only the held experts are uploaded (fused host experts are refused).
+    On a CUDA device only the held experts are uploaded (fused host torch or numpy tensors as
+    views of their slices; the extension's own fused tensors are refused).
     device: 'cpu', or 'cuda' / 'cuda:N' where the build has the CUDA backend: weights on that
     device are borrowed as above if their address is 16-byte aligned (the kernels' vector
     loads; a view at an odd offset is copied once, with the warning), host weights are
@@ -141,7 +142,10 @@ class DecoderLayer:
         if expert_device is not None or gpu_experts is not None:
             ids, host_ids = _split_placement(config, index, experts, expert_device, gpu_experts, expert_counts)
             host = _C.Layer(config, canonical_weights(weights, config, host_ids), dtype, -1, weight_format, host_ids)
-        self._core = _C.Layer(config, canonical_weights(weights, config, ids), dtype, index, weight_format, ids)
+        mine = canonical_weights(weights, config, ids)
+        if index >= 0 and ids is not None:  # a CUDA subset: the held experts' slices of fused host tensors
+            mine = held_expert_views(mine, config, ids)
+        self._core = _C.Layer(config, mine, dtype, index, weight_format, ids)
         if expert_device is not None or gpu_experts is not None:
             from .hybrid import HybridRunner
             self._hybrid = HybridRunner(self._core, host, ids, config.num_experts)

@@ -108,6 +108,34 @@ def canonical_weights(weights: Mapping[str, Any], config: LayerConfig,
     return out
 
 
+def held_expert_views(weights: dict, config: LayerConfig, experts: Sequence[int]) -> dict:
+    """weights (canonical names) with fused expert tensors in host memory replaced by views of
+    the held experts' slices under their per-expert names (gate: rows [0, I) of gate_up_proj[e],
+    up: [I, 2I); FP8 scales: the gate's ceil(I/128) row blocks, then the up's), so that a CUDA
+    layer holding a subset uploads only those. Tensors that cannot be sliced (the extension's
+    own) or already on a device are left as they are."""
+    gate_up, down = (weights.get(n) for n in FUSED)
+    if gate_up is None or down is None or not all(hasattr(t, "__getitem__") and hasattr(t, "__dlpack_device__")
+                                                 for t in (gate_up, down)):
+        return weights
+    if any(t.__dlpack_device__()[0] != 1 for t in (gate_up, down)):  # kDLCPU: on a device, borrowed whole
+        return weights
+    out = {n: t for n, t in weights.items() if n not in FUSED and n.removesuffix(SCALE) not in FUSED}
+    inter, blocks = config.moe_intermediate_size, -(-config.moe_intermediate_size // 128)
+    for e in valid_expert_ids(experts, config.num_experts):
+        for src, parts in ((gate_up, (("gate_proj", 0, inter), ("up_proj", inter, 2 * inter))),
+                           (down, (("down_proj", None, None),))):
+            fused_name = FUSED[0] if src is gate_up else FUSED[1]
+            scale = weights.get(fused_name + SCALE)
+            for part, a, b in parts:
+                name = f"mlp.experts.{e}.{part}.weight"
+                out[name] = src[e] if a is None else src[e, a:b]
+                if scale is not None:
+                    sa, sb = (None, None) if a is None else (0, blocks) if a == 0 else (blocks, 2 * blocks)
+                    out[name + SCALE] = scale[e] if sa is None else scale[e, sa:sb]
+    return out
+
+
 def _check_fused_gate_up_scale(scale: Any, config: LayerConfig) -> None:
     """A fused FP8 gate_up_proj [E, 2I, H] may come with scales in one of two layouts: the
     gate's ceil(I/128) row blocks then the up's (what per-expert checkpoints concatenate to,

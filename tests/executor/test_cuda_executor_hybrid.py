@@ -176,3 +176,23 @@ def test_fp8_split_layer_equals_the_cpu_fp8_layer():
     assert rel(host(y), cpu.prefill(x, cpu.new_cache(8)).double().numpy()) <= TOL["bfloat16"]
     st = split.hybrid_stats
     assert st["device_choices"] > 0 and st["host_choices"] > 0
+
+
+@pytest.mark.parametrize("fmt", [None, "fp8_e4m3_block128"])
+def test_fused_host_experts_are_sliced_for_the_gpu_side(fmt):
+    """transformers 5.x's fused expert tensors (mlp.experts.gate_up_proj [E, 2I, H], down_proj
+    [E, H, I], FP8 scales alike) in host memory: a split layer's GPU side takes its experts'
+    slices only (views, uploaded), and the layer equals the CPU layer on the same tensors"""
+    cfg = q3.LayerConfig(hidden_size=128, num_attention_heads=8, num_key_value_heads=2, head_dim=32, num_experts=8,
+                         num_experts_per_tok=2, moe_intermediate_size=128)
+    fused = {n: torch.from_dlpack(t) for n, t in _C.random_weights(cfg, 4, "float32", fmt).items()}
+    assert "mlp.experts.gate_up_proj" in fused
+    split = q3.DecoderLayer(cfg, fused, device="cuda", dtype="float32", weight_format=fmt, expert_device="cpu",
+                            gpu_experts=[2, 7])
+    whole_gpu = q3.DecoderLayer(cfg, fused, device="cuda", dtype="float32", weight_format=fmt)
+    assert split._core.weight_bytes < whole_gpu._core.weight_bytes  # 2 experts uploaded, not 8
+    cpu = q3.DecoderLayer(cfg, fused, dtype="float32", weight_format=fmt)
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(6))
+    y = split.prefill(_on(split, x), split.new_cache(8))
+    assert rel(host(y), cpu.prefill(x, cpu.new_cache(8)).double().numpy()) <= 1e-5
+    assert split.hybrid_stats["device_choices"] > 0

@@ -312,3 +312,28 @@ def test_the_attention_half_gives_prefills_insides(whole):
     assert trace.output is None and len(halves) == 4
     for name in ("router_logits", "experts", "expert_weights", "attention"):
         assert torch.equal(getattr(trace, name), getattr(want, name)), name
+
+
+@pytest.mark.parametrize("fmt", [None, "fp8_e4m3_block128"])
+def test_held_expert_views_are_the_held_experts_slices_of_the_fused_tensors(fmt):
+    """what a CUDA subset layer takes of fused host tensors (weights.held_expert_views): each
+    held expert's gate, up and down (and FP8 scales) as views, equal to that expert's own
+    tensors drawn per expert; nothing of the other experts; the extension's tensors left alone"""
+    from qwen3layer.weights import canonical_weights, held_expert_views
+
+    cfg = q3.LayerConfig(hidden_size=128, num_attention_heads=8, num_key_value_heads=2, head_dim=32, num_experts=8,
+                         num_experts_per_tok=2, moe_intermediate_size=256)
+    ids = [2, 7]
+    raw = _C.random_weights(cfg, 4, "bfloat16", fmt)
+    fused = canonical_weights({n: torch.from_dlpack(t) for n, t in raw.items()}, cfg, ids)
+    per = {n: torch.from_dlpack(t) for n, t in _C.random_weights(cfg, 4, "bfloat16", fmt, ids).items()}
+    got = held_expert_views(fused, cfg, ids)
+    assert set(got) == set(per)
+    for name, t in per.items():
+        assert got[name].shape == t.shape and got[name].is_contiguous() and torch.equal(got[name], t), name
+        if name.startswith("mlp.experts."):  # a view into the fused tensor, not a copy
+            which = "mlp.experts.down_proj" if "down" in name else "mlp.experts.gate_up_proj"
+            base = fused[which + ("_scale_inv" if name.endswith("_scale_inv") else "")]
+            assert got[name].untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+    assert held_expert_views(canonical_weights(raw, cfg, ids), cfg, ids)["mlp.experts.gate_up_proj"] is \
+        raw["mlp.experts.gate_up_proj"]
