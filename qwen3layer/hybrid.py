@@ -23,6 +23,8 @@ from typing import Any, Optional, Sequence
 import torch
 
 from . import _C
+from .layer import rewind
+from .routing import RoutingSummary
 
 STAT_KEYS = ("calls", "device_rows", "device_choices", "host_rows", "host_choices")
 
@@ -34,12 +36,12 @@ def choose_gpu_experts(n: int, counts: Any, num_experts: int) -> list:
     if got is None:
         raise ValueError(f"gpu_experts={n}: expected expert_counts (a RoutingSummary or {num_experts} counts of a "
                          "calibration call) to choose them by, got none")
-    got = list(got)
+    got = tuple(got)
     if len(got) != num_experts or any(not isinstance(c, int) or isinstance(c, bool) or c < 0 for c in got):
         raise ValueError(f"expert_counts: expected {num_experts} non-negative ints, got {len(got)} values")
     if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= num_experts:
         raise ValueError(f"gpu_experts: expected an int in [0, {num_experts}] or a list of expert ids, got {n!r}")
-    return sorted(sorted(range(num_experts), key=lambda e: (-got[e], e))[:n])
+    return sorted(RoutingSummary(got, 1).ranking()[:n])
 
 
 def _to_host(t: Any) -> torch.Tensor:
@@ -85,6 +87,14 @@ class HybridRunner:
         kw = {} if decode else {"seq": seq, "chunk_size": chunk_size}
         # torch tensors: the device's work on the caller's current stream, as DecoderLayer queues it
         stream = torch.cuda.current_stream(self.index).cuda_stream if isinstance(x, torch.Tensor) else None
+        lengths = list(cache.lengths)
+        try:
+            return self._call(x, cache, decode, stream, kw, insides)
+        except BaseException:  # nothing half-written: the cache back to where the call began
+            rewind(cache, lengths)
+            raise
+
+    def _call(self, x: Any, cache: Any, decode: bool, stream: Optional[int], kw: dict, insides: dict) -> tuple:
         r = self.device.attention_half(x, cache, decode=decode, stream=stream, **kw, **insides)
         (resid, normed, ids, w), trace = (r, None) if len(r) == 4 else (r[0], tuple(r[1:]))
         shape = tuple(resid.shape)
@@ -102,8 +112,8 @@ class HybridRunner:
         st["device_choices"] += int(gpu.sum())
         st["host_rows"] += len(host_rows)
         st["host_choices"] += int((~gpu).sum())
-        total = resid_h
-        if bool(dev_rows.any()):  # queued on the device; the host's experts run meanwhile
+        total, on_device = resid_h, bool(dev_rows.any())
+        if on_device:  # queued on the device; the host's experts run meanwhile
             acc = _rows2d(resid, resid_h, self.index)
             self.device.expert_half(_rows2d(normed, normed_h, self.index), _to_device(gpu_ids, ids, self.index),
                                     _rows2d(w, w_h, self.index), out=acc, accumulate=True, stream=stream)
@@ -112,7 +122,7 @@ class HybridRunner:
             part = torch.empty(len(host_rows), H)
             self.host.expert_half(normed_h[host_rows], host_ids[host_rows].contiguous(),
                                   w_h[host_rows].contiguous(), out=part)
-        if bool(dev_rows.any()):
+        if on_device:
             total = _to_host(acc).reshape(-1, H)
         y_h = torch.empty(total.shape, dtype=normed_h.dtype)
         if part is None:

@@ -56,6 +56,14 @@ def _like(x: Any, y: Any) -> Any:
     return y
 
 
+def rewind(cache: Any, lengths: Sequence[int]) -> None:
+    """each sequence of the cache back to lengths[s] tokens: what a call that failed after
+    appending (a split layer's, qwen3layer.hybrid and qwen3layer.parallel) undoes"""
+    for s, n in enumerate(lengths):
+        if cache.lengths[s] != n:
+            cache.truncate(n, s)
+
+
 def _split_placement(config: LayerConfig, index: int, experts: Any, expert_device: Any, gpu_experts: Any,
                      expert_counts: Any) -> tuple:
     """(the GPU's expert ids, the host's) of a layer split over a CUDA device and the host"""
@@ -139,14 +147,15 @@ class DecoderLayer:
         self.config = config
         self._hybrid = None
         ids = expert_id_list(experts)
-        if expert_device is not None or gpu_experts is not None:
+        split = expert_device is not None or gpu_experts is not None
+        if split:
             ids, host_ids = _split_placement(config, index, experts, expert_device, gpu_experts, expert_counts)
             host = _C.Layer(config, canonical_weights(weights, config, host_ids), dtype, -1, weight_format, host_ids)
         mine = canonical_weights(weights, config, ids)
         if index >= 0 and ids is not None:  # a CUDA subset: the held experts' slices of fused host tensors
             mine = held_expert_views(mine, config, ids)
         self._core = _C.Layer(config, mine, dtype, index, weight_format, ids)
-        if expert_device is not None or gpu_experts is not None:
+        if split:
             from .hybrid import HybridRunner
             self._hybrid = HybridRunner(self._core, host, ids, config.num_experts)
             self.expert_device, self.gpu_experts = "cpu", tuple(ids)

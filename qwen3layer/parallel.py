@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from . import _C
 from .config import LayerConfig
-from .layer import DecoderLayer, KVCache, hf_layer_parts
+from .layer import DecoderLayer, KVCache, _device_index, hf_layer_parts, rewind
 from .placement import check_placement as _check_placement
 from .placement import contiguous_placement
 
@@ -145,12 +145,11 @@ class ExpertParallelLayer:
         """From a transformers Qwen3MoeDecoderLayer (DecoderLayer.from_hf), on the device its
         weights are on: the attention, router and this rank's experts borrowed from its
         tensors, not copied; the other ranks' experts are not read."""
-        where = sorted({str(p.device) for p in hf_layer.parameters()})
+        where = sorted({str(p.device) for p in hf_layer.parameters()})  # torch names a device with its index
         if len(where) != 1:
             raise ValueError(f"hf_layer: expected its weights on one device, got them on {where}")
-        device = where[0] if where[0] != "cuda" else "cuda:0"
         config, weights = hf_layer_parts(hf_layer)
-        return cls(config, weights, group=group, placement=placement, device=device)
+        return cls(config, weights, group=group, placement=placement, device=where[0])
 
     @classmethod
     def random(cls, config: LayerConfig, seed: int = 0, dtype: str = "bfloat16", *, group: Any = None,
@@ -177,12 +176,13 @@ class ExpertParallelLayer:
         self.world = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         self.config = config
-        self._device = torch.device(device if device != "cuda" else "cuda:0")
-        backend = str(dist.get_backend(self.group))
-        if (self._device.type == "cuda" and "nccl" not in backend) or (self._device.type == "cpu" and backend == "nccl"):
-            want = "nccl" if self._device.type == "cuda" else "gloo (NCCL moves CUDA tensors only)"
-            raise ValueError(f"group: a layer on {self._device} exchanges its rows over {want}, got a group of "
+        backend, cuda = str(dist.get_backend(self.group)), str(device).startswith("cuda")
+        if (cuda and "nccl" not in backend) or (not cuda and backend == "nccl"):
+            want = "nccl" if cuda else "gloo (NCCL moves CUDA tensors only)"
+            raise ValueError(f"group: a layer on {device} exchanges its rows over {want}, got a group of "
                              f"backend {backend!r}")
+        index = _device_index(device)  # 'cuda' is cuda:0, as DecoderLayer takes it
+        self._device = torch.device("cpu" if index < 0 else f"cuda:{index}")
         E = config.num_experts
         self.placement = _check_placement(placement, E, self.world) if placement is not None \
             else contiguous_placement(E, self.world)
@@ -311,9 +311,7 @@ class ExpertParallelLayer:
                     y[..., sl, :] = y_p
         except BaseException:
             if lengths is not None:  # nothing half-written: the cache back to where the call began
-                for s, n in enumerate(lengths):
-                    if cache.lengths[s] != n:
-                        cache.truncate(n, s)
+                rewind(cache, lengths)
             raise
         return y if trace is None else trace.done(y)
 

@@ -234,19 +234,18 @@ class DecoderLayer(torch.nn.Module):
         the model cache's entry updated. Split over a group, a call refused before the C layer
         is refused on every rank (ExpertParallelLayer.refuse): none waits for it."""
         try:
-            x, kv, plan, entry, wants = self._prepare(hidden_states, attention_mask, position_ids, model_cache,
-                                                      kwargs)
+            x, kv, plan, wants = self._prepare(hidden_states, attention_mask, position_ids, model_cache, kwargs)
         except Exception as e:
             if not self.expert_parallel:
                 raise
             self.core.refuse("prefill", e, hidden_states.dtype)
             raise  # refuse raised it; not reached
-        return self._run(hidden_states, x, kv, plan, entry, model_cache, *wants)
+        return self._run(hidden_states, x, kv, plan, model_cache, *wants)
 
     def _prepare(self, hidden_states: torch.Tensor, attention_mask: Any, position_ids: Any, model_cache: Any,
                  kwargs: Dict[str, Any]) -> tuple:
-        """the call's checks and plan, before the C layer: (x, its C cache, the plan, the model
-        cache's entry, (router logits, maps) wanted)"""
+        """the call's checks and plan, before the C layer: (x, its C cache, the plan, (router
+        logits, maps) wanted)"""
         self.check_inference()
         self._check_weights()
         B, L, _ = hidden_states.shape
@@ -275,10 +274,10 @@ class DecoderLayer(torch.nn.Module):
             static = _cache.static_length(entry)
             kv = self._new_cache(static or (self.max_tokens if model_cache is not None else L), B, plan.padding,
                                  plan.offsets)
-        return x, kv, plan, entry, (want_router, want_maps)
+        return x, kv, plan, (want_router, want_maps)
 
-    def _run(self, hidden_states: torch.Tensor, x: torch.Tensor, kv: Any, plan: _masks.CallPlan, entry: Any,
-             model_cache: Any, want_router: bool, want_maps: bool) -> torch.Tensor:
+    def _run(self, hidden_states: torch.Tensor, x: torch.Tensor, kv: Any, plan: _masks.CallPlan, model_cache: Any,
+             want_router: bool, want_maps: bool) -> torch.Tensor:
         """the C layer on the prepared call, the insides recorded, the model cache updated"""
         B, L, _ = x.shape
         limit = self.attention_limit if want_maps else None

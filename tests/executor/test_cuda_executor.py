@@ -26,7 +26,7 @@ from dlpack_ctypes import DLDevice as _DLDevice
 from dlpack_ctypes import DLManagedTensor as _DLManaged
 from dlpack_ctypes import DLTensor as _DLTensor
 from dlpack_ctypes import capsule_new as _capsule_new
-from executor_arrays import executor_view, host, rel
+from executor_arrays import errors_of, executor_view, host, rel
 from qwen3layer import _C
 _testing = q3.cuda.testing_module()  # the kernel check and the test-only switches
 
@@ -35,18 +35,6 @@ TIMEOUT = 900
 
 CFG = q3.LayerConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=24,
                      num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48)
-
-
-def errors_of(calls):
-    """'Type: message' of what each call raised ('accepted' if it did not)"""
-    found = []
-    for call in calls:
-        try:
-            call()
-            found.append("accepted")
-        except Exception as e:  # noqa: BLE001 - the message is what is checked
-            found.append(f"{type(e).__name__}: {e}")
-    return found
 
 
 @pytest.fixture(scope="module")

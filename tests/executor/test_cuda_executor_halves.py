@@ -18,7 +18,7 @@ import torch
 
 import qwen3layer as q3
 from dlpack_ctypes import DELETER, DLDataType, DLDevice, DLManagedTensor, DLTensor, capsule_new
-from executor_arrays import host, rel
+from executor_arrays import errors_of, host, rel
 from qwen3layer import _C
 
 pytestmark = pytest.mark.executor_subprocess
@@ -268,18 +268,6 @@ def test_two_layers_of_disjoint_experts_on_the_executor_are_the_whole_layer():
     a.expert_half(nr, to_device(ids_a, "int32"), wt, out=r, accumulate=True)
     b.expert_half(nr, to_device(ids_b, "int32"), wt, out=r, accumulate=True)
     assert rel(host(resid), y) <= 1e-5
-
-
-def errors_of(calls):
-    """'Type: message' of what each call raised ('accepted' if it did not)"""
-    found = []
-    for call in calls:
-        try:
-            call()
-            found.append("accepted")
-        except Exception as e:  # noqa: BLE001 - the message is what is checked
-            found.append(f"{type(e).__name__}: {e}")
-    return found
 
 
 def test_the_halves_on_the_executor_refuse_what_they_cannot_run():

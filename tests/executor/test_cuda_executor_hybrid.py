@@ -148,6 +148,24 @@ def test_insides_are_the_cpu_layers_and_the_output_unchanged():
         <= 1e-5 and step.attention is None
 
 
+def test_a_failure_in_the_host_experts_leaves_the_cache_as_it_was():
+    split = q3.DecoderLayer.random(CFG, 3, "float32", device="cuda", expert_device="cpu", gpu_experts=[0])
+    cache = split.new_cache(16, batch=2)
+    split.prefill(_on(split, torch.randn(2, 3, H)), cache)
+
+    class Failing:
+        def expert_half(self, *args, **kw):
+            raise OSError("planted in the host's experts")
+
+    real, split._hybrid.host = split._hybrid.host, Failing()
+    with pytest.raises(OSError, match="planted"):
+        split.decode(_on(split, torch.randn(2, H)), cache)
+    assert cache.lengths == (3, 3)  # the attention half's K/V taken back
+    split._hybrid.host = real
+    split.decode(_on(split, torch.randn(2, H)), cache)
+    assert cache.lengths == (4, 4)
+
+
 def test_what_it_does_not_run_is_refused_before_any_work():
     split = q3.DecoderLayer.random(CFG, 3, "float32", device="cuda", expert_device="cpu", gpu_experts=[0])
     cache = split.new_cache(8)

@@ -1,6 +1,6 @@
 """Arrays out of the SIMT executor's device for the executor's cases (tests/executor/, run in a
-process of their own): a tensor as float64 numpy, a strided device view read in place, and the
-relative error they are compared by."""
+process of their own): a tensor as float64 numpy, a strided device view read in place, the
+relative error they are compared by, and the errors a list of calls raised."""
 import ctypes
 
 import numpy as np
@@ -27,3 +27,15 @@ def executor_view(t):
 
 def rel(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def errors_of(calls):
+    """'Type: message' of what each call raised ('accepted' if it did not)"""
+    found = []
+    for call in calls:
+        try:
+            call()
+            found.append("accepted")
+        except Exception as e:  # noqa: BLE001 - the message is what is checked
+            found.append(f"{type(e).__name__}: {e}")
+    return found
