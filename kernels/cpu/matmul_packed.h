@@ -11,10 +11,11 @@
 
 #include "../dtype.h"
 
-/* A panel source: panel [nr][kc] fp32 <- the weights of rows [n0, n0 + nr) x columns
- * [k0, k0 + kc) (nr <= 6, kc <= 2048), each row's kc values contiguous. src: the source's own
- * description of W (its data, K, scales). Called by several threads at once. */
-typedef void q3_panel_fn(float *panel, const void *src, int64_t n0, int nr, int64_t k0, int64_t kc);
+/* A panel source: panel [nr][ldp] fp32 <- the weights of rows [n0, n0 + nr) x columns
+ * [k0, k0 + kc) (nr <= 6, kc <= 2048 <= ldp), each row's kc values contiguous, ldp floats
+ * apart. src: the source's own description of W (its data, K, scales). Called by several
+ * threads at once. */
+typedef void q3_panel_fn(float *panel, int64_t ldp, const void *src, int64_t n0, int nr, int64_t k0, int64_t kc);
 
 /* W as a packed matmul reads it: its panel source, and where its stored rows lie, so that the
  * tiles of one panel can fetch the next panel's bytes while they run (row r at bytes +

@@ -113,6 +113,20 @@ def test_nan_weight_gives_nan(path, t, n, k):
     assert torch.isnan(y[:, [2, 4]]).all() and not torch.isnan(y[:, rest]).any()
 
 
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("t", [1, 5, 17])
+def test_nan_code_at_every_offset_gives_nan(path, t):
+    """row i holds one NaN code, at column 9 i + i % 3 (every offset of a 16- and 32-byte load,
+    both halves of the GEMV's pairs, the tails past the last whole vector); rows of 300 columns"""
+    q3.set_cpu_path(path)
+    n, k = 34, 300
+    w = random_fp8(n, k, 5)
+    for i in range(n - 1):  # the last row keeps no NaN code
+        w[i, 9 * i + i % 3] = NAN_CODES[i % 2]
+    y = fp8_matmul(torch.randn(t, k), w, torch.ones(1, 3))
+    assert torch.isnan(y[:, : n - 1]).all() and not torch.isnan(y[:, n - 1]).any()
+
+
 SIZES = [(200, 300), (5, 100), (130, 129), (256, 384), (1, 7), (48, 1056)]  # (N, K): partial blocks, K < 128
 
 
