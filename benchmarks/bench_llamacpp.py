@@ -44,15 +44,16 @@ ENGINES = ("llama-bf16", "llama-q8_0", "ours-bf16", "ours-fp8")
 BUILD_HELP = """\
 bench_llamacpp.py: skipped: no --llama-bench given (the path of llama.cpp's llama-bench binary).
 Build llama-bench and llama-quantize outside this repo from the llama-cpp-python sdist's
-vendored llama.cpp, with clang (~6 minutes on 2 cores). Not GCC 12: its _tile_loadconfig
-declares 8 of the tile configuration's 64 bytes read, the other stores are dropped and ggml's
-AMX Q8_0 kernels fault. clang 14 spells the AMX macros __AMXINT8__ etc., and ggml tests
-__AMX_INT8__: the -D flags below name them as ggml's own CMake does for MSVC.
+vendored llama.cpp, with clang (~6 minutes on 2 cores of a Xeon, ~8 on a Zen 1 EPYC). Not
+GCC 12: its _tile_loadconfig declares 8 of the tile configuration's 64 bytes read, the other
+stores are dropped and ggml's AMX Q8_0 kernels fault. clang 14 spells the AMX macros
+__AMXINT8__ etc., and ggml tests __AMX_INT8__: the -D flags below name them as ggml's own
+CMake does for MSVC, on a CPU that has AMX (elsewhere they would build code it cannot run).
 
     apt-get install -y clang libomp-14-dev
     pip download llama-cpp-python --no-binary :all: --no-deps -d /tmp/llama-src
     tar xzf /tmp/llama-src/llama_cpp_python-*.tar.gz -C /tmp/llama-src
-    AMX="-D__AMX_TILE__ -D__AMX_INT8__ -D__AMX_BF16__"
+    AMX=""; grep -qw amx_tile /proc/cpuinfo && AMX="-D__AMX_TILE__ -D__AMX_INT8__ -D__AMX_BF16__"  # only where the CPU has AMX
     cmake -S /tmp/llama-src/llama_cpp_python-*/vendor/llama.cpp -B /tmp/llama-build \\
         -DCMAKE_BUILD_TYPE=Release -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \\
         -DCMAKE_C_FLAGS="$AMX" -DCMAKE_CXX_FLAGS="$AMX" -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF \\
