@@ -41,6 +41,13 @@ def compare(cfg, dtype):
     return {"max rel err": max(errs), "keys rel err": keys, "lengths": [list(cg.lengths), list(cc.lengths)]}
 
 
+def bf16_keys_bound() -> float:
+    """the bound on the bf16 keys against the CPU layer's: the tensor cores' k_proj takes x
+    rounded to bf16, as the CPU's bf16 paths (avx512bf16, amx) do (2e-3); the fp32 paths keep x
+    in fp32, a difference of x's own rounding (2.34e-3 measured on an AMD EPYC's avx2): 4e-3"""
+    return 2e-3 if q3.build_info()["cpu_path"] in ("avx512bf16", "amx") else 4e-3
+
+
 def test_emulated_cuda_layer_matches_the_cpu_layer():
     """qk_rope_kv.cu with linear and YaRN tables on the SIMT executor: chunked prefill of two
     sequences (one left-padded), decode steps and decode-graph replays at positions up to 73,
@@ -54,5 +61,5 @@ def test_emulated_cuda_layer_matches_the_cpu_layer():
     for case, r in out.items():
         fp32 = case.endswith("float32")
         assert r["max rel err"] <= (1e-5 if fp32 else 5e-3), case
-        assert r["keys rel err"] <= (1e-5 if fp32 else 2e-3), case
+        assert r["keys rel err"] <= (1e-5 if fp32 else bf16_keys_bound()), case
         assert r["lengths"] == [[74, 74], [74, 74]], case

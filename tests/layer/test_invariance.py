@@ -120,16 +120,21 @@ def test_bfloat16_chunked_equals_unchunked():
 
 
 def test_truncate_then_redo_equals_first_pass(layer):
+    """the redo after a truncate is the same call on the same cache as the first pass's second
+    call: equal to the bit (the whole 12 tokens in one call take another matmul kernel on some
+    CPU paths, from 8 tokens on: equal within TOL)"""
     x = x_of(12, CFG.hidden_size, seed=5)
     cache = layer.new_cache(16)
-    y1 = layer.prefill(x, cache)
+    y1 = torch.cat([layer.prefill(x[:8], cache), layer.prefill(x[8:], cache)])
     cache.truncate(8)
     assert cache.lengths == (8,)
     y2 = layer.prefill(x[8:], cache)
     assert torch.equal(y2, y1[8:])
     cache.reset()
     assert cache.lengths == (0,)
-    assert torch.equal(layer.prefill(x, cache), y1)
+    whole = layer.prefill(x, cache)
+    assert torch.equal(layer.prefill(x, layer.new_cache(16)), whole)
+    assert rel(whole, y1) <= TOL
 
 
 def test_random_layer_is_deterministic_in_its_seed():
