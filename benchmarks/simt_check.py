@@ -74,6 +74,7 @@ CASE_KERNELS = [
     ("swiglu", ["swiglu_kernel"]),
     ("gather + scatter_add", ["gather_kernel", "scatter_add_kernel"]),
     ("convert", ["from_f32_kernel", "to_f32_kernel"]),
+    ("take + add rows", ["take_rows_kernel", "add_rows_kernel"]),
 ]
 
 # what catches a defect: a case over its tolerance, a case whose results differ across the
@@ -124,6 +125,8 @@ MUTANTS = [
            "gemv_fp8_kernel", "twin", ("matmul_fp8", "fp8_dequant", "moe_gate_up_fp8")),
     Mutant(12, "attention map from the wrong KV head: query head h reads h % Hkv, not h / G",
            "attention_probs_kernel", "twin", ("attention_probs",)),
+    Mutant(13, "rows taken as H 16-bit units, not H x element size / 2: half of each fp32 row moved",
+           "q3_take_rows_cuda", "twin", ("take_rows",)),
 ]
 
 CHILD = r"""

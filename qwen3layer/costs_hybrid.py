@@ -3,16 +3,14 @@
 expert_device="cpu"). Per pass (a prefill chunk or a decode step of `rows` rows):
 
   GPU:   attention and router (qwen3layer.costs' stages before the experts), then its experts
-  PCIe:  as qwen3layer.hybrid moves them: every row's normed input (hidden x dtype), residual
-         (hidden x fp32) and k ids and weights (4 bytes each) down; with GPU experts, their
-         ids up (4 bytes each) and the residual after them down again; the output up
-         (hidden x dtype)
+  PCIe:  as qwen3layer.hybrid moves them (link_bytes): every row's k expert ids down (4 bytes
+         each); the rows that chose a host expert, their normed input (hidden x dtype) and k
+         router weights (4 bytes each) down, their index (4 bytes) and their host sums
+         (hidden x fp32) up; with GPU experts, the rows' k device ids up (4 bytes each)
   host:  the host experts the pass hits, each read once from host memory
 
 The GPU's experts run while the CPU computes, so a pass takes the attention's time, the
-copies', and the longer of the two sides' experts: the `bound` side. (Moving only the
-`rows_to_host` rows, which qwen3layer.hybrid does not do yet, would cut the copies where most
-choices stay on the GPU.) Each stage's time is its roofline, max(bytes / bandwidth, FLOPs / peak), at the
+copies', and the longer of the two sides' experts: the `bound` side. Each stage's time is its roofline, max(bytes / bandwidth, FLOPs / peak), at the
 machine figures given (`Machine`; the host's from the probes qwen3layer._C runs, the device's
 and the link's from ../shared/REFERENCE.md's H200 and PCIe 5 x16). Routing is uniform unless
 `shares` (each expert's fraction of the choices, from a calibration call's counts) is given;
@@ -88,6 +86,16 @@ def _gpu_ids(cfg: LayerConfig, gpu_experts: Sequence[int]) -> set:
     return ids
 
 
+def link_bytes(cfg: LayerConfig, rows: int, rows_to_host: float, gpu_used: bool, dtype: str = "bfloat16") -> tuple:
+    """(down, up): the bytes a call of `rows` rows moves from the GPU to the host and back, as
+    qwen3layer.hybrid moves them, `rows_to_host` of the rows with a host expert among their k
+    and `gpu_used` whether any row chose a GPU expert (HybridRunner.stats counts the same)"""
+    k, H, es = cfg.num_experts_per_tok, cfg.hidden_size, _size(dtype)
+    down = rows * 4 * k + rows_to_host * (H * es + 4 * k)
+    up = rows_to_host * (4 + H * 4) + (rows * 4 * k if gpu_used else 0)
+    return down, up
+
+
 def hybrid_split(cfg: LayerConfig, rows: int, gpu_experts: Sequence[int], *, mode: str = "decode", context: int = 0,
                  dtype: str = "bfloat16", weight_format: str = "dense", shares: Optional[Sequence[float]] = None,
                  machine: Machine = Machine()) -> HybridSplit:
@@ -111,9 +119,7 @@ def hybrid_split(cfg: LayerConfig, rows: int, gpu_experts: Sequence[int], *, mod
     else:
         all_gpu = (1.0 - host_share) ** k
     to_host = rows * (1.0 - all_gpu)
-    es, gpu_used = _size(dtype), bool(on_gpu)
-    down = rows * (H * es + H * 4 + 8 * k) + (rows * H * 4 if gpu_used else 0)
-    up = (rows * 4 * k if gpu_used else 0) + rows * H * es
+    down, up = link_bytes(cfg, rows, to_host, bool(on_gpu), dtype)
     host_bytes = per_expert * sum(h for e, h in enumerate(hit) if e not in on_gpu)
     dev_bytes = per_expert * sum(h for e, h in enumerate(hit) if e in on_gpu)
     expert_flops = 2.0 * rows * k * 3 * H * I

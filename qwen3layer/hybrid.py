@@ -5,16 +5,20 @@ second implementation of either.
 
 A call (prefill, chunked or not, or a decode step):
   1. the device layer's attention half over the call (its passes chunk by chunk);
-  2. the router's choices and weights, the normed rows and the residual copied to the host;
-     each choice goes to the side holding its expert (-1 on the other);
-  3. the device layer's experts on the rows with a device expert, added into the residual
-     on the device, queued, while the host layer's experts run on the rows with a host expert
-     (one read of each host expert's weights, from host memory);
-  4. the residual back on the host, the host experts' sums added in row order
-     (_C.combine_rows), the output copied to the device.
-The order of every sum is fixed (the device's experts in expert order, then the host's), so a
-call gives the same bits from run to run. Device tensors are torch CUDA tensors or, on the SIMT
-executor, the extension's own. `stats` counts the rows and choices each side ran.
+  2. the router's choices copied to the host; each goes to the side holding its expert (-1
+     on the other);
+  3. on the device, the rows with a host expert taken out (_C.take_rows: their normed input
+     and router weights) and copied to the host (pinned buffers, an async copy, for torch
+     tensors); the device layer's experts queued on the rows with a device expert, added into
+     the residual there, while the host layer's experts run on the rows taken (each host
+     expert's weights read once a call, from host memory);
+  4. the host sums copied back and added into the residual on the device, in row order
+     (_C.combine_rows), which writes the output there.
+Only the rows that chose a host expert cross, each way. The order of every sum is fixed (the
+device's experts in expert order, then the host's), so a call gives the same bits from run to
+run. Device tensors are torch CUDA tensors or, on the SIMT executor, the extension's own.
+`stats` counts the rows and choices each side ran and the bytes each way over the link
+(qwen3layer.costs_hybrid.link_bytes models them).
 """
 from __future__ import annotations
 
@@ -26,7 +30,8 @@ from . import _C
 from .layer import rewind
 from .routing import RoutingSummary
 
-STAT_KEYS = ("calls", "device_rows", "device_choices", "host_rows", "host_choices")
+STAT_KEYS = ("calls", "device_rows", "device_choices", "host_rows", "host_choices", "link_down_bytes",
+             "link_up_bytes")
 
 
 def choose_gpu_experts(n: int, counts: Any, num_experts: int) -> list:
@@ -44,10 +49,67 @@ def choose_gpu_experts(n: int, counts: Any, num_experts: int) -> list:
     return sorted(RoutingSummary(got, 1).ranking()[:n])
 
 
-def _to_host(t: Any) -> torch.Tensor:
-    if isinstance(t, torch.Tensor):
-        return t.cpu()
-    return torch.from_dlpack(_C.copy_tensor(t, -1))
+class _Link:
+    """The copies between the device and the host, counted (stats' link_*_bytes). Torch
+    tensors go through pinned host buffers kept from call to call (grown, never shrunk): down
+    as async copies ended by one event, up as async copies on the stream (a buffer is written
+    again only in a later call, after that call's first copy down, which the stream orders after
+    them). The executor's tensors are copied as they are asked for."""
+
+    def __init__(self, index: int, stats: dict) -> None:
+        self.index, self.stats = index, stats
+        self.pinned: dict = {}
+        self.event: Any = None
+
+    def _buffer(self, key: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        n = 1
+        for d in shape:
+            n *= d
+        got = self.pinned.get((key, dtype))
+        if got is None or got.numel() < n:
+            got = torch.empty(max(n, 1), dtype=dtype, pin_memory=True)
+            self.pinned[(key, dtype)] = got
+        return got[:n].view(tuple(shape))
+
+    def down(self, t: Any, key: str, wait: bool = True) -> torch.Tensor:
+        """t on the host; wait=False: the copy queued (torch tensors), ended by wait_down()"""
+        self.stats["link_down_bytes"] += _bytes(t)
+        if not isinstance(t, torch.Tensor):
+            return torch.from_dlpack(_C.copy_tensor(t, -1))
+        if wait:
+            return t.cpu()
+        h = self._buffer(key, t.shape, t.dtype)
+        h.copy_(t, non_blocking=True)
+        self.event = torch.cuda.Event()
+        self.event.record(torch.cuda.current_stream(t.device))
+        return h
+
+    def wait_down(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+
+    def host(self, key: str, shape: tuple, like: Any) -> torch.Tensor:
+        """a host fp32 tensor to fill and send up under `key` (pinned for torch tensors)"""
+        return self._buffer(key, shape, torch.float32) if isinstance(like, torch.Tensor) else torch.empty(shape)
+
+    def up(self, h: torch.Tensor, like: Any, key: str) -> Any:
+        """host tensor h on like's device, as like's kind"""
+        self.stats["link_up_bytes"] += h.numel() * h.element_size()
+        if not isinstance(like, torch.Tensor):
+            return _to_device(h, like, self.index)
+        p = self._buffer(key, h.shape, h.dtype)
+        if p.data_ptr() != h.data_ptr():
+            p.copy_(h)
+        return p.to(like.device, non_blocking=True)
+
+
+def _bytes(t: Any) -> int:
+    n = 1
+    for d in t.shape:
+        n *= d
+    return n * (t.element_size() if isinstance(t, torch.Tensor) else {"float32": 4, "bfloat16": 2, "int32": 4}[
+        str(t.dtype).replace("torch.", "")])
 
 
 def _to_device(h: torch.Tensor, like: Any, index: int) -> Any:
@@ -58,14 +120,6 @@ def _to_device(h: torch.Tensor, like: Any, index: int) -> Any:
     raw = h.view(torch.int16) if h.dtype == torch.bfloat16 else h
     name = str(h.dtype).replace("torch.", "")
     return _C.copy_tensor(_C.buffer_view(raw.numpy(), 0, list(h.shape), name), index)
-
-
-def _rows2d(dev: Any, host: torch.Tensor, index: int) -> Any:
-    """dev as [n, last] on the device: a view of a torch tensor, else (an extension tensor of
-    more dims, which has no reshape) the host copy uploaded"""
-    if isinstance(dev, torch.Tensor):
-        return dev.reshape(-1, dev.shape[-1])
-    return dev if len(dev.shape) == 2 else _to_device(host.reshape(-1, host.shape[-1]), dev, index)
 
 
 class HybridRunner:
@@ -79,54 +133,70 @@ class HybridRunner:
         mask[list(gpu_experts)] = True
         self.on_gpu = mask
         self.stats = {k: 0 for k in STAT_KEYS}
+        self.link = _Link(self.index, self.stats)
 
     def call(self, x: Any, cache: Any, decode: bool, seq: Optional[int] = None, chunk_size: Optional[int] = None,
-             **insides: Any) -> tuple:
+             out: Any = None, **insides: Any) -> tuple:
         """(y on the device, the call's insides from the attention half: (router logits,
-        experts, weights, maps) as the extension's tensors, or None when none was asked)"""
+        experts, weights, maps) as the extension's tensors, or None when none was asked); y
+        is `out` (a contiguous torch tensor of x's shape and dtype) when given"""
         kw = {} if decode else {"seq": seq, "chunk_size": chunk_size}
         # torch tensors: the device's work on the caller's current stream, as DecoderLayer queues it
         stream = torch.cuda.current_stream(self.index).cuda_stream if isinstance(x, torch.Tensor) else None
         lengths = list(cache.lengths)
         try:
-            return self._call(x, cache, decode, stream, kw, insides)
+            return self._call(x, cache, decode, stream, kw, insides, out)
         except BaseException:  # nothing half-written: the cache back to where the call began
             rewind(cache, lengths)
             raise
 
-    def _call(self, x: Any, cache: Any, decode: bool, stream: Optional[int], kw: dict, insides: dict) -> tuple:
+    def _call(self, x: Any, cache: Any, decode: bool, stream: Optional[int], kw: dict, insides: dict,
+              out: Any) -> tuple:
         r = self.device.attention_half(x, cache, decode=decode, stream=stream, **kw, **insides)
         (resid, normed, ids, w), trace = (r, None) if len(r) == 4 else (r[0], tuple(r[1:]))
-        shape = tuple(resid.shape)
-        H = shape[-1]
-        ids_h, w_h = _to_host(ids).reshape(-1, ids.shape[-1]), _to_host(w).reshape(-1, ids.shape[-1])
-        normed_h, resid_h = _to_host(normed).reshape(-1, H), _to_host(resid).reshape(-1, H)
+        if isinstance(x, torch.Tensor):  # a GPU: the halves' outputs as torch tensors (views), for the pinned copies
+            resid, normed, ids, w = (torch.from_dlpack(t) for t in (resid, normed, ids, w))
+        H, k, link = resid.shape[-1], ids.shape[-1], self.link
+        ids_h = link.down(ids, "ids").reshape(-1, k)
         gpu = self.on_gpu[ids_h.long()]
         none = torch.full_like(ids_h, -1)
-        gpu_ids, host_ids = torch.where(gpu, ids_h, none), torch.where(gpu, none, ids_h)
         dev_rows = gpu.any(1)
-        host_rows = (~gpu).any(1).nonzero()[:, 0]
+        host_rows = (~gpu).any(1).nonzero()[:, 0].to(torch.int32)
+        n, on_device = len(host_rows), bool(dev_rows.any())
         st = self.stats
         st["calls"] += 1
         st["device_rows"] += int(dev_rows.sum())
         st["device_choices"] += int(gpu.sum())
-        st["host_rows"] += len(host_rows)
+        st["host_rows"] += n
         st["host_choices"] += int((~gpu).sum())
-        total, on_device = resid_h, bool(dev_rows.any())
+        place = {"device": self.index, "stream": stream}
+        rows_d = link.up(host_rows, ids, "rows")
+        if n:  # the rows with a host expert, taken out on the device and copied down
+            normed_h = link.down(_take(normed, rows_d, n, place), "normed", wait=False)
+            w_h = link.down(_take(w, rows_d, n, place), "weights", wait=False)
         if on_device:  # queued on the device; the host's experts run meanwhile
-            acc = _rows2d(resid, resid_h, self.index)
-            self.device.expert_half(_rows2d(normed, normed_h, self.index), _to_device(gpu_ids, ids, self.index),
-                                    _rows2d(w, w_h, self.index), out=acc, accumulate=True, stream=stream)
-        part = None
-        if len(host_rows):
-            part = torch.empty(len(host_rows), H)
-            self.host.expert_half(normed_h[host_rows], host_ids[host_rows].contiguous(),
-                                  w_h[host_rows].contiguous(), out=part)
-        if on_device:
-            total = _to_host(acc).reshape(-1, H)
-        y_h = torch.empty(total.shape, dtype=normed_h.dtype)
-        if part is None:
-            y_h.copy_(total)
-        else:
-            _C.combine_rows(total, part, host_rows.to(torch.int32), y_h)
-        return _to_device(y_h.reshape(shape), x, self.index), trace
+            self.device.expert_half(normed, link.up(torch.where(gpu, ids_h, none), ids, "gpu_ids"), w, out=resid,
+                                    accumulate=True, stream=stream)
+        part = link.host("part", (n, H), resid)
+        if n:
+            link.wait_down()
+            self.host.expert_half(normed_h, torch.where(gpu, none, ids_h)[host_rows.long()].contiguous(), w_h,
+                                  out=part)
+        y = out if isinstance(out, torch.Tensor) and out.is_contiguous() else _empty_like(x, self.index)
+        _C.combine_rows(resid, link.up(part, resid, "part"), rows_d, out=y, **place)
+        return y, trace
+
+
+def _take(src: Any, rows: Any, n: int, place: dict) -> Any:
+    """src's rows `rows` on its device, as src's kind"""
+    if isinstance(src, torch.Tensor):
+        out = torch.empty(n, src.shape[-1], dtype=src.dtype, device=src.device)
+        return _C.take_rows(src, rows, out=out, **place)
+    return _C.take_rows(src, rows, **place)
+
+
+def _empty_like(x: Any, index: int) -> Any:
+    """a new tensor of x's shape and dtype on device `index` (the executor's: a host one copied there)"""
+    if isinstance(x, torch.Tensor):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+    return _to_device(torch.empty(tuple(x.shape), dtype=getattr(torch, str(x.dtype))), x, index)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 from . import _C, cuda
 from .config import LayerConfig
-from .weights import canonical_weights, expert_id_list, held_expert_views
+from .weights import canonical_weights, expert_id_list, expert_weights, held_expert_views
 
 if TYPE_CHECKING:
     from .profile import Profile
@@ -150,13 +150,14 @@ class DecoderLayer:
         split = expert_device is not None or gpu_experts is not None
         if split:
             ids, host_ids = _split_placement(config, index, experts, expert_device, gpu_experts, expert_counts)
-            host = _C.Layer(config, canonical_weights(weights, config, host_ids), dtype, -1, weight_format, host_ids)
         mine = canonical_weights(weights, config, ids)
         if index >= 0 and ids is not None:  # a CUDA subset: the held experts' slices of fused host tensors
             mine = held_expert_views(mine, config, ids)
         self._core = _C.Layer(config, mine, dtype, index, weight_format, ids)
         if split:
             from .hybrid import HybridRunner
+            host = _C.Layer(config, expert_weights(canonical_weights(weights, config, host_ids)), self._core.dtype, -1,
+                            self._core.weight_format, host_ids, experts_only=True)
             self._hybrid = HybridRunner(self._core, host, ids, config.num_experts)
             self.expert_device, self.gpu_experts = "cpu", tuple(ids)
         if self._core.converted:
@@ -169,13 +170,17 @@ class DecoderLayer:
                           + (" ..." if len(self._core.converted) > 4 else ""), stacklevel=2)
 
     @classmethod
-    def from_hf(cls, hf_layer: Any, device: str = "cpu") -> "DecoderLayer":
+    def from_hf(cls, hf_layer: Any, device: str = "cpu", expert_device: Optional[str] = None,
+                gpu_experts: Any = None, expert_counts: Any = None) -> "DecoderLayer":
         """From a transformers Qwen3MoeDecoderLayer (4.57 or 5.x), sharing its weights. Its
         model's config is read by LayerConfig.from_hf with the layer's index: a field the C
         layer does not implement, a dense (Qwen3MoeMLP) layer of mlp_only_layers or
-        decoder_sparse_step among them, raises ValueError naming it."""
+        decoder_sparse_step among them, raises ValueError naming it. expert_device="cpu" (with
+        gpu_experts, expert_counts as for the constructor): split over `device` and the host,
+        the host's experts borrowed from the layer's (which must be in host memory)."""
         config, weights = hf_layer_parts(hf_layer)
-        return cls(config, weights, device=device)
+        return cls(config, weights, device=device, expert_device=expert_device, gpu_experts=gpu_experts,
+                   expert_counts=expert_counts)
 
     @classmethod
     def from_checkpoint(cls, path: str, layer_idx: int, device: str = "cpu",
@@ -332,8 +337,8 @@ class DecoderLayer:
         if out is not None and (tuple(out.shape) != tuple(x.shape) or out.dtype != x.dtype or out.device != x.device):
             raise ValueError(f"out: expected x's shape {list(x.shape)}, dtype {x.dtype} and device {x.device}, got "
                              f"{list(out.shape)} {out.dtype} on {out.device}")
-        y, trace = self._hybrid.call(x, cache, decode, seq, chunk_size, **insides)
-        if out is not None:
+        y, trace = self._hybrid.call(x, cache, decode, seq, chunk_size, out=out, **insides)
+        if out is not None and y is not out:  # a strided out: written whole from the call's own output
             out.copy_(_like(x, y))
         y = out if out is not None else _like(x, y)
         if trace is None:
@@ -344,9 +349,10 @@ class DecoderLayer:
 
     @property
     def hybrid_stats(self) -> Optional[dict]:
-        """A layer split over the GPU and the host: the calls, and the rows and (row, slot)
-        choices each side's experts ran (a row with experts on both sides counts on both);
-        None for other layers."""
+        """A layer split over the GPU and the host: the calls, the rows and (row, slot) choices
+        each side's experts ran (a row with experts on both sides counts on both), and the bytes
+        copied each way (link_down_bytes: GPU to host; link_up_bytes: back); None for other
+        layers."""
         return None if self._hybrid is None else dict(self._hybrid.stats)
 
     @staticmethod

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 import torch
 
@@ -81,7 +81,8 @@ class DecoderLayer(torch.nn.Module):
     @classmethod
     def from_hf(cls, hf_layer: torch.nn.Module, max_tokens: int = 4096,
                 recordable: Optional[Dict[str, Any]] = None, ep_group: Any = None,
-                ep_placement: Optional[List[List[int]]] = None) -> "DecoderLayer":
+                ep_placement: Optional[List[List[int]]] = None, expert_device: Optional[str] = None,
+                gpu_experts: Any = None, expert_counts: Any = None) -> "DecoderLayer":
         """From a transformers Qwen3MoeDecoderLayer; its weights are shared, not copied, and
         the C layer runs where they are (the CPU, or their CUDA device, on torch's stream).
         max_tokens: the longest sequence (prompt + generated) a generation may reach with a
@@ -91,8 +92,19 @@ class DecoderLayer(torch.nn.Module):
         without it, asking for them raises NotImplementedError.
         ep_group: a torch.distributed process group to split the layer's experts over
         (qwen3layer.parallel.ExpertParallelLayer, ep_placement its placement): each rank's C
-        layer reads its own experts only, and every rank must call the layer alike."""
+        layer reads its own experts only, and every rank must call the layer alike.
+        expert_device="cpu": the layer split over one GPU and the host (qwen3layer.hybrid):
+        its attention, norms and router where they are (a CUDA device), its experts in host
+        memory, those of gpu_experts (ids, or N with expert_counts) copied to the GPU once."""
         layer_idx = getattr(hf_layer.self_attn, "layer_idx", 0)
+        if expert_device is not None or gpu_experts is not None:
+            if ep_group is not None:
+                raise ValueError("expert_device: splits each layer over one GPU and the host, ep_group its experts "
+                                 "over processes; got both (choose one)")
+            device = _split_devices(hf_layer, layer_idx)
+            core = _CoreLayer.from_hf(hf_layer, device=device, expert_device=expert_device, gpu_experts=gpu_experts,
+                                      expert_counts=expert_counts)
+            return cls(core, layer_idx, hf_layer, max_tokens, recordable)
         if ep_group is not None:
             from .parallel import ExpertParallelLayer
             core = ExpertParallelLayer.from_hf(hf_layer, group=ep_group, placement=ep_placement)
@@ -303,6 +315,36 @@ class DecoderLayer(torch.nn.Module):
 _PLAN_MEMO: list = []  # the last call's (tensors, key, versions, plan): the next layers get the same mask
 
 
+def _split_devices(hf_layer: torch.nn.Module, layer_idx: int) -> str:
+    """the CUDA device of a layer to split over it and the host (its attention's), checked:
+    the attention, norms and router there, the experts in host memory"""
+    attn = hf_layer.self_attn.q_proj.weight.device
+    if attn.type != "cuda":
+        raise ValueError(f"expert_device='cpu': layer {layer_idx}'s attention (self_attn.q_proj.weight) is on {attn}; "
+                         "a split layer runs its attention on a CUDA device (place the layer's non-expert weights "
+                         "there and its experts in host memory, e.g. with a device_map)")
+    for name, p in hf_layer.named_parameters():
+        expert = name.startswith("mlp.experts.")
+        if expert and p.device.type != "cpu":
+            raise ValueError(f"expert_device='cpu': layer {layer_idx}'s {name} is on {p.device}; expected the experts "
+                             "in host memory (gpu_experts says which are copied to the GPU)")
+        if not expert and p.device != attn:
+            raise ValueError(f"expert_device='cpu': layer {layer_idx}'s {name} is on {p.device}, its attention on "
+                             f"{attn}; expected every non-expert weight on that device")
+    return f"cuda:{attn.index or 0}"
+
+
+def _per_layer(value: Any, layer_idx: int, arg: str) -> Any:
+    """a patch_model argument for one layer: a mapping's entry for its index (which must be
+    there), else the value itself (every layer the same)"""
+    if not isinstance(value, Mapping):
+        return value
+    if layer_idx not in value:
+        raise ValueError(f"{arg}: a mapping of layer index -> value, without layer {layer_idx} (has "
+                         f"{sorted(value)[:8]})")
+    return value[layer_idx]
+
+
 def _same(ref: Any, t: Any) -> bool:
     return t is None if ref is None else ref() is t
 
@@ -377,7 +419,9 @@ def _check_rotary(model: torch.nn.Module, core: _CoreLayer) -> None:
 
 
 def patch_model(model: torch.nn.Module, max_tokens: int = 4096, attention_limit: Optional[int] = None,
-                ep_group: Any = None, ep_placement: Optional[List[List[int]]] = None) -> torch.nn.Module:
+                ep_group: Any = None, ep_placement: Optional[List[List[int]]] = None,
+                expert_device: Optional[str] = None, gpu_experts: Any = None,
+                expert_counts: Any = None) -> torch.nn.Module:
     """Replaces every decoder layer of the model by a qwen3layer one (in place; returns the model).
     attention_limit: the bytes of attention maps one layer call may make when the model asks
     for output_attentions (None: the C layer's default, 2**30); above it the call raises
@@ -387,14 +431,25 @@ def patch_model(model: torch.nn.Module, max_tokens: int = 4096, attention_limit:
     ep_placement, contiguous by default), each rank running its own prompts through its own
     copy of the model. Every rank must make the same forward calls in number: the model's
     generate then defaults to synced_gpus=True (a rank whose sequences all ended keeps
-    stepping until every rank's have; transformers syncs over the world group)."""
+    stepping until every rank's have; transformers syncs over the world group).
+    expert_device="cpu": each layer split over one GPU and the host (docs/hybrid.md), for a
+    model whose non-expert weights are on a CUDA device and whose experts are in host memory
+    (a device_map can place them so). gpu_experts: expert ids copied to the GPU, or N with
+    expert_counts (a RoutingSummary or counts of a calibration call); either may be a mapping
+    of layer index -> value (the layers' hot experts differ), else every layer takes the same."""
     layers = _layers(model)
     recordable = getattr(model, "_can_record_outputs", None)
     if ep_group is None and ep_placement is not None:
         raise ValueError("ep_placement: given without ep_group (the process group to split the experts over)")
+    split = expert_device is not None or gpu_experts is not None
+    if expert_counts is not None and not split:
+        raise ValueError("expert_counts: chooses gpu_experts=N of a layer split over the GPU and the host; got it "
+                         "without expert_device='cpu' and gpu_experts")
     made = [layer if isinstance(layer, DecoderLayer) else
-            DecoderLayer.from_hf(layer, max_tokens, recordable, ep_group, ep_placement)
-            for layer in layers]  # every layer made (and its config checked) before the model changes
+            DecoderLayer.from_hf(layer, max_tokens, recordable, ep_group, ep_placement, expert_device,
+                                 _per_layer(gpu_experts, i, "gpu_experts") if split else None,
+                                 _per_layer(expert_counts, i, "expert_counts") if split else None)
+            for i, layer in enumerate(layers)]  # every layer made (and its config checked) before the model changes
     if made:
         _check_rotary(model, made[0].core)
     for i, layer in enumerate(made):

@@ -108,6 +108,13 @@ def canonical_weights(weights: Mapping[str, Any], config: LayerConfig,
     return out
 
 
+def expert_weights(weights: dict) -> dict:
+    """canonical weights without the attention's, the norms' and the router's (and their
+    scales): what an expert-only host layer takes"""
+    dense = set(DENSE) | {n + SCALE for n in SCALED}
+    return {n: t for n, t in weights.items() if n not in dense}
+
+
 def held_expert_views(weights: dict, config: LayerConfig, experts: Sequence[int]) -> dict:
     """weights (canonical names) with fused expert tensors in host memory replaced by views of
     the held experts' slices under their per-expert names (gate: rows [0, I) of gate_up_proj[e],

@@ -339,6 +339,12 @@ static q3_status run_cases(check *k, q3_check_result *out, uint64_t *digests, in
     RUN("swiglu", "swiglu", 1e-5, q3_case_swiglu(k));
     RUN("gather_rows+scatter_add_rows", "gather + scatter_add rows", 1e-6, q3_case_rows(k));
     RUN("from_f32+to_f32", "convert fp32 <-> bf16", 0.0, q3_case_convert(k));
+    RUN("take_rows+add_rows", "take + add rows, bf16 rows, fp32 parts, n=5", 0.0,
+        q3_case_take_add_rows(k, Q3_BF16, Q3_F32, 5));
+    RUN("take_rows+add_rows", "take + add rows, fp32 rows, bf16 parts, n=5", 0.0,
+        q3_case_take_add_rows(k, Q3_F32, Q3_BF16, 5));
+    RUN("take_rows+add_rows", "take + add rows, fp32 rows, fp32 parts, n=1", 0.0,
+        q3_case_take_add_rows(k, Q3_F32, Q3_F32, 1));
 #undef NAME
 #undef RUN
     return Q3_OK;

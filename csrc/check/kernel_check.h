@@ -102,6 +102,7 @@ double q3_case_router_tied(check *k, int64_t T, int E, int top, int normalize);
 double q3_case_swiglu(check *k);
 double q3_case_rows(check *k);
 double q3_case_convert(check *k);
+double q3_case_take_add_rows(check *k, q3_dtype dt, q3_dtype pdt, int64_t n);
 
 /* the attention kernels' cases (kernel_check_attention.c) */
 double q3_case_qk_rope_kv(check *k, int D);

@@ -209,3 +209,28 @@ double q3_case_convert(check *k) {
     const double r = max_err(back, x, Q3_F32, n);
     return e > r ? e : r;
 }
+
+/* a split layer's rows (qwen3layer/hybrid.py): take_rows in dtype dt (a move: exact), then
+ * add_rows of parts in pdt into an fp32 residual (one add an element: exact); H odd, a row
+ * named past the last one taken, n = 1 */
+double q3_case_take_add_rows(check *k, q3_dtype dt, q3_dtype pdt, int64_t n) {
+    const int64_t R = 9, H = 77;
+    const int32_t rows[5] = {8, 0, 3, 7, 2};
+    const size_t es = q3_dtype_size(dt), ps = q3_dtype_size(pdt);
+    void *src = host_random(k, R * H, dt, 19), *parts = host_random(k, n * H, pdt, 20);
+    float *resid = host_random(k, R * H, Q3_F32, 21), *got_resid = host(k, (size_t)(R * H) * 4);
+    void *taken = host(k, (size_t)(n * H) * es), *got_taken = host(k, (size_t)(n * H) * es);
+    if (k->failed) return INFINITY;
+    void *dsrc = device(k, src, (size_t)(R * H) * es), *dtaken = device(k, NULL, (size_t)(n * H) * es);
+    void *dparts = device(k, parts, (size_t)(n * H) * ps);
+    float *dresid = device(k, resid, (size_t)(R * H) * 4);
+    int32_t *drows = device(k, rows, sizeof rows);
+    k->c->take_rows(taken, src, dt, rows, n, H);
+    k->c->add_rows(resid, parts, pdt, rows, n, H);
+    if (!k->failed) cuda_ok(k, k->g->take_rows(dtaken, dsrc, dt, drows, n, H, NULL), "take_rows launch");
+    if (!k->failed) cuda_ok(k, k->g->add_rows(dresid, dparts, pdt, drows, n, H, NULL), "add_rows launch");
+    fetch(k, got_taken, dtaken, (size_t)(n * H) * es);
+    fetch(k, got_resid, dresid, (size_t)(R * H) * 4);
+    if (k->failed || memcmp(got_taken, taken, (size_t)(n * H) * es)) return INFINITY;
+    return max_err(got_resid, resid, Q3_F32, R * H);
+}

@@ -10,6 +10,7 @@
 #include "../engine/device_backend.h"
 #include "backend.h"
 #include "layer.h"
+#include "split_rows.h"
 
 static q3_cuda_ops table;
 static int opened;
@@ -54,6 +55,8 @@ static const q3_device_backend cuda_device = {
     .layer_forward = q3_layer_forward_cuda,
     .layer_attention_half = q3_layer_attention_half_cuda,
     .layer_expert_half = q3_layer_expert_half_cuda,
+    .take_rows = q3_take_rows_cuda,
+    .combine_rows = q3_combine_rows_cuda,
     .layer_release = q3_layer_cuda_release,
     .layer_workspace_bytes = q3_layer_cuda_workspace_bytes,
     .layer_config_check = q3_layer_cuda_config_check,

@@ -33,6 +33,13 @@ typedef struct {
     q3_status (*layer_attention_half)(q3_layer *layer, q3_cache *cache, const q3_forward_args *a,
                                       const q3_attention_half_out *out, q3_error *err);
     q3_status (*layer_expert_half)(q3_layer *layer, const q3_expert_half_args *a, q3_error *err);
+    /* q3_take_rows and q3_combine_rows (q3.h) on the device's memory, after the engine checked
+     * the sizes and dtypes; same contracts (the rows read back and checked before any work) */
+    q3_status (*take_rows)(void *dst, const void *src, q3_dtype dt, int64_t R, int64_t H, const int32_t *rows,
+                           int64_t n, int device, void *stream, q3_error *err);
+    q3_status (*combine_rows)(float *resid, int64_t R, int64_t H, const void *parts, q3_dtype parts_dtype,
+                              const int32_t *rows, int64_t n, void *out, q3_dtype out_dtype, int device, void *stream,
+                              q3_error *err);
     /* releases what the backend holds for the layer (nothing if it holds nothing) */
     void (*layer_release)(q3_layer *layer);
     /* the workspace the backend holds for the layer now, in bytes */

@@ -17,7 +17,7 @@ static q3_status check_format(const q3_weights *w, q3_error *err) {
     if (w->scale_dtype != Q3_F32 && w->scale_dtype != Q3_BF16)
         return q3_fail(err, Q3_ERR_TYPE, "weight_scale_inv: expected float32 or bfloat16 scales, got dtype %d",
                        (int)w->scale_dtype);
-    for (int i = 0; i < Q3_W_DENSE_COUNT; i++)
+    for (int i = 0; i < Q3_W_DENSE_COUNT && !w->experts_only; i++)
         if (q3_dense_weight_is_matrix(i) && !w->dense_scale[i])
             return q3_fail(err, Q3_ERR_VALUE, "weights: missing the scale_inv of %s", q3_dense_weight_name(i));
     return Q3_OK;
@@ -78,7 +78,10 @@ q3_status q3_layer_create(q3_layer **out, const q3_config *cfg, const q3_weights
     if (s == Q3_OK) s = check_format(w, err);
     if (s == Q3_OK && w->device >= 0 && q3_device()) s = q3_device()->layer_config_check(cfg, err);
     if (s != Q3_OK) return s;
-    for (int i = 0; i < Q3_W_DENSE_COUNT; i++)
+    if (w->experts_only && w->device >= 0)
+        return q3_fail(err, Q3_ERR_VALUE, "experts_only: an expert-only layer is a host layer, got device %d",
+                       w->device);
+    for (int i = 0; i < Q3_W_DENSE_COUNT && !w->experts_only; i++)
         if (!w->dense[i])
             return q3_fail(err, Q3_ERR_VALUE, "weights: missing %s", q3_dense_weight_name(i));
     const int fp8 = w->format == Q3_WF_FP8_BLOCK128;
@@ -100,6 +103,8 @@ q3_status q3_layer_create(q3_layer **out, const q3_config *cfg, const q3_weights
     l->rope_inv_freq = rope;
     q3_rope_table(cfg, rope, &l->rope_scale); /* once: every pass rotates by this table */
     l->w = *w;
+    if (w->experts_only) /* nothing of the attention is read: no pointer of the caller's kept */
+        for (int i = 0; i < Q3_W_DENSE_COUNT; i++) l->w.dense[i] = l->w.dense_scale[i] = NULL;
     l->expert_ptrs = ptrs;
     for (size_t a = 0; a < arrays; a++) {
         if (a < Q3_X_COUNT) l->w.experts[a] = ptrs + a * E;
@@ -138,7 +143,7 @@ static int64_t matrix_bytes(const q3_layer *l, const int64_t dims[2]) {
 
 int64_t q3_layer_weight_bytes(const q3_layer *l) {
     int64_t total = 0, dims[2];
-    for (int i = 0; i < Q3_W_DENSE_COUNT; i++) {
+    for (int i = 0; i < Q3_W_DENSE_COUNT && !l->w.experts_only; i++) {
         const int rank = q3_dense_weight_shape(&l->cfg, i, dims);
         total += q3_dense_weight_is_matrix(i) ? matrix_bytes(l, dims)
                                               : dims[0] * (rank == 2 ? dims[1] : 1) * (int64_t)q3_dtype_size(l->w.dtype);
@@ -176,7 +181,7 @@ static q3_status check_attention_output(const q3_layer *l, const q3_forward_args
 }
 
 q3_status q3_layer_check_call(const q3_layer *l, const q3_cache *c, const q3_forward_args *a, q3_error *err) {
-    if (l->n_held < l->cfg.experts)
+    if (l->n_held < l->cfg.experts && !l->w.experts_only)
         return q3_fail(err, Q3_ERR_VALUE, "layer: holds %d of the %d experts, and the whole layer needs every one "
                        "(run its halves: attention_half, then expert_half where the experts are)", l->n_held,
                        l->cfg.experts);
@@ -185,6 +190,9 @@ q3_status q3_layer_check_call(const q3_layer *l, const q3_cache *c, const q3_for
 
 q3_status q3_layer_check_pass(const q3_layer *l, const q3_cache *c, const q3_forward_args *a, q3_error *err) {
     char want[16], got[16];
+    if (l->w.experts_only)
+        return q3_fail(err, Q3_ERR_VALUE, "layer: holds the experts alone (experts_only: no attention weights); it "
+                       "runs expert_half, and the attention on the layer that holds them");
     if (c->device != l->w.device)
         return q3_fail(err, Q3_ERR_VALUE, "cache: expected a cache on %s (this layer's device), got one on %s",
                        device_name(l->w.device, want, sizeof want), device_name(c->device, got, sizeof got));

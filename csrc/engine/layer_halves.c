@@ -106,29 +106,3 @@ q3_status q3_layer_expert_half(q3_layer *l, const q3_expert_half_args *a, q3_err
     q3_profile_mark(&l->prof, Q3_STAGE_IO);
     return Q3_OK;
 }
-
-q3_status q3_combine_rows(float *resid, int64_t R, int64_t H, const void *parts, q3_dtype parts_dtype,
-                          const int32_t *rows, int64_t n, void *out, q3_dtype out_dtype, q3_error *err) {
-    if (R < 0 || H < 1 || n < 0)
-        return q3_fail(err, Q3_ERR_VALUE, "combine: expected R >= 0 rows of H >= 1 and n >= 0 parts, got %lld, %lld, "
-                       "%lld", (long long)R, (long long)H, (long long)n);
-    if (!io_dtype_ok(parts_dtype) || (out && !io_dtype_ok(out_dtype)))
-        return q3_fail(err, Q3_ERR_TYPE, "combine: expected float32 or bfloat16 parts and out");
-    for (int64_t i = 0; i < n; i++)
-        if (rows[i] < 0 || rows[i] >= R)
-            return q3_fail(err, Q3_ERR_INDEX, "rows[%lld]: expected a row in [0, %lld), got %d", (long long)i,
-                           (long long)R, (int)rows[i]);
-    const q3_cpu_ops *k = q3_cpu_ops_active();
-    for (int64_t i = 0; i < n; i++) {
-        float *dst = resid + rows[i] * H;
-        if (parts_dtype == Q3_F32) {
-            const float *src = (const float *)parts + i * H;
-            for (int64_t j = 0; j < H; j++) dst[j] += src[j];
-        } else {
-            const uint16_t *src = (const uint16_t *)parts + i * H;
-            for (int64_t j = 0; j < H; j++) dst[j] += q3_bf16_to_f32(src[j]);
-        }
-    }
-    if (out) k->from_f32(out, out_dtype, resid, R * H);
-    return Q3_OK;
-}

@@ -190,6 +190,10 @@ typedef struct {
     /* [E]: nonzero for each expert the layer holds, the others' pointers not read (may be
      * NULL); NULL: every expert. A layer holding a subset runs only its halves (below) */
     const uint8_t *held;
+    /* nonzero: the experts alone (a host layer): dense and dense_scale are not read (may be
+     * NULL), and the layer runs only its expert half (the host side of a layer split over a
+     * device and the host: qwen3layer/hybrid.py) */
+    int experts_only;
 } q3_weights;
 
 /* scale_inv's shape for an FP8 matrix of shape dims [N, K] */
@@ -298,12 +302,24 @@ typedef struct {
     void *stream; /* CUDA layers: the cudaStream_t the work is queued on (NULL: default) */
 } q3_expert_half_args;
 q3_status q3_layer_expert_half(q3_layer *layer, const q3_expert_half_args *a, q3_error *err);
-/* The combine of rows whose experts ran elsewhere: resid [R, H] fp32 += parts[i] at row
- * rows[i] for i < n in turn (parts [n, H] of parts_dtype, fp32 or bf16; a row may be named
- * by several parts: they add in order), then out [R, H] of out_dtype (NULL: none) <- resid.
- * Fails for a row outside [0, R) naming it, before any write. Host memory. */
+/* Rows of a layer whose experts are split between places (qwen3layer/hybrid.py: a device and
+ * the host; qwen3layer/parallel.py: processes), in the memory of `device` (-1: the host; else
+ * a CUDA device, through the installed backend, queued on its `stream`):
+ * q3_take_rows: dst [n, H] <- src [R, H] row rows[i] for i < n, both of dtype dt (fp32 or
+ * bf16), moved as they are;
+ * q3_combine_rows: resid [R, H] fp32 += parts[i] at row rows[i] for i < n in turn (parts
+ * [n, H] of parts_dtype, fp32 or bf16), then out [R, H] of out_dtype (NULL: none) <- resid.
+ * rows [n] int32 in the same memory; each is checked in [0, R) before any write (Q3_ERR_INDEX
+ * naming the first outside; a device's rows read back on the stream first). On the host a
+ * row may be named by several parts (they add in order); on a device a row named twice is
+ * refused (Q3_ERR_VALUE: its kernel adds the parts in parallel). */
+q3_status q3_take_rows(void *dst, const void *src, q3_dtype dt, int64_t R, int64_t H, const int32_t *rows, int64_t n,
+                       int device, void *stream, q3_error *err);
 q3_status q3_combine_rows(float *resid, int64_t R, int64_t H, const void *parts, q3_dtype parts_dtype,
-                          const int32_t *rows, int64_t n, void *out, q3_dtype out_dtype, q3_error *err);
+                          const int32_t *rows, int64_t n, void *out, q3_dtype out_dtype, int device, void *stream,
+                          q3_error *err);
+/* the check of those rows alone (host memory), distinct or not */
+q3_status q3_check_split_rows(const int32_t *rows, int64_t n, int64_t R, int distinct, q3_error *err);
 /* how many experts the layer holds, and whether it holds expert e */
 int q3_layer_held_experts(const q3_layer *layer);
 int q3_layer_holds_expert(const q3_layer *layer, int e);

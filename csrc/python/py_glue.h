@@ -105,8 +105,15 @@ q3py_tensor_object *q3py_tensor_view(q3_module_state *st, PyObject *base, void *
                                  int ndim, const int64_t *shape, const int64_t *strides);
 /* view [shape] of dtype at byte `offset` of any buffer-protocol object (kept alive) */
 PyObject *q3_buffer_view(PyObject *module, PyObject *args);
-/* _C.combine_rows (py_layer_halves.c) */
+/* _C.take_rows and _C.combine_rows (py_split_rows.c) */
+PyObject *q3py_take_rows(PyObject *module, PyObject *args, PyObject *kw);
 PyObject *q3py_combine_rows(PyObject *module, PyObject *args, PyObject *kw);
+/* v is a contiguous tensor [..., cols] of `rows` rows (the product of its leading dims; rows
+ * < 0: any): 0, else -1 with a ValueError naming arg (cols_name: what cols is) */
+int q3py_check_rows(const q3_view *v, const char *arg, int64_t rows, int64_t cols, const char *cols_name);
+/* the rows of such a view, and whether two views' bytes overlap */
+int64_t q3py_rows_of(const q3_view *v);
+int q3py_views_overlap(const q3_view *a, const q3_view *b);
 
 /* ---- KVCache (py_cache.c) --------------------------------------------------------- */
 

@@ -206,7 +206,7 @@ static int weight_dtype(PyObject *weights, const char *name, int device, int all
         return -1;
     }
     q3_view v;
-    char arg[96];
+    char arg[128];
     snprintf(arg, sizeof arg, "weights['%s']", name);
     if (q3_view_acquire_on(obj, arg, &v, device, allow, NULL) < 0) return -1;
     *dt = v.dtype;
@@ -242,13 +242,32 @@ static int layer_dtype(PyObject *weights, PyObject *dtype_obj, PyObject *format_
                         Q3_VIEW_HOST, dt);
 }
 
+/* an expert-only FP8 layer's scale dtype: its first held expert's gate_proj scale's (or the
+ * fused gate_up_proj's) */
+static int experts_scale_dtype(PyObject *weights, int E, const uint8_t *held, q3_dtype *sdt) {
+    char name[96];
+    int e = 0;
+    while (held && e < E - 1 && !held[e]) e++;
+    if (PyDict_GetItemString(weights, q3_fused_expert_name(Q3_FUSED_GATE_UP)))
+        snprintf(name, sizeof name, "%s_scale_inv", q3_fused_expert_name(Q3_FUSED_GATE_UP));
+    else
+        snprintf(name, sizeof name, "mlp.experts.%d.gate_proj.weight_scale_inv", e);
+    return weight_dtype(weights, name, -1, Q3_VIEW_HOST, sdt);
+}
+
 static PyObject *layer_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
-    static char *names[] = {"config", "weights", "dtype", "device", "weight_format", "experts", NULL};
+    static char *names[] = {"config", "weights", "dtype", "device", "weight_format", "experts", "experts_only", NULL};
     PyObject *cfg_obj, *weights, *dtype_obj = Py_None, *format_obj = Py_None, *experts_obj = Py_None;
-    int device = -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO!|OiOO:Layer", names, &cfg_obj, &PyDict_Type, &weights,
-                                     &dtype_obj, &device, &format_obj, &experts_obj))
+    int device = -1, experts_only = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO!|OiOO$p:Layer", names, &cfg_obj, &PyDict_Type, &weights,
+                                     &dtype_obj, &device, &format_obj, &experts_obj, &experts_only))
         return NULL;
+    if (experts_only && (device >= 0 || dtype_obj == Py_None || format_obj == Py_None)) {
+        PyErr_Format(PyExc_ValueError, "experts_only: an expert-only layer is a host layer (device=-1) given its dtype "
+                     "and weight_format (it has no q_proj to read them from), got device=%d, dtype=%R, "
+                     "weight_format=%R", device, dtype_obj, format_obj);
+        return NULL;
+    }
     if (device >= 0 && !q3_cuda_loaded()) {
         PyErr_SetString(PyExc_RuntimeError, "device: the CUDA backend is not loaded (qwen3layer.cuda.load())");
         return NULL;
@@ -256,12 +275,16 @@ static PyObject *layer_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     q3_config cfg;
     q3_dtype dt, sdt = Q3_F32;
     q3_weight_format wf;
-    if (q3_parse_config(cfg_obj, &cfg) < 0 || layer_dtype(weights, dtype_obj, format_obj, device, &dt, &wf) < 0 ||
-        (wf == Q3_WF_FP8_BLOCK128 && q3py_layer_scale_dtype(weights, device, &sdt) < 0))
-        return NULL;
-    const int fp8 = wf == Q3_WF_FP8_BLOCK128;
     uint8_t *held = NULL; /* experts=None: every expert */
-    if (experts_obj != Py_None && q3py_held_experts(experts_obj, cfg.experts, &held) < 0) return NULL;
+    if (q3_parse_config(cfg_obj, &cfg) < 0 || layer_dtype(weights, dtype_obj, format_obj, device, &dt, &wf) < 0 ||
+        (experts_obj != Py_None && q3py_held_experts(experts_obj, cfg.experts, &held) < 0))
+        return NULL;
+    if (wf == Q3_WF_FP8_BLOCK128 && (experts_only ? experts_scale_dtype(weights, cfg.experts, held, &sdt)
+                                                  : q3py_layer_scale_dtype(weights, device, &sdt)) < 0) {
+        PyMem_Free(held);
+        return NULL;
+    }
+    const int fp8 = wf == Q3_WF_FP8_BLOCK128;
 
     q3py_layer_object *self = (q3py_layer_object *)type->tp_alloc(type, 0);
     if (!self) {
@@ -283,8 +306,9 @@ static PyObject *layer_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
         Py_DECREF(self);
         return PyErr_NoMemory();
     }
-    q3_weights w = {.dtype = dt, .device = self->device, .format = wf, .scale_dtype = sdt, .held = held};
-    for (int i = 0; i < Q3_W_DENSE_COUNT; i++) {
+    q3_weights w = {.dtype = dt, .device = self->device, .format = wf, .scale_dtype = sdt, .held = held,
+                    .experts_only = experts_only};
+    for (int i = 0; i < Q3_W_DENSE_COUNT && !experts_only; i++) {
         int64_t dims[2], sdims[2];
         const int rank = q3_dense_weight_shape(&cfg, i, dims);
         const char *name = q3_dense_weight_name(i);

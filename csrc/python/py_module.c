@@ -142,9 +142,14 @@ static PyMethodDef module_methods[] = {
     {"rope_table", q3py_rope_table, METH_O,
      "rope_table(config)\n--\n\n(inv_freq, scale): the RoPE table a layer of this config rotates by, fp32 values."},
     {"combine_rows", (PyCFunction)(void (*)(void))q3py_combine_rows, METH_VARARGS | METH_KEYWORDS,
-     "combine_rows(resid, parts, rows, out=None)\n--\n\nresid [R, hidden] fp32 += parts[i] [n, hidden] (fp32 or "
-     "bf16) at row rows[i] (int32 [n]) in turn, then out [R, hidden] (fp32 or bf16) <- resid: the combine of rows "
-     "whose experts ran in other processes."},
+     "combine_rows(resid, parts, rows, out=None, *, device=-1, stream=None)\n--\n\nresid [R, hidden] fp32 += "
+     "parts[i] [n, hidden] (fp32 or bf16) at row rows[i] (int32 [n]) in turn, then out [R, hidden] (fp32 or bf16) "
+     "<- resid: the combine of rows whose experts ran elsewhere. device=d: every tensor on CUDA device d, queued on "
+     "stream (a row named twice is refused there)."},
+    {"take_rows", (PyCFunction)(void (*)(void))q3py_take_rows, METH_VARARGS | METH_KEYWORDS,
+     "take_rows(src, rows, out=None, *, device=-1, stream=None)\n--\n\nout [n, hidden] <- src [R, hidden] row "
+     "rows[i] (int32 [n]), of src's dtype (fp32 or bf16): the rows whose experts run elsewhere. device=d: every "
+     "tensor on CUDA device d, queued on stream. Returns out (a new Tensor when None)."},
     {"buffer_view", q3_buffer_view, METH_VARARGS,
      "buffer_view(obj, offset, shape, dtype)\n--\n\nA Tensor over bytes of a buffer-protocol object (kept alive)."},
     {NULL},

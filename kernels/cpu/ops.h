@@ -31,6 +31,8 @@ typedef struct {
     q3_moe_group_fn *moe_group;
     q3_gather_rows_fn *gather_rows;
     q3_scatter_add_rows_fn *scatter_add_rows;
+    q3_take_rows_fn *take_rows;
+    q3_add_rows_fn *add_rows;
     q3_swiglu_fn *swiglu;
     q3_to_f32_fn *to_f32;
     q3_from_f32_fn *from_f32;
@@ -52,6 +54,8 @@ typedef struct {
     q3_moe_group_fn q3_moe_group_cpu_##isa;                                          \
     q3_gather_rows_fn q3_gather_rows_cpu_##isa;                                      \
     q3_scatter_add_rows_fn q3_scatter_add_rows_cpu_##isa;                            \
+    q3_take_rows_fn q3_take_rows_cpu_##isa;                                          \
+    q3_add_rows_fn q3_add_rows_cpu_##isa;                                            \
     q3_swiglu_fn q3_swiglu_cpu_##isa;                                                \
     q3_to_f32_fn q3_to_f32_cpu_##isa;                                                \
     q3_from_f32_fn q3_from_f32_cpu_##isa;                                            \

@@ -18,3 +18,24 @@ void Q3_CPU_FN(q3_scatter_add_rows)(float *dst, const float *src, const int32_t 
         for (int64_t j = 0; j < H; j++) d[j] += a * s[j];
     }
 }
+
+void Q3_CPU_FN(q3_take_rows)(void *dst, const void *src, q3_dtype dt, const int32_t *rows, int64_t n, int64_t H) {
+    const size_t row = (size_t)H * q3_dtype_size(dt);
+#pragma omp parallel for schedule(static) if (n * H > (1 << 16))
+    for (int64_t i = 0; i < n; i++) memcpy((char *)dst + (size_t)i * row, (const char *)src + (size_t)rows[i] * row, row);
+}
+
+/* in turn, not in parallel: a row named twice adds its parts in order */
+void Q3_CPU_FN(q3_add_rows)(float *dst, const void *src, q3_dtype src_dt, const int32_t *rows, int64_t n, int64_t H) {
+    for (int64_t i = 0; i < n; i++) {
+        float *d = dst + (int64_t)rows[i] * H;
+        if (src_dt == Q3_F32) {
+            const float *s = (const float *)src + i * H;
+#pragma omp simd
+            for (int64_t j = 0; j < H; j++) d[j] += s[j];
+        } else {
+            const uint16_t *s = (const uint16_t *)src + i * H;
+            for (int64_t j = 0; j < H; j++) d[j] += q3_bf16_to_f32(s[j]);
+        }
+    }
+}

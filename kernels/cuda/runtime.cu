@@ -41,6 +41,8 @@ int q3_moe_down_fp8_cuda(float *, const float *, const int64_t *, const int32_t 
 int q3_swiglu_cuda(float *, const float *, const float *, int64_t, void *);
 int q3_gather_rows_cuda(float *, const float *, const int32_t *, int64_t, int64_t, void *);
 int q3_scatter_add_rows_cuda(float *, const float *, const int32_t *, const float *, int64_t, int64_t, void *);
+int q3_take_rows_cuda(void *, const void *, q3_dtype, const int32_t *, int64_t, int64_t, void *);
+int q3_add_rows_cuda(float *, const void *, q3_dtype, const int32_t *, int64_t, int64_t, void *);
 int q3_to_f32_cuda(float *, const void *, q3_dtype, int64_t, void *);
 int q3_from_f32_cuda(void *, q3_dtype, const float *, int64_t, void *);
 int q3_blas_open(const char *);
@@ -266,6 +268,8 @@ extern "C" int q3_cuda_ops_get(q3_cuda_ops *ops) {
     ops->swiglu = q3_swiglu_cuda;
     ops->gather_rows = q3_gather_rows_cuda;
     ops->scatter_add_rows = q3_scatter_add_rows_cuda;
+    ops->take_rows = q3_take_rows_cuda;
+    ops->add_rows = q3_add_rows_cuda;
     ops->to_f32 = q3_to_f32_cuda;
     ops->from_f32 = q3_from_f32_cuda;
     return 0;

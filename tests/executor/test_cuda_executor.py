@@ -652,8 +652,8 @@ def kernel_check():
 # the kernel launchers of kernels/cuda/ops_cuda.h: each is exercised by some case
 LAUNCHERS = {"rmsnorm", "add_rmsnorm", "matmul", "gate_up", "matmul_tc", "matmul_wmma", "qk_rope_kv", "attention",
              "attention_probs", "router_topk", "decode_prepare", "moe_route", "moe_gate_up", "moe_down", "moe_combine", "moe_gate_up_tc",
-             "moe_down_tc", "moe_combine_csr", "swiglu", "gather_rows", "scatter_add_rows", "to_f32", "from_f32",
-             "matmul_fp8", "fp8_dequant", "moe_gate_up_fp8", "moe_down_fp8"}
+             "moe_down_tc", "moe_combine_csr", "swiglu", "gather_rows", "scatter_add_rows", "take_rows", "add_rows",
+             "to_f32", "from_f32", "matmul_fp8", "fp8_dequant", "moe_gate_up_fp8", "moe_down_fp8"}
 
 
 def test_every_kernel_matches_its_twin_on_the_executor_under_every_schedule(kernel_check):
@@ -664,7 +664,7 @@ def test_every_kernel_matches_its_twin_on_the_executor_under_every_schedule(kern
     head dims 64 and 128, top-k 1 to 8, left padding); each names its launcher(s), and every
     launcher has a case."""
     cases, _ = kernel_check
-    assert len(cases) == 420  # with the cuBLAS stand-in open; 418 without cuBLAS
+    assert len(cases) == 423  # with the cuBLAS stand-in open; 421 without cuBLAS
     assert len({case[0] for case in cases}) == len(cases)
     for name, err, tol, schedules, agree, kernel in cases:
         assert err <= tol and schedules == 3 and agree, (name, kernel, err, tol, schedules, agree)

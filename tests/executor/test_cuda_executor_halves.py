@@ -322,3 +322,55 @@ def test_the_halves_on_the_executor_refuse_what_they_cannot_run():
     # the fused experts already on the device are borrowed whole (nothing allocated)
     dev = {k: _C.copy_tensor(v, 0) for k, v in fused.items()}
     assert _C.Layer(CFG, dev, None, 0, None, [1, 5]).held_experts == (1, 5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_take_and_combine_rows_on_the_device_give_the_hosts_bits(dtype):
+    """_C.take_rows and _C.combine_rows with device=0 (a split layer's rows: qwen3layer/hybrid.py)
+    against the host's: the rows taken as they are, the parts added in fp32, the out rounded
+    alike; a [2, 3, hidden] source taken as its 6 rows"""
+    tdt = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(31)
+    src, rows = torch.randn(2, 3, H, generator=g).to(tdt), torch.tensor([5, 0, 3], dtype=torch.int32)
+    want = torch.from_dlpack(_C.take_rows(src, rows))
+    assert torch.equal(want, src.reshape(6, H)[rows.long()])
+    got = _C.take_rows(to_device(src, dtype), to_device(rows, "int32"), device=0)
+    assert torch.equal(on_host(got, [3, H], dtype), want)
+    resid, parts = torch.randn(6, H, generator=g), torch.randn(3, H, generator=g).to(tdt)
+    r_host, y_host = resid.clone(), torch.empty(6, H, dtype=tdt)
+    _C.combine_rows(r_host, parts, rows, y_host)
+    r_dev, y_dev = to_device(resid, "float32"), to_device(torch.zeros(6, H, dtype=tdt), dtype)
+    _C.combine_rows(r_dev, to_device(parts, dtype), to_device(rows, "int32"), out=y_dev, device=0)
+    assert torch.equal(on_host(r_dev, [6, H], "float32"), r_host)
+    assert torch.equal(on_host(y_dev, [6, H], dtype), y_host)
+
+
+def test_take_and_combine_rows_refuse_before_any_write():
+    """a row outside the source, a row named twice on the device (its kernel adds parts in
+    parallel), tensors on another device than device=, a stream for host tensors, an out of
+    another dtype than the source's: each named, nothing written"""
+    resid = torch.randn(4, H)
+    r_dev, parts = to_device(resid, "float32"), to_device(torch.ones(2, H), "float32")
+    src = to_device(torch.ones(4, H), "float32")
+    dev_rows = lambda r: to_device(torch.tensor(r, dtype=torch.int32), "int32")  # noqa: E731
+    found = errors_of([
+        lambda: _C.combine_rows(r_dev, parts, dev_rows([1, 4]), device=0),
+        lambda: _C.combine_rows(r_dev, parts, dev_rows([2, 2]), device=0),
+        lambda: _C.take_rows(src, dev_rows([0, -1]), device=0),
+        lambda: _C.take_rows(torch.ones(4, H), dev_rows([0]), device=0),
+        lambda: _C.take_rows(torch.ones(4, H), torch.tensor([0], dtype=torch.int32), stream=0),
+        lambda: _C.take_rows(torch.ones(4, H), torch.tensor([0], dtype=torch.int32),
+                             out=torch.empty(1, H, dtype=torch.bfloat16)),
+        lambda: _C.take_rows(torch.ones(4, H), torch.tensor([0], dtype=torch.int32), device=True),
+    ])
+    assert found == [
+        "IndexError: rows[1]: expected a row in [0, 4), got 4",
+        "ValueError: rows[1]: row 2 is named twice; on a device each part adds to a row of its own (combine twice, "
+        "or on the host)",
+        "IndexError: rows[1]: expected a row in [0, 4), got -1",
+        "ValueError: src: expected a tensor on device cuda:0, got cpu",
+        "ValueError: stream: expected None for host tensors (device=-1)",
+        "TypeError: out: expected dtype float32 (src's: rows are moved, not converted), got bfloat16",
+        "TypeError: device: expected an int (-1: the host, else a CUDA device), got bool",
+    ], found
+    assert torch.equal(on_host(r_dev, [4, H], "float32"), resid)

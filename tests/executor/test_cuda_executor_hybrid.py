@@ -14,6 +14,7 @@ import torch
 import qwen3layer as q3
 from executor_arrays import host, rel
 from qwen3layer import _C
+from qwen3layer.costs_hybrid import link_bytes
 
 pytestmark = pytest.mark.executor_subprocess
 TIMEOUT = 600
@@ -65,6 +66,8 @@ def test_split_layer_equals_the_cpu_layer(dtype, which):
     gpu = SETS[which]
     split = q3.DecoderLayer.random(CFG, 3, dtype, device="cuda", expert_device="cpu", gpu_experts=gpu)
     assert split.gpu_experts == tuple(gpu) and split.expert_device == "cpu"
+    # the host side holds its experts alone: no attention, norms or router in host memory
+    assert split._hybrid.host.weight_bytes == (E - len(gpu)) * 3 * H * 48 * (4 if dtype == "float32" else 2)
     cpu = q3.DecoderLayer.random(CFG, 3, dtype)
     counting = _Counting(split._hybrid.host)
     split._hybrid.host = counting
@@ -87,6 +90,13 @@ def test_split_layer_equals_the_cpu_layer(dtype, which):
     assert st["device_choices"] == int(on_gpu.sum()) and st["host_choices"] == int((~on_gpu).sum())
     assert st["device_rows"] == int(on_gpu.any(1).sum()) and st["host_rows"] == int((~on_gpu).any(1).sum())
     assert counting.rows == st["host_rows"]  # the host's rows went through the CPU layer's experts
+    # only the rows with a host expert crossed: the bytes, call by call, as the cost model counts them
+    down = up = 0
+    for t in traces:
+        side = torch.isin(torch.from_dlpack(t.experts).reshape(-1, K), torch.tensor(gpu, dtype=torch.int32))
+        d, u = link_bytes(CFG, side.shape[0], int((~side).any(1).sum()), bool(side.any()), dtype)
+        down, up = down + d, up + u
+    assert (st["link_down_bytes"], st["link_up_bytes"]) == (down, up)
     if which == "mixed":
         assert st["device_rows"] > 0 and st["host_rows"] > 0
     # the same bits again: every sum in a fixed order
@@ -214,3 +224,27 @@ def test_fused_host_experts_are_sliced_for_the_gpu_side(fmt):
     y = split.prefill(_on(split, x), split.new_cache(8))
     assert rel(host(y), cpu.prefill(x, cpu.new_cache(8)).double().numpy()) <= 1e-5
     assert split.hybrid_stats["device_choices"] > 0
+
+
+def test_from_hf_split_equals_the_cpu_layer_of_the_same_transformers_layer():
+    """DecoderLayer.from_hf(hf_layer, device="cuda", expert_device="cpu", gpu_experts=...) of a
+    transformers layer in host memory (what patch_model(expert_device=) builds on a GPU, whose
+    drop-in test is tests/gpu/test_cuda.py: a CPU build of torch holds no device tensor): the
+    attention and the GPU's experts copied to the device once, with the warning; the host's
+    experts borrowed from the layer's own tensors (nothing converted); equal to the CPU layer
+    from_hf of the same layer over a prefill and a decode step (fp32 1e-5)"""
+    from hf_reference import tiny_model
+
+    hf_layer = tiny_model(0).model.layers[1]
+    with pytest.warns(UserWarning, match="copied .* weight"):
+        split = q3.DecoderLayer.from_hf(hf_layer, device="cuda", expert_device="cpu", gpu_experts=[2, 5])
+    assert split._hybrid.host.converted == () and split.gpu_experts == (2, 5)
+    cpu = q3.DecoderLayer.from_hf(hf_layer)
+    g = torch.Generator().manual_seed(8)
+    xs = [torch.randn(2, 5, H, generator=g), torch.randn(2, H, generator=g)]
+    caches = [layer.new_cache(8, batch=2) for layer in (split, cpu)]
+    got = [host(split.prefill(_on(split, xs[0]), caches[0])), host(split.decode(_on(split, xs[1]), caches[0]))]
+    want = [cpu.prefill(xs[0], caches[1]).double().numpy(), cpu.decode(xs[1], caches[1]).double().numpy()]
+    assert all(rel(a, b) <= 1e-5 for a, b in zip(got, want))
+    st = split.hybrid_stats
+    assert st["device_choices"] > 0 and st["host_choices"] > 0

@@ -172,6 +172,17 @@ def test_an_attention_map_from_the_wrong_kv_head_fails_against_the_cpu_kernel():
     assert all(c["agree"] for c in r["cases"])
 
 
+def test_rows_taken_by_half_fail_against_the_twin():
+    """take_rows moving H 16-bit units a row instead of H x element size / 2 (a split layer's
+    rows, qwen3layer/hybrid.py): the cases of fp32 rows are off the twin (half of each row not
+    moved); the bf16 rows' case, where both sizes agree, stays right"""
+    r = run(13)
+    mine, others = cases_of(r, "take + add rows")
+    fp32 = [c for c in mine if "fp32 rows" in c["case"]]
+    assert len(fp32) == 2 and not any(c["ok"] for c in fp32), mine
+    assert all(c["ok"] for c in mine if "bf16 rows" in c["case"]) and all(c["ok"] for c in others)
+
+
 def test_a_defect_that_shows_in_another_kernels_cases_is_flagged():
     """simt_check.py --mutants fails a defect whose full check fails a case of a kernel it is
     not planted in (elsewhere): read on a made-up run, cases of the mutant's own launchers

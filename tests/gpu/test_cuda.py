@@ -77,7 +77,7 @@ def test_the_stage_profile_times_the_stages_on_the_gpu():
                                         "benchmarks/gpu_check.sh where one is lent)")
 def test_every_cuda_kernel_matches_its_cpu_twin():
     results = q3.cuda.check_kernels(0)
-    assert len(results) >= 418  # 420 where cuBLAS is found (test_cuda_executor.py: the same cases)
+    assert len(results) >= 421  # 423 where cuBLAS is found (test_cuda_executor.py: the same cases)
     assert len({r["case"] for r in results}) == len(results) and all(r["kernel"] for r in results)
     bad = [r for r in results if not r["ok"]]
     assert not bad, bad
@@ -383,6 +383,34 @@ def test_drop_in_generation_on_the_gpu_is_identical():
     layer = model.model.layers[0]
     assert layer.core.device == "cuda:0" and layer.core.converted == ()
     assert torch.equal(greedy(model, ids, 16), ref)
+
+
+@needs_gpu
+@pytest.mark.parametrize("gpu_experts", [[], [1, 4], {0: [2], 1: [0, 5, 7]}])
+def test_drop_in_split_over_the_gpu_and_the_host_generates_transformers_tokens(gpu_experts):
+    """patch_model(expert_device="cpu", gpu_experts=...) on a model whose attention, norms and
+    routers are on the GPU and whose experts are in host memory (as a device_map places them):
+    greedy generation gives the tokens of the model wholly on the GPU, the host's experts ran
+    on the CPU (hybrid_stats), and a model on the GPU alone is refused naming its experts"""
+    import torch
+    from hf_reference import greedy, tiny_model
+
+    import qwen3layer.torch as q3t
+
+    model = tiny_model(0).cuda()
+    ids = torch.randint(1, 101, (1, 9), generator=torch.Generator().manual_seed(0)).cuda()
+    ref = greedy(model, ids, 16)
+    with pytest.raises(ValueError, match=r"layer 0's mlp\.experts\..* is on cuda:0; expected the experts in host"):
+        q3t.patch_model(model, expert_device="cpu")
+    for layer in model.model.layers:
+        layer.mlp.experts.to("cpu")
+    q3t.patch_model(model, expert_device="cpu", gpu_experts=gpu_experts)
+    assert torch.equal(greedy(model, ids, 16), ref)
+    for i, layer in enumerate(model.model.layers):
+        want = gpu_experts.get(i) if isinstance(gpu_experts, dict) else gpu_experts
+        st = layer.core.hybrid_stats
+        assert layer.core.gpu_experts == tuple(want) and st["host_choices"] > 0
+        assert (st["device_choices"] > 0) == bool(want)
 
 
 def host_weights(seed, dtype):
@@ -907,3 +935,35 @@ def test_layer_split_over_the_gpu_and_the_host_matches_the_cpu_layer(dtype, tol,
     st = split.hybrid_stats
     assert st["device_choices"] + st["host_choices"] == (14 + 6) * CFG.num_experts_per_tok
     assert (st["device_choices"] == 0) == (not gpu_experts) and (st["host_choices"] == 0) == (len(gpu_experts) == 8)
+    # the same bits on a second layer of the same seed (its pinned buffers fresh, these reused)
+    again = q3.DecoderLayer.random(CFG, seed=3, dtype=dtype, device="cuda", expert_device="cpu",
+                                   gpu_experts=gpu_experts)
+    ca = again.new_cache(16, batch=2)
+    ca.set_padding(3, 1)
+    assert torch.equal(again.prefill(x.cuda(), ca, chunk_size=3), y)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_take_and_combine_rows_on_torch_cuda_tensors_give_the_hosts_bits(dtype):
+    """_C.take_rows and _C.combine_rows with device= on torch CUDA tensors, on the current
+    stream, against the host's (the executor's twin: tests/executor/test_cuda_executor_halves.py)"""
+    import torch
+
+    from qwen3layer import _C
+    H, tdt = CFG.hidden_size, getattr(torch, dtype)
+    dev, stream = torch.cuda.current_device(), torch.cuda.current_stream().cuda_stream
+    g = torch.Generator().manual_seed(31)
+    src, rows = torch.randn(2, 3, H, generator=g).to(tdt), torch.tensor([5, 0, 3], dtype=torch.int32)
+    out = torch.empty(3, H, dtype=tdt, device="cuda")
+    _C.take_rows(src.cuda(), rows.cuda(), out=out, device=dev, stream=stream)
+    assert torch.equal(out.cpu(), src.reshape(6, H)[rows.long()])
+    resid, parts = torch.randn(6, H, generator=g), torch.randn(3, H, generator=g).to(tdt)
+    r_host, y_host = resid.clone(), torch.empty(6, H, dtype=tdt)
+    _C.combine_rows(r_host, parts, rows, y_host)
+    r_dev, y_dev = resid.cuda(), torch.empty(6, H, dtype=tdt, device="cuda")
+    _C.combine_rows(r_dev, parts.cuda(), rows.cuda(), out=y_dev, device=dev, stream=stream)
+    assert torch.equal(r_dev.cpu(), r_host) and torch.equal(y_dev.cpu(), y_host)
+    with pytest.raises(ValueError, match="row 0 is named twice"):
+        _C.combine_rows(r_dev, parts.cuda(), torch.tensor([0, 0, 1], dtype=torch.int32).cuda(), device=dev)
+    assert torch.equal(r_dev.cpu(), r_host)

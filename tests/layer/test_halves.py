@@ -7,6 +7,7 @@ import torch
 
 import qwen3layer as q3
 from qwen3layer import _C
+from qwen3layer.weights import canonical_weights, expert_weights
 
 # 16 experts top-4: a row's experts fall on both sides of any split
 CFG = q3.LayerConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=24,
@@ -222,6 +223,22 @@ def test_an_expert_id_the_layer_cannot_run_is_refused_before_any_write(part, bad
     assert torch.all(out == 2.0)
 
 
+def test_expert_half_takes_rows_with_leading_dims_in_row_order(whole):
+    """rows [2, 3, hidden] with experts and weights [2, 3, top_k] (an attention half's outputs
+    of a batch) are its 6 rows in order: the bits of the same call on [6, ...] views"""
+    rows = x_of(2, 3, H, seed=9, dtype=whole.dtype)
+    experts = torch.randint(0, E, (2, 3, K), generator=torch.Generator().manual_seed(2), dtype=torch.int32)
+    weights = torch.rand(2, 3, K)
+    want = whole.expert_half(rows.reshape(6, H), experts.reshape(6, K), weights.reshape(6, K))
+    got = whole.expert_half(rows, experts, weights)
+    assert tuple(got.shape) == (6, H) and torch.equal(torch.from_dlpack(got), torch.from_dlpack(want))
+    want32 = whole.expert_half(rows.reshape(6, H), experts.reshape(6, K), weights.reshape(6, K),
+                               out=torch.full((6, H), 2.0), accumulate=True)
+    out = torch.full((2, 3, H), 2.0)
+    whole.expert_half(rows, experts, weights, out=out, accumulate=True)
+    assert torch.equal(out.reshape(6, H), want32)
+
+
 @pytest.mark.parametrize("call,err,match", [
     (lambda l, r, e, w: l.expert_half(r[:, :5], e, w), ValueError, r"rows: expected shape \[n, hidden=64\], got \[3, 5\]"),
     (lambda l, r, e, w: l.expert_half(r, e[:2], w), ValueError, r"experts: expected shape \[3, top_k=4\] \(rows'\), got \[2, 4\]"),
@@ -337,3 +354,45 @@ def test_held_expert_views_are_the_held_experts_slices_of_the_fused_tensors(fmt)
             assert got[name].untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
     assert held_expert_views(canonical_weights(raw, cfg, ids), cfg, ids)["mlp.experts.gate_up_proj"] is \
         raw["mlp.experts.gate_up_proj"]
+
+
+# ---- an expert-only host layer (the host side of a layer split over a GPU and the host) -------
+
+@pytest.mark.parametrize("fmt", ["dense", "fp8_e4m3_block128"])
+@pytest.mark.parametrize("held", [None, [0, 3, 9, 15]])
+def test_an_expert_only_layer_gives_the_whole_layers_expert_half(fmt, held):
+    """_C.Layer(..., experts_only=True) takes the experts alone (no attention, norms or router:
+    qwen3layer.weights.expert_weights drops them), fused or per expert, all or a subset: its
+    expert half is the whole layer's to the bit, its weight bytes the experts' only, and its
+    prefill and attention half are refused naming why"""
+    names = list(range(E)) if held is None else held
+    full = canonical_weights(_C.random_weights(CFG, 12, "bfloat16", fmt), CFG)
+    whole = _C.Layer(CFG, full, "bfloat16", -1, fmt)
+    per = canonical_weights(_C.random_weights(CFG, 12, "bfloat16", fmt, names), CFG, held)
+    only = _C.Layer(CFG, expert_weights(per if held else full), "bfloat16", -1, fmt, held, experts_only=True)
+    assert only.held_experts == tuple(names)
+    rows = x_of(5, H, seed=13, dtype="bfloat16")
+    experts = torch.tensor(names[:K], dtype=torch.int32).repeat(5, 1)
+    experts[1, 0], experts[3, 2] = -1, -1
+    weights = torch.rand(5, K, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(torch.from_dlpack(only.expert_half(rows, experts, weights)),
+                       torch.from_dlpack(whole.expert_half(rows, experts, weights)))
+    per_expert = (whole.weight_bytes - _C.Layer(CFG, full, "bfloat16", -1, fmt, [0]).weight_bytes) / (E - 1)
+    assert only.weight_bytes == pytest.approx(len(names) * per_expert)
+    cache = only.new_cache(8)
+    for call in (lambda: only.prefill(rows, cache), lambda: only.attention_half(rows, cache)):
+        with pytest.raises(ValueError, match=r"holds the experts alone \(experts_only: no attention weights\)"):
+            call()
+    assert cache.lengths == (0,)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(dtype=None), "given its dtype and weight_format"),
+    (dict(weight_format=None), "given its dtype and weight_format"),
+])
+def test_an_expert_only_layer_needs_its_dtype_and_format(kw, match):
+    args = dict(dtype="bfloat16", weight_format="dense")
+    args.update(kw)
+    w = expert_weights(canonical_weights(_C.random_weights(CFG, 12, "bfloat16"), CFG))
+    with pytest.raises(ValueError, match=match):
+        _C.Layer(CFG, w, args["dtype"], -1, args["weight_format"], experts_only=True)

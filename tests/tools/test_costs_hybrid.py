@@ -42,9 +42,11 @@ def test_uniform_routing_bytes_match_drawn_routings(rows, gpu):
     assert s.rows_to_host == pytest.approx(want_rows, rel=0.03, abs=0.02)
     per_expert = 3 * SMALL.hidden_size * SMALL.moe_intermediate_size * 2
     assert s.host_expert_bytes / per_expert == pytest.approx(want_hit, rel=0.03, abs=0.02)
-    H, k = SMALL.hidden_size, SMALL.num_experts_per_tok  # what qwen3layer.hybrid moves: every row
-    assert s.link_down_bytes == rows * (2 * H + 4 * H + 8 * k) + rows * 4 * H
-    assert s.link_up_bytes == rows * 4 * k + rows * 2 * H
+    # what qwen3layer.hybrid moves: every row's ids down, the rows with a host expert (their
+    # normed input and weights) down, their index and fp32 sums up, the device ids up
+    H, k, n = SMALL.hidden_size, SMALL.num_experts_per_tok, s.rows_to_host
+    assert s.link_down_bytes == pytest.approx(rows * 4 * k + n * (2 * H + 4 * k))
+    assert s.link_up_bytes == pytest.approx(n * (4 + 4 * H) + rows * 4 * k)
 
 
 def test_skewed_shares_with_the_hottest_on_the_gpu_send_fewer_rows_and_match_drawn_routings():
@@ -64,6 +66,9 @@ def test_the_ends_every_expert_on_one_side():
     host = hybrid_split(REAL, 4, [])
     assert gpu.rows_to_host == 0 and gpu.host_expert_bytes == 0 and gpu.bound == "device"
     assert host.rows_to_host == 4 and host.device_expert_bytes == 0 and host.bound == "host"
+    H, k = REAL.hidden_size, REAL.num_experts_per_tok  # all on the GPU: only the ids cross
+    assert (gpu.link_down_bytes, gpu.link_up_bytes) == (4 * 4 * k, 4 * 4 * k)
+    assert (host.link_down_bytes, host.link_up_bytes) == (4 * (8 * k + 2 * H), 4 * (4 + 4 * H))
     # either way the experts read are the whole layer's (cost_model rounds the experts hit)
     per_expert = whole.stage("experts").weight_bytes / round(E * (1 - (1 - 8 / E) ** 4))
     for s in (gpu, host):

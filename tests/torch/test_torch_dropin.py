@@ -76,3 +76,23 @@ def test_batch_of_left_padded_prompts_generates_identically():
     out = model.generate(ids, attention_mask=mask, max_new_tokens=32, do_sample=False, pad_token_id=0)
     assert torch.equal(out, ref)
     assert model.model.layers[0].kv_cache.padding == (6, 0, 3)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(expert_device="cpu"), r"expert_device='cpu': layer 0's attention \(self_attn.q_proj.weight\) is on cpu; a "
+     "split layer runs its attention on a CUDA device"),
+    (dict(gpu_experts=[1]), r"attention \(self_attn.q_proj.weight\) is on cpu"),
+    (dict(expert_counts=[1] * 8), "expert_counts: chooses gpu_experts=N of a layer split over the GPU and the host"),
+    (dict(expert_device="cpu", gpu_experts={1: [0]}), r"gpu_experts: a mapping of layer index -> value, without "
+     r"layer 0 \(has \[1\]\)"),
+    (dict(expert_device="cpu", ep_group=object()), "splits each layer over one GPU and the host, ep_group its experts"),
+])
+def test_a_split_patch_is_refused_before_the_model_changes(kw, match):
+    """patch_model(expert_device="cpu", ...) on a model whose attention is in host memory (the
+    split needs it on a GPU), and its arguments' misuses: each named, no layer swapped (the
+    drop-in on a GPU: tests/gpu/test_cuda.py)"""
+    model = tiny_model(0)
+    before = list(model.model.layers)
+    with pytest.raises(ValueError, match=match):
+        q3t.patch_model(model, **kw)
+    assert list(model.model.layers) == before and not any(isinstance(m, q3t.DecoderLayer) for m in model.modules())
