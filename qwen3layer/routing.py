@@ -95,12 +95,10 @@ class RoutingSummary:
         """A bar per expert (its count), the mean as a dashed line; on `ax` (default: a new
         figure of matplotlib.pyplot). Returns the Axes."""
         try:
-            import matplotlib
+            import matplotlib.pyplot as plt
         except ImportError:
             raise ImportError("RoutingSummary.plot needs matplotlib (pip install matplotlib)") from None
         if ax is None:
-            import matplotlib.pyplot as plt
-
             _, ax = plt.subplots(figsize=(max(6.0, min(16.0, 0.12 * self.num_experts + 4)), 3.5))
         ax.bar(range(self.num_experts), self.counts, width=0.8, color="#4c72b0")
         ax.axhline(self.mean, color="tab:red", linestyle="--", linewidth=1,

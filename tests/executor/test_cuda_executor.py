@@ -26,7 +26,7 @@ from dlpack_ctypes import DLDevice as _DLDevice
 from dlpack_ctypes import DLManagedTensor as _DLManaged
 from dlpack_ctypes import DLTensor as _DLTensor
 from dlpack_ctypes import capsule_new as _capsule_new
-from executor_arrays import errors_of, executor_view, host, rel
+from executor_arrays import cpu_rounds_like_tensor_cores, errors_of, executor_view, host, rel
 from qwen3layer import _C
 _testing = q3.cuda.testing_module()  # the kernel check and the test-only switches
 
@@ -279,7 +279,7 @@ def cpu_bound() -> float:
     before was exceeded there); the fp32 paths move the update by the rounding
     itself (4.0e-3 measured on an AMD EPYC's avx2, 4.2e-3 on the Xeon's portable, avx2 and
     avx512): bound 8e-3"""
-    return 3e-3 if q3.build_info()["cpu_path"] in ("avx512bf16", "amx") else 8e-3
+    return 3e-3 if cpu_rounds_like_tensor_cores() else 8e-3
 
 
 # the prefill MoE grouped in batches of experts (bf16 weights, I % 32 == 0)

@@ -248,3 +248,29 @@ def test_from_hf_split_equals_the_cpu_layer_of_the_same_transformers_layer():
     assert all(rel(a, b) <= 1e-5 for a, b in zip(got, want))
     st = split.hybrid_stats
     assert st["device_choices"] > 0 and st["host_choices"] > 0
+
+
+@pytest.mark.parametrize("which", ["all", "mixed"])
+def test_a_decode_step_of_64_sequences_equals_the_cpu_layer(which):
+    """the widest decode step (64 sequences: Q3_DECODE_MAX_ROWS, where the GPU's expert half
+    groups the rows on the device when no entry is -1, as with every expert there) after a
+    prefill of 3 tokens each, against the CPU layer; the rows that crossed as link_bytes counts
+    them"""
+    gpu = SETS[which]
+    split = q3.DecoderLayer.random(CFG, 3, "float32", device="cuda", expert_device="cpu", gpu_experts=gpu)
+    cpu = q3.DecoderLayer.random(CFG, 3, "float32")
+    g = torch.Generator().manual_seed(12)
+    xs = [torch.randn(64, 3, H, generator=g), torch.randn(64, H, generator=g)]
+    caches = [layer.new_cache(8, batch=64) for layer in (split, cpu)]
+    split.prefill(_on(split, xs[0]), caches[0])
+    cpu.prefill(xs[0], caches[1])
+    before = split.hybrid_stats
+    got = host(split.decode(_on(split, xs[1]), caches[0]))
+    want = cpu.decode(xs[1], caches[1], return_router=True)
+    assert rel(got, want.output.double().numpy()) <= 1e-5
+    side = torch.isin(torch.from_dlpack(want.experts).reshape(-1, K), torch.tensor(gpu, dtype=torch.int32))
+    st = split.hybrid_stats
+    down, up = link_bytes(CFG, 64, int((~side).any(1).sum()), bool(side.any()), "float32")
+    assert (st["link_down_bytes"] - before["link_down_bytes"], st["link_up_bytes"] - before["link_up_bytes"]) == \
+        (down, up)
+    assert (st["host_rows"] - before["host_rows"] == 0) == (which == "all")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import qwen3layer as q3
-from executor_arrays import executor_view, host, rel
+from executor_arrays import cpu_rounds_like_tensor_cores, executor_view, host, rel
 from qwen3layer import _C
 
 pytestmark = pytest.mark.executor_subprocess
@@ -45,7 +45,7 @@ def bf16_keys_bound() -> float:
     """the bound on the bf16 keys against the CPU layer's: the tensor cores' k_proj takes x
     rounded to bf16, as the CPU's bf16 paths (avx512bf16, amx) do (2e-3); the fp32 paths keep x
     in fp32, a difference of x's own rounding (2.34e-3 measured on an AMD EPYC's avx2): 4e-3"""
-    return 2e-3 if q3.build_info()["cpu_path"] in ("avx512bf16", "amx") else 4e-3
+    return 2e-3 if cpu_rounds_like_tensor_cores() else 4e-3
 
 
 def test_emulated_cuda_layer_matches_the_cpu_layer():

@@ -1,6 +1,7 @@
 """Arrays out of the SIMT executor's device for the executor's cases (tests/executor/, run in a
 process of their own): a tensor as float64 numpy, a strided device view read in place, the
-relative error they are compared by, and the errors a list of calls raised."""
+relative error they are compared by, the errors a list of calls raised, and whether the CPU
+layer here rounds activations as the tensor cores do."""
 import ctypes
 
 import numpy as np
@@ -39,3 +40,11 @@ def errors_of(calls):
         except Exception as e:  # noqa: BLE001 - the message is what is checked
             found.append(f"{type(e).__name__}: {e}")
     return found
+
+
+def cpu_rounds_like_tensor_cores() -> bool:
+    """whether the CPU layer's path here is a bf16 one (avx512bf16, amx), which rounds a matmul's
+    activations to bf16 as the tensor cores do (the fp32 paths keep them in fp32)"""
+    import qwen3layer as q3
+
+    return q3.build_info()["cpu_path"] in ("avx512bf16", "amx")

@@ -4,7 +4,6 @@ portable kernels and on the best path of this CPU, in prefill (experts one after
 and decode (experts across threads). The CUDA router is held to the same rule by the kernel
 self-check's tie case (csrc/check/kernel_check.c), on a GPU."""
 import pytest
-import torch
 
 import qwen3layer as q3
 import router_ties as rt

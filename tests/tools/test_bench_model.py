@@ -3,7 +3,6 @@ rows, every stage's bytes, FLOPs and floor at the H200 figures of ../shared/REFE
 the figures here are q3.cost_model's, recomputed, and the floors REFERENCE.md states. The
 measured columns (a GPU run) are checked on the emulated device's stage profile."""
 import os
-import re
 import subprocess
 import sys
 

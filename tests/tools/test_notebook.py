@@ -124,7 +124,7 @@ def test_layer_map_renders_as_svg_holding_every_stage(layer):
         for s in profile.stages:
             assert f"{s.name}  [{s.kernel}]" in texts
             assert f"{s.seconds * 1e3:.2f} ms ({s.share:.0%})" in joined
-    assert f"prefill: 16 tokens, chunks of 8" in joined and "decode: 1 token at context 5" in joined
+    assert "prefill: 16 tokens, chunks of 8" in joined and "decode: 1 token at context 5" in joined
     assert repr(m) == f"{m.title}\n\n{m.prefill.table()}\n\n{m.decode.table()}"
     assert m.decode.cost.context == 5 and m.prefill.cost.tokens == 16
 
