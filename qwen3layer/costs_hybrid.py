@@ -10,8 +10,8 @@ expert_device="cpu"). Per pass (a prefill chunk or a decode step of `rows` rows)
   host:  the host experts the pass hits, each read once from host memory
 
 The GPU's experts run while the CPU computes, so a pass takes the attention's time, the
-copies', and the longer of the two sides' experts: the `bound` side. Each stage's time is its roofline, max(bytes / bandwidth, FLOPs / peak), at the
-machine figures given (`Machine`; the host's from the probes qwen3layer._C runs, the device's
+copies', and the longer of the two sides' experts: the `bound` side. Each stage's time is its
+roofline, max(bytes / bandwidth, FLOPs / peak), at the machine figures given (`Machine`; the host's from the probes qwen3layer._C runs, the device's
 and the link's from ../shared/REFERENCE.md's H200 and PCIe 5 x16). Routing is uniform unless
 `shares` (each expert's fraction of the choices, from a calibration call's counts) is given;
 with shares, a row's k choices are taken as independent draws (the rows that reach the host

@@ -22,6 +22,7 @@ run. Device tensors are torch CUDA tensors or, on the SIMT executor, the extensi
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Optional, Sequence
 
 import torch
@@ -62,9 +63,7 @@ class _Link:
         self.event: Any = None
 
     def _buffer(self, key: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        n = 1
-        for d in shape:
-            n *= d
+        n = math.prod(shape)
         got = self.pinned.get((key, dtype))
         if got is None or got.numel() < n:
             got = torch.empty(max(n, 1), dtype=dtype, pin_memory=True)
@@ -105,10 +104,7 @@ class _Link:
 
 
 def _bytes(t: Any) -> int:
-    n = 1
-    for d in t.shape:
-        n *= d
-    return n * (t.element_size() if isinstance(t, torch.Tensor) else {"float32": 4, "bfloat16": 2, "int32": 4}[
+    return math.prod(t.shape) * (t.element_size() if isinstance(t, torch.Tensor) else {"float32": 4, "bfloat16": 2, "int32": 4}[
         str(t.dtype).replace("torch.", "")])
 
 
@@ -171,9 +167,10 @@ class HybridRunner:
         st["host_choices"] += int((~gpu).sum())
         place = {"device": self.index, "stream": stream}
         rows_d = link.up(host_rows, ids, "rows")
-        if n:  # the rows with a host expert, taken out on the device and copied down
-            normed_h = link.down(_take(normed, rows_d, n, place), "normed", wait=False)
-            w_h = link.down(_take(w, rows_d, n, place), "weights", wait=False)
+        if n:  # the rows with a host expert, taken out on the device (each take reads rows_d back
+            # and waits for the stream: both before the copies down are queued), then copied down
+            taken = _take(normed, rows_d, n, place), _take(w, rows_d, n, place)
+            normed_h, w_h = (link.down(t, key, wait=False) for t, key in zip(taken, ("normed", "weights")))
         if on_device:  # queued on the device; the host's experts run meanwhile
             self.device.expert_half(normed, link.up(torch.where(gpu, ids_h, none), ids, "gpu_ids"), w, out=resid,
                                     accumulate=True, stream=stream)

@@ -389,10 +389,11 @@ def test_an_expert_only_layer_gives_the_whole_layers_expert_half(fmt, held):
 @pytest.mark.parametrize("kw,match", [
     (dict(dtype=None), "given its dtype and weight_format"),
     (dict(weight_format=None), "given its dtype and weight_format"),
+    (dict(device=0), r"an expert-only layer is a host layer \(device=-1\).*got device=0"),
 ])
 def test_an_expert_only_layer_needs_its_dtype_and_format(kw, match):
-    args = dict(dtype="bfloat16", weight_format="dense")
+    args = dict(dtype="bfloat16", weight_format="dense", device=-1)
     args.update(kw)
     w = expert_weights(canonical_weights(_C.random_weights(CFG, 12, "bfloat16"), CFG))
     with pytest.raises(ValueError, match=match):
-        _C.Layer(CFG, w, args["dtype"], -1, args["weight_format"], experts_only=True)
+        _C.Layer(CFG, w, args["dtype"], args["device"], args["weight_format"], experts_only=True)
