@@ -1,11 +1,13 @@
 /* CPU path selection: the levels this build compiled, which of them this CPU (and OS) can
  * run, and the one in use. Levels, lowest first: portable (the baseline C), avx2 (with FMA),
  * avx512 (F, BW, VL, DQ), avx512bf16 (+ bf16 dot products), amx (+ AMX-BF16 tiles, granted
- * by the kernel on request). The best available level is the default, except that
- * avx512bf16 is never the default (avx512 is, below amx): on the AVX512-BF16 CPU measured (an
- * Intel Xeon with AMX) vdpbf16ps ran at half the fp32 FMA rate, 1.86 against 7.40 G zmm
- * instructions/s a core, and the level's prefill of 512 tokens at 0.81x avx512's (345 against
- * 427 tok/s); QWEN3LAYER_CPU_PATH=avx512bf16 still selects it. */
+ * by the kernel on request). The best available level is the default. avx512bf16 was kept
+ * from being the default for a while, on a measurement made while its tile spilled its 24
+ * accumulators to the stack at every step (matmul_dot.c's dot_tile): with that fixed, on
+ * an AMD Zen 5 (2 threads) vdpbf16ps runs at the fp32 FMA's instruction rate (6.6 against
+ * 7.2 G zmm instructions/s a core: twice the FLOPs) and the layer's prefill of 512 tokens at
+ * 789 tok/s against avx512's 382; on the Intel Xeon measured before, where it ran at half the
+ * FMA rate (AMX is the default there), it has not been measured since. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -84,6 +86,7 @@ static void init_levels(void) {
     q3_cpu_ops bf16 = q3_ops_cpu_avx512, amx = q3_ops_cpu_avx512;
     bf16.name = "avx512bf16";
     bf16.matmul = q3_matmul_cpu_avx512bf16;
+    bf16.matmul_fp8 = q3_matmul_fp8_cpu_avx512bf16;
     amx.name = "amx";
     amx.matmul = q3_matmul_cpu_amx;
     amx.matmul_fp8 = q3_matmul_fp8_cpu_amx;
@@ -108,7 +111,7 @@ q3_status q3_cpu_select(const char *name, q3_error *err) {
     init_levels();
     const char *avail[8];
     const int n = q3_cpu_paths(avail, 8);
-    if (!name || !*name) name = strcmp(avail[n - 1], "avx512bf16") ? avail[n - 1] : "avx512";
+    if (!name || !*name) name = avail[n - 1];
     for (int i = 0; i < n_levels; i++) {
         if (strcmp(levels[i].name, name)) continue;
         if (!supported(name)) {

@@ -1,5 +1,5 @@
 /* The L1 data and L2 cache sizes the many-token matmuls block for (matmul_packed.c,
- * matmul_avx512.c's bf16 dot products): sysconf's, or 32 KiB and 512 KiB where it does not
+ * matmul_dot.c's bf16 dot products): sysconf's, or 32 KiB and 512 KiB where it does not
  * know them or reports something implausible. */
 #ifndef Q3_KERNELS_CPU_CACHE_SIZES_H
 #define Q3_KERNELS_CPU_CACHE_SIZES_H

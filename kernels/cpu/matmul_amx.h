@@ -1,6 +1,7 @@
-/* The AMX bf16 matmul (kernels/cpu/matmul_amx.c) fed by a row source: weight formats other
- * than bf16 (the FP8 prefill) convert a block of rows to bf16 in a thread's scratch and the
- * tiles read it from there. Only in the avx512 variant (the "amx" level). */
+/* The bf16 matmuls of the avx512 variant's upper levels fed by a row source: weight formats
+ * other than bf16 (the FP8 prefill) convert a block of rows to bf16 in a thread's scratch and
+ * the AMX tiles ("amx" level, kernels/cpu/matmul_amx.c) or the bf16 dot products
+ * ("avx512bf16", kernels/cpu/matmul_dot.c) read it from there. */
 #ifndef Q3_KERNELS_CPU_MATMUL_AMX_H
 #define Q3_KERNELS_CPU_MATMUL_AMX_H
 
@@ -10,8 +11,11 @@
 
 #define Q3_AMX_ROWS 32 /* weight rows a thread converts and runs at once (two A tiles) */
 
+#define Q3_ROWS_ALIGN 128 /* a row source's rows lie in one aligned block of this many rows */
+
 /* A row source: out [nr][kc] bf16, row stride ld <- the weights of rows [n0, n0 + nr) x columns
- * [k0, k0 + kc), n0 a multiple of Q3_AMX_ROWS, nr <= Q3_AMX_ROWS, k0 and kc multiples of 32;
+ * [k0, k0 + kc), the rows within one aligned block of Q3_ROWS_ALIGN (the AMX matmul's n0 are
+ * multiples of Q3_AMX_ROWS), nr <= Q3_AMX_ROWS, k0 and kc multiples of 32;
  * out NULL: only fetch that region's bytes towards L2 (a thread's next rows). src: the source's
  * own description of W. Called by several threads at once. */
 typedef void q3_amx_rows_fn(uint16_t *out, int64_t ld, const void *src, int64_t n0, int nr, int64_t k0,
@@ -26,6 +30,13 @@ typedef void q3_amx_rows_fn(uint16_t *out, int64_t ld, const void *src, int64_t 
  * whole rows once for all their token blocks. */
 void q3_matmul_amx_from(float *y, const float *x, q3_amx_rows_fn *rows, const void *src, int64_t T, int64_t N,
                         int64_t K, int accumulate, uint16_t *xb, uint16_t *scratch, int64_t stride, int threads);
+/* the same on the avx512bf16 level's bf16 dot products (matmul_dot.c): any N, K % 32 == 0,
+ * T >= 1; the rows converted DOT_ROWS x one k block at a time into a panel on the stack, the
+ * next rows' stored bytes (row r at bytes + r * row_bytes, column k col_bytes further) fetched
+ * meanwhile */
+void q3_matmul_dot_from(float *y, const float *x, q3_amx_rows_fn *rows, const void *src, const void *bytes,
+                        int64_t row_bytes, int col_bytes, int64_t T, int64_t N, int64_t K, int accumulate,
+                        uint16_t *xb, int threads);
 #endif
 
 #endif

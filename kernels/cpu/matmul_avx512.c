@@ -1,11 +1,9 @@
-/* AVX-512 matmul (the avx512 variant only; the levels above it, in matmul_amx.c, reuse it).
+/* AVX-512 matmul (the avx512 variant only; the levels above it, in matmul_dot.c and
+ * matmul_amx.c, reuse it).
  *
  * Few tokens (decode): a GEMV that streams W once, 4 rows at a time, 64-byte loads, bf16
- * widened to fp32 in registers; x stays fp32. Many tokens: with AVX512-BF16 4 tokens x 6 rows
- * of bf16 dot products (x rounded to bf16 in xb, 32 multiply-adds an instruction), the rows
- * read in place in k blocks that stay in L1; without, the packed panels of matmul_packed.c at
- * 16 lanes. */
-#include "cache_sizes.h"
+ * widened to fp32 in registers; x stays fp32. Many tokens: the packed panels of
+ * matmul_packed.c at 16 lanes (with AVX512-BF16, the dot products of matmul_dot.c instead). */
 #include "matmul_packed.h"
 #include "ops.h"
 
@@ -78,9 +76,12 @@ static inline __attribute__((always_inline)) void gemv_tile(float *y, int64_t ld
             }
         }
     }
+    float lanes[4][4][16] __attribute__((aligned(64))); /* not acc itself: see dot_tile (matmul_dot.c) */
+    for (int t = 0; t < TT; t++)
+        for (int r = 0; r < R; r++) _mm512_store_ps(lanes[t][r], acc[t][r]);
     for (int t = 0; t < TT; t++)
         for (int r = 0; r < R; r++) {
-            const float s = _mm512_reduce_add_ps(acc[t][r]);
+            const float s = _mm512_reduce_add_ps(_mm512_load_ps(lanes[t][r]));
             y[t * ldy + r] = accumulate ? y[t * ldy + r] + s : s;
         }
 }
@@ -125,129 +126,6 @@ void Q3_CPU_FN(q3_matmul)(float *y, const float *x, const void *w, q3_dtype w_dt
     (void)xb;
     if (T < GEMV_MAX_TOKENS) gemv(y, x, w, w_dt, T, N, K, accumulate);
     else Q3_CPU_FN(q3_matmul_packed)(y, x, w, w_dt, T, N, K, accumulate);
-}
-
-/* ---- AVX512-BF16: 4 tokens x 4 rows of bf16 dot products ------------------------------- */
-
-#define BF16_TARGET __attribute__((target("avx512bf16")))
-
-/* xb [T, Kp] <- x [T, K] rounded to bf16, zero-padded to Kp (a multiple of 32) */
-static void round_rows(uint16_t *xb, const float *x, int64_t T, int64_t K, int64_t Kp) {
-#pragma omp parallel for schedule(static) if (T * K > (1 << 16))
-    for (int64_t t = 0; t < T; t++) {
-        for (int64_t k = 0; k < K; k++) xb[t * Kp + k] = q3_f32_to_bf16(x[t * K + k]);
-        for (int64_t k = K; k < Kp; k++) xb[t * Kp + k] = 0;
-    }
-}
-
-static inline BF16_TARGET __m512bh load_pairs(const uint16_t *p, __mmask32 m) {
-    return (__m512bh)_mm512_maskz_loadu_epi16(m, p);
-}
-
-/* y[t, n] (+)= for TT <= 4 tokens of xb (row stride Kp) and R <= DOT_ROWS rows of W (bf16, row
- * stride K, read in place), over the k block [0, kc) (xb and w at its first column); first: the
- * block that starts y */
-#define DOT_ROWS 6 /* 4 x 6 accumulators of the 32 zmm */
-static inline __attribute__((always_inline)) BF16_TARGET void dot_tile(float *y, int64_t ldy,
-                                                                      const uint16_t *xb, int64_t Kp,
-                                                                      const uint16_t *w, int64_t K, int64_t kc,
-                                                                      int TT, int R, int first, int accumulate) {
-    __m512 acc[4][DOT_ROWS];
-    for (int t = 0; t < TT; t++)
-        for (int r = 0; r < R; r++) acc[t][r] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < kc; k += 32) {
-        const __mmask32 m = kc - k >= 32 ? 0xffffffffu : (__mmask32)((1u << (kc - k)) - 1);
-        __m512bh wv[DOT_ROWS];
-        for (int r = 0; r < R; r++) wv[r] = load_pairs(w + r * K + k, m);
-        for (int t = 0; t < TT; t++) {
-            const __m512bh xv = load_pairs(xb + t * Kp + k, m);
-            for (int r = 0; r < R; r++) acc[t][r] = _mm512_dpbf16_ps(acc[t][r], xv, wv[r]);
-        }
-    }
-    for (int t = 0; t < TT; t++)
-        for (int r = 0; r < R; r++) {
-            const float s = _mm512_reduce_add_ps(acc[t][r]);
-            y[t * ldy + r] = first && !accumulate ? s : y[t * ldy + r] + s;
-        }
-}
-
-/* tokens [T0, T1) against rows [n0, n0 + R) over one k block; R constant, TT by the tail */
-static inline __attribute__((always_inline)) BF16_TARGET void dot_rows_k(float *y, const uint16_t *xb,
-                                                                        const uint16_t *w, int64_t T0, int64_t T1,
-                                                                        int64_t N, int64_t K, int64_t Kp,
-                                                                        int64_t n0, int64_t kc, int R, int first,
-                                                                        int accumulate) {
-    int64_t t = T0;
-    for (; t + 4 <= T1; t += 4) dot_tile(y + t * N + n0, N, xb + t * Kp, Kp, w + n0 * K, K, kc, 4, R, first, accumulate);
-    switch (T1 - t) {
-    case 3: dot_tile(y + t * N + n0, N, xb + t * Kp, Kp, w + n0 * K, K, kc, 3, R, first, accumulate); break;
-    case 2: dot_tile(y + t * N + n0, N, xb + t * Kp, Kp, w + n0 * K, K, kc, 2, R, first, accumulate); break;
-    case 1: dot_tile(y + t * N + n0, N, xb + t * Kp, Kp, w + n0 * K, K, kc, 1, R, first, accumulate); break;
-    default: break;
-    }
-}
-
-static BF16_TARGET void dot_rows(float *y, const uint16_t *xb, const uint16_t *w, int64_t T0, int64_t T1, int64_t N,
-                                 int64_t K, int64_t Kp, int64_t n0, int64_t nr, int64_t kc, int first,
-                                 int accumulate) {
-#define DOT_R(R) \
-    case R: dot_rows_k(y, xb, w, T0, T1, N, K, Kp, n0, kc, R, first, accumulate); break;
-    switch (nr) {
-        DOT_R(6)
-        DOT_R(5)
-        DOT_R(4)
-        DOT_R(3)
-        DOT_R(2)
-        default: dot_rows_k(y, xb, w, T0, T1, N, K, Kp, n0, kc, 1, first, accumulate); break;
-    }
-#undef DOT_R
-}
-
-/* Blocked as the packed matmul is, with no panel to pack (bf16 rows are what vdpbf16ps reads):
- * a k block of DOT_ROWS rows fills half of L1d, the token block's x of
- * one k block half of L2; threads split the row blocks of each k block (static: a thread's
- * partial sums in y stay its own) */
-static void dot_blocking(int64_t *kc, int64_t *mc) {
-    static int64_t kc_once, mc_once;
-    if (!__atomic_load_n(&kc_once, __ATOMIC_ACQUIRE)) {
-        long l1, l2;
-        q3_cache_sizes(&l1, &l2);
-        int64_t k = (int64_t)l1 / 2 / (DOT_ROWS * 2) / 32 * 32; /* the x tile streams from L2 beside them */
-        k = k < 256 ? 256 : k > 4096 ? 4096 : k;
-        const int64_t m = (int64_t)l2 / 2 / (k * 2) / 4 * 4;
-        __atomic_store_n(&mc_once, m < 4 ? 4 : m > 1024 ? 1024 : m, __ATOMIC_RELAXED);
-        __atomic_store_n(&kc_once, k, __ATOMIC_RELEASE);
-    }
-    *kc = __atomic_load_n(&kc_once, __ATOMIC_ACQUIRE);
-    *mc = __atomic_load_n(&mc_once, __ATOMIC_RELAXED);
-}
-
-static void matmul_dot_bf16(float *y, const float *x, const uint16_t *w, int64_t T, int64_t N, int64_t K,
-                            int accumulate, uint16_t *xb) {
-    const int64_t Kp = (K + 31) / 32 * 32, blocks = (N + DOT_ROWS - 1) / DOT_ROWS;
-    int64_t KC, MC;
-    dot_blocking(&KC, &MC);
-    round_rows(xb, x, T, K, Kp);
-#pragma omp parallel
-    for (int64_t t0 = 0; t0 < T; t0 += MC) {
-        const int64_t t1 = t0 + MC < T ? t0 + MC : T;
-        for (int64_t k0 = 0; k0 < K; k0 += KC) {
-            const int64_t kc = K - k0 < KC ? K - k0 : KC;
-#pragma omp for schedule(static) nowait
-            for (int64_t b = 0; b < blocks; b++) {
-                const int64_t n0 = DOT_ROWS * b, nr = N - n0 < DOT_ROWS ? N - n0 : DOT_ROWS;
-                dot_rows(y, xb + k0, w + k0, t0, t1, N, K, Kp, n0, nr, kc, k0 == 0, accumulate);
-            }
-        }
-    }
-}
-
-void q3_matmul_cpu_avx512bf16(float *y, const float *x, const void *w, q3_dtype w_dt, int64_t T,
-                              int64_t N, int64_t K, int accumulate, uint16_t *xb) {
-    if (T >= GEMV_MAX_TOKENS && w_dt == Q3_BF16 && xb)
-        matmul_dot_bf16(y, x, (const uint16_t *)w, T, N, K, accumulate, xb);
-    else
-        Q3_CPU_FN(q3_matmul)(y, x, w, w_dt, T, N, K, accumulate, xb);
 }
 
 #endif

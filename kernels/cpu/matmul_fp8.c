@@ -336,9 +336,10 @@ static inline BF16_CVT void magnitude_tables(__m512i t[4], float s) {
 
 /* the row source of the AMX matmul (matmul_amx.h): out [nr][kc] bf16 (row stride ld) <- rows
  * [n0, n0 + nr) x columns [k0, k0 + kc) of the weights times their block scales. A 128-code
- * table per scale block (the rows lie in one row block: n0 is a multiple of 32) makes each 32
+ * table per scale block (the rows lie in one row of scale blocks: the source's contract) makes each 32
  * weights a table lookup: two word permutes over the four tables' pairs, a blend on code bit 6
  * and the sign bit ORed in; -bf16(v) = bf16(-v), and NaN codes find NaN. */
+_Static_assert(Q3_ROWS_ALIGN == Q3_FP8_BLOCK, "a row source's rows share one row of scale blocks");
 static BF16_CVT void rows_e4m3_bf16(uint16_t *out, int64_t ld, const void *src, int64_t n0, int nr, int64_t k0,
                                    int64_t kc) {
     const e4m3_rows *m = src;
@@ -379,6 +380,19 @@ void q3_matmul_fp8_cpu_amx(float *y, const float *x, const uint8_t *w, const voi
     /* a thread's scratch, 2 * Q3_FP8_CHUNK_ROWS * (K + T) bf16, holds its Q3_AMX_ROWS * K rows */
     q3_matmul_amx_from(y, x, rows_e4m3_bf16, &m, T, N, K, accumulate, xb, (uint16_t *)scratch,
                        2 * q3_matmul_fp8_scratch_floats(T, K), threads);
+}
+
+/* The FP8 prefill on the avx512bf16 level: the same row source and rounding as on AMX, the
+ * bf16 dot products of matmul_dot.c; decode-sized T, no xb, or K % 32: this variant's */
+void q3_matmul_fp8_cpu_avx512bf16(float *y, const float *x, const uint8_t *w, const void *scale, q3_dtype sdt,
+                                  int64_t T, int64_t N, int64_t K, int accumulate, float *scratch, int threads,
+                                  uint16_t *xb) {
+    if (T < Q3_FP8_GEMV_MAX_T || !xb || K % 32) {
+        q3_matmul_fp8_cpu_avx512(y, x, w, scale, sdt, T, N, K, accumulate, scratch, threads, xb);
+        return;
+    }
+    const e4m3_rows m = {w, scale, sdt, K, q3_fp8_blocks(K)};
+    q3_matmul_dot_from(y, x, rows_e4m3_bf16, &m, w, K, 1, T, N, K, accumulate, xb, threads);
 }
 #endif
 

@@ -68,9 +68,10 @@ Q3_CPU_DECLARE(portable)
 #if defined(__x86_64__)
 Q3_CPU_DECLARE(avx2)
 Q3_CPU_DECLARE(avx512)
-/* levels above avx512 differ only in their matmuls (kernels/cpu/matmul_avx512.c, matmul_amx.c) */
+/* levels above avx512 differ only in their matmuls (kernels/cpu/matmul_dot.c, matmul_amx.c) */
 q3_matmul_fn q3_matmul_cpu_avx512bf16, q3_matmul_cpu_amx;
 q3_matmul_fp8_fn q3_matmul_fp8_cpu_amx; /* the FP8 prefill on AMX tiles (kernels/cpu/matmul_fp8.c) */
+q3_matmul_fp8_fn q3_matmul_fp8_cpu_avx512bf16; /* ... and on bf16 dot products */
 #endif
 
 #endif

@@ -127,13 +127,16 @@ def test_nan_code_at_every_offset_gives_nan(path, t):
     assert torch.isnan(y[:, : n - 1]).all() and not torch.isnan(y[:, n - 1]).any()
 
 
-SIZES = [(200, 300), (5, 100), (130, 129), (256, 384), (1, 7), (48, 1056)]  # (N, K): partial blocks, K < 128
+SIZES = [(200, 300), (5, 100), (130, 129), (256, 384), (1, 7), (48, 1056), (200, 320), (40, 4160)]
+# (N, K): partial blocks, K < 128; rows past 128 in blocks of 6; three k blocks of the dot products
 
 
 def rounds_to_bf16(path, t, n, k):
-    """the amx path's FP8 prefill: x and each dequantized weight rounded to bf16 for its tiles
-    (kernels/cpu/matmul_fp8.c), where the tiles' shapes fit"""
-    return path == "amx" and t >= 16 and n % 16 == 0 and k % 32 == 0
+    """the FP8 prefill of the bf16 paths: x and each dequantized weight rounded to bf16 for the
+    AMX tiles or the bf16 dot products (kernels/cpu/matmul_fp8.c), where their shapes fit"""
+    if path == "amx":
+        return t >= 16 and n % 16 == 0 and k % 32 == 0
+    return path == "avx512bf16" and t >= 16 and k % 32 == 0
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -127,15 +127,17 @@ def import_hiding(hide, path=None):
 
 
 @pytest.mark.skipif("avx512bf16" not in PATHS, reason="this CPU has no avx512bf16 level to be the highest")
-def test_avx512bf16_is_never_the_default():
-    """a CPU whose highest level is avx512bf16 (here: amx hidden) gets avx512 by default; the
-    bf16 dot products ran at half the fp32 FMA rate on the CPU measured (cpu_dispatch.c)"""
+def test_the_highest_level_is_the_default():
+    """a CPU whose highest level is avx512bf16 (amx absent or hidden) gets it by default; with
+    it hidden, avx512; each still there when asked for"""
     r = import_hiding("amx")
     assert r.returncode == 0, r.stderr
     path, paths = r.stdout.split()
-    assert path == "avx512" and paths.split(",")[-1] == "avx512bf16", r.stdout
-    r = import_hiding("amx", path="avx512bf16")  # still there when asked for
-    assert r.returncode == 0 and r.stdout.split()[0] == "avx512bf16", r.stderr
+    assert path == "avx512bf16" and paths.split(",")[-1] == "avx512bf16", r.stdout
+    r = import_hiding("amx,avx512bf16")
+    assert r.returncode == 0 and r.stdout.split()[0] == "avx512", r.stdout + r.stderr
+    r = import_hiding("amx", path="avx512")
+    assert r.returncode == 0 and r.stdout.split()[0] == "avx512", r.stderr
 
 
 @pytest.mark.skipif("avx2" not in PATHS, reason="no avx2 level on this CPU")
