@@ -226,3 +226,15 @@ def test_the_extension_has_type_stubs():
         members = set(re.findall(r"^    (?:def )?(\w+)", body, re.M))
         public = {n for n in dir(getattr(q3._C, cls)) if not n.startswith("_")}
         assert public <= members, (cls, public - members)
+
+
+def test_big_tensors_start_on_a_huge_page_and_small_ones_on_a_line():
+    """the engine's allocator: 4 MiB and more aligned to 2 MiB (the whole 2 MiB pages asked to
+    be huge pages, csrc/engine/status.c), smaller ones to a cache line; both exactly as long
+    as asked (AddressSanitizer sees one byte past)"""
+    big = q3._C.random_tensor((1024, 1024), 1, "float32")  # 4 MiB
+    small = q3._C.random_tensor((3, 5), 1, "float32")
+    assert big.data_ptr % (2 << 20) == 0, hex(big.data_ptr)
+    assert small.data_ptr % 64 == 0, hex(small.data_ptr)
+    values = np.from_dlpack(big)
+    assert values.shape == (1024, 1024) and np.isfinite(values).all()
