@@ -31,10 +31,7 @@ static inline BF16_TARGET __m512bh load_pairs(const uint16_t *p, __mmask32 m) {
     return (__m512bh)_mm512_maskz_loadu_epi16(m, p);
 }
 
-/* y[t, n] (+)= for TT <= 4 tokens of xb (row stride Kp) and R <= DOT_ROWS rows of W (bf16, row
- * stride ldw: in place, or a converted panel), over the k block [0, kc) (xb and w at its first
- * column); first: the block that starts y */
-#define DOT_ROWS 6 /* 4 x 6 accumulators of the 32 zmm */
+#define DOT_ROWS 6 /* weight rows a tile: 4 x 6 accumulators of the 32 zmm */
 
 /* the lines of the next row block a thread's tiles fetch towards L2 as they run, column by
  * column (row r, byte col of each of its rows), as many a step as cover the block's tiles:
@@ -42,9 +39,11 @@ static inline BF16_TARGET __m512bh load_pairs(const uint16_t *p, __mmask32 m) {
  * each block's first tile waited on them (on an AMD Zen 5, 2 threads: the expert shape
  * [32 x 1536 x 4096] from memory 377 -> 404-422 GFLOP/s, [512 x 9216 x 4096] 302 -> 505-536) */
 typedef struct {
-    const char *base; /* the next block's first row at the k block's first column */
-    int64_t row_bytes, col, left; /* lines still to fetch */
-    int rows, r, per_step;        /* lines a k step: all of them within the block's tiles */
+    const char *base;  /* the next block's first row at the k block's first column */
+    int64_t row_bytes; /* between its rows */
+    int64_t col, left; /* the next line's byte column; lines still to fetch */
+    int rows, r;       /* its rows; the next line's row */
+    int per_step;      /* lines a k step: all of them within the block's tiles */
 } dot_fetch;
 
 /* the fetch of `rows` rows (NULL base: none) of kc columns of col_bytes each, spread over the
@@ -56,6 +55,10 @@ static inline dot_fetch dot_fetch_rows(const void *base, int64_t row_bytes, int 
     return (dot_fetch){base, row_bytes, 0, lines, rows, 0, steps ? (int)((lines + steps - 1) / steps) : 0};
 }
 
+/* y[t, n] (+)= for TT <= 4 tokens of xb (row stride Kp) and R <= DOT_ROWS rows of W (bf16, row
+ * stride ldw: in place, or a converted panel), over the k block [0, kc) (xb and w at its first
+ * column); first: the block that starts y; f: the next block's fetch, carried on from tile to
+ * tile */
 static inline __attribute__((always_inline)) BF16_TARGET void dot_tile(float *y, int64_t ldy,
                                                                       const uint16_t *xb, int64_t Kp,
                                                                       const uint16_t *w, int64_t ldw, int64_t kc,
