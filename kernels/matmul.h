@@ -14,9 +14,10 @@
 typedef void q3_matmul_fn(float *y, const float *x, const void *w, q3_dtype w_dt, int64_t T,
                           int64_t N, int64_t K, int accumulate, uint16_t *xb);
 
-/* bf16 activations, padded to whole AMX tiles: 16 rows by 32 columns */
+/* bf16 activations, padded to whole AMX tiles (16 rows by 32 columns), each row one cache line
+ * longer for the dot products' padded stride (matmul_dot.c) */
 static inline int64_t q3_matmul_scratch_elems(int64_t T, int64_t K) {
-    return (T + 15) / 16 * 16 * ((K + 31) / 32 * 32);
+    return (T + 15) / 16 * 16 * ((K + 31) / 32 * 32 + 32);
 }
 
 #endif

@@ -127,8 +127,9 @@ def test_nan_code_at_every_offset_gives_nan(path, t):
     assert torch.isnan(y[:, : n - 1]).all() and not torch.isnan(y[:, n - 1]).any()
 
 
-SIZES = [(200, 300), (5, 100), (130, 129), (256, 384), (1, 7), (48, 1056), (200, 320), (40, 4160)]
-# (N, K): partial blocks, K < 128; rows past 128 in blocks of 6; three k blocks of the dot products
+SIZES = [(200, 300), (5, 100), (130, 129), (256, 384), (1, 7), (48, 1056), (200, 320), (40, 4160), (20, 2048)]
+# (N, K): partial blocks, K < 128; rows past 128 in blocks of 6; three k blocks of the dot products;
+# K a multiple of 2048 (x rows padded by a cache line in the dot products)
 
 
 def rounds_to_bf16(path, t, n, k):

@@ -1,7 +1,8 @@
 """The dense matmul of every CPU path (kernels/cpu/matmul*.c: the generic tiles, the packed
 panels of avx2 and avx512, the GEMV, AVX512-BF16 and AMX) against float64 on the same
 operands, at sizes that reach every edge: K not a multiple of the vector (7, 300), K past one
-packed k block (5000), N not a multiple of a tile's rows, 1, 2, 3, 17 and more tokens, with and
+packed k block (5000), K a multiple of 2048 (the bf16 dot products' x rows a cache line apart
+past their length), N not a multiple of a tile's rows, 1, 2, 3, 17 and more tokens, with and
 without accumulate."""
 import os
 import subprocess
@@ -21,7 +22,7 @@ HELPERS = os.path.join(os.path.dirname(__file__), "..", "helpers")
 # AMX for whole tiles), so they match one of the two references
 BF16_PATHS = {"avx512bf16", "amx"}
 SHAPES = [(1, 5, 7), (2, 16, 64), (3, 7, 300), (8, 13, 300), (17, 37, 300), (40, 64, 96), (130, 19, 72),
-          (9, 6, 5000), (33, 50, 2050)]
+          (9, 6, 5000), (33, 50, 2050), (14, 11, 2048), (21, 13, 4096)]
 
 
 @pytest.fixture(autouse=True)
