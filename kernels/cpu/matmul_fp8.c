@@ -19,6 +19,7 @@
 #endif
 
 #include "matmul_amx.h"
+#include "matmul_fp8_vbmi.h"
 #include "matmul_packed.h"
 #include "ops.h"
 #include "twins.h"
@@ -383,10 +384,18 @@ void q3_matmul_fp8_cpu_amx(float *y, const float *x, const uint8_t *w, const voi
 }
 
 /* The FP8 prefill on the avx512bf16 level: the same row source and rounding as on AMX, the
- * bf16 dot products of matmul_dot.c; decode-sized T, no xb, or K % 32: this variant's */
+ * bf16 dot products of matmul_dot.c; decode-sized T: the GEMV on VBMI byte lookups
+ * (matmul_fp8_vbmi.c) where the CPU has VBMI; otherwise, and with no xb or K % 32: this
+ * variant's */
 void q3_matmul_fp8_cpu_avx512bf16(float *y, const float *x, const uint8_t *w, const void *scale, q3_dtype sdt,
                                   int64_t T, int64_t N, int64_t K, int accumulate, float *scratch, int threads,
                                   uint16_t *xb) {
+    static int vbmi = -1;
+    if (__atomic_load_n(&vbmi, __ATOMIC_RELAXED) < 0) __atomic_store_n(&vbmi, q3_cpu_has_vbmi(), __ATOMIC_RELAXED);
+    if (T < Q3_FP8_GEMV_MAX_T && __atomic_load_n(&vbmi, __ATOMIC_RELAXED)) {
+        q3_fp8_gemv_vbmi(y, x, w, scale, sdt, T, N, K, accumulate, threads);
+        return;
+    }
     if (T < Q3_FP8_GEMV_MAX_T || !xb || K % 32) {
         q3_matmul_fp8_cpu_avx512(y, x, w, scale, sdt, T, N, K, accumulate, scratch, threads, xb);
         return;
