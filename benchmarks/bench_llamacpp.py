@@ -51,7 +51,7 @@ __AMXINT8__ etc., and ggml tests __AMX_INT8__: the -D flags below name them as g
 CMake does for MSVC, on a CPU that has AMX (elsewhere they would build code it cannot run).
 
     apt-get install -y clang libomp-14-dev
-    pip download llama-cpp-python --no-binary :all: --no-deps -d /tmp/llama-src
+    pip download llama-cpp-python --no-binary llama-cpp-python --no-deps -d /tmp/llama-src
     tar xzf /tmp/llama-src/llama_cpp_python-*.tar.gz -C /tmp/llama-src
     AMX=""; grep -qw amx_tile /proc/cpuinfo && AMX="-D__AMX_TILE__ -D__AMX_INT8__ -D__AMX_BF16__"  # only where the CPU has AMX
     cmake -S /tmp/llama-src/llama_cpp_python-*/vendor/llama.cpp -B /tmp/llama-build \\
