@@ -15,6 +15,7 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#include <pthread.h>
 #include <string.h>
 
 #include "../fp8.h"
@@ -25,10 +26,9 @@
  * of a step: byte q of the reordered 64 is column step_order[q] */
 static uint8_t mag_high[128] __attribute__((aligned(64))), mag_low[128] __attribute__((aligned(64)));
 static uint8_t step_order[64] __attribute__((aligned(64)));
-static int tables_ready;
+static pthread_once_t tables_once = PTHREAD_ONCE_INIT;
 
-static void make_tables(void) {
-    if (__atomic_load_n(&tables_ready, __ATOMIC_ACQUIRE)) return;
+static void make_tables(void) { /* once, by pthread_once: no two threads write them */
     for (int m = 0; m < 128; m++) {
         const float f = q3_e4m3_to_f32((uint8_t)m);
         uint32_t u;
@@ -46,7 +46,6 @@ static void make_tables(void) {
                 const int from = 16 * l + 8 * (v >> 1) + (v & 1) + 2 * i; /* where unpacking reads */
                 step_order[from] = (uint8_t)(16 * v + 4 * l + i);
             }
-    __atomic_store_n(&tables_ready, 1, __ATOMIC_RELEASE);
 }
 
 typedef struct {
@@ -107,7 +106,7 @@ static inline __attribute__((always_inline)) VBMI_TARGET void row_vbmi(float *y,
 
 VBMI_TARGET void q3_fp8_gemv_vbmi(float *y, const float *x, const uint8_t *w, const void *scale, q3_dtype sdt,
                                   int64_t T, int64_t N, int64_t K, int acc, int threads) {
-    make_tables();
+    pthread_once(&tables_once, make_tables);
     const vbmi_tables tb = {_mm512_load_si512(mag_high), _mm512_load_si512(mag_high + 64),
                             _mm512_load_si512(mag_low), _mm512_load_si512(mag_low + 64),
                             _mm512_load_si512(step_order)};
