@@ -3,7 +3,7 @@ projection in bf16 (the layer's weights today), on the active CPU path (QWEN3LAY
 chooses), in one run: GB/s of weight bytes (FP8: the bytes plus the fp32 scales) beside the
 read probe, and GFLOP/s (for --tokens 16 and more: the prefill path). Geometry of Qwen3-235B-A22B's experts: gate/up [1536, 4096], down [4096, 1536].
 
-    python benchmarks/bench_fp8_gemv.py [--repeats 200] [--tokens 1]
+    python benchmarks/bench_fp8_gemv.py [--repeats 200] [--tokens 1] [--shapes 1536x4096,4096x8192]
 """
 import argparse
 import os
@@ -18,7 +18,7 @@ from qwen3layer import _C  # noqa: E402
 
 _testing = q3.cuda.testing_module()  # the single-kernel entries
 
-SHAPES = [(1536, 4096), (4096, 1536)]  # (N, K): gate/up_proj, down_proj of one expert
+SHAPES = "1536x4096,4096x1536"  # N x K: gate/up_proj, down_proj of one expert (qkv: 9216x4096, o: 4096x8192)
 
 
 def best_seconds(fns, repeats):
@@ -39,12 +39,13 @@ def main():
     ap.add_argument("--tokens", type=int, default=1)
     ap.add_argument("--copies", type=int, default=8,
                     help="weight copies called in turn, so the weights come from memory, not L3 (1: cached)")
+    ap.add_argument("--shapes", default=SHAPES, help="N x K pairs, comma-separated (default: %(default)s)")
     a = ap.parse_args()
     rng = np.random.default_rng(0)
     read = _C.probe_read_bandwidth(1 << 30, 3)
     print(f"CPU path {_C.build_info()['cpu_path']}, T = {a.tokens}, {a.copies} weight copies in turn; read probe {read:.1f} GB/s (1 GiB, all threads)")
     print(f"{'N x K':>12} {'weights':>8} {'us':>9} {'GB/s':>7} {'of probe':>9} {'GFLOP/s':>8}")
-    for n, k in SHAPES:
+    for n, k in (tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")):
         x = rng.standard_normal((a.tokens, k), dtype=np.float32)
         y = np.empty((a.tokens, n), np.float32)
         finite = np.array([c for c in range(256) if c not in (0x7F, 0xFF)], np.uint8)

@@ -7,10 +7,10 @@
  * magnitude as bf16 (exact: e4m3 has 3 mantissa bits; NaN codes give NaN), the sign ORed into
  * the high byte, and unpacks and shifts place them as 4 x 16 fp32 lanes in column order:
  * 10 vector operations for 64 weights, where matmul_fp8.c's fp16 construction takes 16 and
- * tracks NaN codes beside it. Rows split over threads as there; each row's bytes read once,
- * each decoded vector serving up to 4 tokens. On an AMD Zen 4 (2 threads, 256-bit datapaths)
- * the fp16 construction had bound the FP8 decode at ~27 GB/s of weights from memory, below the
- * ~34 GB/s read probe. */
+ * tracks NaN codes beside it. Groups of rows split over threads; each row's bytes read once,
+ * each decoded vector serving up to 4 tokens, each load of x up to 4 rows (where x's rows pass
+ * half of L1d). On an AMD Zen 4 (2 threads, 256-bit datapaths) the fp16 construction had bound
+ * the FP8 decode at ~27 GB/s of weights from memory, below the ~34 GB/s read probe. */
 #include "matmul_fp8_vbmi.h"
 
 #if defined(__AVX512F__)
@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "../fp8.h"
+#include "cache_sizes.h"
 
 #define VBMI_TARGET __attribute__((target("avx512vbmi")))
 
@@ -26,9 +27,12 @@
  * of a step: byte q of the reordered 64 is column step_order[q] */
 static uint8_t mag_high[128] __attribute__((aligned(64))), mag_low[128] __attribute__((aligned(64)));
 static uint8_t step_order[64] __attribute__((aligned(64)));
+static long l1d; /* bytes of L1 data cache */
 static pthread_once_t tables_once = PTHREAD_ONCE_INIT;
 
 static void make_tables(void) { /* once, by pthread_once: no two threads write them */
+    long l2;
+    q3_cache_sizes(&l1d, &l2);
     for (int m = 0; m < 128; m++) {
         const float f = q3_e4m3_to_f32((uint8_t)m);
         uint32_t u;
@@ -67,41 +71,66 @@ static inline __attribute__((always_inline)) VBMI_TARGET void decode64(const uin
     o[3] = _mm512_castsi512_ps(_mm512_and_si512(wb, top));
 }
 
-/* y[t * N] for tokens t < NT (<= 4) of one row wr [K]; srow: the row's scales. Two
- * accumulators a token within a scale block, added into tot times the block's scale. */
-static inline __attribute__((always_inline)) VBMI_TARGET void row_vbmi(float *y, const float *x, const uint8_t *wr,
-                                                                       const void *scale, q3_dtype sdt, int64_t srow,
-                                                                       int64_t N, int64_t K, int acc,
-                                                                       const vbmi_tables *tb, const int NT) {
+/* y[t * N + r] for tokens t < NT and rows r < R (R NT <= 4) of the rows at wr [R, K], which
+ * share a 128-row scale block (their first is a multiple of R; R divides 128): srow, its
+ * scales. ahead <= K: the prefetch distance; wrap: a next group of R rows follows. The rows
+ * share each load of x: at one token, 4 rows read 64 bytes of x (fp32) per
+ * 64 bytes of weights, where one row read 256 and, with o_proj's K = 8192 (x 32 KiB, L1's
+ * size on a Zen 4), took them from L2 at half the read rate. Two accumulators a sum within a
+ * scale block, added into tot times the block's scale. */
+static inline __attribute__((always_inline)) VBMI_TARGET void rows_vbmi(float *y, const float *x, const uint8_t *wr,
+                                                                        const void *scale, q3_dtype sdt, int64_t srow,
+                                                                        int64_t N, int64_t K, int acc,
+                                                                        const vbmi_tables *tb, int64_t ahead,
+                                                                        int wrap, const int R, const int NT) {
     __m512 tot[4], a0[4], a1[4];
     float tail[4] = {0};
-    for (int t = 0; t < NT; t++) tot[t] = _mm512_setzero_ps();
+    for (int i = 0; i < R * NT; i++) tot[i] = _mm512_setzero_ps();
     for (int64_t k0 = 0; k0 < K; k0 += Q3_FP8_BLOCK) {
         const int64_t k1 = k0 + Q3_FP8_BLOCK < K ? k0 + Q3_FP8_BLOCK : K;
         const float s = q3_fp8_scale_at(scale, sdt, srow + k0 / Q3_FP8_BLOCK);
-        /* 2048 bytes ahead, as matmul_fp8.c's GEMV: into the next rows at a row's end */
-        _mm_prefetch((const char *)wr + k0 + 2048, _MM_HINT_T0);
-        _mm_prefetch((const char *)wr + k0 + 2048 + 64, _MM_HINT_T0);
-        for (int t = 0; t < NT; t++) a0[t] = a1[t] = _mm512_setzero_ps();
-        int64_t k = k0;
-        for (; k + 64 <= k1; k += 64) {
-            __m512 o[4];
-            decode64(wr + k, tb, o);
-            for (int t = 0; t < NT; t++) {
-                const float *xt = x + t * K + k;
-                a0[t] = _mm512_fmadd_ps(_mm512_loadu_ps(xt), o[0], a0[t]);
-                a1[t] = _mm512_fmadd_ps(_mm512_loadu_ps(xt + 16), o[1], a1[t]);
-                a0[t] = _mm512_fmadd_ps(_mm512_loadu_ps(xt + 32), o[2], a0[t]);
-                a1[t] = _mm512_fmadd_ps(_mm512_loadu_ps(xt + 48), o[3], a1[t]);
+        /* `ahead` bytes on in each row; past its end, on in the same row of the next group
+         * (which its own stream reads next), not in row r + 1, which another stream has read */
+        for (int r = 0; r < R; r++) {
+            const int64_t at = k0 + ahead;
+            if (at < K || wrap) {
+                const char *p = (const char *)wr + (at < K ? r * K + at : (R + r) * K + (at - K));
+                _mm_prefetch(p, _MM_HINT_T0);
+                _mm_prefetch(p + 64, _MM_HINT_T0);
             }
         }
-        for (int t = 0; t < NT; t++) tot[t] = _mm512_fmadd_ps(_mm512_add_ps(a0[t], a1[t]), _mm512_set1_ps(s), tot[t]);
-        for (; k < k1; k++) { /* K % 64 (NaN codes give NaN here too) */
-            const float w = q3_e4m3_to_f32(wr[k]) * s;
-            for (int t = 0; t < NT; t++) tail[t] += x[t * K + k] * w;
+        for (int i = 0; i < R * NT; i++) a0[i] = a1[i] = _mm512_setzero_ps();
+        int64_t k = k0;
+        for (; k + 64 <= k1; k += 64) {
+            __m512 xv[4][4]; /* with several rows, x loaded once for all; one row: the FMAs load it */
+            if (R > 1)
+                for (int t = 0; t < NT; t++)
+                    for (int j = 0; j < 4; j++) xv[t][j] = _mm512_loadu_ps(x + t * K + k + 16 * j);
+            for (int r = 0; r < R; r++) {
+                __m512 o[4];
+                decode64(wr + r * K + k, tb, o);
+                for (int t = 0; t < NT; t++) {
+                    const int i = r * NT + t;
+                    const float *xt = x + t * K + k;
+                    a0[i] = _mm512_fmadd_ps(R > 1 ? xv[t][0] : _mm512_loadu_ps(xt), o[0], a0[i]);
+                    a1[i] = _mm512_fmadd_ps(R > 1 ? xv[t][1] : _mm512_loadu_ps(xt + 16), o[1], a1[i]);
+                    a0[i] = _mm512_fmadd_ps(R > 1 ? xv[t][2] : _mm512_loadu_ps(xt + 32), o[2], a0[i]);
+                    a1[i] = _mm512_fmadd_ps(R > 1 ? xv[t][3] : _mm512_loadu_ps(xt + 48), o[3], a1[i]);
+                }
+            }
         }
+        for (int i = 0; i < R * NT; i++) tot[i] = _mm512_fmadd_ps(_mm512_add_ps(a0[i], a1[i]), _mm512_set1_ps(s), tot[i]);
+        for (; k < k1; k++) /* K % 64 (NaN codes give NaN here too) */
+            for (int r = 0; r < R; r++) {
+                const float w = q3_e4m3_to_f32(wr[r * K + k]) * s;
+                for (int t = 0; t < NT; t++) tail[r * NT + t] += x[t * K + k] * w;
+            }
     }
-    for (int t = 0; t < NT; t++) y[t * N] = (acc ? y[t * N] : 0.0f) + _mm512_reduce_add_ps(tot[t]) + tail[t];
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < NT; t++) {
+            const int i = r * NT + t;
+            y[t * N + r] = (acc ? y[t * N + r] : 0.0f) + _mm512_reduce_add_ps(tot[i]) + tail[i];
+        }
 }
 
 VBMI_TARGET void q3_fp8_gemv_vbmi(float *y, const float *x, const uint8_t *w, const void *scale, q3_dtype sdt,
@@ -111,18 +140,36 @@ VBMI_TARGET void q3_fp8_gemv_vbmi(float *y, const float *x, const uint8_t *w, co
                             _mm512_load_si512(mag_low), _mm512_load_si512(mag_low + 64),
                             _mm512_load_si512(step_order)};
     const int64_t kb = q3_fp8_blocks(K);
+    /* tokens a pass, and rows a group: one row (one sequential stream a thread) while a pass's
+     * x rows fit in half of L1d, else rows sharing each load of x, 4 x 1 or 2 x 2 (R NT <= 4
+     * sums). Zen 4 (32 KiB L1d), 2 threads, one token, alternated, weights from memory:
+     * o_proj's [4096, 8192] 18-21 -> 26-28 GB/s with 4 rows; [4096, 1536] 28-34 -> 25-26,
+     * so it keeps one row. */
+    const int NT = T < 4 ? (int)T : 4;
+    const int R = 4 * NT * K <= l1d / 2 ? 1 : T == 1 ? 4 : T == 2 ? 2 : 1;
+    const int64_t groups = (N + R - 1) / R;
+    /* bytes; with several rows at most a row, so one wrap at most */
+    const int64_t ahead = R == 1 || K >= 2048 ? 2048 : K;
 #pragma omp parallel for schedule(static) num_threads(threads) if (T * N * K > (1 << 18))
-    for (int64_t n = 0; n < N; n++) {
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t n = g * R;
+        const int rows = N - n < R ? (int)(N - n) : R;
+        const int wrap = n + 2 * R <= N;
         const uint8_t *wr = w + n * K;
         const int64_t srow = n / Q3_FP8_BLOCK * kb;
-        for (int64_t t = 0; t < T; t += 4) {
+        for (int64_t t = 0; t < T; t += NT) {
             float *yt = y + t * N + n;
             const float *xt = x + t * K;
-            switch (T - t < 4 ? T - t : 4) { /* constant NT: the accumulators stay in registers */
-            case 1: row_vbmi(yt, xt, wr, scale, sdt, srow, N, K, acc, &tb, 1); break;
-            case 2: row_vbmi(yt, xt, wr, scale, sdt, srow, N, K, acc, &tb, 2); break;
-            case 3: row_vbmi(yt, xt, wr, scale, sdt, srow, N, K, acc, &tb, 3); break;
-            default: row_vbmi(yt, xt, wr, scale, sdt, srow, N, K, acc, &tb, 4); break;
+            const int nt = T - t < NT ? (int)(T - t) : NT;
+            switch (rows * 8 + nt) { /* constant R and NT: the sums stay in registers */
+            case 8 + 1: rows_vbmi(yt, xt, wr, scale, sdt, srow, N, K, acc, &tb, ahead, wrap, 1, 1); break;
+            case 16 + 1: rows_vbmi(yt, xt, wr, scale, sdt, srow, N, K, acc, &tb, ahead, wrap, 2, 1); break;
+            case 24 + 1: rows_vbmi(yt, xt, wr, scale, sdt, srow, N, K, acc, &tb, ahead, wrap, 3, 1); break;
+            case 32 + 1: rows_vbmi(yt, xt, wr, scale, sdt, srow, N, K, acc, &tb, ahead, wrap, 4, 1); break;
+            case 8 + 2: rows_vbmi(yt, xt, wr, scale, sdt, srow, N, K, acc, &tb, ahead, wrap, 1, 2); break;
+            case 16 + 2: rows_vbmi(yt, xt, wr, scale, sdt, srow, N, K, acc, &tb, ahead, wrap, 2, 2); break;
+            case 8 + 3: rows_vbmi(yt, xt, wr, scale, sdt, srow, N, K, acc, &tb, ahead, wrap, 1, 3); break;
+            default: rows_vbmi(yt, xt, wr, scale, sdt, srow, N, K, acc, &tb, ahead, wrap, 1, 4); break;
             }
         }
     }

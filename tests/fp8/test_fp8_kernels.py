@@ -127,9 +127,12 @@ def test_nan_code_at_every_offset_gives_nan(path, t):
     assert torch.isnan(y[:, : n - 1]).all() and not torch.isnan(y[:, n - 1]).any()
 
 
-SIZES = [(200, 300), (5, 100), (130, 129), (256, 384), (1, 7), (48, 1056), (200, 320), (40, 4160), (20, 2048)]
+SIZES = [(200, 300), (5, 100), (130, 129), (256, 384), (1, 7), (48, 1056), (200, 320), (40, 4160), (20, 2048),
+         (130, 4200), (7, 8256)]
 # (N, K): partial blocks, K < 128; rows past 128 in blocks of 6; three k blocks of the dot products;
-# K a multiple of 2048 (x rows padded by a cache line in the dot products)
+# K a multiple of 2048 (x rows padded by a cache line in the dot products); x rows past half of
+# L1d (32 or 64 KiB), where the VBMI GEMV takes rows in groups of 4 (1 token) or 2 (2 tokens),
+# here with a last group of 2 rows past row 128, K % 64 != 0, and of 3 rows
 
 
 def rounds_to_bf16(path, t, n, k):
@@ -150,7 +153,7 @@ def test_matmul_matches_float64_reference(path, sdtype, n, k):
     # e4m3 times its fp32 scale, rounded to fp32 and then to bf16 (to nearest even), as the tiles take it
     wd_bf16 = wd.float().bfloat16().double()
     g = torch.Generator().manual_seed(7)
-    for t in (1, 3, 6, 8, 17, 64):  # GEMV groups of 4 tokens + 1, 3, 2, 0 tokens; prefill
+    for t in (1, 2, 3, 6, 8, 17, 64):  # GEMV groups of 4 tokens + 1, 2, 3, 2, 0 tokens; prefill
         x = torch.randn(t, k, generator=g)
         # the operands the path multiplies (the kernel is given x itself)
         xr, wr = (x.bfloat16().double(), wd_bf16) if rounds_to_bf16(path, t, n, k) else (x.double(), wd)
