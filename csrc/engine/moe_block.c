@@ -46,14 +46,16 @@ static void experts_in_turn(q3_layer *layer, const q3_cpu_ops *k, float *dst) {
     }
 }
 
-/* pair_out[s] <- weight[s] * expert(h[pair_row[s]]) for the slots s of expert e */
-static void expert_to_slots(const q3_cpu_ops *k, const q3_layer *layer, int e, const expert_buffers *b) {
+/* pair_out[s] <- weight[s] * expert(h[pair_row[s]]) for the slots s of expert e; xb: the
+ * thread's bf16 scratch (q3_expert_thread_xb) */
+static void expert_to_slots(const q3_cpu_ops *k, const q3_layer *layer, int e, const expert_buffers *b,
+                            uint16_t *xb) {
     const q3_workspace *ws = &layer->ws;
     const int64_t H = layer->cfg.hidden;
     const int64_t first = ws->offsets[e], n = ws->offsets[e + 1] - first;
     float *out = ws->pair_out + first * H;
     k->gather_rows(b->xe, ws->h, ws->pair_row + first, n, H);
-    expert_apply(k, layer, e, n, out, b, NULL, 1); /* n <= Q3_MOE_THREAD_ROWS */
+    expert_apply(k, layer, e, n, out, b, xb, 1); /* n <= Q3_MOE_THREAD_ROWS */
     for (int64_t i = 0; i < n; i++) {
         const float wt = ws->pair_w[first + i];
 #pragma omp simd
@@ -71,13 +73,15 @@ static void experts_across_threads(q3_layer *layer, const q3_cpu_ops *k, float *
 #pragma omp parallel num_threads(ws->threads)
     {
 #ifdef _OPENMP
-        float *base = ws->expert_thread + omp_get_thread_num() * per;
+        const int th = omp_get_thread_num();
 #else
-        float *base = ws->expert_thread;
+        const int th = 0;
 #endif
+        float *base = ws->expert_thread + th * per;
+        uint16_t *xb = ws->expert_xb + th * q3_expert_thread_xb(&layer->cfg);
         const expert_buffers b = {base, base + rows * H, base + rows * (H + I)};
 #pragma omp for schedule(dynamic, 1)
-        for (int a = 0; a < n_active; a++) expert_to_slots(k, layer, active[a], &b);
+        for (int a = 0; a < n_active; a++) expert_to_slots(k, layer, active[a], &b, xb);
         /* x[t] += its slots, in slot (= expert) order; threads split the hidden dim */
 #pragma omp for schedule(static)
         for (int64_t j0 = 0; j0 < H; j0 += 256) {

@@ -43,6 +43,7 @@ size_t q3_workspace_layout(q3_workspace *w, char *base, const q3_config *c, int 
     const q3_attn_shape shape = {.heads = c->heads, .kv_heads = c->kv_heads, .head_dim = c->head_dim};
     CARVE(attn_scratch, float, threads * q3_attention_scratch_floats(&shape));
     CARVE(expert_thread, float, threads * q3_expert_thread_floats(c));
+    CARVE(expert_xb, uint16_t, threads * q3_expert_thread_xb(c));
     CARVE(pair_out, float, (int64_t)Q3_MOE_THREAD_ROWS * c->top_k * H);
     CARVE(attn_seqs, q3_attn_seq, S);
     CARVE(fp8_scratch, float, fp8 ? threads * q3_matmul_fp8_scratch_floats(R, max_k) : 0);

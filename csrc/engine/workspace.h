@@ -5,6 +5,7 @@
 #define Q3_ENGINE_WORKSPACE_H
 
 #include "../../kernels/attention.h"
+#include "../../kernels/matmul.h"
 #include "q3.h"
 
 typedef struct {
@@ -35,6 +36,7 @@ typedef struct {
     uint16_t *xb;      /* bf16 activations for the matmuls (kernels/matmul.h) */
     float *attn_scratch; /* [threads] x q3_attention_scratch_floats */
     float *expert_thread; /* [threads] x q3_expert_thread_floats: decode's experts per thread */
+    uint16_t *expert_xb;  /* [threads] x q3_expert_thread_xb: their bf16 activations (kernels/matmul.h) */
     float *pair_out;      /* [Q3_MOE_THREAD_ROWS * k, H] decode's weighted expert outputs, by pair */
     float *fp8_scratch;   /* FP8 layers: [threads] x q3_matmul_fp8_scratch_floats(R, max K), else NULL */
     q3_attn_seq *attn_seqs; /* [seqs] */
@@ -46,6 +48,11 @@ typedef struct {
 /* one thread's buffers for that: the expert's inputs, gate and up activations */
 static inline int64_t q3_expert_thread_floats(const q3_config *c) {
     return ((int64_t)Q3_MOE_THREAD_ROWS * (c->hidden + 2 * c->moe_inter) + 15) / 16 * 16;
+}
+
+/* and its bf16 scratch for the matmuls: Q3_MOE_THREAD_ROWS rows of the longer of H and I */
+static inline int64_t q3_expert_thread_xb(const q3_config *c) {
+    return q3_matmul_scratch_elems(Q3_MOE_THREAD_ROWS, c->hidden > c->moe_inter ? c->hidden : c->moe_inter);
 }
 
 /* Makes room for `rows` rows and `seqs` sequences; keeps the old block on failure. */

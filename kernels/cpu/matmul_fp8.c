@@ -398,7 +398,7 @@ void q3_matmul_fp8_cpu_avx512bf16(float *y, const float *x, const uint8_t *w, co
     static int vbmi = -1;
     if (__atomic_load_n(&vbmi, __ATOMIC_RELAXED) < 0) __atomic_store_n(&vbmi, q3_cpu_has_vbmi(), __ATOMIC_RELAXED);
     if (T < FP8_DOT_MIN_TOKENS && __atomic_load_n(&vbmi, __ATOMIC_RELAXED)) {
-        q3_fp8_gemv_vbmi(y, x, w, scale, sdt, T, N, K, accumulate, threads);
+        q3_fp8_gemv_vbmi(y, x, w, scale, sdt, T, N, K, accumulate, threads, xb != NULL); /* xb: may round x */
         return;
     }
     if (T < FP8_DOT_MIN_TOKENS || !xb || K % 32) {

@@ -1,16 +1,22 @@
 /* The FP8 decode GEMV of the avx512bf16 level on a CPU with AVX512-VBMI (the avx512 variant
- * only; matmul_fp8.c's q3_matmul_fp8_cpu_avx512bf16 calls it below Q3_FP8_GEMV_MAX_T tokens):
- * y [T, N] (+)= x [T, K] W^T, W block-scaled e4m3 (kernels/fp8.h), x and the sums in fp32.
+ * only; matmul_fp8.c's q3_matmul_fp8_cpu_avx512bf16 calls it below 4 tokens):
+ * y [T, N] (+)= x [T, K] W^T, W block-scaled e4m3 (kernels/fp8.h), the sums in fp32.
  *
- * 64 codes a step: their bytes put in the order the unpacks below undo (vpermb), then two
- * byte lookups (vpermi2b over 128-entry tables) give the high and the low byte of each code's
- * magnitude as bf16 (exact: e4m3 has 3 mantissa bits; NaN codes give NaN), the sign ORed into
- * the high byte, and unpacks and shifts place them as 4 x 16 fp32 lanes in column order:
- * 10 vector operations for 64 weights, where matmul_fp8.c's fp16 construction takes 16 and
- * tracks NaN codes beside it. Groups of rows split over threads; each row's bytes read once,
- * each decoded vector serving up to 4 tokens, each load of x up to 4 rows (where x's rows pass
- * half of L1d). On an AMD Zen 4 (2 threads, 256-bit datapaths) the fp16 construction had bound
- * the FP8 decode at ~27 GB/s of weights from memory, below the ~34 GB/s read probe. */
+ * 64 codes a step: two byte lookups (vpermi2b over 128-entry tables) give the high and the low
+ * byte of each code's magnitude as bf16 (exact: e4m3 has 3 mantissa bits; NaN codes give NaN),
+ * the sign ORed into the high byte, and byte unpacks pair them into bf16 words. Then:
+ * - where x may be rounded (round_x: a bf16 layer's), below 4 tokens with T K <= BF16_MAX_X
+ *   (the layer's every decode projection), x rounded to bf16 once a call, in the words'
+ *   order, and two bf16 dot products (vdpbf16ps) a step: 7 vector operations for 64 weights.
+ *   x is rounded as the prefill's dot products round it, and a token's x rows take half the
+ *   L1 space of fp32 ones (o_proj's K = 8192: 16 KiB);
+ * - else the words widened to 4 x 16 fp32 lanes in column order (their bytes put in that order
+ *   first, vpermb) and fp32 FMAs with x as given: 14 operations.
+ * Rows split over threads; each row's bytes read once, each decoded vector serving every token.
+ * On an AMD Zen 4 (2 threads, 256-bit datapaths; C harness, old and new alternated on other
+ * weight copies), [1536, 4096] from memory: fp16 construction ~27 GB/s, fp32 lookups 20-30,
+ * bf16 dot products 20-42 (40-52 from L3, against 28-37); o_proj's [4096, 8192] 18-20 -> 21-29.
+ */
 #include "matmul_fp8_vbmi.h"
 
 #if defined(__AVX512F__)
@@ -19,20 +25,17 @@
 #include <string.h>
 
 #include "../fp8.h"
-#include "cache_sizes.h"
 
 #define VBMI_TARGET __attribute__((target("avx512vbmi")))
+#define VBMI_BF16_TARGET __attribute__((target("avx512vbmi,avx512bf16")))
 
 /* bf16 high and low bytes of each magnitude m < 128 (m = 127: NaN 0x7fc0), and the byte order
  * of a step: byte q of the reordered 64 is column step_order[q] */
 static uint8_t mag_high[128] __attribute__((aligned(64))), mag_low[128] __attribute__((aligned(64)));
 static uint8_t step_order[64] __attribute__((aligned(64)));
-static long l1d; /* bytes of L1 data cache */
 static pthread_once_t tables_once = PTHREAD_ONCE_INIT;
 
 static void make_tables(void) { /* once, by pthread_once: no two threads write them */
-    long l2;
-    q3_cache_sizes(&l1d, &l2);
     for (int m = 0; m < 128; m++) {
         const float f = q3_e4m3_to_f32((uint8_t)m);
         uint32_t u;
@@ -71,105 +74,158 @@ static inline __attribute__((always_inline)) VBMI_TARGET void decode64(const uin
     o[3] = _mm512_castsi512_ps(_mm512_and_si512(wb, top));
 }
 
-/* y[t * N + r] for tokens t < NT and rows r < R (R NT <= 4) of the rows at wr [R, K], which
- * share a 128-row scale block (their first is a multiple of R; R divides 128): srow, its
- * scales. ahead <= K: the prefetch distance; wrap: a next group of R rows follows. The rows
- * share each load of x: at one token, 4 rows read 64 bytes of x (fp32) per
- * 64 bytes of weights, where one row read 256 and, with o_proj's K = 8192 (x 32 KiB, L1's
- * size on a Zen 4), took them from L2 at half the read rate. Two accumulators a sum within a
- * scale block, added into tot times the block's scale. */
-static inline __attribute__((always_inline)) VBMI_TARGET void rows_vbmi(float *y, const float *x, const uint8_t *wr,
-                                                                        const void *scale, q3_dtype sdt, int64_t srow,
-                                                                        int64_t N, int64_t K, int acc,
-                                                                        const vbmi_tables *tb, int64_t ahead,
-                                                                        int wrap, const int R, const int NT) {
+/* y[t * N] for tokens t < NT (<= 4) of one row wr [K]; srow: the row's scales. Two
+ * accumulators a token within a scale block, added into tot times the block's scale. */
+static inline __attribute__((always_inline)) VBMI_TARGET void row_vbmi(float *y, const float *x, const uint8_t *wr,
+                                                                       const void *scale, q3_dtype sdt, int64_t srow,
+                                                                       int64_t N, int64_t K, int acc,
+                                                                       const vbmi_tables *tb, const int NT) {
     __m512 tot[4], a0[4], a1[4];
     float tail[4] = {0};
-    for (int i = 0; i < R * NT; i++) tot[i] = _mm512_setzero_ps();
+    for (int t = 0; t < NT; t++) tot[t] = _mm512_setzero_ps();
     for (int64_t k0 = 0; k0 < K; k0 += Q3_FP8_BLOCK) {
         const int64_t k1 = k0 + Q3_FP8_BLOCK < K ? k0 + Q3_FP8_BLOCK : K;
         const float s = q3_fp8_scale_at(scale, sdt, srow + k0 / Q3_FP8_BLOCK);
-        /* `ahead` bytes on in each row; past its end, on in the same row of the next group
-         * (which its own stream reads next), not in row r + 1, which another stream has read */
-        for (int r = 0; r < R; r++) {
-            const int64_t at = k0 + ahead;
-            if (at < K || wrap) {
-                const char *p = (const char *)wr + (at < K ? r * K + at : (R + r) * K + (at - K));
-                _mm_prefetch(p, _MM_HINT_T0);
-                _mm_prefetch(p + 64, _MM_HINT_T0);
-            }
-        }
-        for (int i = 0; i < R * NT; i++) a0[i] = a1[i] = _mm512_setzero_ps();
+        /* 2048 bytes ahead, as matmul_fp8.c's GEMV: into the next rows at a row's end */
+        _mm_prefetch((const char *)wr + k0 + 2048, _MM_HINT_T0);
+        _mm_prefetch((const char *)wr + k0 + 2048 + 64, _MM_HINT_T0);
+        for (int t = 0; t < NT; t++) a0[t] = a1[t] = _mm512_setzero_ps();
         int64_t k = k0;
         for (; k + 64 <= k1; k += 64) {
-            __m512 xv[4][4]; /* with several rows, x loaded once for all; one row: the FMAs load it */
-            if (R > 1)
-                for (int t = 0; t < NT; t++)
-                    for (int j = 0; j < 4; j++) xv[t][j] = _mm512_loadu_ps(x + t * K + k + 16 * j);
-            for (int r = 0; r < R; r++) {
-                __m512 o[4];
-                decode64(wr + r * K + k, tb, o);
-                for (int t = 0; t < NT; t++) {
-                    const int i = r * NT + t;
-                    const float *xt = x + t * K + k;
-                    a0[i] = _mm512_fmadd_ps(R > 1 ? xv[t][0] : _mm512_loadu_ps(xt), o[0], a0[i]);
-                    a1[i] = _mm512_fmadd_ps(R > 1 ? xv[t][1] : _mm512_loadu_ps(xt + 16), o[1], a1[i]);
-                    a0[i] = _mm512_fmadd_ps(R > 1 ? xv[t][2] : _mm512_loadu_ps(xt + 32), o[2], a0[i]);
-                    a1[i] = _mm512_fmadd_ps(R > 1 ? xv[t][3] : _mm512_loadu_ps(xt + 48), o[3], a1[i]);
-                }
+            __m512 o[4];
+            decode64(wr + k, tb, o);
+            for (int t = 0; t < NT; t++) {
+                const float *xt = x + t * K + k;
+                a0[t] = _mm512_fmadd_ps(_mm512_loadu_ps(xt), o[0], a0[t]);
+                a1[t] = _mm512_fmadd_ps(_mm512_loadu_ps(xt + 16), o[1], a1[t]);
+                a0[t] = _mm512_fmadd_ps(_mm512_loadu_ps(xt + 32), o[2], a0[t]);
+                a1[t] = _mm512_fmadd_ps(_mm512_loadu_ps(xt + 48), o[3], a1[t]);
             }
         }
-        for (int i = 0; i < R * NT; i++) tot[i] = _mm512_fmadd_ps(_mm512_add_ps(a0[i], a1[i]), _mm512_set1_ps(s), tot[i]);
-        for (; k < k1; k++) /* K % 64 (NaN codes give NaN here too) */
-            for (int r = 0; r < R; r++) {
-                const float w = q3_e4m3_to_f32(wr[r * K + k]) * s;
-                for (int t = 0; t < NT; t++) tail[r * NT + t] += x[t * K + k] * w;
-            }
+        for (int t = 0; t < NT; t++) tot[t] = _mm512_fmadd_ps(_mm512_add_ps(a0[t], a1[t]), _mm512_set1_ps(s), tot[t]);
+        for (; k < k1; k++) { /* K % 64 (NaN codes give NaN here too) */
+            const float w = q3_e4m3_to_f32(wr[k]) * s;
+            for (int t = 0; t < NT; t++) tail[t] += x[t * K + k] * w;
+        }
     }
-    for (int r = 0; r < R; r++)
-        for (int t = 0; t < NT; t++) {
-            const int i = r * NT + t;
-            y[t * N + r] = (acc ? y[t * N + r] : 0.0f) + _mm512_reduce_add_ps(tot[i]) + tail[i];
+    for (int t = 0; t < NT; t++) y[t * N] = (acc ? y[t * N] : 0.0f) + _mm512_reduce_add_ps(tot[t]) + tail[t];
+}
+
+/* x [NT, K] -> xq [NT, K] bf16 (to nearest even, as round_rows in matmul_dot.c) in the order
+ * decode_pairs leaves the weights of each whole step of 64 columns: words j of the step's first
+ * half are columns 16 (j / 8) + j % 8, of its second half those + 8; the columns past the
+ * last whole step in order */
+static void round_steps(uint16_t *xq, const float *x, int NT, int64_t K) {
+    const int64_t whole = K / 64 * 64;
+    for (int t = 0; t < NT; t++) {
+        const float *xt = x + t * K;
+        uint16_t *qt = xq + t * K;
+        for (int64_t k = 0; k < whole; k += 64)
+            for (int j = 0; j < 32; j++) {
+                qt[k + j] = q3_f32_to_bf16(xt[k + 16 * (j / 8) + j % 8]);
+                qt[k + 32 + j] = q3_f32_to_bf16(xt[k + 16 * (j / 8) + 8 + j % 8]);
+            }
+        for (int64_t k = whole; k < K; k++) qt[k] = q3_f32_to_bf16(xt[k]);
+    }
+}
+
+/* the 64 codes at p as two vectors of 32 bf16 (exact): wa holds, in 128-bit lane l, the codes
+ * 16 l .. 16 l + 7, wb the codes 16 l + 8 .. 16 l + 15 (round_steps orders x to match) */
+static inline __attribute__((always_inline)) VBMI_BF16_TARGET void decode_pairs(const uint8_t *p,
+                                                                               const vbmi_tables *t,
+                                                                               __m512bh *wa, __m512bh *wb) {
+    const __m512i c = _mm512_loadu_si512(p);
+    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t->hi0, c, t->hi1), c,
+                                                 _mm512_set1_epi8((char)0x80), 0xf8); /* hi | (c & 0x80) */
+    const __m512i lo = _mm512_permutex2var_epi8(t->lo0, c, t->lo1);
+    *wa = (__m512bh)_mm512_unpacklo_epi8(lo, hi);
+    *wb = (__m512bh)_mm512_unpackhi_epi8(lo, hi);
+}
+
+/* y[t * N] for tokens t < NT (<= 3) of one row wr [K], x rounded to bf16 in xq (round_steps):
+ * two bf16 dot products (vdpbf16ps) a step of 64 codes, a sum a token within a scale block,
+ * added into tot times the block's scale */
+static inline __attribute__((always_inline)) VBMI_BF16_TARGET void row_bf16(float *y, const uint16_t *xq,
+                                                                           const uint8_t *wr, const void *scale,
+                                                                           q3_dtype sdt, int64_t srow, int64_t N,
+                                                                           int64_t K, int acc, const vbmi_tables *tb,
+                                                                           const int NT) {
+    __m512 tot[3], a0[3], a1[3];
+    float tail[3] = {0};
+    for (int t = 0; t < NT; t++) tot[t] = _mm512_setzero_ps();
+    for (int64_t k0 = 0; k0 < K; k0 += Q3_FP8_BLOCK) {
+        const int64_t k1 = k0 + Q3_FP8_BLOCK < K ? k0 + Q3_FP8_BLOCK : K;
+        const float s = q3_fp8_scale_at(scale, sdt, srow + k0 / Q3_FP8_BLOCK);
+        /* 2048 bytes ahead: the rows are one stream, into the next rows at a row's end */
+        _mm_prefetch((const char *)wr + k0 + 2048, _MM_HINT_T0);
+        _mm_prefetch((const char *)wr + k0 + 2048 + 64, _MM_HINT_T0);
+        for (int t = 0; t < NT; t++) a0[t] = a1[t] = _mm512_setzero_ps();
+        int64_t k = k0;
+        for (; k + 64 <= k1; k += 64) {
+            __m512bh wa, wb;
+            decode_pairs(wr + k, tb, &wa, &wb);
+            for (int t = 0; t < NT; t++) {
+                a0[t] = _mm512_dpbf16_ps(a0[t], (__m512bh)_mm512_loadu_si512(xq + t * K + k), wa);
+                a1[t] = _mm512_dpbf16_ps(a1[t], (__m512bh)_mm512_loadu_si512(xq + t * K + k + 32), wb);
+            }
         }
+        for (int t = 0; t < NT; t++) tot[t] = _mm512_fmadd_ps(_mm512_add_ps(a0[t], a1[t]), _mm512_set1_ps(s), tot[t]);
+        for (; k < k1; k++) { /* K % 64, x in order there (NaN codes give NaN here too) */
+            const float w = q3_e4m3_to_f32(wr[k]) * s;
+            for (int t = 0; t < NT; t++) tail[t] += q3_bf16_to_f32(xq[t * K + k]) * w;
+        }
+    }
+    for (int t = 0; t < NT; t++) y[t * N] = (acc ? y[t * N] : 0.0f) + _mm512_reduce_add_ps(tot[t]) + tail[t];
+}
+
+/* the GEMV with x in bf16 (T < 4, T K <= BF16_MAX_X): each thread rounds and orders x once
+ * into its own stack buffer */
+#define BF16_MAX_X (3 * 8192) /* x elements: o_proj's K = 8192 for 3 tokens (48 KiB of stack) */
+static VBMI_BF16_TARGET void gemv_bf16(float *y, const float *x, const uint8_t *w, const void *scale, q3_dtype sdt,
+                                       int64_t T, int64_t N, int64_t K, int acc, int threads,
+                                       const vbmi_tables *tbp) {
+    const vbmi_tables tb = *tbp;
+    const int64_t kb = q3_fp8_blocks(K);
+#pragma omp parallel num_threads(threads) if (T * N * K > (1 << 18))
+    {
+        uint16_t xq[BF16_MAX_X] __attribute__((aligned(64)));
+        round_steps(xq, x, (int)T, K);
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; n++) {
+            const uint8_t *wr = w + n * K;
+            const int64_t srow = n / Q3_FP8_BLOCK * kb;
+            switch (T) { /* constant NT: the accumulators stay in registers */
+            case 1: row_bf16(y + n, xq, wr, scale, sdt, srow, N, K, acc, &tb, 1); break;
+            case 2: row_bf16(y + n, xq, wr, scale, sdt, srow, N, K, acc, &tb, 2); break;
+            default: row_bf16(y + n, xq, wr, scale, sdt, srow, N, K, acc, &tb, 3); break;
+            }
+        }
+    }
 }
 
 VBMI_TARGET void q3_fp8_gemv_vbmi(float *y, const float *x, const uint8_t *w, const void *scale, q3_dtype sdt,
-                                  int64_t T, int64_t N, int64_t K, int acc, int threads) {
+                                  int64_t T, int64_t N, int64_t K, int acc, int threads, int round_x) {
     pthread_once(&tables_once, make_tables);
     const vbmi_tables tb = {_mm512_load_si512(mag_high), _mm512_load_si512(mag_high + 64),
                             _mm512_load_si512(mag_low), _mm512_load_si512(mag_low + 64),
                             _mm512_load_si512(step_order)};
+    if (round_x && T < 4 && T * K <= BF16_MAX_X) {
+        gemv_bf16(y, x, w, scale, sdt, T, N, K, acc, threads, &tb);
+        return;
+    }
     const int64_t kb = q3_fp8_blocks(K);
-    /* tokens a pass, and rows a group: one row (one sequential stream a thread) while a pass's
-     * x rows fit in half of L1d, else rows sharing each load of x, 4 x 1 or 2 x 2 (R NT <= 4
-     * sums). Zen 4 (32 KiB L1d), 2 threads, one token, alternated, weights from memory:
-     * o_proj's [4096, 8192] 18-21 -> 26-28 GB/s with 4 rows; [4096, 1536] 28-34 -> 25-26,
-     * so it keeps one row. */
-    const int NT = T < 4 ? (int)T : 4;
-    const int R = 4 * NT * K <= l1d / 2 ? 1 : T == 1 ? 4 : T == 2 ? 2 : 1;
-    const int64_t groups = (N + R - 1) / R;
-    /* bytes; with several rows at most a row, so one wrap at most */
-    const int64_t ahead = R == 1 || K >= 2048 ? 2048 : K;
 #pragma omp parallel for schedule(static) num_threads(threads) if (T * N * K > (1 << 18))
-    for (int64_t g = 0; g < groups; g++) {
-        const int64_t n = g * R;
-        const int rows = N - n < R ? (int)(N - n) : R;
-        const int wrap = n + 2 * R <= N;
+    for (int64_t n = 0; n < N; n++) {
         const uint8_t *wr = w + n * K;
         const int64_t srow = n / Q3_FP8_BLOCK * kb;
-        for (int64_t t = 0; t < T; t += NT) {
+        for (int64_t t = 0; t < T; t += 4) {
             float *yt = y + t * N + n;
             const float *xt = x + t * K;
-            const int nt = T - t < NT ? (int)(T - t) : NT;
-            switch (rows * 8 + nt) { /* constant R and NT: the sums stay in registers */
-            case 8 + 1: rows_vbmi(yt, xt, wr, scale, sdt, srow, N, K, acc, &tb, ahead, wrap, 1, 1); break;
-            case 16 + 1: rows_vbmi(yt, xt, wr, scale, sdt, srow, N, K, acc, &tb, ahead, wrap, 2, 1); break;
-            case 24 + 1: rows_vbmi(yt, xt, wr, scale, sdt, srow, N, K, acc, &tb, ahead, wrap, 3, 1); break;
-            case 32 + 1: rows_vbmi(yt, xt, wr, scale, sdt, srow, N, K, acc, &tb, ahead, wrap, 4, 1); break;
-            case 8 + 2: rows_vbmi(yt, xt, wr, scale, sdt, srow, N, K, acc, &tb, ahead, wrap, 1, 2); break;
-            case 16 + 2: rows_vbmi(yt, xt, wr, scale, sdt, srow, N, K, acc, &tb, ahead, wrap, 2, 2); break;
-            case 8 + 3: rows_vbmi(yt, xt, wr, scale, sdt, srow, N, K, acc, &tb, ahead, wrap, 1, 3); break;
-            default: rows_vbmi(yt, xt, wr, scale, sdt, srow, N, K, acc, &tb, ahead, wrap, 1, 4); break;
+            switch (T - t < 4 ? T - t : 4) { /* constant NT: the accumulators stay in registers */
+            case 1: row_vbmi(yt, xt, wr, scale, sdt, srow, N, K, acc, &tb, 1); break;
+            case 2: row_vbmi(yt, xt, wr, scale, sdt, srow, N, K, acc, &tb, 2); break;
+            case 3: row_vbmi(yt, xt, wr, scale, sdt, srow, N, K, acc, &tb, 3); break;
+            default: row_vbmi(yt, xt, wr, scale, sdt, srow, N, K, acc, &tb, 4); break;
             }
         }
     }

@@ -128,19 +128,28 @@ def test_nan_code_at_every_offset_gives_nan(path, t):
 
 
 SIZES = [(200, 300), (5, 100), (130, 129), (256, 384), (1, 7), (48, 1056), (200, 320), (40, 4160), (20, 2048),
-         (130, 4200), (7, 8256)]
+         (130, 4200), (7, 8256), (3, 12352)]
 # (N, K): partial blocks, K < 128; rows past 128 in blocks of 6; three k blocks of the dot products;
-# K a multiple of 2048 (x rows padded by a cache line in the dot products); x rows past half of
-# L1d (32 or 64 KiB), where the VBMI GEMV takes rows in groups of 4 (1 token) or 2 (2 tokens),
-# here with a last group of 2 rows past row 128, K % 64 != 0, and of 3 rows
+# K a multiple of 2048 (x rows padded by a cache line in the dot products); K % 64 != 0 with rows
+# past 128; x of 1 and 2 tokens within the VBMI GEMV's bf16 buffer (3 x 8192 elements) and of 3
+# past it (8256); of 1 token within it and of 2 and 3 past it (12352)
+VBMI = any(v["name"] == "avx512_vbmi" and v["runs"] for v in _testing.e4m3_variants(all=True))
+BF16_GEMV_X = 3 * 8192  # kernels/cpu/matmul_fp8_vbmi.c's BF16_MAX_X
 
 
 def rounds_to_bf16(path, t, n, k):
-    """the FP8 prefill of the bf16 paths: x and each dequantized weight rounded to bf16 for the
-    AMX tiles or the bf16 dot products (kernels/cpu/matmul_fp8.c), where their shapes fit"""
+    """(x, weights): what the bf16 paths round to bf16. The FP8 prefill: x and each dequantized
+    weight, for the AMX tiles or the bf16 dot products (kernels/cpu/matmul_fp8.c), where their
+    shapes fit; the avx512bf16 level's decode GEMV on VBMI: x only (e4m3 is exact in bf16, the
+    scale applied to the sums)"""
     if path == "amx":
-        return t >= 16 and n % 16 == 0 and k % 32 == 0
-    return path == "avx512bf16" and t >= 4 and k % 32 == 0
+        both = t >= 16 and n % 16 == 0 and k % 32 == 0
+        return both, both
+    if path != "avx512bf16":
+        return False, False
+    if t >= 4 and k % 32 == 0:
+        return True, True
+    return VBMI and t < 4 and t * k <= BF16_GEMV_X, False
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -156,7 +165,9 @@ def test_matmul_matches_float64_reference(path, sdtype, n, k):
     for t in (1, 2, 3, 4, 6, 8, 17, 64):  # GEMV groups of 4 tokens + 1, 2, 3, 0, 2, 0 tokens; prefill
         x = torch.randn(t, k, generator=g)
         # the operands the path multiplies (the kernel is given x itself)
-        xr, wr = (x.bfloat16().double(), wd_bf16) if rounds_to_bf16(path, t, n, k) else (x.double(), wd)
+        round_x, round_w = rounds_to_bf16(path, t, n, k)
+        xr = x.bfloat16().double() if round_x else x.double()
+        wr = wd_bf16 if round_w else wd
         ref = xr @ wr.T
         # fp32 accumulation over k terms: bound by the magnitude of the terms, not of the sum
         bound = 1e-6 * (k ** 0.5 + 4) * (xr.abs() @ wr.abs().T) + 1e-30
