@@ -26,7 +26,7 @@
 
 #include "../fp8.h"
 
-#define VBMI_TARGET __attribute__((target("avx512vbmi")))
+/* the avx512bf16 level's only, so both extensions (the bf16 dot products below 4 tokens) */
 #define VBMI_BF16_TARGET __attribute__((target("avx512vbmi,avx512bf16")))
 
 /* bf16 high and low bytes of each magnitude m < 128 (m = 127: NaN 0x7fc0), and the byte order
@@ -59,14 +59,22 @@ typedef struct {
     __m512i hi0, hi1, lo0, lo1, order;
 } vbmi_tables;
 
-/* o[v] = the fp32 weights of columns 16 v .. 16 v + 15 of the 64 codes at p */
-static inline __attribute__((always_inline)) VBMI_TARGET void decode64(const uint8_t *p, const vbmi_tables *t,
-                                                                       __m512 o[4]) {
-    const __m512i c = _mm512_permutexvar_epi8(t->order, _mm512_loadu_si512(p));
+#define INLINE static inline __attribute__((always_inline)) VBMI_BF16_TARGET
+
+/* the 64 codes c as two vectors of 32 bf16 words (exact): wa holds, in 128-bit lane l, the
+ * codes at bytes 16 l .. 16 l + 7 of c, wb those at 16 l + 8 .. 16 l + 15 */
+INLINE void lookup_words(__m512i c, const vbmi_tables *t, __m512i *wa, __m512i *wb) {
     const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t->hi0, c, t->hi1), c,
                                                  _mm512_set1_epi8((char)0x80), 0xf8); /* hi | (c & 0x80) */
     const __m512i lo = _mm512_permutex2var_epi8(t->lo0, c, t->lo1);
-    const __m512i wa = _mm512_unpacklo_epi8(lo, hi), wb = _mm512_unpackhi_epi8(lo, hi);
+    *wa = _mm512_unpacklo_epi8(lo, hi);
+    *wb = _mm512_unpackhi_epi8(lo, hi);
+}
+
+/* o[v] = the fp32 weights of columns 16 v .. 16 v + 15 of the 64 codes at p */
+INLINE void decode64(const uint8_t *p, const vbmi_tables *t, __m512 o[4]) {
+    __m512i wa, wb;
+    lookup_words(_mm512_permutexvar_epi8(t->order, _mm512_loadu_si512(p)), t, &wa, &wb);
     const __m512i top = _mm512_set1_epi32((int)0xffff0000u);
     o[0] = _mm512_castsi512_ps(_mm512_slli_epi32(wa, 16));
     o[1] = _mm512_castsi512_ps(_mm512_and_si512(wa, top));
@@ -74,12 +82,31 @@ static inline __attribute__((always_inline)) VBMI_TARGET void decode64(const uin
     o[3] = _mm512_castsi512_ps(_mm512_and_si512(wb, top));
 }
 
-/* y[t * N] for tokens t < NT (<= 4) of one row wr [K]; srow: the row's scales. Two
- * accumulators a token within a scale block, added into tot times the block's scale. */
-static inline __attribute__((always_inline)) VBMI_TARGET void row_vbmi(float *y, const float *x, const uint8_t *wr,
-                                                                       const void *scale, q3_dtype sdt, int64_t srow,
-                                                                       int64_t N, int64_t K, int acc,
-                                                                       const vbmi_tables *tb, const int NT) {
+/* x [T, K] -> xq [T, K] bf16 (to nearest even, as round_rows in matmul_dot.c) in the order
+ * lookup_words leaves the codes of each whole step of 64 columns as loaded: words j of the
+ * step's first half are columns 16 (j / 8) + j % 8, of its second half those + 8; the columns
+ * past the last whole step in order */
+static void round_steps(uint16_t *xq, const float *x, int64_t T, int64_t K) {
+    const int64_t whole = K / 64 * 64;
+    for (int64_t t = 0; t < T; t++) {
+        const float *xt = x + t * K;
+        uint16_t *qt = xq + t * K;
+        for (int64_t k = 0; k < whole; k += 64)
+            for (int j = 0; j < 32; j++) {
+                qt[k + j] = q3_f32_to_bf16(xt[k + 16 * (j / 8) + j % 8]);
+                qt[k + 32 + j] = q3_f32_to_bf16(xt[k + 16 * (j / 8) + 8 + j % 8]);
+            }
+        for (int64_t k = whole; k < K; k++) qt[k] = q3_f32_to_bf16(xt[k]);
+    }
+}
+
+/* y[t * N] for tokens t < NT (<= 4) of one row wr [K]; srow: the row's scales. BF: x [NT, K]
+ * in bf16 as round_steps leaves it, two bf16 dot products a step; else x fp32 as given, four
+ * FMAs a step. Two sums a token within a scale block, added into tot times the block's scale. */
+INLINE void row_sums(float *y, const void *xv, const uint8_t *wr, const void *scale, q3_dtype sdt, int64_t srow,
+                     int64_t N, int64_t K, int acc, const vbmi_tables *tb, const int NT, const int BF) {
+    const float *x = (const float *)xv;
+    const uint16_t *xq = (const uint16_t *)xv;
     __m512 tot[4], a0[4], a1[4];
     float tail[4] = {0};
     for (int t = 0; t < NT; t++) tot[t] = _mm512_setzero_ps();
@@ -92,140 +119,65 @@ static inline __attribute__((always_inline)) VBMI_TARGET void row_vbmi(float *y,
         for (int t = 0; t < NT; t++) a0[t] = a1[t] = _mm512_setzero_ps();
         int64_t k = k0;
         for (; k + 64 <= k1; k += 64) {
-            __m512 o[4];
-            decode64(wr + k, tb, o);
-            for (int t = 0; t < NT; t++) {
-                const float *xt = x + t * K + k;
-                a0[t] = _mm512_fmadd_ps(_mm512_loadu_ps(xt), o[0], a0[t]);
-                a1[t] = _mm512_fmadd_ps(_mm512_loadu_ps(xt + 16), o[1], a1[t]);
-                a0[t] = _mm512_fmadd_ps(_mm512_loadu_ps(xt + 32), o[2], a0[t]);
-                a1[t] = _mm512_fmadd_ps(_mm512_loadu_ps(xt + 48), o[3], a1[t]);
-            }
-        }
-        for (int t = 0; t < NT; t++) tot[t] = _mm512_fmadd_ps(_mm512_add_ps(a0[t], a1[t]), _mm512_set1_ps(s), tot[t]);
-        for (; k < k1; k++) { /* K % 64 (NaN codes give NaN here too) */
-            const float w = q3_e4m3_to_f32(wr[k]) * s;
-            for (int t = 0; t < NT; t++) tail[t] += x[t * K + k] * w;
-        }
-    }
-    for (int t = 0; t < NT; t++) y[t * N] = (acc ? y[t * N] : 0.0f) + _mm512_reduce_add_ps(tot[t]) + tail[t];
-}
-
-/* x [NT, K] -> xq [NT, K] bf16 (to nearest even, as round_rows in matmul_dot.c) in the order
- * decode_pairs leaves the weights of each whole step of 64 columns: words j of the step's first
- * half are columns 16 (j / 8) + j % 8, of its second half those + 8; the columns past the
- * last whole step in order */
-static void round_steps(uint16_t *xq, const float *x, int NT, int64_t K) {
-    const int64_t whole = K / 64 * 64;
-    for (int t = 0; t < NT; t++) {
-        const float *xt = x + t * K;
-        uint16_t *qt = xq + t * K;
-        for (int64_t k = 0; k < whole; k += 64)
-            for (int j = 0; j < 32; j++) {
-                qt[k + j] = q3_f32_to_bf16(xt[k + 16 * (j / 8) + j % 8]);
-                qt[k + 32 + j] = q3_f32_to_bf16(xt[k + 16 * (j / 8) + 8 + j % 8]);
-            }
-        for (int64_t k = whole; k < K; k++) qt[k] = q3_f32_to_bf16(xt[k]);
-    }
-}
-
-/* the 64 codes at p as two vectors of 32 bf16 (exact): wa holds, in 128-bit lane l, the codes
- * 16 l .. 16 l + 7, wb the codes 16 l + 8 .. 16 l + 15 (round_steps orders x to match) */
-static inline __attribute__((always_inline)) VBMI_BF16_TARGET void decode_pairs(const uint8_t *p,
-                                                                               const vbmi_tables *t,
-                                                                               __m512bh *wa, __m512bh *wb) {
-    const __m512i c = _mm512_loadu_si512(p);
-    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t->hi0, c, t->hi1), c,
-                                                 _mm512_set1_epi8((char)0x80), 0xf8); /* hi | (c & 0x80) */
-    const __m512i lo = _mm512_permutex2var_epi8(t->lo0, c, t->lo1);
-    *wa = (__m512bh)_mm512_unpacklo_epi8(lo, hi);
-    *wb = (__m512bh)_mm512_unpackhi_epi8(lo, hi);
-}
-
-/* y[t * N] for tokens t < NT (<= 3) of one row wr [K], x rounded to bf16 in xq (round_steps):
- * two bf16 dot products (vdpbf16ps) a step of 64 codes, a sum a token within a scale block,
- * added into tot times the block's scale */
-static inline __attribute__((always_inline)) VBMI_BF16_TARGET void row_bf16(float *y, const uint16_t *xq,
-                                                                           const uint8_t *wr, const void *scale,
-                                                                           q3_dtype sdt, int64_t srow, int64_t N,
-                                                                           int64_t K, int acc, const vbmi_tables *tb,
-                                                                           const int NT) {
-    __m512 tot[3], a0[3], a1[3];
-    float tail[3] = {0};
-    for (int t = 0; t < NT; t++) tot[t] = _mm512_setzero_ps();
-    for (int64_t k0 = 0; k0 < K; k0 += Q3_FP8_BLOCK) {
-        const int64_t k1 = k0 + Q3_FP8_BLOCK < K ? k0 + Q3_FP8_BLOCK : K;
-        const float s = q3_fp8_scale_at(scale, sdt, srow + k0 / Q3_FP8_BLOCK);
-        /* 2048 bytes ahead: the rows are one stream, into the next rows at a row's end */
-        _mm_prefetch((const char *)wr + k0 + 2048, _MM_HINT_T0);
-        _mm_prefetch((const char *)wr + k0 + 2048 + 64, _MM_HINT_T0);
-        for (int t = 0; t < NT; t++) a0[t] = a1[t] = _mm512_setzero_ps();
-        int64_t k = k0;
-        for (; k + 64 <= k1; k += 64) {
-            __m512bh wa, wb;
-            decode_pairs(wr + k, tb, &wa, &wb);
-            for (int t = 0; t < NT; t++) {
-                a0[t] = _mm512_dpbf16_ps(a0[t], (__m512bh)_mm512_loadu_si512(xq + t * K + k), wa);
-                a1[t] = _mm512_dpbf16_ps(a1[t], (__m512bh)_mm512_loadu_si512(xq + t * K + k + 32), wb);
+            if (BF) {
+                __m512i wa, wb;
+                lookup_words(_mm512_loadu_si512(wr + k), tb, &wa, &wb);
+                for (int t = 0; t < NT; t++) {
+                    const uint16_t *qt = xq + t * K + k;
+                    a0[t] = _mm512_dpbf16_ps(a0[t], (__m512bh)_mm512_loadu_si512(qt), (__m512bh)wa);
+                    a1[t] = _mm512_dpbf16_ps(a1[t], (__m512bh)_mm512_loadu_si512(qt + 32), (__m512bh)wb);
+                }
+            } else {
+                __m512 o[4];
+                decode64(wr + k, tb, o);
+                for (int t = 0; t < NT; t++) {
+                    const float *xt = x + t * K + k;
+                    a0[t] = _mm512_fmadd_ps(_mm512_loadu_ps(xt), o[0], a0[t]);
+                    a1[t] = _mm512_fmadd_ps(_mm512_loadu_ps(xt + 16), o[1], a1[t]);
+                    a0[t] = _mm512_fmadd_ps(_mm512_loadu_ps(xt + 32), o[2], a0[t]);
+                    a1[t] = _mm512_fmadd_ps(_mm512_loadu_ps(xt + 48), o[3], a1[t]);
+                }
             }
         }
         for (int t = 0; t < NT; t++) tot[t] = _mm512_fmadd_ps(_mm512_add_ps(a0[t], a1[t]), _mm512_set1_ps(s), tot[t]);
         for (; k < k1; k++) { /* K % 64, x in order there (NaN codes give NaN here too) */
             const float w = q3_e4m3_to_f32(wr[k]) * s;
-            for (int t = 0; t < NT; t++) tail[t] += q3_bf16_to_f32(xq[t * K + k]) * w;
+            for (int t = 0; t < NT; t++) tail[t] += (BF ? q3_bf16_to_f32(xq[t * K + k]) : x[t * K + k]) * w;
         }
     }
     for (int t = 0; t < NT; t++) y[t * N] = (acc ? y[t * N] : 0.0f) + _mm512_reduce_add_ps(tot[t]) + tail[t];
 }
 
-/* the GEMV with x in bf16 (T < 4, T K <= BF16_MAX_X): each thread rounds and orders x once
- * into its own stack buffer */
-#define BF16_MAX_X (3 * 8192) /* x elements: o_proj's K = 8192 for 3 tokens (48 KiB of stack) */
-static VBMI_BF16_TARGET void gemv_bf16(float *y, const float *x, const uint8_t *w, const void *scale, q3_dtype sdt,
-                                       int64_t T, int64_t N, int64_t K, int acc, int threads,
-                                       const vbmi_tables *tbp) {
-    const vbmi_tables tb = *tbp;
-    const int64_t kb = q3_fp8_blocks(K);
-#pragma omp parallel num_threads(threads) if (T * N * K > (1 << 18))
-    {
-        uint16_t xq[BF16_MAX_X] __attribute__((aligned(64)));
-        round_steps(xq, x, (int)T, K);
-#pragma omp for schedule(static)
-        for (int64_t n = 0; n < N; n++) {
-            const uint8_t *wr = w + n * K;
-            const int64_t srow = n / Q3_FP8_BLOCK * kb;
-            switch (T) { /* constant NT: the accumulators stay in registers */
-            case 1: row_bf16(y + n, xq, wr, scale, sdt, srow, N, K, acc, &tb, 1); break;
-            case 2: row_bf16(y + n, xq, wr, scale, sdt, srow, N, K, acc, &tb, 2); break;
-            default: row_bf16(y + n, xq, wr, scale, sdt, srow, N, K, acc, &tb, 3); break;
-            }
-        }
-    }
-}
+#define BF16_MAX_X (3 * 8192) /* x elements rounded on a thread's stack: o_proj's K for 3 tokens */
 
-VBMI_TARGET void q3_fp8_gemv_vbmi(float *y, const float *x, const uint8_t *w, const void *scale, q3_dtype sdt,
-                                  int64_t T, int64_t N, int64_t K, int acc, int threads, int round_x) {
+VBMI_BF16_TARGET void q3_fp8_gemv_vbmi(float *y, const float *x, const uint8_t *w, const void *scale, q3_dtype sdt,
+                                       int64_t T, int64_t N, int64_t K, int acc, int threads, int round_x) {
     pthread_once(&tables_once, make_tables);
     const vbmi_tables tb = {_mm512_load_si512(mag_high), _mm512_load_si512(mag_high + 64),
                             _mm512_load_si512(mag_low), _mm512_load_si512(mag_low + 64),
                             _mm512_load_si512(step_order)};
-    if (round_x && T < 4 && T * K <= BF16_MAX_X) {
-        gemv_bf16(y, x, w, scale, sdt, T, N, K, acc, threads, &tb);
-        return;
-    }
     const int64_t kb = q3_fp8_blocks(K);
-#pragma omp parallel for schedule(static) num_threads(threads) if (T * N * K > (1 << 18))
-    for (int64_t n = 0; n < N; n++) {
-        const uint8_t *wr = w + n * K;
-        const int64_t srow = n / Q3_FP8_BLOCK * kb;
-        for (int64_t t = 0; t < T; t += 4) {
-            float *yt = y + t * N + n;
-            const float *xt = x + t * K;
-            switch (T - t < 4 ? T - t : 4) { /* constant NT: the accumulators stay in registers */
-            case 1: row_vbmi(yt, xt, wr, scale, sdt, srow, N, K, acc, &tb, 1); break;
-            case 2: row_vbmi(yt, xt, wr, scale, sdt, srow, N, K, acc, &tb, 2); break;
-            case 3: row_vbmi(yt, xt, wr, scale, sdt, srow, N, K, acc, &tb, 3); break;
-            default: row_vbmi(yt, xt, wr, scale, sdt, srow, N, K, acc, &tb, 4); break;
+    const int bf = round_x && T < 4 && T * K <= BF16_MAX_X;
+#pragma omp parallel num_threads(threads) if (T * N * K > (1 << 18))
+    {
+        uint16_t xq[BF16_MAX_X] __attribute__((aligned(64))); /* bf: x rounded, each thread its own */
+        if (bf) round_steps(xq, x, T, K);
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; n++) {
+            const uint8_t *wr = w + n * K;
+            const int64_t srow = n / Q3_FP8_BLOCK * kb;
+            for (int64_t t = 0; t < T; t += 4) { /* bf: T < 4, one pass */
+                float *yt = y + t * N + n;
+                const float *xt = x + t * K;
+                switch ((T - t < 4 ? (int)(T - t) : 4) + 8 * bf) { /* constant NT: sums in registers */
+                case 1: row_sums(yt, xt, wr, scale, sdt, srow, N, K, acc, &tb, 1, 0); break;
+                case 2: row_sums(yt, xt, wr, scale, sdt, srow, N, K, acc, &tb, 2, 0); break;
+                case 3: row_sums(yt, xt, wr, scale, sdt, srow, N, K, acc, &tb, 3, 0); break;
+                case 4: row_sums(yt, xt, wr, scale, sdt, srow, N, K, acc, &tb, 4, 0); break;
+                case 8 + 1: row_sums(yt, xq, wr, scale, sdt, srow, N, K, acc, &tb, 1, 1); break;
+                case 8 + 2: row_sums(yt, xq, wr, scale, sdt, srow, N, K, acc, &tb, 2, 1); break;
+                default: row_sums(yt, xq, wr, scale, sdt, srow, N, K, acc, &tb, 3, 1); break;
+                }
             }
         }
     }
