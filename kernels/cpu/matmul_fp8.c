@@ -386,11 +386,12 @@ void q3_matmul_fp8_cpu_amx(float *y, const float *x, const uint8_t *w, const voi
 /* The FP8 matmul on the avx512bf16 level from FP8_DOT_MIN_TOKENS tokens: the same row source
  * and rounding as on AMX, the bf16 dot products of matmul_dot.c; fewer tokens: the GEMV on
  * VBMI byte lookups (matmul_fp8_vbmi.c) where the CPU has VBMI; otherwise, and with no xb or
- * K % 32: this variant's. The GEMV's x rows are fp32 and each decoded vector is re-read from
- * L1 by every token, so from 4 tokens the dot products' bf16 panels, converted once for all
- * the tokens, win: on an AMD Zen 4 (2 threads, GB/s of FP8 bytes from memory, expert and
- * o_proj shapes) GEMV against dot products 13-16 against 9-15 at 3 tokens, 10-16 against
- * 16-23 at 4, 5-6 against 13-16 at 8, 2-4 against 9-12.5 at 12 (bench_fp8_gemv.py). */
+ * K % 32: this variant's. Each token's x streams past every weight row in the GEMV (in fp32
+ * it leaves L1 from 3 tokens of K = 4096), so from 4 tokens the dot products' bf16 panels,
+ * converted once for all the tokens, win: on an AMD Zen 4 (2 threads, GB/s of FP8 bytes from
+ * memory, expert and o_proj shapes; the GEMV's x in fp32, as before it took bf16 x below 4
+ * tokens) GEMV against dot products 13-16 against 9-15 at 3 tokens, 10-16 against 16-23 at 4,
+ * 5-6 against 13-16 at 8, 2-4 against 9-12.5 at 12 (bench_fp8_gemv.py). */
 #define FP8_DOT_MIN_TOKENS 4
 void q3_matmul_fp8_cpu_avx512bf16(float *y, const float *x, const uint8_t *w, const void *scale, q3_dtype sdt,
                                   int64_t T, int64_t N, int64_t K, int accumulate, float *scratch, int threads,
