@@ -12,7 +12,7 @@
  *   L1 space of fp32 ones (o_proj's K = 8192: 16 KiB);
  * - else the words widened to 4 x 16 fp32 lanes in column order (their bytes put in that order
  *   first, vpermb) and fp32 FMAs with x as given: 14 operations.
- * Rows split over threads; each row's bytes read once, each decoded vector serving every token.
+ * Rows split over threads; each row's bytes read once, each decoded vector serving up to 3 tokens.
  * On an AMD Zen 4 (2 threads, 256-bit datapaths; C harness, old and new alternated on other
  * weight copies), [1536, 4096] from memory: fp16 construction ~27 GB/s, fp32 lookups 20-30,
  * bf16 dot products 20-42 (40-52 from L3, against 28-37); o_proj's [4096, 8192] 18-20 -> 21-29.
@@ -100,15 +100,15 @@ static void round_steps(uint16_t *xq, const float *x, int64_t T, int64_t K) {
     }
 }
 
-/* y[t * N] for tokens t < NT (<= 4) of one row wr [K]; srow: the row's scales. BF: x [NT, K]
+/* y[t * N] for tokens t < NT (<= 3) of one row wr [K]; srow: the row's scales. BF: x [NT, K]
  * in bf16 as round_steps leaves it, two bf16 dot products a step; else x fp32 as given, four
  * FMAs a step. Two sums a token within a scale block, added into tot times the block's scale. */
 INLINE void row_sums(float *y, const void *xv, const uint8_t *wr, const void *scale, q3_dtype sdt, int64_t srow,
                      int64_t N, int64_t K, int acc, const vbmi_tables *tb, const int NT, const int BF) {
     const float *x = (const float *)xv;
     const uint16_t *xq = (const uint16_t *)xv;
-    __m512 tot[4], a0[4], a1[4];
-    float tail[4] = {0};
+    __m512 tot[3], a0[3], a1[3];
+    float tail[3] = {0};
     for (int t = 0; t < NT; t++) tot[t] = _mm512_setzero_ps();
     for (int64_t k0 = 0; k0 < K; k0 += Q3_FP8_BLOCK) {
         const int64_t k1 = k0 + Q3_FP8_BLOCK < K ? k0 + Q3_FP8_BLOCK : K;
@@ -166,14 +166,13 @@ VBMI_BF16_TARGET void q3_fp8_gemv_vbmi(float *y, const float *x, const uint8_t *
         for (int64_t n = 0; n < N; n++) {
             const uint8_t *wr = w + n * K;
             const int64_t srow = n / Q3_FP8_BLOCK * kb;
-            for (int64_t t = 0; t < T; t += 4) { /* bf: T < 4, one pass */
+            for (int64_t t = 0; t < T; t += 3) { /* the caller's T < 4: one pass */
                 float *yt = y + t * N + n;
                 const float *xt = x + t * K;
-                switch ((T - t < 4 ? (int)(T - t) : 4) + 8 * bf) { /* constant NT: sums in registers */
+                switch ((T - t < 3 ? (int)(T - t) : 3) + 8 * bf) { /* constant NT: sums in registers */
                 case 1: row_sums(yt, xt, wr, scale, sdt, srow, N, K, acc, &tb, 1, 0); break;
                 case 2: row_sums(yt, xt, wr, scale, sdt, srow, N, K, acc, &tb, 2, 0); break;
                 case 3: row_sums(yt, xt, wr, scale, sdt, srow, N, K, acc, &tb, 3, 0); break;
-                case 4: row_sums(yt, xt, wr, scale, sdt, srow, N, K, acc, &tb, 4, 0); break;
                 case 8 + 1: row_sums(yt, xq, wr, scale, sdt, srow, N, K, acc, &tb, 1, 1); break;
                 case 8 + 2: row_sums(yt, xq, wr, scale, sdt, srow, N, K, acc, &tb, 2, 1); break;
                 default: row_sums(yt, xq, wr, scale, sdt, srow, N, K, acc, &tb, 3, 1); break;
