@@ -10,11 +10,9 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
-#define GEMV_MAX_TOKENS 16 /* below this, W is streamed once for all tokens */
+#include "gemv_prefetch.h"
 
-#ifndef GEMV_PREFETCH
-#define GEMV_PREFETCH 512 /* bytes ahead in each weight row */
-#endif
+#define GEMV_MAX_TOKENS 16 /* below this, W is streamed once for all tokens */
 
 /* 32 bf16 -> fp32 of the even and of the odd elements, without a shuffle: a bf16 is the top
  * half of its fp32, so even = v << 16 and odd = v & 0xffff0000 */
@@ -30,18 +28,6 @@ static inline void split_pairs(const float *x, __mmask16 m0, __mmask16 m1, __m51
     const __m512i io = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
     *even = _mm512_permutex2var_ps(a, ie, b);
     *odd = _mm512_permutex2var_ps(a, io, b);
-}
-
-/* The prefetch GEMV_PREFETCH bytes ahead in row r of a tile: past the row's end it runs on
- * into row r + 4, the same row of the next tile (wrap: that tile exists), not into row r + 1,
- * which its own stream has read. Rows are contiguous, so a tile's four streams otherwise
- * ended with one of them running into the next tile and three starting cold there: on an AMD
- * Zen 5 (2 threads, [1536, 4096] bf16 from memory, alternated) 29.1-32.6 -> 32.2-40.9 GB/s at
- * one token, 24.3-27.6 -> 29.6-35.6 at four. */
-static inline __attribute__((always_inline)) void gemv_prefetch(const char *row, int64_t at, int64_t row_bytes,
-                                                                int wrap) {
-    if (at < row_bytes) _mm_prefetch(row + at, _MM_HINT_T0);
-    else if (wrap) _mm_prefetch(row + 4 * row_bytes + (at - row_bytes), _MM_HINT_T0);
 }
 
 /* y[t * ldy + r] (+)= sum_k x[t, k] w[r, k] for t < TT, r < R: W rows read once, 64 bytes a
@@ -61,7 +47,7 @@ static inline __attribute__((always_inline)) void gemv_tile(float *y, int64_t ld
             const __mmask16 m1 = left >= 32 ? 0xffff : left > 16 ? (__mmask16)((1u << (left - 16)) - 1) : 0;
             __m512 we[4], wo[4];
             for (int r = 0; r < R; r++) {
-                gemv_prefetch((const char *)(wb + r * K), 2 * k + GEMV_PREFETCH, 2 * K, wrap);
+                q3_gemv_prefetch((const char *)(wb + r * K), 2 * k, 2 * K, wrap);
                 widen_pairs(_mm512_maskz_loadu_epi16(m, wb + r * K + k), &we[r], &wo[r]);
             }
             for (int t = 0; t < TT; t++) {
@@ -79,7 +65,7 @@ static inline __attribute__((always_inline)) void gemv_tile(float *y, int64_t ld
             const __mmask16 m = K - k >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (K - k)) - 1);
             __m512 wv[4];
             for (int r = 0; r < R; r++) {
-                gemv_prefetch((const char *)(wf + r * K), 4 * k + GEMV_PREFETCH, 4 * K, wrap);
+                q3_gemv_prefetch((const char *)(wf + r * K), 4 * k, 4 * K, wrap);
                 wv[r] = _mm512_maskz_loadu_ps(m, wf + r * K + k);
             }
             for (int t = 0; t < TT; t++) {
@@ -98,7 +84,7 @@ static inline __attribute__((always_inline)) void gemv_tile(float *y, int64_t ld
         }
 }
 
-/* rows [n0, n0 + R) of W for all T tokens, tokens in groups of up to 4 (WRAP: see gemv_prefetch) */
+/* rows [n0, n0 + R) of W for all T tokens, tokens in groups of up to 4 (WRAP: see gemv_prefetch.h) */
 #define GEMV_TOKENS(DT, R, COL)                                                                     \
     for (int64_t t = 0; t < T; t += 4) {                                                            \
         const float *xt = x + t * K;                                                                \
