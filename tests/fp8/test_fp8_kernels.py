@@ -178,6 +178,48 @@ def test_matmul_matches_float64_reference(path, sdtype, n, k):
         assert ((ya.double() - (ref + y0.double())).abs() <= bound + 1e-6 * y0.double().abs()).all(), (path, t)
 
 
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("n,k", [(130, 320), (40, 4160), (20, 1056)])
+def test_each_product_is_rounded_as_torch_rounds_it(path, n, k):
+    """x one-hot (token t picks column c_t, spread over the steps of 64 and the scale blocks), so
+    y[t, n] is one weight times its scale, exactly: bf16(e4m3 x scale) to the bit where the path
+    rounds weights (the tables of the avx512bf16 level's row sources), fp32 where it does not"""
+    q3.set_cpu_path(path)
+    w, scale = random_fp8(n, k, 11 * n + k), random_scale(n, k, torch.float32, k)
+    want = dequant_torch(w, scale).float()
+    for t in (4, 17, 64):
+        cols = [(37 * i + 5) % k for i in range(t)]
+        x = torch.zeros(t, k)
+        x[torch.arange(t), cols] = 1.0
+        y = fp8_matmul(x, w, scale)
+        round_w = rounds_to_bf16(path, t, n, k)[1]
+        ref = want[:, cols].T
+        assert torch.equal(y, ref.bfloat16().float() if round_w else ref), (path, t)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("t", [1, 3, 4, 17])
+def test_x_is_rounded_to_nearest_even(path, t):
+    """W the identity (e4m3 1.0, scale 1) over 192 columns (three steps of 64), so y[t, n] is
+    x[t, n] as the path takes it: x at ties between two bf16 neighbours (to the even one), just
+    off them, and ordinary values, equal to torch's bf16 rounding where the path rounds x"""
+    q3.set_cpu_path(path)
+    k = 192
+    w = torch.zeros(k, k, dtype=torch.uint8)
+    w[torch.arange(k), torch.arange(k)] = 0x38  # e4m3 1.0
+    scale = torch.ones(blocks(k), blocks(k))
+    ulp = 2.0 ** -7  # of bf16 in [1, 2)
+    g = torch.Generator().manual_seed(t)
+    base = 1 + ulp * torch.randint(0, 128, (t, k), generator=g).float()  # bf16 values in [1, 2)
+    kind = torch.randint(0, 4, (t, k), generator=g)
+    offset = torch.tensor([0.5, 0.5 + 2.0 ** -12, 0.5 - 2.0 ** -12, 0.0])[kind] * ulp
+    sign = torch.where(torch.rand(t, k, generator=g) < 0.5, -1.0, 1.0)
+    x = sign * (base + offset) * torch.exp2(torch.randint(-20, 20, (t, k), generator=g).float())
+    y = fp8_matmul(x, w, scale)
+    round_x = rounds_to_bf16(path, t, k, k)[0]
+    assert torch.equal(y, x.bfloat16().float() if round_x else x), (path, t)
+
+
 def test_short_buffers_are_rejected():
     w, scale = random_fp8(4, 130, 1), torch.ones(1, 2)
     with pytest.raises(ValueError, match="scale"):
