@@ -1,4 +1,4 @@
-/* The avx512bf16 level's matmul (the avx512 variant only): from DOT_MIN_TOKENS tokens, 4
+/* The avx512bf16 level's matmul (the avx512 variant only): from DOT_MIN_TOKENS tokens (not 7), 4
  * tokens x 6 rows of bf16 dot products (vdpbf16ps: x rounded to bf16 in xb, 32 multiply-adds
  * an instruction), the weight rows read in place in k blocks that stay in L2 (bf16), or
  * converted into such blocks by a row source (matmul_amx.h: the FP8 prefill); fewer tokens
@@ -14,12 +14,16 @@
 #include "gemv_prefetch.h"
 
 #define BF16_TARGET __attribute__((target("avx512bf16")))
-/* from this many tokens on, the bf16 dot products rather than the GEMV: on an AMD Zen 5 (2
- * threads, [1536, 4096] bf16 from memory, GB/s of weights) the GEMV reads 28 at 4 tokens, 17.5
- * at 8, 14 at 12 and 15; the dot products 27-29, 25-30, 22-23.5, 18 */
+/* from this many tokens on, the bf16 dot products' tiles rather than the GEMV (below), except
+ * at 7. On an AMD Zen 4 (2 threads, weights from memory, the two alternated in one process,
+ * medians of 80 calls, GB/s of weights for [1536, 4096], [4096, 1536], [4096, 8192]) the GEMV
+ * reads 26.0, 21.2, 29.6 at 3 tokens, 26.6, 22.3, 27.3 at 4, 21.9, 20.1, 22.3 at 5, 22.5, 19.0,
+ * 16.7 at 6, 21.0, 20.2, 24.4 at 7, 15.0, 10.2, 16.7 at 8; the tiles 21.5, 22.5, 20.6; 32.9,
+ * 33.5, 29.4; 26.1, 30.4, 23.9; 26.9, 23.3, 16.5; 16.0, 17.2, 22.3; 25.4, 22.7, 24.9 */
 #ifndef DOT_MIN_TOKENS
-#define DOT_MIN_TOKENS 8
+#define DOT_MIN_TOKENS 4
 #endif
+static inline int dot_tiles_take(int64_t T) { return T >= DOT_MIN_TOKENS && T != 7; }
 
 /* xb's row stride: K rounded up to 32, and one cache line more where that is a multiple of 4 KiB
  * (K = 2048, 4096): a tile's 4 x rows would otherwise share one L1 set with each other and
@@ -266,7 +270,7 @@ void q3_matmul_dot_from(float *y, const float *x, q3_amx_rows_fn *rows, const vo
     }
 }
 
-/* Fewer tokens (decode) on bf16 weights: a GEMV that streams W once, 4 rows x up to 4 tokens a
+/* Fewer tokens, and 7 (decode), on bf16 weights: a GEMV that streams W once, 4 rows x up to 4 tokens a
  * tile, 64 bytes a row a step (prefetched as gemv_prefetch.h says), one bf16 dot product per row
  * and token a step on x rounded once into xb, where the avx512 GEMV (matmul_avx512.c) widens
  * each weight's pairs and splits x's: 13 operations for 4 rows a step at one token, against
@@ -338,7 +342,7 @@ static void gemv_dot(float *y, const float *x, const uint16_t *w, int64_t T, int
 
 void q3_matmul_cpu_avx512bf16(float *y, const float *x, const void *w, q3_dtype w_dt, int64_t T,
                               int64_t N, int64_t K, int accumulate, uint16_t *xb) {
-    if (T >= DOT_MIN_TOKENS && w_dt == Q3_BF16 && xb)
+    if (dot_tiles_take(T) && w_dt == Q3_BF16 && xb)
         matmul_dot_bf16(y, x, (const uint16_t *)w, T, N, K, accumulate, xb);
     else if (w_dt == Q3_BF16 && xb)
         gemv_dot(y, x, (const uint16_t *)w, T, N, K, accumulate, xb);

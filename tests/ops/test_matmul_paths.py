@@ -22,10 +22,12 @@ HELPERS = os.path.join(os.path.dirname(__file__), "..", "helpers")
 # on bf16 weights they round x to bf16 before their dot products, at any T (kernels/cpu/matmul_dot.c:
 # the GEMV below 8 tokens, the dot products' tiles from 8; AMX falls back to them off its tiles)
 BF16_PATHS = {"avx512bf16", "amx"}
-# (T, N, K); with T < 8 the GEMVs: tokens in groups of 4 and a rest (5, 7), rows in tiles of 4 and
-# a rest (5, 7, 9, 13), K off the 32 bf16 of a step (7, 100, 300)
+# (T, N, K); with T < 8 the GEMVs (avx512bf16: below 4 tokens and at 7; its dot products' tiles at
+# 4-6): tokens in groups of 4 and a rest (5, 6, 7), rows in tiles of 4 or 6 and a rest (5, 7, 9,
+# 11, 13), K off the 32 bf16 of a step (7, 100, 300, 2050)
 SHAPES = [(1, 5, 7), (2, 16, 64), (3, 7, 300), (8, 13, 300), (17, 37, 300), (40, 64, 96), (130, 19, 72),
-          (9, 6, 5000), (33, 50, 2050), (14, 11, 2048), (21, 13, 4096), (5, 9, 100), (7, 13, 4096)]
+          (9, 6, 5000), (33, 50, 2050), (14, 11, 2048), (21, 13, 4096), (5, 9, 100), (7, 13, 4096),
+          (4, 11, 300), (6, 7, 2050)]
 
 
 @pytest.fixture(autouse=True)
