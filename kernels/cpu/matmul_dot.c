@@ -1,5 +1,5 @@
-/* The avx512bf16 level's matmul (the avx512 variant only): from DOT_MIN_TOKENS tokens (not 7), 4
- * tokens x 6 rows of bf16 dot products (vdpbf16ps: x rounded to bf16 in xb, 32 multiply-adds
+/* The avx512bf16 level's matmul (the avx512 variant only): from DOT_MIN_TOKENS tokens (not 7),
+ * 4 tokens x 6 rows of bf16 dot products (vdpbf16ps: x rounded to bf16 in xb, 32 multiply-adds
  * an instruction), the weight rows read in place in k blocks that stay in L2 (bf16), or
  * converted into such blocks by a row source (matmul_amx.h: the FP8 prefill); fewer tokens
  * on bf16 weights: a GEMV on the same dot products; other dtypes or no xb: the avx512 matmul
@@ -270,14 +270,16 @@ void q3_matmul_dot_from(float *y, const float *x, q3_amx_rows_fn *rows, const vo
     }
 }
 
-/* Fewer tokens, and 7 (decode), on bf16 weights: a GEMV that streams W once, 4 rows x up to 4 tokens a
- * tile, 64 bytes a row a step (prefetched as gemv_prefetch.h says), one bf16 dot product per row
- * and token a step on x rounded once into xb, where the avx512 GEMV (matmul_avx512.c) widens
- * each weight's pairs and splits x's: 13 operations for 4 rows a step at one token, against
- * 28. On an AMD Zen 4 (2 threads, weights from memory, the two alternated in one process,
- * medians of 200-300 calls) 1 token: [1536, 4096] 28.7-28.9 -> 29.6-30.0 GB/s, [4096, 1536]
- * 24.8-25.5 -> 26.3-26.4, [9216, 4096] 34.9 -> 35.9, [4096, 8192] 30.0-30.1 -> 30.1-31.2; 2
- * tokens 2-5% more, 6 tokens 10-16%; 4 tokens -3% to +7%. */
+/* Below DOT_MIN_TOKENS tokens, and at 7 (decode), on bf16 weights: a GEMV that streams W once,
+ * 4 rows x up to 4 tokens a tile, 64 bytes a row a step (prefetched as gemv_prefetch.h says),
+ * one bf16 dot product per row and token a step on x rounded once into xb, where the avx512
+ * GEMV (matmul_avx512.c) widens each weight's pairs and splits x's: 13 operations for 4 rows a
+ * step at one token, against 28. On an AMD Zen 4 (2 threads, weights from memory, the two
+ * alternated in one process, medians of 200-300 calls) 1 token: [1536, 4096] 28.7-28.9 ->
+ * 29.6-30.0 GB/s, [4096, 1536] 24.8-25.5 -> 26.3-26.4, [9216, 4096] 34.9 -> 35.9, [4096, 8192]
+ * 30.0-30.1 -> 30.1-31.2; 2 tokens 2-5% more (at 4-6 tokens the tiles, which beat both). At 7 the
+ * tiles lose with their last 3 tokens as one tile or as 2 + 1: the exception is measured, not
+ * explained. */
 static inline __attribute__((always_inline)) BF16_TARGET void gemv_dot_tile(float *y, int64_t ldy, const uint16_t *xb,
                                                                             int64_t Kp, const uint16_t *w, int64_t K,
                                                                             int TT, int R, int accumulate, int wrap) {
