@@ -3,22 +3,24 @@ device and whose other experts stay in host memory, run by the CPU kernels
 (DecoderLayer(..., device="cuda", expert_device="cpu")). Built on the layer's two halves: no
 second implementation of either.
 
-A call (prefill, chunked or not, or a decode step):
-  1. the device layer's attention half over the call (its passes chunk by chunk);
+A call (a decode step, or a prefill pass by pass: chunk_size tokens of each sequence a pass,
+after the whole call's checks, so that each side holds a pass's activations, not the call's):
+  1. the device layer's attention half over the pass;
   2. the router's choices copied to the host; each goes to the side holding its expert (-1
      on the other);
   3. on the device, the rows with a host expert taken out (_C.take_rows: their normed input
      and router weights) and copied to the host (pinned buffers, an async copy, for torch
      tensors); the device layer's experts queued on the rows with a device expert, added into
      the residual there, while the host layer's experts run on the rows taken (each host
-     expert's weights read once a call, from host memory);
+     expert's weights read once a pass, from host memory);
   4. the host sums copied back and added into the residual on the device, in row order
      (_C.combine_rows), which writes the output there.
 Only the rows that chose a host expert cross, each way. The order of every sum is fixed (the
 device's experts in expert order, then the host's), so a call gives the same bits from run to
 run. Device tensors are torch CUDA tensors or, on the SIMT executor, the extension's own.
-`stats` counts the rows and choices each side ran and the bytes each way over the link
-(qwen3layer.costs_hybrid.link_bytes models them).
+`stats` counts the calls, the passes (and the most token rows one held), the rows and choices
+each side ran and the bytes each way over the link (qwen3layer.costs_hybrid.link_bytes models
+them, pass by pass).
 """
 from __future__ import annotations
 
@@ -28,10 +30,12 @@ from typing import Any, Optional, Sequence
 import torch
 
 from . import _C
+from .config import LayerConfig
 from .layer import rewind
+from .passes import Insides
 from .routing import RoutingSummary
 
-STAT_KEYS = ("calls", "device_rows", "device_choices", "host_rows", "host_choices", "link_down_bytes",
+STAT_KEYS = ("calls", "passes", "largest_pass_rows", "device_rows", "device_choices", "host_rows", "host_choices", "link_down_bytes",
              "link_up_bytes")
 
 
@@ -122,10 +126,10 @@ class HybridRunner:
     """The calls of a split layer: `device` (a CUDA _C.Layer holding gpu_experts) and `host`
     (a CPU _C.Layer holding the others)."""
 
-    def __init__(self, device: Any, host: Any, gpu_experts: Sequence[int], num_experts: int) -> None:
-        self.device, self.host = device, host
+    def __init__(self, device: Any, host: Any, gpu_experts: Sequence[int], config: LayerConfig) -> None:
+        self.device, self.host, self.config = device, host, config
         self.index = device.device
-        mask = torch.zeros(num_experts, dtype=torch.bool)
+        mask = torch.zeros(config.num_experts, dtype=torch.bool)
         mask[list(gpu_experts)] = True
         self.on_gpu = mask
         self.stats = {k: 0 for k in STAT_KEYS}
@@ -134,17 +138,57 @@ class HybridRunner:
     def call(self, x: Any, cache: Any, decode: bool, seq: Optional[int] = None, chunk_size: Optional[int] = None,
              out: Any = None, **insides: Any) -> tuple:
         """(y on the device, the call's insides from the attention half: (router logits,
-        experts, weights, maps) as the extension's tensors, or None when none was asked); y
-        is `out` (a contiguous torch tensor of x's shape and dtype) when given"""
+        experts, weights, maps), or None when none was asked); y is `out` (a contiguous torch
+        tensor of x's shape and dtype) when given. A prefill of more tokens than a pass takes
+        runs pass by pass (_passes): its activations are a pass's, as the other layers' are."""
         kw = {} if decode else {"seq": seq, "chunk_size": chunk_size}
         # torch tensors: the device's work on the caller's current stream, as DecoderLayer queues it
         stream = torch.cuda.current_stream(self.index).cuda_stream if isinstance(x, torch.Tensor) else None
         lengths = list(cache.lengths)
+        self.stats["calls"] += 1
         try:
+            if not decode:  # the whole call's checks (a full cache, the maps' limit) before any pass runs
+                self.device.attention_half(x, cache, decode=False, check_only=True, stream=stream, **kw, **insides)
+                step = chunk_size or int(_C.build_info()["default_chunk"])
+                if x.shape[-2] > step:
+                    return self._passes(x, cache, stream, seq, step, out, insides)
             return self._call(x, cache, decode, stream, kw, insides, out)
         except BaseException:  # nothing half-written: the cache back to where the call began
             rewind(cache, lengths)
             raise
+
+    def _passes(self, x: Any, cache: Any, stream: Optional[int], seq: Optional[int], step: int, out: Any,
+                insides: dict) -> tuple:
+        """a prefill pass by pass, each pass's tokens through _call (the attention half, the
+        two sides' experts, the combine) and its rows placed into y: the device and the host
+        hold a pass's activations at a time, never the call's. The executor's tensors are cut
+        and placed through a host copy of x and y (it has no views)."""
+        on_torch = isinstance(x, torch.Tensor)
+        src = x if on_torch else torch.from_dlpack(_C.copy_tensor(x, -1))
+        if on_torch:
+            y = out if isinstance(out, torch.Tensor) and out.is_contiguous() else _empty_like(x, self.index)
+        else:
+            y = torch.empty(src.shape, dtype=src.dtype)
+        asked = insides.get("return_router") or insides.get("return_attention")
+        gathered = Insides(self.config, "prefill", src, cache, insides, seq) if asked else None
+        S = src.shape[-2]
+        for first in range(0, S, step):
+            sl = slice(first, min(first + step, S))
+            xp = src[..., sl, :].contiguous()
+            # one sequence's rows of a pass are a contiguous view of y: the combine writes them there
+            into = y[sl] if on_torch and y.dim() == 2 else None
+            y_p, trace = self._call(xp if on_torch else _to_device(xp, x, self.index), cache, False, stream,
+                                    {"seq": seq, "chunk_size": step}, insides, into)
+            if into is None:
+                y[..., sl, :] = y_p if on_torch else _host(y_p)
+            if gathered is not None:
+                gathered.add(sl, _PassTrace(*(None if t is None else torch.from_dlpack(t) if on_torch else _host(t)
+                                              for t in trace)))
+        if gathered is None:
+            return (y if on_torch else _to_device(y, x, self.index)), None
+        parts = (gathered.logits, gathered.experts, gathered.weights, gathered.maps)
+        return (y if on_torch else _to_device(y, x, self.index)), tuple(
+            None if t is None else t if on_torch else _to_device(t, x, self.index) for t in parts)
 
     def _call(self, x: Any, cache: Any, decode: bool, stream: Optional[int], kw: dict, insides: dict,
               out: Any) -> tuple:
@@ -160,7 +204,8 @@ class HybridRunner:
         host_rows = (~gpu).any(1).nonzero()[:, 0].to(torch.int32)
         n, on_device = len(host_rows), bool(dev_rows.any())
         st = self.stats
-        st["calls"] += 1
+        st["passes"] += 1
+        st["largest_pass_rows"] = max(st["largest_pass_rows"], ids_h.shape[0])
         st["device_rows"] += int(dev_rows.sum())
         st["device_choices"] += int(gpu.sum())
         st["host_rows"] += n
@@ -182,6 +227,18 @@ class HybridRunner:
         y = out if isinstance(out, torch.Tensor) and out.is_contiguous() else _empty_like(x, self.index)
         _C.combine_rows(resid, link.up(part, resid, "part"), rows_d, out=y, **place)
         return y, trace
+
+
+class _PassTrace:
+    """a pass's insides (host or torch tensors) under LayerTrace's names, for Insides.add"""
+
+    def __init__(self, logits: Any, experts: Any, weights: Any, maps: Any) -> None:
+        self.router_logits, self.experts, self.expert_weights, self.attention = logits, experts, weights, maps
+
+
+def _host(t: Any) -> torch.Tensor:
+    """an executor's tensor copied to the host, as a torch tensor"""
+    return torch.from_dlpack(_C.copy_tensor(t, -1))
 
 
 def _take(src: Any, rows: Any, n: int, place: dict) -> Any:

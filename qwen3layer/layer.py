@@ -158,7 +158,7 @@ class DecoderLayer:
             from .hybrid import HybridRunner
             host = _C.Layer(config, expert_weights(canonical_weights(weights, config, host_ids)), self._core.dtype, -1,
                             self._core.weight_format, host_ids, experts_only=True)
-            self._hybrid = HybridRunner(self._core, host, ids, config.num_experts)
+            self._hybrid = HybridRunner(self._core, host, ids, config)
             self.expert_device, self.gpu_experts = "cpu", tuple(ids)
         if self._core.converted:
             where = "" if index < 0 else f" on {self.device}"
@@ -349,10 +349,11 @@ class DecoderLayer:
 
     @property
     def hybrid_stats(self) -> Optional[dict]:
-        """A layer split over the GPU and the host: the calls, the rows and (row, slot) choices
-        each side's experts ran (a row with experts on both sides counts on both), and the bytes
-        copied each way (link_down_bytes: GPU to host; link_up_bytes: back); None for other
-        layers."""
+        """A layer split over the GPU and the host: the calls, the passes they ran in (a prefill
+        of more than chunk_size tokens runs pass by pass) and largest_pass_rows (the most token
+        rows one pass held), the rows and (row, slot) choices each side's experts ran (a row with
+        experts on both sides counts on both), and the bytes copied each way (link_down_bytes:
+        GPU to host; link_up_bytes: back); None for other layers."""
         return None if self._hybrid is None else dict(self._hybrid.stats)
 
     @staticmethod

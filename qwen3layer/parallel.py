@@ -33,6 +33,7 @@ import torch.distributed as dist
 from . import _C
 from .config import LayerConfig
 from .layer import DecoderLayer, KVCache, _device_index, hf_layer_parts, rewind
+from .passes import Insides
 from .placement import check_placement as _check_placement
 from .placement import contiguous_placement
 
@@ -48,44 +49,6 @@ STAT_KEYS = ("attention_s", "dispatch_s", "experts_s", "combine_s", "passes", "r
 
 def _as_torch(x: Any) -> torch.Tensor:
     return x if isinstance(x, torch.Tensor) else torch.from_dlpack(x)
-
-
-class _Insides:
-    """A call's insides gathered pass by pass into the shapes DecoderLayer gives for the whole
-    call: router rows at the pass's tokens; attention maps [batch, heads, tokens, context] with
-    each pass's columns (the cache so far) placed and the rest 0, as the whole call's are where
-    a query does not look."""
-
-    def __init__(self, c: LayerConfig, kind: str, x: torch.Tensor, cache: KVCache, insides: dict,
-                 seq: Optional[int]) -> None:
-        lead = tuple(x.shape[:-1])
-        self.router = insides["return_router"]
-        at = x.device
-        self.logits = torch.zeros(lead + (c.num_experts,), device=at) if self.router else None
-        self.experts = torch.zeros(lead + (c.num_experts_per_tok,), dtype=torch.int32, device=at) \
-            if self.router else None
-        self.weights = torch.zeros(lead + (c.num_experts_per_tok,), device=at) if self.router else None
-        self.maps = None
-        if insides["return_attention"]:
-            decode = kind == "decode"
-            batch = x.shape[0] if decode or x.dim() == 3 else 1
-            tokens = 1 if decode else x.shape[-2]
-            seqs = range(batch) if decode or x.dim() == 3 else [seq or 0]
-            context = max((cache.lengths[s] + tokens for s in seqs), default=0) if x.shape[0] else 0
-            self.maps = torch.zeros(batch, c.num_attention_heads, tokens, context, device=at)
-
-    def add(self, sl: slice, trace: Any) -> None:
-        if self.router:
-            for mine, theirs in ((self.logits, trace.router_logits), (self.experts, trace.experts),
-                                 (self.weights, trace.expert_weights)):
-                mine[..., sl, :] = theirs
-        if self.maps is not None:
-            maps = trace.attention
-            self.maps[:, :, sl, :maps.shape[-1]] = maps
-
-    def done(self, y: torch.Tensor) -> Any:
-        from .trace import LayerTrace
-        return LayerTrace(y, self.logits, self.experts, self.weights, self.maps)
 
 
 def combine(resid: torch.Tensor, parts: torch.Tensor, rows: torch.Tensor, split: Sequence[int],
@@ -289,7 +252,7 @@ class ExpertParallelLayer:
         total = max(c[1] for c in calls)
         lengths = None if not passes else list(cache.lengths)
         y = out if out is not None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        trace = _Insides(self.config, kind, x, cache, insides, kw.get("seq")) \
+        trace = Insides(self.config, kind, x, cache, insides, kw.get("seq")) \
             if insides["return_router"] or insides["return_attention"] else None
         try:
             for p in range(total):

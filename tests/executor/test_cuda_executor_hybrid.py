@@ -50,14 +50,23 @@ def _run(layer, dtype):
 
 
 class _Counting:
-    """the host layer's expert half, counting the rows it is handed"""
+    """the host layer's expert half, counting the rows it is handed (and the most at once)"""
 
     def __init__(self, core):
-        self.core, self.rows = core, 0
+        self.core, self.rows, self.most = core, 0, 0
 
     def expert_half(self, rows, *args, **kw):
         self.rows += rows.shape[0]
+        self.most = max(self.most, rows.shape[0])
         return self.core.expert_half(rows, *args, **kw)
+
+
+def _passes(trace, chunk):
+    """a call's [.., tokens, k] expert ids, pass by pass (chunk tokens of each sequence), as [rows, k]"""
+    ids = torch.from_dlpack(trace.experts)
+    if ids.dim() == 2:  # a decode step: one pass
+        return [ids]
+    return [ids[:, c:c + chunk].reshape(-1, K) for c in range(0, ids.shape[1], chunk)]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -86,14 +95,17 @@ def test_split_layer_equals_the_cpu_layer(dtype, which):
     ids = torch.cat([torch.from_dlpack(t.experts).reshape(-1, K) for t in traces])
     on_gpu = torch.isin(ids, torch.tensor(gpu, dtype=ids.dtype))
     st = split.hybrid_stats
-    assert st["calls"] == 3
+    # the prefill ran pass by pass (3, 3 and 1 tokens of each sequence), then two decode steps:
+    # no pass held more than a chunk of each sequence's rows, on either side
+    assert (st["calls"], st["passes"], st["largest_pass_rows"]) == (3, 5, 2 * 3)
+    assert counting.most <= 2 * 3
     assert st["device_choices"] == int(on_gpu.sum()) and st["host_choices"] == int((~on_gpu).sum())
     assert st["device_rows"] == int(on_gpu.any(1).sum()) and st["host_rows"] == int((~on_gpu).any(1).sum())
     assert counting.rows == st["host_rows"]  # the host's rows went through the CPU layer's experts
-    # only the rows with a host expert crossed: the bytes, call by call, as the cost model counts them
+    # only the rows with a host expert crossed: the bytes, pass by pass, as the cost model counts them
     down = up = 0
-    for t in traces:
-        side = torch.isin(torch.from_dlpack(t.experts).reshape(-1, K), torch.tensor(gpu, dtype=torch.int32))
+    for ids in (p for t in traces for p in _passes(t, 3)):
+        side = torch.isin(ids, torch.tensor(gpu, dtype=torch.int32))
         d, u = link_bytes(CFG, side.shape[0], int((~side).any(1).sum()), bool(side.any()), dtype)
         down, up = down + d, up + u
     assert (st["link_down_bytes"], st["link_up_bytes"]) == (down, up)
@@ -174,6 +186,50 @@ def test_a_failure_in_the_host_experts_leaves_the_cache_as_it_was():
     split._hybrid.host = real
     split.decode(_on(split, torch.randn(2, H)), cache)
     assert cache.lengths == (4, 4)
+
+
+def test_a_long_prefill_runs_pass_by_pass_and_fails_as_one_call():
+    """one sequence's prefill of 11 tokens in chunks of 4: passes of 4, 4 and 3 rows (never the
+    call's 11 on either side), equal to the CPU layer's chunked prefill; a failure in the host's
+    experts of the second pass leaves the cache where the call began and a rerun gives the same
+    bits; a call that cannot fit is refused before any pass runs"""
+    split = q3.DecoderLayer.random(CFG, 3, "float32", device="cuda", expert_device="cpu", gpu_experts=[1, 4, 6])
+    cpu = q3.DecoderLayer.random(CFG, 3, "float32")
+    counting = _Counting(split._hybrid.host)
+    split._hybrid.host = counting
+    x = torch.randn(11, H, generator=torch.Generator().manual_seed(13))
+    cache = split.new_cache(16)
+    split.prefill(_on(split, x[:2]), cache)  # the call starts at position 2
+    first = split.hybrid_stats
+    got = host(split.prefill(_on(split, x), cache, chunk_size=4))
+    ref_cache = cpu.new_cache(16)
+    cpu.prefill(x[:2], ref_cache)
+    assert rel(got, cpu.prefill(x, ref_cache, chunk_size=4).double().numpy()) <= 1e-5
+    st = split.hybrid_stats
+    assert st["passes"] - first["passes"] == 3 and st["largest_pass_rows"] == 4 and counting.most <= 4
+
+    class FailingSecond:
+        def __init__(self, core):
+            self.core, self.calls = core, 0
+
+        def expert_half(self, *args, **kw):
+            self.calls += 1
+            if self.calls == 2:
+                raise OSError("planted in the second pass")
+            return self.core.expert_half(*args, **kw)
+
+    again = split.new_cache(16)
+    split.prefill(_on(split, x[:2]), again)
+    split._hybrid.host = FailingSecond(counting.core)
+    with pytest.raises(OSError, match="second pass"):
+        split.prefill(_on(split, x), again, chunk_size=4)
+    assert again.lengths == (2,)  # the first pass's K/V taken back
+    split._hybrid.host = counting.core
+    assert (host(split.prefill(_on(split, x), again, chunk_size=4)) == got).all()
+    before = split.hybrid_stats
+    with pytest.raises(q3.CacheFullError):
+        split.prefill(_on(split, x), again, chunk_size=2)  # 13 + 11 tokens in 16 (the first pass of 2 fits)
+    assert again.lengths == (13,) and split.hybrid_stats["passes"] == before["passes"]
 
 
 def test_what_it_does_not_run_is_refused_before_any_work():

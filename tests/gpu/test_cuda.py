@@ -944,6 +944,30 @@ def test_layer_split_over_the_gpu_and_the_host_matches_the_cpu_layer(dtype, tol,
 
 
 @needs_gpu
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 5e-3)])
+def test_split_layer_prefill_runs_pass_by_pass_into_out(dtype, tol):
+    """a split layer's prefill of one sequence's 11 tokens in chunks of 4 on torch CUDA tensors:
+    three passes of at most 4 rows, each pass's output written into its rows of out in place;
+    equal to the CPU layer, and with the insides asked for, the same output bits and the CPU
+    layer's router logits and maps (the executor's twin: tests/executor/test_cuda_executor_hybrid.py)"""
+    import torch
+
+    cpu = q3.DecoderLayer.random(CFG, seed=3, dtype=dtype)
+    split = q3.DecoderLayer.random(CFG, seed=3, dtype=dtype, device="cuda", expert_device="cpu",
+                                   gpu_experts=[1, 4, 6])
+    x = torch.randn(11, CFG.hidden_size, generator=torch.Generator().manual_seed(5)).to(getattr(torch, dtype))
+    out = torch.empty_like(x).cuda()
+    assert split.prefill(x.cuda(), split.new_cache(16), chunk_size=4, out=out) is out
+    assert rel(out, cpu.prefill(x, cpu.new_cache(16), chunk_size=4)) <= tol
+    st = split.hybrid_stats
+    assert (st["calls"], st["passes"], st["largest_pass_rows"]) == (1, 3, 4)
+    got = split.prefill(x.cuda(), split.new_cache(16), chunk_size=4, return_router=True, return_attention=True)
+    want = cpu.prefill(x, cpu.new_cache(16), chunk_size=4, return_router=True, return_attention=True)
+    assert torch.equal(got.output, out)
+    assert rel(got.router_logits, want.router_logits) <= tol and rel(got.attention, want.attention) <= tol
+
+
+@needs_gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_take_and_combine_rows_on_torch_cuda_tensors_give_the_hosts_bits(dtype):
     """_C.take_rows and _C.combine_rows with device= on torch CUDA tensors, on the current
