@@ -98,4 +98,9 @@ def cmd_run_hybrid(args: argparse.Namespace, cfg) -> int:
     print(f"rows and choices per side: {layer.hybrid_stats}")
     print()
     print(split_table(cfg, 1, "decode", gpu, args.tokens, dtype, m))
+    # each side's stages measured (profiled calls run the two sides' experts one after the other)
+    print()
+    print(layer.profile("prefill", min(chunk, args.tokens), 0, chunk, repeat=1).table())
+    print()
+    print(layer.profile("decode", 1, args.tokens, repeat=3).table())
     return 0

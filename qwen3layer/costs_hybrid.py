@@ -23,7 +23,7 @@ import math
 from typing import Optional, Sequence
 
 from .config import LayerConfig
-from .costs import WEIGHT_FORMATS, _Matrices, _size, cost_model
+from .costs import WEIGHT_FORMATS, CostModel, Stage, _Matrices, _size, cost_model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,3 +138,36 @@ def hybrid_split(cfg: LayerConfig, rows: int, gpu_experts: Sequence[int], *, mod
         device_experts_s=max((dev_bytes + act) / mc.device_read, expert_flops * (1 - host_share) / mc.device_flops),
         link_s=(down + up) / mc.link,
         host_experts_s=max(host_bytes / mc.host_read, expert_flops * host_share / mc.host_flops))
+
+
+def split_cost_model(cfg: LayerConfig, mode: str, tokens: int, context: int, chunk_size: Optional[int],
+                     dtype: str, batch: int, weight_format: str, scale_dtype: str,
+                     gpu_experts: Sequence[int]) -> CostModel:
+    """The cost model of a split layer's call (its profile()): cost_model's stages with the
+    experts stage split in three, pass by pass as hybrid_split expects them under uniform
+    routing: `gpu_experts` (the GPU's experts: their weights and the rows' activations on the
+    device), `link` (the bytes down to the host and back, as link_bytes counts them; measured,
+    it is the rest of the call: the copies, takes, combine and the Python between them) and
+    `host_experts` (the host experts' weights read from host memory); the FLOPs in proportion
+    to the experts each side holds."""
+    whole = cost_model(cfg, mode, tokens, context, chunk_size, dtype, batch, weight_format, scale_dtype)
+    ex = whole.stage("experts")
+    on_gpu = sorted(_gpu_ids(cfg, gpu_experts))
+    step = 1 if mode == "decode" else min(chunk_size or tokens, tokens)
+    dev = host = down = up = 0.0
+    for p in range(whole.passes):
+        rows = batch * (1 if mode == "decode" else min(step, tokens - p * step))
+        s = hybrid_split(cfg, rows, on_gpu, mode=mode, context=context + p * step, dtype=dtype,
+                         weight_format=weight_format)
+        dev, host = dev + s.device_expert_bytes, host + s.host_expert_bytes
+        down, up = down + s.link_down_bytes, up + s.link_up_bytes
+    gpu_share = len(on_gpu) / cfg.num_experts
+    rows = ex.inputs[0]
+    stages = [s for s in whole.stages if s.name != "experts"] + [
+        Stage("gpu_experts", ex.kernel + " (GPU)", ex.inputs, ex.outputs, round(dev), ex.act_read, ex.act_written,
+              ex.flops * gpu_share),
+        Stage("link", "the rest: rows to the host, sums back (PCIe), take, combine", [rows], [rows], 0,
+              round(down), round(up)),
+        Stage("host_experts", ex.kernel + " (CPU, host memory)", ex.inputs, ex.outputs, round(host), 0, 0,
+              ex.flops * (1 - gpu_share))]
+    return dataclasses.replace(whole, stages=stages)

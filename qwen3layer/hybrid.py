@@ -25,6 +25,7 @@ them, pass by pass).
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, Optional, Sequence
 
 import torch
@@ -156,6 +157,27 @@ class HybridRunner:
         except BaseException:  # nothing half-written: the cache back to where the call began
             rewind(cache, lengths)
             raise
+
+    def profiled(self, call: Any) -> dict:
+        """stage -> seconds of call() (DecoderLayer.profile's) with both sides profiling: the
+        device layer's stages, its experts as gpu_experts (CUDA events); the host layer's
+        experts and conversions as host_experts (its clock); link, the rest of the call's time
+        (the copies, takes, combine and the Python between them). Each side's timing waits for
+        its own work, so here the two sides' experts run one after the other."""
+        self.device.set_profiling(True)
+        self.host.set_profiling(True)
+        try:
+            t = time.perf_counter()
+            call()
+            wall = time.perf_counter() - t
+            seconds, host = self.device.profile_seconds(), self.host.profile_seconds()
+        finally:
+            self.device.set_profiling(False)
+            self.host.set_profiling(False)
+        seconds["gpu_experts"] = seconds.pop("experts")
+        seconds["host_experts"] = host["experts"] + host["io"]
+        seconds["link"] = max(0.0, wall - sum(seconds.values()))
+        return seconds
 
     def _passes(self, x: Any, cache: Any, stream: Optional[int], seq: Optional[int], step: int, out: Any,
                 insides: dict) -> tuple:

@@ -387,25 +387,36 @@ class DecoderLayer:
         chunk_size, or `tokens` decode steps) for `batch` sequences holding `context` tokens of
         random input, against the cost model: median of `repeat` profiled calls per stage (a
         monotonic clock on the CPU, CUDA events on a GPU), and the median of as many unprofiled
-        calls for comparison."""
+        calls for comparison.
+
+        A layer split over the GPU and the host: its calls (qwen3layer.hybrid), with the experts
+        stage in three: gpu_experts (CUDA events), host_experts (the CPU's clock) and link (the
+        copies, takes and combine: the profiled call's time less the two sides' stages). The
+        profiled calls run the two sides' experts one after the other (each side's timing
+        waits for its own work); the unprofiled ones overlap them."""
         import statistics
         import time
 
         from .costs import cost_model
         from .profile import Profile, join
 
-        cost = cost_model(self.config, mode, tokens, context, chunk_size, self.dtype, batch, self.weight_format,
-                          self._core.scale_dtype or "float32")
+        scale_dtype = self._core.scale_dtype or "float32"
+        if self._hybrid is None:
+            cost = cost_model(self.config, mode, tokens, context, chunk_size, self.dtype, batch, self.weight_format,
+                              scale_dtype)
+        else:
+            from .costs_hybrid import split_cost_model
+
+            cost = split_cost_model(self.config, mode, tokens, context, chunk_size, self.dtype, batch,
+                                    self.weight_format, scale_dtype, self.gpu_experts)
         H = self.config.hidden_size
-        if self._hybrid is not None:
-            raise NotImplementedError("profile: not yet for a layer split over the GPU and the host "
-                                      "(expert_device='cpu'); time its prefill and decode calls")
         rand = self.random_input
 
+        run = self if self._hybrid is not None else self._core  # a split layer's calls are Python's
         cache = self.new_cache(context + tokens, batch)
         for t0 in range(0, context, 512):  # the context, through the layer itself (not timed)
             n = min(512, context - t0)
-            self._core.prefill(rand((batch, n, H) if batch > 1 else (n, H), 7 + t0), cache, None, 512)
+            run.prefill(rand((batch, n, H) if batch > 1 else (n, H), 7 + t0), cache, None, 512)
         if mode == "prefill":
             xs = [rand((batch, tokens, H) if batch > 1 else (tokens, H), 11)]
         else:
@@ -414,9 +425,9 @@ class DecoderLayer:
         def call():
             for x in xs:
                 if mode == "prefill":
-                    self._core.prefill(x, cache, None, chunk_size)
+                    run.prefill(x, cache, None, chunk_size)
                 else:
-                    self._core.decode(x, cache)
+                    run.decode(x, cache)
             for b in range(batch):
                 cache.truncate(context, b)
 
@@ -426,13 +437,21 @@ class DecoderLayer:
             t = time.perf_counter()
             call()
             unprofiled.append(time.perf_counter() - t)
-            self._core.set_profiling(True)
-            call()
-            per_stage.append(self._core.profile_seconds())
-            self._core.set_profiling(False)
+            per_stage.append(self._profiled(call))
         median = {name: statistics.median(p[name] for p in per_stage) for name in per_stage[0]}
         return Profile(mode, cost, join(cost, median), statistics.median(unprofiled), self.workspace_bytes,
                        cache.nbytes)
+
+    def _profiled(self, call: Any) -> dict:
+        """stage -> seconds of call() with profiling on (a split layer: qwen3layer.hybrid's)"""
+        if self._hybrid is not None:
+            return self._hybrid.profiled(call)
+        self._core.set_profiling(True)
+        try:
+            call()
+            return self._core.profile_seconds()
+        finally:
+            self._core.set_profiling(False)
 
     @property
     def dtype(self) -> str:

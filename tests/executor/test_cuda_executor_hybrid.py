@@ -14,7 +14,8 @@ import torch
 import qwen3layer as q3
 from executor_arrays import host, rel
 from qwen3layer import _C
-from qwen3layer.costs_hybrid import link_bytes
+from qwen3layer.costs import cost_model
+from qwen3layer.costs_hybrid import hybrid_split, link_bytes
 
 pytestmark = pytest.mark.executor_subprocess
 TIMEOUT = 600
@@ -241,8 +242,6 @@ def test_what_it_does_not_run_is_refused_before_any_work():
     assert cache.lengths == (0,)
     with pytest.raises(ValueError, match="cannot be captured"):
         split.decode_graph(cache)
-    with pytest.raises(NotImplementedError, match="profile"):
-        split.profile("decode")
 
 
 def test_fp8_split_layer_equals_the_cpu_fp8_layer():
@@ -330,3 +329,33 @@ def test_a_decode_step_of_64_sequences_equals_the_cpu_layer(which):
     assert (st["link_down_bytes"] - before["link_down_bytes"], st["link_up_bytes"] - before["link_up_bytes"]) == \
         (down, up)
     assert (st["host_rows"] - before["host_rows"] == 0) == (which == "all")
+
+
+@pytest.mark.parametrize("which", ["none", "mixed", "all"])
+@pytest.mark.parametrize("mode,kw", [("prefill", dict(tokens=7, chunk_size=3, batch=2)),
+                                     ("decode", dict(tokens=2, context=5, batch=2))])
+def test_profile_splits_the_experts_stage_by_side(which, mode, kw):
+    """profile() of a split layer: the whole layer's stages with its experts stage in three,
+    gpu_experts, link and host_experts, each timed where a side ran (a side with no experts
+    reads 0 s), and the model's split: the experts' FLOPs by the share each side holds, the
+    link's bytes as hybrid_split expects them pass by pass, no host bytes with every expert on
+    the GPU"""
+    gpu = SETS[which]
+    split = q3.DecoderLayer.random(CFG, 3, "float32", device="cuda", expert_device="cpu", gpu_experts=gpu)
+    p = split.profile(mode, repeat=1, **kw)
+    names = [s.name for s in p.stages]
+    whole = cost_model(CFG, mode, dtype="float32", **kw)
+    assert names == [s.name for s in whole.stages if s.name != "experts"] + ["gpu_experts", "link", "host_experts"]
+    st = {s.name: s for s in p.stages}
+    assert st["attention"].seconds > 0 and st["qkv_proj"].seconds > 0
+    assert (st["gpu_experts"].seconds > 0) == bool(gpu) and (st["host_experts"].seconds > 0) == (len(gpu) < E)
+    model = {s.name: s for s in p.cost.stages}
+    flops = whole.stage("experts").flops
+    assert model["gpu_experts"].flops == pytest.approx(flops * len(gpu) / E)
+    assert model["host_experts"].flops == pytest.approx(flops * (E - len(gpu)) / E)
+    rows = [kw["batch"]] * kw["tokens"] if mode == "decode" else [6, 6, 2]
+    splits = [hybrid_split(CFG, r, gpu, mode=mode, dtype="float32") for r in rows]
+    assert model["link"].act_read == round(sum(s.link_down_bytes for s in splits))
+    assert model["link"].act_written == round(sum(s.link_up_bytes for s in splits))
+    assert (model["host_experts"].weight_bytes == 0) == (which == "all")
+    assert (model["gpu_experts"].weight_bytes == 0) == (which == "none")

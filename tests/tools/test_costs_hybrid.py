@@ -8,7 +8,7 @@ import torch
 
 import qwen3layer as q3
 from qwen3layer.costs import cost_model
-from qwen3layer.costs_hybrid import Machine, hybrid_split
+from qwen3layer.costs_hybrid import Machine, hybrid_split, split_cost_model
 
 REAL = q3.LayerConfig.qwen3_235b_a22b()
 SMALL = q3.LayerConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=24, num_experts=16,
@@ -126,3 +126,38 @@ def test_map_and_run_take_the_split_flags():
                         "--expert-device", "cpu", "--gpu-experts", "2"], cwd=root, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2 and "expert_device='cpu'" in r.stderr and "device is 'cpu'" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("gpu", [[], [0, 5, 9], list(range(128))])
+@pytest.mark.parametrize("mode,tokens,chunk,batch", [("prefill", 1100, 512, 1), ("prefill", 40, 16, 3),
+                                                     ("decode", 3, None, 8)])
+def test_split_cost_model_is_the_layers_with_its_experts_by_side(gpu, mode, tokens, chunk, batch):
+    """a split layer's profile model: the whole layer's stages but its experts, which become
+    the GPU's experts, the link and the host's; the FLOPs divided by the experts each side
+    holds, the bytes those of hybrid_split's passes (1100 tokens in chunks of 512: 512, 512,
+    76), the activations on the GPU side"""
+    whole = cost_model(REAL, mode, tokens, 100, chunk, "bfloat16", batch)
+    m = split_cost_model(REAL, mode, tokens, 100, chunk, "bfloat16", batch, "dense", "float32", gpu)
+    assert [s.name for s in m.stages] == [s.name for s in whole.stages if s.name != "experts"] + \
+        ["gpu_experts", "link", "host_experts"]
+    assert (m.passes, m.chunk_size) == (whole.passes, whole.chunk_size)
+    st, ex = {s.name: s for s in m.stages}, whole.stage("experts")
+    assert st["gpu_experts"].flops + st["host_experts"].flops == pytest.approx(ex.flops)
+    assert st["gpu_experts"].flops == pytest.approx(ex.flops * len(gpu) / 128)
+    step = 1 if mode == "decode" else chunk
+    rows = [batch * (1 if mode == "decode" else min(step, tokens - p * step)) for p in range(whole.passes)]
+    passes = [hybrid_split(REAL, r, gpu, mode=mode, context=100 + p * step) for p, r in enumerate(rows)]
+    assert st["link"].act_read == round(sum(p.link_down_bytes for p in passes))
+    assert st["link"].act_written == round(sum(p.link_up_bytes for p in passes))
+    assert st["host_experts"].weight_bytes == round(sum(p.host_expert_bytes for p in passes))
+    assert st["gpu_experts"].weight_bytes == round(sum(p.device_expert_bytes for p in passes))
+    assert (st["host_experts"].weight_bytes == 0) == (len(gpu) == 128)
+    assert (st["gpu_experts"].weight_bytes == 0) == (not gpu)
+    assert st["gpu_experts"].act_read == ex.act_read and st["host_experts"].act_read == 0
+
+
+def test_split_cost_model_refuses_what_hybrid_split_refuses():
+    with pytest.raises(ValueError, match="expected expert ids in \\[0, 128\\), got 128"):
+        split_cost_model(REAL, "decode", 1, 0, None, "bfloat16", 1, "dense", "float32", [128])
+    with pytest.raises(ValueError, match="expert 3 is listed twice"):
+        split_cost_model(REAL, "decode", 1, 0, None, "bfloat16", 1, "dense", "float32", [3, 3])
