@@ -4,8 +4,8 @@
 # run the GPU tests (every CUDA kernel against its CPU twin), every kernel path once under
 # compute-sanitizer's memory checker, then the CUDA benchmark; its table is printed last.
 # The CPU suite (the same kernels on the SIMT executor included) runs in CI, not here. The
-# steps' own time limits sum to 540 s (120 + 90 + 60 + 100 + 40 + 130), so one device call of
-# 600 s always gets to the end. Logs go to $OUT if set.
+# steps' own time limits sum to 540 s (120 + 90 + 60 + 80 + 40 + 30 + 120), so one device call
+# of 600 s always gets to the end. Logs go to $OUT if set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp}
@@ -38,7 +38,7 @@ PY
 
 echo "== memory checker over every kernel path (compute-sanitizer, where it runs)"
 if command -v compute-sanitizer > /dev/null; then
-    timeout 100 compute-sanitizer --tool memcheck --print-limit 20 python3 benchmarks/sanitize_check.py 2>&1 \
+    timeout 80 compute-sanitizer --tool memcheck --print-limit 20 python3 benchmarks/sanitize_check.py 2>&1 \
         | tee "$out/memcheck.log" | grep -E "ERROR SUMMARY|Invalid|kernel self-check|ran;|Error" | head -40
     if grep -q "Device not supported" "$out/memcheck.log"; then
         echo "compute-sanitizer: skipped (it answers 'Device not supported' on this runtime; not a kernel failure)"
@@ -57,6 +57,10 @@ else
     echo "skipped: $gpus GPU(s) on this machine, NCCL expert parallelism needs 2"
 fi
 
+echo "== one GPU and the host's experts: the split layer measured beside its model (docs/hybrid.md)"
+timeout 30 python3 -m qwen3layer run --device cuda --expert-device cpu --gpu-experts 16 --tokens 256 \
+    --chunk-size 256 --new-tokens 4 2>&1 | tee "$out/hybrid.txt" || status=1
+
 echo "== CUDA benchmark"
-timeout 130 python3 benchmarks/bench_cuda.py 2>&1 | tee "$out/bench_cuda.txt" || status=1
+timeout 120 python3 benchmarks/bench_cuda.py 2>&1 | tee "$out/bench_cuda.txt" || status=1
 exit $status

@@ -130,13 +130,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def decode_steps(layer: DecoderLayer, cache, steps: int, seed: int) -> list:
-    """the seconds of `steps` decode steps of random inputs"""
+def decode_steps(layer: DecoderLayer, cache, steps: int, seed: int, wrap=None, sync=None) -> list:
+    """the seconds of `steps` decode steps of random inputs (wrap: each input as the calls take
+    it; sync: waits for the device before the clock stops)"""
     H, took = layer.config.hidden_size, []
     for i in range(steps):
         x = layer.random_input((1, H), seed * 104729 + i)
+        x = wrap(x) if wrap else x
         t = time.perf_counter()
         layer.decode(x, cache)
+        if sync:
+            sync()
         took.append(time.perf_counter() - t)
     return took
 

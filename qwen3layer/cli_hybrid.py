@@ -75,18 +75,20 @@ def cmd_run_hybrid(args: argparse.Namespace, cfg) -> int:
           f"experts) and the host ({cfg.num_experts - len(gpu)} experts), random {dtype} weights ...", flush=True)
     layer = DecoderLayer.random(cfg, args.seed, dtype, device=args.device, expert_device="cpu", gpu_experts=gpu)
     m = machine_now()
+    hybrid = layer._hybrid
     cache = layer.new_cache(args.tokens + args.new_tokens)
     H, chunk, done, passes = cfg.hidden_size, args.chunk_size, 0, []
     while done < args.tokens:
         n = min(chunk, args.tokens - done)
-        x = layer.random_input((n, H), args.seed * 7919 + done)
+        x = hybrid.device_input(layer.random_input((n, H), args.seed * 7919 + done))  # torch's, where it has CUDA
         t = time.perf_counter()
         layer.prefill(x, cache, chunk_size=chunk)
+        hybrid.synchronize()
         passes.append((n, time.perf_counter() - t))
         done += n
         sys.stderr.write(f"\rprefill {done}/{args.tokens}")
     sys.stderr.write("\n")
-    steps = decode_steps(layer, cache, args.new_tokens, args.seed)
+    steps = decode_steps(layer, cache, args.new_tokens, args.seed, hybrid.device_input, hybrid.synchronize)
     pre = sum(t for _, t in passes)
     print(f"\nprefill  {args.tokens} tokens in chunks of {chunk}: {pre:.2f} s, {args.tokens / pre:.1f} tok/s "
           f"(predicted a full chunk: {hybrid_split(cfg, min(chunk, args.tokens), gpu, mode='prefill', dtype=dtype, machine=m).pass_s * 1e3:.1f} ms, "

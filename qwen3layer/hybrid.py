@@ -158,6 +158,18 @@ class HybridRunner:
             rewind(cache, lengths)
             raise
 
+    def device_input(self, t: Any) -> Any:
+        """an extension tensor made on the device (random_input) as the calls of users take
+        it: a torch CUDA tensor (zero-copy) where torch has CUDA, so that the pinned async
+        copies run; on the SIMT executor, itself"""
+        return torch.from_dlpack(t) if torch.cuda.is_available() else t
+
+    def synchronize(self) -> None:
+        """waits for the device's queued work (torch tensors' calls return before the combine
+        has run; the executor's are done on return)"""
+        if torch.cuda.is_available():
+            torch.cuda.synchronize(self.index)
+
     def profiled(self, call: Any) -> dict:
         """stage -> seconds of call() (DecoderLayer.profile's) with both sides profiling: the
         device layer's stages, its experts as gpu_experts (CUDA events); the host layer's

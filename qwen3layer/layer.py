@@ -410,7 +410,8 @@ class DecoderLayer:
             cost = split_cost_model(self.config, mode, tokens, context, chunk_size, self.dtype, batch,
                                     self.weight_format, scale_dtype, self.gpu_experts)
         H = self.config.hidden_size
-        rand = self.random_input
+        rand = self.random_input if self._hybrid is None else \
+            (lambda shape, seed: self._hybrid.device_input(self.random_input(shape, seed)))
 
         run = self if self._hybrid is not None else self._core  # a split layer's calls are Python's
         cache = self.new_cache(context + tokens, batch)
@@ -428,6 +429,8 @@ class DecoderLayer:
                     run.prefill(x, cache, None, chunk_size)
                 else:
                     run.decode(x, cache)
+            if self._hybrid is not None:  # its torch calls return before the device is done
+                self._hybrid.synchronize()
             for b in range(batch):
                 cache.truncate(context, b)
 

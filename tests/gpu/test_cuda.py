@@ -968,6 +968,21 @@ def test_split_layer_prefill_runs_pass_by_pass_into_out(dtype, tol):
 
 
 @needs_gpu
+@pytest.mark.parametrize("mode,kw", [("prefill", dict(tokens=40, chunk_size=16)), ("decode", dict(tokens=3, context=9))])
+def test_split_layer_profile_times_each_side_on_torch_tensors(mode, kw):
+    """profile() of a split layer on the GPU: its calls on torch CUDA tensors (the pinned async
+    copies), each side's experts and the link timed, every stage of the model there (the
+    executor's twin: tests/executor/test_cuda_executor_hybrid.py)"""
+    split = q3.DecoderLayer.random(CFG, seed=3, dtype="bfloat16", device="cuda", expert_device="cpu",
+                                   gpu_experts=[1, 4, 6])
+    p = split.profile(mode, repeat=1, **kw)
+    st = {s.name: s for s in p.stages}
+    assert [s.name for s in p.stages] == [s.name for s in p.cost.stages]
+    assert st["gpu_experts"].seconds > 0 and st["host_experts"].seconds > 0 and st["attention"].seconds > 0
+    assert split.hybrid_stats["link_down_bytes"] > 0 and p.call_seconds > 0
+
+
+@needs_gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_take_and_combine_rows_on_torch_cuda_tensors_give_the_hosts_bits(dtype):
     """_C.take_rows and _C.combine_rows with device= on torch CUDA tensors, on the current
