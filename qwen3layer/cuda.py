@@ -14,6 +14,7 @@ LIBRARY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "libq3cuda.so
 SIMT_LIBRARY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "libq3simt.so")
 _blas: Optional[str] = None
 _targets: Optional[list] = None
+_emulated = False
 
 
 def _cublas_candidates() -> list:
@@ -72,18 +73,25 @@ def emulate(path: Optional[str] = None, cublas: bool = False) -> None:
     defect) instead of the package's libq3simt.so. cublas=True also opens the executor's
     stand-in for cuBLAS (a plain CPU GEMM behind cuBLAS's entry points), so the prefill GEMMs
     take the cuBLAS path as on a GPU that has it."""
-    global _blas
+    global _blas, _emulated
     if path is None and not os.path.exists(SIMT_LIBRARY):
         raise RuntimeError("cuda: this build has no SIMT executor (the CUDA toolkit's headers were not found when "
                            "it was built)")
     library = os.path.abspath(path) if path is not None else SIMT_LIBRARY
     _C.cuda_open(library)
+    _emulated = True
     if cublas:
         if not _C.cuda_blas_open(library):
             raise RuntimeError(f"cuda: {library} has no cuBLAS stand-in")
         _blas = "the SIMT executor's stand-in"
     elif _blas is None:
         _blas = ""
+
+
+def emulated() -> bool:
+    """Whether the CUDA device is the SIMT executor (emulate() was called): its tensors live in
+    host memory, so no other library may take them as device memory."""
+    return _emulated
 
 
 def blas() -> Optional[str]:

@@ -30,7 +30,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from . import _C
+from . import _C, cuda
 from .config import LayerConfig
 from .layer import rewind
 from .passes import Insides
@@ -161,14 +161,13 @@ class HybridRunner:
     def device_input(self, t: Any) -> Any:
         """an extension tensor made on the device (random_input) as the calls of users take
         it: a torch CUDA tensor (zero-copy) where torch has CUDA, so that the pinned async
-        copies run; on the SIMT executor, itself"""
-        return torch.from_dlpack(t) if torch.cuda.is_available() else t
+        copies run; on the SIMT executor (host memory), itself"""
+        return torch.from_dlpack(t) if torch.cuda.is_available() and not cuda.emulated() else t
 
     def synchronize(self) -> None:
-        """waits for the device's queued work (torch tensors' calls return before the combine
-        has run; the executor's are done on return)"""
-        if torch.cuda.is_available():
-            torch.cuda.synchronize(self.index)
+        """waits for all the device's queued work, torch's streams included (a call on torch
+        tensors returns before its combine has run)"""
+        _C.cuda_synchronize(self.index)
 
     def profiled(self, call: Any) -> dict:
         """stage -> seconds of call() (DecoderLayer.profile's) with both sides profiling: the

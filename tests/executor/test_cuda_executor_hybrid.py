@@ -342,6 +342,8 @@ def test_profile_splits_the_experts_stage_by_side(which, mode, kw):
     the GPU"""
     gpu = SETS[which]
     split = q3.DecoderLayer.random(CFG, 3, "float32", device="cuda", expert_device="cpu", gpu_experts=gpu)
+    t = split.random_input((2, H), 1)
+    assert q3.cuda.emulated() and split._hybrid.device_input(t) is t  # the executor's memory: never torch's
     p = split.profile(mode, repeat=1, **kw)
     names = [s.name for s in p.stages]
     whole = cost_model(CFG, mode, dtype="float32", **kw)
