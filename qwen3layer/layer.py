@@ -384,8 +384,9 @@ class DecoderLayer:
     def profile(self, mode: str = "decode", tokens: int = 1, context: int = 0, chunk_size: Optional[int] = None,
                 repeat: int = 3, batch: int = 1) -> "Profile":
         """Times every stage of `tokens` new tokens per sequence (prefill in passes of
-        chunk_size, or `tokens` decode steps) for `batch` sequences holding `context` tokens of
-        random input, against the cost model: median of `repeat` profiled calls per stage (a
+        chunk_size, by default build_info()['default_chunk'] as prefill's, or `tokens` decode
+        steps) for `batch` sequences holding `context` tokens of random input, against the
+        cost model: median of `repeat` profiled calls per stage (a
         monotonic clock on the CPU, CUDA events on a GPU), and the median of as many unprofiled
         calls for comparison.
 
@@ -401,6 +402,8 @@ class DecoderLayer:
         from .profile import Profile, join
 
         scale_dtype = self._core.scale_dtype or "float32"
+        if mode == "prefill" and chunk_size is None:  # the passes the calls below make, modelled alike
+            chunk_size = int(_C.build_info()["default_chunk"])
         if self._hybrid is None:
             cost = cost_model(self.config, mode, tokens, context, chunk_size, self.dtype, batch, self.weight_format,
                               scale_dtype)

@@ -97,6 +97,16 @@ def test_profile_times_every_stage_of_the_cost_model():
         assert "dominant" in p.table()
 
 
+def test_profile_models_the_passes_the_layer_runs_without_a_chunk_size():
+    """prefill with chunk_size=None runs passes of build_info()['default_chunk'] tokens; the
+    profile's model counts those passes (it modelled the whole call as one before)"""
+    layer = q3.DecoderLayer.random(q3.LayerConfig.tiny(), dtype="float32")
+    chunk = q3.build_info()["default_chunk"]
+    p = layer.profile("prefill", tokens=chunk + 40, repeat=1)
+    assert (p.cost.passes, p.cost.chunk_size) == (2, chunk)
+    assert p.cost.flops == q3.cost_model(layer.config, "prefill", chunk + 40, 0, chunk, "float32").flops
+
+
 def test_main_job_runs_on_a_tiny_geometry():
     r = subprocess.run([sys.executable, "-m", "qwen3layer", "run", "--geometry", "tiny", "--tokens", "40",
                         "--chunk-size", "16", "--new-tokens", "3"], cwd=ROOT, capture_output=True, text=True,
