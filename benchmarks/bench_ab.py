@@ -3,9 +3,13 @@ called in turn on the same weights, so that a kernel change is measured under th
 state. On a VM whose layer figures move 20-40% from one process to the next, a change of a few
 per cent shows only this way.
 
+    python benchmarks/bench_ab.py --base-rev HEAD~1            # A: that commit, built now; B: this checkout
     git worktree add --detach /tmp/base <rev> && (cd /tmp/base && python setup.py build_ext --inplace)
-    python benchmarks/bench_ab.py --base /tmp/base             # A: that build, B: this checkout's
+    python benchmarks/bench_ab.py --base /tmp/base             # A: a build of your own
     python benchmarks/bench_ab.py --paths avx512,avx512bf16    # A, B: this build on two CPU paths
+
+--base-rev checks the commit out into a git worktree of a temporary folder, builds it there
+(a few minutes; its log is kept if the build fails) and removes the worktree at the end.
 
 Rows: decode at each context (batch 1), a decode step of each --batches sequences at context
 512, prefill of --prefill-tokens tokens in one chunk; bf16 weights, and FP8 (fp8_e4m3_block128)
@@ -22,8 +26,11 @@ import argparse
 import dataclasses
 import importlib.util
 import os
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
@@ -56,6 +63,42 @@ def load_build(root: str):
     sys.modules["qwen3layer_base"] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+def build_rev(rev: str) -> str:
+    """a worktree of this checkout at `rev` in a new temporary folder, its extension built
+    in place; the folder (the caller removes it with remove_rev)"""
+    git = ["git", "-C", ROOT]
+    got = subprocess.run(git + ["rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"], capture_output=True,
+                         text=True)
+    if got.returncode != 0:
+        raise SystemExit(f"--base-rev {rev}: not a commit of the repository at {os.path.abspath(ROOT)}")
+    commit = got.stdout.strip()
+    where = tempfile.mkdtemp(prefix="qwen3layer-ab-")
+    add = subprocess.run(git + ["worktree", "add", "--detach", where, commit], capture_output=True, text=True)
+    if add.returncode != 0:
+        shutil.rmtree(where, ignore_errors=True)
+        raise SystemExit(f"--base-rev {rev}: git worktree add failed: {add.stderr.strip()}")
+    log = os.path.join(tempfile.gettempdir(), f"qwen3layer-ab-build-{commit[:12]}.log")
+    print(f"building {rev} ({commit[:12]}) in {where} (log: {log}) ...", flush=True)
+    t = time.perf_counter()
+    try:
+        with open(log, "w") as f:
+            built = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=where, stdout=f,
+                                   stderr=subprocess.STDOUT)
+        if built.returncode != 0:
+            raise SystemExit(f"--base-rev {rev}: the build failed (exit {built.returncode}); see {log}")
+    except BaseException:  # a failed or interrupted build leaves no worktree behind
+        remove_rev(where)
+        raise
+    os.remove(log)
+    print(f"built in {time.perf_counter() - t:.0f} s", flush=True)
+    return where
+
+
+def remove_rev(where: str) -> None:
+    subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", where], capture_output=True)
+    shutil.rmtree(where, ignore_errors=True)
 
 
 class Side:
@@ -137,6 +180,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     who = ap.add_mutually_exclusive_group(required=True)
     who.add_argument("--base", metavar="DIR", help="a checkout of this project, built in place: A (this one is B)")
+    who.add_argument("--base-rev", metavar="REV", help="a commit of this repository, checked out and built now: A")
     who.add_argument("--paths", metavar="A,B", help="two CPU paths of this build (build_info()['cpu_paths'])")
     ap.add_argument("--small", action="store_true", help="a small geometry instead of the real one")
     ap.add_argument("--contexts", default="512,4096", help="decode contexts, batch 1 (default %(default)s)")
@@ -147,6 +191,16 @@ def main() -> int:
     ap.add_argument("--prefill-rounds", type=int, default=8)
     ap.add_argument("--fp8", action="store_true", help="the same rows on FP8 weights too")
     args = ap.parse_args()
+    if args.base_rev:
+        args.base = build_rev(args.base_rev)
+        try:
+            return run(args)
+        finally:
+            remove_rev(args.base)
+    return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     cfg = SMALL if args.small else q3.LayerConfig.qwen3_235b_a22b()
     info = q3.build_info()

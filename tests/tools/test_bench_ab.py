@@ -54,6 +54,7 @@ def test_two_paths_that_round_differently_show_the_difference():
     (["--paths", "portable,nosuch"], "expected two of this CPU's paths"),
     (["--base", ROOT], "that is this checkout"),
     (["--base", os.path.join(ROOT, "docs")], "no qwen3layer/__init__.py there"),
+    (["--base-rev", "no-such-rev"], "--base-rev no-such-rev: not a commit of the repository"),
 ])
 def test_what_it_cannot_compare_is_refused(args, needle):
     r = run(*args)
