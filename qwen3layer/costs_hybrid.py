@@ -153,10 +153,10 @@ def split_cost_model(cfg: LayerConfig, mode: str, tokens: int, context: int, chu
     whole = cost_model(cfg, mode, tokens, context, chunk_size, dtype, batch, weight_format, scale_dtype)
     ex = whole.stage("experts")
     on_gpu = sorted(_gpu_ids(cfg, gpu_experts))
-    step = 1 if mode == "decode" else min(chunk_size or tokens, tokens)
+    step = whole.chunk_size  # tokens a pass (1 for decode), as cost_model took them
     dev = host = down = up = 0.0
     for p in range(whole.passes):
-        rows = batch * (1 if mode == "decode" else min(step, tokens - p * step))
+        rows = batch * min(step, tokens - p * step)
         s = hybrid_split(cfg, rows, on_gpu, mode=mode, context=context + p * step, dtype=dtype,
                          weight_format=weight_format)
         dev, host = dev + s.device_expert_bytes, host + s.host_expert_bytes

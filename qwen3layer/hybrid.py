@@ -34,6 +34,7 @@ from . import _C, cuda
 from .config import LayerConfig
 from .layer import rewind
 from .passes import Insides
+from .trace import LayerTrace
 from .routing import RoutingSummary
 
 STAT_KEYS = ("calls", "passes", "largest_pass_rows", "device_rows", "device_choices", "host_rows", "host_choices", "link_down_bytes",
@@ -79,7 +80,7 @@ class _Link:
         """t on the host; wait=False: the copy queued (torch tensors), ended by wait_down()"""
         self.stats["link_down_bytes"] += _bytes(t)
         if not isinstance(t, torch.Tensor):
-            return torch.from_dlpack(_C.copy_tensor(t, -1))
+            return _host(t)
         if wait:
             return t.cpu()
         h = self._buffer(key, t.shape, t.dtype)
@@ -215,8 +216,8 @@ class HybridRunner:
             if into is None:
                 y[..., sl, :] = y_p if on_torch else _host(y_p)
             if gathered is not None:
-                gathered.add(sl, _PassTrace(*(None if t is None else torch.from_dlpack(t) if on_torch else _host(t)
-                                              for t in trace)))
+                gathered.add(sl, LayerTrace(None, *(None if t is None else torch.from_dlpack(t) if on_torch else _host(t)
+                                                    for t in trace)))
         if gathered is None:
             return (y if on_torch else _to_device(y, x, self.index)), None
         parts = (gathered.logits, gathered.experts, gathered.weights, gathered.maps)
@@ -260,13 +261,6 @@ class HybridRunner:
         y = out if isinstance(out, torch.Tensor) and out.is_contiguous() else _empty_like(x, self.index)
         _C.combine_rows(resid, link.up(part, resid, "part"), rows_d, out=y, **place)
         return y, trace
-
-
-class _PassTrace:
-    """a pass's insides (host or torch tensors) under LayerTrace's names, for Insides.add"""
-
-    def __init__(self, logits: Any, experts: Any, weights: Any, maps: Any) -> None:
-        self.router_logits, self.experts, self.expert_weights, self.attention = logits, experts, weights, maps
 
 
 def _host(t: Any) -> torch.Tensor:
