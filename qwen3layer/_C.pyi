@@ -21,6 +21,7 @@ class KVCache:
     padding: Tuple[int, ...]
     first_positions: Tuple[int, ...]
     capacity: int
+    growths: int
     batch: int
     num_kv_heads: int
     head_dim: int
@@ -43,6 +44,7 @@ class KVCache:
     def __copy__(self) -> KVCache: ...
     def __deepcopy__(self, memo: Any) -> KVCache: ...
     def copy_prefix(self, src_seq: int, dst_seq: int, length: int, *, stream: Optional[int] = ...) -> None: ...
+    def grow(self, max_tokens: int, *, stream: Optional[int] = ...) -> None: ...
 
 class Layer:
     dtype: str

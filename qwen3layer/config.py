@@ -65,6 +65,16 @@ class LayerConfig:
                  if f.name not in ROPE_DEFAULTS or getattr(self, f.name) != ROPE_DEFAULTS[f.name]]
         return f"LayerConfig({', '.join(shown)})"
 
+    @property
+    def context_length(self) -> int:
+        """The positions the model is configured for: max_position_embeddings, or with YaRN
+        the scaled context rope_factor x rope_original_max_position_embeddings (None:
+        max_position_embeddings) where that is larger. The drop-in's caches grow up to it."""
+        if self.rope_type != "yarn":
+            return self.max_position_embeddings
+        original = self.rope_original_max_position_embeddings or self.max_position_embeddings
+        return max(self.max_position_embeddings, int(self.rope_factor * original))
+
     @classmethod
     def qwen3_235b_a22b(cls) -> "LayerConfig":
         """The real geometry of Qwen/Qwen3-235B-A22B (config.json)."""

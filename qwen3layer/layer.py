@@ -246,7 +246,7 @@ class DecoderLayer:
 
     def new_cache(self, max_tokens: int, batch: int = 1, dtype: Optional[str] = None) -> KVCache:
         """A KV cache for `batch` sequences of up to `max_tokens` tokens each, allocated
-        once, now (dtype defaults to the layer's)."""
+        now (dtype defaults to the layer's); KVCache.grow gives it more room later."""
         return self._core.new_cache(max_tokens, batch, dtype)
 
     def prefill(self, x: Any, cache: KVCache, seq: Optional[int] = None,

@@ -51,11 +51,14 @@ class DecoderLayer(torch.nn.Module):
     its outputs carry no gradient."""
 
     def __init__(self, core: _CoreLayer, layer_idx: int, original: Optional[torch.nn.Module] = None,
-                 max_tokens: int = 4096, recordable: Optional[Dict[str, Any]] = None) -> None:
+                 max_tokens: Optional[int] = None, recordable: Optional[Dict[str, Any]] = None) -> None:
         super().__init__()
         self.core = core
         self.layer_idx = layer_idx
-        self.max_tokens = max_tokens
+        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or
+                                       max_tokens < 1):
+            raise ValueError(f"max_tokens: expected a positive int or None (the model's context), got {max_tokens!r}")
+        self.max_tokens = max_tokens  # a cap on the tokens a sequence of a generation may reach (None: none)
         self.kv_cache = None  # the C cache of the generation in progress
         self.attention_limit: Optional[int] = None  # bytes of maps one call may make (None: the C layer's default)
         # the original itself stays out of the module tree (the model lists each parameter once), its
@@ -79,14 +82,15 @@ class DecoderLayer(torch.nn.Module):
                 _rec.carry_hooks(counterpart, self.recorders[key])
 
     @classmethod
-    def from_hf(cls, hf_layer: torch.nn.Module, max_tokens: int = 4096,
+    def from_hf(cls, hf_layer: torch.nn.Module, max_tokens: Optional[int] = None,
                 recordable: Optional[Dict[str, Any]] = None, ep_group: Any = None,
                 ep_placement: Optional[List[List[int]]] = None, expert_device: Optional[str] = None,
                 gpu_experts: Any = None, expert_counts: Any = None) -> "DecoderLayer":
         """From a transformers Qwen3MoeDecoderLayer; its weights are shared, not copied, and
         the C layer runs where they are (the CPU, or their CUDA device, on torch's stream).
-        max_tokens: the longest sequence (prompt + generated) a generation may reach with a
-        DynamicCache (a StaticCache's max_cache_len sets it for its generations).
+        max_tokens: a cap on the longest sequence (prompt + generated) a generation may reach
+        with a DynamicCache; None: the model's context (LayerConfig.context_length). The C
+        cache grows to it as DynamicCache does (doubling); a StaticCache keeps its max_cache_len.
         recordable: the model's `_can_record_outputs` (patch_model passes it), which makes the
         layer hand its router logits, attention maps and hidden states to the model's outputs;
         without it, asking for them raises NotImplementedError.
@@ -270,6 +274,9 @@ class DecoderLayer(torch.nn.Module):
         _cache.check_entry(entry)
         past = _cache.seen_tokens(model_cache, self.layer_idx, entry)
         kv = self._continued(entry, past, B) if past else None
+        limit, why = self._token_limit()
+        if model_cache is not None:
+            _cache.check_room(entry, past + L, limit, why)
         plan = self._plan(attention_mask, position_ids, B, L, past, kv, kwargs)
         if plan.packed is not None and model_cache is not None:
             raise ValueError(f"attention_mask: {plan.kind}: packed sequences cannot continue in one model cache "
@@ -282,11 +289,24 @@ class DecoderLayer(torch.nn.Module):
                                       "split over a group (each would be a call of its own, and the ranks' calls "
                                       "would differ in number): pass a padded batch")
         x = hidden_states.detach().contiguous()  # inference only: the C layer has no backward
-        if plan.packed is None and kv is None:
+        if kv is not None:
+            _cache.make_room(entry, kv, past + L, limit)
+        elif plan.packed is None:
             static = _cache.static_length(entry)
-            kv = self._new_cache(static or (self.max_tokens if model_cache is not None else L), B, plan.padding,
-                                 plan.offsets)
+            kv = self._new_cache(static or (_cache.first_capacity(L, limit) if model_cache is not None else L), B,
+                                 plan.padding, plan.offsets)
         return x, kv, plan, (want_router, want_maps)
+
+    def _token_limit(self) -> tuple:
+        """(the tokens a sequence of a generation may reach with a DynamicCache, what sets it):
+        the model's context (LayerConfig.context_length), or patch_model's max_tokens below it"""
+        cfg = self.core.config
+        context = cfg.context_length
+        what = (f"the model's context of {context} positions (max_position_embeddings={cfg.max_position_embeddings}"
+                + (f", YaRN factor {cfg.rope_factor:g}" if cfg.rope_type == "yarn" else "") + ")")
+        if self.max_tokens is not None and self.max_tokens < context:
+            return self.max_tokens, f"patch_model(max_tokens={self.max_tokens}) (below {what})"
+        return context, what
 
     def _run(self, hidden_states: torch.Tensor, x: torch.Tensor, kv: Any, plan: _masks.CallPlan, model_cache: Any,
              want_router: bool, want_maps: bool) -> torch.Tensor:
@@ -418,11 +438,15 @@ def _check_rotary(model: torch.nn.Module, core: _CoreLayer) -> None:
                          f"{core.rope_attention_scaling}), which the C layers compute")
 
 
-def patch_model(model: torch.nn.Module, max_tokens: int = 4096, attention_limit: Optional[int] = None,
+def patch_model(model: torch.nn.Module, max_tokens: Optional[int] = None, attention_limit: Optional[int] = None,
                 ep_group: Any = None, ep_placement: Optional[List[List[int]]] = None,
                 expert_device: Optional[str] = None, gpu_experts: Any = None,
                 expert_counts: Any = None) -> torch.nn.Module:
     """Replaces every decoder layer of the model by a qwen3layer one (in place; returns the model).
+    max_tokens: a cap on the tokens a sequence (prompt + generated) may reach in a generation with
+    a DynamicCache, whose C caches grow as the DynamicCache does (doubling); None: the model's
+    context (max_position_embeddings, or the YaRN-scaled context). Past it, CacheFullError
+    naming what set the limit.
     attention_limit: the bytes of attention maps one layer call may make when the model asks
     for output_attentions (None: the C layer's default, 2**30); above it the call raises
     ValueError with the maps' shape and size.

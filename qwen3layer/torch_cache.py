@@ -75,6 +75,41 @@ def seen_tokens(model_cache: Any, layer_idx: int, entry: Any) -> int:
     return kv.lengths[0]
 
 
+# the tokens a sequence of a generation's C cache holds at first, unless its prompt is longer or
+# the limit lower: growing from there doubles (KVCache.grow copies the tokens held once a growth)
+FIRST_CAPACITY = 256
+
+
+def first_capacity(tokens: int, limit: int) -> int:
+    """the capacity of a generation's new C cache for a prompt of `tokens` tokens: the power
+    of two at least max(tokens, FIRST_CAPACITY), at most `limit` (the caller checked tokens
+    <= limit)"""
+    return min(limit, 1 << (max(tokens, FIRST_CAPACITY) - 1).bit_length())
+
+
+def check_room(entry: Any, need: int, limit: int, why: str) -> None:
+    """CacheFullError where a call would bring each sequence of a generation to `need` tokens:
+    past a StaticLayer's max_cache_len, or past `limit` (`why` names what sets it) for a
+    DynamicLayer's (or a new entry's) C cache, which grows up to it"""
+    from ._C import CacheFullError
+    static = static_length(entry)
+    if static is not None and need > static:
+        raise CacheFullError(f"StaticCache: max_cache_len={static} tokens a sequence, and this call brings them to "
+                             f"{need} (a static cache does not grow: make it with a larger max_cache_len)")
+    if static is None and need > limit:
+        raise CacheFullError(f"the sequences would hold {need} tokens, past {why}")
+
+
+def make_room(entry: Any, kv: Any, need: int, limit: int) -> None:
+    """before a call that brings each sequence of kv to `need` tokens (check_room passed): a
+    DynamicLayer's C cache grows to max(need, twice its capacity), at most `limit`, and the
+    entry's views are taken anew. Amortized: a generation of n tokens grows
+    log2(n / FIRST_CAPACITY) times, each copying the tokens held once (never a copy a step)."""
+    if need > kv.capacity:
+        kv.grow(min(limit, max(need, 2 * kv.capacity)), **_stream(kv))
+        _repoint(entry)
+
+
 def _views(kv: Any, tokens: int) -> tuple:
     return torch.from_dlpack(kv.all_keys(tokens)), torch.from_dlpack(kv.all_values(tokens))
 

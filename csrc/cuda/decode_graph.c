@@ -13,6 +13,7 @@
 struct q3_decode_graph {
     q3_layer *layer;
     q3_cache *cache;
+    int64_t capacity; /* the cache's when captured: its blocks' strides and addresses are in the graph */
     int n_seqs;
     int32_t seqs[Q3_GRAPH_MAX_BATCH];
     q3_gpu_ws ws;
@@ -103,6 +104,7 @@ q3_status q3_decode_graph_create(q3_decode_graph **out, q3_layer *l, q3_cache *c
     if (!g) return q3_fail(err, Q3_ERR_NOMEM, "decode graph: out of host memory");
     g->layer = l;
     g->cache = c;
+    g->capacity = c->capacity;
     g->n_seqs = n_seqs;
     memcpy(g->seqs, seqs, (size_t)n_seqs * sizeof *seqs);
     g->dev_lengths[0] = -1; /* nothing uploaded yet */
@@ -125,6 +127,11 @@ q3_status q3_decode_graph_create(q3_decode_graph **out, q3_layer *l, q3_cache *c
 q3_status q3_decode_graph_replay(q3_decode_graph *g, void *stream, q3_error *err) {
     q3_cache *c = g->cache;
     const q3_cuda_ops *cu = q3_cuda();
+    if (c->capacity != g->capacity) /* grown: the graph would read and write the freed blocks */
+        return q3_fail(err, Q3_ERR_STATE,
+                       "decode graph: the cache grew from %lld to %lld tokens a sequence after the capture (the graph "
+                       "holds the old blocks' addresses); capture a new graph", (long long)g->capacity,
+                       (long long)c->capacity);
     for (int s = 0; s < g->n_seqs; s++) {
         const int seq = g->seqs[s];
         if (c->lengths[seq] + 1 > c->capacity)

@@ -1,4 +1,5 @@
-/* KV cache: one allocation per tensor at creation, nothing afterwards (layout in cache.h). */
+/* KV cache: one allocation per tensor at creation, and again only when it grows
+ * (cache_ops.c's q3_cache_grow; layout in cache.h). */
 #include <stdlib.h>
 #include <string.h>
 
@@ -10,8 +11,7 @@ q3_status q3_cache_create(q3_cache **out, int batch, int64_t capacity, int kv_he
     return q3_cache_create_on(out, batch, capacity, kv_heads, head_dim, dtype, -1, err);
 }
 
-/* K or V: n zeroed bytes on the host or the device */
-static void *cache_alloc(size_t n, int device) {
+void *q3_cache_block_alloc(size_t n, int device) {
     if (device < 0) {
         void *p = q3_alloc(n);
         /* touch every page now, so that appending a token never faults new memory in */
@@ -22,9 +22,14 @@ static void *cache_alloc(size_t n, int device) {
     return d ? d->alloc_zeroed(n, device) : NULL;
 }
 
-static void cache_free(void *p, int device) {
+void q3_cache_block_free(void *p, int device) {
     if (device < 0) q3_free(p);
     else if (p && q3_device()) q3_device()->free(p);
+}
+
+int q3_cache_block_bytes(int batch, int64_t capacity, int kv_heads, int head_dim, q3_dtype dtype, int64_t *n) {
+    return q3_mul_i64(batch, kv_heads, n) && q3_mul_i64(*n, capacity, n) && q3_mul_i64(*n, head_dim, n) &&
+           q3_mul_i64(*n, (int64_t)q3_dtype_size(dtype), n) && *n <= INT64_MAX / 2;
 }
 
 q3_status q3_cache_create_on(q3_cache **out, int batch, int64_t capacity, int kv_heads, int head_dim,
@@ -38,8 +43,7 @@ q3_status q3_cache_create_on(q3_cache **out, int batch, int64_t capacity, int kv
         return q3_fail(err, Q3_ERR_VALUE, "KV cache: expected positive kv_heads and head_dim, got %d and %d",
                        kv_heads, head_dim);
     int64_t n;
-    if (!q3_mul_i64(batch, kv_heads, &n) || !q3_mul_i64(n, capacity, &n) || !q3_mul_i64(n, head_dim, &n) ||
-        !q3_mul_i64(n, (int64_t)q3_dtype_size(dtype), &n) || n > INT64_MAX / 2)
+    if (!q3_cache_block_bytes(batch, capacity, kv_heads, head_dim, dtype, &n))
         return q3_fail(err, Q3_ERR_VALUE,
                        "max_tokens: %lld tokens x batch %d x %d KV heads x %d dims do not fit in memory "
                        "(the size overflows)", (long long)capacity, batch, kv_heads, head_dim);
@@ -54,8 +58,8 @@ q3_status q3_cache_create_on(q3_cache **out, int batch, int64_t capacity, int kv
     c->lengths = calloc((size_t)batch, sizeof *c->lengths);
     c->padding = calloc((size_t)batch, sizeof *c->padding);
     c->first_pos = calloc((size_t)batch, sizeof *c->first_pos);
-    c->k = cache_alloc((size_t)n, device);
-    c->v = cache_alloc((size_t)n, device);
+    c->k = q3_cache_block_alloc((size_t)n, device);
+    c->v = q3_cache_block_alloc((size_t)n, device);
     if (!c->lengths || !c->padding || !c->first_pos || !c->k || !c->v) {
         q3_cache_destroy(c);
         return q3_fail(err, Q3_ERR_NOMEM, "KV cache: cannot allocate 2 x %lld bytes on %s", (long long)n,
@@ -70,8 +74,8 @@ void q3_cache_destroy(q3_cache *c) {
     free(c->lengths);
     free(c->padding);
     free(c->first_pos);
-    cache_free(c->k, c->device);
-    cache_free(c->v, c->device);
+    q3_cache_block_free(c->k, c->device);
+    q3_cache_block_free(c->v, c->device);
     free(c);
 }
 
@@ -145,6 +149,7 @@ int q3_cache_batch(const q3_cache *c) { return c->batch; }
 int q3_cache_kv_heads(const q3_cache *c) { return c->kv_heads; }
 int q3_cache_head_dim(const q3_cache *c) { return c->head_dim; }
 int64_t q3_cache_capacity(const q3_cache *c) { return c->capacity; }
+int64_t q3_cache_growths(const q3_cache *c) { return c->growths; }
 q3_dtype q3_cache_dtype(const q3_cache *c) { return c->dtype; }
 int q3_cache_device(const q3_cache *c) { return c->device; }
 int64_t q3_cache_length(const q3_cache *c, int seq) { return c->lengths[seq]; }

@@ -18,6 +18,7 @@ struct q3_cache {
     int kv_heads;
     int head_dim;
     int64_t capacity; /* tokens per sequence */
+    int64_t growths;  /* the times q3_cache_grow moved it into larger blocks */
     q3_dtype dtype;
     int device;       /* -1: host memory; else the CUDA device holding k and v */
     int64_t *lengths; /* [batch] tokens held by each sequence (host memory always) */
@@ -28,6 +29,14 @@ struct q3_cache {
     void *k;          /* [batch, kv_heads, capacity, head_dim] */
     void *v;          /* [batch, kv_heads, capacity, head_dim] */
 };
+
+/* the bytes of one of K or V for this geometry in *n; 0 when the size overflows (or passes
+ * INT64_MAX / 2, so that K and V together fit too) */
+int q3_cache_block_bytes(int batch, int64_t capacity, int kv_heads, int head_dim, q3_dtype dtype, int64_t *n);
+/* n zeroed bytes of K or V on the host (every page touched now, so that appending a token
+ * never faults new memory in) or on CUDA device `device`; NULL when they cannot be had */
+void *q3_cache_block_alloc(size_t n, int device);
+void q3_cache_block_free(void *p, int device);
 
 /* what attention reads of sequence seq: its K and V blocks, length and padding */
 q3_attn_seq q3_cache_attn_seq(const q3_cache *c, int seq);

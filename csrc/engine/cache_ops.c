@@ -1,5 +1,6 @@
 /* KV cache operations that generation needs: reorder and gather sequences (beam search, a
- * prompt expanded to beams, a cache copied), crop, and copying a prefix between sequences.
+ * prompt expanded to beams, a cache copied), crop, copying a prefix between sequences, and
+ * growing every sequence's room (a generation that outgrows the cache it began with).
  *
  * Layout as in cache.h: k and v are [batch, kv_heads, capacity, head_dim]. A sequence is
  * moved as kv_heads blocks of [length, head_dim] (contiguous within a head, capacity *
@@ -329,5 +330,66 @@ q3_status q3_cache_copy_prefix(q3_cache *c, int src_seq, int dst_seq, int64_t le
     c->lengths[dst_seq] = length;
     c->padding[dst_seq] = c->padding[src_seq] < length ? c->padding[src_seq] : length;
     c->first_pos[dst_seq] = c->first_pos[src_seq];
+    return Q3_OK;
+}
+
+/* ---- growth ----------------------------------------------------------------------- */
+
+void q3_cache_blocks_free(q3_cache_blocks *b) {
+    if (!b) return;
+    q3_cache_block_free(b->k, b->device);
+    q3_cache_block_free(b->v, b->device);
+    b->k = b->v = NULL;
+}
+
+q3_status q3_cache_grow(q3_cache *c, int64_t capacity, void *stream, q3_cache_blocks *old, q3_error *err) {
+    if (old) *old = (q3_cache_blocks){NULL, NULL, c->device};
+    if (capacity == c->capacity) return Q3_OK; /* nothing to move */
+    if (capacity < c->capacity)
+        return q3_fail(err, Q3_ERR_VALUE, "max_tokens: expected at least the cache's capacity %lld, got %lld",
+                       (long long)c->capacity, (long long)capacity);
+    if (capacity > Q3_MAX_POSITIONS)
+        return q3_fail(err, Q3_ERR_VALUE, "max_tokens: expected at most 2^40 (the positions RoPE takes), got %lld",
+                       (long long)capacity);
+    for (int i = 0; i < c->batch; i++) /* q3_cache_set_first_position's bound, for the new capacity */
+        if (c->first_pos[i] > Q3_MAX_POSITIONS - capacity)
+            return q3_fail(err, Q3_ERR_VALUE,
+                           "max_tokens: sequence %d's first position %lld and a capacity of %lld reach past 2^40 "
+                           "positions", i, (long long)c->first_pos[i], (long long)capacity);
+    int64_t n;
+    if (!q3_cache_block_bytes(c->batch, capacity, c->kv_heads, c->head_dim, c->dtype, &n))
+        return q3_fail(err, Q3_ERR_VALUE,
+                       "max_tokens: %lld tokens x batch %d x %d KV heads x %d dims do not fit in memory "
+                       "(the size overflows)", (long long)capacity, c->batch, c->kv_heads, c->head_dim);
+    q3_cache grown = *c; /* the same sequences in the new blocks */
+    grown.capacity = capacity;
+    grown.k = q3_cache_block_alloc((size_t)n, c->device);
+    grown.v = grown.k ? q3_cache_block_alloc((size_t)n, c->device) : NULL;
+    copier cp;
+    q3_status s = Q3_OK;
+    if (!grown.k || !grown.v)
+        s = q3_fail(err, Q3_ERR_NOMEM, "max_tokens: cannot allocate 2 x %lld bytes on %s for %lld tokens a sequence",
+                    (long long)n, c->device < 0 ? "the host" : "the CUDA device", (long long)capacity);
+    if (s == Q3_OK && (s = copier_begin(&cp, "grow", c->device, stream, err)) == Q3_OK) {
+        for (int i = 0; i < c->batch; i++) copy_seq(&cp, &grown, i, c, i, c->lengths[i]);
+        copier_end(&cp);
+        if (c->device >= 0 && stream && cp.status == Q3_OK) { /* the old blocks are read until the copies ran */
+            q3_status w = q3_device()->synchronize(c->device, stream, err);
+            if (w != Q3_OK) copier_failed(&cp, w);
+        }
+        s = cp.status;
+    }
+    if (s != Q3_OK) {
+        q3_cache_block_free(grown.k, c->device);
+        q3_cache_block_free(grown.v, c->device);
+        return s;
+    }
+    q3_cache_blocks was = {c->k, c->v, c->device};
+    c->k = grown.k;
+    c->v = grown.v;
+    c->capacity = capacity;
+    c->growths++;
+    if (old) *old = was;
+    else q3_cache_blocks_free(&was);
     return Q3_OK;
 }

@@ -391,6 +391,23 @@ q3_status q3_cache_crop(q3_cache *c, int seq, int64_t length, q3_error *err);
  * whole content (prefix reuse); padding min(src's, length). src_seq == dst_seq truncates. */
 q3_status q3_cache_copy_prefix(q3_cache *c, int src_seq, int dst_seq, int64_t length, void *stream, q3_error *err);
 
+/* The K and V blocks a cache held before q3_cache_grow replaced them (device -1: host). */
+typedef struct {
+    void *k; /* [batch, kv_heads, old capacity, head_dim] */
+    void *v;
+    int device;
+} q3_cache_blocks;
+/* Every sequence's room grows to `capacity` tokens (at least the cache's now; equal: nothing
+ * happens, *old holds no blocks): new zeroed K
+ * and V blocks of that capacity are allocated, each sequence's held tokens are moved into them
+ * once (on a device cache: 2-D copies on `stream`, then waited for), and the cache uses them from
+ * then on. The old blocks are freed, or, with `old`, handed to *old, for the caller to release
+ * with q3_cache_blocks_free once nothing reads them any more (views taken before the growth).
+ * Cost: 2 x batch x kv_heads x capacity x head_dim elements allocated (old and new held
+ * together at the peak) and the tokens held copied once. A failure leaves the cache as it was. */
+q3_status q3_cache_grow(q3_cache *c, int64_t capacity, void *stream, q3_cache_blocks *old, q3_error *err);
+void q3_cache_blocks_free(q3_cache_blocks *b);
+
 /* base of sequence seq's [kv_heads, capacity, head_dim] block */
 void *q3_cache_seq_keys(const q3_cache *c, int seq);
 void *q3_cache_seq_values(const q3_cache *c, int seq);
@@ -400,6 +417,7 @@ int q3_cache_batch(const q3_cache *c);
 int q3_cache_kv_heads(const q3_cache *c);
 int q3_cache_head_dim(const q3_cache *c);
 int64_t q3_cache_capacity(const q3_cache *c);
+int64_t q3_cache_growths(const q3_cache *c); /* the times q3_cache_grow moved it */
 q3_dtype q3_cache_dtype(const q3_cache *c);
 int q3_cache_device(const q3_cache *c); /* -1: host memory; else the CUDA device */
 int64_t q3_cache_length(const q3_cache *c, int seq);

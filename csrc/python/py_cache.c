@@ -1,7 +1,9 @@
 /* qwen3layer KVCache: the Python face of the engine's q3_cache (layout in cache.h).
- * Made by DecoderLayer.new_cache; its memory is allocated once, at creation. keys() and
- * values() are zero-copy views that keep the cache alive. The operations for generation
- * (reorder, select, copy, ...) are in py_cache_ops.c. */
+ * Made by DecoderLayer.new_cache; its memory is allocated at creation and again only by
+ * grow(). keys() and values() are zero-copy views of the blocks in use; they keep those
+ * blocks alive through a views owner (below), so a view taken before a growth still reads the
+ * blocks it was taken of. The operations for generation (reorder, select, copy, ...) and
+ * grow are in py_cache_ops.c. */
 #include "py_cache.h"
 
 q3py_cache_object *q3py_cache_object_new(q3_module_state *st, int batch, int64_t capacity,
@@ -20,6 +22,7 @@ q3py_cache_object *q3py_cache_object_new(q3_module_state *st, int batch, int64_t
     }
     o->cache = c;
     o->busy = 0;
+    o->views_owner = NULL;
     return o;
 }
 
@@ -28,6 +31,55 @@ static void cache_dealloc(q3py_cache_object *o) {
     q3_cache_destroy(o->cache);
     PyObject_Free(o);
     Py_DECREF(tp);
+}
+
+/* The views owner: a capsule that every view of the cache's blocks holds as its base. While
+ * the blocks are the cache's, its context is the cache object (a strong reference: a view keeps
+ * the cache alive) and its pointer a q3_cache_blocks that owns nothing; the cache knows it by a
+ * borrowed pointer, which the capsule clears when the last view goes. When the cache grows
+ * (q3py_cache_retire_views), the capsule takes the old blocks over and lets the cache go: it
+ * frees them when the last view of them goes. */
+static void views_owner_free(PyObject *capsule) {
+    q3_cache_blocks *b = PyCapsule_GetPointer(capsule, "qwen3layer.cache_views");
+    q3py_cache_object *o = PyCapsule_GetContext(capsule);
+    if (o) {
+        o->views_owner = NULL;
+        Py_DECREF((PyObject *)o);
+    }
+    if (b) {
+        q3_cache_blocks_free(b);
+        PyMem_Free(b);
+    }
+}
+
+static PyObject *views_owner(q3py_cache_object *o) {
+    if (o->views_owner) return Py_NewRef(o->views_owner);
+    q3_cache_blocks *b = PyMem_Calloc(1, sizeof *b);
+    if (!b) return PyErr_NoMemory();
+    b->device = q3_cache_device(o->cache);
+    PyObject *capsule = PyCapsule_New(b, "qwen3layer.cache_views", views_owner_free);
+    if (!capsule) {
+        PyMem_Free(b);
+        return NULL;
+    }
+    PyCapsule_SetContext(capsule, Py_NewRef((PyObject *)o));
+    o->views_owner = capsule;
+    return capsule;
+}
+
+int q3py_cache_retire_views(q3py_cache_object *o, q3_cache_blocks *old) {
+    PyObject *capsule = o->views_owner;
+    if (!capsule) {
+        q3_cache_blocks_free(old);
+        return 0;
+    }
+    q3_cache_blocks *b = PyCapsule_GetPointer(capsule, "qwen3layer.cache_views");
+    if (!b) return -1;
+    *b = *old;
+    PyCapsule_SetContext(capsule, NULL);
+    o->views_owner = NULL;
+    Py_DECREF((PyObject *)o); /* the capsule's reference; the caller holds another */
+    return 0;
 }
 
 int q3py_cache_check_idle(q3py_cache_object *o) {
@@ -81,6 +133,17 @@ static PyObject *cache_set_padding(q3py_cache_object *o, PyObject *args, PyObjec
     return cache_set_seq(o, args, kw, "L|O:set_padding", names, q3_cache_set_padding);
 }
 
+/* a view of the blocks in use, base their views owner */
+static PyObject *cache_tensor(q3_module_state *st, q3py_cache_object *o, void *base, int ndim, const int64_t *shape,
+                              const int64_t *strides) {
+    PyObject *owner = views_owner(o);
+    if (!owner) return NULL;
+    q3py_tensor_object *t = q3py_tensor_view(st, owner, base, q3_cache_dtype(o->cache), ndim, shape, strides);
+    Py_DECREF(owner);
+    if (t) t->device = q3_cache_device(o->cache);
+    return (PyObject *)t;
+}
+
 static PyObject *cache_view(q3py_cache_object *o, PyObject *args, PyObject *kw, int values) {
     static char *names[] = {"seq", NULL};
     PyObject *seq_obj = NULL;
@@ -94,9 +157,7 @@ static PyObject *cache_view(q3py_cache_object *o, PyObject *args, PyObject *kw, 
     const int64_t shape[3] = {q3_cache_kv_heads(c), q3_cache_length(c, seq), q3_cache_head_dim(c)};
     const int64_t strides[3] = {q3_cache_capacity(c) * q3_cache_head_dim(c), q3_cache_head_dim(c), 1};
     void *base = values ? q3_cache_seq_values(c, seq) : q3_cache_seq_keys(c, seq);
-    q3py_tensor_object *t = q3py_tensor_view(st, (PyObject *)o, base, q3_cache_dtype(c), 3, shape, strides);
-    if (t) t->device = q3_cache_device(c);
-    return (PyObject *)t;
+    return cache_tensor(st, o, base, 3, shape, strides);
 }
 
 static PyObject *cache_keys(q3py_cache_object *o, PyObject *a, PyObject *k) { return cache_view(o, a, k, 0); }
@@ -139,9 +200,7 @@ static PyObject *cache_view_all(q3py_cache_object *o, PyObject *args, PyObject *
     const int64_t shape[4] = {q3_cache_batch(c), q3_cache_kv_heads(c), tokens, q3_cache_head_dim(c)};
     const int64_t strides[4] = {q3_cache_kv_heads(c) * q3_cache_capacity(c) * q3_cache_head_dim(c), q3_cache_capacity(c) * q3_cache_head_dim(c), q3_cache_head_dim(c), 1};
     void *base = values ? q3_cache_seq_values(c, 0) : q3_cache_seq_keys(c, 0);
-    q3py_tensor_object *t = q3py_tensor_view(st, (PyObject *)o, base, q3_cache_dtype(c), 4, shape, strides);
-    if (t) t->device = q3_cache_device(c);
-    return (PyObject *)t;
+    return cache_tensor(st, o, base, 4, shape, strides);
 }
 
 static PyObject *cache_all_keys(q3py_cache_object *o, PyObject *a, PyObject *k) { return cache_view_all(o, a, k, 0); }
@@ -169,6 +228,7 @@ static PyObject *cache_first_positions(q3py_cache_object *o, void *c) {
     return t;
 }
 static PyObject *cache_capacity(q3py_cache_object *o, void *c) { (void)c; return PyLong_FromLongLong(q3_cache_capacity(o->cache)); }
+static PyObject *cache_growths(q3py_cache_object *o, void *c) { (void)c; return PyLong_FromLongLong(q3_cache_growths(o->cache)); }
 static PyObject *cache_batch(q3py_cache_object *o, void *c) { (void)c; return PyLong_FromLong(q3_cache_batch(o->cache)); }
 static PyObject *cache_kv_heads(q3py_cache_object *o, void *c) { (void)c; return PyLong_FromLong(q3_cache_kv_heads(o->cache)); }
 static PyObject *cache_head_dim(q3py_cache_object *o, void *c) { (void)c; return PyLong_FromLong(q3_cache_head_dim(o->cache)); }
@@ -239,6 +299,13 @@ static PyMethodDef cache_methods[] = {
     {"copy", (PyCFunction)(void (*)(void))q3py_cache_copy, KW,
      "copy(*, stream=None)\n--\n\nA new KVCache with the same contents (copy.copy and copy.deepcopy call it, "
      "with no stream). " STREAM_DOC},
+    {"grow", (PyCFunction)(void (*)(void))q3py_cache_grow, KW,
+     "grow(max_tokens, *, stream=None)\n--\n\nEvery sequence's room becomes max_tokens tokens (at least the "
+     "capacity now; equal: nothing happens). New K and V of the new capacity are allocated and each sequence's "
+     "tokens copied into them once; lengths, padding and first positions stay. Peak memory: the old and the new "
+     "K and V together (nbytes before and after). Views taken before keep reading the old memory, which lives as "
+     "long as they do; take views anew. A decode graph captured before refuses to replay. " STREAM_DOC
+     " (a CUDA cache's growth waits for its copies)."},
     {"__copy__", (PyCFunction)q3py_cache_copy_noargs, METH_NOARGS, "The same as copy()."},
     {"__deepcopy__", (PyCFunction)q3py_cache_deepcopy, METH_O, "The same as copy()."},
     {"copy_prefix", (PyCFunction)(void (*)(void))q3py_cache_copy_prefix, KW,
@@ -250,6 +317,7 @@ static PyMethodDef cache_methods[] = {
 static PyGetSetDef cache_getset[] = {
     {"lengths", (getter)cache_lengths, NULL, "tokens held by each sequence (tuple)", NULL},
     {"capacity", (getter)cache_capacity, NULL, "tokens each sequence can hold", NULL},
+    {"growths", (getter)cache_growths, NULL, "the times grow() moved the cache into larger memory", NULL},
     {"padding", (getter)cache_padding, NULL, "leading padding tokens of each sequence (tuple)", NULL},
     {"first_positions", (getter)cache_first_positions, NULL, "the RoPE position of each sequence's first real token (tuple)",
      NULL},

@@ -1,5 +1,5 @@
 /* KVCache operations for generation (the engine's cache_ops.c): reorder, select,
- * repeat_interleave, crop, copy and copy_prefix, on host and CUDA caches. Each marks the cache
+ * repeat_interleave, crop, copy, copy_prefix and grow, on host and CUDA caches. Each marks the cache
  * busy while it copies without the GIL, so that a layer call on another thread cannot append
  * to it meanwhile. The copying ones take `stream=` (keyword only): on a CUDA cache the copies
  * are queued on that cudaStream_t (an int, as torch's `current_stream().cuda_stream`), after
@@ -219,4 +219,37 @@ PyObject *q3py_cache_copy_prefix(q3py_cache_object *o, PyObject *args, PyObject 
     Py_END_ALLOW_THREADS
     o->busy = 0;
     return q3_status_or_none(s, &err);
+}
+
+PyObject *q3py_cache_grow(q3py_cache_object *o, PyObject *args, PyObject *kw) {
+    static char *names[] = {"max_tokens", "stream", NULL};
+    PyObject *capacity_obj, *stream_obj = Py_None;
+    void *stream;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|$O:grow", names, &capacity_obj, &stream_obj)) return NULL;
+    if (!PyLong_Check(capacity_obj) || PyBool_Check(capacity_obj)) {
+        PyErr_Format(PyExc_TypeError, "max_tokens: expected an int, got %.100s", Py_TYPE(capacity_obj)->tp_name);
+        return NULL;
+    }
+    int overflow;
+    const long long capacity = PyLong_AsLongLongAndOverflow(capacity_obj, &overflow);
+    if (overflow || (capacity == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "max_tokens: expected at most 2^40 (the positions RoPE takes), got %R",
+                     capacity_obj);
+        return NULL;
+    }
+    q3_cache *c = o->cache;
+    if (q3py_stream_on(stream_obj, q3_cache_device(c), "a cache on the cpu", &stream) < 0) return NULL;
+    if (q3py_cache_check_idle(o) < 0) return NULL;
+    q3_error err;
+    q3_status s;
+    q3_cache_blocks old;
+    o->busy = 1;
+    Py_BEGIN_ALLOW_THREADS
+    s = q3_cache_grow(c, capacity, stream, &old, &err);
+    Py_END_ALLOW_THREADS
+    o->busy = 0;
+    if (s != Q3_OK) return q3_raise(q3_state_of_type(Py_TYPE(o)), &err);
+    if (old.k && q3py_cache_retire_views(o, &old) < 0) return NULL; /* old.k NULL: it held that many already */
+    Py_RETURN_NONE;
 }

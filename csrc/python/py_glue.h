@@ -121,6 +121,8 @@ typedef struct {
     PyObject_HEAD
     q3_cache *cache;
     int busy; /* a layer call is running on it with the GIL released */
+    /* borrowed: the owner of the views of the blocks in use (py_cache.c), NULL while none lives */
+    PyObject *views_owner;
 } q3py_cache_object;
 
 extern PyType_Spec q3py_cache_spec;

@@ -1,5 +1,5 @@
 """KV cache operations for generation (csrc/engine/cache_ops.c): reorder, select,
-repeat_interleave, crop, copy and copy_prefix. Each is checked by content (the keys and
+repeat_interleave, crop, copy and copy_prefix (grow: test_cache_grow.py; its rejections here). Each is checked by content (the keys and
 values each sequence holds, its length and padding), by behaviour (decoding after the
 operation equals decoding on a cache built directly in the resulting state), and by its
 rejections (an error naming the argument, and the cache left as it was). On a CUDA cache (the
@@ -312,6 +312,15 @@ def test_copy_prefix_reuse_equals_a_fresh_prefill(layer):
     (lambda c: c.all_values(33), ValueError, "tokens: expected 0 <= tokens <= 32 (the cache's capacity), got 33"),
     (lambda c: c.all_keys(-1), ValueError, "tokens: expected 0 <= tokens <= 32"),
     (lambda c: c.all_keys("3"), TypeError, "tokens: expected an int or None, got str"),
+    (lambda c: c.grow(31), ValueError, "max_tokens: expected at least the cache's capacity 32, got 31"),
+    (lambda c: c.grow(-1), ValueError, "max_tokens: expected at least the cache's capacity 32, got -1"),
+    (lambda c: c.grow((1 << 40) + 1), ValueError,
+     "max_tokens: expected at most 2^40 (the positions RoPE takes), got 1099511627777"),
+    (lambda c: c.grow(1 << 60), ValueError, "max_tokens: expected at most 2^40"),
+    (lambda c: c.grow(64, stream=1), ValueError, "stream: expected None for a cache on the cpu"),
+    (lambda c: c.grow("64"), TypeError, "max_tokens: expected an int, got str"),
+    (lambda c: c.grow(True), TypeError, "max_tokens: expected an int, got bool"),
+    (lambda c: c.grow(1 << 70), ValueError, "max_tokens: expected at most 2^40 (the positions RoPE takes), got 1180"),
 ])
 def test_rejections_name_the_argument_and_leave_the_cache_unchanged(layer, call, error, message):
     cache = filled(layer, prompts([3, 2, 0, 5, 1, 4]), [1, 0, 0, 2, 0, 0])
@@ -345,7 +354,8 @@ def test_operations_refuse_while_a_layer_call_runs_on_the_cache(layer):
 
     def handler(signum, frame):
         for op in (lambda: cache.reorder([1, 0]), lambda: cache.select([0]), lambda: cache.repeat_interleave(2),
-                   cache.copy, lambda: cache.crop(1), lambda: cache.copy_prefix(0, 1, 1)):
+                   cache.copy, lambda: cache.crop(1), lambda: cache.copy_prefix(0, 1, 1),
+                   lambda: cache.grow(16384)):
             try:
                 op()
                 refusals.append("accepted")
@@ -373,7 +383,7 @@ def test_operations_refuse_while_a_layer_call_runs_on_the_cache(layer):
             layer.prefill(Announcing(x_of(8000, H, seed=9), started), cache, 1, chunk_size=1)
     finally:
         signal.signal(signal.SIGINT, old)
-    assert refusals == ["cache: in use by a running layer call on another thread"] * 6
+    assert refusals == ["cache: in use by a running layer call on another thread"] * 7
     assert_same(state(cache), before)
 
 

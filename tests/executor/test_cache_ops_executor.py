@@ -156,6 +156,7 @@ OPS = {
                                   c.copy_prefix(3, 3, 4, stream=st), c.copy_prefix(4, 4, 2, stream=st),
                                   c.copy_prefix(3, 1, 1, stream=st), c.copy_prefix(0, 5, 0, stream=st)],
     "crop": lambda c, st: [c.crop(4, 1), c.crop(-1, 3), c.crop(2)],
+    "grow": lambda c, st: [c.grow(40, stream=st), c.grow(40, stream=st), c.grow(97, stream=st)],
 }
 
 
@@ -196,7 +197,7 @@ def test_device_cache_operations_equal_the_host_ones():
 
     ops = ["reorder identity", "reorder cycles", "reorder reverse", "reorder one", "reorder repeats",
            "reorder repeats and a cycle", "reorder chain", "select", "select one", "repeat_interleave 1",
-           "repeat_interleave 3", "copy", "copy.copy", "copy.deepcopy", "copy_prefix", "crop"]
+           "repeat_interleave 3", "copy", "copy.copy", "copy.deepcopy", "copy_prefix", "crop", "grow"]
     expected = [f"{dt} {op} stream {st}"
                 for dt in ("float32", "bfloat16") for op in ops for st in ("none", "zero", "own")]
     expected += ["float32 copy of a fresh pair", "bfloat16 copy of a fresh pair", "float32 random reorders",
@@ -281,6 +282,37 @@ def test_decoding_after_device_cache_operations_equals_the_cpu_layer():
         assert err <= 1e-5 and agree, (name, err, agree)
 
 
+def test_decoding_past_a_grown_device_cache_equals_the_cpu_layer_and_a_graph_refuses():
+    """a device cache grown (on each stream) takes the tokens the old capacity refused, and
+    decoding on equals the CPU layer on its host cache grown alike; a decode graph captured
+    before the growth refuses to replay (it holds the old blocks' addresses), before any work,
+    and one captured after replays as the CPU layer decodes"""
+    cpu, gpu = layers_of("float32")
+    errs, growths = [], []
+    for st in (None, streams()["own"]):
+        hc, dc = fill(cpu, -1, [5, 9], [0, 2], 10, "float32"), fill(gpu, 0, [5, 9], [0, 2], 10, "float32")
+        graph = gpu.decode_graph(dc)
+        hc.grow(12)
+        dc.grow(12, stream=st)
+        growths.append((dc.capacity, dc.growths, list(dc.lengths)))
+        errs += [rel(a, b) for a, b in zip(decode_steps(gpu, 0, dc, steps=3), decode_steps(cpu, -1, hc, steps=3))]
+        before = state(dc)
+        refused = outcome(lambda: graph.replay(_C.copy_tensor(_C.random_tensor((2, H), 7, "float32"), 0)))[0]
+        assert refused == ("RuntimeError: decode graph: the cache grew from 10 to 12 tokens a sequence after the "
+                           "capture (the graph holds the old blocks' addresses); capture a new graph")
+        assert state(dc) == before
+        del graph
+        hc.grow(20)
+        dc.grow(20, stream=st)
+        graph = gpu.decode_graph(dc)
+        for t in range(3):
+            x = _C.random_tensor((2, H), 500 + t, "float32")
+            errs.append(rel(graph.replay(_C.copy_tensor(x, 0)), cpu.decode(x, hc)))
+        del graph
+    assert growths == [(12, 1, [5, 9])] * 2
+    assert max(errs) <= 1e-5, errs
+
+
 # ---- rejections: the same error as on the host, the cache as it was ------------------------
 BAD = [
     lambda c: c.reorder([0, 1, 2, 3, 4, 6]),
@@ -342,7 +374,7 @@ def test_a_cuda_error_leaves_the_device_cache_as_it_was():
     failures = []
     assert simt().cudaStreamBeginCapture(capture, 1) == 0  # cudaStreamCaptureModeThreadLocal
     for call in (lambda: dc.reorder([1, 1, 2, 3, 4, 5]), lambda: dc.reorder([1, 0, 2, 3, 4, 5]),
-                 lambda: dc.copy_prefix(1, 2, 5), lambda: dc.copy()):
+                 lambda: dc.copy_prefix(1, 2, 5), lambda: dc.copy(), lambda: dc.grow(64)):
         failures.append(outcome(call)[0])
     graph = ctypes.c_void_p()
     simt().cudaStreamEndCapture(capture, ctypes.byref(graph))
@@ -352,12 +384,13 @@ def test_a_cuda_error_leaves_the_device_cache_as_it_was():
     works_after = state(dc) == state(hc)
 
     sync = "cuda: synchronizing device 0 failed: cudaDeviceSynchronize while this thread captures a CUDA graph"
-    reorder, spare, prefix, copied = failures
+    reorder, spare, prefix, copied, grown = failures
     assert reorder.startswith(f"RuntimeError: reorder: {sync}")
     assert spare == "MemoryError: reorder: cannot allocate a spare block of 3 tokens on the CUDA device"
     assert prefix.startswith(f"RuntimeError: copy_prefix: {sync}")
     assert copied.startswith("MemoryError: KV cache: cannot allocate")
-    assert left_as_it_was and works_after
+    assert grown.startswith("MemoryError: max_tokens: cannot allocate 2 x ")
+    assert left_as_it_was and works_after and dc.capacity == 16 and dc.growths == 0
 
 
 # ---- the executor's cudaMemcpy2DAsync checks its pitches as CUDA does ----------------------

@@ -133,13 +133,15 @@ def randomize_for_generation(model: Qwen3MoeForCausalLM) -> Qwen3MoeForCausalLM:
     return model
 
 
-def tiny_model(seed=0, dtype=torch.float32):
-    """2 layers, vocab 101; embeddings and lm_head scaled up so greedy output varies."""
+def tiny_model(seed=0, dtype=torch.float32, **config):
+    """2 layers, vocab 101; embeddings and lm_head scaled up so greedy output varies; `config`
+    overrides the Qwen3MoeConfig's fields (max_position_embeddings 512, eager attention)."""
     torch.manual_seed(seed)
-    cfg = Qwen3MoeConfig(vocab_size=101, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=8, num_key_value_heads=2, head_dim=24, num_experts=8,
-                         num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
-                         max_position_embeddings=512, rope_theta=1e4, pad_token_id=0, attn_implementation="eager")
+    fields = dict(vocab_size=101, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=8, num_key_value_heads=2, head_dim=24, num_experts=8,
+                  num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
+                  max_position_embeddings=512, rope_theta=1e4, pad_token_id=0, attn_implementation="eager")
+    cfg = Qwen3MoeConfig(**{**fields, **config})
     model = Qwen3MoeForCausalLM(cfg).eval()
     randomize_for_generation(model)
     return model.to(dtype)
