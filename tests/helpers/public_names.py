@@ -1,17 +1,18 @@
 """Every public name against docs/, both ways: the discovery and the checks
 (tests/tools/test_public_names.py runs them).
 
-Found by introspection: the public names of the modules in MODULES (`__all__` where a module
-has one, else the functions and classes it defines), the members of every class among them and
-of the result types in RESULT_TYPES (what `vars()` of the class and its qwen3layer bases hold,
-dataclass and named-tuple fields, and the attributes its methods assign on `self`), the
-parameters of every function, method and constructor (`inspect.signature`), and the flags of
-every `python -m qwen3layer` subcommand (`qwen3layer.cli.build_parser()`). No leading
-underscore is public.
+Found by introspection: the public names of the modules in MODULES (qwen3layer.testing once it
+exists; `__all__` where a module has one, else the functions and classes it defines), the
+members of every class among them and of the result types in RESULT_TYPES (what `vars()` of the
+class and its qwen3layer bases hold, dataclass and named-tuple fields, and the attributes its
+methods assign on `self`), the parameters of every function, method and constructor
+(`inspect.signature`), and the flags of every `python -m qwen3layer` subcommand
+(`qwen3layer.cli.build_parser()`). No leading underscore is public.
 
 "Appears" means, in inline code (between backticks, outside fenced blocks) of a docs/*.md page:
 - a module's name as `q3.name` or `qwen3layer.name` (`qwen3layer.cuda.name`, `q3.cuda.name`,
-  `qwen3layer.torch.name`, `q3t.name`, ...: ALIASES);
+  `qwen3layer.torch.name`, `q3t.name`, ...: ALIASES); a class also alone, as `Stage`; a name
+  several modules export (`q3.cost_model`, `qwen3layer.costs.cost_model`) under one of them;
 - a class's member as `Class.member` (Class its __name__, or its module path where two classes
   share a name: DOC_NAMES);
 - each parameter of a callable as a word inside the parentheses of a span that names the
