@@ -93,7 +93,11 @@ class CostModel:
         return sum(s.flops for s in self.stages)
 
     def stage(self, name: str) -> Stage:
-        return next(s for s in self.stages if s.name == name)
+        """The stage called `name`; ValueError naming the stages for another."""
+        for s in self.stages:
+            if s.name == name:
+                return s
+        raise ValueError(f"name: expected one of {[s.name for s in self.stages]}, got {name!r}")
 
 
 def experts_hit(cfg: LayerConfig, rows: int) -> float:

@@ -85,6 +85,13 @@ def test_cost_model_rejects_bad_arguments(kwargs, msg):
         q3.cost_model(REAL, **({"mode": "decode"} | kwargs))
 
 
+def test_cost_model_stage_names_the_stages_for_an_unknown_name():
+    m = q3.cost_model(REAL, "decode")
+    assert m.stage("router") is m.stages[STAGES.index("router")]
+    with pytest.raises(ValueError, match=r"name: expected one of \['io', .*'experts'\], got 'expert'"):
+        m.stage("expert")
+
+
 def test_profile_times_every_stage_of_the_cost_model():
     layer = q3.DecoderLayer.random(q3.LayerConfig.tiny(), dtype="float32")
     for mode, tokens in (("prefill", 40), ("decode", 3)):
