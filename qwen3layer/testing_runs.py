@@ -135,7 +135,7 @@ def model_outputs(model: torch.nn.Module, inputs: Dict[str, Any]) -> Outputs:
     with torch.no_grad():
         out = model(**inputs)
     outs: Outputs = {"logits": (out.logits.detach().clone(), 1)}
-    cache = out.get("cache", out.get("past_key_values"))  # 5.x names it cache, 4.57 past_key_values
+    cache = out["cache"] if "cache" in out else out.get("past_key_values")  # 5.x: cache, 4.57: past_key_values
     for i, entry in enumerate(getattr(cache, "layers", None) or ()):
         outs[f"layers.{i}.keys"] = (entry.keys.detach().clone(), 2)
         outs[f"layers.{i}.values"] = (entry.values.detach().clone(), 2)

@@ -1,10 +1,12 @@
 """qwen3layer.testing itself: compare() and assert_matches() pass a layer and a patched model
 that match transformers, fail naming the output, token and values of a planted difference
 (a perturbed weight, one perturbed output element), hold the rule's boundary (twice the
-reference's error, the values' floor, NaN), and refuse bad arguments by name."""
+reference's error, the values' floor, NaN), and refuse bad arguments by name; the example of
+docs/testing.md runs."""
 import copy
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -172,7 +174,8 @@ def test_bad_arguments_are_refused_by_name(bf16_pair, model_pair):
          "reference: expected the unpatched transformers model, got a patched model"),
         ((model, ref, {"input_ids": torch.ones(1, 3, dtype=torch.long), "past_key_values": None}, BF16), {},
          ValueError, r"inputs: expected .* without a cache .* keys \['input_ids', 'past_key_values'\]"),
-        ((model, ref, torch.ones(1, 3, dtype=torch.long), BF16), dict(calls=(3,)), ValueError, "calls: a patched model"),
+        ((model, ref, torch.ones(1, 3, dtype=torch.long), BF16), dict(calls=(3,)), ValueError,
+         "calls: a patched model"),
     ]
     for args, kwargs, kind, match in cases:
         with pytest.raises(kind, match=match):
@@ -185,3 +188,17 @@ def test_import_qwen3layer_loads_neither_torch_nor_transformers():
     code = "import sys, qwen3layer; print('torch' in sys.modules, 'transformers' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True).stdout.split() == ["False", "False"]
+
+
+def test_the_example_in_docs_testing_md_passes(capsys):
+    """the pytest example of docs/testing.md, its test functions called as pytest would"""
+    page = (Path(__file__).parents[2] / "docs" / "testing.md").read_text()
+    blocks = [b.split("```")[0] for b in page.split("```python\n")[1:]]
+    (example,) = [b for b in blocks if "q3.testing.assert_matches" in b]
+    scope = {"__name__": "docs_testing_example"}
+    exec(compile(example, "docs/testing.md", "exec"), scope)
+    tests = [f for name, f in scope.items() if name.startswith("test_")]
+    assert len(tests) == 2
+    for test in tests:
+        test()
+    assert "y: error" in capsys.readouterr().out
