@@ -5,12 +5,12 @@ left-padded prompts (the drop-in tests, tests/torch/, and tests/gpu/)."""
 from __future__ import annotations
 
 import copy
-import inspect
-from dataclasses import dataclass
 
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers.cache_utils import DynamicCache
+
+from qwen3layer.testing_runs import LayerRun, routing_margin, run_hf_layer
 
 # config name -> geometry; all have head_dim != hidden / heads. (transformers 5.x runs bf16
 # experts through grouped_mm, which needs rows of a multiple of 16 bytes: I % 8 == 0.)
@@ -51,53 +51,14 @@ def converted(model: Qwen3MoeForCausalLM, dtype: torch.dtype) -> Qwen3MoeForCaus
     return m
 
 
-def _cache_kwarg(layer) -> str:
-    params = inspect.signature(layer.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
-@dataclass
-class Reference:
-    y: torch.Tensor       # [B, S, H]
-    keys: torch.Tensor    # [B, Hkv, S, D]
-    values: torch.Tensor  # [B, Hkv, S, D]
-    router_logits: torch.Tensor  # [B * S, E]
-    attention: torch.Tensor | None = None  # [B, Hq, S, start + S] eager attention's probabilities
+Reference = LayerRun  # y [B, S, H], keys and values [B, Hkv, S, D], router_logits [B * S, E], attention
 
 
 def run(model: Qwen3MoeForCausalLM, x: torch.Tensor, cache: DynamicCache | None = None,
         start: int = 0, layer_idx: int = 0) -> Reference:
-    """Layer `layer_idx` over x [B, S, H] at positions [start, start + S), causal, with a cache."""
-    layer = model.model.layers[layer_idx]
-    B, S, _ = x.shape
-    cache = cache if cache is not None else DynamicCache(config=model.config)
-    pos = torch.arange(start, start + S)[None].expand(B, S)
-    cos, sin = model.model.rotary_emb(x, pos)
-    total = start + S
-    mask = torch.full((S, total), torch.finfo(x.dtype).min, dtype=x.dtype)
-    mask = torch.triu(mask, diagonal=start + 1)[None, None].expand(B, 1, S, total)
-    logits = []
-    maps = []
-    hooks = [layer.mlp.gate.register_forward_hook(
-                 lambda m, i, o: logits.append((o[0] if isinstance(o, tuple) else o).detach())),
-             layer.self_attn.register_forward_hook(  # (attn_output, attn_weights): eager gives the weights
-                 lambda m, i, o: maps.append(o[1].detach() if isinstance(o, tuple) and o[1] is not None else None))]
-    try:
-        with torch.no_grad():
-            y = layer(x, attention_mask=mask, position_ids=pos, use_cache=True,
-                      position_embeddings=(cos, sin), **{_cache_kwarg(layer): cache})
-    finally:
-        for h in hooks:
-            h.remove()
-    y = y[0] if isinstance(y, tuple) else y
-    return Reference(y, cache.layers[layer_idx].keys, cache.layers[layer_idx].values, logits[0], maps[0])
-
-
-def routing_margin(logits: torch.Tensor, k: int) -> float:
-    """Smallest gap between the k-th and (k+1)-th router probability over all tokens."""
-    p = torch.softmax(logits.double(), dim=-1)
-    top = torch.topk(p, min(k + 1, p.shape[-1]), dim=-1).values
-    return float((top[:, k - 1] - top[:, k]).min()) if top.shape[-1] > k else 1.0
+    """Layer `layer_idx` over x [B, S, H] at positions [start, start + S), causal, with a cache
+    (qwen3layer.testing's run of the reference, with the model's own rotary embedding)."""
+    return run_hf_layer(model.model.layers[layer_idx], model.model.rotary_emb, x, model.config, cache, start)
 
 
 def draw_input(model: Qwen3MoeForCausalLM, shape, seed: int, dtype=torch.float32,
@@ -159,15 +120,3 @@ def left_padded(lengths, total, seed):
         ids[b, total - n:] = torch.randint(1, 101, (n,), generator=g)
         mask[b, total - n:] = 1
     return ids, mask
-
-
-def assert_bf16_within_twice_theirs(y: torch.Tensor, cache, x: torch.Tensor, theirs: Reference,
-                                    exact: Reference) -> None:
-    """Our bf16 output (y) and cached keys make at most twice the error transformers' bf16
-    layer (theirs) makes against the float64 reference (exact), on the residual's update."""
-    delta = exact.y[0] - x[0].double()
-    err_theirs = float((theirs.y[0].double() - exact.y[0]).norm() / delta.norm())
-    err_ours = float((y.double() - exact.y[0]).norm() / delta.norm())
-    assert err_ours <= 2 * err_theirs, (err_ours, err_theirs)
-    k_theirs = rel_err(theirs.keys[0], exact.keys[0])
-    assert rel_err(torch.from_dlpack(cache.keys()), exact.keys[0]) <= 2 * k_theirs
