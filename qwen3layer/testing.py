@@ -19,6 +19,8 @@ import torch
 from . import testing_runs as _runs
 from .layer import DecoderLayer
 
+__all__ = ["compare", "assert_matches", "Comparison", "OutputError", "TIMES", "VALUES_FLOOR_EPS"]
+
 TIMES = 2.0  # our error may be this many times the reference's own
 VALUES_FLOOR_EPS = 0.25  # cached values: the reference's error counts as at least this * finfo(dtype).eps
 MARGIN_HINT = 1e-3  # a failure's message points at a routing margin below this
