@@ -105,7 +105,8 @@ def main(argv=None) -> int:
     if args.predict:
         return predict()
     if q3.cuda.device_count() == 0:
-        print("bench_cuda: no CUDA device visible", file=sys.stderr)
+        print("bench_cuda: no CUDA device on this machine (0 found); --predict prints the per-stage model alone",
+              file=sys.stderr)
         return 2
     copy_bytes = 4 << 30
     copy_ms = q3.cuda.testing_module().cuda_time("copy", bytes=copy_bytes, repeats=10)

@@ -128,3 +128,11 @@ print(bench_cuda.model_table("decode batch 1, context 8192: tiny", p.cost, 4.3, 
         assert float(ratio) == pytest.approx(measured[s.name] / floor, rel=1e-3, abs=6e-3)
     total = rows["total"]
     assert float(total[4]) == pytest.approx(sum(measured.values()) * 1e6, abs=6e-3)
+
+
+@pytest.mark.skipif(q3.cuda.device_count() > 0, reason="this machine has a CUDA device")
+def test_without_a_device_the_benchmark_says_so_and_points_at_predict():
+    run = subprocess.run([sys.executable, BENCH], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr == ("bench_cuda: no CUDA device on this machine (0 found); --predict prints the per-stage model "
+                          "alone\n")
