@@ -17,18 +17,16 @@ rate: its floor), the time the layer's stage profile measures (CUDA events at ea
 boundary) and their ratio. The layer table's rows also carry their model floor (the sum of
 the stages' floors).
 
-    python benchmarks/bench_cuda.py --predict [--reference PATH]
+    python benchmarks/bench_cuda.py --predict
 
-prints the per-stage model alone, with no GPU and nothing measured: the floors at the H200
-figures of ../shared/REFERENCE.md (its "Physical limits" table: the copy rate in TB/s and
-the bf16 matrix rate in TFLOP/s), the table benchmarks/RESULTS.md holds until a GPU run
-replaces it.
+prints the per-stage model alone, with no GPU and nothing measured: the floors at an H200's
+copy rate and bf16 matrix rate as qwen3layer/gpu_figures.py holds them (with their sources),
+the table benchmarks/RESULTS.md holds until a GPU run replaces it.
 """
 from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 from typing import Dict, Optional
 
@@ -37,9 +35,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import qwen3layer as q3  # noqa: E402
 from qwen3layer import _C  # noqa: E402
 from qwen3layer.costs import CostModel, decode_weight_bytes  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-REFERENCE = os.path.join(ROOT, "..", "shared", "REFERENCE.md")
+from qwen3layer.gpu_figures import H200_BF16_FLOPS, H200_COPY_BYTES_PER_S  # noqa: E402
 
 # (name, N, K) of y = x W^T for one layer of Qwen3-235B-A22B
 SHAPES = [("q_proj", 8192, 4096), ("k_proj / v_proj", 512, 4096), ("o_proj", 4096, 8192),
@@ -51,16 +47,6 @@ MODEL_ROWS = [("decode batch 1, context 8192", dict(mode="decode", tokens=1, con
               ("decode batch 16, context 8192", dict(mode="decode", tokens=1, context=8192, batch=16)),
               ("prefill 8192 tokens, one chunk of 8192", dict(mode="prefill", tokens=8192, context=0,
                                                               chunk_size=8192))]
-
-
-def reference_rates(path: str) -> tuple:
-    """(copy TB/s, bf16 matrix TFLOP/s) of the H200 in REFERENCE.md's table of physical
-    limits: its column head reads 'H200 (4.3 TB/s copy, 790 TFLOP/s bf16 measured)'."""
-    with open(path) as f:
-        found = re.search(r"H200 \(([0-9.]+) TB/s copy, ([0-9.]+) TFLOP/s", f.read())
-    if not found:
-        raise ValueError(f"{path}: no 'H200 (<n> TB/s copy, <n> TFLOP/s ...' in its table of physical limits")
-    return float(found.group(1)), float(found.group(2))
 
 
 def stage_floor(nbytes: float, flops: float, copy_tbs: float, mm_tflops: float) -> float:
@@ -99,11 +85,11 @@ def model_table(title: str, cost: CostModel, copy_tbs: float, mm_tflops: float,
     return "\n".join(lines)
 
 
-def predict(reference: str) -> int:
-    copy_tbs, mm_tflops = reference_rates(reference)
+def predict() -> int:
+    copy_tbs, mm_tflops = H200_COPY_BYTES_PER_S / 1e12, H200_BF16_FLOPS / 1e12
     cfg = q3.LayerConfig.qwen3_235b_a22b()
-    print(f"per-stage model, real geometry, bf16; predicted, no GPU run: floors at the H200's {copy_tbs} TB/s copy "
-          f"and {mm_tflops:g} TFLOP/s bf16 matrix rate ({os.path.relpath(reference, ROOT)})")
+    print(f"per-stage model, real geometry, bf16; predicted, no GPU run: floors at the H200's {copy_tbs:g} TB/s copy "
+          f"and {mm_tflops:g} TFLOP/s bf16 matrix rate (qwen3layer/gpu_figures.py)")
     for title, args in MODEL_ROWS:
         print()
         print(model_table(title, q3.cost_model(cfg, **args), copy_tbs, mm_tflops))
@@ -113,13 +99,14 @@ def predict(reference: str) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--predict", action="store_true",
-                        help="print the per-stage model alone, at the H200 figures of REFERENCE.md (no GPU)")
-    parser.add_argument("--reference", default=REFERENCE, help="REFERENCE.md to read the H200 figures from")
+                        help="print the per-stage model alone, at the H200 figures of qwen3layer/gpu_figures.py "
+                             "(no GPU)")
     args = parser.parse_args(argv)
     if args.predict:
-        return predict(args.reference)
+        return predict()
     if q3.cuda.device_count() == 0:
-        print("bench_cuda: no CUDA device visible", file=sys.stderr)
+        print("bench_cuda: no CUDA device on this machine (0 found); --predict prints the per-stage model alone",
+              file=sys.stderr)
         return 2
     copy_bytes = 4 << 30
     copy_ms = q3.cuda.testing_module().cuda_time("copy", bytes=copy_bytes, repeats=10)

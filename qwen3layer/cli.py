@@ -280,7 +280,9 @@ def split_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-device", choices=["cpu"], default=None,
                    help="the experts not in --gpu-experts in host memory, run by the CPU (with --device cuda)")
     p.add_argument("--gpu-experts", default="0", metavar="N|IDS",
-                   help="with --expert-device: experts 0..N-1, or a comma-separated list of ids, on the GPU")
+                   help="with --expert-device: N puts experts 0..N-1 on the GPU (the random weights route near "
+                        "uniformly, so any N are as hot; the API's gpu_experts=N instead takes the N hottest of "
+                        "expert_counts), or a comma-separated list of ids")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,7 +12,7 @@ expert_device="cpu"). Per pass (a prefill chunk or a decode step of `rows` rows)
 The GPU's experts run while the CPU computes, so a pass takes the attention's time, the
 copies', and the longer of the two sides' experts: the `bound` side. Each stage's time is its
 roofline, max(bytes / bandwidth, FLOPs / peak), at the machine figures given (`Machine`; the host's from the probes qwen3layer._C runs, the device's
-and the link's from ../shared/REFERENCE.md's H200 and PCIe 5 x16). Routing is uniform unless
+and the link's an H200's and PCIe 5.0 x16's, qwen3layer/gpu_figures.py with their sources). Routing is uniform unless
 `shares` (each expert's fraction of the choices, from a calibration call's counts) is given;
 with shares, a row's k choices are taken as independent draws (the rows that reach the host
 are then an estimate)."""
@@ -24,14 +24,15 @@ from typing import Optional, Sequence
 
 from .config import LayerConfig
 from .costs import WEIGHT_FORMATS, CostModel, Stage, _Matrices, _size, cost_model
+from .gpu_figures import H200_BF16_FLOPS, H200_COPY_BYTES_PER_S, PCIE5_X16_BYTES_PER_S
 
 
 @dataclasses.dataclass(frozen=True)
 class Machine:
     """The figures a prediction uses: bytes/s and FLOP/s"""
-    device_read: float = 4.3e12     # H200 HBM3e, a copy's measured rate
-    device_flops: float = 790e12    # H200 bf16 dense, measured
-    link: float = 50e9              # PCIe 5 x16, each way
+    device_read: float = H200_COPY_BYTES_PER_S  # an H200's copy rate (gpu_figures.py: 4.3 TB/s)
+    device_flops: float = H200_BF16_FLOPS       # an H200's bf16 matrix rate (790 TFLOP/s)
+    link: float = PCIE5_X16_BYTES_PER_S         # PCIe 5.0 x16, each way (50 GB/s)
     host_read: float = 36e9         # this project's CPU VM; pass the read probe's
     host_flops: float = 180e9       # fp32 FMA, 2 cores; pass the FMA probe's
 

@@ -48,19 +48,52 @@ def targets() -> list[str]:
     return list(_targets)
 
 
-def load() -> None:
-    """Opens the CUDA library; RuntimeError if this build has none or it cannot be loaded."""
+_NO_DEVICE = "no CUDA device on this machine (0 found)"
+
+
+def _no_device(what: str, expected: str = "") -> str:
+    """`what`'s refusal where the machine has no CUDA device, with what it takes instead"""
+    hint = "call qwen3layer.cuda.emulate() first to run the CUDA path on the CPU's SIMT executor" \
+        if os.path.exists(SIMT_LIBRARY) else ""
+    instead = ", or ".join(t for t in (f"expected {expected}" if expected else "", hint) if t)
+    return f"{what}: {_NO_DEVICE}" + (f"; {instead}" if instead else "")
+
+
+def _open() -> int:
+    """The CUDA devices of the open backend, opening the GPU library if none is open yet (it
+    becomes the backend only where it sees a device, so emulate() may follow a 0); 0 where
+    this build has no CUDA library."""
+    n = _C.cuda_device_count()  # nonzero once a backend is open
+    if n or not built():
+        return n
     global _blas
-    if not built():
-        raise RuntimeError("cuda: this build has no CUDA backend (nvcc was not found when it was built)")
-    _C.cuda_open(LIBRARY)
-    if _blas is None:
+    n = _C.cuda_open(LIBRARY)
+    if n and _blas is None:
         for path in _cublas_candidates():
             if _C.cuda_blas_open(path):
                 _blas = path or "libcublas (default search path)"
                 break
         else:
             _blas = ""
+    return n
+
+
+def _require(what: str, device: int = 0) -> None:
+    """RuntimeError naming `what` unless a backend is open (or opens now) with `device`"""
+    n = _open()
+    if n == 0:
+        raise RuntimeError(_no_device(what) if built() else
+                           f"{what}: this build has no CUDA backend (nvcc was not found when it was built)")
+    if not 0 <= device < n:
+        raise ValueError(f"{what}: device: expected a CUDA device index below {n} (the CUDA devices this "
+                         f"machine has), got {device}")
+
+
+def load() -> None:
+    """Opens the CUDA library as the backend; RuntimeError if this build has none, it cannot
+    be loaded, or it sees no CUDA device (no driver or no GPU: it is then not the backend, and
+    emulate() may still be called)."""
+    _require("qwen3layer.cuda.load()")
 
 
 def emulate(path: Optional[str] = None, cublas: bool = False) -> None:
@@ -94,6 +127,23 @@ def emulated() -> bool:
     return _emulated
 
 
+def to_device(tensor, device: int = 0) -> "_C.Tensor":
+    """A contiguous copy of `tensor` (a host tensor: torch, numpy or the extension's; float32,
+    bfloat16, float8_e4m3fn or int32) on CUDA device `device`, as an extension Tensor: how host
+    data reaches the SIMT executor's device (its layers take no torch tensors: torch sees its
+    memory as neither host nor CUDA memory); on a GPU, torch's own .cuda() serves as well."""
+    _require(f"qwen3layer.cuda.to_device(device={device!r})", device)
+    return _C.copy_tensor(tensor, device)
+
+
+def to_host(tensor) -> "_C.Tensor":
+    """A host copy of an extension Tensor on a CUDA device (a layer's output on the SIMT
+    executor's device), for torch.from_dlpack or numpy.from_dlpack."""
+    if not isinstance(tensor, _C.Tensor) or tensor.device == "cpu":
+        raise ValueError(f"tensor: expected a qwen3layer Tensor on a CUDA device, got {tensor!r}")
+    return _C.copy_tensor(tensor, -1)
+
+
 def blas() -> Optional[str]:
     """The cuBLAS the prefill GEMMs use ('' if none was found: the WMMA kernel then), or None
     before the backend is loaded."""
@@ -101,18 +151,15 @@ def blas() -> Optional[str]:
 
 
 def device_count() -> int:
-    """CUDA devices visible to the backend (0 without a backend, a driver or a GPU)."""
-    n = _C.cuda_device_count()  # nonzero once a backend is open
-    if n or not built():
-        return n
-    load()
-    return _C.cuda_device_count()
+    """CUDA devices visible to the backend (0 without a backend, a driver or a GPU; then no
+    backend is opened, and emulate() may still be called)."""
+    return _open()
 
 
 def synchronize(device: int = 0) -> None:
-    """Waits until all the work queued on CUDA device `device` has run (for timings)."""
-    if not _C.cuda_device_count():  # no backend open yet
-        load()
+    """Waits until all the work queued on CUDA device `device` has run (for timings).
+    RuntimeError where the machine has no CUDA device."""
+    _require(f"qwen3layer.cuda.synchronize(device={device!r})", device)
     _C.cuda_synchronize(device)
 
 
@@ -158,8 +205,7 @@ def check_kernels(device: int = 0, kernels: Optional[Sequence[str]] = None) -> l
                                                               for k in kernels):
             raise ValueError(f"kernels: expected a non-empty list of launcher names, got {kernels!r}")
     harness = testing_module()
-    if not _C.cuda_device_count():
-        load()
+    _require(f"qwen3layer.cuda.check_kernels(device={device!r})", device)
     rows = harness.cuda_check(device, None if kernels is None else ",".join(kernels))
     if kernels is not None:
         found = {name for row in rows for name in row[5].split("+")}

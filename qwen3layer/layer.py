@@ -10,8 +10,9 @@ import sys
 import warnings
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
-from . import _C, cuda
+from . import _C
 from .config import LayerConfig
+from .devices import check_torch_device, device_index, stream_of
 from .weights import canonical_weights, expert_id_list, expert_weights, held_expert_views
 
 if TYPE_CHECKING:
@@ -19,33 +20,6 @@ if TYPE_CHECKING:
 
 KVCache = _C.KVCache
 Tensor = _C.Tensor
-
-
-def _device_index(device: Any) -> int:
-    """'cpu' -> -1; 'cuda' or 'cuda:N' -> N, once the CUDA backend is loaded and sees that device."""
-    name = str(device)
-    if name == "cpu":
-        return -1
-    kind, _, index = name.partition(":")
-    if kind != "cuda" or (index and not index.isdigit()):
-        raise ValueError(f"device: expected 'cpu', 'cuda' or 'cuda:N', got {name!r}")
-    count = cuda.device_count()
-    if count == 0 and not cuda.built():
-        raise ValueError(f"device: {name!r}: this build has no CUDA backend (nvcc was not found when it was "
-                         "built); expected 'cpu'")
-    n = int(index or 0)
-    if n >= count:
-        raise ValueError(f"device: {name!r}: expected a CUDA device index below {count} "
-                         f"(the CUDA devices this machine has), got {n}")
-    return n
-
-
-def _stream_of(x: Any, device: int) -> Optional[int]:
-    """The caller's current CUDA stream, for a CUDA layer called with torch tensors."""
-    if device < 0 or type(x).__module__.partition(".")[0] != "torch":
-        return None
-    torch = sys.modules["torch"]
-    return torch.cuda.current_stream(device).cuda_stream
 
 
 def _like(x: Any, y: Any) -> Any:
@@ -64,12 +38,18 @@ def rewind(cache: Any, lengths: Sequence[int]) -> None:
             cache.truncate(n, s)
 
 
-def _split_placement(config: LayerConfig, index: int, experts: Any, expert_device: Any, gpu_experts: Any,
-                     expert_counts: Any) -> tuple:
-    """(the GPU's expert ids, the host's) of a layer split over a CUDA device and the host"""
+def check_expert_device(expert_device: Any) -> None:
+    """the expert_device of a split layer (asked for by expert_device or gpu_experts): 'cpu', the
+    one place the split takes"""
     if expert_device != "cpu":
         raise ValueError(f"expert_device: expected 'cpu' (the experts not in gpu_experts in host memory), got "
                          f"{expert_device!r}")
+
+
+def _split_placement(config: LayerConfig, index: int, experts: Any, expert_device: Any, gpu_experts: Any,
+                     expert_counts: Any) -> tuple:
+    """(the GPU's expert ids, the host's) of a layer split over a CUDA device and the host"""
+    check_expert_device(expert_device)
     if index < 0:
         raise ValueError("expert_device='cpu': splits a layer on a CUDA device between it and the host; device is "
                          "'cpu' (every expert is on the host already: leave expert_device out)")
@@ -142,7 +122,7 @@ class DecoderLayer:
                  gpu_experts: Any = None, expert_counts: Any = None) -> None:
         if not isinstance(config, LayerConfig):
             raise TypeError(f"config: expected a qwen3layer.LayerConfig, got {type(config).__name__}")
-        index = _device_index(device)
+        index = device_index(device)
         self.device = "cpu" if index < 0 else f"cuda:{index}"
         self.config = config
         self._hybrid = None
@@ -200,6 +180,7 @@ class DecoderLayer:
         mappings are closed."""
         from .checkpoint import load_layer_weights
 
+        device_index(device)  # before anything is read or mapped
         ids = expert_id_list(experts)
         cfg, weights, maps, fmt, spans = load_layer_weights(path, layer_idx, ids)
         try:
@@ -229,7 +210,7 @@ class DecoderLayer:
         quantized (in C) from the same draws; `dtype` is then the activations'. experts: a
         layer holding only these expert ids (the others never made), each equal to that
         expert of the whole layer of the same seed."""
-        _device_index(device)
+        device_index(device)
         ids = expert_id_list(experts)
         split = expert_device is not None or gpu_experts is not None  # per-expert tensors, for each side's share
         weights = _C.random_weights(config, seed, dtype, weight_format, list(range(config.num_experts)) if split else ids)
@@ -270,7 +251,8 @@ class DecoderLayer:
         if self._hybrid is not None:
             return self._split_call(x, cache, False, out, seq=seq, chunk_size=chunk_size, return_router=return_router,
                                     return_attention=return_attention, attention_limit=attention_limit)
-        y = self._core.prefill(x, cache, seq, chunk_size, out=out, stream=_stream_of(x, self._core.device),
+        check_torch_device("out", out, self._core.device)
+        y = self._core.prefill(x, cache, seq, chunk_size, out=out, stream=stream_of(x, self._core.device),
                                return_router=return_router, return_attention=return_attention,
                                attention_limit=attention_limit)
         return self._result(x, y, out)
@@ -282,7 +264,8 @@ class DecoderLayer:
         if self._hybrid is not None:
             return self._split_call(x, cache, True, out, return_router=return_router,
                                     return_attention=return_attention, attention_limit=attention_limit)
-        y = self._core.decode(x, cache, out=out, stream=_stream_of(x, self._core.device),
+        check_torch_device("out", out, self._core.device)
+        y = self._core.decode(x, cache, out=out, stream=stream_of(x, self._core.device),
                               return_router=return_router, return_attention=return_attention,
                               attention_limit=attention_limit)
         return self._result(x, y, out)
@@ -302,7 +285,7 @@ class DecoderLayer:
         insides prefill would give for the call."""
         r = self._core.attention_half(x, cache, seq, chunk_size, decode=decode, return_router=return_router,
                                       return_attention=return_attention, attention_limit=attention_limit,
-                                      stream=_stream_of(x, self._core.device))
+                                      stream=stream_of(x, self._core.device))
         if len(r) == 4:
             return tuple(_like(x, t) for t in r)
         from .trace import LayerTrace
@@ -319,8 +302,10 @@ class DecoderLayer:
         summed in expert order as the whole layer sums them. out: fp32 or bf16 (default: a new
         tensor of rows' dtype). Each expert's weights are read once per call. CPU and CUDA
         layers (on a CUDA layer every tensor on its device; a skipped entry is never computed)."""
+        for name, t in (("experts", experts), ("weights", weights), ("out", out)):
+            check_torch_device(name, t, self._core.device)
         y = self._core.expert_half(rows, experts, weights, out=out, accumulate=accumulate,
-                                   stream=_stream_of(rows, self._core.device))
+                                   stream=stream_of(rows, self._core.device, "rows"))
         return y if out is not None else _like(rows, y)
 
     @property
@@ -331,6 +316,8 @@ class DecoderLayer:
     def _split_call(self, x: Any, cache: KVCache, decode: bool, out: Any, seq: Optional[int] = None,
                     chunk_size: Optional[int] = None, **insides: Any) -> Any:
         """prefill or decode of a layer split over the GPU and the host (qwen3layer.hybrid)"""
+        check_torch_device("x", x, self._core.device)
+        check_torch_device("out", out, self._core.device)
         if out is not None and not (type(out).__module__.startswith("torch") and type(x).__module__.startswith("torch")):
             raise NotImplementedError(f"out: a layer split over the GPU and the host writes into torch tensors only "
                                       f"(copied in), got x of {type(x).__name__} and out of {type(out).__name__}")
@@ -531,7 +518,7 @@ class DecodeGraph:
 
     def __call__(self, x: Any = None, *, stream: Optional[int] = None) -> Any:
         if stream is None and x is not None:
-            stream = _stream_of(x, self._device)
+            stream = stream_of(x, self._device)
         y = self._core.replay(x, stream=stream)
         return y if x is None else _like(x, y)
 

@@ -32,7 +32,8 @@ import torch.distributed as dist
 
 from . import _C
 from .config import LayerConfig
-from .layer import DecoderLayer, KVCache, _device_index, hf_layer_parts, rewind
+from .devices import device_index
+from .layer import DecoderLayer, KVCache, hf_layer_parts, rewind
 from .passes import Insides
 from .placement import check_placement as _check_placement
 from .placement import contiguous_placement
@@ -144,7 +145,7 @@ class ExpertParallelLayer:
             want = "nccl" if cuda else "gloo (NCCL moves CUDA tensors only)"
             raise ValueError(f"group: a layer on {device} exchanges its rows over {want}, got a group of "
                              f"backend {backend!r}")
-        index = _device_index(device)  # 'cuda' is cuda:0, as DecoderLayer takes it
+        index = device_index(device)  # 'cuda' is cuda:0, as DecoderLayer takes it
         self._device = torch.device("cpu" if index < 0 else f"cuda:{index}")
         E = config.num_experts
         self.placement = _check_placement(placement, E, self.world) if placement is not None \

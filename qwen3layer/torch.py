@@ -42,6 +42,7 @@ from . import torch_masks as _masks
 from . import torch_op as _op
 from . import torch_record as _rec
 from .layer import DecoderLayer as _CoreLayer
+from .layer import check_expert_device
 
 _GRAD_WARNED = [False]
 
@@ -105,6 +106,7 @@ class DecoderLayer(torch.nn.Module):
             if ep_group is not None:
                 raise ValueError("expert_device: splits each layer over one GPU and the host, ep_group its experts "
                                  "over processes; got both (choose one)")
+            check_expert_device(expert_device)  # before the placement's messages, which name 'cpu'
             device = _split_devices(hf_layer, layer_idx)
             core = _CoreLayer.from_hf(hf_layer, device=device, expert_device=expert_device, gpu_experts=gpu_experts,
                                       expert_counts=expert_counts)

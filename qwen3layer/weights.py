@@ -1,6 +1,6 @@
 """Weight names: from any of the accepted spellings to the engine's canonical names.
 
-Accepted: the per-layer checkpoint names of REFERENCE.md, with or without a
+Accepted: the per-layer names of a transformers Qwen3-MoE checkpoint, with or without a
 "model.layers.N." prefix; experts either per expert (mlp.experts.{e}.gate_proj.weight, ...)
 or fused as transformers 5.x holds them (mlp.experts.gate_up_proj [E, 2I, H],
 mlp.experts.down_proj [E, H, I]). FP8 layers add a "<matrix>_scale_inv" beside each projection

@@ -62,18 +62,36 @@ static const q3_device_backend cuda_device = {
     .layer_config_check = q3_layer_cuda_config_check,
 };
 
-q3_status q3_cuda_open(const char *path, q3_error *err) {
-    if (opened && strcmp(path, opened_path) == 0) return Q3_OK;
+q3_status q3_cuda_open(const char *path, int *devices, q3_error *err) {
+    *devices = 0;
+    if (opened && strcmp(path, opened_path) == 0) {
+        *devices = q3_cuda_device_count();
+        return Q3_OK;
+    }
     if (opened)
-        return q3_fail(err, Q3_ERR_STATE, "cuda: %s is the CUDA backend of this process already; cannot also open %s",
-                       opened_path, path);
+        return q3_fail(err, Q3_ERR_STATE, "cuda: %s is the CUDA backend of this process already; cannot also open %s "
+                       "(one backend a process: call qwen3layer.cuda.emulate() before any CUDA device is used, or "
+                       "in a new process)", opened_path, path);
     void *lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
     if (!lib) return q3_fail(err, Q3_ERR_STATE, "cuda: cannot load %s: %s", path, dlerror());
+    q3_cuda_ops found;
     int (*get)(q3_cuda_ops *) = (int (*)(q3_cuda_ops *))dlsym(lib, "q3_cuda_ops_get");
-    if (!get || get(&table) != 0) {
+    if (!get || get(&found) != 0) {
         dlclose(lib);
         return q3_fail(err, Q3_ERR_STATE, "cuda: %s has no usable q3_cuda_ops_get", path);
     }
+    int n = 0;
+    if (found.device_count(&n) != 0 || n <= 0) {
+        /* no device: not the backend. The library stays loaded (its CUDA runtime has run;
+         * unloading it is not worth the risk), only this open's reference is dropped when an
+         * earlier open holds one. */
+        static void *without_devices;
+        if (lib == without_devices) dlclose(lib);
+        without_devices = lib;
+        return Q3_OK;
+    }
+    *devices = n;
+    table = found;
     set_schedule = (void (*)(int, uint64_t))dlsym(lib, "q3_simt_set_schedule");
     snprintf(opened_path, sizeof opened_path, "%s", path);
     opened = 1;

@@ -29,9 +29,11 @@
  * q3_layer_create holds to it. */
 #define Q3_CUDA_WEIGHT_ALIGN 16
 
-/* CUDA backend (backend.c): opens the launcher library at `path` once; the
- * number of CUDA devices it sees (0 before opening, or without a driver). */
-q3_status q3_cuda_open(const char *path, q3_error *err);
+/* CUDA backend (backend.c): opens the launcher library at `path` and sets *devices to the
+ * CUDA devices it sees (0 without a driver or a GPU). With one or more it becomes the
+ * process's backend, once; with none it is not, so that another library (the SIMT executor)
+ * may still be opened. q3_cuda_device_count: the open backend's devices (0 before one is). */
+q3_status q3_cuda_open(const char *path, int *devices, q3_error *err);
 int q3_cuda_device_count(void);
 
 /* The thread schedules the open backend runs a kernel's threads in: 1 on a GPU (the

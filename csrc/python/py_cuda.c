@@ -17,11 +17,12 @@ static PyObject *cuda_open(PyObject *m, PyObject *arg) {
     if (!path) return NULL;
     q3_error err;
     q3_status s;
+    int devices;
     Py_BEGIN_ALLOW_THREADS
-    s = q3_cuda_open(path, &err);
+    s = q3_cuda_open(path, &devices, &err);
     Py_END_ALLOW_THREADS
     if (s != Q3_OK) return q3_raise(NULL, &err);
-    Py_RETURN_NONE;
+    return PyLong_FromLong(devices);
 }
 
 static PyObject *cuda_blas_open(PyObject *m, PyObject *arg) {
@@ -154,7 +155,9 @@ PyMethodDef q3_cuda_methods[] = {
      "cuda_empty_cache()\n--\n\nFrees the device blocks of dead tensors kept for reuse by new ones."},
     {"cuda_cached_blocks", cuda_cached_blocks, METH_NOARGS,
      "cuda_cached_blocks()\n--\n\n[(device, nbytes, address)] of the device blocks kept for reuse, oldest first."},
-    {"cuda_open", cuda_open, METH_O, "cuda_open(path)\n--\n\nLoad the CUDA launcher library (once)."},
+    {"cuda_open", cuda_open, METH_O,
+     "cuda_open(path)\n--\n\nLoads the CUDA launcher library; returns the CUDA devices it sees. With none it is "
+     "not made the backend (another library may be opened after it)."},
     {"cuda_blas_open", cuda_blas_open, METH_O,
      "cuda_blas_open(path)\n--\n\nOpen cuBLAS for the prefill GEMMs (path None: the usual names); True if usable."},
     {"cuda_blas_enable", cuda_blas_enable, METH_VARARGS,

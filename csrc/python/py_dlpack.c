@@ -117,13 +117,18 @@ static int fill_view(q3_view *v, const q3_dl_tensor *t, const char *arg, int dev
         v->dtype = Q3_I32;
     } else if (t->dtype.lanes == 1 && t->dtype.code == Q3_DL_FLOAT && t->dtype.bits == 32) v->dtype = Q3_F32;
     else if (t->dtype.lanes == 1 && t->dtype.code == Q3_DL_BFLOAT && t->dtype.bits == 16) v->dtype = Q3_BF16;
-    else if ((allow & Q3_VIEW_E4M3) && t->dtype.lanes == 1 && t->dtype.code == Q3_DL_FLOAT8_E4M3FN &&
-             t->dtype.bits == 8)
+    else if ((allow & (Q3_VIEW_E4M3 | Q3_VIEW_ANY)) && t->dtype.lanes == 1 &&
+             t->dtype.code == Q3_DL_FLOAT8_E4M3FN && t->dtype.bits == 8)
         v->dtype = Q3_E4M3;
+    else if ((allow & Q3_VIEW_ANY) && t->dtype.lanes == 1 && t->dtype.code == Q3_DL_INT && t->dtype.bits == 32)
+        v->dtype = Q3_I32;
     else {
         dtype_desc(desc, sizeof desc, t->dtype);
         PyErr_Format(PyExc_TypeError, "%s: expected dtype %s, got %s", arg,
-                     allow & Q3_VIEW_E4M3 ? "float32, bfloat16 or float8_e4m3fn" : "float32 or bfloat16", desc);
+                     allow & Q3_VIEW_ANY    ? "float32, bfloat16, float8_e4m3fn or int32"
+                     : allow & Q3_VIEW_E4M3 ? "float32, bfloat16 or float8_e4m3fn"
+                                            : "float32 or bfloat16",
+                     desc);
         return -1;
     }
     if (t->ndim < 0 || t->ndim > Q3_MAX_DIM) {

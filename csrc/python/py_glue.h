@@ -70,11 +70,13 @@ typedef struct {
 /* Imports obj (anything with __dlpack__) as a float32/bfloat16 tensor expected on `device`
  * (-1: cpu, else cuda:device); `allow` may add host tensors (Q3_VIEW_HOST) and float8
  * e4m3fn weights (Q3_VIEW_E4M3) to what is taken, or take int32 tensors instead of the
- * float ones (Q3_VIEW_I32: the router's chosen experts, py_routing.c). Errors name `arg`:
+ * float ones (Q3_VIEW_I32: the router's chosen experts, py_routing.c), or take every dtype
+ * the extension has (Q3_VIEW_ANY: float32, bfloat16, float8_e4m3fn, int32; copy_tensor's).
+ * Errors name `arg`:
  * TypeError for a non-tensor or another dtype, ValueError for another device. A CUDA
  * producer is handed `stream` (the consumer's, NULL: legacy default). Returns 0, or -1 with
  * an exception set (nothing to release then). */
-enum { Q3_VIEW_HOST = 1, Q3_VIEW_E4M3 = 2, Q3_VIEW_I32 = 4 };
+enum { Q3_VIEW_HOST = 1, Q3_VIEW_E4M3 = 2, Q3_VIEW_I32 = 4, Q3_VIEW_ANY = 8 };
 int q3_view_acquire_on(PyObject *obj, const char *arg, q3_view *v, int device, int allow, void *stream);
 void q3_view_release(q3_view *v);
 /* "[2, 3, 4]" */

@@ -79,44 +79,53 @@ static PyObject *probe_fma(PyObject *m, PyObject *args, PyObject *kw) {
     return PyFloat_FromDouble(gflops);
 }
 
+/* copy_tensor(tensor, device): a contiguous copy on `device` (-1: host) of an extension Tensor
+ * (host or device), or of another producer's host tensor (torch, numpy: any dtype the
+ * extension has), which is how host data reaches the SIMT executor's device. */
 static PyObject *copy_tensor(PyObject *m, PyObject *args) {
     PyObject *obj;
     int device;
     if (!PyArg_ParseTuple(args, "Oi:copy_tensor", &obj, &device)) return NULL;
     q3_module_state *st = state_of_module(m);
-    if (!PyObject_TypeCheck(obj, st->tensor_type)) {
-        PyErr_Format(PyExc_TypeError, "tensor: expected a qwen3layer Tensor, got %.100s", Py_TYPE(obj)->tp_name);
+    q3_view v = {0};
+    if (PyObject_TypeCheck(obj, st->tensor_type)) {
+        const q3py_tensor_object *t = (const q3py_tensor_object *)obj;
+        v.data = t->data, v.ndim = t->ndim, v.dtype = t->dtype, v.device = t->device;
+        memcpy(v.shape, t->shape, sizeof v.shape);
+        memcpy(v.strides, t->strides, sizeof v.strides);
+    } else if (!PyObject_HasAttrString(obj, "__dlpack__")) {
+        PyErr_Format(PyExc_TypeError, "tensor: expected a qwen3layer Tensor or a host tensor with __dlpack__ (torch, "
+                     "numpy), got %.100s", Py_TYPE(obj)->tp_name);
+        return NULL;
+    } else if (q3_view_acquire_on(obj, "tensor", &v, -1, Q3_VIEW_ANY, NULL)) {
         return NULL;
     }
-    q3py_tensor_object *t = (q3py_tensor_object *)obj;
     int contiguous = 1;
-    int64_t expect = 1; /* ends as the element count: fits, the tensor exists */
-    for (int d = t->ndim - 1; d >= 0; d--) {
-        if (t->shape[d] != 1 && t->strides[d] != expect) contiguous = 0;
-        expect *= t->shape[d];
+    int64_t count = 1; /* ends as the element count: fits, the tensor exists */
+    for (int d = v.ndim - 1; d >= 0; d--) {
+        if (v.shape[d] != 1 && v.strides[d] != count) contiguous = 0;
+        count *= v.shape[d];
     }
-    if (!contiguous) {
+    q3py_tensor_object *c = NULL;
+    if (!contiguous)
         PyErr_SetString(PyExc_ValueError, "tensor: expected a contiguous tensor");
-        return NULL;
-    }
-    if ((t->device >= 0 || device >= 0) && !q3_cuda_loaded()) {
+    else if ((v.device >= 0 || device >= 0) && !q3_cuda_loaded())
         PyErr_SetString(PyExc_RuntimeError, "device: the CUDA backend is not loaded");
-        return NULL;
-    }
-    q3py_tensor_object *c = q3py_tensor_new_on(st, t->dtype, t->ndim, t->shape, device);
-    if (!c) return NULL;
-    const size_t bytes = (size_t)expect * q3_dtype_size(t->dtype);
-    q3_error err;
-    if (t->device < 0 && device < 0) memcpy(c->data, t->data, bytes);
-    else if (t->device >= 0 && device >= 0) {
+    else if (v.device >= 0 && device >= 0)
         PyErr_SetString(PyExc_ValueError, "device: copies between two CUDA buffers are not supported here");
-        Py_DECREF(c);
-        return NULL;
-    } else if (q3_device_copy(c->data, t->data, bytes, device >= 0, &err) != Q3_OK) {
-        Py_DECREF(c);
-        PyErr_Format(PyExc_RuntimeError, "copy_tensor: %s", err.msg);
-        return NULL;
+    else
+        c = q3py_tensor_new_on(st, v.dtype, v.ndim, v.shape, device);
+    if (c) {
+        const size_t bytes = (size_t)count * q3_dtype_size(v.dtype);
+        q3_error err;
+        if (v.device < 0 && device < 0) {
+            memcpy(c->data, v.data, bytes);
+        } else if (q3_device_copy(c->data, v.data, bytes, device >= 0, &err) != Q3_OK) {
+            Py_CLEAR(c);
+            PyErr_Format(PyExc_RuntimeError, "copy_tensor: %s", err.msg);
+        }
     }
+    q3_view_release(&v);
     return (PyObject *)c;
 }
 
@@ -137,7 +146,8 @@ static PyMethodDef module_methods[] = {
     {"probe_fma_peak", (PyCFunction)(void (*)(void))probe_fma, METH_VARARGS | METH_KEYWORDS,
      "probe_fma_peak(seconds=0.5)\n--\n\nfp32 multiply-add peak of every thread, GFLOP/s, active CPU path."},
     {"copy_tensor", copy_tensor, METH_VARARGS,
-     "copy_tensor(tensor, device)\n--\n\nA contiguous copy of an extension Tensor on device (-1: host)."},
+     "copy_tensor(tensor, device)\n--\n\nA contiguous copy on device (-1: host) of an extension Tensor, or of a host "
+     "tensor of another producer (torch, numpy; float32, bfloat16, float8_e4m3fn or int32)."},
     {"check_config", check_config, METH_O, "check_config(config)\n--\n\nRaise if the geometry is impossible."},
     {"rope_table", q3py_rope_table, METH_O,
      "rope_table(config)\n--\n\n(inv_freq, scale): the RoPE table a layer of this config rotates by, fp32 values."},

@@ -1,7 +1,8 @@
 """benchmarks/bench_cuda.py's per-stage model: `--predict` (no GPU) prints, for the issue's
-rows, every stage's bytes, FLOPs and floor at the H200 figures of ../shared/REFERENCE.md;
-the figures here are q3.cost_model's, recomputed, and the floors REFERENCE.md states. The
-measured columns (a GPU run) are checked on the emulated device's stage profile."""
+rows, every stage's bytes, FLOPs and floor at the H200 figures of qwen3layer/gpu_figures.py;
+the figures here are q3.cost_model's, recomputed, and the floors the project planned with
+(107 us, 6.0 ms). The measured columns (a GPU run) are checked on the emulated device's stage
+profile."""
 import os
 import subprocess
 import sys
@@ -9,18 +10,16 @@ import sys
 import pytest
 
 import qwen3layer as q3
+from qwen3layer import gpu_figures
 from qwen3layer.costs import STAGES
+from qwen3layer.costs_hybrid import Machine
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 BENCH = os.path.join(ROOT, "benchmarks", "bench_cuda.py")
-REFERENCE = os.path.join(ROOT, "..", "shared", "REFERENCE.md")
 ROWS = {"decode batch 1, context 8192": dict(mode="decode", tokens=1, context=8192, batch=1),
         "decode batch 16, context 8192": dict(mode="decode", tokens=1, context=8192, batch=16),
         "prefill 8192 tokens, one chunk of 8192": dict(mode="prefill", tokens=8192, context=0, chunk_size=8192)}
-COPY, MATRIX = 4.3e12, 790e12  # the H200 column of REFERENCE.md's physical limits (checked below)
-
-needs_reference = pytest.mark.skipif(not os.path.exists(REFERENCE), reason="no ../shared/REFERENCE.md beside "
-                                     "this checkout (CI and the project's machines have one)")
+COPY, MATRIX = 4.3e12, 790e12  # an H200's copy and bf16 matrix rates (gpu_figures.py, checked below)
 
 
 def tables(text):
@@ -37,21 +36,20 @@ def tables(text):
 
 @pytest.fixture(scope="module")
 def predicted():
-    run = subprocess.run([sys.executable, BENCH, "--predict", "--reference", REFERENCE], capture_output=True,
-                         text=True, timeout=120)
+    run = subprocess.run([sys.executable, BENCH, "--predict"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     return run.stdout
 
 
-@needs_reference
-def test_the_reference_figures_are_the_h200s():
-    text = open(REFERENCE).read()
-    assert "H200 (4.3 TB/s copy, 790 TFLOP/s bf16 measured)" in text
+def test_the_figures_are_the_h200s_and_the_split_models_defaults():
+    assert (gpu_figures.H200_COPY_BYTES_PER_S, gpu_figures.H200_BF16_FLOPS) == (COPY, MATRIX)
+    machine = Machine()
+    assert (machine.device_read, machine.device_flops, machine.link) == \
+        (COPY, MATRIX, gpu_figures.PCIE5_X16_BYTES_PER_S) == (4.3e12, 790e12, 50e9)
 
 
-@needs_reference
 def test_predict_prints_every_stage_of_each_row_from_the_cost_model(predicted):
-    assert "4.3 TB/s copy and 790 TFLOP/s" in predicted.splitlines()[0]
+    assert "4.3 TB/s copy and 790 TFLOP/s bf16 matrix rate (qwen3layer/gpu_figures.py)" in predicted.splitlines()[0]
     got = tables(predicted)
     assert list(got) == list(ROWS)
     cfg = q3.LayerConfig.qwen3_235b_a22b()
@@ -74,10 +72,9 @@ def test_predict_prints_every_stage_of_each_row_from_the_cost_model(predicted):
         assert float(floor_us) == pytest.approx(floors * 1e6, abs=6e-3)
 
 
-@needs_reference
-def test_predicted_totals_are_reference_mds_floors(predicted):
+def test_predicted_totals_are_the_planned_floors(predicted):
     got = tables(predicted)
-    # decode batch 1 at 8192: 462 MB read, >= 107 us (REFERENCE.md); every stage memory-bound
+    # decode batch 1 at 8192: 462 MB read, >= 107 us; every stage memory-bound
     d1 = got["decode batch 1, context 8192"]
     assert 462 <= float(d1["total"][0]) < 463 and 107 <= float(d1["total"][3]) < 108
     assert {r[2] for s, r in d1.items() if s != "total"} == {"memory"}
@@ -96,21 +93,12 @@ def test_predicted_totals_are_reference_mds_floors(predicted):
     assert {s for s, r in p.items() if r[2] == "matrix"} == {"qkv_proj", "attention", "o_proj", "experts"}
 
 
-@needs_reference
 def test_results_md_holds_the_predicted_tables_until_a_gpu_run(predicted):
     results = open(os.path.join(ROOT, "benchmarks", "RESULTS.md")).read()
     if "predicted, no GPU run yet" not in results:
         pytest.skip("benchmarks/RESULTS.md holds a GPU run")
     for block in predicted.split("\n\n")[1:]:
         assert block.strip() in results, block.splitlines()[0]
-
-
-def test_predict_refuses_a_reference_without_the_figures(tmp_path):
-    bad = tmp_path / "REFERENCE.md"
-    bad.write_text("# no table here\n")
-    run = subprocess.run([sys.executable, BENCH, "--predict", "--reference", str(bad)], capture_output=True,
-                         text=True, timeout=120)
-    assert run.returncode != 0 and "no 'H200" in run.stderr
 
 
 @pytest.mark.skipif(not os.path.exists(q3.cuda.SIMT_LIBRARY), reason="no SIMT executor in this build")
@@ -140,3 +128,11 @@ print(bench_cuda.model_table("decode batch 1, context 8192: tiny", p.cost, 4.3, 
         assert float(ratio) == pytest.approx(measured[s.name] / floor, rel=1e-3, abs=6e-3)
     total = rows["total"]
     assert float(total[4]) == pytest.approx(sum(measured.values()) * 1e6, abs=6e-3)
+
+
+@pytest.mark.skipif(q3.cuda.device_count() > 0, reason="this machine has a CUDA device")
+def test_without_a_device_the_benchmark_says_so_and_points_at_predict():
+    run = subprocess.run([sys.executable, BENCH], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr == ("bench_cuda: no CUDA device on this machine (0 found); --predict prints the per-stage model "
+                          "alone\n")

@@ -128,6 +128,22 @@ def test_map_and_run_take_the_split_flags():
     assert r.returncode == 2 and "expert_device='cpu'" in r.stderr and "device is 'cpu'" in r.stderr, r.stderr
 
 
+def test_gpu_experts_help_says_what_n_means_on_the_command_line(capsys):
+    """--gpu-experts N is experts 0..N-1 (random weights), not the API's N hottest: the help says so"""
+    from qwen3layer.cli import build_parser
+    from qwen3layer.cli_hybrid import gpu_expert_ids
+
+    parser = build_parser()
+    for command in ("run", "map"):
+        args = parser.parse_args([command, "--expert-device", "cpu", "--gpu-experts", "3"])
+        assert gpu_expert_ids(args, 16) == [0, 1, 2]
+        with pytest.raises(SystemExit):
+            parser.parse_args([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert "--gpu-experts N|IDS with --expert-device: N puts experts 0..N-1 on the GPU" in text
+        assert "the API's gpu_experts=N instead takes the N hottest of expert_counts" in text
+
+
 @pytest.mark.parametrize("gpu", [[], [0, 5, 9], list(range(128))])
 @pytest.mark.parametrize("mode,tokens,chunk,batch", [("prefill", 1100, 512, 1), ("prefill", 40, 16, 3),
                                                      ("decode", 3, None, 8)])

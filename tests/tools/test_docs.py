@@ -21,7 +21,6 @@ README_MAX_LINES = 220
 # Backticked words that look like paths (a '/' or a source suffix) but name no file of the
 # repository: things outside it, files a build or a run writes, and words that are not paths.
 NOT_REPO_PATHS = {
-    "../shared/REFERENCE.md",   # the project's shared notes, beside the checkout
     "qwen3layer/libq3cuda.so",  # built by setup.py where nvcc is found
     ".ci-asan/",                # the sanitized copy .ci/sanitize makes
     "build/simt-check/",        # simt_check.py's objects
@@ -209,7 +208,7 @@ def test_extractor_reads_what_it_should():
     assert heading_anchors("## The layer's insides, on request\n```\n# not a heading\n```\n") == \
         {"the-layers-insides-on-request"}
     assert exists_in_repo("kernels/cuda/*.cu") and exists_in_repo("kernels/<op>.h")
-    assert not exists_in_repo("kernels/cuda/no_such_kernel.cu") and not exists_in_repo("../shared/REFERENCE.md")
+    assert not exists_in_repo("kernels/cuda/no_such_kernel.cu") and not exists_in_repo("../elsewhere/notes.md")
     assert SCRIPT_COUNT.search("simt: 28 kernels, 418 cases, 12/12 planted defects caught")
     assert SCRIPT_COUNT.search("twelve are planted in the real kernels")
     assert SCRIPT_COUNT.search("the 361 kernel self-check cases on the executor")

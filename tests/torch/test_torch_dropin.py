@@ -81,7 +81,9 @@ def test_batch_of_left_padded_prompts_generates_identically():
 @pytest.mark.parametrize("kw,match", [
     (dict(expert_device="cpu"), r"expert_device='cpu': layer 0's attention \(self_attn.q_proj.weight\) is on cpu; a "
      "split layer runs its attention on a CUDA device"),
-    (dict(gpu_experts=[1]), r"attention \(self_attn.q_proj.weight\) is on cpu"),
+    (dict(gpu_experts=[1]), r"expert_device: expected 'cpu' \(the experts not in gpu_experts in host memory\), got None$"),
+    (dict(expert_device="cuda"), r"expert_device: expected 'cpu' \(the experts not in gpu_experts in host memory\), "
+     "got 'cuda'$"),
     (dict(expert_counts=[1] * 8), "expert_counts: chooses gpu_experts=N of a layer split over the GPU and the host"),
     (dict(expert_device="cpu", gpu_experts={1: [0]}), r"gpu_experts: a mapping of layer index -> value, without "
      r"layer 0 \(has \[1\]\)"),
