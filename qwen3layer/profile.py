@@ -56,6 +56,10 @@ class Profile:
     def table(self) -> str:
         return stage_table(self.stages, self.title())
 
+    def __repr__(self) -> str:
+        """a terminal's `p` and `print(p)`: the text table the CLI prints (not the fields)"""
+        return self.table()
+
     def _repr_html_(self) -> str:
         """Jupyter: the stage table as HTML, the dominant stage in bold."""
         return stage_table_html(self.stages, self.title())

@@ -247,6 +247,7 @@ def test_decode_graphs_on_the_executor(borrowed):
     wgraph = wrapped.decode_graph(wcache)
     del wrapped, wcache
     y = wgraph(wgraph.input)  # x is the input itself: no copy
+    y_is_output = y.data_ptr == wgraph.output.data_ptr  # another tensor object over the graph's output buffer
 
     for dtype, tol in (("float32", 1e-6), ("bfloat16", 5e-3)):
         g = runs[dtype]
@@ -267,8 +268,8 @@ def test_decode_graphs_on_the_executor(borrowed):
     assert errors[10].startswith("ValueError: cache: expected a cache on cuda:0")
     assert lengths_after_errors == [6]
     assert synchronize_errors == ["RuntimeError: cuda_synchronize(1): invalid device ordinal"]
-    assert [type(y).__name__, list(wgraph.cache.lengths), repr(wgraph)] == \
-        ["Tensor", [1, 1], "DecodeGraph(batch=2, dtype=bfloat16, device=cuda:0)"]
+    assert [type(y).__name__, y_is_output, list(wgraph.cache.lengths), repr(wgraph)] == \
+        ["Tensor", True, [1, 1], "DecodeGraph(batch=2, dtype=bfloat16, device=cuda:0)"]
 
 
 def cpu_bound() -> float:

@@ -163,6 +163,22 @@ def test_check_passes_and_speaks_json():
     assert all(x["passed"] for x in out["rulers"])
 
 
+def test_the_latency_ruler_is_not_judged_below_one_calls_overhead():
+    """the tiny layer's floor (a few microseconds) is below one call's overhead: not judged,
+    saying why, and check exits 0; a threshold above the overhead is judged"""
+    from qwen3layer import rulers
+
+    layer = q3.DecoderLayer.random(q3.LayerConfig.tiny(), seed=0, dtype="bfloat16")
+    r = rulers.decode_latency(layer.config, layer, "bfloat16", 40, 1.33)
+    assert r.passed is None and r.value > r.threshold
+    assert "not judged: the threshold is below one call's overhead" in r.detail
+    assert r.line().startswith("NOT RUN decode latency: ")
+    assert rulers.decode_latency(layer.config, layer, "bfloat16", 40, 1e6).passed is True
+    out = run_cli(*TINY_CHECK[:-3])
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "NOT RUN decode latency" in out.stdout and "FAIL" not in out.stdout
+
+
 def test_check_fails_when_a_weight_is_perturbed():
     import json
 

@@ -101,6 +101,7 @@ def test_profile_html_is_a_table_of_every_stage_and_its_figures(layer):
         assert bold == (s.name == p.dominant.name)
     assert p.title() in page.captions[0] and "20 token(s)" in page.captions[0]
     assert p.table().splitlines()[0] == p.title()  # the terminal's table is unchanged
+    assert repr(p) == str(p) == p.table()  # a terminal's `p` and print(p): the table, not the dataclass's fields
 
 
 def test_profile_html_escapes_text(layer):

@@ -153,3 +153,21 @@ def test_compiled_decode_steps_after_a_batch_expansion():
     a = compiled(step, past_key_values=ours.past_key_values).logits
     assert rel(a, ref(step, past_key_values=theirs.past_key_values).logits) < 1e-5
     assert no_graph_breaks()
+
+
+@pytest.mark.parametrize("flag", ["output_attentions", "output_router_logits", "output_hidden_states"])
+@torch.no_grad()
+def test_recorded_insides_do_not_compile_with_fullgraph(flag):
+    """torch._dynamo's Unsupported: under transformers 5.x from its own output recording (the
+    unpatched model fails the same), under 4.57 from the layer's NotImplementedError naming the
+    output, which Dynamo reports so"""
+    model, ref = pair(28)
+    ids = ids_of(2, 5, 8)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with pytest.raises(torch._dynamo.exc.Unsupported) as raised:
+        compiled(ids, use_cache=False, **{flag: True})
+    if transformers.__version__.startswith("4."):
+        assert f"{flag} under torch.compile" in str(raised.value)
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.TorchDynamoException):  # transformers' own model does not compile either
+        torch.compile(ref, fullgraph=True, backend="aot_eager")(ids, use_cache=False, **{flag: True})
