@@ -300,15 +300,18 @@ class DecoderLayer(torch.nn.Module):
         return x, kv, plan, (want_router, want_maps)
 
     def _token_limit(self) -> tuple:
-        """(the tokens a sequence of a generation may reach with a DynamicCache, what sets it):
-        the model's context (LayerConfig.context_length), or patch_model's max_tokens below it"""
+        """(the tokens a sequence of a generation may reach with a DynamicCache, a function
+        naming what sets it): the model's context (LayerConfig.context_length), or
+        patch_model's max_tokens below it; the words are made only for an error"""
         cfg = self.core.config
-        context = cfg.context_length
-        what = (f"the model's context of {context} positions (max_position_embeddings={cfg.max_position_embeddings}"
-                + (f", YaRN factor {cfg.rope_factor:g}" if cfg.rope_type == "yarn" else "") + ")")
-        if self.max_tokens is not None and self.max_tokens < context:
-            return self.max_tokens, f"patch_model(max_tokens={self.max_tokens}) (below {what})"
-        return context, what
+        context, cap = cfg.context_length, self.max_tokens
+
+        def why() -> str:
+            what = (f"the model's context of {context} positions (max_position_embeddings="
+                    f"{cfg.max_position_embeddings}" + (f", YaRN factor {cfg.rope_factor:g}" if cfg.rope_type == "yarn"
+                                                        else "") + ")")
+            return what if cap is None or cap >= context else f"patch_model(max_tokens={cap}) (below {what})"
+        return (context if cap is None or cap >= context else cap), why
 
     def _run(self, hidden_states: torch.Tensor, x: torch.Tensor, kv: Any, plan: _masks.CallPlan, model_cache: Any,
              want_router: bool, want_maps: bool) -> torch.Tensor:

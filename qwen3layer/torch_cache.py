@@ -19,7 +19,7 @@ of the model cache copies the C cache with it (KVCache.__deepcopy__). What canno
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 
@@ -87,9 +87,9 @@ def first_capacity(tokens: int, limit: int) -> int:
     return min(limit, 1 << (max(tokens, FIRST_CAPACITY) - 1).bit_length())
 
 
-def check_room(entry: Any, need: int, limit: int, why: str) -> None:
+def check_room(entry: Any, need: int, limit: int, why: Callable[[], str]) -> None:
     """CacheFullError where a call would bring each sequence of a generation to `need` tokens:
-    past a StaticLayer's max_cache_len, or past `limit` (`why` names what sets it) for a
+    past a StaticLayer's max_cache_len, or past `limit` (why() names what sets it) for a
     DynamicLayer's (or a new entry's) C cache, which grows up to it"""
     from ._C import CacheFullError
     static = static_length(entry)
@@ -97,7 +97,7 @@ def check_room(entry: Any, need: int, limit: int, why: str) -> None:
         raise CacheFullError(f"StaticCache: max_cache_len={static} tokens a sequence, and this call brings them to "
                              f"{need} (a static cache does not grow: make it with a larger max_cache_len)")
     if static is None and need > limit:
-        raise CacheFullError(f"the sequences would hold {need} tokens, past {why}")
+        raise CacheFullError(f"the sequences would hold {need} tokens, past {why()}")
 
 
 def make_room(entry: Any, kv: Any, need: int, limit: int) -> None:
