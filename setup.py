@@ -69,8 +69,9 @@ COMMON = ["-std=c11", "-O3", "-ffp-contract=fast", "-fopenmp", "-Wall", "-Wextra
           "-fno-strict-aliasing", "-D_GNU_SOURCE", "-fvisibility=hidden"]
 
 
-def isa_variants():
-    if platform.machine().lower() not in ("x86_64", "amd64"):
+def isa_variants(machine=None):
+    """{variant: its compile flags} for `machine` (platform.machine()'s name; this one's by default)."""
+    if (machine or platform.machine()).lower() not in ("x86_64", "amd64"):
         return {"portable": []}
     return {
         "portable": [],

@@ -18,6 +18,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "helpers"))
 
 
+def pytest_configure(config):
+    """under CI=true, a missing qwen3layer._testing stops the suite (tests/helpers/ci_checks.py)"""
+    import ci_checks
+
+    ci_checks.require_testing_in_ci()
+
+
 # A module whose tests share state computed once per process (a module- or session-scoped
 # fixture: a layer built, checkpoints written; or the executor's one subprocess a module,
 # tests/executor/conftest.py) is read from its source by this pattern

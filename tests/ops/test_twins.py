@@ -9,6 +9,8 @@ import glob
 import os
 import re
 
+import cuda_launchers
+
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 CPU = os.path.join(ROOT, "kernels", "cpu")
 PORTABLE_REGION = re.compile(r"^#if Q3_CPU_TWINS\n(.*?)^#endif", re.S | re.M)
@@ -52,3 +54,16 @@ def test_the_kernel_check_compares_against_the_portable_kernels():
         text = read(path)
         assert "q3_cpu_ops_active" not in text and "cpu_dispatch.h" not in text, path
     assert "&q3_ops_cpu_portable" in read(os.path.join(ROOT, "csrc", "check", "kernel_check.c"))
+
+
+def test_every_launcher_of_the_cuda_table_has_a_case_in_the_kernel_check():
+    """the launchers read from kernels/cuda/ops_cuda.h (tests/helpers/cuda_launchers.py, which the
+    executor's test of the check compares the cases it ran against) each named by a case of
+    csrc/check/kernel_check.c, and no case naming a launcher the table lacks"""
+    launchers = cuda_launchers.header_launchers()
+    assert len(launchers) >= 29 and len(set(launchers)) == len(launchers)
+    assert {"rmsnorm", "attention", "matmul_fp8", "from_f32"} <= set(launchers)  # the first, some, the last
+    assert not {"synchronize", "capture_begin", "time_matmul"} & set(launchers)  # the runtime helpers are not
+    checked = cuda_launchers.checked_launchers()
+    assert set(launchers) - checked == set(), "launchers without a case in the kernel check"
+    assert checked - set(launchers) == set(), "cases naming no launcher of ops_cuda.h"

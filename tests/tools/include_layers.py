@@ -8,7 +8,8 @@ A folder is a layer. A file includes only from its own folder and from layers be
     kernels/cpu/, kernels/cuda/    the kernels of each backend (rank 2, siblings)
     csrc/engine/             the engine: layer, KV cache, workspace, CPU dispatch (rank 3)
     csrc/cuda/               the engine's CUDA host side (rank 4)
-    csrc/check/              kernel self-check against the CPU twins (rank 5)
+    csrc/check/              kernel self-check against the CPU twins (rank 5); its cpu_ops/
+                             folder is part of it (the CPU op harness, a program of its own)
     csrc/python/             the CPython glue of qwen3layer._C (rank 6)
     csrc/testing/            the CPython glue of qwen3layer._testing, the check harness's
                              module (rank 7)
@@ -50,7 +51,7 @@ GLUE_LAYERS = ("csrc/python", "csrc/testing")  # the folders that may include Py
 PUBLIC_HEADERS = ("csrc/engine/q3.h", "csrc/cuda/q3_cuda.h")
 GLUE_SEES = {"csrc/python": PUBLIC_HEADERS,
              "csrc/testing": PUBLIC_HEADERS + ("csrc/check/q3_check.h", "csrc/python/py_convert.h")}
-PART_OF = {"kernels/simt/include": "kernels/simt"}  # a folder that belongs to another's layer
+PART_OF = {"kernels/simt/include": "kernels/simt", "csrc/check/cpu_ops": "csrc/check"}  # a folder that belongs to another's layer
 CUDA_LAYERS = ("kernels/cuda", "kernels/simt")
 SOURCE_EXTENSIONS = (".c", ".h", ".cu", ".cuh", ".cpp")
 PYTHON_HEADERS = re.compile(r"^(Python\.h|pythread\.h|structmember\.h|numpy/.*)$")

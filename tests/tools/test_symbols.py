@@ -65,6 +65,28 @@ def test_check_kernels_names_the_module_and_its_build_when_it_is_absent(monkeypa
     assert e.value.name == "qwen3layer._testing"
 
 
+def test_a_missing_testing_module_fails_under_ci_and_is_never_skipped(monkeypatch):
+    """tests/conftest.py refuses to run the suite under CI=true without qwen3layer._testing
+    (tests/helpers/ci_checks.py), and
+    no test module skips itself for want of it (pytest.importorskip): in CI it is always built"""
+    import glob
+    import os
+    import sys
+
+    import ci_checks
+
+    monkeypatch.setitem(sys.modules, "qwen3layer._testing", None)  # as if never built: imports fail
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.UsageError, match=r"CI=true: qwen3layer\._testing does not import"):
+        ci_checks.require_testing_in_ci()
+    monkeypatch.delenv("CI")
+    ci_checks.require_testing_in_ci()  # not asked outside CI
+    tests = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    for path in glob.glob(os.path.join(tests, "**", "*.py"), recursive=True):
+        with open(path, encoding="utf-8") as f:
+            assert "importorskip(\"qwen3layer._testing" not in f.read(), path
+
+
 def test_testing_runs_on_the_engine_of_c():
     """_testing sees the backend _C opened (one engine a process): before emulate() the harness
     finds none; after it, the SIMT executor's three schedules. In a fresh process, as emulate()
