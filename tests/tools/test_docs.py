@@ -24,6 +24,7 @@ NOT_REPO_PATHS = {
     "qwen3layer/libq3cuda.so",  # built by setup.py where nvcc is found
     ".ci-asan/",                # the sanitized copy .ci/sanitize makes
     "build/simt-check/",        # simt_check.py's objects
+    "build/cpu-ops-check/",     # cpu_ops_check.py's objects and program
     "blobs/",                   # a Hugging Face cache snapshot's folder
     "Qwen3-235B-A22B/",         # a checkpoint folder of the user's
     "Qwen3-235B-A22B-FP8/",
