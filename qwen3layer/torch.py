@@ -47,7 +47,7 @@ from .layer import DecoderLayer as _CoreLayer
 from .layer import check_expert_device
 
 _GRAD_WARNED = [False]
-_DATA_PTR, _DTYPE, _DEVICE = torch.Tensor.data_ptr, operator.attrgetter("dtype"), operator.attrgetter("device")
+_DATA_PTR, _DTYPE = torch.Tensor.data_ptr, operator.attrgetter("dtype")
 _FLAGS = {"router_logits": "output_router_logits", "attentions": "output_attentions",
           "hidden_states": "output_hidden_states"}  # the call's and the config's names of what it asks for
 _MISSING = object()
@@ -91,11 +91,11 @@ class DecoderLayer(torch.nn.Module):
         for name, child in (original.named_children() if original is not None else ()):
             self.add_module(name, child)
         # the tensors the C layer reads, as they were when it was made: their names, the tensors,
-        # and each one's address, dtype and device (compared by _check_weights in one map each)
+        # and each one's address, dtype and device (_check_weights)
         named = list(original.named_parameters()) if original is not None else []
         params = tuple(p for _, p in named)
         self.__dict__["_borrowed"] = ([name for name, _ in named], params, list(map(_DATA_PTR, params)),
-                                      list(map(_DTYPE, params)), list(map(_DEVICE, params)))
+                                      list(map(_DTYPE, params)), [p.device for p in params])
         # the model's config: its output_* flags are the defaults of the call's (as in transformers)
         self.__dict__["config"] = getattr(getattr(original, "self_attn", None), "config", None)
         self.__dict__["_handle"] = _op.register_layer(self)  # the custom op's way back to this layer
@@ -170,8 +170,9 @@ class DecoderLayer(torch.nn.Module):
 
     def _check_weights(self) -> None:
         names, params, ptrs, dtypes, devices = self._borrowed
-        if list(map(_DATA_PTR, params)) == ptrs and list(map(_DTYPE, params)) == dtypes and \
-                list(map(_DEVICE, params)) == devices:
+        # one map each for the addresses and dtypes; a tensor moved to another device is at another
+        # address (one address space: CUDA's unified addressing), so its device is compared only then
+        if list(map(_DATA_PTR, params)) == ptrs and list(map(_DTYPE, params)) == dtypes:
             return
         for name, p, ptr, dtype, device in zip(names, params, ptrs, dtypes, devices):
             if p.data_ptr() != ptr or p.dtype != dtype or p.device != device:
@@ -334,7 +335,7 @@ class DecoderLayer(torch.nn.Module):
         _cache.check_entry(entry)
         past = _cache.seen_tokens(model_cache, self.layer_idx, entry)
         kv = self._continued(entry, past, B) if past else None
-        limit, why = self._token_limit()
+        limit, why = self._token_limit(), self._limit_words
         if model_cache is not None:
             _cache.check_room(entry, past + L, limit, why)
         plan = self._plan(attention_mask, position_ids, B, L, past, kv, kwargs, call)
@@ -357,19 +358,19 @@ class DecoderLayer(torch.nn.Module):
                                  plan.padding, plan.offsets)
         return x, kv, plan, (want_router, want_maps)
 
-    def _token_limit(self) -> tuple:
-        """(the tokens a sequence of a generation may reach with a DynamicCache, a function
-        naming what sets it): the model's context (LayerConfig.context_length), or
-        patch_model's max_tokens below it; the words are made only for an error"""
+    def _token_limit(self) -> int:
+        """the tokens a sequence of a generation may reach with a DynamicCache: the model's
+        context (LayerConfig.context_length), or patch_model's max_tokens below it"""
+        context, cap = self.core.config.context_length, self.max_tokens
+        return context if cap is None or cap >= context else cap
+
+    def _limit_words(self) -> str:
+        """what sets _token_limit, in words (made only for an error)"""
         cfg = self.core.config
         context, cap = cfg.context_length, self.max_tokens
-
-        def why() -> str:
-            what = (f"the model's context of {context} positions (max_position_embeddings="
-                    f"{cfg.max_position_embeddings}" + (f", YaRN factor {cfg.rope_factor:g}" if cfg.rope_type == "yarn"
-                                                        else "") + ")")
-            return what if cap is None or cap >= context else f"patch_model(max_tokens={cap}) (below {what})"
-        return (context if cap is None or cap >= context else cap), why
+        what = (f"the model's context of {context} positions (max_position_embeddings={cfg.max_position_embeddings}"
+                + (f", YaRN factor {cfg.rope_factor:g}" if cfg.rope_type == "yarn" else "") + ")")
+        return what if cap is None or cap >= context else f"patch_model(max_tokens={cap}) (below {what})"
 
     def _run(self, hidden_states: torch.Tensor, x: torch.Tensor, kv: Any, plan: _masks.CallPlan, model_cache: Any,
              want_router: bool, want_maps: bool) -> torch.Tensor:

@@ -135,14 +135,17 @@ class _Taken:
 
 
 def _set_views(entry: Any, kv: Any, width: int, again: bool) -> None:
-    """the entry's keys and values become views of kv, `width` tokens wide; again=False: the
-    ones it holds are kept where they are the views it was given last, of kv, that wide"""
-    taken = entry.__dict__.get("_q3_taken")
+    """the entry's keys and values become views of kv, `width` tokens wide; again=False: a
+    StaticLayer's are kept where they are the views it was given last, of kv, that wide (a
+    DynamicLayer's widen every call)"""
+    static = is_static(entry)
+    taken = entry.__dict__.get("_q3_taken") if static else None
     if not again and taken is not None and taken.kv is kv and taken.width == width and \
             entry.keys is taken.keys and entry.values is taken.values:
         return
     entry.keys, entry.values = _views(kv, width)
-    entry._q3_taken = _Taken(kv, width, entry.keys, entry.values)
+    if static:
+        entry._q3_taken = _Taken(kv, width, entry.keys, entry.values)
 
 
 def publish(model_cache: Any, layer_idx: int, kv: Any, new_tokens: int) -> None:
