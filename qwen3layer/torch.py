@@ -246,9 +246,8 @@ class DecoderLayer(torch.nn.Module):
 
     def _plan(self, mask: Any, position_ids: Any, batch: int, length: int, past: int, kv: Any,
               kwargs: Dict[str, Any], call: Optional[_ModelCall] = None) -> _masks.CallPlan:
-        """the call's plan, made once per model call (every layer gets the same mask): the
-        last one made is kept with weak references to the tensors it was made of and their
-        versions (an in-place change makes it anew)"""
+        """the call's plan, made once per model call (every layer gets the same mask:
+        torch_masks.planned)"""
         cu = kwargs.get("cu_seq_lens_q")
         if cu is not None and kwargs.get("cu_seq_lens_k") is not None and \
                 not torch.equal(torch.as_tensor(cu), torch.as_tensor(kwargs["cu_seq_lens_k"])):
@@ -256,19 +255,8 @@ class DecoderLayer(torch.nn.Module):
                              f"got {kwargs['cu_seq_lens_k'].tolist()} and {cu.tolist()}")
         impl = self._config_value("_attn_implementation", None, call)
         padding = kv.padding if kv is not None else None
-        key = (batch, length, past, padding, impl)
-        where = kwargs.get("cache_position")
-        stamps = (_stamp(mask, call), _stamp(position_ids, call), _stamp(cu, call), _stamp(where, call))
-        memo = _PLAN_MEMO
-        refs = memo.refs
-        if memo.key == key and memo.stamps == stamps and refs[0]() is mask and refs[1]() is position_ids and \
-                refs[2]() is cu and refs[3]() is where:
-            return memo.plan
-        plan = _masks.plan_call(mask, position_ids, batch, length, past, padding, impl, cu, where)
-        # weak references: a finished generation's mask is not kept alive by the memo
-        memo.refs = tuple(_no_tensor if t is None else weakref.ref(t) for t in (mask, position_ids, cu, where))
-        memo.key, memo.stamps, memo.plan = key, stamps, plan
-        return plan
+        return _masks.planned(mask, position_ids, batch, length, past, padding, impl, cu, kwargs.get("cache_position"),
+                              call)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.LongTensor] = None, past_key_values: Any = None,
@@ -395,36 +383,6 @@ class DecoderLayer(torch.nn.Module):
             if self.__dict__["kv_cache"] is not kv:  # (Module.__setattr__ is slow; kv is neither tensor nor module)
                 self.kv_cache = kv  # the last one used, for inspection
         return y
-
-
-class _PlanMemo:
-    """the last call's plan, with what it was made of: (mask, position_ids, cu_seq_lens_q,
-    cache_position) as weak references, their stamps (_stamp) and the call's key"""
-    __slots__ = ("refs", "stamps", "key", "plan")
-
-    def __init__(self) -> None:
-        self.refs: tuple = (_no_tensor,) * 4
-        self.stamps: Any = None
-        self.key: Any = None
-        self.plan: Any = None
-
-
-def _no_tensor() -> None:
-    """the memo's reference for an argument that was None (called like a weak reference)"""
-    return None
-
-
-def _stamp(t: Any, call: Optional[_ModelCall]) -> Any:
-    """what tells an in-place change of a memo's tensor: its version counter; an inference
-    tensor has none (torch.inference_mode), so its plan holds within one model call only"""
-    if t is None:
-        return None
-    if t.is_inference():
-        return call if call is not None else object()
-    return t._version
-
-
-_PLAN_MEMO = _PlanMemo()  # the next layers of a model call get the same mask
 
 
 def _split_devices(hf_layer: torch.nn.Module, layer_idx: int) -> str:
