@@ -31,6 +31,8 @@ works and warns once that no gradient flows through the layer.
 """
 from __future__ import annotations
 
+import operator
+import threading
 import warnings
 import weakref
 from typing import Any, Dict, List, Mapping, Optional
@@ -45,6 +47,27 @@ from .layer import DecoderLayer as _CoreLayer
 from .layer import check_expert_device
 
 _GRAD_WARNED = [False]
+_DATA_PTR, _DTYPE = torch.Tensor.data_ptr, operator.attrgetter("dtype")
+_FLAGS = {"router_logits": "output_router_logits", "attentions": "output_attentions",
+          "hidden_states": "output_hidden_states"}  # the call's and the config's names of what it asks for
+_MISSING = object()
+
+
+class _ModelCall:
+    """What the layers of one model call read alike off the model's config (its output_*
+    flags, its attention implementation): read by the first layer that asks, kept for the
+    others. It is bound to the call's position_embeddings, which the model makes once a call
+    and hands to every layer: a layer call with other ones (a layer called on its own, the
+    layers of another model) reads the config itself."""
+    __slots__ = ("cos", "config", "values")
+
+    def __init__(self) -> None:
+        self.cos: Any = None  # weak reference to the call's cos tensor, once a layer bound it
+        self.config: Any = None
+        self.values: Dict[str, Any] = {}
+
+
+_CALL = threading.local()  # .now: the _ModelCall of this thread's model call in progress (set by _guard)
 
 
 class DecoderLayer(torch.nn.Module):
@@ -67,9 +90,12 @@ class DecoderLayer(torch.nn.Module):
         self.__dict__["original"] = original
         for name, child in (original.named_children() if original is not None else ()):
             self.add_module(name, child)
-        # the tensors the C layer reads, as they were when it was made
-        self.__dict__["_borrowed"] = [(name, p, p.data_ptr(), p.dtype, p.device) for name, p in
-                                      (original.named_parameters() if original is not None else ())]
+        # the tensors the C layer reads, as they were when it was made: their names, the tensors,
+        # and each one's address, dtype and device (_check_weights)
+        named = list(original.named_parameters()) if original is not None else []
+        params = tuple(p for _, p in named)
+        self.__dict__["_borrowed"] = ([name for name, _ in named], params, list(map(_DATA_PTR, params)),
+                                      list(map(_DTYPE, params)), [p.device for p in params])
         # the model's config: its output_* flags are the defaults of the call's (as in transformers)
         self.__dict__["config"] = getattr(getattr(original, "self_attn", None), "config", None)
         self.__dict__["_handle"] = _op.register_layer(self)  # the custom op's way back to this layer
@@ -133,8 +159,8 @@ class DecoderLayer(torch.nn.Module):
                 f"qwen3layer layer {self.layer_idx}: the C layer is inference-only (it has no backward), and the "
                 "model is in training mode with gradients enabled (model.train(), gradient checkpointing or a loss "
                 "to back-propagate): call model.eval() and run it under torch.no_grad() or torch.inference_mode()")
-        dropout = float(getattr(self.config, "attention_dropout", 0.0) or 0.0)
-        if self.training and dropout > 0:
+        dropout = float(getattr(self.config, "attention_dropout", 0.0) or 0.0) if self.training else 0.0
+        if dropout > 0:
             raise RuntimeError(f"qwen3layer layer {self.layer_idx}: attention_dropout={dropout} in training mode: "
                                "transformers would drop attention probabilities, the C layer does not; call model.eval()")
         if torch.is_grad_enabled() and not _GRAD_WARNED[0] and not torch.compiler.is_compiling():
@@ -143,7 +169,12 @@ class DecoderLayer(torch.nn.Module):
                           "them (inference only); use torch.no_grad() or torch.inference_mode()", stacklevel=3)
 
     def _check_weights(self) -> None:
-        for name, p, ptr, dtype, device in self._borrowed:
+        names, params, ptrs, dtypes, devices = self._borrowed
+        # one map each for the addresses and dtypes; a tensor moved to another device is at another
+        # address (one address space: CUDA's unified addressing), so its device is compared only then
+        if list(map(_DATA_PTR, params)) == ptrs and list(map(_DTYPE, params)) == dtypes:
+            return
+        for name, p, ptr, dtype, device in zip(names, params, ptrs, dtypes, devices):
             if p.data_ptr() != ptr or p.dtype != dtype or p.device != device:
                 raise RuntimeError(
                     f"qwen3layer layer {self.layer_idx}: {name} is no longer the tensor the C layer reads (it was "
@@ -173,12 +204,32 @@ class DecoderLayer(torch.nn.Module):
                 kv.set_first_position(at, b)
         return kv
 
-    def _wants(self, key: str, kwargs: Dict[str, Any]) -> bool:
+    def _model_call(self, position_embeddings: Any) -> Optional[_ModelCall]:
+        """the model call this layer call is part of (_ModelCall), None when it is not known"""
+        now = getattr(_CALL, "now", None)
+        if now is None or not isinstance(position_embeddings, tuple) or not position_embeddings:
+            return None
+        cos = position_embeddings[0]
+        if now.cos is None and isinstance(cos, torch.Tensor):  # the model call's first layer
+            now.cos, now.config = weakref.ref(cos), self.config
+        return now if now.cos is not None and now.cos() is cos and now.config is self.config else None
+
+    def _config_value(self, name: str, default: Any, call: Optional[_ModelCall]) -> Any:
+        """the model config's `name` (default without it), read once a model call"""
+        if call is None:
+            return getattr(self.config, name, default)
+        value = call.values.get(name, _MISSING)
+        if value is _MISSING:
+            value = call.values[name] = getattr(self.config, name, default)
+        return value
+
+    def _wants(self, key: str, kwargs: Dict[str, Any], call: Optional[_ModelCall] = None) -> bool:
         """whether the call asks for output_<key>: the call's flag, else the config's (as
         transformers decides); 5.x's output_hidden_states may be a list of indices"""
-        flag = kwargs.get(f"output_{key}")
+        name = _FLAGS[key]
+        flag = kwargs.get(name)
         if flag is None:
-            flag = getattr(self.config, f"output_{key}", False)
+            flag = self._config_value(name, False, call)
         return flag is not None and flag is not False
 
     def _refuse_unrecorded(self, key: str) -> None:
@@ -194,26 +245,18 @@ class DecoderLayer(torch.nn.Module):
                 "or recorded in a way the drop-in does not feed)")
 
     def _plan(self, mask: Any, position_ids: Any, batch: int, length: int, past: int, kv: Any,
-              kwargs: Dict[str, Any]) -> _masks.CallPlan:
-        """the call's plan, made once per model call (every layer gets the same mask)"""
+              kwargs: Dict[str, Any], call: Optional[_ModelCall] = None) -> _masks.CallPlan:
+        """the call's plan, made once per model call (every layer gets the same mask:
+        torch_masks.planned)"""
         cu = kwargs.get("cu_seq_lens_q")
         if cu is not None and kwargs.get("cu_seq_lens_k") is not None and \
                 not torch.equal(torch.as_tensor(cu), torch.as_tensor(kwargs["cu_seq_lens_k"])):
             raise ValueError("cu_seq_lens_k: expected the same sequences as cu_seq_lens_q (no cache in a packed call), "
                              f"got {kwargs['cu_seq_lens_k'].tolist()} and {cu.tolist()}")
-        impl = getattr(self.config, "_attn_implementation", None)
+        impl = self._config_value("_attn_implementation", None, call)
         padding = kv.padding if kv is not None else None
-        key = (batch, length, past, padding, impl)
-        memo = _PLAN_MEMO
-        where = kwargs.get("cache_position")
-        tensors = (mask, position_ids, cu, where)
-        versions = tuple(getattr(t, "_version", None) for t in tensors)  # in-place changes
-        if memo and all(_same(ref, t) for ref, t in zip(memo[0], tensors)) and memo[1] == key and memo[2] == versions:
-            return memo[3]
-        plan = _masks.plan_call(mask, position_ids, batch, length, past, padding, impl, cu, where)
-        # weak references: a finished generation's mask is not kept alive by the memo
-        _PLAN_MEMO[:] = [tuple(None if t is None else weakref.ref(t) for t in tensors), key, versions, plan]
-        return plan
+        return _masks.planned(mask, position_ids, batch, length, past, padding, impl, cu, kwargs.get("cache_position"),
+                              call)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.LongTensor] = None, past_key_values: Any = None,
@@ -225,7 +268,7 @@ class DecoderLayer(torch.nn.Module):
             kwargs = dict(kwargs, cache_position=cache_position)
         if torch.compiler.is_compiling():
             return self._traced(hidden_states, attention_mask, position_ids, model_cache, kwargs)
-        return self.call(hidden_states, attention_mask, position_ids, model_cache, kwargs)
+        return self.call(hidden_states, attention_mask, position_ids, model_cache, kwargs, position_embeddings)
 
     def _traced(self, hidden_states: torch.Tensor, attention_mask: Any, position_ids: Any, model_cache: Any,
                 kwargs: Dict[str, Any]) -> torch.Tensor:
@@ -247,12 +290,14 @@ class DecoderLayer(torch.nn.Module):
                                  kwargs.get("cache_position"), keys, self._handle, model_cache is not None)
 
     def call(self, hidden_states: torch.Tensor, attention_mask: Any, position_ids: Any, model_cache: Any,
-             kwargs: Dict[str, Any]) -> torch.Tensor:
+             kwargs: Dict[str, Any], position_embeddings: Any = None) -> torch.Tensor:
         """the layer's call, eager: the plan of the call, the C layer, the insides recorded and
         the model cache's entry updated. Split over a group, a call refused before the C layer
-        is refused on every rank (ExpertParallelLayer.refuse): none waits for it."""
+        is refused on every rank (ExpertParallelLayer.refuse): none waits for it.
+        position_embeddings: the model call's (which tell the layers of one model call)."""
         try:
-            x, kv, plan, wants = self._prepare(hidden_states, attention_mask, position_ids, model_cache, kwargs)
+            x, kv, plan, wants = self._prepare(hidden_states, attention_mask, position_ids, model_cache, kwargs,
+                                               self._model_call(position_embeddings))
         except Exception as e:
             if not self.expert_parallel:
                 raise
@@ -261,25 +306,27 @@ class DecoderLayer(torch.nn.Module):
         return self._run(hidden_states, x, kv, plan, model_cache, *wants)
 
     def _prepare(self, hidden_states: torch.Tensor, attention_mask: Any, position_ids: Any, model_cache: Any,
-                 kwargs: Dict[str, Any]) -> tuple:
+                 kwargs: Dict[str, Any], call: Optional[_ModelCall] = None) -> tuple:
         """the call's checks and plan, before the C layer: (x, its C cache, the plan, (router
-        logits, maps) wanted)"""
+        logits, maps) wanted); call: the model call it is part of, if known"""
         self.check_inference()
         self._check_weights()
         B, L, _ = hidden_states.shape
-        want_router, want_maps = self._wants("router_logits", kwargs), self._wants("attentions", kwargs)
-        for key, wanted in (("router_logits", want_router), ("attentions", want_maps),
-                            ("hidden_states", self._wants("hidden_states", kwargs))):
-            if wanted:
-                self._refuse_unrecorded(key)
+        want_router, want_maps = self._wants("router_logits", kwargs, call), self._wants("attentions", kwargs, call)
+        want_hidden = self._wants("hidden_states", kwargs, call)
+        if want_router or want_maps or want_hidden:
+            for key, wanted in (("router_logits", want_router), ("attentions", want_maps),
+                                ("hidden_states", want_hidden)):
+                if wanted:
+                    self._refuse_unrecorded(key)
         entry = _cache.entry_of(model_cache, self.layer_idx) if model_cache is not None else None
         _cache.check_entry(entry)
         past = _cache.seen_tokens(model_cache, self.layer_idx, entry)
         kv = self._continued(entry, past, B) if past else None
-        limit, why = self._token_limit()
+        limit, why = self._token_limit(), self._limit_words
         if model_cache is not None:
             _cache.check_room(entry, past + L, limit, why)
-        plan = self._plan(attention_mask, position_ids, B, L, past, kv, kwargs)
+        plan = self._plan(attention_mask, position_ids, B, L, past, kv, kwargs, call)
         if plan.packed is not None and model_cache is not None:
             raise ValueError(f"attention_mask: {plan.kind}: packed sequences cannot continue in one model cache "
                              "(each is a sequence of its own): call the model with use_cache=False")
@@ -299,19 +346,19 @@ class DecoderLayer(torch.nn.Module):
                                  plan.padding, plan.offsets)
         return x, kv, plan, (want_router, want_maps)
 
-    def _token_limit(self) -> tuple:
-        """(the tokens a sequence of a generation may reach with a DynamicCache, a function
-        naming what sets it): the model's context (LayerConfig.context_length), or
-        patch_model's max_tokens below it; the words are made only for an error"""
+    def _token_limit(self) -> int:
+        """the tokens a sequence of a generation may reach with a DynamicCache: the model's
+        context (LayerConfig.context_length), or patch_model's max_tokens below it"""
+        context, cap = self.core.config.context_length, self.max_tokens
+        return context if cap is None or cap >= context else cap
+
+    def _limit_words(self) -> str:
+        """what sets _token_limit, in words (made only for an error)"""
         cfg = self.core.config
         context, cap = cfg.context_length, self.max_tokens
-
-        def why() -> str:
-            what = (f"the model's context of {context} positions (max_position_embeddings="
-                    f"{cfg.max_position_embeddings}" + (f", YaRN factor {cfg.rope_factor:g}" if cfg.rope_type == "yarn"
-                                                        else "") + ")")
-            return what if cap is None or cap >= context else f"patch_model(max_tokens={cap}) (below {what})"
-        return (context if cap is None or cap >= context else cap), why
+        what = (f"the model's context of {context} positions (max_position_embeddings={cfg.max_position_embeddings}"
+                + (f", YaRN factor {cfg.rope_factor:g}" if cfg.rope_type == "yarn" else "") + ")")
+        return what if cap is None or cap >= context else f"patch_model(max_tokens={cap}) (below {what})"
 
     def _run(self, hidden_states: torch.Tensor, x: torch.Tensor, kv: Any, plan: _masks.CallPlan, model_cache: Any,
              want_router: bool, want_maps: bool) -> torch.Tensor:
@@ -333,11 +380,9 @@ class DecoderLayer(torch.nn.Module):
             _rec.record(self.recorders["hidden_states"], hidden_states, y)
         if model_cache is not None:
             _cache.publish(model_cache, self.layer_idx, kv, L)
-            self.kv_cache = kv  # the last one used, for inspection
+            if self.__dict__["kv_cache"] is not kv:  # (Module.__setattr__ is slow; kv is neither tensor nor module)
+                self.kv_cache = kv  # the last one used, for inspection
         return y
-
-
-_PLAN_MEMO: list = []  # the last call's (tensors, key, versions, plan): the next layers get the same mask
 
 
 def _split_devices(hf_layer: torch.nn.Module, layer_idx: int) -> str:
@@ -370,10 +415,6 @@ def _per_layer(value: Any, layer_idx: int, arg: str) -> Any:
     return value[layer_idx]
 
 
-def _same(ref: Any, t: Any) -> bool:
-    return t is None if ref is None else ref() is t
-
-
 def _run_packed(layer: DecoderLayer, x: torch.Tensor, plan: _masks.CallPlan, want_router: bool,
                 want_maps: bool, limit: Optional[int]) -> tuple:
     """each packed sequence as a C call of its own, on rows of x in place (views: no copy),
@@ -401,7 +442,10 @@ def _run_packed(layer: DecoderLayer, x: torch.Tensor, plan: _masks.CallPlan, wan
 
 
 def _guard(model: torch.nn.Module, args: Any) -> None:
-    """the model's forward pre-hook: a training call is refused before the embeddings run"""
+    """the model's forward pre-hook: a training call is refused before the embeddings run;
+    a new model call begins (_ModelCall: what its layers read alike)"""
+    if not torch.compiler.is_compiling():
+        _CALL.now = _ModelCall()
     layers = [m for m in _layers(model) if isinstance(m, DecoderLayer)]
     if layers:
         layers[0].check_inference()

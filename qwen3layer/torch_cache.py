@@ -24,9 +24,11 @@ from typing import Any, Callable, Dict, Optional
 import torch
 
 from . import torch_op
+from ._C import CacheFullError
 
 # the cache-layer classes whose bookkeeping the drop-in keeps (by name: 4.57 and 5.x alike)
 _KEPT = ("DynamicLayer", "StaticLayer")
+_BASE_NAMES: Dict[type, str] = {}  # cache-layer class -> the name of the class it is (or mirrors)
 
 
 def entry_of(model_cache: Any, layer_idx: int) -> Any:
@@ -40,7 +42,10 @@ def entry_of(model_cache: Any, layer_idx: int) -> Any:
 
 def _base_name(entry: Any) -> str:
     cls = type(entry)
-    return cls.__mro__[1].__name__ if getattr(cls, "_q3_mirrors", False) else cls.__name__
+    name = _BASE_NAMES.get(cls)
+    if name is None:
+        name = _BASE_NAMES[cls] = cls.__mro__[1].__name__ if getattr(cls, "_q3_mirrors", False) else cls.__name__
+    return name
 
 
 def check_entry(entry: Any) -> None:
@@ -91,7 +96,6 @@ def check_room(entry: Any, need: int, limit: int, why: Callable[[], str]) -> Non
     """CacheFullError where a call would bring each sequence of a generation to `need` tokens:
     past a StaticLayer's max_cache_len, or past `limit` (why() names what sets it) for a
     DynamicLayer's (or a new entry's) C cache, which grows up to it"""
-    from ._C import CacheFullError
     static = static_length(entry)
     if static is not None and need > static:
         raise CacheFullError(f"StaticCache: max_cache_len={static} tokens a sequence, and this call brings them to "
@@ -111,7 +115,37 @@ def make_room(entry: Any, kv: Any, need: int, limit: int) -> None:
 
 
 def _views(kv: Any, tokens: int) -> tuple:
+    if kv.device == "cpu":  # what torch.from_dlpack does for a host tensor, without its device and stream lookups
+        return (torch.from_dlpack(kv.all_keys(tokens).__dlpack__(max_version=(1, 0))),
+                torch.from_dlpack(kv.all_values(tokens).__dlpack__(max_version=(1, 0))))
     return torch.from_dlpack(kv.all_keys(tokens)), torch.from_dlpack(kv.all_values(tokens))
+
+
+class _Taken:
+    """the views an entry was last given (_set_views) and of which C cache: a StaticLayer's
+    keep their width, so the next call keeps them. A copy of the entry (copy.deepcopy of
+    the model cache) gets none: its keys are then copies, not views of its C cache."""
+    __slots__ = ("kv", "width", "keys", "values")
+
+    def __init__(self, kv: Any = None, width: int = -1, keys: Any = None, values: Any = None) -> None:
+        self.kv, self.width, self.keys, self.values = kv, width, keys, values
+
+    def __reduce__(self) -> tuple:  # copy.deepcopy and pickle make an empty one
+        return _Taken, ()
+
+
+def _set_views(entry: Any, kv: Any, width: int, again: bool) -> None:
+    """the entry's keys and values become views of kv, `width` tokens wide; again=False: a
+    StaticLayer's are kept where they are the views it was given last, of kv, that wide (a
+    DynamicLayer's widen every call)"""
+    static = is_static(entry)
+    taken = entry.__dict__.get("_q3_taken") if static else None
+    if not again and taken is not None and taken.kv is kv and taken.width == width and \
+            entry.keys is taken.keys and entry.values is taken.values:
+        return
+    entry.keys, entry.values = _views(kv, width)
+    if static:
+        entry._q3_taken = _Taken(kv, width, entry.keys, entry.values)
 
 
 def publish(model_cache: Any, layer_idx: int, kv: Any, new_tokens: int) -> None:
@@ -133,21 +167,22 @@ def publish(model_cache: Any, layer_idx: int, kv: Any, new_tokens: int) -> None:
         if kv.capacity != entry.max_cache_len:
             raise RuntimeError(f"qwen3layer layer {layer_idx}: the C cache holds {kv.capacity} tokens a sequence, the "
                                f"static cache {entry.max_cache_len}")
-        entry.keys, entry.values = _views(kv, entry.max_cache_len)
+        _set_views(entry, kv, entry.max_cache_len, again=False)
         if isinstance(getattr(entry, "cumulative_length", None), torch.Tensor):
             entry.cumulative_length.add_(new_tokens)
     else:
-        entry.keys, entry.values = _views(kv, kv.lengths[0])
+        _set_views(entry, kv, kv.lengths[0], again=False)
     attach(entry, kv)
-    entry._q3_owner = (weakref.ref(model_cache), layer_idx)
+    owner = getattr(entry, "_q3_owner", None)
+    if owner is None or owner[0]() is not model_cache or owner[1] != layer_idx:
+        entry._q3_owner = (weakref.ref(model_cache), layer_idx)
     torch_op.register_cache(entry.keys, model_cache, layer_idx)  # a compiled call finds the model cache by it
 
 
 def _repoint(entry: Any) -> None:
     """the entry's views taken anew after an operation on its C cache"""
     kv = entry._q3_cache
-    width = entry.max_cache_len if is_static(entry) else kv.lengths[0]
-    entry.keys, entry.values = _views(kv, width)
+    _set_views(entry, kv, entry.max_cache_len if is_static(entry) else kv.lengths[0], again=True)
     owner, layer_idx = getattr(entry, "_q3_owner", (None, 0))
     model_cache = owner() if owner is not None else None
     if model_cache is not None:  # a new C cache (select, repeat_interleave) at a new address

@@ -20,12 +20,14 @@ the C layer computes padding, and no real row may look at them. So in one row of
     anything else (a sliding window, a tree of branches, holes): refused, named.
 position_ids must run on by one from each sequence's first real token (the C cache then
 places that token at its position: KVCache.set_first_position); a restart that the mask
-does not separate, or a jump, is refused.
+does not separate, or a jump, is refused. planned() makes the plan once for the layers of a
+model call (every one gets the same mask) and keeps it for them.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional, Sequence, Tuple
+import weakref
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -276,3 +278,56 @@ def _offsets(pos: List[List[int]], plans: List[List[Segment]], past: int, cache_
                                  f"position {offset}: the C layer takes positions from 0 on")
             out.append(offset or 0)
     return out
+
+
+class _PlanMemo:
+    """the last call's plan, with what it was made of: (mask, position_ids, cu_seq_lens_q,
+    cache_position) as weak references, their stamps (_stamp) and the call's key"""
+    __slots__ = ("refs", "stamps", "key", "plan")
+
+    def __init__(self) -> None:
+        self.refs: tuple = (_no_tensor,) * 4
+        self.stamps: Any = None
+        self.key: Any = None
+        self.plan: Any = None
+
+
+def _no_tensor() -> None:
+    """the memo's reference for an argument that was None (called like a weak reference)"""
+    return None
+
+
+def _stamp(t: Any, call: Any) -> Any:
+    """what tells an in-place change of a memo's tensor: its version counter; an inference
+    tensor has none (torch.inference_mode), so its plan holds within one model call only
+    (`call`, which tells it; None: unknown, the plan is made anew)"""
+    if t is None:
+        return None
+    if t.is_inference():
+        return call if call is not None else object()
+    return t._version
+
+
+_PLAN_MEMO = _PlanMemo()  # the next layers of a model call get the same mask
+
+
+def planned(mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor], batch: int, length: int, past: int,
+            cache_padding: Optional[Sequence[int]], attn_implementation: Optional[str],
+            cu_seq_lens: Optional[torch.Tensor], cache_position: Optional[torch.Tensor], call: Any = None) -> CallPlan:
+    """plan_call's plan, made once for the layers of a model call (each gets the same mask):
+    the last one made is kept, with weak references to the tensors it was made of (a finished
+    generation's mask is not kept alive) and their stamps (an in-place change makes it anew);
+    call: an object that is the same for the layers of one model call (or None)"""
+    key = (batch, length, past, cache_padding, attn_implementation)
+    stamps = (_stamp(mask, call), _stamp(position_ids, call), _stamp(cu_seq_lens, call), _stamp(cache_position, call))
+    memo = _PLAN_MEMO
+    refs = memo.refs
+    if memo.key == key and memo.stamps == stamps and refs[0]() is mask and refs[1]() is position_ids and \
+            refs[2]() is cu_seq_lens and refs[3]() is cache_position:
+        return memo.plan
+    plan = plan_call(mask, position_ids, batch, length, past, cache_padding, attn_implementation, cu_seq_lens,
+                     cache_position)
+    memo.refs = tuple(_no_tensor if t is None else weakref.ref(t) for t in (mask, position_ids, cu_seq_lens,
+                                                                          cache_position))
+    memo.key, memo.stamps, memo.plan = key, stamps, plan
+    return plan

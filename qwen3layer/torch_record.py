@@ -19,8 +19,26 @@ import torch
 
 def record(recorder: torch.nn.Module, x: torch.Tensor, value: torch.Tensor) -> None:
     """calls the stand-in as transformers' recording expects its class's output: value at the
-    recorder's index of a tuple (the original's other outputs are None: not recorded)"""
-    recorder(x, output=(None,) * recorder.index + (value,))
+    recorder's index of a tuple (the original's other outputs are None: not recorded); a call
+    nothing would see (listened) is not made"""
+    if listened(recorder):
+        recorder(x, output=(None,) * recorder.index + (value,))
+
+
+# torch's hooks on every module (torch.nn.modules.module's registries, changed in place); one
+# missing from a version of torch: every recorder counts as listened to
+_GLOBAL_FORWARD, _GLOBAL_FORWARD_PRE, _GLOBAL_BACKWARD, _GLOBAL_BACKWARD_PRE = (
+    getattr(torch.nn.modules.module, name, True) for name in
+    ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks", "_global_backward_pre_hooks"))
+
+
+def listened(recorder: torch.nn.Module) -> bool:
+    """whether calling the stand-in could be seen: a hook on it (5.x's, installed once the
+    model was first asked for an output) or on every module, or 4.57's wrapped forward;
+    without any, torch's call would run its forward alone, which returns what it is given"""
+    return bool(recorder._forward_hooks or recorder._forward_pre_hooks or recorder._backward_hooks or
+                recorder._backward_pre_hooks or "forward" in recorder.__dict__ or _GLOBAL_FORWARD or
+                _GLOBAL_FORWARD_PRE or _GLOBAL_BACKWARD or _GLOBAL_BACKWARD_PRE)
 
 
 def recorder_spec(key: str, spec: Any) -> Tuple[Optional[type], int]:

@@ -363,3 +363,44 @@ def test_replaced_keys_in_the_model_cache_are_refused():
     entry.keys = entry.keys[:, :, :3]
     with pytest.raises(RuntimeError, match="the model cache's keys hold 3 tokens, this layer's C cache 5"):
         model(torch.tensor([[4]]), past_key_values=out.past_key_values)
+
+
+def test_calls_under_inference_mode_match_no_grad():
+    # the plan's memo cannot read an inference tensor's version: it holds within one model call
+    model, ref = pair(17)
+    ids, mask = left_padded([3, 5], 5, seed=2)
+    with torch.inference_mode():
+        mask = mask.clone()
+        first = model(ids, attention_mask=mask).logits
+        mask[0, 1] = 1  # the same mask tensor, changed in place: the next call is planned anew
+        second = model(ids, attention_mask=mask).logits
+    with torch.no_grad():
+        assert rel(first[:, -3:], ref(ids, attention_mask=left_padded([3, 5], 5, seed=2)[1]).logits[:, -3:]) < 1e-5
+        assert rel(second[0, -4:], ref(ids, attention_mask=mask.clone()).logits[0, -4:]) < 1e-5
+
+
+def test_a_config_flag_set_between_model_calls_is_read():
+    # what the layers of one model call read off the config once is read again by the next call
+    model, ref = pair(18)
+    ids = PACKED_IDS[:, :5]
+    with torch.no_grad():
+        assert model(ids).attentions is None
+        model.config.output_attentions = ref.config.output_attentions = True
+        ours, theirs = model(ids).attentions, ref(ids).attentions
+    assert ours is not None and len(ours) == len(theirs)
+    assert all(rel(a, b) < 1e-5 for a, b in zip(ours, theirs))
+
+
+def test_a_deep_copied_static_cache_holds_views_of_its_own_c_cache():
+    from transformers import StaticCache
+    model, _ = pair(19)
+    ids = PACKED_IDS[:, :5]
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+        branch = copy.deepcopy(cache)
+        model(PACKED_IDS[:, 5:6], past_key_values=branch, use_cache=True)
+    for entry in branch.layers:
+        held = torch.from_dlpack(entry._q3_cache.all_keys(16))
+        assert entry.keys.data_ptr() == held.data_ptr()  # a view, not the copy deepcopy made
+        assert torch.equal(entry.keys, held)

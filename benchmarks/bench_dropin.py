@@ -1,0 +1,137 @@
+"""The drop-in's own cost per layer call: a tiny many-layer transformers Qwen3MoeForCausalLM,
+patched (qwen3layer.torch.patch_model), generating greedily with a DynamicCache and with a
+StaticCache (cache_implementation="static"). Each decode call of each patched layer is timed
+twice over: the module's forward (qwen3layer.torch.DecoderLayer.forward: the plan, the cache
+views, the checks, the recorders) and, inside it, the C layer's call (core.prefill, the core
+API's prefill: its own argument checks and the C engine). The difference is what the drop-in
+adds to a layer a token; on a 94-layer model it is paid 94 times a token.
+
+    python benchmarks/bench_dropin.py                      # 8 layers, 64 tokens, 3 runs
+    python benchmarks/bench_dropin.py --layers 16 --tokens 128 --runs 5
+
+One thread: torch.set_num_threads(1), and OMP_NUM_THREADS=1 set before the extension loads
+(the C layer reads it once). Per run and cache: the median of the module's time, of the C
+call's and of the per-call differences (us), over every layer's decode calls after the first
+--warmup tokens; prefill calls are not counted. The geometry is LayerConfig.tiny()'s, so the C
+call is as short as the engine makes it and the difference is the Python around it.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+os.environ["OMP_NUM_THREADS"] = "1"  # before qwen3layer._C loads: the C layer's threads
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
+
+import qwen3layer as q3  # noqa: E402
+import qwen3layer.torch as q3t  # noqa: E402
+from machine import cpu_name  # noqa: E402
+
+
+def tiny_model(layers: int, attn: str) -> torch.nn.Module:
+    """LayerConfig.tiny()'s geometry, `layers` layers, vocab 101, random weights (seed 0)"""
+    tiny = q3.LayerConfig.tiny()
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(vocab_size=101, hidden_size=tiny.hidden_size, intermediate_size=64,
+                         num_hidden_layers=layers, num_attention_heads=tiny.num_attention_heads,
+                         num_key_value_heads=tiny.num_key_value_heads, head_dim=tiny.head_dim,
+                         num_experts=tiny.num_experts, num_experts_per_tok=tiny.num_experts_per_tok,
+                         moe_intermediate_size=tiny.moe_intermediate_size, max_position_embeddings=1024,
+                         pad_token_id=0, attn_implementation=attn)
+    return Qwen3MoeForCausalLM(cfg).eval()
+
+
+class Timings:
+    """the per-call times of each patched layer's forward and of its C call, decode calls only"""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.module, self.core = [], []
+        for layer in model.model.layers:
+            self._wrap(layer)
+
+    def _wrap(self, layer: q3t.DecoderLayer) -> None:
+        forward, prefill = layer.forward, layer.core.prefill
+        inner = []  # the C call's time within the forward now running
+
+        def timed_prefill(*args, **kwargs):
+            t0 = time.perf_counter_ns()
+            y = prefill(*args, **kwargs)
+            inner.append(time.perf_counter_ns() - t0)
+            return y
+
+        def timed_forward(hidden_states, *args, **kwargs):
+            inner.clear()
+            t0 = time.perf_counter_ns()
+            y = forward(hidden_states, *args, **kwargs)
+            elapsed = time.perf_counter_ns() - t0
+            if hidden_states.shape[1] == 1 and len(inner) == 1:  # a decode call
+                self.module.append(elapsed)
+                self.core.append(inner[0])
+            return y
+
+        layer.forward = timed_forward
+        layer.core.prefill = timed_prefill
+
+    def reset(self) -> None:
+        self.module.clear()
+        self.core.clear()
+
+    def medians(self) -> tuple:
+        """(module, C call, difference) medians in us, and the calls counted"""
+        diffs = [m - c for m, c in zip(self.module, self.core)]
+        return (statistics.median(self.module) / 1e3, statistics.median(self.core) / 1e3,
+                statistics.median(diffs) / 1e3, len(diffs))
+
+
+def run(model: torch.nn.Module, timings: Timings, ids: torch.Tensor, tokens: int, warmup: int,
+        static: bool) -> tuple:
+    extra = {"cache_implementation": "static"} if static else {}
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=warmup, do_sample=False, pad_token_id=0, **extra)
+        timings.reset()
+        out = model.generate(ids, max_new_tokens=tokens, do_sample=False, pad_token_id=0, **extra)
+    return timings.medians(), out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=64, help="tokens generated a run (default 64)")
+    ap.add_argument("--prompt", type=int, default=8, help="prompt tokens (default 8)")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=8, help="tokens of a warm-up generation before each run")
+    ap.add_argument("--attn", default="sdpa", help="attn_implementation (default sdpa, transformers' own)")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    info = q3.build_info()
+    print(f"machine: {cpu_name()}; qwen3layer {info['version']} cpu path {info['cpu_path']}, "
+          f"{info['threads']} thread(s); torch {torch.__version__} ({torch.get_num_threads()} thread); "
+          f"transformers {transformers.__version__}")
+    model = tiny_model(args.layers, args.attn)
+    ids = torch.randint(1, 101, (1, args.prompt), generator=torch.Generator().manual_seed(1))
+    q3t.patch_model(model)
+    timings = Timings(model)
+    print(f"{args.layers} layers (LayerConfig.tiny() geometry, {args.attn}), prompt {args.prompt}, "
+          f"{args.tokens} tokens generated greedily; us per layer decode call, medians")
+    print(f"{'cache':<14}{'run':>4}{'module':>10}{'C call':>10}{'module - C':>12}{'calls':>7}")
+    for static in (False, True):
+        name = "StaticCache" if static else "DynamicCache"
+        diffs = []
+        for r in range(args.runs):
+            (module, core, diff, calls), _ = run(model, timings, ids, args.tokens, args.warmup, static)
+            diffs.append(diff)
+            print(f"{name:<14}{r + 1:>4}{module:>10.1f}{core:>10.1f}{diff:>12.1f}{calls:>7}")
+        print(f"{name:<14}{'all':>4}{'':>10}{'':>10}{statistics.median(diffs):>12.1f}  (median of the runs)")
+
+
+if __name__ == "__main__":
+    main()
