@@ -12,7 +12,8 @@ at the tiny geometry and one large enough for the kernels' tiles, called as pref
 over a left-padded batch, decode steps, a batched decode step, a call with its insides (router
 logits, experts, attention maps), and the two halves; what is hashed is every output's bytes
 and the cache's keys and values. On every CPU path this machine runs (--paths to choose), or
-with --executor on the SIMT executor's emulated CUDA device (the CUDA kernels' host build). A
+with --executor on the SIMT executor's emulated CUDA device (the CUDA kernels' host build), once
+with each prefill MoE path forced (a measured choice would follow the timing). A
 path's hashes are compared with the same path's only. Not a test: the bits legitimately change
 when a kernel does."""
 import argparse
@@ -106,11 +107,18 @@ def cases(layer, cfg, dtype):
     return out
 
 
+# the executor's prefill MoE paths, each forced in turn: left measured, the choice follows timing
+# and can flip a hash from run to run under load
+EXECUTOR_MOE_PATHS = ("per_expert_wmma", "grouped_wmma")
+
+
 def run(paths, device):
     result = {}
     for path in paths:
         if device == "cpu":
             q3.set_cpu_path(path)
+        else:
+            q3.cuda.moe_path(path.split("/", 1)[1])
         for gname, cfg in GEOMETRIES.items():
             for dtype, fmt in FORMATS:
                 layer = q3.DecoderLayer.random(cfg, seed=7, dtype=dtype, device=device, weight_format=fmt)
@@ -129,7 +137,7 @@ def main() -> int:
     a = p.parse_args()
     if a.executor:
         q3.cuda.emulate()
-        paths, device = ["simt"], "cuda"
+        paths, device = [f"simt/{m}" for m in EXECUTOR_MOE_PATHS], "cuda"
     else:
         paths, device = (a.paths.split(",") if a.paths else q3.build_info()["cpu_paths"]), "cpu"
     result = run(paths, device)
