@@ -234,8 +234,9 @@ def layer_table(copy_tbs: float) -> None:
         t_hf = wall(lambda: hf(x[None], position_ids=pos, position_embeddings=(cos, sin)), 3)
     from qwen3layer.costs import prefill_flops
     for chunk, grouped in ((2048, True), (8192, True), (2048, False)):
-        _C.cuda_grouped_prefill(grouped)  # False: one launch per expert and step, for comparison
         fresh = q3.DecoderLayer.from_hf(hf, device="cuda")  # its own workspace: what this prefill needs
+        # False: one launch per expert and step through matmul_tc (cuBLAS where open), for comparison
+        q3.cuda.moe_path(fresh, "grouped_wmma" if grouped else "per_expert_cublas")
         t_ours = wall(lambda f=fresh, c=chunk: f.prefill(x, f.new_cache(S), chunk_size=c), 3)
         io = 2 * x.numel() * x.element_size()  # the caller's input and the output
         moe = "grouped MoE" if grouped else "MoE launch per expert"
@@ -247,7 +248,6 @@ def layer_table(copy_tbs: float) -> None:
                      f"beyond weights and cache: {fresh.workspace_bytes / 2**20:.0f} MiB of workspace "
                      f"(+ {io / 2**20:.0f} MiB input and output)",
                      f"{floor * 1e3:.2f} ms (measured {t_ours / floor:.2f}x)"))
-    _C.cuda_grouped_prefill(True)
     print_moe_path_choice(hf, x)
     head = ("layer, real geometry, bf16", "qwen3layer", "transformers", "speed-up", "achieved", "model floor")
     widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
@@ -337,8 +337,7 @@ def print_moe_path_choice(hf, x) -> None:
     x in one chunk of 8192 tokens, then in chunks of 2048 (one size class each; larger first, as
     a workspace that grows is a new CUDA state, which measures again) times every path the pass
     can take on its first pass of the class; prints the choice and the times."""
-    _C.cuda_moe_path("measured")
-    layer = q3.DecoderLayer.from_hf(hf, device="cuda")
+    layer = q3.DecoderLayer.from_hf(hf, device="cuda")  # measured: a fresh layer's default
     for chunk in (8192, 2048):
         layer.prefill(x, layer.new_cache(x.shape[0]), chunk_size=chunk)
     print("\nprefill MoE path by measured speed (CUDA events, first pass of each size class):")

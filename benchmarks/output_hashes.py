@@ -117,11 +117,11 @@ def run(paths, device):
     for path in paths:
         if device == "cpu":
             q3.set_cpu_path(path)
-        else:
-            q3.cuda.moe_path(path.split("/", 1)[1])
         for gname, cfg in GEOMETRIES.items():
             for dtype, fmt in FORMATS:
                 layer = q3.DecoderLayer.random(cfg, seed=7, dtype=dtype, device=device, weight_format=fmt)
+                if device != "cpu":
+                    q3.cuda.moe_path(layer, path.split("/", 1)[1])
                 for name, digest in cases(layer, cfg, dtype).items():
                     result[f"{path} {gname} {fmt or dtype} {name}"] = digest
                 print(f"  {path} {gname} {fmt or dtype}: done", file=sys.stderr)

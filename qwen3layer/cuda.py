@@ -217,13 +217,14 @@ def check_kernels(device: int = 0, kernels: Optional[Sequence[str]] = None) -> l
             for c, e, t, n, a, kern in rows]
 
 
-def moe_path(path: Optional[str] = None) -> str:
-    """The prefill MoE path of CUDA layers: 'measured' (the default: on each layer's first
-    prefill pass of a size class of rows, every path the pass can take is timed with CUDA
-    events and the fastest kept for the class), or one forced: 'per_expert_wmma',
-    'per_expert_cublas', 'grouped_wmma' or 'grouped_cublas' (cuBLAS's grouped GEMM, where the
-    found cuBLAS has cublasGemmGroupedBatchedEx). None only reads it. Returns the setting."""
-    return _C.cuda_moe_path(path)
+def moe_path(layer, path: Optional[str] = None) -> str:
+    """The prefill MoE path of a CUDA layer (a DecoderLayer or a _C.Layer): 'measured' (the
+    default: on the layer's first prefill pass of a size class of rows, every path the pass
+    can take is timed with CUDA events and the fastest kept for the class), or one forced:
+    'per_expert_wmma', 'per_expert_cublas', 'grouped_wmma' or 'grouped_cublas' (cuBLAS's
+    grouped GEMM, where the found cuBLAS has cublasGemmGroupedBatchedEx). None only reads it.
+    Returns the setting. Each layer has its own; ValueError for a CPU layer."""
+    return _C.cuda_moe_path(getattr(layer, "_core", layer), path)
 
 
 def moe_path_choice(layer) -> dict:

@@ -40,4 +40,3 @@ int q3_cuda_schedules(void) { return api->cuda_schedules(); }
 q3_status q3_cuda_set_schedule(int schedule, uint64_t seed, q3_error *err) {
     return api->cuda_set_schedule(schedule, seed, err);
 }
-void q3_cuda_moe_inject_times(const float *ms) { api->cuda_moe_inject_times(ms); }

@@ -9,7 +9,7 @@
 
 #include "../engine/device_backend.h"
 #include "backend.h"
-#include "layer.h"
+#include "passes.h"
 #include "split_rows.h"
 
 static q3_cuda_ops table;

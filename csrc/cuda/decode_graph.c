@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "layer.h"
+#include "passes.h"
 
 struct q3_decode_graph {
     q3_layer *layer;

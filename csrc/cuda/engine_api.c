@@ -11,7 +11,6 @@ static const q3_engine_api table = {
     .cuda = q3_cuda,
     .cuda_schedules = q3_cuda_schedules,
     .cuda_set_schedule = q3_cuda_set_schedule,
-    .cuda_moe_inject_times = q3_cuda_moe_inject_times,
 };
 
 const q3_engine_api *q3_engine_api_get(void) { return &table; }

@@ -11,7 +11,7 @@
 #include "../engine/cpu_dispatch.h"
 #include "backend.h"
 
-#define Q3_ENGINE_API_VERSION 1
+#define Q3_ENGINE_API_VERSION 2
 
 struct q3_engine_api {
     size_t size; /* sizeof(q3_engine_api) of the engine that made it */
@@ -21,11 +21,10 @@ struct q3_engine_api {
     const q3_cpu_ops *(*cpu_ops_active)(void);
     int (*max_threads)(void);
     void (*rope_table)(const q3_config *cfg, float *inv_freq, float *scale);
-    /* csrc/cuda: backend.c, moe_paths.c */
+    /* csrc/cuda: backend.c */
     const q3_cuda_ops *(*cuda)(void);
     int (*cuda_schedules)(void);
     q3_status (*cuda_set_schedule)(int schedule, uint64_t seed, q3_error *err);
-    void (*cuda_moe_inject_times)(const float *ms);
 };
 
 #endif

@@ -5,10 +5,7 @@
  * take it from there (as a captured graph does, decode_graph.c). A call that fails
  * restores the cache lengths it started from. While profiling is on, an event is recorded at
  * each stage boundary and the stream is synchronised after each pass to read them. */
-#include <stdlib.h>
-#include <string.h>
-
-#include "layer.h"
+#include "passes.h"
 
 /* the limits of the attention kernels (kernels/cuda/ops_cuda.h): head_dim for their tiles,
  * the query heads of a KV head for the warps of a block; the CPU takes any config */
@@ -22,105 +19,6 @@ q3_status q3_layer_cuda_config_check(const q3_config *cfg, q3_error *err) {
                        "num_attention_heads / num_key_value_heads: expected at most %d on a CUDA device, got %d",
                        Q3_CUDA_MAX_GROUP, G);
     return Q3_OK;
-}
-
-size_t q3_layer_cuda_workspace_bytes(const q3_layer *l) { return l->gpu ? l->gpu->ws.dev.bytes : 0; }
-
-void q3_layer_cuda_release(q3_layer *l) {
-    q3_cuda_state *s = l->gpu;
-    if (!s) return;
-    q3_gpu_ws_free(&s->ws);
-    for (size_t i = 0; i < sizeof s->events / sizeof s->events[0]; i++)
-        if (s->events[i] && q3_cuda()) q3_cuda()->event_destroy(s->events[i]);
-    for (size_t i = 0; i < sizeof s->moe_events / sizeof s->moe_events[0]; i++)
-        if (s->moe_events[i] && q3_cuda()) q3_cuda()->event_destroy(s->moe_events[i]);
-    if (s->blas_ptrs_dev && q3_cuda()) q3_cuda()->free_device(s->blas_ptrs_dev);
-    free(s->blas_ptrs);
-    free(s->blas_rows);
-    free(s->pos);
-    free(s->seq_ptr);
-    free(s->lengths);
-    free(s->topk_idx);
-    free(s->topk_w);
-    free(s->offsets);
-    free(s->pair_row);
-    free(s->pair_w);
-    free(s->moe_plan);
-    free(s->batches);
-    free(s->token_index);
-    free(s->token_fill);
-    free(s);
-    l->gpu = NULL;
-}
-
-/* Device workspace and host staging for passes of `rows` rows and `seqs` sequences, grown
- * only: to the larger of what is held and what is asked in each of rows, sequences and
- * split-KV rows (q3_gpu_split_rows), as the CPU workspace grows (q3_workspace_reserve).
- * Sized to each call instead, alternating a one-sequence prefill (many rows, one sequence)
- * with a batched decode (few rows, many sequences) reallocated on every switch, and cudaFree
- * waits for the whole device; now only the first call of each shape may allocate. */
-q3_status q3_layer_cuda_reserve(q3_layer *l, int64_t rows, int seqs, q3_error *err) {
-    if (!q3_cuda()) return q3_fail(err, Q3_ERR_STATE, "cuda: the CUDA backend is not loaded");
-    int64_t split = q3_gpu_split_rows(rows, seqs);
-    /* the prefill MoE paths measured so far outlive the growth (moe_paths.c): measuring
-     * again would time every path and allocate its scratch once more per size class */
-    q3_moe_choice kept[Q3_MOE_SIZE_CLASSES];
-    memset(kept, 0, sizeof kept);
-    if (l->gpu) {
-        const q3_gpu_ws *held = &l->gpu->ws;
-        if (rows <= held->dev.rows && seqs <= held->dev.seqs && split <= held->split_rows) return Q3_OK;
-        if (rows < held->dev.rows) rows = held->dev.rows;
-        if (seqs < held->dev.seqs) seqs = held->dev.seqs;
-        if (split < held->split_rows) split = held->split_rows;
-        memcpy(kept, l->gpu->moe_choice, sizeof kept);
-    }
-    q3_layer_cuda_release(l);
-    q3_cuda_state *s = calloc(1, sizeof *s);
-    if (!s) return q3_fail(err, Q3_ERR_NOMEM, "cuda layer: out of host memory");
-    l->gpu = s;
-    memcpy(s->moe_choice, kept, sizeof kept);
-    const q3_status status = q3_gpu_ws_alloc(&s->ws, l, rows, seqs, split, err);
-    if (status != Q3_OK) {
-        q3_layer_cuda_release(l);
-        return status;
-    }
-    const int k = l->cfg.top_k;
-    s->pos = malloc((size_t)rows * sizeof *s->pos);
-    s->seq_ptr = malloc((size_t)seqs * sizeof *s->seq_ptr);
-    s->lengths = malloc((size_t)seqs * sizeof *s->lengths);
-    s->topk_idx = malloc((size_t)(rows * k) * sizeof *s->topk_idx);
-    s->topk_w = malloc((size_t)(rows * k) * sizeof *s->topk_w);
-    s->offsets = malloc((size_t)(l->cfg.experts + 2) * sizeof *s->offsets);
-    s->pair_row = malloc((size_t)(rows * k) * sizeof *s->pair_row);
-    s->pair_w = malloc((size_t)(rows * k) * sizeof *s->pair_w);
-    s->moe_plan = malloc((size_t)q3_moe_plan_ints(rows, k, l->cfg.experts) * sizeof *s->moe_plan);
-    s->batches = malloc((size_t)l->cfg.experts * sizeof *s->batches);
-    s->token_index = calloc((size_t)rows, sizeof *s->token_index);
-    s->token_fill = malloc((size_t)rows * sizeof *s->token_fill);
-    if (!s->pos || !s->seq_ptr || !s->lengths || !s->topk_idx || !s->topk_w || !s->offsets || !s->pair_row ||
-        !s->pair_w || !s->moe_plan || !s->batches || !s->token_index || !s->token_fill) {
-        q3_layer_cuda_release(l);
-        return q3_fail(err, Q3_ERR_NOMEM, "cuda layer: out of host memory");
-    }
-    return Q3_OK;
-}
-
-void q3_gpu_collect(q3_gpu_run *run) {
-    q3_cuda_state *st = run->st;
-    if (!run->prof || run->code) return;
-    if ((run->code = run->g->stream_synchronize(run->stream)) != 0) {
-        run->what = "synchronize (profiling)";
-        return;
-    }
-    for (int i = 1; i < st->n_events; i++) {
-        float ms = 0.0f;
-        if ((run->code = run->g->event_elapsed_ms(&ms, st->events[i - 1], st->events[i])) != 0) {
-            run->what = "cudaEventElapsedTime";
-            return;
-        }
-        run->prof->seconds[st->stage_of[i]] += 1e-3 * ms;
-    }
-    st->n_events = 0;
 }
 
 q3_status q3_layer_forward_cuda(q3_layer *l, q3_cache *c, const q3_forward_args *a, q3_error *err) {

@@ -5,7 +5,7 @@
  * passes.c on rows handed in. Every tensor is in the layer's device's memory, row-major:
  * rows [n, H], experts [n, top_k] int32, weights [n, top_k] fp32, out [n, H]; the attention
  * half's outputs have rows r = s * tokens + t as x. */
-#include "layer.h"
+#include "passes.h"
 
 void q3_gpu_attention_half_write(const q3_layer *l, const q3_pass *p, const q3_attention_half_out *half,
                                  q3_gpu_run *run) {

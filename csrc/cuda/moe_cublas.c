@@ -1,11 +1,11 @@
 /* The prefill MoE's grouped cuBLAS path (q3_cuda.h's Q3_MOE_GROUPED_CUBLAS): the batches of
- * experts of passes.c's plan, each as three cuBLAS grouped GEMMs (cublasGemmGroupedBatchedEx
+ * experts of moe_prefill.c's plan, handed in, each as three cuBLAS grouped GEMMs (cublasGemmGroupedBatchedEx
  * through kernels/cuda/blas.cu, where the found cuBLAS has it) between the gather, the SiLU *
  * up and the combine kernels. All buffers are the workspace's: xe, gate, up, ye [R, .] and
  * xb (bf16) hold a batch's at most R slots, in expert order. */
 #include <stdlib.h>
 
-#include "layer.h"
+#include "moe_prefill.h"
 
 /* the pointer tables of the grouped cuBLAS path, made once per CUDA state; a CUDA code */
 static int blas_tables(q3_gpu_run *run, int E) {
@@ -17,30 +17,26 @@ static int blas_tables(q3_gpu_run *run, int E) {
     return run->g->malloc_device((void **)&st->blas_ptrs_dev, (size_t)9 * E * sizeof(void *));
 }
 
-/* per batch of experts (q3_gpu_moe_plan_batches): its slots' rows of h gathered and rounded
+/* per batch of experts of the plan: its slots' rows of h gathered and rounded
  * to bf16, then gate and up as two cuBLAS grouped GEMMs (a group per expert of the batch: rows
  * [off[e] - slot_lo, + n_e) of the batch's buffers), SiLU * up, rounded to bf16, down as a
  * third, and the combine of the grouped WMMA path. The pointer table of a batch: for gate, up
  * and down in turn, the weights', inputs' and outputs' pointers of its G experts, uploaded on
  * the stream before the GEMMs that read it. */
-void q3_gpu_moe_grouped_cublas(q3_layer *l, const q3_pass *p, q3_gpu_run *run) {
+void q3_gpu_moe_grouped_cublas(q3_layer *l, q3_gpu_run *run, const q3_moe_plan *plan) {
     const q3_config *cf = &l->cfg;
     const q3_cuda_ops *g = run->g;
     q3_cuda_state *st = run->st;
     q3_workspace *d = &run->ws->dev;
     void *sm = run->stream;
-    const int64_t R = p->n_seqs * p->L, H = cf->hidden, I = cf->moe_inter;
-    const int E = cf->experts, k = cf->top_k;
+    const int64_t H = cf->hidden, I = cf->moe_inter;
+    const int E = cf->experts;
     Q3_GPU(run, blas_tables(run, E), "cuBLAS grouped GEMM tables");
     if (run->code) return;
-    int64_t used = 0;
-    const int n_batches = q3_gpu_moe_plan_batches(st, R, k, E, &used);
-    int32_t *plan = run->ws->moe_plan;
-    Q3_GPU(run, g->copy_async(plan, st->moe_plan, (size_t)used * sizeof(int32_t), 1, sm), "copy plan");
     const void **host = st->blas_ptrs;
     void **dev = st->blas_ptrs_dev;
-    for (int i = 0; i < n_batches && !run->code; i++) {
-        const q3_moe_batch *b = &st->batches[i];
+    for (int i = 0; i < plan->n_batches && !run->code; i++) {
+        const q3_moe_batch *b = &plan->batches[i];
         const int64_t n = b->slot_hi - b->slot_lo;
         if (n == 0) continue;
         int G = 0;
@@ -58,7 +54,7 @@ void q3_gpu_moe_grouped_cublas(q3_layer *l, const q3_pass *p, q3_gpu_run *run) {
          * place (array t moves down to t G, never over an entry not yet moved) */
         for (int t = 1; t < 9; t++)
             for (int j = 0; j < G; j++) host[(size_t)t * G + j] = host[(size_t)t * E + j];
-        const int32_t *tokens = plan + b->tokens, *ptr = tokens + b->n_tokens, *slot = ptr + b->n_tokens + 1;
+        const int32_t *tokens = plan->dev + b->tokens, *ptr = tokens + b->n_tokens, *slot = ptr + b->n_tokens + 1;
         float *const *y = (float *const *)dev;
         const uint16_t *const *wt = (const uint16_t *const *)dev, *const *xt = (const uint16_t *const *)dev;
         Q3_GPU(run, g->gather_rows(d->xe, d->h, d->pair_row + b->slot_lo, n, H, sm), "gather");

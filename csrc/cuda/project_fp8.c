@@ -6,7 +6,7 @@
  * next one, on the same stream) and run the dense tensor-core path on it. An fp32 layer keeps
  * the GEMV at every size: the tensor cores would round its activations and weights to bf16,
  * which its dense counterpart never does either. */
-#include "layer.h"
+#include "device_state.h"
 
 int q3_gpu_project_fp8(const q3_layer *l, q3_gpu_run *run, int tensor_cores, int cublas, float *y, const float *x,
                        q3_matrix m, int64_t T, int64_t N, int64_t K, int accumulate) {

@@ -51,16 +51,16 @@ q3_status q3_cuda_set_schedule(int schedule, uint64_t seed, q3_error *err);
 enum { Q3_MOE_PER_EXPERT_WMMA, Q3_MOE_PER_EXPERT_CUBLAS, Q3_MOE_GROUPED_WMMA, Q3_MOE_GROUPED_CUBLAS, Q3_MOE_PATHS };
 #define Q3_MOE_SIZE_CLASSES 40
 
-/* The prefill MoE path of CUDA layers (one of Q3_MOE_*), or -1 (the default): the fastest
- * of the paths a pass can take, as measured on each layer's first pass of its size class.
- * path < -1 only reads the setting; returns the setting now. For comparisons. */
-int q3_cuda_moe_path(int path);
-/* the older switch on top of it: on = 1 forces grouped, 0 per expert through matmul_tc
- * (cuBLAS where open); on < 0 only reads; returns whether grouped is forced */
-int q3_cuda_grouped_prefill(int on);
-/* Times the measurement takes instead of the events' (ms[Q3_MOE_PATHS]; NULL: the events'):
- * for tests on the SIMT executor, where the events' times mean nothing. */
-void q3_cuda_moe_inject_times(const float *ms);
+/* The prefill MoE path of a CUDA layer: `path` one of Q3_MOE_* forces it, -1 makes it the
+ * measured one again (the default: the fastest of the paths a pass can take, timed on the
+ * layer's first pass of each size class), -2 only reads; *now: the setting after (-1:
+ * measured). For comparisons. Q3_ERR_VALUE for a CPU layer or a path out of range. */
+q3_status q3_layer_cuda_moe_path(q3_layer *layer, int path, int *now, q3_error *err);
+/* Times the layer's measurements take instead of the events' (ms[Q3_MOE_PATHS]; NULL: the
+ * events'): for tests on the SIMT executor, where the events' times mean nothing. Both this
+ * setting and the path above live in the layer's CUDA state (made for them if the layer has
+ * none yet), not in the process. */
+q3_status q3_layer_cuda_moe_inject_times(q3_layer *layer, const float *ms, q3_error *err);
 /* The path a CUDA layer keeps for size class c (rows in [2^(c-1), 2^c)): 1 + the path and
  * each candidate's time in ms[Q3_MOE_PATHS] (< 0: not a candidate), or 0 while unmeasured */
 int q3_layer_cuda_moe_choice(const q3_layer *layer, int c, float *ms);

@@ -1,7 +1,7 @@
 /* The module's CUDA functions: opening the library, devices, synchronisation, the kept
- * device blocks, the prefill MoE switch and its measured choices. Added to qwen3layer._C by
- * py_module.c; the kernel self-check, timings, thread schedules and the test-only switches are
- * qwen3layer._testing's (csrc/testing). */
+ * device blocks, a layer's prefill MoE path, its measured choices and the times its measurements
+ * take on the SIMT executor. Added to qwen3layer._C by py_module.c; the kernel self-check,
+ * timings and thread schedules are qwen3layer._testing's (csrc/testing). */
 #include "py_glue.h"
 
 #include "py_layer.h"
@@ -63,15 +63,6 @@ static PyObject *cuda_synchronize(PyObject *m, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *cuda_grouped_prefill(PyObject *m, PyObject *args) {
-    (void)m;
-    PyObject *on = Py_None;
-    if (!PyArg_ParseTuple(args, "|O:cuda_grouped_prefill", &on)) return NULL;
-    const int flag = on == Py_None ? -1 : PyObject_IsTrue(on);
-    if (on != Py_None && flag < 0) return NULL;
-    return PyBool_FromLong(q3_cuda_grouped_prefill(flag));
-}
-
 static int moe_path_of(PyObject *name) {
     for (int i = 0; i < Q3_MOE_PATHS; i++)
         if (PyUnicode_CompareWithASCIIString(name, q3_moe_path_names[i]) == 0) return i;
@@ -81,26 +72,72 @@ static int moe_path_of(PyObject *name) {
     return -2;
 }
 
+/* the engine layer of a Layer object; NULL with TypeError */
+static q3py_layer_object *layer_of(PyObject *m, PyObject *obj) {
+    q3_module_state *st = PyModule_GetState(m);
+    if (PyObject_TypeCheck(obj, st->layer_type)) return (q3py_layer_object *)obj;
+    PyErr_Format(PyExc_TypeError, "layer: expected a Layer, got %s", Py_TYPE(obj)->tp_name);
+    return NULL;
+}
+
+/* a setting of the layer's prefill MoE choice (path, or the times of ms when path is -3), under
+ * the layer's lock: not while a call runs */
+static q3_status set_moe_hooks(q3py_layer_object *self, int path, const float *ms, int *now, q3_error *err) {
+    q3_status s;
+    Py_BEGIN_ALLOW_THREADS
+    PyThread_acquire_lock(self->lock, WAIT_LOCK);
+    Py_END_ALLOW_THREADS
+    s = path == -3 ? q3_layer_cuda_moe_inject_times(self->layer, ms, err)
+                   : q3_layer_cuda_moe_path(self->layer, path, now, err);
+    PyThread_release_lock(self->lock);
+    return s;
+}
+
 static PyObject *cuda_moe_path(PyObject *m, PyObject *args) {
-    (void)m;
-    PyObject *name = Py_None;
-    if (!PyArg_ParseTuple(args, "|O:cuda_moe_path", &name)) return NULL;
+    PyObject *obj, *name = Py_None;
+    if (!PyArg_ParseTuple(args, "O|O:cuda_moe_path", &obj, &name)) return NULL;
+    q3py_layer_object *self = layer_of(m, obj);
+    if (!self) return NULL;
     if (name != Py_None && !PyUnicode_Check(name))
         return PyErr_Format(PyExc_TypeError, "path: expected a str or None, got %s", Py_TYPE(name)->tp_name);
     const int path = name == Py_None ? -2 : moe_path_of(name);
     if (name != Py_None && path == -2) return NULL;
-    const int now = q3_cuda_moe_path(path);
+    if (!q3_cuda_loaded()) return not_loaded("cuda_moe_path");
+    q3_error err;
+    int now = -1;
+    if (set_moe_hooks(self, path, NULL, &now, &err) != Q3_OK) return q3_raise(NULL, &err);
     return PyUnicode_FromString(now < 0 ? "measured" : q3_moe_path_names[now]);
+}
+
+/* {path name: ms} or None -> the layer's measurements' times */
+static PyObject *cuda_moe_inject_times(PyObject *m, PyObject *args) {
+    PyObject *obj, *times = Py_None;
+    if (!PyArg_ParseTuple(args, "O|O:cuda_moe_inject_times", &obj, &times)) return NULL;
+    q3py_layer_object *self = layer_of(m, obj);
+    if (!self) return NULL;
+    if (times != Py_None && !PyDict_Check(times))
+        return PyErr_Format(PyExc_TypeError, "times: expected a dict or None, got %s", Py_TYPE(times)->tp_name);
+    float ms[Q3_MOE_PATHS];
+    for (int i = 0; times != Py_None && i < Q3_MOE_PATHS; i++) {
+        PyObject *v = PyDict_GetItemString(times, q3_moe_path_names[i]);
+        if (!v) return PyErr_Format(PyExc_ValueError, "times: expected a time for '%s'", q3_moe_path_names[i]);
+        const double d = PyFloat_AsDouble(v);
+        if (d == -1.0 && PyErr_Occurred()) return NULL;
+        ms[i] = (float)d;
+    }
+    if (!q3_cuda_loaded()) return not_loaded("cuda_moe_inject_times");
+    q3_error err;
+    if (set_moe_hooks(self, -3, times == Py_None ? NULL : ms, NULL, &err) != Q3_OK) return q3_raise(NULL, &err);
+    Py_RETURN_NONE;
 }
 
 /* {(lo, hi): (chosen, {path: ms})} of a CUDA layer's measured size classes */
 static PyObject *cuda_moe_choice(PyObject *m, PyObject *args) {
-    q3_module_state *st = PyModule_GetState(m);
     PyObject *obj;
     if (!PyArg_ParseTuple(args, "O:cuda_moe_choice", &obj)) return NULL;
-    if (!PyObject_TypeCheck(obj, st->layer_type))
-        return PyErr_Format(PyExc_TypeError, "layer: expected a Layer, got %s", Py_TYPE(obj)->tp_name);
-    const q3_layer *layer = ((q3py_layer_object *)obj)->layer;
+    const q3py_layer_object *self = layer_of(m, obj);
+    if (!self) return NULL;
+    const q3_layer *layer = self->layer;
     PyObject *out = PyDict_New();
     for (int c = 0; out && c < Q3_MOE_SIZE_CLASSES; c++) {
         float ms[Q3_MOE_PATHS];
@@ -167,15 +204,15 @@ PyMethodDef q3_cuda_methods[] = {
      "cuda_device_count()\n--\n\nCUDA devices visible (0 before cuda_open or without a driver)."},
     {"cuda_synchronize", cuda_synchronize, METH_VARARGS,
      "cuda_synchronize(device=0)\n--\n\nWaits until everything queued on the device has run."},
-    {"cuda_grouped_prefill", cuda_grouped_prefill, METH_VARARGS,
-     "cuda_grouped_prefill(on=None)\n--\n\nForces the prefill MoE of bf16 CUDA layers: grouped launches per batch "
-     "of experts (True) or one launch per expert and step through matmul_tc (False; cuBLAS where open); None only "
-     "reads it. Returns whether grouped is forced (cuda_moe_path('measured') undoes it)."},
     {"cuda_moe_path", cuda_moe_path, METH_VARARGS,
-     "cuda_moe_path(path=None)\n--\n\nThe prefill MoE path of CUDA layers: 'measured' (the default: the fastest "
-     "of the paths a pass can take, timed on each layer's first pass of each size class), or one forced: "
+     "cuda_moe_path(layer, path=None)\n--\n\nThe prefill MoE path of a CUDA layer: 'measured' (the default: the "
+     "fastest of the paths a pass can take, timed on the layer's first pass of each size class), or one forced: "
      "'per_expert_wmma', 'per_expert_cublas', 'grouped_wmma' or 'grouped_cublas' (cublasGemmGroupedBatchedEx). None "
      "only reads it. Returns the setting."},
+    {"cuda_moe_inject_times", cuda_moe_inject_times, METH_VARARGS,
+     "cuda_moe_inject_times(layer, times=None)\n--\n\nFor tests on the SIMT executor (whose event times mean "
+     "nothing): {path: ms} for every path, which the layer's measurements then take instead of the events'; None: "
+     "the events'."},
     {"cuda_moe_choice", cuda_moe_choice, METH_VARARGS,
      "cuda_moe_choice(layer)\n--\n\nA CUDA layer's measured prefill MoE paths: {(lo, hi): (chosen, {path: ms})} "
      "for each size class measured (passes of lo..hi rows)."},

@@ -71,29 +71,6 @@ static PyObject *cuda_set_schedule(PyObject *m, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* {path name: ms} or None -> the measurement's times */
-static PyObject *cuda_moe_inject_times(PyObject *m, PyObject *args) {
-    (void)m;
-    PyObject *times = Py_None;
-    if (!PyArg_ParseTuple(args, "|O:cuda_moe_inject_times", &times)) return NULL;
-    if (times == Py_None) {
-        q3_cuda_moe_inject_times(NULL);
-        Py_RETURN_NONE;
-    }
-    if (!PyDict_Check(times))
-        return PyErr_Format(PyExc_TypeError, "times: expected a dict or None, got %s", Py_TYPE(times)->tp_name);
-    float ms[Q3_MOE_PATHS];
-    for (int i = 0; i < Q3_MOE_PATHS; i++) {
-        PyObject *v = PyDict_GetItemString(times, q3_moe_path_names[i]);
-        if (!v) return PyErr_Format(PyExc_ValueError, "times: expected a time for '%s'", q3_moe_path_names[i]);
-        const double d = PyFloat_AsDouble(v);
-        if (d == -1.0 && PyErr_Occurred()) return NULL;
-        ms[i] = (float)d;
-    }
-    q3_cuda_moe_inject_times(ms);
-    Py_RETURN_NONE;
-}
-
 static PyMethodDef testing_methods[] = {
     {"cuda_check", cuda_check, METH_VARARGS,
      "cuda_check(device=0, only=None)\n--\n\n[(case, max_err, tol, schedules, agree, kernel)]: every CUDA kernel "
@@ -107,9 +84,6 @@ static PyMethodDef testing_methods[] = {
     {"cuda_set_schedule", cuda_set_schedule, METH_VARARGS,
      "cuda_set_schedule(schedule, seed=0)\n--\n\nThe SIMT executor's thread order for the launches that follow: "
      "0 forward, 1 reverse, 2 a shuffle seeded by seed."},
-    {"cuda_moe_inject_times", cuda_moe_inject_times, METH_VARARGS,
-     "cuda_moe_inject_times(times=None)\n--\n\nFor tests on the SIMT executor (whose event times mean nothing): "
-     "{path: ms} for every path, which the measurement then takes instead of the events'; None: the events'."},
     {NULL},
 };
 

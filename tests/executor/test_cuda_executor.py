@@ -318,10 +318,10 @@ def test_grouped_prefill_moe_on_the_executor(grouped):
         want = host(cpu_g.prefill(x, cpu_g.new_cache(256, batch), None, chunk)) - x_host
         got = {}
         for on in (True, False):
-            _C.cuda_grouped_prefill(on)
+            _C.cuda_moe_path(gpu_g, "grouped_wmma" if on else "per_expert_cublas")
             got[on] = host(gpu_g.prefill(_C.copy_tensor(x, 0), gpu_g.new_cache(256, batch), None, chunk)) - x_host
         out[name] = [rel(got[True], want), rel(got[False], want), rel(got[True], got[False])]
-    setting = [_C.cuda_grouped_prefill(), _C.cuda_grouped_prefill(True)]
+    setting = [_C.cuda_moe_path(gpu_g), _C.cuda_moe_path(gpu_g, "measured")]
 
     tol = cpu_bound()
     for name, (grouped_vs_cpu, per_expert_vs_cpu, grouped_vs_per_expert) in out.items():
@@ -329,7 +329,7 @@ def test_grouped_prefill_moe_on_the_executor(grouped):
         if name.startswith("three"):  # experts of < 16 tokens: the per-expert path skips the bf16 rounding
             continue
         assert grouped_vs_per_expert <= 1e-6, name
-    assert setting == [False, True]
+    assert setting == ["per_expert_cublas", "measured"]
 
 
 def test_the_cli_run_on_a_cuda_layer_also_times_graph_decode():
@@ -420,6 +420,11 @@ def test_a_steady_state_allocates_nothing_on_the_device():
     # in place).
     w_steady = _C.random_weights(CFG, 15, "bfloat16")
     steady, steady_cpu = _C.Layer(CFG, w_steady, None, 0), _C.Layer(CFG, w_steady, None, -1)
+    # a forced MoE path: the measured one allocates (and frees) a scratch copy of x on the first
+    # pass of each size class; setting the path allocates nothing on the device
+    before = device_allocations()
+    assert _C.cuda_moe_path(steady, "per_expert_wmma") == "per_expert_wmma"
+    assert device_allocations() == before
     steady_cache, steady_cpu_cache = steady.new_cache(64, 4), steady_cpu.new_cache(64, 4)
     steady_inputs = {"one-sequence prefill": _C.random_tensor((40, 64), 16, "bfloat16"),
                      "batched decode": _C.random_tensor((4, 64), 17, "bfloat16"),
@@ -736,16 +741,24 @@ def moe_path_choice(grouped):
     want = host(cpu_g.prefill(x200, cpu_g.new_cache(256))) - host(x200)
     forced = {}
     for path in PATHS:
-        _C.cuda_moe_path(path)
+        _C.cuda_moe_path(gpu_g, path)
         forced[path] = host(gpu_g.prefill(_C.copy_tensor(x200, 0), gpu_g.new_cache(256))) - host(x200)
-    setting = [_C.cuda_moe_path(), _C.cuda_moe_path("measured"), _C.cuda_grouped_prefill()]
+    # the settings are the layer's: gpu_g forced, a fresh layer measured; a CPU layer has none
+    fresh = _C.Layer(G, wg, None, 0)
+    with pytest.raises(ValueError, match="layer: expected a layer on a CUDA device, got a CPU layer"):
+        _C.cuda_moe_path(cpu_g, "grouped_wmma")
+    with pytest.raises(ValueError, match="path: expected 'measured'.*got 'fastest'"):
+        _C.cuda_moe_path(gpu_g, "fastest")
+    with pytest.raises(ValueError, match="times: expected a time for 'grouped_cublas'"):
+        _C.cuda_moe_inject_times(fresh, {p: 1.0 for p in PATHS[:3]})
+    setting = [_C.cuda_moe_path(gpu_g), _C.cuda_moe_path(fresh), _C.cuda_moe_path(gpu_g, "measured")]
     chosen = {}
     for fastest in PATHS:
-        _testing.cuda_moe_inject_times({p: 1.0 if p == fastest else 2.0 + i for i, p in enumerate(PATHS)})
         layer = _C.Layer(G, wg, None, 0)
+        _C.cuda_moe_inject_times(layer, {p: 1.0 if p == fastest else 2.0 + i for i, p in enumerate(PATHS)})
         y = host(layer.prefill(_C.copy_tensor(x200, 0), layer.new_cache(256))) - host(x200)
         first = _C.cuda_moe_choice(layer)
-        _testing.cuda_moe_inject_times({p: 9.0 if p == fastest else 1.0 for p in PATHS})
+        _C.cuda_moe_inject_times(layer, {p: 9.0 if p == fastest else 1.0 for p in PATHS})
         layer.prefill(_C.copy_tensor(x150, 0), layer.new_cache(256))
         second = _C.cuda_moe_choice(layer)
         layer.prefill(_C.copy_tensor(x40, 0), layer.new_cache(256))
@@ -754,8 +767,7 @@ def moe_path_choice(grouped):
                            "kept": second == first, "classes after 40 rows": sorted(list(k) for k in third),
                            "40 rows": third.get((32, 63), ("none",))[0],
                            "vs forced": rel(y, forced[fastest]), "vs cpu": rel(y, want)}
-    _testing.cuda_moe_inject_times(None)
-    layer = _C.Layer(G, wg, None, 0)
+    layer = _C.Layer(G, wg, None, 0)  # no times injected into this one: the events'
     y = host(layer.prefill(_C.copy_tensor(x200, 0), layer.new_cache(256))) - host(x200)
     measured = _C.cuda_moe_choice(layer)[(128, 255)]
     chosen["events"] = {"chosen": measured[0], "times": measured[1], "vs cpu": rel(y, want)}
@@ -770,12 +782,11 @@ def moe_path_choice(grouped):
     # a cuBLAS that refuses the grouped GEMM (the stand-in, told to): the measurement drops that
     # candidate and the pass goes on; the grouped GEMM is then off for the process (so: last here)
     os.environ["Q3_STANDIN_REFUSE_GROUPED"] = "1"
-    _testing.cuda_moe_inject_times({p: 1.0 if p == "grouped_cublas" else 2.0 + i for i, p in enumerate(PATHS)})
     layer = _C.Layer(G, wg, None, 0)
+    _C.cuda_moe_inject_times(layer, {p: 1.0 if p == "grouped_cublas" else 2.0 + i for i, p in enumerate(PATHS)})
     y = host(layer.prefill(_C.copy_tensor(x200, 0), layer.new_cache(256))) - host(x200)
     refused = _C.cuda_moe_choice(layer)[(128, 255)]
     chosen["refused"] = {"chosen": refused[0], "times": sorted(refused[1]), "vs cpu": rel(y, want)}
-    _testing.cuda_moe_inject_times(None)
     del os.environ["Q3_STANDIN_REFUSE_GROUPED"]
     return chosen, setting
 
@@ -805,4 +816,4 @@ def test_the_prefill_moe_path_is_the_measured_fastest_per_size_class(grouped):
     # a cuBLAS refusing its grouped GEMM: that candidate dropped, the next fastest kept
     assert choice["refused"]["chosen"] == "per_expert_wmma" and choice["refused"]["vs cpu"] <= tol
     assert choice["refused"]["times"] == sorted(paths - {"grouped_cublas"})
-    assert setting == ["grouped_cublas", "measured", False]
+    assert setting == ["grouped_cublas", "measured", "measured"]

@@ -259,9 +259,9 @@ def test_prefill_moe_path_is_measured_once_per_size_class_on_the_gpu():
     output still the CPU layer's, and a second prefill of the class keeps the same entry."""
     import torch
 
-    assert q3.cuda.moe_path() == "measured"
     cpu = q3.DecoderLayer.random(CFG_TC, seed=31, dtype="bfloat16")
     gpu = q3.DecoderLayer.random(CFG_TC, seed=31, dtype="bfloat16", device="cuda")
+    assert q3.cuda.moe_path(gpu) == "measured"
     x = torch.randn(300, CFG_TC.hidden_size, generator=torch.Generator().manual_seed(32))
     y_cpu = cpu.prefill(x, cpu.new_cache(300))
     y_gpu = gpu.prefill(x.cuda(), gpu.new_cache(300))

@@ -16,7 +16,9 @@ A folder is a layer. A file includes only from its own folder and from layers be
 
 The glue includes, besides its own folder, only the engine's public headers: csrc/engine/q3.h
 and csrc/cuda/q3_cuda.h (csrc/testing/ also csrc/check/q3_check.h and csrc/python/py_convert.h),
-so that engine internals (structs, dispatch tables) stay the engine's.
+so that engine internals (structs, dispatch tables) stay the engine's. The engine's own
+headers (ENGINE_OWN: the CPU's stages and pass loop) are included from csrc/engine/ alone: a
+device backend sees the layer through csrc/engine/layer_object.h.
 
 Folders of equal rank do not include each other (the CPU and CUDA kernels are twins, not
 clients). Quoted includes are paths relative to the including file (the build passes no
@@ -51,6 +53,7 @@ GLUE_LAYERS = ("csrc/python", "csrc/testing")  # the folders that may include Py
 PUBLIC_HEADERS = ("csrc/engine/q3.h", "csrc/cuda/q3_cuda.h")
 GLUE_SEES = {"csrc/python": PUBLIC_HEADERS,
              "csrc/testing": PUBLIC_HEADERS + ("csrc/check/q3_check.h", "csrc/python/py_convert.h")}
+ENGINE_OWN = ("csrc/engine/layer_internal.h",)
 PART_OF = {"kernels/simt/include": "kernels/simt", "csrc/check/cpu_ops": "csrc/check"}  # a folder that belongs to another's layer
 CUDA_LAYERS = ("kernels/cuda", "kernels/simt")
 SOURCE_EXTENSIONS = (".c", ".h", ".cu", ".cuh", ".cpp")
@@ -112,6 +115,9 @@ def violations(root: str = ROOT) -> list[str]:
             elif target_layer != layer and LAYERS[target_layer] >= LAYERS[layer]:
                 side = "beside" if LAYERS[target_layer] == LAYERS[layer] else "above"
                 out.append(f"{where}: {layer}/ includes {target}, from {target_layer}/, a layer {side} it")
+            elif target.replace(os.sep, "/") in ENGINE_OWN and layer != "csrc/engine":
+                out.append(f"{where}: {layer}/ includes {target}, the engine's own (a backend sees the layer "
+                           "through csrc/engine/layer_object.h)")
             elif target_layer != layer and layer in GLUE_SEES and target.replace(os.sep, "/") not in GLUE_SEES[layer]:
                 out.append(f"{where}: {layer}/ includes {target}, no public header of the engine (the glue "
                            f"includes {', '.join(GLUE_SEES[layer])} and its own folder)")

@@ -31,10 +31,13 @@ def test_planted_violations_are_reported(tmp_path):
         "kernels/cuda/ops_cuda.h": '#include "../dtype.h"\n#include <cuda_runtime.h>\n',
         "kernels/cuda/twin.cu": '#include "../cpu/ops.h"\n',                        # sibling
         "csrc/engine/q3.h": '#include "../../kernels/dtype.h"\n',
-        "csrc/engine/layer.c": '#include "q3.h"\n#include "../cuda/backend.h"\n',   # upward
         "csrc/engine/glue.c": "#include <Python.h>\n",                            # Python outside python/
         "csrc/engine/cudart.c": "#include <cuda_bf16.h>\n",                        # CUDA outside kernels/cuda/
         "csrc/engine/lost.c": '#include "missing.h"\n',                           # no such file
+        "csrc/engine/layer_internal.h": '#include "q3.h"\n',
+        "csrc/engine/layer.c": '#include "q3.h"\n#include "../cuda/backend.h"\n'     # upward
+                               '#include "layer_internal.h"\n',                   # the engine's own, at home
+        "csrc/cuda/passes.c": '#include "../engine/layer_internal.h"\n',          # the engine's own
         "csrc/cuda/backend.h": '#include "../engine/q3.h"\n#include "../../kernels/cuda/ops_cuda.h"\n',
         "csrc/cuda/q3_cuda.h": '#include "../engine/q3.h"\n',
         "csrc/python/module.c": '#include <Python.h>\n#include "../engine/q3.h"\n#include "../cuda/q3_cuda.h"\n'
@@ -46,6 +49,7 @@ def test_planted_violations_are_reported(tmp_path):
     found = include_layers.violations(str(tmp_path))
     expected = [
         ("csrc/check/h.h:1", "from csrc/python/, a layer above"),
+        ("csrc/cuda/passes.c:1", "csrc/engine/layer_internal.h, the engine's own"),
         ("csrc/engine/cudart.c:1", "cuda_bf16.h"),
         ("csrc/engine/glue.c:1", "Python.h"),
         ("csrc/engine/layer.c:2", "from csrc/cuda/, a layer above"),
