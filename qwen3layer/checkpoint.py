@@ -26,7 +26,7 @@ from .quantization import FP8 as FP8_FORMAT
 from .quantization import weight_format
 from .safetensors import (DTYPES, FLOAT, FP8, CheckpointError, Entry, Shard, UnsupportedDtypeError, check_entry,
                           check_no_overlap, map_spans, open_shard, read_json, show)
-from .weights import DENSE, SCALE, SCALED, expert_names, valid_expert_ids
+from .weights import valid_expert_ids
 
 __all__ = ["CheckpointError", "UnsupportedDtypeError", "load_layer_weights"]
 
@@ -98,21 +98,22 @@ def _shard_path(folder: str, name: str, named_by: str) -> str:
     return full
 
 
-def _missing(path: str, names: List[str]) -> None:
+def _missing(path: str, names: List[str], scales: Dict[str, str]) -> None:
+    """names: those missing; scales: {scale name: its matrix's} of the layer's format"""
     if names:
         why = (" (the block scales of an FP8 matrix: config.json declares an FP8 quantization_config)"
-               if names[0].endswith(SCALE) else "")
+               if names[0] in scales else "")
         raise CheckpointError(f"checkpoint {path!r}: missing {', '.join(names[:3])}"
                               + (f" and {len(names) - 3} more" if len(names) > 3 else "") + why)
 
 
-def _layer_shards(path: str, names: List[str], opened: List[Shard]) -> Dict[str, Shard]:
+def _layer_shards(path: str, names: List[str], scales: Dict[str, str], opened: List[Shard]) -> Dict[str, Shard]:
     """{tensor name: its opened shard} for the layer's (prefixed) tensor names; each shard
     opened is appended to `opened` as soon as it is (for the caller to close on an error)"""
     index = os.path.join(path, INDEX)
     if os.path.lexists(index):
         weight_map = _read_index(index)
-        _missing(path, [n for n in names if n not in weight_map])
+        _missing(path, [n for n in names if n not in weight_map], scales)
         shard_of: Dict[str, Shard] = {}  # shard name in the index -> the shard
         by_real: Dict[str, Shard] = {}   # real path -> the shard: one mapping however it is named
         for n in names:
@@ -130,22 +131,17 @@ def _layer_shards(path: str, names: List[str], opened: List[Shard]) -> Dict[str,
         raise CheckpointError(f"checkpoint {path!r}: expected {INDEX} or {SINGLE}")
     shard = open_shard(_shard_path(path, SINGLE, f"checkpoint {path!r}"), "the checkpoint's only shard")
     opened.append(shard)
-    _missing(path, [n for n in names if n not in shard.entries])
+    _missing(path, [n for n in names if n not in shard.entries], scales)
     return {n: shard for n in names}
 
 
-def _wanted(fmt: str, num_experts: int, experts: Optional[List[int]] = None) -> Dict[str, tuple]:
-    """{per-layer tensor name: the dtypes it may have} for a layer of weight format `fmt`
-    holding `experts` (None: all)"""
-    mine = expert_names(num_experts, experts)
-    matrices = list(SCALED) + mine
-    wanted = {name: FLOAT for name in DENSE}
-    wanted.update({name: FLOAT for name in mine})
-    if fmt == FP8_FORMAT:
-        for name in matrices:
-            wanted[name] = FP8
-            wanted[name + SCALE] = FLOAT
-    return wanted
+def _wanted(fmt: str, cfg: LayerConfig, experts: Optional[List[int]] = None) -> Tuple[Dict[str, tuple], Dict[str, str]]:
+    """({per-layer tensor name: the dtypes it may have}, {scale name: its matrix's}) for a layer
+    of weight format `fmt` holding `experts` (None: all), from the engine's table: a tensor of
+    the layer's dtype is any float, an e4m3 one FP8, a scale any float"""
+    table = _C.weight_table(cfg, fmt, experts)
+    wanted = {name: FP8 if storage == "e4m3" else FLOAT for name, _, storage, _ in table}
+    return wanted, {name: table[of][0] for name, _, storage, of in table if storage == "scale"}
 
 
 def _check_scale(shard: Shard, name: str, matrix: Entry, scale: Entry) -> None:
@@ -159,7 +155,8 @@ def _check_scale(shard: Shard, name: str, matrix: Entry, scale: Entry) -> None:
                               f"the {matrix.shape} matrix), got {show(scale.shape)}")
 
 
-def _check_entries(shards: Dict[str, Shard], prefix: str, wanted: Dict[str, tuple]) -> Dict[str, Entry]:
+def _check_entries(shards: Dict[str, Shard], prefix: str, wanted: Dict[str, tuple],
+                   scales: Dict[str, str]) -> Dict[str, Entry]:
     """every entry checked, scales against their matrices, no two overlapping"""
     entries, spans = {}, {}
     for name, dtypes in wanted.items():
@@ -168,10 +165,8 @@ def _check_entries(shards: Dict[str, Shard], prefix: str, wanted: Dict[str, tupl
             raise CheckpointError(f"{shard.path}: the index names it for {prefix + name}, its header does not")
         entries[name] = entry = check_entry(shard, prefix + name, dtypes)
         spans.setdefault(shard.path, []).append((entry.begin, entry.end, prefix + name))
-    for name in wanted:
-        if name.endswith(SCALE):
-            matrix = name[:-len(SCALE)]
-            _check_scale(shards[prefix + name], prefix + name, entries[matrix], entries[name])
+    for name, matrix in scales.items():
+        _check_scale(shards[prefix + name], prefix + name, entries[matrix], entries[name])
     for shard_path, ranges in spans.items():
         check_no_overlap(shard_path, ranges)
     return entries
@@ -227,11 +222,11 @@ def load_layer_weights(path: str, layer_idx: int,
         raise CheckpointError(f"{cfg_path}: {e}") from e
     fmt = weight_format(cfg_path, raw, layer_idx, cfg.num_experts)
     prefix = f"model.layers.{layer_idx}."
-    wanted = _wanted(fmt, cfg.num_experts, valid_expert_ids(experts, cfg.num_experts))
+    wanted, scales = _wanted(fmt, cfg, valid_expert_ids(experts, cfg.num_experts))
     opened: List[Shard] = []
     try:
-        shards = _layer_shards(path, [prefix + n for n in wanted], opened)
-        entries = _check_entries(shards, prefix, wanted)
+        shards = _layer_shards(path, [prefix + n for n in wanted], {prefix + s: m for s, m in scales.items()}, opened)
+        entries = _check_entries(shards, prefix, wanted, scales)
     except BaseException:
         for shard in opened:
             shard.mm.close()

@@ -136,7 +136,8 @@ class DecoderLayer:
         self._core = _C.Layer(config, mine, dtype, index, weight_format, ids)
         if split:
             from .hybrid import HybridRunner
-            host = _C.Layer(config, expert_weights(canonical_weights(weights, config, host_ids)), self._core.dtype, -1,
+            host = _C.Layer(config, expert_weights(canonical_weights(weights, config, host_ids), config),
+                            self._core.dtype, -1,
                             self._core.weight_format, host_ids, experts_only=True)
             self._hybrid = HybridRunner(self._core, host, ids, config)
             self.expert_device, self.gpu_experts = "cpu", tuple(ids)

@@ -3,8 +3,10 @@
 Accepted: the per-layer names of a transformers Qwen3-MoE checkpoint, with or without a
 "model.layers.N." prefix; experts either per expert (mlp.experts.{e}.gate_proj.weight, ...)
 or fused as transformers 5.x holds them (mlp.experts.gate_up_proj [E, 2I, H],
-mlp.experts.down_proj [E, H, I]). FP8 layers add a "<matrix>_scale_inv" beside each projection
-matrix (SCALED: q/k/v/o_proj and the experts'). Shapes and dtypes are checked by the engine.
+mlp.experts.down_proj [E, H, I]). Which names a layer reads, in which format, is the engine's
+one table (_C.weight_table: names, shapes, storage; an FP8 layer adds a "<matrix>_scale_inv"
+beside each projection matrix); this module only matches what it was given against it.
+Shapes and dtypes are checked by the engine.
 """
 from __future__ import annotations
 
@@ -12,30 +14,32 @@ import difflib
 import re
 from typing import Any, Mapping, Optional, Sequence
 
+from . import _C
 from .config import LayerConfig
 
-DENSE = (
-    "input_layernorm.weight",
-    "self_attn.q_proj.weight",
-    "self_attn.k_proj.weight",
-    "self_attn.v_proj.weight",
-    "self_attn.o_proj.weight",
-    "self_attn.q_norm.weight",
-    "self_attn.k_norm.weight",
-    "post_attention_layernorm.weight",
-    "mlp.gate.weight",
-)
-FUSED = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
-SCALED = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight")
-SCALE = "_scale_inv"
-EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")
 _PREFIX = re.compile(r"^(?:.*\.)?layers\.(\d+)\.")
 
 
-def expert_names(num_experts: int, experts: Optional[Sequence[int]] = None) -> list[str]:
-    """the per-expert names of every expert, or of `experts` (ids) only"""
-    ids = range(num_experts) if experts is None else experts
-    return [f"mlp.experts.{e}.{p}.weight" for e in ids for p in EXPERT_PARTS]
+def names(config: LayerConfig, fmt: str = "dense", experts: Optional[Sequence[int]] = None, fused: bool = False,
+          experts_only: bool = False) -> list[str]:
+    """the names of the engine's table (_C.weight_table) for a layer of `fmt` holding
+    `experts` (None: all), in the order it reads them"""
+    return [row[0] for row in _C.weight_table(config, fmt, experts, fused, experts_only)]
+
+
+def scales(config: LayerConfig, fmt: str, experts: Optional[Sequence[int]] = None,
+           fused: bool = False) -> dict[str, str]:
+    """{scale name: its matrix's name} of the table: what a format stores beside a matrix"""
+    table = _C.weight_table(config, fmt, experts, fused)
+    return {name: table[of][0] for name, _, storage, of in table if storage == "scale"}
+
+
+def _format_of(out: Mapping[str, Any], config: LayerConfig) -> str:
+    """the format whose own names (beyond the dense format's: FP8's scales) appear in out"""
+    for fmt in _C.weight_formats()[1:]:
+        if any(n in out for fused in (False, True) for n in scales(config, fmt, None, fused)):
+            return fmt
+    return "dense"
 
 
 def expert_id_list(experts: Optional[Sequence[int]]) -> Optional[list]:
@@ -78,19 +82,18 @@ def canonical_weights(weights: Mapping[str, Any], config: LayerConfig,
     if len(layers) > 1:
         raise ValueError(f"weights: expected the tensors of one layer, got layers {sorted(layers)}")
 
-    per_expert = expert_names(config.num_experts)
-    if experts is not None:  # the other experts' weights belong to other layers holding them
-        held = set(expert_names(config.num_experts, valid_expert_ids(experts, config.num_experts)))
-        others = {n for n in per_expert if n not in held}
-        out = {n: t for n, t in out.items() if n not in others and n.removesuffix(SCALE) not in others}
-        per_expert = [n for n in per_expert if n in held]
-    fused = any(n in out for n in FUSED)
+    fmt = _format_of(out, config)
+    held = None if experts is None else valid_expert_ids(experts, config.num_experts)
+    per_expert = names(config, fmt, held, experts_only=True)
+    if held is not None:  # the other experts' weights (and scales) belong to other layers holding them
+        others = set(names(config, fmt, None, experts_only=True)) - set(per_expert)
+        out = {n: t for n, t in out.items() if n not in others}
+    fused_names = names(config, "dense", None, True, True)
+    fused = any(n in out for n in fused_names)
     if fused and any(n in out for n in per_expert):
-        raise ValueError("weights: expected experts either fused (mlp.experts.gate_up_proj, "
-                         "mlp.experts.down_proj) or per expert (mlp.experts.{e}.*.weight), got both")
-    expected = list(DENSE) + (list(FUSED) if fused else per_expert)
-    if any(n.endswith(SCALE) for n in out):  # FP8: every projection matrix has its scale
-        expected += [n + SCALE for n in SCALED + (FUSED if fused else tuple(per_expert))]
+        raise ValueError(f"weights: expected experts either fused ({', '.join(fused_names)}) or per expert "
+                         "(mlp.experts.{e}.*.weight), got both")
+    expected = names(config, fmt, held, fused)
     expected_set = set(expected)
     extra = [n for n in out if n not in expected_set]
     if extra:
@@ -104,14 +107,17 @@ def canonical_weights(weights: Mapping[str, Any], config: LayerConfig,
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise ValueError(f"weights: missing {', '.join(repr(n) for n in missing[:5])}{more}")
-    _check_fused_gate_up_scale(out.get(FUSED[0] + SCALE), config)
+    if fused:
+        for scale, matrix in scales(config, fmt, None, True).items():
+            if matrix == fused_names[0]:
+                _check_fused_gate_up_scale(out.get(scale), scale, config)
     return out
 
 
-def expert_weights(weights: dict) -> dict:
+def expert_weights(weights: dict, config: LayerConfig) -> dict:
     """canonical weights without the attention's, the norms' and the router's (and their
     scales): what an expert-only host layer takes"""
-    dense = set(DENSE) | {n + SCALE for n in SCALED}
+    dense = {n for fmt in _C.weight_formats() for n in names(config, fmt, [])}
     return {n: t for n, t in weights.items() if n not in dense}
 
 
@@ -121,29 +127,35 @@ def held_expert_views(weights: dict, config: LayerConfig, experts: Sequence[int]
     up: [I, 2I); FP8 scales: the gate's ceil(I/128) row blocks, then the up's), so that a CUDA
     layer holding a subset uploads only those. Tensors that cannot be sliced (the extension's
     own) or already on a device are left as they are."""
-    gate_up, down = (weights.get(n) for n in FUSED)
+    gate_up_name, down_name = names(config, "dense", None, True, True)
+    gate_up, down = weights.get(gate_up_name), weights.get(down_name)
     if gate_up is None or down is None or not all(hasattr(t, "__getitem__") and hasattr(t, "__dlpack_device__")
                                                  for t in (gate_up, down)):
         return weights
     if any(t.__dlpack_device__()[0] != 1 for t in (gate_up, down)):  # kDLCPU: on a device, borrowed whole
         return weights
-    out = {n: t for n, t in weights.items() if n not in FUSED and n.removesuffix(SCALE) not in FUSED}
+    fmt = _format_of(weights, config)
+    fused_scale = {m: s for s, m in scales(config, fmt, None, True).items() if m in (gate_up_name, down_name)}
+    whole = {gate_up_name, down_name} | set(fused_scale.values())
+    out = {n: t for n, t in weights.items() if n not in whole}
     inter, blocks = config.moe_intermediate_size, -(-config.moe_intermediate_size // 128)
+    # expert e's gate, up and down (the table's order) as slices of the fused tensors: rows
+    # [0, I) and [I, 2I) of gate_up[e], down[e] whole; each scale's blocks likewise
+    parts = ((gate_up_name, 0, inter, 0, blocks), (gate_up_name, inter, 2 * inter, blocks, 2 * blocks),
+             (down_name, None, None, None, None))
     for e in valid_expert_ids(experts, config.num_experts):
-        for src, parts in ((gate_up, (("gate_proj", 0, inter), ("up_proj", inter, 2 * inter))),
-                           (down, (("down_proj", None, None),))):
-            fused_name = FUSED[0] if src is gate_up else FUSED[1]
-            scale = weights.get(fused_name + SCALE)
-            for part, a, b in parts:
-                name = f"mlp.experts.{e}.{part}.weight"
-                out[name] = src[e] if a is None else src[e, a:b]
-                if scale is not None:
-                    sa, sb = (None, None) if a is None else (0, blocks) if a == 0 else (blocks, 2 * blocks)
-                    out[name + SCALE] = scale[e] if sa is None else scale[e, sa:sb]
+        per_scale = scales(config, fmt, [e])
+        matrices = [n for n in names(config, fmt, [e], experts_only=True) if n not in per_scale]
+        mine = {m: s for s, m in per_scale.items()}
+        for name, (src, a, b, sa, sb) in zip(matrices, parts):
+            t, scale = weights[src], weights.get(fused_scale.get(src))
+            out[name] = t[e] if a is None else t[e, a:b]
+            if scale is not None and name in mine:
+                out[mine[name]] = scale[e] if sa is None else scale[e, sa:sb]
     return out
 
 
-def _check_fused_gate_up_scale(scale: Any, config: LayerConfig) -> None:
+def _check_fused_gate_up_scale(scale: Any, name: str, config: LayerConfig) -> None:
     """A fused FP8 gate_up_proj [E, 2I, H] may come with scales in one of two layouts: the
     gate's ceil(I/128) row blocks then the up's (what per-expert checkpoints concatenate to,
     the layout the engine reads), or ceil(2I/128) blocks over the fused rows (transformers'
@@ -154,7 +166,7 @@ def _check_fused_gate_up_scale(scale: Any, config: LayerConfig) -> None:
     split, fused = 2 * -(-inter // 128), -(-2 * inter // 128)
     if shape is None or len(shape) != 3 or split == fused or shape[1] != fused:
         return
-    raise ValueError(f"weights['{FUSED[0] + SCALE}']: expected shape [{shape[0]}, {split}, {shape[2]}] (the gate's "
+    raise ValueError(f"weights['{name}']: expected shape [{shape[0]}, {split}, {shape[2]}] (the gate's "
                      f"ceil(I/128) = {split // 2} row blocks, then the up's), got {list(shape)}: {fused} blocks "
                      f"over the fused 2I = {2 * inter} rows, one of them holding gate and up rows together "
                      f"(moe_intermediate_size {inter} is not a multiple of 128); not supported: pass the "

@@ -64,10 +64,6 @@ int q3_dense_weight_is_matrix(q3_dense_weight w) {
     return w == Q3_W_Q_PROJ || w == Q3_W_K_PROJ || w == Q3_W_V_PROJ || w == Q3_W_O_PROJ;
 }
 
-const char *q3_weight_format_name(q3_weight_format f) {
-    return f == Q3_WF_FP8_BLOCK128 ? "fp8_e4m3_block128" : "dense";
-}
-
 const char *q3_expert_weight_name(q3_expert_weight w) {
     static const char *names[Q3_X_COUNT] = {"gate_proj", "up_proj", "down_proj"};
     return (unsigned)w < Q3_X_COUNT ? names[w] : "?";

@@ -161,6 +161,7 @@ typedef enum {
 } q3_weight_format;
 
 const char *q3_weight_format_name(q3_weight_format f); /* "dense", "fp8_e4m3_block128" */
+int q3_weight_format_count(void);                       /* the formats are 0 .. count - 1 */
 /* whether dense weight w is a projection matrix (stored in the layer's weight format) */
 int q3_dense_weight_is_matrix(q3_dense_weight w);
 
@@ -195,6 +196,55 @@ typedef struct {
      * device and the host: qwen3layer/hybrid.py) */
     int experts_only;
 } q3_weights;
+
+/* The one table of a layer's tensors (weight_table.c), by checkpoint name (prefix
+ * "model.layers.N." dropped): what a layer of a config and format reads, in the order it
+ * reads them (the dense weights unless experts_only, then the experts), each projection
+ * matrix followed by what its format stores beside it (FP8: its "_scale_inv"). The glue
+ * takes each tensor as its storage says and writes its pointer to the slot; a new format is
+ * a row of the table. */
+#define Q3_WEIGHT_NAME_MAX 64
+typedef enum {
+    Q3_WS_LAYER, /* of the layer's dtype: norms, the router, the dense format's matrices */
+    Q3_WS_E4M3,  /* float8_e4m3fn bytes, contiguous: never converted */
+    Q3_WS_SCALE, /* of the layer's scale dtype: the scale_inv of matrix entry `of` */
+} q3_weight_storage;
+
+typedef struct {
+    char name[Q3_WEIGHT_NAME_MAX];
+    int rank;
+    int64_t dims[3];
+    q3_weight_storage storage;
+    const void **slot;   /* where the q3_weights handed to q3_weight_table keep its pointer */
+    int64_t of;          /* a scale: the index of its matrix's entry; else -1 */
+    /* DecoderLayer.random's draws (q3_weight_fill_random): elements [first, first + numel) of
+     * stream `stream` under the seed, norms around 1 (q3_weight_init) */
+    uint64_t stream;
+    int64_t first;
+    int is_norm;
+    int64_t matrix_rows; /* an E4M3 tensor: the rows of each matrix quantized on its own */
+} q3_weight_entry;
+
+/* The table for cfg and the weights' format, held experts and experts_only (w's fields);
+ * fused: the experts as transformers 5.x fuses them (two tensors of every expert), else per
+ * expert (mlp.experts.{e}.{gate,up,down}_proj.weight, the held ones only). The slots point
+ * into *w and into expert_ptrs [2 * Q3_X_COUNT * E] (the per-expert pointer tables, which
+ * w->experts and w->expert_scales are pointed at; NULL: no slots, for the names alone).
+ * out NULL: *n is the count alone; else Q3_ERR_VALUE when more than max entries. */
+q3_status q3_weight_table(const q3_config *cfg, q3_weights *w, int fused, const void **expert_ptrs,
+                          q3_weight_entry *out, int64_t max, int64_t *n, q3_error *err);
+int64_t q3_weight_entry_numel(const q3_weight_entry *e);
+/* DecoderLayer.random's draws into entry e's tensor data (dtype: its storage's, the layer's
+ * for Q3_WS_LAYER); an E4M3 entry also fills its scale entry's fp32 tensor `scale`; a scale
+ * entry fills nothing (its matrix does) */
+void q3_weight_fill_random(const q3_weight_entry *e, void *data, q3_dtype dtype, float *scale, uint64_t seed);
+/* a format by name (Q3_ERR_VALUE naming what was given); the formats' names as a list for a
+ * message ("'dense' or 'fp8_e4m3_block128'", in buf); the format a checkpoint is in, from the
+ * dtype of self_attn.q_proj.weight; the weight whose dtype a layer takes when given none */
+q3_status q3_weight_format_parse(const char *name, q3_weight_format *f, q3_error *err);
+const char *q3_weight_format_list(char *buf, size_t size);
+q3_weight_format q3_weight_format_of(q3_dtype q_proj);
+q3_dense_weight q3_weight_format_dtype_source(q3_weight_format f);
 
 /* scale_inv's shape for an FP8 matrix of shape dims [N, K] */
 static inline void q3_fp8_scale_shape(const int64_t dims[2], int64_t out[2]) {

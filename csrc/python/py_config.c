@@ -1,6 +1,7 @@
 /* q3_config from a qwen3layer.LayerConfig (its attributes, checked here for type and range
  * as far as the C field they go into needs, then by q3_config_check), and the module
- * function rope_table(config): the RoPE table the engine builds a layer with. */
+ * functions rope_table(config), the RoPE table the engine builds a layer with, and
+ * weight_table(config, ...) and weight_formats(), the engine's table of a layer's tensors. */
 #include <math.h>
 #include <string.h>
 
@@ -152,4 +153,75 @@ PyObject *q3py_rope_table(PyObject *m, PyObject *cfg) {
     PyMem_Free(inv_freq);
     if (!table) return NULL;
     return Py_BuildValue("(Nd)", table, (double)scale);
+}
+
+int q3py_weight_format(PyObject *obj, void *out) {
+    if (obj == Py_None) return 1;
+    const char *f = PyUnicode_Check(obj) ? PyUnicode_AsUTF8(obj) : NULL;
+    q3_error err;
+    if (f && q3_weight_format_parse(f, out, &err) == Q3_OK) return 1; /* the engine's table of formats */
+    char list[128];
+    PyErr_Clear();
+    PyErr_Format(PyExc_ValueError, "weight_format: expected None, %s, got %R", q3_weight_format_list(list, sizeof list),
+                 obj);
+    return 0;
+}
+
+/* the engine's weight table (q3_weight_table) as [(name, shape, storage, of)]: storage
+ * 'layer', 'e4m3' or 'scale', of the index of a scale's matrix (else -1) */
+PyObject *q3py_weight_table(PyObject *m, PyObject *args, PyObject *kw) {
+    (void)m;
+    static char *names[] = {"config", "weight_format", "experts", "fused", "experts_only", NULL};
+    static const char *storage[] = {"layer", "e4m3", "scale"};
+    PyObject *cfg_obj, *experts_obj = Py_None;
+    q3_weight_format wf = Q3_WF_DENSE;
+    int fused = 0, experts_only = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|O&Opp:weight_table", names, &cfg_obj, q3py_weight_format, &wf,
+                                     &experts_obj, &fused, &experts_only))
+        return NULL;
+    q3_config c;
+    uint8_t *held = NULL;
+    if (q3_parse_config(cfg_obj, &c) < 0 || (experts_obj != Py_None && q3py_held_experts(experts_obj, c.experts, &held) < 0))
+        return NULL;
+    q3_weights w = {.format = wf, .held = held, .experts_only = experts_only};
+    q3_weight_entry *table = NULL;
+    int64_t n = 0;
+    q3_error err;
+    PyObject *out = NULL;
+    if (q3_weight_table(&c, &w, fused, NULL, NULL, 0, &n, &err) != Q3_OK ||
+        !(table = PyMem_Calloc((size_t)n + 1, sizeof *table)) ||
+        q3_weight_table(&c, &w, fused, NULL, table, n, &n, &err) != Q3_OK) {
+        if (table) q3_raise(NULL, &err);
+        else if (!PyErr_Occurred()) PyErr_NoMemory();
+    } else {
+        out = PyList_New((Py_ssize_t)n);
+    }
+    for (int64_t i = 0; out && i < n; i++) {
+        const q3_weight_entry *e = &table[i];
+        PyObject *shape = PyTuple_New(e->rank);
+        for (int d = 0; shape && d < e->rank; d++) {
+            PyObject *v = PyLong_FromLongLong(e->dims[d]);
+            if (!v) Py_CLEAR(shape);
+            else PyTuple_SET_ITEM(shape, d, v);
+        }
+        PyObject *row = shape ? Py_BuildValue("(sOsL)", e->name, shape, storage[e->storage], (long long)e->of) : NULL;
+        Py_XDECREF(shape);
+        if (!row) Py_CLEAR(out);
+        else PyList_SET_ITEM(out, (Py_ssize_t)i, row);
+    }
+    PyMem_Free(table);
+    PyMem_Free(held);
+    return out;
+}
+
+PyObject *q3py_weight_formats(PyObject *m, PyObject *unused) {
+    (void)m;
+    (void)unused;
+    PyObject *out = PyTuple_New(q3_weight_format_count());
+    for (int i = 0; out && i < q3_weight_format_count(); i++) {
+        PyObject *name = PyUnicode_FromString(q3_weight_format_name((q3_weight_format)i));
+        if (!name) Py_CLEAR(out);
+        else PyTuple_SET_ITEM(out, i, name);
+    }
+    return out;
 }

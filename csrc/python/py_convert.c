@@ -1,5 +1,5 @@
 /* The glue's shared conversions (py_convert.h): engine statuses to exceptions, the arguments
- * many calls take (dtype, weight_format, stream, seq), the MoE paths' names. */
+ * many calls take (dtype, stream, seq), the MoE paths' names. */
 #include <string.h>
 
 #include "py_glue.h"
@@ -39,18 +39,6 @@ const char *const q3_moe_path_names[Q3_MOE_PATHS] = {"per_expert_wmma", "per_exp
                                                      "grouped_cublas"};
 
 int q3py_dtype(PyObject *obj, void *out) { return q3_parse_dtype(obj, "dtype", out) == 0; }
-
-int q3py_weight_format(PyObject *obj, void *out) {
-    if (obj == Py_None) return 1;
-    const char *f = PyUnicode_Check(obj) ? PyUnicode_AsUTF8(obj) : NULL;
-    if (f && (!strcmp(f, "dense") || !strcmp(f, "fp8_e4m3_block128"))) {
-        *(q3_weight_format *)out = strcmp(f, "dense") ? Q3_WF_FP8_BLOCK128 : Q3_WF_DENSE;
-        return 1;
-    }
-    PyErr_Clear();
-    PyErr_Format(PyExc_ValueError, "weight_format: expected None, 'dense' or 'fp8_e4m3_block128', got %R", obj);
-    return 0;
-}
 
 int q3py_stream(PyObject *obj, void *out) {
     void **stream = out;

@@ -1,6 +1,6 @@
 /* What every glue file of both modules (qwen3layer._C, csrc/python; qwen3layer._testing,
  * csrc/testing) parses and raises the same way: engine statuses to exceptions, and the
- * arguments many calls take (dtype, weight_format, stream, a sequence index), each parsed in
+ * arguments many calls take (dtype, stream, a sequence index), each parsed in
  * one place. Needs only Python.h and the engine's public headers, so _testing compiles
  * py_convert.c too. The q3py_* converters fit PyArg_Parse's "O&": 1 with *out set, or 0 with
  * the exception raised (it names the argument, what was expected and what came). */
@@ -23,9 +23,6 @@ const char *q3_dtype_name(q3_dtype dt);
 int q3_parse_dtype(PyObject *obj, const char *arg, q3_dtype *out);
 /* "dtype": 'float32' or 'bfloat16' -> q3_dtype *out */
 int q3py_dtype(PyObject *obj, void *out);
-/* "weight_format": 'dense' or 'fp8_e4m3_block128' -> q3_weight_format *out; None leaves *out
- * as it was (the caller's default) */
-int q3py_weight_format(PyObject *obj, void *out);
 /* "stream": a cudaStream_t as int, or None (NULL: the default stream) -> void **out */
 int q3py_stream(PyObject *obj, void *out);
 /* the same for an object on `device` (-1: the cpu, where only None is taken; ValueError

@@ -141,6 +141,12 @@ extern PyType_Spec q3py_layer_spec;
 int q3_parse_config(PyObject *cfg, q3_config *out);
 /* rope_table(config) -> (inv_freq tuple [head_dim / 2], scale): q3_rope_table's */
 PyObject *q3py_rope_table(PyObject *m, PyObject *cfg);
+/* "weight_format": 'dense' or 'fp8_e4m3_block128' -> q3_weight_format *out; None leaves *out
+ * as it was (the caller's default) */
+int q3py_weight_format(PyObject *obj, void *out);
+/* weight_table(config, ...) and weight_formats(): the engine's table of a layer's tensors */
+PyObject *q3py_weight_table(PyObject *m, PyObject *args, PyObject *kw);
+PyObject *q3py_weight_formats(PyObject *m, PyObject *unused);
 
 /* ---- CUDA functions (py_cuda.c) ------------------------------------------------------ */
 

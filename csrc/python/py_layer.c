@@ -126,18 +126,7 @@ int q3py_layer_record_ptr(q3py_layer_object *self, const char *name, const void 
     return rc;
 }
 
-/* A projection matrix (or fused experts) weights[name] of shape dims: in the FP8 format with
- * its scale_inv of shape sdims into *scale (q3py_layer_take_fp8), else of the layer's dtype;
- * its address recorded in weight_ptrs. NULL with an exception. */
-static const void *take_matrix(q3py_layer_object *self, PyObject *weights, const char *name, int rank,
-                               const int64_t *dims, const int64_t *sdims, const q3_weights *w, const void **scale) {
-    if (w->format == Q3_WF_FP8_BLOCK128)
-        return q3py_layer_take_fp8(self, weights, name, rank, dims, sdims, w->scale_dtype, scale);
-    const void *p = q3py_layer_take_weight(self, weights, name, rank, dims, w->dtype);
-    return p && q3py_layer_record_ptr(self, name, p) == 0 ? p : NULL;
-}
-
-/* 0 when the fused experts of `experts` are on a device; else -1 with an exception: a CUDA layer holding
+/* 0 when the fused experts are on a device; else -1 with an exception: a CUDA layer holding
  * a subset uploads only its experts, and the fused host tensors hold every one (a fused
  * tensor already on the device is borrowed whole, nothing allocated) */
 static int fused_on_host(PyObject *weights, int experts) {
@@ -145,9 +134,9 @@ static int fused_on_host(PyObject *weights, int experts) {
         const char *name = q3_fused_expert_name(f);
         PyObject *obj = PyDict_GetItemString(weights, name), *dev = NULL;
         int type = 0, id = 0;
-        if (!obj) continue; /* missing: take_matrix names it */
+        if (!obj) continue; /* missing: take_table names it */
         if (!(dev = PyObject_CallMethod(obj, "__dlpack_device__", NULL))) {
-            PyErr_Clear(); /* not a tensor: take_matrix says so */
+            PyErr_Clear(); /* not a tensor: take_table says so */
             continue;
         }
         const int ok = PyArg_ParseTuple(dev, "ii", &type, &id);
@@ -163,37 +152,28 @@ static int fused_on_host(PyObject *weights, int experts) {
     return 0;
 }
 
-/* The experts into w: transformers 5.x's fused tensors as they are (the engine slices them,
- * q3_fused_expert_shape), or mlp.experts.{e}.{gate,up,down}_proj.weight (and their scales)
- * into self->expert_ptrs [Q3_X_COUNT][E] (then [Q3_X_COUNT][E] scales); of a layer holding a
- * subset (w->held), only the held experts' names are read, the others' pointers stay NULL. */
-static int take_experts(q3py_layer_object *self, PyObject *weights, const q3_config *c, q3_weights *w) {
-    if (PyDict_GetItemString(weights, q3_fused_expert_name(Q3_FUSED_GATE_UP))) {
-        if (w->held && self->device >= 0 && fused_on_host(weights, c->experts) != 0) return -1;
-        for (int f = 0; f < Q3_FUSED_COUNT; f++) {
-            int64_t dims[3], sdims[3];
-            q3_fused_expert_shape(c, f, 0, dims);
-            q3_fused_expert_shape(c, f, 1, sdims);
-            w->fused[f] = take_matrix(self, weights, q3_fused_expert_name(f), 3, dims, sdims, w, &w->fused_scales[f]);
-            if (!w->fused[f]) return -1;
-        }
-        return 0;
-    }
-    const int E = c->experts;
-    const void **ptrs = self->expert_ptrs;
-    for (int e = 0; e < E; e++)
-        for (int x = 0; x < Q3_X_COUNT && (!w->held || w->held[e]); x++) {
-            char name[96];
-            int64_t dims[2], sdims[2];
-            snprintf(name, sizeof name, "mlp.experts.%d.%s.weight", e, q3_expert_weight_name(x));
-            q3_expert_weight_shape(c, x, dims);
-            q3_fp8_scale_shape(dims, sdims);
-            ptrs[x * E + e] = take_matrix(self, weights, name, 2, dims, sdims, w, &ptrs[(Q3_X_COUNT + x) * E + e]);
-            if (!ptrs[x * E + e]) return -1;
-        }
-    for (int x = 0; x < Q3_X_COUNT; x++) {
-        w->experts[x] = ptrs + (size_t)x * E;
-        if (w->format == Q3_WF_FP8_BLOCK128) w->expert_scales[x] = ptrs + (size_t)(Q3_X_COUNT + x) * E;
+/* 0 when table entry e (a scale) is given; else -1 with ValueError naming its matrix */
+static int scale_given(PyObject *weights, const q3_weight_entry *table, const q3_weight_entry *e) {
+    if (PyDict_GetItemString(weights, e->name)) return 0;
+    PyErr_Format(PyExc_ValueError, "weights['%s']: an FP8 weight without its scale: missing '%s'",
+                 e->of >= 0 ? table[e->of].name : "?", e->name);
+    return -1;
+}
+
+/* Every tensor of the engine's table (q3_weight_table) into its slot, as its storage says:
+ * of the layer's dtype dt or scale dtype sdt (converted once if not), or e4m3 bytes as they
+ * are; each address recorded in weight_ptrs. -1 with an exception. */
+static int take_table(q3py_layer_object *self, PyObject *weights, const q3_weight_entry *table, int64_t n,
+                      q3_dtype dt, q3_dtype sdt) {
+    for (int64_t i = 0; i < n; i++) {
+        const q3_weight_entry *e = &table[i];
+        if (e->storage == Q3_WS_SCALE && scale_given(weights, table, e) < 0) return -1;
+        const void *p = e->storage == Q3_WS_E4M3
+                            ? q3py_layer_take_e4m3(self, weights, e)
+                            : q3py_layer_take_weight(self, weights, e->name, e->rank, e->dims,
+                                                     e->storage == Q3_WS_SCALE ? sdt : dt);
+        if (!p || q3py_layer_record_ptr(self, e->name, p) < 0) return -1;
+        *e->slot = p;
     }
     return 0;
 }
@@ -214,45 +194,52 @@ static int weight_dtype(PyObject *weights, const char *name, int device, int all
     return 0;
 }
 
-int q3py_layer_scale_dtype(PyObject *weights, int device, q3_dtype *sdt) {
-    const char *name = "self_attn.q_proj.weight_scale_inv";
-    if (!PyDict_GetItemString(weights, name)) {
-        PyErr_Format(PyExc_ValueError, "weights['self_attn.q_proj.weight']: an FP8 weight without its scale: "
-                     "missing '%s'", name);
-        return -1;
-    }
-    return weight_dtype(weights, name, device, Q3_VIEW_HOST, sdt);
-}
-
-/* The weight format (the argument; None: FP8 when self_attn.q_proj.weight is float8_e4m3fn)
- * and the dtype of the layer (the argument, else the dtype of q_proj, or in the FP8 format
- * that of input_layernorm, whose dtype the norms and the router keep). */
+/* The weight format (the argument; None: the format self_attn.q_proj.weight's dtype shows,
+ * q3_weight_format_of) and the dtype of the layer (the argument, else the dtype of the
+ * format's weight for it, q3_weight_format_dtype_source: q_proj's, or in the FP8 format
+ * input_layernorm's, whose dtype the norms and the router keep). */
 static int layer_dtype(PyObject *weights, PyObject *dtype_obj, PyObject *format_obj, int device, q3_dtype *dt,
                        q3_weight_format *wf) {
-    const char *q_proj = q3_dense_weight_name(Q3_W_Q_PROJ);
     if (format_obj == Py_None) {
         q3_dtype q_dt;
-        if (weight_dtype(weights, q_proj, device, Q3_VIEW_HOST | Q3_VIEW_E4M3, &q_dt) < 0) return -1;
-        *wf = q_dt == Q3_E4M3 ? Q3_WF_FP8_BLOCK128 : Q3_WF_DENSE;
+        if (weight_dtype(weights, q3_dense_weight_name(Q3_W_Q_PROJ), device, Q3_VIEW_HOST | Q3_VIEW_E4M3, &q_dt) < 0)
+            return -1;
+        *wf = q3_weight_format_of(q_dt);
     } else {
         if (!q3py_weight_format(format_obj, wf)) return -1;
     }
     if (dtype_obj != Py_None) return q3_parse_dtype(dtype_obj, "dtype", dt);
-    return weight_dtype(weights, *wf == Q3_WF_DENSE ? q_proj : q3_dense_weight_name(Q3_W_INPUT_NORM), device,
-                        Q3_VIEW_HOST, dt);
+    return weight_dtype(weights, q3_dense_weight_name(q3_weight_format_dtype_source(*wf)), device, Q3_VIEW_HOST, dt);
 }
 
-/* an expert-only FP8 layer's scale dtype: its first held expert's gate_proj scale's (or the
- * fused gate_up_proj's) */
-static int experts_scale_dtype(PyObject *weights, int E, const uint8_t *held, q3_dtype *sdt) {
-    char name[96];
-    int e = 0;
-    while (held && e < E - 1 && !held[e]) e++;
-    if (PyDict_GetItemString(weights, q3_fused_expert_name(Q3_FUSED_GATE_UP)))
-        snprintf(name, sizeof name, "%s_scale_inv", q3_fused_expert_name(Q3_FUSED_GATE_UP));
-    else
-        snprintf(name, sizeof name, "mlp.experts.%d.gate_proj.weight_scale_inv", e);
-    return weight_dtype(weights, name, -1, Q3_VIEW_HOST, sdt);
+/* The engine's table of the layer's tensors into *table [*n] (PyMem), its slots in *w and
+ * self->expert_ptrs; and the scale dtype, that of the table's first scale (self_attn.q_proj's,
+ * or an expert-only layer's first held expert's), F32 where the format has none. -1 with an
+ * exception. */
+static int weight_table(q3py_layer_object *self, PyObject *weights, const q3_config *cfg, q3_weights *w,
+                        q3_weight_entry **table, int64_t *n) {
+    const int fused = PyDict_GetItemString(weights, q3_fused_expert_name(Q3_FUSED_GATE_UP)) != NULL;
+    q3_error err;
+    if (q3_weight_table(cfg, w, fused, self->expert_ptrs, NULL, 0, n, &err) != Q3_OK) {
+        q3_raise(NULL, &err);
+        return -1;
+    }
+    if (!(*table = PyMem_Calloc((size_t)*n, sizeof **table)) || !(self->views = PyMem_Calloc((size_t)*n, sizeof *self->views)) ||
+        !(self->owned = PyMem_Calloc((size_t)*n, sizeof *self->owned))) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    if (q3_weight_table(cfg, w, fused, self->expert_ptrs, *table, *n, n, &err) != Q3_OK) {
+        q3_raise(NULL, &err);
+        return -1;
+    }
+    w->scale_dtype = Q3_F32;
+    for (int64_t i = 0; i < *n; i++)
+        if ((*table)[i].storage == Q3_WS_SCALE)
+            return scale_given(weights, *table, &(*table)[i]) < 0
+                       ? -1
+                       : weight_dtype(weights, (*table)[i].name, self->device, Q3_VIEW_HOST, &w->scale_dtype);
+    return 0;
 }
 
 static PyObject *layer_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
@@ -273,69 +260,41 @@ static PyObject *layer_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
         return NULL;
     }
     q3_config cfg;
-    q3_dtype dt, sdt = Q3_F32;
+    q3_dtype dt;
     q3_weight_format wf;
     uint8_t *held = NULL; /* experts=None: every expert */
     if (q3_parse_config(cfg_obj, &cfg) < 0 || layer_dtype(weights, dtype_obj, format_obj, device, &dt, &wf) < 0 ||
         (experts_obj != Py_None && q3py_held_experts(experts_obj, cfg.experts, &held) < 0))
         return NULL;
-    if (wf == Q3_WF_FP8_BLOCK128 && (experts_only ? experts_scale_dtype(weights, cfg.experts, held, &sdt)
-                                                  : q3py_layer_scale_dtype(weights, device, &sdt)) < 0) {
-        PyMem_Free(held);
-        return NULL;
-    }
-    const int fp8 = wf == Q3_WF_FP8_BLOCK128;
-
     q3py_layer_object *self = (q3py_layer_object *)type->tp_alloc(type, 0);
     if (!self) {
         PyMem_Free(held);
         return NULL;
     }
     self->device = device < 0 ? -1 : device;
-    self->scale_dtype = sdt;
-    const int max_tensors = (Q3_W_DENSE_COUNT + Q3_X_COUNT * cfg.experts) * (fp8 ? 2 : 1); /* FP8: + scales */
-    self->views = PyMem_Calloc((size_t)max_tensors, sizeof *self->views);
-    self->owned = PyMem_Calloc((size_t)max_tensors, sizeof *self->owned);
-    self->expert_ptrs = PyMem_Calloc((size_t)Q3_X_COUNT * cfg.experts * (fp8 ? 2 : 1), sizeof *self->expert_ptrs);
+    self->expert_ptrs = PyMem_Calloc((size_t)2 * Q3_X_COUNT * cfg.experts, sizeof *self->expert_ptrs);
     self->converted = PyList_New(0);
     self->weight_ptrs = PyDict_New();
     self->lock = PyThread_allocate_lock();
-    if (!self->views || !self->owned || !self->expert_ptrs || !self->converted || !self->weight_ptrs ||
-        !self->lock) {
-        PyMem_Free(held);
-        Py_DECREF(self);
-        return PyErr_NoMemory();
+    q3_weight_entry *table = NULL;
+    int64_t n = 0;
+    q3_weights w = {.dtype = dt, .device = self->device, .format = wf, .held = held, .experts_only = experts_only};
+    int rc = -1;
+    if (!self->expert_ptrs || !self->converted || !self->weight_ptrs || !self->lock) PyErr_NoMemory();
+    else if (weight_table(self, weights, &cfg, &w, &table, &n) == 0 &&
+             (!held || self->device < 0 || fused_on_host(weights, cfg.experts) == 0))
+        rc = take_table(self, weights, table, n, dt, w.scale_dtype);
+    PyMem_Free(table);
+    self->scale_dtype = w.scale_dtype;
+    q3_error err;
+    if (rc == 0 && q3_layer_create(&self->layer, &cfg, &w, &err) != Q3_OK) { /* copies the mask */
+        q3_raise(NULL, &err);
+        rc = -1;
     }
-    q3_weights w = {.dtype = dt, .device = self->device, .format = wf, .scale_dtype = sdt, .held = held,
-                    .experts_only = experts_only};
-    for (int i = 0; i < Q3_W_DENSE_COUNT && !experts_only; i++) {
-        int64_t dims[2], sdims[2];
-        const int rank = q3_dense_weight_shape(&cfg, i, dims);
-        const char *name = q3_dense_weight_name(i);
-        if (q3_dense_weight_is_matrix(i)) {
-            q3_fp8_scale_shape(dims, sdims);
-            w.dense[i] = take_matrix(self, weights, name, 2, dims, sdims, &w, &w.dense_scale[i]);
-        } else { /* norms (and the router) keep the layer's dtype in either format */
-            w.dense[i] = q3py_layer_take_weight(self, weights, name, rank, dims, dt);
-            if (w.dense[i] && q3py_layer_record_ptr(self, name, w.dense[i]) < 0) w.dense[i] = NULL;
-        }
-        if (!w.dense[i]) {
-            PyMem_Free(held);
-            Py_DECREF(self);
-            return NULL;
-        }
-    }
-    if (take_experts(self, weights, &cfg, &w) < 0) {
-        PyMem_Free(held);
+    PyMem_Free(held);
+    if (rc < 0) {
         Py_DECREF(self);
         return NULL;
-    }
-    q3_error err;
-    const q3_status s = q3_layer_create(&self->layer, &cfg, &w, &err); /* copies the mask */
-    PyMem_Free(held);
-    if (s != Q3_OK) {
-        Py_DECREF(self);
-        return q3_raise(NULL, &err);
     }
     return (PyObject *)self;
 }

@@ -33,12 +33,9 @@ const void *q3py_layer_take_weight(q3py_layer_object *self, PyObject *weights, c
                                  const int64_t *dims, q3_dtype dtype);
 int q3py_layer_record_ptr(q3py_layer_object *self, const char *name, const void *p);
 
-/* the scale dtype of an FP8 layer: that of self_attn.q_proj.weight_scale_inv (py_layer.c) */
-int q3py_layer_scale_dtype(PyObject *weights, int device, q3_dtype *sdt);
-/* FP8 weights (py_layer_fp8.c): a matrix (or fused experts) and its scale (shape sdims, of
- * dtype sdt) into *scale */
-const void *q3py_layer_take_fp8(q3py_layer_object *self, PyObject *weights, const char *name, int rank,
-                              const int64_t *dims, const int64_t *sdims, q3_dtype sdt, const void **scale);
+/* an e4m3 tensor of the engine's weight table (py_layer_fp8.c): borrowed, or copied to the
+ * layer's device; NULL with an exception */
+const void *q3py_layer_take_e4m3(q3py_layer_object *self, PyObject *weights, const q3_weight_entry *e);
 
 /* layer.expert_half (py_layer_halves.c) */
 PyObject *q3py_layer_expert_half(q3py_layer_object *self, PyObject *args, PyObject *kw);

@@ -149,6 +149,13 @@ static PyMethodDef module_methods[] = {
      "copy_tensor(tensor, device)\n--\n\nA contiguous copy on device (-1: host) of an extension Tensor, or of a host "
      "tensor of another producer (torch, numpy; float32, bfloat16, float8_e4m3fn or int32)."},
     {"check_config", check_config, METH_O, "check_config(config)\n--\n\nRaise if the geometry is impossible."},
+    {"weight_table", (PyCFunction)(void (*)(void))q3py_weight_table, METH_VARARGS | METH_KEYWORDS,
+     "weight_table(config, weight_format=None, experts=None, fused=False, experts_only=False)\n--\n\nThe engine's "
+     "table of the tensors a layer reads, in order: [(name, shape, storage, of)], storage 'layer' (the layer's "
+     "dtype), 'e4m3' or 'scale' (the scale dtype; of: its matrix's index, else -1). fused: the experts as "
+     "transformers 5.x fuses them, else per expert (experts: the held ones)."},
+    {"weight_formats", q3py_weight_formats, METH_NOARGS,
+     "weight_formats()\n--\n\nThe names of the weight formats, the table's rows."},
     {"rope_table", q3py_rope_table, METH_O,
      "rope_table(config)\n--\n\n(inv_freq, scale): the RoPE table a layer of this config rotates by, fp32 values."},
     {"combine_rows", (PyCFunction)(void (*)(void))q3py_combine_rows, METH_VARARGS | METH_KEYWORDS,

@@ -1,88 +1,49 @@
 /* Random weights and inputs in extension memory (random_weights, random_tensor) and the
  * dequantization of an FP8 matrix (dequantize_fp8): qwen3layer._C module functions.
  *
- * random_weights in the FP8 format holds the projection matrices as the fine-grained FP8
- * checkpoints do (kernels/fp8.h), experts fused as in transformers 5.x: gate_up_proj
- * [E, 2I, H] e4m3 with gate_up_proj_scale_inv [E, 2 ceil(I/128), ceil(H/128)] fp32 (the
- * gate's blocks, then the up's), down_proj [E, H, I] with [E, ceil(H/128), ceil(I/128)];
- * q/k/v/o_proj.weight [N, K] with .weight_scale_inv [ceil(N/128), ceil(K/128)]. */
+ * random_weights makes the tensors of the engine's weight table (q3_weight_table: names,
+ * shapes, storage) and fills each with the engine's draws for it (q3_weight_fill_random): in
+ * the FP8 format the projection matrices as the fine-grained FP8 checkpoints hold them, each
+ * with fp32 block scales, quantized from the dense draws of the same seed. */
 #include <string.h>
 
 #include "py_glue.h"
 
 static q3_module_state *state_of(PyObject *m) { return (q3_module_state *)PyModule_GetState(m); }
 
-static int put(PyObject *dict, const char *name, q3py_tensor_object *t) {
-    const int rc = PyDict_SetItemString(dict, name, (PyObject *)t);
-    Py_DECREF(t);
-    return rc;
+/* a new tensor for table entry e, of dtype dt; NULL with an exception */
+static q3py_tensor_object *tensor_for(q3_module_state *st, const q3_weight_entry *e, q3_dtype dt) {
+    return q3py_tensor_new(st, dt, e->rank, e->dims);
 }
 
-/* weights[name] of `shape`: elements [first, first + its size) of the stream */
-static int put_random(q3_module_state *st, PyObject *dict, const char *name, q3_dtype dt, int ndim,
-                      const int64_t *shape, uint64_t seed, uint64_t stream, int64_t first, int is_norm) {
-    q3py_tensor_object *t = q3py_tensor_new(st, dt, ndim, shape);
-    if (!t) return -1;
-    int64_t n;
-    q3_numel(ndim, shape, &n); /* fits: the tensor was made */
-    float mean, std;
-    q3_weight_init(is_norm, &mean, &std);
-    Py_BEGIN_ALLOW_THREADS
-    q3_fill_random_from(t->data, dt, n, seed, stream, first, mean, std);
-    Py_END_ALLOW_THREADS
-    return put(dict, name, t);
+/* the dtype DecoderLayer.random holds an entry of storage s in, for a layer of dtype dt */
+static q3_dtype random_dtype(q3_weight_storage s, q3_dtype dt) {
+    return s == Q3_WS_E4M3 ? Q3_E4M3 : s == Q3_WS_SCALE ? Q3_F32 : dt;
 }
 
-/* weights[name] [M, parts * n, K] e4m3 and weights[name + "_scale_inv"] [M, parts * ceil(n/128),
- * ceil(K/128)] fp32 (rank 2 without M): M x parts matrices [n, K], each the quantized draws
- * of the dense tensor's elements under the same (seed, stream), from element `first` on */
-static int put_random_fp8(q3_module_state *st, PyObject *dict, const char *name, int rank, int64_t M, int parts,
-                          int64_t n, int64_t K, uint64_t seed, uint64_t stream, int64_t first) {
-    const int64_t dims[2] = {n, K};
-    int64_t blocks[2]; /* of one matrix [n, K] */
-    q3_fp8_scale_shape(dims, blocks);
-    const int64_t shape[3] = {M, parts * n, K}, sshape[3] = {M, parts * blocks[0], blocks[1]};
-    q3py_tensor_object *w = q3py_tensor_new(st, Q3_E4M3, rank, shape + 3 - rank);
-    if (!w) return -1;
-    q3py_tensor_object *s = q3py_tensor_new(st, Q3_F32, rank, sshape + 3 - rank);
-    if (!s) {
-        Py_DECREF(w);
-        return -1;
+/* Every tensor of the engine's weight table for the layer, drawn as the table says
+ * (q3_weight_fill_random: the stream layout is the engine's), into a new dict by name; an
+ * e4m3 matrix with its scale, the entry after it. NULL with an exception. */
+static PyObject *random_table(q3_module_state *st, const q3_weight_entry *table, int64_t n, q3_dtype dt,
+                              uint64_t seed) {
+    PyObject *d = PyDict_New();
+    for (int64_t i = 0; d && i < n; i++) {
+        const q3_weight_entry *e = &table[i], *scale = i + 1 < n && table[i + 1].of == i ? &table[i + 1] : NULL;
+        q3py_tensor_object *t = tensor_for(st, e, random_dtype(e->storage, dt));
+        q3py_tensor_object *s = t && scale ? tensor_for(st, scale, Q3_F32) : NULL;
+        if (t && (!scale || s)) {
+            Py_BEGIN_ALLOW_THREADS
+            q3_weight_fill_random(e, t->data, t->dtype, s ? (float *)s->data : NULL, seed);
+            Py_END_ALLOW_THREADS
+        }
+        if (!t || (scale && !s) || PyDict_SetItemString(d, e->name, (PyObject *)t) < 0 ||
+            (s && PyDict_SetItemString(d, scale->name, (PyObject *)s) < 0))
+            Py_CLEAR(d);
+        Py_XDECREF(t);
+        Py_XDECREF(s);
+        i += scale != NULL;
     }
-    float mean, std;
-    q3_weight_init(0, &mean, &std);
-    Py_BEGIN_ALLOW_THREADS
-    for (int64_t i = 0; i < M * parts; i++)
-        q3_fill_random_fp8((uint8_t *)w->data + i * n * K, (float *)s->data + i * blocks[0] * blocks[1], n, K, seed, stream,
-                           first + i * n * K, mean, std);
-    Py_END_ALLOW_THREADS
-    char scale_name[128];
-    snprintf(scale_name, sizeof scale_name, "%s_scale_inv", name);
-    if (put(dict, name, w) < 0) {
-        Py_DECREF(s);
-        return -1;
-    }
-    return put(dict, scale_name, s);
-}
-
-/* expert e's three matrices by name (mlp.experts.{e}.{gate,up,down}_proj.weight, and FP8
- * scales), each the draws of its part of the fused tensors: gate and up of expert e are
- * elements [e 2I H, + I H) and [+ I H, + I H) of stream 100, down [e H I, + H I) of 101 */
-static int put_random_expert(q3_module_state *st, PyObject *d, const q3_config *c, int e, q3_dtype dt, int fp8,
-                             uint64_t seed) {
-    const int64_t H = c->hidden, I = c->moe_inter;
-    for (int x = 0; x < Q3_X_COUNT; x++) {
-        char name[96];
-        snprintf(name, sizeof name, "mlp.experts.%d.%s.weight", e, q3_expert_weight_name(x));
-        int64_t dims[2];
-        q3_expert_weight_shape(c, x, dims);
-        const uint64_t stream = x == Q3_X_DOWN ? 101 : 100;
-        const int64_t first = x == Q3_X_DOWN ? e * H * I : e * 2 * I * H + (x == Q3_X_UP ? I * H : 0);
-        if ((fp8 ? put_random_fp8(st, d, name, 2, 1, 1, dims[0], dims[1], seed, stream, first)
-                 : put_random(st, d, name, dt, 2, dims, seed, stream, first, 0)) < 0)
-            return -1;
-    }
-    return 0;
+    return d;
 }
 
 static PyObject *random_weights(PyObject *m, PyObject *args, PyObject *kw) {
@@ -98,46 +59,23 @@ static PyObject *random_weights(PyObject *m, PyObject *args, PyObject *kw) {
     if (q3_parse_config(cfg_obj, &c) < 0) return NULL;
     uint8_t *held = NULL;
     if (experts_obj != Py_None && q3py_held_experts(experts_obj, c.experts, &held) < 0) return NULL;
-    const int fp8 = wf == Q3_WF_FP8_BLOCK128;
-    q3_module_state *st = state_of(m);
-    PyObject *d = PyDict_New();
-    if (!d) {
-        PyMem_Free(held);
-        return NULL;
+    /* every expert: fused as transformers 5.x holds them; a subset: per expert, the held ones */
+    q3_weights w = {.dtype = dt, .format = wf, .held = held};
+    q3_weight_entry *table = NULL;
+    int64_t n = 0;
+    q3_error err;
+    PyObject *d = NULL;
+    if (q3_weight_table(&c, &w, held == NULL, NULL, NULL, 0, &n, &err) != Q3_OK ||
+        (table = PyMem_Calloc((size_t)n, sizeof *table)) == NULL ||
+        q3_weight_table(&c, &w, held == NULL, NULL, table, n, &n, &err) != Q3_OK) {
+        if (!table) PyErr_NoMemory();
+        else q3_raise(NULL, &err);
+    } else {
+        d = random_table(state_of(m), table, n, dt, seed);
     }
-    for (int i = 0; i < Q3_W_DENSE_COUNT; i++) {
-        int64_t dims[2];
-        const int rank = q3_dense_weight_shape(&c, i, dims);
-        const char *name = q3_dense_weight_name(i);
-        const int rc = fp8 && q3_dense_weight_is_matrix(i)
-                           ? put_random_fp8(st, d, name, 2, 1, 1, dims[0], dims[1], seed, (uint64_t)i, 0)
-                           : put_random(st, d, name, dt, rank, dims, seed, (uint64_t)i, 0, rank == 1);
-        if (rc < 0) goto fail;
-    }
-    if (held) { /* a subset: per-expert tensors of the held experts only */
-        for (int e = 0; e < c.experts; e++)
-            if (held[e] && put_random_expert(st, d, &c, e, dt, fp8, seed) < 0) goto fail;
-        PyMem_Free(held);
-        return d;
-    }
-    const int64_t E = c.experts, H = c.hidden, I = c.moe_inter;
-    if (fp8) {
-        /* gate and up of expert e: elements [e 2I H, + I H) and [+ I H, + I H) of stream 100,
-         * as in the dense fused tensor */
-        if (put_random_fp8(st, d, "mlp.experts.gate_up_proj", 3, E, 2, I, H, seed, 100, 0) < 0 ||
-            put_random_fp8(st, d, "mlp.experts.down_proj", 3, E, 1, H, I, seed, 101, 0) < 0)
-            goto fail;
-        return d;
-    }
-    const int64_t gu[3] = {E, 2 * I, H}, dn[3] = {E, H, I};
-    if (put_random(st, d, "mlp.experts.gate_up_proj", dt, 3, gu, seed, 100, 0, 0) < 0 ||
-        put_random(st, d, "mlp.experts.down_proj", dt, 3, dn, seed, 101, 0, 0) < 0)
-        goto fail;
-    return d;
-fail:
+    PyMem_Free(table);
     PyMem_Free(held);
-    Py_DECREF(d);
-    return NULL;
+    return d;
 }
 
 static PyObject *random_tensor(PyObject *m, PyObject *args, PyObject *kw) {

@@ -450,9 +450,9 @@ def test_a_billion_experts_is_refused_before_any_per_expert_list(single, tmp_pat
     (dst / "config.json").write_text(json.dumps(cfg))
     import qwen3layer.checkpoint as ck
 
-    def no_list(n):
-        raise AssertionError(f"expert_names({n}) built")
-    monkeypatch.setattr(ck, "expert_names", no_list)
+    def no_list(fmt, cfg, experts=None):
+        raise AssertionError(f"the table of {cfg.num_experts} experts built")
+    monkeypatch.setattr(ck, "_wanted", no_list)
     with pytest.raises(ValueError, match="num_experts"):
         load(dst)
 

@@ -369,7 +369,7 @@ def test_an_expert_only_layer_gives_the_whole_layers_expert_half(fmt, held):
     full = canonical_weights(_C.random_weights(CFG, 12, "bfloat16", fmt), CFG)
     whole = _C.Layer(CFG, full, "bfloat16", -1, fmt)
     per = canonical_weights(_C.random_weights(CFG, 12, "bfloat16", fmt, names), CFG, held)
-    only = _C.Layer(CFG, expert_weights(per if held else full), "bfloat16", -1, fmt, held, experts_only=True)
+    only = _C.Layer(CFG, expert_weights(per if held else full, CFG), "bfloat16", -1, fmt, held, experts_only=True)
     assert only.held_experts == tuple(names)
     rows = x_of(5, H, seed=13, dtype="bfloat16")
     experts = torch.tensor(names[:K], dtype=torch.int32).repeat(5, 1)
@@ -394,6 +394,6 @@ def test_an_expert_only_layer_gives_the_whole_layers_expert_half(fmt, held):
 def test_an_expert_only_layer_needs_its_dtype_and_format(kw, match):
     args = dict(dtype="bfloat16", weight_format="dense", device=-1)
     args.update(kw)
-    w = expert_weights(canonical_weights(_C.random_weights(CFG, 12, "bfloat16"), CFG))
+    w = expert_weights(canonical_weights(_C.random_weights(CFG, 12, "bfloat16"), CFG), CFG)
     with pytest.raises(ValueError, match=match):
         _C.Layer(CFG, w, args["dtype"], args["device"], args["weight_format"], experts_only=True)
