@@ -11,10 +11,8 @@ from typing import Any, Optional
 
 from . import _C
 
-# the RoPE fields and their values when unused (the engine's Q3_ROPE_SCALING_DEFAULT)
-ROPE_DEFAULTS = dict(rope_type="default", rope_factor=1.0, rope_original_max_position_embeddings=None,
-                     rope_attention_factor=None, rope_beta_fast=32.0, rope_beta_slow=1.0, rope_mscale=None,
-                     rope_mscale_all_dim=None, rope_truncate=True)
+# the RoPE fields and their values when unused: the engine's (Q3_ROPE_SCALING_DEFAULT)
+ROPE_DEFAULTS = _C.rope_defaults()
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -46,15 +44,15 @@ class LayerConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1e6
     max_position_embeddings: int = 40960
-    rope_type: str = "default"
-    rope_factor: float = 1.0
-    rope_original_max_position_embeddings: Optional[int] = None
-    rope_attention_factor: Optional[float] = None
-    rope_beta_fast: float = 32.0
-    rope_beta_slow: float = 1.0
-    rope_mscale: Optional[float] = None
-    rope_mscale_all_dim: Optional[float] = None
-    rope_truncate: bool = True
+    rope_type: str = ROPE_DEFAULTS["rope_type"]
+    rope_factor: float = ROPE_DEFAULTS["rope_factor"]
+    rope_original_max_position_embeddings: Optional[int] = ROPE_DEFAULTS["rope_original_max_position_embeddings"]
+    rope_attention_factor: Optional[float] = ROPE_DEFAULTS["rope_attention_factor"]
+    rope_beta_fast: float = ROPE_DEFAULTS["rope_beta_fast"]
+    rope_beta_slow: float = ROPE_DEFAULTS["rope_beta_slow"]
+    rope_mscale: Optional[float] = ROPE_DEFAULTS["rope_mscale"]
+    rope_mscale_all_dim: Optional[float] = ROPE_DEFAULTS["rope_mscale_all_dim"]
+    rope_truncate: bool = ROPE_DEFAULTS["rope_truncate"]
 
     def __post_init__(self) -> None:
         _C.check_config(self)

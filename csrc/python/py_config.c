@@ -67,11 +67,12 @@ static int get_bool(PyObject *cfg, const char *name, int *out) {
     return *out < 0 ? -1 : 0;
 }
 
+/* the RoPE variants the engine computes, by transformers' rope_type */
+static const struct { const char *name; q3_rope_type type; } types[] = {
+    {"default", Q3_ROPE_DEFAULT}, {"linear", Q3_ROPE_LINEAR}, {"yarn", Q3_ROPE_YARN}};
+
 /* config.rope_type: the name of a variant the engine computes */
-static int get_rope_type(PyObject *cfg, q3_rope_type *out) {
-    static const struct { const char *name; q3_rope_type type; } types[] = {
-        {"default", Q3_ROPE_DEFAULT}, {"linear", Q3_ROPE_LINEAR}, {"yarn", Q3_ROPE_YARN}};
-    PyObject *v = PyObject_GetAttrString(cfg, "rope_type");
+static int get_rope_type(PyObject *cfg, q3_rope_type *out) {    PyObject *v = PyObject_GetAttrString(cfg, "rope_type");
     if (!v) return -1;
     const char *name = PyUnicode_Check(v) ? PyUnicode_AsUTF8(v) : NULL;
     for (size_t i = 0; name && i < sizeof types / sizeof types[0]; i++)
@@ -165,6 +166,28 @@ int q3py_weight_format(PyObject *obj, void *out) {
     PyErr_Format(PyExc_ValueError, "weight_format: expected None, %s, got %R", q3_weight_format_list(list, sizeof list),
                  obj);
     return 0;
+}
+
+/* the value of an optional field: 0 ("unset" to the engine) is None */
+static PyObject *optional(double v, int is_int) {
+    if (v == 0.0) Py_RETURN_NONE;
+    return is_int ? PyLong_FromLongLong((long long)v) : PyFloat_FromDouble(v);
+}
+
+/* rope_defaults(): the RoPE fields of a LayerConfig at the engine's Q3_ROPE_SCALING_DEFAULT,
+ * the values a variant that does not read a field leaves in it */
+PyObject *q3py_rope_defaults(PyObject *m, PyObject *unused) {
+    (void)m;
+    (void)unused;
+    const q3_rope_scaling d = Q3_ROPE_SCALING_DEFAULT;
+    const char *type = "?";
+    for (size_t i = 0; i < sizeof types / sizeof types[0]; i++)
+        if (types[i].type == d.type) type = types[i].name;
+    return Py_BuildValue("{sssdsNsNsdsdsNsNsO}", "rope_type", type, "rope_factor", d.factor,
+                         "rope_original_max_position_embeddings", optional((double)d.original_max, 1),
+                         "rope_attention_factor", optional(d.attention_factor, 0), "rope_beta_fast", d.beta_fast,
+                         "rope_beta_slow", d.beta_slow, "rope_mscale", optional(d.mscale, 0), "rope_mscale_all_dim",
+                         optional(d.mscale_all_dim, 0), "rope_truncate", d.truncate ? Py_True : Py_False);
 }
 
 /* the engine's weight table (q3_weight_table) as [(name, shape, storage, of)]: storage

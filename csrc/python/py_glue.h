@@ -141,6 +141,8 @@ extern PyType_Spec q3py_layer_spec;
 int q3_parse_config(PyObject *cfg, q3_config *out);
 /* rope_table(config) -> (inv_freq tuple [head_dim / 2], scale): q3_rope_table's */
 PyObject *q3py_rope_table(PyObject *m, PyObject *cfg);
+/* rope_defaults() -> the RoPE fields at the engine's Q3_ROPE_SCALING_DEFAULT */
+PyObject *q3py_rope_defaults(PyObject *m, PyObject *unused);
 /* "weight_format": 'dense' or 'fp8_e4m3_block128' -> q3_weight_format *out; None leaves *out
  * as it was (the caller's default) */
 int q3py_weight_format(PyObject *obj, void *out);

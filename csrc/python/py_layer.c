@@ -1,10 +1,9 @@
-/* qwen3layer._C.Layer: the engine layer behind qwen3layer.DecoderLayer.
+/* qwen3layer._C.Layer: the engine layer behind qwen3layer.DecoderLayer, its construction and
+ * attributes (the calls are py_layer_call.c's).
  *
- * Construction borrows every weight through DLPack (no copy when it is contiguous and
- * of the layer's dtype, and on a CUDA device 16-byte aligned; otherwise one conversion,
- * now, recorded in `converted`).
- * prefill/decode check the call, release the GIL and run q3_layer_forward under the
- * layer's lock (the workspace is per layer). */
+ * Construction takes the tensors of the engine's weight table (q3_weight_table) and borrows
+ * each through DLPack (no copy when it is contiguous and of the dtype its storage asks, and on
+ * a CUDA device 16-byte aligned; otherwise one conversion, now, recorded in `converted`). */
 #include <string.h>
 
 #include "py_layer.h"
@@ -316,6 +315,67 @@ static void layer_dealloc(q3py_layer_object *self) {
     tp->tp_free(self);
     Py_DECREF(tp);
 }
+
+/* ---- attributes ------------------------------------------------------------------ */
+
+static PyObject *get_dtype(q3py_layer_object *self, void *c) {
+    (void)c;
+    return PyUnicode_FromString(q3_dtype_name(q3_layer_dtype(self->layer)));
+}
+static PyObject *get_converted(q3py_layer_object *self, void *c) { (void)c; return PyList_AsTuple(self->converted); }
+static PyObject *get_weight_ptrs(q3py_layer_object *self, void *c) { (void)c; return PyDict_Copy(self->weight_ptrs); }
+static PyObject *get_device(q3py_layer_object *self, void *c) {
+    (void)c;
+    return PyLong_FromLong(self->device);
+}
+static PyObject *get_weight_format(q3py_layer_object *self, void *c) {
+    (void)c;
+    return PyUnicode_FromString(q3_weight_format_name(q3_layer_weight_format(self->layer)));
+}
+static PyObject *get_scale_dtype(q3py_layer_object *self, void *c) {
+    (void)c;
+    if (q3_layer_weight_format(self->layer) == Q3_WF_DENSE) Py_RETURN_NONE;
+    return PyUnicode_FromString(q3_dtype_name(self->scale_dtype));
+}
+static PyObject *get_weight_bytes(q3py_layer_object *self, void *c) {
+    (void)c;
+    return PyLong_FromLongLong(q3_layer_weight_bytes(self->layer));
+}
+static PyObject *get_workspace(q3py_layer_object *self, void *c) {
+    (void)c;
+    return PyLong_FromSize_t(q3_layer_workspace_bytes(self->layer));
+}
+
+static PyObject *get_held_experts(q3py_layer_object *self, void *c) {
+    (void)c;
+    const int E = q3_layer_config(self->layer)->experts;
+    PyObject *ids = PyTuple_New(q3_layer_held_experts(self->layer));
+    for (int e = 0, i = 0; ids && e < E; e++) {
+        if (!q3_layer_holds_expert(self->layer, e)) continue;
+        PyObject *v = PyLong_FromLong(e);
+        if (!v) {
+            Py_CLEAR(ids);
+            break;
+        }
+        PyTuple_SET_ITEM(ids, i++, v);
+    }
+    return ids;
+}
+
+PyGetSetDef q3py_layer_getset[] = {
+    {"held_experts", (getter)get_held_experts, NULL, "the ids of the experts the layer holds, ascending", NULL},
+    {"dtype", (getter)get_dtype, NULL, "dtype of the activations, the norms and the router (and of the "
+     "projection matrices in the dense format)", NULL},
+    {"weight_format", (getter)get_weight_format, NULL, "'dense' or 'fp8_e4m3_block128'", NULL},
+    {"scale_dtype", (getter)get_scale_dtype, NULL, "FP8: dtype of the block scales; dense: None", NULL},
+    {"weight_bytes", (getter)get_weight_bytes, NULL, "bytes of all the weights as read (FP8: scales included)",
+     NULL},
+    {"converted", (getter)get_converted, NULL, "names of weights converted at construction", NULL},
+    {"weight_ptrs", (getter)get_weight_ptrs, NULL, "name -> address the engine reads", NULL},
+    {"workspace_bytes", (getter)get_workspace, NULL, "activation workspace held now", NULL},
+    {"device", (getter)get_device, NULL, "-1 for cpu, else the CUDA device", NULL},
+    {NULL},
+};
 
 static PyType_Slot layer_slots[] = {
     {Py_tp_new, layer_new},

@@ -3,6 +3,7 @@
 #define Q3_PY_LAYER_H
 
 #include "py_glue.h"
+#include "py_layer_insides.h"
 
 typedef struct {
     PyObject_HEAD
@@ -37,7 +38,37 @@ int q3py_layer_record_ptr(q3py_layer_object *self, const char *name, const void 
  * layer's device; NULL with an exception */
 const void *q3py_layer_take_e4m3(q3py_layer_object *self, PyObject *weights, const q3_weight_entry *e);
 
-/* layer.expert_half (py_layer_halves.c) */
+/* The engine's interrupt poll between passes: takes the GIL briefly and runs the signal
+ * handlers (Ctrl-C); an exception they raise stays set for the caller. */
+typedef struct {
+    PyThreadState *saved; /* this thread's state while the GIL is released */
+} q3py_interrupt_poll;
+
+/* A layer call being made: its cache, x's view, the sequences (no heap allocation for batches
+ * up to 64) and the engine's arguments */
+typedef struct {
+    q3_module_state *st;
+    q3py_cache_object *co;
+    q3_view x;
+    int32_t seqs[64];
+    q3_forward_args a;
+    q3py_interrupt_poll poll;
+} q3py_call;
+
+/* A call's parsing (cache, chunk_size, stream, x against the cache, seq) into c and the
+ * engine's checks of it (half: the attention half's), before any output is made: a call that
+ * cannot run allocates nothing; -1 with an exception, c released. The engine's forward (half
+ * NULL) or attention half of it, without the GIL and under the layer's lock, the cache busy
+ * meanwhile; -1 with an exception. The release of c's view and sequences. (py_layer_call.c) */
+int q3py_call_open(q3py_call *c, q3py_layer_object *self, PyObject *x_obj, PyObject *cache_obj, int decode,
+                   PyObject *seq_obj, PyObject *chunk_obj, PyObject *stream_obj, int half);
+int q3py_call_run(q3py_call *c, q3py_layer_object *self, const q3_attention_half_out *half);
+void q3py_call_close(q3py_call *c);
+
+/* layer.attention_half (check_only: the checks alone) and layer.expert_half (py_layer_halves.c) */
+PyObject *q3py_layer_attention_half(q3py_layer_object *self, PyObject *x_obj, PyObject *cache_obj, int decode,
+                                    PyObject *seq_obj, PyObject *chunk_obj, PyObject *stream_obj, q3_insides *ins,
+                                    int check_only);
 PyObject *q3py_layer_expert_half(q3py_layer_object *self, PyObject *args, PyObject *kw);
 
 extern PyMethodDef q3py_layer_methods[];

@@ -1,7 +1,9 @@
-/* Layer calls: prefill, decode, new_cache. Every check happens before the engine runs, and
- * the engine checks again before its first write, so a rejected call changes nothing. */
+/* Layer calls, by mode: the parsing and the engine's checks every call shares (q3py_call_*,
+ * for the attention half too: py_layer_halves.c), then prefill and decode (forward), and
+ * new_cache, decode_graph, profiling; the method table. Every check happens before the
+ * engine runs, and the engine checks again before its first write, so a rejected call
+ * changes nothing. */
 #include "py_layer.h"
-#include "py_layer_insides.h"
 
 static q3py_cache_object *as_cache(PyObject *obj, q3_module_state *st) {
     if (PyObject_TypeCheck(obj, st->cache_type)) return (q3py_cache_object *)obj;
@@ -61,11 +63,7 @@ static int check_x(const q3_view *x, const q3_config *cfg, const q3_cache *c, in
         *n_seqs = q3_cache_batch(c);
     }
     if (x->shape[x->ndim - 1] != cfg->hidden) return shape_error("x", want, x);
-    *tokens = x->shape[x->ndim - 2];
-    if (*tokens == 0) {
-        PyErr_SetString(PyExc_ValueError, "x: expected at least 1 token, got 0");
-        return -1;
-    }
+    *tokens = x->shape[x->ndim - 2]; /* 0: refused by the engine's checks */
     return 0;
 }
 
@@ -105,14 +103,8 @@ static int check_out(const q3_view *o, const q3_view *x) {
     return 0;
 }
 
-/* The engine's interrupt poll between passes: takes the GIL briefly and runs the signal
- * handlers (Ctrl-C); an exception they raise stays set for the caller. */
-typedef struct {
-    PyThreadState *saved; /* this thread's state while the GIL is released */
-} interrupt_poll;
-
 static int interrupted(void *ctx) {
-    interrupt_poll *p = ctx;
+    q3py_interrupt_poll *p = ctx;
     PyEval_RestoreThread(p->saved);
     const int stop = PyErr_CheckSignals() < 0;
     p->saved = PyEval_SaveThread();
@@ -128,128 +120,114 @@ static void add_note(const char *note) {
     q3_error_unstash(&e);
 }
 
-/* the attention half's four outputs for x (shape [..., H]) on `device` (-1: the host): resid
- * fp32 and normed of x's dtype like x, experts int32 and weights fp32 [..., top_k]; pointed
- * at by *o. -1 with an exception (each made one is in t[] for the caller to release) */
-static int make_half_outputs(q3_module_state *st, const q3_config *cfg, const q3_view *x, int device,
-                             q3py_tensor_object *t[4], q3_attention_half_out *o) {
-    int64_t lead[Q3_MAX_DIM];
-    memcpy(lead, x->shape, sizeof lead);
-    lead[x->ndim - 1] = cfg->top_k;
-    if (!(t[0] = q3py_tensor_new_on(st, Q3_F32, x->ndim, x->shape, device)) ||
-        !(t[1] = q3py_tensor_new_on(st, x->dtype, x->ndim, x->shape, device)) ||
-        !(t[2] = q3py_tensor_new_on(st, Q3_I32, x->ndim, lead, device)) ||
-        !(t[3] = q3py_tensor_new_on(st, Q3_F32, x->ndim, lead, device)))
+void q3py_call_close(q3py_call *c) {
+    if (c->a.seqs && c->a.seqs != c->seqs) PyMem_Free((void *)c->a.seqs);
+    q3_view_release(&c->x);
+}
+
+/* the call's sequences: seq (x [tokens, hidden]: one, None the first) or every one of the
+ * cache's batch; -1 with an exception */
+static int call_seqs(q3py_call *c, int decode, PyObject *seq_obj) {
+    const int n = c->a.n_seqs;
+    c->a.seqs = c->seqs;
+    if (!decode && c->x.ndim == 2) {
+        int s = 0;
+        if (seq_obj != Py_None && q3py_seq(seq_obj, q3_cache_batch(c->co->cache), 0, &s) < 0) return -1;
+        c->seqs[0] = s;
+        return 0;
+    }
+    if (!decode && seq_obj != Py_None) {
+        PyErr_SetString(PyExc_ValueError, "seq: expected None when x is [batch, tokens, hidden] (x covers every sequence)");
         return -1;
-    *o = (q3_attention_half_out){t[0]->data, t[1]->data, x->dtype, t[2]->data, t[3]->data};
+    }
+    int32_t *list = n > (int)(sizeof c->seqs / sizeof c->seqs[0]) ? PyMem_Malloc((size_t)n * sizeof *list) : c->seqs;
+    if (!list) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (int i = 0; i < n; i++) list[i] = i;
+    c->a.seqs = list;
     return 0;
 }
 
-static PyObject *run(q3py_layer_object *self, PyObject *x_obj, PyObject *cache_obj, int decode,
-                     PyObject *seq_obj, PyObject *chunk_obj, PyObject *out_obj, PyObject *stream_obj,
-                     q3_insides *ins, int half) {
-    q3_module_state *st = q3_state_of_type(Py_TYPE(self));
-    if (!st) return NULL;
-    q3py_cache_object *co = as_cache(cache_obj, st);
-    if (!co) return NULL;
-    const q3_config *cfg = q3_layer_config(self->layer);
+/* Parses a call (cache, chunk_size, stream, x against the cache, seq) into c and runs the
+ * engine's checks of it (half: the attention half's), before any output is made: a call that
+ * cannot run allocates nothing. -1 with an exception, c released. */
+int q3py_call_open(q3py_call *c, q3py_layer_object *self, PyObject *x_obj, PyObject *cache_obj, int decode,
+                     PyObject *seq_obj, PyObject *chunk_obj, PyObject *stream_obj, int half) {
+    memset(c, 0, sizeof *c);
     int64_t chunk;
-    if (parse_chunk(chunk_obj, &chunk) < 0) return NULL;
-
     void *stream;
-    if (q3py_stream_on(stream_obj, self->device, "a cpu layer", &stream) < 0) return NULL;
-    q3_view x, out = {0};
-    if (q3_view_acquire_on(x_obj, "x", &x, self->device, 0, stream) < 0) return NULL;
-    PyObject *result = NULL;
-    q3py_tensor_object *halves[4] = {NULL, NULL, NULL, NULL}; /* the attention half's outputs */
-    q3_attention_half_out half_out;
-    int n_seqs;
-    int64_t tokens;
-    int32_t seqs[64]; /* the sequences of the call: no heap allocation for batches up to 64 */
-    int32_t *seq_list = seqs;
-    if (check_x(&x, cfg, co->cache, decode, &n_seqs, &tokens) < 0) goto done;
-    if (!decode && x.ndim == 2) {
-        int s = 0; /* None: the first sequence */
-        if (seq_obj != Py_None && q3py_seq(seq_obj, q3_cache_batch(co->cache), 0, &s) < 0) goto done;
-        seqs[0] = s;
-    } else {
-        if (!decode && seq_obj != Py_None) {
-            PyErr_SetString(PyExc_ValueError,
-                            "seq: expected None when x is [batch, tokens, hidden] (x covers every sequence)");
-            goto done;
-        }
-        if (n_seqs > (int)(sizeof seqs / sizeof seqs[0]) &&
-            !(seq_list = PyMem_Malloc((size_t)n_seqs * sizeof *seq_list))) {
-            seq_list = seqs;
-            PyErr_NoMemory();
-            goto done;
-        }
-        for (int i = 0; i < n_seqs; i++) seq_list[i] = i;
-    }
-    if (co->busy) {
-        PyErr_SetString(PyExc_RuntimeError, "cache: in use by a running layer call on another thread");
-        goto done;
-    }
-    interrupt_poll poll = {NULL};
-    q3_forward_args a = {.x = x.data, .io_dtype = x.dtype, .n_seqs = n_seqs, .seqs = seq_list, .tokens = tokens,
-                         .chunk = chunk, .stream = stream, .interrupted = interrupted, .interrupt_ctx = &poll};
+    if (!(c->st = q3_state_of_type(Py_TYPE(self))) || !(c->co = as_cache(cache_obj, c->st)) ||
+        parse_chunk(chunk_obj, &chunk) < 0 || q3py_stream_on(stream_obj, self->device, "a cpu layer", &stream) < 0 ||
+        q3_view_acquire_on(x_obj, "x", &c->x, self->device, 0, stream) < 0)
+        return -1;
+    c->a = (q3_forward_args){.x = c->x.data, .io_dtype = c->x.dtype, .chunk = chunk, .stream = stream,
+                             .interrupted = interrupted, .interrupt_ctx = &c->poll};
     q3_error err;
-    q3_status s = half ? q3_layer_check_attention_half(self->layer, co->cache, &a, &err)
-                       : q3_layer_check_call(self->layer, co->cache, &a, &err);
-    if (s != Q3_OK) { /* before the output is made: a call that cannot run allocates nothing */
-        q3_raise(st, &err);
-        goto done;
+    if (check_x(&c->x, q3_layer_config(self->layer), c->co->cache, decode, &c->a.n_seqs, &c->a.tokens) < 0 ||
+        call_seqs(c, decode, seq_obj) < 0) {
+        q3py_call_close(c);
+        return -1;
     }
-    if (half == 2) { /* the checks alone (with the insides' limit: their outputs made and dropped) */
-        if (q3py_insides_make(ins, st, self->layer, co->cache, &x, self->device, &a) == 0) result = Py_NewRef(Py_None);
-        goto done;
+    if (c->co->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "cache: in use by a running layer call on another thread");
+        q3py_call_close(c);
+        return -1;
     }
-    if (half) {
-        if (make_half_outputs(st, cfg, &x, self->device, halves, &half_out) < 0 ||
-            q3py_insides_make(ins, st, self->layer, co->cache, &x, self->device, &a) < 0)
-            goto done;
-        result = Py_NewRef(Py_None);
-    } else if (q3py_insides_make(ins, st, self->layer, co->cache, &x, self->device, &a) < 0) {
-        goto done;
-    } else if (out_obj != Py_None) {
-        if (q3_view_acquire_on(out_obj, "out", &out, self->device, 0, stream) < 0 || check_out(&out, &x) < 0) goto done;
-        result = Py_NewRef(out_obj);
-        a.y = out.data;
-    } else {
-        result = (PyObject *)q3py_tensor_new_on(st, x.dtype, x.ndim, x.shape, self->device);
-        if (!result) goto done;
-        a.y = ((q3py_tensor_object *)result)->data;
+    const q3_status s = half ? q3_layer_check_attention_half(self->layer, c->co->cache, &c->a, &err)
+                             : q3_layer_check_call(self->layer, c->co->cache, &c->a, &err);
+    if (s != Q3_OK) {
+        q3_raise(c->st, &err);
+        q3py_call_close(c);
+        return -1;
     }
-    co->busy = 1;
-    poll.saved = PyEval_SaveThread();
+    return 0;
+}
+
+/* The engine's forward (half NULL) or attention half of the opened call, without the GIL and
+ * under the layer's lock, the cache busy meanwhile; -1 with an exception (an interrupt's
+ * exception, from the signal handler, gets a note of what the engine did) */
+int q3py_call_run(q3py_call *c, q3py_layer_object *self, const q3_attention_half_out *half) {
+    q3_error err;
+    q3_status s;
+    c->co->busy = 1;
+    c->poll.saved = PyEval_SaveThread();
     PyThread_acquire_lock(self->lock, WAIT_LOCK);
-    s = half ? q3_layer_attention_half(self->layer, co->cache, &a, &half_out, &err)
-             : q3_layer_forward(self->layer, co->cache, &a, &err);
+    s = half ? q3_layer_attention_half(self->layer, c->co->cache, &c->a, half, &err)
+             : q3_layer_forward(self->layer, c->co->cache, &c->a, &err);
     PyThread_release_lock(self->lock);
-    PyEval_RestoreThread(poll.saved);
-    co->busy = 0;
-    if (s == Q3_ERR_INTERRUPTED && PyErr_Occurred()) { /* the signal handler's exception, with what it did */
-        Py_CLEAR(result);
-        add_note(err.msg);
-    } else if (s != Q3_OK) {
-        Py_CLEAR(result);
-        q3_raise(st, &err);
+    PyEval_RestoreThread(c->poll.saved);
+    c->co->busy = 0;
+    if (s == Q3_OK) return 0;
+    if (s == Q3_ERR_INTERRUPTED && PyErr_Occurred()) add_note(err.msg);
+    else q3_raise(c->st, &err);
+    return -1;
+}
+
+/* prefill and decode: y (out=, or a new tensor of x's shape and dtype), with the insides asked */
+static PyObject *forward(q3py_layer_object *self, PyObject *x_obj, PyObject *cache_obj, int decode,
+                         PyObject *seq_obj, PyObject *chunk_obj, PyObject *out_obj, PyObject *stream_obj,
+                         q3_insides *ins) {
+    q3py_call c;
+    if (q3py_call_open(&c, self, x_obj, cache_obj, decode, seq_obj, chunk_obj, stream_obj, 0) < 0) return NULL;
+    PyObject *y = NULL;
+    q3_view out = {0};
+    if (q3py_insides_make(ins, c.st, self->layer, c.co->cache, &c.x, self->device, &c.a) < 0) {
+    } else if (out_obj != Py_None) {
+        if (q3_view_acquire_on(out_obj, "out", &out, self->device, 0, c.a.stream) == 0 && check_out(&out, &c.x) == 0) {
+            y = Py_NewRef(out_obj);
+            c.a.y = out.data;
+        }
+    } else if ((y = (PyObject *)q3py_tensor_new_on(c.st, c.x.dtype, c.x.ndim, c.x.shape, self->device)) != NULL) {
+        c.a.y = ((q3py_tensor_object *)y)->data;
     }
-done:
-    if (seq_list != seqs) PyMem_Free(seq_list);
+    if (y && q3py_call_run(&c, self, NULL) < 0) Py_CLEAR(y);
     q3_view_release(&out);
-    q3_view_release(&x);
-    if (half == 1) { /* (resid, normed, experts, weights), in the insides' tuple when asked for */
-        if (result) Py_SETREF(result, PyTuple_Pack(4, halves[0], halves[1], halves[2], halves[3]));
-        for (int i = 0; i < 4; i++) Py_XDECREF(halves[i]);
-    }
-    if (half == 2) {
-        q3py_insides_clear(ins);
-        return result;
-    }
-    result = q3py_insides_result(ins, result);
+    q3py_call_close(&c);
+    y = q3py_insides_result(ins, y);
     q3py_insides_clear(ins);
-    return result;
+    return y;
 }
 
 static PyObject *layer_prefill(q3py_layer_object *self, PyObject *args, PyObject *kw) {
@@ -262,7 +240,7 @@ static PyObject *layer_prefill(q3py_layer_object *self, PyObject *args, PyObject
                                      &router, &attention, &limit) ||
         q3py_insides_parse(&ins, router, attention, limit) < 0)
         return NULL;
-    return run(self, x, cache, 0, seq, chunk, out, stream, &ins, 0);
+    return forward(self, x, cache, 0, seq, chunk, out, stream, &ins);
 }
 
 static PyObject *layer_decode(q3py_layer_object *self, PyObject *args, PyObject *kw) {
@@ -275,7 +253,7 @@ static PyObject *layer_decode(q3py_layer_object *self, PyObject *args, PyObject 
                                      &attention, &limit) ||
         q3py_insides_parse(&ins, router, attention, limit) < 0)
         return NULL;
-    return run(self, x, cache, 1, Py_None, Py_None, out, stream, &ins, 0);
+    return forward(self, x, cache, 1, Py_None, Py_None, out, stream, &ins);
 }
 
 static PyObject *layer_attention_half(q3py_layer_object *self, PyObject *args, PyObject *kw) {
@@ -294,7 +272,7 @@ static PyObject *layer_attention_half(q3py_layer_object *self, PyObject *args, P
                         "is one token of every sequence)");
         return NULL;
     }
-    return run(self, x, cache, decode, seq, chunk, Py_None, stream, &ins, check_only ? 2 : 1);
+    return q3py_layer_attention_half(self, x, cache, decode, seq, chunk, stream, &ins, check_only);
 }
 
 static PyObject *layer_new_cache(q3py_layer_object *self, PyObject *args, PyObject *kw) {
@@ -414,64 +392,5 @@ PyMethodDef q3py_layer_methods[] = {
      "out: fp32 or bf16 (None: a new tensor of rows' dtype). stream: a CUDA layer's cudaStream_t. Returns out."},
     {"new_cache", (PyCFunction)(void (*)(void))layer_new_cache, KW,
      "new_cache(max_tokens, batch=1, dtype=None)\n--\n\nA KVCache for this layer's geometry."},
-    {NULL},
-};
-
-static PyObject *get_dtype(q3py_layer_object *self, void *c) {
-    (void)c;
-    return PyUnicode_FromString(q3_dtype_name(q3_layer_dtype(self->layer)));
-}
-static PyObject *get_converted(q3py_layer_object *self, void *c) { (void)c; return PyList_AsTuple(self->converted); }
-static PyObject *get_weight_ptrs(q3py_layer_object *self, void *c) { (void)c; return PyDict_Copy(self->weight_ptrs); }
-static PyObject *get_device(q3py_layer_object *self, void *c) {
-    (void)c;
-    return PyLong_FromLong(self->device);
-}
-static PyObject *get_weight_format(q3py_layer_object *self, void *c) {
-    (void)c;
-    return PyUnicode_FromString(q3_weight_format_name(q3_layer_weight_format(self->layer)));
-}
-static PyObject *get_scale_dtype(q3py_layer_object *self, void *c) {
-    (void)c;
-    if (q3_layer_weight_format(self->layer) == Q3_WF_DENSE) Py_RETURN_NONE;
-    return PyUnicode_FromString(q3_dtype_name(self->scale_dtype));
-}
-static PyObject *get_weight_bytes(q3py_layer_object *self, void *c) {
-    (void)c;
-    return PyLong_FromLongLong(q3_layer_weight_bytes(self->layer));
-}
-static PyObject *get_workspace(q3py_layer_object *self, void *c) {
-    (void)c;
-    return PyLong_FromSize_t(q3_layer_workspace_bytes(self->layer));
-}
-
-static PyObject *get_held_experts(q3py_layer_object *self, void *c) {
-    (void)c;
-    const int E = q3_layer_config(self->layer)->experts;
-    PyObject *ids = PyTuple_New(q3_layer_held_experts(self->layer));
-    for (int e = 0, i = 0; ids && e < E; e++) {
-        if (!q3_layer_holds_expert(self->layer, e)) continue;
-        PyObject *v = PyLong_FromLong(e);
-        if (!v) {
-            Py_CLEAR(ids);
-            break;
-        }
-        PyTuple_SET_ITEM(ids, i++, v);
-    }
-    return ids;
-}
-
-PyGetSetDef q3py_layer_getset[] = {
-    {"held_experts", (getter)get_held_experts, NULL, "the ids of the experts the layer holds, ascending", NULL},
-    {"dtype", (getter)get_dtype, NULL, "dtype of the activations, the norms and the router (and of the "
-     "projection matrices in the dense format)", NULL},
-    {"weight_format", (getter)get_weight_format, NULL, "'dense' or 'fp8_e4m3_block128'", NULL},
-    {"scale_dtype", (getter)get_scale_dtype, NULL, "FP8: dtype of the block scales; dense: None", NULL},
-    {"weight_bytes", (getter)get_weight_bytes, NULL, "bytes of all the weights as read (FP8: scales included)",
-     NULL},
-    {"converted", (getter)get_converted, NULL, "names of weights converted at construction", NULL},
-    {"weight_ptrs", (getter)get_weight_ptrs, NULL, "name -> address the engine reads", NULL},
-    {"workspace_bytes", (getter)get_workspace, NULL, "activation workspace held now", NULL},
-    {"device", (getter)get_device, NULL, "-1 for cpu, else the CUDA device", NULL},
     {NULL},
 };

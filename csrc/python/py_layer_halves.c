@@ -1,9 +1,51 @@
-/* layer.expert_half: the expert half of the layer (q3_layer_expert_half) on rows handed in,
- * for a caller that moves rows between processes (qwen3layer.parallel): tensors on the
+/* The layer's two halves, for a caller that moves rows between them (qwen3layer.hybrid,
+ * qwen3layer.parallel): layer.attention_half, a layer call (py_layer_call.c's) stopped after
+ * the router, and layer.expert_half (q3_layer_expert_half) on rows handed in: tensors on the
  * layer's device (a CUDA layer's on its device; one elsewhere is refused, never copied).
  * Every argument is checked before the engine runs; a rejected call writes nothing.
  * Tensors of rows may have leading dims ([..., hidden]: their rows in order). */
 #include "py_layer.h"
+#include "py_layer_insides.h"
+
+/* the attention half's four outputs for x (shape [..., H]) on `device` (-1: the host): resid
+ * fp32 and normed of x's dtype like x, experts int32 and weights fp32 [..., top_k]; pointed
+ * at by *o. -1 with an exception (each made one is in t[] for the caller to release) */
+static int make_half_outputs(q3_module_state *st, const q3_config *cfg, const q3_view *x, int device,
+                             q3py_tensor_object *t[4], q3_attention_half_out *o) {
+    int64_t lead[Q3_MAX_DIM];
+    memcpy(lead, x->shape, sizeof lead);
+    lead[x->ndim - 1] = cfg->top_k;
+    if (!(t[0] = q3py_tensor_new_on(st, Q3_F32, x->ndim, x->shape, device)) ||
+        !(t[1] = q3py_tensor_new_on(st, x->dtype, x->ndim, x->shape, device)) ||
+        !(t[2] = q3py_tensor_new_on(st, Q3_I32, x->ndim, lead, device)) ||
+        !(t[3] = q3py_tensor_new_on(st, Q3_F32, x->ndim, lead, device)))
+        return -1;
+    *o = (q3_attention_half_out){t[0]->data, t[1]->data, x->dtype, t[2]->data, t[3]->data};
+    return 0;
+}
+
+/* attention_half: (resid, normed, experts, weights), in the insides' tuple when asked for;
+ * check_only: the checks alone, the insides' limit with them (their outputs made and dropped) */
+PyObject *q3py_layer_attention_half(q3py_layer_object *self, PyObject *x_obj, PyObject *cache_obj, int decode,
+                                PyObject *seq_obj, PyObject *chunk_obj, PyObject *stream_obj, q3_insides *ins,
+                                int check_only) {
+    q3py_call c;
+    if (q3py_call_open(&c, self, x_obj, cache_obj, decode, seq_obj, chunk_obj, stream_obj, 1) < 0) return NULL;
+    q3py_tensor_object *t[4] = {NULL, NULL, NULL, NULL};
+    q3_attention_half_out half;
+    PyObject *result = NULL;
+    if ((check_only || make_half_outputs(c.st, q3_layer_config(self->layer), &c.x, self->device, t, &half) == 0) &&
+        q3py_insides_make(ins, c.st, self->layer, c.co->cache, &c.x, self->device, &c.a) == 0)
+        result = check_only ? Py_NewRef(Py_None)
+                 : q3py_call_run(&c, self, &half) == 0 ? PyTuple_Pack(4, t[0], t[1], t[2], t[3])
+                                                  : NULL;
+    q3py_call_close(&c);
+    for (int i = 0; i < 4; i++) Py_XDECREF(t[i]);
+    if (!check_only) result = q3py_insides_result(ins, result);
+    q3py_insides_clear(ins);
+    return result;
+}
+
 
 PyObject *q3py_layer_expert_half(q3py_layer_object *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"rows", "experts", "weights", "out", "accumulate", "stream", NULL};

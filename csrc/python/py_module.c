@@ -156,6 +156,8 @@ static PyMethodDef module_methods[] = {
      "transformers 5.x fuses them, else per expert (experts: the held ones)."},
     {"weight_formats", q3py_weight_formats, METH_NOARGS,
      "weight_formats()\n--\n\nThe names of the weight formats, the table's rows."},
+    {"rope_defaults", q3py_rope_defaults, METH_NOARGS,
+     "rope_defaults()\n--\n\nThe RoPE fields of a LayerConfig when unused: the engine's default scaling."},
     {"rope_table", q3py_rope_table, METH_O,
      "rope_table(config)\n--\n\n(inv_freq, scale): the RoPE table a layer of this config rotates by, fp32 values."},
     {"combine_rows", (PyCFunction)(void (*)(void))q3py_combine_rows, METH_VARARGS | METH_KEYWORDS,
