@@ -159,10 +159,8 @@ static int fill_view(q3_view *v, const q3_dl_tensor *t, const char *arg, int dev
     /* the farthest element, in bytes, must be addressable: strides that overflow are refused
      * (the producer's pointer itself cannot be checked) */
     int64_t expect = 1, reach = 0;
-    v->contiguous = 1;
     for (int d = v->ndim - 1; d >= 0; d--) {
         v->strides[d] = t->strides ? t->strides[d] : expect;
-        if (n > 0 && v->shape[d] != 1 && v->strides[d] != expect) v->contiguous = 0; /* an empty one always is */
         /* an empty tensor reaches nothing */
         const int64_t stride = v->strides[d] < 0 && v->strides[d] > INT64_MIN ? -v->strides[d] : v->strides[d];
         int64_t step;
@@ -173,8 +171,33 @@ static int fill_view(q3_view *v, const q3_dl_tensor *t, const char *arg, int dev
         }
         if (!q3_mul_i64(expect, v->shape[d], &expect)) expect = INT64_MAX; /* only with a 0 dim: n == 0 */
     }
+    v->contiguous = q3_strides_contiguous(v->ndim, v->shape, v->strides);
     if (n > 0 && (!q3_add_i64(reach, 1, &reach) || !q3_mul_i64(reach, (int64_t)q3_dtype_size(v->dtype), &reach))) {
         PyErr_Format(PyExc_ValueError, "%s: a tensor spanning more than 2^63 bytes (its size overflows)", arg);
+        return -1;
+    }
+    return 0;
+}
+
+int q3_strides_contiguous(int ndim, const int64_t *shape, const int64_t *strides) {
+    int64_t expect = 1, n;
+    if (!q3_numel(ndim, shape, &n) || n == 0) return 1; /* an empty one always is */
+    for (int d = ndim - 1; d >= 0; d--) {
+        if (shape[d] != 1 && strides[d] != expect) return 0;
+        expect *= shape[d]; /* fits: the element count does */
+    }
+    return 1;
+}
+
+int q3py_view_require(const q3_view *v, const char *arg, int need) {
+    if ((need & Q3_NEED_CONTIGUOUS) && !v->contiguous) {
+        char st[128];
+        q3_format_shape(st, sizeof st, v->ndim, v->strides);
+        PyErr_Format(PyExc_ValueError, "%s: expected a contiguous tensor, got strides %s (call .contiguous())", arg, st);
+        return -1;
+    }
+    if ((need & Q3_NEED_WRITABLE) && v->readonly) {
+        PyErr_Format(PyExc_ValueError, "%s: expected a writable tensor, got a read-only one", arg);
         return -1;
     }
     return 0;

@@ -81,6 +81,14 @@ int q3_view_acquire_on(PyObject *obj, const char *arg, q3_view *v, int device, i
 void q3_view_release(q3_view *v);
 /* "[2, 3, 4]" */
 void q3_format_shape(char *buf, size_t n, int ndim, const int64_t *shape);
+/* whether elements strides [ndim] lay shape [ndim] out in C order (an empty tensor always) */
+int q3_strides_contiguous(int ndim, const int64_t *shape, const int64_t *strides);
+/* The checks a call makes of a view it reads or writes, shared by every call: `need` of
+ * Q3_NEED_CONTIGUOUS (ValueError "<arg>: expected a contiguous tensor, got strides [..]")
+ * and Q3_NEED_WRITABLE ("<arg>: expected a writable tensor, got a read-only one"); 0, or -1
+ * with the exception */
+enum { Q3_NEED_CONTIGUOUS = 1, Q3_NEED_WRITABLE = 2 };
+int q3py_view_require(const q3_view *v, const char *arg, int need);
 
 /* ---- Tensor (py_tensor.c): extension-owned memory exported through DLPack -------- */
 

@@ -74,9 +74,7 @@ static int load_input(q3py_graph_object *self, PyObject *x_obj, void *stream) {
     else if (x.dtype != self->dtype)
         PyErr_Format(PyExc_TypeError, "x: expected dtype %s (the graph's), got %s", q3_dtype_name(self->dtype),
                      q3_dtype_name(x.dtype));
-    else if (!x.contiguous)
-        PyErr_SetString(PyExc_ValueError, "x: expected a contiguous tensor (call .contiguous())");
-    else {
+    else if (q3py_view_require(&x, "x", Q3_NEED_CONTIGUOUS) == 0) {
         void *input = q3_decode_graph_input(self->graph);
         const size_t bytes = (size_t)self->batch * (size_t)self->hidden * q3_dtype_size(self->dtype);
         q3_error err;

@@ -39,12 +39,7 @@ static int shape_error(const char *arg, const char *want, const q3_view *v) {
 static int check_x(const q3_view *x, const q3_config *cfg, const q3_cache *c, int decode,
                    int *n_seqs, int64_t *tokens) {
     char want[128];
-    if (!x->contiguous) {
-        char st[128];
-        q3_format_shape(st, sizeof st, x->ndim, x->strides);
-        PyErr_Format(PyExc_ValueError, "x: expected a contiguous tensor, got strides %s (call .contiguous())", st);
-        return -1;
-    }
+    if (q3py_view_require(x, "x", Q3_NEED_CONTIGUOUS) < 0) return -1;
     if (decode) {
         snprintf(want, sizeof want, "[batch=%d, hidden=%lld]", q3_cache_batch(c), (long long)cfg->hidden);
         if (x->ndim != 2 || x->shape[0] != q3_cache_batch(c) || x->shape[1] != cfg->hidden)
@@ -81,14 +76,7 @@ static int check_out(const q3_view *o, const q3_view *x) {
         q3_format_shape(want, sizeof want, x->ndim, x->shape);
         return shape_error("out", want, o);
     }
-    if (!o->contiguous) {
-        PyErr_SetString(PyExc_ValueError, "out: expected a contiguous tensor");
-        return -1;
-    }
-    if (o->readonly) {
-        PyErr_SetString(PyExc_ValueError, "out: expected a writable tensor, got a read-only one");
-        return -1;
-    }
+    if (q3py_view_require(o, "out", Q3_NEED_CONTIGUOUS | Q3_NEED_WRITABLE) < 0) return -1;
     /* y may be x itself (each pass reads its rows before it writes them), but rows of out
      * over other rows of x would be written before they are read */
     int64_t n;

@@ -81,12 +81,9 @@ PyObject *q3py_layer_expert_half(q3py_layer_object *self, PyObject *args, PyObje
     }
     if (out_obj != Py_None) {
         if (q3_view_acquire_on(out_obj, "out", &out, self->device, 0, stream) < 0 ||
-            q3py_check_rows(&out, "out", n, c->hidden, "hidden") < 0)
+            q3py_check_rows(&out, "out", n, c->hidden, "hidden") < 0 ||
+            q3py_view_require(&out, "out", Q3_NEED_WRITABLE) < 0)
             goto done;
-        if (out.readonly) {
-            PyErr_SetString(PyExc_ValueError, "out: expected a writable tensor, got a read-only one");
-            goto done;
-        }
         const q3_view *in[3] = {&rows, &experts, &weights};
         for (int i = 0; i < 3; i++)
             if (q3py_views_overlap(&out, in[i])) {

@@ -100,21 +100,18 @@ static PyObject *copy_tensor(PyObject *m, PyObject *args) {
     } else if (q3_view_acquire_on(obj, "tensor", &v, -1, Q3_VIEW_ANY, NULL)) {
         return NULL;
     }
-    int contiguous = 1;
-    int64_t count = 1; /* ends as the element count: fits, the tensor exists */
-    for (int d = v.ndim - 1; d >= 0; d--) {
-        if (v.shape[d] != 1 && v.strides[d] != count) contiguous = 0;
-        count *= v.shape[d];
-    }
+    v.contiguous = q3_strides_contiguous(v.ndim, v.shape, v.strides);
+    int64_t count; /* fits: the tensor exists */
+    q3_numel(v.ndim, v.shape, &count);
     q3py_tensor_object *c = NULL;
-    if (!contiguous)
-        PyErr_SetString(PyExc_ValueError, "tensor: expected a contiguous tensor");
-    else if ((v.device >= 0 || device >= 0) && !q3_cuda_loaded())
-        PyErr_SetString(PyExc_RuntimeError, "device: the CUDA backend is not loaded");
-    else if (v.device >= 0 && device >= 0)
-        PyErr_SetString(PyExc_ValueError, "device: copies between two CUDA buffers are not supported here");
-    else
-        c = q3py_tensor_new_on(st, v.dtype, v.ndim, v.shape, device);
+    if (q3py_view_require(&v, "tensor", Q3_NEED_CONTIGUOUS) == 0) {
+        if ((v.device >= 0 || device >= 0) && !q3_cuda_loaded())
+            PyErr_SetString(PyExc_RuntimeError, "device: the CUDA backend is not loaded");
+        else if (v.device >= 0 && device >= 0)
+            PyErr_SetString(PyExc_ValueError, "device: copies between two CUDA buffers are not supported here");
+        else
+            c = q3py_tensor_new_on(st, v.dtype, v.ndim, v.shape, device);
+    }
     if (c) {
         const size_t bytes = (size_t)count * q3_dtype_size(v.dtype);
         q3_error err;

@@ -23,11 +23,7 @@ int q3py_check_rows(const q3_view *v, const char *arg, int64_t rows, int64_t col
                          (long long)cols, got);
         return -1;
     }
-    if (!v->contiguous) {
-        PyErr_Format(PyExc_ValueError, "%s: expected a contiguous tensor (call .contiguous())", arg);
-        return -1;
-    }
-    return 0;
+    return q3py_view_require(v, arg, Q3_NEED_CONTIGUOUS);
 }
 
 static size_t view_bytes(const q3_view *v) { return (size_t)(q3py_rows_of(v) * v->shape[v->ndim - 1]) * q3_dtype_size(v->dtype); }
@@ -50,12 +46,6 @@ static int check_index(const q3_view *rows, int64_t n) {
         return -1;
     }
     return 0;
-}
-
-static int writable(const q3_view *v, const char *arg) {
-    if (!v->readonly) return 0;
-    PyErr_Format(PyExc_ValueError, "%s: expected a writable tensor, got a read-only one", arg);
-    return -1;
 }
 
 /* device: an int, -1 (the host) or a CUDA device (NULL: not given, -1); with the stream to
@@ -102,7 +92,7 @@ PyObject *q3py_take_rows(PyObject *module, PyObject *args, PyObject *kw) {
     const int64_t n = rows.shape[0];
     if (out_obj != Py_None) {
         if (q3_view_acquire_on(out_obj, "out", &out, device, 0, stream) < 0 ||
-            q3py_check_rows(&out, "out", n, H, "hidden") < 0 || writable(&out, "out") < 0)
+            q3py_check_rows(&out, "out", n, H, "hidden") < 0 || q3py_view_require(&out, "out", Q3_NEED_WRITABLE) < 0)
             goto done;
         if (out.dtype != src.dtype) {
             PyErr_Format(PyExc_TypeError, "out: expected dtype %s (src's: rows are moved, not converted), got %s",
@@ -163,7 +153,7 @@ PyObject *q3py_combine_rows(PyObject *module, PyObject *args, PyObject *kw) {
         goto done;
     if (out_obj != Py_None) {
         if (q3_view_acquire_on(out_obj, "out", &out, device, 0, stream) < 0 ||
-            q3py_check_rows(&out, "out", R, H, "hidden") < 0 || writable(&out, "out") < 0)
+            q3py_check_rows(&out, "out", R, H, "hidden") < 0 || q3py_view_require(&out, "out", Q3_NEED_WRITABLE) < 0)
             goto done;
         if (out.data != resid.data && (q3py_views_overlap(&out, &resid) || q3py_views_overlap(&out, &parts))) {
             PyErr_SetString(PyExc_ValueError, "out: overlaps resid or parts; expected separate memory");

@@ -82,7 +82,8 @@ def test_to_device_and_to_host_refuse_what_they_cannot_copy():
               "tensor: expected dtype float32, bfloat16, float8_e4m3fn or int32, got int64"),
              (lambda: q3.cuda.to_device([1.0]), TypeError,
               "tensor: expected a qwen3layer Tensor or a host tensor with __dlpack__ (torch, numpy), got list"),
-             (lambda: q3.cuda.to_device(torch.zeros(4, 4)[:, ::2]), ValueError, "tensor: expected a contiguous tensor"),
+             (lambda: q3.cuda.to_device(torch.zeros(4, 4)[:, ::2]), ValueError,
+              "tensor: expected a contiguous tensor, got strides [4, 2] (call .contiguous())"),
              (lambda: q3.cuda.to_device(torch.zeros(2), 1), ValueError,
               "qwen3layer.cuda.to_device(device=1): device: expected a CUDA device index below 1 (the CUDA devices "
               "this machine has), got 1"),
