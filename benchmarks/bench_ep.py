@@ -91,7 +91,7 @@ def rank_main(rank, world, init_file, args, queue):
 
 
 def run_world(world, args):
-    from qwen3layer.cli_ep import spawn_ranks
+    from qwen3layer.cli.ep import spawn_ranks
     results = spawn_ranks(rank_main, world, args, threads=1)
     if results is None:
         raise SystemExit(f"bench_ep: a rank of {world} failed")

@@ -32,8 +32,7 @@ import torch
 
 from . import _C, cuda
 from .config import LayerConfig
-from .layer import rewind
-from .passes import Insides
+from .passes import Insides, rewind
 from .trace import LayerTrace
 from .routing import RoutingSummary
 

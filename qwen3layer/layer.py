@@ -30,14 +30,6 @@ def _like(x: Any, y: Any) -> Any:
     return y
 
 
-def rewind(cache: Any, lengths: Sequence[int]) -> None:
-    """each sequence of the cache back to lengths[s] tokens: what a call that failed after
-    appending (a split layer's, qwen3layer.hybrid and qwen3layer.parallel) undoes"""
-    for s, n in enumerate(lengths):
-        if cache.lengths[s] != n:
-            cache.truncate(n, s)
-
-
 def check_expert_device(expert_device: Any) -> None:
     """the expert_device of a split layer (asked for by expert_device or gpu_experts): 'cpu', the
     one place the split takes"""

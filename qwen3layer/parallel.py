@@ -33,8 +33,8 @@ import torch.distributed as dist
 from . import _C
 from .config import LayerConfig
 from .devices import device_index
-from .layer import DecoderLayer, KVCache, hf_layer_parts, rewind
-from .passes import Insides
+from .layer import DecoderLayer, KVCache, hf_layer_parts
+from .passes import Insides, rewind
 from .placement import check_placement as _check_placement
 from .placement import contiguous_placement
 

@@ -3,12 +3,20 @@ qwen3layer.parallel, and the layer split over the GPU and the host, qwen3layer.h
 insides of each pass gathered into the whole call's."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
+from ._C import KVCache
 from .config import LayerConfig
-from .layer import KVCache
+
+
+def rewind(cache: Any, lengths: Sequence[int]) -> None:
+    """each sequence of the cache back to lengths[s] tokens: what a call that failed after
+    appending (a split layer's, qwen3layer.hybrid and qwen3layer.parallel) undoes"""
+    for s, n in enumerate(lengths):
+        if cache.lengths[s] != n:
+            cache.truncate(n, s)
 
 
 class Insides:

@@ -10,7 +10,7 @@ import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers.cache_utils import DynamicCache
 
-from qwen3layer.testing_runs import LayerRun, routing_margin, run_hf_layer
+from qwen3layer.testing.runs import LayerRun, routing_margin, run_hf_layer
 
 # config name -> geometry; all have head_dim != hidden / heads. (transformers 5.x runs bf16
 # experts through grouped_mm, which needs rows of a multiple of 16 bytes: I % 8 == 0.)

@@ -127,7 +127,7 @@ def test_a_patched_model_passes_on_the_real_tokens(model_pair):
     model, ref = model_pair
     ids = torch.randint(1, 101, (2, 6), generator=torch.Generator().manual_seed(9))
     mask = torch.ones(2, 6, dtype=torch.long)
-    mask[0, :2] = 0  # left padding: those rows differ by design (qwen3layer/torch.py)
+    mask[0, :2] = 0  # left padding: those rows differ by design (qwen3layer/torch/__init__.py)
     result = qt.assert_matches(model, ref, dict(input_ids=ids, attention_mask=mask), BF16, wide=torch.float32)
     assert [o.name for o in result.outputs] == ["logits", "layers.0.keys", "layers.0.values", "layers.1.keys",
                                                 "layers.1.values"]

@@ -131,7 +131,7 @@ def test_map_and_run_take_the_split_flags():
 def test_gpu_experts_help_says_what_n_means_on_the_command_line(capsys):
     """--gpu-experts N is experts 0..N-1 (random weights), not the API's N hottest: the help says so"""
     from qwen3layer.cli import build_parser
-    from qwen3layer.cli_hybrid import gpu_expert_ids
+    from qwen3layer.cli.hybrid import gpu_expert_ids
 
     parser = build_parser()
     for command in ("run", "map"):

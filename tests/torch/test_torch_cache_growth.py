@@ -1,5 +1,5 @@
 """A patched model's C caches grow as transformers' DynamicCache does: a generation starts
-with a cache of its prompt's size (at least torch_cache.FIRST_CAPACITY tokens, a power of two)
+with a cache of its prompt's size (at least qwen3layer.torch.cache.FIRST_CAPACITY tokens, a power of two)
 and doubles it when a call needs more (KVCache.grow: the tokens held copied once a growth),
 up to the model's context (max_position_embeddings, or the YaRN-scaled one) or
 patch_model(max_tokens=) below it; past that, and past a StaticCache's max_cache_len,
@@ -11,7 +11,7 @@ from transformers import StaticCache
 
 import qwen3layer as q3
 import qwen3layer.torch as q3t
-from qwen3layer import torch_cache
+from qwen3layer.torch import cache as torch_cache
 from hf_reference import left_padded, tiny_model
 
 

@@ -251,8 +251,8 @@ def test_eval_with_gradients_warns_once_and_works():
     assert rel(out, ref(PACKED_IDS[:, :5]).logits) < 1e-5
 
 
-# ---- the planner alone (qwen3layer.torch_masks) ----
-from qwen3layer.torch_masks import plan_call  # noqa: E402
+# ---- the planner alone (qwen3layer.torch.masks) ----
+from qwen3layer.torch.masks import plan_call  # noqa: E402
 
 
 def causal(n, past=0):

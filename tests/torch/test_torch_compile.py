@@ -1,5 +1,5 @@
 """torch.compile of a patched model: the layer call is one custom op
-(torch.ops.qwen3layer.decoder_layer, qwen3layer/torch_op.py), so a forward and a decode step
+(torch.ops.qwen3layer.decoder_layer, qwen3layer/torch/op.py), so a forward and a decode step
 compile with fullgraph=True (a graph break would fail the compile), without a graph per
 sequence length (Dynamo's frame counter), and give the eager drop-in's numbers. Most cases run
 the aot_eager backend (fake tensors, functionalisation: what inductor sees, without its C++

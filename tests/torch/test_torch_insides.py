@@ -4,7 +4,7 @@ gives (eager attention): per layer, router logits [batch * tokens, experts], att
 [batch, heads, new, context], hidden states [batch, tokens, hidden], in the model's dtype, and
 the same aux_loss; what it cannot give raises NotImplementedError. Left padding's rows are
 compared on the real tokens only: transformers' eager attention gives a padding query (all
-keys masked) a uniform row, the C layer has it look at itself (see qwen3layer/torch.py)."""
+keys masked) a uniform row, the C layer has it look at itself (see qwen3layer/torch/__init__.py)."""
 import copy
 
 import pytest

@@ -16,8 +16,8 @@ from typing import Any, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
-from . import testing_runs as _runs
-from .layer import DecoderLayer
+from . import runs as _runs
+from ..layer import DecoderLayer
 
 __all__ = ["compare", "assert_matches", "Comparison", "OutputError", "TIMES", "VALUES_FLOOR_EPS"]
 
@@ -105,7 +105,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _is_patched(model: torch.nn.Module) -> bool:
-    from .torch import DecoderLayer as PatchedLayer
+    from ..torch import DecoderLayer as PatchedLayer
     return any(isinstance(m, PatchedLayer) for m in model.modules())
 
 

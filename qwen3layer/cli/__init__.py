@@ -18,50 +18,25 @@ import statistics
 import sys
 import time
 
-from . import _C
-from .config import LayerConfig
-from .costs import cost_model, decode_weight_bytes, prefill_flops
-from .profile import join, stage_table
-from .layer import DecoderLayer
-from .rulers import activation_bytes
+from .. import _C
+from ..costs import cost_model, decode_weight_bytes, prefill_flops
+from ..profile import join, stage_table
+from ..layer import DecoderLayer
+from ..rulers import activation_bytes
+from .common import decode_steps, geometry, progress
 
 FP8 = "fp8_e4m3_block128"
-
-GEOMETRIES = {"real": LayerConfig.qwen3_235b_a22b, "tiny": LayerConfig.tiny}
-
-
-def geometry(arg: str) -> LayerConfig:
-    """'real', 'tiny', or the path of a transformers config.json"""
-    if arg in GEOMETRIES:
-        return GEOMETRIES[arg]()
-    import json
-    import os
-
-    if not os.path.exists(arg):
-        raise SystemExit(f"--geometry: expected real, tiny or the path of a config.json, got {arg!r} (no such file)")
-    with open(arg) as f:
-        return LayerConfig.from_hf(json.load(f))
-
-
-def progress(done: int, total: int, started: float, label: str) -> None:
-    width = 30
-    filled = width * done // total
-    rate = done / max(time.perf_counter() - started, 1e-9)
-    sys.stderr.write(f"\r{label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} tokens "
-                     f"{rate:8.1f} tok/s")
-    sys.stderr.flush()
-
 
 def cmd_run(args: argparse.Namespace) -> int:
     if args.ep != 1:
         if args.ep < 1:
             print(f"run: --ep: expected a number of processes >= 1, got {args.ep}", file=sys.stderr)
             return 2
-        from .cli_ep import cmd_run_ep
+        from .ep import cmd_run_ep
         return cmd_run_ep(args)
     cfg = geometry(args.geometry)
     if args.expert_device is not None:
-        from .cli_hybrid import cmd_run_hybrid
+        from .hybrid import cmd_run_hybrid
         return cmd_run_hybrid(args, cfg)
     info = _C.build_info()
     print(f"qwen3layer {info['version']}: {info['threads']} threads, cpu path {info['cpu_path']} "
@@ -130,26 +105,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def decode_steps(layer: DecoderLayer, cache, steps: int, seed: int, wrap=None, sync=None) -> list:
-    """the seconds of `steps` decode steps of random inputs (wrap: each input as the calls take
-    it; sync: waits for the device before the clock stops)"""
-    H, took = layer.config.hidden_size, []
-    for i in range(steps):
-        x = layer.random_input((1, H), seed * 104729 + i)
-        x = wrap(x) if wrap else x
-        t = time.perf_counter()
-        layer.decode(x, cache)
-        if sync:
-            sync()
-        took.append(time.perf_counter() - t)
-    return took
-
-
 def graph_decode_ms(layer: DecoderLayer, cache, args: argparse.Namespace) -> float:
     """The decode step captured in a CUDA graph, replayed --new-tokens times over the same
     context as the plain steps (the cache is cut back to the prompt first), timed from the
     first launch to the device's end. The graph's input holds zeros: a token like another."""
-    from . import cuda
+    from .. import cuda
 
     index = int(layer.device.partition(":")[2] or 0)
     cache.truncate(args.tokens, 0)
@@ -165,11 +125,11 @@ def graph_decode_ms(layer: DecoderLayer, cache, args: argparse.Namespace) -> flo
 def cmd_map(args: argparse.Namespace) -> int:
     import os
 
-    from .mapplot import draw_map, draw_sweep
+    from ..mapplot import draw_map, draw_sweep
 
     cfg = geometry(args.geometry)
     if args.expert_device is not None:
-        from .cli_hybrid import cmd_map_hybrid
+        from .hybrid import cmd_map_hybrid
         return cmd_map_hybrid(args, cfg)
     context = args.tokens if args.context is None else args.context
     os.makedirs(args.out, exist_ok=True)
@@ -210,7 +170,7 @@ def cmd_map(args: argparse.Namespace) -> int:
 def cmd_check(args: argparse.Namespace) -> int:
     import json
 
-    from . import rulers
+    from .. import rulers
 
     cfg = geometry(args.geometry)
     weights = _C.random_weights(cfg, args.seed, args.dtype, FP8 if args.fp8 else None)

@@ -23,8 +23,8 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from . import torch_op
-from ._C import CacheFullError
+from . import op as torch_op
+from .._C import CacheFullError
 
 # the cache-layer classes whose bookkeeping the drop-in keeps (by name: 4.57 and 5.x alike)
 _KEPT = ("DynamicLayer", "StaticLayer")

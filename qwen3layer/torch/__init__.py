@@ -39,12 +39,12 @@ from typing import Any, Dict, List, Mapping, Optional
 
 import torch
 
-from . import torch_cache as _cache
-from . import torch_masks as _masks
-from . import torch_op as _op
-from . import torch_record as _rec
-from .layer import DecoderLayer as _CoreLayer
-from .layer import check_expert_device
+from . import cache as _cache
+from . import masks as _masks
+from . import op as _op
+from . import record as _rec
+from ..layer import DecoderLayer as _CoreLayer
+from ..layer import check_expert_device
 
 _GRAD_WARNED = [False]
 _DATA_PTR, _DTYPE = torch.Tensor.data_ptr, operator.attrgetter("dtype")
@@ -138,7 +138,7 @@ class DecoderLayer(torch.nn.Module):
                                       expert_counts=expert_counts)
             return cls(core, layer_idx, hf_layer, max_tokens, recordable)
         if ep_group is not None:
-            from .parallel import ExpertParallelLayer
+            from ..parallel import ExpertParallelLayer
             core = ExpertParallelLayer.from_hf(hf_layer, group=ep_group, placement=ep_placement)
             return cls(core, layer_idx, hf_layer, max_tokens, recordable)
         where = next(hf_layer.parameters()).device

@@ -20,13 +20,12 @@ from __future__ import annotations
 import os
 from typing import Dict, List, Optional, Tuple
 
-from . import _C
-from .config import LayerConfig
-from .quantization import FP8 as FP8_FORMAT
+from .. import _C
+from ..config import LayerConfig
 from .quantization import weight_format
 from .safetensors import (DTYPES, FLOAT, FP8, CheckpointError, Entry, Shard, UnsupportedDtypeError, check_entry,
                           check_no_overlap, map_spans, open_shard, read_json, show)
-from .weights import valid_expert_ids
+from ..weights import valid_expert_ids
 
 __all__ = ["CheckpointError", "UnsupportedDtypeError", "load_layer_weights"]
 

@@ -13,8 +13,8 @@ import tempfile
 import time
 from typing import Any, Optional
 
-from .costs import ep_exchange
-from .placement import contiguous_placement
+from ..costs import ep_exchange
+from ..placement import contiguous_placement
 
 PHASES = ("attention_s", "dispatch_s", "experts_s", "combine_s")
 
@@ -23,8 +23,8 @@ def _rank(rank: int, world: int, init: str, opts: dict, queue) -> None:
     import torch
     import torch.distributed as dist
 
-    from .cli import geometry
-    from .parallel import ExpertParallelLayer
+    from .common import geometry
+    from ..parallel import ExpertParallelLayer
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
@@ -114,8 +114,8 @@ def cmd_run_ep(args: argparse.Namespace) -> int:
         print("run --ep: needs torch (pip install torch): the ranks exchange rows with torch.distributed",
               file=sys.stderr)
         return 2
-    from . import _C
-    from .cli import geometry
+    from .. import _C
+    from .common import geometry
 
     world = args.ep
     cfg = geometry(args.geometry)

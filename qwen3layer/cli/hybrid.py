@@ -9,10 +9,10 @@ import statistics
 import sys
 import time
 
-from . import _C
-from .cli import decode_steps
-from .costs_hybrid import Machine, hybrid_split
-from .layer import DecoderLayer
+from .. import _C
+from .common import decode_steps
+from ..costs_hybrid import Machine, hybrid_split
+from ..layer import DecoderLayer
 
 
 def gpu_expert_ids(args: argparse.Namespace, num_experts: int) -> list:

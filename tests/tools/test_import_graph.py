@@ -1,0 +1,107 @@
+"""The Python package's modules import each other without a circle, lazily or not: read from
+the source (every `import` and `from ... import` of the package, at any depth of a function),
+a module that imports another never has that one import it back through any chain. And every
+subpackage is one the build installs (pyproject.toml's packages)."""
+import ast
+import os
+import tomllib
+
+ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+
+def modules(root: str = ROOT) -> dict:
+    """{dotted module name: file} of the package qwen3layer under root"""
+    found = {}
+    for folder, _, files in os.walk(os.path.join(root, "qwen3layer")):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(folder, f)
+                name = os.path.relpath(path, root)[:-3].replace(os.sep, ".")
+                found[name.removesuffix(".__init__")] = path
+    return found
+
+
+def imports(name: str, path: str, known: dict) -> set:
+    """the package's modules that module `name` imports (`from . import x` names x, not the
+    package it comes from: that one is being imported already)"""
+    package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name in known)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1])
+                target = f"{base}.{node.module}" if node.module else base
+            else:
+                target = node.module
+            if node.module and target in known:
+                out.add(target)
+            out.update(f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in known)
+    out.discard(name)
+    return out
+
+
+def circles(graph: dict) -> list:
+    """the strongly connected groups of more than one module (each a circle of imports), and
+    modules importing themselves through others"""
+    index, low, stack, on, found, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def graph_of(root: str = ROOT) -> dict:
+    known = modules(root)
+    return {name: imports(name, path, known) for name, path in known.items()}
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    graph = graph_of()
+    assert "qwen3layer.torch.masks" in graph and "qwen3layer.layer" in graph["qwen3layer.torch"]
+    assert circles(graph) == []
+
+
+def test_a_planted_circle_is_found(tmp_path):
+    pkg = tmp_path / "qwen3layer"
+    (pkg / "cli").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from .layer import Layer\n")
+    (pkg / "layer.py").write_text("def f():\n    from .cli.ep import g\n")        # lazy: still an edge
+    (pkg / "cli" / "__init__.py").write_text("")
+    (pkg / "cli" / "ep.py").write_text("from .. import layer\nfrom . import common\n")
+    (pkg / "cli" / "common.py").write_text("import qwen3layer.cli.ep\n")
+    graph = graph_of(str(tmp_path))
+    assert graph["qwen3layer.cli.ep"] == {"qwen3layer.layer", "qwen3layer.cli.common"}
+    assert circles(graph) == [["qwen3layer.cli.common", "qwen3layer.cli.ep", "qwen3layer.layer"]]
+
+
+def test_every_subpackage_is_installed():
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        listed = set(tomllib.load(f)["tool"]["setuptools"]["packages"])
+    packages = {name for name, path in modules().items() if path.endswith("__init__.py")}
+    assert packages == listed
