@@ -13,6 +13,13 @@ from . import _C
 
 # the RoPE fields and their values when unused: the engine's (Q3_ROPE_SCALING_DEFAULT)
 ROPE_DEFAULTS = _C.rope_defaults()
+# the tokens of each sequence a prefill pass takes when no chunk_size is given: the engine's
+DEFAULT_CHUNK = int(_C.build_info()["default_chunk"])
+
+
+def pass_tokens(chunk_size: Optional[int]) -> int:
+    """the tokens a pass takes of each sequence: chunk_size, or DEFAULT_CHUNK when None"""
+    return chunk_size or DEFAULT_CHUNK
 
 
 @dataclasses.dataclass(frozen=True, repr=False)

@@ -31,7 +31,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from . import _C, cuda
-from .config import LayerConfig
+from .config import LayerConfig, pass_tokens
 from .passes import Insides, rewind
 from .trace import LayerTrace
 from .routing import RoutingSummary
@@ -150,7 +150,7 @@ class HybridRunner:
         try:
             if not decode:  # the whole call's checks (a full cache, the maps' limit) before any pass runs
                 self.device.attention_half(x, cache, decode=False, check_only=True, stream=stream, **kw, **insides)
-                step = chunk_size or int(_C.build_info()["default_chunk"])
+                step = pass_tokens(chunk_size)
                 if x.shape[-2] > step:
                     return self._passes(x, cache, stream, seq, step, out, insides)
             return self._call(x, cache, decode, stream, kw, insides, out)

@@ -11,7 +11,7 @@ import warnings
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 from . import _C
-from .config import LayerConfig
+from .config import LayerConfig, pass_tokens
 from .devices import check_torch_device, device_index, stream_of
 from .weights import canonical_weights, expert_id_list, expert_weights, held_expert_views
 
@@ -383,7 +383,7 @@ class DecoderLayer:
 
         scale_dtype = self._core.scale_dtype or "float32"
         if mode == "prefill" and chunk_size is None:  # the passes the calls below make, modelled alike
-            chunk_size = int(_C.build_info()["default_chunk"])
+            chunk_size = pass_tokens(None)
         if self._hybrid is None:
             cost = cost_model(self.config, mode, tokens, context, chunk_size, self.dtype, batch, self.weight_format,
                               scale_dtype)

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C
-from .config import LayerConfig
+from .config import LayerConfig, pass_tokens
 from .devices import device_index
 from .layer import DecoderLayer, KVCache, hf_layer_parts
 from .passes import Insides, rewind
@@ -195,7 +195,7 @@ class ExpertParallelLayer:
         out). The insides as DecoderLayer's, gathered pass by pass."""
         x = _as_torch(x)
         tokens = x.shape[-2] if x.dim() >= 2 else 0
-        step = chunk_size or int(_C.build_info()["default_chunk"])
+        step = pass_tokens(chunk_size)
         passes = math.ceil(tokens / step) if tokens else 0
         insides = dict(return_router=return_router, return_attention=return_attention, attention_limit=attention_limit)
         return self._call("prefill", x, cache, passes, step, out, insides, seq=seq, chunk_size=chunk_size)

@@ -1,6 +1,6 @@
-/* Layer lifetime and the forward driver: checks every argument, sizes the workspace, then
- * runs the tokens through both stages chunk by chunk. Prefill, chunked prefill and decode
- * are this one function with different (n_seqs, tokens, chunk). */
+/* Layer lifetime and the forward: every argument checked, then the passes, on the CPU or
+ * through the device backend (both through the one pass loop, pass_loop.c). Prefill, chunked
+ * prefill and decode are this one function with different (n_seqs, tokens, chunk). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -207,7 +207,7 @@ q3_status q3_layer_check_pass(const q3_layer *l, const q3_cache *c, const q3_for
         return q3_fail(err, Q3_ERR_VALUE, "x: expected 1 to %d sequences (the cache's batch), got %d",
                        c->batch, a->n_seqs);
     /* a pass routes rows x top_k (token, expert) pairs, indexed by int32 */
-    const int64_t chunk = a->chunk > 0 ? a->chunk : Q3_DEFAULT_CHUNK, step = chunk < a->tokens ? chunk : a->tokens;
+    const int64_t step = q3_call_step(a);
     int64_t pairs;
     if (!q3_mul_i64(step, a->n_seqs, &pairs) || !q3_mul_i64(pairs, l->cfg.top_k, &pairs) || pairs > INT32_MAX)
         return q3_fail(err, Q3_ERR_VALUE,
@@ -250,46 +250,6 @@ q3_status q3_layer_forward(q3_layer *l, q3_cache *c, const q3_forward_args *a, q
         return q3_device()->layer_forward(l, c, a, err);
     }
     return q3_layer_passes(l, c, a, NULL, err);
-}
-
-q3_status q3_layer_passes(q3_layer *l, q3_cache *c, const q3_forward_args *a, const q3_attention_half_out *half,
-                          q3_error *err) {
-    const int64_t chunk = a->chunk > 0 ? a->chunk : Q3_DEFAULT_CHUNK;
-    const int64_t step = chunk < a->tokens ? chunk : a->tokens;
-    q3_status s =
-        q3_workspace_reserve(&l->ws, &l->cfg, l->w.format == Q3_WF_FP8_BLOCK128, step * a->n_seqs, a->n_seqs, err);
-    if (s != Q3_OK) return s;
-
-    const q3_cpu_ops *k = q3_cpu_ops_active();
-    const int64_t H = l->cfg.hidden;
-    const size_t es = q3_dtype_size(a->io_dtype);
-    for (int64_t t0 = 0; t0 < a->tokens; t0 += step) {
-        const int64_t L = a->tokens - t0 < step ? a->tokens - t0 : step;
-        if (t0 > 0 && a->interrupted && a->interrupted(a->interrupt_ctx)) {
-            for (int i = 0; i < a->n_seqs; i++) c->lengths[a->seqs[i]] -= t0; /* each pass added L to each */
-            return q3_layer_interrupted(err, t0, a->tokens);
-        }
-        q3_profile_start(&l->prof);
-        for (int i = 0; i < a->n_seqs; i++)
-            k->to_f32(l->ws.x + i * L * H,
-                          (const char *)a->x + ((size_t)i * a->tokens + t0) * H * es,
-                          a->io_dtype, L * H);
-        q3_profile_mark(&l->prof, Q3_STAGE_IO);
-        const q3_pass p = {k, &l->prof, a->n_seqs, a->seqs, L, a, t0};
-        q3_attention_block(l, c, &p);
-        q3_route_block(l, &p);
-        if (half) {
-            q3_attention_half_write(l, &p, half);
-        } else {
-            q3_experts_block(l, k, &l->prof, L * a->n_seqs, 0, l->ws.x);
-            for (int i = 0; i < a->n_seqs; i++)
-                k->from_f32((char *)a->y + ((size_t)i * a->tokens + t0) * H * es, a->io_dtype, l->ws.x + i * L * H,
-                            L * H);
-        }
-        for (int i = 0; i < a->n_seqs; i++) c->lengths[a->seqs[i]] += L;
-        q3_profile_mark(&l->prof, Q3_STAGE_IO);
-    }
-    return Q3_OK;
 }
 
 static const char *const stage_names[Q3_STAGE_COUNT] = {

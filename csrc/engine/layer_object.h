@@ -62,4 +62,39 @@ q3_status q3_layer_check_expert_ids(const q3_layer *l, const int32_t *experts, i
 /* the failure of a call stopped by its interrupt poll after `done` of `tokens` tokens */
 q3_status q3_layer_interrupted(q3_error *err, int64_t done, int64_t tokens);
 
+/* the tokens a pass of the call takes of each sequence: its chunk (Q3_DEFAULT_CHUNK when
+ * none is given), at most the call's tokens; the one place the default applies */
+static inline int64_t q3_call_step(const q3_forward_args *a) {
+    const int64_t chunk = a->chunk > 0 ? a->chunk : Q3_DEFAULT_CHUNK;
+    return chunk < a->tokens ? chunk : a->tokens;
+}
+
+/* The stages of a pass a device supplies to the engine's one pass loop (q3_layer_run_passes,
+ * pass_loop.c): the CPU's (pass_loop.c), a CUDA device's (csrc/cuda/layer.c). Each works on
+ * the pass's rows in the device's workspace; `run` is the device's state of the call (its
+ * stream, its first failure; NULL on the CPU). input: the pass's rows of the call's x into
+ * the workspace; attention (which appends the pass's K/V), route; then either half_write (the
+ * attention half: the pass's rows of its outputs) or experts (those the layer holds) and
+ * output (the rows into y); end: after the cache lengths advanced (profiling). failed:
+ * nonzero once a stage failed, the loop stops; failure: that failure into err. */
+typedef struct {
+    void (*input)(q3_layer *l, const q3_pass *p, void *run);
+    void (*attention)(q3_layer *l, q3_cache *c, const q3_pass *p, void *run);
+    void (*route)(q3_layer *l, const q3_pass *p, void *run);
+    void (*half_write)(q3_layer *l, const q3_pass *p, const q3_attention_half_out *half, void *run);
+    void (*experts)(q3_layer *l, const q3_pass *p, void *run);
+    void (*output)(q3_layer *l, const q3_pass *p, void *run);
+    void (*end)(q3_layer *l, const q3_pass *p, void *run);
+    int (*failed)(const void *run);
+    q3_status (*failure)(const void *run, q3_error *err);
+} q3_pass_stages;
+
+/* A checked call's passes, the one loop every device runs: chunk by chunk (q3_call_step),
+ * each pass's stages in turn (half NULL: the whole layer; else its attention half), each
+ * sequence's cache length advanced after its pass. An interrupt between passes, or a failed
+ * stage, rolls the lengths back to where the call began (one roll-back) and returns the
+ * failure: Q3_ERR_INTERRUPTED, or the device's. The device's workspace is reserved first. */
+q3_status q3_layer_run_passes(q3_layer *l, q3_cache *c, const q3_forward_args *a, const q3_attention_half_out *half,
+                              const q3_pass_stages *stages, void *run, q3_error *err);
+
 #endif
