@@ -334,9 +334,10 @@ def fp8_decode_rows(rows, weights, copy_tbs, steps, wall) -> None:
 
 def print_moe_path_choice(hf, x) -> None:
     """The prefill MoE path each size class gets by measured speed: a fresh layer's prefill of
-    x in one chunk of 8192 tokens, then in chunks of 2048 (one size class each; larger first, as
-    a workspace that grows is a new CUDA state, which measures again) times every path the pass
-    can take on its first pass of the class; prints the choice and the times."""
+    x in one chunk of 8192 tokens, then in chunks of 2048 (one size class each; larger first, so
+    that the workspace is allocated once: the choices made carry over a growth anyway) times
+    every path the pass can take on its first pass of the class; prints the choice and the
+    times."""
     layer = q3.DecoderLayer.from_hf(hf, device="cuda")  # measured: a fresh layer's default
     for chunk in (8192, 2048):
         layer.prefill(x, layer.new_cache(x.shape[0]), chunk_size=chunk)

@@ -236,7 +236,7 @@ def layer_options(p: argparse.ArgumentParser) -> None:
 
 
 def split_options(p: argparse.ArgumentParser) -> None:
-    """The options of a layer split over one GPU and the host (cli_hybrid.py)."""
+    """The options of a layer split over one GPU and the host (qwen3layer/cli/hybrid.py)."""
     p.add_argument("--expert-device", choices=["cpu"], default=None,
                    help="the experts not in --gpu-experts in host memory, run by the CPU (with --device cuda)")
     p.add_argument("--gpu-experts", default="0", metavar="N|IDS",

@@ -9,12 +9,12 @@ name; the C layer reads those very tensors, and a call after they were replaced 
 .half(), a reassigned parameter) raises instead of computing with the old ones.
 
 What each call asks for is read off the mask the model gives its layers, its position_ids and
-transformers' padding-free kwargs (qwen3layer.torch_masks): causal attention, left or right
+transformers' padding-free kwargs (qwen3layer.torch.masks): causal attention, left or right
 padding, packed sequences (each run as a sequence of its own), or a refusal naming the mask.
 The keys and values live in the layer's own C cache, and the model cache's entries hold
-zero-copy views of them (qwen3layer.torch_cache), for DynamicCache and StaticCache.
+zero-copy views of them (qwen3layer.torch.cache), for DynamicCache and StaticCache.
 The insides (router logits, attention maps, hidden states) reach the model's outputs where
-transformers records them (qwen3layer.torch_record). Padding query rows are the one
+transformers records them (qwen3layer.torch.record). Padding query rows are the one
 difference: transformers' eager attention gives a fully masked row a uniform 1/context row,
 the C layer has a padding token look at itself only (1 on its own position; a right-padding
 row attends causally), so those rows of the outputs, router logits and hidden states differ
@@ -247,7 +247,7 @@ class DecoderLayer(torch.nn.Module):
     def _plan(self, mask: Any, position_ids: Any, batch: int, length: int, past: int, kv: Any,
               kwargs: Dict[str, Any], call: Optional[_ModelCall] = None) -> _masks.CallPlan:
         """the call's plan, made once per model call (every layer gets the same mask:
-        torch_masks.planned)"""
+        masks.planned)"""
         cu = kwargs.get("cu_seq_lens_q")
         if cu is not None and kwargs.get("cu_seq_lens_k") is not None and \
                 not torch.equal(torch.as_tensor(cu), torch.as_tensor(kwargs["cu_seq_lens_k"])):
@@ -272,7 +272,7 @@ class DecoderLayer(torch.nn.Module):
 
     def _traced(self, hidden_states: torch.Tensor, attention_mask: Any, position_ids: Any, model_cache: Any,
                 kwargs: Dict[str, Any]) -> torch.Tensor:
-        """the call as Dynamo traces it: one custom op (qwen3layer.torch_op), which makes the
+        """the call as Dynamo traces it: one custom op (qwen3layer.torch.op), which makes the
         eager call at run time"""
         for key in ("router_logits", "attentions", "hidden_states"):
             if self._wants(key, kwargs):

@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from . import op as torch_op
+from . import op
 from .._C import CacheFullError
 
 # the cache-layer classes whose bookkeeping the drop-in keeps (by name: 4.57 and 5.x alike)
@@ -176,7 +176,7 @@ def publish(model_cache: Any, layer_idx: int, kv: Any, new_tokens: int) -> None:
     owner = getattr(entry, "_q3_owner", None)
     if owner is None or owner[0]() is not model_cache or owner[1] != layer_idx:
         entry._q3_owner = (weakref.ref(model_cache), layer_idx)
-    torch_op.register_cache(entry.keys, model_cache, layer_idx)  # a compiled call finds the model cache by it
+    op.register_cache(entry.keys, model_cache, layer_idx)  # a compiled call finds the model cache by it
 
 
 def _repoint(entry: Any) -> None:
@@ -186,7 +186,7 @@ def _repoint(entry: Any) -> None:
     owner, layer_idx = getattr(entry, "_q3_owner", (None, 0))
     model_cache = owner() if owner is not None else None
     if model_cache is not None:  # a new C cache (select, repeat_interleave) at a new address
-        torch_op.register_cache(entry.keys, model_cache, layer_idx)
+        op.register_cache(entry.keys, model_cache, layer_idx)
 
 
 def attach(entry: Any, kv: Any) -> None:

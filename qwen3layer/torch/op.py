@@ -11,7 +11,7 @@ eager call does (qwen3layer.torch.DecoderLayer.call), with the same checks and e
 
 The op takes tensors and ints only. The layer travels as a handle (an int per layer); the
 model cache as the keys tensor of the layer's entry, which after the first call is a view
-of the layer's C cache (qwen3layer.torch_cache): its address finds the model cache it
+of the layer's C cache (qwen3layer.torch.cache): its address finds the model cache it
 belongs to. So a compiled call continues a cache made by an eager call (generate's
 prefill, or a first forward); a compiled first call with a cache (use_cache=True on a new
 DynamicCache) raises RuntimeError saying so. No gradient flows through the op.
