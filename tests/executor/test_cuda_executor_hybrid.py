@@ -361,3 +361,47 @@ def test_profile_splits_the_experts_stage_by_side(which, mode, kw):
     assert model["link"].act_written == round(sum(s.link_up_bytes for s in splits))
     assert (model["host_experts"].weight_bytes == 0) == (which == "all")
     assert (model["gpu_experts"].weight_bytes == 0) == (which == "none")
+
+
+class _Calls:
+    """a _C.Layer whose method calls are logged by name into `log` (with `side`)"""
+
+    def __init__(self, core, side, log):
+        self.core, self.side, self.log = core, side, log
+
+    def __getattr__(self, name):
+        attr = getattr(self.core, name)
+        if not callable(attr):
+            return attr
+
+        def logged(*args, **kw):
+            self.log.append(f"{self.side}.{name}" + (" (checks)" if kw.get("check_only") else ""))
+            return attr(*args, **kw)
+        return logged
+
+
+def test_the_c_calls_of_a_split_layers_pass_are_counted(monkeypatch):
+    """Issue 40, requirement 1: the C calls a pass of the split layer makes, counted (the figure
+    the engine's pass loop is to bring down: today the passes loop in Python over the halves).
+    A prefill of 7 tokens of 2 sequences in chunks of 3 (3 passes) and a decode step, with
+    experts on both sides: the prefill's checks once, then per pass the attention half, two
+    takes of the rows with a host expert, each side's expert half and the combine: 6 C calls
+    a pass, where the whole layer on one device makes 1 a call."""
+    log = []
+    split = q3.DecoderLayer.random(CFG, 3, "float32", device="cuda", expert_device="cpu", gpu_experts=SETS["mixed"])
+    runner = split._hybrid
+    runner.device, runner.host = _Calls(runner.device, "device", log), _Calls(runner.host, "host", log)
+    for fn in ("take_rows", "combine_rows"):
+        real = getattr(_C, fn)
+        monkeypatch.setattr(_C, fn, lambda *a, _f=real, _n=fn, **kw: (log.append(_n), _f(*a, **kw))[1])
+    cache = split.new_cache(16, batch=2)
+    xs = _inputs("float32")
+    split.prefill(_on(split, xs[0]), cache, chunk_size=3)
+    prefill, log[:] = list(log), []
+    split.decode(_on(split, xs[1]), cache)
+    decode = list(log)
+    one_pass = ["device.attention_half", "take_rows", "take_rows", "device.expert_half", "host.expert_half",
+                "combine_rows"]
+    assert split.hybrid_stats["passes"] == 4 and split.hybrid_stats["host_rows"] > 0
+    assert prefill == ["device.attention_half (checks)"] + one_pass * 3, prefill
+    assert decode == one_pass, decode
