@@ -10,8 +10,9 @@
 
 /* the FP8 fields: a known format, scales of fp32 or bf16 for every matrix; none for the rest */
 static q3_status check_format(const q3_weights *w, q3_error *err) {
-    if (w->format != Q3_WF_DENSE && w->format != Q3_WF_FP8_BLOCK128)
-        return q3_fail(err, Q3_ERR_VALUE, "weight_format: expected dense or fp8_e4m3_block128, got %d",
+    char list[128];
+    if ((unsigned)w->format >= (unsigned)q3_weight_format_count())
+        return q3_fail(err, Q3_ERR_VALUE, "weight_format: expected %s, got %d", q3_weight_format_list(list, sizeof list),
                        (int)w->format);
     if (w->format == Q3_WF_DENSE) return Q3_OK;
     if (w->scale_dtype != Q3_F32 && w->scale_dtype != Q3_BF16)

@@ -93,7 +93,7 @@ typedef struct {
  * each pass's stages in turn (half NULL: the whole layer; else its attention half), each
  * sequence's cache length advanced after its pass. An interrupt between passes, or a failed
  * stage, rolls the lengths back to where the call began (one roll-back) and returns the
- * failure: Q3_ERR_INTERRUPTED, or the device's. The device's workspace is reserved first. */
+ * failure: Q3_ERR_INTERRUPTED, or the device's. The caller reserves the device's workspace first. */
 q3_status q3_layer_run_passes(q3_layer *l, q3_cache *c, const q3_forward_args *a, const q3_attention_half_out *half,
                               const q3_pass_stages *stages, void *run, q3_error *err);
 

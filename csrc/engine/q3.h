@@ -233,7 +233,7 @@ typedef struct {
  * out NULL: *n is the count alone; else Q3_ERR_VALUE when more than max entries. */
 q3_status q3_weight_table(const q3_config *cfg, q3_weights *w, int fused, const void **expert_ptrs,
                           q3_weight_entry *out, int64_t max, int64_t *n, q3_error *err);
-int64_t q3_weight_entry_numel(const q3_weight_entry *e);
+int64_t q3_weight_entry_numel(const q3_weight_entry *e); /* -1 when the count overflows int64 */
 /* DecoderLayer.random's draws into entry e's tensor data (dtype: its storage's, the layer's
  * for Q3_WS_LAYER); an E4M3 entry also fills its scale entry's fp32 tensor `scale`; a scale
  * entry fills nothing (its matrix does) */

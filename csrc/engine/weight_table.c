@@ -47,7 +47,12 @@ q3_status q3_weight_format_parse(const char *name, q3_weight_format *f, q3_error
                    q3_weight_format_list(list, sizeof list), name ? name : "(null)");
 }
 
-q3_weight_format q3_weight_format_of(q3_dtype q_proj) { return q_proj == Q3_E4M3 ? Q3_WF_FP8_BLOCK128 : Q3_WF_DENSE; }
+q3_weight_format q3_weight_format_of(q3_dtype q_proj) {
+    /* the format whose matrices are stored in q_proj's dtype; any other dtype: dense */
+    for (int i = 0; i < N_FORMATS; i++)
+        if (formats[i].matrix == Q3_WS_E4M3 && q_proj == Q3_E4M3) return (q3_weight_format)i;
+    return Q3_WF_DENSE;
+}
 
 q3_dense_weight q3_weight_format_dtype_source(q3_weight_format f) {
     return (unsigned)f < (unsigned)N_FORMATS ? formats[f].dtype_of : Q3_W_Q_PROJ;
@@ -100,8 +105,9 @@ static void add_matrix(table *t, const char *name, int rank, const int64_t *dims
 
 q3_status q3_weight_table(const q3_config *cfg, q3_weights *w, int fused, const void **expert_ptrs,
                           q3_weight_entry *out, int64_t max, int64_t *n, q3_error *err) {
+    char list[128];
     if ((unsigned)w->format >= (unsigned)N_FORMATS)
-        return q3_fail(err, Q3_ERR_VALUE, "weight_format: expected dense or fp8_e4m3_block128, got %d",
+        return q3_fail(err, Q3_ERR_VALUE, "weight_format: expected %s, got %d", q3_weight_format_list(list, sizeof list),
                        (int)w->format);
     table t = {out, 0, max, &formats[w->format]};
     const int scaled = t.fmt->scale_suffix != NULL;
@@ -152,9 +158,8 @@ q3_status q3_weight_table(const q3_config *cfg, q3_weights *w, int fused, const 
 }
 
 int64_t q3_weight_entry_numel(const q3_weight_entry *e) {
-    int64_t n = 1;
-    for (int d = 0; d < e->rank; d++) n *= e->dims[d];
-    return n;
+    int64_t n;
+    return q3_numel(e->rank, e->dims, &n) ? n : -1;
 }
 
 void q3_weight_fill_random(const q3_weight_entry *e, void *data, q3_dtype dtype, float *scale, uint64_t seed) {
@@ -165,7 +170,7 @@ void q3_weight_fill_random(const q3_weight_entry *e, void *data, q3_dtype dtype,
         q3_fill_random_from(data, dtype, n, seed, e->stream, e->first, mean, std);
         return;
     }
-    if (e->storage != Q3_WS_E4M3) return; /* a scale: drawn with its matrix */
+    if (e->storage != Q3_WS_E4M3 || n <= 0) return; /* a scale: drawn with its matrix */
     /* each matrix [rows, K] of the tensor quantized on its own, from its elements of the stream */
     const int64_t K = e->dims[e->rank - 1], rows = e->matrix_rows, count = n / (rows * K);
     const int64_t blocks = ((rows + 127) / 128) * ((K + 127) / 128);

@@ -80,17 +80,11 @@ static q3py_layer_object *layer_of(PyObject *m, PyObject *obj) {
     return NULL;
 }
 
-/* a setting of the layer's prefill MoE choice (path, or the times of ms when path is -3), under
- * the layer's lock: not while a call runs */
-static q3_status set_moe_hooks(q3py_layer_object *self, int path, const float *ms, int *now, q3_error *err) {
-    q3_status s;
+/* the layer's lock, waited for without the GIL: its settings change only while no call runs */
+static void lock_layer(q3py_layer_object *self) {
     Py_BEGIN_ALLOW_THREADS
     PyThread_acquire_lock(self->lock, WAIT_LOCK);
     Py_END_ALLOW_THREADS
-    s = path == -3 ? q3_layer_cuda_moe_inject_times(self->layer, ms, err)
-                   : q3_layer_cuda_moe_path(self->layer, path, now, err);
-    PyThread_release_lock(self->lock);
-    return s;
 }
 
 static PyObject *cuda_moe_path(PyObject *m, PyObject *args) {
@@ -105,7 +99,10 @@ static PyObject *cuda_moe_path(PyObject *m, PyObject *args) {
     if (!q3_cuda_loaded()) return not_loaded("cuda_moe_path");
     q3_error err;
     int now = -1;
-    if (set_moe_hooks(self, path, NULL, &now, &err) != Q3_OK) return q3_raise(NULL, &err);
+    lock_layer(self);
+    const q3_status s = q3_layer_cuda_moe_path(self->layer, path, &now, &err);
+    PyThread_release_lock(self->lock);
+    if (s != Q3_OK) return q3_raise(NULL, &err);
     return PyUnicode_FromString(now < 0 ? "measured" : q3_moe_path_names[now]);
 }
 
@@ -127,7 +124,10 @@ static PyObject *cuda_moe_inject_times(PyObject *m, PyObject *args) {
     }
     if (!q3_cuda_loaded()) return not_loaded("cuda_moe_inject_times");
     q3_error err;
-    if (set_moe_hooks(self, -3, times == Py_None ? NULL : ms, NULL, &err) != Q3_OK) return q3_raise(NULL, &err);
+    lock_layer(self);
+    const q3_status s = q3_layer_cuda_moe_inject_times(self->layer, times == Py_None ? NULL : ms, &err);
+    PyThread_release_lock(self->lock);
+    if (s != Q3_OK) return q3_raise(NULL, &err);
     Py_RETURN_NONE;
 }
 

@@ -201,13 +201,13 @@ static PyObject *forward(q3py_layer_object *self, PyObject *x_obj, PyObject *cac
     if (q3py_call_open(&c, self, x_obj, cache_obj, decode, seq_obj, chunk_obj, stream_obj, 0) < 0) return NULL;
     PyObject *y = NULL;
     q3_view out = {0};
-    if (q3py_insides_make(ins, c.st, self->layer, c.co->cache, &c.x, self->device, &c.a) < 0) {
-    } else if (out_obj != Py_None) {
+    const int made = q3py_insides_make(ins, c.st, self->layer, c.co->cache, &c.x, self->device, &c.a) == 0;
+    if (made && out_obj != Py_None) {
         if (q3_view_acquire_on(out_obj, "out", &out, self->device, 0, c.a.stream) == 0 && check_out(&out, &c.x) == 0) {
             y = Py_NewRef(out_obj);
             c.a.y = out.data;
         }
-    } else if ((y = (PyObject *)q3py_tensor_new_on(c.st, c.x.dtype, c.x.ndim, c.x.shape, self->device)) != NULL) {
+    } else if (made && (y = (PyObject *)q3py_tensor_new_on(c.st, c.x.dtype, c.x.ndim, c.x.shape, self->device))) {
         c.a.y = ((q3py_tensor_object *)y)->data;
     }
     if (y && q3py_call_run(&c, self, NULL) < 0) Py_CLEAR(y);

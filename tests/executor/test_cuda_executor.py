@@ -751,6 +751,10 @@ def moe_path_choice(grouped):
         _C.cuda_moe_path(gpu_g, "fastest")
     with pytest.raises(ValueError, match="times: expected a time for 'grouped_cublas'"):
         _C.cuda_moe_inject_times(fresh, {p: 1.0 for p in PATHS[:3]})
+    with pytest.raises(TypeError, match="times: expected a dict or None, got list"):
+        _C.cuda_moe_inject_times(fresh, [1.0] * len(PATHS))
+    with pytest.raises(TypeError, match="layer: expected a Layer, got str"):
+        _C.cuda_moe_path("grouped_wmma")
     setting = [_C.cuda_moe_path(gpu_g), _C.cuda_moe_path(fresh), _C.cuda_moe_path(gpu_g, "measured")]
     chosen = {}
     for fastest in PATHS:
