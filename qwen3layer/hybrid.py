@@ -4,8 +4,10 @@ device and whose other experts stay in host memory, run by the CPU kernels
 second implementation of either.
 
 A call (a decode step, or a prefill pass by pass: chunk_size tokens of each sequence a pass,
-after the whole call's checks, so that each side holds a pass's activations, not the call's):
-  1. the device layer's attention half over the pass;
+over the device layer's attention passes, which check the whole call first, so that each side
+holds a pass's activations, not the call's; qwen3layer.passes runs them, and a failure in any
+pass aborts the call, the cache rolled back by the engine):
+  1. the device layer's attention pass;
   2. the router's choices copied to the host; each goes to the side holding its expert (-1
      on the other);
   3. on the device, the rows with a host expert taken out (_C.take_rows: their normed input
@@ -31,9 +33,8 @@ from typing import Any, Optional, Sequence
 import torch
 
 from . import _C, cuda
-from .config import LayerConfig, pass_tokens
-from .passes import Insides, rewind
-from .trace import LayerTrace
+from .config import LayerConfig
+from .passes import run_passes
 from .routing import RoutingSummary
 
 STAT_KEYS = ("calls", "passes", "largest_pass_rows", "device_rows", "device_choices", "host_rows", "host_choices", "link_down_bytes",
@@ -138,25 +139,33 @@ class HybridRunner:
 
     def call(self, x: Any, cache: Any, decode: bool, seq: Optional[int] = None, chunk_size: Optional[int] = None,
              out: Any = None, **insides: Any) -> tuple:
-        """(y on the device, the call's insides from the attention half: (router logits,
-        experts, weights, maps), or None when none was asked); y is `out` (a contiguous torch
-        tensor of x's shape and dtype) when given. A prefill of more tokens than a pass takes
-        runs pass by pass (_passes): its activations are a pass's, as the other layers' are."""
-        kw = {} if decode else {"seq": seq, "chunk_size": chunk_size}
+        """(y on the device, the call's insides: the engine's (router logits, experts, weights,
+        maps), or None when none was asked); y is `out` (a contiguous torch tensor of x's shape
+        and dtype) when given. The device layer's attention passes (the whole call checked once,
+        qwen3layer.passes.run_passes), each pass's experts on both sides before the next: the
+        device and the host hold a pass's activations, never the call's."""
+        on_torch = isinstance(x, torch.Tensor)
         # torch tensors: the device's work on the caller's current stream, as DecoderLayer queues it
-        stream = torch.cuda.current_stream(self.index).cuda_stream if isinstance(x, torch.Tensor) else None
-        lengths = list(cache.lengths)
+        stream = torch.cuda.current_stream(self.index).cuda_stream if on_torch else None
+        kw = {} if decode else {"seq": seq, "chunk_size": chunk_size}
+        passes = self.device.attention_passes(x, cache, decode=decode, stream=stream, **kw, **insides)
         self.stats["calls"] += 1
-        try:
-            if not decode:  # the whole call's checks (a full cache, the maps' limit) before any pass runs
-                self.device.attention_half(x, cache, decode=False, check_only=True, stream=stream, **kw, **insides)
-                step = pass_tokens(chunk_size)
-                if x.shape[-2] > step:
-                    return self._passes(x, cache, stream, seq, step, out, insides)
-            return self._call(x, cache, decode, stream, kw, insides, out)
-        except BaseException:  # nothing half-written: the cache back to where the call began
-            rewind(cache, lengths)
-            raise
+        if on_torch:
+            y = out if isinstance(out, torch.Tensor) and out.is_contiguous() else _empty_like(x, self.index)
+        else:  # the executor's tensors have no views: a call of passes is put together on the host
+            y = None if passes.passes == 1 else torch.empty(tuple(x.shape), dtype=getattr(torch, str(x.dtype)))
+        last: list = []
+
+        def experts(halves: tuple, into: Any) -> Any:
+            y_p = self._experts(halves, on_torch, stream, into if on_torch else None)  # y on the host: not `into`
+            if y is None:
+                last.append(y_p)
+            return y_p if on_torch or y is None else _host(y_p)
+
+        trace = run_passes(passes, y, experts, decode=decode)
+        if y is None:
+            return last[0], trace
+        return (y if on_torch else _to_device(y, x, self.index)), trace
 
     def device_input(self, t: Any) -> Any:
         """an extension tensor made on the device (random_input) as the calls of users take
@@ -190,45 +199,10 @@ class HybridRunner:
         seconds["link"] = max(0.0, wall - sum(seconds.values()))
         return seconds
 
-    def _passes(self, x: Any, cache: Any, stream: Optional[int], seq: Optional[int], step: int, out: Any,
-                insides: dict) -> tuple:
-        """a prefill pass by pass, each pass's tokens through _call (the attention half, the
-        two sides' experts, the combine) and its rows placed into y: the device and the host
-        hold a pass's activations at a time, never the call's. The executor's tensors are cut
-        and placed through a host copy of x and y (it has no views)."""
-        on_torch = isinstance(x, torch.Tensor)
-        src = x if on_torch else torch.from_dlpack(_C.copy_tensor(x, -1))
-        if on_torch:
-            y = out if isinstance(out, torch.Tensor) and out.is_contiguous() else _empty_like(x, self.index)
-        else:
-            y = torch.empty(src.shape, dtype=src.dtype)
-        asked = insides.get("return_router") or insides.get("return_attention")
-        gathered = Insides(self.config, "prefill", src, cache, insides, seq) if asked else None
-        S = src.shape[-2]
-        for first in range(0, S, step):
-            sl = slice(first, min(first + step, S))
-            xp = src[..., sl, :].contiguous()
-            # one sequence's rows of a pass are a contiguous view of y: the combine writes them there
-            into = y[sl] if on_torch and y.dim() == 2 else None
-            y_p, trace = self._call(xp if on_torch else _to_device(xp, x, self.index), cache, False, stream,
-                                    {"seq": seq, "chunk_size": step}, insides, into)
-            if into is None:
-                y[..., sl, :] = y_p if on_torch else _host(y_p)
-            if gathered is not None:
-                gathered.add(sl, LayerTrace(None, *(None if t is None else torch.from_dlpack(t) if on_torch else _host(t)
-                                                    for t in trace)))
-        if gathered is None:
-            return (y if on_torch else _to_device(y, x, self.index)), None
-        parts = (gathered.logits, gathered.experts, gathered.weights, gathered.maps)
-        return (y if on_torch else _to_device(y, x, self.index)), tuple(
-            None if t is None else t if on_torch else _to_device(t, x, self.index) for t in parts)
-
-    def _call(self, x: Any, cache: Any, decode: bool, stream: Optional[int], kw: dict, insides: dict,
-              out: Any) -> tuple:
-        r = self.device.attention_half(x, cache, decode=decode, stream=stream, **kw, **insides)
-        (resid, normed, ids, w), trace = (r, None) if len(r) == 4 else (r[0], tuple(r[1:]))
-        if isinstance(x, torch.Tensor):  # a GPU: the halves' outputs as torch tensors (views), for the pinned copies
-            resid, normed, ids, w = (torch.from_dlpack(t) for t in (resid, normed, ids, w))
+    def _experts(self, halves: tuple, on_torch: bool, stream: Optional[int], into: Any) -> Any:
+        """one pass's experts on both sides and the combine: the pass's output rows (into, when
+        given: a contiguous torch view of the call's output)"""
+        resid, normed, ids, w = (torch.from_dlpack(t) for t in halves) if on_torch else halves
         H, k, link = resid.shape[-1], ids.shape[-1], self.link
         ids_h = link.down(ids, "ids").reshape(-1, k)
         gpu = self.on_gpu[ids_h.long()]
@@ -257,9 +231,9 @@ class HybridRunner:
             link.wait_down()
             self.host.expert_half(normed_h, torch.where(gpu, none, ids_h)[host_rows.long()].contiguous(), w_h,
                                   out=part)
-        y = out if isinstance(out, torch.Tensor) and out.is_contiguous() else _empty_like(x, self.index)
+        y = into if into is not None else _empty_like(normed, self.index)  # the pass's x's shape and dtype
         _C.combine_rows(resid, link.up(part, resid, "part"), rows_d, out=y, **place)
-        return y, trace
+        return y
 
 
 def _host(t: Any) -> torch.Tensor:

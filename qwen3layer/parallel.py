@@ -23,7 +23,6 @@ dtype (bf16 rows: the sums then differ from the single-process layer within bf16
 """
 from __future__ import annotations
 
-import math
 import time
 from typing import Any, Mapping, Optional, Sequence
 
@@ -31,12 +30,13 @@ import torch
 import torch.distributed as dist
 
 from . import _C
-from .config import LayerConfig, pass_tokens
-from .devices import device_index
+from .config import LayerConfig
+from .devices import device_index, stream_of
 from .layer import DecoderLayer, KVCache, hf_layer_parts
-from .passes import Insides, rewind
+from .passes import run_passes
 from .placement import check_placement as _check_placement
 from .placement import contiguous_placement
+from .trace import LayerTrace
 
 __all__ = ["ExpertParallelLayer", "contiguous_placement"]
 
@@ -192,20 +192,17 @@ class ExpertParallelLayer:
         """As DecoderLayer.prefill, x [S, hidden] or [batch, S, hidden]; S may be 0 (an empty
         call: no attention, 0 rows out, every exchange taken part in). x: a torch tensor, or
         anything with __dlpack__ (taken as a torch tensor, zero-copy); y is a torch tensor (or
-        out). The insides as DecoderLayer's, gathered pass by pass."""
+        out). The insides as DecoderLayer's, written by the engine pass by pass."""
         x = _as_torch(x)
-        tokens = x.shape[-2] if x.dim() >= 2 else 0
-        step = pass_tokens(chunk_size)
-        passes = math.ceil(tokens / step) if tokens else 0
         insides = dict(return_router=return_router, return_attention=return_attention, attention_limit=attention_limit)
-        return self._call("prefill", x, cache, passes, step, out, insides, seq=seq, chunk_size=chunk_size)
+        return self._call("prefill", x, cache, out, insides, seq=seq, chunk_size=chunk_size)
 
     def decode(self, x: Any, cache: KVCache, *, out: Any = None, return_router: bool = False,
                return_attention: bool = False, attention_limit: Optional[int] = None) -> Any:
         """As DecoderLayer.decode, x [batch, hidden]; x of 0 rows is the empty call."""
         x = _as_torch(x)
         insides = dict(return_router=return_router, return_attention=return_attention, attention_limit=attention_limit)
-        return self._call("decode", x, cache, 1 if x.shape[0] else 0, 1, out, insides)
+        return self._call("decode", x, cache, out, insides)
 
     def refuse(self, kind: str, error: BaseException, dtype: torch.dtype = torch.float32) -> None:
         """Takes part in a `kind` call ("prefill" or "decode") that failed on this rank before
@@ -220,64 +217,75 @@ class ExpertParallelLayer:
         finally:
             error = None  # see _exchange: no cycle through this frame
 
-    def _check(self, kind: str, x: torch.Tensor, cache: KVCache, passes: int, out: Any, insides: dict,
-               kw: dict) -> Any:
-        """this rank's call's problem (None: none), found by the engine's own checks"""
+    def _open(self, kind: str, x: torch.Tensor, cache: KVCache, out: Any, insides: dict, kw: dict) -> tuple:
+        """this rank's call's attention passes, opened (the engine's checks of the whole call),
+        or None for a call of no rows; and the call's problem (None: none), to be named on
+        every rank"""
         H = self.config.hidden_size
         if x.dim() < 2 or x.shape[-1] != H:
-            return ValueError(f"x: expected shape [..., hidden={H}], got {list(x.shape)}")
+            return None, ValueError(f"x: expected shape [..., hidden={H}], got {list(x.shape)}")
         if x.device != self._device:  # the empty call's x too: its exchanges are on the layer's device
-            return ValueError(f"x: expected a tensor on the layer's device {self._device}, got one on {x.device}")
+            return None, ValueError(f"x: expected a tensor on the layer's device {self._device}, got one on "
+                                    f"{x.device}")
         if out is not None and (not isinstance(out, torch.Tensor) or out.shape != x.shape or out.dtype != x.dtype
                                 or out.device != x.device):
             got = f"{type(out).__name__} {list(out.shape)} {out.dtype} on {out.device}" \
                 if isinstance(out, torch.Tensor) else type(out).__name__
-            return ValueError(f"out: expected a torch tensor of x's shape {list(x.shape)}, dtype {x.dtype} and "
-                              f"device {x.device}, got {got}")
-        if not passes:
-            return None
+            return None, ValueError(f"out: expected a torch tensor of x's shape {list(x.shape)}, dtype {x.dtype} and "
+                                    f"device {x.device}, got {got}")
+        if (x.shape[-2] if kind == "prefill" else x.shape[0]) == 0:  # the empty call: no passes of its own
+            return None, None
         try:
-            self.layer._core.attention_half(x, cache, **kw, decode=kind == "decode", check_only=True, **insides)
+            return self.layer._core.attention_passes(x, cache, **kw, decode=kind == "decode", **insides,
+                                                     stream=stream_of(x, self.layer._core.device)), None
         except Exception as e:  # raised on this rank, named on the others
-            return e
-        return None
+            return None, e
 
-    def _call(self, kind: str, x: torch.Tensor, cache: KVCache, passes: int, step: int, out: Any,
-              insides: dict, **kw) -> Any:
-        problem = self._check(kind, x, cache, passes, out, insides, kw)
-        calls = self._headers(kind, passes, x.dtype, problem)
+    def _call(self, kind: str, x: torch.Tensor, cache: KVCache, out: Any, insides: dict, **kw) -> Any:
+        passes, problem = self._open(kind, x, cache, out, insides, kw)
         try:
+            calls = self._headers(kind, passes.passes if passes is not None else 0, x.dtype, problem)
             self._agree(calls, problem)
+        except BaseException:
+            if passes is not None:  # another rank's call failed, or none answered: this one runs nothing
+                passes.abort()
+            raise
         finally:
             problem = None  # see _exchange: no cycle through this frame
         total = max(c[1] for c in calls)
-        lengths = None if not passes else list(cache.lengths)
         y = out if out is not None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        trace = Insides(self.config, kind, x, cache, insides, kw.get("seq")) \
-            if insides["return_router"] or insides["return_attention"] else None
-        try:
-            for p in range(total):
-                if p >= passes:
-                    self._exchange(None, None, None, None, x.dtype)
-                    continue
-                sl = slice(None) if kind == "decode" else slice(p * step, (p + 1) * step)  # the pass's tokens
-                xp = x if kind == "decode" else x[..., sl, :].contiguous()
-                t0 = time.perf_counter()
-                r = self.layer.attention_half(xp, cache, decode=kind == "decode", **insides,
-                                              **({} if kind == "decode" else {"seq": kw.get("seq")}))
-                self.stats["attention_s"] += time.perf_counter() - t0
-                if trace is not None:
-                    trace.add(sl, r[4])
-                y_p = self._exchange(*(t.reshape(-1, t.shape[-1]) for t in r[:4]), x.dtype).reshape(xp.shape)
-                if kind == "decode":
-                    y.copy_(y_p)
-                else:
-                    y[..., sl, :] = y_p
-        except BaseException:
-            if lengths is not None:  # nothing half-written: the cache back to where the call began
-                rewind(cache, lengths)
-            raise
-        return y if trace is None else trace.done(y)
+        asked = insides["return_router"] or insides["return_attention"]
+        if passes is None:  # no rows here: an empty exchange in each of the other ranks' passes
+            for _ in range(total):
+                self._exchange(None, None, None, None, x.dtype)
+            return y if not asked else LayerTrace(y, *self._no_insides(kind, x, insides))
+        mark = [time.perf_counter()]
+
+        def experts(halves: Optional[tuple], into: Any) -> Optional[torch.Tensor]:
+            if halves is None:
+                return self._exchange(None, None, None, None, x.dtype)
+            self.stats["attention_s"] += time.perf_counter() - mark[0]  # the pass's attention, since the last
+            rows = [torch.from_dlpack(t) for t in halves]
+            y_p = self._exchange(*(t.reshape(-1, t.shape[-1]) for t in rows), x.dtype).reshape(rows[1].shape)
+            mark[0] = time.perf_counter()
+            return y_p
+
+        got = run_passes(passes, y, experts, decode=kind == "decode", total=total)
+        return y if got is None else LayerTrace(y, *(None if t is None else torch.from_dlpack(t) for t in got))
+
+    def _no_insides(self, kind: str, x: torch.Tensor, insides: dict) -> tuple:
+        """the insides of a call of no rows: empty tensors of the shapes a call's have"""
+        c, lead, at = self.config, tuple(x.shape[:-1]), x.device
+        router, maps = None, None
+        if insides["return_router"]:
+            router = (torch.zeros(lead + (c.num_experts,), device=at),
+                      torch.zeros(lead + (c.num_experts_per_tok,), dtype=torch.int32, device=at),
+                      torch.zeros(lead + (c.num_experts_per_tok,), device=at))
+        if insides["return_attention"]:
+            decode = kind == "decode"
+            batch = x.shape[0] if decode or x.dim() == 3 else 1
+            maps = torch.zeros(batch, c.num_attention_heads, 1 if decode else 0, 0, device=at)
+        return (*(router or (None, None, None)), maps)
 
     def _headers(self, kind: str, passes: int, dtype: torch.dtype, problem: Any) -> list:
         """every rank's (kind, passes, its checks' message or None, x's dtype): one all_gather

@@ -1,57 +1,45 @@
-"""A prefill run pass by pass by Python around the layer's halves (the expert-parallel layer,
-qwen3layer.parallel, and the layer split over the GPU and the host, qwen3layer.hybrid): the
-insides of each pass gathered into the whole call's."""
+"""One layer call run pass by pass over the engine's attention passes, with the experts run
+elsewhere between them: the Python pass runner the layer split over the GPU and the host
+(qwen3layer.hybrid) and the expert-parallel layer (qwen3layer.parallel) share.
+
+The engine checks the whole call once when its passes open (Layer.attention_passes), writes
+the call's insides at the call's rows as each pass runs, and rolls the cache back to where the
+call began when the call is aborted: a failure anywhere in a pass (the experts elsewhere
+included, a collective's timeout, Ctrl-C) leaves nothing half-written. This loop is in Python,
+not in the engine's own pass loop, because the experts elsewhere are Python's (the split's
+pinned copies and the host layer, a torch.distributed exchange): called back from inside the
+engine, they would run under the layer's lock, which the expert-parallel layer's own experts
+take again, and a collective would wait with the engine's call half done."""
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
-
-import torch
-
-from ._C import KVCache
-from .config import LayerConfig
+from typing import Any, Callable, Optional
 
 
-def rewind(cache: Any, lengths: Sequence[int]) -> None:
-    """each sequence of the cache back to lengths[s] tokens: what a call that failed after
-    appending (a split layer's, qwen3layer.hybrid and qwen3layer.parallel) undoes"""
-    for s, n in enumerate(lengths):
-        if cache.lengths[s] != n:
-            cache.truncate(n, s)
-
-
-class Insides:
-    """A call's insides gathered pass by pass into the shapes DecoderLayer gives for the whole
-    call: router rows at the pass's tokens; attention maps [batch, heads, tokens, context] with
-    each pass's columns (the cache so far) placed and the rest 0, as the whole call's are where
-    a query does not look."""
-
-    def __init__(self, c: LayerConfig, kind: str, x: torch.Tensor, cache: KVCache, insides: dict,
-                 seq: Optional[int]) -> None:
-        lead = tuple(x.shape[:-1])
-        self.router = insides["return_router"]
-        at = x.device
-        self.logits = torch.zeros(lead + (c.num_experts,), device=at) if self.router else None
-        self.experts = torch.zeros(lead + (c.num_experts_per_tok,), dtype=torch.int32, device=at) \
-            if self.router else None
-        self.weights = torch.zeros(lead + (c.num_experts_per_tok,), device=at) if self.router else None
-        self.maps = None
-        if insides["return_attention"]:
-            decode = kind == "decode"
-            batch = x.shape[0] if decode or x.dim() == 3 else 1
-            tokens = 1 if decode else x.shape[-2]
-            seqs = range(batch) if decode or x.dim() == 3 else [seq or 0]
-            context = max((cache.lengths[s] + tokens for s in seqs), default=0) if x.shape[0] else 0
-            self.maps = torch.zeros(batch, c.num_attention_heads, tokens, context, device=at)
-
-    def add(self, sl: slice, trace: Any) -> None:
-        if self.router:
-            for mine, theirs in ((self.logits, trace.router_logits), (self.experts, trace.experts),
-                                 (self.weights, trace.expert_weights)):
-                mine[..., sl, :] = theirs
-        if self.maps is not None:
-            maps = trace.attention
-            self.maps[:, :, sl, :maps.shape[-1]] = maps
-
-    def done(self, y: torch.Tensor) -> Any:
-        from .trace import LayerTrace
-        return LayerTrace(y, self.logits, self.experts, self.weights, self.maps)
+def run_passes(passes: Any, y: Any, experts: Callable[[Optional[tuple], Any], Any], *, decode: bool,
+               total: Optional[int] = None) -> Optional[tuple]:
+    """Runs the open _C.AttentionPasses `passes` to the end, then closes it: each pass's
+    halves (resid, normed, experts, weights) go to experts(halves, into), which returns the
+    pass's output rows (into, when it wrote them there). y: the call's output, a torch tensor
+    of x's shape, or None when the caller keeps each pass's output itself (the executor's
+    tensors, which have no views). `into` is the pass's rows of y when they are a contiguous
+    view of it (one sequence, or decode), else None; other rows are copied into y. total: the
+    passes to take part in (the expert-parallel layer's ranks run as many as the longest
+    call), each past this call's own as experts(None, None). Returns the insides from close()
+    ((router logits, experts, weights, attention), the engine's tensors) or None; on any
+    exception the passes are aborted, the cache rolled back, and the exception raised."""
+    try:
+        first = 0
+        for _ in range(passes.passes):
+            halves = next(passes)
+            sl = slice(first, passes.next_token)
+            first = passes.next_token
+            into = None if y is None else y if decode else y[sl] if y.dim() == 2 else None
+            out = experts(halves, into)
+            if y is not None and out is not into:
+                (y if decode else y[..., sl, :]).copy_(out)
+        for _ in range(passes.passes, total or 0):
+            experts(None, None)
+        return passes.close()
+    except BaseException:  # the cache back to where the call began, in the engine
+        passes.abort()
+        raise

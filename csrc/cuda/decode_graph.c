@@ -60,7 +60,7 @@ static int sync_state(q3_decode_graph *g, void *stream) {
 static void enqueue_step(q3_decode_graph *g, q3_dtype io_dtype, q3_gpu_run *run) {
     q3_layer *l = g->layer;
     const int64_t rows = (int64_t)g->n_seqs * l->cfg.hidden;
-    const q3_pass p = {NULL, NULL, g->n_seqs, g->seqs, 1, NULL, 0};
+    const q3_pass p = {NULL, NULL, g->n_seqs, g->seqs, 1, NULL, 0, 0};
     Q3_GPU(run, run->g->to_f32(g->ws.dev.x, g->input, io_dtype, rows, run->stream), "input");
     q3_gpu_attention_pass(l, g->cache, &p, g->cache->capacity, run);
     q3_gpu_moe_pass(l, &p, run);

@@ -22,7 +22,7 @@ q3_status q3_layer_cuda_config_check(const q3_config *cfg, q3_error *err) {
 }
 
 q3_status q3_layer_forward_cuda(q3_layer *l, q3_cache *c, const q3_forward_args *a, q3_error *err) {
-    return q3_layer_cuda_passes(l, c, a, NULL, err);
+    return q3_layer_cuda_passes(l, c, a, NULL, NULL, err);
 }
 
 /* ---- a CUDA device's stages of the engine's pass loop (q3_layer_run_passes), on the run's
@@ -92,11 +92,11 @@ static const q3_pass_stages gpu_stages = {gpu_input, gpu_attention, gpu_route, g
                                           gpu_output, gpu_end, gpu_failed, gpu_failure};
 
 q3_status q3_layer_cuda_passes(q3_layer *l, q3_cache *c, const q3_forward_args *a, const q3_attention_half_out *half,
-                               q3_error *err) {
+                               q3_pass_cursor *cur, q3_error *err) {
     const int64_t step = q3_call_step(a);
     q3_status s = q3_layer_cuda_reserve(l, step * a->n_seqs, a->n_seqs, err);
     if (s != Q3_OK) return s;
     q3_gpu_run run = {q3_cuda(), a->stream, 0, NULL, l->prof.enabled ? &l->prof : NULL, l->gpu, &l->gpu->ws};
     Q3_GPU(&run, run.g->set_device(l->w.device), "cudaSetDevice");
-    return q3_layer_run_passes(l, c, a, half, &gpu_stages, &run, err);
+    return q3_layer_run_passes(l, c, a, half, cur, &gpu_stages, &run, err);
 }

@@ -4,7 +4,8 @@
  * the device workspace into the call's outputs. The expert half is the experts stage of
  * passes.c on rows handed in. Every tensor is in the layer's device's memory, row-major:
  * rows [n, H], experts [n, top_k] int32, weights [n, top_k] fp32, out [n, H]; the attention
- * half's outputs have rows r = s * tokens + t as x. */
+ * half's outputs have rows r = s * tokens + t as x (a pass's alone, q3_layer_attention_pass:
+ * r = s * L + t). */
 #include "passes.h"
 
 void q3_gpu_attention_half_write(const q3_layer *l, const q3_pass *p, const q3_attention_half_out *half,
@@ -12,9 +13,10 @@ void q3_gpu_attention_half_write(const q3_layer *l, const q3_pass *p, const q3_a
     const q3_workspace *d = &run->ws->dev;
     const int64_t H = l->cfg.hidden, k = l->cfg.top_k, L = p->L;
     const size_t es = q3_dtype_size(half->normed_dtype);
-    const int whole = L == p->call->tokens; /* the pass's rows are the call's, in order: one copy each */
+    /* the pass's rows lie in the outputs as in the workspace, in order: one copy each */
+    const int whole = L == p->call->tokens || p->half_of_pass;
     for (int s = 0; s < (whole ? 1 : p->n_seqs) && !run->code; s++) {
-        const int64_t src = s * L, dst = s * p->call->tokens + p->t0, n = (whole ? p->n_seqs : 1) * L;
+        const int64_t src = s * L, dst = q3_half_row(p, s), n = (whole ? p->n_seqs : 1) * L;
         Q3_GPU(run, run->g->copy_device_async(half->resid + dst * H, d->x + src * H, (size_t)(n * H) * sizeof(float),
                                               run->stream), "resid");
         Q3_GPU(run, run->g->from_f32((char *)half->normed + (size_t)(dst * H) * es, half->normed_dtype, d->h + src * H,
@@ -27,8 +29,8 @@ void q3_gpu_attention_half_write(const q3_layer *l, const q3_pass *p, const q3_a
 }
 
 q3_status q3_layer_attention_half_cuda(q3_layer *l, q3_cache *c, const q3_forward_args *a,
-                                       const q3_attention_half_out *out, q3_error *err) {
-    return q3_layer_cuda_passes(l, c, a, out, err);
+                                       const q3_attention_half_out *out, q3_pass_cursor *cur, q3_error *err) {
+    return q3_layer_cuda_passes(l, c, a, out, cur, err);
 }
 
 /* The rows go through the experts in one pass (each expert's weights read once). Up to a
@@ -70,7 +72,7 @@ q3_status q3_layer_expert_half_cuda(q3_layer *l, const q3_expert_half_args *a, q
         Q3_GPU(&run, g->copy_device_async(d->topk_w, a->weights, pairs * sizeof(float), sm), "weights");
     }
     q3_gpu_mark(&run, Q3_STAGE_IO);
-    const q3_pass p = {NULL, NULL, 1, NULL, n, NULL, 0};
+    const q3_pass p = {NULL, NULL, 1, NULL, n, NULL, 0, 0};
     q3_gpu_experts_rows(l, &p, &run, on_device);
     Q3_GPU(&run, g->from_f32(a->out, a->out_dtype, d->x, n * H, sm), "out");
     q3_gpu_mark(&run, Q3_STAGE_IO);

@@ -13,14 +13,14 @@
 q3_status q3_layer_forward_cuda(q3_layer *layer, q3_cache *cache, const q3_forward_args *a, q3_error *err);
 q3_status q3_layer_cuda_config_check(const q3_config *cfg, q3_error *err);
 q3_status q3_layer_attention_half_cuda(q3_layer *layer, q3_cache *cache, const q3_forward_args *a,
-                                       const q3_attention_half_out *out, q3_error *err);
+                                       const q3_attention_half_out *out, q3_pass_cursor *cur, q3_error *err);
 q3_status q3_layer_expert_half_cuda(q3_layer *layer, const q3_expert_half_args *a, q3_error *err);
 
 /* The passes of a checked call chunk by chunk (layer.c): the whole layer (half NULL), or its
  * attention half, each pass stopped after the router and its rows written to half's outputs
- * (q3_gpu_attention_half_write). The device state grown for passes of the call's rows first. */
+ * (q3_gpu_attention_half_write); cur: the cursor's next pass alone. The device state grown for passes of the call's rows first. */
 q3_status q3_layer_cuda_passes(q3_layer *layer, q3_cache *cache, const q3_forward_args *a,
-                               const q3_attention_half_out *half, q3_error *err);
+                               const q3_attention_half_out *half, q3_pass_cursor *cur, q3_error *err);
 
 /* A decode pass's starting state: sequences seqs [n]'s lengths and cache rows, staged in the
  * host arrays lengths [n] and rows [n] (which must outlive nothing: copies from pageable

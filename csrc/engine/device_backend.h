@@ -26,12 +26,13 @@ typedef struct {
     /* q3_layer_forward of a layer whose weights live on the device, after the engine checked
      * the call (csrc/engine/layer.c); same contract */
     q3_status (*layer_forward)(q3_layer *layer, q3_cache *cache, const q3_forward_args *a, q3_error *err);
-    /* q3_layer_attention_half and q3_layer_expert_half of such a layer, after the engine's
+    /* q3_layer_attention_half (cur NULL: the whole call) or q3_layer_attention_pass (the
+     * cursor's next pass) and q3_layer_expert_half of such a layer, after the engine's
      * checks (csrc/engine/layer_halves.c; the expert ids are the backend's to check, through
      * q3_layer_check_expert_ids, once it has them on the host); same contracts, the outputs in
      * the device's memory */
     q3_status (*layer_attention_half)(q3_layer *layer, q3_cache *cache, const q3_forward_args *a,
-                                      const q3_attention_half_out *out, q3_error *err);
+                                      const q3_attention_half_out *out, q3_pass_cursor *cur, q3_error *err);
     q3_status (*layer_expert_half)(q3_layer *layer, const q3_expert_half_args *a, q3_error *err);
     /* q3_take_rows and q3_combine_rows (q3.h) on the device's memory, after the engine checked
      * the sizes and dtypes; same contracts (the rows read back and checked before any work) */

@@ -250,7 +250,7 @@ q3_status q3_layer_forward(q3_layer *l, q3_cache *c, const q3_forward_args *a, q
         if (!q3_device()) return q3_fail(err, Q3_ERR_STATE, "cuda: the CUDA backend is not loaded");
         return q3_device()->layer_forward(l, c, a, err);
     }
-    return q3_layer_passes(l, c, a, NULL, err);
+    return q3_layer_passes(l, c, a, NULL, NULL, err);
 }
 
 static const char *const stage_names[Q3_STAGE_COUNT] = {

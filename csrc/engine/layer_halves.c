@@ -16,7 +16,7 @@ void q3_attention_half_write(const q3_layer *l, const q3_pass *p, const q3_atten
     const int64_t H = l->cfg.hidden, k = l->cfg.top_k, L = p->L;
     const size_t es = q3_dtype_size(half->normed_dtype);
     for (int s = 0; s < p->n_seqs; s++) {
-        const int64_t src = s * L, dst = s * p->call->tokens + p->t0; /* rows of the pass, of the call */
+        const int64_t src = s * L, dst = q3_half_row(p, s); /* rows of the pass, of the outputs */
         memcpy(half->resid + dst * H, ws->x + src * H, (size_t)(L * H) * sizeof(float));
         p->k->from_f32((char *)half->normed + (size_t)(dst * H) * es, half->normed_dtype, ws->h + src * H, L * H);
         memcpy(half->experts + dst * k, ws->topk_idx + src * k, (size_t)(L * k) * sizeof(int32_t));
@@ -29,17 +29,66 @@ q3_status q3_layer_check_attention_half(const q3_layer *l, const q3_cache *c, co
     return q3_layer_check_pass(l, c, a, err);
 }
 
-q3_status q3_layer_attention_half(q3_layer *l, q3_cache *c, const q3_forward_args *a,
-                                  const q3_attention_half_out *out, q3_error *err) {
-    const q3_status s = q3_layer_check_attention_half(l, c, a, err);
-    if (s != Q3_OK) return s;
+static q3_status check_half_out(const q3_attention_half_out *out, q3_error *err) {
     if (!out || !out->resid || !out->normed || !out->experts || !out->weights)
         return q3_fail(err, Q3_ERR_VALUE, "attention_half: expected its four outputs, got a NULL one");
     if (!io_dtype_ok(out->normed_dtype))
         return q3_fail(err, Q3_ERR_TYPE, "normed: expected float32 or bfloat16, got dtype %d",
                        (int)out->normed_dtype);
-    if (l->w.device >= 0) return q3_device() ? q3_device()->layer_attention_half(l, c, a, out, err) : no_backend(err);
-    return q3_layer_passes(l, c, a, out, err);
+    return Q3_OK;
+}
+
+/* the call's passes on the layer's device: every one (cur NULL), or the cursor's next */
+static q3_status half_passes(q3_layer *l, q3_cache *c, const q3_forward_args *a, const q3_attention_half_out *out,
+                             q3_pass_cursor *cur, q3_error *err) {
+    if (l->w.device >= 0)
+        return q3_device() ? q3_device()->layer_attention_half(l, c, a, out, cur, err) : no_backend(err);
+    return q3_layer_passes(l, c, a, out, cur, err);
+}
+
+q3_status q3_layer_attention_half(q3_layer *l, q3_cache *c, const q3_forward_args *a,
+                                  const q3_attention_half_out *out, q3_error *err) {
+    q3_status s = q3_layer_check_attention_half(l, c, a, err);
+    if (s == Q3_OK) s = check_half_out(out, err);
+    return s != Q3_OK ? s : half_passes(l, c, a, out, NULL, err);
+}
+
+q3_status q3_layer_attention_passes_begin(const q3_layer *l, const q3_cache *c, const q3_forward_args *a,
+                                          q3_pass_cursor *cur, q3_error *err) {
+    *cur = (q3_pass_cursor){0};
+    const q3_status s = q3_layer_check_attention_half(l, c, a, err);
+    cur->open = s == Q3_OK;
+    return s;
+}
+
+int64_t q3_pass_cursor_tokens(const q3_forward_args *a, const q3_pass_cursor *cur) {
+    if (!cur->open || cur->next >= a->tokens) return 0;
+    const int64_t step = q3_call_step(a);
+    return a->tokens - cur->next < step ? a->tokens - cur->next : step;
+}
+
+q3_status q3_layer_attention_pass(q3_layer *l, q3_cache *c, const q3_forward_args *a, q3_pass_cursor *cur,
+                                  const q3_attention_half_out *out, q3_error *err) {
+    if (!cur->open)
+        return q3_fail(err, Q3_ERR_STATE, "attention_pass: the call's passes were not begun, or were rolled back "
+                       "after a failure or an abort");
+    const int64_t L = q3_pass_cursor_tokens(a, cur);
+    if (L == 0)
+        return q3_fail(err, Q3_ERR_STATE, "attention_pass: every pass of the call has run (%lld tokens a sequence)",
+                       (long long)a->tokens);
+    /* the call was checked at its beginning; what the cache's owner may have done since must
+     * still leave room for this pass's K/V */
+    for (int i = 0; i < a->n_seqs; i++)
+        if (L > c->capacity - c->lengths[a->seqs[i]]) {
+            q3_layer_attention_passes_abort(c, a, cur);
+            return q3_fail(err, Q3_ERR_CACHE_FULL, "sequence %d holds %lld of %lld tokens: the pass's %lld more do "
+                           "not fit (the cache changed between the call's passes)", (int)a->seqs[i],
+                           (long long)c->lengths[a->seqs[i]], (long long)c->capacity, (long long)L);
+        }
+    q3_status s = check_half_out(out, err);
+    if (s == Q3_OK) s = half_passes(l, c, a, out, cur, err);
+    if (s != Q3_OK) q3_layer_attention_passes_abort(c, a, cur); /* a failed pass rolls the whole call back */
+    return s;
 }
 
 q3_status q3_layer_check_expert_ids(const q3_layer *l, const int32_t *experts, int64_t n, int *skip, q3_error *err) {

@@ -21,9 +21,9 @@ static inline void q3_project(const q3_layer *l, const q3_cpu_ops *k, float *y, 
 /* q3_layer_check_call without its demand for every expert (the attention half's checks) */
 q3_status q3_layer_check_pass(const q3_layer *l, const q3_cache *c, const q3_forward_args *a, q3_error *err);
 /* the CPU passes of a checked call: the whole layer (half NULL), or its attention half
- * (layer.c); a pass's half outputs written from the workspace (layer_halves.c) */
+ * (layer.c), all of the call's or the cursor's next (layer_halves.c); a pass's half outputs written from the workspace (layer_halves.c) */
 q3_status q3_layer_passes(q3_layer *l, q3_cache *c, const q3_forward_args *a, const q3_attention_half_out *half,
-                          q3_error *err);
+                          q3_pass_cursor *cur, q3_error *err);
 void q3_attention_half_write(const q3_layer *l, const q3_pass *p, const q3_attention_half_out *half);
 /* x += o_proj(attention(rmsnorm(x))); appends the pass's K/V to the cache */
 void q3_attention_block(q3_layer *layer, q3_cache *cache, const q3_pass *p);

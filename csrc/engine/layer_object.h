@@ -36,7 +36,14 @@ typedef struct {
     int64_t L;
     const q3_forward_args *call; /* the call's introspection outputs (NULL: none) */
     int64_t t0;                  /* the pass's first token of each sequence within the call */
+    int half_of_pass;            /* the attention half's outputs hold this pass's rows alone (s * L + t),
+                                    not the call's (s * tokens + t0 + t): q3_layer_attention_pass */
 } q3_pass;
+
+/* the row of the attention half's outputs where sequence s's rows of pass p start */
+static inline int64_t q3_half_row(const q3_pass *p, int s) {
+    return p->half_of_pass ? s * p->L : s * p->call->tokens + p->t0;
+}
 
 /* whether the call asks for the router's outputs */
 static inline int q3_pass_wants_router(const q3_pass *p) {
@@ -93,8 +100,10 @@ typedef struct {
  * each pass's stages in turn (half NULL: the whole layer; else its attention half), each
  * sequence's cache length advanced after its pass. An interrupt between passes, or a failed
  * stage, rolls the lengths back to where the call began (one roll-back) and returns the
- * failure: Q3_ERR_INTERRUPTED, or the device's. The caller reserves the device's workspace first. */
+ * failure: Q3_ERR_INTERRUPTED, or the device's. cur NULL: every pass of the call; else the
+ * next pass alone, the cursor advanced (q3_layer_attention_pass: half's rows the pass's). The
+ * caller reserves the device's workspace first. */
 q3_status q3_layer_run_passes(q3_layer *l, q3_cache *c, const q3_forward_args *a, const q3_attention_half_out *half,
-                              const q3_pass_stages *stages, void *run, q3_error *err);
+                              q3_pass_cursor *cur, const q3_pass_stages *stages, void *run, q3_error *err);
 
 #endif

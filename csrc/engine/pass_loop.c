@@ -4,24 +4,28 @@
  * (q3_layer_passes). A CUDA device's stages are csrc/cuda/layer.c's. */
 #include "layer_internal.h"
 
-/* each sequence of the call back by the `advanced` tokens its passes added */
-static void roll_back(q3_cache *c, const q3_forward_args *a, int64_t advanced) {
-    for (int i = 0; i < a->n_seqs; i++) c->lengths[a->seqs[i]] -= advanced;
+/* each sequence of the call back by the tokens its passes added: the one roll-back, of a
+ * stopped loop and of an aborted run of passes (q3_layer_attention_passes_abort) */
+static void roll_back(q3_cache *c, const q3_forward_args *a, q3_pass_cursor *cur) {
+    for (int i = 0; i < a->n_seqs; i++) c->lengths[a->seqs[i]] -= cur->advanced;
+    *cur = (q3_pass_cursor){0};
 }
 
 q3_status q3_layer_run_passes(q3_layer *l, q3_cache *c, const q3_forward_args *a, const q3_attention_half_out *half,
-                              const q3_pass_stages *s, void *run, q3_error *err) {
+                              q3_pass_cursor *cur, const q3_pass_stages *s, void *run, q3_error *err) {
     const int64_t step = q3_call_step(a);
     const q3_cpu_ops *k = q3_cpu_ops_active();
-    int64_t advanced = 0; /* tokens added to each sequence's length so far */
-    for (int64_t t0 = 0; t0 < a->tokens && !s->failed(run); t0 += step) {
+    q3_pass_cursor whole = {0, 0, 1};
+    q3_pass_cursor *at = cur ? cur : &whole; /* where the passes start, what they added so far */
+    const int64_t until = cur && cur->next + step < a->tokens ? cur->next + step : a->tokens;
+    for (int64_t t0 = at->next; t0 < until && !s->failed(run); t0 += step) {
         const int64_t L = a->tokens - t0 < step ? a->tokens - t0 : step;
         if (t0 > 0 && a->interrupted && a->interrupted(a->interrupt_ctx)) {
             /* a device's queued passes finish on their own: their K/V lie past the lengths */
-            roll_back(c, a, advanced);
+            roll_back(c, a, at);
             return q3_layer_interrupted(err, t0, a->tokens);
         }
-        const q3_pass p = {k, &l->prof, a->n_seqs, a->seqs, L, a, t0};
+        const q3_pass p = {k, &l->prof, a->n_seqs, a->seqs, L, a, t0, cur != NULL};
         s->input(l, &p, run);
         s->attention(l, c, &p, run);
         s->route(l, &p, run);
@@ -32,12 +36,17 @@ q3_status q3_layer_run_passes(q3_layer *l, q3_cache *c, const q3_forward_args *a
             s->output(l, &p, run);
         }
         for (int i = 0; i < a->n_seqs; i++) c->lengths[a->seqs[i]] += L;
-        advanced += L;
+        at->advanced += L;
+        at->next = t0 + L;
         s->end(l, &p, run);
     }
     if (!s->failed(run)) return Q3_OK;
-    roll_back(c, a, advanced);
+    roll_back(c, a, at);
     return s->failure(run, err);
+}
+
+void q3_layer_attention_passes_abort(q3_cache *c, const q3_forward_args *a, q3_pass_cursor *cur) {
+    if (cur->open) roll_back(c, a, cur);
 }
 
 /* ---- the CPU's stages: the workspace's rows, the blocks of attention_block.c and moe_block.c */
@@ -102,9 +111,9 @@ static const q3_pass_stages cpu_stages = {cpu_input, cpu_attention, cpu_route, c
                                           cpu_output, cpu_end, cpu_failed, cpu_failure};
 
 q3_status q3_layer_passes(q3_layer *l, q3_cache *c, const q3_forward_args *a, const q3_attention_half_out *half,
-                          q3_error *err) {
+                          q3_pass_cursor *cur, q3_error *err) {
     const int64_t step = q3_call_step(a);
     const q3_status s =
         q3_workspace_reserve(&l->ws, &l->cfg, l->w.format == Q3_WF_FP8_BLOCK128, step * a->n_seqs, a->n_seqs, err);
-    return s != Q3_OK ? s : q3_layer_run_passes(l, c, a, half, &cpu_stages, NULL, err);
+    return s != Q3_OK ? s : q3_layer_run_passes(l, c, a, half, cur, &cpu_stages, NULL, err);
 }

@@ -333,6 +333,29 @@ q3_status q3_layer_attention_half(q3_layer *layer, q3_cache *cache, const q3_for
 q3_status q3_layer_check_attention_half(const q3_layer *layer, const q3_cache *cache, const q3_forward_args *a,
                                         q3_error *err);
 
+/* The attention half a pass at a time, for a caller that moves each pass's rows elsewhere
+ * before the next (qwen3layer's split and expert-parallel layers): begin checks the whole
+ * call once (q3_layer_check_attention_half) and zeroes the cursor; each q3_layer_attention_pass
+ * runs the next pass (q3_pass_cursor_tokens(a, cur) tokens of each sequence) with its outputs
+ * holding that pass's rows alone, r = s * L + t, and the call's insides (a's) written at the
+ * call's rows as q3_layer_forward writes them; abort rolls every sequence back to where the
+ * call began. A failed pass rolls back the whole call itself and leaves the cursor unusable.
+ * The caller keeps the cache from other calls between the passes (a pass checks only that
+ * its tokens still fit). a->interrupted is not polled (the caller's loop is between passes). */
+typedef struct {
+    int64_t next;     /* the first token of the next pass, of each sequence */
+    int64_t advanced; /* the tokens the passes so far appended to each sequence */
+    int open;         /* 1 from a successful begin until a failure or the abort */
+} q3_pass_cursor;
+
+q3_status q3_layer_attention_passes_begin(const q3_layer *layer, const q3_cache *cache, const q3_forward_args *a,
+                                          q3_pass_cursor *cur, q3_error *err);
+/* the tokens of each sequence the next pass takes: 0 once every pass has run */
+int64_t q3_pass_cursor_tokens(const q3_forward_args *a, const q3_pass_cursor *cur);
+q3_status q3_layer_attention_pass(q3_layer *layer, q3_cache *cache, const q3_forward_args *a, q3_pass_cursor *cur,
+                                  const q3_attention_half_out *out, q3_error *err);
+void q3_layer_attention_passes_abort(q3_cache *cache, const q3_forward_args *a, q3_pass_cursor *cur);
+
 /* The expert half: out [n, H] (=, or += when acc) sum over j of weights[i, j] x
  * expert_{experts[i, j]}(rows[i]); an entry of -1 is skipped (an expert held elsewhere), every
  * other must be an expert the layer holds (Q3_ERR_VALUE naming [i, j] otherwise, before any

@@ -22,6 +22,7 @@ q3py_cache_object *q3py_cache_object_new(q3_module_state *st, int batch, int64_t
     }
     o->cache = c;
     o->busy = 0;
+    o->passes_open = 0;
     o->views_owner = NULL;
     return o;
 }
@@ -83,9 +84,11 @@ int q3py_cache_retire_views(q3py_cache_object *o, q3_cache_blocks *old) {
 }
 
 int q3py_cache_check_idle(q3py_cache_object *o) {
-    if (!o->busy) return 0;
-    PyErr_SetString(PyExc_RuntimeError, "cache: in use by a running layer call on another thread");
-    return -1;
+    if (o->busy) PyErr_SetString(PyExc_RuntimeError, "cache: in use by a running layer call on another thread");
+    else if (o->passes_open)
+        PyErr_SetString(PyExc_RuntimeError, "cache: in the middle of a layer call run pass by pass "
+                        "(Layer.attention_passes); close() or abort() it first");
+    return o->busy || o->passes_open ? -1 : 0;
 }
 
 PyObject *q3_status_or_none(q3_status s, const q3_error *err) {

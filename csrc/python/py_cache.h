@@ -5,7 +5,8 @@
 
 #include "py_glue.h"
 
-/* 0, or -1 with RuntimeError while a layer call runs on the cache */
+/* 0, or -1 with RuntimeError while a layer call runs on the cache, or one run pass by pass
+ * (py_pass_run.c) is open on it */
 int q3py_cache_check_idle(q3py_cache_object *o);
 /* after a growth: the views taken before it keep the old blocks (their owner takes them over),
  * or, none living, the blocks are freed now; 0, or -1 with an exception */

@@ -18,6 +18,7 @@ struct q3_module_state {
     PyTypeObject *cache_type;
     PyTypeObject *layer_type;
     PyTypeObject *graph_type;
+    PyTypeObject *passes_type;
     PyObject *cache_full_error;
 };
 
@@ -131,6 +132,7 @@ typedef struct {
     PyObject_HEAD
     q3_cache *cache;
     int busy; /* a layer call is running on it with the GIL released */
+    int passes_open; /* a layer call run pass by pass (Layer.attention_passes) is open on it */
     /* borrowed: the owner of the views of the blocks in use (py_cache.c), NULL while none lives */
     PyObject *views_owner;
 } q3py_cache_object;
@@ -170,9 +172,10 @@ extern PyMethodDef q3_random_methods[];
 
 extern PyMethodDef q3_routing_methods[];
 
-/* ---- DecodeGraph (py_graph.c) ------------------------------------------------------ */
+/* ---- DecodeGraph (py_graph.c), AttentionPasses (py_pass_run.c) ---------------------------- */
 
 extern PyType_Spec q3py_graph_spec;
+extern PyType_Spec q3py_passes_spec;
 /* captures one decode step of sequences 0 .. batch - 1 of the cache (layer_obj kept alive);
  * batch already checked: 1 .. min(cache batch, Q3_GRAPH_MAX_BATCH) */
 PyObject *q3py_graph_new(q3_module_state *st, PyObject *layer_obj, q3_layer *layer, int device,

@@ -1,5 +1,6 @@
 /* DecodeGraph: a captured decode step (csrc/cuda/decode_graph.c) as a Python object. It keeps its
  * layer and cache alive; its input and output are device tensors exported through DLPack. */
+#include "py_cache.h"
 #include "py_layer.h"
 
 typedef struct {
@@ -15,10 +16,7 @@ typedef struct {
 
 PyObject *q3py_graph_new(q3_module_state *st, PyObject *layer_obj, q3_layer *layer, int device,
                        q3py_cache_object *co, int batch, q3_dtype dtype) {
-    if (co->busy) {
-        PyErr_SetString(PyExc_RuntimeError, "cache: in use by a running layer call on another thread");
-        return NULL;
-    }
+    if (q3py_cache_check_idle(co) < 0) return NULL;
     int32_t seqs[Q3_GRAPH_MAX_BATCH];
     for (int i = 0; i < batch; i++) seqs[i] = i;
     q3py_graph_object *self = PyObject_New(q3py_graph_object, st->graph_type);
@@ -93,10 +91,7 @@ static PyObject *graph_replay(q3py_graph_object *self, PyObject *args, PyObject 
     if (!st) return NULL;
     void *stream;
     if (!q3py_stream(stream_obj, &stream)) return NULL;
-    if (self->cache->busy) {
-        PyErr_SetString(PyExc_RuntimeError, "cache: in use by a running layer call on another thread");
-        return NULL;
-    }
+    if (q3py_cache_check_idle(self->cache) < 0) return NULL;
     if (x != Py_None && load_input(self, x, stream) < 0) return NULL;
     q3_error err;
     q3_status s;

@@ -65,10 +65,12 @@ int q3py_call_open(q3py_call *c, q3py_layer_object *self, PyObject *x_obj, PyObj
 int q3py_call_run(q3py_call *c, q3py_layer_object *self, const q3_attention_half_out *half);
 void q3py_call_close(q3py_call *c);
 
-/* layer.attention_half (check_only: the checks alone) and layer.expert_half (py_layer_halves.c) */
+/* layer.attention_half and layer.expert_half (py_layer_halves.c); layer.attention_passes, the
+ * attention half a pass at a time (py_pass_run.c) */
 PyObject *q3py_layer_attention_half(q3py_layer_object *self, PyObject *x_obj, PyObject *cache_obj, int decode,
-                                    PyObject *seq_obj, PyObject *chunk_obj, PyObject *stream_obj, q3_insides *ins,
-                                    int check_only);
+                                    PyObject *seq_obj, PyObject *chunk_obj, PyObject *stream_obj, q3_insides *ins);
+PyObject *q3py_layer_attention_passes(q3py_layer_object *self, PyObject *x_obj, PyObject *cache_obj, int decode,
+                                      PyObject *seq_obj, PyObject *chunk_obj, PyObject *stream_obj, q3_insides *ins);
 PyObject *q3py_layer_expert_half(q3py_layer_object *self, PyObject *args, PyObject *kw);
 
 extern PyMethodDef q3py_layer_methods[];

@@ -3,6 +3,7 @@
  * new_cache, decode_graph, profiling; the method table. Every check happens before the
  * engine runs, and the engine checks again before its first write, so a rejected call
  * changes nothing. */
+#include "py_cache.h"
 #include "py_layer.h"
 
 static q3py_cache_object *as_cache(PyObject *obj, q3_module_state *st) {
@@ -158,8 +159,7 @@ int q3py_call_open(q3py_call *c, q3py_layer_object *self, PyObject *x_obj, PyObj
         q3py_call_close(c);
         return -1;
     }
-    if (c->co->busy) {
-        PyErr_SetString(PyExc_RuntimeError, "cache: in use by a running layer call on another thread");
+    if (q3py_cache_check_idle(c->co) < 0) {
         q3py_call_close(c);
         return -1;
     }
@@ -244,23 +244,33 @@ static PyObject *layer_decode(q3py_layer_object *self, PyObject *args, PyObject 
     return forward(self, x, cache, 1, Py_None, Py_None, out, stream, &ins);
 }
 
-static PyObject *layer_attention_half(q3py_layer_object *self, PyObject *args, PyObject *kw) {
-    static char *names[] = {"x", "cache", "seq", "chunk_size", "decode", "check_only", "return_router",
-                            "return_attention", "attention_limit", "stream", NULL};
+/* attention_half and attention_passes: their arguments, then the whole call or its passes */
+static PyObject *attention_call(q3py_layer_object *self, PyObject *args, PyObject *kw, int by_pass) {
+    static char *names[] = {"x", "cache", "seq", "chunk_size", "decode", "return_router", "return_attention",
+                            "attention_limit", "stream", NULL};
     PyObject *x, *cache, *seq = Py_None, *chunk = Py_None, *stream = Py_None;
     PyObject *router = Py_False, *attention = Py_False, *limit = Py_None;
-    int decode = 0, check_only = 0;
+    int decode = 0;
     q3_insides ins;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|OO$ppOOOO:attention_half", names, &x, &cache, &seq, &chunk,
-                                     &decode, &check_only, &router, &attention, &limit, &stream) ||
+    if (!PyArg_ParseTupleAndKeywords(args, kw, by_pass ? "OO|OO$pOOOO:attention_passes" : "OO|OO$pOOOO:attention_half",
+                                     names, &x, &cache, &seq, &chunk, &decode, &router, &attention, &limit, &stream) ||
         q3py_insides_parse(&ins, router, attention, limit) < 0)
         return NULL;
     if (decode && (seq != Py_None || chunk != Py_None)) {
-        PyErr_SetString(PyExc_ValueError, "attention_half: decode=True takes no seq or chunk_size (x [batch, hidden] "
-                        "is one token of every sequence)");
+        PyErr_Format(PyExc_ValueError, "%s: decode=True takes no seq or chunk_size (x [batch, hidden] is one token "
+                     "of every sequence)", by_pass ? "attention_passes" : "attention_half");
         return NULL;
     }
-    return q3py_layer_attention_half(self, x, cache, decode, seq, chunk, stream, &ins, check_only);
+    return by_pass ? q3py_layer_attention_passes(self, x, cache, decode, seq, chunk, stream, &ins)
+                   : q3py_layer_attention_half(self, x, cache, decode, seq, chunk, stream, &ins);
+}
+
+static PyObject *layer_attention_half(q3py_layer_object *self, PyObject *args, PyObject *kw) {
+    return attention_call(self, args, kw, 0);
+}
+
+static PyObject *layer_attention_passes(q3py_layer_object *self, PyObject *args, PyObject *kw) {
+    return attention_call(self, args, kw, 1);
 }
 
 static PyObject *layer_new_cache(q3py_layer_object *self, PyObject *args, PyObject *kw) {
@@ -366,13 +376,20 @@ PyMethodDef q3py_layer_methods[] = {
      "decode_graph(cache, batch=None, dtype=None)\n--\n\nCaptures one decode step of sequences 0 .. batch - 1 "
      "(default: all) of the cache in a CUDA graph; returns a DecodeGraph."},
     {"attention_half", (PyCFunction)(void (*)(void))layer_attention_half, KW,
-     "attention_half(x, cache, seq=None, chunk_size=None, *, decode=False, check_only=False, return_router=False, "
+     "attention_half(x, cache, seq=None, chunk_size=None, *, decode=False, return_router=False, "
      "return_attention=False, attention_limit=None, stream=None)\n--\n\n"
      "The layer up to its experts, for x as prefill (decode=True: as decode) takes it: the K/V appended to the "
      "cache. Returns (resid, normed, experts, weights): x + attention fp32 and post_attention_layernorm of it of "
      "x's dtype, of x's shape, and the router's top-k expert ids (int32) and weights (fp32), [..., top_k]. "
-     "check_only: the call's checks alone (raising what the call would), returning None. With return_router or "
-     "return_attention: (that tuple, router_logits, router_experts, router_weights, attention) as prefill's."},
+     "With return_router or return_attention: (that tuple, router_logits, router_experts, router_weights, "
+     "attention) as prefill's."},
+    {"attention_passes", (PyCFunction)(void (*)(void))layer_attention_passes, KW,
+     "attention_passes(x, cache, seq=None, chunk_size=None, *, decode=False, return_router=False, "
+     "return_attention=False, attention_limit=None, stream=None)\n--\n\n"
+     "attention_half's call a pass at a time: the whole call checked (and its insides made) now, then an "
+     "AttentionPasses whose iteration runs pass after pass, each giving that pass's (resid, normed, experts, "
+     "weights), x's leading dims with the pass's tokens. close() ends the call (returning its insides), abort() "
+     "rolls the cache back to where it began; the cache takes no other call until then."},
     {"expert_half", (PyCFunction)(void (*)(void))q3py_layer_expert_half, KW,
      "expert_half(rows, experts, weights, *, out=None, accumulate=False, stream=None)\n--\n\n"
      "rows [n, hidden], experts [n, top_k] int32 (-1: an expert held elsewhere), weights [n, top_k] fp32: "

@@ -24,28 +24,24 @@ static int make_half_outputs(q3_module_state *st, const q3_config *cfg, const q3
     return 0;
 }
 
-/* attention_half: (resid, normed, experts, weights), in the insides' tuple when asked for;
- * check_only: the checks alone, the insides' limit with them (their outputs made and dropped) */
+/* attention_half: (resid, normed, experts, weights), in the insides' tuple when asked for */
 PyObject *q3py_layer_attention_half(q3py_layer_object *self, PyObject *x_obj, PyObject *cache_obj, int decode,
-                                PyObject *seq_obj, PyObject *chunk_obj, PyObject *stream_obj, q3_insides *ins,
-                                int check_only) {
+                                    PyObject *seq_obj, PyObject *chunk_obj, PyObject *stream_obj, q3_insides *ins) {
     q3py_call c;
     if (q3py_call_open(&c, self, x_obj, cache_obj, decode, seq_obj, chunk_obj, stream_obj, 1) < 0) return NULL;
     q3py_tensor_object *t[4] = {NULL, NULL, NULL, NULL};
     q3_attention_half_out half;
     PyObject *result = NULL;
-    if ((check_only || make_half_outputs(c.st, q3_layer_config(self->layer), &c.x, self->device, t, &half) == 0) &&
-        q3py_insides_make(ins, c.st, self->layer, c.co->cache, &c.x, self->device, &c.a) == 0)
-        result = check_only ? Py_NewRef(Py_None)
-                 : q3py_call_run(&c, self, &half) == 0 ? PyTuple_Pack(4, t[0], t[1], t[2], t[3])
-                                                  : NULL;
+    if (make_half_outputs(c.st, q3_layer_config(self->layer), &c.x, self->device, t, &half) == 0 &&
+        q3py_insides_make(ins, c.st, self->layer, c.co->cache, &c.x, self->device, &c.a) == 0 &&
+        q3py_call_run(&c, self, &half) == 0)
+        result = PyTuple_Pack(4, t[0], t[1], t[2], t[3]);
     q3py_call_close(&c);
     for (int i = 0; i < 4; i++) Py_XDECREF(t[i]);
-    if (!check_only) result = q3py_insides_result(ins, result);
+    result = q3py_insides_result(ins, result);
     q3py_insides_clear(ins);
     return result;
 }
-
 
 PyObject *q3py_layer_expert_half(q3py_layer_object *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"rows", "experts", "weights", "out", "accumulate", "stream", NULL};

@@ -201,11 +201,13 @@ static int module_exec(PyObject *m) {
     st->cache_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &q3py_cache_spec, NULL);
     st->layer_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &q3py_layer_spec, NULL);
     st->graph_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &q3py_graph_spec, NULL);
+    st->passes_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &q3py_passes_spec, NULL);
     st->cache_full_error = PyErr_NewExceptionWithDoc(
         "qwen3layer.CacheFullError",
         "The tokens of a call do not fit in the KV cache; the cache is left unchanged.",
         PyExc_RuntimeError, NULL);
-    if (!st->tensor_type || !st->cache_type || !st->layer_type || !st->graph_type || !st->cache_full_error)
+    if (!st->tensor_type || !st->cache_type || !st->layer_type || !st->graph_type || !st->passes_type ||
+        !st->cache_full_error)
         return -1;
     if (PyModule_AddFunctions(m, q3_cuda_methods) < 0 ||
         PyModule_AddFunctions(m, q3_random_methods) < 0 ||
@@ -218,7 +220,7 @@ static int module_exec(PyObject *m) {
     if (added < 0) return -1;
     if (PyModule_AddType(m, st->tensor_type) < 0 || PyModule_AddType(m, st->cache_type) < 0 ||
         PyModule_AddType(m, st->layer_type) < 0 || PyModule_AddType(m, st->graph_type) < 0 ||
-        PyModule_AddObjectRef(m, "CacheFullError", st->cache_full_error) < 0)
+        PyModule_AddType(m, st->passes_type) < 0 || PyModule_AddObjectRef(m, "CacheFullError", st->cache_full_error) < 0)
         return -1;
     return 0;
 }
@@ -229,6 +231,7 @@ static int module_traverse(PyObject *m, visitproc visit, void *arg) {
     Py_VISIT(st->cache_type);
     Py_VISIT(st->layer_type);
     Py_VISIT(st->graph_type);
+    Py_VISIT(st->passes_type);
     Py_VISIT(st->cache_full_error);
     return 0;
 }
@@ -239,6 +242,7 @@ static int module_clear(PyObject *m) {
     Py_CLEAR(st->cache_type);
     Py_CLEAR(st->layer_type);
     Py_CLEAR(st->graph_type);
+    Py_CLEAR(st->passes_type);
     Py_CLEAR(st->cache_full_error);
     return 0;
 }

@@ -100,7 +100,7 @@ def test_the_attention_half_on_the_executor_matches_the_cpu_layers(dtype):
     and weights (within the dtype's tolerance; the same experts on every row whose top k + 1
     logits are clear of each other), as tensors on the device of the CPU contract's shapes and
     dtypes, and appends the same tokens to the cache; its router insides are its own experts
-    and weights; check_only runs the checks alone."""
+    and weights."""
     w = _C.random_weights(CFG, 11, dtype)
     cpu, gpu = _C.Layer(CFG, w, None, -1), _C.Layer(CFG, w, None, 0)
     cc, cg = cpu.new_cache(16, 2), gpu.new_cache(16, 2)
@@ -110,8 +110,6 @@ def test_the_attention_half_on_the_executor_matches_the_cpu_layers(dtype):
     for i, (name, shape, kw) in enumerate(calls()):
         x = _C.random_tensor(shape, 20 + i, dtype)
         seq, chunk, flags = call_kw(kw)
-        assert gpu.attention_half(_C.copy_tensor(x, 0), cg, seq, chunk, check_only=True, **flags) is None
-        assert list(cg.lengths) == list(cc.lengths), name  # check_only appended nothing
         want = cpu.attention_half(x, cc, seq, chunk, return_router=True, **flags)
         got = gpu.attention_half(_C.copy_tensor(x, 0), cg, seq, chunk, return_router=True, **flags)
         (g_resid, g_normed, g_experts, g_weights), g_logits, g_rexp, g_rw, g_maps = got
@@ -374,3 +372,30 @@ def test_take_and_combine_rows_refuse_before_any_write():
         "TypeError: device: expected an int (-1: the host, else a CUDA device), got bool",
     ], found
     assert torch.equal(on_host(r_dev, [4, H], "float32"), resid)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_attention_passes_on_the_executor_give_the_attention_halfs_rows(dtype):
+    """an emulated CUDA layer's attention passes (the split layer's runner): each pass's rows
+    (a batch of 2, each pass's rows s * L + t copied in one piece) are its attention half's rows
+    of that pass, bit for bit, the insides the whole call's, and an abort takes every pass back"""
+    w = _C.random_weights(CFG, 11, dtype)
+    gpu = _C.Layer(CFG, w, None, 0)
+    whole, cache = gpu.new_cache(16, 2), gpu.new_cache(16, 2)
+    x = _C.copy_tensor(_C.random_tensor([2, 7, H], 5, dtype), 0)
+    want = gpu.attention_half(x, whole, None, 3, return_router=True)
+    passes = gpu.attention_passes(x, cache, None, 3, return_router=True)
+    first = 0
+    for halves in passes:
+        last = passes.next_token
+        for g, wnt in zip(halves, want[0]):
+            assert np.array_equal(host(g), host(wnt)[:, first:last]), (first, last)
+        first = last
+    assert first == 7 and passes.passes == 3
+    got = passes.close()
+    assert np.array_equal(host(got[0]), host(want[1])) and list(cache.lengths) == [7, 7]
+    again = gpu.attention_passes(x, cache, None, 3)
+    next(again)
+    assert list(cache.lengths) == [10, 10]
+    again.abort()
+    assert list(cache.lengths) == [7, 7]

@@ -364,10 +364,15 @@ def test_profile_splits_the_experts_stage_by_side(which, mode, kw):
 
 
 class _Calls:
-    """a _C.Layer whose method calls are logged by name into `log` (with `side`)"""
+    """a _C.Layer (or the AttentionPasses it opens, side "passes") whose C calls are logged by
+    name into `log` (with `side`); each pass of an AttentionPasses is logged as passes.next"""
 
     def __init__(self, core, side, log):
         self.core, self.side, self.log = core, side, log
+
+    def __next__(self):
+        self.log.append(f"{self.side}.next")
+        return next(self.core)
 
     def __getattr__(self, name):
         attr = getattr(self.core, name)
@@ -375,18 +380,20 @@ class _Calls:
             return attr
 
         def logged(*args, **kw):
-            self.log.append(f"{self.side}.{name}" + (" (checks)" if kw.get("check_only") else ""))
-            return attr(*args, **kw)
+            self.log.append(f"{self.side}.{name}")
+            got = attr(*args, **kw)
+            return _Calls(got, "passes", self.log) if name == "attention_passes" else got
         return logged
 
 
 def test_the_c_calls_of_a_split_layers_pass_are_counted(monkeypatch):
-    """Issue 40, requirement 1: the C calls a pass of the split layer makes, counted (the figure
-    the engine's pass loop is to bring down: today the passes loop in Python over the halves).
-    A prefill of 7 tokens of 2 sequences in chunks of 3 (3 passes) and a decode step, with
-    experts on both sides: the prefill's checks once, then per pass the attention half, two
-    takes of the rows with a host expert, each side's expert half and the combine: 6 C calls
-    a pass, where the whole layer on one device makes 1 a call."""
+    """Issue 40, requirement 1: the C calls of the split layer, counted. A prefill of 7 tokens
+    of 2 sequences in chunks of 3 (3 passes) and a decode step, with experts on both sides: the
+    call's passes opened once (the engine's checks of the whole call), then per pass the
+    attention pass, two takes of the rows with a host expert, each side's expert half and the
+    combine, and the call closed. 6 C calls a pass, as before the engine's pass runner (the
+    attention half a pass, and once a prefill its checks alone: check_only), plus 2 a call;
+    the whole layer on one device makes 1 a call."""
     log = []
     split = q3.DecoderLayer.random(CFG, 3, "float32", device="cuda", expert_device="cpu", gpu_experts=SETS["mixed"])
     runner = split._hybrid
@@ -400,8 +407,7 @@ def test_the_c_calls_of_a_split_layers_pass_are_counted(monkeypatch):
     prefill, log[:] = list(log), []
     split.decode(_on(split, xs[1]), cache)
     decode = list(log)
-    one_pass = ["device.attention_half", "take_rows", "take_rows", "device.expert_half", "host.expert_half",
-                "combine_rows"]
+    one_pass = ["passes.next", "take_rows", "take_rows", "device.expert_half", "host.expert_half", "combine_rows"]
     assert split.hybrid_stats["passes"] == 4 and split.hybrid_stats["host_rows"] > 0
-    assert prefill == ["device.attention_half (checks)"] + one_pass * 3, prefill
-    assert decode == one_pass, decode
+    assert prefill == ["device.attention_passes"] + one_pass * 3 + ["passes.close"], prefill
+    assert decode == ["device.attention_passes"] + one_pass + ["passes.close"], decode

@@ -314,12 +314,71 @@ def test_empty_views_count_as_contiguous(whole):
     assert got.shape == (0, H)
 
 
-def test_attention_half_check_only_runs_the_checks_and_nothing_else(whole):
+def test_attention_passes_check_the_whole_call_before_any_pass(whole):
+    """the whole call's checks when the passes open: 5 tokens into room for 4 are refused
+    though each pass of 2 would fit, and nothing is appended"""
     cache = whole.new_cache(4)
-    x = x_of(3, H, dtype=whole.dtype)
-    assert whole._core.attention_half(x, cache, check_only=True) is None and cache.lengths == (0,)
     with pytest.raises(q3.CacheFullError, match="5 more do not fit"):
-        whole._core.attention_half(x_of(5, H, dtype=whole.dtype), cache, check_only=True)
+        whole._core.attention_passes(x_of(5, H, dtype=whole.dtype), cache, chunk_size=2)
+    assert cache.lengths == (0,)
+    passes = whole._core.attention_passes(x_of(3, H, dtype=whole.dtype), cache, chunk_size=2)
+    assert (passes.passes, passes.done, passes.open, cache.lengths) == (2, 0, True, (0,))
+    passes.abort()
+
+
+@pytest.mark.parametrize("shape, chunk", [((7, H), 3), ((2, 5, H), 2), ((2, H), None)])
+def test_attention_passes_give_the_attention_halfs_rows_pass_by_pass(whole, shape, chunk):
+    """each pass's halves are the whole call's rows of that pass, bit for bit, and the call's
+    insides at close are the whole call's; [2, H] is a decode step of 2 sequences"""
+    decode = len(shape) == 2 and chunk is None
+    batch = shape[0] if len(shape) == 3 or decode else 1
+    x = x_of(*shape, seed=40, dtype=whole.dtype)
+    kw = {"decode": True} if decode else {"chunk_size": chunk}
+    want_cache, cache = whole.new_cache(16, batch=batch), whole.new_cache(16, batch=batch)
+    *want, trace = whole.attention_half(x, want_cache, return_router=True, return_attention=True, **kw)
+    passes = whole._core.attention_passes(x, cache, return_router=True, return_attention=True, **kw)
+    got, first = [], 0
+    for halves in passes:
+        assert (passes.done, cache.lengths[0]) == (len(got) + 1, passes.next_token)
+        got.append((first, passes.next_token, [torch.from_dlpack(t) for t in halves]))
+        first = passes.next_token
+    assert len(got) == passes.passes == (1 if decode else -(-shape[-2] // chunk)) and passes.open
+    for first, last, halves in got:
+        for g, w in zip(halves, want):
+            assert torch.equal(g, w if decode else w[..., first:last, :])
+    insides = passes.close()
+    assert not passes.open and cache.lengths == want_cache.lengths
+    for g, name in zip(insides, ("router_logits", "experts", "expert_weights", "attention")):
+        assert torch.equal(torch.from_dlpack(g), getattr(trace, name)), name
+
+
+def test_an_aborted_or_dropped_call_rolls_the_cache_back_and_an_open_one_holds_it(whole):
+    cache = whole.new_cache(16, batch=1)
+    whole.prefill(x_of(2, H, seed=1, dtype=whole.dtype), cache)
+    keys = torch.from_dlpack(cache.keys(0)).clone()
+    passes = whole._core.attention_passes(x_of(5, H, seed=2, dtype=whole.dtype), cache, chunk_size=2)
+    next(passes), next(passes)
+    assert cache.lengths == (6,)
+    for call in (lambda: whole.prefill(x_of(1, H, dtype=whole.dtype), cache), lambda: cache.truncate(1),
+                 lambda: whole._core.attention_passes(x_of(1, H, dtype=whole.dtype), cache)):
+        with pytest.raises(RuntimeError, match="in the middle of a layer call run pass by pass"):
+            call()
+    with pytest.raises(RuntimeError, match="2 of the call's 3 passes have run"):
+        passes.close()
+    passes.abort()
+    assert cache.lengths == (2,) and not passes.open and list(passes) == []
+    assert torch.equal(torch.from_dlpack(cache.keys(0)), keys)
+    with pytest.raises(RuntimeError, match="not open"):
+        passes.close()
+    passes = whole._core.attention_passes(x_of(5, H, seed=2, dtype=whole.dtype), cache, chunk_size=2)
+    next(passes)
+    del passes  # dropped open: rolled back
+    assert cache.lengths == (2,)
+    with whole._core.attention_passes(x_of(3, H, dtype=whole.dtype), cache) as passes:
+        next(passes)
+    assert cache.lengths == (2,)  # a with block left open aborts
+    whole.prefill(x_of(1, H, dtype=whole.dtype), cache)  # the cache takes calls again
+    assert cache.lengths == (3,)
 
 
 def test_the_attention_half_gives_prefills_insides(whole):
