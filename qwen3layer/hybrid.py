@@ -34,7 +34,7 @@ from . import _C, cuda
 from .config import LayerConfig, pass_tokens
 from .passes import Insides, rewind
 from .trace import LayerTrace
-from .routing import RoutingSummary
+from .analysis.routing import RoutingSummary
 
 STAT_KEYS = ("calls", "passes", "largest_pass_rows", "device_rows", "device_choices", "host_rows", "host_choices", "link_down_bytes",
              "link_up_bytes")
