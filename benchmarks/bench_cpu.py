@@ -35,7 +35,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (  # noqa: E402
 
 import qwen3layer as q3  # noqa: E402
 from qwen3layer import _C  # noqa: E402
-from qwen3layer.costs import decode_bytes, prefill_flops  # noqa: E402
+from qwen3layer.analysis.costs import decode_bytes, prefill_flops  # noqa: E402
 from machine import cpu_name  # noqa: E402
 
 SMALL = q3.LayerConfig(hidden_size=1024, num_attention_heads=16, num_key_value_heads=2, head_dim=128,

@@ -20,8 +20,8 @@ the stages' floors).
     python benchmarks/bench_cuda.py --predict
 
 prints the per-stage model alone, with no GPU and nothing measured: the floors at an H200's
-copy rate and bf16 matrix rate as qwen3layer/gpu_figures.py holds them (with their sources),
-the table benchmarks/RESULTS.md holds until a GPU run replaces it.
+copy rate and bf16 matrix rate as qwen3layer/analysis/gpu_figures.py holds them (with their
+sources), the table benchmarks/RESULTS.md holds until a GPU run replaces it.
 """
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import qwen3layer as q3  # noqa: E402
 from qwen3layer import _C  # noqa: E402
-from qwen3layer.costs import CostModel, decode_weight_bytes  # noqa: E402
-from qwen3layer.gpu_figures import H200_BF16_FLOPS, H200_COPY_BYTES_PER_S  # noqa: E402
+from qwen3layer.analysis.costs import CostModel, decode_weight_bytes  # noqa: E402
+from qwen3layer.analysis.gpu_figures import H200_BF16_FLOPS, H200_COPY_BYTES_PER_S  # noqa: E402
 
 # (name, N, K) of y = x W^T for one layer of Qwen3-235B-A22B
 SHAPES = [("q_proj", 8192, 4096), ("k_proj / v_proj", 512, 4096), ("o_proj", 4096, 8192),
@@ -89,7 +89,7 @@ def predict() -> int:
     copy_tbs, mm_tflops = H200_COPY_BYTES_PER_S / 1e12, H200_BF16_FLOPS / 1e12
     cfg = q3.LayerConfig.qwen3_235b_a22b()
     print(f"per-stage model, real geometry, bf16; predicted, no GPU run: floors at the H200's {copy_tbs:g} TB/s copy "
-          f"and {mm_tflops:g} TFLOP/s bf16 matrix rate (qwen3layer/gpu_figures.py)")
+          f"and {mm_tflops:g} TFLOP/s bf16 matrix rate (qwen3layer/analysis/gpu_figures.py)")
     for title, args in MODEL_ROWS:
         print()
         print(model_table(title, q3.cost_model(cfg, **args), copy_tbs, mm_tflops))
@@ -99,8 +99,8 @@ def predict() -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--predict", action="store_true",
-                        help="print the per-stage model alone, at the H200 figures of qwen3layer/gpu_figures.py "
-                             "(no GPU)")
+                        help="print the per-stage model alone, at the H200 figures of "
+                             "qwen3layer/analysis/gpu_figures.py (no GPU)")
     args = parser.parse_args(argv)
     if args.predict:
         return predict()
@@ -232,7 +232,7 @@ def layer_table(copy_tbs: float) -> None:
     cos, sin = rope(x[None], pos)
     with torch.no_grad():
         t_hf = wall(lambda: hf(x[None], position_ids=pos, position_embeddings=(cos, sin)), 3)
-    from qwen3layer.costs import prefill_flops
+    from qwen3layer.analysis.costs import prefill_flops
     for chunk, grouped in ((2048, True), (8192, True), (2048, False)):
         fresh = q3.DecoderLayer.from_hf(hf, device="cuda")  # its own workspace: what this prefill needs
         # False: one launch per expert and step through matmul_tc (cuBLAS where open), for comparison

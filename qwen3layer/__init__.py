@@ -1,14 +1,24 @@
 """qwen3layer: one Qwen3-235B-A22B decoder layer (GQA attention with QK-norm and RoPE,
 128-expert top-8 MoE) in C, for prefill, chunked prefill and decode, with a KV cache
 owned by C and tensors exchanged zero-copy through DLPack."""
+import sys as _sys
+
 from . import _C, cuda
+from .analysis import costs, costs_hybrid, gpu_figures, mapplot, profile, routing, rulers
+from .analysis.costs import CostModel, cost_model
+from .analysis.mapplot import LayerMap, layer_map
+from .analysis.routing import RoutingSummary, routing_summary
 from .checkpoint import CheckpointError
 from .config import LayerConfig
-from .costs import CostModel, cost_model
 from .layer import DecodeGraph, DecoderLayer, KVCache, Tensor
-from .mapplot import LayerMap, layer_map
-from .routing import RoutingSummary, routing_summary
 from .trace import LayerTrace
+
+# The analysis modules' paths before they moved into qwen3layer.analysis: `import
+# qwen3layer.costs` and `from qwen3layer.costs_hybrid import ...` reach the same modules (the
+# names above keep `qwen3layer.costs` and the others as attributes too).
+for _module in (costs, costs_hybrid, gpu_figures, mapplot, profile, routing, rulers):
+    _sys.modules[f"{__name__}.{_module.__name__.rpartition('.')[2]}"] = _module
+del _module
 
 CacheFullError = _C.CacheFullError
 __version__ = _C.build_info()["version"]

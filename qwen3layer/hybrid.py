@@ -33,9 +33,9 @@ from typing import Any, Optional, Sequence
 import torch
 
 from . import _C, cuda
+from .analysis.routing import RoutingSummary
 from .config import LayerConfig
 from .passes import run_passes
-from .routing import RoutingSummary
 
 STAT_KEYS = ("calls", "passes", "largest_pass_rows", "device_rows", "device_choices", "host_rows", "host_choices", "link_down_bytes",
              "link_up_bytes")

@@ -16,7 +16,7 @@ from .devices import check_torch_device, device_index, stream_of
 from .weights import canonical_weights, expert_id_list, expert_weights, held_expert_views
 
 if TYPE_CHECKING:
-    from .profile import Profile
+    from .analysis.profile import Profile
 
 KVCache = _C.KVCache
 Tensor = _C.Tensor
@@ -378,8 +378,8 @@ class DecoderLayer:
         import statistics
         import time
 
-        from .costs import cost_model
-        from .profile import Profile, join
+        from .analysis.costs import cost_model
+        from .analysis.profile import Profile, join
 
         scale_dtype = self._core.scale_dtype or "float32"
         if mode == "prefill" and chunk_size is None:  # the passes the calls below make, modelled alike
@@ -388,7 +388,7 @@ class DecoderLayer:
             cost = cost_model(self.config, mode, tokens, context, chunk_size, self.dtype, batch, self.weight_format,
                               scale_dtype)
         else:
-            from .costs_hybrid import split_cost_model
+            from .analysis.costs_hybrid import split_cost_model
 
             cost = split_cost_model(self.config, mode, tokens, context, chunk_size, self.dtype, batch,
                                     self.weight_format, scale_dtype, self.gpu_experts)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 if TYPE_CHECKING:
-    from .routing import RoutingSummary
+    from .analysis.routing import RoutingSummary
 
 
 class LayerTrace(NamedTuple):
@@ -31,13 +31,13 @@ class LayerTrace(NamedTuple):
     attention: Optional[Any] = None
 
     def routing(self) -> "RoutingSummary":
-        """Tokens per expert for this call (qwen3layer.routing.RoutingSummary: the counts over
-        every row and top-k slot, busiest and idlest experts, max / mean; a table in Jupyter,
-        .plot() a bar chart). Counted in C; a CUDA trace's choices are copied to the host
-        there. Needs a trace made with return_router=True."""
+        """Tokens per expert for this call (qwen3layer.analysis.routing.RoutingSummary: the
+        counts over every row and top-k slot, busiest and idlest experts, max / mean; a table
+        in Jupyter, .plot() a bar chart). Counted in C; a CUDA trace's choices are copied to
+        the host there. Needs a trace made with return_router=True."""
         if self.experts is None or self.router_logits is None:
             raise ValueError("routing: this trace holds no router choices; call prefill/decode with "
                              "return_router=True")
-        from .routing import routing_summary
+        from .analysis.routing import routing_summary
 
         return routing_summary(self.experts, int(self.router_logits.shape[-1]))

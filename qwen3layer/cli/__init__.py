@@ -19,10 +19,10 @@ import sys
 import time
 
 from .. import _C
-from ..costs import cost_model, decode_weight_bytes, prefill_flops
-from ..profile import join, stage_table
+from ..analysis.costs import cost_model, decode_weight_bytes, prefill_flops
+from ..analysis.profile import join, stage_table
+from ..analysis.rulers import activation_bytes
 from ..layer import DecoderLayer
-from ..rulers import activation_bytes
 from .common import decode_steps, geometry, progress
 
 FP8 = "fp8_e4m3_block128"
@@ -125,7 +125,7 @@ def graph_decode_ms(layer: DecoderLayer, cache, args: argparse.Namespace) -> flo
 def cmd_map(args: argparse.Namespace) -> int:
     import os
 
-    from ..mapplot import draw_map, draw_sweep
+    from ..analysis.mapplot import draw_map, draw_sweep
 
     cfg = geometry(args.geometry)
     if args.expert_device is not None:
@@ -170,7 +170,7 @@ def cmd_map(args: argparse.Namespace) -> int:
 def cmd_check(args: argparse.Namespace) -> int:
     import json
 
-    from .. import rulers
+    from ..analysis import rulers
 
     cfg = geometry(args.geometry)
     weights = _C.random_weights(cfg, args.seed, args.dtype, FP8 if args.fp8 else None)

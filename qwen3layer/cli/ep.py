@@ -13,7 +13,7 @@ import tempfile
 import time
 from typing import Any, Optional
 
-from ..costs import ep_exchange
+from ..analysis.costs import ep_exchange
 from ..placement import contiguous_placement
 
 PHASES = ("attention_s", "dispatch_s", "experts_s", "combine_s")

@@ -1,7 +1,8 @@
 """`run` and `map` with --expert-device cpu --gpu-experts N: a layer split over one GPU and
-the host (qwen3layer.hybrid). `map` prints the cost model's split (qwen3layer.costs_hybrid) at
-this machine's host figures, probed now, and the H200's and PCIe 5's of qwen3layer/gpu_figures.py; `run`
-measures the split layer (it needs the CUDA device) beside that prediction."""
+the host (qwen3layer.hybrid). `map` prints the cost model's split
+(qwen3layer.analysis.costs_hybrid) at this machine's host figures, probed now, and the H200's
+and PCIe 5's of qwen3layer/analysis/gpu_figures.py; `run` measures the split layer (it needs
+the CUDA device) beside that prediction."""
 from __future__ import annotations
 
 import argparse
@@ -11,7 +12,7 @@ import time
 
 from .. import _C
 from .common import decode_steps
-from ..costs_hybrid import Machine, hybrid_split
+from ..analysis.costs_hybrid import Machine, hybrid_split
 from ..layer import DecoderLayer
 
 

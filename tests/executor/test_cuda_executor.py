@@ -97,7 +97,7 @@ def test_cuda_path_on_the_executor_matches_the_cpu_layer(borrowed):
     assert out["errors"][1].startswith("CacheFullError: sequence 0 holds 0 of 8 tokens: 9 more do not fit")
     assert out["errors"][2].startswith("ValueError: cache: expected a cache on cuda:0 (this layer's device), got one on cpu")
     assert out["lengths after errors"] == [0]
-    from qwen3layer.costs import STAGES
+    from qwen3layer.analysis.costs import STAGES
 
     assert out["profile stages"] == [list(STAGES), list(STAGES)]
     assert out["device workspace"] > 0

@@ -14,8 +14,8 @@ import torch
 import qwen3layer as q3
 from executor_arrays import host, rel
 from qwen3layer import _C
-from qwen3layer.costs import cost_model
-from qwen3layer.costs_hybrid import hybrid_split, link_bytes
+from qwen3layer.analysis.costs import cost_model
+from qwen3layer.analysis.costs_hybrid import hybrid_split, link_bytes
 
 pytestmark = pytest.mark.executor_subprocess
 TIMEOUT = 600

@@ -63,7 +63,7 @@ def test_the_device_runs_a_target_of_the_build():
                                         "benchmarks/gpu_check.sh where one is lent)")
 def test_the_stage_profile_times_the_stages_on_the_gpu():
     # what benchmarks/bench_cuda.py sets beside each stage's floor: CUDA events at the boundaries
-    from qwen3layer.costs import STAGES
+    from qwen3layer.analysis.costs import STAGES
     layer = q3.DecoderLayer.random(q3.LayerConfig.tiny(), seed=0, device="cuda", dtype="bfloat16")
     for mode, tokens in (("decode", 1), ("prefill", 17)):
         p = layer.profile(mode, tokens, context=33, repeat=2, batch=3)

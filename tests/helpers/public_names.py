@@ -12,15 +12,19 @@ methods assign on `self`), the parameters of every function, method and construc
 "Appears" means, in inline code (between backticks, outside fenced blocks) of a docs/*.md page:
 - a module's name as `q3.name` or `qwen3layer.name` (`qwen3layer.cuda.name`, `q3.cuda.name`,
   `qwen3layer.torch.name`, `q3t.name`, ...: ALIASES); a class also alone, as `Stage`; a name
-  several modules export (`q3.cost_model`, `qwen3layer.costs.cost_model`) under one of them;
+  several modules export (`q3.cost_model`, `qwen3layer.analysis.costs.cost_model`) under one
+  of them;
 - a class's member as `Class.member` (Class its __name__, or its module path where two classes
   share a name: DOC_NAMES);
 - each parameter of a callable as a word inside the parentheses of a span that names the
   callable followed by "(": `DecoderLayer.profile(mode, tokens, ..., repeat=3, batch=1)`;
 - a flag as `--flag` in a row of docs/cli.md's flag table whose second cell names the
   subcommand.
-The other way: every `q3.a.b` / `qwen3layer.a.b` path and every `Class.member` of a class above
-named in README.md or docs/ (inline code and fenced blocks) resolves, and every `--flag` of a
+The other way: every `q3.a.b` / `qwen3layer.a.b` path, every name of a `from qwen3layer.a import
+b, c` and every `Class.member` of a class above named in README.md or docs/ (inline code and
+fenced blocks) resolves from where it is given: each module on the way imported by its dotted
+path, as `import` and `from ... import` find it (a module only set as its package's attribute
+does not count), then the names in it. And every `--flag` of a
 `python -m qwen3layer <command>` span, of docs/cli.md's inline code and of its flag table
 belongs to that command (or, outside a command's span, to some command). ALLOWED lists the
 names left out, each with its reason. Reads files and imports the package; runs nothing."""
@@ -42,10 +46,10 @@ README = os.path.join(ROOT, "README.md")
 CLI_PAGE = os.path.join(ROOT, "docs", "cli.md")
 
 # the modules whose public names are the API (qwen3layer.testing where it exists)
-MODULES = ["qwen3layer", "qwen3layer.cuda", "qwen3layer.costs", "qwen3layer.costs_hybrid", "qwen3layer.parallel",
-           "qwen3layer.torch", "qwen3layer.testing"]
+MODULES = ["qwen3layer", "qwen3layer.cuda", "qwen3layer.analysis.costs", "qwen3layer.analysis.costs_hybrid",
+           "qwen3layer.parallel", "qwen3layer.torch", "qwen3layer.testing"]
 # classes the API returns or raises that no module above exports
-RESULT_TYPES = ["qwen3layer.profile.Profile", "qwen3layer.profile.StageTime",
+RESULT_TYPES = ["qwen3layer.analysis.profile.Profile", "qwen3layer.analysis.profile.StageTime",
                 "qwen3layer.checkpoint.UnsupportedDtypeError"]
 ALIASES = {"q3": "qwen3layer", "q3t": "qwen3layer.torch"}  # the docs' `import qwen3layer as q3` and `... as q3t`
 DOC_NAMES = {"qwen3layer.torch.DecoderLayer": "qwen3layer.torch.DecoderLayer"}  # q3.DecoderLayer keeps the name
@@ -59,6 +63,8 @@ ALLOWED = {
 FENCE = re.compile(r"^\s*```.*?^\s*```", re.MULTILINE | re.DOTALL)
 SPAN = re.compile(r"`([^`]+)`")
 PATH = re.compile(r"(?<![\w./-])(q3t|q3|qwen3layer)((?:\.\w+)+)(?![\w/])")
+IMPORTED = r"\w+(?:\s+as\s+\w+)?"  # one name of a from-import: b, or b as c
+FROM_IMPORT = re.compile(rf"\bfrom\s+(qwen3layer(?:\.\w+)*)\s+import\s+\(?\s*({IMPORTED}(?:\s*,\s*{IMPORTED})*)")
 FILE_SUFFIXES = {"h", "c", "py", "pyi", "so", "md", "cu", "cuh"}  # qwen3layer.h is a header, not a name
 FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)")
 
@@ -202,7 +208,7 @@ def callables():
     """(spellings of the callable, the callable, what it is called in an error) for every public
     function, method and constructor"""
     out, seen = [], {}
-    for path, obj in NAMES.items():  # q3.cost_model and qwen3layer.costs.cost_model: one callable, either spelling
+    for path, obj in NAMES.items():  # q3.cost_model, qwen3layer.analysis.costs.cost_model: one callable
         if inspect.isfunction(obj) or inspect.isbuiltin(obj):
             if id(obj) in seen:
                 seen[id(obj)][0].extend(spellings(path))
@@ -251,7 +257,7 @@ def flag_table(text):
 
 def undocumented_names(spans):
     missing = []
-    paths = {}  # an object several modules export (q3.cost_model, qwen3layer.costs.cost_model) is named once
+    paths = {}  # an object several modules export (q3.cost_model, qwen3layer.analysis.costs...) is named once
     for path, obj in NAMES.items():
         paths.setdefault(id(obj), []).append(path)
     bare = {s.strip() for s in spans}
@@ -296,14 +302,18 @@ def undocumented_flags(cli_text):
 
 
 def resolves(path):
-    """whether a dotted path under qwen3layer names something: a module, an attribute or a member"""
+    """whether a dotted path under qwen3layer names something where it says: a module that
+    `import` finds at that path, an attribute or a member"""
     parts = path.split(".")
     obj = importlib.import_module(parts[0])
     for i, part in enumerate(parts[1:], 1):
+        dotted = ".".join(parts[:i + 1])
         if hasattr(obj, part):
             obj = getattr(obj, part)
-        elif inspect.ismodule(obj) and module(".".join(parts[:i + 1])) is not None:
-            obj = importlib.import_module(".".join(parts[:i + 1]))
+            if inspect.ismodule(obj) and module(dotted) is not obj:
+                return False  # a module its package holds that `import dotted` does not find
+        elif inspect.ismodule(obj) and module(dotted) is not None:
+            obj = importlib.import_module(dotted)
         elif inspect.isclass(obj) and part in members(obj):
             return True  # an instance attribute: nothing further to follow
         else:
@@ -319,6 +329,8 @@ def doc_references(text):
         for alias, rest in PATH.findall(s):
             if rest.rpartition(".")[2] not in FILE_SUFFIXES:
                 paths.add(ALIASES.get(alias, alias) + rest)
+        for mod, names in FROM_IMPORT.findall(s):  # from qwen3layer.a import b, c as d: a.b and a.c
+            paths.update(f"{mod}.{n.split()[0]}" for n in names.split(","))
         for cls, name in CLASSES.items():
             if "." in name:
                 continue

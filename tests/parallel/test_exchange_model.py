@@ -1,5 +1,5 @@
-"""The cost model's view of expert parallelism (qwen3layer.costs.ep_exchange) and the CLI's
-`run --ep N`, which measures it."""
+"""The cost model's view of expert parallelism (qwen3layer.analysis.costs.ep_exchange) and
+the CLI's `run --ep N`, which measures it."""
 import math
 import os
 import subprocess
@@ -8,7 +8,7 @@ import sys
 import pytest
 
 import qwen3layer as q3
-from qwen3layer.costs import ep_exchange
+from qwen3layer.analysis.costs import ep_exchange
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 CFG = q3.LayerConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=24,

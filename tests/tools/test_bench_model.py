@@ -1,8 +1,8 @@
 """benchmarks/bench_cuda.py's per-stage model: `--predict` (no GPU) prints, for the issue's
-rows, every stage's bytes, FLOPs and floor at the H200 figures of qwen3layer/gpu_figures.py;
-the figures here are q3.cost_model's, recomputed, and the floors the project planned with
-(107 us, 6.0 ms). The measured columns (a GPU run) are checked on the emulated device's stage
-profile."""
+rows, every stage's bytes, FLOPs and floor at the H200 figures of
+qwen3layer/analysis/gpu_figures.py; the figures here are q3.cost_model's, recomputed, and the
+floors the project planned with (107 us, 6.0 ms). The measured columns (a GPU run) are checked
+on the emulated device's stage profile."""
 import os
 import subprocess
 import sys
@@ -10,9 +10,9 @@ import sys
 import pytest
 
 import qwen3layer as q3
-from qwen3layer import gpu_figures
-from qwen3layer.costs import STAGES
-from qwen3layer.costs_hybrid import Machine
+from qwen3layer.analysis import gpu_figures
+from qwen3layer.analysis.costs import STAGES
+from qwen3layer.analysis.costs_hybrid import Machine
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 BENCH = os.path.join(ROOT, "benchmarks", "bench_cuda.py")
@@ -49,7 +49,8 @@ def test_the_figures_are_the_h200s_and_the_split_models_defaults():
 
 
 def test_predict_prints_every_stage_of_each_row_from_the_cost_model(predicted):
-    assert "4.3 TB/s copy and 790 TFLOP/s bf16 matrix rate (qwen3layer/gpu_figures.py)" in predicted.splitlines()[0]
+    assert ("4.3 TB/s copy and 790 TFLOP/s bf16 matrix rate (qwen3layer/analysis/gpu_figures.py)"
+            in predicted.splitlines()[0])
     got = tables(predicted)
     assert list(got) == list(ROWS)
     cfg = q3.LayerConfig.qwen3_235b_a22b()

@@ -1,14 +1,14 @@
-"""qwen3layer.costs_hybrid: the GPU + host split's bytes against routings drawn at random
-(uniform, and from skewed shares), its ends (every expert on one side), its bounds, and its
-refusals."""
+"""qwen3layer.analysis.costs_hybrid: the GPU + host split's bytes against routings drawn at
+random (uniform, and from skewed shares), its ends (every expert on one side), its bounds, and
+its refusals."""
 import math
 
 import pytest
 import torch
 
 import qwen3layer as q3
-from qwen3layer.costs import cost_model
-from qwen3layer.costs_hybrid import Machine, hybrid_split, split_cost_model
+from qwen3layer.analysis.costs import cost_model
+from qwen3layer.analysis.costs_hybrid import Machine, hybrid_split, split_cost_model
 
 REAL = q3.LayerConfig.qwen3_235b_a22b()
 SMALL = q3.LayerConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=24, num_experts=16,

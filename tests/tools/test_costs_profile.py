@@ -7,7 +7,7 @@ import sys
 import pytest
 
 import qwen3layer as q3
-from qwen3layer.costs import STAGES, decode_bytes, decode_weight_bytes
+from qwen3layer.analysis.costs import STAGES, decode_bytes, decode_weight_bytes
 
 REAL = q3.LayerConfig.qwen3_235b_a22b()
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
@@ -166,7 +166,7 @@ def test_check_passes_and_speaks_json():
 def test_the_latency_ruler_is_not_judged_below_one_calls_overhead():
     """the tiny layer's floor (a few microseconds) is below one call's overhead: not judged,
     saying why, and check exits 0; a threshold above the overhead is judged"""
-    from qwen3layer import rulers
+    from qwen3layer.analysis import rulers
 
     layer = q3.DecoderLayer.random(q3.LayerConfig.tiny(), seed=0, dtype="bfloat16")
     r = rulers.decode_latency(layer.config, layer, "bfloat16", 40, 1.33)

@@ -1,9 +1,13 @@
 """The Python package's modules import each other without a circle, lazily or not: read from
 the source (every `import` and `from ... import` of the package, at any depth of a function),
 a module that imports another never has that one import it back through any chain. And every
-subpackage is one the build installs (pyproject.toml's packages)."""
+subpackage is one the build installs (pyproject.toml's packages), and the analysis modules'
+paths from before they moved into qwen3layer.analysis import the same modules, with no file
+left at the old place."""
 import ast
 import os
+import subprocess
+import sys
 import tomllib
 
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
@@ -105,3 +109,28 @@ def test_every_subpackage_is_installed():
         listed = set(tomllib.load(f)["tool"]["setuptools"]["packages"])
     packages = {name for name, path in modules().items() if path.endswith("__init__.py")}
     assert packages == listed
+
+
+MOVED = ["costs", "costs_hybrid", "gpu_figures", "mapplot", "profile", "routing", "rulers"]  # into analysis/
+
+
+def test_moved_modules_keep_their_old_paths():
+    """in a fresh interpreter, a first `from qwen3layer.costs import ...` as a user's old code
+    has it, then every old path against the new one: the same module object, an attribute of
+    the package as before; the old files are gone"""
+    program = (
+        "import importlib, sys\n"
+        "from qwen3layer.costs_hybrid import hybrid_split\n"
+        "import qwen3layer.costs as costs\n"
+        "import qwen3layer\n"
+        "assert hybrid_split.__module__ == 'qwen3layer.analysis.costs_hybrid', hybrid_split.__module__\n"
+        "assert costs.cost_model is qwen3layer.cost_model\n"
+        f"for name in {MOVED!r}:\n"
+        "    new = importlib.import_module('qwen3layer.analysis.' + name)\n"
+        "    assert importlib.import_module('qwen3layer.' + name) is new, name\n"
+        "    assert getattr(qwen3layer, name) is new, name\n"
+        "print('ok')\n")
+    run = subprocess.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout == "ok\n", run.stderr
+    left = [name for name in MOVED if os.path.exists(os.path.join(ROOT, "qwen3layer", name + ".py"))]
+    assert left == [] and {f"qwen3layer.analysis.{name}" for name in MOVED} <= set(modules())

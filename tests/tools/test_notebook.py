@@ -16,7 +16,7 @@ import torch
 
 import qwen3layer as q3
 from qwen3layer import _C
-from qwen3layer.routing import RoutingSummary, routing_summary
+from qwen3layer.analysis.routing import RoutingSummary, routing_summary
 
 matplotlib.use("Agg")
 

@@ -2,8 +2,11 @@
 how the names are found: tests/helpers/public_names.py), and the checks shown to catch a name
 planted on either side. Reads files and imports the package; runs nothing."""
 import argparse
+import types
 
 import pytest
+
+import qwen3layer
 
 from public_names import (ALLOWED, CLASSES, CLI_PAGE, DOCS, NAMES, README, members, page_spans, read, resolves,
                           stale_flags, stale_references, undocumented_flags, undocumented_names,
@@ -102,9 +105,24 @@ def test_a_planted_doc_of_a_missing_name_is_caught(tmp_path):
         "planted.md: `check --no-such-flag`", "cli.md's flag table: `map --json`"]
 
 
+def test_a_planted_import_of_a_missing_name_is_caught(tmp_path, monkeypatch):
+    """a from-import's names are checked in the module it names, and a module is checked where
+    `import` finds it: one set only as its package's attribute is not importable by that path"""
+    monkeypatch.setattr(qwen3layer, "attribute_only", types.ModuleType("qwen3layer.attribute_only"), raising=False)
+    page = tmp_path / "planted.md"
+    page.write_text("`from qwen3layer.analysis.costs import cost_model, no_such_model`\n\n"
+                    "```python\nfrom qwen3layer.costs import (experts_hit,\n"
+                    "                              no_such_count as n)\nimport qwen3layer.attribute_only\n```\n")
+    assert stale_references([str(page)]) == ["planted.md: `qwen3layer.analysis.costs.no_such_model`",
+                                             "planted.md: `qwen3layer.attribute_only`",
+                                             "planted.md: `qwen3layer.costs.no_such_count`"]
+
+
 @pytest.mark.parametrize("path", ["qwen3layer.cuda.device_count", "qwen3layer._C.take_rows",
                                   "qwen3layer.torch.patch_model", "qwen3layer.KVCache.all_keys",
-                                  "qwen3layer.DecoderLayer.device", "qwen3layer.DecoderLayer.gpu_experts"])
+                                  "qwen3layer.DecoderLayer.device", "qwen3layer.DecoderLayer.gpu_experts",
+                                  "qwen3layer.analysis.costs.cost_model", "qwen3layer.costs_hybrid.Machine"])
 def test_real_paths_resolve(path):
-    """the other way's resolver takes modules, attributes and what methods assign on self"""
+    """the other way's resolver takes modules (an analysis module by its old path too: the
+    package registers it), attributes and what methods assign on self"""
     assert resolves(path)

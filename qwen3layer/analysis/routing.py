@@ -9,7 +9,7 @@ import dataclasses
 import html
 from typing import Any, List, Tuple
 
-from . import _C
+from .. import _C
 
 
 @dataclasses.dataclass(frozen=True)

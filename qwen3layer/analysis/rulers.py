@@ -10,11 +10,11 @@ import statistics
 import time
 from typing import Optional
 
-from . import _C
-from .config import LayerConfig
+from .. import _C
+from ..config import LayerConfig
+from ..hf_config import hf_rope_kwargs
+from ..layer import DecoderLayer
 from .costs import cost_model
-from .hf_config import hf_rope_kwargs
-from .layer import DecoderLayer
 
 
 @dataclasses.dataclass

@@ -2,7 +2,8 @@
 `gpu_experts` on the GPU, the other experts in host memory run by the CPU (DecoderLayer with
 expert_device="cpu"). Per pass (a prefill chunk or a decode step of `rows` rows):
 
-  GPU:   attention and router (qwen3layer.costs' stages before the experts), then its experts
+  GPU:   attention and router (qwen3layer.analysis.costs' stages before the experts), then its
+         experts
   PCIe:  as qwen3layer.hybrid moves them (link_bytes): every row's k expert ids down (4 bytes
          each); the rows that chose a host expert, their normed input (hidden x dtype) and k
          router weights (4 bytes each) down, their index (4 bytes) and their host sums
@@ -11,8 +12,9 @@ expert_device="cpu"). Per pass (a prefill chunk or a decode step of `rows` rows)
 
 The GPU's experts run while the CPU computes, so a pass takes the attention's time, the
 copies', and the longer of the two sides' experts: the `bound` side. Each stage's time is its
-roofline, max(bytes / bandwidth, FLOPs / peak), at the machine figures given (`Machine`; the host's from the probes qwen3layer._C runs, the device's
-and the link's an H200's and PCIe 5.0 x16's, qwen3layer/gpu_figures.py with their sources). Routing is uniform unless
+roofline, max(bytes / bandwidth, FLOPs / peak), at the machine figures given (`Machine`; the
+host's from the probes qwen3layer._C runs, the device's and the link's an H200's and PCIe 5.0
+x16's, qwen3layer/analysis/gpu_figures.py with their sources). Routing is uniform unless
 `shares` (each expert's fraction of the choices, from a calibration call's counts) is given;
 with shares, a row's k choices are taken as independent draws (the rows that reach the host
 are then an estimate)."""
@@ -22,7 +24,7 @@ import dataclasses
 import math
 from typing import Optional, Sequence
 
-from .config import LayerConfig
+from ..config import LayerConfig
 from .costs import WEIGHT_FORMATS, CostModel, Stage, _Matrices, _size, cost_model
 from .gpu_figures import H200_BF16_FLOPS, H200_COPY_BYTES_PER_S, PCIE5_X16_BYTES_PER_S
 

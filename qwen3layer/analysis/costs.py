@@ -17,8 +17,8 @@ import dataclasses
 import math
 from typing import List, Optional
 
-from .config import LayerConfig
-from .placement import check_placement, contiguous_placement
+from ..config import LayerConfig
+from ..placement import check_placement, contiguous_placement
 
 STAGES = ("io", "input_norm", "qkv_proj", "qk_norm_rope", "kv_write", "attention", "o_proj",
           "post_norm", "router", "top_k", "experts")

@@ -1,7 +1,7 @@
 """The machine figures the predictions use where nothing is measured: one H200's copy rate and
 bf16 matrix rate, and a PCIe 5.0 x16 link's rate, each with where it comes from.
 benchmarks/bench_cuda.py --predict takes the H200's (a GPU run measures both on its own device
-and uses those instead); qwen3layer.costs_hybrid.Machine takes all three as its defaults."""
+and uses those instead); qwen3layer.analysis.costs_hybrid.Machine takes all three as its defaults."""
 
 # bytes/s a device-to-device copy reaches on an H200 SXM (141 GB of HBM3e): NVIDIA's H200
 # datasheet gives 4.8 TB/s of memory bandwidth; a copy reaches about 90% of it. This is the

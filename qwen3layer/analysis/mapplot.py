@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 from .profile import Profile
 
 if TYPE_CHECKING:
-    from .layer import DecoderLayer
+    from ..layer import DecoderLayer
 
 READS_WEIGHTS = {"input_norm", "qkv_proj", "qk_norm_rope", "o_proj", "post_norm", "router", "experts"}
 TOUCHES_CACHE = {"kv_write": "writes", "attention": "reads"}
