@@ -67,6 +67,12 @@ void q3py_call_close(q3py_call *c);
 
 /* layer.attention_half and layer.expert_half (py_layer_halves.c); layer.attention_passes, the
  * attention half a pass at a time (py_pass_run.c) */
+/* the attention half's four outputs for x of `shape` [..., H] and `dtype` on `device` (-1: the
+ * host): resid fp32 and normed of x's dtype of that shape, experts int32 and weights fp32
+ * [..., top_k]; pointed at by *o. -1 with an exception (each made one is in t[] for the caller
+ * to release) */
+int q3py_half_outputs(q3_module_state *st, const q3_config *cfg, int ndim, const int64_t *shape, q3_dtype dtype,
+                      int device, q3py_tensor_object *t[4], q3_attention_half_out *o);
 PyObject *q3py_layer_attention_half(q3py_layer_object *self, PyObject *x_obj, PyObject *cache_obj, int decode,
                                     PyObject *seq_obj, PyObject *chunk_obj, PyObject *stream_obj, q3_insides *ins);
 PyObject *q3py_layer_attention_passes(q3py_layer_object *self, PyObject *x_obj, PyObject *cache_obj, int decode,

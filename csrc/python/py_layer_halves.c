@@ -7,20 +7,17 @@
 #include "py_layer.h"
 #include "py_layer_insides.h"
 
-/* the attention half's four outputs for x (shape [..., H]) on `device` (-1: the host): resid
- * fp32 and normed of x's dtype like x, experts int32 and weights fp32 [..., top_k]; pointed
- * at by *o. -1 with an exception (each made one is in t[] for the caller to release) */
-static int make_half_outputs(q3_module_state *st, const q3_config *cfg, const q3_view *x, int device,
-                             q3py_tensor_object *t[4], q3_attention_half_out *o) {
+int q3py_half_outputs(q3_module_state *st, const q3_config *cfg, int ndim, const int64_t *shape, q3_dtype dtype,
+                      int device, q3py_tensor_object *t[4], q3_attention_half_out *o) {
     int64_t lead[Q3_MAX_DIM];
-    memcpy(lead, x->shape, sizeof lead);
-    lead[x->ndim - 1] = cfg->top_k;
-    if (!(t[0] = q3py_tensor_new_on(st, Q3_F32, x->ndim, x->shape, device)) ||
-        !(t[1] = q3py_tensor_new_on(st, x->dtype, x->ndim, x->shape, device)) ||
-        !(t[2] = q3py_tensor_new_on(st, Q3_I32, x->ndim, lead, device)) ||
-        !(t[3] = q3py_tensor_new_on(st, Q3_F32, x->ndim, lead, device)))
+    memcpy(lead, shape, (size_t)ndim * sizeof *lead);
+    lead[ndim - 1] = cfg->top_k;
+    if (!(t[0] = q3py_tensor_new_on(st, Q3_F32, ndim, shape, device)) ||
+        !(t[1] = q3py_tensor_new_on(st, dtype, ndim, shape, device)) ||
+        !(t[2] = q3py_tensor_new_on(st, Q3_I32, ndim, lead, device)) ||
+        !(t[3] = q3py_tensor_new_on(st, Q3_F32, ndim, lead, device)))
         return -1;
-    *o = (q3_attention_half_out){t[0]->data, t[1]->data, x->dtype, t[2]->data, t[3]->data};
+    *o = (q3_attention_half_out){t[0]->data, t[1]->data, dtype, t[2]->data, t[3]->data};
     return 0;
 }
 
@@ -32,7 +29,8 @@ PyObject *q3py_layer_attention_half(q3py_layer_object *self, PyObject *x_obj, Py
     q3py_tensor_object *t[4] = {NULL, NULL, NULL, NULL};
     q3_attention_half_out half;
     PyObject *result = NULL;
-    if (make_half_outputs(c.st, q3_layer_config(self->layer), &c.x, self->device, t, &half) == 0 &&
+    if (q3py_half_outputs(c.st, q3_layer_config(self->layer), c.x.ndim, c.x.shape, c.x.dtype, self->device, t,
+                          &half) == 0 &&
         q3py_insides_make(ins, c.st, self->layer, c.co->cache, &c.x, self->device, &c.a) == 0 &&
         q3py_call_run(&c, self, &half) == 0)
         result = PyTuple_Pack(4, t[0], t[1], t[2], t[3]);

@@ -77,20 +77,14 @@ static void passes_dealloc(q3py_passes_object *self) {
 static PyObject *passes_next(q3py_passes_object *self) {
     if (!self->open || self->done == self->passes) return NULL; /* StopIteration */
     q3py_call *c = &self->call;
-    const q3_config *cfg = q3_layer_config(self->layer->layer);
-    int64_t shape[Q3_MAX_DIM], lead[Q3_MAX_DIM];
+    int64_t shape[Q3_MAX_DIM];
     memcpy(shape, c->x.shape, sizeof shape);
-    if (c->x.ndim >= 2 && c->a.tokens > 1) shape[c->x.ndim - 2] = q3_pass_cursor_tokens(&c->a, &self->cur);
-    memcpy(lead, shape, sizeof lead);
-    lead[c->x.ndim - 1] = cfg->top_k;
-    const int dev = self->layer->device, n = c->x.ndim;
-    q3py_tensor_object *t[4] = {q3py_tensor_new_on(c->st, Q3_F32, n, shape, dev),
-                                q3py_tensor_new_on(c->st, c->x.dtype, n, shape, dev),
-                                q3py_tensor_new_on(c->st, Q3_I32, n, lead, dev),
-                                q3py_tensor_new_on(c->st, Q3_F32, n, lead, dev)};
+    if (c->a.tokens > 1) shape[c->x.ndim - 2] = q3_pass_cursor_tokens(&c->a, &self->cur); /* x [..., tokens, H] */
+    q3py_tensor_object *t[4] = {NULL, NULL, NULL, NULL};
+    q3_attention_half_out half;
     PyObject *result = NULL;
-    if (t[0] && t[1] && t[2] && t[3]) {
-        const q3_attention_half_out half = {t[0]->data, t[1]->data, c->x.dtype, t[2]->data, t[3]->data};
+    if (q3py_half_outputs(c->st, q3_layer_config(self->layer->layer), c->x.ndim, shape, c->x.dtype,
+                          self->layer->device, t, &half) == 0) {
         q3_error err;
         q3_status s;
         c->co->busy = 1;
