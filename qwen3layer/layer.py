@@ -52,7 +52,7 @@ def _split_placement(config: LayerConfig, index: int, experts: Any, expert_devic
     if gpu_experts is None:
         gpu_experts = []
     if isinstance(gpu_experts, int) and not isinstance(gpu_experts, bool):
-        from .hybrid import choose_gpu_experts
+        from .placement.hybrid import choose_gpu_experts
         gpu = choose_gpu_experts(gpu_experts, expert_counts, E)
     else:
         if expert_counts is not None:
@@ -127,7 +127,7 @@ class DecoderLayer:
             mine = held_expert_views(mine, config, ids)
         self._core = _C.Layer(config, mine, dtype, index, weight_format, ids)
         if split:
-            from .hybrid import HybridRunner
+            from .placement.hybrid import HybridRunner
             host = _C.Layer(config, expert_weights(canonical_weights(weights, config, host_ids), config),
                             self._core.dtype, -1,
                             self._core.weight_format, host_ids, experts_only=True)
@@ -308,7 +308,8 @@ class DecoderLayer:
 
     def _split_call(self, x: Any, cache: KVCache, decode: bool, out: Any, seq: Optional[int] = None,
                     chunk_size: Optional[int] = None, **insides: Any) -> Any:
-        """prefill or decode of a layer split over the GPU and the host (qwen3layer.hybrid)"""
+        """prefill or decode of a layer split over the GPU and the host
+        (qwen3layer.placement.hybrid)"""
         check_torch_device("x", x, self._core.device)
         check_torch_device("out", out, self._core.device)
         if out is not None and not (type(out).__module__.startswith("torch") and type(x).__module__.startswith("torch")):
@@ -370,11 +371,11 @@ class DecoderLayer:
         monotonic clock on the CPU, CUDA events on a GPU), and the median of as many unprofiled
         calls for comparison.
 
-        A layer split over the GPU and the host: its calls (qwen3layer.hybrid), with the experts
-        stage in three: gpu_experts (CUDA events), host_experts (the CPU's clock) and link (the
-        copies, takes and combine: the profiled call's time less the two sides' stages). The
-        profiled calls run the two sides' experts one after the other (each side's timing
-        waits for its own work); the unprofiled ones overlap them."""
+        A layer split over the GPU and the host: its calls (qwen3layer.placement.hybrid), with
+        the experts stage in three: gpu_experts (CUDA events), host_experts (the CPU's clock)
+        and link (the copies, takes and combine: the profiled call's time less the two sides'
+        stages). The profiled calls run the two sides' experts one after the other (each side's
+        timing waits for its own work); the unprofiled ones overlap them."""
         import statistics
         import time
 
@@ -429,7 +430,8 @@ class DecoderLayer:
                        cache.nbytes)
 
     def _profiled(self, call: Any) -> dict:
-        """stage -> seconds of call() with profiling on (a split layer: qwen3layer.hybrid's)"""
+        """stage -> seconds of call() with profiling on (a split layer:
+        qwen3layer.placement.hybrid's)"""
         if self._hybrid is not None:
             return self._hybrid.profiled(call)
         self._core.set_profiling(True)

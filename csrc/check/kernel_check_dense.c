@@ -210,9 +210,9 @@ double q3_case_convert(check *k) {
     return e > r ? e : r;
 }
 
-/* a split layer's rows (qwen3layer/hybrid.py): take_rows in dtype dt (a move: exact), then
- * add_rows of parts in pdt into an fp32 residual (one add an element: exact); H odd, a row
- * named past the last one taken, n = 1 */
+/* a split layer's rows (qwen3layer/placement/hybrid.py): take_rows in dtype dt (a move:
+ * exact), then add_rows of parts in pdt into an fp32 residual (one add an element: exact); H
+ * odd, a row named past the last one taken, n = 1 */
 double q3_case_take_add_rows(check *k, q3_dtype dt, q3_dtype pdt, int64_t n) {
     const int64_t R = 9, H = 77;
     const int32_t rows[5] = {8, 0, 3, 7, 2};

@@ -1,6 +1,6 @@
 /* Per-stage timing of the CPU forward (layer.profile): a monotonic clock read at each stage
  * boundary while profiling is on, accumulated per stage. The stages are those of the cost
- * model (qwen3layer/costs.py), in the order the forward runs them. */
+ * model (qwen3layer/analysis/costs.py), in the order the forward runs them. */
 #ifndef Q3_ENGINE_PROFILE_H
 #define Q3_ENGINE_PROFILE_H
 

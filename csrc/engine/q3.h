@@ -193,7 +193,7 @@ typedef struct {
     const uint8_t *held;
     /* nonzero: the experts alone (a host layer): dense and dense_scale are not read (may be
      * NULL), and the layer runs only its expert half (the host side of a layer split over a
-     * device and the host: qwen3layer/hybrid.py) */
+     * device and the host: qwen3layer/placement/hybrid.py) */
     int experts_only;
 } q3_weights;
 
@@ -375,9 +375,9 @@ typedef struct {
     void *stream; /* CUDA layers: the cudaStream_t the work is queued on (NULL: default) */
 } q3_expert_half_args;
 q3_status q3_layer_expert_half(q3_layer *layer, const q3_expert_half_args *a, q3_error *err);
-/* Rows of a layer whose experts are split between places (qwen3layer/hybrid.py: a device and
- * the host; qwen3layer/parallel.py: processes), in the memory of `device` (-1: the host; else
- * a CUDA device, through the installed backend, queued on its `stream`):
+/* Rows of a layer whose experts are split between places (qwen3layer/placement/hybrid.py: a
+ * device and the host; qwen3layer/placement/parallel.py: processes), in the memory of `device`
+ * (-1: the host; else a CUDA device, through the installed backend, queued on its `stream`):
  * q3_take_rows: dst [n, H] <- src [R, H] row rows[i] for i < n, both of dtype dt (fp32 or
  * bf16), moved as they are;
  * q3_combine_rows: resid [R, H] fp32 += parts[i] at row rows[i] for i < n in turn (parts

@@ -1,8 +1,9 @@
 /* Rows moved between a layer's halves where its experts are split between a device and the
- * host (qwen3layer/hybrid.py) or between processes (qwen3layer/parallel.py): the rows that
- * chose an expert elsewhere taken out (q3_take_rows), the sums back from there added in
- * (q3_combine_rows). Host memory here; a device's through the installed backend
- * (csrc/cuda/split_rows.c), after the same checks of the sizes and dtypes. */
+ * host (qwen3layer/placement/hybrid.py) or between processes
+ * (qwen3layer/placement/parallel.py): the rows that chose an expert elsewhere taken out
+ * (q3_take_rows), the sums back from there added in (q3_combine_rows). Host memory here; a
+ * device's through the installed backend (csrc/cuda/split_rows.c), after the same checks of
+ * the sizes and dtypes. */
 #include <stdlib.h>
 
 #include "cpu_dispatch.h"

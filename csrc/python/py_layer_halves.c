@@ -1,7 +1,8 @@
-/* The layer's two halves, for a caller that moves rows between them (qwen3layer.hybrid,
- * qwen3layer.parallel): layer.attention_half, a layer call (py_layer_call.c's) stopped after
- * the router, and layer.expert_half (q3_layer_expert_half) on rows handed in: tensors on the
- * layer's device (a CUDA layer's on its device; one elsewhere is refused, never copied).
+/* The layer's two halves, for a caller that moves rows between them
+ * (qwen3layer.placement.hybrid, qwen3layer.placement.parallel): layer.attention_half, a layer
+ * call (py_layer_call.c's) stopped after the router, and layer.expert_half
+ * (q3_layer_expert_half) on rows handed in: tensors on the layer's device (a CUDA layer's on
+ * its device; one elsewhere is refused, never copied).
  * Every argument is checked before the engine runs; a rejected call writes nothing.
  * Tensors of rows may have leading dims ([..., hidden]: their rows in order). */
 #include "py_layer.h"

@@ -1,8 +1,8 @@
 /* AttentionPasses: the attention half of one layer call run a pass at a time
  * (q3_layer_attention_passes_begin / _pass / _abort), for a caller that moves each pass's rows
- * to experts elsewhere before the next pass (qwen3layer.passes: the split and expert-parallel
- * layers). Made by Layer.attention_passes, which checks the whole call once; an iterator of
- * each pass's (resid, normed, experts, weights); close() ends the call and returns its
+ * to experts elsewhere before the next pass (qwen3layer.placement.passes: the split and
+ * expert-parallel layers). Made by Layer.attention_passes, which checks the whole call once; an
+ * iterator of each pass's (resid, normed, experts, weights); close() ends the call and returns its
  * insides, abort() (or leaving a `with` block open, or dropping the object open) rolls the
  * cache back to where the call began, in the engine. The cache takes no other call meanwhile. */
 #include "py_cache.h"

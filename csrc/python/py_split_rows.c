@@ -1,8 +1,9 @@
 /* _C.take_rows and _C.combine_rows: the rows of a layer whose experts are split between
- * places (qwen3layer/hybrid.py, qwen3layer/parallel.py), on host tensors or, device=d, on
- * CUDA device d's (queued on `stream`), every tensor on that one device (others refused,
- * never copied). Every argument is checked before the engine runs; a refused call writes
- * nothing. Tensors of rows may have leading dims ([..., hidden]: their rows in order). */
+ * places (qwen3layer/placement/hybrid.py, qwen3layer/placement/parallel.py), on host tensors
+ * or, device=d, on CUDA device d's (queued on `stream`), every tensor on that one device
+ * (others refused, never copied). Every argument is checked before the engine runs; a
+ * refused call writes nothing. Tensors of rows may have leading dims ([..., hidden]: their
+ * rows in order). */
 #include "py_glue.h"
 
 int64_t q3py_rows_of(const q3_view *v) {

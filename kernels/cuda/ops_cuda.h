@@ -162,7 +162,7 @@ typedef struct {
     int (*gather_rows)(float *dst, const float *src, const int32_t *rows, int64_t n, int64_t H, void *stream);
     int (*scatter_add_rows)(float *dst, const float *src, const int32_t *rows, const float *scale, int64_t n,
                             int64_t H, void *stream);
-    /* rows of a layer split over the GPU and the host (qwen3layer/hybrid.py) */
+    /* rows of a layer split over the GPU and the host (qwen3layer/placement/hybrid.py) */
     int (*take_rows)(void *dst, const void *src, q3_dtype dt, const int32_t *rows, int64_t n, int64_t H, void *stream);
     int (*add_rows)(float *dst, const void *src, q3_dtype src_dt, const int32_t *rows, int64_t n, int64_t H,
                     void *stream);

@@ -4,10 +4,10 @@ expert_device="cpu"). Per pass (a prefill chunk or a decode step of `rows` rows)
 
   GPU:   attention and router (qwen3layer.analysis.costs' stages before the experts), then its
          experts
-  PCIe:  as qwen3layer.hybrid moves them (link_bytes): every row's k expert ids down (4 bytes
-         each); the rows that chose a host expert, their normed input (hidden x dtype) and k
-         router weights (4 bytes each) down, their index (4 bytes) and their host sums
-         (hidden x fp32) up; with GPU experts, the rows' k device ids up (4 bytes each)
+  PCIe:  as qwen3layer.placement.hybrid moves them (link_bytes): every row's k expert ids
+         down (4 bytes each); the rows that chose a host expert, their normed input (hidden x
+         dtype) and k router weights (4 bytes each) down, their index (4 bytes) and their host
+         sums (hidden x fp32) up; with GPU experts, the rows' k device ids up (4 bytes each)
   host:  the host experts the pass hits, each read once from host memory
 
 The GPU's experts run while the CPU computes, so a pass takes the attention's time, the
@@ -91,8 +91,9 @@ def _gpu_ids(cfg: LayerConfig, gpu_experts: Sequence[int]) -> set:
 
 def link_bytes(cfg: LayerConfig, rows: int, rows_to_host: float, gpu_used: bool, dtype: str = "bfloat16") -> tuple:
     """(down, up): the bytes a call of `rows` rows moves from the GPU to the host and back, as
-    qwen3layer.hybrid moves them, `rows_to_host` of the rows with a host expert among their k
-    and `gpu_used` whether any row chose a GPU expert (HybridRunner.stats counts the same)"""
+    qwen3layer.placement.hybrid moves them, `rows_to_host` of the rows with a host expert
+    among their k and `gpu_used` whether any row chose a GPU expert (HybridRunner.stats counts
+    the same)"""
     k, H, es = cfg.num_experts_per_tok, cfg.hidden_size, _size(dtype)
     down = rows * 4 * k + rows_to_host * (H * es + 4 * k)
     up = rows_to_host * (4 + H * 4) + (rows * 4 * k if gpu_used else 0)

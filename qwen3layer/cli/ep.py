@@ -24,7 +24,7 @@ def _rank(rank: int, world: int, init: str, opts: dict, queue) -> None:
     import torch.distributed as dist
 
     from .common import geometry
-    from ..parallel import ExpertParallelLayer
+    from ..placement.parallel import ExpertParallelLayer
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,

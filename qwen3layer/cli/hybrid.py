@@ -1,5 +1,5 @@
 """`run` and `map` with --expert-device cpu --gpu-experts N: a layer split over one GPU and
-the host (qwen3layer.hybrid). `map` prints the cost model's split
+the host (qwen3layer.placement.hybrid). `map` prints the cost model's split
 (qwen3layer.analysis.costs_hybrid) at this machine's host figures, probed now, and the H200's
 and PCIe 5's of qwen3layer/analysis/gpu_figures.py; `run` measures the split layer (it needs
 the CUDA device) beside that prediction."""

@@ -124,9 +124,10 @@ class DecoderLayer(torch.nn.Module):
         ep_group: a torch.distributed process group to split the layer's experts over
         (qwen3layer.parallel.ExpertParallelLayer, ep_placement its placement): each rank's C
         layer reads its own experts only, and every rank must call the layer alike.
-        expert_device="cpu": the layer split over one GPU and the host (qwen3layer.hybrid):
-        its attention, norms and router where they are (a CUDA device), its experts in host
-        memory, those of gpu_experts (ids, or N with expert_counts) copied to the GPU once."""
+        expert_device="cpu": the layer split over one GPU and the host
+        (qwen3layer.placement.hybrid): its attention, norms and router where they are (a CUDA
+        device), its experts in host memory, those of gpu_experts (ids, or N with
+        expert_counts) copied to the GPU once."""
         layer_idx = getattr(hf_layer.self_attn, "layer_idx", 0)
         if expert_device is not None or gpu_experts is not None:
             if ep_group is not None:
@@ -138,7 +139,7 @@ class DecoderLayer(torch.nn.Module):
                                       expert_counts=expert_counts)
             return cls(core, layer_idx, hf_layer, max_tokens, recordable)
         if ep_group is not None:
-            from ..parallel import ExpertParallelLayer
+            from ..placement.parallel import ExpertParallelLayer
             core = ExpertParallelLayer.from_hf(hf_layer, group=ep_group, placement=ep_placement)
             return cls(core, layer_idx, hf_layer, max_tokens, recordable)
         where = next(hf_layer.parameters()).device

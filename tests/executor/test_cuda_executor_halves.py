@@ -324,9 +324,9 @@ def test_the_halves_on_the_executor_refuse_what_they_cannot_run():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_take_and_combine_rows_on_the_device_give_the_hosts_bits(dtype):
-    """_C.take_rows and _C.combine_rows with device=0 (a split layer's rows: qwen3layer/hybrid.py)
-    against the host's: the rows taken as they are, the parts added in fp32, the out rounded
-    alike; a [2, 3, hidden] source taken as its 6 rows"""
+    """_C.take_rows and _C.combine_rows with device=0 (a split layer's rows:
+    qwen3layer/placement/hybrid.py) against the host's: the rows taken as they are, the parts
+    added in fp32, the out rounded alike; a [2, 3, hidden] source taken as its 6 rows"""
     tdt = getattr(torch, dtype)
     g = torch.Generator().manual_seed(31)
     src, rows = torch.randn(2, 3, H, generator=g).to(tdt), torch.tensor([5, 0, 3], dtype=torch.int32)

@@ -174,8 +174,8 @@ def test_an_attention_map_from_the_wrong_kv_head_fails_against_the_cpu_kernel():
 
 def test_rows_taken_by_half_fail_against_the_twin():
     """take_rows moving H 16-bit units a row instead of H x element size / 2 (a split layer's
-    rows, qwen3layer/hybrid.py): the cases of fp32 rows are off the twin (half of each row not
-    moved); the bf16 rows' case, where both sizes agree, stays right"""
+    rows, qwen3layer/placement/hybrid.py): the cases of fp32 rows are off the twin (half of
+    each row not moved); the bf16 rows' case, where both sizes agree, stays right"""
     r = run(13)
     mine, others = cases_of(r, "take + add rows")
     fp32 = [c for c in mine if "fp32 rows" in c["case"]]

@@ -193,8 +193,9 @@ def run_rank(rank, world, init_file, placement_kind, backend="gloo"):
     finally:
         dist.destroy_process_group()
     # and the process ends as any does, the interpreter's teardown included: while the planted
-    # failure's exception kept a reference cycle through qwen3layer.parallel's frames, ~1 run in
-    # 12 of 3 ranks aborted there (qwen3layer/parallel.py's _exchange says how it was fixed)
+    # failure's exception kept a reference cycle through qwen3layer.placement.parallel's frames,
+    # ~1 run in 12 of 3 ranks aborted there (qwen3layer/placement/parallel.py's _exchange says how
+    # it was fixed)
 
 
 def against_the_single_process_layer(rank, world, placement_kind):

@@ -76,7 +76,7 @@ def test_the_device_combine_adds_as_combine_rows_to_the_bit(dtype):
     host tensors, against _C.combine_rows: rows named by several blocks, a block of none"""
     import torch
     from qwen3layer import _C
-    from qwen3layer.parallel import _combine_blocks
+    from qwen3layer.placement.parallel import _combine_blocks
 
     g = torch.Generator().manual_seed(3)
     R, H, dt = 9, 64, getattr(torch, dtype)

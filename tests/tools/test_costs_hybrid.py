@@ -42,8 +42,8 @@ def test_uniform_routing_bytes_match_drawn_routings(rows, gpu):
     assert s.rows_to_host == pytest.approx(want_rows, rel=0.03, abs=0.02)
     per_expert = 3 * SMALL.hidden_size * SMALL.moe_intermediate_size * 2
     assert s.host_expert_bytes / per_expert == pytest.approx(want_hit, rel=0.03, abs=0.02)
-    # what qwen3layer.hybrid moves: every row's ids down, the rows with a host expert (their
-    # normed input and weights) down, their index and fp32 sums up, the device ids up
+    # what qwen3layer.placement.hybrid moves: every row's ids down, the rows with a host expert
+    # (their normed input and weights) down, their index and fp32 sums up, the device ids up
     H, k, n = SMALL.hidden_size, SMALL.num_experts_per_tok, s.rows_to_host
     assert s.link_down_bytes == pytest.approx(rows * 4 * k + n * (2 * H + 4 * k))
     assert s.link_up_bytes == pytest.approx(n * (4 + 4 * H) + rows * 4 * k)

@@ -3,7 +3,9 @@ the source (every `import` and `from ... import` of the package, at any depth of
 a module that imports another never has that one import it back through any chain. And every
 subpackage is one the build installs (pyproject.toml's packages), and the analysis modules'
 paths from before they moved into qwen3layer.analysis import the same modules, with no file
-left at the old place."""
+left at the old place. qwen3layer.parallel, moved into qwen3layer.placement, keeps its public
+path as a module re-exporting the new one's names (it imports torch, which `import qwen3layer`
+must not, so the package cannot register it as the analysis paths are)."""
 import ast
 import os
 import subprocess
@@ -111,6 +113,14 @@ def test_every_subpackage_is_installed():
     assert packages == listed
 
 
+def fresh(program: str) -> str:
+    """what `program` prints, run in a fresh interpreter at the repository root (the test fails
+    with its stderr where it raises)"""
+    run = subprocess.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    return run.stdout
+
+
 MOVED = ["costs", "costs_hybrid", "gpu_figures", "mapplot", "profile", "routing", "rulers"]  # into analysis/
 
 
@@ -130,7 +140,50 @@ def test_moved_modules_keep_their_old_paths():
         "    assert importlib.import_module('qwen3layer.' + name) is new, name\n"
         "    assert getattr(qwen3layer, name) is new, name\n"
         "print('ok')\n")
-    run = subprocess.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0 and run.stdout == "ok\n", run.stderr
+    assert fresh(program) == "ok\n"
     left = [name for name in MOVED if os.path.exists(os.path.join(ROOT, "qwen3layer", name + ".py"))]
     assert left == [] and {f"qwen3layer.analysis.{name}" for name in MOVED} <= set(modules())
+
+
+PLACED = ["parallel", "hybrid", "passes"]  # into placement/, whose __init__.py is what placement.py was
+
+
+def test_parallel_keeps_its_public_path_and_the_package_no_torch():
+    """qwen3layer.parallel, expert parallelism's documented path, is a module that re-exports
+    qwen3layer.placement.parallel's public names, the same objects, and holds nothing else;
+    `import qwen3layer` and the torch-free qwen3layer.placement load neither it nor torch, and
+    where torch is missing `import qwen3layer.parallel` fails at the import, naming torch
+    (fresh interpreters). The placement modules left no flat file."""
+    program = (
+        "import pickle, sys\n"
+        "import qwen3layer, qwen3layer.placement\n"
+        "loaded = sorted(m for m in sys.modules if m.partition('.')[0] == 'torch'\n"
+        "                or m in ('qwen3layer.parallel', 'qwen3layer.placement.parallel'))\n"
+        "assert loaded == [], loaded\n"
+        "import qwen3layer.parallel as p\n"
+        "from qwen3layer.parallel import ExpertParallelLayer, contiguous_placement\n"
+        "import qwen3layer.placement.parallel as impl\n"
+        "assert p is qwen3layer.parallel and p.__all__ == impl.__all__, (p.__all__, impl.__all__)\n"
+        "assert all(getattr(p, n) is getattr(impl, n) for n in impl.__all__)\n"
+        "assert ExpertParallelLayer is impl.ExpertParallelLayer\n"
+        "assert contiguous_placement is qwen3layer.placement.contiguous_placement\n"
+        "assert sorted(n for n in vars(p) if not n.startswith('__')) == sorted(impl.__all__)\n"
+        "assert pickle.loads(pickle.dumps(ExpertParallelLayer)) is ExpertParallelLayer\n"
+        "print('ok')\n")
+    assert fresh(program) == "ok\n"
+    without_torch = (
+        "import sys\n"
+        "sys.modules['torch'] = None  # as where torch is not installed: `import torch` fails\n"
+        "import qwen3layer, qwen3layer.placement\n"
+        "assert qwen3layer.placement.check_placement([[2], [0, 1]], 3, 2) == [[2], [0, 1]]\n"
+        "try:\n"
+        "    import qwen3layer.parallel\n"
+        "except ModuleNotFoundError as e:\n"
+        "    print(e.name, 'qwen3layer.parallel' in sys.modules)\n")
+    assert fresh(without_torch) == "torch False\n"
+    graph = graph_of()
+    assert graph["qwen3layer.placement"] == set()  # imports none of the package's modules
+    assert {f"qwen3layer.placement.{name}" for name in PLACED} <= set(graph)
+    left = [name for name in PLACED[1:] + ["placement"]
+            if os.path.exists(os.path.join(ROOT, "qwen3layer", name + ".py"))]
+    assert left == []

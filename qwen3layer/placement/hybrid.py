@@ -5,8 +5,8 @@ second implementation of either.
 
 A call (a decode step, or a prefill pass by pass: chunk_size tokens of each sequence a pass,
 over the device layer's attention passes, which check the whole call first, so that each side
-holds a pass's activations, not the call's; qwen3layer.passes runs them, and a failure in any
-pass aborts the call, the cache rolled back by the engine):
+holds a pass's activations, not the call's; qwen3layer.placement.passes runs them, and a
+failure in any pass aborts the call, the cache rolled back by the engine):
   1. the device layer's attention pass;
   2. the router's choices copied to the host; each goes to the side holding its expert (-1
      on the other);
@@ -21,8 +21,8 @@ Only the rows that chose a host expert cross, each way. The order of every sum i
 device's experts in expert order, then the host's), so a call gives the same bits from run to
 run. Device tensors are torch CUDA tensors or, on the SIMT executor, the extension's own.
 `stats` counts the calls, the passes (and the most token rows one held), the rows and choices
-each side ran and the bytes each way over the link (qwen3layer.costs_hybrid.link_bytes models
-them, pass by pass).
+each side ran and the bytes each way over the link (qwen3layer.analysis.costs_hybrid.link_bytes
+models them, pass by pass).
 """
 from __future__ import annotations
 
@@ -32,9 +32,9 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from . import _C, cuda
-from .analysis.routing import RoutingSummary
-from .config import LayerConfig
+from .. import _C, cuda
+from ..analysis.routing import RoutingSummary
+from ..config import LayerConfig
 from .passes import run_passes
 
 STAT_KEYS = ("calls", "passes", "largest_pass_rows", "device_rows", "device_choices", "host_rows", "host_choices", "link_down_bytes",
@@ -142,8 +142,8 @@ class HybridRunner:
         """(y on the device, the call's insides: the engine's (router logits, experts, weights,
         maps), or None when none was asked); y is `out` (a contiguous torch tensor of x's shape
         and dtype) when given. The device layer's attention passes (the whole call checked once,
-        qwen3layer.passes.run_passes), each pass's experts on both sides before the next: the
-        device and the host hold a pass's activations, never the call's."""
+        qwen3layer.placement.passes.run_passes), each pass's experts on both sides before the
+        next: the device and the host hold a pass's activations, never the call's."""
         on_torch = isinstance(x, torch.Tensor)
         # torch tensors: the device's work on the caller's current stream, as DecoderLayer queues it
         stream = torch.cuda.current_stream(self.index).cuda_stream if on_torch else None

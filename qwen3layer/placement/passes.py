@@ -1,6 +1,7 @@
 """One layer call run pass by pass over the engine's attention passes, with the experts run
 elsewhere between them: the Python pass runner the layer split over the GPU and the host
-(qwen3layer.hybrid) and the expert-parallel layer (qwen3layer.parallel) share.
+(qwen3layer.placement.hybrid) and the expert-parallel layer (qwen3layer.placement.parallel)
+share.
 
 The engine checks the whole call once when its passes open (Layer.attention_passes), writes
 the call's insides at the call's rows as each pass runs, and rolls the cache back to where the

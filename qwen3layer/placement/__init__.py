@@ -1,5 +1,13 @@
-"""Where the experts live under expert parallelism (qwen3layer.parallel; the cost model's
-exchange, qwen3layer.costs): each rank's expert ids. No torch needed."""
+"""Placement: where the layer's experts run, beside its attention. This package's own names
+say where the experts live under expert parallelism, each rank's expert ids
+(contiguous_placement, check_placement), for parallel.py and the cost model's exchange
+(qwen3layer.analysis.costs). It imports neither torch nor any other module of qwen3layer, so
+that `import qwen3layer` never loads torch through it; its modules, which import torch, are
+loaded only when imported by name:
+  parallel.py  the experts over torch.distributed ranks (ExpertParallelLayer; its public
+               path is qwen3layer.parallel, which re-exports it)
+  hybrid.py    one GPU and the host experts (DecoderLayer(..., expert_device="cpu"))
+  passes.py    the pass runner both share, over the engine's attention passes"""
 from __future__ import annotations
 
 from typing import List, Sequence
