@@ -48,6 +48,7 @@ from ..layer import check_expert_device
 
 _GRAD_WARNED = [False]
 _DATA_PTR, _DTYPE = torch.Tensor.data_ptr, operator.attrgetter("dtype")
+_GET, _IS = dict.get, operator.is_
 _FLAGS = {"router_logits": "output_router_logits", "attentions": "output_attentions",
           "hidden_states": "output_hidden_states"}  # the call's and the config's names of what it asks for
 _MISSING = object()
@@ -91,11 +92,14 @@ class DecoderLayer(torch.nn.Module):
         for name, child in (original.named_children() if original is not None else ()):
             self.add_module(name, child)
         # the tensors the C layer reads, as they were when it was made: their names, the tensors,
-        # and each one's address, dtype and device (_check_weights)
+        # each one's address, dtype and device, and the parameter dict of the module holding it
+        # with its name there (a parameter reassigned on its module replaces it there: _weights_held)
         named = list(original.named_parameters()) if original is not None else []
         params = tuple(p for _, p in named)
         self.__dict__["_borrowed"] = ([name for name, _ in named], params, list(map(_DATA_PTR, params)),
-                                      list(map(_DTYPE, params)), [p.device for p in params])
+                                      list(map(_DTYPE, params)), [p.device for p in params],
+                                      [original.get_submodule(name.rpartition(".")[0])._parameters
+                                       for name, _ in named], [name.rpartition(".")[2] for name, _ in named])
         # the model's config: its output_* flags are the defaults of the call's (as in transformers)
         self.__dict__["config"] = getattr(getattr(original, "self_attn", None), "config", None)
         self.__dict__["_handle"] = _op.register_layer(self)  # the custom op's way back to this layer
@@ -168,13 +172,28 @@ class DecoderLayer(torch.nn.Module):
             warnings.warn("qwen3layer: the patched layers run with gradients enabled but no gradient flows through "
                           "them (inference only); use torch.no_grad() or torch.inference_mode()", stacklevel=3)
 
+    def _weights_held(self) -> bool:
+        """whether every borrowed tensor is still its module's parameter, at the address and of
+        the dtype the C layer reads (a C-level map each: identities, addresses, dtypes); a tensor
+        moved to another device is at another address (one address space: CUDA's unified
+        addressing), so _check_weights compares devices only when this fails"""
+        _, params, ptrs, dtypes, _, holders, keys = self.__dict__["_borrowed"]
+        return all(map(_IS, map(_GET, holders, keys), params)) and list(map(_DATA_PTR, params)) == ptrs and \
+            list(map(_DTYPE, params)) == dtypes
+
     def _check_weights(self) -> None:
-        names, params, ptrs, dtypes, devices = self._borrowed
-        # one map each for the addresses and dtypes; a tensor moved to another device is at another
-        # address (one address space: CUDA's unified addressing), so its device is compared only then
-        if list(map(_DATA_PTR, params)) == ptrs and list(map(_DTYPE, params)) == dtypes:
+        if self._weights_held():
             return
-        for name, p, ptr, dtype, device in zip(names, params, ptrs, dtypes, devices):
+        names, params, ptrs, dtypes, devices, holders, keys = self._borrowed
+        for name, p, ptr, dtype, device, holder, key in zip(names, params, ptrs, dtypes, devices, holders, keys):
+            now = holder.get(key)
+            if now is not p:
+                what = "removed" if now is None else f"now another tensor ({now.dtype} on {now.device})"
+                raise RuntimeError(
+                    f"qwen3layer layer {self.layer_idx}: {name} is no longer the tensor the C layer reads (the "
+                    f"module's parameter was {dtype} on {device}, it is {what}: reassigned, e.g. by "
+                    "load_state_dict(assign=True) or setattr); call qwen3layer.torch.unpatch_model(model) and "
+                    "patch_model(model) again")
             if p.data_ptr() != ptr or p.dtype != dtype or p.device != device:
                 raise RuntimeError(
                     f"qwen3layer layer {self.layer_idx}: {name} is no longer the tensor the C layer reads (it was "

@@ -224,6 +224,24 @@ def test_moved_weights_are_refused():
             model(PACKED_IDS[:, :5])
 
 
+@pytest.mark.parametrize("how", ["setattr", "load_state_dict(assign=True)", "deleted"])
+def test_a_reassigned_parameter_is_refused(how):
+    """the C layer reads the tensor it borrowed: a module given another parameter in its place
+    (a new address or the same one) is refused, naming it"""
+    model, _ = pair(13)
+    gate = model.model.layers[0].mlp.gate
+    if how == "setattr":
+        gate.weight = torch.nn.Parameter(gate.weight.detach().clone())
+    elif how == "deleted":
+        del gate.weight
+    else:
+        gate.load_state_dict({"weight": torch.zeros_like(gate.weight)}, assign=True)
+    what = "removed" if how == "deleted" else r"now another tensor \(torch.float32 on cpu\)"
+    with pytest.raises(RuntimeError, match=rf"layer 0: mlp.gate.weight is no longer the tensor .* it is {what}"):
+        with torch.no_grad():
+            model(PACKED_IDS[:, :5])
+
+
 @pytest.mark.parametrize("checkpointing", [None, True, False])
 def test_training_is_refused_before_any_work(checkpointing):
     model, _ = pair(15)
