@@ -15,7 +15,7 @@ One thread: torch.set_num_threads(1), and OMP_NUM_THREADS=1 set before the exten
 (the C layer reads it once). Per run and cache: the median of the module's time, of the C
 call's and of the per-call differences (us), over every layer's decode calls after the first
 --warmup tokens, and the differences' mean (the first layer of each model call plans the call,
-the others are given its plan by qwen3layer.torch.masks.planned, so the median is a later
+the others repeat its plan: qwen3layer.torch.DecoderLayer._repeat, so the median is a later
 layer's and the mean counts both); prefill calls are not counted. The geometry is
 LayerConfig.tiny()'s, so the C call is as short as the engine makes it and the difference is
 the Python around it.

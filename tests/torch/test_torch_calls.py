@@ -185,7 +185,9 @@ def test_static_cache_generation_maps_and_keys():
               output_attentions=True, return_dict_in_generate=True)
     ours, theirs = model.generate(ids, **kw), ref.generate(ids, **kw)
     assert torch.equal(ours.sequences, theirs.sequences)
+    assert len(ours.attentions) == len(theirs.attentions) == 2
     for step_ours, step_theirs in zip(ours.attentions, theirs.attentions):
+        assert len(step_ours) == len(step_theirs) == 2  # every layer's, each step
         for a, b in zip(step_ours, step_theirs):
             assert a.shape == b.shape  # the static length's keys, as transformers gives them
             assert rel(a, b) < 1e-5
