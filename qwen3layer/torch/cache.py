@@ -114,10 +114,24 @@ def make_room(entry: Any, kv: Any, need: int, limit: int) -> None:
         _repoint(entry)
 
 
+# torch's import of a DLPack capsule: torch.from_dlpack, given a capsule rather than a tensor,
+# hands it to this function (after a hasattr test that costs a caught AttributeError)
+_FROM_CAPSULE = getattr(torch._C, "_from_dlpack", torch.from_dlpack)
+
+
+def host_tensor(t: Any) -> torch.Tensor:
+    """an extension tensor in host memory (a layer's output, a view of a C cache) as a torch
+    tensor, zero-copy: what torch.from_dlpack does for it, without its device and stream
+    look-ups (a host tensor has no stream). The capsule is the legacy one: parsing
+    max_version=(1, 0) costs more than the import, and what the versioned one adds is the
+    read-only flag, which these writable tensors do not carry (the extension refuses a legacy
+    export of read-only memory)."""
+    return _FROM_CAPSULE(t.__dlpack__())
+
+
 def _views(kv: Any, tokens: int) -> tuple:
-    if kv.device == "cpu":  # what torch.from_dlpack does for a host tensor, without its device and stream lookups
-        return (torch.from_dlpack(kv.all_keys(tokens).__dlpack__(max_version=(1, 0))),
-                torch.from_dlpack(kv.all_values(tokens).__dlpack__(max_version=(1, 0))))
+    if kv.device == "cpu":
+        return host_tensor(kv.all_keys(tokens)), host_tensor(kv.all_values(tokens))
     return torch.from_dlpack(kv.all_keys(tokens)), torch.from_dlpack(kv.all_values(tokens))
 
 
@@ -148,6 +162,20 @@ def _set_views(entry: Any, kv: Any, width: int, again: bool) -> None:
         entry._q3_taken = _Taken(kv, width, entry.keys, entry.values)
 
 
+_COUNTS: Dict[int, torch.Tensor] = {}  # n -> a 0-dim int64 host tensor holding n (_count)
+
+
+def _count(counter: torch.Tensor, n: int) -> None:
+    """counter += n, as transformers' StaticLayer.update counts its cumulative_length: added as
+    a 0-dim host tensor (which a tensor on any device takes as a scalar), not a Python int,
+    which torch wraps in a new tensor each call (0.6 us of a call's 1.5)"""
+    by = _COUNTS.get(n)
+    if by is None:
+        with torch.inference_mode(False):  # an ordinary tensor, usable in and out of inference mode
+            by = _COUNTS[n] = torch.tensor(n, dtype=torch.int64)
+    counter.add_(by)
+
+
 def publish(model_cache: Any, layer_idx: int, kv: Any, new_tokens: int) -> None:
     """after a call that appended new_tokens to the C cache kv: the entry's keys and values
     become views of it (the entry is made first where the model cache has none yet)"""
@@ -169,7 +197,7 @@ def publish(model_cache: Any, layer_idx: int, kv: Any, new_tokens: int) -> None:
                                f"static cache {entry.max_cache_len}")
         _set_views(entry, kv, entry.max_cache_len, again=False)
         if isinstance(getattr(entry, "cumulative_length", None), torch.Tensor):
-            entry.cumulative_length.add_(new_tokens)
+            _count(entry.cumulative_length, new_tokens)
     else:
         _set_views(entry, kv, kv.lengths[0], again=False)
     attach(entry, kv)
@@ -177,6 +205,24 @@ def publish(model_cache: Any, layer_idx: int, kv: Any, new_tokens: int) -> None:
     if owner is None or owner[0]() is not model_cache or owner[1] != layer_idx:
         entry._q3_owner = (weakref.ref(model_cache), layer_idx)
     op.register_cache(entry.keys, model_cache, layer_idx)  # a compiled call finds the model cache by it
+
+
+def republish(model_cache: Any, layer_idx: int, entry: Any, kv: Any, new_tokens: int, static: bool) -> None:
+    """publish after a call whose caller found the model cache's entry for layer_idx tied to
+    kv already (initialized, of a class of TIED, `static` its kind, a StaticLayer's
+    max_cache_len kv's capacity), nothing run between its look-ups and the C call: the
+    views and counts publish would update, without its look-ups and checks (the fast path
+    of qwen3layer.torch.DecoderLayer)"""
+    if static:
+        _set_views(entry, kv, entry.max_cache_len, again=False)
+        if isinstance(getattr(entry, "cumulative_length", None), torch.Tensor):
+            _count(entry.cumulative_length, new_tokens)
+    else:
+        entry.keys, entry.values = _views(kv, kv.lengths[0])
+    owner = getattr(entry, "_q3_owner", None)
+    if owner is None or owner[0]() is not model_cache or owner[1] != layer_idx:
+        entry._q3_owner = (weakref.ref(model_cache), layer_idx)
+    op.register_cache(entry.keys, model_cache, layer_idx)
 
 
 def _repoint(entry: Any) -> None:
@@ -199,6 +245,10 @@ def attach(entry: Any, kv: Any) -> None:
 
 
 _MIRRORING: Dict[type, type] = {}
+# the classes _mirroring made for the cache layers check_entry keeps -> whether the class is a
+# StaticLayer's (else a DynamicLayer's): an entry of one of them passed check_entry when it was
+# tied to its C cache, and its class says which it is (a fast call's look-up for both)
+TIED: Dict[type, bool] = {}
 
 
 def _stream(kv: Any) -> dict:
@@ -264,5 +314,7 @@ def _mirroring(base: type) -> type:
     for name in ("offload", "prefetch"):
         if hasattr(base, name):
             ns[name] = refuse(name)
-    _MIRRORING[base] = type(f"Q3Mirrored{base.__name__}", (base,), ns)
-    return _MIRRORING[base]
+    cls = _MIRRORING[base] = type(f"Q3Mirrored{base.__name__}", (base,), ns)
+    if base.__name__ in _KEPT:
+        TIED[cls] = base.__name__ == "StaticLayer"
+    return cls

@@ -175,6 +175,27 @@ def _plan_row(allowed: torch.Tensor, b: int, past: int, pad_cont: Optional[int])
     return segments or [Segment(0, length, length)], real  # every row padding
 
 
+def _continues(allowed: torch.Tensor, past: int, cache_padding: Sequence[int]) -> bool:
+    """whether allowed [batch, length, keys] is the mask of a call continuing a cache whose
+    sequences begin with cache_padding padding tokens: query t of row b sees exactly the keys
+    from cache_padding[b] to past + t. _plan_row accepts a continuing row just when it sees
+    these (each query real, its run from the sequence's first real token to itself), so this
+    one comparison over the batch gives its plan without its per-row reading of the mask (a
+    decode step's plan, made once a model call); anything else goes to _plan_row, which
+    names what it saw. A padding run longer than the tokens held would make a row of no key,
+    which is not a real query: left to _plan_row too."""
+    if max(cache_padding) > past:
+        return False
+    batch, length, width = allowed.shape
+    device = allowed.device
+    keys = torch.arange(width, device=device)  # (each torch op costs more than the arithmetic: as few as may be)
+    last = past if length == 1 else past + torch.arange(length, device=device)[:, None]
+    expected = keys <= last
+    if any(cache_padding):
+        expected = expected & (keys >= torch.tensor(cache_padding, device=device)[:, None, None])
+    return torch.equal(allowed, expected.expand(batch, length, width))
+
+
 def plan_call(mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor], batch: int, length: int,
               past: int, cache_padding: Optional[Sequence[int]], attn_implementation: Optional[str] = None,
               cu_seq_lens: Optional[torch.Tensor] = None, cache_position: Optional[torch.Tensor] = None) -> CallPlan:
@@ -194,9 +215,12 @@ def plan_call(mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor]
     allowed = allowed_keys(mask, batch, length, past)
     if allowed is not None:
         key_width = allowed.shape[-1]
-        rows = [_plan_row(allowed[b], b, past, None if cache_padding is None else cache_padding[b])
-                for b in range(batch)]
-        plans, reals = [r[0] for r in rows], [r[1] for r in rows]
+        if cache_padding is not None and _continues(allowed, past, cache_padding):
+            plans, reals = [[Segment(0, length, 0)] for _ in range(batch)], None  # _plan_row's, every row real
+        else:
+            rows = [_plan_row(allowed[b], b, past, None if cache_padding is None else cache_padding[b])
+                    for b in range(batch)]
+            plans, reals = [r[0] for r in rows], [r[1] for r in rows]
         kind = "4D mask" if mask.dim() == 4 else "2D mask"
     else:
         key_width, reals = past + length, None

@@ -185,7 +185,9 @@ def test_static_cache_generation_maps_and_keys():
               output_attentions=True, return_dict_in_generate=True)
     ours, theirs = model.generate(ids, **kw), ref.generate(ids, **kw)
     assert torch.equal(ours.sequences, theirs.sequences)
+    assert len(ours.attentions) == len(theirs.attentions) == 2
     for step_ours, step_theirs in zip(ours.attentions, theirs.attentions):
+        assert len(step_ours) == len(step_theirs) == 2  # every layer's, each step
         for a, b in zip(step_ours, step_theirs):
             assert a.shape == b.shape  # the static length's keys, as transformers gives them
             assert rel(a, b) < 1e-5
@@ -220,6 +222,24 @@ def test_moved_weights_are_refused():
     model, _ = pair(13)
     model.to(torch.bfloat16)
     with pytest.raises(RuntimeError, match=r"layer 0: .*weight is no longer the tensor the C layer reads"):
+        with torch.no_grad():
+            model(PACKED_IDS[:, :5])
+
+
+@pytest.mark.parametrize("how", ["setattr", "load_state_dict(assign=True)", "deleted"])
+def test_a_reassigned_parameter_is_refused(how):
+    """the C layer reads the tensor it borrowed: a module given another parameter in its place
+    (a new address or the same one) is refused, naming it"""
+    model, _ = pair(13)
+    gate = model.model.layers[0].mlp.gate
+    if how == "setattr":
+        gate.weight = torch.nn.Parameter(gate.weight.detach().clone())
+    elif how == "deleted":
+        del gate.weight
+    else:
+        gate.load_state_dict({"weight": torch.zeros_like(gate.weight)}, assign=True)
+    what = "removed" if how == "deleted" else r"now another tensor \(torch.float32 on cpu\)"
+    with pytest.raises(RuntimeError, match=rf"layer 0: mlp.gate.weight is no longer the tensor .* it is {what}"):
         with torch.no_grad():
             model(PACKED_IDS[:, :5])
 
