@@ -34,7 +34,6 @@ works and warns once that no gradient flows through the layer.
 """
 from __future__ import annotations
 
-import operator
 import threading
 import warnings
 import weakref
@@ -43,16 +42,15 @@ from typing import Any, Dict, List, Mapping, Optional
 import torch
 
 from . import cache as _cache
+from . import held as _held
 from . import masks as _masks
 from . import op as _op
 from . import record as _rec
-from ..devices import stream_of
+from . import repeat as _fast
 from ..layer import DecoderLayer as _CoreLayer
 from ..layer import check_expert_device
 
 _GRAD_WARNED = [False]
-_DATA_PTR, _DTYPE = torch.Tensor.data_ptr, operator.attrgetter("dtype")
-_GET, _IS = dict.get, operator.is_
 _FLAGS = {"router_logits": "output_router_logits", "attentions": "output_attentions",
           "hidden_states": "output_hidden_states"}  # the call's and the config's names of what it asks for
 _MISSING = object()
@@ -70,32 +68,7 @@ class _ModelCall:
         self.cos: Any = None  # weak reference to the call's cos tensor, once a layer bound it
         self.config: Any = None
         self.values: Dict[str, Any] = {}
-        self.repeat: Optional[_Repeat] = None  # the plan a layer of the call continued its C cache with
-
-
-class _Repeat:
-    """What a layer call that continued its C cache with an ordinary plan (one C call over the
-    batch: not packed, no insides asked for) was planned from, kept on its model call for
-    the call's next layers, which are handed the same arguments: DecoderLayer._repeat runs
-    such a layer's call as the full path would once it has checked that everything the
-    plan and the checks read is what it was here. refs: weak references (a finished
-    generation's mask is not kept alive) to the mask, position_ids and cache_position (the
-    plan's tensors; the model cache is not one: what the plan reads of it, each layer reads
-    off its own entry); stamps: masks._stamp of the three tensors (an in-place change
-    shows); flags: the call's output_* arguments (_FLAGS' order), which asked for nothing;
-    shape: the hidden states'; lengths, padding, first: the C cache's lengths, padding and
-    first positions, as the plan was made for them (first: the plan's offsets)."""
-    __slots__ = ("refs", "stamps", "flags", "shape", "lengths", "padding", "first")
-
-    def __init__(self, refs: tuple, stamps: tuple, flags: tuple, shape: Any, lengths: tuple, padding: tuple,
-                 first: tuple) -> None:
-        self.refs, self.stamps, self.flags, self.shape = refs, stamps, flags, shape
-        self.lengths, self.padding, self.first = lengths, padding, first
-
-
-def _ref(obj: Any) -> Any:
-    """a weak reference to obj, or for None a callable that returns None (as masks' memo does)"""
-    return _masks._no_tensor if obj is None else weakref.ref(obj)
+        self.repeat: Optional[_fast.Repeat] = None  # the plan a layer of the call continued its C cache with
 
 
 _CALL = threading.local()  # .now: the _ModelCall of this thread's model call in progress (set by _guard)
@@ -121,15 +94,9 @@ class DecoderLayer(torch.nn.Module):
         self.__dict__["original"] = original
         for name, child in (original.named_children() if original is not None else ()):
             self.add_module(name, child)
-        # the tensors the C layer reads, as they were when it was made: their names, the tensors,
-        # each one's address, dtype and device, and the parameter dict of the module holding it
-        # with its name there (a parameter reassigned on its module replaces it there: _weights_held)
-        named = list(original.named_parameters()) if original is not None else []
-        params = tuple(p for _, p in named)
-        self.__dict__["_borrowed"] = ([name for name, _ in named], params, list(map(_DATA_PTR, params)),
-                                      list(map(_DTYPE, params)), [p.device for p in params],
-                                      [original.get_submodule(name.rpartition(".")[0])._parameters
-                                       for name, _ in named], [name.rpartition(".")[2] for name, _ in named])
+        # what the C layer reads of the original, as it was when it was made (HeldWeights)
+        self.__dict__["_held"] = _held.HeldWeights(layer_idx, self, original, _copied_names(core)) \
+            if original is not None else None
         # the model's config: its output_* flags are the defaults of the call's (as in transformers)
         self.__dict__["config"] = getattr(getattr(original, "self_attn", None), "config", None)
         self.__dict__["_handle"] = _op.register_layer(self)  # the custom op's way back to this layer
@@ -204,32 +171,14 @@ class DecoderLayer(torch.nn.Module):
                           "them (inference only); use torch.no_grad() or torch.inference_mode()", stacklevel=3)
 
     def _weights_held(self) -> bool:
-        """whether every borrowed tensor is still its module's parameter, at the address and of
-        the dtype the C layer reads (a C-level map each: identities, addresses, dtypes); a tensor
-        moved to another device is at another address (one address space: CUDA's unified
-        addressing), so _check_weights compares devices only when this fails"""
-        _, params, ptrs, dtypes, _, holders, keys = self.__dict__["_borrowed"]
-        return all(map(_IS, map(_GET, holders, keys), params)) and list(map(_DATA_PTR, params)) == ptrs and \
-            list(map(_DTYPE, params)) == dtypes
+        """whether the C layer still reads the original's weights as they were (HeldWeights.held)"""
+        held = self.__dict__["_held"]
+        return held is None or held.held()
 
     def _check_weights(self) -> None:
-        if self._weights_held():
-            return
-        names, params, ptrs, dtypes, devices, holders, keys = self._borrowed
-        for name, p, ptr, dtype, device, holder, key in zip(names, params, ptrs, dtypes, devices, holders, keys):
-            now = holder.get(key)
-            if now is not p:
-                what = "removed" if now is None else f"now another tensor ({now.dtype} on {now.device})"
-                raise RuntimeError(
-                    f"qwen3layer layer {self.layer_idx}: {name} is no longer the tensor the C layer reads (the "
-                    f"module's parameter was {dtype} on {device}, it is {what}: reassigned, e.g. by "
-                    "load_state_dict(assign=True) or setattr); call qwen3layer.torch.unpatch_model(model) and "
-                    "patch_model(model) again")
-            if p.data_ptr() != ptr or p.dtype != dtype or p.device != device:
-                raise RuntimeError(
-                    f"qwen3layer layer {self.layer_idx}: {name} is no longer the tensor the C layer reads (it was "
-                    f"{dtype} on {device}, it is {p.dtype} on {p.device}: moved or replaced, e.g. by model.to() or "
-                    ".half()); call qwen3layer.torch.unpatch_model(model) and patch_model(model) again")
+        held = self.__dict__["_held"]
+        if held is not None:
+            held.check()
 
     def _continued(self, entry: Any, seen: int, batch: int) -> Any:
         """the C cache riding on the model cache's entry for this layer, for a call after `seen`
@@ -359,80 +308,7 @@ class DecoderLayer(torch.nn.Module):
             raise  # refuse raised it; not reached
         return self._run(hidden_states, x, kv, plan, model_cache, *wants)
 
-    def _repeat(self, hidden_states: torch.Tensor, attention_mask: Any, position_ids: Any, model_cache: Any,
-                kwargs: Dict[str, Any], call: _ModelCall) -> Optional[torch.Tensor]:
-        """The call's fast path, for the decode steps of a generation: a layer call that
-        continues its C cache, repeating the plan an earlier layer of the same model call
-        made (call.repeat: the model hands each layer the same mask and positions). It runs
-        the C layer and updates the model cache's entry as the full path (_prepare, _run)
-        would, and returns the output; or returns None having done nothing, wherever
-        anything the full path reads may differ from what that plan was made of: the full
-        path then runs, with its numbers or its refusal. What it checks instead of each of
-        the full path's steps:
-        - the plan (masks.planned's inputs): the same mask, position_ids and cache_position
-          objects with the same stamps (masks._stamp), no cu_seq_lens_q (without it _plan
-          reads no cu_seq_lens_k), the same model call
-          (its attention implementation, read once a call), the hidden states' shape (batch,
-          tokens), and this layer's C cache holding the lengths, padding and first positions
-          the plan was made for; with the full path's offsets check, first positions == the
-          plan's offsets;
-        - the insides asked for: the same output_* objects, which asked for none (calls that
-          ask are not repeated); the hidden-states recorder is fed as _run feeds it;
-        - check_inference: eval mode with gradients off (nothing to refuse or warn of);
-          _check_weights: _weights_held, its own test;
-        - the entry (check_entry, seen_tokens, _continued): of a class cache.TIED holds (the
-          one attach made for a kept class), initialized, tied to a C cache; a DynamicLayer's
-          keys as wide as the tokens held;
-        - check_room and make_room: room in the C cache as it is (a StaticLayer's
-          max_cache_len its capacity, as publish checks; a DynamicLayer's C cache within
-          _token_limit), so that nothing grows;
-        - the core: a plain DecoderLayer (no expert split, no host experts), called as the
-          full path calls it (_plain_prefill)."""
-        r = call.repeat
-        refs, core = r.refs, self.core
-        if refs[0]() is not attention_mask or refs[1]() is not position_ids or type(core) is not _CoreLayer or \
-                core._hybrid is not None or self.training or torch.is_grad_enabled() or \
-                type(hidden_states) is not torch.Tensor or hidden_states.requires_grad or \
-                hidden_states.shape != r.shape:
-            return None
-        get = kwargs.get
-        cache_position = get("cache_position")
-        flags = r.flags
-        if (refs[2]() is not cache_position or get("cu_seq_lens_q") is not None
-                or get("output_router_logits") is not flags[0] or get("output_attentions") is not flags[1]
-                or get("output_hidden_states") is not flags[2]):
-            return None
-        if (None if attention_mask is None else call if attention_mask.is_inference() else attention_mask._version,
-                None if position_ids is None else call if position_ids.is_inference() else position_ids._version,
-                None if cache_position is None else call if cache_position.is_inference() else
-                cache_position._version) != r.stamps:  # masks._stamp of each, inline (a call's frame each)
-            return None
-        try:
-            entry = model_cache.layers[self.layer_idx]
-        except (AttributeError, IndexError, TypeError):  # no model cache, no entry yet
-            return None
-        static = _cache.TIED.get(type(entry))
-        kv = getattr(entry, "_q3_cache", None)
-        if static is None or kv is None or getattr(entry, "is_initialized", False) is not True or \
-                kv.lengths != r.lengths or kv.padding != r.padding or kv.first_positions != r.first:
-            return None
-        past, new = r.lengths[0], r.shape[1]
-        capacity = kv.capacity
-        if past + new > capacity or (entry.max_cache_len != capacity if static else
-                                     entry.keys.shape[-2] != past or past + new > self._token_limit()):
-            return None
-        if not self._weights_held():
-            return None
-        y = _plain_prefill(core, hidden_states.contiguous(), kv)  # not detached: it has no gradient (checked)
-        rec = self._modules["recorders"]._modules.get("hidden_states")
-        if rec is not None and _rec.listened(rec):
-            _rec.record(rec, hidden_states, y)
-            _cache.publish(model_cache, self.layer_idx, kv, new)  # after a hook's code: found and checked anew
-        else:
-            _cache.republish(model_cache, self.layer_idx, entry, kv, new, static)
-        if self.__dict__["kv_cache"] is not kv:
-            self.kv_cache = kv
-        return y
+    _repeat = _fast.run  # the fast path of a decode step (qwen3layer.torch.repeat)
 
     def _prepare(self, hidden_states: torch.Tensor, attention_mask: Any, position_ids: Any, model_cache: Any,
                  kwargs: Dict[str, Any], call: Optional[_ModelCall] = None) -> tuple:
@@ -472,10 +348,8 @@ class DecoderLayer(torch.nn.Module):
                 # the plan for the model call's next layers (_repeat), with what it was made of: a
                 # continuing call's plan is never packed (plan_call refuses it); _repeat itself
                 # leaves a call with cu_seq_lens_q to the full path
-                tensors = (attention_mask, position_ids, kwargs.get("cache_position"))
-                call.repeat = _Repeat(tuple(map(_ref, tensors)), tuple(_masks._stamp(t, call) for t in tensors),
-                                      tuple(kwargs.get(name) for name in _FLAGS.values()), hidden_states.shape,
-                                      (past,) * B, kv.padding, kv.first_positions)
+                call.repeat = _fast.Repeat.of(call, attention_mask, position_ids, kwargs, hidden_states.shape,
+                                                (past,) * B, kv)
             _cache.make_room(entry, kv, past + L, limit)
         elif plan.packed is None:
             static = _cache.static_length(entry)
@@ -505,7 +379,7 @@ class DecoderLayer(torch.nn.Module):
         core = self.core
         if plan.packed is None and not (want_router or want_maps) and type(core) is _CoreLayer and \
                 core._hybrid is None:
-            y = _plain_prefill(core, x, kv)
+            y = _fast.plain_prefill(core, x, kv)
         elif plan.packed is None:
             y = core.prefill(x, kv, return_router=want_router, return_attention=want_maps, attention_limit=limit)
             if want_router or want_maps:
@@ -527,15 +401,13 @@ class DecoderLayer(torch.nn.Module):
         return y
 
 
-def _plain_prefill(core: _CoreLayer, x: torch.Tensor, kv: Any) -> torch.Tensor:
-    """core.prefill(x, kv) of a core without host experts (core._hybrid None), asking for no
-    insides: its device check and stream (stream_of), the extension's call, and the output
-    as a torch tensor, zero-copy; for a host layer and input, what stream_of and the import
-    do for them without their look-ups"""
-    ext = core._core
-    if ext.device < 0 and x.is_cpu:
-        return _cache.host_tensor(ext.prefill(x, kv))
-    return torch.from_dlpack(ext.prefill(x, kv, stream=stream_of(x, ext.device)))
+def _copied_names(core: Any) -> tuple:
+    """the names of the parameters the C layer copied at construction (DecoderLayer.converted),
+    of each C layer a core holds (an expert-parallel rank's, a split layer's two sides)"""
+    layer = getattr(core, "layer", core)  # ExpertParallelLayer: its rank's DecoderLayer
+    names = tuple(layer.converted)
+    hybrid = getattr(layer, "_hybrid", None)
+    return names + (tuple(hybrid.host.converted) if hybrid is not None else ())
 
 
 def _split_devices(hf_layer: torch.nn.Module, layer_idx: int) -> str:

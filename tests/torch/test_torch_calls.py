@@ -244,6 +244,65 @@ def test_a_reassigned_parameter_is_refused(how):
             model(PACKED_IDS[:, :5])
 
 
+class _Adapter(torch.nn.Module):
+    """a LoRA-like wrapper: the base projection plus a low-rank delta the C layer would not run"""
+
+    def __init__(self, base):
+        super().__init__()
+        self.base_layer = base
+        self.delta = torch.nn.Linear(base.in_features, base.out_features, bias=False)
+
+    def forward(self, x):
+        return self.base_layer(x) + self.delta(x)
+
+
+@pytest.mark.parametrize("where", ["self_attn.q_proj", "mlp"])
+def test_a_replaced_submodule_is_refused_on_either_path(where):
+    """a submodule replaced after patching (an adapter wrapping a projection, or a whole block)
+    is refused naming it, on the full path (layer 0 plans each call) and on the fast path of a
+    decode step (layer 1 repeats the plan: its test fails, and the full path refuses)"""
+    model, _ = pair(13)
+    ids = PACKED_IDS[:, :5]
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+    layer = model.model.layers[1]
+    parent, _, name = where.rpartition(".")
+    holder = layer.get_submodule(parent) if parent else layer
+    old = holder.get_submodule(name)
+    setattr(holder, name, _Adapter(old) if isinstance(old, torch.nn.Linear) else copy.deepcopy(old))
+    with pytest.raises(RuntimeError, match=rf"layer 1: its submodule {where} was replaced .* patch_model"):
+        with torch.no_grad():
+            model(ids[:, :1] + 1, past_key_values=out.past_key_values, use_cache=True)
+
+
+def test_a_copied_weight_changed_in_place_is_refused_and_a_borrowed_one_is_read():
+    """a weight the C layer had to copy (here a transposed view) does not see an in-place
+    change: refused, naming it; a borrowed one is read where it is (the new numbers)"""
+    model = tiny_model(13)
+    q = model.model.layers[0].self_attn.q_proj
+    q.weight.data = q.weight.data.t().contiguous().t()  # not contiguous: copied at construction
+    ref = copy.deepcopy(model)
+    with pytest.warns(UserWarning, match="copied 1 weight"):
+        q3t.patch_model(model)
+    ids = PACKED_IDS[:, :5]
+    with torch.no_grad():
+        for m in (model, ref):  # a borrowed weight changed in place: read
+            m.model.layers[0].self_attn.k_proj.weight.mul_(1.5)
+        assert rel(model(ids).logits, ref(ids).logits) < 1e-5
+        q.weight.mul_(1.5)
+        with pytest.raises(RuntimeError, match=r"layer 0: self_attn.q_proj.weight was changed in place .* a copy"):
+            model(ids)
+
+
+def test_copied_parameters_map_the_c_layers_names_to_the_modules():
+    from qwen3layer.torch.held import copied_parameters
+    names = ["self_attn.q_proj.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"]
+    assert copied_parameters(names, ["self_attn.q_proj.weight"]) == {"self_attn.q_proj.weight"}
+    assert copied_parameters(names, ["mlp.experts.3.gate_proj.weight"]) == {"mlp.experts.gate_up_proj",
+                                                                             "mlp.experts.down_proj"}
+    assert copied_parameters(names, []) == set()
+
+
 @pytest.mark.parametrize("checkpointing", [None, True, False])
 def test_training_is_refused_before_any_work(checkpointing):
     model, _ = pair(15)

@@ -1,0 +1,110 @@
+"""What a patched layer's C layer reads of the transformers layer it replaces, as it was when
+the C layer was made, and the test, each call, that it still is (qwen3layer.torch.DecoderLayer):
+
+- each parameter: still its module's (not reassigned: setattr, load_state_dict(assign=True)),
+  at the address and of the dtype the C layer reads (not moved: model.to(), .half());
+- each submodule on the way to them: still where it was (not replaced by a wrapper, e.g. a LoRA
+  adapter, whose code the C layer would not run);
+- each parameter the C layer copied once at construction (converted: another dtype or layout):
+  unchanged in place since (its version counter), since the copy would not see the change. A
+  borrowed parameter changed in place is fine: the C layer reads its memory.
+
+held() is the per-call test (C-level maps over tuples); check() raises, naming what changed."""
+from __future__ import annotations
+
+import itertools
+import operator
+from typing import Any, Iterable
+
+import torch
+
+_DATA_PTR, _DTYPE, _VERSION = torch.Tensor.data_ptr, operator.attrgetter("dtype"), operator.attrgetter("_version")
+_GET, _IS = dict.get, operator.is_
+
+_RESTART = "call qwen3layer.torch.unpatch_model(model) and patch_model(model) again"
+
+
+def copied_parameters(names: Iterable[str], copied: Iterable[str]) -> set:
+    """the parameter names (of `names`) whose tensors the C layer copied, from the names it
+    copied (`copied`): the same name, or for a weight the C layer names per expert
+    ("mlp.experts.3.gate_proj.weight") where the parameter holds every expert
+    (transformers 5's fused "mlp.experts.gate_up_proj"), each parameter under the name's
+    part before its first index ("mlp.experts")"""
+    names = list(names)
+    found = set()
+    for c in copied:
+        if c in names:
+            found.add(c)
+            continue
+        stem = ".".join(itertools.takewhile(lambda part: not part.isdigit(), c.split(".")))
+        found.update(n for n in names if n == stem or n.startswith(stem + "."))
+    return found
+
+
+class HeldWeights:
+    """patched: the patched layer (the original's children are its children); original: the
+    transformers layer; copied: the names of the parameters the C layer copied (its `converted`)"""
+
+    def __init__(self, layer_idx: int, patched: torch.nn.Module, original: torch.nn.Module,
+                 copied: Iterable[str]) -> None:
+        self.layer_idx = layer_idx
+        named = list(original.named_parameters())
+        self.names = [name for name, _ in named]
+        self.params = tuple(p for _, p in named)
+        self.ptrs = list(map(_DATA_PTR, self.params))
+        self.dtypes = list(map(_DTYPE, self.params))
+        self.devices = [p.device for p in self.params]
+        # the parameter dict of the module holding each, and its name there
+        self.holders = [original.get_submodule(name.rpartition(".")[0])._parameters for name in self.names]
+        self.keys = [name.rpartition(".")[2] for name in self.names]
+        # each submodule and the module dict it sits in: the patched layer's for the original's
+        # children (the model's tree goes through it), its parent's below
+        subs = [(name, m) for name, m in original.named_modules() if name]
+        self.sub_names = [name for name, _ in subs]
+        self.subs = tuple(m for _, m in subs)
+        self.sub_dicts = [(patched if "." not in name else original.get_submodule(name.rpartition(".")[0]))._modules
+                          for name in self.sub_names]
+        self.sub_keys = [name.rpartition(".")[2] for name in self.sub_names]
+        copied = copied_parameters(self.names, copied)
+        self.copied = tuple(p for name, p in named if name in copied)
+        self.copied_names = [name for name in self.names if name in copied]
+        self.versions = list(map(_VERSION, self.copied))
+
+    def held(self) -> bool:
+        return all(map(_IS, map(_GET, self.holders, self.keys), self.params)) and \
+            list(map(_DATA_PTR, self.params)) == self.ptrs and list(map(_DTYPE, self.params)) == self.dtypes and \
+            all(map(_IS, map(_GET, self.sub_dicts, self.sub_keys), self.subs)) and \
+            list(map(_VERSION, self.copied)) == self.versions
+
+    def check(self) -> None:
+        """RuntimeError naming the first thing the C layer no longer reads as it was"""
+        if self.held():
+            return
+        where = f"qwen3layer layer {self.layer_idx}"
+        for name, d, key, m in zip(self.sub_names, self.sub_dicts, self.sub_keys, self.subs):
+            now = d.get(key)
+            if now is not m:
+                what = "removed" if now is None else f"now a {type(now).__name__}"
+                raise RuntimeError(
+                    f"{where}: its submodule {name} was replaced after the layer was patched ({type(m).__name__}, "
+                    f"{what}): the C layer reads the weights it held then and runs none of a replacement's code "
+                    f"(an adapter such as LoRA: merge it into the weights first); {_RESTART}")
+        for name, p, ptr, dtype, device, holder, key in zip(self.names, self.params, self.ptrs, self.dtypes,
+                                                            self.devices, self.holders, self.keys):
+            now = holder.get(key)
+            if now is not p:
+                what = "removed" if now is None else f"now another tensor ({now.dtype} on {now.device})"
+                raise RuntimeError(
+                    f"{where}: {name} is no longer the tensor the C layer reads (the module's parameter was {dtype} "
+                    f"on {device}, it is {what}: reassigned, e.g. by load_state_dict(assign=True) or setattr); "
+                    f"{_RESTART}")
+            if p.data_ptr() != ptr or p.dtype != dtype or p.device != device:
+                raise RuntimeError(
+                    f"{where}: {name} is no longer the tensor the C layer reads (it was {dtype} on {device}, it is "
+                    f"{p.dtype} on {p.device}: moved or replaced, e.g. by model.to() or .half()); {_RESTART}")
+        for name, p, version in zip(self.copied_names, self.copied, self.versions):
+            if p._version != version:
+                raise RuntimeError(
+                    f"{where}: {name} was changed in place (e.g. by load_state_dict or an optimizer step), and the "
+                    "C layer reads a copy of it made when the layer was patched (its dtype or layout was not one the "
+                    f"C layer reads in place: DecoderLayer.converted); {_RESTART}")

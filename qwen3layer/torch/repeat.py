@@ -1,0 +1,142 @@
+"""The drop-in's fast path (qwen3layer.torch.DecoderLayer._repeat): the decode steps of a
+generation. Every layer of a model call is handed the same mask and positions, so the first
+layer plans the call (the full path: DecoderLayer._prepare and _run), and when its call
+continues its C cache without asking for insides, it keeps on the model call what that plan was
+made of (Repeat). A later layer's call repeats the plan once it has checked, cheaply, that
+nothing the plan and the full path's checks read differs; anything else returns None having
+done nothing, and the full path gives its numbers or its refusal."""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Dict, Optional
+
+import torch
+
+from . import cache as _cache
+from . import masks as _masks
+from . import record as _rec
+from ..devices import stream_of
+from ..layer import DecoderLayer as _CoreLayer
+
+_OUTPUT_FLAGS = ("output_router_logits", "output_attentions", "output_hidden_states")
+
+
+class Repeat:
+    """What a layer call that continued its C cache with an ordinary plan (one C call over the
+    batch: not packed, no insides asked for) was planned from, kept on its model call for
+    the call's next layers, which are handed the same arguments: run() runs
+    such a layer's call as the full path would once it has checked that everything the
+    plan and the checks read is what it was here. refs: weak references (a finished
+    generation's mask is not kept alive) to the mask, position_ids and cache_position (the
+    plan's tensors; the model cache is not one: what the plan reads of it, each layer reads
+    off its own entry); stamps: masks._stamp of the three tensors (an in-place change
+    shows); flags: the call's output_* arguments (_OUTPUT_FLAGS' order), which asked for nothing;
+    shape: the hidden states'; lengths, padding, first: the C cache's lengths, padding and
+    first positions, as the plan was made for them (first: the plan's offsets)."""
+    __slots__ = ("refs", "stamps", "flags", "shape", "lengths", "padding", "first")
+
+    def __init__(self, refs: tuple, stamps: tuple, flags: tuple, shape: Any, lengths: tuple, padding: tuple,
+                 first: tuple) -> None:
+        self.refs, self.stamps, self.flags, self.shape = refs, stamps, flags, shape
+        self.lengths, self.padding, self.first = lengths, padding, first
+
+    @classmethod
+    def of(cls, call: Any, attention_mask: Any, position_ids: Any, kwargs: Dict[str, Any], shape: Any,
+           lengths: tuple, kv: Any) -> "Repeat":
+        """what a continuing call of `call` without insides was planned from (kv: its C cache)"""
+        tensors = (attention_mask, position_ids, kwargs.get("cache_position"))
+        return cls(tuple(map(_ref, tensors)), tuple(_masks._stamp(t, call) for t in tensors),
+                   tuple(kwargs.get(name) for name in _OUTPUT_FLAGS), shape, lengths, kv.padding, kv.first_positions)
+
+
+def _ref(obj: Any) -> Any:
+    """a weak reference to obj, or for None a callable that returns None (as masks' memo does)"""
+    return _masks._no_tensor if obj is None else weakref.ref(obj)
+
+
+def plain_prefill(core: _CoreLayer, x: torch.Tensor, kv: Any) -> torch.Tensor:
+    """core.prefill(x, kv) of a core without host experts (core._hybrid None), asking for no
+    insides: its device check and stream (stream_of), the extension's call, and the output
+    as a torch tensor, zero-copy; for a host layer and input, what stream_of and the import
+    do for them without their look-ups"""
+    ext = core._core
+    if ext.device < 0 and x.is_cpu:
+        return _cache.host_tensor(ext.prefill(x, kv))
+    return torch.from_dlpack(ext.prefill(x, kv, stream=stream_of(x, ext.device)))
+
+
+def run(layer: Any, hidden_states: torch.Tensor, attention_mask: Any, position_ids: Any, model_cache: Any,
+        kwargs: Dict[str, Any], call: Any) -> Optional[torch.Tensor]:
+    """The call's fast path, for the decode steps of a generation: a layer call that
+    continues its C cache, repeating the plan an earlier layer of the same model call
+    made (call.repeat: the model hands each layer the same mask and positions). It runs
+    the C layer and updates the model cache's entry as the full path (DecoderLayer._prepare,
+    _run)
+    would, and returns the output; or returns None having done nothing, wherever
+    anything the full path reads may differ from what that plan was made of: the full
+    path then runs, with its numbers or its refusal. What it checks instead of each of
+    the full path's steps:
+    - the plan (masks.planned's inputs): the same mask, position_ids and cache_position
+      objects with the same stamps (masks._stamp), no cu_seq_lens_q (without it _plan
+      reads no cu_seq_lens_k), the same model call
+      (its attention implementation, read once a call), the hidden states' shape (batch,
+      tokens), and this layer's C cache holding the lengths, padding and first positions
+      the plan was made for; with the full path's offsets check, first positions == the
+      plan's offsets;
+    - the insides asked for: the same output_* objects, which asked for none (calls that
+      ask are not repeated); the hidden-states recorder is fed as _run feeds it;
+    - check_inference: eval mode with gradients off (nothing to refuse or warn of);
+      _check_weights: _weights_held, its own test;
+    - the entry (check_entry, seen_tokens, _continued): of a class cache.TIED holds (the
+      one attach made for a kept class), initialized, tied to a C cache; a DynamicLayer's
+      keys as wide as the tokens held;
+    - check_room and make_room: room in the C cache as it is (a StaticLayer's
+      max_cache_len its capacity, as publish checks; a DynamicLayer's C cache within
+      _token_limit), so that nothing grows;
+    - the core: a plain DecoderLayer (no expert split, no host experts), called as the
+      full path calls it (_plain_prefill)."""
+    r = call.repeat
+    refs, core = r.refs, layer.core
+    if refs[0]() is not attention_mask or refs[1]() is not position_ids or type(core) is not _CoreLayer or \
+            core._hybrid is not None or layer.training or torch.is_grad_enabled() or \
+            type(hidden_states) is not torch.Tensor or hidden_states.requires_grad or \
+            hidden_states.shape != r.shape:
+        return None
+    get = kwargs.get
+    cache_position = get("cache_position")
+    flags = r.flags
+    if (refs[2]() is not cache_position or get("cu_seq_lens_q") is not None
+            or get("output_router_logits") is not flags[0] or get("output_attentions") is not flags[1]
+            or get("output_hidden_states") is not flags[2]):
+        return None
+    if (None if attention_mask is None else call if attention_mask.is_inference() else attention_mask._version,
+            None if position_ids is None else call if position_ids.is_inference() else position_ids._version,
+            None if cache_position is None else call if cache_position.is_inference() else
+            cache_position._version) != r.stamps:  # masks._stamp of each, inline (a call's frame each)
+        return None
+    try:
+        entry = model_cache.layers[layer.layer_idx]
+    except (AttributeError, IndexError, TypeError):  # no model cache, no entry yet
+        return None
+    static = _cache.TIED.get(type(entry))
+    kv = getattr(entry, "_q3_cache", None)
+    if static is None or kv is None or getattr(entry, "is_initialized", False) is not True or \
+            kv.lengths != r.lengths or kv.padding != r.padding or kv.first_positions != r.first:
+        return None
+    past, new = r.lengths[0], r.shape[1]
+    capacity = kv.capacity
+    if past + new > capacity or (entry.max_cache_len != capacity if static else
+                                 entry.keys.shape[-2] != past or past + new > layer._token_limit()):
+        return None
+    if not layer._weights_held():
+        return None
+    y = plain_prefill(core, hidden_states.contiguous(), kv)  # not detached: it has no gradient (checked)
+    rec = layer._modules["recorders"]._modules.get("hidden_states")
+    if rec is not None and _rec.listened(rec):
+        _rec.record(rec, hidden_states, y)
+        _cache.publish(model_cache, layer.layer_idx, kv, new)  # after a hook's code: found and checked anew
+    else:
+        _cache.republish(model_cache, layer.layer_idx, entry, kv, new, static)
+    if layer.__dict__["kv_cache"] is not kv:
+        layer.kv_cache = kv
+    return y
