@@ -2,7 +2,8 @@
 the C layer was made, and the test, each call, that it still is (qwen3layer.torch.DecoderLayer):
 
 - each parameter: still its module's (not reassigned: setattr, load_state_dict(assign=True)),
-  at the address and of the dtype the C layer reads (not moved: model.to(), .half());
+  at the address, of the dtype and as contiguous as the C layer read it (not moved:
+  model.to(), .half(); not the same memory read transposed: .data = .data.t());
 - each submodule on the way to them: still where it was (not replaced by a wrapper, e.g. a LoRA
   adapter, whose code the C layer would not run);
 - each parameter the C layer copied once at construction (converted: another dtype or layout):
@@ -19,6 +20,7 @@ from typing import Any, Iterable
 import torch
 
 _DATA_PTR, _DTYPE, _VERSION = torch.Tensor.data_ptr, operator.attrgetter("dtype"), operator.attrgetter("_version")
+_CONTIGUOUS = torch.Tensor.is_contiguous
 _GET, _IS = dict.get, operator.is_
 
 _RESTART = "call qwen3layer.torch.unpatch_model(model) and patch_model(model) again"
@@ -54,6 +56,10 @@ class HeldWeights:
         self.ptrs = list(map(_DATA_PTR, self.params))
         self.dtypes = list(map(_DTYPE, self.params))
         self.devices = [p.device for p in self.params]
+        # the layout: each call tests contiguity alone (a shape and strides test costs 2-3 us a call,
+        # the budget of the whole drop-in being ~10); a transposed view of the same memory shows in it
+        self.layouts = ([p.shape for p in self.params], [p.stride() for p in self.params])
+        self.contiguous = list(map(_CONTIGUOUS, self.params))
         # the parameter dict of the module holding each, and its name there
         self.holders = [original.get_submodule(name.rpartition(".")[0])._parameters for name in self.names]
         self.keys = [name.rpartition(".")[2] for name in self.names]
@@ -73,6 +79,7 @@ class HeldWeights:
     def held(self) -> bool:
         return all(map(_IS, map(_GET, self.holders, self.keys), self.params)) and \
             list(map(_DATA_PTR, self.params)) == self.ptrs and list(map(_DTYPE, self.params)) == self.dtypes and \
+            list(map(_CONTIGUOUS, self.params)) == self.contiguous and \
             all(map(_IS, map(_GET, self.sub_dicts, self.sub_keys), self.subs)) and \
             list(map(_VERSION, self.copied)) == self.versions
 
@@ -89,19 +96,22 @@ class HeldWeights:
                     f"{where}: its submodule {name} was replaced after the layer was patched ({type(m).__name__}, "
                     f"{what}): the C layer reads the weights it held then and runs none of a replacement's code "
                     f"(an adapter such as LoRA: merge it into the weights first); {_RESTART}")
-        for name, p, ptr, dtype, device, holder, key in zip(self.names, self.params, self.ptrs, self.dtypes,
-                                                            self.devices, self.holders, self.keys):
+        for name, p, ptr, dtype, device, holder, key, shape, stride in zip(
+                self.names, self.params, self.ptrs, self.dtypes, self.devices, self.holders, self.keys, *self.layouts):
             now = holder.get(key)
             if now is not p:
-                what = "removed" if now is None else f"now another tensor ({now.dtype} on {now.device})"
-                raise RuntimeError(
-                    f"{where}: {name} is no longer the tensor the C layer reads (the module's parameter was {dtype} "
-                    f"on {device}, it is {what}: reassigned, e.g. by load_state_dict(assign=True) or setattr); "
-                    f"{_RESTART}")
-            if p.data_ptr() != ptr or p.dtype != dtype or p.device != device:
-                raise RuntimeError(
-                    f"{where}: {name} is no longer the tensor the C layer reads (it was {dtype} on {device}, it is "
-                    f"{p.dtype} on {p.device}: moved or replaced, e.g. by model.to() or .half()); {_RESTART}")
+                was = f"the module's parameter was {dtype} on {device}, it is " + \
+                    ("removed" if now is None else f"now another tensor ({now.dtype} on {now.device})")
+                how = "reassigned, e.g. by load_state_dict(assign=True) or setattr"
+            elif p.data_ptr() != ptr or p.dtype != dtype or p.device != device:
+                was = f"it was {dtype} on {device}, it is {p.dtype} on {p.device}"
+                how = "moved or replaced, e.g. by model.to() or .half()"
+            elif (p.shape, p.stride()) != (shape, stride):
+                was = f"it was of shape {list(shape)} and strides {stride}, it is {list(p.shape)} and {p.stride()}"
+                how = "the same memory read another way, e.g. by param.data = param.data.t()"
+            else:
+                continue
+            raise RuntimeError(f"{where}: {name} is no longer the tensor the C layer reads ({was}: {how}); {_RESTART}")
         for name, p, version in zip(self.copied_names, self.copied, self.versions):
             if p._version != version:
                 raise RuntimeError(

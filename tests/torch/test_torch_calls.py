@@ -303,6 +303,16 @@ def test_copied_parameters_map_the_c_layers_names_to_the_modules():
     assert copied_parameters(names, []) == set()
 
 
+def test_the_same_memory_read_another_way_is_refused():
+    """.data = .data.t() keeps the address and dtype: the C layer would read the old layout"""
+    model, _ = pair(13)
+    o = model.model.layers[0].self_attn.o_proj
+    o.weight.data = o.weight.data.t()
+    with pytest.raises(RuntimeError, match=r"layer 0: self_attn.o_proj.weight is no longer .* strides"):
+        with torch.no_grad():
+            model(PACKED_IDS[:, :5])
+
+
 @pytest.mark.parametrize("checkpointing", [None, True, False])
 def test_training_is_refused_before_any_work(checkpointing):
     model, _ = pair(15)
