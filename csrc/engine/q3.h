@@ -12,6 +12,7 @@
 #include <stdint.h>
 
 #include "../../kernels/dtype.h"
+#include "dlpack_abi.h"
 
 typedef enum {
     Q3_OK = 0,
@@ -496,6 +497,63 @@ int q3_cache_device(const q3_cache *c); /* -1: host memory; else the CUDA device
 int64_t q3_cache_length(const q3_cache *c, int seq);
 int64_t q3_cache_padding(const q3_cache *c, int seq);
 int64_t q3_cache_first_position(const q3_cache *c, int seq);
+
+/* ---- tensors from outside (tensor_view.c) ------------------------------------------ */
+
+#define Q3_MAX_DIM 8
+
+/* A tensor borrowed from a producer (a DLPack tensor, dlpack_abi.h) as the engine reads it:
+ * its first element, dims and strides (elements), where it lives, and what a call may do with
+ * it. managed and versioned belong to the importer (the glue: the capsule's deleter to run). */
+typedef struct {
+    void *data; /* first element */
+    int ndim;
+    int64_t shape[Q3_MAX_DIM];
+    int64_t strides[Q3_MAX_DIM]; /* elements */
+    q3_dtype dtype;
+    int device; /* -1: host memory; else the CUDA device */
+    int contiguous;
+    int readonly;
+    void *managed; /* the importer's handle, released by it */
+    int versioned;
+} q3_view;
+
+/* What an import takes besides float32 and bfloat16 tensors on the device asked: host tensors
+ * on any device (Q3_VIEW_HOST), float8 e4m3fn weights (Q3_VIEW_E4M3); or int32 tensors instead
+ * of the float ones (Q3_VIEW_I32: the router's chosen experts); or every dtype the extension
+ * has (Q3_VIEW_ANY: float32, bfloat16, float8_e4m3fn, int32) */
+enum { Q3_VIEW_HOST = 1, Q3_VIEW_E4M3 = 2, Q3_VIEW_I32 = 4, Q3_VIEW_ANY = 8 };
+/* Q3_ERR_VALUE unless a tensor on DLPack device (type, id) may be imported for `device` (-1:
+ * the host, else that CUDA device) under `allow`: asked before a producer exports anything */
+q3_status q3_view_check_device(int type, int id, int device, int allow, const char *arg, q3_error *err);
+/* v's fields but managed, versioned and readonly from DLPack tensor t, checked: its device,
+ * its dtype (Q3_ERR_TYPE), at most Q3_MAX_DIM dims, data aligned to its elements,
+ * non-negative dims whose count fits int64, strides whose farthest byte offset fits. Errors
+ * name `arg` with what was expected and what came. */
+q3_status q3_view_from_dlpack(q3_view *v, const q3_dl_tensor *t, const char *arg, int device, int allow,
+                              q3_error *err);
+/* what a call needs of a view it reads or writes: Q3_NEED_CONTIGUOUS ("<arg>: expected a
+ * contiguous tensor, got strides [..]"), Q3_NEED_WRITABLE ("... got a read-only one") */
+enum { Q3_NEED_CONTIGUOUS = 1, Q3_NEED_WRITABLE = 2 };
+q3_status q3_view_require(const q3_view *v, const char *arg, int need, q3_error *err);
+/* Q3_ERR_VALUE "<arg>: expected shape [dims], got [..]" unless v is [rank] dims */
+q3_status q3_view_check_shape(const q3_view *v, const char *arg, int rank, const int64_t *dims, q3_error *err);
+/* v is a contiguous tensor [..., cols] of `rows` rows (the product of its leading dims; rows < 0:
+ * any), else Q3_ERR_VALUE naming arg (cols_name: what cols is); its rows; whether the bytes of
+ * two such views overlap */
+q3_status q3_view_check_rows(const q3_view *v, const char *arg, int64_t rows, int64_t cols, const char *cols_name,
+                             q3_error *err);
+int64_t q3_view_rows(const q3_view *v);
+int q3_views_overlap(const q3_view *a, const q3_view *b);
+/* "[2, 3, 4]" into buf [n] */
+void q3_format_shape(char *buf, size_t n, int ndim, const int64_t *shape);
+/* whether element strides [ndim] lay shape [ndim] out in C order (an empty tensor always) */
+int q3_strides_contiguous(int ndim, const int64_t *shape, const int64_t *strides);
+/* the C-order strides of `shape` (non-negative dims); 0 when a stride, or the bytes the dims
+ * span with each 0 dim counted as 1, overflows int64: a 0 dim empties the tensor but leaves the
+ * other dims' products as strides, so the size alone does not bound them. numel <= that span,
+ * so the tensor's bytes fit whenever this returns 1. */
+int q3_contiguous_strides(int ndim, const int64_t *shape, size_t itemsize, int64_t *strides);
 
 /* ---- utilities ------------------------------------------------------------------ */
 

@@ -11,8 +11,6 @@
 #include "../cuda/q3_cuda.h"
 #include "../engine/q3.h"
 
-#define Q3_MAX_DIM 8
-
 struct q3_module_state {
     PyTypeObject *tensor_type;
     PyTypeObject *cache_type;
@@ -54,41 +52,14 @@ static inline void q3_error_unstash(q3_pending_error *e) {
 
 /* ---- DLPack import (py_dlpack.c) ---------------------------------------------- */
 
-/* A tensor borrowed from a DLPack producer: valid until q3_view_release. */
-typedef struct {
-    void *data; /* first element */
-    int ndim;
-    int64_t shape[Q3_MAX_DIM];
-    int64_t strides[Q3_MAX_DIM]; /* elements */
-    q3_dtype dtype;
-    int device;    /* -1: host memory; else the CUDA device */
-    int contiguous;
-    int readonly;
-    void *managed; /* q3_dl_managed or q3_dl_managed_v, released by its deleter */
-    int versioned;
-} q3_view;
-
-/* Imports obj (anything with __dlpack__) as a float32/bfloat16 tensor expected on `device`
- * (-1: cpu, else cuda:device); `allow` may add host tensors (Q3_VIEW_HOST) and float8
- * e4m3fn weights (Q3_VIEW_E4M3) to what is taken, or take int32 tensors instead of the
- * float ones (Q3_VIEW_I32: the router's chosen experts, py_routing.c), or take every dtype
- * the extension has (Q3_VIEW_ANY: float32, bfloat16, float8_e4m3fn, int32; copy_tensor's).
- * Errors name `arg`:
- * TypeError for a non-tensor or another dtype, ValueError for another device. A CUDA
- * producer is handed `stream` (the consumer's, NULL: legacy default). Returns 0, or -1 with
- * an exception set (nothing to release then). */
-enum { Q3_VIEW_HOST = 1, Q3_VIEW_E4M3 = 2, Q3_VIEW_I32 = 4, Q3_VIEW_ANY = 8 };
+/* Imports obj (anything with __dlpack__) into v (q3.h: the engine's checks, q3_view_from_dlpack,
+ * with `allow`), expected on `device` (-1: cpu, else cuda:device): valid until q3_view_release.
+ * Errors name `arg`: TypeError for a non-tensor or another dtype, ValueError for another device
+ * or an unusable layout. A CUDA producer is handed `stream` (the consumer's, NULL: legacy
+ * default). Returns 0, or -1 with an exception set (nothing to release then). */
 int q3_view_acquire_on(PyObject *obj, const char *arg, q3_view *v, int device, int allow, void *stream);
 void q3_view_release(q3_view *v);
-/* "[2, 3, 4]" */
-void q3_format_shape(char *buf, size_t n, int ndim, const int64_t *shape);
-/* whether elements strides [ndim] lay shape [ndim] out in C order (an empty tensor always) */
-int q3_strides_contiguous(int ndim, const int64_t *shape, const int64_t *strides);
-/* The checks a call makes of a view it reads or writes, shared by every call: `need` of
- * Q3_NEED_CONTIGUOUS (ValueError "<arg>: expected a contiguous tensor, got strides [..]")
- * and Q3_NEED_WRITABLE ("<arg>: expected a writable tensor, got a read-only one"); 0, or -1
- * with the exception */
-enum { Q3_NEED_CONTIGUOUS = 1, Q3_NEED_WRITABLE = 2 };
+/* q3_view_require's check raised: 0, or -1 with the exception */
 int q3py_view_require(const q3_view *v, const char *arg, int need);
 
 /* ---- Tensor (py_tensor.c): extension-owned memory exported through DLPack -------- */
@@ -119,12 +90,8 @@ PyObject *q3_buffer_view(PyObject *module, PyObject *args);
 /* _C.take_rows and _C.combine_rows (py_split_rows.c) */
 PyObject *q3py_take_rows(PyObject *module, PyObject *args, PyObject *kw);
 PyObject *q3py_combine_rows(PyObject *module, PyObject *args, PyObject *kw);
-/* v is a contiguous tensor [..., cols] of `rows` rows (the product of its leading dims; rows
- * < 0: any): 0, else -1 with a ValueError naming arg (cols_name: what cols is) */
+/* q3_view_check_rows raised: 0, or -1 with the exception */
 int q3py_check_rows(const q3_view *v, const char *arg, int64_t rows, int64_t cols, const char *cols_name);
-/* the rows of such a view, and whether two views' bytes overlap */
-int64_t q3py_rows_of(const q3_view *v);
-int q3py_views_overlap(const q3_view *a, const q3_view *b);
 
 /* ---- KVCache (py_cache.c) --------------------------------------------------------- */
 

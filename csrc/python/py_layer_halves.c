@@ -62,7 +62,7 @@ PyObject *q3py_layer_expert_half(q3py_layer_object *self, PyObject *args, PyObje
     PyObject *result = NULL;
     if (q3_view_acquire_on(rows_obj, "rows", &rows, self->device, 0, stream) < 0) goto done;
     if (q3py_check_rows(&rows, "rows", -1, c->hidden, "hidden") < 0) goto done;
-    const int64_t n = q3py_rows_of(&rows);
+    const int64_t n = q3_view_rows(&rows);
     if (q3_view_acquire_on(experts_obj, "experts", &experts, self->device, Q3_VIEW_I32, stream) < 0 ||
         q3py_check_rows(&experts, "experts", n, c->top_k, "top_k") < 0)
         goto done;
@@ -81,7 +81,7 @@ PyObject *q3py_layer_expert_half(q3py_layer_object *self, PyObject *args, PyObje
             goto done;
         const q3_view *in[3] = {&rows, &experts, &weights};
         for (int i = 0; i < 3; i++)
-            if (q3py_views_overlap(&out, in[i])) {
+            if (q3_views_overlap(&out, in[i])) {
                 PyErr_Format(PyExc_ValueError, "out: overlaps %s; expected separate memory",
                              i == 0 ? "rows" : i == 1 ? "experts" : "weights");
                 goto done;

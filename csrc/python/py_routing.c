@@ -6,7 +6,6 @@
  * choices. The counting is the engine's (csrc/engine/routing.c). */
 #include <stdlib.h>
 
-#include "dlpack_abi.h"
 #include "py_glue.h"
 
 /* obj's DLPack device: -1 for host memory (or anything else: the import then says why),

@@ -6,32 +6,11 @@
  * rows in order). */
 #include "py_glue.h"
 
-int64_t q3py_rows_of(const q3_view *v) {
-    int64_t n = 1; /* the view exists: its element count fits */
-    for (int d = 0; d + 1 < v->ndim; d++) n *= v->shape[d];
-    return n;
-}
-
 int q3py_check_rows(const q3_view *v, const char *arg, int64_t rows, int64_t cols, const char *cols_name) {
-    if (v->ndim < 2 || (rows >= 0 && q3py_rows_of(v) != rows) || v->shape[v->ndim - 1] != cols) {
-        char got[128];
-        q3_format_shape(got, sizeof got, v->ndim, v->shape);
-        if (rows >= 0)
-            PyErr_Format(PyExc_ValueError, "%s: expected shape [%lld, %s=%lld] (rows'), got %s", arg, (long long)rows,
-                         cols_name, (long long)cols, got);
-        else
-            PyErr_Format(PyExc_ValueError, "%s: expected shape [n, %s=%lld], got %s", arg, cols_name,
-                         (long long)cols, got);
-        return -1;
-    }
-    return q3py_view_require(v, arg, Q3_NEED_CONTIGUOUS);
-}
-
-static size_t view_bytes(const q3_view *v) { return (size_t)(q3py_rows_of(v) * v->shape[v->ndim - 1]) * q3_dtype_size(v->dtype); }
-
-int q3py_views_overlap(const q3_view *a, const q3_view *b) {
-    const uintptr_t pa = (uintptr_t)a->data, pb = (uintptr_t)b->data;
-    return pa < pb + view_bytes(b) && pb < pa + view_bytes(a) && view_bytes(a) && view_bytes(b);
+    q3_error err;
+    if (q3_view_check_rows(v, arg, rows, cols, cols_name, &err) == Q3_OK) return 0;
+    q3_raise(NULL, &err);
+    return -1;
 }
 
 /* rows: a contiguous int32 tensor [n] */
@@ -86,7 +65,7 @@ PyObject *q3py_take_rows(PyObject *module, PyObject *args, PyObject *kw) {
         PyErr_SetString(PyExc_ValueError, "src: expected a tensor [..., hidden] (rows to take from)");
         goto done;
     }
-    const int64_t H = src.shape[src.ndim - 1], R = q3py_rows_of(&src);
+    const int64_t H = src.shape[src.ndim - 1], R = q3_view_rows(&src);
     if (q3py_check_rows(&src, "src", -1, H, "hidden") < 0) goto done;
     if (q3_view_acquire_on(rows_obj, "rows", &rows, device, Q3_VIEW_I32, stream) < 0 || check_index(&rows, -1) < 0)
         goto done;
@@ -100,7 +79,7 @@ PyObject *q3py_take_rows(PyObject *module, PyObject *args, PyObject *kw) {
                          q3_dtype_name(src.dtype), q3_dtype_name(out.dtype));
             goto done;
         }
-        if (q3py_views_overlap(&out, &src) || q3py_views_overlap(&out, &rows)) {
+        if (q3_views_overlap(&out, &src) || q3_views_overlap(&out, &rows)) {
             PyErr_SetString(PyExc_ValueError, "out: overlaps src or rows; expected separate memory");
             goto done;
         }
@@ -145,23 +124,23 @@ PyObject *q3py_combine_rows(PyObject *module, PyObject *args, PyObject *kw) {
         PyErr_SetString(PyExc_ValueError, "resid: expected a writable contiguous float32 tensor [R, hidden]");
         goto done;
     }
-    const int64_t R = q3py_rows_of(&resid), H = resid.shape[resid.ndim - 1];
+    const int64_t R = q3_view_rows(&resid), H = resid.shape[resid.ndim - 1];
     if (q3_view_acquire_on(parts_obj, "parts", &parts, device, 0, stream) < 0 ||
         q3py_check_rows(&parts, "parts", -1, H, "hidden") < 0)
         goto done;
-    const int64_t n = q3py_rows_of(&parts);
+    const int64_t n = q3_view_rows(&parts);
     if (q3_view_acquire_on(rows_obj, "rows", &rows, device, Q3_VIEW_I32, stream) < 0 || check_index(&rows, n) < 0)
         goto done;
     if (out_obj != Py_None) {
         if (q3_view_acquire_on(out_obj, "out", &out, device, 0, stream) < 0 ||
             q3py_check_rows(&out, "out", R, H, "hidden") < 0 || q3py_view_require(&out, "out", Q3_NEED_WRITABLE) < 0)
             goto done;
-        if (out.data != resid.data && (q3py_views_overlap(&out, &resid) || q3py_views_overlap(&out, &parts))) {
+        if (out.data != resid.data && (q3_views_overlap(&out, &resid) || q3_views_overlap(&out, &parts))) {
             PyErr_SetString(PyExc_ValueError, "out: overlaps resid or parts; expected separate memory");
             goto done;
         }
     }
-    if (q3py_views_overlap(&resid, &parts)) {
+    if (q3_views_overlap(&resid, &parts)) {
         PyErr_SetString(PyExc_ValueError, "parts: overlaps resid; expected separate memory");
         goto done;
     }

@@ -7,7 +7,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "dlpack_abi.h"
 #include "py_glue.h"
 
 static size_t tensor_numel(const q3py_tensor_object *t) {
@@ -29,19 +28,6 @@ static q3py_tensor_object *tensor_alloc(q3_module_state *st, q3_dtype dt, int nd
     return t;
 }
 
-/* the row-major strides of `shape` (non-negative dims); 0 when a stride, or the bytes the
- * dims span with each 0 dim counted as 1, overflows int64: a 0 dim empties the tensor
- * but leaves the other dims' products as strides, so the size alone does not bound them.
- * numel <= that span, so the tensor's bytes fit whenever this returns 1. */
-static int contiguous_strides(int ndim, const int64_t *shape, size_t itemsize, int64_t *strides) {
-    int64_t span = 1;
-    for (int d = ndim - 1; d >= 0; d--) {
-        strides[d] = span;
-        if (shape[d] < 0 || !q3_mul_i64(span, shape[d] ? shape[d] : 1, &span)) return 0;
-    }
-    return q3_mul_i64(span, (int64_t)itemsize, &span);
-}
-
 /* bytes of host memory, or a block of a CUDA device (csrc/cuda/buffers.c: a kept one of the
  * size when there is one); NULL when out of memory */
 static void *buffer_alloc(size_t bytes, int device) {
@@ -58,7 +44,7 @@ q3py_tensor_object *q3py_tensor_new(q3_module_state *st, q3_dtype dt, int ndim, 
 q3py_tensor_object *q3py_tensor_new_on(q3_module_state *st, q3_dtype dt, int ndim, const int64_t *shape, int device) {
     q3py_tensor_object *t = tensor_alloc(st, dt, ndim, shape);
     if (!t) return NULL;
-    if (!contiguous_strides(ndim, shape, q3_dtype_size(dt), t->strides)) {
+    if (!q3_contiguous_strides(ndim, shape, q3_dtype_size(dt), t->strides)) {
         char got[160];
         q3_format_shape(got, sizeof got, ndim, shape);
         PyErr_Format(PyExc_ValueError, "shape: %s has a negative dimension or a size that overflows int64", got);
@@ -130,7 +116,7 @@ PyObject *q3_buffer_view(PyObject *module, PyObject *args) {
         return NULL;
     }
     int64_t n, bytes, end;
-    if (!contiguous_strides((int)ndim, shape, q3_dtype_size(dt), strides)) {
+    if (!q3_contiguous_strides((int)ndim, shape, q3_dtype_size(dt), strides)) {
         char got[160];
         q3_format_shape(got, sizeof got, (int)ndim, shape);
         PyErr_Format(PyExc_ValueError, "shape: the size of %s overflows int64", got);

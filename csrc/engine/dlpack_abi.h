@@ -2,8 +2,8 @@
  * specification, version 1.x, for what this extension exchanges: CPU (and later CUDA)
  * tensors of float32 and bfloat16, and float8 e4m3fn weights. Struct layouts must match the specification exactly;
  * names carry a q3_ prefix to make clear these are our declarations. */
-#ifndef Q3_PY_DLPACK_ABI_H
-#define Q3_PY_DLPACK_ABI_H
+#ifndef Q3_DLPACK_ABI_H
+#define Q3_DLPACK_ABI_H
 
 #include <stdint.h>
 
