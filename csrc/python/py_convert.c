@@ -18,6 +18,12 @@ PyObject *q3_raise(q3_module_state *st, const q3_error *err) {
     return NULL;
 }
 
+int q3py_status(q3_status s, const q3_error *err) {
+    if (s == Q3_OK) return 0;
+    q3_raise(NULL, err);
+    return -1;
+}
+
 const char *q3_dtype_name(q3_dtype dt) {
     return dt == Q3_BF16 ? "bfloat16" : dt == Q3_E4M3 ? "float8_e4m3fn" : dt == Q3_I32 ? "int32" : "float32";
 }

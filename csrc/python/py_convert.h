@@ -17,6 +17,8 @@ typedef struct q3_module_state q3_module_state;
 /* Raises the Python exception for an engine failure; returns NULL. st gives the
  * module's CacheFullError (NULL only where the engine cannot report a full cache). */
 PyObject *q3_raise(q3_module_state *st, const q3_error *err);
+/* 0 for Q3_OK; else the exception for err raised (CacheFullError as RuntimeError) and -1 */
+int q3py_status(q3_status s, const q3_error *err);
 /* dtype <-> "float32" / "bfloat16" ("float8_e4m3fn" named, never parsed: weights only);
  * q3_parse_dtype raises TypeError naming `arg` */
 const char *q3_dtype_name(q3_dtype dt);

@@ -57,9 +57,7 @@ static PyObject *export_capsule(PyObject *obj, int cuda, void *stream) {
 
 int q3py_view_require(const q3_view *v, const char *arg, int need) {
     q3_error err;
-    if (q3_view_require(v, arg, need, &err) == Q3_OK) return 0;
-    q3_raise(NULL, &err);
-    return -1;
+    return q3py_status(q3_view_require(v, arg, need, &err), &err);
 }
 
 int q3_view_acquire_on(PyObject *obj, const char *arg, q3_view *v, int device, int allow, void *stream) {

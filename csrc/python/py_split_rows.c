@@ -8,9 +8,7 @@
 
 int q3py_check_rows(const q3_view *v, const char *arg, int64_t rows, int64_t cols, const char *cols_name) {
     q3_error err;
-    if (q3_view_check_rows(v, arg, rows, cols, cols_name, &err) == Q3_OK) return 0;
-    q3_raise(NULL, &err);
-    return -1;
+    return q3py_status(q3_view_check_rows(v, arg, rows, cols, cols_name, &err), &err);
 }
 
 /* rows: a contiguous int32 tensor [n] */
