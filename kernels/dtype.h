@@ -15,6 +15,10 @@
 typedef enum { Q3_F32 = 0, Q3_BF16 = 1, Q3_E4M3 = 2, Q3_I32 = 3 } q3_dtype;
 
 static inline size_t q3_dtype_size(q3_dtype dt) { return dt == Q3_BF16 ? 2 : dt == Q3_E4M3 ? 1 : 4; }
+/* torch's and numpy's name of each: "float32", "bfloat16", "float8_e4m3fn", "int32" */
+static inline const char *q3_dtype_name(q3_dtype dt) {
+    return dt == Q3_BF16 ? "bfloat16" : dt == Q3_E4M3 ? "float8_e4m3fn" : dt == Q3_I32 ? "int32" : "float32";
+}
 
 static inline float q3_bf16_to_f32(uint16_t b) {
     uint32_t u = (uint32_t)b << 16;

@@ -555,6 +555,34 @@ int q3_strides_contiguous(int ndim, const int64_t *shape, const int64_t *strides
  * so the tensor's bytes fit whenever this returns 1. */
 int q3_contiguous_strides(int ndim, const int64_t *shape, size_t itemsize, int64_t *strides);
 
+/* The views of a layer call (call_views.c), checked before anything is made or written. x of
+ * prefill ([tokens, hidden]: one sequence, or [batch, tokens, hidden]: every one) or decode
+ * ([batch, hidden]), contiguous: the sequences it covers and the tokens of each. */
+q3_status q3_call_check_x(const q3_config *cfg, const q3_cache *c, const q3_view *x, int decode, int *n_seqs,
+                          int64_t *tokens, q3_error *err);
+/* out= of such a call: x's dtype (Q3_ERR_TYPE) and shape, contiguous and writable, and x itself
+ * or apart from it (each pass reads its rows of x before it writes them) */
+q3_status q3_call_check_out(const q3_view *o, const q3_view *x, q3_error *err);
+/* return_attention's maps for call a (checked): shape [n_seqs, heads, tokens, context], context
+ * the longest of its sequences after the call; Q3_ERR_VALUE when they take over `limit` bytes */
+q3_status q3_call_attention_maps(const q3_config *cfg, const q3_cache *c, const q3_forward_args *a, int64_t limit,
+                                 int64_t shape[4], q3_error *err);
+/* the expert half's views (q3_layer_expert_half): rows [n, hidden] contiguous, experts int32 and
+ * weights fp32 [n, top_k], out (NULL: the caller makes it) [n, hidden] writable and apart */
+q3_status q3_expert_half_check_views(const q3_config *cfg, const q3_view *rows, const q3_view *experts,
+                                     const q3_view *weights, const q3_view *out, q3_error *err);
+/* How a layer on `device` (-1: the host) reads weight view v of a table entry stored as `want`
+ * (the layer's or the scale dtype, or Q3_E4M3: an FP8 matrix, whose bytes are never
+ * converted): borrowed as it is (on the layer's device, of that dtype, contiguous, and on a
+ * CUDA device at a multiple of `align` bytes); copied once to the layer's device as it is
+ * (Q3_WEIGHT_UPLOAD: a device weight off the alignment, or a host FP8 matrix for a CUDA
+ * layer); or converted once from the host into a contiguous copy of `want` (then uploaded for
+ * a CUDA layer). Q3_ERR_VALUE naming arg for a weight it cannot take (a CUDA weight of another
+ * dtype or layout, an FP8 matrix of another dtype, layout or device). */
+typedef enum { Q3_WEIGHT_BORROW, Q3_WEIGHT_UPLOAD, Q3_WEIGHT_CONVERT } q3_weight_use;
+q3_status q3_weight_view_use(const q3_view *v, q3_dtype want, int device, int align, const char *arg,
+                             q3_weight_use *use, q3_error *err);
+
 /* ---- utilities ------------------------------------------------------------------ */
 
 /* Aligned allocation for tensors (64-byte aligned; NULL when bytes cannot be had, an

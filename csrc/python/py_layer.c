@@ -3,12 +3,12 @@
  *
  * Construction takes the tensors of the engine's weight table (q3_weight_table) and borrows
  * each through DLPack (no copy when it is contiguous and of the dtype its storage asks, and on
- * a CUDA device 16-byte aligned; otherwise one conversion, now, recorded in `converted`). */
+ * a CUDA device 16-byte aligned; otherwise one conversion, now, recorded in `converted`: the
+ * engine decides which, q3_weight_view_use). float8_e4m3fn matrices are taken as they are: an
+ * FP8 layer does not quantize. */
 #include <string.h>
 
 #include "py_layer.h"
-
-
 
 /* ---- weights --------------------------------------------------------------------- */
 
@@ -36,14 +36,9 @@ static void *upload(q3py_layer_object *self, const void *src, int src_device, si
     return NULL;
 }
 
-void *q3py_layer_device_copy(q3py_layer_object *self, const q3_view *v, size_t bytes, const char *name, const char *arg) {
-    void *dev = upload(self, v->data, v->device, bytes, arg);
-    return dev ? record_converted(self, name, dev) : NULL;
-}
-
-/* Imports weights[name] into the next view slot (not yet counted) and checks its shape;
- * `allow` as for q3_view_acquire_on. Returns the view, or NULL with an exception. */
-q3_view *q3py_layer_acquire_shaped(q3py_layer_object *self, PyObject *weights, const char *name, int rank,
+/* Imports weights[name] into the next view slot (counted once borrowed), shape [rank] dims
+ * checked. NULL with an exception. */
+static q3_view *acquire_shaped(q3py_layer_object *self, PyObject *weights, const char *name, int rank,
                                const int64_t *dims, int allow, char *arg, size_t arg_size) {
     PyObject *obj = PyDict_GetItemString(weights, name);
     if (!obj) {
@@ -52,52 +47,38 @@ q3_view *q3py_layer_acquire_shaped(q3py_layer_object *self, PyObject *weights, c
     }
     snprintf(arg, arg_size, "weights['%s']", name);
     q3_view *v = &self->views[self->n_views];
+    q3_error err;
     if (q3_view_acquire_on(obj, arg, v, self->device, allow, NULL) < 0) return NULL;
-    int fits_shape = v->ndim == rank;
-    for (int d = 0; fits_shape && d < rank; d++) fits_shape = v->shape[d] == dims[d];
-    if (!fits_shape) {
-        char want[96], got[96];
-        q3_format_shape(want, sizeof want, rank, dims);
-        q3_format_shape(got, sizeof got, v->ndim, v->shape);
-        PyErr_Format(PyExc_ValueError, "%s: expected shape %s, got %s", arg, want, got);
+    if (q3py_status(q3_view_check_shape(v, arg, rank, dims, &err), &err) == 0) return v;
+    q3_view_release(v);
+    return NULL;
+}
+
+/* Imports weights[name] of table entry e, stored as `dtype`, and returns the pointer the engine
+ * will read: the producer's memory, or a copy made once, now, as q3_weight_view_use decides (a
+ * CUDA layer's weights start at multiples of Q3_CUDA_WEIGHT_ALIGN bytes: csrc/cuda/q3_cuda.h
+ * says why); a copy is the layer's and is named in `converted`. */
+static const void *take_weight(q3py_layer_object *self, PyObject *weights, const q3_weight_entry *e, q3_dtype dtype) {
+    char arg[160];
+    const int allow = dtype == Q3_E4M3 ? Q3_VIEW_HOST | Q3_VIEW_E4M3 : Q3_VIEW_HOST;
+    q3_view *v = acquire_shaped(self, weights, e->name, e->rank, e->dims, allow, arg, sizeof arg);
+    if (!v) return NULL;
+    q3_weight_use use;
+    q3_error err;
+    if (q3py_status(q3_weight_view_use(v, dtype, self->device, Q3_CUDA_WEIGHT_ALIGN, arg, &use, &err), &err) < 0) {
         q3_view_release(v);
         return NULL;
     }
-    return v;
-}
-
-/* Imports weights[name], checks its shape, and returns the pointer the engine will read:
- * the producer's memory, or a converted copy when dtype or layout do not fit. A CUDA
- * layer's weights must also start at a multiple of Q3_CUDA_WEIGHT_ALIGN bytes (the kernels'
- * 16-byte loads; csrc/cuda/q3_cuda.h says which, and why experts of a fused tensor follow
- * its base): a device weight elsewhere (a view at an odd offset) would fault there, so it
- * is copied once into a cudaMalloc block (256-byte aligned) and listed in `converted`. */
-const void *q3py_layer_take_weight(q3py_layer_object *self, PyObject *weights, const char *name,
-                               int rank, const int64_t *dims, q3_dtype dtype) {
-    char arg[160];
-    q3_view *v = q3py_layer_acquire_shaped(self, weights, name, rank, dims, Q3_VIEW_HOST, arg, sizeof arg);
-    if (!v) return NULL;
-    const int aligned = v->device < 0 || (uintptr_t)v->data % Q3_CUDA_WEIGHT_ALIGN == 0;
-    if (v->device == self->device && v->dtype == dtype && v->contiguous && aligned) {
+    if (use == Q3_WEIGHT_BORROW) {
         self->n_views++;
         return v->data;
     }
-    if (v->device >= 0 && (v->dtype != dtype || !v->contiguous)) {
-        PyErr_Format(PyExc_ValueError, "%s: a CUDA weight must be contiguous and of the layer's dtype (%s), got "
-                     "a%s %s tensor", arg, q3_dtype_name(dtype), v->contiguous ? "" : " non-contiguous",
-                     q3_dtype_name(v->dtype));
-        q3_view_release(v);
-        return NULL;
-    }
-    size_t n = 1;
-    for (int d = 0; d < rank; d++) n *= (size_t)dims[d];
-    const size_t bytes = n * q3_dtype_size(dtype);
+    const size_t bytes = (size_t)q3_weight_entry_numel(e) * q3_dtype_size(dtype);
     void *copy;
-    if (v->device >= 0) { /* of the layer's dtype and contiguous, but not 16-byte aligned */
+    if (use == Q3_WEIGHT_UPLOAD) { /* to the layer's device as it is */
         copy = upload(self, v->data, v->device, bytes, arg);
         q3_view_release(v);
-        if (!copy) return NULL;
-        return record_converted(self, name, copy);
+        return copy ? record_converted(self, e->name, copy) : NULL;
     }
     copy = q3_alloc(bytes);
     if (!copy) {
@@ -106,7 +87,7 @@ const void *q3py_layer_take_weight(q3py_layer_object *self, PyObject *weights, c
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    q3_copy_strided(copy, dtype, v->data, v->dtype, rank, v->shape, v->strides);
+    q3_copy_strided(copy, dtype, v->data, v->dtype, e->rank, v->shape, v->strides);
     Py_END_ALLOW_THREADS
     q3_view_release(v);
     if (self->device >= 0) { /* a host weight for a CUDA layer: uploaded once, now */
@@ -115,10 +96,10 @@ const void *q3py_layer_take_weight(q3py_layer_object *self, PyObject *weights, c
         if (!dev) return NULL;
         copy = dev;
     }
-    return record_converted(self, name, copy);
+    return record_converted(self, e->name, copy);
 }
 
-int q3py_layer_record_ptr(q3py_layer_object *self, const char *name, const void *p) {
+static int record_ptr(q3py_layer_object *self, const char *name, const void *p) {
     PyObject *addr = PyLong_FromVoidPtr((void *)p);
     const int rc = addr ? PyDict_SetItemString(self->weight_ptrs, name, addr) : -1;
     Py_XDECREF(addr);
@@ -167,11 +148,8 @@ static int take_table(q3py_layer_object *self, PyObject *weights, const q3_weigh
     for (int64_t i = 0; i < n; i++) {
         const q3_weight_entry *e = &table[i];
         if (e->storage == Q3_WS_SCALE && scale_given(weights, table, e) < 0) return -1;
-        const void *p = e->storage == Q3_WS_E4M3
-                            ? q3py_layer_take_e4m3(self, weights, e)
-                            : q3py_layer_take_weight(self, weights, e->name, e->rank, e->dims,
-                                                     e->storage == Q3_WS_SCALE ? sdt : dt);
-        if (!p || q3py_layer_record_ptr(self, e->name, p) < 0) return -1;
+        const void *p = take_weight(self, weights, e, e->storage == Q3_WS_E4M3 ? Q3_E4M3 : e->storage == Q3_WS_SCALE ? sdt : dt);
+        if (!p || record_ptr(self, e->name, p) < 0) return -1;
         *e->slot = p;
     }
     return 0;

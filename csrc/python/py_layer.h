@@ -20,24 +20,6 @@ typedef struct {
     q3_dtype scale_dtype; /* FP8: of the block scales the engine reads */
 } q3py_layer_object;
 
-/* construction (py_layer.c): weights[name] imported into the next view slot with its shape
- * checked (`allow` as for q3_view_acquire_on; the slot is counted by the caller); the
- * pointer the engine reads for a weight of `dtype` (borrowed, or converted once); and
- * weight_ptrs[name] = p. Each returns NULL / -1 with an exception. */
-q3_view *q3py_layer_acquire_shaped(q3py_layer_object *self, PyObject *weights, const char *name, int rank,
-                                 const int64_t *dims, int allow, char *arg, size_t arg_size);
-/* a copy of the contiguous tensor v (bytes long; on the host, or on the layer's device) in a
- * new block of the layer's CUDA device, owned by the layer and named in `converted`; NULL with
- * an exception */
-void *q3py_layer_device_copy(q3py_layer_object *self, const q3_view *v, size_t bytes, const char *name, const char *arg);
-const void *q3py_layer_take_weight(q3py_layer_object *self, PyObject *weights, const char *name, int rank,
-                                 const int64_t *dims, q3_dtype dtype);
-int q3py_layer_record_ptr(q3py_layer_object *self, const char *name, const void *p);
-
-/* an e4m3 tensor of the engine's weight table (py_layer_fp8.c): borrowed, or copied to the
- * layer's device; NULL with an exception */
-const void *q3py_layer_take_e4m3(q3py_layer_object *self, PyObject *weights, const q3_weight_entry *e);
-
 /* The engine's interrupt poll between passes: takes the GIL briefly and runs the signal
  * handlers (Ctrl-C); an exception they raise stays set for the caller. */
 typedef struct {

@@ -29,69 +29,6 @@ static int parse_chunk(PyObject *obj, int64_t *chunk) {
     return 0;
 }
 
-static int shape_error(const char *arg, const char *want, const q3_view *v) {
-    char got[128];
-    q3_format_shape(got, sizeof got, v->ndim, v->shape);
-    PyErr_Format(PyExc_ValueError, "%s: expected shape %s, got %s", arg, want, got);
-    return -1;
-}
-
-/* Checks x against the call; fills n_seqs and tokens. */
-static int check_x(const q3_view *x, const q3_config *cfg, const q3_cache *c, int decode,
-                   int *n_seqs, int64_t *tokens) {
-    char want[128];
-    if (q3py_view_require(x, "x", Q3_NEED_CONTIGUOUS) < 0) return -1;
-    if (decode) {
-        snprintf(want, sizeof want, "[batch=%d, hidden=%lld]", q3_cache_batch(c), (long long)cfg->hidden);
-        if (x->ndim != 2 || x->shape[0] != q3_cache_batch(c) || x->shape[1] != cfg->hidden)
-            return shape_error("x", want, x);
-        *n_seqs = q3_cache_batch(c);
-        *tokens = 1;
-        return 0;
-    }
-    if (x->ndim == 2) {
-        snprintf(want, sizeof want, "[tokens, hidden=%lld]", (long long)cfg->hidden);
-        *n_seqs = 1;
-    } else {
-        snprintf(want, sizeof want, "[batch=%d, tokens, hidden=%lld] or [tokens, hidden=%lld]", q3_cache_batch(c),
-                 (long long)cfg->hidden, (long long)cfg->hidden);
-        if (x->ndim != 3 || x->shape[0] != q3_cache_batch(c)) return shape_error("x", want, x);
-        *n_seqs = q3_cache_batch(c);
-    }
-    if (x->shape[x->ndim - 1] != cfg->hidden) return shape_error("x", want, x);
-    *tokens = x->shape[x->ndim - 2]; /* 0: refused by the engine's checks */
-    return 0;
-}
-
-/* out= must be a writable contiguous CPU tensor of x's shape and dtype */
-static int check_out(const q3_view *o, const q3_view *x) {
-    if (o->dtype != x->dtype) {
-        PyErr_Format(PyExc_TypeError, "out: expected dtype %s (x's), got %s", q3_dtype_name(x->dtype),
-                     q3_dtype_name(o->dtype));
-        return -1;
-    }
-    int same = o->ndim == x->ndim;
-    for (int d = 0; same && d < x->ndim; d++) same = o->shape[d] == x->shape[d];
-    if (!same) {
-        char want[128];
-        q3_format_shape(want, sizeof want, x->ndim, x->shape);
-        return shape_error("out", want, o);
-    }
-    if (q3py_view_require(o, "out", Q3_NEED_CONTIGUOUS | Q3_NEED_WRITABLE) < 0) return -1;
-    /* y may be x itself (each pass reads its rows before it writes them), but rows of out
-     * over other rows of x would be written before they are read */
-    int64_t n;
-    q3_numel(x->ndim, x->shape, &n); /* fits: checked at import */
-    const uintptr_t bytes = (uintptr_t)n * q3_dtype_size(x->dtype), xa = (uintptr_t)x->data, oa = (uintptr_t)o->data;
-    if (oa != xa && oa < xa + bytes && xa < oa + bytes) {
-        PyErr_Format(PyExc_ValueError, "out: overlaps x partly (out starts %lld bytes %s x); expected separate "
-                     "memory or out being x itself", (long long)(oa > xa ? oa - xa : xa - oa),
-                     oa > xa ? "after" : "before");
-        return -1;
-    }
-    return 0;
-}
-
 static int interrupted(void *ctx) {
     q3py_interrupt_poll *p = ctx;
     PyEval_RestoreThread(p->saved);
@@ -154,7 +91,8 @@ int q3py_call_open(q3py_call *c, q3py_layer_object *self, PyObject *x_obj, PyObj
     c->a = (q3_forward_args){.x = c->x.data, .io_dtype = c->x.dtype, .chunk = chunk, .stream = stream,
                              .interrupted = interrupted, .interrupt_ctx = &c->poll};
     q3_error err;
-    if (check_x(&c->x, q3_layer_config(self->layer), c->co->cache, decode, &c->a.n_seqs, &c->a.tokens) < 0 ||
+    if (q3py_status(q3_call_check_x(q3_layer_config(self->layer), c->co->cache, &c->x, decode, &c->a.n_seqs,
+                                    &c->a.tokens, &err), &err) < 0 ||
         call_seqs(c, decode, seq_obj) < 0) {
         q3py_call_close(c);
         return -1;
@@ -203,7 +141,9 @@ static PyObject *forward(q3py_layer_object *self, PyObject *x_obj, PyObject *cac
     q3_view out = {0};
     const int made = q3py_insides_make(ins, c.st, self->layer, c.co->cache, &c.x, self->device, &c.a) == 0;
     if (made && out_obj != Py_None) {
-        if (q3_view_acquire_on(out_obj, "out", &out, self->device, 0, c.a.stream) == 0 && check_out(&out, &c.x) == 0) {
+        q3_error err;
+        if (q3_view_acquire_on(out_obj, "out", &out, self->device, 0, c.a.stream) == 0 &&
+            q3py_status(q3_call_check_out(&out, &c.x, &err), &err) == 0) {
             y = Py_NewRef(out_obj);
             c.a.y = out.data;
         }

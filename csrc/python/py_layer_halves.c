@@ -60,32 +60,16 @@ PyObject *q3py_layer_expert_half(q3py_layer_object *self, PyObject *args, PyObje
     const q3_config *c = q3_layer_config(self->layer);
     q3_view rows = {0}, experts = {0}, weights = {0}, out = {0};
     PyObject *result = NULL;
-    if (q3_view_acquire_on(rows_obj, "rows", &rows, self->device, 0, stream) < 0) goto done;
-    if (q3py_check_rows(&rows, "rows", -1, c->hidden, "hidden") < 0) goto done;
+    q3_error err;
+    if (q3_view_acquire_on(rows_obj, "rows", &rows, self->device, 0, stream) < 0 ||
+        q3_view_acquire_on(experts_obj, "experts", &experts, self->device, Q3_VIEW_I32, stream) < 0 ||
+        q3_view_acquire_on(weights_obj, "weights", &weights, self->device, 0, stream) < 0 ||
+        (out_obj != Py_None && q3_view_acquire_on(out_obj, "out", &out, self->device, 0, stream) < 0) ||
+        q3py_status(q3_expert_half_check_views(c, &rows, &experts, &weights, out_obj != Py_None ? &out : NULL, &err),
+                    &err) < 0)
+        goto done;
     const int64_t n = q3_view_rows(&rows);
-    if (q3_view_acquire_on(experts_obj, "experts", &experts, self->device, Q3_VIEW_I32, stream) < 0 ||
-        q3py_check_rows(&experts, "experts", n, c->top_k, "top_k") < 0)
-        goto done;
-    if (q3_view_acquire_on(weights_obj, "weights", &weights, self->device, 0, stream) < 0 ||
-        q3py_check_rows(&weights, "weights", n, c->top_k, "top_k") < 0)
-        goto done;
-    if (weights.dtype != Q3_F32) {
-        PyErr_Format(PyExc_TypeError, "weights: expected dtype float32 (the router's), got %s",
-                     q3_dtype_name(weights.dtype));
-        goto done;
-    }
     if (out_obj != Py_None) {
-        if (q3_view_acquire_on(out_obj, "out", &out, self->device, 0, stream) < 0 ||
-            q3py_check_rows(&out, "out", n, c->hidden, "hidden") < 0 ||
-            q3py_view_require(&out, "out", Q3_NEED_WRITABLE) < 0)
-            goto done;
-        const q3_view *in[3] = {&rows, &experts, &weights};
-        for (int i = 0; i < 3; i++)
-            if (q3_views_overlap(&out, in[i])) {
-                PyErr_Format(PyExc_ValueError, "out: overlaps %s; expected separate memory",
-                             i == 0 ? "rows" : i == 1 ? "experts" : "weights");
-                goto done;
-            }
         result = Py_NewRef(out_obj);
     } else {
         const int64_t shape[2] = {n, c->hidden};
@@ -97,7 +81,6 @@ PyObject *q3py_layer_expert_half(q3py_layer_object *self, PyObject *args, PyObje
     }
     const q3_expert_half_args a = {rows.data, rows.dtype, n, experts.data, weights.data, out.data, out.dtype, acc,
                                    stream};
-    q3_error err;
     q3_status s;
     Py_BEGIN_ALLOW_THREADS
     PyThread_acquire_lock(self->lock, WAIT_LOCK);

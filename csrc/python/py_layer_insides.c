@@ -50,25 +50,12 @@ int q3py_insides_make(q3_insides *ins, q3_module_state *st, const q3_layer *laye
         a->router_weights = ins->weights->data;
     }
     if (ins->attention) {
-        int64_t context = 0, n;
-        for (int s = 0; s < a->n_seqs; s++)
-            if (q3_cache_length(c, a->seqs[s]) + a->tokens > context) context = q3_cache_length(c, a->seqs[s]) + a->tokens;
-        const int64_t shape[4] = {a->n_seqs, cfg->heads, a->tokens, context}, bytes_shape[5] = {
-            a->n_seqs, cfg->heads, a->tokens, context, (int64_t)sizeof(float)};
-        if (!q3_numel(5, bytes_shape, &n) || n > ins->limit) {
-            char what[64];
-            if (q3_numel(5, bytes_shape, &n)) snprintf(what, sizeof what, "%lld bytes", (long long)n);
-            else snprintf(what, sizeof what, "more than 2^63 bytes");
-            PyErr_Format(PyExc_ValueError,
-                         "return_attention: the attention maps [%d, %d, %lld, %lld] (batch, heads, new tokens, "
-                         "context) fp32 would take %s, above attention_limit=%lld bytes; pass a larger "
-                         "attention_limit, or fewer tokens per call", a->n_seqs, cfg->heads, (long long)a->tokens,
-                         (long long)context, what, (long long)ins->limit);
-            return -1;
-        }
+        int64_t shape[4];
+        q3_error err;
+        if (q3py_status(q3_call_attention_maps(cfg, c, a, ins->limit, shape, &err), &err) < 0) return -1;
         if (!(ins->maps = q3py_tensor_new_on(st, Q3_F32, 4, shape, device))) return -1;
         a->attention = ins->maps->data;
-        a->attention_context = context;
+        a->attention_context = shape[3];
     }
     return 0;
 }
