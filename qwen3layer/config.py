@@ -17,6 +17,22 @@ ROPE_DEFAULTS = _C.rope_defaults()
 DEFAULT_CHUNK = int(_C.build_info()["default_chunk"])
 
 
+def expert_ids(ids: Any, num_experts: int, arg: str) -> list:
+    """ids (a sequence of expert ids: gpu_experts, one rank's placement) as a list, refused
+    naming `arg` unless each is an int in [0, num_experts) listed once: the one check of an
+    id list the package makes (the extension checks its own experts= again, in C)"""
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        raise TypeError(f"{arg}: expected a sequence of expert ids, got {type(ids).__name__}")
+    out: list = []
+    for e in ids:
+        if type(e) is not int or not 0 <= e < num_experts:
+            raise ValueError(f"{arg}: expected expert ids in [0, {num_experts}), got {e!r}")
+        if e in out:
+            raise ValueError(f"{arg}: expert {e} is listed twice")
+        out.append(e)
+    return out
+
+
 def pass_tokens(chunk_size: Optional[int]) -> int:
     """the tokens a pass takes of each sequence: chunk_size, or DEFAULT_CHUNK when None"""
     return chunk_size or DEFAULT_CHUNK

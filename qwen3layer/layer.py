@@ -11,7 +11,7 @@ import warnings
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 from . import _C
-from .config import LayerConfig, pass_tokens
+from .config import LayerConfig, expert_ids, pass_tokens
 from .devices import check_torch_device, device_index, stream_of
 from .weights import canonical_weights, expert_id_list, expert_weights, held_expert_views
 
@@ -57,13 +57,7 @@ def _split_placement(config: LayerConfig, index: int, experts: Any, expert_devic
     else:
         if expert_counts is not None:
             raise ValueError("expert_counts: chooses gpu_experts=N; got a list of gpu_experts too")
-        gpu = expert_id_list(gpu_experts)
-        for e in gpu:
-            if not 0 <= e < E:
-                raise ValueError(f"gpu_experts: expected expert ids in [0, {E}), got {e}")
-        if len(set(gpu)) != len(gpu):
-            raise ValueError(f"gpu_experts: expected distinct expert ids, got {list(gpu)}")
-        gpu = sorted(gpu)
+        gpu = sorted(expert_ids(gpu_experts, E, "gpu_experts"))
     return gpu, [e for e in range(E) if e not in set(gpu)]
 
 

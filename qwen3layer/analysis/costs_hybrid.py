@@ -24,7 +24,7 @@ import dataclasses
 import math
 from typing import Optional, Sequence
 
-from ..config import LayerConfig
+from ..config import LayerConfig, expert_ids
 from .costs import WEIGHT_FORMATS, CostModel, Stage, _Matrices, _size, cost_model
 from .gpu_figures import H200_BF16_FLOPS, H200_COPY_BYTES_PER_S, PCIE5_X16_BYTES_PER_S
 
@@ -78,15 +78,7 @@ def _shares(cfg: LayerConfig, shares: Optional[Sequence[float]]) -> list:
 
 
 def _gpu_ids(cfg: LayerConfig, gpu_experts: Sequence[int]) -> set:
-    E = cfg.num_experts
-    ids = set()
-    for e in gpu_experts:
-        if not isinstance(e, int) or isinstance(e, bool) or not 0 <= e < E:
-            raise ValueError(f"gpu_experts: expected expert ids in [0, {E}), got {e!r}")
-        if e in ids:
-            raise ValueError(f"gpu_experts: expert {e} is listed twice")
-        ids.add(e)
-    return ids
+    return set(expert_ids(gpu_experts, cfg.num_experts, "gpu_experts"))
 
 
 def link_bytes(cfg: LayerConfig, rows: int, rows_to_host: float, gpu_used: bool, dtype: str = "bfloat16") -> tuple:

@@ -1,9 +1,9 @@
 """Placement: where the layer's experts run, beside its attention. This package's own names
 say where the experts live under expert parallelism, each rank's expert ids
 (contiguous_placement, check_placement), for parallel.py and the cost model's exchange
-(qwen3layer.analysis.costs). It imports neither torch nor any other module of qwen3layer, so
-that `import qwen3layer` never loads torch through it; its modules, which import torch, are
-loaded only when imported by name:
+(qwen3layer.analysis.costs). It imports no torch, and of qwen3layer only config (the id list
+check), so that `import qwen3layer` never loads torch through it; its modules, which import
+torch, are loaded only when imported by name:
   parallel.py  the experts over torch.distributed ranks (ExpertParallelLayer; its public
                path is qwen3layer.parallel, which re-exports it)
   hybrid.py    one GPU and the host experts (DecoderLayer(..., expert_device="cpu"))
@@ -11,6 +11,8 @@ loaded only when imported by name:
 from __future__ import annotations
 
 from typing import List, Sequence
+
+from ..config import expert_ids
 
 __all__ = ["contiguous_placement", "check_placement"]
 
@@ -36,9 +38,7 @@ def check_placement(placement: Sequence[Sequence[int]], num_experts: int, world:
                          f"got {len(placement)} lists")
     seen: dict = {}
     for r, ids in enumerate(placement):
-        for e in ids:
-            if type(e) is not int or not 0 <= e < num_experts:
-                raise ValueError(f"placement[{r}]: expected expert ids in [0, {num_experts}), got {e!r}")
+        for e in expert_ids(ids, num_experts, f"placement[{r}]"):
             if e in seen:
                 raise ValueError(f"placement: expert {e} placed on ranks {seen[e]} and {r}; expected each on one")
             seen[e] = r

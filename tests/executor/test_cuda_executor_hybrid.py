@@ -133,7 +133,7 @@ def test_gpu_experts_n_from_a_calibration_call():
     (dict(device="cpu", expert_device="cpu"), ValueError, "device is 'cpu'"),
     (dict(expert_device="cuda"), ValueError, "expert_device: expected 'cpu'"),
     (dict(expert_device="cpu", gpu_experts=[8]), ValueError, "expected expert ids in [0, 8), got 8"),
-    (dict(expert_device="cpu", gpu_experts=[1, 1]), ValueError, "distinct expert ids"),
+    (dict(expert_device="cpu", gpu_experts=[1, 1]), ValueError, "expert 1 is listed twice"),
     (dict(expert_device="cpu", gpu_experts=2), ValueError, "expected expert_counts"),
     (dict(expert_device="cpu", gpu_experts=2, expert_counts=[1] * 7), ValueError, "expected 8 non-negative ints"),
     (dict(expert_device="cpu", gpu_experts=9, expert_counts=[1] * 8), ValueError, "expected an int in [0, 8]"),
