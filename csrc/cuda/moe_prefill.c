@@ -18,6 +18,7 @@
  * Only passes whose experts are grouped on the host come here: they synchronise the stream
  * (to read the router's choices), which a graph capture forbids, so no measurement can run
  * inside one; decode passes group on the device and take no path (passes.c). */
+#include <string.h>
 #include <stdlib.h>
 
 #include "moe_prefill.h"
@@ -193,6 +194,18 @@ static q3_status hooks_of(q3_layer *l, q3_moe_hooks **hooks, q3_error *err) {
         return q3_fail(err, Q3_ERR_NOMEM, "cuda layer: out of host memory");
     *hooks = &l->gpu->moe_hooks;
     return Q3_OK;
+}
+
+static const char *const path_names[Q3_MOE_PATHS] = {"per_expert_wmma", "per_expert_cublas", "grouped_wmma",
+                                                     "grouped_cublas"};
+
+const char *q3_moe_path_name(int path) { return path >= 0 && path < Q3_MOE_PATHS ? path_names[path] : "measured"; }
+
+q3_status q3_moe_path_parse(const char *name, int *path, q3_error *err) {
+    for (*path = -1; *path < Q3_MOE_PATHS; ++*path)
+        if (!strcmp(name, q3_moe_path_name(*path))) return Q3_OK;
+    return q3_fail(err, Q3_ERR_VALUE, "path: expected 'measured', 'per_expert_wmma', 'per_expert_cublas', "
+                   "'grouped_wmma' or 'grouped_cublas', got '%s'", name);
 }
 
 q3_status q3_layer_cuda_moe_path(q3_layer *l, int path, int *now, q3_error *err) {

@@ -50,6 +50,10 @@ q3_status q3_cuda_set_schedule(int schedule, uint64_t seed, q3_error *err);
  * classes of rows [2^(c-1), 2^c) for class c (0: no rows). */
 enum { Q3_MOE_PER_EXPERT_WMMA, Q3_MOE_PER_EXPERT_CUBLAS, Q3_MOE_GROUPED_WMMA, Q3_MOE_GROUPED_CUBLAS, Q3_MOE_PATHS };
 #define Q3_MOE_SIZE_CLASSES 40
+/* a path's name ("per_expert_wmma", "per_expert_cublas", "grouped_wmma", "grouped_cublas"; -1:
+ * "measured"), and a path by that name (Q3_ERR_VALUE "path: expected ..." naming them all) */
+const char *q3_moe_path_name(int path);
+q3_status q3_moe_path_parse(const char *name, int *path, q3_error *err);
 
 /* The prefill MoE path of a CUDA layer: `path` one of Q3_MOE_* forces it, -1 makes it the
  * measured one again (the default: the fastest of the paths a pass can take, timed on the

@@ -37,8 +37,6 @@ int q3_parse_dtype(PyObject *obj, const char *arg, q3_dtype *out) {
     return 0;
 }
 
-const char *const q3_moe_path_names[Q3_MOE_PATHS] = {"per_expert_wmma", "per_expert_cublas", "grouped_wmma",
-                                                     "grouped_cublas"};
 
 int q3py_dtype(PyObject *obj, void *out) { return q3_parse_dtype(obj, "dtype", out) == 0; }
 

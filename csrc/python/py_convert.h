@@ -35,7 +35,5 @@ int q3py_seq(PyObject *obj, int batch, int allow_none, int *seq);
 /* experts= (a sequence of distinct expert ids in [0, E)) as a PyMem_Malloc'd [E] mask of the
  * ids held; -1 with an exception naming the entry */
 int q3py_held_experts(PyObject *obj, int E, uint8_t **held);
-/* the prefill MoE paths' names (Q3_MOE_* order), as cuda_moe_path takes them */
-extern const char *const q3_moe_path_names[Q3_MOE_PATHS];
 
 #endif

@@ -63,15 +63,6 @@ static PyObject *cuda_synchronize(PyObject *m, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static int moe_path_of(PyObject *name) {
-    for (int i = 0; i < Q3_MOE_PATHS; i++)
-        if (PyUnicode_CompareWithASCIIString(name, q3_moe_path_names[i]) == 0) return i;
-    if (PyUnicode_CompareWithASCIIString(name, "measured") == 0) return -1;
-    PyErr_Format(PyExc_ValueError, "path: expected 'measured', 'per_expert_wmma', 'per_expert_cublas', "
-                 "'grouped_wmma' or 'grouped_cublas', got %R", name);
-    return -2;
-}
-
 /* the engine layer of a Layer object; NULL with TypeError */
 static q3py_layer_object *layer_of(PyObject *m, PyObject *obj) {
     q3_module_state *st = PyModule_GetState(m);
@@ -94,16 +85,16 @@ static PyObject *cuda_moe_path(PyObject *m, PyObject *args) {
     if (!self) return NULL;
     if (name != Py_None && !PyUnicode_Check(name))
         return PyErr_Format(PyExc_TypeError, "path: expected a str or None, got %s", Py_TYPE(name)->tp_name);
-    const int path = name == Py_None ? -2 : moe_path_of(name);
-    if (name != Py_None && path == -2) return NULL;
-    if (!q3_cuda_loaded()) return not_loaded("cuda_moe_path");
+    const char *chosen = name == Py_None ? NULL : PyUnicode_AsUTF8(name);
     q3_error err;
-    int now = -1;
+    int path = -2, now = -1; /* -2: only read */
+    if (name != Py_None && (!chosen || q3py_status(q3_moe_path_parse(chosen, &path, &err), &err) < 0)) return NULL;
+    if (!q3_cuda_loaded()) return not_loaded("cuda_moe_path");
     lock_layer(self);
     const q3_status s = q3_layer_cuda_moe_path(self->layer, path, &now, &err);
     PyThread_release_lock(self->lock);
     if (s != Q3_OK) return q3_raise(NULL, &err);
-    return PyUnicode_FromString(now < 0 ? "measured" : q3_moe_path_names[now]);
+    return PyUnicode_FromString(q3_moe_path_name(now));
 }
 
 /* {path name: ms} or None -> the layer's measurements' times */
@@ -116,8 +107,8 @@ static PyObject *cuda_moe_inject_times(PyObject *m, PyObject *args) {
         return PyErr_Format(PyExc_TypeError, "times: expected a dict or None, got %s", Py_TYPE(times)->tp_name);
     float ms[Q3_MOE_PATHS];
     for (int i = 0; times != Py_None && i < Q3_MOE_PATHS; i++) {
-        PyObject *v = PyDict_GetItemString(times, q3_moe_path_names[i]);
-        if (!v) return PyErr_Format(PyExc_ValueError, "times: expected a time for '%s'", q3_moe_path_names[i]);
+        PyObject *v = PyDict_GetItemString(times, q3_moe_path_name(i));
+        if (!v) return PyErr_Format(PyExc_ValueError, "times: expected a time for '%s'", q3_moe_path_name(i));
         const double d = PyFloat_AsDouble(v);
         if (d == -1.0 && PyErr_Occurred()) return NULL;
         ms[i] = (float)d;
@@ -147,12 +138,12 @@ static PyObject *cuda_moe_choice(PyObject *m, PyObject *args) {
         for (int i = 0; times && i < Q3_MOE_PATHS; i++) {
             if (ms[i] < 0.0f) continue;
             PyObject *t = PyFloat_FromDouble(ms[i]);
-            if (!t || PyDict_SetItemString(times, q3_moe_path_names[i], t) < 0) Py_CLEAR(times);
+            if (!t || PyDict_SetItemString(times, q3_moe_path_name(i), t) < 0) Py_CLEAR(times);
             Py_XDECREF(t);
         }
         if (times) {
             key = Py_BuildValue("(LL)", c ? (long long)1 << (c - 1) : 0LL, ((long long)1 << c) - 1);
-            value = Py_BuildValue("(sO)", q3_moe_path_names[chosen - 1], times);
+            value = Py_BuildValue("(sO)", q3_moe_path_name(chosen - 1), times);
         }
         if (!key || !value || PyDict_SetItem(out, key, value) < 0) Py_CLEAR(out);
         Py_XDECREF(times);
