@@ -481,8 +481,8 @@ typedef struct {
 q3_status q3_cache_grow(q3_cache *c, int64_t capacity, void *stream, q3_cache_blocks *old, q3_error *err);
 void q3_cache_blocks_free(q3_cache_blocks *b);
 
-/* ---- the KV cache as a binding calls it (cache.c, cache_ops.c; issue 40: the glue only
- * converts, every check is here) ------------------------------------------------------------ */
+/* ---- the KV cache and the config as a binding calls them (cache.c, cache_ops.c, config.c,
+ * rope_table.c; issue 40: the glue only converts, every check is here) -------------------- */
 
 /* New caches of src's geometry, capacity and device (*out, the caller's to destroy; NULL on
  * failure), sequence i a copy of src's index[i]: only the tokens held are copied, lengths,
@@ -540,7 +540,33 @@ typedef struct {
 } q3_cache_call_args;
 q3_status q3_cache_call(q3_cache *c, q3_cache_call_args *a, q3_error *err);
 
-/* ---- end of the cache's binding block ---------------------------------------------------- */
+/* A config from a LayerConfig's fields as a binding reads them, before they are narrowed into
+ * q3_config: the counts wide (Q3_CF_* order; their names and limits by index), the rest as
+ * q3_config holds them. q3_config_make checks each count in [1, its limit] (the message naming
+ * "config.<name>"; rope_original_max_position_embeddings only where given, else 0: unset),
+ * narrows them and checks the rest as q3_config_check does. */
+enum {
+    Q3_CF_HIDDEN, Q3_CF_HEADS, Q3_CF_KV_HEADS, Q3_CF_HEAD_DIM, Q3_CF_EXPERTS, Q3_CF_TOP_K, Q3_CF_MOE_INTER,
+    Q3_CF_MAX_POSITIONS, Q3_CF_ROPE_ORIGINAL_MAX, Q3_CF_COUNT
+};
+const char *q3_config_count_name(int i); /* "hidden_size", ... */
+int64_t q3_config_count_max(int i);
+typedef struct {
+    int64_t counts[Q3_CF_COUNT];
+    int original_max_given;
+    int norm_topk;
+    double eps, rope_theta;
+    q3_rope_scaling rope; /* original_max: from counts */
+} q3_config_values;
+q3_status q3_config_make(const q3_config_values *v, q3_config *out, q3_error *err);
+/* the RoPE variants by transformers' rope_type ("default", "linear", "yarn"): a variant's name,
+ * a name's variant (Q3_ERR_VALUE naming what was given), the names as a list for a message
+ * ("'default', 'linear' or 'yarn'", in buf) */
+const char *q3_rope_type_name(q3_rope_type t);
+q3_status q3_rope_type_parse(const char *name, q3_rope_type *t, q3_error *err);
+const char *q3_rope_type_list(char *buf, size_t size);
+
+/* ---- end of the cache's and config's binding block ---------------------------------------- */
 
 /* base of sequence seq's [kv_heads, capacity, head_dim] block */
 void *q3_cache_seq_keys(const q3_cache *c, int seq);

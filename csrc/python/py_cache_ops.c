@@ -1,10 +1,11 @@
 /* KVCache operations for generation (the engine's cache_ops.c): reorder, select,
  * repeat_interleave, copy and copy_prefix, on host and CUDA caches (crop and grow: py_cache.c).
  * Each runs through q3py_cache_run: the cache busy while the engine copies without the GIL, so
- * that a layer call on another thread cannot append to it meanwhile. The copying ones take `stream=` (keyword only): on a CUDA cache the copies
- * are queued on that cudaStream_t (an int, as torch's `current_stream().cuda_stream`), after
- * the caller's layer calls on it; None or 0 (no stream named, or the legacy default one): the
- * device is synchronized before and after them, so they are ordered against every stream. */
+ * that a layer call on another thread cannot append to it meanwhile. The copying ones take
+ * `stream=` (keyword only): on a CUDA cache the copies are queued on that cudaStream_t (an int,
+ * as torch's `current_stream().cuda_stream`), after the caller's layer calls on it; None or 0
+ * (no stream named, or the legacy default one): the device is synchronized before and after
+ * them, so they are ordered against every stream. */
 #include "py_cache.h"
 
 /* index argument: a 1-D sequence of ints (list, tuple, range, a torch or numpy integer array),
@@ -75,7 +76,8 @@ static PyObject *by_index(q3py_cache_object *o, PyObject *args, PyObject *kw, co
         stream_of(o, stream_obj, &r) < 0 || !(index = parse_index(index_obj, &r.n)))
         return NULL;
     r.index = index;
-    if (q3py_cache_run(o, &r) == 0) result = op == Q3_CACHE_REORDER ? Py_NewRef(Py_None) : (PyObject *)q3py_cache_wrap(st, r.out);
+    if (q3py_cache_run(o, &r) == 0)
+        result = op == Q3_CACHE_REORDER ? Py_NewRef(Py_None) : (PyObject *)q3py_cache_wrap(st, r.out);
     PyMem_Free(index);
     return result;
 }
