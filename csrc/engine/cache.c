@@ -79,31 +79,36 @@ void q3_cache_destroy(q3_cache *c) {
     free(c);
 }
 
-static q3_status check_seq(const q3_cache *c, int seq, q3_error *err) {
+/* a sequence index as a caller gave it (any int64): in [0, batch) */
+q3_status q3_cache_check_seq(const q3_cache *c, const char *arg, int64_t seq, q3_error *err) {
     if (seq < 0 || seq >= c->batch)
-        return q3_fail(err, Q3_ERR_INDEX, "seq: expected 0 <= seq < %d (the cache's batch), got %d",
-                       c->batch, seq);
+        return q3_fail(err, Q3_ERR_INDEX, "%s: expected 0 <= %s < %d (the cache's batch), got %lld", arg, arg,
+                       c->batch, (long long)seq);
     return Q3_OK;
 }
 
-q3_status q3_cache_reset(q3_cache *c, int seq, q3_error *err) {
-    if (seq < 0) {
+static q3_status check_seq(const q3_cache *c, int64_t seq, q3_error *err) {
+    return q3_cache_check_seq(c, "seq", seq, err);
+}
+
+q3_status q3_cache_reset(q3_cache *c, const int64_t *seq, q3_error *err) {
+    if (!seq) {
         memset(c->lengths, 0, (size_t)c->batch * sizeof *c->lengths);
         memset(c->padding, 0, (size_t)c->batch * sizeof *c->padding);
         memset(c->first_pos, 0, (size_t)c->batch * sizeof *c->first_pos);
         return Q3_OK;
     }
-    q3_status s = check_seq(c, seq, err);
-    if (s == Q3_OK) c->lengths[seq] = c->padding[seq] = c->first_pos[seq] = 0;
+    q3_status s = check_seq(c, *seq, err);
+    if (s == Q3_OK) c->lengths[*seq] = c->padding[*seq] = c->first_pos[*seq] = 0;
     return s;
 }
 
-q3_status q3_cache_set_padding(q3_cache *c, int seq, int64_t n, q3_error *err) {
+q3_status q3_cache_set_padding(q3_cache *c, int64_t seq, int64_t n, q3_error *err) {
     q3_status s = check_seq(c, seq, err);
     if (s != Q3_OK) return s;
     if (c->lengths[seq] != 0)
-        return q3_fail(err, Q3_ERR_STATE, "padding: sequence %d already holds %lld tokens (set it while empty)",
-                       seq, (long long)c->lengths[seq]);
+        return q3_fail(err, Q3_ERR_STATE, "padding: sequence %lld already holds %lld tokens (set it while empty)",
+                       (long long)seq, (long long)c->lengths[seq]);
     if (n < 0 || n >= c->capacity)
         return q3_fail(err, Q3_ERR_VALUE, "n: expected 0 <= n < %lld (the capacity), got %lld",
                        (long long)c->capacity, (long long)n);
@@ -111,12 +116,12 @@ q3_status q3_cache_set_padding(q3_cache *c, int seq, int64_t n, q3_error *err) {
     return Q3_OK;
 }
 
-q3_status q3_cache_set_first_position(q3_cache *c, int seq, int64_t p, q3_error *err) {
+q3_status q3_cache_set_first_position(q3_cache *c, int64_t seq, int64_t p, q3_error *err) {
     q3_status s = check_seq(c, seq, err);
     if (s != Q3_OK) return s;
     if (c->lengths[seq] != 0)
-        return q3_fail(err, Q3_ERR_STATE, "first_position: sequence %d already holds %lld tokens (set it while empty)",
-                       seq, (long long)c->lengths[seq]);
+        return q3_fail(err, Q3_ERR_STATE, "first_position: sequence %lld already holds %lld tokens (set it while empty)",
+                       (long long)seq, (long long)c->lengths[seq]);
     if (p < 0 || p > Q3_MAX_POSITIONS - c->capacity)
         return q3_fail(err, Q3_ERR_VALUE, "position: expected 0 <= position <= %lld (2^40 less the capacity), got %lld",
                        (long long)(Q3_MAX_POSITIONS - c->capacity), (long long)p);
@@ -124,13 +129,13 @@ q3_status q3_cache_set_first_position(q3_cache *c, int seq, int64_t p, q3_error 
     return Q3_OK;
 }
 
-q3_status q3_cache_truncate(q3_cache *c, int seq, int64_t n, q3_error *err) {
+q3_status q3_cache_truncate(q3_cache *c, int64_t seq, int64_t n, q3_error *err) {
     q3_status s = check_seq(c, seq, err);
     if (s != Q3_OK) return s;
     if (n < 0 || n > c->lengths[seq])
         return q3_fail(err, Q3_ERR_VALUE,
-                       "n: expected 0 <= n <= %lld (the length of sequence %d), got %lld",
-                       (long long)c->lengths[seq], seq, (long long)n);
+                       "n: expected 0 <= n <= %lld (the length of sequence %lld), got %lld",
+                       (long long)c->lengths[seq], (long long)seq, (long long)n);
     c->lengths[seq] = n;
     if (c->padding[seq] > n) c->padding[seq] = n;
     return Q3_OK;
@@ -155,6 +160,40 @@ int q3_cache_device(const q3_cache *c) { return c->device; }
 int64_t q3_cache_length(const q3_cache *c, int seq) { return c->lengths[seq]; }
 int64_t q3_cache_padding(const q3_cache *c, int seq) { return c->padding[seq]; }
 int64_t q3_cache_first_position(const q3_cache *c, int seq) { return c->first_pos[seq]; }
+
+int64_t q3_cache_held(const q3_cache *c) {
+    int64_t n = 0; /* at most batch x capacity, which fits (the blocks' size was checked) */
+    for (int i = 0; i < c->batch; i++) n += c->lengths[i];
+    return n;
+}
+
+/* Strides in elements of the layout above: a head's block is capacity x head_dim, a sequence's
+ * kv_heads of those; both products fit, as the blocks' byte size was checked at creation. */
+q3_status q3_cache_view_of(const q3_cache *c, int values, const int64_t *seq, const int64_t *tokens,
+                           q3_cache_view *v, q3_error *err) {
+    const int64_t head = c->capacity * c->head_dim;
+    if (seq) { /* [kv_heads, length, head_dim] of the one sequence */
+        q3_status s = check_seq(c, *seq, err);
+        if (s != Q3_OK) return s;
+        *v = (q3_cache_view){values ? q3_cache_seq_values(c, (int)*seq) : q3_cache_seq_keys(c, (int)*seq), 3,
+                             {c->kv_heads, c->lengths[*seq], c->head_dim}, {head, c->head_dim, 1}};
+        return Q3_OK;
+    }
+    int64_t n = c->lengths[0]; /* [batch, kv_heads, n, head_dim] of every sequence */
+    if (tokens && (*tokens < 0 || *tokens > c->capacity))
+        return q3_fail(err, Q3_ERR_VALUE, "tokens: expected 0 <= tokens <= %lld (the cache's capacity), got %lld",
+                       (long long)c->capacity, (long long)*tokens);
+    if (tokens) n = *tokens;
+    else
+        for (int b = 1; b < c->batch; b++)
+            if (c->lengths[b] != n)
+                return q3_fail(err, Q3_ERR_VALUE, "tokens: the sequences hold different lengths (sequence 0: %lld, "
+                               "sequence %d: %lld): pass tokens= to view that many of each", (long long)n, b,
+                               (long long)c->lengths[b]);
+    *v = (q3_cache_view){values ? c->v : c->k, 4, {c->batch, c->kv_heads, n, c->head_dim},
+                         {c->kv_heads * head, head, c->head_dim, 1}};
+    return Q3_OK;
+}
 
 q3_attn_seq q3_cache_attn_seq(const q3_cache *c, int seq) {
     return (q3_attn_seq){q3_cache_seq_keys(c, seq), q3_cache_seq_values(c, seq), c->lengths[seq], c->padding[seq],

@@ -38,6 +38,9 @@ int q3_cache_block_bytes(int batch, int64_t capacity, int kv_heads, int head_dim
 void *q3_cache_block_alloc(size_t n, int device);
 void q3_cache_block_free(void *p, int device);
 
+/* Q3_ERR_INDEX unless 0 <= seq < batch, the message naming the argument `arg` */
+q3_status q3_cache_check_seq(const q3_cache *c, const char *arg, int64_t seq, q3_error *err);
+
 /* what attention reads of sequence seq: its K and V blocks, length and padding */
 q3_attn_seq q3_cache_attn_seq(const q3_cache *c, int seq);
 

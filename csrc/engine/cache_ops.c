@@ -12,6 +12,7 @@
  * per sequence, K or V: rows = kv_heads, width = the tokens held, pitch = a head's capacity),
  * queued on the caller's stream (see `copier`); a CUDA error there leaves lengths and padding
  * as they were and is reported with its text. Cropping touches only the host-side lengths. */
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -97,51 +98,71 @@ static void copy_seq(copier *cp, q3_cache *dst, int to, const q3_cache *src, int
                    (size_t)src->capacity * rb, src->kv_heads, head_bytes);
 }
 
-static q3_status check_index(const q3_cache *c, const int *index, int n, q3_error *err) {
-    for (int i = 0; i < n; i++)
+/* index [n] as a caller gave it: each entry a sequence of c */
+static q3_status check_index(const q3_cache *c, const int64_t *index, int64_t n, q3_error *err) {
+    for (int64_t i = 0; i < n; i++)
         if (index[i] < 0 || index[i] >= c->batch)
-            return q3_fail(err, Q3_ERR_INDEX, "index[%d]: expected 0 <= index < %d (the cache's batch), got %d",
-                           i, c->batch, index[i]);
+            return q3_fail(err, Q3_ERR_INDEX, "index[%lld]: expected 0 <= index < %d (the cache's batch), got %lld",
+                           (long long)i, c->batch, (long long)index[i]);
     return Q3_OK;
 }
 
-q3_status q3_cache_gather(q3_cache *dst, const q3_cache *src, const int *index, int n, void *stream,
-                          q3_error *err) {
-    q3_status s;
-    if (dst == src)
-        return q3_fail(err, Q3_ERR_VALUE, "gather: expected two different caches, got the same (use reorder)");
-    if (dst->device != src->device)
-        return q3_fail(err, Q3_ERR_VALUE, "gather: expected caches on one device, got device %d and %d (-1: the host)",
-                       src->device, dst->device);
-    if (n != dst->batch)
-        return q3_fail(err, Q3_ERR_VALUE, "index: expected %d entries (the destination's batch), got %d",
-                       dst->batch, n);
-    if (dst->kv_heads != src->kv_heads || dst->head_dim != src->head_dim || dst->dtype != src->dtype)
-        return q3_fail(err, Q3_ERR_VALUE,
-                       "gather: expected caches of one geometry, got kv_heads %d and %d, head_dim %d and %d, "
-                       "%d-byte and %d-byte elements", src->kv_heads, dst->kv_heads, src->head_dim, dst->head_dim,
-                       (int)q3_dtype_size(src->dtype), (int)q3_dtype_size(dst->dtype));
-    if ((s = check_index(src, index, n, err)) != Q3_OK) return s;
-    for (int i = 0; i < n; i++)
-        if (src->lengths[index[i]] > dst->capacity)
-            return q3_fail(err, Q3_ERR_CACHE_FULL,
-                           "gather: sequence %d holds %lld tokens, more than the destination's capacity %lld",
-                           index[i], (long long)src->lengths[index[i]], (long long)dst->capacity);
-    for (int i = 0; i < n; i++) /* q3_cache_set_first_position's bound, for the destination's capacity */
-        if (src->first_pos[index[i]] > Q3_MAX_POSITIONS - dst->capacity)
-            return q3_fail(err, Q3_ERR_VALUE,
-                           "gather: sequence %d's first position %lld and the destination's capacity %lld reach past "
-                           "2^40 positions", index[i], (long long)src->first_pos[index[i]], (long long)dst->capacity);
+/* dst sequence i <- src sequence index[i], for i < dst->batch: dst a new cache of src's geometry,
+ * capacity and device, index checked. Only the tokens held are copied. */
+static q3_status gather(q3_cache *dst, const q3_cache *src, const int64_t *index, void *stream, q3_error *err) {
     copier cp;
-    if ((s = copier_begin(&cp, "gather", src->device, stream, err)) != Q3_OK) return s;
-    for (int i = 0; i < n; i++) copy_seq(&cp, dst, i, src, index[i], src->lengths[index[i]]);
+    q3_status s = copier_begin(&cp, "gather", src->device, stream, err);
+    if (s != Q3_OK) return s;
+    for (int i = 0; i < dst->batch; i++) copy_seq(&cp, dst, i, src, (int)index[i], src->lengths[index[i]]);
     if ((s = copier_end(&cp)) != Q3_OK) return s;
-    for (int i = 0; i < n; i++) {
+    for (int i = 0; i < dst->batch; i++) {
         dst->lengths[i] = src->lengths[index[i]];
         dst->padding[i] = src->padding[index[i]];
         dst->first_pos[i] = src->first_pos[index[i]];
     }
     return Q3_OK;
+}
+
+/* *out <- a new cache of `batch` sequences like src (geometry, capacity, device) gathered from
+ * src's index[batch] (checked); NULL on failure */
+static q3_status gather_new(q3_cache **out, const q3_cache *src, const int64_t *index, int batch, void *stream,
+                            q3_error *err) {
+    q3_status s = q3_cache_create_on(out, batch, src->capacity, src->kv_heads, src->head_dim, src->dtype,
+                                     src->device, err);
+    if (s == Q3_OK && (s = gather(*out, src, index, stream, err)) != Q3_OK) {
+        q3_cache_destroy(*out);
+        *out = NULL;
+    }
+    return s;
+}
+
+q3_status q3_cache_select(q3_cache **out, const q3_cache *src, const int64_t *index, int64_t n, void *stream,
+                          q3_error *err) {
+    *out = NULL;
+    q3_status s = check_index(src, index, n, err);
+    if (s != Q3_OK) return s;
+    if (n < 1 || n > INT_MAX)
+        return q3_fail(err, Q3_ERR_VALUE, "index: expected 1 to %d entries, got %lld", INT_MAX, (long long)n);
+    return gather_new(out, src, index, (int)n, stream, err);
+}
+
+/* the index of sequence i * n + j is i: int64 [batch * n], at most INT_MAX entries */
+q3_status q3_cache_repeat_interleave(q3_cache **out, const q3_cache *src, int64_t n, void *stream, q3_error *err) {
+    *out = NULL;
+    if (n < 1 || n > INT_MAX / src->batch)
+        return q3_fail(err, Q3_ERR_VALUE, "n: expected 1 <= n <= %d (a batch of at most %d from %d sequences), "
+                       "got %lld", INT_MAX / src->batch, INT_MAX, src->batch, (long long)n);
+    const int batch = src->batch * (int)n;
+    int64_t *index = malloc((size_t)batch * sizeof *index);
+    if (!index) return q3_fail(err, Q3_ERR_NOMEM, "repeat_interleave: out of memory for %d indices", batch);
+    for (int i = 0; i < batch; i++) index[i] = i / (int)n;
+    q3_status s = gather_new(out, src, index, batch, stream, err);
+    free(index);
+    return s;
+}
+
+q3_status q3_cache_copy(q3_cache **out, const q3_cache *src, void *stream, q3_error *err) {
+    return q3_cache_repeat_interleave(out, src, 1, stream, err); /* index i -> i */
 }
 
 /* ---- reorder in place ------------------------------------------------------------ */
@@ -160,7 +181,7 @@ typedef struct {
  * through the spare block, starting at its shortest sequence so the spare is smallest.
  * Writes the moves (at most 2 * batch) and returns their count; *spare_tokens gets the
  * tokens the spare block must hold. need [batch] and pending [batch] are scratch. */
-static int plan_reorder(const q3_cache *c, const int *index, int *need, char *pending, move *moves,
+static int plan_reorder(const q3_cache *c, const int64_t *index, int *need, char *pending, move *moves,
                         int64_t *spare_tokens) {
     const int B = c->batch;
     int n = 0, top = 0;
@@ -173,7 +194,7 @@ static int plan_reorder(const q3_cache *c, const int *index, int *need, char *pe
     for (int i = 0; i < B; i++)
         if (pending[i] && need[i] == 0) stack[top++] = i;
     while (top > 0) {
-        const int i = stack[--top], from = index[i];
+        const int i = stack[--top], from = (int)index[i];
         moves[n++] = (move){i, from};
         pending[i] = 0;
         if (--need[from] == 0 && pending[from]) stack[top++] = from;
@@ -182,13 +203,13 @@ static int plan_reorder(const q3_cache *c, const int *index, int *need, char *pe
     for (int i = 0; i < B; i++) {
         if (!pending[i]) continue;
         int start = i; /* the cycle's shortest sequence */
-        for (int j = index[i]; j != i; j = index[j])
+        for (int j = (int)index[i]; j != i; j = (int)index[j])
             if (c->lengths[j] < c->lengths[start]) start = j;
         if (c->lengths[start] > *spare_tokens) *spare_tokens = c->lengths[start];
         moves[n++] = (move){SPARE, start};
         int j = start;
-        for (; index[j] != start; j = index[j]) {
-            moves[n++] = (move){j, index[j]};
+        for (; index[j] != start; j = (int)index[j]) {
+            moves[n++] = (move){j, (int)index[j]};
             pending[j] = 0;
         }
         moves[n++] = (move){j, SPARE};
@@ -216,11 +237,12 @@ static void spare_free(const q3_cache *c, void *spare, copier *cp) {
     q3_device()->free(spare);
 }
 
-q3_status q3_cache_reorder(q3_cache *c, const int *index, int n, void *stream, q3_error *err) {
+q3_status q3_cache_reorder(q3_cache *c, const int64_t *index, int64_t n, void *stream, q3_error *err) {
     q3_status s;
-    if (n != c->batch)
-        return q3_fail(err, Q3_ERR_VALUE, "index: expected %d entries (the cache's batch), got %d", c->batch, n);
     if ((s = check_index(c, index, n, err)) != Q3_OK) return s;
+    if (n != c->batch)
+        return q3_fail(err, Q3_ERR_VALUE, "index: expected %d entries (the cache's batch), got %lld", c->batch,
+                       (long long)n);
     const int B = c->batch;
     int *need = malloc((size_t)B * 2 * sizeof *need);
     char *pending = malloc((size_t)B);
@@ -296,10 +318,10 @@ static q3_status crop_length(const q3_cache *c, int seq, int64_t length, int64_t
     return Q3_OK;
 }
 
-q3_status q3_cache_crop(q3_cache *c, int seq, int64_t length, q3_error *err) {
-    if (seq >= c->batch)
-        return q3_fail(err, Q3_ERR_INDEX, "seq: expected 0 <= seq < %d (the cache's batch), got %d", c->batch, seq);
-    const int first = seq < 0 ? 0 : seq, last = seq < 0 ? c->batch : seq + 1;
+q3_status q3_cache_crop(q3_cache *c, const int64_t *seq, int64_t length, q3_error *err) {
+    q3_status s = seq ? q3_cache_check_seq(c, "seq", *seq, err) : Q3_OK;
+    if (s != Q3_OK) return s;
+    const int first = seq ? (int)*seq : 0, last = seq ? (int)*seq + 1 : c->batch;
     int64_t keep = 0;
     for (int i = first; i < last; i++) {
         q3_status s = crop_length(c, i, length, &keep, err);
@@ -312,20 +334,17 @@ q3_status q3_cache_crop(q3_cache *c, int seq, int64_t length, q3_error *err) {
     return Q3_OK;
 }
 
-q3_status q3_cache_copy_prefix(q3_cache *c, int src_seq, int dst_seq, int64_t length, void *stream, q3_error *err) {
-    if (src_seq < 0 || src_seq >= c->batch)
-        return q3_fail(err, Q3_ERR_INDEX, "src_seq: expected 0 <= src_seq < %d (the cache's batch), got %d",
-                       c->batch, src_seq);
-    if (dst_seq < 0 || dst_seq >= c->batch)
-        return q3_fail(err, Q3_ERR_INDEX, "dst_seq: expected 0 <= dst_seq < %d (the cache's batch), got %d",
-                       c->batch, dst_seq);
-    if (length < 0 || length > c->lengths[src_seq])
-        return q3_fail(err, Q3_ERR_VALUE, "length: expected 0 <= length <= %lld (the length of sequence %d), got %lld",
-                       (long long)c->lengths[src_seq], src_seq, (long long)length);
-    copier cp;
-    q3_status s = copier_begin(&cp, "copy_prefix", c->device, stream, err);
+q3_status q3_cache_copy_prefix(q3_cache *c, int64_t src_seq, int64_t dst_seq, int64_t length, void *stream,
+                               q3_error *err) {
+    q3_status s = q3_cache_check_seq(c, "src_seq", src_seq, err);
+    if (s == Q3_OK) s = q3_cache_check_seq(c, "dst_seq", dst_seq, err);
     if (s != Q3_OK) return s;
-    copy_seq(&cp, c, dst_seq, c, src_seq, length); /* nothing when src_seq == dst_seq */
+    if (length < 0 || length > c->lengths[src_seq])
+        return q3_fail(err, Q3_ERR_VALUE, "length: expected 0 <= length <= %lld (the length of sequence %lld), got "
+                       "%lld", (long long)c->lengths[src_seq], (long long)src_seq, (long long)length);
+    copier cp;
+    if ((s = copier_begin(&cp, "copy_prefix", c->device, stream, err)) != Q3_OK) return s;
+    copy_seq(&cp, c, (int)dst_seq, c, (int)src_seq, length); /* nothing when src_seq == dst_seq */
     if ((s = copier_end(&cp)) != Q3_OK) return s;
     c->lengths[dst_seq] = length;
     c->padding[dst_seq] = c->padding[src_seq] < length ? c->padding[src_seq] : length;
@@ -392,4 +411,24 @@ q3_status q3_cache_grow(q3_cache *c, int64_t capacity, void *stream, q3_cache_bl
     if (old) *old = was;
     else q3_cache_blocks_free(&was);
     return Q3_OK;
+}
+
+/* ---- one call, as a binding makes it ----------------------------------------------- */
+
+q3_status q3_cache_call(q3_cache *c, q3_cache_call_args *a, q3_error *err) {
+    const int64_t *seq = a->every_seq ? NULL : &a->seq;
+    switch (a->op) {
+    case Q3_CACHE_RESET: return q3_cache_reset(c, seq, err);
+    case Q3_CACHE_TRUNCATE: return q3_cache_truncate(c, a->seq, a->n, err);
+    case Q3_CACHE_SET_PADDING: return q3_cache_set_padding(c, a->seq, a->n, err);
+    case Q3_CACHE_SET_FIRST_POSITION: return q3_cache_set_first_position(c, a->seq, a->n, err);
+    case Q3_CACHE_CROP: return q3_cache_crop(c, seq, a->n, err);
+    case Q3_CACHE_COPY_PREFIX: return q3_cache_copy_prefix(c, a->src_seq, a->seq, a->n, a->stream, err);
+    case Q3_CACHE_REORDER: return q3_cache_reorder(c, a->index, a->n, a->stream, err);
+    case Q3_CACHE_SELECT: return q3_cache_select(&a->out, c, a->index, a->n, a->stream, err);
+    case Q3_CACHE_REPEAT_INTERLEAVE: return q3_cache_repeat_interleave(&a->out, c, a->n, a->stream, err);
+    case Q3_CACHE_COPY: return q3_cache_copy(&a->out, c, a->stream, err);
+    case Q3_CACHE_GROW: return q3_cache_grow(c, a->n, a->stream, &a->old, err);
+    }
+    return q3_fail(err, Q3_ERR_VALUE, "q3_cache_call: expected an operation, got %d", (int)a->op);
 }

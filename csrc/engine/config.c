@@ -10,23 +10,58 @@ static int64_t q3_config_weight_elems(const q3_config *c) {
     return attention + 2 * H + (int64_t)c->experts * H + (int64_t)c->experts * 3 * I * H;
 }
 
+/* the counts by their LayerConfig names, each in [1, its limit] (Q3_CF_* order) */
+static const struct { const char *name; int64_t max; } counts[Q3_CF_COUNT] = {
+    {"hidden_size", Q3_MAX_HIDDEN},          {"num_attention_heads", Q3_MAX_HEADS},
+    {"num_key_value_heads", Q3_MAX_HEADS},   {"head_dim", Q3_MAX_HEADS},
+    {"num_experts", Q3_MAX_EXPERTS},         {"num_experts_per_tok", Q3_MAX_EXPERTS},
+    {"moe_intermediate_size", Q3_MAX_HIDDEN}, {"max_position_embeddings", Q3_MAX_POSITIONS},
+    {"rope_original_max_position_embeddings", Q3_MAX_POSITIONS},
+};
+
+const char *q3_config_count_name(int i) { return (unsigned)i < Q3_CF_COUNT ? counts[i].name : "?"; }
+int64_t q3_config_count_max(int i) { return (unsigned)i < Q3_CF_COUNT ? counts[i].max : 0; }
+
+/* count i of value v, named with prefix ("config." for a LayerConfig's field) */
+static q3_status check_count(const char *prefix, int i, int64_t v, q3_error *err) {
+    if (v <= 0) return q3_fail(err, Q3_ERR_VALUE, "%s%s: expected a positive integer, got %lld", prefix, counts[i].name,
+                               (long long)v);
+    if (v > counts[i].max)
+        return q3_fail(err, Q3_ERR_VALUE, "%s%s: expected at most %lld, got %lld", prefix, counts[i].name,
+                       (long long)counts[i].max, (long long)v);
+    return Q3_OK;
+}
+
+/* what q3_config_check checks past the counts (each in its range: the products below fit) */
+static q3_status check_geometry(const q3_config *c, q3_error *err);
+
 q3_status q3_config_check(const q3_config *c, q3_error *err) {
-    const struct { const char *name; int64_t value; } positive[] = {
-        {"hidden_size", c->hidden},          {"num_attention_heads", c->heads},
-        {"num_key_value_heads", c->kv_heads}, {"head_dim", c->head_dim},
-        {"num_experts", c->experts},         {"num_experts_per_tok", c->top_k},
-        {"moe_intermediate_size", c->moe_inter}, {"max_position_embeddings", c->max_positions},
-    };
-    const int64_t limit[] = {Q3_MAX_HIDDEN, Q3_MAX_HEADS, Q3_MAX_HEADS, Q3_MAX_HEADS,
-                             Q3_MAX_EXPERTS, Q3_MAX_EXPERTS, Q3_MAX_HIDDEN, Q3_MAX_POSITIONS};
-    for (size_t i = 0; i < sizeof positive / sizeof positive[0]; i++) {
-        if (positive[i].value <= 0)
-            return q3_fail(err, Q3_ERR_VALUE, "%s: expected a positive integer, got %lld",
-                           positive[i].name, (long long)positive[i].value);
-        if (positive[i].value > limit[i])
-            return q3_fail(err, Q3_ERR_VALUE, "%s: expected at most %lld, got %lld", positive[i].name,
-                           (long long)limit[i], (long long)positive[i].value);
+    const int64_t v[Q3_CF_ROPE_ORIGINAL_MAX] = {c->hidden, c->heads, c->kv_heads, c->head_dim, c->experts, c->top_k,
+                                                c->moe_inter, c->max_positions};
+    for (int i = 0; i < Q3_CF_ROPE_ORIGINAL_MAX; i++) { /* original_max: q3_rope_check's, 0 meaning unset */
+        q3_status s = check_count("", i, v[i], err);
+        if (s != Q3_OK) return s;
     }
+    return check_geometry(c, err);
+}
+
+q3_status q3_config_make(const q3_config_values *v, q3_config *out, q3_error *err) {
+    for (int i = 0; i < Q3_CF_COUNT; i++) {
+        const int unset = i == Q3_CF_ROPE_ORIGINAL_MAX && !v->original_max_given;
+        q3_status s = unset ? Q3_OK : check_count("config.", i, v->counts[i], err);
+        if (s != Q3_OK) return s;
+    }
+    const int64_t *n = v->counts; /* each now in [1, its limit]: the ints hold them */
+    *out = (q3_config){.hidden = n[Q3_CF_HIDDEN], .heads = (int)n[Q3_CF_HEADS], .kv_heads = (int)n[Q3_CF_KV_HEADS],
+                       .head_dim = (int)n[Q3_CF_HEAD_DIM], .experts = (int)n[Q3_CF_EXPERTS],
+                       .top_k = (int)n[Q3_CF_TOP_K], .moe_inter = n[Q3_CF_MOE_INTER], .norm_topk = v->norm_topk,
+                       .eps = (float)v->eps, .rope_theta = v->rope_theta, .max_positions = n[Q3_CF_MAX_POSITIONS],
+                       .rope = v->rope};
+    out->rope.original_max = v->original_max_given ? n[Q3_CF_ROPE_ORIGINAL_MAX] : 0;
+    return check_geometry(out, err);
+}
+
+static q3_status check_geometry(const q3_config *c, q3_error *err) {
     if (c->head_dim % 2)
         return q3_fail(err, Q3_ERR_VALUE,
                        "head_dim: expected an even number (RoPE rotates pairs of dims), got %d",

@@ -430,16 +430,18 @@ q3_status q3_cache_create(q3_cache **out, int batch, int64_t capacity, int kv_he
 q3_status q3_cache_create_on(q3_cache **out, int batch, int64_t capacity, int kv_heads, int head_dim,
                              q3_dtype dtype, int device, q3_error *err);
 void q3_cache_destroy(q3_cache *c);
-/* seq < 0: every sequence */
-q3_status q3_cache_reset(q3_cache *c, int seq, q3_error *err);
+/* Sequence arguments (seq, src_seq, dst_seq) are int64 as a caller gave them: one outside
+ * [0, batch) is Q3_ERR_INDEX naming the argument. */
+/* seq NULL: every sequence */
+q3_status q3_cache_reset(q3_cache *c, const int64_t *seq, q3_error *err);
 /* the first n tokens sequence seq will receive are padding; only while it is empty */
-q3_status q3_cache_set_padding(q3_cache *c, int seq, int64_t n, q3_error *err);
+q3_status q3_cache_set_padding(q3_cache *c, int64_t seq, int64_t n, q3_error *err);
 /* the first real token of sequence seq sits at position p (RoPE's, 0 by default: a caller
  * whose positions count its left padding, or run on from elsewhere); only while it is empty;
  * 0 <= p, p + capacity <= Q3_MAX_POSITIONS */
-q3_status q3_cache_set_first_position(q3_cache *c, int seq, int64_t p, q3_error *err);
+q3_status q3_cache_set_first_position(q3_cache *c, int64_t seq, int64_t p, q3_error *err);
 /* keep the first n tokens of sequence seq (n <= its length) */
-q3_status q3_cache_truncate(q3_cache *c, int seq, int64_t n, q3_error *err);
+q3_status q3_cache_truncate(q3_cache *c, int64_t seq, int64_t n, q3_error *err);
 
 /* Operations for generation (cache_ops.c). Each checks every argument before it writes and
  * leaves the cache as it was on failure. Lengths, padding and first positions travel with the tokens. On a
@@ -448,22 +450,20 @@ q3_status q3_cache_truncate(q3_cache *c, int seq, int64_t n, q3_error *err);
  * two synchronizations of the device (ordered against every stream). A CUDA error leaves
  * lengths and padding unchanged (Q3_ERR_STATE, its text in the message). `stream` is ignored
  * for host caches. */
-/* dst sequence i <- src sequence index[i], for i < n = dst->batch (indices may repeat): a
- * prompt expanded to beams, a subset kept, a whole cache copied. dst and src are distinct
- * caches on one device of the same kv_heads, head_dim and dtype; dst's capacity may differ
- * but must hold each copied sequence. Only the tokens held are copied. */
-q3_status q3_cache_gather(q3_cache *dst, const q3_cache *src, const int *index, int n, void *stream, q3_error *err);
+/* An index [n] is int64 as a caller gave it, each entry checked in [0, batch) (Q3_ERR_INDEX
+ * naming the first outside, "index[i]") before the count. */
 /* in place: sequence i <- old sequence index[i], n = c->batch (indices may repeat: beam
  * search). Takes a spare block of at most one sequence's tokens while it runs (on the
  * cache's device: allocating and freeing it waits for the device). */
-q3_status q3_cache_reorder(q3_cache *c, const int *index, int n, void *stream, q3_error *err);
-/* keep the first `length` tokens of sequence seq (seq < 0: of every sequence); a sequence
+q3_status q3_cache_reorder(q3_cache *c, const int64_t *index, int64_t n, void *stream, q3_error *err);
+/* keep the first `length` tokens of sequence *seq (seq NULL: of every sequence); a sequence
  * holding fewer keeps what it holds. length < 0 drops -length tokens from the end of each
  * (an error if one holds fewer). The same as transformers' Cache.crop on a batch. */
-q3_status q3_cache_crop(q3_cache *c, int seq, int64_t length, q3_error *err);
+q3_status q3_cache_crop(q3_cache *c, const int64_t *seq, int64_t length, q3_error *err);
 /* the first `length` tokens of src_seq (length <= its length) become sequence dst_seq's
  * whole content (prefix reuse); padding min(src's, length). src_seq == dst_seq truncates. */
-q3_status q3_cache_copy_prefix(q3_cache *c, int src_seq, int dst_seq, int64_t length, void *stream, q3_error *err);
+q3_status q3_cache_copy_prefix(q3_cache *c, int64_t src_seq, int64_t dst_seq, int64_t length, void *stream,
+                               q3_error *err);
 
 /* The K and V blocks a cache held before q3_cache_grow replaced them (device -1: host). */
 typedef struct {
@@ -481,6 +481,93 @@ typedef struct {
  * together at the peak) and the tokens held copied once. A failure leaves the cache as it was. */
 q3_status q3_cache_grow(q3_cache *c, int64_t capacity, void *stream, q3_cache_blocks *old, q3_error *err);
 void q3_cache_blocks_free(q3_cache_blocks *b);
+
+/* ---- the KV cache and the config as a binding calls them (cache.c, cache_ops.c, config.c,
+ * rope_table.c; issue 40: the glue only converts, every check is here) -------------------- */
+
+/* New caches of src's geometry, capacity and device (*out, the caller's to destroy; NULL on
+ * failure), sequence i a copy of src's index[i]: only the tokens held are copied, lengths,
+ * padding and first positions with them (stream as above; a CUDA error's message begins
+ * "gather: "). select: index [n], 1 <= n <= INT_MAX (indices may repeat); repeat_interleave:
+ * batch x n sequences, i x n + j a copy of i (a prompt expanded to n beams), the batch at most
+ * INT_MAX; copy: the same sequences. */
+q3_status q3_cache_select(q3_cache **out, const q3_cache *src, const int64_t *index, int64_t n, void *stream,
+                          q3_error *err);
+q3_status q3_cache_repeat_interleave(q3_cache **out, const q3_cache *src, int64_t n, void *stream, q3_error *err);
+q3_status q3_cache_copy(q3_cache **out, const q3_cache *src, void *stream, q3_error *err);
+
+/* A zero-copy view of K (values 0) or V: base and shape, strides in elements. seq given:
+ * sequence *seq's [kv_heads, length, head_dim]; seq NULL: every sequence's [batch, kv_heads,
+ * tokens, head_dim], tokens *tokens (0 <= tokens <= capacity) or, tokens NULL, the length all
+ * sequences hold (Q3_ERR_VALUE when they differ). Positions past a sequence's length read what
+ * the cache holds there (zeros until written). Valid until the cache grows or is destroyed. */
+typedef struct {
+    void *base;
+    int ndim;
+    int64_t shape[4];
+    int64_t strides[4];
+} q3_cache_view;
+q3_status q3_cache_view_of(const q3_cache *c, int values, const int64_t *seq, const int64_t *tokens,
+                           q3_cache_view *v, q3_error *err);
+/* the tokens every sequence holds together */
+int64_t q3_cache_held(const q3_cache *c);
+
+/* Every call that changes a cache or makes one from it, as one request: the calls above with
+ * the request's fields as their arguments (a binding fills it and makes one call, the cache
+ * kept from other threads meanwhile). */
+typedef enum {
+    Q3_CACHE_RESET,              /* seq, or every_seq */
+    Q3_CACHE_TRUNCATE,           /* seq, n: the tokens kept */
+    Q3_CACHE_SET_PADDING,        /* seq, n */
+    Q3_CACHE_SET_FIRST_POSITION, /* seq, n: the position */
+    Q3_CACHE_CROP,               /* seq or every_seq, n: the length */
+    Q3_CACHE_COPY_PREFIX,        /* src_seq into seq (dst_seq), n: the length; stream */
+    Q3_CACHE_REORDER,            /* index [n]; stream */
+    Q3_CACHE_SELECT,             /* index [n]; stream -> out */
+    Q3_CACHE_REPEAT_INTERLEAVE,  /* n; stream -> out */
+    Q3_CACHE_COPY,               /* stream -> out */
+    Q3_CACHE_GROW,               /* n: the capacity; stream -> old */
+} q3_cache_op;
+typedef struct {
+    q3_cache_op op;
+    int64_t seq;
+    int every_seq; /* nonzero: seq is "every sequence" (reset, crop) */
+    int64_t src_seq;
+    int64_t n;
+    const int64_t *index;
+    void *stream;
+    q3_cache *out;       /* set by select, repeat_interleave, copy */
+    q3_cache_blocks old; /* set by grow */
+} q3_cache_call_args;
+q3_status q3_cache_call(q3_cache *c, q3_cache_call_args *a, q3_error *err);
+
+/* A config from a LayerConfig's fields as a binding reads them, before they are narrowed into
+ * q3_config: the counts wide (Q3_CF_* order; their names and limits by index), the rest as
+ * q3_config holds them. q3_config_make checks each count in [1, its limit] (the message naming
+ * "config.<name>"; rope_original_max_position_embeddings only where given, else 0: unset),
+ * narrows them and checks the rest as q3_config_check does. */
+enum {
+    Q3_CF_HIDDEN, Q3_CF_HEADS, Q3_CF_KV_HEADS, Q3_CF_HEAD_DIM, Q3_CF_EXPERTS, Q3_CF_TOP_K, Q3_CF_MOE_INTER,
+    Q3_CF_MAX_POSITIONS, Q3_CF_ROPE_ORIGINAL_MAX, Q3_CF_COUNT
+};
+const char *q3_config_count_name(int i); /* "hidden_size", ... */
+int64_t q3_config_count_max(int i);
+typedef struct {
+    int64_t counts[Q3_CF_COUNT];
+    int original_max_given;
+    int norm_topk;
+    double eps, rope_theta;
+    q3_rope_scaling rope; /* original_max: from counts */
+} q3_config_values;
+q3_status q3_config_make(const q3_config_values *v, q3_config *out, q3_error *err);
+/* the RoPE variants by transformers' rope_type ("default", "linear", "yarn"): a variant's name,
+ * a name's variant (Q3_ERR_VALUE naming what was given), the names as a list for a message
+ * ("'default', 'linear' or 'yarn'", in buf) */
+const char *q3_rope_type_name(q3_rope_type t);
+q3_status q3_rope_type_parse(const char *name, q3_rope_type *t, q3_error *err);
+const char *q3_rope_type_list(char *buf, size_t size);
+
+/* ---- end of the cache's and config's binding block ---------------------------------------- */
 
 /* base of sequence seq's [kv_heads, capacity, head_dim] block */
 void *q3_cache_seq_keys(const q3_cache *c, int seq);

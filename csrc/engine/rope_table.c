@@ -11,6 +11,8 @@
  * rounded through rounded_f32 here, since the build lets the compiler fuse a product into
  * the sum after it (-ffp-contract=fast), which would round once where torch rounds twice. */
 #include <math.h>
+#include <stdio.h>
+#include <string.h>
 
 #include "q3.h"
 
@@ -25,8 +27,31 @@ static double rounded_f64(double x) {
 
 /* ---- checks ----------------------------------------------------------------------- */
 
-static const char *type_name(q3_rope_type t) {
-    return t == Q3_ROPE_LINEAR ? "linear" : t == Q3_ROPE_YARN ? "yarn" : "default";
+/* the variants by transformers' rope_type, in q3_rope_type's order */
+static const char *const type_names[] = {"default", "linear", "yarn"};
+#define N_TYPES ((int)(sizeof type_names / sizeof type_names[0]))
+
+static const char *type_name(q3_rope_type t) { return (unsigned)t < (unsigned)N_TYPES ? type_names[t] : "default"; }
+const char *q3_rope_type_name(q3_rope_type t) { return type_name(t); }
+
+const char *q3_rope_type_list(char *buf, size_t size) {
+    size_t at = 0;
+    buf[0] = '\0';
+    for (int i = 0; i < N_TYPES && at < size; i++)
+        at += (size_t)snprintf(buf + at, size - at, "%s'%s'", i == 0 ? "" : i == N_TYPES - 1 ? " or " : ", ",
+                               type_names[i]);
+    return buf;
+}
+
+q3_status q3_rope_type_parse(const char *name, q3_rope_type *t, q3_error *err) {
+    for (int i = 0; name && i < N_TYPES; i++)
+        if (!strcmp(name, type_names[i])) {
+            *t = (q3_rope_type)i;
+            return Q3_OK;
+        }
+    char list[64];
+    return q3_fail(err, Q3_ERR_VALUE, "rope_type: expected %s, got '%s'", q3_rope_type_list(list, sizeof list),
+                   name ? name : "(null)");
 }
 
 /* a field the variant does not read must hold its neutral value (else it would be ignored) */

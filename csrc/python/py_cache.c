@@ -2,19 +2,11 @@
  * Made by DecoderLayer.new_cache; its memory is allocated at creation and again only by
  * grow(). keys() and values() are zero-copy views of the blocks in use; they keep those
  * blocks alive through a views owner (below), so a view taken before a growth still reads the
- * blocks it was taken of. The operations for generation (reorder, select, copy, ...) and
- * grow are in py_cache_ops.c. */
+ * blocks it was taken of. The operations for generation (reorder, select, copy, ...) are in
+ * py_cache_ops.c. Every check is the engine's: this file converts and runs the calls. */
 #include "py_cache.h"
 
-q3py_cache_object *q3py_cache_object_new(q3_module_state *st, int batch, int64_t capacity,
-                                     int kv_heads, int head_dim, q3_dtype dt, int device) {
-    q3_cache *c;
-    q3_error err;
-    q3_status s;
-    Py_BEGIN_ALLOW_THREADS
-    s = q3_cache_create_on(&c, batch, capacity, kv_heads, head_dim, dt, device, &err);
-    Py_END_ALLOW_THREADS
-    if (s != Q3_OK) return (q3py_cache_object *)q3_raise(st, &err);
+q3py_cache_object *q3py_cache_wrap(q3_module_state *st, q3_cache *c) {
     q3py_cache_object *o = PyObject_New(q3py_cache_object, st->cache_type);
     if (!o) {
         q3_cache_destroy(c);
@@ -25,6 +17,17 @@ q3py_cache_object *q3py_cache_object_new(q3_module_state *st, int batch, int64_t
     o->passes_open = 0;
     o->views_owner = NULL;
     return o;
+}
+
+q3py_cache_object *q3py_cache_object_new(q3_module_state *st, int batch, int64_t capacity,
+                                     int kv_heads, int head_dim, q3_dtype dt, int device) {
+    q3_cache *c;
+    q3_error err;
+    q3_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = q3_cache_create_on(&c, batch, capacity, kv_heads, head_dim, dt, device, &err);
+    Py_END_ALLOW_THREADS
+    return s == Q3_OK ? q3py_cache_wrap(st, c) : (q3py_cache_object *)q3_raise(st, &err);
 }
 
 static void cache_dealloc(q3py_cache_object *o) {
@@ -38,8 +41,8 @@ static void cache_dealloc(q3py_cache_object *o) {
  * the blocks are the cache's, its context is the cache object (a strong reference: a view keeps
  * the cache alive) and its pointer a q3_cache_blocks that owns nothing; the cache knows it by a
  * borrowed pointer, which the capsule clears when the last view goes. When the cache grows
- * (q3py_cache_retire_views), the capsule takes the old blocks over and lets the cache go: it
- * frees them when the last view of them goes. */
+ * (retire_views), the capsule takes the old blocks over and lets the cache go: it frees them
+ * when the last view of them goes. */
 static void views_owner_free(PyObject *capsule) {
     q3_cache_blocks *b = PyCapsule_GetPointer(capsule, "qwen3layer.cache_views");
     q3py_cache_object *o = PyCapsule_GetContext(capsule);
@@ -68,7 +71,9 @@ static PyObject *views_owner(q3py_cache_object *o) {
     return capsule;
 }
 
-int q3py_cache_retire_views(q3py_cache_object *o, q3_cache_blocks *old) {
+/* after a growth: the views taken before it keep the old blocks (their owner takes them over),
+ * or, none living, the blocks are freed now; 0, or -1 with an exception */
+static int retire_views(q3py_cache_object *o, q3_cache_blocks *old) {
     PyObject *capsule = o->views_owner;
     if (!capsule) {
         q3_cache_blocks_free(old);
@@ -91,145 +96,146 @@ int q3py_cache_check_idle(q3py_cache_object *o) {
     return o->busy || o->passes_open ? -1 : 0;
 }
 
-PyObject *q3_status_or_none(q3_status s, const q3_error *err) {
-    if (s != Q3_OK) return q3_raise(NULL, err);
-    Py_RETURN_NONE;
+int q3py_cache_run(q3py_cache_object *o, q3_cache_call_args *r) {
+    if (q3py_cache_check_idle(o) < 0) return -1;
+    q3_error err;
+    q3_status s;
+    o->busy = 1; /* a layer call on another thread must not append while the engine works */
+    Py_BEGIN_ALLOW_THREADS
+    s = q3_cache_call(o->cache, r, &err);
+    Py_END_ALLOW_THREADS
+    o->busy = 0;
+    if (s == Q3_OK) return 0;
+    q3_raise(q3_state_of_type(Py_TYPE(o)), &err);
+    return -1;
+}
+
+PyObject *q3py_cache_run_none(q3py_cache_object *o, q3_cache_call_args *r) {
+    return q3py_cache_run(o, r) < 0 ? NULL : Py_NewRef(Py_None);
+}
+
+int q3py_cache_int(PyObject *obj, const char *arg, int flags, const char *too_big, int64_t *out) {
+    if (obj == Py_None && (flags & Q3PY_NONE_OK)) return 0;
+    if (!PyLong_Check(obj) || (PyBool_Check(obj) && !(flags & Q3PY_BOOL_OK))) {
+        PyErr_Format(PyExc_TypeError, "%s: expected an int%s, got %.100s", arg, flags & Q3PY_NONE_OK ? " or None" : "",
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    int overflow;
+    *out = PyLong_AsLongLongAndOverflow(obj, &overflow);
+    if (overflow && too_big) {
+        PyErr_Format(PyExc_ValueError, "%s: %s, got %R", arg, too_big, obj);
+        return -1;
+    }
+    if (overflow) *out = PyLong_AsLongLong(obj); /* raises its OverflowError */
+    return *out == -1 && PyErr_Occurred() ? -1 : 1;
 }
 
 static PyObject *cache_reset(q3py_cache_object *o, PyObject *args, PyObject *kw) {
     static char *names[] = {"seq", NULL};
     PyObject *seq_obj = Py_None;
-    int seq;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|O:reset", names, &seq_obj)) return NULL;
-    if (q3py_seq(seq_obj, q3_cache_batch(o->cache), 1, &seq) < 0 || q3py_cache_check_idle(o) < 0) return NULL;
-    q3_error err;
-    return q3_status_or_none(q3_cache_reset(o->cache, seq, &err), &err);
+    q3_cache_call_args r = {.op = Q3_CACHE_RESET};
+    int given;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|O:reset", names, &seq_obj) ||
+        (given = q3py_cache_int(seq_obj, "seq", Q3PY_NONE_OK, NULL, &r.seq)) < 0)
+        return NULL;
+    r.every_seq = !given;
+    return q3py_cache_run_none(o, &r);
 }
 
-/* the calls taking (n, seq=0) and setting one sequence's count: truncate, set_padding,
- * set_first_position */
-typedef q3_status (*seq_setter)(q3_cache *c, int seq, int64_t n, q3_error *err);
-
+/* the calls taking (n, seq) on one sequence, seq default 0 (truncate, set_padding,
+ * set_first_position), or, every_ok, on every sequence, seq default None (crop) */
 static PyObject *cache_set_seq(q3py_cache_object *o, PyObject *args, PyObject *kw, const char *fmt, char **names,
-                               seq_setter set) {
+                               q3_cache_op op, int every_ok) {
     long long n;
     PyObject *seq_obj = NULL;
-    int seq = 0;
+    q3_cache_call_args r = {.op = op};
     if (!PyArg_ParseTupleAndKeywords(args, kw, fmt, names, &n, &seq_obj)) return NULL;
-    if ((seq_obj && q3py_seq(seq_obj, q3_cache_batch(o->cache), 0, &seq) < 0) || q3py_cache_check_idle(o) < 0) return NULL;
-    q3_error err;
-    return q3_status_or_none(set(o->cache, seq, n, &err), &err);
+    const int given = seq_obj ? q3py_cache_int(seq_obj, "seq", every_ok ? Q3PY_NONE_OK : 0, NULL, &r.seq) : !every_ok;
+    if (given < 0) return NULL;
+    r.every_seq = !given;
+    r.n = n;
+    return q3py_cache_run_none(o, &r);
 }
 
 static PyObject *cache_truncate(q3py_cache_object *o, PyObject *args, PyObject *kw) {
     static char *names[] = {"n", "seq", NULL};
-    return cache_set_seq(o, args, kw, "L|O:truncate", names, q3_cache_truncate);
+    return cache_set_seq(o, args, kw, "L|O:truncate", names, Q3_CACHE_TRUNCATE, 0);
 }
 
 static PyObject *cache_set_first_position(q3py_cache_object *o, PyObject *args, PyObject *kw) {
     static char *names[] = {"position", "seq", NULL};
-    return cache_set_seq(o, args, kw, "L|O:set_first_position", names, q3_cache_set_first_position);
+    return cache_set_seq(o, args, kw, "L|O:set_first_position", names, Q3_CACHE_SET_FIRST_POSITION, 0);
 }
 
 static PyObject *cache_set_padding(q3py_cache_object *o, PyObject *args, PyObject *kw) {
     static char *names[] = {"n", "seq", NULL};
-    return cache_set_seq(o, args, kw, "L|O:set_padding", names, q3_cache_set_padding);
+    return cache_set_seq(o, args, kw, "L|O:set_padding", names, Q3_CACHE_SET_PADDING, 0);
 }
 
-/* a view of the blocks in use, base their views owner */
-static PyObject *cache_tensor(q3_module_state *st, q3py_cache_object *o, void *base, int ndim, const int64_t *shape,
-                              const int64_t *strides) {
+static PyObject *cache_crop(q3py_cache_object *o, PyObject *args, PyObject *kw) {
+    static char *names[] = {"length", "seq", NULL};
+    return cache_set_seq(o, args, kw, "L|O:crop", names, Q3_CACHE_CROP, 1);
+}
+
+static PyObject *cache_grow(q3py_cache_object *o, PyObject *args, PyObject *kw) {
+    static char *names[] = {"max_tokens", "stream", NULL};
+    PyObject *capacity_obj, *stream_obj = Py_None;
+    q3_cache_call_args r = {.op = Q3_CACHE_GROW};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|$O:grow", names, &capacity_obj, &stream_obj) ||
+        q3py_cache_int(capacity_obj, "max_tokens", 0, "expected at most 2^40 (the positions RoPE takes)", &r.n) < 0 ||
+        q3py_stream_on(stream_obj, q3_cache_device(o->cache), "a cache on the cpu", &r.stream) < 0 ||
+        q3py_cache_run(o, &r) < 0)
+        return NULL;
+    if (r.old.k && retire_views(o, &r.old) < 0) return NULL; /* old.k NULL: it held that many already */
+    Py_RETURN_NONE;
+}
+
+/* keys(seq=0) and values(seq=0): one sequence's view; all_keys(tokens=None) and
+ * all_values(tokens=None): every sequence's. A view's base is its blocks' views owner. */
+static PyObject *cache_view(q3py_cache_object *o, PyObject *args, PyObject *kw, int values, int all) {
+    static char *seq_names[] = {"seq", NULL}, *tokens_names[] = {"tokens", NULL};
+    static const char *fmt[2][2] = {{"|O:keys", "|O:values"}, {"|O:all_keys", "|O:all_values"}};
+    PyObject *obj = NULL;
+    int64_t n = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, fmt[all][values], all ? tokens_names : seq_names, &obj)) return NULL;
+    const int given = !obj ? !all : all ? q3py_cache_int(obj, "tokens", Q3PY_NONE_OK | Q3PY_BOOL_OK, NULL, &n)
+                                        : q3py_cache_int(obj, "seq", 0, NULL, &n);
+    q3_module_state *st = given < 0 ? NULL : q3_state_of_type(Py_TYPE(o));
+    if (!st) return NULL;
+    q3_cache_view v;
+    q3_error err;
+    if (q3_cache_view_of(o->cache, values, all ? NULL : &n, all && given ? &n : NULL, &v, &err) != Q3_OK)
+        return q3_raise(st, &err);
     PyObject *owner = views_owner(o);
     if (!owner) return NULL;
-    q3py_tensor_object *t = q3py_tensor_view(st, owner, base, q3_cache_dtype(o->cache), ndim, shape, strides);
+    q3py_tensor_object *t = q3py_tensor_view(st, owner, v.base, q3_cache_dtype(o->cache), v.ndim, v.shape, v.strides);
     Py_DECREF(owner);
     if (t) t->device = q3_cache_device(o->cache);
     return (PyObject *)t;
 }
 
-static PyObject *cache_view(q3py_cache_object *o, PyObject *args, PyObject *kw, int values) {
-    static char *names[] = {"seq", NULL};
-    PyObject *seq_obj = NULL;
-    int seq = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, values ? "|O:values" : "|O:keys", names, &seq_obj))
-        return NULL;
-    const q3_cache *c = o->cache;
-    if (seq_obj && q3py_seq(seq_obj, q3_cache_batch(c), 0, &seq) < 0) return NULL;
-    q3_module_state *st = q3_state_of_type(Py_TYPE(o));
-    if (!st) return NULL;
-    const int64_t shape[3] = {q3_cache_kv_heads(c), q3_cache_length(c, seq), q3_cache_head_dim(c)};
-    const int64_t strides[3] = {q3_cache_capacity(c) * q3_cache_head_dim(c), q3_cache_head_dim(c), 1};
-    void *base = values ? q3_cache_seq_values(c, seq) : q3_cache_seq_keys(c, seq);
-    return cache_tensor(st, o, base, 3, shape, strides);
-}
+static PyObject *cache_keys(q3py_cache_object *o, PyObject *a, PyObject *k) { return cache_view(o, a, k, 0, 0); }
+static PyObject *cache_values(q3py_cache_object *o, PyObject *a, PyObject *k) { return cache_view(o, a, k, 1, 0); }
+static PyObject *cache_all_keys(q3py_cache_object *o, PyObject *a, PyObject *k) { return cache_view(o, a, k, 0, 1); }
+static PyObject *cache_all_values(q3py_cache_object *o, PyObject *a, PyObject *k) { return cache_view(o, a, k, 1, 1); }
 
-static PyObject *cache_keys(q3py_cache_object *o, PyObject *a, PyObject *k) { return cache_view(o, a, k, 0); }
-static PyObject *cache_values(q3py_cache_object *o, PyObject *a, PyObject *k) { return cache_view(o, a, k, 1); }
+/* lengths, padding, first_positions: a tuple of one count per sequence, the getter's closure
+ * pointing at the engine's accessor */
+typedef int64_t (*per_seq_getter)(const q3_cache *c, int seq);
+static const per_seq_getter per_seq_getters[] = {q3_cache_length, q3_cache_padding, q3_cache_first_position};
 
-/* [batch, kv_heads, tokens, head_dim] over every sequence: tokens <= capacity, default the
- * length all sequences share (a view of positions past a sequence's length reads what the
- * cache holds there: zeros until written) */
-static PyObject *cache_view_all(q3py_cache_object *o, PyObject *args, PyObject *kw, int values) {
-    static char *names[] = {"tokens", NULL};
-    PyObject *tokens_obj = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, values ? "|O:all_values" : "|O:all_keys", names, &tokens_obj))
-        return NULL;
-    const q3_cache *c = o->cache;
-    int64_t tokens = q3_cache_length(c, 0);
-    if (tokens_obj == Py_None) {
-        for (int b = 1; b < q3_cache_batch(c); b++)
-            if (q3_cache_length(c, b) != tokens) {
-                PyErr_Format(PyExc_ValueError, "tokens: the sequences hold different lengths (sequence 0: %lld, "
-                             "sequence %d: %lld): pass tokens= to view that many of each",
-                             (long long)tokens, b, (long long)q3_cache_length(c, b));
-                return NULL;
-            }
-    } else {
-        if (!PyLong_Check(tokens_obj)) {
-            PyErr_Format(PyExc_TypeError, "tokens: expected an int or None, got %.100s", Py_TYPE(tokens_obj)->tp_name);
-            return NULL;
-        }
-        const long long v = PyLong_AsLongLong(tokens_obj);
-        if (v == -1 && PyErr_Occurred()) return NULL;
-        if (v < 0 || v > q3_cache_capacity(c)) {
-            PyErr_Format(PyExc_ValueError, "tokens: expected 0 <= tokens <= %lld (the cache's capacity), got %lld",
-                         (long long)q3_cache_capacity(c), v);
-            return NULL;
-        }
-        tokens = v;
+static PyObject *cache_per_seq(q3py_cache_object *o, void *closure) {
+    const per_seq_getter get = *(const per_seq_getter *)closure;
+    PyObject *t = PyTuple_New(q3_cache_batch(o->cache));
+    for (int i = 0; t && i < q3_cache_batch(o->cache); i++) {
+        PyObject *v = PyLong_FromLongLong(get(o->cache, i));
+        if (!v) Py_CLEAR(t);
+        else PyTuple_SET_ITEM(t, i, v);
     }
-    q3_module_state *st = q3_state_of_type(Py_TYPE(o));
-    if (!st) return NULL;
-    const int64_t shape[4] = {q3_cache_batch(c), q3_cache_kv_heads(c), tokens, q3_cache_head_dim(c)};
-    const int64_t strides[4] = {q3_cache_kv_heads(c) * q3_cache_capacity(c) * q3_cache_head_dim(c), q3_cache_capacity(c) * q3_cache_head_dim(c), q3_cache_head_dim(c), 1};
-    void *base = values ? q3_cache_seq_values(c, 0) : q3_cache_seq_keys(c, 0);
-    return cache_tensor(st, o, base, 4, shape, strides);
+    return t;
 }
 
-static PyObject *cache_all_keys(q3py_cache_object *o, PyObject *a, PyObject *k) { return cache_view_all(o, a, k, 0); }
-static PyObject *cache_all_values(q3py_cache_object *o, PyObject *a, PyObject *k) { return cache_view_all(o, a, k, 1); }
-
-static PyObject *cache_lengths(q3py_cache_object *o, void *c) {
-    (void)c;
-    PyObject *t = PyTuple_New(q3_cache_batch(o->cache));
-    for (int i = 0; t && i < q3_cache_batch(o->cache); i++)
-        PyTuple_SET_ITEM(t, i, PyLong_FromLongLong(q3_cache_length(o->cache, i)));
-    return t;
-}
-static PyObject *cache_padding(q3py_cache_object *o, void *c) {
-    (void)c;
-    PyObject *t = PyTuple_New(q3_cache_batch(o->cache));
-    for (int i = 0; t && i < q3_cache_batch(o->cache); i++)
-        PyTuple_SET_ITEM(t, i, PyLong_FromLongLong(q3_cache_padding(o->cache, i)));
-    return t;
-}
-static PyObject *cache_first_positions(q3py_cache_object *o, void *c) {
-    (void)c;
-    PyObject *t = PyTuple_New(q3_cache_batch(o->cache));
-    for (int i = 0; t && i < q3_cache_batch(o->cache); i++)
-        PyTuple_SET_ITEM(t, i, PyLong_FromLongLong(q3_cache_first_position(o->cache, i)));
-    return t;
-}
 static PyObject *cache_capacity(q3py_cache_object *o, void *c) { (void)c; return PyLong_FromLongLong(q3_cache_capacity(o->cache)); }
 static PyObject *cache_growths(q3py_cache_object *o, void *c) { (void)c; return PyLong_FromLongLong(q3_cache_growths(o->cache)); }
 static PyObject *cache_batch(q3py_cache_object *o, void *c) { (void)c; return PyLong_FromLong(q3_cache_batch(o->cache)); }
@@ -244,12 +250,10 @@ static PyObject *cache_device(q3py_cache_object *o, void *c) {
 
 static PyObject *cache_repr(q3py_cache_object *o) {
     const q3_cache *c = o->cache;
-    int64_t used = 0;
-    for (int i = 0; i < q3_cache_batch(c); i++) used += q3_cache_length(c, i);
     return PyUnicode_FromFormat("KVCache(batch=%d, capacity=%lld, kv_heads=%d, head_dim=%d, dtype=%s, "
                                 "filled=%lld/%lld tokens, %zu MiB)",
                                 q3_cache_batch(c), (long long)q3_cache_capacity(c), q3_cache_kv_heads(c), q3_cache_head_dim(c),
-                                q3_dtype_name(q3_cache_dtype(c)), (long long)used,
+                                q3_dtype_name(q3_cache_dtype(c)), (long long)q3_cache_held(c),
                                 (long long)q3_cache_capacity(c) * q3_cache_batch(c), q3_cache_bytes(c) >> 20);
 }
 
@@ -295,14 +299,14 @@ static PyMethodDef cache_methods[] = {
     {"repeat_interleave", (PyCFunction)(void (*)(void))q3py_cache_repeat_interleave, KW,
      "repeat_interleave(n, *, stream=None)\n--\n\nA new KVCache of batch * n sequences: sequence i * n + j "
      "is a copy of sequence i (a prompt expanded to n beams). " STREAM_DOC},
-    {"crop", (PyCFunction)(void (*)(void))q3py_cache_crop, KW,
+    {"crop", (PyCFunction)(void (*)(void))cache_crop, KW,
      "crop(length, seq=None)\n--\n\nKeep the first `length` tokens of sequence `seq`, or of every sequence "
      "when seq is None; a sequence holding fewer keeps what it holds. length < 0 drops -length tokens from "
      "the end of each (transformers' Cache.crop)."},
     {"copy", (PyCFunction)(void (*)(void))q3py_cache_copy, KW,
      "copy(*, stream=None)\n--\n\nA new KVCache with the same contents (copy.copy and copy.deepcopy call it, "
      "with no stream). " STREAM_DOC},
-    {"grow", (PyCFunction)(void (*)(void))q3py_cache_grow, KW,
+    {"grow", (PyCFunction)(void (*)(void))cache_grow, KW,
      "grow(max_tokens, *, stream=None)\n--\n\nEvery sequence's room becomes max_tokens tokens (at least the "
      "capacity now; equal: nothing happens). New K and V of the new capacity are allocated and each sequence's "
      "tokens copied into them once; lengths, padding and first positions stay. Peak memory: the old and the new "
@@ -318,12 +322,12 @@ static PyMethodDef cache_methods[] = {
 };
 
 static PyGetSetDef cache_getset[] = {
-    {"lengths", (getter)cache_lengths, NULL, "tokens held by each sequence (tuple)", NULL},
+    {"lengths", (getter)cache_per_seq, NULL, "tokens held by each sequence (tuple)", (void *)&per_seq_getters[0]},
     {"capacity", (getter)cache_capacity, NULL, "tokens each sequence can hold", NULL},
     {"growths", (getter)cache_growths, NULL, "the times grow() moved the cache into larger memory", NULL},
-    {"padding", (getter)cache_padding, NULL, "leading padding tokens of each sequence (tuple)", NULL},
-    {"first_positions", (getter)cache_first_positions, NULL, "the RoPE position of each sequence's first real token (tuple)",
-     NULL},
+    {"padding", (getter)cache_per_seq, NULL, "leading padding tokens of each sequence (tuple)", (void *)&per_seq_getters[1]},
+    {"first_positions", (getter)cache_per_seq, NULL, "the RoPE position of each sequence's first real token (tuple)",
+     (void *)&per_seq_getters[2]},
     {"batch", (getter)cache_batch, NULL, "number of sequences", NULL},
     {"num_kv_heads", (getter)cache_kv_heads, NULL, "KV heads", NULL},
     {"head_dim", (getter)cache_head_dim, NULL, "head dimension", NULL},

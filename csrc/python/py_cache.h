@@ -1,5 +1,6 @@
 /* KVCache glue shared by py_cache.c (the object, its views and simple calls) and
- * py_cache_ops.c (the operations for generation). */
+ * py_cache_ops.c (the operations for generation). The checks are the engine's
+ * (q3_cache_call, q3_cache_view_of); this glue converts arguments and runs the calls. */
 #ifndef Q3_PY_CACHE_H
 #define Q3_PY_CACHE_H
 
@@ -8,21 +9,27 @@
 /* 0, or -1 with RuntimeError while a layer call runs on the cache, or one run pass by pass
  * (py_pass_run.c) is open on it */
 int q3py_cache_check_idle(q3py_cache_object *o);
-/* after a growth: the views taken before it keep the old blocks (their owner takes them over),
- * or, none living, the blocks are freed now; 0, or -1 with an exception */
-int q3py_cache_retire_views(q3py_cache_object *o, q3_cache_blocks *old);
-/* None, or NULL with the engine's error raised */
-PyObject *q3_status_or_none(q3_status s, const q3_error *err);
+/* the KVCache of engine cache c, taken over (destroyed now when the object cannot be made) */
+q3py_cache_object *q3py_cache_wrap(q3_module_state *st, q3_cache *c);
+/* Engine call r on o's cache (q3_cache_call): refused while the cache is not idle; else made
+ * with the cache busy and the GIL released. 0, or -1 with the engine's error raised. */
+int q3py_cache_run(q3py_cache_object *o, q3_cache_call_args *r);
+/* the same, None or NULL */
+PyObject *q3py_cache_run_none(q3py_cache_object *o, q3_cache_call_args *r);
+/* An int argument as the engine takes it (the engine checks its range): 1 with *out; 0 for
+ * None where Q3PY_NONE_OK; -1 with TypeError "<arg>: expected an int[ or None], got <type>" (a
+ * bool is one only where Q3PY_BOOL_OK). Past int64: OverflowError, or ValueError
+ * "<arg>: <too_big>, got <value>" where too_big is given. */
+enum { Q3PY_NONE_OK = 1, Q3PY_BOOL_OK = 2 };
+int q3py_cache_int(PyObject *obj, const char *arg, int flags, const char *too_big, int64_t *out);
 
 /* KVCache methods (py_cache_ops.c); their docstrings are in py_cache.c's table */
 PyObject *q3py_cache_reorder(q3py_cache_object *o, PyObject *args, PyObject *kw);
 PyObject *q3py_cache_select(q3py_cache_object *o, PyObject *args, PyObject *kw);
 PyObject *q3py_cache_repeat_interleave(q3py_cache_object *o, PyObject *args, PyObject *kw);
-PyObject *q3py_cache_crop(q3py_cache_object *o, PyObject *args, PyObject *kw);
 PyObject *q3py_cache_copy(q3py_cache_object *o, PyObject *args, PyObject *kw);
 PyObject *q3py_cache_copy_noargs(q3py_cache_object *o, PyObject *unused);
 PyObject *q3py_cache_deepcopy(q3py_cache_object *o, PyObject *memo);
 PyObject *q3py_cache_copy_prefix(q3py_cache_object *o, PyObject *args, PyObject *kw);
-PyObject *q3py_cache_grow(q3py_cache_object *o, PyObject *args, PyObject *kw);
 
 #endif

@@ -1,136 +1,100 @@
-/* q3_config from a qwen3layer.LayerConfig (its attributes, checked here for type and range
- * as far as the C field they go into needs, then by q3_config_check), and the module
- * functions rope_table(config), the RoPE table the engine builds a layer with, and
- * weight_table(config, ...) and weight_formats(), the engine's table of a layer's tensors. */
+/* q3_config from a qwen3layer.LayerConfig: its attributes converted (by the table below) and
+ * handed to q3_config_make, which checks them; and the module functions rope_table(config), the
+ * RoPE table the engine builds a layer with, and weight_table(config, ...) and weight_formats(),
+ * the engine's table of a layer's tensors. */
 #include <math.h>
+#include <stddef.h>
 #include <string.h>
 
 #include "py_glue.h"
 
-/* config.<name>: an int in [1, max] */
-static int get_int(PyObject *cfg, const char *name, int64_t max, int64_t *out) {
-    PyObject *v = PyObject_GetAttrString(cfg, name);
-    if (!v) return -1;
-    int rc = 0;
-    if (!PyLong_Check(v) || PyBool_Check(v)) {
-        PyErr_Format(PyExc_TypeError, "config.%s: expected an int, got %.100s", name, Py_TYPE(v)->tp_name);
-        rc = -1;
-    } else {
-        int overflow = 0;
-        *out = PyLong_AsLongLongAndOverflow(v, &overflow);
-        if (*out == -1 && PyErr_Occurred()) rc = -1;
-        else if (overflow > 0 || *out > max) {
-            PyErr_Format(PyExc_ValueError, "config.%s: expected at most %lld, got %S", name, (long long)max, v);
-            rc = -1;
-        } else if (overflow < 0 || *out <= 0) {
-            PyErr_Format(PyExc_ValueError, "config.%s: expected a positive integer, got %S", name, v);
-            rc = -1;
-        }
-    }
-    Py_DECREF(v);
-    return rc;
-}
+/* How an attribute converts: COUNT an int (not a bool) into an int64 count, checked by the
+ * engine; NUMBER a real (an int or a float, not a bool); *_OR_NONE also None: an unset count, or
+ * 0.0, the engine's "unset" for a number (so a given POSITIVE_OR_NONE number must not read so:
+ * refused here unless > 0, or nan, which the engine names); FLAG any object's truth; ROPE_TYPE a
+ * variant's name. */
+typedef enum { COUNT, COUNT_OR_NONE, NUMBER, NUMBER_OR_NONE, POSITIVE_OR_NONE, FLAG, ROPE_TYPE } field_kind;
 
-/* config.<name>: a real number (an int or a float, not a bool) */
-static int get_float(PyObject *cfg, const char *name, double *out) {
-    PyObject *v = PyObject_GetAttrString(cfg, name);
-    if (!v) return -1;
-    *out = PyBool_Check(v) ? -1.0 : PyFloat_AsDouble(v);
-    if (PyBool_Check(v) || (*out == -1.0 && PyErr_Occurred())) {
+#define AT(f) offsetof(q3_config_values, f)
+#define COUNT_FIELD(i, kind) {NULL, kind, AT(counts[i]), i}
+/* the attributes in the order they are read (a count's name is the engine's) */
+static const struct {
+    const char *name;
+    field_kind kind;
+    size_t at; /* in q3_config_values */
+    int count; /* a count's Q3_CF_* index */
+} fields[] = {
+    COUNT_FIELD(Q3_CF_HIDDEN, COUNT), COUNT_FIELD(Q3_CF_HEADS, COUNT), COUNT_FIELD(Q3_CF_KV_HEADS, COUNT),
+    COUNT_FIELD(Q3_CF_HEAD_DIM, COUNT), COUNT_FIELD(Q3_CF_EXPERTS, COUNT), COUNT_FIELD(Q3_CF_TOP_K, COUNT),
+    COUNT_FIELD(Q3_CF_MOE_INTER, COUNT), COUNT_FIELD(Q3_CF_MAX_POSITIONS, COUNT),
+    {"rms_norm_eps", NUMBER, AT(eps), 0}, {"rope_theta", NUMBER, AT(rope_theta), 0},
+    {"norm_topk_prob", FLAG, AT(norm_topk), 0}, {"rope_type", ROPE_TYPE, AT(rope.type), 0},
+    {"rope_factor", NUMBER, AT(rope.factor), 0},
+    {"rope_attention_factor", POSITIVE_OR_NONE, AT(rope.attention_factor), 0},
+    {"rope_beta_fast", NUMBER, AT(rope.beta_fast), 0}, {"rope_beta_slow", NUMBER, AT(rope.beta_slow), 0},
+    {"rope_mscale", NUMBER_OR_NONE, AT(rope.mscale), 0},
+    {"rope_mscale_all_dim", NUMBER_OR_NONE, AT(rope.mscale_all_dim), 0},
+    {"rope_truncate", FLAG, AT(rope.truncate), 0}, COUNT_FIELD(Q3_CF_ROPE_ORIGINAL_MAX, COUNT_OR_NONE),
+};
+
+/* attribute value v of field f into *dst (v not None); 0, or -1 with the exception */
+static int convert(PyObject *v, int f, const char *name, void *dst) {
+    const field_kind kind = fields[f].kind;
+    if (kind == FLAG) return (*(int *)dst = PyObject_IsTrue(v)) < 0 ? -1 : 0;
+    if (kind == ROPE_TYPE) {
+        const char *s = PyUnicode_Check(v) ? PyUnicode_AsUTF8(v) : NULL;
+        if (s && q3_rope_type_parse(s, dst, NULL) == Q3_OK) return 0; /* the engine's names */
+        char list[64];
         PyErr_Clear();
-        PyErr_Format(PyExc_TypeError, "config.%s: expected a number, got %.100s", name, Py_TYPE(v)->tp_name);
-        Py_DECREF(v);
+        PyErr_Format(PyExc_ValueError, "config.rope_type: expected %s, got %R", q3_rope_type_list(list, sizeof list),
+                     v);
         return -1;
     }
-    Py_DECREF(v);
+    if (kind == COUNT || kind == COUNT_OR_NONE) {
+        int overflow = 0;
+        if (!PyLong_Check(v) || PyBool_Check(v)) {
+            PyErr_Format(PyExc_TypeError, "config.%s: expected an int, got %.100s", name, Py_TYPE(v)->tp_name);
+            return -1;
+        }
+        *(int64_t *)dst = PyLong_AsLongLongAndOverflow(v, &overflow); /* past int64: q3_config_make's message */
+        if (overflow > 0)
+            PyErr_Format(PyExc_ValueError, "config.%s: expected at most %lld, got %S", name,
+                         (long long)q3_config_count_max(fields[f].count), v);
+        else if (overflow < 0)
+            PyErr_Format(PyExc_ValueError, "config.%s: expected a positive integer, got %S", name, v);
+        return PyErr_Occurred() ? -1 : 0;
+    }
+    const double d = PyBool_Check(v) ? -1.0 : PyFloat_AsDouble(v);
+    if (PyBool_Check(v) || (d == -1.0 && PyErr_Occurred())) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "config.%s: expected a number, got %.100s", name, Py_TYPE(v)->tp_name);
+        return -1;
+    }
+    if (kind == POSITIVE_OR_NONE && !(d > 0) && !isnan(d)) {
+        PyErr_Format(PyExc_ValueError, "config.%s: expected a number > 0 or None, got %R", name, v);
+        return -1;
+    }
+    *(double *)dst = d;
     return 0;
 }
 
-/* config.<name>: a number, or None for `none` */
-static int get_optional_float(PyObject *cfg, const char *name, double none, double *out) {
-    PyObject *v = PyObject_GetAttrString(cfg, name);
-    if (!v) return -1;
-    const int is_none = v == Py_None;
-    Py_DECREF(v);
-    if (is_none) {
-        *out = none;
-        return 0;
-    }
-    return get_float(cfg, name, out);
-}
-
-static int get_bool(PyObject *cfg, const char *name, int *out) {
-    PyObject *v = PyObject_GetAttrString(cfg, name);
-    if (!v) return -1;
-    *out = PyObject_IsTrue(v);
-    Py_DECREF(v);
-    return *out < 0 ? -1 : 0;
-}
-
-/* the RoPE variants the engine computes, by transformers' rope_type */
-static const struct { const char *name; q3_rope_type type; } types[] = {
-    {"default", Q3_ROPE_DEFAULT}, {"linear", Q3_ROPE_LINEAR}, {"yarn", Q3_ROPE_YARN}};
-
-/* config.rope_type: the name of a variant the engine computes */
-static int get_rope_type(PyObject *cfg, q3_rope_type *out) {    PyObject *v = PyObject_GetAttrString(cfg, "rope_type");
-    if (!v) return -1;
-    const char *name = PyUnicode_Check(v) ? PyUnicode_AsUTF8(v) : NULL;
-    for (size_t i = 0; name && i < sizeof types / sizeof types[0]; i++)
-        if (!strcmp(name, types[i].name)) {
-            *out = types[i].type;
-            Py_DECREF(v);
-            return 0;
-        }
-    PyErr_Clear();
-    PyErr_Format(PyExc_ValueError, "config.rope_type: expected 'default', 'linear' or 'yarn', got %R", v);
-    Py_DECREF(v);
-    return -1;
-}
-
-/* the RoPE fields; None where the engine takes 0 for "unset" (q3_rope_scaling) */
-static int get_rope(PyObject *cfg, q3_rope_scaling *r) {
-    *r = Q3_ROPE_SCALING_DEFAULT;
-    if (get_rope_type(cfg, &r->type) || get_float(cfg, "rope_factor", &r->factor) ||
-        get_optional_float(cfg, "rope_attention_factor", 0.0, &r->attention_factor) ||
-        get_float(cfg, "rope_beta_fast", &r->beta_fast) || get_float(cfg, "rope_beta_slow", &r->beta_slow) ||
-        get_optional_float(cfg, "rope_mscale", 0.0, &r->mscale) ||
-        get_optional_float(cfg, "rope_mscale_all_dim", 0.0, &r->mscale_all_dim) ||
-        get_bool(cfg, "rope_truncate", &r->truncate))
-        return -1;
-    /* 0 is the engine's "derive it from factor and mscale": a given 0 would read so */
-    PyObject *af = PyObject_GetAttrString(cfg, "rope_attention_factor");
-    if (!af) return -1;
-    const int zero = af != Py_None && !(r->attention_factor > 0) && !isnan(r->attention_factor);
-    if (zero) PyErr_Format(PyExc_ValueError, "config.rope_attention_factor: expected a number > 0 or None, got %R", af);
-    Py_DECREF(af);
-    if (zero) return -1;
-    PyObject *om = PyObject_GetAttrString(cfg, "rope_original_max_position_embeddings");
-    if (!om) return -1;
-    const int none = om == Py_None;
-    Py_DECREF(om);
-    return none ? 0 : get_int(cfg, "rope_original_max_position_embeddings", Q3_MAX_POSITIONS, &r->original_max);
-}
-
 int q3_parse_config(PyObject *cfg, q3_config *c) {
-    int64_t hidden, heads, kvh, hd, E, k, I, maxpos;
-    double eps, theta;
-    /* the engine's limits (q3.h) checked here already: the counts become C ints */
-    if (get_int(cfg, "hidden_size", Q3_MAX_HIDDEN, &hidden) ||
-        get_int(cfg, "num_attention_heads", Q3_MAX_HEADS, &heads) ||
-        get_int(cfg, "num_key_value_heads", Q3_MAX_HEADS, &kvh) || get_int(cfg, "head_dim", Q3_MAX_HEADS, &hd) ||
-        get_int(cfg, "num_experts", Q3_MAX_EXPERTS, &E) || get_int(cfg, "num_experts_per_tok", Q3_MAX_EXPERTS, &k) ||
-        get_int(cfg, "moe_intermediate_size", Q3_MAX_HIDDEN, &I) ||
-        get_int(cfg, "max_position_embeddings", Q3_MAX_POSITIONS, &maxpos) ||
-        get_float(cfg, "rms_norm_eps", &eps) || get_float(cfg, "rope_theta", &theta))
-        return -1;
-    int norm_topk;
-    q3_rope_scaling rope;
-    if (get_bool(cfg, "norm_topk_prob", &norm_topk) || get_rope(cfg, &rope)) return -1;
-    *c = (q3_config){.hidden = hidden, .heads = (int)heads, .kv_heads = (int)kvh, .head_dim = (int)hd,
-                     .experts = (int)E, .top_k = (int)k, .moe_inter = I, .norm_topk = norm_topk,
-                     .eps = (float)eps, .rope_theta = theta, .max_positions = maxpos, .rope = rope};
+    q3_config_values v = {.rope = Q3_ROPE_SCALING_DEFAULT};
+    for (int f = 0; f < (int)(sizeof fields / sizeof fields[0]); f++) {
+        const char *name = fields[f].name ? fields[f].name : q3_config_count_name(fields[f].count);
+        PyObject *attr = PyObject_GetAttrString(cfg, name);
+        if (!attr) return -1;
+        const field_kind kind = fields[f].kind;
+        const int none =
+            attr == Py_None && (kind == COUNT_OR_NONE || kind == NUMBER_OR_NONE || kind == POSITIVE_OR_NONE);
+        const int rc = none ? 0 : convert(attr, f, name, (char *)&v + fields[f].at);
+        if (kind == COUNT_OR_NONE) v.original_max_given = !none;
+        else if (none) *(double *)((char *)&v + fields[f].at) = 0.0;
+        Py_DECREF(attr);
+        if (rc < 0) return -1;
+    }
     q3_error err;
-    if (q3_config_check(c, &err) != Q3_OK) {
+    if (q3_config_make(&v, c, &err) != Q3_OK) {
         q3_raise(NULL, &err);
         return -1;
     }
@@ -168,26 +132,29 @@ int q3py_weight_format(PyObject *obj, void *out) {
     return 0;
 }
 
-/* the value of an optional field: 0 ("unset" to the engine) is None */
-static PyObject *optional(double v, int is_int) {
-    if (v == 0.0) Py_RETURN_NONE;
-    return is_int ? PyLong_FromLongLong((long long)v) : PyFloat_FromDouble(v);
-}
-
-/* rope_defaults(): the RoPE fields of a LayerConfig at the engine's Q3_ROPE_SCALING_DEFAULT,
- * the values a variant that does not read a field leaves in it */
+/* rope_defaults(): the RoPE fields of a LayerConfig (the table's, from rope_type on) at the
+ * engine's Q3_ROPE_SCALING_DEFAULT, the values a variant that does not read a field leaves in
+ * it: converted back, the engine's "unset" as None */
 PyObject *q3py_rope_defaults(PyObject *m, PyObject *unused) {
     (void)m;
     (void)unused;
-    const q3_rope_scaling d = Q3_ROPE_SCALING_DEFAULT;
-    const char *type = "?";
-    for (size_t i = 0; i < sizeof types / sizeof types[0]; i++)
-        if (types[i].type == d.type) type = types[i].name;
-    return Py_BuildValue("{sssdsNsNsdsdsNsNsO}", "rope_type", type, "rope_factor", d.factor,
-                         "rope_original_max_position_embeddings", optional((double)d.original_max, 1),
-                         "rope_attention_factor", optional(d.attention_factor, 0), "rope_beta_fast", d.beta_fast,
-                         "rope_beta_slow", d.beta_slow, "rope_mscale", optional(d.mscale, 0), "rope_mscale_all_dim",
-                         optional(d.mscale_all_dim, 0), "rope_truncate", d.truncate ? Py_True : Py_False);
+    const q3_config_values v = {.rope = Q3_ROPE_SCALING_DEFAULT};
+    PyObject *out = PyDict_New();
+    for (int f = 0, rope = 0; out && f < (int)(sizeof fields / sizeof fields[0]); f++) {
+        const char *at = (const char *)&v + fields[f].at;
+        const field_kind kind = fields[f].kind;
+        const double d = kind == NUMBER || kind == NUMBER_OR_NONE || kind == POSITIVE_OR_NONE ? *(const double *)at : 0;
+        if (!(rope |= kind == ROPE_TYPE)) continue;
+        PyObject *x = kind == ROPE_TYPE ? PyUnicode_FromString(q3_rope_type_name(*(const q3_rope_type *)at))
+                      : kind == FLAG    ? PyBool_FromLong(*(const int *)at)
+                      : kind == COUNT_OR_NONE ? (v.rope.original_max ? PyLong_FromLongLong(v.rope.original_max)
+                                                                      : Py_NewRef(Py_None))
+                      : kind == NUMBER || d != 0.0 ? PyFloat_FromDouble(d) : Py_NewRef(Py_None);
+        const char *name = fields[f].name ? fields[f].name : q3_config_count_name(fields[f].count);
+        if (!x || PyDict_SetItemString(out, name, x) < 0) Py_CLEAR(out);
+        Py_XDECREF(x);
+    }
+    return out;
 }
 
 /* the engine's weight table (q3_weight_table) as [(name, shape, storage, of)]: storage
