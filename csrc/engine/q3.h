@@ -502,10 +502,15 @@ int64_t q3_cache_first_position(const q3_cache *c, int seq);
 
 #define Q3_MAX_DIM 8
 
+/* a dtype's name as torch and the messages spell it */
+static inline const char *q3_dtype_name(q3_dtype dt) {
+    return dt == Q3_BF16 ? "bfloat16" : dt == Q3_E4M3 ? "float8_e4m3fn" : dt == Q3_I32 ? "int32" : "float32";
+}
+
 /* A tensor borrowed from a producer (a DLPack tensor, dlpack_abi.h) as the engine reads it:
  * its first element, dims and strides (elements), where it lives, and what a call may do with
  * it. managed and versioned belong to the importer (the glue: the capsule's deleter to run). */
-typedef struct {
+typedef struct q3_view {
     void *data; /* first element */
     int ndim;
     int64_t shape[Q3_MAX_DIM];

@@ -24,10 +24,6 @@ int q3py_status(q3_status s, const q3_error *err) {
     return -1;
 }
 
-const char *q3_dtype_name(q3_dtype dt) {
-    return dt == Q3_BF16 ? "bfloat16" : dt == Q3_E4M3 ? "float8_e4m3fn" : dt == Q3_I32 ? "int32" : "float32";
-}
-
 int q3_parse_dtype(PyObject *obj, const char *arg, q3_dtype *out) {
     const char *s = PyUnicode_Check(obj) ? PyUnicode_AsUTF8(obj) : NULL;
     if (s && (!strcmp(s, "float32") || !strcmp(s, "fp32"))) *out = Q3_F32;

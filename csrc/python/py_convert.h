@@ -19,9 +19,7 @@ typedef struct q3_module_state q3_module_state;
 PyObject *q3_raise(q3_module_state *st, const q3_error *err);
 /* 0 for Q3_OK; else the exception for err raised (CacheFullError as RuntimeError) and -1 */
 int q3py_status(q3_status s, const q3_error *err);
-/* dtype <-> "float32" / "bfloat16" ("float8_e4m3fn" named, never parsed: weights only);
- * q3_parse_dtype raises TypeError naming `arg` */
-const char *q3_dtype_name(q3_dtype dt);
+/* "float32" / "bfloat16" -> dtype (q3_dtype_name, q3.h, the other way); TypeError naming `arg` */
 int q3_parse_dtype(PyObject *obj, const char *arg, q3_dtype *out);
 /* "dtype": 'float32' or 'bfloat16' -> q3_dtype *out */
 int q3py_dtype(PyObject *obj, void *out);

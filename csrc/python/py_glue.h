@@ -22,6 +22,7 @@ struct q3_module_state {
 
 extern PyModuleDef q3_module_def;
 q3_module_state *q3_state_of_type(PyTypeObject *type);
+static inline q3_module_state *q3py_state(PyObject *module) { return (q3_module_state *)PyModule_GetState(module); }
 
 /* The exception being raised, taken out and put back around code that may run Python (a
  * DLPack producer's deleter, a method call) so that it neither fails on it nor replaces it. */
