@@ -377,21 +377,29 @@ typedef struct {
 } q3_expert_half_args;
 q3_status q3_layer_expert_half(q3_layer *layer, const q3_expert_half_args *a, q3_error *err);
 /* Rows of a layer whose experts are split between places (qwen3layer/placement/hybrid.py: a
- * device and the host; qwen3layer/placement/parallel.py: processes), in the memory of `device`
- * (-1: the host; else a CUDA device, through the installed backend, queued on its `stream`):
- * q3_take_rows: dst [n, H] <- src [R, H] row rows[i] for i < n, both of dtype dt (fp32 or
- * bf16), moved as they are;
- * q3_combine_rows: resid [R, H] fp32 += parts[i] at row rows[i] for i < n in turn (parts
- * [n, H] of parts_dtype, fp32 or bf16), then out [R, H] of out_dtype (NULL: none) <- resid.
- * rows [n] int32 in the same memory; each is checked in [0, R) before any write (Q3_ERR_INDEX
- * naming the first outside; a device's rows read back on the stream first). On the host a
- * row may be named by several parts (they add in order); on a device a row named twice is
- * refused (Q3_ERR_VALUE: its kernel adds the parts in parallel). */
-q3_status q3_take_rows(void *dst, const void *src, q3_dtype dt, int64_t R, int64_t H, const int32_t *rows, int64_t n,
-                       int device, void *stream, q3_error *err);
-q3_status q3_combine_rows(float *resid, int64_t R, int64_t H, const void *parts, q3_dtype parts_dtype,
-                          const int32_t *rows, int64_t n, void *out, q3_dtype out_dtype, int device, void *stream,
-                          q3_error *err);
+ * device and the host; qwen3layer/placement/parallel.py: processes), as views (q3_view: the
+ * tensors from outside, below) in the memory of one device (-1: the host; else a CUDA device,
+ * through the installed backend, queued on `stream`), each view float32 or bfloat16 as
+ * imported, `rows` int32 (Q3_VIEW_I32). Tensors of rows may have leading dims ([..., H]: their
+ * rows in order, the product of the leading dims).
+ * q3_take_rows: out [n, H] <- src [R, H] row rows[i] for i < n, of src's dtype, moved as
+ * they are. q3_take_rows_check checks the views first (src contiguous [R, H >= 1]; rows a
+ * contiguous [n]; out, when given (NULL: the caller makes one [n, H] of src's dtype after the
+ * check), a writable contiguous [n, H] of src's dtype overlapping neither), each failure naming
+ * the argument; q3_take_rows then moves the rows into dst (out's data, or the one made) and
+ * checks only the row indices.
+ * q3_combine_rows: resid [R, H] fp32 (writable, contiguous) += parts[i] [n, H] at row rows[i]
+ * (rows [n]) for i < n in turn, then out [R, H] (NULL: none; writable, contiguous, any float
+ * dtype, resid itself or overlapping neither) <- resid: every view checked, then the work.
+ * Each row index is checked in [0, R) before any write (Q3_ERR_INDEX naming the first outside;
+ * a device's rows read back on the stream first). On the host a row may be named by several
+ * parts (they add in order); on a device a row named twice is refused (Q3_ERR_VALUE: its
+ * kernel adds the parts in parallel). A refused call writes nothing. */
+typedef struct q3_view q3_view; /* below: tensors from outside */
+q3_status q3_take_rows_check(const q3_view *src, const q3_view *rows, const q3_view *out, q3_error *err);
+q3_status q3_take_rows(void *dst, const q3_view *src, const q3_view *rows, void *stream, q3_error *err);
+q3_status q3_combine_rows(const q3_view *resid, const q3_view *parts, const q3_view *rows, const q3_view *out,
+                          void *stream, q3_error *err);
 /* the check of those rows alone (host memory), distinct or not */
 q3_status q3_check_split_rows(const int32_t *rows, int64_t n, int64_t R, int distinct, q3_error *err);
 /* how many experts the layer holds, and whether it holds expert e */
