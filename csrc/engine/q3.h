@@ -415,20 +415,23 @@ const char *q3_stage_name(int stage);
 /* ---- routing summary (routing.c) ----------------------------------------------------- */
 
 /* The router's choices summed up for a routing summary (qwen3layer.routing): how many
- * (token, slot) choices went to each expert in one layer call. Host memory only. */
-#define Q3_ROUTING_MAX_DIM 8
+ * (token, slot) choices went to each expert in one layer call. */
 
-/* counts [E] = how many entries of experts equal each e in [0, E). experts: a tensor of
- * `ndim` dims [shape], element strides `strides` (any layout: a slice of a trace's
- * [..., top_k] choices works as well), int32. counts is zeroed first and counts every
- * entry, so rows x top_k in all. An entry outside [0, E) fails with Q3_ERR_INDEX naming its
- * position ("experts[2, 7]") and value, counts then zeroed. E in [1, Q3_MAX_EXPERTS];
- * ndim in [1, Q3_ROUTING_MAX_DIM]; shape non-negative; no two elements at one address
- * (Q3_ERR_VALUE otherwise: the walk is bounded by the memory the tensor holds). The caller checked the strides as
- * the DLPack import does: the sum over dims of (shape - 1) x |stride| fits int64 (and the
- * elements it reaches are the tensor's memory). */
-q3_status q3_count_experts(const int32_t *experts, int ndim, const int64_t *shape, const int64_t *strides, int E,
-                           int64_t *counts, q3_error *err);
+/* What is checked before the choices are imported: E in [1, Q3_MAX_EXPERTS] and, for choices
+ * on a CUDA device (`device` >= 0, their DLPack device; -1: the host), a backend installed
+ * (Q3_ERR_VALUE naming num_experts, resp. experts: before a producer exports anything). */
+q3_status q3_count_experts_check(int E, int device, q3_error *err);
+/* counts [E] = how many entries of the int32 view `experts` (at least 1 dim: [..., top_k])
+ * equal each e in [0, E), E as q3_count_experts_check took it. A host view is read in place
+ * in any layout (a slice of a trace's choices works as well) whose elements do not overlap
+ * (Q3_ERR_VALUE otherwise: the walk is bounded by the memory the tensor holds); a device view
+ * must be contiguous and is copied to the host through the backend, after everything queued
+ * on its device finished (the pass that wrote it may be on any stream), so the counts are of
+ * finished choices (Q3_ERR_STATE "experts: copying them from cuda:d: ..." when that fails).
+ * counts is zeroed first and counts every entry, so rows x top_k in all. An entry outside
+ * [0, E) fails with Q3_ERR_INDEX naming its position ("experts[2, 7]") and value, counts then
+ * zeroed. */
+q3_status q3_count_experts(const q3_view *experts, int E, int64_t *counts, q3_error *err);
 
 /* ---- the KV cache (cache.c, cache_ops.c; its layout: cache.h) ------------------------- */
 
