@@ -561,6 +561,16 @@ q3_status q3_view_check_rows(const q3_view *v, const char *arg, int64_t rows, in
                              q3_error *err);
 int64_t q3_view_rows(const q3_view *v);
 int q3_views_overlap(const q3_view *a, const q3_view *b);
+/* copy_tensor's rules for a copy of v onto `device` (-1: the host): v contiguous, a backend
+ * installed when either side is on a device (Q3_ERR_STATE "device: the CUDA backend is not
+ * loaded"), not from one device buffer to another (Q3_ERR_VALUE) */
+q3_status q3_view_check_copy(const q3_view *v, int device, q3_error *err);
+/* v <- host bytes from `offset` on of a buffer of len bytes at base, as a
+ * contiguous tensor [ndim dims: shape] (non-negative dims, at most Q3_MAX_DIM) of dt: a view of
+ * a memory-mapped file. Q3_ERR_VALUE naming shape when its size overflows int64, buffer when
+ * the bytes do not fit. */
+q3_status q3_view_of_bytes(q3_view *v, void *base, int64_t len, int64_t offset, q3_dtype dt, int ndim,
+                           const int64_t *shape, q3_error *err);
 /* "[2, 3, 4]" into buf [n] */
 void q3_format_shape(char *buf, size_t n, int ndim, const int64_t *shape);
 /* whether element strides [ndim] lay shape [ndim] out in C order (an empty tensor always) */
@@ -595,13 +605,21 @@ void q3_fill_random_from(void *dst, q3_dtype dt, int64_t n, uint64_t seed, uint6
  * FP8 matrix is, to the last bit of fp32 rounding, the quantized dense one): per 128 x 128
  * block scale_inv = amax / 448 (an all-zero block: 1), w = e4m3(value / scale_inv).
  * w [N, K] bytes, scale [ceil(N/128), ceil(K/128)] fp32. Deterministic whatever the threads. */
+void q3_fill_random_fp8(uint8_t *w, float *scale, int64_t N, int64_t K, uint64_t seed, uint64_t stream,
+                        int64_t offset, float mean, float std);
 /* dst [count, n, K] fp32 <- count matrices w [count, n, K] of e4m3 bytes, each with its own
  * scale_inv blocks [ceil(n/128), ceil(K/128)] of sdt (stacked likewise): the scalar
  * dequantization of kernels/fp8.h, the reference for an FP8 checkpoint's values */
 void q3_dequantize_fp8(float *dst, const uint8_t *w, const void *scale, q3_dtype sdt, int64_t count, int64_t n,
                        int64_t K);
-void q3_fill_random_fp8(uint8_t *w, float *scale, int64_t N, int64_t K, uint64_t seed, uint64_t stream,
-                        int64_t offset, float mean, float std);
+/* The same for views (host memory): weight [.., parts n, K] float8_e4m3fn, contiguous, each
+ * matrix of its leading dims `parts` matrices [n, K] stacked with their own blocks (a fused
+ * gate_up_proj: parts = 2); scale_inv [.., parts ceil(n/128), ceil(K/128)] fp32 or bf16,
+ * contiguous, the same leading dims. q3_dequantize_fp8_check refuses anything else
+ * (Q3_ERR_VALUE naming the argument, the shapes given); q3_dequantize_fp8_views writes dst
+ * [weight's shape] fp32 after it. */
+q3_status q3_dequantize_fp8_check(const q3_view *w, const q3_view *scale, int parts, q3_error *err);
+void q3_dequantize_fp8_views(float *dst, const q3_view *w, const q3_view *scale, int parts);
 
 /* Probes of this machine with the active CPU path (probe.c): the best of `repeats`
  * timed reads of a fresh `bytes` buffer in GB/s (0 if it cannot be allocated), and the
