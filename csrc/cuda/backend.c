@@ -47,11 +47,19 @@ static q3_status device_synchronize(int device, void *stream, q3_error *err) {
     return q3_fail(err, Q3_ERR_STATE, "cuda: synchronizing device %d failed: %s", device, table.error_string(code));
 }
 
+static q3_status device_copy_to_host(void *dst, const void *src, size_t bytes, int device, q3_error *err) {
+    int code = table.set_device(device);
+    if (!code) code = table.synchronize();
+    if (!code && bytes) code = table.copy(dst, src, bytes, 0);
+    return code ? q3_fail(err, Q3_ERR_STATE, "%s", table.error_string(code)) : Q3_OK;
+}
+
 static const q3_device_backend cuda_device = {
     .alloc_zeroed = device_alloc_zeroed,
     .free = device_free,
     .copy_2d = device_copy_2d,
     .synchronize = device_synchronize,
+    .copy_to_host = device_copy_to_host,
     .layer_forward = q3_layer_forward_cuda,
     .layer_attention_half = q3_layer_attention_half_cuda,
     .layer_expert_half = q3_layer_expert_half_cuda,

@@ -23,6 +23,9 @@ typedef struct {
     /* waits for the work queued on `stream`, or, stream NULL, for everything queued on `device`
      * (every stream); Q3_ERR_STATE with the CUDA error's text if that work failed */
     q3_status (*synchronize)(int device, void *stream, q3_error *err);
+    /* bytes from src on `device` into host memory at dst, once everything queued on the device
+     * (every stream) has finished; Q3_ERR_STATE with the CUDA error's text alone */
+    q3_status (*copy_to_host)(void *dst, const void *src, size_t bytes, int device, q3_error *err);
     /* q3_layer_forward of a layer whose weights live on the device, after the engine checked
      * the call (csrc/engine/layer.c); same contract */
     q3_status (*layer_forward)(q3_layer *layer, q3_cache *cache, const q3_forward_args *a, q3_error *err);

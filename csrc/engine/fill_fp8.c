@@ -1,7 +1,10 @@
-/* The FP8 reference dequantization (q3_dequantize_fp8, q3.h), and random FP8 weights
+/* The FP8 reference dequantization (q3_dequantize_fp8, q3.h; of views, their shapes checked:
+ * q3_dequantize_fp8_check, q3_dequantize_fp8_views), and random FP8 weights
  * (q3_fill_random_fp8, q3.h): each 128 x 128 block drawn into an fp32 tile,
  * its amax taken, then quantized. w [N, K] e4m3 bytes row-major, scale [ceil(N/128),
  * ceil(K/128)] fp32, the last row and column of blocks possibly partial. */
+#include <stdio.h>
+
 #include "q3.h"
 
 #include "../../kernels/fp8.h"
@@ -58,4 +61,37 @@ void q3_dequantize_fp8(float *dst, const uint8_t *w, const void *scale, q3_dtype
     for (int64_t i = 0; i < count; i++)
         q3_fp8_dequant_rows(dst + i * n * K, w + i * n * K, (const char *)scale + (size_t)(i * blocks) * ssz, sdt, 0,
                             n, K);
+}
+
+q3_status q3_dequantize_fp8_check(const q3_view *w, const q3_view *scale, int parts, q3_error *err) {
+    char ws[96], ss[96];
+    q3_format_shape(ws, sizeof ws, w->ndim, w->shape);
+    q3_format_shape(ss, sizeof ss, scale->ndim, scale->shape);
+    if (w->dtype != Q3_E4M3 || !w->contiguous || !scale->contiguous || w->ndim < 2 || scale->ndim != w->ndim)
+        return q3_fail(err, Q3_ERR_VALUE, "dequantize_fp8: expected a contiguous float8_e4m3fn weight of rank >= 2 "
+                       "and a contiguous scale_inv of the same rank, got %s %s and %s %s", q3_dtype_name(w->dtype), ws,
+                       q3_dtype_name(scale->dtype), ss);
+    const int r = w->ndim;
+    const int64_t rows = w->shape[r - 2], K = w->shape[r - 1];
+    if (parts < 1 || rows % parts)
+        return q3_fail(err, Q3_ERR_VALUE, "parts: expected a positive divisor of the weight's rows (%lld), got %d",
+                       (long long)rows, parts);
+    const int64_t dims[2] = {rows / parts, K};
+    int64_t blocks[2]; /* of one matrix [n, K]; parts x blocks[0] <= rows + parts fits */
+    q3_fp8_scale_shape(dims, blocks);
+    int ok = scale->shape[r - 2] == parts * blocks[0] && scale->shape[r - 1] == blocks[1];
+    for (int d = 0; d < r - 2; d++) ok = ok && scale->shape[d] == w->shape[d];
+    if (!ok)
+        return q3_fail(err, Q3_ERR_VALUE, "scale_inv: expected the block shape of weight %s in %d part(s), got %s", ws,
+                       parts, ss);
+    return Q3_OK;
+}
+
+void q3_dequantize_fp8_views(float *dst, const q3_view *w, const q3_view *scale, int parts) {
+    const int r = w->ndim;
+    /* the matrices [n, K]: M (the leading dims) x parts <= M x rows, prefixes of the element
+     * count the import checked (q3_numel stops at the first product that overflows): both fit */
+    int64_t M;
+    q3_numel(r - 2, w->shape, &M);
+    q3_dequantize_fp8(dst, w->data, scale->data, scale->dtype, M * parts, w->shape[r - 2] / parts, w->shape[r - 1]);
 }

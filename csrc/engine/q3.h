@@ -377,21 +377,29 @@ typedef struct {
 } q3_expert_half_args;
 q3_status q3_layer_expert_half(q3_layer *layer, const q3_expert_half_args *a, q3_error *err);
 /* Rows of a layer whose experts are split between places (qwen3layer/placement/hybrid.py: a
- * device and the host; qwen3layer/placement/parallel.py: processes), in the memory of `device`
- * (-1: the host; else a CUDA device, through the installed backend, queued on its `stream`):
- * q3_take_rows: dst [n, H] <- src [R, H] row rows[i] for i < n, both of dtype dt (fp32 or
- * bf16), moved as they are;
- * q3_combine_rows: resid [R, H] fp32 += parts[i] at row rows[i] for i < n in turn (parts
- * [n, H] of parts_dtype, fp32 or bf16), then out [R, H] of out_dtype (NULL: none) <- resid.
- * rows [n] int32 in the same memory; each is checked in [0, R) before any write (Q3_ERR_INDEX
- * naming the first outside; a device's rows read back on the stream first). On the host a
- * row may be named by several parts (they add in order); on a device a row named twice is
- * refused (Q3_ERR_VALUE: its kernel adds the parts in parallel). */
-q3_status q3_take_rows(void *dst, const void *src, q3_dtype dt, int64_t R, int64_t H, const int32_t *rows, int64_t n,
-                       int device, void *stream, q3_error *err);
-q3_status q3_combine_rows(float *resid, int64_t R, int64_t H, const void *parts, q3_dtype parts_dtype,
-                          const int32_t *rows, int64_t n, void *out, q3_dtype out_dtype, int device, void *stream,
-                          q3_error *err);
+ * device and the host; qwen3layer/placement/parallel.py: processes), as views (q3_view: the
+ * tensors from outside, below) in the memory of one device (-1: the host; else a CUDA device,
+ * through the installed backend, queued on `stream`), each view float32 or bfloat16 as
+ * imported, `rows` int32 (Q3_VIEW_I32). Tensors of rows may have leading dims ([..., H]: their
+ * rows in order, the product of the leading dims).
+ * q3_take_rows: out [n, H] <- src [R, H] row rows[i] for i < n, of src's dtype, moved as
+ * they are. q3_take_rows_check checks the views first (src contiguous [R, H >= 1]; rows a
+ * contiguous [n]; out, when given (NULL: the caller makes one [n, H] of src's dtype after the
+ * check), a writable contiguous [n, H] of src's dtype overlapping neither), each failure naming
+ * the argument; q3_take_rows then moves the rows into dst (out's data, or the one made) and
+ * checks only the row indices.
+ * q3_combine_rows: resid [R, H] fp32 (writable, contiguous) += parts[i] [n, H] at row rows[i]
+ * (rows [n]) for i < n in turn, then out [R, H] (NULL: none; writable, contiguous, any float
+ * dtype, resid itself or overlapping neither) <- resid: every view checked, then the work.
+ * Each row index is checked in [0, R) before any write (Q3_ERR_INDEX naming the first outside;
+ * a device's rows read back on the stream first). On the host a row may be named by several
+ * parts (they add in order); on a device a row named twice is refused (Q3_ERR_VALUE: its
+ * kernel adds the parts in parallel). A refused call writes nothing. */
+typedef struct q3_view q3_view; /* below: tensors from outside */
+q3_status q3_take_rows_check(const q3_view *src, const q3_view *rows, const q3_view *out, q3_error *err);
+q3_status q3_take_rows(void *dst, const q3_view *src, const q3_view *rows, void *stream, q3_error *err);
+q3_status q3_combine_rows(const q3_view *resid, const q3_view *parts, const q3_view *rows, const q3_view *out,
+                          void *stream, q3_error *err);
 /* the check of those rows alone (host memory), distinct or not */
 q3_status q3_check_split_rows(const int32_t *rows, int64_t n, int64_t R, int distinct, q3_error *err);
 /* how many experts the layer holds, and whether it holds expert e */
@@ -407,20 +415,23 @@ const char *q3_stage_name(int stage);
 /* ---- routing summary (routing.c) ----------------------------------------------------- */
 
 /* The router's choices summed up for a routing summary (qwen3layer.routing): how many
- * (token, slot) choices went to each expert in one layer call. Host memory only. */
-#define Q3_ROUTING_MAX_DIM 8
+ * (token, slot) choices went to each expert in one layer call. */
 
-/* counts [E] = how many entries of experts equal each e in [0, E). experts: a tensor of
- * `ndim` dims [shape], element strides `strides` (any layout: a slice of a trace's
- * [..., top_k] choices works as well), int32. counts is zeroed first and counts every
- * entry, so rows x top_k in all. An entry outside [0, E) fails with Q3_ERR_INDEX naming its
- * position ("experts[2, 7]") and value, counts then zeroed. E in [1, Q3_MAX_EXPERTS];
- * ndim in [1, Q3_ROUTING_MAX_DIM]; shape non-negative; no two elements at one address
- * (Q3_ERR_VALUE otherwise: the walk is bounded by the memory the tensor holds). The caller checked the strides as
- * the DLPack import does: the sum over dims of (shape - 1) x |stride| fits int64 (and the
- * elements it reaches are the tensor's memory). */
-q3_status q3_count_experts(const int32_t *experts, int ndim, const int64_t *shape, const int64_t *strides, int E,
-                           int64_t *counts, q3_error *err);
+/* What is checked before the choices are imported: E in [1, Q3_MAX_EXPERTS] and, for choices
+ * on a CUDA device (`device` >= 0, their DLPack device; -1: the host), a backend installed
+ * (Q3_ERR_VALUE naming num_experts, resp. experts: before a producer exports anything). */
+q3_status q3_count_experts_check(int E, int device, q3_error *err);
+/* counts [E] = how many entries of the int32 view `experts` (at least 1 dim: [..., top_k])
+ * equal each e in [0, E), E as q3_count_experts_check took it. A host view is read in place
+ * in any layout (a slice of a trace's choices works as well) whose elements do not overlap
+ * (Q3_ERR_VALUE otherwise: the walk is bounded by the memory the tensor holds); a device view
+ * must be contiguous and is copied to the host through the backend, after everything queued
+ * on its device finished (the pass that wrote it may be on any stream), so the counts are of
+ * finished choices (Q3_ERR_STATE "experts: copying them from cuda:d: ..." when that fails).
+ * counts is zeroed first and counts every entry, so rows x top_k in all. An entry outside
+ * [0, E) fails with Q3_ERR_INDEX naming its position ("experts[2, 7]") and value, counts then
+ * zeroed. */
+q3_status q3_count_experts(const q3_view *experts, int E, int64_t *counts, q3_error *err);
 
 /* ---- the KV cache (cache.c, cache_ops.c; its layout: cache.h) ------------------------- */
 
@@ -592,7 +603,7 @@ int64_t q3_cache_first_position(const q3_cache *c, int seq);
 /* A tensor borrowed from a producer (a DLPack tensor, dlpack_abi.h) as the engine reads it:
  * its first element, dims and strides (elements), where it lives, and what a call may do with
  * it. managed and versioned belong to the importer (the glue: the capsule's deleter to run). */
-typedef struct {
+typedef struct q3_view {
     void *data; /* first element */
     int ndim;
     int64_t shape[Q3_MAX_DIM];
@@ -632,6 +643,16 @@ q3_status q3_view_check_rows(const q3_view *v, const char *arg, int64_t rows, in
                              q3_error *err);
 int64_t q3_view_rows(const q3_view *v);
 int q3_views_overlap(const q3_view *a, const q3_view *b);
+/* copy_tensor's rules for a copy of v onto `device` (-1: the host): v contiguous, a backend
+ * installed when either side is on a device (Q3_ERR_STATE "device: the CUDA backend is not
+ * loaded"), not from one device buffer to another (Q3_ERR_VALUE) */
+q3_status q3_view_check_copy(const q3_view *v, int device, q3_error *err);
+/* v <- host bytes from `offset` on of a buffer of len bytes at base, as a
+ * contiguous tensor [ndim dims: shape] (non-negative dims, at most Q3_MAX_DIM) of dt: a view of
+ * a memory-mapped file. Q3_ERR_VALUE naming shape when its size overflows int64, buffer when
+ * the bytes do not fit. */
+q3_status q3_view_of_bytes(q3_view *v, void *base, int64_t len, int64_t offset, q3_dtype dt, int ndim,
+                           const int64_t *shape, q3_error *err);
 /* "[2, 3, 4]" into buf [n] */
 void q3_format_shape(char *buf, size_t n, int ndim, const int64_t *shape);
 /* whether element strides [ndim] lay shape [ndim] out in C order (an empty tensor always) */
@@ -694,13 +715,21 @@ void q3_fill_random_from(void *dst, q3_dtype dt, int64_t n, uint64_t seed, uint6
  * FP8 matrix is, to the last bit of fp32 rounding, the quantized dense one): per 128 x 128
  * block scale_inv = amax / 448 (an all-zero block: 1), w = e4m3(value / scale_inv).
  * w [N, K] bytes, scale [ceil(N/128), ceil(K/128)] fp32. Deterministic whatever the threads. */
+void q3_fill_random_fp8(uint8_t *w, float *scale, int64_t N, int64_t K, uint64_t seed, uint64_t stream,
+                        int64_t offset, float mean, float std);
 /* dst [count, n, K] fp32 <- count matrices w [count, n, K] of e4m3 bytes, each with its own
  * scale_inv blocks [ceil(n/128), ceil(K/128)] of sdt (stacked likewise): the scalar
  * dequantization of kernels/fp8.h, the reference for an FP8 checkpoint's values */
 void q3_dequantize_fp8(float *dst, const uint8_t *w, const void *scale, q3_dtype sdt, int64_t count, int64_t n,
                        int64_t K);
-void q3_fill_random_fp8(uint8_t *w, float *scale, int64_t N, int64_t K, uint64_t seed, uint64_t stream,
-                        int64_t offset, float mean, float std);
+/* The same for views (host memory): weight [.., parts n, K] float8_e4m3fn, contiguous, each
+ * matrix of its leading dims `parts` matrices [n, K] stacked with their own blocks (a fused
+ * gate_up_proj: parts = 2); scale_inv [.., parts ceil(n/128), ceil(K/128)] fp32 or bf16,
+ * contiguous, the same leading dims. q3_dequantize_fp8_check refuses anything else
+ * (Q3_ERR_VALUE naming the argument, the shapes given); q3_dequantize_fp8_views writes dst
+ * [weight's shape] fp32 after it. */
+q3_status q3_dequantize_fp8_check(const q3_view *w, const q3_view *scale, int parts, q3_error *err);
+void q3_dequantize_fp8_views(float *dst, const q3_view *w, const q3_view *scale, int parts);
 
 /* Probes of this machine with the active CPU path (probe.c): the best of `repeats`
  * timed reads of a fresh `bytes` buffer in GB/s (0 if it cannot be allocated), and the

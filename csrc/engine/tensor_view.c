@@ -1,12 +1,12 @@
 /* A tensor from outside as the engine checks it (q3_view, q3.h): a producer's DLPack tensor
  * read into a view, refused with a message naming the argument when its device, dtype,
  * alignment, shape or strides cannot be used; and the checks calls make of views (contiguous,
- * writable, shape, rows, overlap). The glue imports capsules and raises; the decisions are
+ * writable, shape, rows, overlap, a copy's devices). The glue imports capsules and raises; the decisions are
  * here, where a C program (the fuzzers, the CPU op harness) can reach them without Python. */
 #include <stdio.h>
 #include <string.h>
 
-#include "q3.h"
+#include "device_backend.h"
 
 void q3_format_shape(char *buf, size_t n, int ndim, const int64_t *shape) {
     size_t used = (size_t)snprintf(buf, n, "[");
@@ -183,4 +183,34 @@ static size_t view_bytes(const q3_view *v) {
 int q3_views_overlap(const q3_view *a, const q3_view *b) {
     const uintptr_t pa = (uintptr_t)a->data, pb = (uintptr_t)b->data;
     return pa < pb + view_bytes(b) && pb < pa + view_bytes(a) && view_bytes(a) && view_bytes(b);
+}
+
+q3_status q3_view_check_copy(const q3_view *v, int device, q3_error *err) {
+    q3_status s = q3_view_require(v, "tensor", Q3_NEED_CONTIGUOUS, err);
+    if (s != Q3_OK) return s;
+    if ((v->device >= 0 || device >= 0) && !q3_device())
+        return q3_fail(err, Q3_ERR_STATE, "device: the CUDA backend is not loaded");
+    if (v->device >= 0 && device >= 0) /* the copies for the glue are host <-> device ones */
+        return q3_fail(err, Q3_ERR_VALUE, "device: copies between two CUDA buffers are not supported here");
+    return Q3_OK;
+}
+
+q3_status q3_view_of_bytes(q3_view *v, void *base, int64_t len, int64_t offset, q3_dtype dt, int ndim,
+                           const int64_t *shape, q3_error *err) {
+    memset(v, 0, sizeof *v);
+    v->ndim = ndim, v->dtype = dt, v->device = -1, v->contiguous = 1;
+    memcpy(v->shape, shape, (size_t)ndim * sizeof *shape);
+    int64_t n, bytes, end;
+    if (!q3_contiguous_strides(ndim, shape, q3_dtype_size(dt), v->strides)) {
+        char got[160];
+        q3_format_shape(got, sizeof got, ndim, shape);
+        return q3_fail(err, Q3_ERR_VALUE, "shape: the size of %s overflows int64", got);
+    }
+    q3_numel(ndim, shape, &n); /* fits, and so do its bytes: the strides did */
+    bytes = n * (int64_t)q3_dtype_size(dt);
+    if (offset < 0 || !q3_add_i64(offset, bytes, &end) || end > len)
+        return q3_fail(err, Q3_ERR_VALUE, "buffer: %lld bytes from offset %lld do not fit in a buffer of %lld bytes",
+                       (long long)bytes, (long long)offset, (long long)len);
+    v->data = (char *)base + offset;
+    return Q3_OK;
 }

@@ -62,6 +62,29 @@ int q3py_stream_on(PyObject *obj, int device, const char *cpu_object, void **out
     return q3py_stream(obj, out) ? 0 : -1;
 }
 
+int q3py_shape_arg(PyObject *obj, void *out) {
+    q3py_shape *shape = out;
+    PyObject *seq = PySequence_Fast(obj, "shape: expected a sequence of ints");
+    if (!seq) return 0;
+    const Py_ssize_t ndim = PySequence_Fast_GET_SIZE(seq);
+    int ok = ndim >= shape->min_ndim && ndim <= Q3_MAX_DIM;
+    for (Py_ssize_t d = 0; ok && d < ndim; d++) {
+        shape->dims[d] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, d));
+        ok = shape->dims[d] >= 0 && !PyErr_Occurred();
+    }
+    Py_DECREF(seq);
+    const char *range = shape->min_ndim ? "1 to" : "at most";
+    if (!ok && PyErr_ExceptionMatches(PyExc_OverflowError)) {
+        PyErr_Clear(); /* a dim past int64 is a bad shape like any other */
+        PyErr_Format(PyExc_ValueError, "shape: expected %s %d non-negative ints of int64, got %R", range, Q3_MAX_DIM,
+                     obj);
+    } else if (!ok && !PyErr_Occurred()) {
+        PyErr_Format(PyExc_ValueError, "shape: expected %s %d non-negative ints", range, Q3_MAX_DIM);
+    }
+    shape->ndim = (int)ndim;
+    return ok;
+}
+
 int q3py_seq(PyObject *obj, int batch, int allow_none, int *seq) {
     if (obj == Py_None && allow_none) {
         *seq = -1;

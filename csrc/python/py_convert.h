@@ -32,6 +32,15 @@ int q3py_stream_on(PyObject *obj, int device, const char *cpu_object, void **out
 /* "seq": an int in [0, batch) -> *seq, or None -> -1 ("every sequence") where allow_none;
  * a bool is not an int here; 0, or -1 with TypeError / IndexError */
 int q3py_seq(PyObject *obj, int batch, int allow_none, int *seq);
+/* "shape": a sequence of min_ndim (the caller's, 0 or 1) to Q3_MAX_DIM non-negative ints of
+ * int64 -> q3py_shape *out (TypeError for a non-sequence or a non-int, ValueError naming the
+ * range otherwise) */
+typedef struct {
+    int min_ndim;
+    int ndim;
+    int64_t dims[Q3_MAX_DIM];
+} q3py_shape;
+int q3py_shape_arg(PyObject *obj, void *out);
 /* experts= (a sequence of distinct expert ids in [0, E)) as a PyMem_Malloc'd [E] mask of the
  * ids held; -1 with an exception naming the entry */
 int q3py_held_experts(PyObject *obj, int E, uint8_t **held);

@@ -22,6 +22,7 @@ struct q3_module_state {
 
 extern PyModuleDef q3_module_def;
 q3_module_state *q3_state_of_type(PyTypeObject *type);
+static inline q3_module_state *q3py_state(PyObject *module) { return (q3_module_state *)PyModule_GetState(module); }
 
 /* The exception being raised, taken out and put back around code that may run Python (a
  * DLPack producer's deleter, a method call) so that it neither fails on it nor replaces it. */
@@ -59,8 +60,9 @@ static inline void q3_error_unstash(q3_pending_error *e) {
  * default). Returns 0, or -1 with an exception set (nothing to release then). */
 int q3_view_acquire_on(PyObject *obj, const char *arg, q3_view *v, int device, int allow, void *stream);
 void q3_view_release(q3_view *v);
-/* q3_view_require's check raised: 0, or -1 with the exception */
+/* q3_view_require's and q3_view_check_rows' checks raised: 0, or -1 with the exception */
 int q3py_view_require(const q3_view *v, const char *arg, int need);
+int q3py_check_rows(const q3_view *v, const char *arg, int64_t rows, int64_t cols, const char *cols_name);
 
 /* ---- Tensor (py_tensor.c): extension-owned memory exported through DLPack -------- */
 
@@ -90,8 +92,6 @@ PyObject *q3_buffer_view(PyObject *module, PyObject *args);
 /* _C.take_rows and _C.combine_rows (py_split_rows.c) */
 PyObject *q3py_take_rows(PyObject *module, PyObject *args, PyObject *kw);
 PyObject *q3py_combine_rows(PyObject *module, PyObject *args, PyObject *kw);
-/* q3_view_check_rows raised: 0, or -1 with the exception */
-int q3py_check_rows(const q3_view *v, const char *arg, int64_t rows, int64_t cols, const char *cols_name);
 
 /* ---- KVCache (py_cache.c) --------------------------------------------------------- */
 

@@ -1,6 +1,6 @@
 /* The module qwen3layer._C: multi-phase init, heap types in the module state, exceptions,
  * and the module-level functions (build_info, check_config, probes; random_weights and
- * random_tensor are in py_random.c). */
+ * random_tensor are in py_random.c; copy_tensor). */
 #include <stdlib.h>
 #include <string.h>
 
@@ -14,8 +14,6 @@ q3_module_state *q3_state_of_type(PyTypeObject *type) {
     PyObject *m = PyType_GetModuleByDef(type, &q3_module_def);
     return m ? (q3_module_state *)PyModule_GetState(m) : NULL;
 }
-
-static q3_module_state *state_of_module(PyObject *m) { return (q3_module_state *)PyModule_GetState(m); }
 
 static PyObject *str_list(const char **names, int n) {
     PyObject *list = PyList_New(n);
@@ -81,18 +79,20 @@ static PyObject *probe_fma(PyObject *m, PyObject *args, PyObject *kw) {
 
 /* copy_tensor(tensor, device): a contiguous copy on `device` (-1: host) of an extension Tensor
  * (host or device), or of another producer's host tensor (torch, numpy: any dtype the
- * extension has), which is how host data reaches the SIMT executor's device. */
+ * extension has), which is how host data reaches the SIMT executor's device. What may be
+ * copied where is the engine's to say (q3_view_check_copy); the copy is the device layer's. */
 static PyObject *copy_tensor(PyObject *m, PyObject *args) {
     PyObject *obj;
     int device;
     if (!PyArg_ParseTuple(args, "Oi:copy_tensor", &obj, &device)) return NULL;
-    q3_module_state *st = state_of_module(m);
+    q3_module_state *st = q3py_state(m);
     q3_view v = {0};
     if (PyObject_TypeCheck(obj, st->tensor_type)) {
         const q3py_tensor_object *t = (const q3py_tensor_object *)obj;
         v.data = t->data, v.ndim = t->ndim, v.dtype = t->dtype, v.device = t->device;
         memcpy(v.shape, t->shape, sizeof v.shape);
         memcpy(v.strides, t->strides, sizeof v.strides);
+        v.contiguous = q3_strides_contiguous(v.ndim, v.shape, v.strides);
     } else if (!PyObject_HasAttrString(obj, "__dlpack__")) {
         PyErr_Format(PyExc_TypeError, "tensor: expected a qwen3layer Tensor or a host tensor with __dlpack__ (torch, "
                      "numpy), got %.100s", Py_TYPE(obj)->tp_name);
@@ -100,21 +100,13 @@ static PyObject *copy_tensor(PyObject *m, PyObject *args) {
     } else if (q3_view_acquire_on(obj, "tensor", &v, -1, Q3_VIEW_ANY, NULL)) {
         return NULL;
     }
-    v.contiguous = q3_strides_contiguous(v.ndim, v.shape, v.strides);
-    int64_t count; /* fits: the tensor exists */
-    q3_numel(v.ndim, v.shape, &count);
+    q3_error err;
     q3py_tensor_object *c = NULL;
-    if (q3py_view_require(&v, "tensor", Q3_NEED_CONTIGUOUS) == 0) {
-        if ((v.device >= 0 || device >= 0) && !q3_cuda_loaded())
-            PyErr_SetString(PyExc_RuntimeError, "device: the CUDA backend is not loaded");
-        else if (v.device >= 0 && device >= 0)
-            PyErr_SetString(PyExc_ValueError, "device: copies between two CUDA buffers are not supported here");
-        else
-            c = q3py_tensor_new_on(st, v.dtype, v.ndim, v.shape, device);
-    }
-    if (c) {
+    if (q3py_status(q3_view_check_copy(&v, device, &err), &err) == 0 &&
+        (c = q3py_tensor_new_on(st, v.dtype, v.ndim, v.shape, device))) {
+        int64_t count; /* fits: the tensor exists */
+        q3_numel(v.ndim, v.shape, &count);
         const size_t bytes = (size_t)count * q3_dtype_size(v.dtype);
-        q3_error err;
         if (v.device < 0 && device < 0) {
             memcpy(c->data, v.data, bytes);
         } else if (q3_device_copy(c->data, v.data, bytes, device >= 0, &err) != Q3_OK) {
@@ -195,7 +187,7 @@ static int set_packed_kc(void) {
 }
 
 static int module_exec(PyObject *m) {
-    q3_module_state *st = state_of_module(m);
+    q3_module_state *st = q3py_state(m);
     if (select_cpu_path() < 0 || set_packed_kc() < 0) return -1;
     st->tensor_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &q3py_tensor_spec, NULL);
     st->cache_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &q3py_cache_spec, NULL);
@@ -226,7 +218,7 @@ static int module_exec(PyObject *m) {
 }
 
 static int module_traverse(PyObject *m, visitproc visit, void *arg) {
-    q3_module_state *st = state_of_module(m);
+    q3_module_state *st = q3py_state(m);
     Py_VISIT(st->tensor_type);
     Py_VISIT(st->cache_type);
     Py_VISIT(st->layer_type);
@@ -237,7 +229,7 @@ static int module_traverse(PyObject *m, visitproc visit, void *arg) {
 }
 
 static int module_clear(PyObject *m) {
-    q3_module_state *st = state_of_module(m);
+    q3_module_state *st = q3py_state(m);
     Py_CLEAR(st->tensor_type);
     Py_CLEAR(st->cache_type);
     Py_CLEAR(st->layer_type);

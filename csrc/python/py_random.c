@@ -9,8 +9,6 @@
 
 #include "py_glue.h"
 
-static q3_module_state *state_of(PyObject *m) { return (q3_module_state *)PyModule_GetState(m); }
-
 /* a new tensor for table entry e, of dtype dt; NULL with an exception */
 static q3py_tensor_object *tensor_for(q3_module_state *st, const q3_weight_entry *e, q3_dtype dt) {
     return q3py_tensor_new(st, dt, e->rank, e->dims);
@@ -71,7 +69,7 @@ static PyObject *random_weights(PyObject *m, PyObject *args, PyObject *kw) {
         if (!table) PyErr_NoMemory();
         else q3_raise(NULL, &err);
     } else {
-        d = random_table(state_of(m), table, n, dt, seed);
+        d = random_table(q3py_state(m), table, n, dt, seed);
     }
     PyMem_Free(table);
     PyMem_Free(held);
@@ -80,95 +78,45 @@ static PyObject *random_weights(PyObject *m, PyObject *args, PyObject *kw) {
 
 static PyObject *random_tensor(PyObject *m, PyObject *args, PyObject *kw) {
     static char *names[] = {"shape", "seed", "dtype", "std", NULL};
-    PyObject *shape_obj, *dtype_obj;
+    q3py_shape shape = {.min_ndim = 1};
     unsigned long long seed;
-    float std = 1.0f;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OKO|f:random_tensor", names, &shape_obj, &seed, &dtype_obj,
-                                     &std))
-        return NULL;
     q3_dtype dt;
-    if (q3_parse_dtype(dtype_obj, "dtype", &dt) < 0) return NULL;
-    PyObject *seq = PySequence_Fast(shape_obj, "shape: expected a sequence of ints");
-    if (!seq) return NULL;
-    const Py_ssize_t ndim = PySequence_Fast_GET_SIZE(seq);
-    int64_t shape[Q3_MAX_DIM];
-    int ok = ndim >= 1 && ndim <= Q3_MAX_DIM;
-    for (Py_ssize_t d = 0; ok && d < ndim; d++) {
-        shape[d] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, d));
-        ok = shape[d] >= 0 && !PyErr_Occurred();
-    }
-    Py_DECREF(seq);
-    if (!ok) {
-        if (!PyErr_Occurred())
-            PyErr_Format(PyExc_ValueError, "shape: expected 1 to %d non-negative ints", Q3_MAX_DIM);
+    float std = 1.0f;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&KO&|f:random_tensor", names, q3py_shape_arg, &shape, &seed,
+                                     q3py_dtype, &dt, &std))
         return NULL;
-    }
-    q3py_tensor_object *t = q3py_tensor_new(state_of(m), dt, (int)ndim, shape);
+    q3py_tensor_object *t = q3py_tensor_new(q3py_state(m), dt, shape.ndim, shape.dims);
     if (!t) return NULL;
     int64_t n;
-    q3_numel((int)ndim, shape, &n); /* fits: the tensor was made */
+    q3_numel(shape.ndim, shape.dims, &n); /* fits: the tensor was made */
     Py_BEGIN_ALLOW_THREADS
     q3_fill_random(t->data, dt, n, seed, 0, 0.0f, std);
     Py_END_ALLOW_THREADS
     return (PyObject *)t;
 }
 
-/* dequantize_fp8(weight, scale_inv, parts=1): weight [.., parts n, K] float8_e4m3fn (host,
- * contiguous), scale_inv [.., parts ceil(n/128), ceil(K/128)] fp32 or bf16: each matrix of the
- * leading dims is `parts` matrices [n, K] stacked, each with its own blocks (a fused
- * gate_up_proj: parts = 2). Returns the fp32 weights, same shape, by q3_fp8_dequant_rows. */
+/* dequantize_fp8(weight, scale_inv, parts=1): the fp32 weights of a host FP8 weight, its shapes
+ * checked by the engine (q3_dequantize_fp8_check: weight [.., parts n, K] float8_e4m3fn,
+ * scale_inv [.., parts ceil(n/128), ceil(K/128)] fp32 or bf16, both contiguous) */
 static PyObject *dequantize_fp8(PyObject *m, PyObject *args, PyObject *kw) {
     static char *names[] = {"weight", "scale_inv", "parts", NULL};
     PyObject *w_obj, *s_obj;
     int parts = 1;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|i:dequantize_fp8", names, &w_obj, &s_obj, &parts)) return NULL;
-    q3_view w, s;
-    if (q3_view_acquire_on(w_obj, "weight", &w, -1, Q3_VIEW_HOST | Q3_VIEW_E4M3, NULL) < 0) return NULL;
-    if (q3_view_acquire_on(s_obj, "scale_inv", &s, -1, Q3_VIEW_HOST, NULL) < 0) {
-        q3_view_release(&w);
-        return NULL;
+    q3_view w = {0}, s = {0};
+    q3_error err;
+    q3py_tensor_object *t = NULL;
+    if (q3_view_acquire_on(w_obj, "weight", &w, -1, Q3_VIEW_HOST | Q3_VIEW_E4M3, NULL) == 0 &&
+        q3_view_acquire_on(s_obj, "scale_inv", &s, -1, Q3_VIEW_HOST, NULL) == 0 &&
+        q3py_status(q3_dequantize_fp8_check(&w, &s, parts, &err), &err) == 0 &&
+        (t = q3py_tensor_new(q3py_state(m), Q3_F32, w.ndim, w.shape))) {
+        Py_BEGIN_ALLOW_THREADS
+        q3_dequantize_fp8_views(t->data, &w, &s, parts);
+        Py_END_ALLOW_THREADS
     }
-    PyObject *out = NULL;
-    char ws[96], ss[96];
-    q3_format_shape(ws, sizeof ws, w.ndim, w.shape);
-    q3_format_shape(ss, sizeof ss, s.ndim, s.shape);
-    if (w.dtype != Q3_E4M3 || !w.contiguous || !s.contiguous || w.ndim < 2 || s.ndim != w.ndim) {
-        PyErr_Format(PyExc_ValueError, "dequantize_fp8: expected a contiguous float8_e4m3fn weight of rank >= 2 "
-                     "and a contiguous scale_inv of the same rank, got %s %s and %s %s", q3_dtype_name(w.dtype), ws,
-                     q3_dtype_name(s.dtype), ss);
-        goto done;
-    }
-    const int r = w.ndim;
-    const int64_t rows = w.shape[r - 2], K = w.shape[r - 1];
-    if (parts < 1 || rows % parts) {
-        PyErr_Format(PyExc_ValueError, "parts: expected a positive divisor of the weight's rows (%lld), got %d",
-                     (long long)rows, parts);
-        goto done;
-    }
-    const int64_t n = rows / parts, dims[2] = {n, K};
-    int64_t blocks[2]; /* of one matrix [n, K] */
-    q3_fp8_scale_shape(dims, blocks);
-    int ok = s.shape[r - 2] == parts * blocks[0] && s.shape[r - 1] == blocks[1];
-    int64_t M = 1;
-    for (int d = 0; d < r - 2; d++) {
-        ok = ok && s.shape[d] == w.shape[d];
-        M *= w.shape[d];
-    }
-    if (!ok) {
-        PyErr_Format(PyExc_ValueError, "scale_inv: expected the block shape of weight %s in %d part(s), got %s", ws,
-                     parts, ss);
-        goto done;
-    }
-    q3py_tensor_object *t = q3py_tensor_new(state_of(m), Q3_F32, r, w.shape);
-    if (!t) goto done;
-    Py_BEGIN_ALLOW_THREADS
-    q3_dequantize_fp8(t->data, w.data, s.data, s.dtype, M * parts, n, K);
-    Py_END_ALLOW_THREADS
-    out = (PyObject *)t;
-done:
     q3_view_release(&s);
     q3_view_release(&w);
-    return out;
+    return (PyObject *)t;
 }
 
 PyMethodDef q3_random_methods[] = {

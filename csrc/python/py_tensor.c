@@ -86,68 +86,43 @@ static void tensor_dealloc(q3py_tensor_object *t) {
     Py_DECREF(tp);
 }
 
+/* buffer_view's dtype: float32, bfloat16, or the checkpoint's float8_e4m3fn weights and int32
+ * expert ids (a split layer's routes) */
+static int buffer_dtype(PyObject *obj, void *out) {
+    q3_dtype *dt = out;
+    const int named = PyUnicode_Check(obj);
+    if (named && PyUnicode_CompareWithASCIIString(obj, "int32") == 0) *dt = Q3_I32;
+    else if (named && PyUnicode_CompareWithASCIIString(obj, "float8_e4m3fn") == 0) *dt = Q3_E4M3;
+    else return q3py_dtype(obj, out);
+    return 1;
+}
+
 PyObject *q3_buffer_view(PyObject *module, PyObject *args) {
-    PyObject *obj, *shape_obj, *dtype_obj;
+    PyObject *obj;
     long long offset;
-    if (!PyArg_ParseTuple(args, "OLOO:buffer_view", &obj, &offset, &shape_obj, &dtype_obj)) return NULL;
-    q3_dtype dt = Q3_E4M3; /* the checkpoint's FP8 weights too, and int32 expert ids (a split layer's routes) */
-    const int named = PyUnicode_Check(dtype_obj);
-    if (named && PyUnicode_CompareWithASCIIString(dtype_obj, "int32") == 0) dt = Q3_I32;
-    else if (!(named && PyUnicode_CompareWithASCIIString(dtype_obj, "float8_e4m3fn") == 0) &&
-             q3_parse_dtype(dtype_obj, "dtype", &dt) < 0)
+    q3py_shape shape = {.min_ndim = 0};
+    q3_dtype dt;
+    if (!PyArg_ParseTuple(args, "OLO&O&:buffer_view", &obj, &offset, q3py_shape_arg, &shape, buffer_dtype, &dt))
         return NULL;
-    int64_t shape[Q3_MAX_DIM], strides[Q3_MAX_DIM];
-    PyObject *seq = PySequence_Fast(shape_obj, "shape: expected a sequence of ints");
-    if (!seq) return NULL;
-    const Py_ssize_t ndim = PySequence_Fast_GET_SIZE(seq);
-    int ok = ndim <= Q3_MAX_DIM;
-    for (Py_ssize_t d = 0; ok && d < ndim; d++) {
-        shape[d] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, d));
-        ok = shape[d] >= 0 && !PyErr_Occurred();
-    }
-    if (!ok && PyErr_ExceptionMatches(PyExc_OverflowError)) {
-        PyErr_Clear(); /* a dim past int64 is a bad shape like any other */
-        PyErr_Format(PyExc_ValueError, "shape: expected at most %d non-negative ints of int64, got %R", Q3_MAX_DIM,
-                     shape_obj);
-    }
-    Py_DECREF(seq);
-    if (!ok) {
-        if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "shape: expected at most %d non-negative ints", Q3_MAX_DIM);
-        return NULL;
-    }
-    int64_t n, bytes, end;
-    if (!q3_contiguous_strides((int)ndim, shape, q3_dtype_size(dt), strides)) {
-        char got[160];
-        q3_format_shape(got, sizeof got, (int)ndim, shape);
-        PyErr_Format(PyExc_ValueError, "shape: the size of %s overflows int64", got);
-        return NULL;
-    }
-    q3_numel((int)ndim, shape, &n);
-    bytes = n * (int64_t)q3_dtype_size(dt);
     Py_buffer *buf = PyMem_Malloc(sizeof *buf);
     if (!buf) return PyErr_NoMemory();
     if (PyObject_GetBuffer(obj, buf, PyBUF_SIMPLE) < 0) {
         PyMem_Free(buf);
         return NULL;
     }
-    if (offset < 0 || !q3_add_i64(offset, bytes, &end) || end > (int64_t)buf->len) {
-        PyErr_Format(PyExc_ValueError, "buffer: %lld bytes from offset %lld do not fit in a buffer of %zd bytes",
-                     (long long)bytes, offset, buf->len);
-        PyBuffer_Release(buf);
-        PyMem_Free(buf);
-        return NULL;
+    q3_view v;
+    q3_error err;
+    q3py_tensor_object *t = NULL;
+    if (q3py_status(q3_view_of_bytes(&v, buf->buf, buf->len, offset, dt, shape.ndim, shape.dims, &err), &err) == 0 &&
+        (t = tensor_alloc(q3py_state(module), dt, v.ndim, v.shape))) {
+        memcpy(t->strides, v.strides, sizeof v.strides);
+        t->data = v.data;
+        t->buffer = buf;
+        return (PyObject *)t;
     }
-    q3_module_state *st = PyModule_GetState(module);
-    q3py_tensor_object *t = tensor_alloc(st, dt, (int)ndim, shape);
-    if (!t) {
-        PyBuffer_Release(buf);
-        PyMem_Free(buf);
-        return NULL;
-    }
-    memcpy(t->strides, strides, sizeof strides);
-    t->data = (char *)buf->buf + offset;
-    t->buffer = buf;
-    return (PyObject *)t;
+    PyBuffer_Release(buf);
+    PyMem_Free(buf);
+    return NULL;
 }
 
 /* ---- export ------------------------------------------------------------------------ */
