@@ -8,7 +8,11 @@ the C layer was made, and the test, each call, that it still is (qwen3layer.torc
   adapter, whose code the C layer would not run);
 - each parameter the C layer copied once at construction (converted: another dtype or layout):
   unchanged in place since (its version counter), since the copy would not see the change. A
-  borrowed parameter changed in place is fine: the C layer reads its memory.
+  borrowed parameter changed in place is fine: the C layer reads its memory;
+- no forward hook or pre-hook on a submodule but transformers' own output recording (which the
+  layer's recorders serve): the C layer runs the whole layer, so a hook on a part (an
+  activation probe, a steering pre-hook) would never run. The hooks are read again only when a
+  hook was registered anywhere since they were last read (torch's handle counter moved).
 
 held() is the per-call test (C-level maps over tuples); check() raises, naming what changed."""
 from __future__ import annotations
@@ -19,11 +23,21 @@ from typing import Any, Iterable
 
 import torch
 
+from .record import _is_recording
+
 _DATA_PTR, _DTYPE, _VERSION = torch.Tensor.data_ptr, operator.attrgetter("dtype"), operator.attrgetter("_version")
 _CONTIGUOUS = torch.Tensor.is_contiguous
 _GET, _IS = dict.get, operator.is_
 
 _RESTART = "call qwen3layer.torch.unpatch_model(model) and patch_model(model) again"
+
+# torch's count of hook handles made so far (any module's or tensor's): while it stands still no
+# hook was registered anywhere; a torch without it has every call read the hooks
+_HANDLES = torch.utils.hooks.RemovableHandle
+
+
+def _handles_made() -> int:
+    return getattr(_HANDLES, "next_id", -2)
 
 
 def copied_parameters(names: Iterable[str], copied: Iterable[str]) -> set:
@@ -75,13 +89,27 @@ class HeldWeights:
         self.copied = tuple(p for name, p in named if name in copied)
         self.copied_names = [name for name in self.names if name in copied]
         self.versions = list(map(_VERSION, self.copied))
+        # each submodule's forward pre-hooks and hooks (dicts torch changes in place), read when a
+        # hook was registered since `hooks_read` (the handle count when they were last found clean)
+        self.hook_dicts = [(name, m._forward_pre_hooks, m._forward_hooks) for name, m in subs]
+        self.hooks_read = -1
+
+    def _hooks_clean(self) -> bool:
+        """no hook on a submodule but transformers' recording ones; remembers the handle count"""
+        made = _handles_made()
+        for _, pre, post in self.hook_dicts:
+            if pre or any(not _is_recording(h) for h in post.values()):
+                return False
+        self.hooks_read = made if made >= 0 else -1
+        return True
 
     def held(self) -> bool:
         return all(map(_IS, map(_GET, self.holders, self.keys), self.params)) and \
             list(map(_DATA_PTR, self.params)) == self.ptrs and list(map(_DTYPE, self.params)) == self.dtypes and \
             list(map(_CONTIGUOUS, self.params)) == self.contiguous and \
             all(map(_IS, map(_GET, self.sub_dicts, self.sub_keys), self.subs)) and \
-            list(map(_VERSION, self.copied)) == self.versions
+            list(map(_VERSION, self.copied)) == self.versions and \
+            (_handles_made() == self.hooks_read or self._hooks_clean())
 
     def check(self) -> None:
         """RuntimeError naming the first thing the C layer no longer reads as it was"""
@@ -112,6 +140,14 @@ class HeldWeights:
             else:
                 continue
             raise RuntimeError(f"{where}: {name} is no longer the tensor the C layer reads ({was}: {how}); {_RESTART}")
+        for name, pre, post in self.hook_dicts:
+            hooks = list(pre.values()) + [h for h in post.values() if not _is_recording(h)]
+            if hooks:
+                kind = "pre-hook" if pre else "hook"
+                raise RuntimeError(
+                    f"{where}: its submodule {name} has a forward {kind} ({getattr(hooks[0], '__name__', hooks[0])}), "
+                    "which would never run: the C layer runs the whole layer, none of its parts' forwards; register "
+                    "it on the decoder layer itself, or remove it (or unpatch_model(model) to run transformers' layer)")
         for name, p, version in zip(self.copied_names, self.copied, self.versions):
             if p._version != version:
                 raise RuntimeError(

@@ -275,6 +275,39 @@ def test_a_replaced_submodule_is_refused_on_either_path(where):
             model(ids[:, :1] + 1, past_key_values=out.past_key_values, use_cache=True)
 
 
+@pytest.mark.parametrize("index,where,kind", [(0, "mlp", "hook"), (1, "mlp", "hook"), (1, "input_layernorm", "pre-hook"),
+                                              (1, "self_attn.q_proj", "hook")])
+def test_a_hook_on_a_part_of_the_layer_is_refused_on_either_path(index, where, kind):
+    """transformers runs a hook on a submodule (an activation probe, a steering pre-hook); the C
+    layer runs none of its parts' forwards, so such a hook would silently not run: refused,
+    naming the submodule, on the full path (the first call after it) and on the fast path of a
+    decode step (layer 1 repeats layer 0's plan); removed, the calls run again with
+    transformers' numbers, and a hook on the decoder layer itself runs"""
+    model, ref = pair(13)
+    ids = PACKED_IDS[:, :5]
+    seen = []
+    with torch.no_grad():
+        out, ref_out = model(ids, use_cache=True), ref(ids, use_cache=True)
+    part = model.model.layers[index].get_submodule(where)
+    if kind == "hook":
+        handle = part.register_forward_hook(lambda m, args, y: seen.append(where))
+    else:
+        handle = part.register_forward_pre_hook(lambda m, args: (args[0] * 0,))
+    step = ids[:, :1] + 1
+    with pytest.raises(RuntimeError, match=rf"layer {index}: its submodule {where} has a forward {kind} .* never run"):
+        with torch.no_grad():
+            model(step, past_key_values=out.past_key_values, use_cache=True)
+    assert seen == []  # (layer 0 ran: a refusal in the layer loop stops it there, as any exception would)
+    handle.remove()
+    whole = model.model.layers[1].register_forward_hook(lambda m, args, y: seen.append("layer"))
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+        ours = model(step, past_key_values=out.past_key_values, use_cache=True).logits
+        theirs = ref(step, past_key_values=ref_out.past_key_values, use_cache=True).logits
+    whole.remove()
+    assert seen == ["layer", "layer"] and rel(ours, theirs) < 1e-5
+
+
 def test_a_copied_weight_changed_in_place_is_refused_and_a_borrowed_one_is_read():
     """a weight the C layer had to copy (here a transposed view) does not see an in-place
     change: refused, naming it; a borrowed one is read where it is (the new numbers)"""
