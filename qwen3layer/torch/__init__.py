@@ -313,9 +313,10 @@ class DecoderLayer(torch.nn.Module):
     def _prepare(self, hidden_states: torch.Tensor, attention_mask: Any, position_ids: Any, model_cache: Any,
                  kwargs: Dict[str, Any], call: Optional[_ModelCall] = None) -> tuple:
         """the call's checks and plan, before the C layer: (x, its C cache, the plan, (router
-        logits, maps) wanted); call: the model call it is part of, if known"""
+        logits, maps) wanted); call: the model call it is part of, if known. The weight check
+        comes last, after the reads that may run code not the drop-in's (the mask's, the model
+        cache's), before make_room and the C call."""
         self.check_inference()
-        self._check_weights()
         B, L, _ = hidden_states.shape
         want_router, want_maps = self._wants("router_logits", kwargs, call), self._wants("attentions", kwargs, call)
         want_hidden = self._wants("hidden_states", kwargs, call)
@@ -343,13 +344,17 @@ class DecoderLayer(torch.nn.Module):
                                       "split over a group (each would be a call of its own, and the ranks' calls "
                                       "would differ in number): pass a padded batch")
         x = hidden_states.detach().contiguous()  # inference only: the C layer has no backward
+        if kv is not None and call is not None and not (want_router or want_maps or want_hidden):
+            # the plan for the model call's next layers (_repeat), with what it was made of: a
+            # continuing call's plan is never packed (plan_call refuses it); _repeat itself
+            # leaves a call with cu_seq_lens_q to the full path
+            call.repeat = _fast.Repeat.of(call, attention_mask, position_ids, kwargs, hidden_states.shape,
+                                            (past,) * B, kv)
+        # the weights, after everything above that may run code not the drop-in's (a tensor subclass's
+        # methods on the mask or positions, a model cache's or its entries' attributes): what the C
+        # layer reads next is what was checked
+        self._check_weights()
         if kv is not None:
-            if call is not None and not (want_router or want_maps or want_hidden):
-                # the plan for the model call's next layers (_repeat), with what it was made of: a
-                # continuing call's plan is never packed (plan_call refuses it); _repeat itself
-                # leaves a call with cu_seq_lens_q to the full path
-                call.repeat = _fast.Repeat.of(call, attention_mask, position_ids, kwargs, hidden_states.shape,
-                                                (past,) * B, kv)
             _cache.make_room(entry, kv, past + L, limit)
         elif plan.packed is None:
             static = _cache.static_length(entry)

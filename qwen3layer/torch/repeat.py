@@ -114,9 +114,10 @@ def run(layer: Any, hidden_states: torch.Tensor, attention_mask: Any, position_i
             None if cache_position is None else call if cache_position.is_inference() else
             cache_position._version) != r.stamps:  # masks._stamp of each, inline (a call's frame each)
         return None
-    try:
-        entry = model_cache.layers[layer.layer_idx]
-    except (AttributeError, IndexError, TypeError):  # no model cache, no entry yet
+    try:  # the model cache's own list (transformers' Cache sets it on the instance): a class whose
+        # `layers` runs code when read (a property) is left to the full path
+        entry = model_cache.__dict__["layers"][layer.layer_idx]
+    except (AttributeError, KeyError, IndexError, TypeError):  # no model cache, no entry yet
         return None
     static = _cache.TIED.get(type(entry))
     kv = getattr(entry, "_q3_cache", None)

@@ -516,3 +516,59 @@ def test_a_finished_generation_is_not_kept_alive_by_its_last_plan():
     del out
     gc.collect()
     assert len(masks) == 3 and all(ref() is None for ref in masks)
+
+
+class _Watched:
+    """a model cache's class made so that reading its `layers` runs code (a property): once
+    armed, the next read replaces layer LAYER's q_proj weight by a copy"""
+
+    def __init__(self, model, cache):
+        self.model, self.armed, self.replaced = model, False, []
+        entries = cache.__dict__.pop("layers")
+        watch = self
+
+        def layers(_):
+            if watch.armed:
+                watch.armed = False
+                proj = watch.model.model.layers[LAYER].self_attn.q_proj
+                watch.replaced.append(proj.weight.data)  # (kept alive: the C layer may still read it)
+                proj.weight.data = proj.weight.data.clone()
+            return entries
+
+        cache.__class__ = type("Watched" + type(cache).__name__, (type(cache),), {"layers": property(layers)})
+
+    def arm(self, layer, args, kwargs):
+        self.armed = True
+
+
+@pytest.mark.parametrize("when", ["prefill", "decode"])
+def test_weights_replaced_by_the_model_caches_code_are_refused(when):
+    """the full path checks the weights after it read the model cache (whose code may change
+    them), before the C layer: layer LAYER's call, whose reading of `layers` replaces its
+    weight, is refused (checked before that reading, it would run on the replaced one)"""
+    from transformers import DynamicCache
+
+    model, _ = pair(39)
+    if when == "prefill":
+        cache, ids = DynamicCache(config=model.config), PROMPT
+    else:
+        cache, ids = prefilled(model)
+    watch = _Watched(model, cache)
+    with pytest.raises(RuntimeError, match=f"layer {LAYER}: self_attn.q_proj.weight is no longer the tensor"):
+        decode(model, cache, ids, watch.arm)
+    assert len(watch.replaced) == 1
+
+
+def test_a_model_cache_whose_layers_run_code_leaves_the_fast_path(fast_calls):
+    """the fast path reads the model cache's own list of entries (its __dict__): a class
+    whose `layers` is a property, whose code runs when read, is left to the full path, with
+    transformers' numbers"""
+    model, ref = pair(39)
+    cache, step = prefilled(model)
+    ref_cache, _ = prefilled(ref)
+    _Watched(model, cache)
+    fast_calls.clear()
+    with torch.no_grad():
+        ours = model(step, past_key_values=cache).logits
+        assert rel(ours, ref(step, past_key_values=ref_cache).logits) < 1e-5
+    assert fast_calls == []
