@@ -207,22 +207,38 @@ def publish(model_cache: Any, layer_idx: int, kv: Any, new_tokens: int) -> None:
     op.register_cache(entry.keys, model_cache, layer_idx)  # a compiled call finds the model cache by it
 
 
-def republish(model_cache: Any, layer_idx: int, entry: Any, kv: Any, new_tokens: int, static: bool) -> None:
+def republish(model_cache: Any, layer_idx: int, entry: Any, kv: Any, tokens: int, new_tokens: int,
+              static: bool) -> None:
     """publish after a call whose caller found the model cache's entry for layer_idx tied to
     kv already (initialized, of a class of TIED, `static` its kind, a StaticLayer's
-    max_cache_len kv's capacity), nothing run between its look-ups and the C call: the
-    views and counts publish would update, without its look-ups and checks (the fast path
-    of qwen3layer.torch.DecoderLayer)"""
+    max_cache_len kv's capacity), nothing run between its look-ups and the C call, which
+    appended new_tokens and brought each sequence to `tokens` (> 0): the views and counts
+    publish would update, without its look-ups and checks (the fast path of
+    qwen3layer.torch.DecoderLayer). What publish calls is inline here: _set_views' test
+    for a StaticLayer's views kept (its class is known), _views for a host cache, and
+    op.register_cache's test for a cache the registry names already (the keys are never
+    empty: tokens > 0, or a StaticLayer's max_cache_len)."""
     if static:
-        _set_views(entry, kv, entry.max_cache_len, again=False)
-        if isinstance(getattr(entry, "cumulative_length", None), torch.Tensor):
-            _count(entry.cumulative_length, new_tokens)
+        width = entry.max_cache_len
+        taken = entry.__dict__.get("_q3_taken")
+        if taken is None or taken.kv is not kv or taken.width != width or entry.keys is not taken.keys or \
+                entry.values is not taken.values:
+            _set_views(entry, kv, width, again=True)
+        counter = getattr(entry, "cumulative_length", None)
+        if isinstance(counter, torch.Tensor):
+            _count(counter, new_tokens)
+    elif kv.device == "cpu":
+        entry.keys = host_tensor(kv.all_keys(tokens))
+        entry.values = host_tensor(kv.all_values(tokens))
     else:
-        entry.keys, entry.values = _views(kv, kv.lengths[0])
-    owner = getattr(entry, "_q3_owner", None)
+        entry.keys, entry.values = _views(kv, tokens)
+    owner = entry.__dict__.get("_q3_owner")
     if owner is None or owner[0]() is not model_cache or owner[1] != layer_idx:
         entry._q3_owner = (weakref.ref(model_cache), layer_idx)
-    op.register_cache(entry.keys, model_cache, layer_idx)
+    keys = entry.keys
+    known = op._CACHES.get(keys.data_ptr())
+    if known is None or known[0]() is not model_cache or known[1] != layer_idx:
+        op.register_cache(keys, model_cache, layer_idx)  # a compiled call finds the model cache by it
 
 
 def _repoint(entry: Any) -> None:

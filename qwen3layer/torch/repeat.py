@@ -137,7 +137,7 @@ def run(layer: Any, hidden_states: torch.Tensor, attention_mask: Any, position_i
         _rec.record(rec, hidden_states, y)
         _cache.publish(model_cache, layer.layer_idx, kv, new)  # after a hook's code: found and checked anew
     else:
-        _cache.republish(model_cache, layer.layer_idx, entry, kv, new, static)
+        _cache.republish(model_cache, layer.layer_idx, entry, kv, past + new, new, static)
     if layer.__dict__["kv_cache"] is not kv:
         layer.kv_cache = kv
     return y

@@ -572,3 +572,24 @@ def test_a_model_cache_whose_layers_run_code_leaves_the_fast_path(fast_calls):
         ours = model(step, past_key_values=cache).logits
         assert rel(ours, ref(step, past_key_values=ref_cache).logits) < 1e-5
     assert fast_calls == []
+
+
+def test_a_static_entrys_views_are_kept_by_the_fast_path(fast_calls):
+    """a StaticLayer's keys and values are as wide as its max_cache_len whatever the tokens
+    held: a decode step on the fast path keeps the views it was given (no new tensor a step),
+    and they stay views of its C cache, with transformers' numbers"""
+    from transformers import StaticCache
+
+    model, ref = pair(40)
+    cache, step = prefilled(model, past_key_values=StaticCache(config=model.config, max_cache_len=16))
+    ref_cache, _ = prefilled(ref, past_key_values=StaticCache(config=ref.config, max_cache_len=16))
+    entry = cache.layers[LAYER]
+    keys, values = entry.keys, entry.values
+    fast_calls.clear()
+    with torch.no_grad():
+        ours = model(step, past_key_values=cache).logits
+        assert rel(ours, ref(step, past_key_values=ref_cache).logits) < 1e-5
+    assert fast_calls == [1, LAYER]
+    assert entry.keys is keys and entry.values is values
+    assert keys.data_ptr() == entry._q3_cache.all_keys().data_ptr and rel(keys, ref_cache.layers[LAYER].keys) < 1e-6
+    assert int(entry.cumulative_length) == int(ref_cache.layers[LAYER].cumulative_length) == 8
