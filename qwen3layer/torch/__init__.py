@@ -267,6 +267,17 @@ class DecoderLayer(torch.nn.Module):
             kwargs = dict(kwargs, cache_position=cache_position)
         if torch.compiler.is_compiling():
             return self._traced(hidden_states, attention_mask, position_ids, model_cache, kwargs)
+        now = getattr(_CALL, "now", None)
+        if now is not None and now.repeat is not None and type(position_embeddings) is tuple and \
+                position_embeddings and now.cos is not None and now.cos() is position_embeddings[0] and \
+                now.config is self.__dict__["config"]:
+            # a later layer of a model call whose planning layer left a plan (_model_call's test,
+            # inline): the fast path straight away, and the full path only where it declines
+            y = self._repeat(hidden_states, attention_mask, position_ids, model_cache, kwargs, now)
+            if y is not None:
+                return y
+            return self.call(hidden_states, attention_mask, position_ids, model_cache, kwargs, position_embeddings,
+                             repeated=True)
         return self.call(hidden_states, attention_mask, position_ids, model_cache, kwargs, position_embeddings)
 
     def _traced(self, hidden_states: torch.Tensor, attention_mask: Any, position_ids: Any, model_cache: Any,
@@ -289,13 +300,14 @@ class DecoderLayer(torch.nn.Module):
                                  kwargs.get("cache_position"), keys, self._handle, model_cache is not None)
 
     def call(self, hidden_states: torch.Tensor, attention_mask: Any, position_ids: Any, model_cache: Any,
-             kwargs: Dict[str, Any], position_embeddings: Any = None) -> torch.Tensor:
+             kwargs: Dict[str, Any], position_embeddings: Any = None, repeated: bool = False) -> torch.Tensor:
         """the layer's call, eager: the plan of the call, the C layer, the insides recorded and
         the model cache's entry updated. Split over a group, a call refused before the C layer
         is refused on every rank (ExpertParallelLayer.refuse): none waits for it.
-        position_embeddings: the model call's (which tell the layers of one model call)."""
+        position_embeddings: the model call's (which tell the layers of one model call);
+        repeated: the fast path was tried already (by forward) and declined."""
         call = self._model_call(position_embeddings)
-        if call is not None and call.repeat is not None:
+        if call is not None and call.repeat is not None and not repeated:
             y = self._repeat(hidden_states, attention_mask, position_ids, model_cache, kwargs, call)
             if y is not None:
                 return y

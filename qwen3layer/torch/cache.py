@@ -215,9 +215,9 @@ def republish(model_cache: Any, layer_idx: int, entry: Any, kv: Any, tokens: int
     appended new_tokens and brought each sequence to `tokens` (> 0): the views and counts
     publish would update, without its look-ups and checks (the fast path of
     qwen3layer.torch.DecoderLayer). What publish calls is inline here: _set_views' test
-    for a StaticLayer's views kept (its class is known), _views for a host cache, and
-    op.register_cache's test for a cache the registry names already (the keys are never
-    empty: tokens > 0, or a StaticLayer's max_cache_len)."""
+    for a StaticLayer's views kept (its class is known), _views and host_tensor for a host
+    cache, and op.register_cache's test for a cache the registry names already (the keys
+    are never empty: tokens > 0, or a StaticLayer's max_cache_len)."""
     if static:
         width = entry.max_cache_len
         taken = entry.__dict__.get("_q3_taken")
@@ -227,9 +227,9 @@ def republish(model_cache: Any, layer_idx: int, entry: Any, kv: Any, tokens: int
         counter = getattr(entry, "cumulative_length", None)
         if isinstance(counter, torch.Tensor):
             _count(counter, new_tokens)
-    elif kv.device == "cpu":
-        entry.keys = host_tensor(kv.all_keys(tokens))
-        entry.values = host_tensor(kv.all_values(tokens))
+    elif kv.device == "cpu":  # host_tensor, inline
+        entry.keys = _FROM_CAPSULE(kv.all_keys(tokens).__dlpack__())
+        entry.values = _FROM_CAPSULE(kv.all_values(tokens).__dlpack__())
     else:
         entry.keys, entry.values = _views(kv, tokens)
     owner = entry.__dict__.get("_q3_owner")

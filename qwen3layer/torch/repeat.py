@@ -131,7 +131,11 @@ def run(layer: Any, hidden_states: torch.Tensor, attention_mask: Any, position_i
         return None
     if not layer._weights_held():
         return None
-    y = plain_prefill(core, hidden_states.contiguous(), kv)  # not detached: it has no gradient (checked)
+    x, ext = hidden_states.contiguous(), core._core  # not detached: it has no gradient (checked)
+    if ext.device < 0 and x.is_cpu:  # plain_prefill's host case, inline (host_tensor: the output, zero-copy)
+        y = _cache._FROM_CAPSULE(ext.prefill(x, kv).__dlpack__())
+    else:
+        y = plain_prefill(core, x, kv)
     rec = layer._modules["recorders"]._modules.get("hidden_states")
     if rec is not None and _rec.listened(rec):
         _rec.record(rec, hidden_states, y)

@@ -593,3 +593,28 @@ def test_a_static_entrys_views_are_kept_by_the_fast_path(fast_calls):
     assert entry.keys is keys and entry.values is values
     assert keys.data_ptr() == entry._q3_cache.all_keys().data_ptr and rel(keys, ref_cache.layers[LAYER].keys) < 1e-6
     assert int(entry.cumulative_length) == int(ref_cache.layers[LAYER].cumulative_length) == 8
+
+
+def test_a_declined_fast_call_is_not_tried_twice(monkeypatch):
+    """a later layer's decode call goes to the fast path from forward, and where it declines
+    (here: hidden states that need a gradient) to the full path without trying it again"""
+    model, ref = pair(41)
+    cache, step = prefilled(model)
+    ref_cache, _ = prefilled(ref)
+    tried = []
+    repeat = q3t.DecoderLayer._repeat
+
+    def counted(self, *args):
+        y = repeat(self, *args)
+        tried.append((self.layer_idx, y is not None))
+        return y
+
+    monkeypatch.setattr(q3t.DecoderLayer, "_repeat", counted)
+
+    def change(layer, args, kwargs):
+        return (args[0].detach().clone().requires_grad_(),) + args[1:], kwargs
+
+    ours = decode(model, cache, step, change).logits
+    with torch.no_grad():
+        assert rel(ours, ref(step, past_key_values=ref_cache).logits) < 1e-5
+    assert tried == [(1, True), (LAYER, False)]
