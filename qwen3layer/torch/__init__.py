@@ -170,11 +170,6 @@ class DecoderLayer(torch.nn.Module):
             warnings.warn("qwen3layer: the patched layers run with gradients enabled but no gradient flows through "
                           "them (inference only); use torch.no_grad() or torch.inference_mode()", stacklevel=3)
 
-    def _weights_held(self) -> bool:
-        """whether the C layer still reads the original's weights as they were (HeldWeights.held)"""
-        held = self.__dict__["_held"]
-        return held is None or held.held()
-
     def _check_weights(self) -> None:
         held = self.__dict__["_held"]
         if held is not None:

@@ -89,6 +89,11 @@ class HeldWeights:
         self.copied = tuple(p for name, p in named if name in copied)
         self.copied_names = [name for name in self.names if name in copied]
         self.versions = list(map(_VERSION, self.copied))
+        # held()'s identity test of the submodules and the parameters as one map: (the dict, the key,
+        # what it must hold) of each submodule, then of each parameter
+        self.in_dicts = tuple(self.sub_dicts + self.holders)
+        self.in_keys = tuple(self.sub_keys + self.keys)
+        self.in_objs = self.subs + self.params
         # each submodule's forward pre-hooks and hooks (dicts torch changes in place), read when a
         # hook was registered since `hooks_read` (the handle count when they were last found clean)
         self.hook_dicts = [(name, m._forward_pre_hooks, m._forward_hooks) for name, m in subs]
@@ -104,12 +109,11 @@ class HeldWeights:
         return True
 
     def held(self) -> bool:
-        return all(map(_IS, map(_GET, self.holders, self.keys), self.params)) and \
+        return all(map(_IS, map(_GET, self.in_dicts, self.in_keys), self.in_objs)) and \
             list(map(_DATA_PTR, self.params)) == self.ptrs and list(map(_DTYPE, self.params)) == self.dtypes and \
             list(map(_CONTIGUOUS, self.params)) == self.contiguous and \
-            all(map(_IS, map(_GET, self.sub_dicts, self.sub_keys), self.subs)) and \
             list(map(_VERSION, self.copied)) == self.versions and \
-            (_handles_made() == self.hooks_read or self._hooks_clean())
+            (getattr(_HANDLES, "next_id", -2) == self.hooks_read or self._hooks_clean())  # (_handles_made, inline)
 
     def check(self) -> None:
         """RuntimeError naming the first thing the C layer no longer reads as it was"""

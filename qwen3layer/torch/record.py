@@ -36,9 +36,9 @@ def listened(recorder: torch.nn.Module) -> bool:
     """whether calling the stand-in could be seen: a hook on it (5.x's, installed once the
     model was first asked for an output) or on every module, or 4.57's wrapped forward;
     without any, torch's call would run its forward alone, which returns what it is given"""
-    return bool(recorder._forward_hooks or recorder._forward_pre_hooks or recorder._backward_hooks or
-                recorder._backward_pre_hooks or "forward" in recorder.__dict__ or _GLOBAL_FORWARD or
-                _GLOBAL_FORWARD_PRE or _GLOBAL_BACKWARD or _GLOBAL_BACKWARD_PRE)
+    d = recorder.__dict__  # (torch's Module keeps its hook dicts there)
+    return bool(d["_forward_hooks"] or d["_forward_pre_hooks"] or d["_backward_hooks"] or d["_backward_pre_hooks"] or
+                "forward" in d or _GLOBAL_FORWARD or _GLOBAL_FORWARD_PRE or _GLOBAL_BACKWARD or _GLOBAL_BACKWARD_PRE)
 
 
 def recorder_spec(key: str, spec: Any) -> Tuple[Optional[type], int]:

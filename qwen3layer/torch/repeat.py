@@ -86,7 +86,7 @@ def run(layer: Any, hidden_states: torch.Tensor, attention_mask: Any, position_i
     - the insides asked for: the same output_* objects, which asked for none (calls that
       ask are not repeated); the hidden-states recorder is fed as _run feeds it;
     - check_inference: eval mode with gradients off (nothing to refuse or warn of);
-      _check_weights: _weights_held, its own test;
+      _check_weights: HeldWeights.held, its own test, last before the C layer (inline);
     - the entry (check_entry, seen_tokens, _continued): of a class cache.TIED holds (the
       one attach made for a kept class), initialized, tied to a C cache; a DynamicLayer's
       keys as wide as the tokens held;
@@ -129,7 +129,8 @@ def run(layer: Any, hidden_states: torch.Tensor, attention_mask: Any, position_i
     if past + new > capacity or (entry.max_cache_len != capacity if static else
                                  entry.keys.shape[-2] != past or past + new > layer._token_limit()):
         return None
-    if not layer._weights_held():
+    held = layer.__dict__["_held"]  # (None: a layer made without an original, nothing borrowed)
+    if held is not None and not held.held():
         return None
     x, ext = hidden_states.contiguous(), core._core  # not detached: it has no gradient (checked)
     if ext.device < 0 and x.is_cpu:  # plain_prefill's host case, inline (host_tensor: the output, zero-copy)
