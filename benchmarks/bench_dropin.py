@@ -14,9 +14,12 @@ layer a token; on a 94-layer model it is paid 94 times a token.
 One thread: torch.set_num_threads(1), and OMP_NUM_THREADS=1 set before the extension loads
 (the C layer reads it once). Per run and cache: the median of the module's time, of the C
 call's and of the per-call differences (us), over every layer's decode calls after the first
---warmup tokens, and the differences' mean (the first layer of each model call plans the call,
+--warmup tokens, the differences' mean (the first layer of each model call plans the call,
 the others repeat its plan: qwen3layer.torch.DecoderLayer._repeat, so the median is a later
-layer's and the mean counts both); prefill calls are not counted. The geometry is
+layer's and the mean counts both), and `layers`, the mean over the layers of each layer's
+median difference (what a token costs over the layers, the planning layer counted once per
+model call as the mean counts it, without the outliers that move the mean by tens of us when
+another process disturbs a run); prefill calls are not counted. The geometry is
 LayerConfig.tiny()'s, so the C call is as short as the engine makes it and the difference is
 the Python around it.
 """
@@ -74,16 +77,19 @@ class _TimedCore:
 
 
 class Timings:
-    """the per-call times of each patched layer's forward and of its C call, decode calls only"""
+    """the per-call times of each patched layer's forward and of its C call, decode calls only.
+    Each layer's forward is timed by a wrapper set on that layer (layer.forward), which torch's
+    call of the module runs in place of the class's: nothing changes for other models."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.module, self.core = [], []
+        self.module, self.core, self.layer = [], [], []
         for layer in model.model.layers:
             self._wrap(layer)
 
     def _wrap(self, layer: q3t.DecoderLayer) -> None:
         forward = layer.forward
         inner = []  # the C call's time within the forward now running
+        index = layer.layer_idx
         layer.core._core = _TimedCore(layer.core._core, inner)
 
         def timed_forward(hidden_states, *args, **kwargs):
@@ -94,6 +100,7 @@ class Timings:
             if hidden_states.shape[1] == 1 and len(inner) == 1:  # a decode call
                 self.module.append(elapsed)
                 self.core.append(inner[0])
+                self.layer.append(index)
             return y
 
         layer.forward = timed_forward
@@ -101,13 +108,18 @@ class Timings:
     def reset(self) -> None:
         self.module.clear()
         self.core.clear()
+        self.layer.clear()
 
     def medians(self) -> tuple:
-        """(module, C call, difference) medians and the differences' mean in us, and the calls
-        counted"""
+        """(module, C call, difference) medians, the differences' mean and the mean over the
+        layers of each layer's median difference in us, and the calls counted"""
         diffs = [m - c for m, c in zip(self.module, self.core)]
+        by_layer: dict = {}
+        for index, d in zip(self.layer, diffs):
+            by_layer.setdefault(index, []).append(d)
         return (statistics.median(self.module) / 1e3, statistics.median(self.core) / 1e3,
-                statistics.median(diffs) / 1e3, statistics.fmean(diffs) / 1e3, len(diffs))
+                statistics.median(diffs) / 1e3, statistics.fmean(diffs) / 1e3,
+                statistics.fmean(map(statistics.median, by_layer.values())) / 1e3, len(diffs))
 
 
 def run(model: torch.nn.Module, timings: Timings, ids: torch.Tensor, tokens: int, warmup: int,
@@ -140,17 +152,21 @@ def main() -> None:
     timings = Timings(model)
     print(f"{args.layers} layers (LayerConfig.tiny() geometry, {args.attn}), prompt {args.prompt}, "
           f"{args.tokens} tokens generated greedily; us per layer decode call, medians")
-    print(f"{'cache':<14}{'run':>4}{'module':>10}{'C call':>10}{'module - C':>12}{'mean':>8}{'calls':>7}")
+    print(f"{'cache':<14}{'run':>4}{'module':>10}{'C call':>10}{'module - C':>12}{'mean':>8}{'layers':>8}"
+          f"{'calls':>7}")
     for static in (False, True):
         name = "StaticCache" if static else "DynamicCache"
-        diffs, means = [], []
+        diffs, means, layers = [], [], []
         for r in range(args.runs):
-            (module, core, diff, mean, calls), _ = run(model, timings, ids, args.tokens, args.warmup, static)
+            (module, core, diff, mean, per_layer, calls), _ = run(model, timings, ids, args.tokens, args.warmup,
+                                                                  static)
             diffs.append(diff)
             means.append(mean)
-            print(f"{name:<14}{r + 1:>4}{module:>10.1f}{core:>10.1f}{diff:>12.1f}{mean:>8.1f}{calls:>7}")
+            layers.append(per_layer)
+            print(f"{name:<14}{r + 1:>4}{module:>10.1f}{core:>10.1f}{diff:>12.1f}{mean:>8.1f}{per_layer:>8.1f}"
+                  f"{calls:>7}")
         print(f"{name:<14}{'all':>4}{'':>10}{'':>10}{statistics.median(diffs):>12.1f}{statistics.median(means):>8.1f}"
-              "  (medians of the runs)")
+              f"{statistics.median(layers):>8.1f}  (medians of the runs)")
 
 
 if __name__ == "__main__":
