@@ -85,23 +85,19 @@ int q3py_shape_arg(PyObject *obj, void *out) {
     return ok;
 }
 
-int q3py_seq(PyObject *obj, int batch, int allow_none, int *seq) {
-    if (obj == Py_None && allow_none) {
-        *seq = -1;
-        return 0;
-    }
+int q3py_seq(PyObject *obj, int batch, int *seq) {
     if (!PyLong_Check(obj) || PyBool_Check(obj)) {
-        PyErr_Format(PyExc_TypeError, "seq: expected an int%s, got %.100s", allow_none ? " or None" : "",
-                     Py_TYPE(obj)->tp_name);
+        PyErr_Format(PyExc_TypeError, "seq: expected an int, got %.100s", Py_TYPE(obj)->tp_name);
         return -1;
     }
-    const long long v = PyLong_AsLongLong(obj);
+    int overflow;
+    const long long v = PyLong_AsLongLongAndOverflow(obj, &overflow);
     if (v == -1 && PyErr_Occurred()) return -1;
-    if (v < 0 || v >= batch) {
-        PyErr_Format(PyExc_IndexError, "seq: expected 0 <= seq < %d (the cache's batch), got %lld", batch, v);
+    if (overflow || v < INT32_MIN || v > INT32_MAX) { /* past an int: the engine's range test cannot see it */
+        PyErr_Format(PyExc_IndexError, "seq: expected 0 <= seq < %d (the cache's batch), got %R", batch, obj);
         return -1;
     }
-    *seq = (int)v;
+    *seq = (int)v; /* the range: the engine's check of the call */
     return 0;
 }
 

@@ -29,9 +29,10 @@ int q3py_stream(PyObject *obj, void *out);
 /* the same for an object on `device` (-1: the cpu, where only None is taken; ValueError
  * "stream: expected None for <cpu_object>"); 0 or -1 */
 int q3py_stream_on(PyObject *obj, int device, const char *cpu_object, void **out);
-/* "seq": an int in [0, batch) -> *seq, or None -> -1 ("every sequence") where allow_none;
- * a bool is not an int here; 0, or -1 with TypeError / IndexError */
-int q3py_seq(PyObject *obj, int batch, int allow_none, int *seq);
+/* "seq" of a layer call: an int (a bool is not one here) that fits a C int -> *seq, whose range
+ * [0, batch) the engine checks with the call (IndexError here only past a C int); 0, or -1 with
+ * TypeError / IndexError */
+int q3py_seq(PyObject *obj, int batch, int *seq);
 /* "shape": a sequence of min_ndim (the caller's, 0 or 1) to Q3_MAX_DIM non-negative ints of
  * int64 -> q3py_shape *out (TypeError for a non-sequence or a non-int, ValueError naming the
  * range otherwise) */

@@ -58,7 +58,7 @@ static int call_seqs(q3py_call *c, int decode, PyObject *seq_obj) {
     c->a.seqs = c->seqs;
     if (!decode && c->x.ndim == 2) {
         int s = 0;
-        if (seq_obj != Py_None && q3py_seq(seq_obj, q3_cache_batch(c->co->cache), 0, &s) < 0) return -1;
+        if (seq_obj != Py_None && q3py_seq(seq_obj, q3_cache_batch(c->co->cache), &s) < 0) return -1;
         c->seqs[0] = s;
         return 0;
     }
