@@ -89,13 +89,18 @@ static q3_status capture(q3_decode_graph *g, q3_dtype io_dtype, q3_error *err) {
                    cu->error_string(run.code));
 }
 
-q3_status q3_decode_graph_create(q3_decode_graph **out, q3_layer *l, q3_cache *c, const int32_t *seqs, int n_seqs,
-                                 q3_dtype io_dtype, q3_error *err) {
+q3_status q3_decode_graph_create(q3_decode_graph **out, q3_layer *l, q3_cache *c, int64_t batch, q3_dtype io_dtype,
+                                 q3_error *err) {
     *out = NULL;
+    const int most = c->batch < Q3_GRAPH_MAX_BATCH ? c->batch : Q3_GRAPH_MAX_BATCH;
+    if (batch < 1 || batch > most)
+        return q3_fail(err, Q3_ERR_VALUE, "batch: expected 1 to %d (the cache's batch, at most %d), got %lld", most,
+                       Q3_GRAPH_MAX_BATCH, (long long)batch);
     if (l->w.device < 0)
-        return q3_fail(err, Q3_ERR_STATE, "decode graph: expected a layer on a CUDA device, got one on the cpu");
-    if (n_seqs < 1 || n_seqs > Q3_GRAPH_MAX_BATCH)
-        return q3_fail(err, Q3_ERR_VALUE, "batch: expected 1 to %d sequences, got %d", Q3_GRAPH_MAX_BATCH, n_seqs);
+        return q3_fail(err, Q3_ERR_VALUE, "decode_graph: expected a layer on a CUDA device, got a cpu layer");
+    const int n_seqs = (int)batch;
+    int32_t seqs[Q3_GRAPH_MAX_BATCH];
+    for (int i = 0; i < n_seqs; i++) seqs[i] = i;
     const q3_forward_args probe = {.io_dtype = io_dtype, .n_seqs = n_seqs, .seqs = seqs, .tokens = 1, .chunk = 1};
     q3_status s = q3_layer_check_call(l, c, &probe, err);
     if (s != Q3_OK) return s;

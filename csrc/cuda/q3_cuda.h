@@ -116,15 +116,17 @@ const q3_engine_api *q3_engine_api_get(void);
 
 /* One decode step of a fixed set of sequences, captured once in a CUDA graph and replayed
  * per token: no host synchronisation and no allocation inside, one launch per step. The
- * graph owns its device input and output ([n_seqs, 1, hidden] of io_dtype: write the next
+ * graph owns its device input and output ([batch, 1, hidden] of io_dtype: write the next
  * tokens into the input, read the step's result from the output) and its own workspace; it
  * borrows the layer and the cache, which must outlive it. Each replay appends one token to
  * each of its sequences, as q3_layer_forward would; calls of the layer on the same cache may
  * be mixed with replays (lengths and padding are re-uploaded when they changed). */
 #define Q3_GRAPH_MAX_BATCH 64
 typedef struct q3_decode_graph q3_decode_graph;
-q3_status q3_decode_graph_create(q3_decode_graph **out, q3_layer *layer, q3_cache *cache, const int32_t *seqs,
-                                 int n_seqs, q3_dtype io_dtype, q3_error *err);
+/* of sequences 0 .. batch - 1 of the cache: batch in [1, min(the cache's batch, Q3_GRAPH_MAX_BATCH)]
+ * and the layer on a CUDA device, else Q3_ERR_VALUE naming them */
+q3_status q3_decode_graph_create(q3_decode_graph **out, q3_layer *layer, q3_cache *cache, int64_t batch,
+                                 q3_dtype io_dtype, q3_error *err);
 void *q3_decode_graph_input(const q3_decode_graph *g);
 void *q3_decode_graph_output(const q3_decode_graph *g);
 /* queues one step on `stream` (NULL: the default stream); on failure nothing was queued and

@@ -143,9 +143,9 @@ extern PyMethodDef q3_routing_methods[];
 
 extern PyType_Spec q3py_graph_spec;
 extern PyType_Spec q3py_passes_spec;
-/* captures one decode step of sequences 0 .. batch - 1 of the cache (layer_obj kept alive);
- * batch already checked: 1 .. min(cache batch, Q3_GRAPH_MAX_BATCH) */
+/* captures one decode step of sequences 0 .. batch - 1 of the cache (layer_obj kept alive); the
+ * engine checks batch and the layer's device */
 PyObject *q3py_graph_new(q3_module_state *st, PyObject *layer_obj, q3_layer *layer, int device,
-                       q3py_cache_object *cache, int batch, q3_dtype dtype);
+                       q3py_cache_object *cache, int64_t batch, q3_dtype dtype);
 
 #endif

@@ -15,28 +15,26 @@ typedef struct {
 } q3py_graph_object;
 
 PyObject *q3py_graph_new(q3_module_state *st, PyObject *layer_obj, q3_layer *layer, int device,
-                       q3py_cache_object *co, int batch, q3_dtype dtype) {
+                       q3py_cache_object *co, int64_t batch, q3_dtype dtype) {
     if (q3py_cache_check_idle(co) < 0) return NULL;
-    int32_t seqs[Q3_GRAPH_MAX_BATCH];
-    for (int i = 0; i < batch; i++) seqs[i] = i;
     q3py_graph_object *self = PyObject_New(q3py_graph_object, st->graph_type);
     if (!self) return NULL;
     self->graph = NULL;
     self->layer = Py_NewRef(layer_obj);
     self->cache = (q3py_cache_object *)Py_NewRef((PyObject *)co);
-    self->batch = batch;
     self->hidden = q3_layer_config(layer)->hidden;
     self->dtype = dtype;
     self->device = device;
     q3_error err;
     q3_status s;
     Py_BEGIN_ALLOW_THREADS
-    s = q3_decode_graph_create(&self->graph, layer, co->cache, seqs, batch, dtype, &err);
+    s = q3_decode_graph_create(&self->graph, layer, co->cache, batch, dtype, &err);
     Py_END_ALLOW_THREADS
     if (s != Q3_OK) {
         Py_DECREF(self);
         return q3_raise(st, &err);
     }
+    self->batch = (int)batch; /* checked by the engine */
     return (PyObject *)self;
 }
 

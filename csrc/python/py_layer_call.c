@@ -248,23 +248,13 @@ static PyObject *layer_decode_graph(q3py_layer_object *self, PyObject *args, PyO
         batch = PyLong_AsLongLong(batch_obj);
         if (batch == -1 && PyErr_Occurred()) return NULL;
     }
-    const int most = q3_cache_batch(co->cache) < Q3_GRAPH_MAX_BATCH ? q3_cache_batch(co->cache) : Q3_GRAPH_MAX_BATCH;
-    if (batch < 1 || batch > most) {
-        PyErr_Format(PyExc_ValueError, "batch: expected 1 to %d (the cache's batch, at most %d), got %lld", most,
-                     Q3_GRAPH_MAX_BATCH, batch);
-        return NULL;
-    }
-    if (self->device < 0) {
-        PyErr_SetString(PyExc_ValueError, "decode_graph: expected a layer on a CUDA device, got a cpu layer");
-        return NULL;
-    }
     PyObject *g;
     /* not while a call of this layer runs; waited for without the GIL, which a running call
      * takes between its passes */
     Py_BEGIN_ALLOW_THREADS
     PyThread_acquire_lock(self->lock, WAIT_LOCK);
     Py_END_ALLOW_THREADS
-    g = q3py_graph_new(st, (PyObject *)self, self->layer, self->device, co, (int)batch, dt);
+    g = q3py_graph_new(st, (PyObject *)self, self->layer, self->device, co, batch, dt);
     PyThread_release_lock(self->lock);
     return g;
 }
