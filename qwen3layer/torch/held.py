@@ -10,8 +10,9 @@ the C layer was made, and the test, each call, that it still is (qwen3layer.torc
   unchanged in place since (its version counter), since the copy would not see the change. A
   borrowed parameter changed in place is fine: the C layer reads its memory;
 - no forward hook or pre-hook on a submodule but transformers' own output recording (which the
-  layer's recorders serve): the C layer runs the whole layer, so a hook on a part (an
-  activation probe, a steering pre-hook) would never run. The hooks are read again only when a
+  layer's recorders serve), and none on every module (torch's global registries): the C layer
+  runs the whole layer, so a hook on a part (an activation probe, a steering pre-hook) would
+  never run. The hooks are read again only when a
   hook was registered anywhere since they were last read (torch's handle counter moved).
 
 held() is the per-call test (C-level maps over tuples); check() raises, naming what changed."""
@@ -38,6 +39,13 @@ _HANDLES = torch.utils.hooks.RemovableHandle
 
 def _handles_made() -> int:
     return getattr(_HANDLES, "next_id", -2)
+
+
+# torch's registries of forward pre-hooks and hooks on every module (register_module_forward_pre_hook,
+# register_module_forward_hook), changed in place; None where this torch has neither
+_GLOBAL_HOOKS = tuple(getattr(torch.nn.modules.module, name, None)
+                      for name in ("_global_forward_pre_hooks", "_global_forward_hooks"))
+_GLOBAL_HOOKS = _GLOBAL_HOOKS if all(isinstance(d, dict) for d in _GLOBAL_HOOKS) else None
 
 
 def copied_parameters(names: Iterable[str], copied: Iterable[str]) -> set:
@@ -97,6 +105,8 @@ class HeldWeights:
         # each submodule's forward pre-hooks and hooks (dicts torch changes in place), read when a
         # hook was registered since `hooks_read` (the handle count when they were last found clean)
         self.hook_dicts = [(name, m._forward_pre_hooks, m._forward_hooks) for name, m in subs]
+        if _GLOBAL_HOOKS is not None:  # torch's hooks on every module: they too would run on each part
+            self.hook_dicts.append((None, *_GLOBAL_HOOKS))
         self.hooks_read = -1
 
     def _hooks_clean(self) -> bool:
@@ -146,6 +156,13 @@ class HeldWeights:
             raise RuntimeError(f"{where}: {name} is no longer the tensor the C layer reads ({was}: {how}); {_RESTART}")
         for name, pre, post in self.hook_dicts:
             hooks = list(pre.values()) + [h for h in post.values() if not _is_recording(h)]
+            if hooks and name is None:
+                kind = "pre_hook" if pre else "hook"
+                raise RuntimeError(
+                    f"{where}: a forward {kind.replace('_', '-')} on every module is registered "
+                    f"({getattr(hooks[0], '__name__', hooks[0])}, torch.nn.modules.module.register_module_forward_"
+                    f"{kind}): transformers would run it on each of the layer's parts, the C layer runs none of their "
+                    "forwards; remove it, or unpatch_model(model) to run transformers' layer")
             if hooks:
                 kind = "pre-hook" if pre else "hook"
                 raise RuntimeError(

@@ -308,6 +308,28 @@ def test_a_hook_on_a_part_of_the_layer_is_refused_on_either_path(index, where, k
     assert seen == ["layer", "layer"] and rel(ours, theirs) < 1e-5
 
 
+@pytest.mark.parametrize("kind", ["hook", "pre_hook"])
+def test_a_hook_on_every_module_is_refused(kind):
+    """torch's global module hooks run on every submodule transformers calls; the C layer calls
+    none of a patched layer's parts: refused by name (on a decode step's fast path too), and the
+    calls run again once it is removed"""
+    model, _ = pair(13)
+    ids = PACKED_IDS[:, :5]
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+    register = getattr(torch.nn.modules.module, f"register_module_forward_{kind}")
+    handle = register((lambda m, args: None) if kind == "pre_hook" else (lambda m, args, y: None))
+    try:
+        with pytest.raises(RuntimeError, match=rf"layer 0: a forward {kind.replace('_', '-')} on every module .*"
+                                               rf"register_module_forward_{kind}\)"):
+            with torch.no_grad():
+                model(ids[:, :1] + 1, past_key_values=out.past_key_values, use_cache=True)
+    finally:
+        handle.remove()
+    with torch.no_grad():
+        model(ids)
+
+
 def test_a_copied_weight_changed_in_place_is_refused_and_a_borrowed_one_is_read():
     """a weight the C layer had to copy (here a transposed view) does not see an in-place
     change: refused, naming it; a borrowed one is read where it is (the new numbers)"""
