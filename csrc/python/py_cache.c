@@ -114,30 +114,13 @@ PyObject *q3py_cache_run_none(q3py_cache_object *o, q3_cache_call_args *r) {
     return q3py_cache_run(o, r) < 0 ? NULL : Py_NewRef(Py_None);
 }
 
-int q3py_cache_int(PyObject *obj, const char *arg, int flags, const char *too_big, int64_t *out) {
-    if (obj == Py_None && (flags & Q3PY_NONE_OK)) return 0;
-    if (!PyLong_Check(obj) || (PyBool_Check(obj) && !(flags & Q3PY_BOOL_OK))) {
-        PyErr_Format(PyExc_TypeError, "%s: expected an int%s, got %.100s", arg, flags & Q3PY_NONE_OK ? " or None" : "",
-                     Py_TYPE(obj)->tp_name);
-        return -1;
-    }
-    int overflow;
-    *out = PyLong_AsLongLongAndOverflow(obj, &overflow);
-    if (overflow && too_big) {
-        PyErr_Format(PyExc_ValueError, "%s: %s, got %R", arg, too_big, obj);
-        return -1;
-    }
-    if (overflow) *out = PyLong_AsLongLong(obj); /* raises its OverflowError */
-    return *out == -1 && PyErr_Occurred() ? -1 : 1;
-}
-
 static PyObject *cache_reset(q3py_cache_object *o, PyObject *args, PyObject *kw) {
     static char *names[] = {"seq", NULL};
     PyObject *seq_obj = Py_None;
     q3_cache_call_args r = {.op = Q3_CACHE_RESET};
     int given;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "|O:reset", names, &seq_obj) ||
-        (given = q3py_cache_int(seq_obj, "seq", Q3PY_NONE_OK, NULL, &r.seq)) < 0)
+        (given = q3py_int64(seq_obj, "seq", Q3PY_NONE_OK, NULL, &r.seq)) < 0)
         return NULL;
     r.every_seq = !given;
     return q3py_cache_run_none(o, &r);
@@ -151,7 +134,7 @@ static PyObject *cache_set_seq(q3py_cache_object *o, PyObject *args, PyObject *k
     PyObject *seq_obj = NULL;
     q3_cache_call_args r = {.op = op};
     if (!PyArg_ParseTupleAndKeywords(args, kw, fmt, names, &n, &seq_obj)) return NULL;
-    const int given = seq_obj ? q3py_cache_int(seq_obj, "seq", every_ok ? Q3PY_NONE_OK : 0, NULL, &r.seq) : !every_ok;
+    const int given = seq_obj ? q3py_int64(seq_obj, "seq", every_ok ? Q3PY_NONE_OK : 0, NULL, &r.seq) : !every_ok;
     if (given < 0) return NULL;
     r.every_seq = !given;
     r.n = n;
@@ -183,7 +166,7 @@ static PyObject *cache_grow(q3py_cache_object *o, PyObject *args, PyObject *kw) 
     PyObject *capacity_obj, *stream_obj = Py_None;
     q3_cache_call_args r = {.op = Q3_CACHE_GROW};
     if (!PyArg_ParseTupleAndKeywords(args, kw, "O|$O:grow", names, &capacity_obj, &stream_obj) ||
-        q3py_cache_int(capacity_obj, "max_tokens", 0, "expected at most 2^40 (the positions RoPE takes)", &r.n) < 0 ||
+        q3py_int64(capacity_obj, "max_tokens", 0, "expected at most 2^40 (the positions RoPE takes)", &r.n) < 0 ||
         q3py_stream_on(stream_obj, q3_cache_device(o->cache), "a cache on the cpu", &r.stream) < 0 ||
         q3py_cache_run(o, &r) < 0)
         return NULL;
@@ -199,8 +182,8 @@ static PyObject *cache_view(q3py_cache_object *o, PyObject *args, PyObject *kw, 
     PyObject *obj = NULL;
     int64_t n = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kw, fmt[all][values], all ? tokens_names : seq_names, &obj)) return NULL;
-    const int given = !obj ? !all : all ? q3py_cache_int(obj, "tokens", Q3PY_NONE_OK | Q3PY_BOOL_OK, NULL, &n)
-                                        : q3py_cache_int(obj, "seq", 0, NULL, &n);
+    const int given = !obj ? !all : all ? q3py_int64(obj, "tokens", Q3PY_NONE_OK | Q3PY_BOOL_OK, NULL, &n)
+                                        : q3py_int64(obj, "seq", 0, NULL, &n);
     q3_module_state *st = given < 0 ? NULL : q3_state_of_type(Py_TYPE(o));
     if (!st) return NULL;
     q3_cache_view v;

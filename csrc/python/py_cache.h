@@ -16,12 +16,6 @@ q3py_cache_object *q3py_cache_wrap(q3_module_state *st, q3_cache *c);
 int q3py_cache_run(q3py_cache_object *o, q3_cache_call_args *r);
 /* the same, None or NULL */
 PyObject *q3py_cache_run_none(q3py_cache_object *o, q3_cache_call_args *r);
-/* An int argument as the engine takes it (the engine checks its range): 1 with *out; 0 for
- * None where Q3PY_NONE_OK; -1 with TypeError "<arg>: expected an int[ or None], got <type>" (a
- * bool is one only where Q3PY_BOOL_OK). Past int64: OverflowError, or ValueError
- * "<arg>: <too_big>, got <value>" where too_big is given. */
-enum { Q3PY_NONE_OK = 1, Q3PY_BOOL_OK = 2 };
-int q3py_cache_int(PyObject *obj, const char *arg, int flags, const char *too_big, int64_t *out);
 
 /* KVCache methods (py_cache_ops.c); their docstrings are in py_cache.c's table */
 PyObject *q3py_cache_reorder(q3py_cache_object *o, PyObject *args, PyObject *kw);

@@ -8,58 +8,6 @@
  * them, so they are ordered against every stream. */
 #include "py_cache.h"
 
-/* index argument: a 1-D sequence of ints (list, tuple, range, a torch or numpy integer array),
- * as int64 for the engine (which checks each against the batch). Returns a PyMem_Malloc'd
- * array of *n entries, or NULL with an exception. */
-static int64_t *parse_index(PyObject *obj, int64_t *n) {
-    if (PyLong_Check(obj)) {
-        PyErr_Format(PyExc_TypeError, "index: expected a 1-D sequence of ints, got int");
-        return NULL;
-    }
-    PyObject *attr = PyObject_GetAttrString(obj, "ndim"); /* arrays: exactly one dimension */
-    if (!attr) PyErr_Clear();
-    else {
-        const long ndim = PyLong_Check(attr) ? PyLong_AsLong(attr) : 1;
-        Py_DECREF(attr);
-        if (ndim != 1) {
-            PyErr_Format(PyExc_ValueError, "index: expected 1 dimension, got %ld", ndim);
-            return NULL;
-        }
-    }
-    if ((attr = PyObject_GetAttrString(obj, "dtype")) == NULL) PyErr_Clear();
-    else { /* arrays: an integer dtype ("torch.int64", "int32", "uint8"), not bool or float */
-        PyObject *name = PyObject_Str(attr);
-        Py_DECREF(attr);
-        if (!name) return NULL;
-        const char *u = PyUnicode_AsUTF8(name);
-        const int ok = u && strstr(u, "int") != NULL;
-        if (u && !ok) PyErr_Format(PyExc_TypeError, "index: expected an integer dtype, got %s", u);
-        Py_DECREF(name);
-        if (!ok) return NULL;
-    }
-    PyObject *seq = PySequence_Fast(obj, "index: expected a 1-D sequence of ints");
-    if (!seq) return NULL;
-    *n = PySequence_Fast_GET_SIZE(seq);
-    int64_t *index = PyMem_Malloc((size_t)(*n ? *n : 1) * sizeof *index);
-    if (!index) {
-        Py_DECREF(seq);
-        return (int64_t *)PyErr_NoMemory();
-    }
-    for (Py_ssize_t i = 0; i < *n; i++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(seq, i), *v = PyBool_Check(item) ? NULL : PyNumber_Index(item);
-        index[i] = v ? PyLong_AsLongLong(v) : -1;
-        Py_XDECREF(v);
-        if (v && !(index[i] == -1 && PyErr_Occurred())) continue;
-        PyErr_Clear();
-        PyErr_Format(PyExc_TypeError, "index[%zd]: expected an int, got %.100s", i, Py_TYPE(item)->tp_name);
-        Py_DECREF(seq);
-        PyMem_Free(index);
-        return NULL;
-    }
-    Py_DECREF(seq);
-    return index;
-}
-
 /* the stream= of a copying call, for the cache's device */
 static int stream_of(q3py_cache_object *o, PyObject *stream_obj, q3_cache_call_args *r) {
     return q3py_stream_on(stream_obj, q3_cache_device(o->cache), "a cache on the cpu", &r->stream);
@@ -73,7 +21,7 @@ static PyObject *by_index(q3py_cache_object *o, PyObject *args, PyObject *kw, co
     q3_module_state *st = q3_state_of_type(Py_TYPE(o));
     int64_t *index;
     if (!st || !PyArg_ParseTupleAndKeywords(args, kw, fmt, names, &index_obj, &stream_obj) ||
-        stream_of(o, stream_obj, &r) < 0 || !(index = parse_index(index_obj, &r.n)))
+        stream_of(o, stream_obj, &r) < 0 || !(index = q3py_index_list(index_obj, &r.n)))
         return NULL;
     r.index = index;
     if (q3py_cache_run(o, &r) == 0)

@@ -120,18 +120,6 @@ PyObject *q3py_rope_table(PyObject *m, PyObject *cfg) {
     return Py_BuildValue("(Nd)", table, (double)scale);
 }
 
-int q3py_weight_format(PyObject *obj, void *out) {
-    if (obj == Py_None) return 1;
-    const char *f = PyUnicode_Check(obj) ? PyUnicode_AsUTF8(obj) : NULL;
-    q3_error err;
-    if (f && q3_weight_format_parse(f, out, &err) == Q3_OK) return 1; /* the engine's table of formats */
-    char list[128];
-    PyErr_Clear();
-    PyErr_Format(PyExc_ValueError, "weight_format: expected None, %s, got %R", q3_weight_format_list(list, sizeof list),
-                 obj);
-    return 0;
-}
-
 /* rope_defaults(): the RoPE fields of a LayerConfig (the table's, from rope_type on) at the
  * engine's Q3_ROPE_SCALING_DEFAULT, the values a variant that does not read a field leaves in
  * it: converted back, the engine's "unset" as None */
@@ -155,6 +143,18 @@ PyObject *q3py_rope_defaults(PyObject *m, PyObject *unused) {
         Py_XDECREF(x);
     }
     return out;
+}
+
+int q3py_weight_format(PyObject *obj, void *out) {
+    if (obj == Py_None) return 1;
+    const char *f = PyUnicode_Check(obj) ? PyUnicode_AsUTF8(obj) : NULL;
+    q3_error err;
+    if (f && q3_weight_format_parse(f, out, &err) == Q3_OK) return 1; /* the engine's table of formats */
+    char list[128];
+    PyErr_Clear();
+    PyErr_Format(PyExc_ValueError, "weight_format: expected None, %s, got %R", q3_weight_format_list(list, sizeof list),
+                 obj);
+    return 0;
 }
 
 /* the engine's weight table (q3_weight_table) as [(name, shape, storage, of)]: storage

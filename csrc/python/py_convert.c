@@ -1,5 +1,7 @@
-/* The glue's shared conversions (py_convert.h): engine statuses to exceptions, the arguments
- * many calls take (dtype, stream, seq), the MoE paths' names. */
+/* The glue's shared conversions (py_convert.h): engine statuses to exceptions, and every
+ * argument converter the calls share or make (dtype, stream, seq, shape, chunk_size,
+ * attention_limit, device, index lists, ints for the engine): the checks of
+ * what a Python object is before it becomes a C value, in this one file. */
 #include <string.h>
 
 #include "py_glue.h"
@@ -137,4 +139,140 @@ int q3py_held_experts(PyObject *obj, int E, uint8_t **held) {
     Py_DECREF(seq);
     *held = h;
     return 0;
+}
+
+/* None -> 0 (the engine's default chunk); else a positive int */
+int q3py_chunk(PyObject *obj, int64_t *chunk) {
+    *chunk = 0;
+    if (obj == Py_None) return 0;
+    long long v = PyLong_Check(obj) && !PyBool_Check(obj) ? PyLong_AsLongLong(obj) : -1;
+    if (v == -1 && PyErr_Occurred()) return -1;
+    if (v <= 0) {
+        PyObject *r = PyObject_Repr(obj);
+        PyErr_Format(PyExc_ValueError, "chunk_size: expected a positive int or None, got %S", r);
+        Py_XDECREF(r);
+        return -1;
+    }
+    *chunk = v;
+    return 0;
+}
+
+/* attention_limit: None -> dflt; else a non-negative int of bytes */
+int q3py_attention_limit(PyObject *obj, int64_t dflt, int64_t *limit) {
+    *limit = dflt;
+    if (obj == Py_None) return 0;
+    long long v = PyLong_Check(obj) && !PyBool_Check(obj) ? PyLong_AsLongLong(obj) : -1;
+    if (v == -1 && PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError)) return -1;
+        PyErr_Clear();
+        v = INT64_MAX; /* more than any machine has: no limit */
+    }
+    if (v < 0) {
+        PyObject *r = PyObject_Repr(obj);
+        PyErr_Format(PyExc_ValueError, "attention_limit: expected a number of bytes >= 0 or None, got %S", r);
+        Py_XDECREF(r);
+        return -1;
+    }
+    *limit = v;
+    return 0;
+}
+
+/* device: an int, -1 (the host) or a CUDA device (NULL: not given, -1); with the stream to
+ * queue on */
+int q3py_place(PyObject *device_obj, PyObject *stream_obj, int *device, void **stream) {
+    *device = -1;
+    if (!device_obj) return q3py_stream_on(stream_obj, -1, "host tensors (device=-1)", stream);
+    if (!PyLong_Check(device_obj) || PyBool_Check(device_obj)) {
+        PyErr_Format(PyExc_TypeError, "device: expected an int (-1: the host, else a CUDA device), got %.100s",
+                     Py_TYPE(device_obj)->tp_name);
+        return -1;
+    }
+    const long d = PyLong_AsLong(device_obj);
+    if (d == -1 && PyErr_Occurred()) return -1;
+    if (d < -1 || d > 1024) {
+        PyErr_Format(PyExc_ValueError, "device: expected -1 (the host) or a CUDA device index, got %ld", d);
+        return -1;
+    }
+    *device = (int)d;
+    return q3py_stream_on(stream_obj, *device, "host tensors (device=-1)", stream);
+}
+
+int q3py_int64(PyObject *obj, const char *arg, int flags, const char *too_big, int64_t *out) {
+    if (obj == Py_None && (flags & Q3PY_NONE_OK)) return 0;
+    if (!PyLong_Check(obj) || (PyBool_Check(obj) && !(flags & Q3PY_BOOL_OK))) {
+        PyErr_Format(PyExc_TypeError, "%s: expected an int%s, got %.100s", arg, flags & Q3PY_NONE_OK ? " or None" : "",
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    int overflow;
+    *out = PyLong_AsLongLongAndOverflow(obj, &overflow);
+    if (overflow && too_big) {
+        PyErr_Format(PyExc_ValueError, "%s: %s, got %R", arg, too_big, obj);
+        return -1;
+    }
+    if (overflow) *out = PyLong_AsLongLong(obj); /* raises its OverflowError */
+    return *out == -1 && PyErr_Occurred() ? -1 : 1;
+}
+
+/* index argument: a 1-D sequence of ints (list, tuple, range, a torch or numpy integer array),
+ * as int64 for the engine (which checks each against the batch). Returns a PyMem_Malloc'd
+ * array of *n entries, or NULL with an exception. */
+int64_t *q3py_index_list(PyObject *obj, int64_t *n) {
+    if (PyLong_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "index: expected a 1-D sequence of ints, got int");
+        return NULL;
+    }
+    PyObject *attr = PyObject_GetAttrString(obj, "ndim"); /* arrays: exactly one dimension */
+    if (!attr) PyErr_Clear();
+    else {
+        const long ndim = PyLong_Check(attr) ? PyLong_AsLong(attr) : 1;
+        Py_DECREF(attr);
+        if (ndim != 1) {
+            PyErr_Format(PyExc_ValueError, "index: expected 1 dimension, got %ld", ndim);
+            return NULL;
+        }
+    }
+    if ((attr = PyObject_GetAttrString(obj, "dtype")) == NULL) PyErr_Clear();
+    else { /* arrays: an integer dtype ("torch.int64", "int32", "uint8"), not bool or float */
+        PyObject *name = PyObject_Str(attr);
+        Py_DECREF(attr);
+        if (!name) return NULL;
+        const char *u = PyUnicode_AsUTF8(name);
+        const int ok = u && strstr(u, "int") != NULL;
+        if (u && !ok) PyErr_Format(PyExc_TypeError, "index: expected an integer dtype, got %s", u);
+        Py_DECREF(name);
+        if (!ok) return NULL;
+    }
+    PyObject *seq = PySequence_Fast(obj, "index: expected a 1-D sequence of ints");
+    if (!seq) return NULL;
+    *n = PySequence_Fast_GET_SIZE(seq);
+    int64_t *index = PyMem_Malloc((size_t)(*n ? *n : 1) * sizeof *index);
+    if (!index) {
+        Py_DECREF(seq);
+        return (int64_t *)PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < *n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i), *v = PyBool_Check(item) ? NULL : PyNumber_Index(item);
+        index[i] = v ? PyLong_AsLongLong(v) : -1;
+        Py_XDECREF(v);
+        if (v && !(index[i] == -1 && PyErr_Occurred())) continue;
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "index[%zd]: expected an int, got %.100s", i, Py_TYPE(item)->tp_name);
+        Py_DECREF(seq);
+        PyMem_Free(index);
+        return NULL;
+    }
+    Py_DECREF(seq);
+    return index;
+}
+
+/* buffer_view's dtype: float32, bfloat16, or the checkpoint's float8_e4m3fn weights and int32
+ * expert ids (a split layer's routes) */
+int q3py_buffer_dtype(PyObject *obj, void *out) {
+    q3_dtype *dt = out;
+    const int named = PyUnicode_Check(obj);
+    if (named && PyUnicode_CompareWithASCIIString(obj, "int32") == 0) *dt = Q3_I32;
+    else if (named && PyUnicode_CompareWithASCIIString(obj, "float8_e4m3fn") == 0) *dt = Q3_E4M3;
+    else return q3py_dtype(obj, out);
+    return 1;
 }

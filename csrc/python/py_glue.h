@@ -120,8 +120,9 @@ int q3_parse_config(PyObject *cfg, q3_config *out);
 PyObject *q3py_rope_table(PyObject *m, PyObject *cfg);
 /* rope_defaults() -> the RoPE fields at the engine's Q3_ROPE_SCALING_DEFAULT */
 PyObject *q3py_rope_defaults(PyObject *m, PyObject *unused);
-/* "weight_format": 'dense' or 'fp8_e4m3_block128' -> q3_weight_format *out; None leaves *out
- * as it was (the caller's default) */
+/* "weight_format": the engine's formats by name -> q3_weight_format *out; None leaves *out as it
+ * was (the caller's default). Not in py_convert.c: _testing, which compiles that file too,
+ * reaches the engine only through its API table. */
 int q3py_weight_format(PyObject *obj, void *out);
 /* weight_table(config, ...) and weight_formats(): the engine's table of a layer's tensors */
 PyObject *q3py_weight_table(PyObject *m, PyObject *args, PyObject *kw);

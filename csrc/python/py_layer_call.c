@@ -13,22 +13,6 @@ static q3py_cache_object *as_cache(PyObject *obj, q3_module_state *st) {
     return NULL;
 }
 
-/* None -> 0 (the engine's default chunk); else a positive int */
-static int parse_chunk(PyObject *obj, int64_t *chunk) {
-    *chunk = 0;
-    if (obj == Py_None) return 0;
-    long long v = PyLong_Check(obj) && !PyBool_Check(obj) ? PyLong_AsLongLong(obj) : -1;
-    if (v == -1 && PyErr_Occurred()) return -1;
-    if (v <= 0) {
-        PyObject *r = PyObject_Repr(obj);
-        PyErr_Format(PyExc_ValueError, "chunk_size: expected a positive int or None, got %S", r);
-        Py_XDECREF(r);
-        return -1;
-    }
-    *chunk = v;
-    return 0;
-}
-
 static int interrupted(void *ctx) {
     q3py_interrupt_poll *p = ctx;
     PyEval_RestoreThread(p->saved);
@@ -85,7 +69,7 @@ int q3py_call_open(q3py_call *c, q3py_layer_object *self, PyObject *x_obj, PyObj
     int64_t chunk;
     void *stream;
     if (!(c->st = q3_state_of_type(Py_TYPE(self))) || !(c->co = as_cache(cache_obj, c->st)) ||
-        parse_chunk(chunk_obj, &chunk) < 0 || q3py_stream_on(stream_obj, self->device, "a cpu layer", &stream) < 0 ||
+        q3py_chunk(chunk_obj, &chunk) < 0 || q3py_stream_on(stream_obj, self->device, "a cpu layer", &stream) < 0 ||
         q3_view_acquire_on(x_obj, "x", &c->x, self->device, 0, stream) < 0)
         return -1;
     c->a = (q3_forward_args){.x = c->x.data, .io_dtype = c->x.dtype, .chunk = chunk, .stream = stream,

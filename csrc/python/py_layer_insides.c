@@ -3,26 +3,6 @@
  * from the call's own passes (q3_forward_args), and the tuple handed back. */
 #include "py_layer_insides.h"
 
-/* attention_limit: None -> the default; else a non-negative int of bytes */
-static int parse_limit(PyObject *obj, int64_t *limit) {
-    *limit = Q3_ATTENTION_LIMIT_DEFAULT;
-    if (obj == Py_None) return 0;
-    long long v = PyLong_Check(obj) && !PyBool_Check(obj) ? PyLong_AsLongLong(obj) : -1;
-    if (v == -1 && PyErr_Occurred()) {
-        if (!PyErr_ExceptionMatches(PyExc_OverflowError)) return -1;
-        PyErr_Clear();
-        v = INT64_MAX; /* more than any machine has: no limit */
-    }
-    if (v < 0) {
-        PyObject *r = PyObject_Repr(obj);
-        PyErr_Format(PyExc_ValueError, "attention_limit: expected a number of bytes >= 0 or None, got %S", r);
-        Py_XDECREF(r);
-        return -1;
-    }
-    *limit = v;
-    return 0;
-}
-
 int q3py_insides_parse(q3_insides *ins, PyObject *router, PyObject *attention, PyObject *limit) {
     *ins = (q3_insides){0};
     if ((ins->router = PyObject_IsTrue(router)) < 0 || (ins->attention = PyObject_IsTrue(attention)) < 0) return -1;
@@ -30,7 +10,7 @@ int q3py_insides_parse(q3_insides *ins, PyObject *router, PyObject *attention, P
         PyErr_SetString(PyExc_ValueError, "attention_limit: only with return_attention=True");
         return -1;
     }
-    return parse_limit(limit, &ins->limit);
+    return q3py_attention_limit(limit, Q3_ATTENTION_LIMIT_DEFAULT, &ins->limit);
 }
 
 int q3py_insides_make(q3_insides *ins, q3_module_state *st, const q3_layer *layer, const q3_cache *c,

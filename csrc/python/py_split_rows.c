@@ -6,26 +6,6 @@
  * nothing. */
 #include "py_glue.h"
 
-/* device: an int, -1 (the host) or a CUDA device (NULL: not given, -1); with the stream to
- * queue on */
-static int parse_place(PyObject *device_obj, PyObject *stream_obj, int *device, void **stream) {
-    *device = -1;
-    if (!device_obj) return q3py_stream_on(stream_obj, -1, "host tensors (device=-1)", stream);
-    if (!PyLong_Check(device_obj) || PyBool_Check(device_obj)) {
-        PyErr_Format(PyExc_TypeError, "device: expected an int (-1: the host, else a CUDA device), got %.100s",
-                     Py_TYPE(device_obj)->tp_name);
-        return -1;
-    }
-    const long d = PyLong_AsLong(device_obj);
-    if (d == -1 && PyErr_Occurred()) return -1;
-    if (d < -1 || d > 1024) {
-        PyErr_Format(PyExc_ValueError, "device: expected -1 (the host) or a CUDA device index, got %ld", d);
-        return -1;
-    }
-    *device = (int)d;
-    return q3py_stream_on(stream_obj, *device, "host tensors (device=-1)", stream);
-}
-
 PyObject *q3py_take_rows(PyObject *module, PyObject *args, PyObject *kw) {
     static char *names[] = {"src", "rows", "out", "device", "stream", NULL};
     PyObject *src_obj, *rows_obj, *out_obj = Py_None, *device_obj = NULL, *stream_obj = Py_None;
@@ -34,7 +14,7 @@ PyObject *q3py_take_rows(PyObject *module, PyObject *args, PyObject *kw) {
         return NULL;
     int device;
     void *stream;
-    if (parse_place(device_obj, stream_obj, &device, &stream) < 0) return NULL;
+    if (q3py_place(device_obj, stream_obj, &device, &stream) < 0) return NULL;
     const int given = out_obj != Py_None;
     q3_view src = {0}, rows = {0}, out = {0};
     q3_error err;
@@ -71,7 +51,7 @@ PyObject *q3py_combine_rows(PyObject *module, PyObject *args, PyObject *kw) {
         return NULL;
     int device;
     void *stream;
-    if (parse_place(device_obj, stream_obj, &device, &stream) < 0) return NULL;
+    if (q3py_place(device_obj, stream_obj, &device, &stream) < 0) return NULL;
     const int given = out_obj != Py_None;
     q3_view resid = {0}, parts = {0}, rows = {0}, out = {0};
     q3_error err;
