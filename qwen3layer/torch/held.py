@@ -12,8 +12,8 @@ the C layer was made, and the test, each call, that it still is (qwen3layer.torc
 - no forward hook or pre-hook on a submodule but transformers' own output recording (which the
   layer's recorders serve), and none on every module (torch's global registries): the C layer
   runs the whole layer, so a hook on a part (an activation probe, a steering pre-hook) would
-  never run. The hooks are read again only when a
-  hook was registered anywhere since they were last read (torch's handle counter moved).
+  never run. The hooks are read again only when a hook was registered anywhere since they
+  were last read (torch's handle counter moved).
 
 held() is the per-call test (C-level maps over tuples); check() raises, naming what changed."""
 from __future__ import annotations
