@@ -18,6 +18,7 @@ struct q3_module_state {
     PyTypeObject *graph_type;
     PyTypeObject *passes_type;
     PyObject *cache_full_error;
+    PyObject *held_names[4]; /* still_held's (py_held.c): "data_ptr", "dtype", "is_contiguous", "_version" */
 };
 
 extern PyModuleDef q3_module_def;
@@ -139,6 +140,11 @@ extern PyMethodDef q3_random_methods[];
 /* ---- routing summary: tokens per expert (py_routing.c) -------------------------------- */
 
 extern PyMethodDef q3_routing_methods[];
+
+/* ---- the drop-in's per-call test of the weights it borrowed (py_held.c) --------------- */
+
+extern PyMethodDef q3_held_methods[];
+int q3py_held_init(q3_module_state *st);
 
 /* ---- DecodeGraph (py_graph.c), AttentionPasses (py_pass_run.c) ---------------------------- */
 

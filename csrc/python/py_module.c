@@ -203,7 +203,8 @@ static int module_exec(PyObject *m) {
         return -1;
     if (PyModule_AddFunctions(m, q3_cuda_methods) < 0 ||
         PyModule_AddFunctions(m, q3_random_methods) < 0 ||
-        PyModule_AddFunctions(m, q3_routing_methods) < 0)
+        PyModule_AddFunctions(m, q3_routing_methods) < 0 || PyModule_AddFunctions(m, q3_held_methods) < 0 ||
+        q3py_held_init(st) < 0)
         return -1;
     /* the engine's table for qwen3layer._testing (csrc/cuda/engine_api.h), one engine a process */
     PyObject *api = PyCapsule_New((void *)q3_engine_api_get(), Q3_ENGINE_API_CAPSULE, NULL);
@@ -225,6 +226,7 @@ static int module_traverse(PyObject *m, visitproc visit, void *arg) {
     Py_VISIT(st->graph_type);
     Py_VISIT(st->passes_type);
     Py_VISIT(st->cache_full_error);
+    for (int i = 0; i < 4; i++) Py_VISIT(st->held_names[i]);
     return 0;
 }
 
@@ -236,6 +238,7 @@ static int module_clear(PyObject *m) {
     Py_CLEAR(st->graph_type);
     Py_CLEAR(st->passes_type);
     Py_CLEAR(st->cache_full_error);
+    for (int i = 0; i < 4; i++) Py_CLEAR(st->held_names[i]);
     return 0;
 }
 

@@ -15,7 +15,8 @@ the C layer was made, and the test, each call, that it still is (qwen3layer.torc
   never run. The hooks are read again only when a hook was registered anywhere since they
   were last read (torch's handle counter moved).
 
-held() is the per-call test (C-level maps over tuples); check() raises, naming what changed."""
+held() is the per-call test (the extension's _C.still_held over tuples); check() raises, naming
+what changed."""
 from __future__ import annotations
 
 import itertools
@@ -24,11 +25,11 @@ from typing import Any, Iterable
 
 import torch
 
+from .._C import still_held as _still_held
 from .record import _is_recording
 
 _DATA_PTR, _DTYPE, _VERSION = torch.Tensor.data_ptr, operator.attrgetter("dtype"), operator.attrgetter("_version")
 _CONTIGUOUS = torch.Tensor.is_contiguous
-_GET, _IS = dict.get, operator.is_
 
 _RESTART = "call qwen3layer.torch.unpatch_model(model) and patch_model(model) again"
 
@@ -97,11 +98,12 @@ class HeldWeights:
         self.copied = tuple(p for name, p in named if name in copied)
         self.copied_names = [name for name in self.names if name in copied]
         self.versions = list(map(_VERSION, self.copied))
-        # held()'s identity test of the submodules and the parameters as one map: (the dict, the key,
-        # what it must hold) of each submodule, then of each parameter
-        self.in_dicts = tuple(self.sub_dicts + self.holders)
-        self.in_keys = tuple(self.sub_keys + self.keys)
-        self.in_objs = self.subs + self.params
+        # what held() compares, in the extension (_C.still_held: the same test as Python maps costs
+        # ten times as much): (the dict, the key, what it must hold) of each submodule, then of
+        # each parameter; each parameter's address, dtype and contiguity; each copy's version
+        self.watch = (tuple(self.sub_dicts + self.holders), tuple(self.sub_keys + self.keys), self.subs + self.params,
+                      self.params, tuple(self.ptrs), tuple(self.dtypes), tuple(self.contiguous), self.copied,
+                      tuple(self.versions))
         # each submodule's forward pre-hooks and hooks (dicts torch changes in place), read when a
         # hook was registered since `hooks_read` (the handle count when they were last found clean)
         self.hook_dicts = [(name, m._forward_pre_hooks, m._forward_hooks) for name, m in subs]
@@ -119,10 +121,7 @@ class HeldWeights:
         return True
 
     def held(self) -> bool:
-        return all(map(_IS, map(_GET, self.in_dicts, self.in_keys), self.in_objs)) and \
-            list(map(_DATA_PTR, self.params)) == self.ptrs and list(map(_DTYPE, self.params)) == self.dtypes and \
-            list(map(_CONTIGUOUS, self.params)) == self.contiguous and \
-            list(map(_VERSION, self.copied)) == self.versions and \
+        return _still_held(self.watch) and \
             (getattr(_HANDLES, "next_id", -2) == self.hooks_read or self._hooks_clean())  # (_handles_made, inline)
 
     def check(self) -> None:

@@ -368,6 +368,47 @@ def test_the_same_memory_read_another_way_is_refused():
             model(PACKED_IDS[:, :5])
 
 
+def test_the_same_memory_read_as_another_dtype_is_refused():
+    """.data = .data.view(torch.int32) keeps the address and the layout: the C layer would read
+    float32 bits the model now calls int32"""
+    model, _ = pair(13)
+    gate = model.model.layers[0].mlp.gate
+    gate.weight.requires_grad_(False)  # (torch gives integer data only to a tensor without gradients)
+    gate.weight.data = gate.weight.data.view(torch.int32)
+    with pytest.raises(RuntimeError, match=r"layer 0: mlp.gate.weight .*it was torch.float32 on cpu, it is torch.int32"):
+        with torch.no_grad():
+            model(PACKED_IDS[:, :5])
+
+
+def test_still_held_compares_every_part():
+    """the extension's per-call test of what a patched layer holds (HeldWeights.held): true when
+    each dict still holds its object and each tensor its address, dtype and contiguity, each
+    copy its version; false when any one differs; a malformed watch is refused"""
+    from qwen3layer._C import still_held
+    t, u = torch.zeros(4, 3), torch.zeros(2, 2)
+    held = {"w": t}
+
+    def watch(**change):
+        parts = dict(dicts=(held,), keys=("w",), objects=(t,), tensors=(t,), data_ptrs=(t.data_ptr(),),
+                     dtypes=(t.dtype,), contiguous=(True,), copied=(u,), versions=(u._version,))
+        parts.update(change)
+        return tuple(parts.values())
+
+    assert still_held(watch()) is True
+    for change in (dict(objects=(u,)), dict(keys=("other",)), dict(data_ptrs=(t.data_ptr() + 4,)),
+                   dict(dtypes=(torch.int32,)), dict(contiguous=(False,)), dict(versions=(u._version + 1,))):
+        assert still_held(watch(**change)) is False, change
+    taken = watch()
+    u.add_(1)  # a copied tensor changed in place
+    assert still_held(taken) is False
+    with pytest.raises(TypeError, match="expected a tuple of 9 tuples"):
+        still_held(watch()[:8])
+    with pytest.raises(ValueError, match="unequal lengths"):
+        still_held(watch(keys=("w", "v")))
+    with pytest.raises(TypeError, match=r"dicts\[0\]: expected a dict, got list"):
+        still_held(watch(dicts=([],)))
+
+
 @pytest.mark.parametrize("checkpointing", [None, True, False])
 def test_training_is_refused_before_any_work(checkpointing):
     model, _ = pair(15)

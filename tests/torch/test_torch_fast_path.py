@@ -595,6 +595,34 @@ def test_a_static_entrys_views_are_kept_by_the_fast_path(fast_calls):
     assert int(entry.cumulative_length) == int(ref_cache.layers[LAYER].cumulative_length) == 8
 
 
+@pytest.mark.parametrize("how", ["replaced", "moved"])
+def test_a_static_counter_replaced_or_moved_is_counted_where_it_now_is(fast_calls, how):
+    """a StaticLayer's cumulative_length is counted in its memory once the fast path has
+    counted it: a counter replaced by another tensor, or given other memory (.data =), is
+    counted where it now is, the old one left alone, as transformers' add_ would"""
+    from transformers import StaticCache
+
+    model, ref = pair(42)
+    cache, step = prefilled(model, past_key_values=StaticCache(config=model.config, max_cache_len=16))
+    ref_cache, _ = prefilled(ref, past_key_values=StaticCache(config=ref.config, max_cache_len=16))
+    entry = cache.layers[LAYER]
+    old = entry.cumulative_length
+    if how == "replaced":
+        entry.cumulative_length = old.clone()
+    else:
+        keep = old.data
+        old.data = keep.clone()
+    fast_calls.clear()
+    with torch.no_grad():
+        for _ in range(2):
+            ours = model(step, past_key_values=cache).logits
+            assert rel(ours, ref(step, past_key_values=ref_cache).logits) < 1e-5
+            step = ours[:, -1:].argmax(-1)
+    assert fast_calls == [1, LAYER] * 2
+    assert int(entry.cumulative_length) == int(ref_cache.layers[LAYER].cumulative_length) == 9
+    assert int(old if how == "replaced" else keep) == 7  # counted no more where it was
+
+
 def test_a_declined_fast_call_is_not_tried_twice(monkeypatch):
     """a later layer's decode call goes to the fast path from forward, and where it declines
     (here: hidden states that need a gradient) to the full path without trying it again"""
