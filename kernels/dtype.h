@@ -12,12 +12,16 @@
 /* Q3_I32: only the router's chosen experts (a layer call's introspection output, and what
  * expert_counts reads back): no kernel's data argument takes it, and an imported tensor
  * carries it only where the glue asks for it (Q3_VIEW_I32) */
-typedef enum { Q3_F32 = 0, Q3_BF16 = 1, Q3_E4M3 = 2, Q3_I32 = 3 } q3_dtype;
+/* Q3_F16: only the scales of a GPTQ int4 matrix (kernels/int4.h), whose packed words are Q3_I32 */
+typedef enum { Q3_F32 = 0, Q3_BF16 = 1, Q3_E4M3 = 2, Q3_I32 = 3, Q3_F16 = 4 } q3_dtype;
 
-static inline size_t q3_dtype_size(q3_dtype dt) { return dt == Q3_BF16 ? 2 : dt == Q3_E4M3 ? 1 : 4; }
-/* torch's and numpy's name of each: "float32", "bfloat16", "float8_e4m3fn", "int32" */
+static inline size_t q3_dtype_size(q3_dtype dt) {
+    return dt == Q3_BF16 || dt == Q3_F16 ? 2 : dt == Q3_E4M3 ? 1 : 4;
+}
+/* torch's and numpy's name of each: "float32", "bfloat16", "float8_e4m3fn", "int32", "float16" */
 static inline const char *q3_dtype_name(q3_dtype dt) {
-    return dt == Q3_BF16 ? "bfloat16" : dt == Q3_E4M3 ? "float8_e4m3fn" : dt == Q3_I32 ? "int32" : "float32";
+    return dt == Q3_BF16 ? "bfloat16" : dt == Q3_E4M3 ? "float8_e4m3fn" : dt == Q3_I32 ? "int32"
+                                      : dt == Q3_F16  ? "float16" : "float32";
 }
 
 static inline float q3_bf16_to_f32(uint16_t b) {

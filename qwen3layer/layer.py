@@ -88,8 +88,13 @@ class DecoderLayer:
     are stored: 'dense' (of the layer's dtype) or 'fp8_e4m3_block128' (float8_e4m3fn, each
     with a "<name>_scale_inv" of fp32 or bf16 block scales [ceil(out/128), ceil(in/128)], as
     in the fine-grained FP8 checkpoints; borrowed as they are, never quantized here; on CUDA,
-    host ones are uploaded once, still FP8); default: FP8 when self_attn.q_proj.weight is float8_e4m3fn. `dtype` is then the
-    activations' (and the norms' and router's), by default input_layernorm.weight's.
+    host ones are uploaded once, still FP8); default: FP8 when self_attn.q_proj.weight is float8_e4m3fn;
+    or 'gptq_int4' (4-bit GPTQ as GPTQModel writes it, group 128, "gptq" v1 zeros: each
+    projection module's "<module>.qweight" int32 [in/8, out], ".scales" float16 [in/128, out],
+    ".qzeros" int32 [in/128, out/8] and ".g_idx" int32 [in], borrowed as they are, never
+    converted; every g_idx in range and every scale finite, checked here; host layers only for
+    now). `dtype` is then the activations' (and the norms' and router's), by default
+    input_layernorm.weight's.
     experts: the expert ids a layer holding a subset holds (default: all): the other experts'
     weights are neither needed nor read, prefill and decode refuse to run (the whole layer needs
     every expert), and attention_half / expert_half run the layer split (qwen3layer.parallel).
@@ -131,7 +136,7 @@ class DecoderLayer:
             where = "" if index < 0 else f" on {self.device}"
             aligned = "" if index < 0 else ", 16-byte aligned"
             kept = self._core.dtype if self._core.weight_format == "dense" else \
-                f"{self._core.dtype} (FP8 matrices kept float8_e4m3fn)"
+                f"{self._core.dtype} ({self._core.weight_format} matrices kept as they are)"
             warnings.warn(f"DecoderLayer: copied {len(self._core.converted)} weight(s) to contiguous{aligned} "
                           f"{kept}{where} once at construction: {', '.join(self._core.converted[:4])}"
                           + (" ..." if len(self._core.converted) > 4 else ""), stacklevel=2)
@@ -194,7 +199,9 @@ class DecoderLayer:
         N(0, 0.02), norm weights N(1, 0.1)); the same seed gives the same weights. They are
         made on the host; a CUDA layer copies them to its device once. weight_format
         'fp8_e4m3_block128': the projection matrices are float8_e4m3fn with fp32 block scales,
-        quantized (in C) from the same draws; `dtype` is then the activations'. experts: a
+        quantized (in C) from the same draws; 'gptq_int4': the same draws quantized by
+        round-to-nearest (RTN, not GPTQ's error-compensating algorithm) into the GPTQ layout,
+        symmetric, group 128; `dtype` is then the activations'. experts: a
         layer holding only these expert ids (the others never made), each equal to that
         expert of the whole layer of the same seed."""
         device_index(device)
@@ -470,7 +477,7 @@ class DecoderLayer:
 
     @property
     def weight_format(self) -> str:
-        """'dense' or 'fp8_e4m3_block128' (see the class docstring)."""
+        """'dense', 'fp8_e4m3_block128' or 'gptq_int4' (see the class docstring)."""
         return self._core.weight_format
 
     @property
@@ -486,7 +493,7 @@ class DecoderLayer:
         return (f"DecoderLayer(hidden={c.hidden_size}, heads={c.num_attention_heads}/"
                 f"{c.num_key_value_heads}x{c.head_dim}, experts={c.num_experts} top-{c.num_experts_per_tok}"
                 f" x {c.moe_intermediate_size}, dtype={self.dtype}"
-                + (", weights fp8_e4m3_block128" if self.weight_format != "dense" else "")
+                + (f", weights {self.weight_format}" if self.weight_format != "dense" else "")
                 + f", device={self.device}, weights {size_text})")
 
 

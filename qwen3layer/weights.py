@@ -5,7 +5,8 @@ Accepted: the per-layer names of a transformers Qwen3-MoE checkpoint, with or wi
 or fused as transformers 5.x holds them (mlp.experts.gate_up_proj [E, 2I, H],
 mlp.experts.down_proj [E, H, I]). Which names a layer reads, in which format, is the engine's
 one table (_C.weight_table: names, shapes, storage; an FP8 layer adds a "<matrix>_scale_inv"
-beside each projection matrix); this module only matches what it was given against it.
+beside each projection matrix, a GPTQ int4 layer holds "<module>.qweight" with its ".scales",
+".qzeros" and ".g_idx"); this module only matches what it was given against it.
 Shapes and dtypes are checked by the engine.
 """
 from __future__ import annotations
@@ -35,10 +36,17 @@ def scales(config: LayerConfig, fmt: str, experts: Optional[Sequence[int]] = Non
 
 
 def _format_of(out: Mapping[str, Any], config: LayerConfig) -> str:
-    """the format whose own names (beyond the dense format's: FP8's scales) appear in out"""
+    """the format whose own names (beyond the dense format's: FP8's scales, GPTQ's qweight and
+    what stands beside it) appear in out; a format the geometry cannot take (the engine's
+    table refuses it) is passed over"""
     for fmt in _C.weight_formats()[1:]:
-        if any(n in out for fused in (False, True) for n in scales(config, fmt, None, fused)):
-            return fmt
+        for fused in (False, True):
+            try:
+                own = set(names(config, fmt, None, fused)) - set(names(config, "dense", None, fused))
+            except ValueError:
+                break
+            if any(n in out for n in own):
+                return fmt
     return "dense"
 
 
@@ -117,7 +125,12 @@ def canonical_weights(weights: Mapping[str, Any], config: LayerConfig,
 def expert_weights(weights: dict, config: LayerConfig) -> dict:
     """canonical weights without the attention's, the norms' and the router's (and their
     scales): what an expert-only host layer takes"""
-    dense = {n for fmt in _C.weight_formats() for n in names(config, fmt, [])}
+    dense = set()
+    for fmt in _C.weight_formats():
+        try:
+            dense.update(names(config, fmt, []))
+        except ValueError:  # a format this geometry cannot take (GPTQ's groups): none of its names
+            pass
     return {n: t for n, t in weights.items() if n not in dense}
 
 

@@ -100,12 +100,15 @@ q3_status q3_expert_half_check_views(const q3_config *cfg, const q3_view *rows, 
 q3_status q3_weight_view_use(const q3_view *v, q3_dtype want, int device, int align, const char *arg,
                              q3_weight_use *use, q3_error *err) {
     const int aligned = v->device < 0 || (uintptr_t)v->data % (uintptr_t)align == 0;
-    if (want == Q3_E4M3) { /* a CUDA layer takes the bytes from its device or from the host (uploaded once) */
+    if (want == Q3_E4M3 || want == Q3_I32 || want == Q3_F16) {
+        /* quantized data, never converted: a CUDA layer takes the bytes from its device or from
+         * the host (uploaded once) */
         const int placed = v->device == device || (device >= 0 && v->device < 0);
-        if (v->dtype != Q3_E4M3 || !v->contiguous || !placed)
-            return q3_fail(err, Q3_ERR_VALUE, "%s: an fp8_e4m3_block128 layer expected a contiguous float8_e4m3fn "
-                           "tensor on %s, got a%s %s tensor on %s", arg, device < 0 ? "cpu" : "cuda",
-                           v->contiguous ? "" : " non-contiguous", q3_dtype_name(v->dtype), v->device < 0 ? "cpu" : "cuda");
+        if (v->dtype != want || !v->contiguous || !placed)
+            return q3_fail(err, Q3_ERR_VALUE, "%s: %s layer expected a contiguous %s tensor on %s, got a%s %s tensor "
+                           "on %s", arg, want == Q3_E4M3 ? "an fp8_e4m3_block128" : "a gptq_int4", q3_dtype_name(want),
+                           device < 0 ? "cpu" : "cuda", v->contiguous ? "" : " non-contiguous",
+                           q3_dtype_name(v->dtype), v->device < 0 ? "cpu" : "cuda");
         *use = device >= 0 && (v->device < 0 || !aligned) ? Q3_WEIGHT_UPLOAD : Q3_WEIGHT_BORROW;
         return Q3_OK;
     }

@@ -15,6 +15,16 @@ static q3_status check_format(const q3_weights *w, q3_error *err) {
         return q3_fail(err, Q3_ERR_VALUE, "weight_format: expected %s, got %d", q3_weight_format_list(list, sizeof list),
                        (int)w->format);
     if (w->format == Q3_WF_DENSE) return Q3_OK;
+    if (w->format == Q3_WF_GPTQ_INT4) {
+        if (w->device >= 0)
+            return q3_fail(err, Q3_ERR_VALUE, "weight_format 'gptq_int4': host layers only in this version (its "
+                           "CUDA kernels are not written yet), got device %d", w->device);
+        for (int i = 0; i < Q3_W_DENSE_COUNT && !w->experts_only; i++)
+            if (q3_dense_weight_is_matrix(i) && (!w->dense_scale[i] || !w->dense_qzeros[i] || !w->dense_g_idx[i]))
+                return q3_fail(err, Q3_ERR_VALUE, "weights: missing the scales, qzeros or g_idx of %s",
+                               q3_dense_weight_name(i));
+        return Q3_OK;
+    }
     if (w->scale_dtype != Q3_F32 && w->scale_dtype != Q3_BF16)
         return q3_fail(err, Q3_ERR_TYPE, "weight_scale_inv: expected float32 or bfloat16 scales, got dtype %d",
                        (int)w->scale_dtype);
@@ -38,8 +48,9 @@ static void slice_fused(const void **gate, const void **up, const void **down, c
 }
 
 /* the experts' [arrays][E] pointers, per expert or sliced from the fused tensors */
-static q3_status take_experts(const void **ptrs, const q3_config *cfg, const q3_weights *w, int fp8, q3_error *err) {
-    const size_t E = (size_t)cfg->experts, arrays = fp8 ? 2 * Q3_X_COUNT : Q3_X_COUNT;
+static q3_status take_experts(const void **ptrs, const q3_config *cfg, const q3_weights *w, int fp8, size_t arrays,
+                              q3_error *err) {
+    const size_t E = (size_t)cfg->experts;
     if (w->fused[Q3_FUSED_GATE_UP] || w->fused[Q3_FUSED_DOWN]) {
         for (int s = 0; s <= fp8; s++) {
             const void *const *f = s ? w->fused_scales : w->fused;
@@ -59,14 +70,19 @@ static q3_status take_experts(const void **ptrs, const q3_config *cfg, const q3_
                 if (w->held && !w->held[e]) ptrs[a * E + e] = NULL;
         return Q3_OK;
     }
+    static const char *const gptq_names[] = {".qweight", ".scales", ".qzeros", ".g_idx"};
+    const int gptq = w->format == Q3_WF_GPTQ_INT4;
     for (size_t a = 0; a < arrays; a++) {
-        const int x = (int)(a % Q3_X_COUNT);
-        const void *const *src = a < Q3_X_COUNT ? w->experts[x] : w->expert_scales[x];
+        const int x = (int)(a % Q3_X_COUNT), side = (int)(a / Q3_X_COUNT);
+        const void *const *src = side == 0   ? w->experts[x]
+                                 : side == 1 ? w->expert_scales[x]
+                                 : side == 2 ? w->expert_qzeros[x]
+                                             : w->expert_g_idx[x];
         for (size_t e = 0; e < E; e++) {
             if (w->held && !w->held[e]) continue;
             if (!src || !src[e])
-                return q3_fail(err, Q3_ERR_VALUE, "weights: missing mlp.experts.%zu.%s.weight%s", e,
-                               q3_expert_weight_name(x), a < Q3_X_COUNT ? "" : "_scale_inv");
+                return q3_fail(err, Q3_ERR_VALUE, "weights: missing mlp.experts.%zu.%s%s", e, q3_expert_weight_name(x),
+                               gptq ? gptq_names[side] : side ? ".weight_scale_inv" : ".weight");
             ptrs[a * E + e] = src[e];
         }
     }
@@ -85,9 +101,9 @@ q3_status q3_layer_create(q3_layer **out, const q3_config *cfg, const q3_weights
     for (int i = 0; i < Q3_W_DENSE_COUNT && !w->experts_only; i++)
         if (!w->dense[i])
             return q3_fail(err, Q3_ERR_VALUE, "weights: missing %s", q3_dense_weight_name(i));
-    const int fp8 = w->format == Q3_WF_FP8_BLOCK128;
+    const int fp8 = w->format == Q3_WF_FP8_BLOCK128, gptq = w->format == Q3_WF_GPTQ_INT4;
     q3_layer *l = calloc(1, sizeof *l);
-    const size_t E = (size_t)cfg->experts, arrays = fp8 ? 2 * Q3_X_COUNT : Q3_X_COUNT;
+    const size_t E = (size_t)cfg->experts, arrays = (size_t)(gptq ? 4 : fp8 ? 2 : 1) * Q3_X_COUNT;
     const void **ptrs = calloc(arrays * E, sizeof *ptrs); /* [arrays][E]: the weights, then the scales */
     float *rope = malloc((size_t)cfg->head_dim / 2 * sizeof *rope);
     uint8_t *held = malloc(E);
@@ -105,14 +121,20 @@ q3_status q3_layer_create(q3_layer **out, const q3_config *cfg, const q3_weights
     q3_rope_table(cfg, rope, &l->rope_scale); /* once: every pass rotates by this table */
     l->w = *w;
     if (w->experts_only) /* nothing of the attention is read: no pointer of the caller's kept */
-        for (int i = 0; i < Q3_W_DENSE_COUNT; i++) l->w.dense[i] = l->w.dense_scale[i] = NULL;
+        for (int i = 0; i < Q3_W_DENSE_COUNT; i++)
+            l->w.dense[i] = l->w.dense_scale[i] = l->w.dense_qzeros[i] = l->w.dense_g_idx[i] = NULL;
     l->expert_ptrs = ptrs;
     for (size_t a = 0; a < arrays; a++) {
-        if (a < Q3_X_COUNT) l->w.experts[a] = ptrs + a * E;
-        else l->w.expert_scales[a - Q3_X_COUNT] = ptrs + a * E;
+        const void **at = ptrs + a * E;
+        const int x = (int)(a % Q3_X_COUNT);
+        if (a < Q3_X_COUNT) l->w.experts[x] = at;
+        else if (a < 2 * Q3_X_COUNT) l->w.expert_scales[x] = at;
+        else if (a < 3 * Q3_X_COUNT) l->w.expert_qzeros[x] = at;
+        else l->w.expert_g_idx[x] = at;
     }
-    s = take_experts(ptrs, cfg, w, fp8, err);
-    if (s == Q3_OK && w->device < 0) s = q3_workspace_reserve(&l->ws, cfg, fp8, 1, 1, err);
+    s = take_experts(ptrs, cfg, w, fp8, arrays, err);
+    if (s == Q3_OK && gptq) s = q3_layer_take_int4(l, err);
+    if (s == Q3_OK && w->device < 0) s = q3_workspace_reserve(&l->ws, cfg, fp8 || gptq, 1, 1, err);
     if (s != Q3_OK) {
         q3_layer_destroy(l);
         return s;
@@ -128,6 +150,7 @@ void q3_layer_destroy(q3_layer *l) {
     free(l->expert_ptrs);
     free(l->rope_inv_freq);
     free(l->held);
+    free(l->int4);
     free(l);
 }
 
@@ -136,6 +159,10 @@ q3_dtype q3_layer_dtype(const q3_layer *l) { return l->w.dtype; }
 q3_weight_format q3_layer_weight_format(const q3_layer *l) { return l->w.format; }
 /* bytes of a [dims] matrix in the layer's format (fits: q3_config_check bounds the weights) */
 static int64_t matrix_bytes(const q3_layer *l, const int64_t dims[2]) {
+    if (l->w.format == Q3_WF_GPTQ_INT4) { /* qweight, scales, qzeros, g_idx */
+        const int64_t N = dims[0], K = dims[1], G = K / (l->w.gptq_group ? l->w.gptq_group : 128);
+        return K / 8 * N * 4 + G * N * 2 + G * (N / 8) * 4 + K * 4;
+    }
     if (l->w.format != Q3_WF_FP8_BLOCK128) return dims[0] * dims[1] * (int64_t)q3_dtype_size(l->w.dtype);
     int64_t s[2];
     q3_fp8_scale_shape(dims, s);

@@ -137,7 +137,7 @@ q3_status q3_layer_expert_half(q3_layer *l, const q3_expert_half_args *a, q3_err
         return q3_fail(err, Q3_ERR_VALUE, "expert_half: expected rows, experts, weights and out, got a NULL one");
     if (l->w.device >= 0) return q3_device() ? q3_device()->layer_expert_half(l, a, err) : no_backend(err);
     /* every row in one pass: each expert's weights are read once, whatever the rows */
-    q3_status s = q3_workspace_reserve(&l->ws, c, l->w.format == Q3_WF_FP8_BLOCK128, a->n, 1, err);
+    q3_status s = q3_workspace_reserve(&l->ws, c, l->w.format != Q3_WF_DENSE, a->n, 1, err);
     int skip;
     if (s == Q3_OK) s = take_routes(l, a, &skip, err);
     if (s != Q3_OK) return s;

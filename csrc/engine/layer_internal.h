@@ -10,13 +10,20 @@
  * scratch in the workspace (1 and T < Q3_FP8_GEMV_MAX_T inside a parallel region: no scratch) */
 static inline void q3_project(const q3_layer *l, const q3_cpu_ops *k, float *y, const float *x, q3_matrix m,
                               int64_t T, int64_t N, int64_t K, int acc, uint16_t *xb, int threads) {
-    if (l->w.format == Q3_WF_FP8_BLOCK128)
+    if (l->w.format == Q3_WF_GPTQ_INT4) /* fp32 products whatever the layer's dtype (kernels/int4.h) */
+        k->matmul_int4(y, x, m.q4, T, N, K, acc, l->ws.fp8_scratch, threads);
+    else if (l->w.format == Q3_WF_FP8_BLOCK128)
         /* an fp32 layer keeps fp32 products (xb lets the amx path round to bf16) */
         k->matmul_fp8(y, x, m.w, m.scale, l->w.scale_dtype, T, N, K, acc, l->ws.fp8_scratch, threads,
                       l->w.dtype == Q3_BF16 ? xb : NULL);
     else
         k->matmul(y, x, m.w, l->w.dtype, T, N, K, acc, xb);
 }
+
+/* A GPTQ layer's matrices (l->int4) from its weights' pointers, each checked as the kernels
+ * will read it: every g_idx in [0, G), every scale finite (a NaN or Inf is refused naming its
+ * tensor); g_idx[k] == k / group noted for the kernels (layer_int4.c) */
+q3_status q3_layer_take_int4(q3_layer *l, q3_error *err);
 
 /* q3_layer_check_call without its demand for every expert (the attention half's checks) */
 q3_status q3_layer_check_pass(const q3_layer *l, const q3_cache *c, const q3_forward_args *a, q3_error *err);

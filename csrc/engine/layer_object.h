@@ -11,6 +11,8 @@
 #include "profile.h"
 #include "workspace.h"
 
+#include "../../kernels/int4.h"
+
 typedef struct q3_cuda_state q3_cuda_state; /* a device backend's, opaque here (csrc/cuda/device_state.h) */
 
 struct q3_layer {
@@ -23,6 +25,8 @@ struct q3_layer {
     float *rope_inv_freq;             /* [head_dim / 2] owned: q3_rope_table's, made at creation */
     float rope_scale;                 /* of cos and sin (the RoPE's attention_scaling) */
     uint8_t *held;                    /* [E] owned: 1 for each expert the layer holds */
+    q3_int4_matrix *int4;             /* GPTQ format: [Q3_W_DENSE_COUNT + E * Q3_X_COUNT] owned
+                                       * (q3_int4_index), checked at creation; else NULL */
     int n_held;                       /* how many (E: the whole layer can run) */
 };
 
@@ -50,16 +54,26 @@ static inline int q3_pass_wants_router(const q3_pass *p) {
     return p->call && (p->call->router_logits || p->call->router_experts || p->call->router_weights);
 }
 
-/* A projection matrix of the layer: its data, and its scale_inv in the FP8 format */
+/* A projection matrix of the layer: its data, and its scale_inv in the FP8 format; in the
+ * GPTQ format the layer's description of it (w: its qweight) */
 typedef struct {
     const void *w, *scale;
+    const q3_int4_matrix *q4;
 } q3_matrix;
 
+/* l->int4's entries: the dense matrices' (in q3_dense_weight order, the others' unused), then
+ * each expert's gate, up and down */
+static inline int64_t q3_int4_index(q3_dense_weight i) { return i; }
+static inline int64_t q3_int4_expert_index(q3_expert_weight x, int e) {
+    return Q3_W_DENSE_COUNT + (int64_t)e * Q3_X_COUNT + x;
+}
+
 static inline q3_matrix q3_dense_matrix(const q3_layer *l, q3_dense_weight i) {
-    return (q3_matrix){l->w.dense[i], l->w.dense_scale[i]};
+    return (q3_matrix){l->w.dense[i], l->w.dense_scale[i], l->int4 ? &l->int4[q3_int4_index(i)] : NULL};
 }
 static inline q3_matrix q3_expert_matrix(const q3_layer *l, q3_expert_weight x, int e) {
-    return (q3_matrix){l->w.experts[x][e], l->w.format == Q3_WF_FP8_BLOCK128 ? l->w.expert_scales[x][e] : NULL};
+    return (q3_matrix){l->w.experts[x][e], l->w.format == Q3_WF_FP8_BLOCK128 ? l->w.expert_scales[x][e] : NULL,
+                       l->int4 ? &l->int4[q3_int4_expert_index(x, e)] : NULL};
 }
 
 /* the expert half's ids experts [n, top_k] (host memory), checked: each -1 (then *skip = 1)

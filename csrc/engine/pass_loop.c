@@ -114,6 +114,6 @@ q3_status q3_layer_passes(q3_layer *l, q3_cache *c, const q3_forward_args *a, co
                           q3_pass_cursor *cur, q3_error *err) {
     const int64_t step = q3_call_step(a);
     const q3_status s =
-        q3_workspace_reserve(&l->ws, &l->cfg, l->w.format == Q3_WF_FP8_BLOCK128, step * a->n_seqs, a->n_seqs, err);
+        q3_workspace_reserve(&l->ws, &l->cfg, l->w.format != Q3_WF_DENSE, step * a->n_seqs, a->n_seqs, err);
     return s != Q3_OK ? s : q3_layer_run_passes(l, c, a, half, cur, &cpu_stages, NULL, err);
 }

@@ -159,9 +159,13 @@ typedef enum {
                              * of scale_dtype: W[i, j] = e4m3(w[i, j]) * scale_inv[i/128, j/128]
                              * (kernels/fp8.h); the checkpoints' quant_method "fp8", fmt "e4m3",
                              * weight_block_size [128, 128] */
+    Q3_WF_GPTQ_INT4 = 2,    /* 4-bit GPTQ (kernels/int4.h): each matrix <module>.qweight int32 [K/8, N]
+                             * with its .scales fp16 [G, N], .qzeros int32 [G, N/8] and .g_idx int32
+                             * [K], G = K / gptq_group; the checkpoints' quant_method "gptq", bits 4,
+                             * sym, "gptq" (v1) or "gptq_v2" zeros. Host layers only for now. */
 } q3_weight_format;
 
-const char *q3_weight_format_name(q3_weight_format f); /* "dense", "fp8_e4m3_block128" */
+const char *q3_weight_format_name(q3_weight_format f); /* "dense", "fp8_e4m3_block128", "gptq_int4" */
 int q3_weight_format_count(void);                       /* the formats are 0 .. count - 1 */
 /* whether dense weight w is a projection matrix (stored in the layer's weight format) */
 int q3_dense_weight_is_matrix(q3_dense_weight w);
@@ -189,6 +193,14 @@ typedef struct {
      * NULL): q3_layer_create slices them (q3_fused_expert_shape) */
     const void *fused[Q3_FUSED_COUNT];                /* contiguous */
     const void *fused_scales[Q3_FUSED_COUNT];         /* FP8: their scale_inv */
+    /* GPTQ int4: each matrix pointer is its qweight, its scale its fp16 scales, and beside them
+     * its qzeros and g_idx (experts: [E] pointers each); the group size (0: 128) and the
+     * zeros' convention (0: "gptq" v1, stored zero + 1; 1: "gptq_v2", the stored zero) */
+    const void *dense_qzeros[Q3_W_DENSE_COUNT], *dense_g_idx[Q3_W_DENSE_COUNT];
+    const void *const *expert_qzeros[Q3_X_COUNT];
+    const void *const *expert_g_idx[Q3_X_COUNT];
+    int64_t gptq_group;
+    int gptq_v2;
     /* [E]: nonzero for each expert the layer holds, the others' pointers not read (may be
      * NULL); NULL: every expert. A layer holding a subset runs only its halves (below) */
     const uint8_t *held;
@@ -206,10 +218,22 @@ typedef struct {
  * a row of the table. */
 #define Q3_WEIGHT_NAME_MAX 64
 typedef enum {
-    Q3_WS_LAYER, /* of the layer's dtype: norms, the router, the dense format's matrices */
-    Q3_WS_E4M3,  /* float8_e4m3fn bytes, contiguous: never converted */
-    Q3_WS_SCALE, /* of the layer's scale dtype: the scale_inv of matrix entry `of` */
+    Q3_WS_LAYER,   /* of the layer's dtype: norms, the router, the dense format's matrices */
+    Q3_WS_E4M3,    /* float8_e4m3fn bytes, contiguous: never converted */
+    Q3_WS_SCALE,   /* of the layer's scale dtype: the scale_inv of matrix entry `of` */
+    Q3_WS_QWEIGHT, /* int32 words of 4-bit values, contiguous, never converted: a GPTQ matrix */
+    Q3_WS_GSCALES, /* float16, contiguous: the scales of GPTQ matrix entry `of` */
+    Q3_WS_QZEROS,  /* int32 words of 4-bit zeros, contiguous: of GPTQ matrix entry `of` */
+    Q3_WS_GIDX,    /* int32, contiguous: the group of each input of GPTQ matrix entry `of` */
+    Q3_WS_COUNT
 } q3_weight_storage;
+/* "layer", "e4m3", "scale", "qweight", "gscales", "qzeros", "g_idx" */
+const char *q3_weight_storage_name(q3_weight_storage s);
+/* the dtype a tensor of storage s is held in, for a layer of dtype dt and scale dtype sdt */
+q3_dtype q3_weight_storage_dtype(q3_weight_storage s, q3_dtype dt, q3_dtype sdt);
+/* the per-expert pointer arrays a weight table's expert_ptrs holds: each matrix and up to three
+ * tensors beside it, [Q3_EXPERT_PTR_ARRAYS][Q3_X_COUNT][E] */
+#define Q3_EXPERT_PTR_ARRAYS 4
 
 typedef struct {
     char name[Q3_WEIGHT_NAME_MAX];
@@ -224,21 +248,25 @@ typedef struct {
     int64_t first;
     int is_norm;
     int64_t matrix_rows; /* an E4M3 tensor: the rows of each matrix quantized on its own */
+    int64_t matrix_dims[2]; /* a QWEIGHT entry: the matrix's [N, K] (its qweight is [K/8, N]) */
 } q3_weight_entry;
 
 /* The table for cfg and the weights' format, held experts and experts_only (w's fields);
  * fused: the experts as transformers 5.x fuses them (two tensors of every expert), else per
  * expert (mlp.experts.{e}.{gate,up,down}_proj.weight, the held ones only). The slots point
- * into *w and into expert_ptrs [2 * Q3_X_COUNT * E] (the per-expert pointer tables, which
+ * into *w and into expert_ptrs [Q3_EXPERT_PTR_ARRAYS * Q3_X_COUNT * E] (the per-expert pointer tables, which
  * w->experts and w->expert_scales are pointed at; NULL: no slots, for the names alone).
  * out NULL: *n is the count alone; else Q3_ERR_VALUE when more than max entries. */
 q3_status q3_weight_table(const q3_config *cfg, q3_weights *w, int fused, const void **expert_ptrs,
                           q3_weight_entry *out, int64_t max, int64_t *n, q3_error *err);
 int64_t q3_weight_entry_numel(const q3_weight_entry *e); /* -1 when the count overflows int64 */
 /* DecoderLayer.random's draws into entry e's tensor data (dtype: its storage's, the layer's
- * for Q3_WS_LAYER); an E4M3 entry also fills its scale entry's fp32 tensor `scale`; a scale
- * entry fills nothing (its matrix does) */
-void q3_weight_fill_random(const q3_weight_entry *e, void *data, q3_dtype dtype, float *scale, uint64_t seed);
+ * for Q3_WS_LAYER); a matrix also fills the entries beside it (side[i]: the data of the
+ * table's entry e + 1 + i: an E4M3 matrix's fp32 scale; a GPTQ matrix's scales, qzeros and
+ * g_idx, quantized by RTN from the dense draws); an entry beside a matrix fills nothing.
+ * Q3_ERR_NOMEM when a GPTQ matrix's fp32 draws find no memory. */
+q3_status q3_weight_fill_random(const q3_weight_entry *e, void *data, q3_dtype dtype, void *const *side, uint64_t seed,
+                                int64_t gptq_group, int gptq_v2, q3_error *err);
 /* a format by name (Q3_ERR_VALUE naming what was given); the formats' names as a list for a
  * message ("'dense' or 'fp8_e4m3_block128'", in buf); the format a checkpoint is in, from the
  * dtype of self_attn.q_proj.weight; the weight whose dtype a layer takes when given none */
@@ -619,8 +647,9 @@ typedef struct q3_view {
 /* What an import takes besides float32 and bfloat16 tensors on the device asked: host tensors
  * on any device (Q3_VIEW_HOST), float8 e4m3fn weights (Q3_VIEW_E4M3); or int32 tensors instead
  * of the float ones (Q3_VIEW_I32: the router's chosen experts); or every dtype the extension
- * has (Q3_VIEW_ANY: float32, bfloat16, float8_e4m3fn, int32) */
-enum { Q3_VIEW_HOST = 1, Q3_VIEW_E4M3 = 2, Q3_VIEW_I32 = 4, Q3_VIEW_ANY = 8 };
+ * has (Q3_VIEW_ANY: float32, bfloat16, float8_e4m3fn, int32); or float16 alone (Q3_VIEW_F16: a
+ * GPTQ matrix's scales) */
+enum { Q3_VIEW_HOST = 1, Q3_VIEW_E4M3 = 2, Q3_VIEW_I32 = 4, Q3_VIEW_ANY = 8, Q3_VIEW_F16 = 16 };
 /* Q3_ERR_VALUE unless a tensor on DLPack device (type, id) may be imported for `device` (-1:
  * the host, else that CUDA device) under `allow`: asked before a producer exports anything */
 q3_status q3_view_check_device(int type, int id, int device, int allow, const char *arg, q3_error *err);

@@ -57,6 +57,11 @@ static q3_status view_dtype(const q3_dl_dtype d, const char *arg, int allow, q3_
         dtype_desc(desc, sizeof desc, d);
         return q3_fail(err, Q3_ERR_TYPE, "%s: expected dtype int32, got %s", arg, desc);
     }
+    if (allow & Q3_VIEW_F16) { /* float16 only: a GPTQ matrix's scales */
+        if (one && d.code == Q3_DL_FLOAT && d.bits == 16) return *dt = Q3_F16, Q3_OK;
+        dtype_desc(desc, sizeof desc, d);
+        return q3_fail(err, Q3_ERR_TYPE, "%s: expected dtype float16, got %s", arg, desc);
+    }
     if (one && d.code == Q3_DL_FLOAT && d.bits == 32) return *dt = Q3_F32, Q3_OK;
     if (one && d.code == Q3_DL_BFLOAT && d.bits == 16) return *dt = Q3_BF16, Q3_OK;
     if ((allow & (Q3_VIEW_E4M3 | Q3_VIEW_ANY)) && one && d.code == Q3_DL_FLOAT8_E4M3FN && d.bits == 8)

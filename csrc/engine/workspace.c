@@ -1,5 +1,6 @@
 /* Workspace carving: every array is a 64-byte aligned slice of one block. */
 #include "../../kernels/fp8.h"
+#include "../../kernels/int4.h"
 #include "../../kernels/matmul.h"
 #include "workspace.h"
 
@@ -46,7 +47,9 @@ size_t q3_workspace_layout(q3_workspace *w, char *base, const q3_config *c, int 
     CARVE(expert_xb, uint16_t, threads * q3_expert_thread_xb(c));
     CARVE(pair_out, float, (int64_t)Q3_MOE_THREAD_ROWS * c->top_k * H);
     CARVE(attn_seqs, q3_attn_seq, S);
-    CARVE(fp8_scratch, float, fp8 ? threads * q3_matmul_fp8_scratch_floats(R, max_k) : 0);
+    /* the quantized formats' matmul scratch (FP8, GPTQ int4: the larger of the two) */
+    const int64_t q8 = q3_matmul_fp8_scratch_floats(R, max_k), q4 = q3_matmul_int4_scratch_floats(R, max_k);
+    CARVE(fp8_scratch, float, fp8 ? threads * (q8 > q4 ? q8 : q4) : 0);
     if (!fp8) w->fp8_scratch = NULL;
 #undef CARVE
     return off;

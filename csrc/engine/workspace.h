@@ -60,7 +60,7 @@ q3_status q3_workspace_reserve(q3_workspace *ws, const q3_config *cfg, int fp8, 
                                q3_error *err);
 void q3_workspace_release(q3_workspace *ws);
 /* Lays the arrays out from base (NULL: only measures) for R rows, S sequences and `threads`
- * threads (with the FP8 matmuls' scratch when fp8); returns the bytes. For a device block
+ * threads (with the quantized matmuls' scratch when fp8: FP8 or GPTQ int4); returns the bytes. For a device block
  * the host-only scratch is simply unused. */
 size_t q3_workspace_layout(q3_workspace *w, char *base, const q3_config *c, int fp8, int64_t R, int S,
                            int threads);

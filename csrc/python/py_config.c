@@ -158,11 +158,11 @@ int q3py_weight_format(PyObject *obj, void *out) {
 }
 
 /* the engine's weight table (q3_weight_table) as [(name, shape, storage, of)]: storage
- * 'layer', 'e4m3' or 'scale', of the index of a scale's matrix (else -1) */
+ * 'layer', 'e4m3', 'scale', 'qweight', 'gscales', 'qzeros' or 'g_idx' (q3_weight_storage_name),
+ * of the index of the matrix an entry stands beside (else -1) */
 PyObject *q3py_weight_table(PyObject *m, PyObject *args, PyObject *kw) {
     (void)m;
     static char *names[] = {"config", "weight_format", "experts", "fused", "experts_only", NULL};
-    static const char *storage[] = {"layer", "e4m3", "scale"};
     PyObject *cfg_obj, *experts_obj = Py_None;
     q3_weight_format wf = Q3_WF_DENSE;
     int fused = 0, experts_only = 0;
@@ -178,14 +178,11 @@ PyObject *q3py_weight_table(PyObject *m, PyObject *args, PyObject *kw) {
     int64_t n = 0;
     q3_error err;
     PyObject *out = NULL;
-    if (q3_weight_table(&c, &w, fused, NULL, NULL, 0, &n, &err) != Q3_OK ||
-        !(table = PyMem_Calloc((size_t)n + 1, sizeof *table)) ||
-        q3_weight_table(&c, &w, fused, NULL, table, n, &n, &err) != Q3_OK) {
-        if (table) q3_raise(NULL, &err);
-        else if (!PyErr_Occurred()) PyErr_NoMemory();
-    } else {
-        out = PyList_New((Py_ssize_t)n);
-    }
+    q3_status st = q3_weight_table(&c, &w, fused, NULL, NULL, 0, &n, &err);
+    if (st == Q3_OK && !(table = PyMem_Calloc((size_t)n + 1, sizeof *table))) PyErr_NoMemory();
+    else if (st == Q3_OK) st = q3_weight_table(&c, &w, fused, NULL, table, n, &n, &err);
+    if (st != Q3_OK) q3_raise(NULL, &err);
+    else if (table) out = PyList_New((Py_ssize_t)n);
     for (int64_t i = 0; out && i < n; i++) {
         const q3_weight_entry *e = &table[i];
         PyObject *shape = PyTuple_New(e->rank);
@@ -194,7 +191,7 @@ PyObject *q3py_weight_table(PyObject *m, PyObject *args, PyObject *kw) {
             if (!v) Py_CLEAR(shape);
             else PyTuple_SET_ITEM(shape, d, v);
         }
-        PyObject *row = shape ? Py_BuildValue("(sOsL)", e->name, shape, storage[e->storage], (long long)e->of) : NULL;
+        PyObject *row = shape ? Py_BuildValue("(sOsL)", e->name, shape, q3_weight_storage_name(e->storage), (long long)e->of) : NULL;
         Py_XDECREF(shape);
         if (!row) Py_CLEAR(out);
         else PyList_SET_ITEM(out, (Py_ssize_t)i, row);

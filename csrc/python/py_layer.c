@@ -60,7 +60,8 @@ static q3_view *acquire_shaped(q3py_layer_object *self, PyObject *weights, const
  * says why); a copy is the layer's and is named in `converted`. */
 static const void *take_weight(q3py_layer_object *self, PyObject *weights, const q3_weight_entry *e, q3_dtype dtype) {
     char arg[160];
-    const int allow = dtype == Q3_E4M3 ? Q3_VIEW_HOST | Q3_VIEW_E4M3 : Q3_VIEW_HOST;
+    const int allow = Q3_VIEW_HOST | (dtype == Q3_E4M3 ? Q3_VIEW_E4M3 : dtype == Q3_I32 ? Q3_VIEW_I32
+                                      : dtype == Q3_F16 ? Q3_VIEW_F16 : 0);
     q3_view *v = acquire_shaped(self, weights, e->name, e->rank, e->dims, allow, arg, sizeof arg);
     if (!v) return NULL;
     q3_weight_use use;
@@ -148,7 +149,7 @@ static int take_table(q3py_layer_object *self, PyObject *weights, const q3_weigh
     for (int64_t i = 0; i < n; i++) {
         const q3_weight_entry *e = &table[i];
         if (e->storage == Q3_WS_SCALE && scale_given(weights, table, e) < 0) return -1;
-        const void *p = take_weight(self, weights, e, e->storage == Q3_WS_E4M3 ? Q3_E4M3 : e->storage == Q3_WS_SCALE ? sdt : dt);
+        const void *p = take_weight(self, weights, e, q3_weight_storage_dtype(e->storage, dt, sdt));
         if (!p || record_ptr(self, e->name, p) < 0) return -1;
         *e->slot = p;
     }
@@ -249,7 +250,7 @@ static PyObject *layer_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
         return NULL;
     }
     self->device = device < 0 ? -1 : device;
-    self->expert_ptrs = PyMem_Calloc((size_t)2 * Q3_X_COUNT * cfg.experts, sizeof *self->expert_ptrs);
+    self->expert_ptrs = PyMem_Calloc((size_t)Q3_EXPERT_PTR_ARRAYS * Q3_X_COUNT * cfg.experts, sizeof *self->expert_ptrs);
     self->converted = PyList_New(0);
     self->weight_ptrs = PyDict_New();
     self->lock = PyThread_allocate_lock();

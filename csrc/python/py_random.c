@@ -14,32 +14,36 @@ static q3py_tensor_object *tensor_for(q3_module_state *st, const q3_weight_entry
     return q3py_tensor_new(st, dt, e->rank, e->dims);
 }
 
-/* the dtype DecoderLayer.random holds an entry of storage s in, for a layer of dtype dt */
-static q3_dtype random_dtype(q3_weight_storage s, q3_dtype dt) {
-    return s == Q3_WS_E4M3 ? Q3_E4M3 : s == Q3_WS_SCALE ? Q3_F32 : dt;
-}
-
 /* Every tensor of the engine's weight table for the layer, drawn as the table says
- * (q3_weight_fill_random: the stream layout is the engine's), into a new dict by name; an
- * e4m3 matrix with its scale, the entry after it. NULL with an exception. */
+ * (q3_weight_fill_random: the stream layout is the engine's), into a new dict by name; a
+ * quantized matrix with what stands beside it (the entries after it: an e4m3 matrix's fp32
+ * scale, a GPTQ matrix's scales, qzeros and g_idx). NULL with an exception. */
 static PyObject *random_table(q3_module_state *st, const q3_weight_entry *table, int64_t n, q3_dtype dt,
-                              uint64_t seed) {
+                              uint64_t seed, const q3_weights *w) {
     PyObject *d = PyDict_New();
     for (int64_t i = 0; d && i < n; i++) {
-        const q3_weight_entry *e = &table[i], *scale = i + 1 < n && table[i + 1].of == i ? &table[i + 1] : NULL;
-        q3py_tensor_object *t = tensor_for(st, e, random_dtype(e->storage, dt));
-        q3py_tensor_object *s = t && scale ? tensor_for(st, scale, Q3_F32) : NULL;
-        if (t && (!scale || s)) {
-            Py_BEGIN_ALLOW_THREADS
-            q3_weight_fill_random(e, t->data, t->dtype, s ? (float *)s->data : NULL, seed);
-            Py_END_ALLOW_THREADS
+        q3py_tensor_object *t[4] = {NULL, NULL, NULL, NULL};
+        int sides = 0, ok = 1;
+        while (sides < 3 && i + 1 + sides < n && table[i + 1 + sides].of == i) sides++;
+        for (int j = 0; j <= sides && ok; j++) {
+            const q3_weight_entry *e = &table[i + j];
+            ok = (t[j] = tensor_for(st, e, q3_weight_storage_dtype(e->storage, dt, Q3_F32))) != NULL;
         }
-        if (!t || (scale && !s) || PyDict_SetItemString(d, e->name, (PyObject *)t) < 0 ||
-            (s && PyDict_SetItemString(d, scale->name, (PyObject *)s) < 0))
-            Py_CLEAR(d);
-        Py_XDECREF(t);
-        Py_XDECREF(s);
-        i += scale != NULL;
+        if (ok) {
+            void *side[3] = {NULL, NULL, NULL};
+            for (int j = 0; j < sides; j++) side[j] = t[j + 1]->data;
+            q3_status s;
+            q3_error err;
+            Py_BEGIN_ALLOW_THREADS
+            s = q3_weight_fill_random(&table[i], t[0]->data, t[0]->dtype, side, seed, w->gptq_group, w->gptq_v2, &err);
+            Py_END_ALLOW_THREADS
+            ok = q3py_status(s, &err) == 0;
+        }
+        for (int j = 0; j <= sides && ok; j++)
+            ok = PyDict_SetItemString(d, table[i + j].name, (PyObject *)t[j]) == 0;
+        if (!ok) Py_CLEAR(d);
+        for (int j = 0; j <= sides; j++) Py_XDECREF(t[j]);
+        i += sides;
     }
     return d;
 }
@@ -63,14 +67,11 @@ static PyObject *random_weights(PyObject *m, PyObject *args, PyObject *kw) {
     int64_t n = 0;
     q3_error err;
     PyObject *d = NULL;
-    if (q3_weight_table(&c, &w, held == NULL, NULL, NULL, 0, &n, &err) != Q3_OK ||
-        (table = PyMem_Calloc((size_t)n, sizeof *table)) == NULL ||
-        q3_weight_table(&c, &w, held == NULL, NULL, table, n, &n, &err) != Q3_OK) {
-        if (!table) PyErr_NoMemory();
-        else q3_raise(NULL, &err);
-    } else {
-        d = random_table(q3py_state(m), table, n, dt, seed);
-    }
+    q3_status s = q3_weight_table(&c, &w, held == NULL, NULL, NULL, 0, &n, &err);
+    if (s == Q3_OK && (table = PyMem_Calloc((size_t)n, sizeof *table)) == NULL) PyErr_NoMemory();
+    else if (s == Q3_OK) s = q3_weight_table(&c, &w, held == NULL, NULL, table, n, &n, &err);
+    if (s != Q3_OK) q3_raise(NULL, &err);
+    else if (table) d = random_table(q3py_state(m), table, n, dt, seed, &w);
     PyMem_Free(table);
     PyMem_Free(held);
     return d;

@@ -7,7 +7,9 @@ router, experts, attention scores and values); elementwise stages count bytes on
 Activations move as fp32 (the engine's working precision), the KV cache and weights in
 `dtype`; with weight_format "fp8_e4m3_block128" the projection matrices (q/k/v/o_proj, the
 experts' gate/up/down_proj) are 1 byte an element plus one `scale_dtype` scale per 128 x 128
-block (partial blocks count whole), norms and router staying in `dtype`. Weights are read once per pass (a chunk, or a decode step) for all its tokens; a
+block (partial blocks count whole), with "gptq_int4" half a byte an element plus an fp16
+scale and a 4-bit zero per output and group of 128 inputs and an int32 g_idx per input; norms
+and router staying in `dtype`. Weights are read once per pass (a chunk, or a decode step) for all its tokens; a
 pass of R tokens is charged the experts that its R * k routing choices hit, expected under
 uniform routing (E * (1 - (1 - k/E)^R)). Attention reads each KV head's cache once per pass.
 """
@@ -29,7 +31,7 @@ KERNELS = {"io": "convert", "input_norm": "rmsnorm", "qkv_proj": "matmul", "qk_n
 ACT = 4  # bytes of an activation element
 
 
-WEIGHT_FORMATS = ("dense", "fp8_e4m3_block128")
+WEIGHT_FORMATS = ("dense", "fp8_e4m3_block128", "gptq_int4")
 
 
 def _size(dtype: str) -> int:
@@ -38,15 +40,28 @@ def _size(dtype: str) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class _Matrices:
-    """Bytes of a projection matrix [n, k] as stored: dense (`dense` bytes an element) or FP8
-    (1 byte an element and `scale` bytes per 128 x 128 block)."""
+    """Bytes of a projection matrix [n, k] as stored: dense (`dense` bytes an element), FP8
+    (1 byte an element and `scale` bytes per 128 x 128 block) or GPTQ int4 (`group` > 0: a
+    nibble an element, and per group of `group` inputs an fp16 scale and a nibble zero per
+    output, and an int32 g_idx per input: the engine's q3_layer_weight_bytes)."""
     dense: int
     scale: int = 0  # 0: the dense format
+    group: int = 0  # GPTQ int4: the group size
 
     def bytes(self, n: int, k: int) -> int:
+        if self.group:
+            g = k // self.group
+            return k // 8 * n * 4 + g * n * 2 + g * (n // 8) * 4 + k * 4
         if not self.scale:
             return n * k * self.dense
         return n * k + math.ceil(n / 128) * math.ceil(k / 128) * self.scale
+
+
+def _matrices(dtype: str, weight_format: str, scale_dtype: str) -> _Matrices:
+    """how the format stores a matrix (GPTQ: group 128, the engine's default)"""
+    if weight_format == "gptq_int4":
+        return _Matrices(_size(dtype), 0, 128)
+    return _Matrices(_size(dtype), _size(scale_dtype) if weight_format != "dense" else 0)
 
 
 @dataclasses.dataclass
@@ -143,8 +158,9 @@ def cost_model(cfg: LayerConfig, mode: str = "prefill", tokens: int = 1, context
                weight_format: str = "dense", scale_dtype: str = "float32") -> CostModel:
     """The work of `tokens` new tokens per sequence for `batch` sequences that hold `context`
     tokens: prefill in passes of chunk_size tokens (default: all at once), or decode (one
-    token per sequence per pass: `tokens` steps). weight_format: 'dense' (matrices in dtype)
-    or 'fp8_e4m3_block128' (matrices in e4m3 with scale_dtype block scales)."""
+    token per sequence per pass: `tokens` steps). weight_format: 'dense' (matrices in dtype),
+    'fp8_e4m3_block128' (matrices in e4m3 with scale_dtype block scales) or 'gptq_int4' (4-bit
+    GPTQ, group 128)."""
     if mode not in ("prefill", "decode"):
         raise ValueError(f"mode: expected 'prefill' or 'decode', got {mode!r}")
     for name, value in (("tokens", tokens), ("batch", batch)):
@@ -161,7 +177,7 @@ def cost_model(cfg: LayerConfig, mode: str = "prefill", tokens: int = 1, context
     if scale_dtype not in ("bfloat16", "float32"):
         raise ValueError(f"scale_dtype: expected 'float32' or 'bfloat16', got {scale_dtype!r}")
     wb = cb = _size(dtype)
-    mat = _Matrices(wb, _size(scale_dtype) if weight_format != "dense" else 0)
+    mat = _matrices(dtype, weight_format, scale_dtype)
     step = 1 if mode == "decode" else min(chunk_size or tokens, tokens)
     passes = math.ceil(tokens / step)
     total: List[Stage] = []
@@ -231,7 +247,7 @@ def ep_exchange(cfg: LayerConfig, world: int, rows: int, dtype: str = "bfloat16"
     row, back = H * _size(dtype) + 8 * k, H * _size(dtype)
     out = [rows * sum(p for d, p in enumerate(reach) if d != r) for r in range(world)]
     into = [(world - 1) * rows * reach[r] for r in range(world)]
-    mat = _Matrices(_size(dtype), _size(scale_dtype) if weight_format != "dense" else 0)
+    mat = _matrices(dtype, weight_format, scale_dtype)
     per_expert = 2 * mat.bytes(I, H) + mat.bytes(H, I)
     return Exchange(world, rows, out, into, [o * row + i * back for o, i in zip(out, into)],
                     [i * row + o * back for o, i in zip(out, into)], [n * per_expert for n in counts])

@@ -80,6 +80,10 @@ def weight_format(cfg_path: str, raw: dict, layer_idx: int, num_experts: int) ->
     qc = raw["quantization_config"]
     if not isinstance(qc, dict):
         raise CheckpointError(f"{cfg_path}: quantization_config: expected an object, got {show(qc)}")
+    if qc.get("quant_method") == "gptq":
+        raise CheckpointError(f"{cfg_path}: quantization_config.quant_method: 'gptq' checkpoints are not read by "
+                              "from_checkpoint yet; a layer takes their tensors as DecoderLayer(config, weights, "
+                              "weight_format='gptq_int4') (4 bits, group 128, sym, desc_act any, 'gptq' v1 zeros)")
     _field(cfg_path, qc, "quant_method", None, ("fp8",),
            " (block-scaled FP8; other quantizations are not supported: expected no quantization_config for "
            "bf16/fp32 weights)")

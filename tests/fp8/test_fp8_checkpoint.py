@@ -125,7 +125,9 @@ CONFIG_ERRORS = {
                        r"got \[64, 64\] \(only 128 x 128"),
     "128 x 64 blocks": (QUANT | {"weight_block_size": [128, 64]}, r"got \[128, 64\]"),
     "one scale per matrix": (QUANT | {"weight_block_size": None}, r"weight_block_size: expected \[128, 128\], got None"),
-    "another method": ({"quant_method": "gptq", "bits": 4}, r"quant_method: expected 'fp8', got 'gptq'"),
+    "another method": ({"quant_method": "awq", "bits": 4}, r"quant_method: expected 'fp8', got 'awq'"),
+    "gptq": ({"quant_method": "gptq", "bits": 4}, r"quant_method: 'gptq' checkpoints are not read by from_checkpoint "
+             r"yet; a layer takes their tensors as DecoderLayer\(config, weights, weight_format='gptq_int4'\)"),
     "static activations": (QUANT | {"activation_scheme": "static"}, r"activation_scheme: expected 'dynamic', got "
                            r"'static' \(static activation scales are not supported"),
     "ue8m0 scales": (QUANT | {"scale_fmt": "ue8m0"}, r"scale_fmt: expected 'float', got 'ue8m0'"),

@@ -124,7 +124,7 @@ def test_random_fp8_deterministic_in_seed():
 
 
 def test_random_weights_rejects_a_bad_format():
-    with pytest.raises(ValueError, match="weight_format: expected None, 'dense' or 'fp8_e4m3_block128'"):
+    with pytest.raises(ValueError, match="weight_format: expected None, 'dense', 'fp8_e4m3_block128' or 'gptq_int4'"):
         _C.random_weights(ODD, 0, "float32", "fp8_e5m2")
 
 

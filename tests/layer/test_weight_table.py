@@ -9,12 +9,21 @@ from qwen3layer.weights import canonical_weights, names, scales
 
 CFG = q3.LayerConfig.tiny()
 FP8 = "fp8_e4m3_block128"
-DTYPE_OF = {"layer": "bfloat16", "e4m3": "float8_e4m3fn", "scale": "float32"}
+DTYPE_OF = {"layer": "bfloat16", "e4m3": "float8_e4m3fn", "scale": "float32", "qweight": "int32", "gscales": "float16",
+            "qzeros": "int32", "g_idx": "int32"}
+# GPTQ's groups of 128 inputs need every matrix's inputs a multiple of 128 (the tiny geometry's are not)
+GPTQ_CFG = q3.LayerConfig(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64, num_experts=8,
+                          num_experts_per_tok=2, moe_intermediate_size=128)
+
+
+def cfg_of(fmt):
+    return GPTQ_CFG if fmt == "gptq_int4" else CFG
 
 
 def test_the_formats_are_the_tables_rows():
-    assert _C.weight_formats() == ("dense", FP8)
-    with pytest.raises(ValueError, match=r"weight_format: expected None, 'dense' or 'fp8_e4m3_block128', got 'int3'"):
+    assert _C.weight_formats() == ("dense", FP8, "gptq_int4")
+    with pytest.raises(ValueError, match=r"weight_format: expected None, 'dense', 'fp8_e4m3_block128' or 'gptq_int4', "
+                                         r"got 'int3'"):
         _C.weight_table(CFG, "int3")
 
 
@@ -23,12 +32,12 @@ def test_the_formats_are_the_tables_rows():
 def test_random_weights_are_the_table_in_its_order(fmt, experts):
     """random_weights makes exactly the table's tensors, in its order, of its shapes and of the
     dtype each entry's storage says (every expert: fused; a subset: per expert)"""
-    table = _C.weight_table(CFG, fmt, experts, experts is None)
-    got = _C.random_weights(CFG, 3, "bfloat16", fmt, experts)
+    table = _C.weight_table(cfg_of(fmt), fmt, experts, experts is None)
+    got = _C.random_weights(cfg_of(fmt), 3, "bfloat16", fmt, experts)
     assert list(got) == [name for name, *_ in table]
     for name, shape, storage, of in table:
         assert tuple(got[name].shape) == shape and got[name].dtype == DTYPE_OF[storage], name
-        assert (of >= 0) == (storage == "scale"), name
+        assert (of >= 0) == (storage in ("scale", "gscales", "qzeros", "g_idx")), name  # what stands beside a matrix
 
 
 def test_a_scale_follows_its_matrix_with_the_block_shape():
@@ -62,9 +71,10 @@ def test_the_table_lists_the_held_experts_only_and_the_experts_alone():
 def test_name_matching_expects_the_tables_names(fmt):
     """canonical_weights takes the table's names, with a prefix or without, and names the first
     missing one in the table's order"""
-    w = _C.random_weights(CFG, 4, "bfloat16", fmt)
-    assert list(canonical_weights({f"model.layers.3.{n}": t for n, t in w.items()}, CFG)) == list(w)
-    first = names(CFG, fmt, None, True)[1]
+    cfg = cfg_of(fmt)
+    w = _C.random_weights(cfg, 4, "bfloat16", fmt)
+    assert list(canonical_weights({f"model.layers.3.{n}": t for n, t in w.items()}, cfg)) == list(w)
+    first = names(cfg, fmt, None, True)[1]
     del w[first]
     with pytest.raises(ValueError, match=f"weights: missing '{first}'"):
-        canonical_weights(w, CFG)
+        canonical_weights(w, cfg)

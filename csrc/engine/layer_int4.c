@@ -1,0 +1,67 @@
+/* A GPTQ int4 layer's matrices (q3_int4_matrix, kernels/int4.h), made once at creation from the
+ * pointers its weight table filled, and checked as the kernels will read them: the g_idx of
+ * every input in [0, G) (a kernel indexes the scales and zeros by it), every scale finite. The
+ * shapes were the glue's to check against the table (q3_weight_table); the values are here,
+ * since a file decides them. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "layer_internal.h"
+
+/* m's tensors checked for a matrix [N, K] named `name`; m->group set when g_idx is k / group */
+static q3_status check_matrix(q3_int4_matrix *m, int64_t N, int64_t K, int64_t group, const char *name,
+                              q3_error *err) {
+    const int64_t G = m->groups;
+    int plain = 1;
+    for (int64_t k = 0; k < K; k++) {
+        const int32_t g = m->g_idx[k];
+        if (g < 0 || g >= G)
+            return q3_fail(err, Q3_ERR_VALUE, "%s.g_idx: expected groups in [0, %lld), got %d at input %lld", name,
+                           (long long)G, (int)g, (long long)k);
+        plain &= g == k / group;
+    }
+    m->group = plain ? group : 0;
+    for (int64_t i = 0; i < G * N; i++) {
+        const float s = q3_f16_to_f32(m->scales[i]);
+        if (!isfinite(s))
+            return q3_fail(err, Q3_ERR_VALUE, "%s.scales: expected finite scales, got %s at [%lld, %lld]", name,
+                           isnan(s) ? "NaN" : "Inf", (long long)(i / N), (long long)(i % N));
+    }
+    return Q3_OK;
+}
+
+static q3_int4_matrix matrix_of(const void *qweight, const void *scales, const void *qzeros, const void *g_idx,
+                                int64_t K, int64_t group, int v2) {
+    return (q3_int4_matrix){qweight, qzeros, scales, g_idx, K / group, group, v2 ? 0 : 1};
+}
+
+q3_status q3_layer_take_int4(q3_layer *l, q3_error *err) {
+    const int64_t E = l->cfg.experts, group = l->w.gptq_group ? l->w.gptq_group : 128;
+    l->int4 = calloc((size_t)(Q3_W_DENSE_COUNT + E * Q3_X_COUNT), sizeof *l->int4);
+    if (!l->int4) return q3_fail(err, Q3_ERR_NOMEM, "layer: out of memory");
+    const q3_weights *w = &l->w;
+    char name[Q3_WEIGHT_NAME_MAX + 16];
+    int64_t dims[2];
+    q3_status s = Q3_OK;
+    for (int i = 0; i < Q3_W_DENSE_COUNT && !w->experts_only && s == Q3_OK; i++) {
+        if (!q3_dense_weight_is_matrix(i)) continue;
+        q3_dense_weight_shape(&l->cfg, i, dims);
+        q3_int4_matrix *m = &l->int4[q3_int4_index(i)];
+        *m = matrix_of(w->dense[i], w->dense_scale[i], w->dense_qzeros[i], w->dense_g_idx[i], dims[1], group,
+                       w->gptq_v2);
+        const char *dense = q3_dense_weight_name(i); /* "self_attn.q_proj.weight": the module is before ".weight" */
+        snprintf(name, sizeof name, "%.*s", (int)(strlen(dense) - 7), dense);
+        s = check_matrix(m, dims[0], dims[1], group, name, err);
+    }
+    for (int64_t e = 0; e < E && s == Q3_OK; e++)
+        for (int x = 0; x < Q3_X_COUNT && l->held[e] && s == Q3_OK; x++) {
+            q3_expert_weight_shape(&l->cfg, x, dims);
+            q3_int4_matrix *m = &l->int4[q3_int4_expert_index(x, (int)e)];
+            *m = matrix_of(w->experts[x][e], w->expert_scales[x][e], w->expert_qzeros[x][e], w->expert_g_idx[x][e],
+                           dims[1], group, w->gptq_v2);
+            snprintf(name, sizeof name, "mlp.experts.%lld.%s", (long long)e, q3_expert_weight_name(x));
+            s = check_matrix(m, dims[0], dims[1], group, name, err);
+        }
+    return s;
+}

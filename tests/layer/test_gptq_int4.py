@@ -1,0 +1,171 @@
+"""GPTQ int4 layers (weight_format gptq_int4) against transformers' layer run on the
+dequantized weights, the packing read by tests/helpers/gptq_reference.py (written from the
+packing rules, not from the library): fp32 layers to 1e-5 of a float64 run, bf16 layers within
+twice transformers' own bf16 error. Projections of normal(0, 1/sqrt(fan_in)) scale, so that a
+misread nibble, zero or group shows. And the refusals of what a file may hold."""
+import pytest
+import torch
+
+import qwen3layer as q3
+import qwen3layer.testing
+from gptq_reference import dequantize, gptq_model, quantize, random_model, unpack
+from hf_reference import converted, draw_input, rel_err, run
+
+BEST = q3.build_info()["cpu_paths"][-1]
+# every matrix's inputs a multiple of the group (128) and its outputs of 8
+G128 = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=6,
+            num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True)
+
+
+@pytest.fixture(autouse=True, params=sorted({"portable", BEST}))
+def cpu_path(request):
+    """Every test runs on the portable C kernels and on the best path of this CPU."""
+    q3.set_cpu_path(request.param)
+    yield request.param
+    q3.set_cpu_path(BEST)
+
+
+def gptq_pair(seed, desc_act=False, dtype=torch.float32):
+    """(fp32 model holding the dequantized weights, the GPTQ tensors), norms and router of dtype"""
+    model = random_model(G128, seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(dtype).float())
+    tensors = gptq_model(model, desc_act=desc_act, seed=seed)
+    return model, {k: v.to(dtype) if v.is_floating_point() and v.dtype != torch.float16 else v
+                   for k, v in tensors.items()}
+
+
+@pytest.mark.parametrize("desc_act", [False, True])
+def test_float32_gptq_layer_matches_float64_on_the_dequantized_weights(desc_act):
+    """prefill of two sequences, then a decode step each, against fp64 over every position;
+    desc_act: each matrix's g_idx a permutation of its groups (the kernels read g_idx)"""
+    model, tensors = gptq_pair(3, desc_act)
+    layer = q3.DecoderLayer(q3.LayerConfig.from_hf(model.config), tensors, weight_format="gptq_int4")
+    assert layer.weight_format == "gptq_int4" and layer.dtype == "float32" and layer.converted == ()
+    S = 13
+    x = draw_input(model, (2, S + 1, G128["hidden_size"]), seed=1)
+    exact = run(converted(model, torch.float64), x.double())
+    cache = layer.new_cache(32, batch=2)
+    y = layer.prefill(x[:, :S].contiguous(), cache)
+    y_dec = layer.decode(x[:, S].contiguous(), cache)
+    assert rel_err(y - x[:, :S], exact.y[:, :S] - x[:, :S].double()) <= 1e-5  # the layer's own update
+    assert rel_err(y_dec, exact.y[:, S]) <= 1e-5
+    for b in range(2):
+        assert rel_err(torch.from_dlpack(cache.keys(b)), exact.keys[b]) <= 1e-5
+
+
+def test_bfloat16_gptq_layer_error_at_most_twice_transformers():
+    """bf16 activations, norms and router: judged with transformers' bf16 layer on the
+    dequantized weights (rounded to bf16) against fp64"""
+    model, tensors = gptq_pair(4, dtype=torch.bfloat16)
+    layer = q3.DecoderLayer(q3.LayerConfig.from_hf(model.config), tensors, weight_format="gptq_int4")
+    assert layer.dtype == "bfloat16" and layer.converted == ()
+    x = draw_input(model, (1, 18, G128["hidden_size"]), seed=2, dtype=torch.bfloat16)
+    q3.testing.assert_matches(layer, model.model.layers[0], x, torch.bfloat16, calls=(17, 1))
+
+
+def test_a_long_prefill_takes_the_chunked_kernel_with_the_same_numbers():
+    """40 tokens a pass (the prefill kernel, from 16 rows) against fp64"""
+    model, tensors = gptq_pair(5)
+    layer = q3.DecoderLayer(q3.LayerConfig.from_hf(model.config), tensors, weight_format="gptq_int4")
+    x = draw_input(model, (1, 40, G128["hidden_size"]), seed=3)
+    exact = run(converted(model, torch.float64), x.double())
+    y = layer.prefill(x, layer.new_cache(40))
+    assert rel_err(y - x, exact.y - x.double()) <= 1e-5
+
+
+def test_random_gptq_weights_are_the_dense_draws_rounded_to_nearest():
+    """DecoderLayer.random(weight_format='gptq_int4'): the dense layer's draws of the same
+    seed, quantized by RTN in the v1 layout: each weight within half a scale of its draw, zeros
+    stored as 7, g_idx k // 128; and the layer equals transformers on the dequantized weights"""
+    cfg = q3.LayerConfig(**{**G128, "num_experts": 4})
+    dense = {k: torch.from_dlpack(v) for k, v in q3._C.random_weights(cfg, 7, "float32", None, [0, 1, 2, 3]).items()}
+    gptq = {k: torch.from_dlpack(v) for k, v in q3._C.random_weights(cfg, 7, "float32", "gptq_int4").items()}
+    for module in ("self_attn.o_proj", "mlp.experts.2.down_proj"):
+        t = {n: gptq[f"{module}.{n}"] for n in ("qweight", "qzeros", "scales", "g_idx")}
+        assert (unpack(t["qzeros"], 1) == 7).all()
+        assert torch.equal(t["g_idx"], (torch.arange(t["g_idx"].numel()) // 128).to(torch.int32))
+        w, w_q = dense[f"{module}.weight"], dequantize(t)
+        half = t["scales"].float()[t["g_idx"].long()].t() / 2
+        assert ((w - w_q).abs() <= half * 1.01).all()  # (the top of the range, +7.5 steps, clamps to +7)
+        assert torch.equal(quantize(w, 128)["qweight"], t["qweight"])  # the same rounding, independently
+    layer = q3.DecoderLayer.random(cfg, 7, "float32", weight_format="gptq_int4")
+    assert layer.weight_format == "gptq_int4"
+    with torch.no_grad():
+        ref = {k: v for k, v in dense.items()}
+        for name in list(ref):
+            if name.endswith("proj.weight"):
+                module = name[:-len(".weight")]
+                ref[name] = dequantize({n: gptq[f"{module}.{n}"] for n in ("qweight", "qzeros", "scales", "g_idx")})
+    twin = q3.DecoderLayer(cfg, ref)
+    x = torch.randn(1, 5, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    y, y_ref = layer.prefill(x, layer.new_cache(8)), twin.prefill(x, twin.new_cache(8))
+    assert rel_err(torch.from_dlpack(y) - x, torch.from_dlpack(y_ref) - x) <= 1e-5
+
+
+def _layer(tensors, cfg=None):
+    return q3.DecoderLayer(cfg or q3.LayerConfig(**G128), tensors, weight_format="gptq_int4")
+
+
+@pytest.fixture(scope="module")
+def good():
+    _, tensors = gptq_pair(6)
+    return tensors
+
+
+@pytest.mark.parametrize("what,change,message", [
+    ("g_idx out of range", lambda t: t["self_attn.k_proj.g_idx"].__setitem__(5, 2),
+     r"self_attn.k_proj.g_idx: expected groups in \[0, 2\), got 2 at input 5"),
+    ("negative g_idx", lambda t: t["mlp.experts.3.down_proj.g_idx"].__setitem__(0, -1),
+     r"mlp.experts.3.down_proj.g_idx: expected groups in \[0, 1\), got -1 at input 0"),
+    ("NaN scale", lambda t: t["self_attn.q_proj.scales"].__setitem__((1, 3), float("nan")),
+     r"self_attn.q_proj.scales: expected finite scales, got NaN at \[1, 3\]"),
+    ("Inf scale", lambda t: t["mlp.experts.0.up_proj.scales"].__setitem__((0, 0), float("inf")),
+     r"mlp.experts.0.up_proj.scales: expected finite scales, got Inf at \[0, 0\]"),
+])
+def test_values_a_file_may_hold_are_checked_before_any_work(good, what, change, message):
+    tensors = {k: v.clone() for k, v in good.items()}
+    change(tensors)
+    with pytest.raises(ValueError, match=message):
+        _layer(tensors)
+
+
+def test_tensors_of_another_dtype_shape_or_name_are_refused(good):
+    t = dict(good, **{"self_attn.q_proj.qweight": good["self_attn.q_proj.qweight"].float()})
+    with pytest.raises(TypeError, match=r"weights\['self_attn.q_proj.qweight'\]: expected dtype int32, got float32"):
+        _layer(t)
+    t = dict(good, **{"self_attn.q_proj.scales": good["self_attn.q_proj.scales"].float()})
+    with pytest.raises(TypeError, match=r"weights\['self_attn.q_proj.scales'\]: expected dtype float16, got float32"):
+        _layer(t)
+    t = dict(good, **{"self_attn.v_proj.qzeros": good["self_attn.v_proj.qzeros"][:, :4].contiguous()})
+    with pytest.raises(ValueError, match=r"weights\['self_attn.v_proj.qzeros'\]: expected shape \[2, 16\], got \[2, 4\]"):
+        _layer(t)
+    t = dict(good, **{"self_attn.o_proj.qweight": good["self_attn.o_proj.qweight"].t().contiguous().t()})
+    with pytest.raises(ValueError, match=r"a gptq_int4 layer expected a contiguous int32 tensor on cpu, got a "
+                                         r"non-contiguous int32"):
+        _layer(t)
+    t = {k: v for k, v in good.items() if k != "mlp.experts.1.gate_proj.g_idx"}
+    with pytest.raises(ValueError, match=r"missing 'mlp.experts.1.gate_proj.g_idx'"):
+        _layer(t)
+
+
+def test_a_geometry_the_groups_do_not_divide_is_refused():
+    cfg = q3.LayerConfig(**{**G128, "moe_intermediate_size": 96})
+    with pytest.raises(ValueError, match=r"weight_format 'gptq_int4': every matrix's inputs must be a multiple of the "
+                                         r"group \(128\) .* moe_intermediate 96"):
+        q3.DecoderLayer.random(cfg, 0, "float32", weight_format="gptq_int4")
+
+
+def test_the_weight_table_names_the_gptq_tensors():
+    table = q3._C.weight_table(q3.LayerConfig(**G128), "gptq_int4")
+    rows = {name: (shape, storage, of) for name, shape, storage, of in table}
+    assert rows["self_attn.q_proj.qweight"][:2] == ((32, 256), "qweight")
+    assert rows["self_attn.q_proj.scales"][:2] == ((2, 256), "gscales")
+    assert rows["self_attn.q_proj.qzeros"][:2] == ((2, 32), "qzeros")
+    assert rows["self_attn.q_proj.g_idx"][:2] == ((256,), "g_idx")
+    assert rows["mlp.experts.5.down_proj.qweight"][:2] == ((16, 256), "qweight")
+    assert table[rows["mlp.experts.5.down_proj.g_idx"][2]][0] == "mlp.experts.5.down_proj.qweight"
+    assert rows["mlp.gate.weight"][1] == "layer" and "self_attn.q_proj.weight" not in rows
+    # asked fused (transformers 5.x's layout), a GPTQ layer still names each expert's modules
+    assert [r[0] for r in q3._C.weight_table(q3.LayerConfig(**G128), "gptq_int4", None, True)] == [r[0] for r in table]
