@@ -6,6 +6,7 @@
 #include "../attention.h"
 #include "../convert.h"
 #include "../fp8.h"
+#include "../int4.h"
 #include "../kv_write.h"
 #include "../matmul.h"
 #include "../moe_group.h"
@@ -22,6 +23,7 @@ typedef struct {
     const char *name; /* "portable", "avx2", "avx512", "avx512bf16", "amx" */
     q3_matmul_fn *matmul;
     q3_matmul_fp8_fn *matmul_fp8; /* block-scaled e4m3 weights (kernels/fp8.h) */
+    q3_matmul_int4_fn *matmul_int4; /* GPTQ 4-bit weights (kernels/int4.h) */
     q3_rmsnorm_fn *rmsnorm;
     q3_rope_fn *rope;
     q3_kv_write_fn *kv_write;
@@ -45,6 +47,7 @@ typedef struct {
 #define Q3_CPU_DECLARE(isa)                                                          \
     q3_matmul_fn q3_matmul_cpu_##isa, q3_matmul_generic_cpu_##isa;                   \
     q3_matmul_fp8_fn q3_matmul_fp8_cpu_##isa;                                        \
+    q3_matmul_int4_fn q3_matmul_int4_cpu_##isa;                                      \
     q3_rmsnorm_fn q3_rmsnorm_cpu_##isa;                                              \
     q3_rope_fn q3_rope_cpu_##isa;                                                    \
     q3_kv_write_fn q3_kv_write_cpu_##isa;                                            \

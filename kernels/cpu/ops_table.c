@@ -5,6 +5,7 @@ const q3_cpu_ops Q3_CPU_FN(q3_ops) = {
     .name = Q3_ISA_NAME,
     .matmul = Q3_CPU_FN(q3_matmul),
     .matmul_fp8 = Q3_CPU_FN(q3_matmul_fp8),
+    .matmul_int4 = Q3_CPU_FN(q3_matmul_int4),
     .rmsnorm = Q3_CPU_FN(q3_rmsnorm),
     .rope = Q3_CPU_FN(q3_rope),
     .kv_write = Q3_CPU_FN(q3_kv_write),

@@ -18,6 +18,7 @@ static const struct {
 } OPS[] = {
     {"matmul", ops_matmul},
     {"matmul_fp8", ops_matmul_fp8},
+    {"matmul_int4", ops_matmul_int4},
     {"e4m3_decode", ops_e4m3_decode},
     {"rmsnorm", ops_rmsnorm},
     {"rope", ops_rope},

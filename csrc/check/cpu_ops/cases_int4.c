@@ -1,0 +1,124 @@
+/* The GPTQ 4-bit matmul's cases (cpu_ops.h): y [T, N] (+)= x [T, K] W^T, W a GPTQ matrix
+ * (kernels/int4.h), on each path against the scalar reference: W from q3_int4_dequant_rows
+ * and the sums in float64. Within 1e-5 of max |y| (fp32 sums of K terms; the path's order
+ * differs: per group, the zero applied to the group's sum of x).
+ *
+ * Every nibble of qweight and qzeros random (asymmetric zeros, so a zero read from the wrong
+ * column or nibble shows), scales differing per group and column, both zero offsets (v1 and
+ * v2); groups of 128, 64, 32, 24 (an odd count of words), 192 and one group = K, and group 0
+ * with a permuted g_idx (desc_act); tokens 1, 3, 15 (the GEMV), 16 and 20 (the dequantized
+ * chunks); N = 136 leaves 8 columns past avx512's last vector, N = 200 a partial prefill
+ * chunk; 1 to 3 threads (the column splits). The harness never runs portable as the path under
+ * test, so each case also holds portable to the reference (never planted: a planted defect
+ * goes into the path's result). One shape is quantized from normal weights by kernels/int4.h's
+ * RTN quantizer (the checkpoint's symmetric zeros). */
+#include "cpu_ops.h"
+
+#define INT4_TOL 1e-5
+
+static uint32_t next(uint32_t *s) {
+    *s = *s * 1664525u + 1013904223u;
+    return *s >> 8; /* 24 bits */
+}
+
+/* 32 random bits: two draws */
+static int32_t word(uint32_t *s) {
+    const uint32_t lo = next(s), hi = next(s);
+    return (int32_t)(lo ^ hi << 16);
+}
+
+/* an [N, K] GPTQ matrix in r's buffers: random nibbles, scales in [2^-8, 2^-6) as fp16, or
+ * (rtn) quantized from normal weights; g_idx k / gs, or (desc_act) a random permutation of
+ * k / gs with m->group 0 */
+static void int4_matrix(ops_run *r, q3_int4_matrix *m, int64_t N, int64_t K, int64_t gs, int desc_act,
+                        int zero_offset, int rtn, uint32_t seed) {
+    const int64_t G = K / gs;
+    int32_t *qweight = ops_alloc(r, (size_t)(K / Q3_INT4_PACK * N) * 4);
+    int32_t *qzeros = ops_alloc(r, (size_t)(G * (N / Q3_INT4_PACK)) * 4);
+    uint16_t *scales = ops_alloc(r, (size_t)(G * N) * 2);
+    int32_t *g_idx = ops_alloc(r, (size_t)K * 4);
+    float *wf = rtn ? ops_random(r, N * K, Q3_F32, seed, 0.05f) : NULL;
+    *m = (q3_int4_matrix){qweight, qzeros, scales, g_idx, G, desc_act ? 0 : gs, zero_offset};
+    if (r->oom) return;
+    if (rtn) {
+        q3_int4_quantize_rtn(wf, N, K, gs, zero_offset, qweight, qzeros, scales, g_idx);
+        return;
+    }
+    for (int64_t i = 0; i < K / Q3_INT4_PACK * N; i++) qweight[i] = word(&seed);
+    for (int64_t i = 0; i < G * (N / Q3_INT4_PACK); i++) qzeros[i] = word(&seed);
+    for (int64_t i = 0; i < G * N; i++) {
+        const float mantissa = 1.0f + (float)next(&seed) / 16777216.0f;
+        scales[i] = q3_f32_to_f16(ldexpf(mantissa, -8 + (int)(next(&seed) % 2u)));
+    }
+    for (int64_t k = 0; k < K; k++) g_idx[k] = (int32_t)(k / gs);
+    for (int64_t k = K - 1; desc_act && k > 0; k--) { /* Fisher-Yates */
+        const int64_t j = next(&seed) % (uint32_t)(k + 1);
+        const int32_t t = g_idx[k];
+        g_idx[k] = g_idx[j];
+        g_idx[j] = t;
+    }
+}
+
+/* want [T, N] = y0 (accumulate) + x W^T, W the scalar reference's, summed in float64 */
+static void reference(float *want, const float *x, const float *wd, const float *y0, int64_t T, int64_t N,
+                      int64_t K, int accumulate) {
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t n = 0; n < N; n++) {
+            double s = accumulate ? y0[t * N + n] : 0.0;
+            for (int64_t k = 0; k < K; k++) s += (double)x[t * K + k] * wd[n * K + k];
+            want[t * N + n] = (float)s;
+        }
+}
+
+typedef struct {
+    int64_t N, K, group; /* group: the group size (of g_idx's permutation with desc_act) */
+    int desc_act, rtn;
+} int4_shape;
+
+static const int4_shape SHAPES[] = {
+    {64, 256, 128, 0, 0},  {136, 512, 128, 0, 0}, {256, 384, 32, 0, 0}, {200, 256, 64, 0, 0},
+    {64, 512, 512, 0, 0},  {96, 256, 128, 1, 0},  {256, 512, 32, 1, 0}, {128, 512, 128, 0, 1},
+    {72, 264, 24, 0, 0},   {64, 384, 192, 0, 0}, /* groups of an odd count of words, of 1.5 blocks */
+};
+static const int64_t TOKENS[] = {1, 3, 15, 16, 20};
+
+static void int4_case(ops_run *r, const int4_shape *s, int64_t T, int accumulate, int zero_offset, int threads,
+                      uint32_t seed) {
+    const int64_t N = s->N, K = s->K, ny = T * N;
+    q3_int4_matrix m;
+    int4_matrix(r, &m, N, K, s->group, s->desc_act, zero_offset, s->rtn, seed);
+    float *x = ops_random(r, T * K, Q3_F32, seed + 1, 1.0f), *y0 = ops_random(r, ny, Q3_F32, seed + 2, 1.0f);
+    float *wd = ops_alloc(r, (size_t)(N * K) * 4), *want = ops_alloc(r, (size_t)ny * 4);
+    float *got = ops_alloc(r, (size_t)ny * 4), *got_ref = ops_alloc(r, (size_t)ny * 4);
+    float *scratch = ops_alloc(r, (size_t)(threads * q3_matmul_int4_scratch_floats(T, K)) * 4);
+    char label[128];
+    snprintf(label, sizeof label, "T=%lld N=%lld K=%lld group %lld%s, %s%s, %d threads", (long long)T, (long long)N,
+             (long long)K, (long long)s->group, s->desc_act ? " permuted (desc_act)" : "", zero_offset ? "v1" : "v2",
+             accumulate ? ", accumulate" : "", threads);
+    if (r->oom) return ops_check_f32(r, label, NULL, NULL, 0, INT4_TOL);
+    q3_int4_dequant_rows(wd, &m, N, K, 0, N);
+    reference(want, x, wd, y0, T, N, K, accumulate);
+    memcpy(got, y0, (size_t)ny * 4);
+    memcpy(got_ref, y0, (size_t)ny * 4);
+    r->path->matmul_int4(got, x, &m, T, N, K, accumulate, scratch, threads);
+    r->ref->matmul_int4(got_ref, x, &m, T, N, K, accumulate, scratch, threads);
+    ops_check_f32(r, label, got, want, ny, INT4_TOL);
+    const int plant = r->plant;
+    char ref_label[160];
+    snprintf(ref_label, sizeof ref_label, "portable, %s", label);
+    r->plant = 0;
+    ops_check_f32(r, ref_label, got_ref, want, ny, INT4_TOL);
+    r->plant = plant;
+}
+
+void ops_matmul_int4(ops_run *r) {
+    uint32_t seed = 500;
+    int threads = 1;
+    for (int s = 0; s < (int)(sizeof SHAPES / sizeof SHAPES[0]); s++)
+        for (int t = 0; t < (int)(sizeof TOKENS / sizeof TOKENS[0]); t++)
+            for (int form = 0; form < 4; form++, seed += 7) {
+                int4_case(r, &SHAPES[s], TOKENS[t], form & 1, form >> 1 & 1, threads, seed);
+                ops_release(r);
+                threads = threads % 3 + 1;
+            }
+}
