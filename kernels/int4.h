@@ -93,9 +93,12 @@ static inline void q3_int4_dequant_rows(float *dst, const q3_int4_matrix *m, int
 }
 
 /* y [T, N] fp32 (=, or += when accumulate) x [T, K] fp32 * W^T, W the GPTQ matrix above.
- * scratch: threads * q3_matmul_int4_scratch_floats(T, K) floats; at most `threads` threads. */
+ * scratch: threads * q3_matmul_int4_scratch_floats(T, K) floats; at most `threads` threads.
+ * xb: NULL, or the bf16 scratch of kernels/matmul.h, given which a path with bf16 products
+ * (avx512bf16) may round x and the dequantized weights to bf16 for many tokens, as a bf16 layer
+ * holds them (a bf16 layer gives it, an fp32 one does not). */
 typedef void q3_matmul_int4_fn(float *y, const float *x, const q3_int4_matrix *w, int64_t T, int64_t N, int64_t K,
-                               int accumulate, float *scratch, int threads);
+                               int accumulate, float *scratch, int threads, uint16_t *xb);
 
 /* T below this: the GEMV, each packed word read once for all T tokens; from it on: chunks of
  * Q3_INT4_CHUNK_ROWS output rows dequantized to fp32 and the fp32 matmul */

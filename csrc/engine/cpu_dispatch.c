@@ -87,6 +87,7 @@ static void init_levels(void) {
     bf16.name = "avx512bf16";
     bf16.matmul = q3_matmul_cpu_avx512bf16;
     bf16.matmul_fp8 = q3_matmul_fp8_cpu_avx512bf16;
+    bf16.matmul_int4 = q3_matmul_int4_cpu_avx512bf16;
     amx.name = "amx";
     amx.matmul = q3_matmul_cpu_amx;
     amx.matmul_fp8 = q3_matmul_fp8_cpu_amx;

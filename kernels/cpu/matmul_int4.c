@@ -19,15 +19,19 @@
  * 16-19 GB/s two; it is bound by the decode and multiply-adds (12.7 GB/s a thread from cache):
  * 16 weights take a shift, a vpternlogd and an FMA a token.
  *
- * Prefill (T >= Q3_INT4_GEMV_MAX_T): per thread, chunks of Q3_INT4_CHUNK_ROWS output rows
- * dequantized to fp32 into its scratch ([rows, K], rows of W) and this variant's fp32 matmul,
- * as matmul_fp8.c's portable prefill (a panel source for the packed matmul, as the FP8 one,
- * would skip the fp32 rows: not done). */
+ * Prefill (T >= Q3_INT4_GEMV_MAX_T), avx2 and avx512: the packed matmul (matmul_packed.h) with
+ * pack_int4 as its panel source, the nibbles dequantized into each panel in L1 once per token
+ * block, as matmul_fp8.c's prefill decodes e4m3. Portable: per thread, chunks of
+ * Q3_INT4_CHUNK_ROWS output rows dequantized to fp32 into its scratch ([rows, K], rows of W)
+ * and the fp32 matmul, as matmul_fp8.c's portable prefill. */
 #include <stdlib.h>
+#include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
+#include "matmul_amx.h"
+#include "matmul_packed.h"
 #include "ops.h"
 #include "vec.h"
 
@@ -220,6 +224,7 @@ static void gemv(float *y, const float *x, const q3_int4_matrix *w, int64_t T, i
     }
 }
 
+#if !(defined(__AVX2__) && defined(__FMA__)) /* the portable prefill's rows (the others: pack_int4) */
 /* dst [nr, K] fp32 <- rows [n0, n0 + nr) of W, equal to q3_int4_dequant_rows bit for bit
  * (s (q - z) is exact in fp32). group > 0: a group's scale and zero once per column, then its
  * words' 8 nibbles (a loop the compiler vectorizes); blocks of a group's word rows (at most 16,
@@ -247,15 +252,74 @@ static void dequant_rows(float *dst, const q3_int4_matrix *w, int64_t N, int64_t
         }
     }
 }
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* 8 lanes whatever the variant's width: one word's nibbles, each shifted down by its own count
+ * (vpsrlvd) */
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+typedef float f32x8 __attribute__((vector_size(32)));
+static const u32x8 NIBBLE_SHIFTS = {0, 4, 8, 12, 16, 20, 24, 28};
+
+/* W as the int4 panel source reads it */
+typedef struct {
+    const q3_int4_matrix *w;
+    int64_t N;
+} int4_rows;
+
+/* the int4 panel source of the packed matmul (matmul_packed.h): panel [nr][ldp] fp32 <- W's
+ * rows [n0, n0 + nr) x inputs [k0, k0 + kc), each value s (q - z) exactly as the reference.
+ * The nr columns' words of one qweight row are adjacent (nr <= 6 words of a cache line the
+ * next panels read too). group > 0: a stretch of whole words within one group takes its scale
+ * and zero once; inputs off a word's start (a k block not a multiple of 8) and desc_act's
+ * g_idx: input by input (q3_int4_weight). */
+static void pack_int4(float *panel, int64_t ldp, const void *src, int64_t n0, int nr, int64_t k0, int64_t kc) {
+    const int4_rows *m = src;
+    const q3_int4_matrix *w = m->w;
+    const int64_t N = m->N, k1 = k0 + kc;
+    for (int i = 0; i < nr; i++) {
+        const int64_t n = n0 + i;
+        float *out = panel + i * ldp - k0; /* out[k]: input k */
+        int64_t k = k0;
+        while (k < k1) {
+            if (w->group <= 0 || k % Q3_INT4_PACK || k + Q3_INT4_PACK > k1) {
+                out[k] = q3_int4_weight(w, N, n, k);
+                k++;
+                continue;
+            }
+            const int64_t g = k / w->group, end = (g + 1) * w->group < k1 ? (g + 1) * w->group : k1;
+            const float sc = q3_f16_to_f32(w->scales[g * N + n]);
+            const float z = (float)(q3_int4_at(w->qzeros, g * (N / Q3_INT4_PACK) + n / Q3_INT4_PACK,
+                                               (int)(n % Q3_INT4_PACK)) + w->zero_offset);
+            const f32x8 sv = {sc, sc, sc, sc, sc, sc, sc, sc}, zv = {z, z, z, z, z, z, z, z};
+            for (; k + Q3_INT4_PACK <= end; k += Q3_INT4_PACK) { /* a word's 8 nibbles in one 8-lane vector */
+                const uint32_t word = (uint32_t)w->qweight[k / Q3_INT4_PACK * N + n];
+                const u32x8 q = ((u32x8){word, word, word, word, word, word, word, word} >> NIBBLE_SHIFTS) & 0xfu;
+                const f32x8 v = (__builtin_convertvector((i32x8)q, f32x8) - zv) * sv; /* s (q - z), exact */
+                memcpy(out + k, &v, sizeof v);
+            }
+        }
+    }
+}
+#endif
 
 void Q3_CPU_FN(q3_matmul_int4)(float *y, const float *x, const q3_int4_matrix *w, int64_t T, int64_t N, int64_t K,
-                               int accumulate, float *scratch, int threads) {
+                               int accumulate, float *scratch, int threads, uint16_t *xb) {
+    (void)xb; /* this variant's products are fp32 */
     if (T < 1 || N < 1) return;
     if (threads < 1) threads = 1;
     if (T < Q3_INT4_GEMV_MAX_T) {
         gemv(y, x, w, T, N, K, accumulate, threads);
         return;
     }
+#if defined(__AVX2__) && defined(__FMA__)
+    /* avx2, avx512: the nibbles dequantized into the packed matmul's panels, once per token block */
+    (void)scratch;
+    const int4_rows m = {w, N};
+    const q3_panel_source src = {pack_int4, &m, NULL, 0, 0};
+    Q3_CPU_FN(q3_matmul_packed_from)(y, x, &src, T, N, K, accumulate, threads);
+#else
     /* One parallel region: each thread takes chunks of rows whole (dequantize, multiply, add
      * out) in its own scratch; the fp32 matmul called in it runs on the calling thread (nested
      * regions are inactive). */
@@ -277,4 +341,57 @@ void Q3_CPU_FN(q3_matmul_int4)(float *y, const float *x, const q3_int4_matrix *w
             for (int64_t i = 0; i < nr; i++)
                 y[t * N + n0 + i] = (accumulate ? y[t * N + n0 + i] : 0.0f) + yt[t * nr + i];
     }
+#endif
 }
+
+#if Q3_LANES == 16 && defined(__AVX512BW__)
+/* The int4 matmul on the avx512bf16 level from Q3_INT4_GEMV_MAX_T tokens, given xb: the bf16
+ * dot products of matmul_dot.c with rows_int4_bf16 as their row source, each dequantized weight
+ * rounded to bf16 (to nearest even) as a bf16 layer holds it, and x rounded to bf16, as the
+ * bf16 paths do; sums in fp32. Fewer tokens, no xb (an fp32 layer) or K % 32: this variant's. */
+#define INT4_BF16 __attribute__((target("avx512bf16")))
+
+/* the row source (matmul_amx.h): out [nr][kc] bf16 (row stride ld) <- bf16(W) of rows
+ * [n0, n0 + nr) x inputs [k0, k0 + kc) (multiples of 32, so of 8: a stretch of whole words, a
+ * group's scale and zero once per stretch; desc_act's g_idx: input by input). out NULL (fetch
+ * the next rows' bytes): nothing, a row's words lie N apart. */
+static INT4_BF16 void rows_int4_bf16(uint16_t *out, int64_t ld, const void *src, int64_t n0, int nr, int64_t k0,
+                                     int64_t kc) {
+    if (!out) return;
+    const int4_rows *m = src;
+    const q3_int4_matrix *w = m->w;
+    const int64_t N = m->N, k1 = k0 + kc;
+    for (int i = 0; i < nr; i++) {
+        const int64_t n = n0 + i;
+        uint16_t *o = out + i * ld - k0; /* o[k]: input k */
+        if (w->group <= 0) {
+            for (int64_t k = k0; k < k1; k++) o[k] = q3_f32_to_bf16(q3_int4_weight(w, N, n, k));
+            continue;
+        }
+        for (int64_t k = k0; k < k1;) {
+            const int64_t g = k / w->group, end = (g + 1) * w->group < k1 ? (g + 1) * w->group : k1;
+            const float sc = q3_f16_to_f32(w->scales[g * N + n]);
+            const float z = (float)(q3_int4_at(w->qzeros, g * (N / Q3_INT4_PACK) + n / Q3_INT4_PACK,
+                                               (int)(n % Q3_INT4_PACK)) + w->zero_offset);
+            const f32x8 sv = {sc, sc, sc, sc, sc, sc, sc, sc}, zv = {z, z, z, z, z, z, z, z};
+            for (; k < end; k += Q3_INT4_PACK) {
+                const uint32_t word = (uint32_t)w->qweight[k / Q3_INT4_PACK * N + n];
+                const u32x8 q = ((u32x8){word, word, word, word, word, word, word, word} >> NIBBLE_SHIFTS) & 0xfu;
+                const f32x8 v = (__builtin_convertvector((i32x8)q, f32x8) - zv) * sv;
+                const __m128bh b = _mm256_cvtneps_pbh((__m256)v);
+                memcpy(o + k, &b, sizeof b);
+            }
+        }
+    }
+}
+
+void q3_matmul_int4_cpu_avx512bf16(float *y, const float *x, const q3_int4_matrix *w, int64_t T, int64_t N, int64_t K,
+                                   int accumulate, float *scratch, int threads, uint16_t *xb) {
+    if (T < Q3_INT4_GEMV_MAX_T || !xb || K % 32) {
+        q3_matmul_int4_cpu_avx512(y, x, w, T, N, K, accumulate, scratch, threads, xb);
+        return;
+    }
+    const int4_rows m = {w, N};
+    q3_matmul_dot_from(y, x, rows_int4_bf16, &m, NULL, 0, 0, T, N, K, accumulate, xb, threads);
+}
+#endif

@@ -75,6 +75,7 @@ Q3_CPU_DECLARE(avx512)
 q3_matmul_fn q3_matmul_cpu_avx512bf16, q3_matmul_cpu_amx;
 q3_matmul_fp8_fn q3_matmul_fp8_cpu_amx; /* the FP8 prefill on AMX tiles (kernels/cpu/matmul_fp8.c) */
 q3_matmul_fp8_fn q3_matmul_fp8_cpu_avx512bf16; /* ... and on bf16 dot products */
+q3_matmul_int4_fn q3_matmul_int4_cpu_avx512bf16; /* the int4 prefill on bf16 dot products (matmul_int4.c) */
 #endif
 
 #endif

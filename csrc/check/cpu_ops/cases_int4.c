@@ -12,6 +12,8 @@
  * test, so each case also holds portable to the reference (never planted: a planted defect
  * goes into the path's result). One shape is quantized from normal weights by kernels/int4.h's
  * RTN quantizer (the checkpoint's symmetric zeros). */
+#include <math.h>
+
 #include "cpu_ops.h"
 
 #define INT4_TOL 1e-5
@@ -100,8 +102,8 @@ static void int4_case(ops_run *r, const int4_shape *s, int64_t T, int accumulate
     reference(want, x, wd, y0, T, N, K, accumulate);
     memcpy(got, y0, (size_t)ny * 4);
     memcpy(got_ref, y0, (size_t)ny * 4);
-    r->path->matmul_int4(got, x, &m, T, N, K, accumulate, scratch, threads);
-    r->ref->matmul_int4(got_ref, x, &m, T, N, K, accumulate, scratch, threads);
+    r->path->matmul_int4(got, x, &m, T, N, K, accumulate, scratch, threads, NULL);
+    r->ref->matmul_int4(got_ref, x, &m, T, N, K, accumulate, scratch, threads, NULL);
     ops_check_f32(r, label, got, want, ny, INT4_TOL);
     const int plant = r->plant;
     char ref_label[160];
@@ -109,6 +111,36 @@ static void int4_case(ops_run *r, const int4_shape *s, int64_t T, int accumulate
     r->plant = 0;
     ops_check_f32(r, ref_label, got_ref, want, ny, INT4_TOL);
     r->plant = plant;
+}
+
+/* Given the bf16 scratch (a bf16 layer's), a path may round x and the dequantized weights to
+ * bf16 (kernels/int4.h): held, as cases_matmul.c holds FP8's, to the closest of the portable
+ * results on the exact, x-rounded and both-rounded operands, within fp32 rounding of its terms */
+static void int4_xb_case(ops_run *r, const int4_shape *s, int64_t T, int threads, uint32_t seed) {
+    const int64_t N = s->N, K = s->K, ny = T * N;
+    q3_int4_matrix m;
+    int4_matrix(r, &m, N, K, s->group, s->desc_act, 1, s->rtn, seed);
+    float *x = ops_random(r, T * K, Q3_F32, seed + 1, 1.0f), *wd = ops_alloc(r, (size_t)(N * K) * 4);
+    float *wr = ops_alloc(r, (size_t)(N * K) * 4), *got = ops_alloc(r, (size_t)ny * 4);
+    float *want = ops_alloc(r, (size_t)ny * 4), *want_x = ops_alloc(r, (size_t)ny * 4);
+    float *want_xw = ops_alloc(r, (size_t)ny * 4), *xr = ops_rounded(r, x, T * K);
+    float *scratch = ops_alloc(r, (size_t)(threads * q3_matmul_int4_scratch_floats(T, K)) * 4);
+    uint16_t *xb = ops_alloc(r, (size_t)(q3_matmul_scratch_elems(T, K) + 1) * 2);
+    const double tol = 2e-6 * (sqrt((double)K) + 4.0);
+    char label[128];
+    snprintf(label, sizeof label, "bf16 scratch, T=%lld N=%lld K=%lld group %lld%s, %d threads", (long long)T,
+             (long long)N, (long long)K, (long long)s->group, s->desc_act ? " permuted (desc_act)" : "", threads);
+    if (r->oom) return ops_check_f32(r, label, NULL, NULL, 0, tol);
+    q3_int4_dequant_rows(wd, &m, N, K, 0, N);
+    for (int64_t i = 0; i < N * K; i++) wr[i] = q3_bf16_to_f32(q3_f32_to_bf16(wd[i]));
+    r->path->matmul_int4(got, x, &m, T, N, K, 0, scratch, threads, xb);
+    r->ref->matmul(want, x, wd, Q3_F32, T, N, K, 0, NULL);
+    r->ref->matmul(want_x, xr, wd, Q3_F32, T, N, K, 0, NULL);
+    r->ref->matmul(want_xw, xr, wr, Q3_F32, T, N, K, 0, NULL);
+    const double *bound = ops_term_bound(r, x, wd, T, N, K, NULL, 1e-30);
+    const float *refs[3] = {want, want_x, want_xw};
+    if (!bound) return ops_check_f32(r, label, NULL, NULL, 0, tol);
+    ops_check_bound(r, label, got, ops_closest(got, refs, 3, bound, ny), bound, ny, tol);
 }
 
 void ops_matmul_int4(ops_run *r) {
@@ -121,4 +153,10 @@ void ops_matmul_int4(ops_run *r) {
                 ops_release(r);
                 threads = threads % 3 + 1;
             }
+    for (int s = 0; s < (int)(sizeof SHAPES / sizeof SHAPES[0]); s++)
+        for (int t = 3; t < (int)(sizeof TOKENS / sizeof TOKENS[0]); t++, seed += 7) { /* 16, 20 tokens */
+            int4_xb_case(r, &SHAPES[s], TOKENS[t], threads, seed);
+            ops_release(r);
+            threads = threads % 3 + 1;
+        }
 }

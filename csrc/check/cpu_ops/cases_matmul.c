@@ -20,16 +20,14 @@ static float *copy_f32(ops_run *r, const float *src, int64_t n) {
     return p;
 }
 
-/* x rounded to bf16, as fp32 */
-static float *rounded(ops_run *r, const float *x, int64_t n) {
+float *ops_rounded(ops_run *r, const float *x, int64_t n) {
     float *p = ops_alloc(r, (size_t)n * 4);
     for (int64_t i = 0; p && i < n; i++) p[i] = q3_bf16_to_f32(q3_f32_to_bf16(x[i]));
     return p;
 }
 
-/* bound [T, N] = |x| |W|^T + |y0| (accumulate) + extra: the magnitude of each sum's terms */
-static double *term_bound(ops_run *r, const float *x, const float *w, int64_t T, int64_t N, int64_t K,
-                          const float *y0, double extra) {
+double *ops_term_bound(ops_run *r, const float *x, const float *w, int64_t T, int64_t N, int64_t K,
+                       const float *y0, double extra) {
     double *b = ops_alloc(r, (size_t)(T * N) * sizeof(double));
     for (int64_t t = 0; b && t < T; t++)
         for (int64_t n = 0; n < N; n++) {
@@ -49,8 +47,7 @@ static double bound_err(const float *got, const float *want, const double *bound
     return worst;
 }
 
-/* the candidate reference closest to got (the operands the path multiplies) */
-static const float *closest(const float *got, const float *const *want, int n_want, const double *bound, int64_t n) {
+const float *ops_closest(const float *got, const float *const *want, int n_want, const double *bound, int64_t n) {
     const float *best = want[0];
     double best_err = INFINITY;
     for (int i = 0; i < n_want; i++) {
@@ -74,19 +71,19 @@ static void dense_case(ops_run *r, q3_dtype wdt, int with_xb, int accumulate, in
     uint16_t *xb = with_xb ? ops_alloc(r, (size_t)(q3_matmul_scratch_elems(T, K) + 1) * 2) : NULL;
     float *got = y0 ? copy_f32(r, y0, ny) : NULL, *want = y0 ? copy_f32(r, y0, ny) : NULL;
     float *want_rounded = y0 && wdt == Q3_BF16 && with_xb ? copy_f32(r, y0, ny) : NULL;
-    float *xr = want_rounded ? rounded(r, x, T * K) : NULL;
+    float *xr = want_rounded ? ops_rounded(r, x, T * K) : NULL;
     if (r->oom) return ops_check_f32(r, "matmul", NULL, NULL, 0, DENSE_TOL);
     r->ref->to_f32(wf, w, wdt, N * K);
     r->ref->matmul(want, x, w, wdt, T, N, K, accumulate, NULL);
     if (want_rounded) r->ref->matmul(want_rounded, xr, w, wdt, T, N, K, accumulate, NULL);
     r->path->matmul(got, x, w, wdt, T, N, K, accumulate, xb);
-    const double *bound = term_bound(r, x, wf, T, N, K, accumulate ? y0 : NULL, 1.0);
+    const double *bound = ops_term_bound(r, x, wf, T, N, K, accumulate ? y0 : NULL, 1.0);
     const float *refs[2] = {want, want_rounded};
     char label[96];
     snprintf(label, sizeof label, "%s weights%s%s T=%lld N=%lld K=%lld", wdt == Q3_BF16 ? "bf16" : "f32",
              with_xb ? ", bf16 scratch" : "", accumulate ? ", accumulate" : "", (long long)T, (long long)N, (long long)K);
     if (!bound) return ops_check_f32(r, label, NULL, NULL, 0, DENSE_TOL);
-    ops_check_bound(r, label, got, closest(got, refs, 2, bound, ny), bound, ny, DENSE_TOL);
+    ops_check_bound(r, label, got, ops_closest(got, refs, 2, bound, ny), bound, ny, DENSE_TOL);
 }
 
 void ops_matmul(ops_run *r) {
@@ -128,7 +125,7 @@ static void fp8_case(ops_run *r, q3_dtype sdt, int with_xb, int64_t T, int64_t N
     uint16_t *wb = ops_alloc(r, (size_t)(N * K) * 2);
     float *got = y0 ? copy_f32(r, y0, ny) : NULL, *want = y0 ? copy_f32(r, y0, ny) : NULL;
     float *want_x = with_xb && y0 ? copy_f32(r, y0, ny) : NULL, *want_xw = with_xb && y0 ? copy_f32(r, y0, ny) : NULL;
-    float *xr = with_xb ? rounded(r, x, T * K) : NULL;
+    float *xr = with_xb ? ops_rounded(r, x, T * K) : NULL;
     const double tol = 2e-6 * (sqrt((double)K) + 4.0);
     char label[96];
     snprintf(label, sizeof label, "%s scales%s%s%s T=%lld N=%lld K=%lld", sdt == Q3_BF16 ? "bf16" : "f32",
@@ -150,10 +147,10 @@ static void fp8_case(ops_run *r, q3_dtype sdt, int with_xb, int64_t T, int64_t N
         r->ref->matmul(want_x, xr, wd, Q3_F32, T, N, K, accumulate, NULL);
         r->ref->matmul(want_xw, xr, wb, Q3_BF16, T, N, K, accumulate, NULL);
     }
-    const double *bound = term_bound(r, x, wd, T, N, K, accumulate ? y0 : NULL, 1e-30);
+    const double *bound = ops_term_bound(r, x, wd, T, N, K, accumulate ? y0 : NULL, 1e-30);
     const float *refs[3] = {want, want_x, want_xw};
     if (!bound) return ops_check_f32(r, label, NULL, NULL, 0, tol);
-    ops_check_bound(r, label, got, closest(got, refs, 3, bound, ny), bound, ny, tol);
+    ops_check_bound(r, label, got, ops_closest(got, refs, 3, bound, ny), bound, ny, tol);
 }
 
 static const int64_t FP8_SHAPES[][2] = {{5, 100}, {130, 129}, {32, 256}, {48, 1056}, {40, 4160}}; /* N, K */

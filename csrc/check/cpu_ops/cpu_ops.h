@@ -48,6 +48,13 @@ void ops_check_bf16(ops_run *r, const char *label, uint16_t *got, const uint16_t
 /* a sum's error against the magnitude of its terms: max_i |got_i - want_i| / bound_i */
 void ops_check_bound(ops_run *r, const char *label, float *got, const float *want, const double *bound,
                      int64_t n, double tol);
+/* the matmuls' references where a path may round (cases_matmul.c): x rounded to bf16, as fp32;
+ * bound [T, N] = |x| |W|^T + |y0| (accumulate) + extra, the magnitude of each sum's terms; and
+ * the candidate reference closest to got (the operands the path multiplies) */
+float *ops_rounded(ops_run *r, const float *x, int64_t n);
+double *ops_term_bound(ops_run *r, const float *x, const float *w, int64_t T, int64_t N, int64_t K, const float *y0,
+                       double extra);
+const float *ops_closest(const float *got, const float *const *want, int n_want, const double *bound, int64_t n);
 /* bytes equal, bit for bit (indices, copies, conversions, checksums) */
 void ops_check_bits(ops_run *r, const char *label, void *got, const void *want, size_t bytes);
 
