@@ -14,6 +14,7 @@ from . import _C
 from .config import LayerConfig, expert_ids, pass_tokens
 from .devices import check_torch_device, device_index, stream_of
 from .weights import canonical_weights, expert_id_list, expert_weights, held_expert_views
+from .checkpoint.quantization import GPTQ, gptq_settings
 
 if TYPE_CHECKING:
     from .analysis.profile import Profile
@@ -75,6 +76,17 @@ def hf_layer_parts(hf_layer: Any) -> tuple:
     return config, {name: t.detach() for name, t in hf_layer.state_dict().items()}
 
 
+def _gptq_settings(weight_format: Optional[str], quantization_config: Optional[Mapping[str, Any]]) -> dict:
+    """the engine's gptq_int4 settings of a GPTQ quantization_config ({} without one: group 128,
+    "gptq" zeros); ValueError for one given with another format"""
+    if quantization_config is None:
+        return {}
+    if weight_format != GPTQ:
+        raise ValueError(f"quantization_config: read for weight_format='{GPTQ}' (a GPTQ checkpoint's), got it with "
+                         f"weight_format={weight_format!r}")
+    return gptq_settings(dict(quantization_config))
+
+
 class DecoderLayer:
     """One Qwen3-MoE decoder layer: RMSNorm, GQA attention with QK-norm and RoPE over a
     KV cache, RMSNorm, top-k routed SwiGLU experts, both with residuals.
@@ -93,8 +105,10 @@ class DecoderLayer:
     projection module's "<module>.qweight" int32 [in/8, out], ".scales" float16 [in/128, out],
     ".qzeros" int32 [in/128, out/8] and ".g_idx" int32 [in], borrowed as they are, never
     converted; every g_idx in range and every scale finite, checked here; host layers only for
-    now). `dtype` is then the activations' (and the norms' and router's), by default
-    input_layernorm.weight's.
+    now; quantization_config: the checkpoint's GPTQ quantization_config, for another group_size
+    (-1 or a multiple of 8), checkpoint_format 'gptq_v2', sym false or desc_act true, each
+    field checked: qwen3layer.checkpoint.quantization.gptq_settings). `dtype` is then the
+    activations' (and the norms' and router's), by default input_layernorm.weight's.
     experts: the expert ids a layer holding a subset holds (default: all): the other experts'
     weights are neither needed nor read, prefill and decode refuse to run (the whole layer needs
     every expert), and attention_half / expert_half run the layer split (qwen3layer.parallel).
@@ -110,9 +124,11 @@ class DecoderLayer:
     def __init__(self, config: LayerConfig, weights: Mapping[str, Any], device: str = "cpu",
                  dtype: Optional[str] = None, weight_format: Optional[str] = None,
                  experts: Optional[Sequence[int]] = None, expert_device: Optional[str] = None,
-                 gpu_experts: Any = None, expert_counts: Any = None) -> None:
+                 gpu_experts: Any = None, expert_counts: Any = None,
+                 quantization_config: Optional[Mapping[str, Any]] = None) -> None:
         if not isinstance(config, LayerConfig):
             raise TypeError(f"config: expected a qwen3layer.LayerConfig, got {type(config).__name__}")
+        gptq = _gptq_settings(weight_format, quantization_config)
         index = device_index(device)
         self.device = "cpu" if index < 0 else f"cuda:{index}"
         self.config = config
@@ -124,12 +140,12 @@ class DecoderLayer:
         mine = canonical_weights(weights, config, ids)
         if index >= 0 and ids is not None:  # a CUDA subset: the held experts' slices of fused host tensors
             mine = held_expert_views(mine, config, ids)
-        self._core = _C.Layer(config, mine, dtype, index, weight_format, ids)
+        self._core = _C.Layer(config, mine, dtype, index, weight_format, ids, **gptq)
         if split:
             from .placement.hybrid import HybridRunner
             host = _C.Layer(config, expert_weights(canonical_weights(weights, config, host_ids), config),
                             self._core.dtype, -1,
-                            self._core.weight_format, host_ids, experts_only=True)
+                            self._core.weight_format, host_ids, experts_only=True, **gptq)
             self._hybrid = HybridRunner(self._core, host, ids, config)
             self.expert_device, self.gpu_experts = "cpu", tuple(ids)
         if self._core.converted:
@@ -194,7 +210,8 @@ class DecoderLayer:
     def random(cls, config: LayerConfig, seed: int = 0, dtype: str = "bfloat16",
                device: str = "cpu", weight_format: Optional[str] = None,
                experts: Optional[Sequence[int]] = None, expert_device: Optional[str] = None,
-               gpu_experts: Any = None, expert_counts: Any = None) -> "DecoderLayer":
+               gpu_experts: Any = None, expert_counts: Any = None,
+               quantization_config: Optional[Mapping[str, Any]] = None) -> "DecoderLayer":
         """Random weights in extension memory, scaled like a trained layer (matrices
         N(0, 0.02), norm weights N(1, 0.1)); the same seed gives the same weights. They are
         made on the host; a CUDA layer copies them to its device once. weight_format
@@ -207,11 +224,13 @@ class DecoderLayer:
         device_index(device)
         ids = expert_id_list(experts)
         split = expert_device is not None or gpu_experts is not None  # per-expert tensors, for each side's share
-        weights = _C.random_weights(config, seed, dtype, weight_format, list(range(config.num_experts)) if split else ids)
+        weights = _C.random_weights(config, seed, dtype, weight_format, list(range(config.num_experts)) if split else ids,
+                                    **_gptq_settings(weight_format, quantization_config))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the copy to the device is the point here
             return cls(config, weights, device=device, dtype=dtype, weight_format=weight_format, experts=ids,
-                       expert_device=expert_device, gpu_experts=gpu_experts, expert_counts=expert_counts)
+                       expert_device=expert_device, gpu_experts=gpu_experts, expert_counts=expert_counts,
+                       quantization_config=quantization_config)
 
     def random_input(self, shape, seed: int, dtype: Optional[str] = None) -> Tensor:
         """Random N(0, 1) activations of `shape` in extension memory on the layer's device

@@ -160,7 +160,7 @@ q3_weight_format q3_layer_weight_format(const q3_layer *l) { return l->w.format;
 /* bytes of a [dims] matrix in the layer's format (fits: q3_config_check bounds the weights) */
 static int64_t matrix_bytes(const q3_layer *l, const int64_t dims[2]) {
     if (l->w.format == Q3_WF_GPTQ_INT4) { /* qweight, scales, qzeros, g_idx */
-        const int64_t N = dims[0], K = dims[1], G = K / (l->w.gptq_group ? l->w.gptq_group : 128);
+        const int64_t N = dims[0], K = dims[1], G = K / q3_gptq_group(l->w.gptq_group, K);
         return K / 8 * N * 4 + G * N * 2 + G * (N / 8) * 4 + K * 4;
     }
     if (l->w.format != Q3_WF_FP8_BLOCK128) return dims[0] * dims[1] * (int64_t)q3_dtype_size(l->w.dtype);

@@ -37,7 +37,7 @@ static q3_int4_matrix matrix_of(const void *qweight, const void *scales, const v
 }
 
 q3_status q3_layer_take_int4(q3_layer *l, q3_error *err) {
-    const int64_t E = l->cfg.experts, group = l->w.gptq_group ? l->w.gptq_group : 128;
+    const int64_t E = l->cfg.experts;
     l->int4 = calloc((size_t)(Q3_W_DENSE_COUNT + E * Q3_X_COUNT), sizeof *l->int4);
     if (!l->int4) return q3_fail(err, Q3_ERR_NOMEM, "layer: out of memory");
     const q3_weights *w = &l->w;
@@ -48,6 +48,7 @@ q3_status q3_layer_take_int4(q3_layer *l, q3_error *err) {
         if (!q3_dense_weight_is_matrix(i)) continue;
         q3_dense_weight_shape(&l->cfg, i, dims);
         q3_int4_matrix *m = &l->int4[q3_int4_index(i)];
+        const int64_t group = q3_gptq_group(w->gptq_group, dims[1]);
         *m = matrix_of(w->dense[i], w->dense_scale[i], w->dense_qzeros[i], w->dense_g_idx[i], dims[1], group,
                        w->gptq_v2);
         const char *dense = q3_dense_weight_name(i); /* "self_attn.q_proj.weight": the module is before ".weight" */
@@ -58,6 +59,7 @@ q3_status q3_layer_take_int4(q3_layer *l, q3_error *err) {
         for (int x = 0; x < Q3_X_COUNT && l->held[e] && s == Q3_OK; x++) {
             q3_expert_weight_shape(&l->cfg, x, dims);
             q3_int4_matrix *m = &l->int4[q3_int4_expert_index(x, (int)e)];
+            const int64_t group = q3_gptq_group(w->gptq_group, dims[1]);
             *m = matrix_of(w->experts[x][e], w->expert_scales[x][e], w->expert_qzeros[x][e], w->expert_g_idx[x][e],
                            dims[1], group, w->gptq_v2);
             snprintf(name, sizeof name, "mlp.experts.%lld.%s", (long long)e, q3_expert_weight_name(x));

@@ -194,7 +194,8 @@ typedef struct {
     const void *fused[Q3_FUSED_COUNT];                /* contiguous */
     const void *fused_scales[Q3_FUSED_COUNT];         /* FP8: their scale_inv */
     /* GPTQ int4: each matrix pointer is its qweight, its scale its fp16 scales, and beside them
-     * its qzeros and g_idx (experts: [E] pointers each); the group size (0: 128) and the
+     * its qzeros and g_idx (experts: [E] pointers each); the group size (0: 128; -1: one
+     * group a matrix, of all its inputs; else a positive multiple of 8: q3_gptq_group) and the
      * zeros' convention (0: "gptq" v1, stored zero + 1; 1: "gptq_v2", the stored zero) */
     const void *dense_qzeros[Q3_W_DENSE_COUNT], *dense_g_idx[Q3_W_DENSE_COUNT];
     const void *const *expert_qzeros[Q3_X_COUNT];
@@ -209,6 +210,11 @@ typedef struct {
      * device and the host: qwen3layer/placement/hybrid.py) */
     int experts_only;
 } q3_weights;
+
+/* the group size of a GPTQ matrix of K inputs for the weights' gptq_group (0: 128, -1: K) */
+static inline int64_t q3_gptq_group(int64_t gptq_group, int64_t K) {
+    return gptq_group == 0 ? 128 : gptq_group < 0 ? K : gptq_group;
+}
 
 /* The one table of a layer's tensors (weight_table.c), by checkpoint name (prefix
  * "model.layers.N." dropped): what a layer of a config and format reads, in the order it

@@ -93,7 +93,7 @@ typedef struct {
     q3_weight_entry *out;
     int64_t n, max;
     const format_row *fmt;
-    int64_t group; /* GPTQ: the group size */
+    int64_t group; /* GPTQ: the weights' gptq_group (q3_gptq_group) */
 } table;
 
 static q3_weight_entry *add(table *t, q3_weight_storage storage, int rank, const int64_t *dims, const void **slot) {
@@ -120,7 +120,7 @@ static void matrix_name(char *out, size_t size, const format_row *f, const char 
 /* a GPTQ matrix [N, K]: qweight [K/8, N], then its scales [G, N], qzeros [G, N/8], g_idx [K] */
 static void add_gptq(table *t, const char *name, const int64_t *dims, const void **slot, const void **sides[3],
                      uint64_t stream, int64_t first) {
-    const int64_t N = dims[0], K = dims[1], G = K / t->group;
+    const int64_t N = dims[0], K = dims[1], G = K / q3_gptq_group(t->group, K);
     const int64_t shapes[4][2] = {{K / 8, N}, {G, N}, {G, N / 8}, {K, 0}};
     const int64_t at = t->n;
     for (int i = 0; i < 4; i++) {
@@ -167,22 +167,22 @@ static void add_matrix(table *t, const char *name, int rank, const int64_t *dims
     }
 }
 
-/* the group size of a GPTQ layer, and Q3_ERR_VALUE unless every matrix [N, K] has N and K
- * multiples of 8 and K of the group */
-static q3_status gptq_geometry(const q3_config *cfg, const q3_weights *w, int64_t *group, q3_error *err) {
-    *group = w->gptq_group ? w->gptq_group : 128;
+/* Q3_ERR_VALUE unless the GPTQ group size is 0, -1 or a positive multiple of 8 and every matrix
+ * [N, K] has N and K multiples of 8 and K of the group */
+static q3_status gptq_geometry(const q3_config *cfg, const q3_weights *w, q3_error *err) {
+    if (w->gptq_group < -1 || (w->gptq_group > 0 && w->gptq_group % 8))
+        return q3_fail(err, Q3_ERR_VALUE, "gptq group_size: expected -1 (one group) or a positive multiple of 8, got "
+                       "%lld", (long long)w->gptq_group);
     const int64_t H = cfg->hidden, I = cfg->moe_inter, q = (int64_t)cfg->heads * cfg->head_dim,
                   kv = (int64_t)cfg->kv_heads * cfg->head_dim;
     const int64_t sizes[] = {H, I, q, kv};
     for (int i = 0; i < 4; i++)
-        if (sizes[i] % 8 || (i != 3 && sizes[i] % *group))
+        if (sizes[i] % 8 || (i != 3 && sizes[i] % q3_gptq_group(w->gptq_group, sizes[i])))
             return q3_fail(err, Q3_ERR_VALUE, "weight_format 'gptq_int4': every matrix's inputs must be a multiple "
                            "of the group (%lld) and its outputs of 8, got hidden %lld, moe_intermediate %lld, "
-                           "q heads x head_dim %lld, kv heads x head_dim %lld", (long long)*group, (long long)H,
-                           (long long)I, (long long)q, (long long)kv);
-    if (*group < 8 || *group % 8)
-        return q3_fail(err, Q3_ERR_VALUE, "gptq group_size: expected a positive multiple of 8, got %lld",
-                       (long long)*group);
+                           "q heads x head_dim %lld, kv heads x head_dim %lld",
+                           (long long)q3_gptq_group(w->gptq_group, 128), (long long)H, (long long)I, (long long)q,
+                           (long long)kv);
     return Q3_OK;
 }
 
@@ -194,8 +194,9 @@ q3_status q3_weight_table(const q3_config *cfg, q3_weights *w, int fused, const 
                        (int)w->format);
     table t = {out, 0, max, &formats[w->format], 0};
     if (t.fmt->matrix == Q3_WS_QWEIGHT) {
-        q3_status s = gptq_geometry(cfg, w, &t.group, err);
+        q3_status s = gptq_geometry(cfg, w, err);
         if (s != Q3_OK) return s;
+        t.group = w->gptq_group;
     }
     if (!t.fmt->fusable) fused = 0; /* a GPTQ checkpoint holds each expert's own modules */
     for (int i = 0; i < Q3_W_DENSE_COUNT && !w->experts_only; i++) {
@@ -271,7 +272,7 @@ q3_status q3_weight_fill_random(const q3_weight_entry *e, void *data, q3_dtype d
         if (!w) return q3_fail(err, Q3_ERR_NOMEM, "%s: out of memory for its %lld fp32 draws", e->name,
                                (long long)(N * K));
         q3_fill_random_from(w, Q3_F32, N * K, seed, e->stream, e->first, mean, std);
-        q3_int4_quantize_rtn(w, N, K, gptq_group ? gptq_group : 128, gptq_v2 ? 0 : 1, data, side[1], side[0],
+        q3_int4_quantize_rtn(w, N, K, q3_gptq_group(gptq_group, K), gptq_v2 ? 0 : 1, data, side[1], side[0],
                              side[2]);
         q3_free(w);
         return Q3_OK;

@@ -101,3 +101,45 @@ def weight_format(cfg_path: str, raw: dict, layer_idx: int, num_experts: int) ->
     _field(cfg_path, qc, "expert_dtype", "fp8", ("fp8",), " (FP4 experts are not supported)")
     _check_not_converted(cfg_path, qc, layer_idx, num_experts)
     return FP8
+
+
+GPTQ = "gptq_int4"
+# modules a GPTQ checkpoint may keep unquantized without touching a decoder layer's projections
+# (the router, mlp.gate, is dense in the gptq_int4 format as GPTQModel's qwen3_moe leaves it)
+_GPTQ_DENSE_OK = ("lm_head", "embed_tokens", "mlp.gate", "norm")
+
+
+def gptq_settings(qc: Any, where: str = "quantization_config") -> dict:
+    """The engine's settings of a gptq_int4 layer ({gptq_group, gptq_v2}: keyword arguments of
+    qwen3layer._C.Layer and random_weights) from a GPTQ quantization_config as GPTQModel and
+    AutoGPTQ write it: quant_method "gptq", bits 4, group_size -1 (one group a matrix) or a
+    positive multiple of 8 (default 128), sym either (the zeros are read as stored), desc_act
+    either (g_idx is read), checkpoint_format "gptq" (a zero stored minus 1) or "gptq_v2".
+    ValueError naming the field (`where`.field) for anything else: other bits, per-module
+    `dynamic` overrides, modules_to_not_convert naming a layer's projection."""
+    if not isinstance(qc, dict):
+        raise ValueError(f"{where}: expected a dict (a GPTQ quantization_config), got {show(qc)}")
+
+    def field(key: str, default: Any, ok: Any, expected: str, why: str = "") -> Any:
+        value = qc.get(key, default)
+        if not ok(value):
+            raise ValueError(f"{where}.{key}: expected {expected}, got {show(value)}{why}")
+        return value
+
+    field("quant_method", None, lambda v: v == "gptq", "'gptq'")
+    field("bits", 4, lambda v: type(v) is int and v == 4, "4", " (only 4-bit GPTQ weights are read)")
+    group = field("group_size", 128, lambda v: type(v) is int and (v == -1 or (v > 0 and v % 8 == 0)),
+                  "-1 (one group a matrix) or a positive multiple of 8")
+    field("sym", True, lambda v: type(v) is bool, "true or false")
+    field("desc_act", False, lambda v: type(v) is bool, "true or false")
+    fmt = field("checkpoint_format", "gptq", lambda v: v in ("gptq", "gptq_v2"), "'gptq' or 'gptq_v2'")
+    field("dynamic", None, lambda v: not v, "no per-module overrides",
+          " (a layer whose modules differ in bits or group is not read yet)")
+    skip = field("modules_to_not_convert", None, lambda v: v is None or (isinstance(v, list) and all(
+        isinstance(s, str) for s in v)), "a list of module names")
+    for name in skip or ():
+        if not any(name == ok or name.endswith("." + ok) for ok in _GPTQ_DENSE_OK):
+            raise ValueError(f"{where}.modules_to_not_convert: {show(name)} may keep a decoder layer's projection "
+                             "dense; expected only lm_head, embed_tokens, mlp.gate or norms (a layer mixing dense "
+                             "and 4-bit projections is not read yet)")
+    return {"gptq_group": group if group != 128 else 0, "gptq_v2": fmt == "gptq_v2"}

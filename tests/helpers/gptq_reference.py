@@ -37,22 +37,32 @@ def unpack(words: torch.Tensor, dim: int) -> torch.Tensor:
     return nib.reshape(w.shape[0] * 8, *w.shape[1:])
 
 
-def quantize(w: torch.Tensor, group: int, g_idx: torch.Tensor | None = None, v1: bool = True) -> dict:
-    """W [N, K] -> {qweight, qzeros, scales, g_idx}: per group and output, scale = fp16(2 amax /
-    15) over the inputs of that group (g_idx: default k // group), q = clamp(round(W / scale) +
-    8, 0, 15) by the stored scale, zero 8 (stored 7 in v1)"""
+def quantize(w: torch.Tensor, group: int, g_idx: torch.Tensor | None = None, v1: bool = True,
+             sym: bool = True) -> dict:
+    """W [N, K] -> {qweight, qzeros, scales, g_idx}: per group and output, over the inputs of
+    that group (g_idx: default k // group), symmetric: scale = fp16(2 amax / 15), zero 8;
+    asymmetric (sym False): scale = fp16((max - min) / 15), zero = round(-min / scale) in 0..15;
+    q = clamp(round(W / scale) + zero, 0, 15) by the stored scale; zeros stored minus 1 in v1"""
     N, K = w.shape
     g_idx = torch.arange(K) // group if g_idx is None else g_idx
     G = int(g_idx.max()) + 1
     w = w.float()
     scales = torch.empty(G, N, dtype=torch.float16)
+    zeros = torch.full((G, N), 8, dtype=torch.int64)
     for g in range(G):
-        amax = w[:, g_idx == g].abs().amax(dim=1)
-        scales[g] = torch.where(amax == 0, torch.ones_like(amax), amax).mul(2 / 15).half()
+        part = w[:, g_idx == g]
+        if sym:
+            amax = part.abs().amax(dim=1)
+            scales[g] = torch.where(amax == 0, torch.ones_like(amax), amax).mul(2 / 15).half()
+        else:
+            lo, hi = part.amin(dim=1).clamp(max=0), part.amax(dim=1).clamp(min=0)
+            scales[g] = torch.where(hi == lo, torch.ones_like(hi), (hi - lo) / 15).half()
+            zeros[g] = torch.round(-lo / scales[g].float()).clamp(0, 15).to(torch.int64)
     s = scales.float()[g_idx].t()  # [N, K]
-    q = torch.where(s > 0, torch.round(w / s) + 8, torch.full_like(w, 8.0)).clamp(0, 15)
-    zeros = torch.full((G, N), 8 - int(v1), dtype=torch.int64)
-    return {"qweight": pack(q.t(), 0), "qzeros": pack(zeros, 1), "scales": scales, "g_idx": g_idx.to(torch.int32)}
+    q = (torch.round(w / s) + zeros[g_idx].t()).clamp(0, 15)
+    stored = zeros - int(v1)
+    assert (stored >= 0).all(), "a v1 zero of 0 cannot be stored"
+    return {"qweight": pack(q.t(), 0), "qzeros": pack(stored, 1), "scales": scales, "g_idx": g_idx.to(torch.int32)}
 
 
 def dequantize(t: dict, v1: bool = True) -> torch.Tensor:
@@ -69,7 +79,8 @@ def desc_act_g_idx(K: int, group: int, seed: int) -> torch.Tensor:
     return (perm // group).to(torch.int32)
 
 
-def gptq_model(model, group: int = 128, desc_act: bool = False, seed: int = 0) -> dict:
+def gptq_model(model, group: int = 128, desc_act: bool = False, seed: int = 0, v1: bool = True,
+               sym: bool = True) -> dict:
     """The GPTQ tensors of layer 0's projections ({checkpoint name: tensor}, experts per expert)
     with its norms and router as they are (the model's dtype), and the model's projections
     replaced in place by their dequantized values (transformers 5.x's fused experts or 4.57's
@@ -79,11 +90,12 @@ def gptq_model(model, group: int = 128, desc_act: bool = False, seed: int = 0) -
     out = {}
 
     def one(module: str, w: torch.Tensor, k: int) -> torch.Tensor:
-        g_idx = desc_act_g_idx(w.shape[1], group, seed + k) if desc_act else None
-        t = quantize(w.detach(), group, g_idx)
+        size = w.shape[1] if group == -1 else group  # -1: one group of every input
+        g_idx = desc_act_g_idx(w.shape[1], size, seed + k) if desc_act else None
+        t = quantize(w.detach(), size, g_idx, v1, sym)
         for name, v in t.items():
             out[f"{module}.{name}"] = v
-        return dequantize(t).to(w.dtype)
+        return dequantize(t, v1).to(w.dtype)
 
     with torch.no_grad():
         for i, proj in enumerate(ATTENTION):

@@ -25,13 +25,14 @@ def cpu_path(request):
     q3.set_cpu_path(BEST)
 
 
-def gptq_pair(seed, desc_act=False, dtype=torch.float32):
-    """(fp32 model holding the dequantized weights, the GPTQ tensors), norms and router of dtype"""
+def gptq_pair(seed, desc_act=False, dtype=torch.float32, **quant):
+    """(fp32 model holding the dequantized weights, the GPTQ tensors), norms and router of dtype;
+    quant: gptq_model's group, v1, sym"""
     model = random_model(G128, seed)
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(p.to(dtype).float())
-    tensors = gptq_model(model, desc_act=desc_act, seed=seed)
+    tensors = gptq_model(model, desc_act=desc_act, seed=seed, **quant)
     return model, {k: v.to(dtype) if v.is_floating_point() and v.dtype != torch.float16 else v
                    for k, v in tensors.items()}
 
@@ -169,3 +170,63 @@ def test_the_weight_table_names_the_gptq_tensors():
     assert rows["mlp.gate.weight"][1] == "layer" and "self_attn.q_proj.weight" not in rows
     # asked fused (transformers 5.x's layout), a GPTQ layer still names each expert's modules
     assert [r[0] for r in q3._C.weight_table(q3.LayerConfig(**G128), "gptq_int4", None, True)] == [r[0] for r in table]
+
+
+QC = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False,
+      "checkpoint_format": "gptq"}
+
+
+@pytest.mark.parametrize("case,quant,qc", [
+    ("group 64", dict(group=64), {"group_size": 64}),
+    ("one group a matrix", dict(group=-1), {"group_size": -1}),
+    ("gptq_v2 zeros", dict(v1=False), {"checkpoint_format": "gptq_v2"}),
+    ("asymmetric zeros, desc_act", dict(sym=False, desc_act=True), {"sym": False, "desc_act": True}),
+])
+def test_what_a_quantization_config_says_is_read(case, quant, qc):
+    """each field a GPTQ checkpoint's quantization_config may set, against transformers on the
+    dequantized weights (fp32, 1e-5 of a float64 run): a prefill and a decode step"""
+    model, tensors = gptq_pair(8, **quant)
+    layer = q3.DecoderLayer(q3.LayerConfig.from_hf(model.config), tensors, weight_format="gptq_int4",
+                            quantization_config=QC | qc)
+    x = draw_input(model, (1, 21, G128["hidden_size"]), seed=4)
+    exact = run(converted(model, torch.float64), x.double())
+    cache = layer.new_cache(24)
+    y = torch.cat([torch.from_dlpack(layer.prefill(x[:, :20].contiguous(), cache)),
+                   torch.from_dlpack(layer.decode(x[:, 20].contiguous(), cache)).unsqueeze(1)], dim=1)
+    assert rel_err(y - x, exact.y - x.double()) <= 1e-5, case
+    if "v1" in quant:  # read as v1, the same tensors are another layer
+        v1 = q3.DecoderLayer(q3.LayerConfig.from_hf(model.config), tensors, weight_format="gptq_int4")
+        assert rel_err(torch.from_dlpack(v1.prefill(x[:, :20].contiguous(), v1.new_cache(24))) - x[:, :20],
+                       exact.y[:, :20] - x[:, :20].double()) > 1e-3
+
+
+def test_random_weights_follow_the_quantization_config():
+    cfg = q3.LayerConfig(**{**G128, "num_experts": 4})
+    qc = QC | {"group_size": 64, "checkpoint_format": "gptq_v2"}
+    layer = q3.DecoderLayer.random(cfg, 3, "float32", weight_format="gptq_int4", quantization_config=qc)
+    w = q3._C.random_weights(cfg, 3, "float32", "gptq_int4", gptq_group=64, gptq_v2=True)
+    assert tuple(w["self_attn.q_proj.scales"].shape) == (4, 256)  # 256 inputs in groups of 64
+    assert (unpack(torch.from_dlpack(w["self_attn.q_proj.qzeros"]), 1) == 8).all()  # v2: stored as it is
+    assert layer.weight_format == "gptq_int4"
+
+
+@pytest.mark.parametrize("qc,message", [
+    (QC | {"bits": 8}, r"quantization_config.bits: expected 4, got 8 \(only 4-bit GPTQ weights are read\)"),
+    (QC | {"group_size": 100}, r"quantization_config.group_size: expected -1 \(one group a matrix\) or a positive "
+                               r"multiple of 8, got 100"),
+    (QC | {"checkpoint_format": "marlin"}, r"checkpoint_format: expected 'gptq' or 'gptq_v2', got 'marlin'"),
+    (QC | {"dynamic": {"-:.*experts.*": {}}}, r"quantization_config.dynamic: expected no per-module overrides"),
+    (QC | {"modules_to_not_convert": ["lm_head", "self_attn.o_proj"]},
+     r"modules_to_not_convert: 'self_attn.o_proj' may keep a decoder layer's projection dense"),
+    (QC | {"quant_method": "awq"}, r"quantization_config.quant_method: expected 'gptq', got 'awq'"),
+    (QC | {"sym": "yes"}, r"quantization_config.sym: expected true or false, got 'yes'"),
+])
+def test_a_quantization_config_the_layer_cannot_read_is_refused_naming_the_field(good, qc, message):
+    with pytest.raises(ValueError, match=message):
+        q3.DecoderLayer(q3.LayerConfig(**G128), good, weight_format="gptq_int4", quantization_config=qc)
+
+
+def test_a_quantization_config_with_another_format_is_refused(good):
+    with pytest.raises(ValueError, match=r"quantization_config: read for weight_format='gptq_int4' .* got it with "
+                                         r"weight_format='fp8_e4m3_block128'"):
+        q3.DecoderLayer.random(q3.LayerConfig(**G128), 0, weight_format="fp8_e4m3_block128", quantization_config=QC)
