@@ -105,7 +105,8 @@ class DecoderLayer:
     projection module's "<module>.qweight" int32 [in/8, out], ".scales" float16 [in/128, out],
     ".qzeros" int32 [in/128, out/8] and ".g_idx" int32 [in], borrowed as they are, never
     converted; every g_idx in range and every scale finite, checked here; host layers only for
-    now; quantization_config: the checkpoint's GPTQ quantization_config, for another group_size
+    now; the default where the weights hold a "<module>.qweight"; quantization_config: the
+    checkpoint's GPTQ quantization_config, for another group_size
     (-1 or a multiple of 8), checkpoint_format 'gptq_v2', sym false or desc_act true, each
     field checked: qwen3layer.checkpoint.quantization.gptq_settings). `dtype` is then the
     activations' (and the norms' and router's), by default input_layernorm.weight's.
@@ -128,6 +129,9 @@ class DecoderLayer:
                  quantization_config: Optional[Mapping[str, Any]] = None) -> None:
         if not isinstance(config, LayerConfig):
             raise TypeError(f"config: expected a qwen3layer.LayerConfig, got {type(config).__name__}")
+        if weight_format is None and isinstance(weights, Mapping) and \
+                any(isinstance(k, str) and k.endswith(".qweight") for k in weights):
+            weight_format = GPTQ  # (no q_proj.weight whose dtype would say so, as an FP8 one's does)
         gptq = _gptq_settings(weight_format, quantization_config)
         index = device_index(device)
         self.device = "cpu" if index < 0 else f"cuda:{index}"

@@ -230,3 +230,14 @@ def test_a_quantization_config_with_another_format_is_refused(good):
     with pytest.raises(ValueError, match=r"quantization_config: read for weight_format='gptq_int4' .* got it with "
                                          r"weight_format='fp8_e4m3_block128'"):
         q3.DecoderLayer.random(q3.LayerConfig(**G128), 0, weight_format="fp8_e4m3_block128", quantization_config=QC)
+
+
+def test_gptq_tensors_given_without_a_format_make_a_gptq_layer(good):
+    """a GPTQ checkpoint has no q_proj.weight whose dtype would name the format: its qweight
+    names it; the same layer as with weight_format='gptq_int4'"""
+    layer = q3.DecoderLayer(q3.LayerConfig(**G128), good)
+    named = q3.DecoderLayer(q3.LayerConfig(**G128), good, weight_format="gptq_int4")
+    assert layer.weight_format == "gptq_int4"
+    x = torch.randn(1, 3, G128["hidden_size"], generator=torch.Generator().manual_seed(2))
+    assert torch.equal(torch.from_dlpack(layer.prefill(x, layer.new_cache(4))),
+                       torch.from_dlpack(named.prefill(x, named.new_cache(4))))
