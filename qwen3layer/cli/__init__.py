@@ -2,7 +2,8 @@
 (the three rulers).
 
 run: builds one decoder layer (the real Qwen3-235B-A22B geometry by default, random bf16
-weights, or with --fp8 random block-scaled FP8 projection matrices), prefills --tokens tokens
+weights, or with --fp8 random block-scaled FP8 projection matrices, with --int4 random 4-bit GPTQ
+ones: RTN, group 128), prefills --tokens tokens
 chunk by chunk with a progress line, decodes --new-tokens steps, and prints the time of each
 phase with the rate it implies (decode: GB/s of the weight bytes as stored). Needs neither
 torch nor numpy: inputs and outputs are the extension's own tensors.
@@ -26,6 +27,7 @@ from ..layer import DecoderLayer
 from .common import decode_steps, geometry, progress
 
 FP8 = "fp8_e4m3_block128"
+INT4 = "gptq_int4"
 
 def cmd_run(args: argparse.Namespace) -> int:
     if args.ep != 1:
@@ -47,11 +49,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         layer = DecoderLayer.from_checkpoint(args.checkpoint, args.layer, device=args.device, dtype=args.dtype)
         cfg = layer.config
     else:
-        kind = f"FP8 ({FP8}) matrices and {args.dtype or 'bfloat16'} norms and router" if args.fp8 else \
-            f"{args.dtype or 'bfloat16'}"
+        quantized = FP8 if args.fp8 else INT4 if args.int4 else None
+        kind = f"{'FP8' if args.fp8 else '4-bit GPTQ (RTN)'} ({quantized}) matrices and {args.dtype or 'bfloat16'} " \
+            "norms and router" if quantized else f"{args.dtype or 'bfloat16'}"
         print(f"building a {args.geometry}-geometry layer with random {kind} weights ...", flush=True)
         layer = DecoderLayer.random(cfg, seed=args.seed, dtype=args.dtype or "bfloat16", device=args.device,
-                                    weight_format=FP8 if args.fp8 else None)
+                                    weight_format=quantized)
     args.dtype = layer.dtype
     fmt = dict(weight_format=layer.weight_format, scale_dtype=layer._core.scale_dtype or "float32")
     print(f"  {layer}\n  built in {time.perf_counter() - t0:.1f} s")
@@ -82,7 +85,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if step_ms:
         med = statistics.median(step_ms)
         wbytes = decode_weight_bytes(cfg, args.dtype, **fmt)
-        stored = "FP8 weights and scales" if layer.weight_format == FP8 else "weights"
+        stored = {FP8: "FP8 weights and scales", INT4: "4-bit weights, scales, zeros and g_idx"}.get(
+            layer.weight_format, "weights")
         print(f"decode   {args.new_tokens} steps at context {args.tokens}..{args.tokens + args.new_tokens - 1}: "
               f"median {med:.2f} ms/token (min {min(step_ms):.2f}), "
               f"{wbytes / 1e6:.1f} MB of {stored} per token -> {wbytes / med / 1e6:.1f} GB/s")
@@ -264,6 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the experts over N local processes (gloo; needs torch): per-rank phase times and bytes")
     run.add_argument("--fp8", action="store_true", help=f"random FP8 weights ({FP8}: e4m3 projection matrices "
                      "with fp32 128x128 block scales, norms and router in --dtype)")
+    run.add_argument("--int4", action="store_true", help=f"random 4-bit weights ({INT4}: the draws rounded to "
+                     "nearest into GPTQ's layout, group 128; norms and router in --dtype)")
     split_options(run)
     run.set_defaults(func=cmd_run)
     mp = sub.add_parser("map", help="the dual prefill/decode map: tables, SVG and PNG")
@@ -300,8 +306,11 @@ def main(argv: list[str] | None = None) -> int:
         value = getattr(args, name, None)
         if value is not None and value < 0:
             build_parser().error(f"--{name.replace('_', '-')}: expected a non-negative int, got {value}")
-    if getattr(args, "fp8", False) and getattr(args, "checkpoint", None):
-        build_parser().error("--fp8: random weights only (a checkpoint's weights keep their own format)")
+    for flag in ("fp8", "int4"):
+        if getattr(args, flag, False) and getattr(args, "checkpoint", None):
+            build_parser().error(f"--{flag}: random weights only (a checkpoint's weights keep their own format)")
+    if getattr(args, "fp8", False) and getattr(args, "int4", False):
+        build_parser().error("--fp8, --int4: one weight format, got both")
     try:
         return args.func(args)
     except KeyboardInterrupt:

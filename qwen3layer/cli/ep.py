@@ -119,9 +119,9 @@ def cmd_run_ep(args: argparse.Namespace) -> int:
 
     world = args.ep
     cfg = geometry(args.geometry)
-    if args.checkpoint or args.device != "cpu" or args.fp8:
-        print("run --ep: random bf16/fp32 weights on the CPU only (so far): no --checkpoint, --device or --fp8",
-              file=sys.stderr)
+    if args.checkpoint or args.device != "cpu" or args.fp8 or args.int4:
+        print("run --ep: random bf16/fp32 weights on the CPU only (so far): no --checkpoint, --device, --fp8 or "
+              "--int4", file=sys.stderr)
         return 2
     threads = max(1, _C.build_info()["threads"] // world)
     dtype = args.dtype or "bfloat16"

@@ -68,8 +68,9 @@ def cmd_map_hybrid(args: argparse.Namespace, cfg) -> int:
 
 
 def cmd_run_hybrid(args: argparse.Namespace, cfg) -> int:
-    if args.fp8 or args.checkpoint:
-        raise ValueError("--expert-device cpu: random dense weights only in this version (no --fp8, --checkpoint)")
+    if args.fp8 or args.int4 or args.checkpoint:
+        raise ValueError("--expert-device cpu: random dense weights only in this version (no --fp8, --int4, "
+                         "--checkpoint)")
     gpu = gpu_expert_ids(args, cfg.num_experts)
     dtype = args.dtype or "bfloat16"
     print(f"building a {args.geometry}-geometry layer split over {args.device} (attention, router, {len(gpu)} "

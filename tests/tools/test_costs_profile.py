@@ -208,6 +208,24 @@ def test_main_job_runs_on_random_fp8_weights():
     assert "the map, decode: 3 steps from context 40" in r.stdout
 
 
+def test_main_job_runs_on_random_int4_weights(tmp_path):
+    """--int4: random 4-bit GPTQ weights (a geometry of 128-multiple inputs, from a config.json)"""
+    import json
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "qwen3_moe", "hidden_size": 256, "num_attention_heads": 4,
+                               "num_key_value_heads": 2, "head_dim": 64, "num_experts": 8, "num_experts_per_tok": 2,
+                               "moe_intermediate_size": 128, "norm_topk_prob": True}))
+    r = run_cli("run", "--geometry", str(cfg), "--int4", "--tokens", "40", "--chunk-size", "20", "--new-tokens", "3")
+    assert r.returncode == 0, r.stderr
+    assert "random 4-bit GPTQ (RTN) (gptq_int4) matrices and bfloat16 norms and router" in r.stdout
+    assert "weights gptq_int4" in r.stdout  # the layer's repr
+    assert "MB of 4-bit weights, scales, zeros and g_idx per token" in r.stdout
+    r = run_cli("run", "--int4", "--fp8")
+    assert r.returncode == 2 and "--fp8, --int4: one weight format, got both" in r.stderr
+    r = run_cli("run", "--int4", "--checkpoint", str(tmp_path))
+    assert r.returncode == 2 and "--int4: random weights only" in r.stderr
+
+
 def test_main_job_fp8_is_for_random_weights_only(tmp_path):
     r = run_cli("run", "--fp8", "--checkpoint", str(tmp_path))
     assert r.returncode == 2
