@@ -61,7 +61,10 @@ def test_run_ep_refuses_what_it_cannot_do():
     assert r.returncode == 2 and "--ep: expected a number of processes >= 1, got 0" in r.stderr
     r = subprocess.run([sys.executable, "-m", "qwen3layer", "run", "--ep", "2", "--fp8", "--geometry", "tiny"],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "no --checkpoint, --device or --fp8" in r.stderr
+    assert r.returncode == 2 and "no --checkpoint, --device, --fp8 or --int4" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "qwen3layer", "run", "--ep", "2", "--int4", "--geometry", "tiny"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "no --checkpoint, --device, --fp8 or --int4" in r.stderr
 
 
 def test_the_real_geometry_figures_of_the_docs():
