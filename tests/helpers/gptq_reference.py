@@ -122,10 +122,14 @@ def gptq_model(model, group: int = 128, desc_act: bool = False, seed: int = 0, v
 
 def random_model(geometry: dict, seed: int) -> Qwen3MoeForCausalLM:
     """a one-layer fp32 model of the geometry, every parameter re-randomised (norms near 1,
-    matrices 1/sqrt(fan_in): hf_reference.randomize_for_generation)"""
+    matrices 1/sqrt(fan_in): hf_reference.randomize_for_generation), then the attention's
+    q/k/v/o_proj normal(0, 0.15): scores large enough that a wrong mask, position or key shows"""
     torch.manual_seed(seed)
     cfg = Qwen3MoeConfig(vocab_size=16, intermediate_size=64, num_hidden_layers=1, max_position_embeddings=512,
                          rope_theta=1e6, rms_norm_eps=1e-6, attn_implementation="eager", pad_token_id=0, **geometry)
     model = Qwen3MoeForCausalLM(cfg).eval()
     randomize_for_generation(model)
+    with torch.no_grad():
+        for a in ATTENTION:
+            getattr(model.model.layers[0].self_attn, a).weight.normal_(0.0, 0.15)
     return model
