@@ -76,7 +76,8 @@ def hf_layer_parts(hf_layer: Any) -> tuple:
     return config, {name: t.detach() for name, t in hf_layer.state_dict().items()}
 
 
-def _gptq_settings(weight_format: Optional[str], quantization_config: Optional[Mapping[str, Any]]) -> dict:
+def _gptq_settings(weight_format: Optional[str], quantization_config: Optional[Mapping[str, Any]],
+                   config: LayerConfig) -> dict:
     """the engine's gptq_int4 settings of a GPTQ quantization_config ({} without one: group 128,
     "gptq" zeros); ValueError for one given with another format"""
     if quantization_config is None:
@@ -84,7 +85,7 @@ def _gptq_settings(weight_format: Optional[str], quantization_config: Optional[M
     if weight_format != GPTQ:
         raise ValueError(f"quantization_config: read for weight_format='{GPTQ}' (a GPTQ checkpoint's), got it with "
                          f"weight_format={weight_format!r}")
-    return gptq_settings(dict(quantization_config))
+    return gptq_settings(dict(quantization_config), num_experts=getattr(config, "num_experts", None))
 
 
 class DecoderLayer:
@@ -132,7 +133,7 @@ class DecoderLayer:
         if weight_format is None and isinstance(weights, Mapping) and \
                 any(isinstance(k, str) and k.endswith(".qweight") for k in weights):
             weight_format = GPTQ  # (no q_proj.weight whose dtype would say so, as an FP8 one's does)
-        gptq = _gptq_settings(weight_format, quantization_config)
+        gptq = _gptq_settings(weight_format, quantization_config, config)
         index = device_index(device)
         self.device = "cpu" if index < 0 else f"cuda:{index}"
         self.config = config
@@ -187,17 +188,20 @@ class DecoderLayer:
         (quantization_config with quant_method "fp8", e4m3, 128 x 128 blocks) gives an
         fp8_e4m3_block128 layer: its e4m3 matrices and their scales are borrowed the same way,
         nothing is dequantized; `dtype` is then the activations' (default: the norms' dtype).
-        The files are checked as untrusted data first: a bad one raises CheckpointError naming
+        A 4-bit GPTQ checkpoint (quant_method "gptq", bits 4; its fields read as
+        quantization_config is for the constructor) gives a gptq_int4 layer, its qweight,
+        qzeros, scales and g_idx borrowed the same way. The files are checked as untrusted data first: a bad one raises CheckpointError naming
         the file and the tensor (or config.json and the field); no layer is made and the
         mappings are closed."""
         from .checkpoint import load_layer_weights
 
         device_index(device)  # before anything is read or mapped
         ids = expert_id_list(experts)
-        cfg, weights, maps, fmt, spans = load_layer_weights(path, layer_idx, ids)
+        cfg, weights, maps, fmt, quant, spans = load_layer_weights(path, layer_idx, ids)
         try:
             layer = cls(cfg, weights, device=device, dtype=dtype, weight_format=fmt, experts=ids,
-                        expert_device=expert_device, gpu_experts=gpu_experts, expert_counts=expert_counts)
+                        expert_device=expert_device, gpu_experts=gpu_experts, expert_counts=expert_counts,
+                        quantization_config=quant)
         except BaseException:
             weights.clear()  # the views, so that the mappings can close now rather than at collection
             for mm in maps:
@@ -229,7 +233,7 @@ class DecoderLayer:
         ids = expert_id_list(experts)
         split = expert_device is not None or gpu_experts is not None  # per-expert tensors, for each side's share
         weights = _C.random_weights(config, seed, dtype, weight_format, list(range(config.num_experts)) if split else ids,
-                                    **_gptq_settings(weight_format, quantization_config))
+                                    **_gptq_settings(weight_format, quantization_config, config))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the copy to the device is the point here
             return cls(config, weights, device=device, dtype=dtype, weight_format=weight_format, experts=ids,

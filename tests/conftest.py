@@ -25,6 +25,23 @@ def pytest_configure(config):
     ci_checks.require_testing_in_ci()
 
 
+@pytest.fixture
+def opened(monkeypatch):
+    """every shard DecoderLayer.from_checkpoint opens (qwen3layer.checkpoint.open_shard), to
+    check that a failed load closes them, or refused before opening any"""
+    import qwen3layer.checkpoint as checkpoint
+
+    shards = []
+    real = checkpoint.open_shard
+
+    def recording(*args):
+        shards.append(real(*args))
+        return shards[-1]
+
+    monkeypatch.setattr(checkpoint, "open_shard", recording)
+    return shards
+
+
 # A module whose tests share state computed once per process (a module- or session-scoped
 # fixture: a layer built, checkpoints written; or the executor's one subprocess a module,
 # tests/executor/conftest.py) is read from its source by this pattern

@@ -266,13 +266,14 @@ int64_t *q3py_index_list(PyObject *obj, int64_t *n) {
     return index;
 }
 
-/* buffer_view's dtype: float32, bfloat16, or the checkpoint's float8_e4m3fn weights and int32
- * expert ids (a split layer's routes) */
+/* buffer_view's dtype: float32, bfloat16, or a checkpoint's float8_e4m3fn weights, GPTQ float16
+ * scales and int32 words (and a split layer's int32 expert ids) */
 int q3py_buffer_dtype(PyObject *obj, void *out) {
     q3_dtype *dt = out;
     const int named = PyUnicode_Check(obj);
     if (named && PyUnicode_CompareWithASCIIString(obj, "int32") == 0) *dt = Q3_I32;
     else if (named && PyUnicode_CompareWithASCIIString(obj, "float8_e4m3fn") == 0) *dt = Q3_E4M3;
+    else if (named && PyUnicode_CompareWithASCIIString(obj, "float16") == 0) *dt = Q3_F16;
     else return q3py_dtype(obj, out);
     return 1;
 }

@@ -23,8 +23,8 @@ from typing import Dict, List, Optional, Tuple
 from .. import _C
 from ..config import LayerConfig
 from .quantization import weight_format
-from .safetensors import (DTYPES, FLOAT, FP8, CheckpointError, Entry, Shard, UnsupportedDtypeError, check_entry,
-                          check_no_overlap, map_spans, open_shard, read_json, show)
+from .safetensors import (DTYPES, FLOAT, FP8, HALF, WORDS, CheckpointError, Entry, Shard, UnsupportedDtypeError,
+                          check_entry, check_no_overlap, map_spans, open_shard, read_json, show)
 from ..weights import valid_expert_ids
 
 __all__ = ["CheckpointError", "UnsupportedDtypeError", "load_layer_weights"]
@@ -98,10 +98,12 @@ def _shard_path(folder: str, name: str, named_by: str) -> str:
 
 
 def _missing(path: str, names: List[str], scales: Dict[str, str]) -> None:
-    """names: those missing; scales: {scale name: its matrix's} of the layer's format"""
+    """names: those missing; scales: {side tensor name: its matrix's} of the layer's format"""
     if names:
-        why = (" (the block scales of an FP8 matrix: config.json declares an FP8 quantization_config)"
-               if names[0] in scales else "")
+        why = ("" if names[0] not in scales else
+               " (the block scales of an FP8 matrix: config.json declares an FP8 quantization_config)"
+               if names[0].endswith("_scale_inv") else
+               " (a 4-bit matrix's qweight, qzeros, scales and g_idx: config.json declares a GPTQ quantization_config)")
         raise CheckpointError(f"checkpoint {path!r}: missing {', '.join(names[:3])}"
                               + (f" and {len(names) - 3} more" if len(names) > 3 else "") + why)
 
@@ -134,13 +136,23 @@ def _layer_shards(path: str, names: List[str], scales: Dict[str, str], opened: L
     return {n: shard for n in names}
 
 
-def _wanted(fmt: str, cfg: LayerConfig, experts: Optional[List[int]] = None) -> Tuple[Dict[str, tuple], Dict[str, str]]:
-    """({per-layer tensor name: the dtypes it may have}, {scale name: its matrix's}) for a layer
-    of weight format `fmt` holding `experts` (None: all), from the engine's table: a tensor of
-    the layer's dtype is any float, an e4m3 one FP8, a scale any float"""
-    table = _C.weight_table(cfg, fmt, experts)
-    wanted = {name: FP8 if storage == "e4m3" else FLOAT for name, _, storage, _ in table}
-    return wanted, {name: table[of][0] for name, _, storage, of in table if storage == "scale"}
+# a quantized storage of the engine's weight table: the dtypes its tensor may have in a file
+_STORED = {"e4m3": FP8, "qweight": WORDS, "qzeros": WORDS, "g_idx": WORDS, "gscales": HALF}
+GPTQ_STORAGE = ("qweight", "qzeros", "g_idx", "gscales")
+
+
+def _wanted(fmt: str, cfg: LayerConfig, experts: Optional[List[int]] = None,
+            settings: Optional[dict] = None) -> Tuple[Dict[str, tuple], Dict[str, str], Dict[str, list]]:
+    """({per-layer tensor name: the dtypes it may have}, {side tensor name: its matrix's}, {GPTQ
+    tensor name: its shape}) for a layer of weight format `fmt` (with the engine's `settings`
+    of it) holding `experts` (None: all), from the engine's table: a tensor of the layer's
+    dtype is any float, an e4m3 one FP8, an FP8 scale any float, a GPTQ one as _STORED says"""
+    table = _C.weight_table(cfg, fmt, experts, gptq_group=(settings or {}).get("gptq_group", 0))
+    wanted = {name: _STORED.get(storage, FLOAT) for name, _, storage, _ in table}
+    sides = {name: table[of][0] for name, _, storage, of in table if storage == "scale" or
+             (storage in GPTQ_STORAGE and storage != "qweight")}
+    shapes = {name: list(shape) for name, shape, storage, _ in table if storage in GPTQ_STORAGE}
+    return wanted, sides, shapes
 
 
 def _check_scale(shard: Shard, name: str, matrix: Entry, scale: Entry) -> None:
@@ -155,8 +167,9 @@ def _check_scale(shard: Shard, name: str, matrix: Entry, scale: Entry) -> None:
 
 
 def _check_entries(shards: Dict[str, Shard], prefix: str, wanted: Dict[str, tuple],
-                   scales: Dict[str, str]) -> Dict[str, Entry]:
-    """every entry checked, scales against their matrices, no two overlapping"""
+                   scales: Dict[str, str], shapes: Dict[str, list]) -> Dict[str, Entry]:
+    """every entry checked, FP8 scales against their matrices, GPTQ tensors against the shapes
+    the geometry and the group give, no two overlapping"""
     entries, spans = {}, {}
     for name, dtypes in wanted.items():
         shard = shards[prefix + name]
@@ -165,7 +178,12 @@ def _check_entries(shards: Dict[str, Shard], prefix: str, wanted: Dict[str, tupl
         entries[name] = entry = check_entry(shard, prefix + name, dtypes)
         spans.setdefault(shard.path, []).append((entry.begin, entry.end, prefix + name))
     for name, matrix in scales.items():
-        _check_scale(shards[prefix + name], prefix + name, entries[matrix], entries[name])
+        if name.endswith("_scale_inv"):
+            _check_scale(shards[prefix + name], prefix + name, entries[matrix], entries[name])
+    for name, shape in shapes.items():
+        if entries[name].shape != shape:
+            raise CheckpointError(f"{shards[prefix + name].path}: {prefix + name}: expected shape {shape} (of the "
+                                  f"layer's geometry, 4-bit GPTQ), got {show(entries[name].shape)}")
     for shard_path, ranges in spans.items():
         check_no_overlap(shard_path, ranges)
     return entries
@@ -206,9 +224,11 @@ def _borrow(shards: Dict[str, Shard], prefix: str, entries: Dict[str, Entry]) ->
 
 
 def load_layer_weights(path: str, layer_idx: int,
-                       experts: Optional[List[int]] = None) -> Tuple[LayerConfig, Dict[str, object], list, str, list]:
-    """(config, {per-layer name: zero-copy tensor}, open mappings, weight format, the (file,
-    first byte, end) of the tensors each mapping covers) for layer
+                       experts: Optional[List[int]] = None
+                       ) -> Tuple[LayerConfig, Dict[str, object], list, str, Optional[dict], list]:
+    """(config, {per-layer name: zero-copy tensor}, open mappings, weight format, the
+    quantization_config a GPTQ layer is made with (checked: None for other formats), the
+    (file, first byte, end) of the tensors each mapping covers) for layer
     `layer_idx`, of its experts `experts` only (None: all; the others' tensors are neither
     checked nor mapped). Only the layer's own bytes are mapped. On an error the mappings
     opened so far are closed (no view of them exists yet: every entry is checked before the
@@ -219,16 +239,19 @@ def load_layer_weights(path: str, layer_idx: int,
         LayerConfig.from_hf(raw, layer_idx=layer_idx)
     except ValueError as e:
         raise CheckpointError(f"{cfg_path}: {e}") from e
-    fmt = weight_format(cfg_path, raw, layer_idx, cfg.num_experts)
+    fmt, settings = weight_format(cfg_path, raw, layer_idx, cfg.num_experts)
     prefix = f"model.layers.{layer_idx}."
-    wanted, scales = _wanted(fmt, cfg, valid_expert_ids(experts, cfg.num_experts))
+    try:  # a geometry the group does not divide: the engine's table names it
+        wanted, scales, shapes = _wanted(fmt, cfg, valid_expert_ids(experts, cfg.num_experts), settings)
+    except ValueError as e:
+        raise CheckpointError(f"{cfg_path}: {e}") from None
     opened: List[Shard] = []
     try:
         shards = _layer_shards(path, [prefix + n for n in wanted], {prefix + s: m for s, m in scales.items()}, opened)
-        entries = _check_entries(shards, prefix, wanted, scales)
+        entries = _check_entries(shards, prefix, wanted, scales, shapes)
     except BaseException:
         for shard in opened:
             shard.mm.close()
         raise
     weights, maps, spans = _borrow(shards, prefix, entries)
-    return cfg, weights, maps, fmt, spans
+    return cfg, weights, maps, fmt, raw["quantization_config"] if settings else None, spans

@@ -24,12 +24,13 @@ as they were. Fields, as those configs write them:
 """
 from __future__ import annotations
 
-from typing import Any, List
+from typing import Any, List, Optional, Tuple
 
 from .safetensors import CheckpointError, show
 
 DENSE = "dense"
 FP8 = "fp8_e4m3_block128"
+GPTQ = "gptq_int4"
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")
 
@@ -71,19 +72,21 @@ def _check_not_converted(cfg_path: str, qc: dict, layer_idx: int, num_experts: i
                                   "dense projections is not supported)")
 
 
-def weight_format(cfg_path: str, raw: dict, layer_idx: int, num_experts: int) -> str:
-    """DENSE or FP8 for layer `layer_idx` of the checkpoint whose config.json (at cfg_path)
-    holds `raw`; a quantization this layer cannot read raises CheckpointError naming
-    config.json and the field."""
+def weight_format(cfg_path: str, raw: dict, layer_idx: int, num_experts: int) -> Tuple[str, dict]:
+    """(DENSE, FP8 or GPTQ, the engine's settings of that format: gptq_settings' for GPTQ, else
+    {}) for layer `layer_idx` of the checkpoint whose config.json (at cfg_path) holds `raw`; a
+    quantization this layer cannot read raises CheckpointError naming config.json and the
+    field, before any tensor is read."""
     if raw.get("quantization_config") is None:
-        return DENSE
+        return DENSE, {}
     qc = raw["quantization_config"]
     if not isinstance(qc, dict):
         raise CheckpointError(f"{cfg_path}: quantization_config: expected an object, got {show(qc)}")
     if qc.get("quant_method") == "gptq":
-        raise CheckpointError(f"{cfg_path}: quantization_config.quant_method: 'gptq' checkpoints are not read by "
-                              "from_checkpoint yet; a layer takes their tensors as DecoderLayer(config, weights, "
-                              "weight_format='gptq_int4') (4 bits, group 128, sym, desc_act any, 'gptq' v1 zeros)")
+        try:
+            return GPTQ, gptq_settings(qc, f"{cfg_path}: quantization_config", num_experts)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
     _field(cfg_path, qc, "quant_method", None, ("fp8",),
            " (block-scaled FP8; other quantizations are not supported: expected no quantization_config for "
            "bf16/fp32 weights)")
@@ -100,23 +103,25 @@ def weight_format(cfg_path: str, raw: dict, layer_idx: int, num_experts: int) ->
     _field(cfg_path, qc, "scale_fmt", "float", ("float",), " (scales must be fp32 or bf16 numbers)")
     _field(cfg_path, qc, "expert_dtype", "fp8", ("fp8",), " (FP4 experts are not supported)")
     _check_not_converted(cfg_path, qc, layer_idx, num_experts)
-    return FP8
+    return FP8, {}
 
 
-GPTQ = "gptq_int4"
 # modules a GPTQ checkpoint may keep unquantized without touching a decoder layer's projections
 # (the router, mlp.gate, is dense in the gptq_int4 format as GPTQModel's qwen3_moe leaves it)
 _GPTQ_DENSE_OK = ("lm_head", "embed_tokens", "mlp.gate", "norm")
 
 
-def gptq_settings(qc: Any, where: str = "quantization_config") -> dict:
+def gptq_settings(qc: Any, where: str = "quantization_config", num_experts: Optional[int] = None) -> dict:
     """The engine's settings of a gptq_int4 layer ({gptq_group, gptq_v2}: keyword arguments of
     qwen3layer._C.Layer and random_weights) from a GPTQ quantization_config as GPTQModel and
     AutoGPTQ write it: quant_method "gptq", bits 4, group_size -1 (one group a matrix) or a
     positive multiple of 8 (default 128), sym either (the zeros are read as stored), desc_act
     either (g_idx is read), checkpoint_format "gptq" (a zero stored minus 1) or "gptq_v2".
     ValueError naming the field (`where`.field) for anything else: other bits, per-module
-    `dynamic` overrides, modules_to_not_convert naming a layer's projection."""
+    `dynamic` overrides, modules_to_not_convert naming a layer's projection, a pack_dtype other
+    than int32, modules_in_block_to_quantize leaving one of a layer's projections out. Load
+    options (damp_percent, true_sequential, static_groups, use_exllama, backend, meta, ...) are
+    not facts of the files and are not read."""
     if not isinstance(qc, dict):
         raise ValueError(f"{where}: expected a dict (a GPTQ quantization_config), got {show(qc)}")
 
@@ -133,6 +138,8 @@ def gptq_settings(qc: Any, where: str = "quantization_config") -> dict:
     field("sym", True, lambda v: type(v) is bool, "true or false")
     field("desc_act", False, lambda v: type(v) is bool, "true or false")
     fmt = field("checkpoint_format", "gptq", lambda v: v in ("gptq", "gptq_v2"), "'gptq' or 'gptq_v2'")
+    field("pack_dtype", "int32", lambda v: v == "int32", "'int32'", " (GPTQModel's words of another width are not read)")
+    _check_all_quantized(qc, where, num_experts)
     field("dynamic", None, lambda v: not v, "no per-module overrides",
           " (a layer whose modules differ in bits or group is not read yet)")
     skip = field("modules_to_not_convert", None, lambda v: v is None or (isinstance(v, list) and all(
@@ -143,3 +150,29 @@ def gptq_settings(qc: Any, where: str = "quantization_config") -> dict:
                              "dense; expected only lm_head, embed_tokens, mlp.gate or norms (a layer mixing dense "
                              "and 4-bit projections is not read yet)")
     return {"gptq_group": group if group != 128 else 0, "gptq_v2": fmt == "gptq_v2"}
+
+
+def _check_all_quantized(qc: dict, where: str, num_experts: Optional[int]) -> None:
+    """modules_in_block_to_quantize (transformers' GPTQConfig: lists of a block's module names
+    quantized, the others left dense), where given, must name every projection of the layer:
+    q/k/v/o_proj and each expert's gate/up/down_proj ("mlp.experts.<e>.<part>", e of
+    range(num_experts), or of the experts it names where num_experts is not known)"""
+    lists = qc.get("modules_in_block_to_quantize")
+    if lists is None:
+        return
+    if not (isinstance(lists, list) and all(isinstance(x, list) and all(isinstance(n, str) for n in x)
+                                            for x in lists)):
+        raise ValueError(f"{where}.modules_in_block_to_quantize: expected lists of module names, got {show(lists)}")
+    named = {n for x in lists for n in x}
+    missing = [f"self_attn.{a}" for a in ATTENTION if f"self_attn.{a}" not in named]
+    experts = sorted({int(n.split(".")[2]) for n in named if n.count(".") == 3 and n.startswith("mlp.experts.")
+                      and n.split(".")[2].isdecimal() and len(n.split(".")[2]) <= 9}) if num_experts is None else range(num_experts)
+    for e in experts:
+        missing += [f"mlp.experts.{e}.{x}" for x in EXPERT_PARTS if f"mlp.experts.{e}.{x}" not in named]
+    if not experts:
+        missing.append("mlp.experts.<e>.gate_proj/up_proj/down_proj")
+    if missing:
+        raise ValueError(f"{where}.modules_in_block_to_quantize: leaves {', '.join(missing[:3])}"
+                         + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+                         + " dense; expected every projection of a decoder layer quantized (a layer mixing dense "
+                         "and 4-bit projections is not read yet)")

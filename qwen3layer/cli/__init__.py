@@ -1,5 +1,5 @@
 """Command line: `python -m qwen3layer run` (the main job), `map` (the battle map), `check`
-(the three rulers).
+(the three rulers), `write-checkpoint` (a checkpoint folder of random layers: cli/write.py).
 
 run: builds one decoder layer (the real Qwen3-235B-A22B geometry by default, random bf16
 weights, or with --fp8 random block-scaled FP8 projection matrices, with --int4 random 4-bit GPTQ
@@ -25,6 +25,7 @@ from ..analysis.profile import join, stage_table
 from ..analysis.rulers import activation_bytes
 from ..layer import DecoderLayer
 from .common import decode_steps, geometry, progress
+from .write import add_parser as add_write_parser
 
 FP8 = "fp8_e4m3_block128"
 INT4 = "gptq_int4"
@@ -294,6 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("--perturb", default=None, metavar="WEIGHT", help="change our copy of one weight (a demo)")
     ck.add_argument("--json", action="store_true")
     ck.set_defaults(func=cmd_check)
+    add_write_parser(sub)
     return p
 
 
@@ -316,6 +318,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("\ninterrupted\n")
         return 130
-    except (ValueError, TypeError, IndexError) as e:  # a bad device, geometry or checkpoint: say which
+    except (ValueError, TypeError, IndexError, FileExistsError) as e:  # a bad device, geometry, checkpoint or path
         sys.stderr.write(f"python -m qwen3layer {args.command}: {e}\n")
         return 2

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import qwen3layer as q3
-import qwen3layer.checkpoint as checkpoint
 from fp8_reference import ODD, QUANT, dense_tensors, quantize_model, random_model, write_checkpoint
 from qwen3layer.checkpoint import CheckpointError, UnsupportedDtypeError
 
@@ -22,20 +21,6 @@ def base():
     """(model, {name: tensor}) of a 1-layer FP8 model of odd geometry, fp32 scales"""
     model = random_model(ODD, 0)
     return model, quantize_model(model)
-
-
-@pytest.fixture
-def opened(monkeypatch):
-    """every shard from_checkpoint opens, to check that a failed load closes them"""
-    shards = []
-    real = checkpoint.open_shard
-
-    def recording(*args):
-        shards.append(real(*args))
-        return shards[-1]
-
-    monkeypatch.setattr(checkpoint, "open_shard", recording)
-    return shards
 
 
 def write(tmp_path, base, change=None, quant=None):
@@ -126,8 +111,8 @@ CONFIG_ERRORS = {
     "128 x 64 blocks": (QUANT | {"weight_block_size": [128, 64]}, r"got \[128, 64\]"),
     "one scale per matrix": (QUANT | {"weight_block_size": None}, r"weight_block_size: expected \[128, 128\], got None"),
     "another method": ({"quant_method": "awq", "bits": 4}, r"quant_method: expected 'fp8', got 'awq'"),
-    "gptq": ({"quant_method": "gptq", "bits": 4}, r"quant_method: 'gptq' checkpoints are not read by from_checkpoint "
-             r"yet; a layer takes their tensors as DecoderLayer\(config, weights, weight_format='gptq_int4'\)"),
+    "gptq": ({"quant_method": "gptq", "bits": 3}, r"quantization_config.bits: expected 4, got 3 \(only 4-bit GPTQ "
+             r"weights are read\)"),
     "static activations": (QUANT | {"activation_scheme": "static"}, r"activation_scheme: expected 'dynamic', got "
                            r"'static' \(static activation scales are not supported"),
     "ue8m0 scales": (QUANT | {"scale_fmt": "ue8m0"}, r"scale_fmt: expected 'float', got 'ue8m0'"),

@@ -249,7 +249,7 @@ def flag_table(text):
         cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.lstrip().startswith("|") else []
         if len(cells) >= 2 and cells[0].startswith("`--"):
             flags = FLAG.findall(" ".join(SPAN.findall(cells[0])))
-            rows.append((flags[0], set(re.findall(r"\b(?:run|map|check)\b", cells[1]))))
+            rows.append((flags[0], set(re.findall(r"(?<![\w-])[a-z][a-z-]*(?![\w-])", cells[1])) & set(subcommands())))
     return rows
 
 
@@ -356,7 +356,7 @@ def stale_flags(pages, cli_text):
     stale = []
     for page in pages:
         for s in inline_spans(read(page)) + fenced_blocks(read(page)):
-            for m in re.finditer(r"python -m qwen3layer (\w+)([^\n`]*)", s):
+            for m in re.finditer(r"python -m qwen3layer ([\w-]+)([^\n`]*)", s):
                 known = commands.get(m.group(1))
                 if known is None:
                     stale.append(f"{os.path.basename(page)}: `python -m qwen3layer {m.group(1)}`: no such command")

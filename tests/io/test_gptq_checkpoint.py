@@ -1,0 +1,159 @@
+"""4-bit GPTQ checkpoints through DecoderLayer.from_checkpoint: the qweight, qzeros, scales and
+g_idx of each projection borrowed from the mapping (nothing dequantized at load), the layer
+equal to transformers' on the dequantized weights (tests/helpers/gptq_reference.py packs them
+from the packing rules), and every bad GPTQ checkpoint refused naming the file and tensor (or
+config.json and the field) before any layer is made, the mappings closed."""
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import qwen3layer as q3
+from gptq_reference import gptq_model, random_model
+from hf_reference import converted, draw_input, rel_err, run
+from qwen3layer.checkpoint import CheckpointError, UnsupportedDtypeError
+
+G128 = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=6,
+            num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True)
+QC = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False,
+      "checkpoint_format": "gptq", "damp_percent": 0.01, "true_sequential": True}
+P = "model.layers.0."
+
+
+def gptq_checkpoint(path, seed=0, quant=None, change=None, **pack):
+    """(model with the dequantized weights, checkpoint folder): layer 0's GPTQ tensors with the
+    model's other tensors, config.json with QC | quant; change(tensors) edits the tensors (names
+    with the layer prefix) before they are written"""
+    model = random_model(G128, seed)
+    layer = gptq_model(model, seed=seed, **pack)
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items() if ".layers." not in k}
+    tensors.update({P + k: v for k, v in layer.items()})
+    if change:
+        change(tensors)
+    os.makedirs(path, exist_ok=True)
+    cfg = model.config.to_dict()
+    cfg["quantization_config"] = dict(QC, **(quant or {}))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    return model, str(path)
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    return gptq_checkpoint(tmp_path_factory.mktemp("gptq") / "good", seed=3)
+
+
+def mapped(layer, ptr):
+    starts = [(q3._C.buffer_view(mm, 0, (1,), "float32").data_ptr, len(mm)) for mm in layer._mappings]
+    return any(a <= ptr < a + n for a, n in starts)
+
+
+def test_a_gptq_checkpoint_is_borrowed_from_the_mapping_and_equals_transformers(good):
+    model, path = good
+    layer = q3.DecoderLayer.from_checkpoint(path, 0)
+    assert layer.weight_format == "gptq_int4" and layer.converted == ()
+    ptrs = layer.weight_ptrs
+    assert {"self_attn.q_proj.qweight", "self_attn.q_proj.scales", "mlp.experts.5.down_proj.g_idx"} <= set(ptrs)
+    for name, ptr in ptrs.items():  # words, scales, zeros, g_idx, norms, router: all read from the file
+        assert mapped(layer, ptr), name
+    x = draw_input(model, (1, 9, G128["hidden_size"]), seed=2)
+    exact = run(converted(model, torch.float64), x.double())
+    cache = layer.new_cache(12)
+    y = torch.cat([torch.from_dlpack(layer.prefill(x[:, :8].contiguous(), cache)),
+                   torch.from_dlpack(layer.decode(x[:, 8].contiguous(), cache)).unsqueeze(1)], dim=1)
+    assert rel_err(y - x, exact.y - x.double()) <= 1e-5
+
+
+def test_what_the_quantization_config_says_is_read_from_config_json(tmp_path):
+    """gptq_v2 zeros, group 64: read from config.json, the same layer as transformers'"""
+    model, path = gptq_checkpoint(tmp_path / "v2", seed=4, quant={"checkpoint_format": "gptq_v2", "group_size": 64},
+                                  v1=False, group=64)
+    layer = q3.DecoderLayer.from_checkpoint(path, 0)
+    x = draw_input(model, (1, 6, G128["hidden_size"]), seed=5)
+    exact = run(converted(model, torch.float64), x.double())
+    y = torch.from_dlpack(layer.prefill(x.contiguous(), layer.new_cache(8)))
+    assert rel_err(y - x, exact.y - x.double()) <= 1e-5
+
+
+def test_an_expert_subset_maps_only_its_experts(good):
+    _, path = good
+    layer = q3.DecoderLayer.from_checkpoint(path, 0, experts=[1, 4])
+    held = {n.split(".")[2] for n in layer.weight_ptrs if n.startswith("mlp.experts.")}
+    assert held == {"1", "4"}
+    whole = q3.DecoderLayer.from_checkpoint(path, 0)
+    assert layer.weight_bytes < whole.weight_bytes
+
+
+@pytest.mark.parametrize("quant,message", [
+    ({"bits": 8}, r"config.json: quantization_config.bits: expected 4, got 8"),
+    ({"group_size": 100}, r"config.json: quantization_config.group_size: expected -1 .* got 100"),
+    ({"pack_dtype": "int16"}, r"config.json: quantization_config.pack_dtype: expected 'int32', got 'int16'"),
+    ({"dynamic": {"-:.*experts.*": {}}}, r"config.json: quantization_config.dynamic: expected no per-module"),
+    ({"modules_in_block_to_quantize": [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+                                       ["self_attn.o_proj"], [f"mlp.experts.{e}.{p}" for e in range(5)
+                                                              for p in ("gate_proj", "up_proj", "down_proj")]]},
+     r"modules_in_block_to_quantize: leaves mlp.experts.5.gate_proj, mlp.experts.5.up_proj, "
+     r"mlp.experts.5.down_proj dense"),
+    ({"modules_to_not_convert": ["model.layers.0.self_attn.q_proj"]},
+     r"modules_to_not_convert: 'model.layers.0.self_attn.q_proj' may keep a decoder layer's projection dense"),
+])
+def test_a_quantization_config_the_layer_cannot_read_is_refused_before_any_shard_opens(good, tmp_path, opened, quant,
+                                                                                        message):
+    _, path = good
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    os.symlink(os.path.join(path, "model.safetensors"), folder / "model.safetensors")
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    cfg["quantization_config"].update(quant)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=message):
+        q3.DecoderLayer.from_checkpoint(str(folder), 0)
+    assert opened == []
+
+
+def _set(name, value):
+    return lambda t: t.__setitem__(P + name, value(t[P + name]))
+
+
+@pytest.mark.parametrize("what,change,error,message", [
+    ("qweight as float32", _set("self_attn.q_proj.qweight", lambda v: v.float()), UnsupportedDtypeError,
+     r"model.safetensors: model.layers.0.self_attn.q_proj.qweight: expected dtype I32, got F32"),
+    ("scales as bf16", _set("mlp.experts.2.up_proj.scales", lambda v: v.bfloat16()), UnsupportedDtypeError,
+     r"model.layers.0.mlp.experts.2.up_proj.scales: expected dtype F16, got BF16"),
+    ("qzeros cut short", _set("self_attn.v_proj.qzeros", lambda v: v[:, :4].contiguous()), CheckpointError,
+     r"model.layers.0.self_attn.v_proj.qzeros: expected shape \[2, 16\] \(of the layer's geometry, 4-bit GPTQ\), "
+     r"got \[2, 4\]"),
+    ("g_idx of another length", _set("mlp.experts.0.down_proj.g_idx", lambda v: v[:64].contiguous()),
+     CheckpointError, r"model.layers.0.mlp.experts.0.down_proj.g_idx: expected shape \[128\] .* got \[64\]"),
+    ("a g_idx missing", lambda t: t.pop(P + "mlp.experts.4.gate_proj.g_idx"), CheckpointError,
+     r"missing model.layers.0.mlp.experts.4.gate_proj.g_idx \(a 4-bit matrix's qweight, qzeros, scales and g_idx: "
+     r"config.json declares a GPTQ quantization_config\)"),
+    ("a dense matrix instead", lambda t: t.update({P + "self_attn.o_proj.weight": torch.zeros(256, 256)}) or [
+        t.pop(P + f"self_attn.o_proj.{n}") for n in ("qweight", "qzeros", "scales", "g_idx")], CheckpointError,
+     r"missing model.layers.0.self_attn.o_proj.qweight"),
+    ("a float16 router", _set("mlp.gate.weight", lambda v: v.half()), UnsupportedDtypeError,
+     r"mlp.gate.weight: expected dtype BF16 or F32, got F16 \(float16 norms, router or matrices are not taken"),
+])
+def test_a_tensor_of_another_dtype_shape_or_name_is_refused_naming_the_file(tmp_path, opened, what, change, error,
+                                                                             message):
+    _, path = gptq_checkpoint(tmp_path / "bad", seed=5, change=change)
+    with pytest.raises(error, match=message):
+        q3.DecoderLayer.from_checkpoint(path, 0)
+    assert opened and all(s.mm.closed for s in opened), what
+
+
+@pytest.mark.parametrize("what,change,message", [
+    ("g_idx out of range", _set("self_attn.k_proj.g_idx", lambda v: v.index_fill(0, torch.tensor([7]), 2)),
+     r"self_attn.k_proj.g_idx: expected groups in \[0, 2\), got 2 at input 7"),
+    ("a NaN scale", _set("mlp.experts.1.down_proj.scales", lambda v: v.index_fill(1, torch.tensor([3]), float("nan"))),
+     r"mlp.experts.1.down_proj.scales: expected finite scales, got NaN at \[0, 3\]"),
+    ("an Inf scale", _set("self_attn.q_proj.scales", lambda v: v.index_fill(0, torch.tensor([1]), float("inf"))),
+     r"self_attn.q_proj.scales: expected finite scales, got Inf at \[1, 0\]"),
+])
+def test_values_a_file_may_hold_are_checked_before_the_layer_is_made(tmp_path, what, change, message):
+    _, path = gptq_checkpoint(tmp_path / "bad", seed=6, change=change)
+    with pytest.raises(ValueError, match=message):
+        q3.DecoderLayer.from_checkpoint(path, 0)
