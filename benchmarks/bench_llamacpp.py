@@ -4,9 +4,10 @@
     python benchmarks/bench_llamacpp.py --llama-bench PATH --small --depths 0 --rounds 1 --reps 1   # smoke
 
 The script writes the layer's random weights (qwen3layer's own draws, seed --seed) into a
-one-layer qwen3moe GGUF (bf16; llama-quantize makes a Q8_0 copy of it), then times, in
-interleaved rounds, llama.cpp bf16, llama.cpp Q8_0, qwen3layer bf16 and qwen3layer FP8
-(fp8_e4m3_block128, the same draws quantized) on llama-bench's two tests:
+one-layer qwen3moe GGUF (bf16; llama-quantize makes Q8_0, Q4_0 and Q4_K_M copies of it), then
+times, in interleaved rounds, llama.cpp bf16, Q8_0, Q4_0 and Q4_K_M, and qwen3layer bf16, FP8
+(fp8_e4m3_block128) and int4 (gptq_int4: 4-bit GPTQ, group 128, rounded to nearest), the last
+two the same draws quantized, on llama-bench's two tests:
 
     pp512 @ d: tok/s of a prefill of 512 tokens into a cache that holds d tokens
     tg32  @ d: tok/s of 32 decode steps, one token each, after d tokens
@@ -18,12 +19,23 @@ its time). With embeddings on it computes every token's output, as this layer do
 llama.cpp also runs and we do not: the token embedding lookup, the final norm and an lm_head
 over VOCAB tokens (2 x 320 x 4096 FLOPs a token, 0.6% of the layer's 446 M).
 
+The quantized GGUFs hold the tensor types llama-quantize picks (the script prints them), and
+llama.cpp repacks them at load as it does by default: norms and router stay F32, the lm_head is
+Q6_K in Q4_0 and Q4_K_M. Q4_K_M chooses by layer, and the one layer here is a first one: its
+ffn_down_exps (a third of the experts' weights) and attn_v are Q6_K, as in 46 of the 94
+layers of a Q4_K_M of the whole model (the other 48 Q4_K, as the rest of the matrices).
+
+The table gives tok/s, then ours over theirs: bf16 and FP8 each against llama.cpp bf16 and
+Q8_0 (issue 23's targets read ours against both), int4 only against the two 4-bit formats
+(a 4-bit layer against a 16- or 8-bit one says more about the bytes than about the code).
+
 Needs torch, qwen3layer (built) and the `gguf` package (pip install -e ".[bench]").
 Without --llama-bench it says how to build one and exits 0 (skipped). Not part of the tests.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import statistics
@@ -39,16 +51,22 @@ from machine import cpu_name  # noqa: E402
 
 VOCAB = 320          # tokens of the GGUF's vocabulary: <unk> <s> </s>, 256 byte tokens, 61 words
 UBATCH = 512         # llama-bench's default -ub; our prefill runs in chunks of as many tokens
-ENGINES = ("llama-bf16", "llama-q8_0", "ours-bf16", "ours-fp8")
+ENGINES = ("llama-bf16", "llama-q8_0", "llama-q4_0", "llama-q4_k_m", "ours-bf16", "ours-fp8", "ours-int4")
+QUANTS = {"llama-q8_0": "Q8_0", "llama-q4_0": "Q4_0", "llama-q4_k_m": "Q4_K_M"}   # engine: llama-quantize type
+OURS = {"ours-fp8": "fp8_e4m3_block128", "ours-int4": "gptq_int4"}              # engine: weight_format
+PAIRS = [("ours-bf16", "llama-bf16"), ("ours-bf16", "llama-q8_0"), ("ours-fp8", "llama-bf16"),
+         ("ours-fp8", "llama-q8_0"), ("ours-int4", "llama-q4_0"), ("ours-int4", "llama-q4_k_m")]
 
 BUILD_HELP = """\
 bench_llamacpp.py: skipped: no --llama-bench given (the path of llama.cpp's llama-bench binary).
-Build llama-bench and llama-quantize outside this repo from the llama-cpp-python sdist's
-vendored llama.cpp, with clang (~6 minutes on 2 cores of a Xeon, ~8 on a Zen 1 EPYC). Not
-GCC 12: its _tile_loadconfig declares 8 of the tile configuration's 64 bytes read, the other
-stores are dropped and ggml's AMX Q8_0 kernels fault. clang 14 spells the AMX macros
-__AMXINT8__ etc., and ggml tests __AMX_INT8__: the -D flags below name them as ggml's own
-CMake does for MSVC, on a CPU that has AMX (elsewhere they would build code it cannot run).
+Build llama-bench and llama-quantize (it makes the Q8_0, Q4_0 and Q4_K_M GGUFs from the bf16
+one; without it those engines run only from cached files) outside this repo from the
+llama-cpp-python sdist's vendored llama.cpp, with clang (~6 minutes on 2 cores of a Xeon, ~8
+on a Zen 1 EPYC). Not GCC 12: its _tile_loadconfig declares 8 of the tile configuration's 64
+bytes read, the other stores are dropped and ggml's AMX Q8_0 kernels fault. clang 14 spells
+the AMX macros __AMXINT8__ etc., and ggml tests __AMX_INT8__: the -D flags below name them as
+ggml's own CMake does for MSVC, on a CPU that has AMX (elsewhere they would build code it
+cannot run).
 
     apt-get install -y clang libomp-14-dev
     pip download llama-cpp-python --no-binary llama-cpp-python --no-deps -d /tmp/llama-src
@@ -200,14 +218,28 @@ def gguf_params(path: str) -> int:
     return sum(int(t.n_elements) for t in gguf.GGUFReader(path).tensors)
 
 
-def quantize_q8_0(quantize: str, src: str, dst: str, threads: int) -> None:
-    """llama-quantize src -> dst Q8_0 (norms and router stay F32, as llama.cpp decides)"""
+def gguf_types(path: str) -> str:
+    """how many tensors of each GGML type a GGUF holds: llama-quantize picks a type a tensor
+    (Q4_K_M is a mix), so the file says what was timed"""
+    import gguf
+
+    counts = collections.Counter(t.tensor_type.name for t in gguf.GGUFReader(path).tensors)
+    return ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
+
+
+def quantize(tool: str, src: str, dst: str, qtype: str, threads: int) -> None:
+    """llama-quantize src -> dst as qtype (Q8_0, Q4_0, Q4_K_M: the tensor types llama.cpp
+    decides), its warnings shown: a fallback to another type for a row length the type's
+    blocks do not divide would change what is timed"""
     t = time.perf_counter()
-    r = subprocess.run([quantize, src, dst + ".partial", "Q8_0", str(threads)], capture_output=True, text=True)
+    r = subprocess.run([tool, src, dst + ".partial", qtype, str(threads)], capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"llama-quantize failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     os.replace(dst + ".partial", dst)
-    print(f"  quantized to Q8_0 in {time.perf_counter() - t:.0f} s: {dst}")
+    print(f"  quantized to {qtype} in {time.perf_counter() - t:.0f} s: {dst}")
+    for line in (r.stdout + r.stderr).splitlines():
+        if "warning" in line.lower():
+            print(f"    llama-quantize: {line.strip()}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -330,17 +362,7 @@ def ratio(samples: dict, ours: str, theirs: str, key: tuple) -> str:
     return f"{statistics.median(a) / statistics.median(b):.2f}x" if a and b else "-"
 
 
-def print_table(samples: dict, engines: list, depths: list, args) -> None:
-    head = ["test"] + [f"{e} tok/s" for e in engines]
-    pairs = [(o, t) for o in ("ours-bf16", "ours-fp8") for t in ("llama-bf16", "llama-q8_0")
-             if o in engines and t in engines]
-    head += [f"{o}/{t}" for o, t in pairs]
-    rows = []
-    for kind in ("pp", "tg"):
-        for d in depths:
-            key = (kind, d)
-            rows.append([f"{label(kind, args)} @ d{d}"] + [cell(samples.get((e,) + key)) for e in engines]
-                        + [ratio(samples, o, t, key) for o, t in pairs])
+def print_rows(head: list, rows: list) -> None:
     widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
     fmt = lambda r: " | ".join(v.ljust(w) for v, w in zip(r, widths))
     print(fmt(head))
@@ -349,12 +371,25 @@ def print_table(samples: dict, engines: list, depths: list, args) -> None:
         print(fmt(r))
 
 
+def print_table(samples: dict, engines: list, depths: list, args) -> None:
+    """tok/s of every engine, then the ratios of PAIRS whose two engines ran: two tables, as
+    seven engines and six ratios in one would not fit a screen"""
+    tests = [(f"{label(kind, args)} @ d{d}", (kind, d)) for kind in ("pp", "tg") for d in depths]
+    print_rows(["test"] + [f"{e} tok/s" for e in engines],
+               [[name] + [cell(samples.get((e,) + key)) for e in engines] for name, key in tests])
+    pairs = [(o, t) for o, t in PAIRS if o in engines and t in engines]
+    if pairs:
+        print()
+        print_rows(["test"] + [f"{o}/{t}" for o, t in pairs],
+                   [[name] + [ratio(samples, o, t, key) for o, t in pairs] for name, key in tests])
+
+
 # ---------------------------------------------------------------------------------------------
 
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--llama-bench", help="path of llama.cpp's llama-bench (without it: skipped)")
-    ap.add_argument("--llama-quantize", help="path of llama-quantize, to make the Q8_0 GGUF")
+    ap.add_argument("--llama-quantize", help="path of llama-quantize, to make the Q8_0, Q4_0 and Q4_K_M GGUFs")
     ap.add_argument("--work-dir", default="/tmp/qwen3layer-llamacpp", help="where the GGUF files are kept")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="threads of both engines")
     ap.add_argument("--depths", default="0,512,4096", help="tokens in the cache before each test")
@@ -374,7 +409,7 @@ def prepare_ggufs(args, cfg, weights, engines: list) -> dict:
     """engine -> (GGUF path, its parameter count), writing or quantizing what is not cached"""
     os.makedirs(args.work_dir, exist_ok=True)
     stem = os.path.join(args.work_dir, f"qwen3moe-1layer-{'small' if args.small else 'real'}-seed{args.seed}")
-    bf16, q8 = stem + "-bf16.gguf", stem + "-q8_0.gguf"
+    bf16 = stem + "-bf16.gguf"
     if not os.path.exists(bf16):
         t = time.perf_counter()
         write_gguf(bf16, cfg, weights, args.seed)
@@ -384,14 +419,19 @@ def prepare_ggufs(args, cfg, weights, engines: list) -> dict:
     out = {}
     if "llama-bf16" in engines:
         out["llama-bf16"] = bf16
-    if "llama-q8_0" in engines:
-        if not os.path.exists(q8) and args.llama_quantize:
-            quantize_q8_0(args.llama_quantize, bf16, q8, args.threads)
-        if os.path.exists(q8):
-            out["llama-q8_0"] = q8
-            print(f"  using {q8}")
+    for e, qtype in QUANTS.items():
+        if e not in engines:
+            continue
+        path = f"{stem}-{qtype.lower()}.gguf"
+        if not os.path.exists(path) and args.llama_quantize:
+            quantize(args.llama_quantize, bf16, path, qtype, args.threads)
+        if os.path.exists(path):
+            out[e] = path
+            print(f"  using {path}")
         else:
-            print("  llama-q8_0 left out: no --llama-quantize given and no cached Q8_0 GGUF")
+            print(f"  {e} left out: no --llama-quantize given and no cached {qtype} GGUF")
+    for e, p in out.items():
+        print(f"  {e} tensors: {gguf_types(p)}")
     return {e: (p, gguf_params(p)) for e, p in out.items()}
 
 
@@ -427,9 +467,10 @@ def main() -> int:
     if "ours-bf16" in engines:
         ours["ours-bf16"] = OurEngine(q3.DecoderLayer(cfg, weights), cfg, args)
     del weights
-    if "ours-fp8" in engines:
-        ours["ours-fp8"] = OurEngine(q3.DecoderLayer.random(cfg, args.seed, "bfloat16",
-                                                            weight_format="fp8_e4m3_block128"), cfg, args)
+    for e, weight_format in OURS.items():
+        if e in engines:
+            ours[e] = OurEngine(q3.DecoderLayer.random(cfg, args.seed, "bfloat16", weight_format=weight_format),
+                                cfg, args)
 
     samples, info = {}, {}
     for r in range(args.rounds):
