@@ -12,8 +12,8 @@ per cent shows only this way.
 (a few minutes; its log is kept if the build fails) and removes the worktree at the end.
 
 Rows: decode at each context (batch 1), a decode step of each --batches sequences at context
-512, prefill of --prefill-tokens tokens in one chunk; bf16 weights, and FP8 (fp8_e4m3_block128)
-with --fp8. The two layers borrow one set of weights (random, seed 0), each has its own cache,
+512, prefill of --prefill-tokens tokens in one chunk; bf16 weights, FP8 (fp8_e4m3_block128)
+with --fp8, and 4-bit GPTQ (gptq_int4: the draws rounded to nearest, group 128) with --int4. The two layers borrow one set of weights (random, seed 0), each has its own cache,
 filled with the same tokens. Each round calls A then B, the next B then A (so neither always
 runs second), after a warm-up call of each. Per row: the median ms of A and of B; B's speed-up
 as the median of the rounds' A/B ratios, with their quartiles; the rounds B was faster in; and
@@ -45,6 +45,7 @@ from machine import cpu_name  # noqa: E402
 SMALL = q3.LayerConfig(hidden_size=1024, num_attention_heads=16, num_key_value_heads=2, head_dim=128,
                        num_experts=32, num_experts_per_tok=4, moe_intermediate_size=512)
 FP8 = "fp8_e4m3_block128"
+INT4 = "gptq_int4"
 
 
 def load_build(root: str):
@@ -190,6 +191,7 @@ def main() -> int:
     ap.add_argument("--decode-rounds", type=int, default=40)
     ap.add_argument("--prefill-rounds", type=int, default=8)
     ap.add_argument("--fp8", action="store_true", help="the same rows on FP8 weights too")
+    ap.add_argument("--int4", action="store_true", help="the same rows on 4-bit GPTQ weights (gptq_int4, RTN) too")
     args = ap.parse_args()
     if args.base_rev:
         args.base = build_rev(args.base_rev)
@@ -220,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
     contexts = [int(c) for c in args.contexts.split(",") if c]
     batches = [int(b) for b in args.batches.split(",") if b]
     H = cfg.hidden_size
-    for fmt in [None, FP8] if args.fp8 else [None]:
+    for fmt in [None] + [FP8] * args.fp8 + [INT4] * args.int4:
         t = time.perf_counter()
         weights = _C.random_weights(cfg, 0, "bfloat16", fmt)  # one set, borrowed by both layers
         layer_b = q3.DecoderLayer(cfg, weights)

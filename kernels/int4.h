@@ -96,7 +96,9 @@ static inline void q3_int4_dequant_rows(float *dst, const q3_int4_matrix *m, int
  * scratch: threads * q3_matmul_int4_scratch_floats(T, K) floats; at most `threads` threads.
  * xb: NULL, or the bf16 scratch of kernels/matmul.h, given which a path with bf16 products
  * (avx512bf16) may round x and the dequantized weights to bf16 for many tokens, as a bf16 layer
- * holds them (a bf16 layer gives it, an fp32 one does not). */
+ * holds them, and for fewer than Q3_INT4_GEMV_MAX_T hold x there as two 8-bit digits a block
+ * of 128 inputs (within 1/65024 of the block's largest |x|) for VNNI's integer dot products
+ * (a bf16 layer gives it, an fp32 one does not). */
 typedef void q3_matmul_int4_fn(float *y, const float *x, const q3_int4_matrix *w, int64_t T, int64_t N, int64_t K,
                                int accumulate, float *scratch, int threads, uint16_t *xb);
 
@@ -107,6 +109,29 @@ typedef void q3_matmul_int4_fn(float *y, const float *x, const q3_int4_matrix *w
 
 static inline int64_t q3_matmul_int4_scratch_floats(int64_t T, int64_t K) {
     return T < Q3_INT4_GEMV_MAX_T ? 0 : Q3_INT4_CHUNK_ROWS * (K + T);
+}
+
+/* the GEMVs' share of the columns of thread id of n_th: [*c0, *cv) whole vectors of `lanes`
+ * columns (a qzeros word, 8 columns, never split), and up to *c1 the columns past the last
+ * vector (the last thread's) */
+static inline void q3_int4_thread_columns(int64_t N, int64_t lanes, int64_t id, int64_t n_th, int64_t *c0,
+                                          int64_t *cv, int64_t *c1) {
+    const int64_t vectors = N / lanes;
+    *c0 = vectors * id / n_th * lanes;
+    *cv = vectors * (id + 1) / n_th * lanes;
+    *c1 = id == n_th - 1 ? N : *cv;
+}
+
+/* y [T, N] += x W^T over columns [n0, n1), one weight at a time in fp32 (the columns past the
+ * GEMVs' last vector) */
+static inline void q3_int4_columns_exact(float *y, const float *x, const q3_int4_matrix *w, int64_t T, int64_t N,
+                                         int64_t K, int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++)
+        for (int64_t t = 0; t < T; t++) {
+            float s = 0.0f;
+            for (int64_t k = 0; k < K; k++) s += x[t * K + k] * q3_int4_weight(w, N, n, k);
+            y[t * N + n] += s;
+        }
 }
 
 /* Round-to-nearest quantization (RTN, not GPTQ's error-compensating algorithm) of W [N, K]

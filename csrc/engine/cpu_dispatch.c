@@ -1,6 +1,6 @@
 /* CPU path selection: the levels this build compiled, which of them this CPU (and OS) can
  * run, and the one in use. Levels, lowest first: portable (the baseline C), avx2 (with FMA),
- * avx512 (F, BW, VL, DQ), avx512bf16 (+ bf16 dot products), amx (+ AMX-BF16 tiles, granted
+ * avx512 (F, BW, VL, DQ), avx512bf16 (+ bf16 and VNNI int8 dot products), amx (+ AMX-BF16 tiles, granted
  * by the kernel on request). The best available level is the default. avx512bf16 was kept
  * from being the default for a while, on a measurement made while its tile spilled its 24
  * accumulators to the stack at every step (matmul_dot.c's dot_tile): with that fixed, on
@@ -67,7 +67,9 @@ static int supported(const char *name) {
     const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     const int avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-    const int bf16 = avx512 && cpuid_bit(7, 1, 0, 5); /* leaf 7.1 EAX bit 5: AVX512_BF16 */
+    /* leaf 7.1 EAX bit 5: AVX512_BF16; leaf 7.0 ECX bit 11: AVX512_VNNI (every CPU with the first
+     * has the second: Cooper Lake, Sapphire Rapids, Zen 4 and 5; the int4 decode uses it) */
+    const int bf16 = avx512 && cpuid_bit(7, 1, 0, 5) && cpuid_bit(7, 0, 2, 11);
     if (!strcmp(name, "avx2")) return avx2;
     if (!strcmp(name, "avx512")) return avx512;
     if (!strcmp(name, "avx512bf16")) return bf16;

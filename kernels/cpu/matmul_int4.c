@@ -200,14 +200,12 @@ static void gemv(float *y, const float *x, const q3_int4_matrix *w, int64_t T, i
     const int64_t tile = TILE_FLOATS / T / Q3_LANES * Q3_LANES;
 #pragma omp parallel num_threads(nt) if (nt > 1 && T * N * K > (1 << 18))
     {
+        int64_t c0, cv, c1;
 #ifdef _OPENMP
-        const int64_t id = omp_get_thread_num(), n_th = omp_get_num_threads();
+        q3_int4_thread_columns(N, Q3_LANES, omp_get_thread_num(), omp_get_num_threads(), &c0, &cv, &c1);
 #else
-        const int64_t id = 0, n_th = 1;
+        q3_int4_thread_columns(N, Q3_LANES, 0, 1, &c0, &cv, &c1);
 #endif
-        /* this thread's columns [c0, c1): whole vectors; the last thread also the rest */
-        const int64_t c0 = vectors * id / n_th * Q3_LANES;
-        const int64_t cv = vectors * (id + 1) / n_th * Q3_LANES, c1 = id == n_th - 1 ? N : cv;
         if (!accumulate)
             for (int64_t t = 0; t < T; t++) memset(y + t * N + c0, 0, (size_t)(c1 - c0) * sizeof *y);
         for (int64_t n = c0; n < cv; n += tile) {
@@ -215,12 +213,7 @@ static void gemv(float *y, const float *x, const q3_int4_matrix *w, int64_t T, i
             if (w->group > 0) gemv_grouped(y, x, w, T, N, K, n, nc);
             else gemv_any_groups(y, x, w, T, N, K, n, nc);
         }
-        for (int64_t n = cv; n < c1; n++) /* the columns past the last vector */
-            for (int64_t t = 0; t < T; t++) {
-                float s = 0.0f;
-                for (int64_t k = 0; k < K; k++) s += x[t * K + k] * q3_int4_weight(w, N, n, k);
-                y[t * N + n] += s;
-            }
+        q3_int4_columns_exact(y, x, w, T, N, K, cv, c1);
     }
 }
 
@@ -345,7 +338,8 @@ void Q3_CPU_FN(q3_matmul_int4)(float *y, const float *x, const q3_int4_matrix *w
 }
 
 #if Q3_LANES == 16 && defined(__AVX512BW__)
-/* The int4 matmul on the avx512bf16 level from Q3_INT4_GEMV_MAX_T tokens, given xb: the bf16
+/* The int4 matmul on the avx512bf16 level: fewer than Q3_INT4_GEMV_MAX_T tokens given xb, the
+ * VNNI GEMV of matmul_int4_vnni.c where it takes the groups; from Q3_INT4_GEMV_MAX_T tokens, given xb: the bf16
  * dot products of matmul_dot.c with rows_int4_bf16 as their row source, each dequantized weight
  * rounded to bf16 (to nearest even) as a bf16 layer holds it, and x rounded to bf16, as the
  * bf16 paths do; sums in fp32. Fewer tokens, no xb (an fp32 layer) or K % 32: this variant's. */
@@ -387,6 +381,7 @@ static INT4_BF16 void rows_int4_bf16(uint16_t *out, int64_t ld, const void *src,
 
 void q3_matmul_int4_cpu_avx512bf16(float *y, const float *x, const q3_int4_matrix *w, int64_t T, int64_t N, int64_t K,
                                    int accumulate, float *scratch, int threads, uint16_t *xb) {
+    if (T < Q3_INT4_GEMV_MAX_T && q3_int4_gemv_vnni(y, x, w, T, N, K, accumulate, threads, xb)) return;
     if (T < Q3_INT4_GEMV_MAX_T || !xb || K % 32) {
         q3_matmul_int4_cpu_avx512(y, x, w, T, N, K, accumulate, scratch, threads, xb);
         return;

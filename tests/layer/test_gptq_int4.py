@@ -66,6 +66,15 @@ def test_bfloat16_gptq_layer_error_at_most_twice_transformers():
     q3.testing.assert_matches(layer, model.model.layers[0], x, torch.bfloat16, calls=(17, 1))
 
 
+def test_bfloat16_gptq_decode_steps_error_at_most_twice_transformers():
+    """decode steps of a bf16 layer (on avx512bf16, the VNNI GEMV holding x as two 8-bit digits
+    a block of 128 inputs: kernels/cpu/matmul_int4_vnni.c), judged as above step by step"""
+    model, tensors = gptq_pair(7, dtype=torch.bfloat16)
+    layer = q3.DecoderLayer(q3.LayerConfig.from_hf(model.config), tensors, weight_format="gptq_int4")
+    x = draw_input(model, (2, 9, G128["hidden_size"]), seed=6, dtype=torch.bfloat16)
+    q3.testing.assert_matches(layer, model.model.layers[0], x, torch.bfloat16, calls=(3, 1, 1, 1, 1, 1, 1))
+
+
 def test_a_long_prefill_takes_the_chunked_kernel_with_the_same_numbers():
     """40 tokens a pass (the prefill kernel, from 16 rows) against fp64"""
     model, tensors = gptq_pair(5)

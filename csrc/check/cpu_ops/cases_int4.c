@@ -114,8 +114,10 @@ static void int4_case(ops_run *r, const int4_shape *s, int64_t T, int accumulate
 }
 
 /* Given the bf16 scratch (a bf16 layer's), a path may round x and the dequantized weights to
- * bf16 (kernels/int4.h): held, as cases_matmul.c holds FP8's, to the closest of the portable
- * results on the exact, x-rounded and both-rounded operands, within fp32 rounding of its terms */
+ * bf16 (kernels/int4.h; the prefill of avx512bf16), or hold x as two 8-bit digits a block (the
+ * VNNI GEMV of avx512bf16, matmul_int4_vnni.c: within max |x| / 65024 of each input): held, as
+ * cases_matmul.c holds FP8's, to the closest of the portable results on the exact, x-rounded
+ * and both-rounded operands, within fp32 rounding of its terms */
 static void int4_xb_case(ops_run *r, const int4_shape *s, int64_t T, int threads, uint32_t seed) {
     const int64_t N = s->N, K = s->K, ny = T * N;
     q3_int4_matrix m;
@@ -154,7 +156,7 @@ void ops_matmul_int4(ops_run *r) {
                 threads = threads % 3 + 1;
             }
     for (int s = 0; s < (int)(sizeof SHAPES / sizeof SHAPES[0]); s++)
-        for (int t = 3; t < (int)(sizeof TOKENS / sizeof TOKENS[0]); t++, seed += 7) { /* 16, 20 tokens */
+        for (int t = 0; t < (int)(sizeof TOKENS / sizeof TOKENS[0]); t++, seed += 7) {
             int4_xb_case(r, &SHAPES[s], TOKENS[t], threads, seed);
             ops_release(r);
             threads = threads % 3 + 1;
