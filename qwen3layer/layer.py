@@ -142,13 +142,15 @@ class DecoderLayer:
         split = expert_device is not None or gpu_experts is not None
         if split:
             ids, host_ids = _split_placement(config, index, experts, expert_device, gpu_experts, expert_counts)
-        mine = canonical_weights(weights, config, ids)
+        group = gptq.get("gptq_group", 0)  # the names of a GPTQ geometry that 128 does not divide need it
+        mine = canonical_weights(weights, config, ids, gptq_group=group)
         if index >= 0 and ids is not None:  # a CUDA subset: the held experts' slices of fused host tensors
             mine = held_expert_views(mine, config, ids)
         self._core = _C.Layer(config, mine, dtype, index, weight_format, ids, **gptq)
         if split:
             from .placement.hybrid import HybridRunner
-            host = _C.Layer(config, expert_weights(canonical_weights(weights, config, host_ids), config),
+            host_weights = canonical_weights(weights, config, host_ids, gptq_group=group)
+            host = _C.Layer(config, expert_weights(host_weights, config, gptq_group=group),
                             self._core.dtype, -1,
                             self._core.weight_format, host_ids, experts_only=True, **gptq)
             self._hybrid = HybridRunner(self._core, host, ids, config)

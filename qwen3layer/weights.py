@@ -22,27 +22,29 @@ _PREFIX = re.compile(r"^(?:.*\.)?layers\.(\d+)\.")
 
 
 def names(config: LayerConfig, fmt: str = "dense", experts: Optional[Sequence[int]] = None, fused: bool = False,
-          experts_only: bool = False) -> list[str]:
+          experts_only: bool = False, gptq_group: int = 0) -> list[str]:
     """the names of the engine's table (_C.weight_table) for a layer of `fmt` holding
-    `experts` (None: all), in the order it reads them"""
-    return [row[0] for row in _C.weight_table(config, fmt, experts, fused, experts_only)]
+    `experts` (None: all), in the order it reads them (gptq_group: a GPTQ layer's group, the
+    engine's: 0 for 128, -1 for one a matrix; the table refuses a geometry it does not divide)"""
+    return [row[0] for row in _C.weight_table(config, fmt, experts, fused, experts_only, gptq_group=gptq_group)]
 
 
 def scales(config: LayerConfig, fmt: str, experts: Optional[Sequence[int]] = None,
-           fused: bool = False) -> dict[str, str]:
+           fused: bool = False, gptq_group: int = 0) -> dict[str, str]:
     """{scale name: its matrix's name} of the table: what a format stores beside a matrix"""
-    table = _C.weight_table(config, fmt, experts, fused)
+    table = _C.weight_table(config, fmt, experts, fused, gptq_group=gptq_group)
     return {name: table[of][0] for name, _, storage, of in table if storage == "scale"}
 
 
-def _format_of(out: Mapping[str, Any], config: LayerConfig) -> str:
+def _format_of(out: Mapping[str, Any], config: LayerConfig, gptq_group: int = 0) -> str:
     """the format whose own names (beyond the dense format's: FP8's scales, GPTQ's qweight and
     what stands beside it) appear in out; a format the geometry cannot take (the engine's
-    table refuses it) is passed over"""
+    table refuses it: GPTQ's with a group, `gptq_group`, that does not divide it) is passed over"""
     for fmt in _C.weight_formats()[1:]:
         for fused in (False, True):
             try:
-                own = set(names(config, fmt, None, fused)) - set(names(config, "dense", None, fused))
+                own = set(names(config, fmt, None, fused, gptq_group=gptq_group)) - set(names(config, "dense", None,
+                                                                                             fused))
             except ValueError:
                 break
             if any(n in out for n in own):
@@ -69,10 +71,12 @@ def valid_expert_ids(experts: Optional[Sequence[int]], num_experts: int) -> Opti
 
 
 def canonical_weights(weights: Mapping[str, Any], config: LayerConfig,
-                      experts: Optional[Sequence[int]] = None) -> dict[str, Any]:
+                      experts: Optional[Sequence[int]] = None, gptq_group: int = 0) -> dict[str, Any]:
     """Returns {canonical name: tensor}; raises ValueError naming any missing, extra or
     misnamed weight. experts: the ids a layer holding a subset holds (checked by the engine):
-    per-expert weights of the others are left out (fused tensors stay whole)."""
+    per-expert weights of the others are left out (fused tensors stay whole). gptq_group: a
+    GPTQ layer's group (as names()), without which a geometry that 128 does not divide would
+    not be read as GPTQ at all."""
     if not isinstance(weights, Mapping):
         raise TypeError(f"weights: expected a mapping of name -> tensor, got {type(weights).__name__}")
     out: dict[str, Any] = {}
@@ -90,18 +94,18 @@ def canonical_weights(weights: Mapping[str, Any], config: LayerConfig,
     if len(layers) > 1:
         raise ValueError(f"weights: expected the tensors of one layer, got layers {sorted(layers)}")
 
-    fmt = _format_of(out, config)
+    fmt = _format_of(out, config, gptq_group)
     held = None if experts is None else valid_expert_ids(experts, config.num_experts)
-    per_expert = names(config, fmt, held, experts_only=True)
+    per_expert = names(config, fmt, held, experts_only=True, gptq_group=gptq_group)
     if held is not None:  # the other experts' weights (and scales) belong to other layers holding them
-        others = set(names(config, fmt, None, experts_only=True)) - set(per_expert)
+        others = set(names(config, fmt, None, experts_only=True, gptq_group=gptq_group)) - set(per_expert)
         out = {n: t for n, t in out.items() if n not in others}
     fused_names = names(config, "dense", None, True, True)
     fused = any(n in out for n in fused_names)
     if fused and any(n in out for n in per_expert):
         raise ValueError(f"weights: expected experts either fused ({', '.join(fused_names)}) or per expert "
                          "(mlp.experts.{e}.*.weight), got both")
-    expected = names(config, fmt, held, fused)
+    expected = names(config, fmt, held, fused, gptq_group=gptq_group)
     expected_set = set(expected)
     extra = [n for n in out if n not in expected_set]
     if extra:
@@ -122,13 +126,13 @@ def canonical_weights(weights: Mapping[str, Any], config: LayerConfig,
     return out
 
 
-def expert_weights(weights: dict, config: LayerConfig) -> dict:
+def expert_weights(weights: dict, config: LayerConfig, gptq_group: int = 0) -> dict:
     """canonical weights without the attention's, the norms' and the router's (and their
-    scales): what an expert-only host layer takes"""
+    scales): what an expert-only host layer takes (gptq_group: as names())"""
     dense = set()
     for fmt in _C.weight_formats():
         try:
-            dense.update(names(config, fmt, []))
+            dense.update(names(config, fmt, [], gptq_group=gptq_group))
         except ValueError:  # a format this geometry cannot take (GPTQ's groups): none of its names
             pass
     return {n: t for n, t in weights.items() if n not in dense}

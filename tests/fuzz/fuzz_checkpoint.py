@@ -4,23 +4,36 @@
     python tests/fuzz/fuzz_checkpoint.py FILE...          # reproduce
 
 (tests/fuzz/fuzz_common.py: the runner, the seeds, the findings log.) Each input becomes the
-model.safetensors of a one-layer checkpoint of a tiny geometry (config.json fixed, below:
-dense, or FP8 with its quantization_config when byte // 6 is odd), written to a temporary
-folder; the first byte chooses how:
-  0 (mod 3)  the rest is the whole file;
-  1          the rest is the header's JSON, given its 8-byte length and spliced onto the data
-             of a valid tiny checkpoint (float32 data, or bfloat16 when byte // 3 is odd; for
-             FP8, e4m3 matrices with scales and norms of that dtype);
-  2          a valid tiny checkpoint's header edited field by field from the rest (offsets
-             and shapes from a list of extremes and near-misses, dtypes, junk entries, a wrong
-             length prefix, truncated data), the same splice.
-Seeds: valid tiny checkpoints in float32 and bfloat16, dense and FP8, written by hand, and the
-one transformers' save_pretrained writes for the same geometry (when transformers is there),
-in each mode.
+model.safetensors of a one-layer checkpoint of a tiny geometry, written to a temporary folder
+whose config.json (fixed, CONFIGS below) the first byte, the mode byte, chooses:
+  below 128  dense, or FP8 with its quantization_config when byte // 6 is odd (hidden 8, 2
+             heads, 1 KV head, head_dim 4, 4 experts, top-2, moe_intermediate 8);
+  128 up     4-bit GPTQ (hidden 16, 2 KV heads, head_dim 8, else the same, so that every
+             matrix's inputs are a multiple of the group and its outputs of 8): group_size 8,
+             sym, "gptq" (v1) zeros; or, when byte // 6 is odd, group_size -1 (one group a
+             matrix), sym false, desc_act, "gptq_v2" zeros.
+(Bytes below 128, those of every seed before GPTQ, mean what they did then; an older corpus's
+input whose byte is from 128 becomes a GPTQ one.) The mode byte mod 3 chooses how the rest
+makes the file:
+  0  the rest is the whole file;
+  1  the rest is the header's JSON, given its 8-byte length and spliced onto the data of a
+     valid tiny checkpoint of the format (float32 data, or bfloat16 when byte // 3 is odd: the
+     norms and router, and the dense matrices or FP8 scales; FP8's matrices e4m3, GPTQ's
+     qweight, qzeros and g_idx I32 and scales F16);
+  2  a valid tiny checkpoint's header edited field by field from the rest (offsets and shapes
+     from a list of extremes and near-misses, dtypes (I32 and F16 among them), junk entries,
+     a wrong length prefix, truncated data), the same splice; for GPTQ also an element of a
+     g_idx, qzeros or scales poked (a group out of range, int32's extremes, NaN, Inf).
+Seeds: valid tiny checkpoints in float32 and bfloat16 of each format, written by hand (GPTQ's
+also with its g_idx shuffled, as desc_act leaves them), and the one transformers'
+save_pretrained writes for the dense geometry (when transformers is there), in each mode.
+tests/io/test_fuzz_seeds.py loads each hand-written seed of modes 0 and 1 (no atheris needed):
+they stay valid checkpoints.
 
 The entry point is the public one, DecoderLayer.from_checkpoint(path, layer_idx). Documented
-outcomes: a layer, CheckpointError (a ValueError), ValueError (the constructor's shape
-checks), TypeError (an unsupported dtype), IndexError (layer_idx). Findings:
+outcomes: a layer, CheckpointError (a ValueError), ValueError (the constructor's checks: shapes,
+a GPTQ g_idx out of range, a scale not finite), TypeError (an unsupported dtype), IndexError
+(layer_idx). Findings:
 - any other exception type (KeyError, AttributeError, OverflowError, RecursionError, ...);
 - a loaded layer whose tensors reach past their own declared bytes (data_offsets) or past the
   file: checked on every view the loader makes (qwen3layer._C.buffer_view, watched while
@@ -29,8 +42,8 @@ checks), TypeError (an unsupported dtype), IndexError (layer_idx). Findings:
   heap;
 - an exception from the prefill of a loaded layer;
 - crashes (under the sanitized build: ASan, UBSan) and hangs, which stop the fuzzer.
-The stats (<findings>.stats) count each outcome, non-CheckpointError ValueErrors and
-TypeErrors by message, so the undocumented ones are visible though tolerated.
+The stats (<findings>.stats) count each outcome, the layers loaded by format, non-CheckpointError
+ValueErrors and TypeErrors by message, so the undocumented ones are visible though tolerated.
 """
 from __future__ import annotations
 
@@ -50,17 +63,30 @@ import fuzz_common  # noqa: E402
 NAME = "fuzz_checkpoint"
 GEOMETRY = dict(hidden_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=4, num_experts=4,
                 num_experts_per_tok=2, moe_intermediate_size=8)
-CONFIG = dict(GEOMETRY, model_type="qwen3_moe", num_hidden_layers=1, vocab_size=16, intermediate_size=16,
-              norm_topk_prob=True, rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=64)
-FP8_CONFIG = dict(CONFIG, quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                               "weight_block_size": [128, 128]})
-H, HEADS, KV, D, E, I = (GEOMETRY[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads",
-                                                "head_dim", "num_experts", "moe_intermediate_size"))
+# GPTQ's: every matrix's inputs a multiple of the group (8) and outputs of 8, and two groups in
+# the inputs of 16 (one in the down_proj's 8), so that g_idx says something
+GPTQ_GEOMETRY = dict(GEOMETRY, hidden_size=16, num_key_value_heads=2, head_dim=8)
+REST = dict(model_type="qwen3_moe", num_hidden_layers=1, vocab_size=16, intermediate_size=16, norm_topk_prob=True,
+            rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=64)
+CONFIG = dict(GEOMETRY, **REST)
+GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 8, "sym": True, "desc_act": False,
+        "checkpoint_format": "gptq"}
+CONFIGS = {  # format -> config.json
+    "dense": CONFIG,
+    "fp8": dict(CONFIG, quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                             "weight_block_size": [128, 128]}),
+    "gptq": dict(GPTQ_GEOMETRY, **REST, quantization_config=GPTQ),
+    "gptq-v2": dict(GPTQ_GEOMETRY, **REST, quantization_config=dict(GPTQ, group_size=-1, sym=False, desc_act=True,
+                                                                    checkpoint_format="gptq_v2")),
+}
+MODE_BASE = {"dense": 0, "fp8": 6, "gptq": 132, "gptq-v2": 138}  # the mode byte of a whole-file F32 input
 PREFIX = "model.layers.0."
 
 
-def layer_shapes() -> dict:
-    """per-layer name -> shape"""
+def layer_shapes(g: dict) -> dict:
+    """per-layer name -> shape, as a dense checkpoint of geometry `g` holds them"""
+    H, HEADS, KV, D, E, I = (g[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                                            "num_experts", "moe_intermediate_size"))
     shapes = {
         "input_layernorm.weight": [H], "self_attn.q_proj.weight": [HEADS * D, H],
         "self_attn.k_proj.weight": [KV * D, H], "self_attn.v_proj.weight": [KV * D, H],
@@ -74,33 +100,88 @@ def layer_shapes() -> dict:
     return shapes
 
 
-SHAPES = layer_shapes()
-MATRICES = {n for n in SHAPES if n.endswith("proj.weight")}  # an FP8 layer's e4m3 ones (not mlp.gate)
-SIZES = {"F32": 4, "BF16": 2}
-VIEW_SIZES = {"float32": 4, "bfloat16": 2, "float8_e4m3fn": 1}
+def layout(fmt: str) -> dict:
+    """per-layer name -> (stored dtype, shape) of a checkpoint of format `fmt`; the dtype None
+    for a tensor of the layer's dtype (norms, router, dense matrices), "scale" for an FP8
+    matrix's [1, 1] scale (of the layer's dtype in the seeds, any float in a file). The
+    projection matrices (not mlp.gate) are FP8 e4m3, or GPTQ's four tensors of module <m>:
+    <m>.qweight I32 [in/8, out], <m>.qzeros I32 [groups, out/8], <m>.scales F16 [groups, out],
+    <m>.g_idx I32 [in]."""
+    cfg = CONFIGS[fmt]
+    out = {}
+    for name, shape in layer_shapes(cfg).items():
+        if not name.endswith("proj.weight") or fmt == "dense":
+            out[name] = (None, shape)
+        elif fmt == "fp8":
+            out[name] = ("F8_E4M3", shape)
+            out[name + "_scale_inv"] = ("scale", [1, 1])
+        else:
+            (n, k), group = shape, cfg["quantization_config"]["group_size"]
+            groups = 1 if group == -1 else k // group
+            m = name[:-len(".weight")]
+            out.update({m + ".qweight": ("I32", [k // 8, n]), m + ".qzeros": ("I32", [groups, n // 8]),
+                        m + ".scales": ("F16", [groups, n]), m + ".g_idx": ("I32", [k])})
+    return out
+
+
+LAYOUTS = {fmt: layout(fmt) for fmt in CONFIGS}
+SIZES = {"F32": 4, "BF16": 2, "F8_E4M3": 1, "I32": 4, "F16": 2}
+VIEW_SIZES = {"float32": 4, "bfloat16": 2, "float8_e4m3fn": 1, "int32": 4, "float16": 2}
 
 
 def _floats(vals, dtype: str) -> bytes:
+    if dtype == "F16":
+        return struct.pack(f"<{len(vals)}e", *vals)
     raw = struct.pack(f"<{len(vals)}f", *vals)
     return b"".join(raw[i + 2:i + 4] for i in range(0, len(raw), 4)) if dtype == "BF16" else raw
 
 
-def tiny_checkpoint(dtype: str, seed: int = 0, fp8: bool = False):
-    """(header dict, data bytes) of a valid one-layer safetensors file, written as the
-    safetensors library does (sorted names, contiguous data). fp8: the projection matrices
-    F8_E4M3 (bytes of magnitude below 16, never NaN) with a [1, 1] scale of `dtype` each."""
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _gptq_words(rng, name: str, shape, fmt: str, permuted: bool) -> bytes:
+    """the I32 words of GPTQ tensor `name`: random nibbles (qweight; qzeros of an asymmetric
+    config; a symmetric one's zero is 8, stored as 7 in "gptq" v1), g_idx input k's group
+    k // group, or a permutation of those (as desc_act's reordering leaves them)"""
+    qc = CONFIGS[fmt]["quantization_config"]
+    n = _numel(shape)
+    if name.endswith(".g_idx"):
+        group = n if qc["group_size"] == -1 else qc["group_size"]
+        words = [k // group for k in range(n)]
+        if permuted:
+            rng.shuffle(words)
+    elif name.endswith(".qzeros") and qc["sym"]:
+        words = [0x77777777 if qc["checkpoint_format"] == "gptq" else 0x88888888] * n
+    else:
+        words = [rng.getrandbits(32) for _ in range(n)]
+    return struct.pack(f"<{n}I", *words)
+
+
+def tiny_checkpoint(dtype: str, seed: int = 0, fmt: str = "dense", permuted: bool = False):
+    """(header dict, data bytes) of a valid one-layer safetensors file of format `fmt` (the
+    layout above; `dtype`: the layer's, F32 or BF16), written as the safetensors library does
+    (sorted names, contiguous data). FP8 matrices: bytes of magnitude below 16, never NaN, each
+    with a [1, 1] scale of `dtype`. GPTQ: scales of 0.01 to 0.03; permuted: g_idx shuffled."""
     rng = random.Random(seed)
     tensors = {}
-    for name, shape in SHAPES.items():
-        n = 1
-        for s in shape:
-            n *= s
-        if fp8 and name in MATRICES:
-            tensors[name] = ("F8_E4M3", shape, bytes(rng.randrange(0x58) | rng.choice((0, 0x80)) for _ in range(n)))
-            tensors[name + "_scale_inv"] = (dtype, [1, 1], _floats([0.02], dtype))
+    for name, (kind, shape) in LAYOUTS[fmt].items():
+        n = _numel(shape)
+        if kind == "F8_E4M3":
+            raw = bytes(rng.randrange(0x58) | rng.choice((0, 0x80)) for _ in range(n))
+        elif kind == "scale":
+            kind, raw = dtype, _floats([0.02], dtype)
+        elif kind == "I32":
+            raw = _gptq_words(rng, name, shape, fmt, permuted)
+        elif kind == "F16":
+            raw = _floats([rng.uniform(0.01, 0.03) for _ in range(n)], "F16")
         else:
             vals = [(1.0 + 0.1 * rng.gauss(0, 1)) if len(shape) == 1 else 0.3 * rng.gauss(0, 1) for _ in range(n)]
-            tensors[name] = (dtype, shape, _floats(vals, dtype))
+            kind, raw = dtype, _floats(vals, dtype)
+        tensors[name] = (kind, shape, raw)
     header, chunks, at = {}, [], 0
     for name in sorted(tensors):
         kind, shape, raw = tensors[name]
@@ -120,12 +201,11 @@ def file_bytes(header, data: bytes) -> bytes:
     return struct.pack("<Q", len(text)) + text + data
 
 
-BASES = {dt: tiny_checkpoint(dt) for dt in ("F32", "BF16")}
-BASES.update({"FP8-" + dt: tiny_checkpoint(dt, fp8=True) for dt in ("F32", "BF16")})
+BASES = {(fmt, dt): tiny_checkpoint(dt, fmt=fmt) for fmt in CONFIGS for dt in ("F32", "BF16")}
 
 
 def transformers_checkpoints() -> dict:
-    """model.safetensors as transformers' save_pretrained writes it for this geometry
+    """model.safetensors as transformers' save_pretrained writes it for the dense geometry
     (float32 and bfloat16), or {} without torch and transformers."""
     try:
         import torch
@@ -144,22 +224,28 @@ def transformers_checkpoints() -> dict:
     return out
 
 
-def seeds() -> dict:
-    files = {f"hand-{dt.lower()}": file_bytes(*BASES[dt]) for dt in BASES}
-    files.update(transformers_checkpoints())
+def seeds(with_transformers: bool = True) -> dict:
+    """every format in every mode: the valid hand-written files whole (mode 0), their headers
+    (mode 1, spliced onto the same data), a few edit streams (mode 2); a GPTQ file whose g_idx
+    are shuffled (desc_act's order) whole; transformers' dense files whole and their headers"""
     out = {}
-    for name, data in files.items():
-        fp8 = 6 if name.startswith("hand-fp8") else 0  # the mode byte's FP8 bit: its config.json
-        out[f"whole-{name}"] = bytes([fp8]) + data
+    for fmt, base in MODE_BASE.items():
+        tag = "" if fmt == "dense" else fmt + "-"
+        for dt, mode in (("F32", base), ("BF16", base + 3)):
+            name = f"hand-{tag}{dt.lower()}"
+            data = file_bytes(*BASES[fmt, dt])
+            out[f"whole-{name}"] = bytes([base]) + data  # (a whole file's mode byte: its format only)
+            (n,) = struct.unpack("<Q", data[:8])
+            out[f"header-{name}"] = bytes([mode + 1]) + data[8:8 + n]
+            for i, blob in enumerate((b"", b"\x00" * 16, bytes(range(64)), b"\xff" * 32)):
+                out[f"edit-{tag}{dt.lower()}-{i}"] = bytes([mode + 2]) + blob
+    for dt in ("F32", "BF16"):
+        out[f"whole-hand-gptq-{dt.lower()}-desc-act"] = bytes([MODE_BASE["gptq"]]) + file_bytes(
+            *tiny_checkpoint(dt, seed=1, fmt="gptq", permuted=True))
+    for name, data in (transformers_checkpoints() if with_transformers else {}).items():
+        out[f"whole-{name}"] = bytes([0]) + data
         (n,) = struct.unpack("<Q", data[:8])
-        if name.endswith("f32"):  # the splice modes append the hand-written data of their dtype
-            out[f"header-{name}"] = bytes([fp8 + 1]) + data[8:8 + n]
-        elif name.endswith("bf16"):
-            out[f"header-{name}"] = bytes([fp8 + 4]) + data[8:8 + n]
-    for i, blob in enumerate((b"", b"\x00" * 16, bytes(range(64)), b"\xff" * 32)):
-        for fp8, tag in ((0, ""), (6, "fp8-")):
-            out[f"edit-{tag}f32-{i}"] = bytes([fp8 + 2]) + blob
-            out[f"edit-{tag}bf16-{i}"] = bytes([fp8 + 5]) + blob
+        out[f"header-{name}"] = bytes([1 if name.endswith("f32") else 4]) + data[8:8 + n]
     return out
 
 
@@ -169,6 +255,10 @@ EXTREMES = [0, 1, -1, 2, 7, 8, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**53, 2**62,
             2**64 - 1, 2**64, -2**31, -2**63, -2**63 - 1]
 DTYPE_NAMES = ["F32", "BF16", "F16", "F64", "I8", "U8", "I32", "I64", "BOOL", "F8_E4M3", "F8_E5M2", "", "f32", "bf16",
                None, 4, [], {}]
+# values poked into a GPTQ file's data: g_idx and qzeros words (a group past the last, negative,
+# the extremes of int32), F16 scales (NaN, +-Inf, the largest, a subnormal, -0, 0)
+WORDS = [-1, 1, 2, 3, 7, 8, 15, 16, 0x7FFFFFFF, -0x80000000, 0x77777777]
+HALVES = [0x7E00, 0xFFFF, 0x7C00, 0xFC00, 0x7BFF, 0x0001, 0x8000, 0x0000, 0xFBFF]
 
 
 def fuzz_int(fdp, near=()) -> int:
@@ -190,17 +280,37 @@ def junk(fdp):
     return fdp.PickValueInList([None, True, 1.5, "1", [], {}, [1], [1, 2, 3], "x" * 8, -1, 2**64, float("nan")])
 
 
-def edited(fdp, dtype: str) -> bytes:
-    header, data = BASES[dtype]
-    header = json.loads(json.dumps(header))
+def poked(fdp, data: bytes, entry: dict) -> bytes:
+    """`data` with one element of a valid file's GPTQ tensor `entry` (its header entry: I32
+    words, F16 scales) replaced by a value of WORDS or HALVES, or any of its width"""
+    size = SIZES[entry["dtype"]]
+    begin, end = entry["data_offsets"]
+    at = begin + size * fdp.ConsumeIntInRange(0, (end - begin) // size - 1)
+    if at + size > len(data):
+        return data
+    if size == 4:
+        value = fdp.PickValueInList(WORDS) if fdp.ConsumeBool() else fdp.ConsumeIntInRange(-2**31, 2**31 - 1)
+        raw = struct.pack("<i", value)
+    else:
+        raw = struct.pack("<H", fdp.PickValueInList(HALVES) if fdp.ConsumeBool() else fdp.ConsumeIntInRange(0, 0xFFFF))
+    return data[:at] + raw + data[at + size:]
+
+
+def edited(fdp, base: tuple) -> bytes:
+    """a valid file of BASES[base] ((format, dtype)) edited: 1 to 4 edits of its header, or
+    of a GPTQ one's data (a g_idx, qzeros or scales element poked), then maybe the header's
+    form itself"""
+    original, data = BASES[base]
+    header = json.loads(json.dumps(original))
     names = [n for n in header if n != "__metadata__"]
     offsets = sorted({v for n in names for v in header[n]["data_offsets"]} | {len(data)})
     dims = sorted({s for n in names for s in header[n]["shape"]} | {64, 4096})
+    last = 12 if base[0].startswith("gptq") else 11  # (dense and FP8 streams read as they always have)
     length = None
     for _ in range(fdp.ConsumeIntInRange(1, 4)):
         name = fdp.PickValueInList(names)
         entry = header.get(name)
-        what = fdp.ConsumeIntInRange(0, 11)
+        what = fdp.ConsumeIntInRange(0, last)
         if not isinstance(entry, dict) and what <= 9:
             continue
         if what <= 2:
@@ -223,8 +333,10 @@ def edited(fdp, dtype: str) -> bytes:
         elif what == 10:
             cut = fuzz_int(fdp, offsets)
             data = data[:max(0, cut)] if cut < len(data) else data + b"\0" * min(cut - len(data), 1 << 16)
-        else:
+        elif what == 11:
             length = fuzz_int(fdp, [len(header_bytes(header))])
+        elif original[name]["dtype"] in ("I32", "F16"):  # 12: a GPTQ tensor's value (the layer checks g_idx, scales)
+            data = poked(fdp, data, original[name])
     if fdp.ConsumeIntInRange(0, 15) == 0:
         header = fdp.PickValueInList([[header], 1, "x", None, {"__metadata__": header}])
     if fdp.ConsumeIntInRange(0, 15) == 0 and isinstance(header, dict):
@@ -234,23 +346,30 @@ def edited(fdp, dtype: str) -> bytes:
     return struct.pack("<Q", n % 2**64) + text + data
 
 
-def is_fp8(data: bytes) -> bool:
-    """the input's checkpoint has the FP8 config.json"""
-    return bool(data) and (data[0] // 6) % 2 == 1
+def input_format(data: bytes) -> str:
+    """the format of the input's checkpoint (its config.json, CONFIGS): a mode byte below 128
+    dense, or FP8 where byte // 6 is odd; from 128 GPTQ, group 8 ("gptq"), or group -1
+    ("gptq-v2": gptq_v2 zeros, sym false, desc_act) where byte // 6 is odd"""
+    if not data:
+        return "dense"
+    odd = (data[0] // 6) % 2 == 1
+    if data[0] >= 128:
+        return "gptq-v2" if odd else "gptq"
+    return "fp8" if odd else "dense"
 
 
 def checkpoint_bytes(data: bytes) -> bytes:
-    import atheris
-
     if not data:
         return b""
     mode, rest = data[0], data[1:]
-    dtype = ("FP8-" if is_fp8(data) else "") + ("BF16" if (mode // 3) % 2 else "F32")
+    base = (input_format(data), "BF16" if (mode // 3) % 2 else "F32")
     if mode % 3 == 0:
         return rest
     if mode % 3 == 1:
-        return struct.pack("<Q", len(rest)) + rest + BASES[dtype][1]
-    return edited(atheris.FuzzedDataProvider(rest), dtype)
+        return struct.pack("<Q", len(rest)) + rest + BASES[base][1]
+    import atheris  # (only mode 2 needs it: the other modes run without it, tests/io/test_fuzz_seeds.py)
+
+    return edited(atheris.FuzzedDataProvider(rest), base)
 
 
 # ---- the oracle ----------------------------------------------------------------------------
@@ -309,10 +428,10 @@ def setup():
 
     d = tempfile.mkdtemp(prefix="fuzz-checkpoint-")
     dirs = {}
-    for fp8, config in ((False, CONFIG), (True, FP8_CONFIG)):
-        dirs[fp8] = os.path.join(d, "fp8" if fp8 else "dense")
-        os.mkdir(dirs[fp8])
-        with open(os.path.join(dirs[fp8], "config.json"), "w") as f:
+    for fmt, config in CONFIGS.items():
+        dirs[fmt] = os.path.join(d, fmt)
+        os.mkdir(dirs[fmt])
+        with open(os.path.join(dirs[fmt], "config.json"), "w") as f:
             json.dump(config, f)
     views = []
     real_view = _C.buffer_view
@@ -350,7 +469,8 @@ def message_key(e: BaseException) -> str:
 def test_one_input(data: bytes) -> None:
     q3, _C, log, views = STATE["q3"], STATE["_C"], STATE["log"], STATE["views"]
     raw = checkpoint_bytes(data)
-    folder = STATE["dirs"][is_fp8(data)]
+    fmt = input_format(data)
+    folder = STATE["dirs"][fmt]
     path = os.path.join(folder, "model.safetensors")
     with open(path + ".new", "wb") as f:
         f.write(raw)
@@ -368,7 +488,7 @@ def test_one_input(data: bytes) -> None:
     except Exception as e:  # noqa: BLE001
         log.finding(f"undocumented exception {type(e).__name__} from from_checkpoint", message_key(e), data, e)
         return
-    log.outcome("loaded")
+    log.outcome(f"loaded ({fmt})")
     # every view within the bytes its entry declares, and within the file
     regions = declared_regions(raw)
     if regions is not None:
@@ -381,13 +501,11 @@ def test_one_input(data: bytes) -> None:
                             f"regions {sorted(regions)[:20]}", data)
     maps = mappings_of(path)
     for name, ptr in layer.weight_ptrs.items():
-        if name in layer.converted or name not in SHAPES:  # (scales: not in SHAPES, their views checked above)
+        kind, shape = LAYOUTS[fmt].get(name, ("scale", None))
+        if name in layer.converted or kind == "scale":  # (FP8 scales, of any float: their views checked above)
             continue
-        fp8 = layer.weight_format != "dense" and name in MATRICES
-        size = 1 if fp8 else 2 if layer.dtype == "bfloat16" else 4
-        n = 1
-        for s in SHAPES[name]:
-            n *= s
+        size = SIZES[kind] if kind else 2 if layer.dtype == "bfloat16" else 4
+        n = _numel(shape)
         if n == 0:
             continue
         home = [(a, off) for a, b, off in maps if a <= ptr and ptr + n * size <= b]
@@ -396,9 +514,9 @@ def test_one_input(data: bytes) -> None:
                         f"{name}: {n * size} bytes at {ptr:#x}, in no mapping of the {len(raw)}-byte file within it "
                         f"(mappings {maps[:8]})", data)
     try:
-        x = _C.random_tensor((3, H), 1, layer.dtype)
-        layer.prefill(x, layer.new_cache(4))
-        layer.decode(_C.random_tensor((1, H), 2, layer.dtype), layer.new_cache(1))
+        hidden = CONFIGS[fmt]["hidden_size"]
+        layer.prefill(_C.random_tensor((3, hidden), 1, layer.dtype), layer.new_cache(4))
+        layer.decode(_C.random_tensor((1, hidden), 2, layer.dtype), layer.new_cache(1))
     except Exception as e:  # noqa: BLE001
         log.finding(f"prefill of a loaded layer raised {type(e).__name__}", message_key(e), data, e)
     del layer

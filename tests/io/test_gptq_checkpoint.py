@@ -22,11 +22,11 @@ QC = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_a
 P = "model.layers.0."
 
 
-def gptq_checkpoint(path, seed=0, quant=None, change=None, **pack):
+def gptq_checkpoint(path, seed=0, quant=None, change=None, geometry=G128, **pack):
     """(model with the dequantized weights, checkpoint folder): layer 0's GPTQ tensors with the
     model's other tensors, config.json with QC | quant; change(tensors) edits the tensors (names
     with the layer prefix) before they are written"""
-    model = random_model(G128, seed)
+    model = random_model(geometry, seed)
     layer = gptq_model(model, seed=seed, **pack)
     tensors = {k: v.contiguous() for k, v in model.state_dict().items() if ".layers." not in k}
     tensors.update({P + k: v for k, v in layer.items()})
@@ -73,6 +73,25 @@ def test_what_the_quantization_config_says_is_read_from_config_json(tmp_path):
                                   v1=False, group=64)
     layer = q3.DecoderLayer.from_checkpoint(path, 0)
     x = draw_input(model, (1, 6, G128["hidden_size"]), seed=5)
+    exact = run(converted(model, torch.float64), x.double())
+    y = torch.from_dlpack(layer.prefill(x.contiguous(), layer.new_cache(8)))
+    assert rel_err(y - x, exact.y - x.double()) <= 1e-5
+
+
+# inputs 64 (hidden, q heads x head_dim) and 32 (moe_intermediate): multiples of 32, not of 128
+G32 = dict(G128, hidden_size=64, head_dim=16, moe_intermediate_size=32)
+
+
+@pytest.mark.parametrize("group", [32, -1])
+def test_a_group_that_divides_a_geometry_128_does_not_is_read(tmp_path, group):
+    """the fuzzer's find (tests/fuzz/fuzz_checkpoint.py): the layer's weight names were looked up
+    with group 128, so a geometry that 128 does not divide was not taken as GPTQ at all
+    ("weights: unexpected 'self_attn.q_proj.qweight'") whatever config.json's group_size"""
+    model, path = gptq_checkpoint(tmp_path / f"g{group}", seed=7, quant={"group_size": group}, geometry=G32,
+                                  group=group)
+    layer = q3.DecoderLayer.from_checkpoint(path, 0)
+    assert layer.weight_format == "gptq_int4"
+    x = draw_input(model, (1, 5, G32["hidden_size"]), seed=8)
     exact = run(converted(model, torch.float64), x.double())
     y = torch.from_dlpack(layer.prefill(x.contiguous(), layer.new_cache(8)))
     assert rel_err(y - x, exact.y - x.double()) <= 1e-5
