@@ -16,6 +16,12 @@ FP8 rows: the same layer with its projection matrices in block-scaled e4m3
 against the bf16 layer, interleaved call by call: decode at each context with the GB/s of
 its bytes (FP8 weights and scales + the bf16 KV cache) against the read probe, and the
 prefill. Targets (issue 14): FP8 decode >= 1.8x the bf16 decode, prefill no slower.
+
+int4 rows (--int4): the same draws rounded to nearest into 4-bit GPTQ (gptq_int4, group 128)
+against the FP8 layer at decode and the bf16 layer at prefill, interleaved call by call, the
+decode's GB/s of its bytes (nibbles, scales, zeros, g_idx, the dense router and norms, the KV
+cache) against the read probe. Targets (issue 41): int4 decode >= 1.7x FP8 and >= 80% of the
+read probe, prefill >= 0.9x bf16.
 """
 from __future__ import annotations
 
@@ -116,6 +122,24 @@ def fp8_rows(fp8, bf16, cfg, contexts, S: int, read_gbs: float, args) -> list:
     return rows
 
 
+def int4_rows(int4, fp8, bf16, cfg, contexts, S: int, read_gbs: float, args) -> list:
+    """(measurement, int4, against, speed-up, int4 achieved, of read, target) rows"""
+    rows = []
+    for ctx in contexts:
+        t4, t8 = interleaved([decode_call(int4, cfg, ctx), decode_call(fp8, cfg, ctx)], args.decode_repeats)
+        nbytes = decode_bytes(cfg, ctx, "bfloat16", "gptq_int4")
+        share = nbytes / (read_gbs * 1e9) / t4
+        met = t8 / t4 >= 1.7 and share >= 0.8
+        rows.append((f"decode, context {ctx}", f"{t4 * 1e3:.2f} ms/token", f"FP8 {t8 * 1e3:.2f} ms", t8 / t4,
+                     f"{nbytes / t4 / 1e9:.1f} GB/s", share,
+                     f">= 1.7x FP8, >= 80% of read: {'met' if met else 'not met'}"))
+    t4, t16 = interleaved([prefill_call(int4, cfg, S), prefill_call(bf16, cfg, S)], args.prefill_repeats)
+    rows.append((f"prefill, {S} tokens", f"{S / t4:.0f} tok/s", f"bf16 {S / t16:.0f} tok/s", t16 / t4,
+                 f"{prefill_flops(cfg, S) / t4 / 1e9:.0f} GFLOP/s", None,
+                 f">= 0.9x bf16: {'met' if t16 / t4 >= 0.9 else 'not met'}"))
+    return rows
+
+
 def print_table(head, rows) -> None:
     cell = lambda i, v: ("" if v is None else f"{v:.2f}x" if i == 3 else f"{v:.0%}" if i == 5 else str(v)) \
         if not isinstance(v, str) else v
@@ -195,6 +219,7 @@ def main() -> int:
     ap.add_argument("--prefill-repeats", type=int, default=3)
     ap.add_argument("--no-fp8", action="store_true", help="leave out the FP8 rows")
     ap.add_argument("--fp8-only", action="store_true", help="only the FP8 rows (no transformers layer)")
+    ap.add_argument("--int4", action="store_true", help="the int4 rows too (gptq_int4 against FP8 and bf16)")
     args = ap.parse_args()
     started = time.perf_counter()
     cfg = SMALL if args.small else q3.LayerConfig.qwen3_235b_a22b()
@@ -228,14 +253,22 @@ def main() -> int:
         rows.append(prefill_row(layer, hf, rope, cfg, S, fma_gflops, args))
         print_table(("measurement", "qwen3layer", "transformers", "speed-up", "achieved", "of limit", "targets"),
                     rows)
-    if not args.no_fp8:
+    if not args.no_fp8 or args.int4:
         t = time.perf_counter()
         fp8 = q3.DecoderLayer(cfg, _C.random_weights(cfg, 0, "bfloat16", "fp8_e4m3_block128"))
         print(f"\nFP8 weights (fp8_e4m3_block128, fp32 scales: the bf16 layer's weights quantized, "
               f"{fp8.weight_bytes / 1e9:.2f} GB against {layer.weight_bytes / 1e9:.2f} GB, built in "
               f"{time.perf_counter() - t:.1f} s) against the bf16 layer, both qwen3layer:")
+    if not args.no_fp8:
         print_table(("measurement", "FP8", "bf16", "speed-up", "FP8 achieved", "of read", "target"),
                     fp8_rows(fp8, layer, cfg, contexts, S, read_gbs, args))
+    if args.int4:
+        t = time.perf_counter()
+        int4 = q3.DecoderLayer(cfg, _C.random_weights(cfg, 0, "bfloat16", "gptq_int4"))
+        print(f"\nint4 weights (gptq_int4, group 128, RTN: the bf16 layer's weights rounded, {int4.weight_bytes / 1e9:.2f} "
+              f"GB, built in {time.perf_counter() - t:.1f} s) against the FP8 layer (decode) and the bf16 one (prefill):")
+        print_table(("measurement", "int4", "against", "speed-up", "int4 achieved", "of read", "target"),
+                    int4_rows(int4, fp8, layer, cfg, contexts, S, read_gbs, args))
     print(f"\nlimits: decode floor = bytes / {read_gbs:.1f} GB/s read probe; prefill peak = "
           f"{fma_gflops:.0f} GFLOP/s fp32 FMA probe (AMX bf16 tiles can exceed it). "
           f"Finished in {time.perf_counter() - started:.0f} s.")
