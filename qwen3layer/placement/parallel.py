@@ -85,10 +85,11 @@ class ExpertParallelLayer:
 
     def __init__(self, config: LayerConfig, weights: Mapping[str, Any], *, group: Any = None,
                  placement: Optional[Sequence[Sequence[int]]] = None, dtype: Optional[str] = None,
-                 weight_format: Optional[str] = None, device: str = "cpu") -> None:
+                 weight_format: Optional[str] = None, device: str = "cpu",
+                 quantization_config: Optional[Mapping[str, Any]] = None) -> None:
         self._place(config, group, placement, device)
         self.layer = DecoderLayer(config, weights, device=device, dtype=dtype, weight_format=weight_format,
-                                  experts=self.experts)
+                                  experts=self.experts, quantization_config=quantization_config)
 
     @classmethod
     def from_checkpoint(cls, path: str, layer_idx: int, *, group: Any = None,
@@ -118,13 +119,14 @@ class ExpertParallelLayer:
     @classmethod
     def random(cls, config: LayerConfig, seed: int = 0, dtype: str = "bfloat16", *, group: Any = None,
                placement: Optional[Sequence[Sequence[int]]] = None,
-               weight_format: Optional[str] = None, device: str = "cpu") -> "ExpertParallelLayer":
+               weight_format: Optional[str] = None, device: str = "cpu",
+               quantization_config: Optional[Mapping[str, Any]] = None) -> "ExpertParallelLayer":
         """Each rank's share of DecoderLayer.random(config, seed): the same attention weights,
         and its experts equal, expert for expert, to the whole layer's (the others never made)."""
         self = cls.__new__(cls)
         self._place(config, group, placement, device)
         self.layer = DecoderLayer.random(config, seed, dtype, device=device, weight_format=weight_format,
-                                         experts=self.experts)
+                                         experts=self.experts, quantization_config=quantization_config)
         return self
 
     def _place(self, config: LayerConfig, group: Any, placement: Optional[Sequence[Sequence[int]]],

@@ -47,6 +47,20 @@ def test_each_rank_maps_only_its_experts_of_a_checkpoint(tmp_path):
     spawn(2, tmp_path, "checkpoint:" + str(tmp_path / "ckpt"))
 
 
+def test_each_rank_maps_only_its_experts_of_a_gptq_checkpoint(tmp_path):
+    """the same over a 4-bit GPTQ checkpoint (qwen3layer's writer: RTN, group 16, small
+    shards): each rank maps its experts' qweight, qzeros, scales and g_idx only, and runs as
+    the single-process gptq_int4 layer"""
+    import qwen3layer as q3
+    from qwen3layer.checkpoint.writer import GPTQ_CONFIG, write_random_checkpoint
+
+    path = write_random_checkpoint(tmp_path / "ckpt", q3.LayerConfig(**ep_worker.CFG_ARGS), seed=3, dtype="float32",
+                                   weight_format="gptq_int4", quantization_config=GPTQ_CONFIG | {"group_size": 16},
+                                   shard_bytes=20_000)
+    assert q3.DecoderLayer.from_checkpoint(path, 0).weight_format == "gptq_int4"
+    spawn(2, tmp_path, "checkpoint:" + path)
+
+
 def test_patch_model_over_two_ranks_generates_as_the_unpatched_model(tmp_path):
     """patch_model(ep_group=WORLD) on 2 gloo ranks, each its own prompts: greedy generate
     equal to the unpatched model's on each rank, one rank ending first (synced_gpus); the
