@@ -138,9 +138,10 @@ def cmd_map(args: argparse.Namespace) -> int:
         return cmd_map_hybrid(args, cfg)
     context = args.tokens if args.context is None else args.context
     os.makedirs(args.out, exist_ok=True)
-    print(f"building a {args.geometry} layer ({args.dtype}{', FP8 weights' if args.fp8 else ''}, {args.device}) ...",
-          flush=True)
-    weights = _C.random_weights(cfg, args.seed, args.dtype, FP8 if args.fp8 else None)
+    fmt = FP8 if args.fp8 else INT4 if args.int4 else None
+    kind = ", FP8 weights" if args.fp8 else ", 4-bit GPTQ weights (RTN)" if args.int4 else ""
+    print(f"building a {args.geometry} layer ({args.dtype}{kind}, {args.device}) ...", flush=True)
+    weights = _C.random_weights(cfg, args.seed, args.dtype, fmt)
     layer = DecoderLayer(cfg, weights, device=args.device, dtype=args.dtype)
     print(f"measuring prefill of {args.tokens} tokens in chunks of {args.chunk_size} ...", flush=True)
     pre = layer.profile("prefill", args.tokens, 0, args.chunk_size, repeat=args.repeat)
@@ -151,8 +152,7 @@ def cmd_map(args: argparse.Namespace) -> int:
     print()
     print(dec.table())
     stem = os.path.join(args.out, "map")
-    draw_map(pre, dec, f"one {args.geometry}-geometry Qwen3-MoE decoder layer, {args.dtype}"
-             f"{', FP8 weights' if args.fp8 else ''}, {args.device}",
+    draw_map(pre, dec, f"one {args.geometry}-geometry Qwen3-MoE decoder layer, {args.dtype}{kind}, {args.device}",
              [stem + ".svg", stem + ".png"])
     print(f"\nwrote {stem}.svg and {stem}.png")
     if args.sweep_chunk:
@@ -282,6 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also plot prefill time and memory against these chunk sizes")
     mp.add_argument("--repeat", type=int, default=2)
     mp.add_argument("--out", default="qwen3layer-map", help="folder for map.svg/png (and sweep.svg/png)")
+    mp.add_argument("--int4", action="store_true", help=f"random 4-bit weights ({INT4}: the draws rounded to "
+                    "nearest into GPTQ's layout, group 128)")
     split_options(mp)
     mp.set_defaults(func=cmd_map)
     ck = sub.add_parser("check", help="the three rulers: accuracy, decode latency, prefill memory")

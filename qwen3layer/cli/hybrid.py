@@ -57,6 +57,9 @@ def split_table(cfg, rows: int, mode: str, gpu: list, context: int, dtype: str, 
 
 
 def cmd_map_hybrid(args: argparse.Namespace, cfg) -> int:
+    if args.fp8 or args.int4:  # the split's cost model prices dense weights: not a silent other answer
+        raise ValueError("--expert-device cpu: the split's prediction is of dense weights in this version (no --fp8, "
+                         "--int4)")
     gpu = gpu_expert_ids(args, cfg.num_experts)
     m = machine_now()
     context = args.tokens if args.context is None else args.context

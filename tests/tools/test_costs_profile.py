@@ -148,6 +148,19 @@ def test_map_writes_svg_png_and_the_sweep(tmp_path):
     assert "chunk size | prefill s" in r.stdout
 
 
+def test_map_of_4_bit_weights(tmp_path):
+    """map --int4: the gptq_int4 layer's stages (a geometry whose matrices the group divides)"""
+    cfg = tmp_path / "config.json"
+    cfg.write_text('{"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, '
+                   '"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128}')
+    r = run_cli("map", "--geometry", str(cfg), "--int4", "--tokens", "32", "--chunk-size", "16", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert "4-bit GPTQ weights (RTN)" in r.stdout and (tmp_path / "map.svg").stat().st_size > 1000
+    r = run_cli("map", "--geometry", str(cfg), "--int4", "--expert-device", "cpu", "--gpu-experts", "2")
+    assert r.returncode == 2 and "the split's prediction is of dense weights in this version (no --fp8, --int4)" \
+        in r.stderr
+
+
 TINY_CHECK = ("check", "--geometry", "tiny", "--tokens", "64", "--chunk-size", "16", "--context", "40",
               "--latency-factor", "1e6", "--json")  # a tiny layer is overhead, not memory: latency is not its ruler
 
