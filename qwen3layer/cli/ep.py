@@ -33,7 +33,8 @@ def _rank(rank: int, world: int, init: str, opts: dict, queue) -> None:
     try:
         cfg = geometry(opts["geometry"])
         t0 = time.perf_counter()
-        layer = ExpertParallelLayer.random(cfg, seed=opts["seed"], dtype=opts["dtype"])
+        layer = ExpertParallelLayer.random(cfg, seed=opts["seed"], dtype=opts["dtype"],
+                                           weight_format=opts["weight_format"])
         report.update(experts=layer.experts, weight_bytes=layer.layer.weight_bytes, build_s=time.perf_counter() - t0)
         H, tokens, chunk = cfg.hidden_size, opts["tokens"], opts["chunk_size"]
         cache = layer.new_cache(tokens + opts["new_tokens"])
@@ -119,17 +120,17 @@ def cmd_run_ep(args: argparse.Namespace) -> int:
 
     world = args.ep
     cfg = geometry(args.geometry)
-    if args.checkpoint or args.device != "cpu" or args.fp8 or args.int4:
-        print("run --ep: random bf16/fp32 weights on the CPU only (so far): no --checkpoint, --device, --fp8 or "
-              "--int4", file=sys.stderr)
+    if args.checkpoint or args.device != "cpu":
+        print("run --ep: random weights on the CPU only (so far): no --checkpoint or --device", file=sys.stderr)
         return 2
     threads = max(1, _C.build_info()["threads"] // world)
     dtype = args.dtype or "bfloat16"
+    fmt = "fp8_e4m3_block128" if args.fp8 else "gptq_int4" if args.int4 else None
     print(f"expert parallelism: {world} local processes (gloo), {threads} thread(s) each; {args.geometry} "
-          f"geometry, random {dtype} weights; each rank prefills its own {args.tokens} tokens in chunks of "
-          f"{args.chunk_size}, then decodes {args.new_tokens} steps", flush=True)
+          f"geometry, random {dtype} weights{f' ({fmt} matrices)' if fmt else ''}; each rank prefills its own "
+          f"{args.tokens} tokens in chunks of {args.chunk_size}, then decodes {args.new_tokens} steps", flush=True)
     opts = dict(geometry=args.geometry, seed=args.seed, dtype=dtype, tokens=args.tokens, chunk_size=args.chunk_size,
-                new_tokens=args.new_tokens, timeout=600)
+                new_tokens=args.new_tokens, timeout=600, weight_format=fmt)
     reports = spawn_ranks(_rank, world, opts, threads)
     if reports is None:
         return 1

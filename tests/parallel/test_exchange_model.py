@@ -59,12 +59,28 @@ def test_run_ep_refuses_what_it_cannot_do():
     r = subprocess.run([sys.executable, "-m", "qwen3layer", "run", "--ep", "0"], cwd=ROOT, capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 2 and "--ep: expected a number of processes >= 1, got 0" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "qwen3layer", "run", "--ep", "2", "--fp8", "--geometry", "tiny"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "no --checkpoint, --device, --fp8 or --int4" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "qwen3layer", "run", "--ep", "2", "--int4", "--geometry", "tiny"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "no --checkpoint, --device, --fp8 or --int4" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "qwen3layer", "run", "--ep", "2", "--device", "cuda", "--geometry",
+                        "tiny"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "random weights on the CPU only (so far): no --checkpoint or --device" in r.stderr
+
+
+def test_run_ep_of_4_bit_weights(tmp_path):
+    """run --ep 2 --int4: each rank's share of a random gptq_int4 layer (its weight bytes the
+    4-bit ones: a quarter of bf16's and more, scales and zeros)"""
+    cfg = tmp_path / "config.json"
+    cfg.write_text('{"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, '
+                   '"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128}')
+    runs = {}
+    for fmt in ([], ["--int4"]):
+        r = subprocess.run([sys.executable, "-m", "qwen3layer", "run", "--ep", "2", "--geometry", str(cfg), "--tokens",
+                            "12", "--chunk-size", "8", "--new-tokens", "1", *fmt], cwd=ROOT, capture_output=True,
+                           text=True, timeout=240)
+        assert r.returncode == 0, r.stderr
+        runs[bool(fmt)] = r.stdout
+    assert "random bfloat16 weights (gptq_int4 matrices)" in runs[True]
+    rank0 = {k: next(line for line in v.splitlines() if line.startswith("0    |")) for k, v in runs.items()}
+    assert rank0[True].split("|")[1] == rank0[False].split("|")[1]  # the same experts
+    assert rank0[True].split("|")[2] != rank0[False].split("|")[2], rank0  # fewer weight bytes
 
 
 def test_the_real_geometry_figures_of_the_docs():
