@@ -67,3 +67,54 @@ q3_status q3_layer_take_int4(q3_layer *l, q3_error *err) {
         }
     return s;
 }
+
+/* one view's shape and dtype as q3_dequantize_int4_check expects them */
+static q3_status want_view(const q3_view *v, const char *arg, q3_dtype dt, int ndim, const int64_t *shape,
+                           q3_error *err) {
+    int same = v->ndim == ndim && v->dtype == dt && v->contiguous && v->device < 0;
+    for (int d = 0; same && d < ndim; d++) same = v->shape[d] == shape[d];
+    if (same) return Q3_OK;
+    char want[64], got[96];
+    snprintf(want, sizeof want, ndim == 1 ? "[%lld]" : "[%lld, %lld]", (long long)shape[0],
+             (long long)(ndim > 1 ? shape[1] : 0));
+    int at = snprintf(got, sizeof got, "%s%s %s [", v->contiguous ? "" : "non-contiguous ", v->device < 0 ? "host" : "cuda",
+                      q3_dtype_name(v->dtype));
+    for (int d = 0; d < v->ndim && at < (int)sizeof got - 24; d++)
+        at += snprintf(got + at, sizeof got - (size_t)at, d ? ", %lld" : "%lld", (long long)v->shape[d]);
+    snprintf(got + at, sizeof got - (size_t)at, "]");
+    return q3_fail(err, Q3_ERR_VALUE, "%s: expected a contiguous host %s tensor %s, got a %s", arg, q3_dtype_name(dt),
+                   want, got);
+}
+
+/* the matrix of the views (shapes checked), group K / G where G divides K */
+static q3_int4_matrix views_matrix(const q3_view *qweight, const q3_view *qzeros, const q3_view *scales,
+                                   const q3_view *g_idx, int v2) {
+    const int64_t K = qweight->shape[0] * 8, G = scales->shape[0];
+    q3_int4_matrix m = matrix_of(qweight->data, scales->data, qzeros->data, g_idx->data, K, K % G ? K : K / G, v2);
+    m.groups = G;
+    return m;
+}
+
+q3_status q3_dequantize_int4_check(const q3_view *qweight, const q3_view *qzeros, const q3_view *scales,
+                                   const q3_view *g_idx, q3_error *err) {
+    if (qweight->ndim != 2 || scales->ndim != 2 || qweight->shape[1] % 8 || qweight->shape[0] < 1 ||
+        scales->shape[0] < 1 || qweight->shape[0] > INT64_MAX / 8)
+        return q3_fail(err, Q3_ERR_VALUE, "qweight, scales: expected [K/8, N] and [groups, N] with N a multiple of 8 "
+                       "and K, groups >= 1, got %d-D and %d-D", qweight->ndim, scales->ndim);
+    const int64_t K = qweight->shape[0] * 8, N = qweight->shape[1], G = scales->shape[0];
+    const int64_t w_shape[2] = {K / 8, N}, s_shape[2] = {G, N}, z_shape[2] = {G, N / 8}, g_shape[1] = {K};
+    q3_status s;
+    if ((s = want_view(qweight, "qweight", Q3_I32, 2, w_shape, err)) != Q3_OK ||
+        (s = want_view(scales, "scales", Q3_F16, 2, s_shape, err)) != Q3_OK ||
+        (s = want_view(qzeros, "qzeros", Q3_I32, 2, z_shape, err)) != Q3_OK ||
+        (s = want_view(g_idx, "g_idx", Q3_I32, 1, g_shape, err)) != Q3_OK)
+        return s;
+    q3_int4_matrix m = views_matrix(qweight, qzeros, scales, g_idx, 0);
+    return check_matrix(&m, N, K, m.group, "the matrix", err);
+}
+
+void q3_dequantize_int4_views(float *dst, const q3_view *qweight, const q3_view *qzeros, const q3_view *scales,
+                              const q3_view *g_idx, int v2) {
+    const q3_int4_matrix m = views_matrix(qweight, qzeros, scales, g_idx, v2);
+    q3_int4_dequant_rows(dst, &m, qweight->shape[1], qweight->shape[0] * 8, 0, qweight->shape[1]);
+}

@@ -765,6 +765,15 @@ void q3_dequantize_fp8(float *dst, const uint8_t *w, const void *scale, q3_dtype
  * [weight's shape] fp32 after it. */
 q3_status q3_dequantize_fp8_check(const q3_view *w, const q3_view *scale, int parts, q3_error *err);
 void q3_dequantize_fp8_views(float *dst, const q3_view *w, const q3_view *scale, int parts);
+/* A GPTQ matrix of views (host memory, contiguous): qweight [K/8, N] int32, qzeros [G, N/8]
+ * int32, scales [G, N] float16, g_idx [K] int32. q3_dequantize_int4_check refuses anything
+ * else, and what a layer refuses in its matrices (a g_idx outside [0, G), a scale not finite),
+ * Q3_ERR_VALUE naming the argument; q3_dequantize_int4_views then writes dst [N, K] fp32, the
+ * scalar reference of kernels/int4.h ("gptq_v2" zeros with v2, else stored + 1). */
+q3_status q3_dequantize_int4_check(const q3_view *qweight, const q3_view *qzeros, const q3_view *scales,
+                                   const q3_view *g_idx, q3_error *err);
+void q3_dequantize_int4_views(float *dst, const q3_view *qweight, const q3_view *qzeros, const q3_view *scales,
+                              const q3_view *g_idx, int v2);
 
 /* Probes of this machine with the active CPU path (probe.c): the best of `repeats`
  * timed reads of a fresh `bytes` buffer in GB/s (0 if it cannot be allocated), and the

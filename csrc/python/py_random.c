@@ -122,6 +122,31 @@ static PyObject *dequantize_fp8(PyObject *m, PyObject *args, PyObject *kw) {
     return (PyObject *)t;
 }
 
+/* dequantize_int4(qweight, qzeros, scales, g_idx, gptq_v2=False): the fp32 W [N, K] of a host
+ * GPTQ matrix, checked by the engine (q3_dequantize_int4_check) */
+static PyObject *dequantize_int4(PyObject *m, PyObject *args, PyObject *kw) {
+    static char *names[] = {"qweight", "qzeros", "scales", "g_idx", "gptq_v2", NULL};
+    PyObject *obj[4];
+    int v2 = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOO|p:dequantize_int4", names, &obj[0], &obj[1], &obj[2], &obj[3], &v2))
+        return NULL;
+    static const char *arg[4] = {"qweight", "qzeros", "scales", "g_idx"};
+    q3_view v[4] = {{0}};
+    q3_error err;
+    q3py_tensor_object *t = NULL;
+    int ok = 1;
+    for (int i = 0; i < 4 && ok; i++)
+        ok = q3_view_acquire_on(obj[i], arg[i], &v[i], -1, Q3_VIEW_HOST | (i == 2 ? Q3_VIEW_F16 : Q3_VIEW_I32), NULL) == 0;
+    if (ok && q3py_status(q3_dequantize_int4_check(&v[0], &v[1], &v[2], &v[3], &err), &err) == 0 &&
+        (t = q3py_tensor_new(q3py_state(m), Q3_F32, 2, (int64_t[2]){v[0].shape[1], v[0].shape[0] * 8}))) {
+        Py_BEGIN_ALLOW_THREADS
+        q3_dequantize_int4_views(t->data, &v[0], &v[1], &v[2], &v[3], v2);
+        Py_END_ALLOW_THREADS
+    }
+    for (int i = 0; i < 4; i++) q3_view_release(&v[i]);
+    return (PyObject *)t;
+}
+
 PyMethodDef q3_random_methods[] = {
     {"random_tensor", (PyCFunction)(void (*)(void))random_tensor, METH_VARARGS | METH_KEYWORDS,
      "random_tensor(shape, seed, dtype, std=1.0)\n--\n\nA Tensor of N(0, std^2) samples in extension memory."},
@@ -132,6 +157,10 @@ PyMethodDef q3_random_methods[] = {
      "weight_format 'fp8_e4m3_block128': the projection matrices as float8_e4m3fn with fp32 *_scale_inv block "
      "scales, quantized from the dense draws of the same seed; 'gptq_int4': the same draws quantized by RTN into "
      "the GPTQ tensors (per expert; gptq_group 0: 128, -1: one group a matrix; gptq_v2: zeros stored as they are)."},
+    {"dequantize_int4", (PyCFunction)(void (*)(void))dequantize_int4, METH_VARARGS | METH_KEYWORDS,
+     "dequantize_int4(qweight, qzeros, scales, g_idx, gptq_v2=False)\n--\n\nThe float32 weight [N, K] of a host GPTQ "
+     "matrix (qweight int32 [K/8, N], qzeros int32 [groups, N/8], scales float16 [groups, N], g_idx int32 [K]): "
+     "scales[g_idx[k], n] * (q[k, n] - zero[g_idx[k], n]), a zero the stored value + 1 unless gptq_v2."},
     {"dequantize_fp8", (PyCFunction)(void (*)(void))dequantize_fp8, METH_VARARGS | METH_KEYWORDS,
      "dequantize_fp8(weight, scale_inv, parts=1)\n--\n\nfp32 Tensor of a block-scaled float8_e4m3fn weight "
      "[.., parts*n, K] (parts > 1: stacked matrices with their own blocks, e.g. a fused gate_up_proj: 2)."},

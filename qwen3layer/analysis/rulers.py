@@ -36,8 +36,9 @@ class Ruler:
 def accuracy(cfg: LayerConfig, weights: dict, layer: DecoderLayer, dtype: str, tokens: int, seed: int) -> Ruler:
     """Our layer and transformers' on the same weights and input, each against an fp32 run of
     transformers on those (bf16-valued) weights: fp32 must agree to 1e-5, bf16 must err at most
-    twice as much as transformers' own bf16 run. An FP8 layer: `weights` are its matrices
-    dequantized to fp32 (transformers' bf16 run then rounds them to bf16)."""
+    twice as much as transformers' own bf16 run. An FP8 or 4-bit layer: `weights` are its
+    matrices dequantized to fp32 (transformers' bf16 run then rounds them to bf16); a 4-bit
+    layer's experts, named one by one, are stacked into transformers' fused tensors."""
     name = "accuracy against transformers"
     try:
         import torch
@@ -57,11 +58,18 @@ def accuracy(cfg: LayerConfig, weights: dict, layer: DecoderLayer, dtype: str, t
     def hf_layer(tensor_dtype):
         with torch.device("meta"):
             m = Qwen3MoeDecoderLayer(hc, 0)
-        m.load_state_dict({k: torch.from_dlpack(v).to(tensor_dtype) for k, v in weights.items()}, assign=True)
+        state = {k: torch.from_dlpack(v).to(tensor_dtype) for k, v in weights.items()}
+        if "mlp.experts.0.gate_proj.weight" in state:  # per expert (a 4-bit layer's): transformers 5.x holds them fused
+            E = cfg.num_experts
+            parts = {x: [state.pop(f"mlp.experts.{e}.{x}_proj.weight") for e in range(E)] for x in ("gate", "up", "down")}
+            state["mlp.experts.gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u in zip(parts["gate"], parts["up"])])
+            state["mlp.experts.down_proj"] = torch.stack(parts["down"])
+        m.load_state_dict(state, assign=True)
         return m.eval()
 
     # an FP8 layer is measured against the dequantized weights it was given as reference
-    what = ", FP8 weights against their dequantization" if layer.weight_format != "dense" else ""
+    what = ("" if layer.weight_format == "dense" else
+            f", {'FP8' if layer.weight_format.startswith('fp8') else '4-bit'} weights against their dequantization")
     tdt = torch.bfloat16 if dtype == "bfloat16" else torch.float32
     theirs, exact = hf_layer(tdt), hf_layer(torch.float32)
     rope = Qwen3MoeRotaryEmbedding(hc)

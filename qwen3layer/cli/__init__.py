@@ -178,7 +178,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     from ..analysis import rulers
 
     cfg = geometry(args.geometry)
-    weights = _C.random_weights(cfg, args.seed, args.dtype, FP8 if args.fp8 else None)
+    weights = _C.random_weights(cfg, args.seed, args.dtype, FP8 if args.fp8 else INT4 if args.int4 else None)
     ours = dict(weights)
     if args.perturb:  # for demonstrating the accuracy ruler: our copy of one weight is changed
         if args.perturb not in ours:
@@ -187,10 +187,13 @@ def cmd_check(args: argparse.Namespace) -> int:
         if t.dtype == "float8_e4m3fn":
             raise SystemExit(f"--perturb: {args.perturb} is an FP8 matrix; with --fp8 change its scale "
                              f"{args.perturb}_scale_inv, a norm or the router")
+        if t.dtype not in ("float32", "bfloat16"):
+            raise SystemExit(f"--perturb: {args.perturb} is a 4-bit matrix's {t.dtype} tensor; with --int4 change a "
+                             "norm or the router")
         ours[args.perturb] = _C.random_tensor(tuple(t.shape), 99, t.dtype, 0.05)
     layer = DecoderLayer(cfg, ours, device=args.device, dtype=args.dtype)
-    # the reference's weights: an FP8 layer's matrices dequantized to fp32 (in C), as they are meant
-    reference = dequantized(weights) if args.fp8 else weights
+    # the reference's weights: an FP8 or 4-bit layer's matrices dequantized to fp32 (in C), as they are meant
+    reference = dequantized(weights) if args.fp8 or args.int4 else weights
     results = [
         rulers.accuracy(cfg, reference, layer, args.dtype, args.accuracy_tokens, args.seed),
         rulers.decode_latency(cfg, layer, args.dtype, args.context, args.latency_factor),
@@ -208,10 +211,16 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def dequantized(weights: dict) -> dict:
-    """weights with every FP8 matrix replaced by its fp32 dequantization (scales dropped)"""
+    """weights with every FP8 matrix replaced by its fp32 dequantization (scales dropped), and
+    every 4-bit GPTQ one (<module>.qweight, .qzeros, .scales, .g_idx) by <module>.weight"""
     out = {}
     for name, t in weights.items():
-        if name.endswith("_scale_inv"):
+        if name.endswith(("_scale_inv", ".qzeros", ".scales", ".g_idx")):
+            continue
+        if name.endswith(".qweight"):
+            module = name[:-len(".qweight")]
+            out[module + ".weight"] = _C.dequantize_int4(t, weights[module + ".qzeros"], weights[module + ".scales"],
+                                                         weights[module + ".g_idx"])
             continue
         if t.dtype == "float8_e4m3fn":  # a fused gate_up_proj holds the gate's blocks, then the up's
             out[name] = _C.dequantize_fp8(t, weights[name + "_scale_inv"], 2 if name.endswith("gate_up_proj") else 1)
@@ -238,6 +247,8 @@ def layer_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fp8", action="store_true", help=f"random {FP8} projection matrices (the accuracy "
                    "ruler then measures against the dequantized weights)")
+    p.add_argument("--int4", action="store_true", help=f"random 4-bit weights ({INT4}: the draws rounded to "
+                   "nearest into GPTQ's layout, group 128; the accuracy ruler then measures against them dequantized)")
 
 
 def split_options(p: argparse.ArgumentParser) -> None:
@@ -282,8 +293,6 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also plot prefill time and memory against these chunk sizes")
     mp.add_argument("--repeat", type=int, default=2)
     mp.add_argument("--out", default="qwen3layer-map", help="folder for map.svg/png (and sweep.svg/png)")
-    mp.add_argument("--int4", action="store_true", help=f"random 4-bit weights ({INT4}: the draws rounded to "
-                    "nearest into GPTQ's layout, group 128)")
     split_options(mp)
     mp.set_defaults(func=cmd_map)
     ck = sub.add_parser("check", help="the three rulers: accuracy, decode latency, prefill memory")

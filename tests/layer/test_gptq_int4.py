@@ -250,3 +250,20 @@ def test_gptq_tensors_given_without_a_format_make_a_gptq_layer(good):
     x = torch.randn(1, 3, G128["hidden_size"], generator=torch.Generator().manual_seed(2))
     assert torch.equal(torch.from_dlpack(layer.prefill(x, layer.new_cache(4))),
                        torch.from_dlpack(named.prefill(x, named.new_cache(4))))
+
+
+def test_dequantize_int4_reads_the_packing_as_the_reference_does(good):
+    """_C.dequantize_int4 (the check command's reference weights) against gptq_reference's
+    reading, v1 and v2 zeros; what a layer refuses in a matrix, it refuses too"""
+    t = {n: good[f"mlp.experts.2.down_proj.{n}"] for n in ("qweight", "qzeros", "scales", "g_idx")}
+    got = torch.from_dlpack(q3._C.dequantize_int4(t["qweight"], t["qzeros"], t["scales"], t["g_idx"]))
+    assert torch.equal(got, dequantize(t))
+    v2 = torch.from_dlpack(q3._C.dequantize_int4(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], gptq_v2=True))
+    assert torch.equal(v2, dequantize(t, v1=False)) and not torch.equal(v2, got)
+    with pytest.raises(ValueError, match=r"the matrix.g_idx: expected groups in \[0, 1\), got 1 at input 3"):
+        q3._C.dequantize_int4(t["qweight"], t["qzeros"], t["scales"], t["g_idx"].index_fill(0, torch.tensor([3]), 1))
+    with pytest.raises(TypeError, match=r"scales: expected dtype float16, got float32"):
+        q3._C.dequantize_int4(t["qweight"], t["qzeros"], t["scales"].float(), t["g_idx"])
+    with pytest.raises(ValueError, match=r"qzeros: expected a contiguous host int32 tensor \[1, 32\], got a host "
+                                         r"int32 \[1, 16\]"):
+        q3._C.dequantize_int4(t["qweight"], t["qzeros"][:, :16].contiguous(), t["scales"], t["g_idx"])

@@ -267,6 +267,30 @@ def test_check_fp8_fails_when_a_scale_is_perturbed():
     assert r.returncode != 0 and "self_attn.o_proj.weight is an FP8 matrix" in r.stderr
 
 
+G8 = ('{"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "num_experts": 8, '
+      '"num_experts_per_tok": 2, "moe_intermediate_size": 128}')  # every matrix a multiple of the 128 group
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_check_int4_measures_against_the_dequantized_weights(dtype, tmp_path):
+    """check --int4: transformers' layer on the matrices dequantized in C (_C.dequantize_int4),
+    the experts stacked into its fused tensors; a perturbed router fails the ruler, a 4-bit
+    tensor cannot be perturbed"""
+    import json
+
+    (tmp_path / "g.json").write_text(G8)
+    check = ("check", "--geometry", str(tmp_path / "g.json"), *TINY_CHECK[3:], "--int4", "--dtype", dtype)
+    r = run_cli(*check)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = json.loads(r.stdout)
+    assert out["pass"] is True and out["weight_format"] == "gptq_int4"
+    assert "4-bit weights against their dequantization" in out["rulers"][0]["detail"]
+    r = run_cli(*check, "--perturb", "mlp.gate.weight")
+    assert r.returncode == 1 and json.loads(r.stdout)["rulers"][0]["passed"] is False
+    r = run_cli(*check, "--perturb", "self_attn.o_proj.scales")
+    assert r.returncode != 0 and "self_attn.o_proj.scales is a 4-bit matrix's float16 tensor" in r.stderr
+
+
 def test_cli_names_a_device_it_cannot_use():
     r = run_cli("run", "--geometry", "tiny", "--device", "tpu")
     assert r.returncode == 2
