@@ -138,7 +138,12 @@ def _quantization(weight_format: Optional[str], quantization_config: Optional[Ma
         return dict(FP8_CONFIG), {}
     if weight_format == GPTQ:
         qc = dict(GPTQ_CONFIG, **(quantization_config or {}))
-        return qc, gptq_settings(qc, num_experts=config.num_experts)
+        settings = gptq_settings(qc, num_experts=config.num_experts)
+        for key, wrote in (("sym", True), ("desc_act", False)):  # what RTN writes: config.json must not say otherwise
+            if qc[key] is not wrote:
+                raise ValueError(f"quantization_config.{key}: expected {str(wrote).lower()} (the writer rounds to "
+                                 f"nearest with zero 8 and g_idx in order), got {qc[key]!r}")
+        return qc, settings
     raise ValueError(f"weight_format: expected None, 'dense', '{FP8}' or '{GPTQ}', got {weight_format!r}")
 
 

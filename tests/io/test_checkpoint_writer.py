@@ -98,6 +98,11 @@ def test_a_failure_leaves_nothing_and_an_existing_folder_is_not_touched(tmp_path
     (dict(weight_format="fp8_e4m3_block128", quantization_config={"fmt": "e5m2"}), ValueError,
      r"quantization_config: the FP8 format's is fixed"),
     (dict(weight_format="q4_0"), ValueError, r"weight_format: expected None, 'dense', .* got 'q4_0'"),
+    (dict(weight_format="gptq_int4", quantization_config={"sym": False}), ValueError,
+     r"quantization_config.sym: expected true \(the writer rounds to nearest with zero 8 and g_idx in order\), "
+     r"got False"),
+    (dict(weight_format="gptq_int4", quantization_config={"desc_act": True}), ValueError,
+     r"quantization_config.desc_act: expected false .* got True"),
     (dict(num_layers=0), ValueError, r"num_layers: expected an int >= 1, got 0"),
     (dict(dtype="float16"), ValueError, r"dtype: expected 'bfloat16' or 'float32', got 'float16'"),
 ])
