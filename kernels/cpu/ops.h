@@ -80,6 +80,11 @@ q3_matmul_int4_fn q3_matmul_int4_cpu_avx512bf16; /* the int4 prefill on bf16 dot
  * takes: 1 done, 0 not taken (matmul_int4_vnni.c) */
 int q3_int4_gemv_vnni(float *y, const float *x, const q3_int4_matrix *w, int64_t T, int64_t N, int64_t K,
                       int accumulate, int threads, uint16_t *xb);
+/* ... and its prefill on bf16 dot products over the nibbles in place, given xb and scratch
+ * (threads * q3_matmul_int4_scratch_floats(T, K) floats) and groups it takes: 1 done, 0 not
+ * taken (matmul_int4_dot.c) */
+int q3_int4_prefill_dot(float *y, const float *x, const q3_int4_matrix *w, int64_t T, int64_t N, int64_t K,
+                        int accumulate, float *scratch, int threads, uint16_t *xb);
 #endif
 
 #endif

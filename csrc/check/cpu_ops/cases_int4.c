@@ -6,8 +6,8 @@
  * Every nibble of qweight and qzeros random (asymmetric zeros, so a zero read from the wrong
  * column or nibble shows), scales differing per group and column, both zero offsets (v1 and
  * v2); groups of 128, 64, 32, 24 (an odd count of words), 192 and one group = K, and group 0
- * with a permuted g_idx (desc_act); tokens 1, 3, 15 (the GEMV), 16 and 20 (the dequantized
- * chunks); N = 136 leaves 8 columns past avx512's last vector, N = 200 a partial prefill
+ * with a permuted g_idx (desc_act); tokens 1, 3, 15 (the GEMV), 16 and 20 (the prefill
+ * paths); N = 136 leaves 8 columns past avx512's last vector, N = 200 a partial prefill
  * chunk; 1 to 3 threads (the column splits). The harness never runs portable as the path under
  * test, so each case also holds portable to the reference (never planted: a planted defect
  * goes into the path's result). One shape is quantized from normal weights by kernels/int4.h's
@@ -113,12 +113,13 @@ static void int4_case(ops_run *r, const int4_shape *s, int64_t T, int accumulate
     r->plant = plant;
 }
 
-/* Given the bf16 scratch (a bf16 layer's), a path may round x and the dequantized weights to
- * bf16 (kernels/int4.h; the prefill of avx512bf16), or hold x as two 8-bit digits a block (the
- * VNNI GEMV of avx512bf16, matmul_int4_vnni.c: within max |x| / 65024 of each input): held, as
+/* Given the bf16 scratch (a bf16 layer's), a path may round x to bf16 with the weights exact
+ * (the prefill of avx512bf16, matmul_int4_dot.c) or rounded to bf16 too (its panel path, for
+ * groups the first does not take), or hold x as two 8-bit digits a block (the VNNI GEMV of
+ * avx512bf16, matmul_int4_vnni.c: within max |x| / 65024 of each input): held, as
  * cases_matmul.c holds FP8's, to the closest of the portable results on the exact, x-rounded
- * and both-rounded operands, within fp32 rounding of its terms */
-static void int4_xb_case(ops_run *r, const int4_shape *s, int64_t T, int threads, uint32_t seed) {
+ * and both-rounded operands, within fp32 rounding of its terms; y0 added where accumulate */
+static void int4_xb_case(ops_run *r, const int4_shape *s, int64_t T, int accumulate, int threads, uint32_t seed) {
     const int64_t N = s->N, K = s->K, ny = T * N;
     q3_int4_matrix m;
     int4_matrix(r, &m, N, K, s->group, s->desc_act, 1, s->rtn, seed);
@@ -126,20 +127,24 @@ static void int4_xb_case(ops_run *r, const int4_shape *s, int64_t T, int threads
     float *wr = ops_alloc(r, (size_t)(N * K) * 4), *got = ops_alloc(r, (size_t)ny * 4);
     float *want = ops_alloc(r, (size_t)ny * 4), *want_x = ops_alloc(r, (size_t)ny * 4);
     float *want_xw = ops_alloc(r, (size_t)ny * 4), *xr = ops_rounded(r, x, T * K);
+    float *y0 = accumulate ? ops_random(r, ny, Q3_F32, seed + 2, 1.0f) : NULL;
     float *scratch = ops_alloc(r, (size_t)(threads * q3_matmul_int4_scratch_floats(T, K)) * 4);
     uint16_t *xb = ops_alloc(r, (size_t)(q3_matmul_scratch_elems(T, K) + 1) * 2);
     const double tol = 2e-6 * (sqrt((double)K) + 4.0);
     char label[128];
-    snprintf(label, sizeof label, "bf16 scratch, T=%lld N=%lld K=%lld group %lld%s, %d threads", (long long)T,
-             (long long)N, (long long)K, (long long)s->group, s->desc_act ? " permuted (desc_act)" : "", threads);
+    snprintf(label, sizeof label, "bf16 scratch, T=%lld N=%lld K=%lld group %lld%s%s, %d threads", (long long)T,
+             (long long)N, (long long)K, (long long)s->group, s->desc_act ? " permuted (desc_act)" : "",
+             accumulate ? ", accumulate" : "", threads);
     if (r->oom) return ops_check_f32(r, label, NULL, NULL, 0, tol);
     q3_int4_dequant_rows(wd, &m, N, K, 0, N);
     for (int64_t i = 0; i < N * K; i++) wr[i] = q3_bf16_to_f32(q3_f32_to_bf16(wd[i]));
-    r->path->matmul_int4(got, x, &m, T, N, K, 0, scratch, threads, xb);
-    r->ref->matmul(want, x, wd, Q3_F32, T, N, K, 0, NULL);
-    r->ref->matmul(want_x, xr, wd, Q3_F32, T, N, K, 0, NULL);
-    r->ref->matmul(want_xw, xr, wr, Q3_F32, T, N, K, 0, NULL);
-    const double *bound = ops_term_bound(r, x, wd, T, N, K, NULL, 1e-30);
+    float *outs[4] = {got, want, want_x, want_xw};
+    for (int i = 0; i < 4 && accumulate; i++) memcpy(outs[i], y0, (size_t)ny * 4);
+    r->path->matmul_int4(got, x, &m, T, N, K, accumulate, scratch, threads, xb);
+    r->ref->matmul(want, x, wd, Q3_F32, T, N, K, accumulate, NULL);
+    r->ref->matmul(want_x, xr, wd, Q3_F32, T, N, K, accumulate, NULL);
+    r->ref->matmul(want_xw, xr, wr, Q3_F32, T, N, K, accumulate, NULL);
+    const double *bound = ops_term_bound(r, x, wd, T, N, K, y0, 1e-30);
     const float *refs[3] = {want, want_x, want_xw};
     if (!bound) return ops_check_f32(r, label, NULL, NULL, 0, tol);
     ops_check_bound(r, label, got, ops_closest(got, refs, 3, bound, ny), bound, ny, tol);
@@ -156,9 +161,10 @@ void ops_matmul_int4(ops_run *r) {
                 threads = threads % 3 + 1;
             }
     for (int s = 0; s < (int)(sizeof SHAPES / sizeof SHAPES[0]); s++)
-        for (int t = 0; t < (int)(sizeof TOKENS / sizeof TOKENS[0]); t++, seed += 7) {
-            int4_xb_case(r, &SHAPES[s], TOKENS[t], threads, seed);
-            ops_release(r);
-            threads = threads % 3 + 1;
-        }
+        for (int t = 0; t < (int)(sizeof TOKENS / sizeof TOKENS[0]); t++)
+            for (int accumulate = 0; accumulate < 2; accumulate++, seed += 7) {
+                int4_xb_case(r, &SHAPES[s], TOKENS[t], accumulate, threads, seed);
+                ops_release(r);
+                threads = threads % 3 + 1;
+            }
 }
