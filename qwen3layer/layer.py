@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 from . import _C
 from .config import LayerConfig, expert_ids, pass_tokens
 from .devices import check_torch_device, device_index, stream_of
-from .weights import canonical_weights, expert_id_list, expert_weights, held_expert_views
+from .weights import canonical_weights, expert_id_list, expert_weights, gptq_attention_dense, held_expert_views
 from .checkpoint.quantization import GPTQ, gptq_settings
 
 if TYPE_CHECKING:
@@ -77,15 +77,28 @@ def hf_layer_parts(hf_layer: Any) -> tuple:
 
 
 def _gptq_settings(weight_format: Optional[str], quantization_config: Optional[Mapping[str, Any]],
-                   config: LayerConfig) -> dict:
+                   config: LayerConfig, layer_idx: Optional[int] = None) -> dict:
     """the engine's gptq_int4 settings of a GPTQ quantization_config ({} without one: group 128,
-    "gptq" zeros); ValueError for one given with another format"""
+    "gptq" zeros, every projection 4-bit); ValueError for one given with another format"""
     if quantization_config is None:
         return {}
     if weight_format != GPTQ:
         raise ValueError(f"quantization_config: read for weight_format='{GPTQ}' (a GPTQ checkpoint's), got it with "
                          f"weight_format={weight_format!r}")
-    return gptq_settings(dict(quantization_config), num_experts=getattr(config, "num_experts", None))
+    return gptq_settings(dict(quantization_config), num_experts=getattr(config, "num_experts", None),
+                         layer_idx=layer_idx)
+
+
+def _gptq_attention(gptq: dict, weights: Mapping[str, Any], layer_idx: Optional[int]) -> dict:
+    """gptq with gptq_dense_attention as the weights hold q_proj (dense or 4-bit); ValueError
+    where the quantization_config said the other"""
+    held = gptq_attention_dense(weights)
+    said = gptq.get("gptq_dense_attention")
+    if said is not None and said != held:
+        raise ValueError(f"quantization_config: its rules leave layer {layer_idx or 0}'s q/k/v/o_proj "
+                         f"{'dense' if said else '4-bit'}, but the weights hold self_attn.q_proj."
+                         f"{'weight' if held else 'qweight'} (layer_idx: the layer's index the rules are tested with)")
+    return dict(gptq, gptq_dense_attention=held)
 
 
 class DecoderLayer:
@@ -110,7 +123,12 @@ class DecoderLayer:
     checkpoint's GPTQ quantization_config, for another group_size
     (-1 or a multiple of 8), checkpoint_format 'gptq_v2', sym false or desc_act true, each
     field checked: qwen3layer.checkpoint.quantization.gptq_settings). `dtype` is then the
-    activations' (and the norms' and router's), by default input_layernorm.weight's.
+    activations' (and the norms' and router's), by default input_layernorm.weight's. A GPTQ
+    layer quantized to its experts alone holds q/k/v/o_proj dense ("<module>.weight" of the
+    layer's dtype, as those checkpoints store them): the weights say which; a
+    quantization_config whose rules (dynamic "-:" regexes, modules_to_not_convert,
+    modules_in_block_to_quantize) say the other raises ValueError. layer_idx: the layer's
+    index in its model, the module names those rules are tested on (default: 0).
     experts: the expert ids a layer holding a subset holds (default: all): the other experts'
     weights are neither needed nor read, prefill and decode refuse to run (the whole layer needs
     every expert), and attention_half / expert_half run the layer split (qwen3layer.parallel).
@@ -127,13 +145,17 @@ class DecoderLayer:
                  dtype: Optional[str] = None, weight_format: Optional[str] = None,
                  experts: Optional[Sequence[int]] = None, expert_device: Optional[str] = None,
                  gpu_experts: Any = None, expert_counts: Any = None,
-                 quantization_config: Optional[Mapping[str, Any]] = None) -> None:
+                 quantization_config: Optional[Mapping[str, Any]] = None, layer_idx: Optional[int] = None) -> None:
         if not isinstance(config, LayerConfig):
             raise TypeError(f"config: expected a qwen3layer.LayerConfig, got {type(config).__name__}")
         if weight_format is None and isinstance(weights, Mapping) and \
                 any(isinstance(k, str) and k.endswith(".qweight") for k in weights):
             weight_format = GPTQ  # (no q_proj.weight whose dtype would say so, as an FP8 one's does)
-        gptq = _gptq_settings(weight_format, quantization_config, config)
+        if layer_idx is not None and (type(layer_idx) is not int or layer_idx < 0):
+            raise ValueError(f"layer_idx: expected None or a non-negative int, got {layer_idx!r}")
+        gptq = _gptq_settings(weight_format, quantization_config, config, layer_idx)
+        if weight_format == GPTQ and isinstance(weights, Mapping):
+            gptq = _gptq_attention(gptq, weights, layer_idx)
         index = device_index(device)
         self.device = "cpu" if index < 0 else f"cuda:{index}"
         self.config = config
@@ -143,13 +165,16 @@ class DecoderLayer:
         if split:
             ids, host_ids = _split_placement(config, index, experts, expert_device, gpu_experts, expert_counts)
         group = gptq.get("gptq_group", 0)  # the names of a GPTQ geometry that 128 does not divide need it
-        mine = canonical_weights(weights, config, ids, gptq_group=group)
+        dense_attention = gptq.get("gptq_dense_attention", False)
+        mine = canonical_weights(weights, config, ids, gptq_group=group, gptq_dense_attention=dense_attention)
         if index >= 0 and ids is not None:  # a CUDA subset: the held experts' slices of fused host tensors
             mine = held_expert_views(mine, config, ids)
         self._core = _C.Layer(config, mine, dtype, index, weight_format, ids, **gptq)
+        self._gptq_dense_attention = dense_attention  # q/k/v/o_proj dense in a gptq_int4 layer (the cost model's)
         if split:
             from .placement.hybrid import HybridRunner
-            host_weights = canonical_weights(weights, config, host_ids, gptq_group=group)
+            host_weights = canonical_weights(weights, config, host_ids, gptq_group=group,
+                                             gptq_dense_attention=dense_attention)
             host = _C.Layer(config, expert_weights(host_weights, config, gptq_group=group),
                             self._core.dtype, -1,
                             self._core.weight_format, host_ids, experts_only=True, **gptq)
@@ -203,7 +228,7 @@ class DecoderLayer:
         try:
             layer = cls(cfg, weights, device=device, dtype=dtype, weight_format=fmt, experts=ids,
                         expert_device=expert_device, gpu_experts=gpu_experts, expert_counts=expert_counts,
-                        quantization_config=quant)
+                        quantization_config=quant, layer_idx=layer_idx)
         except BaseException:
             weights.clear()  # the views, so that the mappings can close now rather than at collection
             for mm in maps:
@@ -417,7 +442,7 @@ class DecoderLayer:
             chunk_size = pass_tokens(None)
         if self._hybrid is None:
             cost = cost_model(self.config, mode, tokens, context, chunk_size, self.dtype, batch, self.weight_format,
-                              scale_dtype)
+                              scale_dtype, self._gptq_dense_attention)
         else:
             from .analysis.costs_hybrid import split_cost_model
 

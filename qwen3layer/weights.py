@@ -22,11 +22,20 @@ _PREFIX = re.compile(r"^(?:.*\.)?layers\.(\d+)\.")
 
 
 def names(config: LayerConfig, fmt: str = "dense", experts: Optional[Sequence[int]] = None, fused: bool = False,
-          experts_only: bool = False, gptq_group: int = 0) -> list[str]:
+          experts_only: bool = False, gptq_group: int = 0, gptq_dense_attention: bool = False) -> list[str]:
     """the names of the engine's table (_C.weight_table) for a layer of `fmt` holding
     `experts` (None: all), in the order it reads them (gptq_group: a GPTQ layer's group, the
-    engine's: 0 for 128, -1 for one a matrix; the table refuses a geometry it does not divide)"""
-    return [row[0] for row in _C.weight_table(config, fmt, experts, fused, experts_only, gptq_group=gptq_group)]
+    engine's: 0 for 128, -1 for one a matrix; the table refuses a geometry it does not divide;
+    gptq_dense_attention: its q/k/v/o_proj dense)"""
+    return [row[0] for row in _C.weight_table(config, fmt, experts, fused, experts_only, gptq_group=gptq_group,
+                                              gptq_dense_attention=gptq_dense_attention)]
+
+
+def gptq_attention_dense(weights: Mapping[str, Any]) -> bool:
+    """whether a GPTQ layer's weights hold self_attn.q_proj dense ("<...>.q_proj.weight", as
+    checkpoints quantized to the experts alone store it) rather than 4-bit (".qweight")"""
+    return any(isinstance(k, str) and (k == "self_attn.q_proj.weight" or k.endswith(".self_attn.q_proj.weight"))
+               for k in weights)
 
 
 def scales(config: LayerConfig, fmt: str, experts: Optional[Sequence[int]] = None,
@@ -36,15 +45,16 @@ def scales(config: LayerConfig, fmt: str, experts: Optional[Sequence[int]] = Non
     return {name: table[of][0] for name, _, storage, of in table if storage == "scale"}
 
 
-def _format_of(out: Mapping[str, Any], config: LayerConfig, gptq_group: int = 0) -> str:
+def _format_of(out: Mapping[str, Any], config: LayerConfig, gptq_group: int = 0, dense_attention: bool = False) -> str:
     """the format whose own names (beyond the dense format's: FP8's scales, GPTQ's qweight and
     what stands beside it) appear in out; a format the geometry cannot take (the engine's
     table refuses it: GPTQ's with a group, `gptq_group`, that does not divide it) is passed over"""
     for fmt in _C.weight_formats()[1:]:
         for fused in (False, True):
             try:
-                own = set(names(config, fmt, None, fused, gptq_group=gptq_group)) - set(names(config, "dense", None,
-                                                                                             fused))
+                own = set(names(config, fmt, None, fused, gptq_group=gptq_group,
+                                gptq_dense_attention=dense_attention and fmt == "gptq_int4")) \
+                    - set(names(config, "dense", None, fused))
             except ValueError:
                 break
             if any(n in out for n in own):
@@ -71,12 +81,13 @@ def valid_expert_ids(experts: Optional[Sequence[int]], num_experts: int) -> Opti
 
 
 def canonical_weights(weights: Mapping[str, Any], config: LayerConfig,
-                      experts: Optional[Sequence[int]] = None, gptq_group: int = 0) -> dict[str, Any]:
+                      experts: Optional[Sequence[int]] = None, gptq_group: int = 0,
+                      gptq_dense_attention: bool = False) -> dict[str, Any]:
     """Returns {canonical name: tensor}; raises ValueError naming any missing, extra or
     misnamed weight. experts: the ids a layer holding a subset holds (checked by the engine):
     per-expert weights of the others are left out (fused tensors stay whole). gptq_group: a
     GPTQ layer's group (as names()), without which a geometry that 128 does not divide would
-    not be read as GPTQ at all."""
+    not be read as GPTQ at all; gptq_dense_attention: its q/k/v/o_proj dense (as names())."""
     if not isinstance(weights, Mapping):
         raise TypeError(f"weights: expected a mapping of name -> tensor, got {type(weights).__name__}")
     out: dict[str, Any] = {}
@@ -94,18 +105,20 @@ def canonical_weights(weights: Mapping[str, Any], config: LayerConfig,
     if len(layers) > 1:
         raise ValueError(f"weights: expected the tensors of one layer, got layers {sorted(layers)}")
 
-    fmt = _format_of(out, config, gptq_group)
+    fmt = _format_of(out, config, gptq_group, gptq_dense_attention)
+    dense_attention = gptq_dense_attention and fmt == "gptq_int4"
     held = None if experts is None else valid_expert_ids(experts, config.num_experts)
-    per_expert = names(config, fmt, held, experts_only=True, gptq_group=gptq_group)
+    per_expert = names(config, fmt, held, experts_only=True, gptq_group=gptq_group, gptq_dense_attention=dense_attention)
     if held is not None:  # the other experts' weights (and scales) belong to other layers holding them
-        others = set(names(config, fmt, None, experts_only=True, gptq_group=gptq_group)) - set(per_expert)
+        others = set(names(config, fmt, None, experts_only=True, gptq_group=gptq_group,
+                           gptq_dense_attention=dense_attention)) - set(per_expert)
         out = {n: t for n, t in out.items() if n not in others}
     fused_names = names(config, "dense", None, True, True)
     fused = any(n in out for n in fused_names)
     if fused and any(n in out for n in per_expert):
         raise ValueError(f"weights: expected experts either fused ({', '.join(fused_names)}) or per expert "
                          "(mlp.experts.{e}.*.weight), got both")
-    expected = names(config, fmt, held, fused, gptq_group=gptq_group)
+    expected = names(config, fmt, held, fused, gptq_group=gptq_group, gptq_dense_attention=dense_attention)
     expected_set = set(expected)
     extra = [n for n in out if n not in expected_set]
     if extra:

@@ -14,12 +14,15 @@ static q3_status check_format(const q3_weights *w, q3_error *err) {
     if ((unsigned)w->format >= (unsigned)q3_weight_format_count())
         return q3_fail(err, Q3_ERR_VALUE, "weight_format: expected %s, got %d", q3_weight_format_list(list, sizeof list),
                        (int)w->format);
+    if (w->gptq_dense_attention && w->format != Q3_WF_GPTQ_INT4)
+        return q3_fail(err, Q3_ERR_VALUE, "gptq_dense_attention: a setting of weight_format 'gptq_int4', got it with "
+                       "'%s'", q3_weight_format_name(w->format));
     if (w->format == Q3_WF_DENSE) return Q3_OK;
     if (w->format == Q3_WF_GPTQ_INT4) {
         if (w->device >= 0)
             return q3_fail(err, Q3_ERR_VALUE, "weight_format 'gptq_int4': host layers only in this version (its "
                            "CUDA kernels are not written yet), got device %d", w->device);
-        for (int i = 0; i < Q3_W_DENSE_COUNT && !w->experts_only; i++)
+        for (int i = 0; i < Q3_W_DENSE_COUNT && !w->experts_only && !w->gptq_dense_attention; i++)
             if (q3_dense_weight_is_matrix(i) && (!w->dense_scale[i] || !w->dense_qzeros[i] || !w->dense_g_idx[i]))
                 return q3_fail(err, Q3_ERR_VALUE, "weights: missing the scales, qzeros or g_idx of %s",
                                q3_dense_weight_name(i));
@@ -157,13 +160,14 @@ void q3_layer_destroy(q3_layer *l) {
 const q3_config *q3_layer_config(const q3_layer *l) { return &l->cfg; }
 q3_dtype q3_layer_dtype(const q3_layer *l) { return l->w.dtype; }
 q3_weight_format q3_layer_weight_format(const q3_layer *l) { return l->w.format; }
-/* bytes of a [dims] matrix in the layer's format (fits: q3_config_check bounds the weights) */
-static int64_t matrix_bytes(const q3_layer *l, const int64_t dims[2]) {
-    if (l->w.format == Q3_WF_GPTQ_INT4) { /* qweight, scales, qzeros, g_idx */
+/* bytes of a [dims] matrix in the layer's format (fits: q3_config_check bounds the weights);
+ * attention: one of q/k/v/o_proj (dense in a GPTQ layer with gptq_dense_attention) */
+static int64_t matrix_bytes(const q3_layer *l, const int64_t dims[2], int attention) {
+    if (l->w.format == Q3_WF_GPTQ_INT4 && !(attention && l->w.gptq_dense_attention)) { /* qweight, scales, qzeros, g_idx */
         const int64_t N = dims[0], K = dims[1], G = K / q3_gptq_group(l->w.gptq_group, K);
         return K / 8 * N * 4 + G * N * 2 + G * (N / 8) * 4 + K * 4;
     }
-    if (l->w.format != Q3_WF_FP8_BLOCK128) return dims[0] * dims[1] * (int64_t)q3_dtype_size(l->w.dtype);
+    if (l->w.format != Q3_WF_FP8_BLOCK128) return dims[0] * dims[1] * (int64_t)q3_dtype_size(l->w.dtype); /* dense */
     int64_t s[2];
     q3_fp8_scale_shape(dims, s);
     return dims[0] * dims[1] + s[0] * s[1] * (int64_t)q3_dtype_size(l->w.scale_dtype);
@@ -173,12 +177,12 @@ int64_t q3_layer_weight_bytes(const q3_layer *l) {
     int64_t total = 0, dims[2];
     for (int i = 0; i < Q3_W_DENSE_COUNT && !l->w.experts_only; i++) {
         const int rank = q3_dense_weight_shape(&l->cfg, i, dims);
-        total += q3_dense_weight_is_matrix(i) ? matrix_bytes(l, dims)
+        total += q3_dense_weight_is_matrix(i) ? matrix_bytes(l, dims, 1)
                                               : dims[0] * (rank == 2 ? dims[1] : 1) * (int64_t)q3_dtype_size(l->w.dtype);
     }
     for (int x = 0; x < Q3_X_COUNT; x++) {
         q3_expert_weight_shape(&l->cfg, x, dims);
-        total += l->n_held * matrix_bytes(l, dims);
+        total += l->n_held * matrix_bytes(l, dims, 0);
     }
     return total;
 }

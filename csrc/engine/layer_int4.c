@@ -44,7 +44,7 @@ q3_status q3_layer_take_int4(q3_layer *l, q3_error *err) {
     char name[Q3_WEIGHT_NAME_MAX + 16];
     int64_t dims[2];
     q3_status s = Q3_OK;
-    for (int i = 0; i < Q3_W_DENSE_COUNT && !w->experts_only && s == Q3_OK; i++) {
+    for (int i = 0; i < Q3_W_DENSE_COUNT && !w->experts_only && !w->gptq_dense_attention && s == Q3_OK; i++) {
         if (!q3_dense_weight_is_matrix(i)) continue;
         q3_dense_weight_shape(&l->cfg, i, dims);
         q3_int4_matrix *m = &l->int4[q3_int4_index(i)];

@@ -10,7 +10,7 @@
  * scratch in the workspace (1 and T < Q3_FP8_GEMV_MAX_T inside a parallel region: no scratch) */
 static inline void q3_project(const q3_layer *l, const q3_cpu_ops *k, float *y, const float *x, q3_matrix m,
                               int64_t T, int64_t N, int64_t K, int acc, uint16_t *xb, int threads) {
-    if (l->w.format == Q3_WF_GPTQ_INT4) /* as FP8: a bf16 layer lets the kernel round to bf16 */
+    if (m.q4) /* GPTQ (its dense attention: q4 NULL); as FP8, a bf16 layer lets the kernel round to bf16 */
         k->matmul_int4(y, x, m.q4, T, N, K, acc, l->ws.fp8_scratch, threads, l->w.dtype == Q3_BF16 ? xb : NULL);
     else if (l->w.format == Q3_WF_FP8_BLOCK128)
         /* an fp32 layer keeps fp32 products (xb lets the amx path round to bf16) */

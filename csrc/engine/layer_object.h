@@ -55,7 +55,8 @@ static inline int q3_pass_wants_router(const q3_pass *p) {
 }
 
 /* A projection matrix of the layer: its data, and its scale_inv in the FP8 format; in the
- * GPTQ format the layer's description of it (w: its qweight) */
+ * GPTQ format the layer's description of it (w: its qweight; q4 NULL: a dense matrix, the
+ * attention's of a layer with gptq_dense_attention) */
 typedef struct {
     const void *w, *scale;
     const q3_int4_matrix *q4;
@@ -69,7 +70,8 @@ static inline int64_t q3_int4_expert_index(q3_expert_weight x, int e) {
 }
 
 static inline q3_matrix q3_dense_matrix(const q3_layer *l, q3_dense_weight i) {
-    return (q3_matrix){l->w.dense[i], l->w.dense_scale[i], l->int4 ? &l->int4[q3_int4_index(i)] : NULL};
+    return (q3_matrix){l->w.dense[i], l->w.dense_scale[i],
+                       l->int4 && !l->w.gptq_dense_attention ? &l->int4[q3_int4_index(i)] : NULL};
 }
 static inline q3_matrix q3_expert_matrix(const q3_layer *l, q3_expert_weight x, int e) {
     return (q3_matrix){l->w.experts[x][e], l->w.format == Q3_WF_FP8_BLOCK128 ? l->w.expert_scales[x][e] : NULL,

@@ -202,6 +202,10 @@ typedef struct {
     const void *const *expert_g_idx[Q3_X_COUNT];
     int64_t gptq_group;
     int gptq_v2;
+    /* GPTQ int4: nonzero keeps q/k/v/o_proj dense (each matrix of dtype, as in the dense format;
+     * their scale, qzeros and g_idx pointers not read), as checkpoints quantized to the experts
+     * alone store them; the experts stay 4-bit */
+    int gptq_dense_attention;
     /* [E]: nonzero for each expert the layer holds, the others' pointers not read (may be
      * NULL); NULL: every expert. A layer holding a subset runs only its halves (below) */
     const uint8_t *held;

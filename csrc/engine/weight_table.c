@@ -167,8 +167,9 @@ static void add_matrix(table *t, const char *name, int rank, const int64_t *dims
     }
 }
 
-/* Q3_ERR_VALUE unless the GPTQ group size is 0, -1 or a positive multiple of 8 and every matrix
- * [N, K] has N and K multiples of 8 and K of the group */
+/* Q3_ERR_VALUE unless the GPTQ group size is 0, -1 or a positive multiple of 8 and every 4-bit
+ * matrix [N, K] (the experts', and the attention's unless gptq_dense_attention) has N and K
+ * multiples of 8 and K of the group */
 static q3_status gptq_geometry(const q3_config *cfg, const q3_weights *w, q3_error *err) {
     if (w->gptq_group < -1 || (w->gptq_group > 0 && w->gptq_group % 8))
         return q3_fail(err, Q3_ERR_VALUE, "gptq group_size: expected -1 (one group) or a positive multiple of 8, got "
@@ -176,7 +177,7 @@ static q3_status gptq_geometry(const q3_config *cfg, const q3_weights *w, q3_err
     const int64_t H = cfg->hidden, I = cfg->moe_inter, q = (int64_t)cfg->heads * cfg->head_dim,
                   kv = (int64_t)cfg->kv_heads * cfg->head_dim;
     const int64_t sizes[] = {H, I, q, kv};
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < (w->gptq_dense_attention ? 2 : 4); i++)
         if (sizes[i] % 8 || (i != 3 && sizes[i] % q3_gptq_group(w->gptq_group, sizes[i])))
             return q3_fail(err, Q3_ERR_VALUE, "weight_format 'gptq_int4': every matrix's inputs must be a multiple "
                            "of the group (%lld) and its outputs of 8, got hidden %lld, moe_intermediate %lld, "
@@ -192,6 +193,9 @@ q3_status q3_weight_table(const q3_config *cfg, q3_weights *w, int fused, const 
     if ((unsigned)w->format >= (unsigned)N_FORMATS)
         return q3_fail(err, Q3_ERR_VALUE, "weight_format: expected %s, got %d", q3_weight_format_list(list, sizeof list),
                        (int)w->format);
+    if (w->gptq_dense_attention && w->format != Q3_WF_GPTQ_INT4)
+        return q3_fail(err, Q3_ERR_VALUE, "gptq_dense_attention: a setting of weight_format 'gptq_int4', got it with "
+                       "'%s'", formats[w->format].name);
     table t = {out, 0, max, &formats[w->format], 0};
     if (t.fmt->matrix == Q3_WS_QWEIGHT) {
         q3_status s = gptq_geometry(cfg, w, err);
@@ -205,7 +209,10 @@ q3_status q3_weight_table(const q3_config *cfg, q3_weights *w, int fused, const 
         const char *name = q3_dense_weight_name((q3_dense_weight)i);
         if (q3_dense_weight_is_matrix((q3_dense_weight)i)) {
             const void **sides[3] = {&w->dense_scale[i], &w->dense_qzeros[i], &w->dense_g_idx[i]};
-            add_matrix(&t, name, 2, dims, 1, &w->dense[i], sides, (uint64_t)i, 0);
+            table *at = &t, dense = t; /* a GPTQ layer's dense attention: the dense format's rows */
+            if (t.fmt->matrix == Q3_WS_QWEIGHT && w->gptq_dense_attention) dense.fmt = &formats[Q3_WF_DENSE], at = &dense;
+            add_matrix(at, name, 2, dims, 1, &w->dense[i], sides, (uint64_t)i, 0);
+            t.n = at->n;
             continue;
         }
         q3_weight_entry *e = add(&t, Q3_WS_LAYER, rank, dims, &w->dense[i]);

@@ -162,19 +162,21 @@ int q3py_weight_format(PyObject *obj, void *out) {
  * of the index of the matrix an entry stands beside (else -1) */
 PyObject *q3py_weight_table(PyObject *m, PyObject *args, PyObject *kw) {
     (void)m;
-    static char *names[] = {"config", "weight_format", "experts", "fused", "experts_only", "gptq_group", NULL};
+    static char *names[] = {"config", "weight_format", "experts", "fused", "experts_only", "gptq_group",
+                            "gptq_dense_attention", NULL};
     PyObject *cfg_obj, *experts_obj = Py_None;
     q3_weight_format wf = Q3_WF_DENSE;
-    int fused = 0, experts_only = 0;
+    int fused = 0, experts_only = 0, dense_attention = 0;
     long long gptq_group = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|O&Opp$L:weight_table", names, &cfg_obj, q3py_weight_format, &wf,
-                                     &experts_obj, &fused, &experts_only, &gptq_group))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|O&Opp$Lp:weight_table", names, &cfg_obj, q3py_weight_format, &wf,
+                                     &experts_obj, &fused, &experts_only, &gptq_group, &dense_attention))
         return NULL;
     q3_config c;
     uint8_t *held = NULL;
     if (q3_parse_config(cfg_obj, &c) < 0 || (experts_obj != Py_None && q3py_held_experts(experts_obj, c.experts, &held) < 0))
         return NULL;
-    q3_weights w = {.format = wf, .held = held, .experts_only = experts_only, .gptq_group = gptq_group};
+    q3_weights w = {.format = wf, .held = held, .experts_only = experts_only, .gptq_group = gptq_group,
+                    .gptq_dense_attention = dense_attention};
     q3_weight_entry *table = NULL;
     int64_t n = 0;
     q3_error err;

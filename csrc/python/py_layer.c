@@ -222,13 +222,13 @@ static int weight_table(q3py_layer_object *self, PyObject *weights, const q3_con
 
 static PyObject *layer_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     static char *names[] = {"config", "weights", "dtype", "device", "weight_format", "experts", "experts_only",
-                            "gptq_group", "gptq_v2", NULL};
+                            "gptq_group", "gptq_v2", "gptq_dense_attention", NULL};
     PyObject *cfg_obj, *weights, *dtype_obj = Py_None, *format_obj = Py_None, *experts_obj = Py_None;
-    int device = -1, experts_only = 0, gptq_v2 = 0;
+    int device = -1, experts_only = 0, gptq_v2 = 0, dense_attention = 0;
     long long gptq_group = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO!|OiOO$pLp:Layer", names, &cfg_obj, &PyDict_Type, &weights,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO!|OiOO$pLpp:Layer", names, &cfg_obj, &PyDict_Type, &weights,
                                      &dtype_obj, &device, &format_obj, &experts_obj, &experts_only, &gptq_group,
-                                     &gptq_v2))
+                                     &gptq_v2, &dense_attention))
         return NULL;
     if (experts_only && (device >= 0 || dtype_obj == Py_None || format_obj == Py_None)) {
         PyErr_Format(PyExc_ValueError, "experts_only: an expert-only layer is a host layer (device=-1) given its dtype "
@@ -260,7 +260,7 @@ static PyObject *layer_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     q3_weight_entry *table = NULL;
     int64_t n = 0;
     q3_weights w = {.dtype = dt, .device = self->device, .format = wf, .held = held, .experts_only = experts_only,
-                    .gptq_group = gptq_group, .gptq_v2 = gptq_v2};
+                    .gptq_group = gptq_group, .gptq_v2 = gptq_v2, .gptq_dense_attention = dense_attention};
     int rc = -1;
     if (!self->expert_ptrs || !self->converted || !self->weight_ptrs || !self->lock) PyErr_NoMemory();
     else if (weight_table(self, weights, &cfg, &w, &table, &n) == 0 &&
@@ -366,7 +366,8 @@ static PyType_Slot layer_slots[] = {
     {Py_tp_methods, q3py_layer_methods},
     {Py_tp_getset, q3py_layer_getset},
     {Py_tp_doc, "Layer(config, weights, dtype=None, device=-1, weight_format=None, experts=None, *, "
-                "experts_only=False, gptq_group=0, gptq_v2=False)\n--\n\nEngine layer; use qwen3layer.DecoderLayer."},
+                "experts_only=False, gptq_group=0, gptq_v2=False, gptq_dense_attention=False)\n--\n\nEngine layer; use "
+                "qwen3layer.DecoderLayer."},
     {0, NULL},
 };
 

@@ -139,10 +139,11 @@ static PyMethodDef module_methods[] = {
      "tensor of another producer (torch, numpy; float32, bfloat16, float8_e4m3fn or int32)."},
     {"check_config", check_config, METH_O, "check_config(config)\n--\n\nRaise if the geometry is impossible."},
     {"weight_table", (PyCFunction)(void (*)(void))q3py_weight_table, METH_VARARGS | METH_KEYWORDS,
-     "weight_table(config, weight_format=None, experts=None, fused=False, experts_only=False, *, gptq_group=0)\n--\n\n"
+     "weight_table(config, weight_format=None, experts=None, fused=False, experts_only=False, *, gptq_group=0, "
+     "gptq_dense_attention=False)\n--\n\n"
      "The engine's table of the tensors a layer reads, in order: [(name, shape, storage, of)], storage 'layer' (the "
      "layer's dtype), 'e4m3', 'scale' (the scale dtype), 'qweight', 'gscales', 'qzeros' or 'g_idx' (GPTQ int4; "
-     "gptq_group 0: 128, -1: one group a matrix); of: the index of the matrix an entry stands beside, else -1. "
+     "gptq_group 0: 128, -1: one group a matrix; gptq_dense_attention: q/k/v/o_proj in the layer's dtype); of: the index of the matrix an entry stands beside, else -1. "
      "fused: the experts as transformers 5.x fuses them, else per expert (experts: the held ones)."},
     {"weight_formats", q3py_weight_formats, METH_NOARGS,
      "weight_formats()\n--\n\nThe names of the weight formats, the table's rows."},

@@ -49,22 +49,24 @@ static PyObject *random_table(q3_module_state *st, const q3_weight_entry *table,
 }
 
 static PyObject *random_weights(PyObject *m, PyObject *args, PyObject *kw) {
-    static char *names[] = {"config", "seed", "dtype", "weight_format", "experts", "gptq_group", "gptq_v2", NULL};
+    static char *names[] = {"config", "seed", "dtype", "weight_format", "experts", "gptq_group", "gptq_v2",
+                            "gptq_dense_attention", NULL};
     PyObject *cfg_obj, *experts_obj = Py_None;
     unsigned long long seed;
     q3_dtype dt;
     q3_weight_format wf = Q3_WF_DENSE; /* weight_format=None */
     long long gptq_group = 0;
-    int gptq_v2 = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OKO&|O&O$Lp:random_weights", names, &cfg_obj, &seed, q3py_dtype, &dt,
-                                     q3py_weight_format, &wf, &experts_obj, &gptq_group, &gptq_v2))
+    int gptq_v2 = 0, dense_attention = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OKO&|O&O$Lpp:random_weights", names, &cfg_obj, &seed, q3py_dtype, &dt,
+                                     q3py_weight_format, &wf, &experts_obj, &gptq_group, &gptq_v2, &dense_attention))
         return NULL;
     q3_config c;
     if (q3_parse_config(cfg_obj, &c) < 0) return NULL;
     uint8_t *held = NULL;
     if (experts_obj != Py_None && q3py_held_experts(experts_obj, c.experts, &held) < 0) return NULL;
     /* every expert: fused as transformers 5.x holds them; a subset: per expert, the held ones */
-    q3_weights w = {.dtype = dt, .format = wf, .held = held, .gptq_group = gptq_group, .gptq_v2 = gptq_v2};
+    q3_weights w = {.dtype = dt, .format = wf, .held = held, .gptq_group = gptq_group, .gptq_v2 = gptq_v2,
+                    .gptq_dense_attention = dense_attention};
     q3_weight_entry *table = NULL;
     int64_t n = 0;
     q3_error err;
@@ -151,12 +153,14 @@ PyMethodDef q3_random_methods[] = {
     {"random_tensor", (PyCFunction)(void (*)(void))random_tensor, METH_VARARGS | METH_KEYWORDS,
      "random_tensor(shape, seed, dtype, std=1.0)\n--\n\nA Tensor of N(0, std^2) samples in extension memory."},
     {"random_weights", (PyCFunction)(void (*)(void))random_weights, METH_VARARGS | METH_KEYWORDS,
-     "random_weights(config, seed, dtype, weight_format=None, experts=None, *, gptq_group=0, gptq_v2=False)\n--\n\n"
+     "random_weights(config, seed, dtype, weight_format=None, experts=None, *, gptq_group=0, gptq_v2=False, "
+     "gptq_dense_attention=False)\n--\n\n"
      "Dict of random weights in extension memory (fused expert names; with experts=, a list of expert ids, those "
      "experts' per-expert tensors only, each equal to its part of the fused ones), deterministic in seed. "
      "weight_format 'fp8_e4m3_block128': the projection matrices as float8_e4m3fn with fp32 *_scale_inv block "
      "scales, quantized from the dense draws of the same seed; 'gptq_int4': the same draws quantized by RTN into "
-     "the GPTQ tensors (per expert; gptq_group 0: 128, -1: one group a matrix; gptq_v2: zeros stored as they are)."},
+     "the GPTQ tensors (per expert; gptq_group 0: 128, -1: one group a matrix; gptq_v2: zeros stored as they are; "
+     "gptq_dense_attention: q/k/v/o_proj left dense, the dense draws)."},
     {"dequantize_int4", (PyCFunction)(void (*)(void))dequantize_int4, METH_VARARGS | METH_KEYWORDS,
      "dequantize_int4(qweight, qzeros, scales, g_idx, gptq_v2=False)\n--\n\nThe float32 weight [N, K] of a host GPTQ "
      "matrix (qweight int32 [K/8, N], qzeros int32 [groups, N/8], scales float16 [groups, N], g_idx int32 [K]): "

@@ -121,9 +121,12 @@ def experts_hit(cfg: LayerConfig, rows: int) -> float:
     return E * (1.0 - (1.0 - k / E) ** rows)
 
 
-def _pass(cfg: LayerConfig, batch: int, L: int, n: int, wb: int, cb: int, mat: _Matrices) -> List[Stage]:
+def _pass(cfg: LayerConfig, batch: int, L: int, n: int, wb: int, cb: int, mat: _Matrices,
+          att: Optional[_Matrices] = None) -> List[Stage]:
     """Stages of one pass: L new tokens for each of `batch` sequences holding n tokens; wb:
-    bytes of a norm or router element, mat: of the projection matrices."""
+    bytes of a norm or router element, mat: of the projection matrices, att: of q/k/v/o_proj
+    where they are stored otherwise (None: as mat)."""
+    att = att or mat
     H, D, Hq, Hkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     E, k, I = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
     R = batch * L
@@ -134,7 +137,7 @@ def _pass(cfg: LayerConfig, batch: int, L: int, n: int, wb: int, cb: int, mat: _
         Stage("io", KERNELS["io"], [(R, H)], [(R, H)], 0, R * H * wb, R * H * wb),
         Stage("input_norm", KERNELS["input_norm"], [(R, H)], [(R, H)], H * wb, R * H * ACT, R * H * ACT),
         Stage("qkv_proj", KERNELS["qkv_proj"], [(R, H)], [(R, Hq * D), (R, Hkv * D), (R, Hkv * D)],
-              mat.bytes(Hq * D, H) + 2 * mat.bytes(Hkv * D, H), R * H * ACT, R * qkv * ACT, 2.0 * R * H * qkv),
+              att.bytes(Hq * D, H) + 2 * att.bytes(Hkv * D, H), R * H * ACT, R * qkv * ACT, 2.0 * R * H * qkv),
         Stage("qk_norm_rope", KERNELS["qk_norm_rope"], [(R, Hq, D), (R, Hkv, D)], [(R, Hq, D), (R, Hkv, D)],
               2 * D * wb, R * (Hq + Hkv) * D * ACT, R * (Hq + Hkv) * D * ACT),
         Stage("kv_write", KERNELS["kv_write"], [(R, Hkv, D), (R, Hkv, D)], [(batch, Hkv, n + L, D)] * 2,
@@ -142,7 +145,7 @@ def _pass(cfg: LayerConfig, batch: int, L: int, n: int, wb: int, cb: int, mat: _
         Stage("attention", KERNELS["attention"], [(R, Hq, D), (batch, Hkv, n + L, D), (batch, Hkv, n + L, D)],
               [(R, Hq, D)], 0, R * Hq * D * ACT + 2 * cache_rows * D * cb, R * Hq * D * ACT,
               4.0 * Hq * D * keys_seen),
-        Stage("o_proj", KERNELS["o_proj"], [(R, Hq * D), (R, H)], [(R, H)], mat.bytes(H, Hq * D),
+        Stage("o_proj", KERNELS["o_proj"], [(R, Hq * D), (R, H)], [(R, H)], att.bytes(H, Hq * D),
               R * (Hq * D + H) * ACT, R * H * ACT, 2.0 * R * Hq * D * H),
         Stage("post_norm", KERNELS["post_norm"], [(R, H)], [(R, H)], H * wb, R * H * ACT, R * H * ACT),
         Stage("router", KERNELS["router"], [(R, H)], [(R, E)], E * H * wb, R * H * ACT, R * E * ACT,
@@ -155,12 +158,13 @@ def _pass(cfg: LayerConfig, batch: int, L: int, n: int, wb: int, cb: int, mat: _
 
 def cost_model(cfg: LayerConfig, mode: str = "prefill", tokens: int = 1, context: int = 0,
                chunk_size: Optional[int] = None, dtype: str = "bfloat16", batch: int = 1,
-               weight_format: str = "dense", scale_dtype: str = "float32") -> CostModel:
+               weight_format: str = "dense", scale_dtype: str = "float32", dense_attention: bool = False) -> CostModel:
     """The work of `tokens` new tokens per sequence for `batch` sequences that hold `context`
     tokens: prefill in passes of chunk_size tokens (default: all at once), or decode (one
     token per sequence per pass: `tokens` steps). weight_format: 'dense' (matrices in dtype),
     'fp8_e4m3_block128' (matrices in e4m3 with scale_dtype block scales) or 'gptq_int4' (4-bit
-    GPTQ, group 128)."""
+    GPTQ, group 128); dense_attention: q/k/v/o_proj in dtype whatever the format (a GPTQ layer
+    quantized to its experts alone)."""
     if mode not in ("prefill", "decode"):
         raise ValueError(f"mode: expected 'prefill' or 'decode', got {mode!r}")
     for name, value in (("tokens", tokens), ("batch", batch)):
@@ -183,7 +187,8 @@ def cost_model(cfg: LayerConfig, mode: str = "prefill", tokens: int = 1, context
     total: List[Stage] = []
     for p in range(passes):
         L = min(step, tokens - p * step)
-        stages = _pass(cfg, batch, L, context + p * step, wb, cb, mat)
+        stages = _pass(cfg, batch, L, context + p * step, wb, cb, mat,
+                       _matrices(dtype, "dense", scale_dtype) if dense_attention else None)
         if not total:
             total = stages  # shapes of the first pass
             continue

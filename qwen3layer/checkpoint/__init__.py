@@ -147,7 +147,8 @@ def _wanted(fmt: str, cfg: LayerConfig, experts: Optional[List[int]] = None,
     tensor name: its shape}) for a layer of weight format `fmt` (with the engine's `settings`
     of it) holding `experts` (None: all), from the engine's table: a tensor of the layer's
     dtype is any float, an e4m3 one FP8, an FP8 scale any float, a GPTQ one as _STORED says"""
-    table = _C.weight_table(cfg, fmt, experts, gptq_group=(settings or {}).get("gptq_group", 0))
+    table = _C.weight_table(cfg, fmt, experts, gptq_group=(settings or {}).get("gptq_group", 0),
+                            gptq_dense_attention=(settings or {}).get("gptq_dense_attention", False))
     wanted = {name: _STORED.get(storage, FLOAT) for name, _, storage, _ in table}
     sides = {name: table[of][0] for name, _, storage, of in table if storage == "scale" or
              (storage in GPTQ_STORAGE and storage != "qweight")}

@@ -24,6 +24,7 @@ as they were. Fields, as those configs write them:
 """
 from __future__ import annotations
 
+import re
 from typing import Any, List, Optional, Tuple
 
 from .safetensors import CheckpointError, show
@@ -84,7 +85,7 @@ def weight_format(cfg_path: str, raw: dict, layer_idx: int, num_experts: int) ->
         raise CheckpointError(f"{cfg_path}: quantization_config: expected an object, got {show(qc)}")
     if qc.get("quant_method") == "gptq":
         try:
-            return GPTQ, gptq_settings(qc, f"{cfg_path}: quantization_config", num_experts)
+            return GPTQ, gptq_settings(qc, f"{cfg_path}: quantization_config", num_experts, layer_idx)
         except ValueError as e:
             raise CheckpointError(str(e)) from None
     _field(cfg_path, qc, "quant_method", None, ("fp8",),
@@ -106,22 +107,34 @@ def weight_format(cfg_path: str, raw: dict, layer_idx: int, num_experts: int) ->
     return FP8, {}
 
 
-# modules a GPTQ checkpoint may keep unquantized without touching a decoder layer's projections
-# (the router, mlp.gate, is dense in the gptq_int4 format as GPTQModel's qwen3_moe leaves it)
-_GPTQ_DENSE_OK = ("lm_head", "embed_tokens", "mlp.gate", "norm")
+# the fields of a GPTQ module that change how its tensors read: a per-module override of one
+# (GPTQModel's `dynamic`) makes that module another format
+_GPTQ_LAYOUT = ("bits", "group_size", "sym", "desc_act", "checkpoint_format", "pack_dtype")
 
 
-def gptq_settings(qc: Any, where: str = "quantization_config", num_experts: Optional[int] = None) -> dict:
-    """The engine's settings of a gptq_int4 layer ({gptq_group, gptq_v2}: keyword arguments of
-    qwen3layer._C.Layer and random_weights) from a GPTQ quantization_config as GPTQModel and
-    AutoGPTQ write it: quant_method "gptq", bits 4, group_size -1 (one group a matrix) or a
-    positive multiple of 8 (default 128), sym either (the zeros are read as stored), desc_act
-    either (g_idx is read), checkpoint_format "gptq" (a zero stored minus 1) or "gptq_v2".
-    ValueError naming the field (`where`.field) for anything else: other bits, per-module
-    `dynamic` overrides, modules_to_not_convert naming a layer's projection, a pack_dtype other
-    than int32, modules_in_block_to_quantize leaving one of a layer's projections out. Load
-    options (damp_percent, true_sequential, static_groups, use_exllama, backend, meta, ...) are
-    not facts of the files and are not read."""
+def gptq_settings(qc: Any, where: str = "quantization_config", num_experts: Optional[int] = None,
+                  layer_idx: Optional[int] = None) -> dict:
+    """The engine's settings of a gptq_int4 layer ({gptq_group, gptq_v2, gptq_dense_attention}:
+    keyword arguments of qwen3layer._C.Layer and random_weights) from a GPTQ quantization_config
+    as GPTQModel and AutoGPTQ write it: quant_method "gptq", bits 4, group_size -1 (one group a
+    matrix) or a positive multiple of 8 (default 128), sym either (the zeros are read as
+    stored), desc_act either (g_idx is read), checkpoint_format "gptq" (a zero stored minus 1)
+    or "gptq_v2", pack_dtype int32.
+
+    Which of the layer's projections are 4-bit: all of them, or every expert's with q/k/v/o_proj
+    left dense (gptq_dense_attention), as checkpoints quantized to the experts alone say it in
+    any of three ways: a `dynamic` rule "-:<regex>" (GPTQModel: the modules whose full name the
+    regex matches from its start are skipped), modules_to_not_convert (transformers' rule: a
+    name, a parent or a tail of the module's name), or modules_in_block_to_quantize leaving
+    self_attn out (each read as _dense_by_dynamic, _dense_by_not_convert and
+    _dense_by_block_lists say). Names are the checkpoint's, "model.layers.<layer_idx>.self_attn.q_proj"
+    (layer 0 where layer_idx is not known). A `dynamic` override (a rule "+:<regex>" or a bare
+    regex) that changes a field of _GPTQ_LAYOUT for one of the layer's projections, a rule
+    leaving some of the attention dense and not the rest, or any expert dense: ValueError naming
+    the field and the module (a layer holds its experts in one format). ValueError naming the
+    field (`where`.field) for any other value the layer cannot read. Load options
+    (damp_percent, true_sequential, static_groups, use_exllama, backend, meta, ...) are not
+    facts of the files and are not read."""
     if not isinstance(qc, dict):
         raise ValueError(f"{where}: expected a dict (a GPTQ quantization_config), got {show(qc)}")
 
@@ -139,40 +152,95 @@ def gptq_settings(qc: Any, where: str = "quantization_config", num_experts: Opti
     field("desc_act", False, lambda v: type(v) is bool, "true or false")
     fmt = field("checkpoint_format", "gptq", lambda v: v in ("gptq", "gptq_v2"), "'gptq' or 'gptq_v2'")
     field("pack_dtype", "int32", lambda v: v == "int32", "'int32'", " (GPTQModel's words of another width are not read)")
-    _check_all_quantized(qc, where, num_experts)
-    field("dynamic", None, lambda v: not v, "no per-module overrides",
-          " (a layer whose modules differ in bits or group is not read yet)")
-    skip = field("modules_to_not_convert", None, lambda v: v is None or (isinstance(v, list) and all(
-        isinstance(s, str) for s in v)), "a list of module names")
-    for name in skip or ():
-        if not any(name == ok or name.endswith("." + ok) for ok in _GPTQ_DENSE_OK):
-            raise ValueError(f"{where}.modules_to_not_convert: {show(name)} may keep a decoder layer's projection "
-                             "dense; expected only lm_head, embed_tokens, mlp.gate or norms (a layer mixing dense "
-                             "and 4-bit projections is not read yet)")
-    return {"gptq_group": group if group != 128 else 0, "gptq_v2": fmt == "gptq_v2"}
+    modules = _gptq_modules(layer_idx, num_experts)
+    by_field = {"dynamic": _dense_by_dynamic(qc, where, modules),
+                "modules_to_not_convert": _dense_by_not_convert(qc, where, modules),
+                "modules_in_block_to_quantize": _dense_by_block_lists(qc, where, modules, num_experts)}
+    dense = set().union(*by_field.values())
+    attention = [m for m in modules if ".self_attn." in m]
+    experts = sorted(dense - set(attention), key=lambda m: (m not in modules, modules.index(m) if m in modules else m))
+    partial = bool(dense) and not experts and dense != set(attention)
+    if experts or partial:
+        first = experts[0] if experts else next(m for m in attention if m in dense)
+        said = next(f for f, ms in by_field.items() if first in ms)
+        raise ValueError(f"{where}.{said}: leaves {first} dense" + (
+            "; expected every expert's projections 4-bit (a layer holds its experts in one format)" if experts else
+            f" and {next(m for m in attention if m not in dense)} 4-bit; expected q/k/v/o_proj all 4-bit or all "
+            "dense"))
+    return {"gptq_group": group if group != 128 else 0, "gptq_v2": fmt == "gptq_v2",
+            "gptq_dense_attention": bool(dense)}
 
 
-def _check_all_quantized(qc: dict, where: str, num_experts: Optional[int]) -> None:
-    """modules_in_block_to_quantize (transformers' GPTQConfig: lists of a block's module names
-    quantized, the others left dense), where given, must name every projection of the layer:
-    q/k/v/o_proj and each expert's gate/up/down_proj ("mlp.experts.<e>.<part>", e of
-    range(num_experts), or of the experts it names where num_experts is not known)"""
+def _gptq_modules(layer_idx: Optional[int], num_experts: Optional[int]) -> List[str]:
+    """the full names of the layer's projection modules the rules are tested on (one expert,
+    "<e>", where num_experts is not known: rules naming single experts then match none)"""
+    p = f"model.layers.{layer_idx or 0}."
+    experts = range(num_experts) if num_experts is not None else ("<e>",)
+    return [p + "self_attn." + a for a in ATTENTION] + [f"{p}mlp.experts.{e}.{x}" for e in experts for x in EXPERT_PARTS]
+
+
+def _dense_by_dynamic(qc: dict, where: str, modules: List[str]) -> set:
+    """the modules GPTQModel's `dynamic` skips ("-:" rules); an override of a layout field for
+    one of them: ValueError"""
+    dynamic = qc.get("dynamic")
+    if not dynamic:
+        return set()
+    if not isinstance(dynamic, dict) or not all(isinstance(k, str) for k in dynamic):
+        raise ValueError(f"{where}.dynamic: expected an object of regex -> overrides, got {show(dynamic)}")
+    skipped = set()
+    for rule, overrides in dynamic.items():
+        negative = rule.startswith("-:")
+        try:
+            pattern = re.compile(rule[2:] if rule[:2] in ("-:", "+:") else rule)
+        except re.error as e:
+            raise ValueError(f"{where}.dynamic: {show(rule)} is not a regular expression ({e})") from None
+        hits = [m for m in modules if pattern.match(m)]
+        if negative:
+            skipped.update(hits)
+            continue
+        if not isinstance(overrides, dict):
+            raise ValueError(f"{where}.dynamic[{show(rule)}]: expected an object of overrides, got {show(overrides)}")
+        changed = [k for k in _GPTQ_LAYOUT if k in overrides and overrides[k] != qc.get(k, _DEFAULTS[k])]
+        if hits and changed:
+            raise ValueError(f"{where}.dynamic[{show(rule)}].{changed[0]}: {show(overrides[changed[0]])} for {hits[0]}, "
+                             f"where the layer's others have {show(qc.get(changed[0], _DEFAULTS[changed[0]]))}; "
+                             "expected every 4-bit projection of a layer in one layout")
+    return skipped
+
+
+_DEFAULTS = {"bits": 4, "group_size": 128, "sym": True, "desc_act": False, "checkpoint_format": "gptq",
+             "pack_dtype": "int32"}
+
+
+def _dense_by_not_convert(qc: dict, where: str, modules: List[str]) -> set:
+    """the modules modules_to_not_convert keeps dense: by transformers' rule (_matches) or by a
+    name within theirs (the substring test of older loaders: of the two, the one that keeps
+    more dense, so that a layer never reads as 4-bit what a loader would leave dense)"""
+    skip = qc.get("modules_to_not_convert")
+    if skip is None:
+        return set()
+    if not (isinstance(skip, list) and all(isinstance(s, str) for s in skip)):
+        raise ValueError(f"{where}.modules_to_not_convert: expected a list of module names, got {show(skip)}")
+    return {m for m in modules for pattern in skip if _matches(pattern, m) or pattern in m}
+
+
+def _dense_by_block_lists(qc: dict, where: str, modules: List[str], num_experts: Optional[int]) -> set:
+    """the modules modules_in_block_to_quantize (transformers' GPTQConfig: lists of a block's
+    module names quantized, the others left dense) leaves out: self_attn's (of `modules`), and
+    any expert's gate/up/down_proj ("mlp.experts.<e>.<part>", e of range(num_experts), or of the
+    experts it names where num_experts is not known: ValueError where it names none)"""
     lists = qc.get("modules_in_block_to_quantize")
     if lists is None:
-        return
+        return set()
     if not (isinstance(lists, list) and all(isinstance(x, list) and all(isinstance(n, str) for n in x)
                                             for x in lists)):
         raise ValueError(f"{where}.modules_in_block_to_quantize: expected lists of module names, got {show(lists)}")
     named = {n for x in lists for n in x}
-    missing = [f"self_attn.{a}" for a in ATTENTION if f"self_attn.{a}" not in named]
     experts = sorted({int(n.split(".")[2]) for n in named if n.count(".") == 3 and n.startswith("mlp.experts.")
                       and n.split(".")[2].isdecimal() and len(n.split(".")[2]) <= 9}) if num_experts is None else range(num_experts)
-    for e in experts:
-        missing += [f"mlp.experts.{e}.{x}" for x in EXPERT_PARTS if f"mlp.experts.{e}.{x}" not in named]
     if not experts:
-        missing.append("mlp.experts.<e>.gate_proj/up_proj/down_proj")
-    if missing:
-        raise ValueError(f"{where}.modules_in_block_to_quantize: leaves {', '.join(missing[:3])}"
-                         + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
-                         + " dense; expected every projection of a decoder layer quantized (a layer mixing dense "
-                         "and 4-bit projections is not read yet)")
+        raise ValueError(f"{where}.modules_in_block_to_quantize: names no expert's gate_proj/up_proj/down_proj; "
+                         "expected every expert's projections 4-bit")
+    prefix = modules[0][:modules[0].index("self_attn.")]
+    return {prefix + n for n in [f"self_attn.{a}" for a in ATTENTION]
+            + [f"mlp.experts.{e}.{x}" for e in experts for x in EXPERT_PARTS] if n not in named}

@@ -147,6 +147,14 @@ def _quantization(weight_format: Optional[str], quantization_config: Optional[Ma
     raise ValueError(f"weight_format: expected None, 'dense', '{FP8}' or '{GPTQ}', got {weight_format!r}")
 
 
+def _layer_settings(qc: Optional[dict], config: LayerConfig, layer_idx: int, settings: dict) -> dict:
+    """random_weights' settings of layer layer_idx: a GPTQ config's rules may leave one layer's
+    attention dense and not another's"""
+    if qc is None or qc.get("quant_method") != "gptq":
+        return settings
+    return gptq_settings(qc, num_experts=config.num_experts, layer_idx=layer_idx)
+
+
 def write_random_checkpoint(path: str, config: LayerConfig, num_layers: int = 1, seed: int = 0,
                             dtype: str = "bfloat16", weight_format: Optional[str] = None,
                             quantization_config: Optional[Mapping[str, Any]] = None, vocab_size: int = 256,
@@ -156,7 +164,8 @@ def write_random_checkpoint(path: str, config: LayerConfig, num_layers: int = 1,
     of DecoderLayer.random(config, seed + i, dtype, weight_format=..., quantization_config=...))
     and returns it. weight_format: None/'dense', 'fp8_e4m3_block128' or 'gptq_int4' (its
     quantization_config: GPTQ_CONFIG's fields, each overridable, e.g. {"group_size": 64,
-    "checkpoint_format": "gptq_v2"}). Shards hold at most shard_bytes each (a larger tensor
+    "checkpoint_format": "gptq_v2"}, or {"dynamic": {"-:.*self_attn.*": {}}} for 4-bit experts
+    with the attention dense). Shards hold at most shard_bytes each (a larger tensor
     alone) and never two layers' tensors. progress(layers written, num_layers) after each layer. `path` must not exist:
     nothing is overwritten."""
     if not isinstance(config, LayerConfig):
@@ -169,7 +178,11 @@ def write_random_checkpoint(path: str, config: LayerConfig, num_layers: int = 1,
         raise ValueError(f"dtype: expected 'bfloat16' or 'float32', got {dtype!r}")
     qc, settings = _quantization(weight_format, quantization_config, config)
     fmt = weight_format or DENSE
-    _C.weight_table(config, fmt, None, gptq_group=settings.get("gptq_group", 0))  # a geometry the format refuses
+    for i in range(num_layers if fmt == GPTQ else 0):  # each layer's own verdict of the rules (dense attention)
+        own = _layer_settings(qc, config, i, settings)  # a geometry the format refuses: here, before any file
+        _C.weight_table(config, fmt, None, gptq_group=own["gptq_group"], gptq_dense_attention=own["gptq_dense_attention"])
+    if fmt != GPTQ:
+        _C.weight_table(config, fmt, None)
     path = os.fspath(path)
     if os.path.lexists(path):
         raise FileExistsError(f"path: {path!r} exists; expected a new folder (nothing is overwritten)")
@@ -186,7 +199,7 @@ def write_random_checkpoint(path: str, config: LayerConfig, num_layers: int = 1,
             shards.add(name, _C.random_tensor(shape, seed * 1000003 + 999983 + k, dtype))
         everyone = list(range(config.num_experts))  # per-expert tensors, as checkpoints store them
         for i in range(num_layers):
-            weights = _C.random_weights(config, seed + i, dtype, fmt, everyone, **settings)
+            weights = _C.random_weights(config, seed + i, dtype, fmt, everyone, **_layer_settings(qc, config, i, settings))
             for name, t in weights.items():
                 shards.add(f"model.layers.{i}.{name}", t)
             shards.flush()  # this layer's bytes written before the next is drawn

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from hf_reference import randomize_for_generation
+from hf_reference import converted, draw_input, randomize_for_generation, rel_err, run
 
 SHIFTS = torch.arange(8, dtype=torch.int64) * 4
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -80,11 +80,12 @@ def desc_act_g_idx(K: int, group: int, seed: int) -> torch.Tensor:
 
 
 def gptq_model(model, group: int = 128, desc_act: bool = False, seed: int = 0, v1: bool = True,
-               sym: bool = True) -> dict:
+               sym: bool = True, dense_attention: bool = False) -> dict:
     """The GPTQ tensors of layer 0's projections ({checkpoint name: tensor}, experts per expert)
     with its norms and router as they are (the model's dtype), and the model's projections
     replaced in place by their dequantized values (transformers 5.x's fused experts or 4.57's
-    per-expert modules)"""
+    per-expert modules); dense_attention: q/k/v/o_proj left as they are, their ".weight"s
+    among the tensors (a checkpoint quantized to its experts alone)"""
     layer = model.model.layers[0]
     params = dict(layer.named_parameters())
     out = {}
@@ -100,7 +101,10 @@ def gptq_model(model, group: int = 128, desc_act: bool = False, seed: int = 0, v
     with torch.no_grad():
         for i, proj in enumerate(ATTENTION):
             p = params[f"self_attn.{proj}.weight"]
-            p.copy_(one(f"self_attn.{proj}", p, i))
+            if dense_attention:
+                out[f"self_attn.{proj}.weight"] = p.detach().clone()
+            else:
+                p.copy_(one(f"self_attn.{proj}", p, i))
         if "mlp.experts.gate_up_proj" in params:  # transformers 5.x: gate_up [E, 2I, H], down [E, H, I]
             gu, dn = params["mlp.experts.gate_up_proj"], params["mlp.experts.down_proj"]
             I = gu.shape[1] // 2
@@ -133,3 +137,14 @@ def random_model(geometry: dict, seed: int) -> Qwen3MoeForCausalLM:
         for a in ATTENTION:
             getattr(model.model.layers[0].self_attn, a).weight.normal_(0.0, 0.15)
     return model
+
+
+def prefill_then_decode_error(layer, model, tokens: int, seed: int) -> float:
+    """rel_err of the layer's update (y - x) against transformers' float64 run of `model`, over
+    a prefill of tokens - 1 and one decode step on one sequence"""
+    x = draw_input(model, (1, tokens, model.config.hidden_size), seed=seed)
+    exact = run(converted(model, torch.float64), x.double())
+    cache = layer.new_cache(tokens + 3)
+    y = torch.cat([torch.from_dlpack(layer.prefill(x[:, :-1].contiguous(), cache)),
+                   torch.from_dlpack(layer.decode(x[:, -1].contiguous(), cache)).unsqueeze(1)], dim=1)
+    return rel_err(y - x, exact.y - x.double())

@@ -41,6 +41,23 @@ def test_each_layer_read_back_is_the_random_layer_of_its_seed(tmp_path, fmt, qua
     assert not torch.equal(prefill(q3.DecoderLayer.from_checkpoint(path, 0), x), prefill(other, x))
 
 
+def test_a_rule_naming_one_layer_leaves_that_layers_attention_dense(tmp_path):
+    """config.json's rules are each layer's: layer 1's q/k/v/o_proj written dense (the dense
+    draws), layer 0's 4-bit, and each read back as the layer of its seed"""
+    rule = writer.GPTQ_CONFIG | {"dynamic": {r"-:model\.layers\.1\.self_attn\..*": {}}}
+    path = write_random_checkpoint(tmp_path / "ck", G128, num_layers=2, seed=5, weight_format="gptq_int4",
+                                   quantization_config=rule)
+    x = torch.randn(1, 6, 256, generator=torch.Generator().manual_seed(0)).bfloat16()
+    for i, dense in ((0, False), (1, True)):
+        read = q3.DecoderLayer.from_checkpoint(path, i)
+        assert ("self_attn.q_proj.weight" in read.weight_ptrs) == dense
+        assert ("self_attn.q_proj.qweight" in read.weight_ptrs) != dense
+        made = q3.DecoderLayer(G128, q3._C.random_weights(G128, 5 + i, "bfloat16", "gptq_int4",
+                                                          gptq_dense_attention=dense),
+                               quantization_config=rule, layer_idx=i)
+        assert torch.equal(prefill(read, x), prefill(made, x)), i
+
+
 def test_the_shards_and_the_index_are_as_transformers_writes_them(tmp_path):
     path = write_random_checkpoint(tmp_path / "ck", G128, num_layers=3, seed=1, weight_format="gptq_int4",
                                    shard_bytes=100_000)

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 import qwen3layer as q3
-from gptq_reference import gptq_model, random_model
+from gptq_reference import gptq_model, prefill_then_decode_error, random_model
 from hf_reference import converted, draw_input, rel_err, run
 from qwen3layer.checkpoint import CheckpointError, UnsupportedDtypeError
 
@@ -59,12 +59,7 @@ def test_a_gptq_checkpoint_is_borrowed_from_the_mapping_and_equals_transformers(
     assert {"self_attn.q_proj.qweight", "self_attn.q_proj.scales", "mlp.experts.5.down_proj.g_idx"} <= set(ptrs)
     for name, ptr in ptrs.items():  # words, scales, zeros, g_idx, norms, router: all read from the file
         assert mapped(layer, ptr), name
-    x = draw_input(model, (1, 9, G128["hidden_size"]), seed=2)
-    exact = run(converted(model, torch.float64), x.double())
-    cache = layer.new_cache(12)
-    y = torch.cat([torch.from_dlpack(layer.prefill(x[:, :8].contiguous(), cache)),
-                   torch.from_dlpack(layer.decode(x[:, 8].contiguous(), cache)).unsqueeze(1)], dim=1)
-    assert rel_err(y - x, exact.y - x.double()) <= 1e-5
+    assert prefill_then_decode_error(layer, model, 9, seed=2) <= 1e-5
 
 
 def test_what_the_quantization_config_says_is_read_from_config_json(tmp_path):
@@ -110,14 +105,18 @@ def test_an_expert_subset_maps_only_its_experts(good):
     ({"bits": 8}, r"config.json: quantization_config.bits: expected 4, got 8"),
     ({"group_size": 100}, r"config.json: quantization_config.group_size: expected -1 .* got 100"),
     ({"pack_dtype": "int16"}, r"config.json: quantization_config.pack_dtype: expected 'int32', got 'int16'"),
-    ({"dynamic": {"-:.*experts.*": {}}}, r"config.json: quantization_config.dynamic: expected no per-module"),
+    ({"dynamic": {"-:.*experts.*": {}}}, r"config.json: quantization_config.dynamic: leaves "
+                                          r"model.layers.0.mlp.experts.0.gate_proj dense; expected every expert's"),
+    ({"dynamic": {r"+:.*experts\.3\..*": {"group_size": 64}}},
+     r"quantization_config.dynamic\['\+:.*'\].group_size: 64 for model.layers.0.mlp.experts.3.gate_proj, where the "
+     r"layer's others have 128"),
     ({"modules_in_block_to_quantize": [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
                                        ["self_attn.o_proj"], [f"mlp.experts.{e}.{p}" for e in range(5)
                                                               for p in ("gate_proj", "up_proj", "down_proj")]]},
-     r"modules_in_block_to_quantize: leaves mlp.experts.5.gate_proj, mlp.experts.5.up_proj, "
-     r"mlp.experts.5.down_proj dense"),
+     r"modules_in_block_to_quantize: leaves model.layers.0.mlp.experts.5.gate_proj dense"),
     ({"modules_to_not_convert": ["model.layers.0.self_attn.q_proj"]},
-     r"modules_to_not_convert: 'model.layers.0.self_attn.q_proj' may keep a decoder layer's projection dense"),
+     r"modules_to_not_convert: leaves model.layers.0.self_attn.q_proj dense and model.layers.0.self_attn.k_proj "
+     r"4-bit; expected q/k/v/o_proj all 4-bit or all dense"),
 ])
 def test_a_quantization_config_the_layer_cannot_read_is_refused_before_any_shard_opens(good, tmp_path, opened, quant,
                                                                                         message):
@@ -175,4 +174,27 @@ def test_a_tensor_of_another_dtype_shape_or_name_is_refused_naming_the_file(tmp_
 def test_values_a_file_may_hold_are_checked_before_the_layer_is_made(tmp_path, what, change, message):
     _, path = gptq_checkpoint(tmp_path / "bad", seed=6, change=change)
     with pytest.raises(ValueError, match=message):
+        q3.DecoderLayer.from_checkpoint(path, 0)
+
+
+@pytest.mark.parametrize("rule", [{"dynamic": {r"-:model\.layers\.0\.self_attn\..*": {}}},
+                                  {"modules_to_not_convert": ["lm_head", "self_attn", "mlp.gate"]}])
+def test_a_checkpoint_of_4_bit_experts_and_dense_attention_is_read_as_it_says(tmp_path, opened, rule):
+    """q/k/v/o_proj stored dense ("<module>.weight"), as checkpoints quantized to their experts
+    store them, and config.json's rule saying so: borrowed from the mapping and equal to
+    transformers on the dequantized experts; the same tensors under a config that says the
+    attention is 4-bit: the missing qweight named before the layer is made"""
+    model, path = gptq_checkpoint(tmp_path / "ck", seed=4, quant=rule, dense_attention=True)
+    layer = q3.DecoderLayer.from_checkpoint(path, 0)
+    assert layer.weight_format == "gptq_int4" and layer.converted == ()
+    assert "self_attn.q_proj.weight" in layer.weight_ptrs and "self_attn.q_proj.qweight" not in layer.weight_ptrs
+    for name, ptr in layer.weight_ptrs.items():
+        assert mapped(layer, ptr), name
+    assert prefill_then_decode_error(layer, model, 9, seed=2) <= 1e-5
+    del layer
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    cfg["quantization_config"] = dict(QC)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(CheckpointError, match=r"self_attn.q_proj.qweight"):
         q3.DecoderLayer.from_checkpoint(path, 0)

@@ -8,7 +8,7 @@ import torch
 
 import qwen3layer as q3
 import qwen3layer.testing
-from gptq_reference import dequantize, gptq_model, quantize, random_model, unpack
+from gptq_reference import dequantize, gptq_model, prefill_then_decode_error, quantize, random_model, unpack
 from hf_reference import converted, draw_input, rel_err, run
 
 BEST = q3.build_info()["cpu_paths"][-1]
@@ -224,9 +224,16 @@ def test_random_weights_follow_the_quantization_config():
     (QC | {"group_size": 100}, r"quantization_config.group_size: expected -1 \(one group a matrix\) or a positive "
                                r"multiple of 8, got 100"),
     (QC | {"checkpoint_format": "marlin"}, r"checkpoint_format: expected 'gptq' or 'gptq_v2', got 'marlin'"),
-    (QC | {"dynamic": {"-:.*experts.*": {}}}, r"quantization_config.dynamic: expected no per-module overrides"),
+    (QC | {"dynamic": {"-:.*experts.*": {}}}, r"quantization_config.dynamic: leaves "
+                                              r"model.layers.0.mlp.experts.0.gate_proj dense; expected every expert's"),
+    (QC | {"dynamic": {r".*down_proj": {"bits": 8}}}, r"quantization_config.dynamic\['.\*down_proj'\].bits: 8 for "
+                                                     r"model.layers.0.mlp.experts.0.down_proj, where the layer's others "
+                                                     r"have 4"),
+    (QC | {"dynamic": {"-:.*experts.*": "x["}}, r"quantization_config.dynamic: leaves"),
+    (QC | {"dynamic": {"-:(": {}}}, r"quantization_config.dynamic: '-:\(' is not a regular expression"),
     (QC | {"modules_to_not_convert": ["lm_head", "self_attn.o_proj"]},
-     r"modules_to_not_convert: 'self_attn.o_proj' may keep a decoder layer's projection dense"),
+     r"modules_to_not_convert: leaves model.layers.0.self_attn.o_proj dense and model.layers.0.self_attn.q_proj "
+     r"4-bit; expected q/k/v/o_proj all 4-bit or all dense"),
     (QC | {"quant_method": "awq"}, r"quantization_config.quant_method: expected 'gptq', got 'awq'"),
     (QC | {"sym": "yes"}, r"quantization_config.sym: expected true or false, got 'yes'"),
 ])
@@ -267,3 +274,80 @@ def test_dequantize_int4_reads_the_packing_as_the_reference_does(good):
     with pytest.raises(ValueError, match=r"qzeros: expected a contiguous host int32 tensor \[1, 32\], got a host "
                                          r"int32 \[1, 16\]"):
         q3._C.dequantize_int4(t["qweight"], t["qzeros"][:, :16].contiguous(), t["scales"], t["g_idx"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_experts_alone_in_4_bits_with_the_attention_dense(dtype):
+    """a checkpoint quantized to its experts (q/k/v/o_proj "<module>.weight" of the layer's
+    dtype, as such checkpoints store them): the weights say so, the attention runs dense and the
+    experts 4-bit; fp32 within 1e-5 of a float64 run over a prefill and a decode step, bf16
+    within twice transformers' own bf16 error; its bytes are the dense attention's and the
+    4-bit experts'"""
+    model = random_model(G128, 9)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(dtype).float())
+    tensors = {k: v.to(dtype) if v.is_floating_point() and v.dtype != torch.float16 else v
+               for k, v in gptq_model(model, seed=9, dense_attention=True).items()}
+    assert "self_attn.q_proj.weight" in tensors and "self_attn.q_proj.qweight" not in tensors
+    cfg = q3.LayerConfig.from_hf(model.config)
+    layer = q3.DecoderLayer(cfg, tensors)
+    assert layer.weight_format == "gptq_int4" and layer.dtype == str(dtype).split(".")[1] and layer.converted == ()
+    whole = q3.DecoderLayer.random(cfg, 0, layer.dtype, weight_format="gptq_int4")
+    attention = sum(tensors[f"self_attn.{a}.weight"].numel() for a in ("q_proj", "k_proj", "v_proj", "o_proj"))
+    packed = [torch.from_dlpack(v) for k, v in q3._C.random_weights(cfg, 0, layer.dtype, "gptq_int4").items()
+              if k.startswith("self_attn.") and k.rsplit(".", 1)[1] in ("qweight", "scales", "qzeros", "g_idx")]
+    assert len(packed) == 16
+    assert layer.weight_bytes - whole.weight_bytes == attention * dtype.itemsize - sum(
+        t.numel() * t.element_size() for t in packed)
+    if dtype == torch.bfloat16:
+        x = draw_input(model, (1, 18, G128["hidden_size"]), seed=5, dtype=torch.bfloat16)
+        q3.testing.assert_matches(layer, model.model.layers[0], x, torch.bfloat16, calls=(17, 1))
+        return
+    assert prefill_then_decode_error(layer, model, 21, seed=5) <= 1e-5
+
+
+@pytest.mark.parametrize("rule", [{"dynamic": {"-:.*self_attn.*": {}}}, {"modules_to_not_convert": ["self_attn"]},
+                                  {"modules_in_block_to_quantize": [[f"mlp.experts.{e}.{p}" for e in range(6)
+                                                                     for p in ("gate_proj", "up_proj", "down_proj")]]}])
+def test_a_quantization_config_that_leaves_the_attention_dense_is_honoured(rule):
+    """each of the three ways a config leaves q/k/v/o_proj dense: random() makes them dense
+    draws (those of the dense layer of the same seed), the weights are read so; a config that
+    says the other of what the weights hold is refused, naming both"""
+    cfg = q3.LayerConfig(**G128)
+    layer = q3.DecoderLayer.random(cfg, 4, "float32", weight_format="gptq_int4", quantization_config=QC | rule)
+    assert "self_attn.o_proj.weight" in layer.weight_ptrs and "self_attn.o_proj.qweight" not in layer.weight_ptrs
+    assert "mlp.experts.5.down_proj.qweight" in layer.weight_ptrs
+    mixed = {k: torch.from_dlpack(v) for k, v in
+             q3._C.random_weights(cfg, 4, "float32", "gptq_int4", gptq_dense_attention=True).items()}
+    dense = torch.from_dlpack(q3._C.random_weights(cfg, 4, "float32")["self_attn.o_proj.weight"])
+    assert torch.equal(mixed["self_attn.o_proj.weight"], dense)
+    x = layer.random_input((1, 5, G128["hidden_size"]), seed=1)
+    again = q3.DecoderLayer(cfg, mixed, quantization_config=QC | rule)
+    assert torch.equal(torch.from_dlpack(layer.prefill(x, layer.new_cache(8))),
+                       torch.from_dlpack(again.prefill(x, again.new_cache(8))))
+    with pytest.raises(ValueError, match=r"quantization_config: its rules leave layer 0's q/k/v/o_proj 4-bit, but "
+                                         r"the weights hold self_attn.q_proj.weight"):
+        q3.DecoderLayer(cfg, mixed, quantization_config=QC)
+    with pytest.raises(ValueError, match=r"its rules leave layer 3's q/k/v/o_proj dense, but the weights hold "
+                                         r"self_attn.q_proj.qweight"):
+        q3.DecoderLayer(cfg, q3._C.random_weights(cfg, 4, "float32", "gptq_int4"), quantization_config=QC | rule,
+                        layer_idx=3)
+
+
+def test_the_cost_model_counts_a_dense_attention_at_the_layers_dtype():
+    """cost_model(dense_attention=True): q/k/v/o_proj read as the dense format's bytes, the
+    experts as 4-bit ones, which is what such a layer's weight_bytes holds"""
+    from qwen3layer.analysis.costs import cost_model
+    cfg = q3.LayerConfig(**G128)
+    stages = {m: {s.name: s.weight_bytes for s in cost_model(cfg, "prefill", 64, dtype="bfloat16", **kw).stages}
+              for m, kw in (("dense", {}), ("int4", dict(weight_format="gptq_int4")),
+                            ("mixed", dict(weight_format="gptq_int4", dense_attention=True)))}
+    for s in ("qkv_proj", "o_proj"):
+        assert stages["mixed"][s] == stages["dense"][s] > stages["int4"][s]
+    assert stages["mixed"]["experts"] == stages["int4"]["experts"] < stages["dense"]["experts"]
+    layer = q3.DecoderLayer.random(cfg, 1, weight_format="gptq_int4",
+                                   quantization_config=QC | {"modules_to_not_convert": ["self_attn"]})
+    int4 = q3.DecoderLayer.random(cfg, 1, weight_format="gptq_int4")
+    assert layer.weight_bytes - int4.weight_bytes == sum(stages["mixed"][s] - stages["int4"][s]
+                                                         for s in ("qkv_proj", "o_proj"))
