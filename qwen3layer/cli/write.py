@@ -29,6 +29,8 @@ def add_parser(sub) -> None:
     w.add_argument("--group-size", type=int, default=128, help="with --int4: inputs a group, or -1 (default 128)")
     w.add_argument("--gptq-v2", action="store_true", help="with --int4: zeros stored as they are (checkpoint_format "
                    "gptq_v2; default: gptq, a zero stored minus 1)")
+    w.add_argument("--dense-attention", action="store_true", help="with --int4: the experts alone 4-bit, q/k/v/o_proj "
+                   "dense (config.json's dynamic rule \"-:.*self_attn.*\")")
     w.add_argument("--vocab-size", type=int, default=256, help="embed_tokens and lm_head rows (default 256)")
     w.add_argument("--shard-mb", type=int, default=DEFAULT_SHARD_BYTES // 1_000_000,
                    help=f"megabytes a shard at most (default {DEFAULT_SHARD_BYTES // 1_000_000})")
@@ -36,13 +38,16 @@ def add_parser(sub) -> None:
 
 
 def cmd_write(args: argparse.Namespace) -> int:
-    if not args.int4 and (args.group_size != 128 or args.gptq_v2):
-        print("write-checkpoint: --group-size and --gptq-v2 are read with --int4 only", file=sys.stderr)
+    if not args.int4 and (args.group_size != 128 or args.gptq_v2 or args.dense_attention):
+        print("write-checkpoint: --group-size, --gptq-v2 and --dense-attention are read with --int4 only",
+              file=sys.stderr)
         return 2
     cfg = geometry(args.geometry)
     fmt = FP8 if args.fp8 else INT4 if args.int4 else None
     qc = {"group_size": args.group_size, "checkpoint_format": "gptq_v2" if args.gptq_v2 else "gptq"} if args.int4 \
         else None
+    if args.dense_attention:
+        qc["dynamic"] = {"-:.*self_attn.*": {}}
     started = time.perf_counter()
 
     def progress(done: int, total: int) -> None:
@@ -52,5 +57,6 @@ def cmd_write(args: argparse.Namespace) -> int:
     path = write_random_checkpoint(args.path, cfg, args.layers, args.seed, args.dtype, fmt, qc, args.vocab_size,
                                    args.shard_mb * 1_000_000, progress)
     sys.stderr.write("\n")
-    print(f"wrote {path}: {args.layers} layer(s) of {cfg}, weights {fmt or args.dtype}")
+    what = f"{fmt} experts, {args.dtype} attention" if args.dense_attention else fmt or args.dtype
+    print(f"wrote {path}: {args.layers} layer(s) of {cfg}, weights {what}")
     return 0

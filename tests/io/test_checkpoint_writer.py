@@ -140,3 +140,9 @@ def test_the_command_writes_a_checkpoint_run_reads(tmp_path, capsys):
     assert torch.equal(prefill(read, x), prefill(made, x))
     assert main(["write-checkpoint", str(tmp_path / "ck")]) == 2
     assert "exists" in capsys.readouterr().err
+    assert main(["write-checkpoint", str(tmp_path / "mixed"), "--int4", "--group-size", "32", "--dense-attention"]) == 0
+    assert "gptq_int4 experts, bfloat16 attention" in capsys.readouterr().out
+    read = q3.DecoderLayer.from_checkpoint(str(tmp_path / "mixed"), 0)
+    assert read.weight_format == "gptq_int4" and "self_attn.o_proj.weight" in read.weight_ptrs
+    assert main(["write-checkpoint", str(tmp_path / "no"), "--dense-attention"]) == 2
+    assert "--dense-attention are read with --int4 only" in capsys.readouterr().err
