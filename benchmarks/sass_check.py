@@ -82,6 +82,10 @@ DECODE_KERNELS = [
     Expect("moe_combine_kernel", "moe_grouped.cu", 256),           # COMBINE_THREADS
     # FP8 weights (fp8.cuh's fp8_row_dots: 16-byte loads of 16 e4m3)
     Expect("gemv_fp8_kernel", "matmul_fp8.cu", 256, wide_loads=True),  # FP8_GEMV_WARPS 8
+    # GPTQ int4 weights (int4.cuh's tile: 16-byte loads of 4 words, 32 nibbles, a lane)
+    Expect("gemv_int4_kernel", "matmul_int4.cu", 256, wide_loads=True),  # INT4_THREADS
+    Expect("moe_gate_up_int4_kernel", "moe_grouped.cu", 256, wide_loads=True),
+    Expect("moe_down_int4_kernel", "moe_grouped.cu", 256, wide_loads=True),
     # a step of a layer split over the GPU and the host (qwen3layer/placement/hybrid.py): the
     # rows with a host expert taken out, the host's sums added back; a block a row
     Expect("take_rows_kernel", "elementwise.cu", 256),

@@ -71,6 +71,9 @@ CASE_KERNELS = [
     ("fp8 matmul GEMV", ["gemv_fp8_kernel"]),
     ("fp8 dequant", ["fp8_dequant_kernel"]),
     ("fp8 moe gate_up + down", ["moe_gate_up_kernel<fp8_rows>", "moe_down_kernel<fp8_rows>"]),
+    ("int4 matmul GEMV", ["gemv_int4_kernel"]),
+    ("int4 dequant", ["int4_dequant_kernel"]),
+    ("int4 moe gate_up + down", ["moe_gate_up_int4_kernel", "moe_down_int4_kernel"]),
     ("swiglu", ["swiglu_kernel"]),
     ("gather + scatter_add", ["gather_kernel", "scatter_add_kernel"]),
     ("convert", ["from_f32_kernel", "to_f32_kernel"]),
@@ -127,6 +130,18 @@ MUTANTS = [
            "attention_probs_kernel", "twin", ("attention_probs",)),
     Mutant(13, "rows taken as H 16-bit units, not H x element size / 2: half of each fp32 row moved",
            "q3_take_rows_cuda", "twin", ("take_rows",)),
+    Mutant(14, "GPTQ g_idx ignored in the dequantization: input k's group taken as k G / K, not g_idx[k]",
+           "int4_dequant_kernel", "twin", ("int4_dequant",)),
+    Mutant(15, "accumulate ignored: the int4 GEMV overwrites y instead of adding to it", "gemv_int4_kernel", "twin",
+           ("matmul_int4",)),
+    Mutant(16, "GPTQ zero from the wrong column: output n dequantized with the zero nibble of n ^ 1",
+           "int4_dequant_kernel", "twin", ("int4_dequant",)),
+    Mutant(17, "__syncthreads removed: the up tile's sums land in shared memory before all threads read the gate's",
+           "moe_gate_up_int4_kernel", "race", ("moe_gate_up_int4",)),
+    Mutant(18, "int4 down projection of the wrong expert: block column a reads expert a, not the a-th active one",
+           "moe_down_int4_kernel", "twin", ("moe_down_int4",)),
+    Mutant(19, "GPTQ groups of a K slice run together: the GEMV scales a slice by its first group's scale and zero",
+           "gemv_int4_kernel", "twin", ("matmul_int4",)),
 ]
 
 CHILD = r"""

@@ -1,8 +1,8 @@
 /* The CUDA kernel self-check: every kernel against its CPU twin (kernel_check_dense.c,
- * kernel_check_attention.c, kernel_check_moe.c), for the GPU tests, benchmarks/gpu_check.sh
- * and, on the SIMT executor, every CI run: hand-made cases, then loops over the shapes that
- * change a kernel's behaviour (1 and 17 tokens, contexts, batches of sequences of different
- * lengths, head dims, top-k, left padding). On the executor each case runs under each thread
+ * kernel_check_attention.c, kernel_check_moe.c, kernel_check_fp8.c, kernel_check_int4.c), for
+ * the GPU tests, benchmarks/gpu_check.sh and, on the SIMT executor, every CI run: hand-made
+ * cases, then loops over the shapes that change a kernel's behaviour (1 and 17 tokens,
+ * contexts, batches of sequences of different lengths, head dims, top-k, left padding). On the executor each case runs under each thread
  * schedule and its results must be bitwise equal across them: a missing barrier shows as a
  * difference. The cuBLAS setting is read first and restored last, whatever happens between. */
 #include <stdlib.h>
@@ -335,6 +335,49 @@ static q3_status run_cases(check *k, q3_check_result *out, uint64_t *digests, in
         RUN("moe_gate_up_fp8+moe_down_fp8", name, 1e-5, q3_case_moe_experts_fp8(k, 17, 8, 12, 144, 272, sdt));
         NAME("fp8 moe gate_up + down, %s scales T=9 k=4 E=12 I=36 H=100", sn);
         RUN("moe_gate_up_fp8+moe_down_fp8", name, 1e-5, q3_case_moe_experts_fp8(k, 9, 4, 12, 36, 100, sdt));
+    }
+    /* GPTQ int4 weights: groups of 128, 64, 32 and one of all K, desc_act, both zero offsets; N
+     * not a multiple of the tile's 32 outputs, K/8 word rows not of its 32 slices (which then
+     * cut groups); T 1 to 16 (two token tiles), accumulate on for 3 and 16; w and x unaligned */
+    static const struct {
+        int64_t N, K;
+        q3_int4_kind kind;
+    } INT4[] = {{72, 512, {128, 0, 1}}, {200, 256, {64, 0, 0}}, {40, 384, {32, 0, 1}}, {104, 320, {0, 0, 0}},
+                {72, 256, {32, 1, 1}},  {48, 384, {128, 1, 0}}};
+    static const int64_t INT4_ROWS[] = {1, 3, 8, 16};
+    char kind[32];
+    for (size_t s = 0; s < sizeof INT4 / sizeof INT4[0]; s++) {
+        const int64_t N = INT4[s].N, K = INT4[s].K;
+        q3_int4_kind_name(kind, sizeof kind, &INT4[s].kind);
+        EACH(T, INT4_ROWS) {
+            const int acc = T == 3 || T == 16;
+            NAME("int4 matmul GEMV %s T=%d N=%d K=%d%s", kind, (int)T, (int)N, (int)K, acc ? " acc" : "");
+            RUN("matmul_int4", name, 1e-5, q3_case_int4_matmul(k, &INT4[s].kind, T, N, K, acc, 0, 0));
+        }
+        NAME("int4 dequant to bf16, %s N=%d K=%d", kind, (int)N, (int)K);
+        RUN("int4_dequant", name, 0.0, q3_case_int4_dequant(k, &INT4[s].kind, N, K, 0));
+    }
+    RUN("matmul_int4", "int4 matmul GEMV g32 v1 T=3 N=24 K=4096: 4 groups a slice", 1e-5,
+        q3_case_int4_matmul(k, &INT4[2].kind, 3, 24, 4096, 0, 0, 0));
+    RUN("matmul_int4", "int4 matmul GEMV g128 v1 T=3 N=72 K=512 acc, w, x unaligned", 1e-5,
+        q3_case_int4_matmul(k, &INT4[0].kind, 3, 72, 512, 1, 4, 4));
+    RUN("int4_dequant", "int4 dequant to bf16, g64 v2 N=200 K=256, dst unaligned", 0.0,
+        q3_case_int4_dequant(k, &INT4[1].kind, 200, 256, 2));
+    static const struct {
+        int64_t T, I, H;
+        int top, E;
+        q3_int4_kind kind;
+    } INT4_MOE[] = {{3, 96, 224, 4, 12, {32, 0, 1}},
+                    {16, 72, 136, 8, 12, {0, 0, 0}},
+                    {1, 40, 64, 8, 16, {8, 1, 1}},
+                    {8, 128, 192, 2, 16, {64, 0, 0}}};
+    for (size_t s = 0; s < sizeof INT4_MOE / sizeof INT4_MOE[0]; s++) {
+        q3_int4_kind_name(kind, sizeof kind, &INT4_MOE[s].kind);
+        NAME("int4 moe gate_up + down, %s T=%d k=%d E=%d I=%d H=%d", kind, (int)INT4_MOE[s].T, INT4_MOE[s].top,
+             INT4_MOE[s].E, (int)INT4_MOE[s].I, (int)INT4_MOE[s].H);
+        RUN("moe_gate_up_int4+moe_down_int4", name, 1e-5,
+            q3_case_moe_experts_int4(k, &INT4_MOE[s].kind, INT4_MOE[s].T, INT4_MOE[s].top, INT4_MOE[s].E,
+                                     INT4_MOE[s].I, INT4_MOE[s].H));
     }
     RUN("swiglu", "swiglu", 1e-5, q3_case_swiglu(k));
     RUN("gather_rows+scatter_add_rows", "gather + scatter_add rows", 1e-6, q3_case_rows(k));

@@ -1,6 +1,7 @@
 /* The CUDA kernel self-check's harness (kernel_check.c runs the cases, kernel_check_dense.c,
- * kernel_check_attention.c and kernel_check_moe.c hold them): host and device buffers of one
- * case, freed together, and the first CUDA failure. Internal to those files. */
+ * kernel_check_attention.c, kernel_check_moe.c, kernel_check_fp8.c and kernel_check_int4.c hold
+ * them): host and device buffers of one case, freed together, and the first CUDA failure; the
+ * helpers the cases share. Internal to those files. */
 #ifndef Q3_CHECK_KERNEL_CHECK_H
 #define Q3_CHECK_KERNEL_CHECK_H
 
@@ -68,6 +69,26 @@ static inline void fetch(check *k, void *dst, const void *d, size_t bytes) {
     if (!k->failed && cuda_ok(k, k->g->synchronize(), "kernel")) cuda_ok(k, k->g->copy(dst, d, bytes, 0), "copy to host");
     if (k->failed) return;
     for (size_t i = 0; i < bytes; i++) k->digest = (k->digest ^ ((const unsigned char *)dst)[i]) * 0x100000001b3ull;
+}
+
+/* src's bytes copied `off` bytes into a fresh device buffer (off % 16 != 0: not 16-byte aligned) */
+static inline void *device_off(check *k, const void *src, size_t bytes, size_t off) {
+    char *d = device(k, NULL, bytes + off);
+    if (!d || !cuda_ok(k, k->g->copy(d + off, src, bytes, 1), "copy to device")) return NULL;
+    return d + off;
+}
+
+/* k distinct experts of E per token, in no particular order (as the router's top-k), from a
+ * fixed LCG; with T * k near E, several experts are chosen by more than one token */
+static inline void pick_experts(int32_t *idx, int64_t T, int k, int E, uint32_t seed) {
+    for (int64_t t = 0; t < T; t++)
+        for (int j = 0; j < k;) {
+            seed = seed * 1664525u + 1013904223u;
+            const int32_t e = (int32_t)((seed >> 8) % (uint32_t)E);
+            int taken = 0;
+            for (int i = 0; i < j; i++) taken |= idx[t * k + i] == e;
+            if (!taken) idx[t * k + j++] = e;
+        }
 }
 
 static inline void release(check *k) {
@@ -158,5 +179,20 @@ double q3_case_fp8_matmul(check *k, q3_dtype sdt, int64_t T, int64_t N, int64_t 
                           int nan);
 double q3_case_fp8_dequant(check *k, q3_dtype sdt, int64_t N, int64_t K, size_t w_off);
 double q3_case_moe_experts_fp8(check *k, int64_t T, int top, int E, int64_t I, int64_t H, q3_dtype sdt);
+
+/* the 4-bit GPTQ kernels' cases (kernel_check_int4.c): matrices of one kind; w_off, x_off,
+ * d_off bytes into their buffers (not 16-byte aligned: the fallbacks) */
+typedef struct {
+    int64_t group;   /* inputs a group; 0: one group of all K */
+    int desc_act;    /* g_idx a shuffle of k / group, not k / group (the matrix's group 0) */
+    int zero_offset; /* 1: "gptq" (v1), 0: "gptq_v2" */
+} q3_int4_kind;
+/* "g128 v1", "1 group v2", "desc_act g32 v1" */
+void q3_int4_kind_name(char *out, size_t n, const q3_int4_kind *kind);
+double q3_case_int4_matmul(check *k, const q3_int4_kind *kind, int64_t T, int64_t N, int64_t K, int accumulate,
+                           size_t w_off, size_t x_off);
+double q3_case_int4_dequant(check *k, const q3_int4_kind *kind, int64_t N, int64_t K, size_t d_off);
+double q3_case_moe_experts_int4(check *k, const q3_int4_kind *kind, int64_t T, int top, int E, int64_t I,
+                                int64_t H);
 
 #endif

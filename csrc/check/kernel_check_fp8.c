@@ -32,13 +32,6 @@ static void *host_scale(check *k, int64_t N, int64_t K, q3_dtype sdt, uint32_t s
     return p;
 }
 
-/* src's bytes copied `off` bytes into a fresh device buffer (off % 16 != 0: not 16-byte aligned) */
-static void *device_off(check *k, const void *src, size_t bytes, size_t off) {
-    char *d = device(k, NULL, bytes + off);
-    if (!d || !cuda_ok(k, k->g->copy(d + off, src, bytes, 1), "copy to device")) return NULL;
-    return d + off;
-}
-
 double q3_case_fp8_matmul(check *k, q3_dtype sdt, int64_t T, int64_t N, int64_t K, size_t w_off, size_t x_off,
                           int nan) {
     const size_t sbytes = (size_t)(q3_fp8_blocks(N) * q3_fp8_blocks(K)) * q3_dtype_size(sdt);
@@ -79,18 +72,6 @@ double q3_case_fp8_dequant(check *k, q3_dtype sdt, int64_t N, int64_t K, size_t 
     return k->failed || memcmp(got, want, N * K * 2) ? INFINITY : 0.0;
 }
 
-/* k distinct experts of E per token (as kernel_check_moe.c's, another LCG stream) */
-static void pick(int32_t *idx, int64_t T, int top, int E, uint32_t seed) {
-    for (int64_t t = 0; t < T; t++)
-        for (int j = 0; j < top;) {
-            seed = seed * 1664525u + 1013904223u;
-            const int32_t e = (int32_t)((seed >> 8) % (uint32_t)E);
-            int taken = 0;
-            for (int i = 0; i < j; i++) taken |= idx[t * top + i] == e;
-            if (!taken) idx[t * top + j++] = e;
-        }
-}
-
 /* device arrays of E device pointers: base + e * stride bytes */
 static const void *const *table(check *k, const void *base, int E, size_t stride) {
     const void *ptrs[64];
@@ -114,7 +95,7 @@ double q3_case_moe_experts_fp8(check *k, int64_t T, int top, int E, int64_t I, i
     void *ds = host_scale(k, E * q3_fp8_blocks(H) * 128, I, sdt, 63);
     float *act = host(k, P * I * 4), *y = host(k, P * H * 4), *act_got = host(k, P * I * 4), *y_got = host(k, P * H * 4);
     if (k->failed) return INFINITY;
-    pick(idx, T, top, E, 64);
+    pick_experts(idx, T, top, E, 64);
     q3_moe_route_host(offsets, rows, weights, active, slot, idx, w, T, top, E);
     const uint8_t *hg[64], *hu[64], *hd[64];
     const void *hgs[64], *hus[64], *hds[64];

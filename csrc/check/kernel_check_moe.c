@@ -4,19 +4,6 @@
  * lists (top-k 1 to 8, 1 and 17 tokens). */
 #include "kernel_check.h"
 
-/* k distinct experts of E per token, in no particular order (as the router's top-k), from a
- * fixed LCG; with T * k near E, several experts are chosen by more than one token */
-static void pick_experts(int32_t *idx, int64_t T, int k, int E, uint32_t seed) {
-    for (int64_t t = 0; t < T; t++)
-        for (int j = 0; j < k;) {
-            seed = seed * 1664525u + 1013904223u;
-            const int32_t e = (int32_t)((seed >> 8) % (uint32_t)E);
-            int taken = 0;
-            for (int i = 0; i < j; i++) taken |= idx[t * k + i] == e;
-            if (!taken) idx[t * k + j++] = e;
-        }
-}
-
 /* the expert grouping on the device: offsets, rows, weights, active and slot exactly */
 double q3_case_moe_route(check *k, int64_t T, int top, int E) {
     const int P = (int)T * top;

@@ -393,3 +393,22 @@ void q3_matmul_int4_cpu_avx512bf16(float *y, const float *x, const q3_int4_matri
     q3_matmul_dot_from(y, x, rows_int4_bf16, &m, NULL, 0, 0, T, N, K, accumulate, xb, threads);
 }
 #endif
+
+#if Q3_CPU_TWINS
+/* the CUDA GEMV's twin: this matmul with its scratch, one thread */
+int q3_matmul_int4_host(float *y, const float *x, const q3_int4_matrix *w, int64_t T, int64_t N, int64_t K,
+                        int accumulate) {
+    const int64_t n = q3_matmul_int4_scratch_floats(T, K);
+    float *scratch = n ? malloc((size_t)n * sizeof(float)) : NULL;
+    if (n && !scratch) return 1;
+    q3_matmul_int4_cpu_portable(y, x, w, T, N, K, accumulate, scratch, 1, NULL);
+    free(scratch);
+    return 0;
+}
+
+/* the dequantization kernel's twin: kernels/int4.h's scalar reference, each value rounded to bf16 */
+void q3_int4_dequant_host(uint16_t *dst, const q3_int4_matrix *w, int64_t N, int64_t K) {
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t k = 0; k < K; k++) dst[n * K + k] = q3_f32_to_bf16(q3_int4_weight(w, N, n, k));
+}
+#endif

@@ -1,8 +1,9 @@
 /* The CPU twins of kernels/cuda/moe_grouped.cu, the routed experts of a decode step (twins.h):
  * the device-side grouping (moe_route), the gate/up and down projections per active expert on
- * dense or FP8 weights (one loop for both over an expert_rows, as the CUDA kernels' one source
- * over their weight-row readers), and the weighted combine, as compositions of the portable
- * kernels. Portable variant only. x [T, K]; act, y by slot: [T * k, I], [T * k, N]. */
+ * dense, FP8 or GPTQ int4 weights (one loop for all over an expert_rows, as the CUDA kernels'
+ * one source over their weight-row readers for dense and FP8), and the weighted combine, as
+ * compositions of the portable kernels. Portable variant only. x [T, K]; act, y by slot:
+ * [T * k, I], [T * k, N]. */
 #include <stdlib.h>
 
 #include "ops.h"
@@ -50,18 +51,20 @@ void q3_moe_combine_host(float *x, const float *y, const float *weights, const i
     }
 }
 
-/* An expert's weights, as the CUDA kernels' readers take them: per matrix j (gate and up, or
- * down), [E] pointers to dense rows [*, K] of dt, or to e4m3 rows and their block scales of
- * dt (kernels/fp8.h) */
+/* An expert's weights, as the CUDA kernels take them: per matrix j (gate and up, or down),
+ * [E] pointers to dense rows [*, K] of dt, or to e4m3 rows and their block scales of dt
+ * (kernels/fp8.h), or [E] GPTQ matrices (kernels/int4.h) */
 typedef struct {
     const void *const *dense[2];
     const uint8_t *const *fp8[2];
     const void *const *scale[2];
     q3_dtype dt;
+    const q3_int4_matrix *int4[2];
 } expert_rows;
 
 /* y [n, N] = x [n, K] W^T, W matrix j of expert e */
 static int project(float *y, const float *x, const expert_rows *r, int j, int e, int64_t n, int64_t N, int64_t K) {
+    if (r->int4[j]) return q3_matmul_int4_host(y, x, &r->int4[j][e], n, N, K, 0);
     if (r->fp8[j]) return q3_matmul_fp8_host(y, x, r->fp8[j][e], r->scale[j][e], r->dt, n, N, K, 0);
     q3_matmul_cpu_portable(y, x, r->dense[j][e], r->dt, n, N, K, 0, NULL);
     return 0;
@@ -100,13 +103,13 @@ static int down(float *y, const float *act, const int64_t *offsets, const int32_
 int q3_moe_gate_up_host(float *act, const float *x, const int32_t *rows, const int64_t *offsets,
                         const int32_t *active, const void *const *gate, const void *const *up, q3_dtype w_dt,
                         int64_t I, int64_t K) {
-    const expert_rows r = {{gate, up}, {NULL, NULL}, {NULL, NULL}, w_dt};
+    const expert_rows r = {.dense = {gate, up}, .dt = w_dt};
     return gate_up(act, x, rows, offsets, active, &r, I, K);
 }
 
 void q3_moe_down_host(float *y, const float *act, const int64_t *offsets, const int32_t *active,
                       const void *const *down_w, q3_dtype w_dt, int64_t N, int64_t K) {
-    const expert_rows r = {{down_w, NULL}, {NULL, NULL}, {NULL, NULL}, w_dt};
+    const expert_rows r = {.dense = {down_w, NULL}, .dt = w_dt};
     down(y, act, offsets, active, &r, N, K);
 }
 
@@ -114,14 +117,27 @@ int q3_moe_gate_up_fp8_host(float *act, const float *x, const int32_t *rows, con
                             const int32_t *active, const uint8_t *const *gate, const uint8_t *const *up,
                             const void *const *gate_scale, const void *const *up_scale, q3_dtype sdt, int64_t I,
                             int64_t K) {
-    const expert_rows r = {{NULL, NULL}, {gate, up}, {gate_scale, up_scale}, sdt};
+    const expert_rows r = {.fp8 = {gate, up}, .scale = {gate_scale, up_scale}, .dt = sdt};
     return gate_up(act, x, rows, offsets, active, &r, I, K);
 }
 
 int q3_moe_down_fp8_host(float *y, const float *act, const int64_t *offsets, const int32_t *active,
                          const uint8_t *const *down_w, const void *const *down_scale, q3_dtype sdt, int64_t N,
                          int64_t K) {
-    const expert_rows r = {{NULL, NULL}, {down_w, NULL}, {down_scale, NULL}, sdt};
+    const expert_rows r = {.fp8 = {down_w, NULL}, .scale = {down_scale, NULL}, .dt = sdt};
+    return down(y, act, offsets, active, &r, N, K);
+}
+
+int q3_moe_gate_up_int4_host(float *act, const float *x, const int32_t *rows, const int64_t *offsets,
+                             const int32_t *active, const q3_int4_matrix *gate, const q3_int4_matrix *up, int64_t I,
+                             int64_t K) {
+    const expert_rows r = {.int4 = {gate, up}};
+    return gate_up(act, x, rows, offsets, active, &r, I, K);
+}
+
+int q3_moe_down_int4_host(float *y, const float *act, const int64_t *offsets, const int32_t *active,
+                          const q3_int4_matrix *down_w, int64_t N, int64_t K) {
+    const expert_rows r = {.int4 = {down_w, NULL}};
     return down(y, act, offsets, active, &r, N, K);
 }
 

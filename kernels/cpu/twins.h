@@ -12,6 +12,7 @@
 
 #include "../attention.h"
 #include "../dtype.h"
+#include "../int4.h"
 #include "../moe_group.h"
 
 /* rmsnorm.c: x += r, then rmsnorm */
@@ -47,6 +48,14 @@ int q3_moe_down_fp8_host(float *y, const float *act, const int64_t *offsets, con
                          const uint8_t *const *down, const void *const *down_scale, q3_dtype sdt, int64_t N,
                          int64_t K);
 
+/* GPTQ 4-bit weights (kernels/int4.h; host matrices): per active expert gather_rows,
+ * matmul_int4, matmul_int4, swiglu; and matmul_int4; gate, up, down arrays of E matrices */
+int q3_moe_gate_up_int4_host(float *act, const float *x, const int32_t *rows, const int64_t *offsets,
+                             const int32_t *active, const q3_int4_matrix *gate, const q3_int4_matrix *up, int64_t I,
+                             int64_t K);
+int q3_moe_down_int4_host(float *y, const float *act, const int64_t *offsets, const int32_t *active,
+                          const q3_int4_matrix *down, int64_t N, int64_t K);
+
 /* matmul_tc.c: n rows of src (row i: src + (rows ? rows[i] : i) * K) into dst [n, K] rounded
  * to bf16 values, as the tensor cores read them; matmul_tc and matmul_wmma on such x, bf16
  * weights */
@@ -65,5 +74,11 @@ void q3_moe_combine_csr_host(float *x, const float *y, const float *weights, con
 int q3_matmul_fp8_host(float *y, const float *x, const uint8_t *w, const void *scale, q3_dtype sdt, int64_t T,
                        int64_t N, int64_t K, int accumulate);
 int q3_fp8_dequant_host(uint16_t *dst, const uint8_t *w, const void *scale, q3_dtype sdt, int64_t N, int64_t K);
+
+/* matmul_int4.c: the CPU's matmul_int4 with its scratch, one thread; kernels/int4.h's scalar
+ * dequantization, each value rounded to bf16 */
+int q3_matmul_int4_host(float *y, const float *x, const q3_int4_matrix *w, int64_t T, int64_t N, int64_t K,
+                        int accumulate);
+void q3_int4_dequant_host(uint16_t *dst, const q3_int4_matrix *w, int64_t N, int64_t K);
 
 #endif

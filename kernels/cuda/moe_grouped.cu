@@ -1,5 +1,6 @@
 // The routed experts of a decode step without the host (twins: kernels/cpu/moe_grouped.c,
-// q3_moe_route_host, q3_moe_gate_up_host, q3_moe_down_host, q3_moe_combine_host, the _fp8 pair).
+// q3_moe_route_host, q3_moe_gate_up_host, q3_moe_down_host, q3_moe_combine_host, the _fp8 and
+// _int4 pairs).
 // moe_route groups the (token, expert) pairs by expert on the device; the expert kernels
 // then run one block column per *possible* active expert (max_active, a host number) and
 // the blocks past active[0] return at once, so the grids depend only on host arguments and
@@ -7,8 +8,11 @@
 // Expert weights come as device arrays of E device pointers: dense (bf16 or fp32) matrices
 // [rows, K], or FP8 ones (kernels/fp8.h: e4m3 bytes [rows, K] and E more pointers to their
 // scale_inv [ceil(rows/128), ceil(K/128)] of dtype sdt). The gate/up and down kernels are one
-// source for both, templated on the weight-row reader (dense_rows or fp8_rows, below).
+// source for both, templated on the weight-row reader (dense_rows or fp8_rows, below). 4-bit
+// GPTQ experts (kernels/int4.h) have kernels of their own on int4.cuh's tile, and come as
+// device arrays of E q3_int4_matrix (below, with the reason).
 #include "fp8.cuh"
+#include "int4.cuh"
 
 #define ROUTE_THREADS 256
 #define ROUTE_MAX_EXPERTS 12288 // one int32 of shared memory per expert, within the default 48 KiB
@@ -215,12 +219,13 @@ __global__ void moe_down_kernel(float *y, const float *act, const int64_t *offse
     }
 }
 
-// the grid of the expert kernels: max_active block columns by the weight rows in warps;
-// grid->x = 0 when there is nothing to launch (no possible expert, or no rows)
-static inline int expert_grid(dim3 *grid, int max_active, int64_t rows) {
+// the grid of the expert kernels: max_active block columns by the weight rows, per_block a
+// block (GROUP_WARPS warps of a row each, or an int4 tile's INT4_COLS); grid->x = 0 when there
+// is nothing to launch (no possible expert, or no rows)
+static inline int expert_grid(dim3 *grid, int max_active, int64_t rows, int per_block) {
     *grid = dim3(0);
     if (max_active <= 0 || rows == 0) return 0;
-    const int64_t row_blocks = (rows + GROUP_WARPS - 1) / GROUP_WARPS;
+    const int64_t row_blocks = (rows + per_block - 1) / per_block;
     if (row_blocks > 65535) return (int)cudaErrorInvalidValue;
     *grid = dim3((unsigned)max_active, (unsigned)row_blocks);
     return 0;
@@ -234,7 +239,7 @@ extern "C" int q3_moe_gate_up_cuda(float *act, const float *x, const int32_t *ro
                                    const int32_t *active, const void *const *gate, const void *const *up,
                                    q3_dtype w_dt, int max_active, int64_t I, int64_t K, void *stream) {
     dim3 grid;
-    const int bad = expert_grid(&grid, max_active, I);
+    const int bad = expert_grid(&grid, max_active, I, GROUP_WARPS);
     if (bad || !grid.x) return bad;
     const dense_rows r = {{gate, up}, w_dt};
     Q3_LAUNCH(moe_gate_up_kernel<dense_rows>, grid, GROUP_WARPS * 32, 0, stream)(act, x, rows, offsets, active, r, I,
@@ -246,7 +251,7 @@ extern "C" int q3_moe_down_cuda(float *y, const float *act, const int64_t *offse
                                 const void *const *down, q3_dtype w_dt, int max_active, int64_t N, int64_t K,
                                 void *stream) {
     dim3 grid;
-    const int bad = expert_grid(&grid, max_active, N);
+    const int bad = expert_grid(&grid, max_active, N, GROUP_WARPS);
     if (bad || !grid.x) return bad;
     const dense_rows r = {{down, NULL}, w_dt};
     Q3_LAUNCH(moe_down_kernel<dense_rows>, grid, GROUP_WARPS * 32, 0, stream)(y, act, offsets, active, r, N, K);
@@ -258,7 +263,7 @@ extern "C" int q3_moe_gate_up_fp8_cuda(float *act, const float *x, const int32_t
                                        const void *const *gate_scale, const void *const *up_scale, q3_dtype sdt,
                                        int max_active, int64_t I, int64_t K, void *stream) {
     dim3 grid;
-    const int bad = expert_grid(&grid, max_active, I);
+    const int bad = expert_grid(&grid, max_active, I, GROUP_WARPS);
     if (bad || !grid.x) return bad;
     const fp8_rows r = {{gate, up}, {gate_scale, up_scale}, sdt};
     Q3_LAUNCH(moe_gate_up_kernel<fp8_rows>, grid, GROUP_WARPS * 32, 0, stream)(act, x, rows, offsets, active, r, I, K);
@@ -269,10 +274,97 @@ extern "C" int q3_moe_down_fp8_cuda(float *y, const float *act, const int64_t *o
                                     const uint8_t *const *down, const void *const *down_scale, q3_dtype sdt,
                                     int max_active, int64_t N, int64_t K, void *stream) {
     dim3 grid;
-    const int bad = expert_grid(&grid, max_active, N);
+    const int bad = expert_grid(&grid, max_active, N, GROUP_WARPS);
     if (bad || !grid.x) return bad;
     const fp8_rows r = {{down, NULL}, {down_scale, NULL}, sdt};
     Q3_LAUNCH(moe_down_kernel<fp8_rows>, grid, GROUP_WARPS * 32, 0, stream)(y, act, offsets, active, r, N, K);
+    return q3_launch_status();
+}
+
+// ---- 4-bit GPTQ experts: a tile of INT4_COLS outputs a block, not a row a warp ----
+// An output's weights run down a column of qweight [K/8, N] (4 bytes a word row), so a warp a
+// weight row, as above, would read a line for every 4 bytes: these kernels take int4.cuh's tile
+// (a block 32 outputs, K split over its lanes, every word read once for 8 slots) in the same
+// grid (block column a: the a-th active expert; blockIdx.y: a tile of outputs). The experts of
+// a matrix come as a device array of E q3_int4_matrix (their tensors on the device): each its
+// own group, as layer_int4.c decides it per matrix (0 where its g_idx is not k / group).
+
+// what a block of the int4 expert kernels works on: expert e (-1: none, the block column past
+// the active ones), its slots [first, first + n), the tile's first output n0, and this
+// thread's share of the tile's sums: slot t of each chunk, output i
+struct int4_expert_block {
+    int e, t;
+    int64_t first, n, n0, i;
+};
+__device__ __forceinline__ int4_expert_block int4_expert(const int64_t *offsets, const int32_t *active) {
+    int4_expert_block b;
+    b.e = active_expert(offsets, active, blockIdx.x, &b.first, &b.n);
+    b.n0 = (int64_t)blockIdx.y * INT4_COLS;
+    b.i = b.n0 + threadIdx.x % INT4_COLS;
+    b.t = threadIdx.x / INT4_COLS;
+    return b;
+}
+
+// act [s, i] = silu(x[rows[s]] . G_e[i]) * (x[rows[s]] . U_e[i]) for the slots s of the block
+// column's expert e, INT4_TOKENS slots at a time: the gate's tile, then the up's (the same
+// activation rows, from L1)
+__global__ void __launch_bounds__(INT4_THREADS, 2)
+    moe_gate_up_int4_kernel(float *act, const float *x, const int32_t *rows, const int64_t *offsets,
+                            const int32_t *active, const q3_int4_matrix *gate, const q3_int4_matrix *up, int64_t I,
+                            int64_t K) {
+    Q3_SHARED(int4_partials, part);
+    const int4_expert_block b = int4_expert(offsets, active);
+    if (b.e < 0) return;
+    const q3_int4_matrix g = gate[b.e], u = up[b.e];
+    for (int64_t c0 = 0; c0 < b.n; c0 += INT4_TOKENS) {
+        const int nt = b.n - c0 < INT4_TOKENS ? (int)(b.n - c0) : INT4_TOKENS;
+        const float *xr[INT4_TOKENS]; // the chunk's token rows of x
+#pragma unroll
+        for (int j = 0; j < INT4_TOKENS; j++) xr[j] = j < nt ? x + (int64_t)rows[b.first + c0 + j] * K : x;
+        const float gs = int4_tile_dots(g, x, xr, nt, I, K, b.n0, part);
+        if (!Q3_MUTANT(17)) __syncthreads(); // every thread has read the gate's sums before up's land
+        const float us = int4_tile_dots(u, x, xr, nt, I, K, b.n0, part);
+        __syncthreads();
+        if (b.t < nt && b.i < I) act[(b.first + c0 + b.t) * I + b.i] = gs / (1.0f + expf(-gs)) * us;
+    }
+}
+
+// y [s, i] = act [s] . D_e[i] for the slots s of the block column's expert e (its act rows
+// contiguous, act + first * K)
+__global__ void __launch_bounds__(INT4_THREADS, 2)
+    moe_down_int4_kernel(float *y, const float *act, const int64_t *offsets, const int32_t *active,
+                         const q3_int4_matrix *down, int64_t N, int64_t K) {
+    Q3_SHARED(int4_partials, part);
+    const int4_expert_block b = int4_expert(offsets, active);
+    if (b.e < 0) return;
+    const q3_int4_matrix d = down[Q3_MUTANT(18) ? (int)blockIdx.x : b.e];
+    for (int64_t c0 = 0; c0 < b.n; c0 += INT4_TOKENS) {
+        const int nt = b.n - c0 < INT4_TOKENS ? (int)(b.n - c0) : INT4_TOKENS;
+        const float s = int4_tile_dots(d, act + (b.first + c0) * K, NULL, nt, N, K, b.n0, part);
+        __syncthreads();
+        if (b.t < nt && b.i < N) y[(b.first + c0 + b.t) * N + b.i] = s;
+    }
+}
+
+// as moe_gate_up and moe_down: gate, up [E] of [I, K], down [E] of [N, K] (K, I, N multiples of 8)
+extern "C" int q3_moe_gate_up_int4_cuda(float *act, const float *x, const int32_t *rows, const int64_t *offsets,
+                                        const int32_t *active, const q3_int4_matrix *gate, const q3_int4_matrix *up,
+                                        int max_active, int64_t I, int64_t K, void *stream) {
+    if (I % Q3_INT4_PACK || K % Q3_INT4_PACK) return (int)cudaErrorInvalidValue;
+    dim3 grid;
+    const int bad = expert_grid(&grid, max_active, I, INT4_COLS);
+    if (bad || !grid.x) return bad;
+    Q3_LAUNCH(moe_gate_up_int4_kernel, grid, INT4_THREADS, 0, stream)(act, x, rows, offsets, active, gate, up, I, K);
+    return q3_launch_status();
+}
+
+extern "C" int q3_moe_down_int4_cuda(float *y, const float *act, const int64_t *offsets, const int32_t *active,
+                                     const q3_int4_matrix *down, int max_active, int64_t N, int64_t K, void *stream) {
+    if (N % Q3_INT4_PACK || K % Q3_INT4_PACK) return (int)cudaErrorInvalidValue;
+    dim3 grid;
+    const int bad = expert_grid(&grid, max_active, N, INT4_COLS);
+    if (bad || !grid.x) return bad;
+    Q3_LAUNCH(moe_down_int4_kernel, grid, INT4_THREADS, 0, stream)(y, act, offsets, active, down, N, K);
     return q3_launch_status();
 }
 

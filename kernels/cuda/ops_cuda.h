@@ -10,6 +10,7 @@
 
 #include "../attention.h"
 #include "../dtype.h"
+#include "../int4.h"
 #include "../moe_group.h"
 
 #ifdef __cplusplus
@@ -158,6 +159,25 @@ typedef struct {
     int (*moe_down_fp8)(float *y, const float *act, const int64_t *offsets, const int32_t *active,
                         const uint8_t *const *down, const void *const *down_scale, q3_dtype sdt, int max_active,
                         int64_t N, int64_t K, void *stream);
+    /* ---- 4-bit GPTQ weights (kernels/int4.h); twins: the CPU's matmul_int4 and
+     * kernels/cpu/twins.h. A matrix is a q3_int4_matrix whose tensors are on the device: w in
+     * host memory for one matrix (passed to the kernel by value), a device array of E for
+     * experts. Its group is honoured where g_idx[k] == k / group and group % 8 == 0 (each
+     * group's scale and zero once), else g_idx is read input by input (group 0: desc_act).
+     * N, K multiples of 8 (else cudaErrorInvalidValue) ---- */
+    /* y [T, N] (+)= x [T, K] W^T, the nibbles decoded in registers (the decode GEMV; any T) */
+    int (*matmul_int4)(float *y, const float *x, const q3_int4_matrix *w, int64_t T, int64_t N, int64_t K,
+                       int accumulate, void *stream);
+    /* dst [N, K] bf16 = round_bf16(s (q - z)): weights for the tensor-core paths */
+    int (*int4_dequant)(uint16_t *dst, const q3_int4_matrix *w, int64_t N, int64_t K, void *stream);
+    /* moe_gate_up and moe_down over GPTQ experts: gate, up device arrays of E matrices [I, K],
+     * down of E [N, K] (a device array of structs, not of pointers per tensor: one table a
+     * matrix, and each expert's own group) */
+    int (*moe_gate_up_int4)(float *act, const float *x, const int32_t *rows, const int64_t *offsets,
+                            const int32_t *active, const q3_int4_matrix *gate, const q3_int4_matrix *up,
+                            int max_active, int64_t I, int64_t K, void *stream);
+    int (*moe_down_int4)(float *y, const float *act, const int64_t *offsets, const int32_t *active,
+                         const q3_int4_matrix *down, int max_active, int64_t N, int64_t K, void *stream);
     int (*swiglu)(float *act, const float *gate, const float *up, int64_t n, void *stream);
     int (*gather_rows)(float *dst, const float *src, const int32_t *rows, int64_t n, int64_t H, void *stream);
     int (*scatter_add_rows)(float *dst, const float *src, const int32_t *rows, const float *scale, int64_t n,

@@ -38,6 +38,12 @@ int q3_moe_gate_up_fp8_cuda(float *, const float *, const int32_t *, const int64
                             q3_dtype, int, int64_t, int64_t, void *);
 int q3_moe_down_fp8_cuda(float *, const float *, const int64_t *, const int32_t *, const uint8_t *const *,
                          const void *const *, q3_dtype, int, int64_t, int64_t, void *);
+int q3_matmul_int4_cuda(float *, const float *, const q3_int4_matrix *, int64_t, int64_t, int64_t, int, void *);
+int q3_int4_dequant_cuda(uint16_t *, const q3_int4_matrix *, int64_t, int64_t, void *);
+int q3_moe_gate_up_int4_cuda(float *, const float *, const int32_t *, const int64_t *, const int32_t *,
+                             const q3_int4_matrix *, const q3_int4_matrix *, int, int64_t, int64_t, void *);
+int q3_moe_down_int4_cuda(float *, const float *, const int64_t *, const int32_t *, const q3_int4_matrix *, int,
+                          int64_t, int64_t, void *);
 int q3_swiglu_cuda(float *, const float *, const float *, int64_t, void *);
 int q3_gather_rows_cuda(float *, const float *, const int32_t *, int64_t, int64_t, void *);
 int q3_scatter_add_rows_cuda(float *, const float *, const int32_t *, const float *, int64_t, int64_t, void *);
@@ -265,6 +271,10 @@ extern "C" int q3_cuda_ops_get(q3_cuda_ops *ops) {
     ops->fp8_dequant = q3_fp8_dequant_cuda;
     ops->moe_gate_up_fp8 = q3_moe_gate_up_fp8_cuda;
     ops->moe_down_fp8 = q3_moe_down_fp8_cuda;
+    ops->matmul_int4 = q3_matmul_int4_cuda;
+    ops->int4_dequant = q3_int4_dequant_cuda;
+    ops->moe_gate_up_int4 = q3_moe_gate_up_int4_cuda;
+    ops->moe_down_int4 = q3_moe_down_int4_cuda;
     ops->swiglu = q3_swiglu_cuda;
     ops->gather_rows = q3_gather_rows_cuda;
     ops->scatter_add_rows = q3_scatter_add_rows_cuda;

@@ -668,7 +668,7 @@ def test_every_kernel_matches_its_twin_on_the_executor_under_every_schedule(kern
     head dims 64 and 128, top-k 1 to 8, left padding); each names its launcher(s), and every
     launcher has a case."""
     cases, _ = kernel_check
-    assert len(cases) == 423  # with the cuBLAS stand-in open; 421 without cuBLAS
+    assert len(cases) == 460  # with the cuBLAS stand-in open; 458 without cuBLAS
     assert len({case[0] for case in cases}) == len(cases)
     for name, err, tol, schedules, agree, kernel in cases:
         assert err <= tol and schedules == 3 and agree, (name, kernel, err, tol, schedules, agree)
@@ -710,6 +710,15 @@ def test_every_kernel_matches_its_twin_on_the_executor_under_every_schedule(kern
             assert any(n.startswith(f"fp8 matmul GEMV {sdt} scales") and n.endswith(case) for n in names), case
         assert sum(n.startswith(f"fp8 dequant to bf16, {sdt} scales") for n in names) == 3
         assert sum(n.startswith(f"fp8 moe gate_up + down, {sdt} scales") for n in names) == 3
+    # the GPTQ int4 kernels: each kind of matrix (groups of 128, 64, 32, one group, desc_act,
+    # both zero offsets) at T = 1, 3, 8, 16 and dequantized; the grouped experts on four kinds
+    kinds = ("g128 v1", "g64 v2", "g32 v1", "1 group v2", "desc_act g32 v1", "desc_act g128 v2")
+    for kind in kinds:
+        for T in (1, 3, 8, 16):
+            assert any(n.startswith(f"int4 matmul GEMV {kind} T={T} ") for n in names), (kind, T)
+        assert any(n.startswith(f"int4 dequant to bf16, {kind} N=") for n in names), kind
+    assert sum(n.startswith("int4 matmul GEMV ") and n.endswith(" acc") for n in names) == 12
+    assert sum(n.startswith("int4 moe gate_up + down, ") for n in names) == 4
 
 
 def test_the_kernel_check_runs_its_cublas_cases_and_leaves_cublas_as_it_was(kernel_check):

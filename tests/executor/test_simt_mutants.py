@@ -183,6 +183,32 @@ def test_rows_taken_by_half_fail_against_the_twin():
     assert all(c["ok"] for c in mine if "bf16 rows" in c["case"]) and all(c["ok"] for c in others)
 
 
+def test_gptq_groups_run_together_across_a_k_slice_fail_against_the_twin():
+    """gemv_int4_kernel with each K slice's groups run together (the whole slice scaled by its
+    first group's scale and zero): exactly the cases whose slices cross a group's end are off
+    the twin, the g32 matrix of K = 384 (48 word rows over 32 slices, groups of 4 rows) at each
+    T and K = 4096 (4 groups a slice); where slices lie inside groups (groups of 128 and 64
+    inputs, one group, desc_act's own path) the results stay right, on every schedule."""
+    r = run(19)
+    mine, others = cases_of(r, "int4 matmul GEMV")
+    crossing = [c for c in mine if " g32 v1 " in c["case"] and "desc_act" not in c["case"]]
+    assert len(crossing) == 5 and all(c["max_err"] > 100 * c["tol"] for c in crossing), crossing
+    assert all(c["ok"] for c in mine if c not in crossing) and len(mine) == 26
+    assert all(c["agree"] for c in r["cases"]) and all(c["ok"] for c in others)
+
+
+def test_gptq_g_idx_ignored_fails_only_the_desc_act_dequantizations():
+    """int4_dequant_kernel taking input k's group as k G / K instead of g_idx[k]: the two
+    desc_act matrices (g_idx a shuffle) dequantize wrong, bit for bit against the twin; where
+    g_idx is k / group the kernel never reads it and the five other cases stay exact."""
+    r = run(14)
+    mine, others = cases_of(r, "int4 dequant")
+    desc_act = [c for c in mine if "desc_act" in c["case"]]
+    assert len(desc_act) == 2 and not any(c["ok"] for c in desc_act), mine
+    assert len(mine) == 7 and all(c["ok"] for c in mine if c not in desc_act)
+    assert all(c["ok"] for c in others)
+
+
 def test_a_defect_that_shows_in_another_kernels_cases_is_flagged():
     """simt_check.py --mutants fails a defect whose full check fails a case of a kernel it is
     not planted in (elsewhere): read on a made-up run, cases of the mutant's own launchers
