@@ -447,7 +447,7 @@ class DecoderLayer:
             from .analysis.costs_hybrid import split_cost_model
 
             cost = split_cost_model(self.config, mode, tokens, context, chunk_size, self.dtype, batch,
-                                    self.weight_format, scale_dtype, self.gpu_experts)
+                                    self.weight_format, scale_dtype, self.gpu_experts, self._gptq_dense_attention)
         H = self.config.hidden_size
         rand = self.random_input if self._hybrid is None else \
             (lambda shape, seed: self._hybrid.device_input(self.random_input(shape, seed)))

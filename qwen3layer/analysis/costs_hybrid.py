@@ -25,7 +25,7 @@ import math
 from typing import Optional, Sequence
 
 from ..config import LayerConfig, expert_ids
-from .costs import WEIGHT_FORMATS, CostModel, Stage, _Matrices, _size, cost_model
+from .costs import WEIGHT_FORMATS, CostModel, Stage, _matrices, _size, cost_model
 from .gpu_figures import H200_BF16_FLOPS, H200_COPY_BYTES_PER_S, PCIE5_X16_BYTES_PER_S
 
 
@@ -105,7 +105,7 @@ def hybrid_split(cfg: LayerConfig, rows: int, gpu_experts: Sequence[int], *, mod
     E, k, H, I = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
     on_gpu = _gpu_ids(cfg, gpu_experts)
     p = _shares(cfg, shares)
-    mat = _Matrices(_size(dtype), 4 if weight_format != "dense" else 0)
+    mat = _matrices(dtype, weight_format, "float32")  # FP8: fp32 block scales; GPTQ: group 128
     per_expert = 2 * mat.bytes(I, H) + mat.bytes(H, I)
     # an expert is read when a row chooses it: P = 1 - (1 - k p_e)^rows
     hit = [1.0 - max(0.0, 1.0 - k * pe) ** rows for pe in p]
@@ -138,15 +138,17 @@ def hybrid_split(cfg: LayerConfig, rows: int, gpu_experts: Sequence[int], *, mod
 
 def split_cost_model(cfg: LayerConfig, mode: str, tokens: int, context: int, chunk_size: Optional[int],
                      dtype: str, batch: int, weight_format: str, scale_dtype: str,
-                     gpu_experts: Sequence[int]) -> CostModel:
+                     gpu_experts: Sequence[int], dense_attention: bool = False) -> CostModel:
     """The cost model of a split layer's call (its profile()): cost_model's stages with the
     experts stage split in three, pass by pass as hybrid_split expects them under uniform
     routing: `gpu_experts` (the GPU's experts: their weights and the rows' activations on the
     device), `link` (the bytes down to the host and back, as link_bytes counts them; measured,
     it is the rest of the call: the copies, takes, combine and the Python between them) and
     `host_experts` (the host experts' weights read from host memory); the FLOPs in proportion
-    to the experts each side holds."""
-    whole = cost_model(cfg, mode, tokens, context, chunk_size, dtype, batch, weight_format, scale_dtype)
+    to the experts each side holds. dense_attention: as cost_model's (a GPTQ layer's q/k/v/o_proj
+    dense)."""
+    whole = cost_model(cfg, mode, tokens, context, chunk_size, dtype, batch, weight_format, scale_dtype,
+                       dense_attention)
     ex = whole.stage("experts")
     on_gpu = sorted(_gpu_ids(cfg, gpu_experts))
     step = whole.chunk_size  # tokens a pass (1 for decode), as cost_model took them

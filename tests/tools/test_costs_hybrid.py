@@ -89,6 +89,26 @@ def test_fp8_halves_the_expert_bytes():
     assert fp8.host_expert_bytes / dense.host_expert_bytes == pytest.approx(0.5, rel=0.01)
 
 
+def test_int4_expert_bytes_are_the_gptq_tensors():
+    """gptq_int4: an expert's bytes are its three matrices' nibbles, fp16 scales, packed zeros
+    and g_idx (group 128: cost_model's and the engine's count), not FP8's"""
+    int4 = hybrid_split(REAL, 1, [], weight_format="gptq_int4")
+    H, I = REAL.hidden_size, REAL.moe_intermediate_size
+
+    def gptq(n, k):
+        return k // 8 * n * 4 + k // 128 * n * 2 + k // 128 * (n // 8) * 4 + k * 4
+    per_expert = 2 * gptq(I, H) + gptq(H, I)
+    assert int4.host_expert_bytes == pytest.approx(per_expert * REAL.num_experts_per_tok)  # a row's k experts
+
+
+def test_split_cost_model_counts_a_dense_attention_at_the_layers_dtype():
+    args = (REAL, "decode", 1, 100, None, "bfloat16", 1, "gptq_int4", "float32", [0, 5])
+    packed, dense = split_cost_model(*args), split_cost_model(*args, dense_attention=True)
+    whole = cost_model(REAL, "decode", 1, 100, None, "bfloat16", 1, "gptq_int4", "float32", True)
+    for name in ("qkv_proj", "o_proj"):
+        assert dense.stage(name).weight_bytes == whole.stage(name).weight_bytes > packed.stage(name).weight_bytes
+
+
 @pytest.mark.parametrize("kwargs,needle", [
     (dict(rows=0), "rows: expected a positive int, got 0"),
     (dict(gpu_experts=[1, 1]), "expert 1 is listed twice"),
