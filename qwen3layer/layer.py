@@ -118,9 +118,9 @@ class DecoderLayer:
     or 'gptq_int4' (4-bit GPTQ as GPTQModel writes it, group 128, "gptq" v1 zeros: each
     projection module's "<module>.qweight" int32 [in/8, out], ".scales" float16 [in/128, out],
     ".qzeros" int32 [in/128, out/8] and ".g_idx" int32 [in], borrowed as they are, never
-    converted; every g_idx in range and every scale finite, checked here; host layers only for
-    now; the default where the weights hold a "<module>.qweight"; quantization_config: the
-    checkpoint's GPTQ quantization_config, for another group_size
+    converted; on CUDA, host ones are uploaded once, still 4-bit; every g_idx in range and every
+    scale finite, checked here; the default where the weights hold a "<module>.qweight";
+    quantization_config: the checkpoint's GPTQ quantization_config, for another group_size
     (-1 or a multiple of 8), checkpoint_format 'gptq_v2', sym false or desc_act true, each
     field checked: qwen3layer.checkpoint.quantization.gptq_settings). `dtype` is then the
     activations' (and the norms' and router's), by default input_layernorm.weight's. A GPTQ

@@ -12,9 +12,10 @@ q3_status q3_gpu_ws_alloc(q3_gpu_ws *ws, const q3_layer *l, int64_t rows, int se
     const q3_cuda_ops *g = q3_cuda();
     const q3_config *cf = &l->cfg;
     const int64_t E = cf->experts, k = cf->top_k, Rd = rows < Q3_DECODE_MAX_ROWS ? rows : Q3_DECODE_MAX_ROWS;
-    const int fp8 = l->w.format == Q3_WF_FP8_BLOCK128;
-    /* the expert tables: the weights, then (FP8) their scales, as layer.c's expert_ptrs */
-    const int64_t tables = (fp8 ? 2 : 1) * Q3_X_COUNT * E;
+    const int fp8 = l->w.format == Q3_WF_FP8_BLOCK128, gptq = l->w.format == Q3_WF_GPTQ_INT4;
+    /* the expert tables: the weights (a GPTQ layer's qweight), then (FP8) their scales, as
+     * layer.c's expert_ptrs; and a GPTQ layer's experts as l->int4's [Q3_X_COUNT][E] structs */
+    const int64_t tables = (fp8 ? 2 : 1) * Q3_X_COUNT * E, int4_tables = gptq ? Q3_X_COUNT * E : 0;
     const q3_attn_shape shape = {.heads = cf->heads, .kv_heads = cf->kv_heads, .head_dim = cf->head_dim};
     *ws = (q3_gpu_ws){0};
     size_t off = 0;
@@ -33,8 +34,9 @@ q3_status q3_gpu_ws_alloc(q3_gpu_ws *ws, const q3_layer *l, int64_t rows, int se
         CARVE(pair_act, float, Rd * k * cf->moe_inter);
         CARVE(pair_y, float, Rd * k * cf->hidden);
         CARVE(experts, const void *, tables);
+        if (gptq) CARVE(int4_experts, q3_int4_matrix, int4_tables);
         CARVE(moe_plan, int32_t, q3_moe_plan_ints(rows, (int)k, (int)E));
-        if (fp8 && rows >= 16) CARVE(wbf16, uint16_t, q3_gpu_fp8_largest_matrix(cf));
+        if ((fp8 || gptq) && rows >= 16) CARVE(wbf16, uint16_t, q3_gpu_quantized_largest_matrix(l));
 #undef CARVE
         if (pass == 0 && (g->set_device(l->w.device) || g->malloc_device((void **)&base, off)))
             return q3_fail(err, Q3_ERR_NOMEM, "cuda workspace: cannot allocate %zu bytes on cuda:%d", off,
@@ -45,10 +47,13 @@ q3_status q3_gpu_ws_alloc(q3_gpu_ws *ws, const q3_layer *l, int64_t rows, int se
     ws->dev.rows = rows;
     ws->dev.seqs = seqs;
     ws->split_rows = split_rows;
-    /* the expert kernels of a decode pass look their weights up on the device */
-    if (g->copy(ws->experts, l->expert_ptrs, (size_t)tables * sizeof(void *), 1)) {
+    /* the expert kernels of a decode pass look their weights up on the device: the structs
+     * hold device pointers already (the layer's tensors are there), an expert not held zeros */
+    if (g->copy(ws->experts, l->expert_ptrs, (size_t)tables * sizeof(void *), 1) ||
+        (gptq && g->copy(ws->int4_experts, l->int4 + Q3_W_DENSE_COUNT, (size_t)int4_tables * sizeof(q3_int4_matrix),
+                         1))) {
         q3_gpu_ws_free(ws);
-        return q3_fail(err, Q3_ERR_STATE, "cuda workspace: cannot upload the expert pointer tables");
+        return q3_fail(err, Q3_ERR_STATE, "cuda workspace: cannot upload the expert tables");
     }
     return Q3_OK;
 }

@@ -26,9 +26,12 @@ typedef struct {
     float *pair_act;       /* [Rd * k, I] decode: SiLU(gate) * up of each slot */
     float *pair_y;         /* [Rd * k, H] decode: expert output of each slot */
     const void **experts;  /* [Q3_X_COUNT][E] device copies of the expert pointer tables */
+    q3_int4_matrix *int4_experts; /* GPTQ layers: [Q3_X_COUNT][E] device copy of the experts'
+                                   * matrices (l->int4's), the grouped decode kernels' tables; else NULL */
     int32_t *moe_plan;     /* [q3_moe_plan_ints] prefill: tiles and per-token slots (below) */
-    uint16_t *wbf16;       /* FP8 layers with rows >= 16: one matrix dequantized to bf16
-                            * [q3_gpu_fp8_largest_matrix] for the tensor cores (project_fp8.c); else NULL */
+    uint16_t *wbf16;       /* FP8 and GPTQ layers with rows >= 16: one matrix dequantized to bf16
+                            * [q3_gpu_quantized_largest_matrix] for the tensor cores
+                            * (project_quantized.c); else NULL */
 } q3_gpu_ws;               /* rows, seqs, block and bytes: in dev; Rd = min(rows, Q3_DECODE_MAX_ROWS) */
 
 /* The query rows of split-KV attention a pass of `rows` rows over `seqs` sequences may have:
@@ -143,11 +146,18 @@ void q3_gpu_mark(q3_gpu_run *run, int stage);
 /* after a pass while profiling: waits for it, charges each interval to its stage */
 void q3_gpu_collect(q3_gpu_run *run);
 
-/* y [T, N] (+)= x [T, K] m^T for an FP8 matrix m (project_fp8.c): with tensor_cores (a product
- * the dense layer would send to them) dequantized into ws->wbf16 and multiplied there (cuBLAS
- * when cublas, else the WMMA kernel), else the FP8 GEMV; a CUDA code */
-int q3_gpu_project_fp8(const q3_layer *l, q3_gpu_run *run, int tensor_cores, int cublas, float *y, const float *x,
-                       q3_matrix m, int64_t T, int64_t N, int64_t K, int accumulate);
-int64_t q3_gpu_fp8_largest_matrix(const q3_config *cf);
+/* whether m is stored quantized: an FP8 layer's matrices, a GPTQ layer's 4-bit ones (not
+ * its dense attention) */
+static inline int q3_gpu_quantized(const q3_layer *l, q3_matrix m) {
+    return m.q4 || l->w.format == Q3_WF_FP8_BLOCK128;
+}
+
+/* y [T, N] (+)= x [T, K] m^T for a quantized matrix m, FP8 or GPTQ (project_quantized.c): with
+ * tensor_cores (a product the dense layer would send to them) dequantized into ws->wbf16 and
+ * multiplied there (cuBLAS when cublas, else the WMMA kernel), else the format's GEMV; a CUDA
+ * code */
+int q3_gpu_project_quantized(const q3_layer *l, q3_gpu_run *run, int tensor_cores, int cublas, float *y,
+                             const float *x, q3_matrix m, int64_t T, int64_t N, int64_t K, int accumulate);
+int64_t q3_gpu_quantized_largest_matrix(const q3_layer *l);
 
 #endif

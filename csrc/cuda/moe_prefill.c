@@ -104,13 +104,13 @@ static void experts_grouped(q3_layer *l, q3_gpu_run *run, const q3_moe_plan *pla
 
 /* y = x W^T for one expert's n rows: tensor cores for 16 rows or more when the shape fits
  * (through matmul_tc, i.e. cuBLAS where it is open, when cublas is set; else the WMMA
- * kernel), else the GEMV; FP8 weights the same way (project_fp8.c) */
+ * kernel), else the GEMV; FP8 and GPTQ weights the same way (project_quantized.c) */
 static int expert_project(const q3_layer *l, q3_gpu_run *run, float *y, const float *x, q3_matrix m, int64_t n,
                           int64_t N, int64_t K, int cublas) {
     const q3_cuda_ops *g = run->g;
     const void *w = m.w;
     const q3_dtype dt = l->w.dtype;
-    if (l->w.format == Q3_WF_FP8_BLOCK128) return q3_gpu_project_fp8(l, run, n >= 16, cublas, y, x, m, n, N, K, 0);
+    if (q3_gpu_quantized(l, m)) return q3_gpu_project_quantized(l, run, n >= 16, cublas, y, x, m, n, N, K, 0);
     if (n >= 16 && dt == Q3_BF16 && N % 16 == 0 && K % 32 == 0)
         return (cublas ? g->matmul_tc : g->matmul_wmma)(y, x, w, n, N, K, 0, run->ws->dev.xb, run->stream);
     return g->matmul(y, x, w, dt, n, N, K, 0, run->stream);
@@ -149,9 +149,10 @@ static void experts_one_by_one(q3_layer *l, q3_gpu_run *run, int cublas) {
 static int path_fits(const q3_layer *l, const q3_cuda_ops *g, int path) {
     const q3_config *cf = &l->cfg;
     const int bf16 = l->w.dtype == Q3_BF16;
-    /* FP8 experts: the per-expert paths only, each hit expert's matrices dequantized to bf16
-     * one at a time (project_fp8.c); the grouped ones would need every expert in bf16 at once */
-    if (l->w.format == Q3_WF_FP8_BLOCK128 && (path == Q3_MOE_GROUPED_WMMA || path == Q3_MOE_GROUPED_CUBLAS)) return 0;
+    /* FP8 and GPTQ experts: the per-expert paths only, each hit expert's matrices dequantized
+     * to bf16 one at a time (project_quantized.c); the grouped ones would need every expert in
+     * bf16 at once */
+    if (l->w.format != Q3_WF_DENSE && (path == Q3_MOE_GROUPED_WMMA || path == Q3_MOE_GROUPED_CUBLAS)) return 0;
     if (path == Q3_MOE_GROUPED_WMMA) return bf16 && cf->hidden % 32 == 0 && cf->moe_inter % 32 == 0;
     if (path == Q3_MOE_PER_EXPERT_CUBLAS) return bf16 && g->blas_enable(-1); /* else the WMMA one's twin */
     if (path == Q3_MOE_GROUPED_CUBLAS) /* 16-byte aligned rows in the batch's buffers; blas.cu's most groups */

@@ -30,15 +30,15 @@ int q3_gpu_upload_decode_state(const q3_cuda_ops *g, q3_gpu_ws *ws, const q3_cac
 
 /* y = x W^T: the GEMV for decode passes of up to GEMV_MAX_ROWS rows and for anything under
  * 16 tokens, else tensor cores when the shape fits (cuBLAS where it is open, except in a
- * decode pass, which a graph may capture); FP8 weights the same way (project_fp8.c) */
+ * decode pass, which a graph may capture); FP8 and GPTQ weights the same way (project_quantized.c) */
 static int project(const q3_layer *l, q3_gpu_run *run, const q3_pass *p, float *y, const float *x, q3_matrix m,
                    int64_t T, int64_t N, int64_t K, int accumulate) {
     const q3_cuda_ops *g = run->g;
     const int gemv_rows = q3_gpu_is_decode(p) ? GEMV_MAX_ROWS : 15;
     const void *w = m.w;
     const q3_dtype dt = l->w.dtype;
-    if (l->w.format == Q3_WF_FP8_BLOCK128)
-        return q3_gpu_project_fp8(l, run, T > gemv_rows, !q3_gpu_is_decode(p), y, x, m, T, N, K, accumulate);
+    if (q3_gpu_quantized(l, m))
+        return q3_gpu_project_quantized(l, run, T > gemv_rows, !q3_gpu_is_decode(p), y, x, m, T, N, K, accumulate);
     if (T > gemv_rows && dt == Q3_BF16 && N % 16 == 0 && K % 32 == 0)
         return (q3_gpu_is_decode(p) ? g->matmul_wmma : g->matmul_tc)(y, x, w, T, N, K, accumulate,
                                                                       run->ws->dev.xb, run->stream);
@@ -112,7 +112,13 @@ static void experts_on_device(q3_layer *l, const q3_pass *p, q3_gpu_run *run) {
     Q3_GPU(run, g->moe_route(d->offsets, d->pair_row, d->pair_w, ws->active, ws->pair_slot, d->topk_idx, d->topk_w,
                              R, k, (int)E, sm), "moe_route");
     q3_gpu_mark(run, Q3_STAGE_TOP_K);
-    if (l->w.format == Q3_WF_FP8_BLOCK128) {
+    if (l->w.format == Q3_WF_GPTQ_INT4) { /* each projection's E matrices: a device table of structs */
+        const q3_int4_matrix *m = ws->int4_experts;
+        Q3_GPU(run, g->moe_gate_up_int4(ws->pair_act, d->h, d->pair_row, d->offsets, ws->active, m + Q3_X_GATE * E,
+                                        m + Q3_X_UP * E, max_active, I, H, sm), "moe_gate_up_int4");
+        Q3_GPU(run, g->moe_down_int4(ws->pair_y, ws->pair_act, d->offsets, ws->active, m + Q3_X_DOWN * E, max_active,
+                                     H, I, sm), "moe_down_int4");
+    } else if (l->w.format == Q3_WF_FP8_BLOCK128) {
         const q3_dtype sdt = l->w.scale_dtype;
         Q3_GPU(run, g->moe_gate_up_fp8(ws->pair_act, d->h, d->pair_row, d->offsets, ws->active,
                                        (const uint8_t *const *)gate, (const uint8_t *const *)up, scales,

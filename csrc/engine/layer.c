@@ -8,7 +8,8 @@
 #include "device_backend.h"
 #include "layer_internal.h"
 
-/* the FP8 fields: a known format, scales of fp32 or bf16 for every matrix; none for the rest */
+/* the format's fields: a known format; GPTQ: the scales, qzeros and g_idx of every 4-bit matrix;
+ * FP8: scales of fp32 or bf16 for every matrix; none for the rest */
 static q3_status check_format(const q3_weights *w, q3_error *err) {
     char list[128];
     if ((unsigned)w->format >= (unsigned)q3_weight_format_count())
@@ -19,9 +20,6 @@ static q3_status check_format(const q3_weights *w, q3_error *err) {
                        "'%s'", q3_weight_format_name(w->format));
     if (w->format == Q3_WF_DENSE) return Q3_OK;
     if (w->format == Q3_WF_GPTQ_INT4) {
-        if (w->device >= 0)
-            return q3_fail(err, Q3_ERR_VALUE, "weight_format 'gptq_int4': host layers only in this version (its "
-                           "CUDA kernels are not written yet), got device %d", w->device);
         for (int i = 0; i < Q3_W_DENSE_COUNT && !w->experts_only && !w->gptq_dense_attention; i++)
             if (q3_dense_weight_is_matrix(i) && (!w->dense_scale[i] || !w->dense_qzeros[i] || !w->dense_g_idx[i]))
                 return q3_fail(err, Q3_ERR_VALUE, "weights: missing the scales, qzeros or g_idx of %s",

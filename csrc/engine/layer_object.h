@@ -25,8 +25,9 @@ struct q3_layer {
     float *rope_inv_freq;             /* [head_dim / 2] owned: q3_rope_table's, made at creation */
     float rope_scale;                 /* of cos and sin (the RoPE's attention_scaling) */
     uint8_t *held;                    /* [E] owned: 1 for each expert the layer holds */
-    q3_int4_matrix *int4;             /* GPTQ format: [Q3_W_DENSE_COUNT + E * Q3_X_COUNT] owned
-                                       * (q3_int4_index), checked at creation; else NULL */
+    q3_int4_matrix *int4;             /* GPTQ format: [Q3_W_DENSE_COUNT + Q3_X_COUNT * E] owned
+                                       * (q3_int4_index), checked at creation; else NULL. A CUDA
+                                       * layer's tensors are on its device, these structs on the host */
     int n_held;                       /* how many (E: the whole layer can run) */
 };
 
@@ -63,10 +64,12 @@ typedef struct {
 } q3_matrix;
 
 /* l->int4's entries: the dense matrices' (in q3_dense_weight order, the others' unused), then
- * each expert's gate, up and down */
+ * the experts' [Q3_X_COUNT][E]: every gate, every up, every down, so that a projection's E
+ * matrices lie together (a CUDA layer copies them to its device as the grouped decode
+ * kernels' tables, csrc/cuda/device_state.c) */
 static inline int64_t q3_int4_index(q3_dense_weight i) { return i; }
-static inline int64_t q3_int4_expert_index(q3_expert_weight x, int e) {
-    return Q3_W_DENSE_COUNT + (int64_t)e * Q3_X_COUNT + x;
+static inline int64_t q3_int4_expert_index(const q3_layer *l, q3_expert_weight x, int e) {
+    return Q3_W_DENSE_COUNT + (int64_t)x * l->cfg.experts + e;
 }
 
 static inline q3_matrix q3_dense_matrix(const q3_layer *l, q3_dense_weight i) {
@@ -75,7 +78,7 @@ static inline q3_matrix q3_dense_matrix(const q3_layer *l, q3_dense_weight i) {
 }
 static inline q3_matrix q3_expert_matrix(const q3_layer *l, q3_expert_weight x, int e) {
     return (q3_matrix){l->w.experts[x][e], l->w.format == Q3_WF_FP8_BLOCK128 ? l->w.expert_scales[x][e] : NULL,
-                       l->int4 ? &l->int4[q3_int4_expert_index(x, e)] : NULL};
+                       l->int4 ? &l->int4[q3_int4_expert_index(l, x, e)] : NULL};
 }
 
 /* the expert half's ids experts [n, top_k] (host memory), checked: each -1 (then *skip = 1)

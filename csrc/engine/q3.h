@@ -162,7 +162,7 @@ typedef enum {
     Q3_WF_GPTQ_INT4 = 2,    /* 4-bit GPTQ (kernels/int4.h): each matrix <module>.qweight int32 [K/8, N]
                              * with its .scales fp16 [G, N], .qzeros int32 [G, N/8] and .g_idx int32
                              * [K], G = K / gptq_group; the checkpoints' quant_method "gptq", bits 4,
-                             * sym, "gptq" (v1) or "gptq_v2" zeros. Host layers only for now. */
+                             * sym, "gptq" (v1) or "gptq_v2" zeros. Host and CUDA layers. */
 } q3_weight_format;
 
 const char *q3_weight_format_name(q3_weight_format f); /* "dense", "fp8_e4m3_block128", "gptq_int4" */

@@ -16,7 +16,7 @@ import torch
 
 import qwen3layer as q3
 from dlpack_ctypes import DELETER, DLDataType, DLDevice, DLManagedTensor, DLTensor, capsule_new
-from executor_arrays import host, rel
+from executor_arrays import compare_layers, host
 from fp8_weights import fp8_weights
 from qwen3layer import _C
 
@@ -34,29 +34,7 @@ def run_case(cfg, dtype, scale_dtype, fused, seed):
     w = fp8_weights(cfg, dtype, scale_dtype, fused, seed)
     cpu = _C.Layer(cfg, w, None, -1, "fp8_e4m3_block128")
     gpu = _C.Layer(cfg, w, None, 0, "fp8_e4m3_block128")
-    H = cfg.hidden_size
-    errs, lengths = [], True
-    for chunk in (5, 16, None):
-        x = _C.random_tensor((2, 40, H), seed + 1, dtype)
-        cc, cg = cpu.new_cache(48, 2), gpu.new_cache(48, 2)
-        errs.append(rel(host(gpu.prefill(_C.copy_tensor(x, 0), cg, None, chunk)), host(cpu.prefill(x, cc, None, chunk))))
-        for t in range(2):  # decode steps of both sequences
-            s = _C.random_tensor((2, H), seed + 10 + t, dtype)
-            errs.append(rel(host(gpu.decode(_C.copy_tensor(s, 0), cg)), host(cpu.decode(s, cc))))
-        if chunk is None:  # two replays of a decode graph (capture refuses anything that needs the host)
-            graph = gpu.decode_graph(cg)
-            for t in range(2):
-                s = _C.random_tensor((2, H), seed + 15 + t, dtype)
-                errs.append(rel(host(graph.replay(_C.copy_tensor(s, 0))), host(cpu.decode(s, cc))))
-            del graph
-        lengths &= list(cg.lengths) == list(cc.lengths)
-    cc, cg = cpu.new_cache(16, 1), gpu.new_cache(16, 1)  # batch 1: a prompt of 7, two decode steps
-    x = _C.random_tensor((1, 7, H), seed + 2, dtype)
-    errs.append(rel(host(gpu.prefill(_C.copy_tensor(x, 0), cg)), host(cpu.prefill(x, cc))))
-    for t in range(2):
-        s = _C.random_tensor((1, H), seed + 20 + t, dtype)
-        errs.append(rel(host(gpu.decode(_C.copy_tensor(s, 0), cg)), host(cpu.decode(s, cc))))
-    lengths &= list(cg.lengths) == list(cc.lengths)
+    errs, lengths = compare_layers(cpu, gpu, cfg.hidden_size, dtype, seed)
     return {"max rel err": max(errs), "lengths agree": lengths, "format": gpu.weight_format,
             "uploaded": len(gpu.converted), "weight bytes equal": gpu.weight_bytes == cpu.weight_bytes}
 

@@ -7,7 +7,8 @@ For fp32 and bf16 and gpu_experts none, all and a mixed set: 2 sequences, the se
 tokens of left padding, a prefill of 7 tokens in chunks of 3 and two decode steps; the rows
 and choices each side ran against the router's own choices (the host side's counted at the
 host layer's expert half itself); the same bits on a second run; the insides against the CPU
-layer's; gpu_experts=N from a calibration call's counts; and what is refused."""
+layer's; gpu_experts=N from a calibration call's counts; FP8 and GPTQ int4 weights; and what is
+refused."""
 import pytest
 import torch
 
@@ -259,6 +260,35 @@ def test_fp8_split_layer_equals_the_cpu_fp8_layer():
     assert rel(host(y), cpu.prefill(x, cpu.new_cache(8)).double().numpy()) <= TOL["bfloat16"]
     st = split.hybrid_stats
     assert st["device_choices"] > 0 and st["host_choices"] > 0
+
+
+@pytest.mark.parametrize("dense_attention", [False, True])
+def test_int4_split_layer_equals_the_cpu_int4_layer(dense_attention):
+    """GPTQ int4 weights (gptq_int4) on both sides: the GPU's experts from their nibbles (the
+    int4 GEMV and dequantization in the expert half), the host's on the CPU's int4 kernels, as
+    the CPU int4 layer; the attention 4-bit, or dense (gptq_dense_attention); a prefill, and a
+    decode step whose rows the GPU side groups on the device once every expert is there"""
+    cfg = q3.LayerConfig(hidden_size=128, num_attention_heads=8, num_key_value_heads=2, head_dim=32, num_experts=8,
+                         num_experts_per_tok=2, moe_intermediate_size=128)
+    fmt = "gptq_int4"
+    qc = {"quant_method": "gptq", "bits": 4, "group_size": 64, "sym": True, "desc_act": False}
+    if dense_attention:
+        qc["dynamic"] = {"-:.*self_attn.*": {}}
+    cpu = q3.DecoderLayer.random(cfg, 3, "bfloat16", weight_format=fmt, quantization_config=qc)
+    x = torch.randn(6, 128, generator=torch.Generator().manual_seed(5)).bfloat16()
+    t = torch.randn(1, 128, generator=torch.Generator().manual_seed(6)).bfloat16()
+    want_cache = cpu.new_cache(8)
+    want = [cpu.prefill(x, want_cache).double().numpy(), cpu.decode(t, want_cache).double().numpy()]
+    for gpu in ([1, 5], list(range(8))):
+        split = q3.DecoderLayer.random(cfg, 3, "bfloat16", device="cuda", weight_format=fmt, expert_device="cpu",
+                                       gpu_experts=gpu, quantization_config=qc)
+        assert split.weight_format == fmt and split._hybrid.host.weight_format == fmt
+        assert ("self_attn.q_proj.weight" in split.weight_ptrs) == dense_attention
+        cache = split.new_cache(8)
+        got = [host(split.prefill(_on(split, x), cache)), host(split.decode(_on(split, t), cache))]
+        assert all(rel(a, b) <= TOL["bfloat16"] for a, b in zip(got, want)), gpu
+        st = split.hybrid_stats
+        assert st["device_choices"] > 0 and (st["host_choices"] > 0) == (len(gpu) < 8)
 
 
 @pytest.mark.parametrize("fmt", [None, "fp8_e4m3_block128"])

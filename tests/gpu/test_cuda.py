@@ -525,11 +525,20 @@ def test_cuda_fp8_layer_matches_the_cpu_fp8_layer(dtype, tol):
 
     cfg = q3.LayerConfig(hidden_size=320, num_attention_heads=4, num_key_value_heads=2, head_dim=48,
                          num_experts=8, num_experts_per_tok=2, moe_intermediate_size=160)
-    w = fp8_weights(cfg, dtype, torch.bfloat16, True, 7)
+    layers_match_on_the_gpu(cfg, fp8_weights(cfg, dtype, torch.bfloat16, True, 7), "fp8_e4m3_block128", dtype, tol)
+
+
+def layers_match_on_the_gpu(cfg, w, fmt, dtype, tol):
+    """the layer of host weights w (format fmt) on the GPU (w uploaded once) and on the GPU
+    borrowing w's device copies (nothing converted) against the CPU layer: prefill of 2
+    sequences of 40 tokens in chunks of 8 and all 40, each followed by 4 decode steps, plain
+    calls and replays of a decode graph in turn"""
+    import torch
+
     cpu = q3.DecoderLayer(cfg, w)
     gpu = q3.DecoderLayer(cfg, w, device="cuda")
     borrowed = q3.DecoderLayer(cfg, {k: v.cuda() for k, v in w.items()}, device="cuda")
-    assert cpu.weight_format == gpu.weight_format == "fp8_e4m3_block128" and gpu.weight_bytes == cpu.weight_bytes
+    assert cpu.weight_format == gpu.weight_format == fmt and gpu.weight_bytes == cpu.weight_bytes
     assert len(gpu.converted) == len(w) and borrowed.converted == ()  # host ones uploaded, device ones borrowed
     tdt = getattr(torch, dtype)
     for chunk in (8, None):
@@ -545,6 +554,26 @@ def test_cuda_fp8_layer_matches_the_cpu_fp8_layer(dtype, tol):
             got = gpu.decode(s.cuda(), c_gpu) if t % 2 else graph(s.cuda()).clone()
             assert rel(got, want) <= tol, (chunk, t)
         assert c_gpu.lengths == c_cpu.lengths == (44, 44)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dense_attention", [False, True])
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 1e-2)])
+def test_cuda_int4_layer_matches_the_cpu_int4_layer(dtype, tol, dense_attention):
+    """A GPTQ int4 layer (4-bit weights, group 128, "gptq" zeros; dense_attention: q/k/v/o_proj
+    dense, the experts 4-bit) on the GPU against the CPU int4 layer on the same weights: host
+    weights uploaded once, device weights borrowed; prefill in chunks of 8 (the int4 GEMV) and
+    all 40 (bf16: dequantized to bf16 for the tensor cores), decode steps (the GEMV and the
+    grouped int4 experts) and decode-graph replays (the executor's twin:
+    tests/executor/test_cuda_executor_int4.py)."""
+    import torch
+
+    cfg = q3.LayerConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128)
+    w = {k: torch.from_dlpack(v) for k, v in
+         _C.random_weights(cfg, 7, dtype, "gptq_int4", gptq_dense_attention=dense_attention).items()}
+    assert ("self_attn.q_proj.weight" in w) == dense_attention
+    layers_match_on_the_gpu(cfg, w, "gptq_int4", dtype, tol)
 
 
 # ---- KV cache operations for generation on a device cache ---------------------------------
