@@ -4,8 +4,8 @@ real geometry, bf16, on the GPU against transformers' layer on the same GPU and 
 weights (ours borrows its CUDA parameters), medians of CUDA-synchronised wall time: decode
 batch 1 and 16 at context 8192 (plain calls, and the step captured in a CUDA graph: time per
 token over runs of consecutive steps; batch 1 also with the same weights in FP8, e4m3 with
-128 x 128 block scales, no transformers peer), prefill of 8192 tokens in chunks of 2048 and 8192 with
-the device memory beyond weights and cache (and once with one MoE launch per expert, to
+128 x 128 block scales, and in 4-bit GPTQ, group 128, no transformers peer), prefill of 8192 tokens in chunks of
+2048 and 8192 with the device memory beyond weights and cache (and once with one MoE launch per expert, to
 compare with the grouped MoE). Needs a CUDA device and torch with CUDA; prints
 the tables last.
 
@@ -248,6 +248,7 @@ def layer_table(copy_tbs: float) -> None:
                      f"beyond weights and cache: {fresh.workspace_bytes / 2**20:.0f} MiB of workspace "
                      f"(+ {io / 2**20:.0f} MiB input and output)",
                      f"{floor * 1e3:.2f} ms (measured {t_ours / floor:.2f}x)"))
+    int4_decode_rows(rows, weights, copy_tbs, steps, wall)  # after the bf16 rows: a run cut short keeps them
     print_moe_path_choice(hf, x)
     head = ("layer, real geometry, bf16", "qwen3layer", "transformers", "speed-up", "achieved", "model floor")
     widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
@@ -307,11 +308,77 @@ def fp8_decode_weight_bytes(cfg) -> int:
 def fp8_decode_rows(rows, weights, copy_tbs, steps, wall) -> None:
     """decode batch 1 at context 8192 on the same weights in FP8 (issue 14's target on an H200:
     <= 75 us a token), plain calls and a CUDA graph; the cache filled through the FP8 layer"""
-    import torch
-
     cfg = q3.LayerConfig.qwen3_235b_a22b()
     layer = q3.DecoderLayer(cfg, fp8_weights_on_gpu(weights), device="cuda")
     assert layer.weight_format == "fp8_e4m3_block128" and layer.converted == ()
+    nbytes = fp8_decode_weight_bytes(cfg) + 8192 * 2048
+    decode_rows(rows, layer, "FP8 weights", nbytes, f"target <= 75 us ({nbytes / 1e6:.0f} MB a token)", copy_tbs,
+                steps, wall)
+
+
+def gptq_on_gpu(w):
+    """one matrix w [N, K] (on the GPU) as GPTQ tensors, as kernels/int4.h's q3_int4_quantize_rtn
+    makes them: round to nearest in groups of 128 inputs, symmetric (fp16 scale 2 amax / 15, zero
+    8, stored as 7: "gptq" v1), g_idx k // 128"""
+    import torch
+
+    N, K = w.shape
+    G = K // 128
+    b = w.float().reshape(N, G, 128)
+    amax = b.abs().amax(-1)
+    scale = (2 * amax.masked_fill(amax == 0, 1.0) / 15).half()
+    q = (b / scale.float()[..., None]).round().add(8).clamp(0, 15).to(torch.int64).reshape(N, K)
+    shifts = 4 * torch.arange(8, device=w.device, dtype=torch.int64)
+    words = (q.t().reshape(K // 8, 8, N) << shifts[None, :, None]).sum(1)  # lowest nibble first
+    return {"qweight": (words - (words >= 2**31).long() * 2**32).to(torch.int32),
+            "scales": scale.t().contiguous(),
+            "qzeros": torch.full((G, N // 8), 0x77777777, device=w.device, dtype=torch.int32),
+            "g_idx": (torch.arange(K, device=w.device) // 128).to(torch.int32)}
+
+
+def int4_weights_on_gpu(weights, device="cuda") -> dict:
+    """the layer's bf16 weights quantized on the GPU (`device`) to 4-bit GPTQ tensors
+    (gptq_on_gpu), per projection module (the experts per expert, as GPTQ checkpoints hold
+    them); norms and the router stay bf16"""
+    import torch
+
+    out = {}
+    for k, v in weights.items():
+        t = torch.from_dlpack(v).to(device)
+        if k.startswith("self_attn.") and k.endswith("proj.weight"):
+            modules = {k[:-len(".weight")]: t}
+        elif k == "mlp.experts.gate_up_proj":  # [E, 2I, H]: gate rows, then up rows
+            half = t.shape[1] // 2
+            modules = {f"mlp.experts.{e}.{p}": t[e, i * half:(i + 1) * half] for e in range(t.shape[0])
+                       for i, p in enumerate(("gate_proj", "up_proj"))}
+        elif k == "mlp.experts.down_proj":
+            modules = {f"mlp.experts.{e}.down_proj": t[e] for e in range(t.shape[0])}
+        else:
+            out[k] = t
+            continue
+        for module, m in modules.items():
+            out.update({f"{module}.{n}": packed for n, packed in gptq_on_gpu(m).items()})
+    return out
+
+
+def int4_decode_rows(rows, weights, copy_tbs, steps, wall) -> None:
+    """decode batch 1 at context 8192 on the same weights in 4-bit GPTQ (issue 41), plain calls
+    and a CUDA graph, with the floor of its bytes (nibbles, fp16 scales, zeros, g_idx: the cost
+    model's) at the copy rate; the cache filled through the int4 layer"""
+    cfg = q3.LayerConfig.qwen3_235b_a22b()
+    layer = q3.DecoderLayer(cfg, int4_weights_on_gpu(weights), device="cuda")
+    assert layer.weight_format == "gptq_int4" and layer.converted == ()
+    nbytes = decode_weight_bytes(cfg, "bfloat16", "gptq_int4") + 8192 * 2048
+    decode_rows(rows, layer, "GPTQ int4 weights", nbytes,
+                f"read floor {nbytes / (copy_tbs * 1e12) * 1e6:.0f} us ({nbytes / 1e6:.0f} MB a token)", copy_tbs,
+                steps, wall)
+
+
+def decode_rows(rows, layer, label, nbytes, note, copy_tbs, steps, wall) -> None:
+    """decode batch 1 at context 8192 on `layer` (its weights `label`), plain calls and a CUDA
+    graph, `nbytes` read a token; the cache filled through the layer"""
+    import torch
+
     ctx = 8192
     cache = layer.new_cache(ctx + steps)
     for t0 in range(0, ctx, 2048):
@@ -324,12 +391,10 @@ def fp8_decode_rows(rows, weights, copy_tbs, steps, wall) -> None:
             step()
         cache.truncate(ctx, 0)
 
-    nbytes = fp8_decode_weight_bytes(cfg) + ctx * 2048
     for name, step in (("plain calls", lambda: layer.decode(x, cache)), ("CUDA graph", lambda: graph(x))):
         t = wall(lambda s=step: run(s), 10) / steps
-        rows.append((f"decode batch 1, context {ctx}, FP8 weights, {name}", f"{t * 1e6:.0f} us", "-", "-",
-                     f"{nbytes / t / 1e12:.2f} TB/s ({nbytes / t / 1e12 / copy_tbs:.0%} of copy)",
-                     f"target <= 75 us ({nbytes / 1e6:.0f} MB a token)"))
+        rows.append((f"decode batch 1, context {ctx}, {label}, {name}", f"{t * 1e6:.0f} us", "-", "-",
+                     f"{nbytes / t / 1e12:.2f} TB/s ({nbytes / t / 1e12 / copy_tbs:.0%} of copy)", note))
 
 
 def print_moe_path_choice(hf, x) -> None:

@@ -137,3 +137,20 @@ def test_without_a_device_the_benchmark_says_so_and_points_at_predict():
     assert run.returncode == 2 and run.stdout == ""
     assert run.stderr == ("bench_cuda: no CUDA device on this machine (0 found); --predict prints the per-stage model "
                           "alone\n")
+
+
+def test_the_int4_rows_weights_are_the_engines_rtn_quantization():
+    """bench_cuda's GPTQ weights (quantized by torch on the GPU there, on the host here) are the
+    tensors the engine's RTN makes of the same draws (random_weights 'gptq_int4'), bit for bit"""
+    import torch
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_cuda
+
+    cfg = q3.LayerConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=4,
+                         num_experts_per_tok=2, moe_intermediate_size=128)
+    packed = bench_cuda.int4_weights_on_gpu(q3._C.random_weights(cfg, 5, "float32"), device="cpu")
+    want = {k: torch.from_dlpack(v) for k, v in q3._C.random_weights(cfg, 5, "float32", "gptq_int4").items()}
+    assert sorted(packed) == sorted(want)
+    for name, t in want.items():
+        assert packed[name].dtype == t.dtype and torch.equal(packed[name], t), name
