@@ -89,6 +89,21 @@ def _gptq_settings(weight_format: Optional[str], quantization_config: Optional[M
                          layer_idx=layer_idx)
 
 
+def _check_layer_idx(layer_idx: Any, quantization_config: Optional[Mapping[str, Any]]) -> None:
+    """layer_idx: None, or a layer index where a GPTQ quantization_config is given: the index
+    only picks which of that config's per-layer rules (dynamic, modules_to_not_convert,
+    modules_in_block_to_quantize) apply, so without one it would be taken and do nothing"""
+    if layer_idx is None:
+        return
+    if type(layer_idx) is not int or layer_idx < 0:
+        raise ValueError(f"layer_idx: expected None or a non-negative int, got {layer_idx!r}")
+    if quantization_config is None:
+        raise ValueError(f"layer_idx: expected None without a GPTQ quantization_config, got {layer_idx!r} (it only "
+                         "selects which of that config's per-layer rules apply: dynamic, modules_to_not_convert, "
+                         "modules_in_block_to_quantize; a dense or FP8 layer, or GPTQ tensors without a config, "
+                         "read the same at every index)")
+
+
 def _gptq_attention(gptq: dict, weights: Mapping[str, Any], layer_idx: Optional[int]) -> dict:
     """gptq with gptq_dense_attention as the weights hold q_proj (dense or 4-bit); ValueError
     where the quantization_config said the other"""
@@ -128,7 +143,9 @@ class DecoderLayer:
     layer's dtype, as those checkpoints store them): the weights say which; a
     quantization_config whose rules (dynamic "-:" regexes, modules_to_not_convert,
     modules_in_block_to_quantize) say the other raises ValueError. layer_idx: the layer's
-    index in its model, the module names those rules are tested on (default: 0).
+    index in its model, the module names those rules are tested on (default: 0); taken only
+    with a quantization_config (ValueError without one: a dense or FP8 layer, or GPTQ tensors
+    without a config, has no per-layer rules for it to select).
     experts: the expert ids a layer holding a subset holds (default: all): the other experts'
     weights are neither needed nor read, prefill and decode refuse to run (the whole layer needs
     every expert), and attention_half / expert_half run the layer split (qwen3layer.parallel).
@@ -151,8 +168,7 @@ class DecoderLayer:
         if weight_format is None and isinstance(weights, Mapping) and \
                 any(isinstance(k, str) and k.endswith(".qweight") for k in weights):
             weight_format = GPTQ  # (no q_proj.weight whose dtype would say so, as an FP8 one's does)
-        if layer_idx is not None and (type(layer_idx) is not int or layer_idx < 0):
-            raise ValueError(f"layer_idx: expected None or a non-negative int, got {layer_idx!r}")
+        _check_layer_idx(layer_idx, quantization_config)
         gptq = _gptq_settings(weight_format, quantization_config, config, layer_idx)
         if weight_format == GPTQ and isinstance(weights, Mapping):
             gptq = _gptq_attention(gptq, weights, layer_idx)
@@ -228,7 +244,10 @@ class DecoderLayer:
         try:
             layer = cls(cfg, weights, device=device, dtype=dtype, weight_format=fmt, experts=ids,
                         expert_device=expert_device, gpu_experts=gpu_experts, expert_counts=expert_counts,
-                        quantization_config=quant, layer_idx=layer_idx)
+                        quantization_config=quant,
+                        # the index picks a GPTQ config's per-layer rules; dense and FP8 ones have none (quant
+                        # None), and the constructor refuses an index that would do nothing
+                        layer_idx=layer_idx if quant is not None else None)
         except BaseException:
             weights.clear()  # the views, so that the mappings can close now rather than at collection
             for mm in maps:

@@ -335,6 +335,24 @@ def test_a_quantization_config_that_leaves_the_attention_dense_is_honoured(rule)
                         layer_idx=3)
 
 
+@pytest.mark.parametrize("fmt", ["dense", "fp8_e4m3_block128", "gptq_int4"])
+def test_layer_idx_without_a_gptq_quantization_config_is_refused(fmt):
+    """layer_idx only selects which of a GPTQ quantization_config's per-layer rules apply: a
+    dense or FP8 layer, or GPTQ tensors without a config, would take it and do nothing. Refused
+    by name whether the format is given or read from the weights; the layer is made without it"""
+    cfg = q3.LayerConfig(**G128)
+    weights = q3._C.random_weights(cfg, 2, "float32", fmt)
+    for given in (fmt, None):
+        for idx in (0, 3):
+            with pytest.raises(ValueError, match=rf"layer_idx: expected None without a GPTQ quantization_config, got "
+                                                 rf"{idx} \(it only selects which of that config's per-layer rules "
+                                                 r"apply: dynamic, modules_to_not_convert, modules_in_block_to_quantize"):
+                q3.DecoderLayer(cfg, weights, weight_format=given, layer_idx=idx)
+    assert q3.DecoderLayer(cfg, weights).weight_format == fmt
+    with pytest.raises(ValueError, match=r"layer_idx: expected None or a non-negative int, got -1"):
+        q3.DecoderLayer(cfg, weights, layer_idx=-1)
+
+
 def test_the_cost_model_counts_a_dense_attention_at_the_layers_dtype():
     """cost_model(dense_attention=True): q/k/v/o_proj read as the dense format's bytes, the
     experts as 4-bit ones, which is what such a layer's weight_bytes holds"""
