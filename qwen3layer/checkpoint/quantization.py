@@ -17,15 +17,15 @@ as they were. Fields, as those configs write them:
   scale_fmt          "float" (the default); "ue8m0" (power-of-two scales in one byte) refused
   expert_dtype       "fp8" (the default); "fp4" refused
   modules_to_not_convert (alias ignored_layers): modules kept unquantized; one that names a
-                     projection of the loaded layer is refused (the engine takes all of a
-                     layer's projections in one format); others (lm_head, embeddings) are
-                     not this layer's business
+                     projection of the loaded layer (by transformers' rule: _not_converted)
+                     is refused (the engine takes all of a layer's projections in one
+                     format); others (lm_head, embeddings) are not this layer's business
   dequantize, modules_to_convert: load options of transformers, not facts of the files.
 """
 from __future__ import annotations
 
 import re
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 from .safetensors import CheckpointError, show
 
@@ -51,9 +51,17 @@ def _projections(layer_idx: int, num_experts: int) -> List[str]:
             + [f"{p}mlp.experts.{e}.{x}" for e in range(num_experts) for x in EXPERT_PARTS])
 
 
-def _matches(pattern: str, module: str) -> bool:
-    """transformers' rule, taken literally: the pattern names the module, one of its parents
-    (a prefix ending at a '.'), or a tail of its name ("q_proj", "self_attn.q_proj")"""
+def _not_converted(pattern: str, module: str, or_within: bool) -> bool:
+    """whether modules_to_not_convert's `pattern` keeps `module` unquantized: by transformers'
+    rule, taken literally (the pattern names the module, one of its parents: a prefix ending at
+    a '.', or a tail of its name: "q_proj", "self_attn.q_proj"), or, with or_within, also where
+    the pattern is anywhere within the name ("self_attn" in "model.layers.0.self_attn.q_proj"),
+    the substring test some loaders use. Why two readings: an FP8 checkpoint has one loader,
+    transformers', so FP8 reads its rule alone; GPTQ loaders differ in how they match, so GPTQ
+    takes the reading that keeps more modules dense, and a layer never reads as 4-bit what one
+    of them would leave dense."""
+    if or_within:
+        return pattern in module  # a name, a parent or a tail is within the name too: the union
     return module == pattern or module.startswith(pattern + ".") or module.endswith("." + pattern)
 
 
@@ -66,7 +74,8 @@ def _check_not_converted(cfg_path: str, qc: dict, layer_idx: int, num_experts: i
         raise CheckpointError(f"{cfg_path}: quantization_config.{key}: expected a list of module names, "
                               f"got {show(skip)}")
     for pattern in skip:
-        hit = next((m for m in _projections(layer_idx, num_experts) if _matches(pattern, m)), None)
+        hit = next((m for m in _projections(layer_idx, num_experts) if _not_converted(pattern, m, or_within=False)),
+                   None)
         if hit is not None:
             raise CheckpointError(f"{cfg_path}: quantization_config.{key}: {show(pattern)} keeps {hit} unquantized; "
                                   "expected every projection of the layer in FP8 (a layer mixing FP8 and "
@@ -107,9 +116,32 @@ def weight_format(cfg_path: str, raw: dict, layer_idx: int, num_experts: int) ->
     return FP8, {}
 
 
-# the fields of a GPTQ module that change how its tensors read: a per-module override of one
-# (GPTQModel's `dynamic`) makes that module another format
-_GPTQ_LAYOUT = ("bits", "group_size", "sym", "desc_act", "checkpoint_format", "pack_dtype")
+class _Field(NamedTuple):
+    default: Any  # the value a config that leaves the field out means
+    ok: Callable[[Any], bool]  # whether the layer reads the value
+    expected: str  # the values it reads, for the error
+    why: str = ""
+
+
+# the fields of a GPTQ module that change how its tensors read, in the order gptq_settings checks
+# them, each with its default and the values this layer reads. One table for both readings: the
+# config's own value, and what a per-module override (GPTQModel's `dynamic`) is compared with,
+# since one that differs makes that module another format.
+_GPTQ_LAYOUT = {
+    "bits": _Field(4, lambda v: type(v) is int and v == 4, "4", " (only 4-bit GPTQ weights are read)"),
+    "group_size": _Field(128, lambda v: type(v) is int and (v == -1 or (v > 0 and v % 8 == 0)),
+                         "-1 (one group a matrix) or a positive multiple of 8"),
+    "sym": _Field(True, lambda v: type(v) is bool, "true or false"),
+    "desc_act": _Field(False, lambda v: type(v) is bool, "true or false"),
+    "checkpoint_format": _Field("gptq", lambda v: v in ("gptq", "gptq_v2"), "'gptq' or 'gptq_v2'"),
+    "pack_dtype": _Field("int32", lambda v: v == "int32", "'int32'",
+                         " (GPTQModel's words of another width are not read)"),
+}
+
+
+def _layout(qc: dict, key: str) -> Any:
+    """the layer's value of _GPTQ_LAYOUT's field `key`: the config's, else the default"""
+    return qc.get(key, _GPTQ_LAYOUT[key].default)
 
 
 def gptq_settings(qc: Any, where: str = "quantization_config", num_experts: Optional[int] = None,
@@ -124,41 +156,35 @@ def gptq_settings(qc: Any, where: str = "quantization_config", num_experts: Opti
     Which of the layer's projections are 4-bit: all of them, or every expert's with q/k/v/o_proj
     left dense (gptq_dense_attention), as checkpoints quantized to the experts alone say it in
     any of three ways: a `dynamic` rule "-:<regex>" (GPTQModel: the modules whose full name the
-    regex matches from its start are skipped), modules_to_not_convert (transformers' rule: a
-    name, a parent or a tail of the module's name), or modules_in_block_to_quantize leaving
-    self_attn out (each read as _dense_by_dynamic, _dense_by_not_convert and
-    _dense_by_block_lists say). Names are the checkpoint's, "model.layers.<layer_idx>.self_attn.q_proj"
-    (layer 0 where layer_idx is not known). A `dynamic` override (a rule "+:<regex>" or a bare
-    regex) that changes a field of _GPTQ_LAYOUT for one of the layer's projections, a rule
-    leaving some of the attention dense and not the rest, or any expert dense: ValueError naming
-    the field and the module (a layer holds its experts in one format). ValueError naming the
-    field (`where`.field) for any other value the layer cannot read. Load options
-    (damp_percent, true_sequential, static_groups, use_exllama, backend, meta, ...) are not
-    facts of the files and are not read."""
+    regex matches from its start are skipped), modules_to_not_convert (a name anywhere within
+    the module's: transformers' rule or the substring test of other loaders), or
+    modules_in_block_to_quantize leaving self_attn out (each read as _dense_by_dynamic,
+    _dense_by_not_convert and _dense_by_block_lists say). Names are the checkpoint's,
+    "model.layers.<layer_idx>.self_attn.q_proj" (layer 0 where layer_idx is not known). A
+    `dynamic` override (a rule "+:<regex>" or a bare regex) that changes a field of _GPTQ_LAYOUT
+    for one of the layer's projections, a rule leaving some of the attention dense and not the
+    rest, or any expert dense: ValueError naming the field and the module (a layer holds its
+    experts in one format). ValueError naming the field (`where`.field) for any other value the
+    layer cannot read. Load options (damp_percent, true_sequential, static_groups, use_exllama,
+    backend, meta, ...) are not facts of the files and are not read."""
     if not isinstance(qc, dict):
         raise ValueError(f"{where}: expected a dict (a GPTQ quantization_config), got {show(qc)}")
-
-    def field(key: str, default: Any, ok: Any, expected: str, why: str = "") -> Any:
-        value = qc.get(key, default)
-        if not ok(value):
-            raise ValueError(f"{where}.{key}: expected {expected}, got {show(value)}{why}")
-        return value
-
-    field("quant_method", None, lambda v: v == "gptq", "'gptq'")
-    field("bits", 4, lambda v: type(v) is int and v == 4, "4", " (only 4-bit GPTQ weights are read)")
-    group = field("group_size", 128, lambda v: type(v) is int and (v == -1 or (v > 0 and v % 8 == 0)),
-                  "-1 (one group a matrix) or a positive multiple of 8")
-    field("sym", True, lambda v: type(v) is bool, "true or false")
-    field("desc_act", False, lambda v: type(v) is bool, "true or false")
-    fmt = field("checkpoint_format", "gptq", lambda v: v in ("gptq", "gptq_v2"), "'gptq' or 'gptq_v2'")
-    field("pack_dtype", "int32", lambda v: v == "int32", "'int32'", " (GPTQModel's words of another width are not read)")
+    if qc.get("quant_method") != "gptq":
+        raise ValueError(f"{where}.quant_method: expected 'gptq', got {show(qc.get('quant_method'))}")
+    for key, f in _GPTQ_LAYOUT.items():
+        value = _layout(qc, key)
+        if not f.ok(value):
+            raise ValueError(f"{where}.{key}: expected {f.expected}, got {show(value)}{f.why}")
+    group, fmt = _layout(qc, "group_size"), _layout(qc, "checkpoint_format")
     modules = _gptq_modules(layer_idx, num_experts)
     by_field = {"dynamic": _dense_by_dynamic(qc, where, modules),
                 "modules_to_not_convert": _dense_by_not_convert(qc, where, modules),
                 "modules_in_block_to_quantize": _dense_by_block_lists(qc, where, modules, num_experts)}
     dense = set().union(*by_field.values())
     attention = [m for m in modules if ".self_attn." in m]
-    experts = sorted(dense - set(attention), key=lambda m: (m not in modules, modules.index(m) if m in modules else m))
+    # in the layer's order; then any expert outside `modules` (one modules_in_block_to_quantize names where
+    # num_experts is not known)
+    experts = [m for m in modules if m in dense and m not in attention] + sorted(dense - set(modules))
     partial = bool(dense) and not experts and dense != set(attention)
     if experts or partial:
         first = experts[0] if experts else next(m for m in attention if m in dense)
@@ -200,28 +226,23 @@ def _dense_by_dynamic(qc: dict, where: str, modules: List[str]) -> set:
             continue
         if not isinstance(overrides, dict):
             raise ValueError(f"{where}.dynamic[{show(rule)}]: expected an object of overrides, got {show(overrides)}")
-        changed = [k for k in _GPTQ_LAYOUT if k in overrides and overrides[k] != qc.get(k, _DEFAULTS[k])]
+        changed = [k for k in _GPTQ_LAYOUT if k in overrides and overrides[k] != _layout(qc, k)]
         if hits and changed:
             raise ValueError(f"{where}.dynamic[{show(rule)}].{changed[0]}: {show(overrides[changed[0]])} for {hits[0]}, "
-                             f"where the layer's others have {show(qc.get(changed[0], _DEFAULTS[changed[0]]))}; "
+                             f"where the layer's others have {show(_layout(qc, changed[0]))}; "
                              "expected every 4-bit projection of a layer in one layout")
     return skipped
 
 
-_DEFAULTS = {"bits": 4, "group_size": 128, "sym": True, "desc_act": False, "checkpoint_format": "gptq",
-             "pack_dtype": "int32"}
-
-
 def _dense_by_not_convert(qc: dict, where: str, modules: List[str]) -> set:
-    """the modules modules_to_not_convert keeps dense: by transformers' rule (_matches) or by a
-    name within theirs (the substring test of older loaders: of the two, the one that keeps
-    more dense, so that a layer never reads as 4-bit what a loader would leave dense)"""
+    """the modules modules_to_not_convert keeps dense, by transformers' rule or a name within
+    theirs (_not_converted: GPTQ loaders differ in how they match)"""
     skip = qc.get("modules_to_not_convert")
     if skip is None:
         return set()
     if not (isinstance(skip, list) and all(isinstance(s, str) for s in skip)):
         raise ValueError(f"{where}.modules_to_not_convert: expected a list of module names, got {show(skip)}")
-    return {m for m in modules for pattern in skip if _matches(pattern, m) or pattern in m}
+    return {m for m in modules for pattern in skip if _not_converted(pattern, m, or_within=True)}
 
 
 def _dense_by_block_lists(qc: dict, where: str, modules: List[str], num_experts: Optional[int]) -> set:

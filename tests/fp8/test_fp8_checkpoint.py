@@ -143,6 +143,15 @@ def test_modules_not_converted_elsewhere_are_fine(tmp_path, base):
     assert layer.weight_format == "fp8_e4m3_block128"
 
 
+def test_modules_to_not_convert_is_read_by_transformers_rule_alone(tmp_path, base):
+    """FP8 checkpoints have one loader, transformers': a name within a module's that is not its
+    name, a parent or a tail ("self_attn", "experts.3") keeps nothing unquantized, and the layer
+    is FP8 throughout (a GPTQ config reads such names as dense: tests/io/test_gptq_checkpoint.py)"""
+    quant = QUANT | {"modules_to_not_convert": ["self_attn", "experts.3"]}
+    layer = q3.DecoderLayer.from_checkpoint(write(tmp_path, base, quant=quant), 0)
+    assert layer.weight_format == "fp8_e4m3_block128"
+
+
 def test_transformers_own_config_without_fmt_is_e4m3(tmp_path, base):
     from transformers import FineGrainedFP8Config
 

@@ -5,6 +5,7 @@ from the packing rules), and every bad GPTQ checkpoint refused naming the file a
 config.json and the field) before any layer is made, the mappings closed."""
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import qwen3layer as q3
 from gptq_reference import gptq_model, prefill_then_decode_error, random_model
 from hf_reference import converted, draw_input, rel_err, run
 from qwen3layer.checkpoint import CheckpointError, UnsupportedDtypeError
+from qwen3layer.checkpoint.quantization import gptq_settings
 
 G128 = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=6,
             num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True)
@@ -49,6 +51,51 @@ def good(tmp_path_factory):
 def mapped(layer, ptr):
     starts = [(q3._C.buffer_view(mm, 0, (1,), "float32").data_ptr, len(mm)) for mm in layer._mappings]
     return any(a <= ptr < a + n for a, n in starts)
+
+
+LAYOUT_DEFAULTS = {"bits": 4, "group_size": 128, "sym": True, "desc_act": False, "checkpoint_format": "gptq",
+                   "pack_dtype": "int32"}
+
+
+@pytest.mark.parametrize("key,other", [("bits", 8), ("group_size", 64), ("sym", False), ("desc_act", True),
+                                       ("checkpoint_format", "gptq_v2"), ("pack_dtype", "int16")])
+def test_a_field_left_out_is_its_default_for_the_config_and_for_a_dynamic_override(key, other):
+    """a config without the layout fields reads as one with their defaults, and a `dynamic`
+    override is compared with the same default: equal to it changes nothing, another value is
+    refused naming the default"""
+    bare = {"quant_method": "gptq"}
+    plain = {"gptq_group": 0, "gptq_v2": False, "gptq_dense_attention": False}
+    assert gptq_settings(bare, num_experts=6) == gptq_settings(bare | LAYOUT_DEFAULTS, num_experts=6) == plain
+    assert gptq_settings(bare | {"dynamic": {r"+:.*down_proj": LAYOUT_DEFAULTS}}, num_experts=6) == plain
+    with pytest.raises(ValueError, match=re.escape(f"quantization_config.dynamic['+:.*down_proj'].{key}: {other!r} "
+                                                   f"for model.layers.0.mlp.experts.0.down_proj, where the layer's "
+                                                   f"others have {LAYOUT_DEFAULTS[key]!r}")):
+        gptq_settings(bare | {"dynamic": {r"+:.*down_proj": {key: other}}}, num_experts=6)
+
+
+def test_the_dense_expert_named_is_the_first_in_the_layers_order():
+    """of the experts a config leaves dense, the error names the first as the layer holds them
+    (expert 2 before expert 10, up_proj before down_proj), not the first by name; with
+    num_experts not known, the experts modules_in_block_to_quantize names stand for them"""
+    skip = ["experts.10.gate_proj", "experts.2.down_proj", "experts.2.up_proj"]
+    with pytest.raises(ValueError, match=r"modules_to_not_convert: leaves model.layers.0.mlp.experts.2.up_proj dense; "
+                                         r"expected every expert's projections 4-bit"):
+        gptq_settings(QC | {"modules_to_not_convert": skip}, num_experts=12)
+    named = [[f"self_attn.{a}" for a in ("q_proj", "k_proj", "v_proj", "o_proj")],
+             [f"mlp.experts.{e}.{p}" for e in range(10) for p in ("gate_proj", "up_proj", "down_proj")]
+             + ["mlp.experts.10.up_proj"]]
+    with pytest.raises(ValueError, match=r"modules_in_block_to_quantize: leaves model.layers.0.mlp.experts.10.down_proj "
+                                         r"dense"):
+        gptq_settings(QC | {"modules_in_block_to_quantize": named})
+
+
+def test_modules_to_not_convert_reads_a_name_within_a_modules_name():
+    """GPTQ loaders differ in how they match modules_to_not_convert, so a name anywhere within
+    a module's (not its name, a parent or a tail: transformers' rule, FP8's reading,
+    tests/fp8/test_fp8_checkpoint.py) leaves it dense too"""
+    assert gptq_settings(QC | {"modules_to_not_convert": ["self_attn"]}, num_experts=6)["gptq_dense_attention"]
+    with pytest.raises(ValueError, match=r"modules_to_not_convert: leaves model.layers.0.mlp.experts.3.gate_proj dense"):
+        gptq_settings(QC | {"modules_to_not_convert": ["experts.3"]}, num_experts=6)
 
 
 def test_a_gptq_checkpoint_is_borrowed_from_the_mapping_and_equals_transformers(good):
