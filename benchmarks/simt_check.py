@@ -142,6 +142,8 @@ MUTANTS = [
            "moe_down_int4_kernel", "twin", ("moe_down_int4",)),
     Mutant(19, "GPTQ groups of a K slice run together: the GEMV scales a slice by its first group's scale and zero",
            "gemv_int4_kernel", "twin", ("matmul_int4",)),
+    Mutant(20, "hidden keys seen: a token mask's flags never read, every key of [first_key, i] attended",
+           "attention_kernel", "twin", ("attention",)),
 ]
 
 CHILD = r"""

@@ -2,9 +2,11 @@
  *
  * The one attention routine of the layer: prefill (n_past = 0, L = S), a prefill chunk
  * (n_past = tokens already cached) and decode (L = 1) are the same call. The block's own
- * keys and values are written to the cache first, so the query at position n_past + t
- * attends to cache rows [start, n_past + t] (start: the sequence's leading padding, 0 by
- * default). Query head h reads KV head h / (Hq / Hkv).
+ * keys and values are written to the cache first, so the query at cache row i = n_past + t
+ * attends to rows [first_key, i] (first_key: the sequence's leading padding, 0 by default),
+ * less the hidden ones: tokens whose call masked them (right padding, holes), which no query
+ * sees. A query with no key to see (a padding row, i < first_key) sees only itself.
+ * Query head h reads KV head h / (Hq / Hkv).
  * Softmax in fp32, computed online over key tiles: the working set is one tile of keys,
  * values and scores for a block of queries, whatever the context length. */
 #ifndef Q3_KERNELS_ATTENTION_H
@@ -16,10 +18,22 @@ typedef struct {
     const void *k;   /* [Hkv, capacity, D] keys of this sequence, after QK-norm and RoPE */
     const void *v;   /* [Hkv, capacity, D] values of this sequence */
     int64_t n_past;  /* cached tokens before this block */
-    int64_t start;   /* leading padding: a query at i >= start sees keys [start, i]; a padding
-                        query (i < start) sees only itself */
+    int64_t start;   /* leading padding: the rows before it are padding (positions count from
+                        it; attention reads first_key) */
     int64_t first_pos; /* RoPE position of the first real token (cache row start): row i >= start
                           is at first_pos + i - start, a padding row at 0 */
+    const uint8_t *hidden; /* [capacity] nonzero: a key no query sees (a token its call masked);
+                              NULL: none hidden. In the memory the kernel runs in (host for the
+                              CPU kernels, the device for the CUDA ones) */
+    int64_t first_key; /* the first row >= start that is not hidden (n_past + L when none;
+                          start when hidden is NULL): a query at row i >= first_key sees the
+                          keys of [first_key, i] not hidden, one at i < first_key only itself */
+    const uint8_t *tree; /* [tree_tokens, tree_tokens] a call's per-query mask (NULL: causal): of
+                            the rows from tree_first on (the call's tokens u), the query at row
+                            tree_first + t sees those with tree[t * tree_tokens + u] (u <= t, its
+                            own set), the rows before as above; memory as hidden's */
+    int64_t tree_first;
+    int64_t tree_tokens;
 } q3_attn_seq;
 
 typedef struct {
@@ -54,8 +68,8 @@ typedef void q3_attention_fn(float *out, const float *q, const q3_attn_seq *seqs
 /* The attention probabilities of the same call, for introspection (computed on request
  * only, never on the layer's own path): for sequence s, query head h and new token t,
  *     probs[((s * Hq + h) * out_tokens + t0 + t) * context + j] = softmax_j(scale q . K[j])
- * over the keys the attention routine lets that query see (j in [start, n_past + t]; a
- * padding query only itself), and 0 in every other column j < context. q as above
+ * over the keys the attention routine lets that query see (j in [first_key, n_past + t] not
+ * hidden; a query before first_key only itself), and 0 in every other column j < context. q as above
  * [n_seqs, L, Hq, D]; rows t0 .. t0 + L - 1 of each (s, h) are written, the rest untouched
  * (a call in passes fills them pass by pass). Needs context >= n_past + L for every sequence
  * and t0 + L <= out_tokens. fp32 throughout; at most `threads` threads, no scratch. */

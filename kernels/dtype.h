@@ -13,15 +13,19 @@
  * expert_counts reads back): no kernel's data argument takes it, and an imported tensor
  * carries it only where the glue asks for it (Q3_VIEW_I32) */
 /* Q3_F16: only the scales of a GPTQ int4 matrix (kernels/int4.h), whose packed words are Q3_I32 */
-typedef enum { Q3_F32 = 0, Q3_BF16 = 1, Q3_E4M3 = 2, Q3_I32 = 3, Q3_F16 = 4 } q3_dtype;
+/* Q3_BOOL and Q3_I64: only a layer call's per-token inputs (its token mask, bool or uint8
+ * bytes, and its positions), imported where the glue asks for them (Q3_VIEW_BOOL, Q3_VIEW_I64) */
+typedef enum { Q3_F32 = 0, Q3_BF16 = 1, Q3_E4M3 = 2, Q3_I32 = 3, Q3_F16 = 4, Q3_BOOL = 5, Q3_I64 = 6 } q3_dtype;
 
 static inline size_t q3_dtype_size(q3_dtype dt) {
-    return dt == Q3_BF16 || dt == Q3_F16 ? 2 : dt == Q3_E4M3 ? 1 : 4;
+    return dt == Q3_BF16 || dt == Q3_F16 ? 2 : dt == Q3_E4M3 || dt == Q3_BOOL ? 1 : dt == Q3_I64 ? 8 : 4;
 }
-/* torch's and numpy's name of each: "float32", "bfloat16", "float8_e4m3fn", "int32", "float16" */
+/* torch's and numpy's name of each: "float32", "bfloat16", "float8_e4m3fn", "int32", "float16",
+ * "bool", "int64" */
 static inline const char *q3_dtype_name(q3_dtype dt) {
     return dt == Q3_BF16 ? "bfloat16" : dt == Q3_E4M3 ? "float8_e4m3fn" : dt == Q3_I32 ? "int32"
-                                      : dt == Q3_F16  ? "float16" : "float32";
+                                      : dt == Q3_F16  ? "float16" : dt == Q3_BOOL ? "bool"
+                                      : dt == Q3_I64  ? "int64" : "float32";
 }
 
 static inline float q3_bf16_to_f32(uint16_t b) {

@@ -23,6 +23,14 @@ KVCache = _C.KVCache
 Tensor = _C.Tensor
 
 
+def _refuse_token_inputs(where: str, token_mask: Any, positions: Any, tree: Any = None) -> None:
+    """ValueError naming token_mask / positions / tree when given to a call that does not take them"""
+    for name, value in (("token_mask", token_mask), ("positions", positions), ("tree", tree)):
+        if value is not None:
+            raise ValueError(f"{name}: given to {where}, which does not take it yet (issue 42: whole CPU or CUDA "
+                             f"layers only); got a {type(value).__name__}")
+
+
 def _like(x: Any, y: Any) -> Any:
     """y (an extension Tensor) as the same kind of array as x, zero-copy."""
     kind = type(x).__module__.partition(".")[0]
@@ -299,7 +307,8 @@ class DecoderLayer:
 
     def prefill(self, x: Any, cache: KVCache, seq: Optional[int] = None,
                 chunk_size: Optional[int] = None, *, out: Any = None, return_router: bool = False,
-                return_attention: bool = False, attention_limit: Optional[int] = None) -> Any:
+                return_attention: bool = False, attention_limit: Optional[int] = None, token_mask: Any = None,
+                positions: Any = None, tree: Any = None) -> Any:
         """Appends tokens to the cache and returns the layer's output for them.
 
         x [S, hidden]: S tokens of sequence `seq` (default 0), at positions
@@ -314,32 +323,66 @@ class DecoderLayer:
         own passes, and/or the attention probabilities [batch, heads, S, context], computed for
         this call only. The maps may take at most attention_limit bytes (default 2**30); a call
         asking for more raises ValueError with their shape and size before anything runs.
+
+        token_mask (x's shape less hidden: [S] or [B, S]; bool or uint8, host memory): False
+        hides a token from every query after it, in this call and later ones (right padding, a
+        hole: the new tokens' part of transformers' 2D attention_mask); the cache keeps the
+        flag through its operations. A hidden token's own query sees the visible keys before
+        it (only itself when there are none). positions (same shape, int64, host memory): each
+        token's RoPE position (default: the cache's rule, first position + row - padding).
+        tree ([S, S] or [B, S, S] bool, host memory): a per-query mask among the call's tokens
+        (tree attention): token t sees the cached tokens and the call's tokens u with
+        tree[t, u], u <= t and u = t always (not with token_mask); verify() makes one.
         """
         if self._hybrid is not None:
+            _refuse_token_inputs("a layer split over the GPU and the host", token_mask, positions, tree)
             return self._split_call(x, cache, False, out, seq=seq, chunk_size=chunk_size, return_router=return_router,
                                     return_attention=return_attention, attention_limit=attention_limit)
         check_torch_device("out", out, self._core.device)
         y = self._core.prefill(x, cache, seq, chunk_size, out=out, stream=stream_of(x, self._core.device),
                                return_router=return_router, return_attention=return_attention,
-                               attention_limit=attention_limit)
+                               attention_limit=attention_limit, token_mask=token_mask, positions=positions,
+                               tree=tree)
         return self._result(x, y, out)
 
     def decode(self, x: Any, cache: KVCache, *, out: Any = None, return_router: bool = False,
-               return_attention: bool = False, attention_limit: Optional[int] = None) -> Any:
+               return_attention: bool = False, attention_limit: Optional[int] = None, token_mask: Any = None,
+               positions: Any = None) -> Any:
         """One new token for each sequence of the cache: x [cache.batch, hidden]. The insides
-        as for prefill (router rows [batch, ...], attention [batch, heads, 1, context])."""
+        as for prefill (router rows [batch, ...], attention [batch, heads, 1, context]);
+        token_mask and positions [batch] as prefill's."""
         if self._hybrid is not None:
+            _refuse_token_inputs("a layer split over the GPU and the host", token_mask, positions)
             return self._split_call(x, cache, True, out, return_router=return_router,
                                     return_attention=return_attention, attention_limit=attention_limit)
         check_torch_device("out", out, self._core.device)
         y = self._core.decode(x, cache, out=out, stream=stream_of(x, self._core.device),
                               return_router=return_router, return_attention=return_attention,
-                              attention_limit=attention_limit)
+                              attention_limit=attention_limit, token_mask=token_mask, positions=positions)
         return self._result(x, y, out)
+
+    def verify(self, x: Any, cache: KVCache, parents: Any, seq: Optional[int] = None, *, out: Any = None,
+               return_router: bool = False, return_attention: bool = False,
+               attention_limit: Optional[int] = None) -> Any:
+        """A speculative decoder's verify step: x [T, hidden] (sequence `seq`, default 0) or
+        [B, T, hidden] (every sequence), a draft tree of T tokens given by parents [T] or
+        [B, T] (an int64 tensor: -1 for a token that follows the cached ones, else the index of
+        its parent among the T). Each token sees the cache and its ancestors, itself included,
+        at the sequence's next position plus its depth. Returns the layer's output for the T
+        tokens as prefill does; their K/V are appended to the cache, and cache.accept(seq,
+        kept) then keeps the accepted path's. The insides as prefill's."""
+        tokens, given = getattr(x, "shape", (0, 0))[-2], getattr(parents, "shape", (None,))[-1]
+        if given != tokens:
+            raise ValueError(f"parents: expected one entry a token of x ({tokens} a sequence), got shape "
+                             f"{list(getattr(parents, 'shape', []))}")
+        tree, positions = cache._tree_inputs(parents, seq)
+        return self.prefill(x, cache, seq, out=out, return_router=return_router, return_attention=return_attention,
+                            attention_limit=attention_limit, tree=tree, positions=positions)
 
     def attention_half(self, x: Any, cache: KVCache, seq: Optional[int] = None,
                        chunk_size: Optional[int] = None, *, decode: bool = False, return_router: bool = False,
-                       return_attention: bool = False, attention_limit: Optional[int] = None) -> tuple:
+                       return_attention: bool = False, attention_limit: Optional[int] = None, token_mask: Any = None,
+                       positions: Any = None) -> tuple:
         """The layer up to its experts, for x as prefill takes it (decode=True: as decode):
         the tokens' K/V appended to the cache as prefill/decode append them. Returns (resid,
         normed, experts, weights): x + attention (fp32) and post_attention_layernorm of it
@@ -349,10 +392,11 @@ class DecoderLayer:
         A layer holding a subset of the experts runs it like any other. CPU and CUDA layers
         (on a CUDA layer: x on its device, the outputs made there, the forward's own passes).
         return_router / return_attention: a fifth element, a LayerTrace (output None) of the
-        insides prefill would give for the call."""
+        insides prefill would give for the call. token_mask, positions: as prefill's."""
         r = self._core.attention_half(x, cache, seq, chunk_size, decode=decode, return_router=return_router,
                                       return_attention=return_attention, attention_limit=attention_limit,
-                                      stream=stream_of(x, self._core.device))
+                                      stream=stream_of(x, self._core.device), token_mask=token_mask,
+                                      positions=positions)
         if len(r) == 4:
             return tuple(_like(x, t) for t in r)
         from .trace import LayerTrace

@@ -1,7 +1,7 @@
 /* The CUDA kernel self-check's harness (kernel_check.c runs the cases, kernel_check_dense.c,
- * kernel_check_attention.c, kernel_check_moe.c, kernel_check_fp8.c and kernel_check_int4.c hold
- * them): host and device buffers of one case, freed together, and the first CUDA failure; the
- * helpers the cases share. Internal to those files. */
+ * kernel_check_attention.c, kernel_check_hidden.c, kernel_check_moe.c, kernel_check_fp8.c and
+ * kernel_check_int4.c hold them): host and device buffers of one case, freed together, and the
+ * first CUDA failure; the helpers the cases share. Internal to those files. */
 #ifndef Q3_CHECK_KERNEL_CHECK_H
 #define Q3_CHECK_KERNEL_CHECK_H
 
@@ -126,6 +126,12 @@ double q3_case_convert(check *k);
 double q3_case_take_add_rows(check *k, q3_dtype dt, q3_dtype pdt, int64_t n);
 
 /* the attention kernels' cases (kernel_check_attention.c) */
+/* the rows attention reads of a sequence of past cached tokens (start of them padding) and L
+ * new ones, whose keys flagged in flags [past + L] are hidden (NULL: none): k, v and mem in
+ * the memory the kernel reads (mem: the flags there, flags itself for the CPU), hidden set
+ * and first_key found as the cache does (q3_cache_attn_seq) */
+q3_attn_seq q3_check_attn_seq(const void *k, const void *v, int64_t past, int64_t start, int64_t L,
+                              const uint8_t *flags, const uint8_t *mem);
 double q3_case_qk_rope_kv(check *k, int D);
 double q3_case_qk_rope_kv_far(check *k, int D, q3_rope_type type);
 double q3_case_attention_heads(check *k, int64_t L, int64_t past0, int64_t past1, int64_t capacity, int64_t pad0,
@@ -148,11 +154,17 @@ double q3_case_qk_rope_kv_batch(check *k, const q3_check_batch *b, int D);
  * capacity (as a captured decode graph passes it, the lengths being on the device), which is
  * then `bound` rows; else the exact most keys a query sees */
 double q3_case_attention_batch(check *k, const q3_check_batch *b, int G, int D, q3_dtype kv_dt, int64_t bound);
+/* n_seqs sequences of sh->L tokens after past[s] cached ones (start[s] of them padding), the
+ * keys flagged in hidden [n_seqs, ld] hidden (ld >= the longest sequence), on the path the
+ * launcher picks for sh */
+double q3_case_attention_masked(check *k, const q3_attn_shape *sh, int n_seqs, const int64_t *past,
+                                const int64_t *start, const uint8_t *hidden, int64_t ld);
 double q3_case_decode_prepare(check *k, int n_seqs);
 /* The attention maps (q3_attention_probs_fn) of one pass: n_seqs sequences of L new tokens
  * after past[s] cached ones, start[s] of them padding, Hq heads on Hkv of dim D over a dt
  * cache; the pass is rows t0 .. t0 + L - 1 of a call of out_tokens, and the maps' context
- * extra columns past the longest sequence */
+ * extra columns past the longest sequence; hidden [n_seqs, hidden_ld] flags the hidden keys
+ * (NULL, as the cases that leave it out: none) */
 #define Q3_PROBS_MAX_SEQS Q3_CHECK_MAX_SEQS
 typedef struct {
     int64_t L, t0, out_tokens, extra;
@@ -160,11 +172,18 @@ typedef struct {
     int64_t past[Q3_PROBS_MAX_SEQS], start[Q3_PROBS_MAX_SEQS];
     int Hq, Hkv, D;
     q3_dtype dt;
+    const uint8_t *hidden;
+    int64_t hidden_ld;
 } q3_probs_case;
 double q3_case_attention_probs(check *k, const q3_probs_case *c);
 /* the maps of batch b in one pass, 2 G heads on 2, 3 columns past the longest sequence */
 double q3_case_attention_probs_batch(check *k, const q3_check_batch *b, int G, int D, q3_dtype kv_dt);
 
+/* attention and its maps over hidden keys (kernel_check_hidden.c): q3_hidden_cases() cases,
+ * case i's label (into name [n]) and tolerance, its launcher returned; and its run */
+int q3_hidden_cases(void);
+const char *q3_hidden_case(int i, char *name, size_t n, double *tol);
+double q3_case_hidden(check *k, int i);
 
 /* the MoE cases (kernel_check_moe.c): max |cuda - twin| / max |twin| */
 double q3_case_moe_route(check *k, int64_t T, int top, int E);

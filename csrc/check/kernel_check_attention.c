@@ -2,7 +2,8 @@
  * RoPE + KV write (default, linear and YaRN tables), attention on each of its paths (a block per query token and KV head;
  * split-KV slices and their merge; tensor cores), the attention maps a call may ask for, and
  * a decode step's bookkeeping, each against its twin (the maps: the CPU kernel), on hand-made shapes and on the batches of kernel_check.c's lists
- * (sequences of different lengths, left padding). */
+ * (sequences of different lengths, left padding); the runs of attention and its maps over
+ * hidden keys that kernel_check_hidden.c lays out. */
 #include "kernel_check.h"
 
 void q3_check_batch_seqs(const q3_check_batch *b, int64_t *past, int64_t *start) {
@@ -45,8 +46,8 @@ static double qk_rope_kv(check *k, const q3_attn_shape *sh, int n_seqs, const in
     int64_t *dpos = device(k, pos, R * sizeof *pos);
     q3_attn_seq hs[Q3_CHECK_MAX_SEQS], ds[Q3_CHECK_MAX_SEQS];
     for (int s = 0; s < n_seqs; s++) {
-        hs[s] = (q3_attn_seq){kc + s * per_seq, vc + s * per_seq, past[s], 0, 0};
-        ds[s] = (q3_attn_seq){dkc ? dkc + s * per_seq : NULL, dvc ? dvc + s * per_seq : NULL, past[s], 0, 0};
+        hs[s] = (q3_attn_seq){kc + s * per_seq, vc + s * per_seq, past[s], 0, 0, NULL, 0, NULL, 0, 0};
+        ds[s] = (q3_attn_seq){dkc ? dkc + s * per_seq : NULL, dvc ? dvc + s * per_seq : NULL, past[s], 0, 0, NULL, 0, NULL, 0, 0};
     }
     q3_attn_seq *dseqs = device(k, ds, n_seqs * sizeof ds[0]);
     q3_qk_rope_kv_host(q, kk, v, qw, kw, Q3_BF16, pos, hs, n_seqs, sh, 1e-6f, inv_freq, scale);
@@ -96,6 +97,17 @@ double q3_case_qk_rope_kv_batch(check *k, const q3_check_batch *b, int D) {
     return qk_rope_kv(k, &sh, b->n_seqs, past, pos, Q3_ROPE_DEFAULT);
 }
 
+q3_attn_seq q3_check_attn_seq(const void *k, const void *v, int64_t past, int64_t start, int64_t L,
+                              const uint8_t *flags, const uint8_t *mem) {
+    q3_attn_seq a = {k, v, past, start, 0, NULL, start, NULL, 0, 0};
+    int any = 0;
+    for (int64_t j = start; flags && j < past + L; j++) any |= flags[j] != 0;
+    if (!any) return a;
+    a.hidden = mem;
+    while (a.first_key < past + L && flags[a.first_key]) a.first_key++;
+    return a;
+}
+
 /* key j of one head's rows [rows, D] plus grow * j in every element: with q positive, each
  * key's score is about grow * j * (the sum of q) above the last one's */
 static void grow_keys(uint16_t *keys, int64_t rows, int D, float grow) {
@@ -105,12 +117,13 @@ static void grow_keys(uint16_t *keys, int64_t rows, int D, float grow) {
 }
 
 /* attention of n_seqs sequences of sh->L new tokens after past[s] cached ones, start[s] of
- * them padding, against the CPU kernel. The cache is random in the rows a query sees and
- * a key tile beyond (where an overrun would read), zero past them: a large capacity costs
- * no random fill. The launcher picks the path: more tokens than split-KV takes go to
- * tensor cores where the shape fits; a long max_keys splits. */
+ * them padding, the keys flagged in hidden [n_seqs, ld] hidden (NULL: none), against the CPU
+ * kernel. The cache is random in the rows a query sees and a key tile beyond (where an
+ * overrun would read), zero past them: a large capacity costs no random fill. The launcher
+ * picks the path: more tokens than split-KV takes go to tensor cores where the shape fits; a
+ * long max_keys splits. */
 static double attention_grown(check *k, const q3_attn_shape *sh, int n_seqs, const int64_t *past,
-                              const int64_t *start, float grow) {
+                              const int64_t *start, const uint8_t *hidden, int64_t ld, float grow) {
     const int64_t per_seq = (int64_t)sh->kv_heads * sh->capacity * sh->head_dim;
     const int64_t qn = n_seqs * sh->L * sh->heads * sh->head_dim;
     const size_t es = q3_dtype_size(sh->kv_dtype);
@@ -131,10 +144,13 @@ static double attention_grown(check *k, const q3_attn_shape *sh, int n_seqs, con
         for (int64_t i = 0; i < qn; i++) q[i] = q3_bf16_to_f32(q3_f32_to_bf16(fabsf(q[i])));
     q3_attn_seq hs[Q3_CHECK_MAX_SEQS], ds[Q3_CHECK_MAX_SEQS];
     char *dk = device(k, kc, n_seqs * per_seq * es), *dv = device(k, vc, n_seqs * per_seq * es);
+    uint8_t *dh = hidden ? device(k, hidden, (size_t)(n_seqs * ld)) : NULL;
     for (int s = 0; s < n_seqs; s++) {
         const int64_t off = s * per_seq * (int64_t)es;
-        hs[s] = (q3_attn_seq){kc + off, vc + off, past[s], start[s], 0};
-        ds[s] = (q3_attn_seq){dk ? dk + off : NULL, dv ? dv + off : NULL, past[s], start[s], 0};
+        const uint8_t *flags = hidden ? hidden + s * ld : NULL;
+        hs[s] = q3_check_attn_seq(kc + off, vc + off, past[s], start[s], sh->L, flags, flags);
+        ds[s] = q3_check_attn_seq(dk ? dk + off : NULL, dv ? dv + off : NULL, past[s], start[s], sh->L, flags,
+                                  dh ? dh + s * ld : NULL);
     }
     q3_attn_seq *dseqs = device(k, ds, n_seqs * sizeof ds[0]);
     float *dq = device(k, q, qn * 4), *dout = device(k, NULL, qn * 4);
@@ -146,7 +162,12 @@ static double attention_grown(check *k, const q3_attn_shape *sh, int n_seqs, con
 }
 
 static double attention(check *k, const q3_attn_shape *sh, int n_seqs, const int64_t *past, const int64_t *start) {
-    return attention_grown(k, sh, n_seqs, past, start, 0.0f);
+    return attention_grown(k, sh, n_seqs, past, start, NULL, 0, 0.0f);
+}
+
+double q3_case_attention_masked(check *k, const q3_attn_shape *sh, int n_seqs, const int64_t *past,
+                                const int64_t *start, const uint8_t *hidden, int64_t ld) {
+    return attention_grown(k, sh, n_seqs, past, start, hidden, ld, 0.0f);
 }
 
 /* L query tokens after n_past[s] cached ones, for 2 sequences (the first with pad0 tokens
@@ -168,7 +189,7 @@ double q3_case_attention_growing(check *k, int64_t L, int64_t past0, int64_t pad
     const int64_t capacity = past0 + L + 8;
     const q3_attn_shape sh = {L, Hq, Hkv, D, capacity, Q3_BF16, 1.0f / sqrtf((float)D), past0 + L};
     const int64_t past[2] = {past0, 3}, start[2] = {pad0, 0};
-    return attention_grown(k, &sh, 2, past, start, grow);
+    return attention_grown(k, &sh, 2, past, start, NULL, 0, grow);
 }
 
 double q3_case_attention(check *k, int64_t L, int64_t past0, int64_t past1, int64_t capacity, int64_t pad0) {
@@ -188,7 +209,7 @@ double q3_case_attention_batch(check *k, const q3_check_batch *b, int G, int D, 
 
 /* The attention maps of one pass against the CPU kernel (kernels/cpu/attention_probs.c, the
  * oracle): c->n_seqs sequences of c->L new tokens after past[s] cached ones, start[s] of them
- * padding, the pass being rows t0 .. t0 + L - 1 of a call of out_tokens; context = the
+ * padding, the keys flagged in c->hidden hidden, the pass being rows t0 .. t0 + L - 1 of a call of out_tokens; context = the
  * longest sequence after the pass + extra. The cache is random in every row a query sees
  * and 32 past them (a key past the causal bound, or another head's, changes the row); both
  * outputs start as the same sentinel, so the rows and columns the pass must leave or zero
@@ -214,10 +235,13 @@ double q3_case_attention_probs(check *k, const q3_probs_case *c) {
         }
     q3_attn_seq hs[Q3_PROBS_MAX_SEQS], ds[Q3_PROBS_MAX_SEQS];
     char *dk = device(k, kc, c->n_seqs * per_seq * es);
+    uint8_t *dh = c->hidden ? device(k, c->hidden, (size_t)(c->n_seqs * c->hidden_ld)) : NULL;
     for (int s = 0; s < c->n_seqs; s++) {
         const int64_t off = s * per_seq * (int64_t)es;
-        hs[s] = (q3_attn_seq){kc + off, NULL, c->past[s], c->start[s], 0};
-        ds[s] = (q3_attn_seq){dk ? dk + off : NULL, NULL, c->past[s], c->start[s], 0};
+        const uint8_t *flags = c->hidden ? c->hidden + s * c->hidden_ld : NULL;
+        hs[s] = q3_check_attn_seq(kc + off, NULL, c->past[s], c->start[s], c->L, flags, flags);
+        ds[s] = q3_check_attn_seq(dk ? dk + off : NULL, NULL, c->past[s], c->start[s], c->L, flags,
+                                  dh ? dh + s * c->hidden_ld : NULL);
     }
     q3_attn_seq *dseqs = device(k, ds, c->n_seqs * sizeof ds[0]);
     float *dq = device(k, q, qn * 4), *dprobs = device(k, want, pn * 4);
@@ -231,7 +255,7 @@ double q3_case_attention_probs(check *k, const q3_probs_case *c) {
 
 /* the maps of a q3_check_batch (kernel_check.c's shapes): the whole call in one pass */
 double q3_case_attention_probs_batch(check *k, const q3_check_batch *b, int G, int D, q3_dtype kv_dt) {
-    q3_probs_case c = {b->L, 0, b->L, 3, b->n_seqs, {0}, {0}, 2 * G, 2, D, kv_dt};
+    q3_probs_case c = {b->L, 0, b->L, 3, b->n_seqs, {0}, {0}, 2 * G, 2, D, kv_dt, NULL, 0};
     if (b->n_seqs > Q3_PROBS_MAX_SEQS) return INFINITY;
     q3_check_batch_seqs(b, c.past, c.start);
     return q3_case_attention_probs(k, &c);
@@ -243,8 +267,9 @@ double q3_case_attention_probs_batch(check *k, const q3_check_batch *b, int G, i
  * lengths must match exactly */
 double q3_case_decode_prepare(check *k, int n_seqs) {
     enum { MAX = 5 };
-    q3_attn_seq seqs[MAX] = {{NULL, NULL, -1, 3, 9}, {NULL, NULL, -1, 0, 0}, {NULL, NULL, -1, 4, 7},
-                             {NULL, NULL, -1, 5, 0}, {NULL, NULL, -1, 0, ((int64_t)1 << 40) - 200}};
+    q3_attn_seq seqs[MAX] = {{NULL, NULL, -1, 3, 9, NULL, 3, NULL, 0, 0}, {NULL, NULL, -1, 0, 0, NULL, 0, NULL, 0, 0},
+                             {NULL, NULL, -1, 4, 7, NULL, 4, NULL, 0, 0}, {NULL, NULL, -1, 5, 0, NULL, 5, NULL, 0, 0},
+                             {NULL, NULL, -1, 0, ((int64_t)1 << 40) - 200, NULL, 0, NULL, 0, 0}};
     int64_t pos[MAX] = {-1, -1, -1, -1, -1}, lengths[MAX] = {7, 0, 2, 5, 100};
     q3_attn_seq seqs_got[MAX];
     int64_t pos_got[MAX], lengths_got[MAX];

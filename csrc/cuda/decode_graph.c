@@ -4,7 +4,8 @@
  * sequences' lengths (decode_prepare advances them), the router's groups (moe_route). What
  * the host still knows (each replay adds one token per sequence) it tracks itself, so a
  * replay never waits for the device. The graph owns its workspace, input and output, so the
- * pointers baked into it stay valid whatever the layer's other calls allocate. */
+ * pointers baked into it stay valid whatever the layer's other calls allocate. A cache
+ * holding hidden tokens (a token mask's) is refused, at capture and at each replay. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -56,6 +57,19 @@ static int sync_state(q3_decode_graph *g, void *stream) {
     return code;
 }
 
+/* Q3_ERR_VALUE naming the first of sequences seqs [n] of c that holds hidden tokens (a call's
+ * token_mask hid them): a graph's steps take their positions and cache rows on the device,
+ * without the flags (passes.c stages those on the host), so it neither captures nor replays
+ * over them. `to`: "capture", "replay" */
+static q3_status refuse_hidden(const q3_cache *c, const int32_t *seqs, int n, const char *to, q3_error *err) {
+    for (int s = 0; s < n; s++)
+        if (q3_cache_attn_seq(c, seqs[s], 1).hidden)
+            return q3_fail(err, Q3_ERR_VALUE, "cache: expected no hidden tokens to %s a decode graph over, got "
+                           "sequence %d holding some (a call's token_mask hid them; a graph does not read them): "
+                           "decode it with plain calls", to, seqs[s]);
+    return Q3_OK;
+}
+
 /* the decode pass, queued on the capturing stream: input -> x, both stages, x -> output */
 static void enqueue_step(q3_decode_graph *g, q3_dtype io_dtype, q3_gpu_run *run) {
     q3_layer *l = g->layer;
@@ -103,6 +117,7 @@ q3_status q3_decode_graph_create(q3_decode_graph **out, q3_layer *l, q3_cache *c
     for (int i = 0; i < n_seqs; i++) seqs[i] = i;
     const q3_forward_args probe = {.io_dtype = io_dtype, .n_seqs = n_seqs, .seqs = seqs, .tokens = 1, .chunk = 1};
     q3_status s = q3_layer_check_call(l, c, &probe, err);
+    if (s == Q3_OK) s = refuse_hidden(c, seqs, n_seqs, "capture", err);
     if (s != Q3_OK) return s;
     const q3_cuda_ops *cu = q3_cuda();
     q3_decode_graph *g = calloc(1, sizeof *g);
@@ -137,6 +152,8 @@ q3_status q3_decode_graph_replay(q3_decode_graph *g, void *stream, q3_error *err
                        "decode graph: the cache grew from %lld to %lld tokens a sequence after the capture (the graph "
                        "holds the old blocks' addresses); capture a new graph", (long long)g->capacity,
                        (long long)c->capacity);
+    const q3_status hidden = refuse_hidden(c, g->seqs, g->n_seqs, "replay", err);
+    if (hidden != Q3_OK) return hidden;
     for (int s = 0; s < g->n_seqs; s++) {
         const int seq = g->seqs[s];
         if (c->lengths[seq] + 1 > c->capacity)

@@ -95,6 +95,20 @@ void q3_gpu_collect(q3_gpu_run *run) {
 
 size_t q3_layer_cuda_workspace_bytes(const q3_layer *l) { return l->gpu ? l->gpu->ws.dev.bytes : 0; }
 
+int q3_gpu_hidden_reserve(const q3_cuda_ops *g, q3_cuda_state *st, size_t bytes, void *stream) {
+    if (bytes <= st->hidden_bytes) return 0;
+    if (st->hidden) { /* a queued pass may still read the old flags */
+        const int code = g->stream_synchronize(stream);
+        if (code) return code;
+        g->free_device(st->hidden);
+        st->hidden = NULL;
+        st->hidden_bytes = 0;
+    }
+    const int code = g->malloc_device((void **)&st->hidden, bytes);
+    if (!code) st->hidden_bytes = bytes;
+    return code;
+}
+
 void q3_layer_cuda_release(q3_layer *l) {
     q3_cuda_state *s = l->gpu;
     if (!s) return;
@@ -104,6 +118,7 @@ void q3_layer_cuda_release(q3_layer *l) {
     for (size_t i = 0; i < sizeof s->moe_events / sizeof s->moe_events[0]; i++)
         if (s->moe_events[i] && q3_cuda()) q3_cuda()->event_destroy(s->moe_events[i]);
     if (s->blas_ptrs_dev && q3_cuda()) q3_cuda()->free_device(s->blas_ptrs_dev);
+    if (s->hidden && q3_cuda()) q3_cuda()->free_device(s->hidden);
     free(s->blas_ptrs);
     free(s->blas_rows);
     free(s->pos);

@@ -104,6 +104,11 @@ struct q3_cuda_state {
     q3_moe_batch *batches; /* [E] */
     int32_t *token_index; /* [rows] zero between uses: 1 + a token's place in its batch's list */
     int32_t *token_fill;  /* [rows] */
+    /* device staging of a pass's hidden flags (passes.c's stage_positions): each sequence's
+     * with hidden tokens, [n_past + L] after the last's; made on first need (a layer never
+     * given a token mask holds none), grown only */
+    uint8_t *hidden;      /* [hidden_bytes] device memory */
+    size_t hidden_bytes;
     /* the prefill MoE path of each size class, the layer's hooks, and the two events that
      * time the candidates */
     q3_moe_choice moe_choice[Q3_MOE_SIZE_CLASSES];
@@ -115,6 +120,10 @@ struct q3_cuda_state {
     void **blas_ptrs_dev;
     int *blas_rows;
 };
+
+/* st->hidden grown to `bytes` at least (never shrunk), on the run's stream, whose work still
+ * reading the old staging is waited for before it is freed; a CUDA code */
+int q3_gpu_hidden_reserve(const q3_cuda_ops *g, q3_cuda_state *st, size_t bytes, void *stream);
 
 /* Device workspace and host staging for passes of `rows` rows and `seqs` sequences (grown
  * only); the release of all of it; the device workspace held now. */

@@ -1,6 +1,7 @@
 /* The forward of a layer on a CUDA device: the engine's one pass loop (q3_layer_run_passes,
  * csrc/engine/pass_loop.c) over the stages of passes.c, on the caller's stream. The host keeps
- * the bookkeeping: cache lengths (advanced and rolled back by the loop), staging for positions
+ * the bookkeeping: cache lengths (advanced and rolled back by the loop), the hidden flags of
+ * a call's token mask (marked here, trimmed by the loop's roll-back), staging for positions
  * and the sequences' cache rows. A decode pass uploads the lengths and cache rows of its
  * sequences and lets the device take it from there (as a captured graph does,
  * decode_graph.c). While profiling is on, an event is recorded at each stage boundary and the
@@ -43,14 +44,18 @@ static void gpu_input(q3_layer *l, const q3_pass *p, void *r) {
     q3_gpu_mark(run, Q3_STAGE_IO);
 }
 
-/* the keys any query of the pass sees at most; a decode pass starts from the device (its
- * lengths and cache rows uploaded) */
+/* the hidden flags of the pass's tokens into the cache (its host array) before attention
+ * reads them, as the CPU's attention block marks them; the keys any query of the pass sees
+ * at most; a decode pass not staged on the host starts from the device (its lengths and
+ * cache rows uploaded) */
 static void gpu_attention(q3_layer *l, q3_cache *c, const q3_pass *p, void *r) {
     q3_gpu_run *run = r;
     int64_t max_keys = 0;
-    for (int i = 0; i < p->n_seqs; i++)
+    for (int i = 0; i < p->n_seqs; i++) {
+        q3_cache_mark_rows(c, p->seqs[i], p->L, q3_pass_token_mask(p, i));
         max_keys = c->lengths[p->seqs[i]] + p->L > max_keys ? c->lengths[p->seqs[i]] + p->L : max_keys;
-    if (q3_gpu_is_decode(p))
+    }
+    if (!q3_gpu_stages_on_host(c, p))
         Q3_GPU(run, q3_gpu_upload_decode_state(run->g, run->ws, c, p->seqs, p->n_seqs, run->st->lengths,
                                                run->st->seq_ptr, run->stream), "uploading lengths");
     q3_gpu_attention_pass(l, c, p, max_keys, run);
@@ -94,6 +99,9 @@ static const q3_pass_stages gpu_stages = {gpu_input, gpu_attention, gpu_route, g
 q3_status q3_layer_cuda_passes(q3_layer *l, q3_cache *c, const q3_forward_args *a, const q3_attention_half_out *half,
                                q3_pass_cursor *cur, q3_error *err) {
     const int64_t step = q3_call_step(a);
+    if (a->tree)
+        return q3_fail(err, Q3_ERR_VALUE, "tree: given to a CUDA layer, which does not take it yet (issue 42: host "
+                       "layers only)");
     q3_status s = q3_layer_cuda_reserve(l, step * a->n_seqs, a->n_seqs, err);
     if (s != Q3_OK) return s;
     q3_gpu_run run = {q3_cuda(), a->stream, 0, NULL, l->prof.enabled ? &l->prof : NULL, l->gpu, &l->gpu->ws};

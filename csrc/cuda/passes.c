@@ -8,7 +8,10 @@
  * groups. They can be captured in a CUDA graph (decode_graph.c). Larger passes stage
  * positions on the host and bring the router's choices back to group them there: one stream
  * synchronisation per pass. Their experts are then the prefill MoE's (moe_prefill.c: its
- * paths, its plan and the measured choice between the paths, behind one entry). */
+ * paths, its plan and the measured choice between the paths, behind one entry). A decode
+ * pass whose call gives positions, or whose sequences hold hidden tokens (a token mask's),
+ * stages its positions and cache rows on the host as larger passes do, the hidden flags
+ * uploaded beside them (q3_gpu_stages_on_host). */
 #include <math.h>
 
 #include "moe_prefill.h"
@@ -16,9 +19,9 @@
 
 int q3_gpu_upload_decode_state(const q3_cuda_ops *g, q3_gpu_ws *ws, const q3_cache *c, const int32_t *seqs, int n,
                                int64_t *lengths, q3_attn_seq *rows, void *stream) {
-    for (int s = 0; s < n; s++) {
+    for (int s = 0; s < n; s++) { /* no hidden flags: their passes are staged on the host, graphs refuse them */
         lengths[s] = c->lengths[seqs[s]];
-        rows[s] = q3_cache_attn_seq(c, seqs[s]);
+        rows[s] = q3_cache_attn_seq(c, seqs[s], 1);
     }
     const int code = g->copy_async(ws->lengths, lengths, (size_t)n * sizeof *lengths, 1, stream);
     return code ? code : g->copy_async(ws->dev.attn_seqs, rows, (size_t)n * sizeof *rows, 1, stream);
@@ -45,15 +48,32 @@ static int project(const q3_layer *l, q3_gpu_run *run, const q3_pass *p, float *
     return g->matmul(y, x, w, dt, T, N, K, accumulate, run->stream);
 }
 
-/* positions and the sequences' cache rows, staged on the host for a pass of L > 1 tokens */
+int q3_gpu_stages_on_host(const q3_cache *c, const q3_pass *p) {
+    if (!q3_gpu_is_decode(p) || (p->call && p->call->positions)) return 1;
+    for (int s = 0; s < p->n_seqs; s++)
+        if (q3_cache_attn_seq(c, p->seqs[s], p->L).hidden) return 1;
+    return 0;
+}
+
+/* positions and the sequences' cache rows, staged on the host (q3_gpu_stages_on_host); the
+ * hidden flags of each sequence that has some, rows [0, n_past + L), uploaded one after the
+ * other into st->hidden (grown to the cache's batch x capacity, the most a pass needs), its
+ * row pointing there */
 static void stage_positions(q3_cache *c, const q3_pass *p, q3_gpu_run *run) {
     q3_cuda_state *st = run->st;
     q3_workspace *d = &run->ws->dev;
-    for (int s = 0; s < p->n_seqs; s++) {
-        const int seq = p->seqs[s];
-        const int64_t n = c->lengths[seq], pad = c->padding[seq], first = c->first_pos[seq];
-        for (int64_t t = 0; t < p->L; t++) st->pos[s * p->L + t] = n + t >= pad ? first + n + t - pad : 0;
-        st->seq_ptr[s] = q3_cache_attn_seq(c, seq);
+    size_t flags = 0;
+    for (int s = 0; s < p->n_seqs && !run->code; s++) {
+        q3_pass_positions(c, p, s, st->pos + s * p->L);
+        q3_attn_seq *row = &st->seq_ptr[s];
+        *row = q3_cache_attn_seq(c, p->seqs[s], p->L);
+        if (!row->hidden) continue;
+        const size_t n = (size_t)(row->n_past + p->L);
+        Q3_GPU(run, q3_gpu_hidden_reserve(run->g, st, (size_t)c->batch * (size_t)c->capacity, run->stream),
+               "allocating the hidden flags");
+        Q3_GPU(run, run->g->copy_async(st->hidden + flags, row->hidden, n, 1, run->stream), "copy hidden flags");
+        row->hidden = st->hidden + flags;
+        flags += n;
     }
     Q3_GPU(run, run->g->copy_async(d->pos, st->pos, (size_t)(p->n_seqs * p->L) * sizeof *st->pos, 1, run->stream),
            "copy positions");
@@ -76,10 +96,10 @@ void q3_gpu_attention_pass(q3_layer *l, q3_cache *c, const q3_pass *p, int64_t m
     Q3_GPU(run, project(l, run, p, d->k, d->h, q3_dense_matrix(l, Q3_W_K_PROJ), R, KVD, H, 0), "k_proj");
     Q3_GPU(run, project(l, run, p, d->v, d->h, q3_dense_matrix(l, Q3_W_V_PROJ), R, KVD, H, 0), "v_proj");
     q3_gpu_mark(run, Q3_STAGE_QKV_PROJ);
-    if (q3_gpu_is_decode(p))
-        Q3_GPU(run, g->decode_prepare(d->attn_seqs, d->pos, run->ws->lengths, p->n_seqs, sm), "decode_prepare");
-    else
+    if (q3_gpu_stages_on_host(c, p))
         stage_positions(c, p, run);
+    else
+        Q3_GPU(run, g->decode_prepare(d->attn_seqs, d->pos, run->ws->lengths, p->n_seqs, sm), "decode_prepare");
     const q3_attn_shape shape = {p->L, Hq, Hkv, D, c->capacity, c->dtype, 1.0f / sqrtf((float)D), max_keys};
     /* QK-norm, RoPE and the K/V append in one kernel */
     Q3_GPU(run, g->qk_rope_kv(d->q, d->k, d->v, w->dense[Q3_W_Q_NORM], w->dense[Q3_W_K_NORM], w->dtype, d->pos,

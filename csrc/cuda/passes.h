@@ -22,7 +22,8 @@ q3_status q3_layer_expert_half_cuda(q3_layer *layer, const q3_expert_half_args *
 q3_status q3_layer_cuda_passes(q3_layer *layer, q3_cache *cache, const q3_forward_args *a,
                                const q3_attention_half_out *half, q3_pass_cursor *cur, q3_error *err);
 
-/* A decode pass's starting state: sequences seqs [n]'s lengths and cache rows, staged in the
+/* A decode pass's starting state: sequences seqs [n]'s lengths and cache rows (sequences
+ * without hidden tokens: the rows' flags would be host memory), staged in the
  * host arrays lengths [n] and rows [n] (which must outlive nothing: copies from pageable
  * memory are staged before they return) and queued for upload into ws; a CUDA code. */
 int q3_gpu_upload_decode_state(const q3_cuda_ops *g, q3_gpu_ws *ws, const q3_cache *c, const int32_t *seqs, int n,
@@ -33,11 +34,17 @@ int q3_gpu_upload_decode_state(const q3_cuda_ops *g, q3_gpu_ws *ws, const q3_cac
 void q3_gpu_attention_half_write(const q3_layer *l, const q3_pass *p, const q3_attention_half_out *half,
                                  q3_gpu_run *run);
 
-/* One pass over the rows in ws->dev.x. A decode pass (q3_gpu_is_decode) reads its positions
- * from ws->lengths (which it advances) and ws->dev.attn_seqs' cache pointers and padding,
- * both uploaded beforehand; max_keys bounds the keys any query sees (a graph passes the
- * capacity). Other passes stage positions from the cache's host lengths and group experts on
- * the host (one stream synchronisation). */
+/* Whether pass p stages its positions and its sequences' cache rows on the host: every pass
+ * but a decode one (q3_gpu_is_decode) whose call gives no positions and whose sequences hold
+ * no hidden tokens (their flags marked for the pass already, q3_cache_mark_rows) */
+int q3_gpu_stages_on_host(const q3_cache *c, const q3_pass *p);
+
+/* One pass over the rows in ws->dev.x. A decode pass not staged on the host
+ * (q3_gpu_stages_on_host) reads its positions from ws->lengths (which it advances) and
+ * ws->dev.attn_seqs' cache pointers and padding, both uploaded beforehand; max_keys bounds
+ * the keys any query sees (a graph passes the capacity). Other passes stage positions (the
+ * call's, or from the cache's host lengths) and the hidden flags; passes past a decode
+ * pass's size also group experts on the host (one stream synchronisation). */
 void q3_gpu_attention_pass(q3_layer *l, q3_cache *c, const q3_pass *p, int64_t max_keys, q3_gpu_run *run);
 /* the MoE stage: the router's (post norm: x += h, h = norm(x); logits, top-k into dev.topk_idx
  * and dev.topk_w, the call's router insides), then the experts' (x += the weighted experts of

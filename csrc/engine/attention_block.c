@@ -23,12 +23,7 @@ void q3_attention_block(q3_layer *layer, q3_cache *cache, const q3_pass *p) {
     k->rmsnorm(ws->q, ws->q, w->dense[Q3_W_Q_NORM], w->dtype, R * Hq, D, c->eps);
     k->rmsnorm(ws->k, ws->k, w->dense[Q3_W_K_NORM], w->dtype, R * Hkv, D, c->eps);
 
-    for (int s = 0; s < p->n_seqs; s++) {
-        const int seq = p->seqs[s];
-        const int64_t n = cache->lengths[seq], pad = cache->padding[seq], first = cache->first_pos[seq];
-        /* positions count from the first real token (at `first`); padding tokens sit at 0 */
-        for (int64_t t = 0; t < p->L; t++) ws->pos[s * p->L + t] = n + t >= pad ? first + n + t - pad : 0;
-    }
+    for (int s = 0; s < p->n_seqs; s++) q3_pass_positions(cache, p, s, ws->pos + s * p->L);
     k->rope(ws->q, ws->pos, R, Hq, D, layer->rope_inv_freq, layer->rope_scale);
     k->rope(ws->k, ws->pos, R, Hkv, D, layer->rope_inv_freq, layer->rope_scale);
     q3_profile_mark(p->prof, Q3_STAGE_QK_NORM_ROPE);
@@ -40,7 +35,7 @@ void q3_attention_block(q3_layer *layer, q3_cache *cache, const q3_pass *p) {
                         p->L, Hkv, D, cache->capacity, n);
         k->kv_write(q3_cache_seq_values(cache, seq), cache->dtype, ws->v + s * p->L * KVD, KVD,
                         p->L, Hkv, D, cache->capacity, n);
-        ws->attn_seqs[s] = q3_cache_attn_seq(cache, seq);
+        ws->attn_seqs[s] = q3_pass_attn_seq(cache, p, s);
     }
     q3_profile_mark(p->prof, Q3_STAGE_KV_WRITE);
     const q3_attn_shape shape = {p->L, Hq, Hkv, D, cache->capacity, cache->dtype,

@@ -58,9 +58,14 @@ q3_status q3_cache_create_on(q3_cache **out, int batch, int64_t capacity, int kv
     c->lengths = calloc((size_t)batch, sizeof *c->lengths);
     c->padding = calloc((size_t)batch, sizeof *c->padding);
     c->first_pos = calloc((size_t)batch, sizeof *c->first_pos);
+    c->hidden_end = calloc((size_t)batch, sizeof *c->hidden_end);
+    c->verify_start = malloc((size_t)batch * sizeof *c->verify_start);
+    for (int i = 0; c->verify_start && i < batch; i++) c->verify_start[i] = -1;
+    c->hidden = calloc((size_t)batch, (size_t)capacity); /* pages touched only where a mask writes */
     c->k = q3_cache_block_alloc((size_t)n, device);
     c->v = q3_cache_block_alloc((size_t)n, device);
-    if (!c->lengths || !c->padding || !c->first_pos || !c->k || !c->v) {
+    if (!c->lengths || !c->padding || !c->first_pos || !c->hidden_end || !c->hidden || !c->verify_start || !c->k ||
+        !c->v) {
         q3_cache_destroy(c);
         return q3_fail(err, Q3_ERR_NOMEM, "KV cache: cannot allocate 2 x %lld bytes on %s", (long long)n,
                        device < 0 ? "the host" : "the CUDA device");
@@ -74,6 +79,9 @@ void q3_cache_destroy(q3_cache *c) {
     free(c->lengths);
     free(c->padding);
     free(c->first_pos);
+    free(c->hidden_end);
+    free(c->hidden);
+    free(c->verify_start);
     q3_cache_block_free(c->k, c->device);
     q3_cache_block_free(c->v, c->device);
     free(c);
@@ -96,10 +104,17 @@ q3_status q3_cache_reset(q3_cache *c, const int64_t *seq, q3_error *err) {
         memset(c->lengths, 0, (size_t)c->batch * sizeof *c->lengths);
         memset(c->padding, 0, (size_t)c->batch * sizeof *c->padding);
         memset(c->first_pos, 0, (size_t)c->batch * sizeof *c->first_pos);
+        for (int i = 0; i < c->batch; i++) {
+            c->lengths[i] = 0;
+            q3_cache_hidden_trim(c, i);
+        }
         return Q3_OK;
     }
     q3_status s = check_seq(c, *seq, err);
-    if (s == Q3_OK) c->lengths[*seq] = c->padding[*seq] = c->first_pos[*seq] = 0;
+    if (s == Q3_OK) {
+        c->lengths[*seq] = c->padding[*seq] = c->first_pos[*seq] = 0;
+        q3_cache_hidden_trim(c, (int)*seq);
+    }
     return s;
 }
 
@@ -138,7 +153,28 @@ q3_status q3_cache_truncate(q3_cache *c, int64_t seq, int64_t n, q3_error *err) 
                        (long long)c->lengths[seq], (long long)seq, (long long)n);
     c->lengths[seq] = n;
     if (c->padding[seq] > n) c->padding[seq] = n;
+    q3_cache_hidden_trim(c, (int)seq);
     return Q3_OK;
+}
+
+static uint8_t *seq_hidden(const q3_cache *c, int seq) { return c->hidden + (size_t)seq * (size_t)c->capacity; }
+
+void q3_cache_hidden_trim(q3_cache *c, int seq) {
+    uint8_t *h = seq_hidden(c, seq);
+    int64_t end = c->hidden_end[seq] < c->lengths[seq] ? c->hidden_end[seq] : c->lengths[seq];
+    memset(h + end, 0, (size_t)(c->hidden_end[seq] - end)); /* every flag from hidden_end on stays 0 */
+    while (end > 0 && !h[end - 1]) end--;
+    c->hidden_end[seq] = end;
+}
+
+void q3_cache_mark_rows(q3_cache *c, int seq, int64_t L, const uint8_t *mask) {
+    const int64_t n = c->lengths[seq]; /* >= hidden_end: the flags of rows n.. are 0 */
+    uint8_t *h = seq_hidden(c, seq) + n;
+    if (!mask) return;
+    for (int64_t t = 0; t < L; t++) {
+        h[t] = !mask[t];
+        if (h[t]) c->hidden_end[seq] = n + t + 1;
+    }
 }
 
 static size_t seq_offset(const q3_cache *c, int seq) {
@@ -160,6 +196,10 @@ int q3_cache_device(const q3_cache *c) { return c->device; }
 int64_t q3_cache_length(const q3_cache *c, int seq) { return c->lengths[seq]; }
 int64_t q3_cache_padding(const q3_cache *c, int seq) { return c->padding[seq]; }
 int64_t q3_cache_first_position(const q3_cache *c, int seq) { return c->first_pos[seq]; }
+int64_t q3_cache_hidden_end(const q3_cache *c, int seq) { return c->hidden_end[seq]; }
+int q3_cache_token_hidden(const q3_cache *c, int seq, int64_t i) {
+    return i < c->hidden_end[seq] && c->hidden[(size_t)seq * (size_t)c->capacity + (size_t)i];
+}
 
 int64_t q3_cache_held(const q3_cache *c) {
     int64_t n = 0; /* at most batch x capacity, which fits (the blocks' size was checked) */
@@ -195,7 +235,13 @@ q3_status q3_cache_view_of(const q3_cache *c, int values, const int64_t *seq, co
     return Q3_OK;
 }
 
-q3_attn_seq q3_cache_attn_seq(const q3_cache *c, int seq) {
-    return (q3_attn_seq){q3_cache_seq_keys(c, seq), q3_cache_seq_values(c, seq), c->lengths[seq], c->padding[seq],
-                         c->first_pos[seq]};
+q3_attn_seq q3_cache_attn_seq(const q3_cache *c, int seq, int64_t L) {
+    const int64_t n = c->lengths[seq], start = c->padding[seq];
+    q3_attn_seq a = {q3_cache_seq_keys(c, seq), q3_cache_seq_values(c, seq), n, start, c->first_pos[seq], NULL,
+                     start, NULL, 0, 0};
+    if (c->hidden_end[seq] > start) { /* hidden tokens past the padding: the kernels read the flags */
+        a.hidden = seq_hidden(c, seq);
+        while (a.first_key < n + L && a.hidden[a.first_key]) a.first_key++;
+    }
+    return a;
 }

@@ -26,6 +26,13 @@ struct q3_cache {
                          do not attend to them, and positions count from the first real token */
     int64_t *first_pos; /* [batch] the first real token's position (0 unless set): RoPE's
                            position of row i >= padding is first_pos + i - padding */
+    uint8_t *hidden;  /* [batch, capacity] (host memory always) nonzero: a token its call masked
+                         (right padding, a hole), which no query sees; 0 from hidden_end on */
+    int64_t *hidden_end; /* [batch] 1 + the last hidden token (0: none, and attention then reads
+                            no flag: an unmasked call costs nothing); at most the length between calls */
+    int64_t *verify_start; /* [batch] the first row of the sequence's last call when that was a tree
+                              call (a verify), which accept may compact; -1 otherwise, and after
+                              any other call or operation */
     void *k;          /* [batch, kv_heads, capacity, head_dim] */
     void *v;          /* [batch, kv_heads, capacity, head_dim] */
 };
@@ -41,7 +48,15 @@ void q3_cache_block_free(void *p, int device);
 /* Q3_ERR_INDEX unless 0 <= seq < batch, the message naming the argument `arg` */
 q3_status q3_cache_check_seq(const q3_cache *c, const char *arg, int64_t seq, q3_error *err);
 
-/* what attention reads of sequence seq: its K and V blocks, length and padding */
-q3_attn_seq q3_cache_attn_seq(const q3_cache *c, int seq);
+/* what attention reads of sequence seq when L new tokens follow the held ones (their K/V and
+ * hidden flags written): its K and V blocks, length, padding, first position, and the hidden
+ * flags with the first key (kernels/attention.h) */
+q3_attn_seq q3_cache_attn_seq(const q3_cache *c, int seq, int64_t L);
+
+/* The hidden flags of the L tokens about to follow sequence seq's held ones, from the call's
+ * token mask [L] (0: hidden; NULL: none hidden), before their attention reads them. */
+void q3_cache_mark_rows(q3_cache *c, int seq, int64_t L, const uint8_t *mask);
+/* hidden_end brought back within the tokens held, after sequence seq's length shrank */
+void q3_cache_hidden_trim(q3_cache *c, int seq);
 
 #endif

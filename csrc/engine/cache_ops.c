@@ -10,93 +10,15 @@
  * memory it needs before it writes, so that a failure leaves the cache as it was. On a device
  * cache (device >= 0) the same moves are 2-D device copies through the device backend (one
  * per sequence, K or V: rows = kv_heads, width = the tokens held, pitch = a head's capacity),
- * queued on the caller's stream (see `copier`); a CUDA error there leaves lengths and padding
+ * queued on the caller's stream (see `q3_copier`); a CUDA error there leaves lengths and padding
  * as they were and is reported with its text. Cropping touches only the host-side lengths. */
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "cache.h"
+#include "cache_copy.h"
 #include "device_backend.h"
-
-/* bytes of one [head_dim] row */
-static size_t row_bytes(const q3_cache *c) { return (size_t)c->head_dim * q3_dtype_size(c->dtype); }
-
-/* the [kv_heads, capacity, head_dim] block of sequence seq in k (values = 0) or v */
-static char *seq_block(const q3_cache *c, int seq, int values) {
-    return values ? q3_cache_seq_values(c, seq) : q3_cache_seq_keys(c, seq);
-}
-
-/* Where an operation's copies go: memcpy for a host cache; for a device cache, 2-D device
- * copies queued on `stream` (a cudaStream_t). Ordering against the layer's calls, which queue
- * on the caller's stream: a caller that names its stream (the glue's stream=, torch's current
- * stream) gets the copies queued there, behind its layer calls and before its next ones, with
- * no wait; stream NULL (none named) queues them on the legacy default stream between two
- * synchronizations of the whole device, so they are ordered against work on any stream at the
- * cost of two waits. The first failure is kept, with the operation's name before its text, and
- * the copies after it are skipped. */
-typedef struct {
-    const char *op;
-    int device; /* -1: host */
-    void *stream;
-    q3_error *err;
-    q3_status status;
-} copier;
-
-/* a backend failure, its message prefixed with the operation's name */
-static void copier_failed(copier *cp, q3_status s) {
-    cp->status = s;
-    if (!cp->err) return;
-    char msg[sizeof cp->err->msg];
-    snprintf(msg, sizeof msg, "%s", cp->err->msg);
-    q3_fail(cp->err, s, "%s: %s", cp->op, msg);
-}
-
-static q3_status copier_begin(copier *cp, const char *op, int device, void *stream, q3_error *err) {
-    *cp = (copier){op, device, stream, err, Q3_OK};
-    if (device < 0) return Q3_OK;
-    const q3_device_backend *d = q3_device();
-    if (!d)
-        return q3_fail(err, Q3_ERR_STATE, "%s: the cache is on CUDA device %d and no device backend is open", op,
-                       device);
-    if (!stream) {
-        q3_status s = d->synchronize(device, NULL, err);
-        if (s != Q3_OK) copier_failed(cp, s);
-    }
-    return cp->status;
-}
-
-/* after the last copy: waits for the device when no stream was named; the status */
-static q3_status copier_end(copier *cp) {
-    if (cp->device >= 0 && !cp->stream && cp->status == Q3_OK) {
-        q3_status s = q3_device()->synchronize(cp->device, NULL, cp->err);
-        if (s != Q3_OK) copier_failed(cp, s);
-    }
-    return cp->status;
-}
-
-/* The first n tokens of every head, from a block of heads `src_stride` bytes apart to a block
- * of heads `dst_stride` bytes apart: kv_heads rows of head_bytes. Blocks never overlap here. */
-static void copy_heads(copier *cp, char *dst, size_t dst_stride, const char *src, size_t src_stride, int kv_heads,
-                       size_t head_bytes) {
-    if (head_bytes == 0 || dst == src || cp->status != Q3_OK) return;
-    if (cp->device < 0) {
-        for (int h = 0; h < kv_heads; h++) memcpy(dst + h * dst_stride, src + h * src_stride, head_bytes);
-        return;
-    }
-    q3_status s = q3_device()->copy_2d(dst, dst_stride, src, src_stride, head_bytes, (size_t)kv_heads, cp->device,
-                                       cp->stream, cp->err);
-    if (s != Q3_OK) copier_failed(cp, s);
-}
-
-/* sequence `from` of src -> sequence `to` of dst: the first n tokens of K and V */
-static void copy_seq(copier *cp, q3_cache *dst, int to, const q3_cache *src, int from, int64_t n) {
-    const size_t rb = row_bytes(src), head_bytes = (size_t)n * rb;
-    for (int values = 0; values < 2; values++)
-        copy_heads(cp, seq_block(dst, to, values), (size_t)dst->capacity * rb, seq_block(src, from, values),
-                   (size_t)src->capacity * rb, src->kv_heads, head_bytes);
-}
 
 /* index [n] as a caller gave it: each entry a sequence of c */
 static q3_status check_index(const q3_cache *c, const int64_t *index, int64_t n, q3_error *err) {
@@ -110,15 +32,16 @@ static q3_status check_index(const q3_cache *c, const int64_t *index, int64_t n,
 /* dst sequence i <- src sequence index[i], for i < dst->batch: dst a new cache of src's geometry,
  * capacity and device, index checked. Only the tokens held are copied. */
 static q3_status gather(q3_cache *dst, const q3_cache *src, const int64_t *index, void *stream, q3_error *err) {
-    copier cp;
-    q3_status s = copier_begin(&cp, "gather", src->device, stream, err);
+    q3_copier cp;
+    q3_status s = q3_copier_begin(&cp, "gather", src->device, stream, err);
     if (s != Q3_OK) return s;
-    for (int i = 0; i < dst->batch; i++) copy_seq(&cp, dst, i, src, (int)index[i], src->lengths[index[i]]);
-    if ((s = copier_end(&cp)) != Q3_OK) return s;
+    for (int i = 0; i < dst->batch; i++) q3_copy_seq(&cp, dst, i, src, (int)index[i], src->lengths[index[i]]);
+    if ((s = q3_copier_end(&cp)) != Q3_OK) return s;
     for (int i = 0; i < dst->batch; i++) {
         dst->lengths[i] = src->lengths[index[i]];
         dst->padding[i] = src->padding[index[i]];
         dst->first_pos[i] = src->first_pos[index[i]];
+        q3_cache_copy_flags(dst, i, src, (int)index[i]);
     }
     return Q3_OK;
 }
@@ -224,7 +147,7 @@ static void *spare_alloc(const q3_cache *c, size_t bytes) {
 }
 
 /* frees the spare after the copies that read it: a device spare once its stream has run them */
-static void spare_free(const q3_cache *c, void *spare, copier *cp) {
+static void spare_free(const q3_cache *c, void *spare, q3_copier *cp) {
     if (!spare) return;
     if (c->device < 0) {
         q3_free(spare);
@@ -232,7 +155,7 @@ static void spare_free(const q3_cache *c, void *spare, copier *cp) {
     }
     if (cp->stream) {
         q3_status s = q3_device()->synchronize(c->device, cp->stream, cp->err);
-        if (s != Q3_OK && cp->status == Q3_OK) copier_failed(cp, s);
+        if (s != Q3_OK && cp->status == Q3_OK) q3_copier_failed(cp, s);
     }
     q3_device()->free(spare);
 }
@@ -247,52 +170,69 @@ q3_status q3_cache_reorder(q3_cache *c, const int64_t *index, int64_t n, void *s
     int *need = malloc((size_t)B * 2 * sizeof *need);
     char *pending = malloc((size_t)B);
     move *moves = malloc((size_t)B * 2 * sizeof *moves);
-    int64_t *lengths = malloc((size_t)B * 3 * sizeof *lengths), *padding = lengths + B, *first = lengths + 2 * B;
+    int64_t *lengths = malloc((size_t)B * 5 * sizeof *lengths), *padding = lengths + B, *first = lengths + 2 * B;
+    int64_t *hidden_end = lengths + 3 * B, *flags_at = lengths + 4 * B;
+    uint8_t *flags = NULL; /* the old hidden flags of every sequence, packed: sequence i's at flags_at[i] */
     char *spare = NULL;
-    copier cp = {"reorder", c->device, stream, err, Q3_OK};
+    q3_copier cp = {"reorder", c->device, stream, err, Q3_OK};
     if (!need || !pending || !moves || !lengths) {
         s = q3_fail(err, Q3_ERR_NOMEM, "reorder: out of memory for the plan of %d sequences", B);
         goto done;
     }
     int64_t spare_tokens;
     const int n_moves = plan_reorder(c, index, need, pending, moves, &spare_tokens);
-    const size_t rb = row_bytes(c), stride = (size_t)c->capacity * rb, spare_head = (size_t)spare_tokens * rb;
+    const size_t rb = q3_cache_row_bytes(c), stride = (size_t)c->capacity * rb, spare_head = (size_t)spare_tokens * rb;
     /* the spare block: [2 (K, V), kv_heads, spare_tokens, head_dim], heads packed */
     if (spare_tokens > 0 && !(spare = spare_alloc(c, 2 * (size_t)c->kv_heads * spare_head))) {
         s = q3_fail(err, Q3_ERR_NOMEM, "reorder: cannot allocate a spare block of %lld tokens on %s",
                     (long long)spare_tokens, c->device < 0 ? "the host" : "the CUDA device");
         goto done;
     }
+    int64_t flag_bytes = 0; /* at most batch x capacity: fits */
     for (int i = 0; i < B; i++) {
         lengths[i] = c->lengths[index[i]];
         padding[i] = c->padding[index[i]];
         first[i] = c->first_pos[index[i]];
+        hidden_end[i] = c->hidden_end[index[i]];
+        flag_bytes += c->hidden_end[i];
     }
-    if ((s = copier_begin(&cp, "reorder", c->device, stream, err)) != Q3_OK) goto done;
+    if (flag_bytes > 0 && !(flags = malloc((size_t)flag_bytes))) {
+        s = q3_fail(err, Q3_ERR_NOMEM, "reorder: out of memory for %lld hidden flags", (long long)flag_bytes);
+        goto done;
+    }
+    if ((s = q3_copier_begin(&cp, "reorder", c->device, stream, err)) != Q3_OK) goto done;
     /* c->lengths holds the old lengths until every block has moved */
     for (int m = 0; m < n_moves; m++) {
         const move mv = moves[m];
         for (int values = 0; values < 2; values++) {
             char *spare_v = spare ? spare + (size_t)values * c->kv_heads * spare_head : NULL;
             if (mv.dst == SPARE)
-                copy_heads(&cp, spare_v, spare_head, seq_block(c, mv.src, values), stride, c->kv_heads,
+                q3_copy_heads(&cp, spare_v, spare_head, q3_cache_seq_block(c, mv.src, values), stride, c->kv_heads,
                            (size_t)c->lengths[mv.src] * rb);
             else if (mv.src == SPARE)
-                copy_heads(&cp, seq_block(c, mv.dst, values), stride, spare_v, spare_head, c->kv_heads,
+                q3_copy_heads(&cp, q3_cache_seq_block(c, mv.dst, values), stride, spare_v, spare_head, c->kv_heads,
                            (size_t)c->lengths[index[mv.dst]] * rb);
             else
-                copy_heads(&cp, seq_block(c, mv.dst, values), stride, seq_block(c, mv.src, values), stride,
+                q3_copy_heads(&cp, q3_cache_seq_block(c, mv.dst, values), stride, q3_cache_seq_block(c, mv.src, values), stride,
                            c->kv_heads, (size_t)c->lengths[mv.src] * rb);
         }
     }
-    copier_end(&cp);
+    q3_copier_end(&cp);
     spare_free(c, spare, &cp); /* before the lengths: a failed wait for the stream counts too */
     spare = NULL;
     if ((s = cp.status) != Q3_OK) goto done;
     memcpy(c->lengths, lengths, (size_t)B * sizeof *lengths);
     memcpy(c->padding, padding, (size_t)B * sizeof *padding);
     memcpy(c->first_pos, first, (size_t)B * sizeof *first);
+    if (flags) { /* the old flags out, then each sequence's from its source */
+        for (int64_t i = 0, at = 0; i < B; at += c->hidden_end[i], i++) {
+            flags_at[i] = at;
+            memcpy(flags + at, q3_cache_seq_flags(c, (int)i), (size_t)c->hidden_end[i]);
+        }
+        for (int i = 0; i < B; i++) q3_cache_set_flags(c, i, flags + flags_at[index[i]], hidden_end[i]);
+    }
 done:
+    free(flags);
     spare_free(c, spare, &cp);
     free(need);
     free(pending);
@@ -342,13 +282,15 @@ q3_status q3_cache_copy_prefix(q3_cache *c, int64_t src_seq, int64_t dst_seq, in
     if (length < 0 || length > c->lengths[src_seq])
         return q3_fail(err, Q3_ERR_VALUE, "length: expected 0 <= length <= %lld (the length of sequence %lld), got "
                        "%lld", (long long)c->lengths[src_seq], (long long)src_seq, (long long)length);
-    copier cp;
-    if ((s = copier_begin(&cp, "copy_prefix", c->device, stream, err)) != Q3_OK) return s;
-    copy_seq(&cp, c, (int)dst_seq, c, (int)src_seq, length); /* nothing when src_seq == dst_seq */
-    if ((s = copier_end(&cp)) != Q3_OK) return s;
+    q3_copier cp;
+    if ((s = q3_copier_begin(&cp, "copy_prefix", c->device, stream, err)) != Q3_OK) return s;
+    q3_copy_seq(&cp, c, (int)dst_seq, c, (int)src_seq, length); /* nothing when src_seq == dst_seq */
+    if ((s = q3_copier_end(&cp)) != Q3_OK) return s;
     c->lengths[dst_seq] = length;
     c->padding[dst_seq] = c->padding[src_seq] < length ? c->padding[src_seq] : length;
     c->first_pos[dst_seq] = c->first_pos[src_seq];
+    q3_cache_copy_flags(c, (int)dst_seq, c, (int)src_seq);
+    q3_cache_hidden_trim(c, (int)dst_seq);
     return Q3_OK;
 }
 
@@ -384,25 +326,30 @@ q3_status q3_cache_grow(q3_cache *c, int64_t capacity, void *stream, q3_cache_bl
     grown.capacity = capacity;
     grown.k = q3_cache_block_alloc((size_t)n, c->device);
     grown.v = grown.k ? q3_cache_block_alloc((size_t)n, c->device) : NULL;
-    copier cp;
+    grown.hidden = grown.v ? calloc((size_t)c->batch, (size_t)capacity) : NULL;
+    q3_copier cp;
     q3_status s = Q3_OK;
-    if (!grown.k || !grown.v)
+    if (!grown.k || !grown.v || !grown.hidden)
         s = q3_fail(err, Q3_ERR_NOMEM, "max_tokens: cannot allocate 2 x %lld bytes on %s for %lld tokens a sequence",
                     (long long)n, c->device < 0 ? "the host" : "the CUDA device", (long long)capacity);
-    if (s == Q3_OK && (s = copier_begin(&cp, "grow", c->device, stream, err)) == Q3_OK) {
-        for (int i = 0; i < c->batch; i++) copy_seq(&cp, &grown, i, c, i, c->lengths[i]);
-        copier_end(&cp);
+    if (s == Q3_OK && (s = q3_copier_begin(&cp, "grow", c->device, stream, err)) == Q3_OK) {
+        for (int i = 0; i < c->batch; i++) q3_copy_seq(&cp, &grown, i, c, i, c->lengths[i]);
+        q3_copier_end(&cp);
         if (c->device >= 0 && stream && cp.status == Q3_OK) { /* the old blocks are read until the copies ran */
             q3_status w = q3_device()->synchronize(c->device, stream, err);
-            if (w != Q3_OK) copier_failed(&cp, w);
+            if (w != Q3_OK) q3_copier_failed(&cp, w);
         }
         s = cp.status;
     }
     if (s != Q3_OK) {
         q3_cache_block_free(grown.k, c->device);
         q3_cache_block_free(grown.v, c->device);
+        free(grown.hidden);
         return s;
     }
+    for (int i = 0; i < c->batch; i++) q3_cache_copy_flags(&grown, i, c, i);
+    free(c->hidden);
+    c->hidden = grown.hidden;
     q3_cache_blocks was = {c->k, c->v, c->device};
     c->k = grown.k;
     c->v = grown.v;
@@ -415,7 +362,7 @@ q3_status q3_cache_grow(q3_cache *c, int64_t capacity, void *stream, q3_cache_bl
 
 /* ---- one call, as a binding makes it ----------------------------------------------- */
 
-q3_status q3_cache_call(q3_cache *c, q3_cache_call_args *a, q3_error *err) {
+static q3_status cache_op(q3_cache *c, q3_cache_call_args *a, q3_error *err) {
     const int64_t *seq = a->every_seq ? NULL : &a->seq;
     switch (a->op) {
     case Q3_CACHE_RESET: return q3_cache_reset(c, seq, err);
@@ -429,6 +376,14 @@ q3_status q3_cache_call(q3_cache *c, q3_cache_call_args *a, q3_error *err) {
     case Q3_CACHE_REPEAT_INTERLEAVE: return q3_cache_repeat_interleave(&a->out, c, a->n, a->stream, err);
     case Q3_CACHE_COPY: return q3_cache_copy(&a->out, c, a->stream, err);
     case Q3_CACHE_GROW: return q3_cache_grow(c, a->n, a->stream, &a->old, err);
+    case Q3_CACHE_ACCEPT: return q3_cache_accept(c, a->seq, a->index, a->n, a->stream, err);
     }
     return q3_fail(err, Q3_ERR_VALUE, "q3_cache_call: expected an operation, got %d", (int)a->op);
+}
+
+q3_status q3_cache_call(q3_cache *c, q3_cache_call_args *a, q3_error *err) {
+    const q3_status s = cache_op(c, a, err);
+    if (s == Q3_OK && a->op != Q3_CACHE_GROW && a->op != Q3_CACHE_ACCEPT) /* a verify's rows stay where accept looks only through a growth */
+        for (int i = 0; i < c->batch; i++) c->verify_start[i] = -1;
+    return s;
 }

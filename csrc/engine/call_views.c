@@ -121,3 +121,16 @@ q3_status q3_weight_view_use(const q3_view *v, q3_dtype want, int device, int al
     else *use = Q3_WEIGHT_UPLOAD; /* of the layer's dtype and contiguous, but off the kernels' alignment */
     return Q3_OK;
 }
+
+q3_status q3_call_check_token_input(const q3_view *v, const q3_view *x, const char *arg, q3_error *err) {
+    q3_status s = q3_view_check_shape(v, arg, x->ndim - 1, x->shape, err); /* x's shape less hidden */
+    return s != Q3_OK ? s : q3_view_require(v, arg, Q3_NEED_CONTIGUOUS, err);
+}
+
+q3_status q3_call_check_tree_input(const q3_view *v, const q3_view *x, q3_error *err) {
+    int64_t dims[Q3_MAX_DIM];
+    for (int d = 0; d < x->ndim - 1; d++) dims[d] = x->shape[d];
+    dims[x->ndim - 1] = x->shape[x->ndim - 2]; /* [..., tokens, tokens] */
+    q3_status s = q3_view_check_shape(v, "tree", x->ndim, dims, err);
+    return s != Q3_OK ? s : q3_view_require(v, "tree", Q3_NEED_CONTIGUOUS, err);
+}

@@ -260,6 +260,25 @@ q3_status q3_layer_check_pass(const q3_layer *l, const q3_cache *c, const q3_for
                            (long long)a->tokens);
         if (c->lengths[seq] + a->tokens > longest) longest = c->lengths[seq] + a->tokens;
     }
+    for (int64_t i = 0; a->positions && i < a->n_seqs * a->tokens; i++) /* the product fits: x holds it */
+        if (a->positions[i] < 0 || a->positions[i] >= Q3_MAX_POSITIONS)
+            return q3_fail(err, Q3_ERR_VALUE, "positions[%lld, %lld]: expected 0 <= position < 2^40, got %lld",
+                           (long long)(i / a->tokens), (long long)(i % a->tokens), (long long)a->positions[i]);
+    if (a->tree) {
+        if (a->token_mask)
+            return q3_fail(err, Q3_ERR_VALUE, "tree: given with token_mask; a tree call's tokens are all seen by the "
+                           "tokens its tree says");
+        const int64_t T = a->tokens;
+        for (int s = 0; s < a->n_seqs; s++)
+            for (int64_t t = 0; t < T; t++)
+                for (int64_t u = 0; u < T; u++) {
+                    const uint8_t v = a->tree[((int64_t)s * T + t) * T + u];
+                    if ((u == t && !v) || (u > t && v))
+                        return q3_fail(err, Q3_ERR_VALUE, "tree[%d, %lld, %lld]: expected %s (a token sees itself and "
+                                       "tokens before it only), got %s", s, (long long)t, (long long)u,
+                                       u == t ? "True" : "False", v ? "True" : "False");
+                }
+    }
     return check_attention_output(l, a, longest, err);
 }
 

@@ -50,6 +50,39 @@ static inline int64_t q3_half_row(const q3_pass *p, int s) {
     return p->half_of_pass ? s * p->L : s * p->call->tokens + p->t0;
 }
 
+/* the call's token mask for sequence s's rows of pass p ([L], 0: hidden), NULL when none */
+static inline const uint8_t *q3_pass_token_mask(const q3_pass *p, int s) {
+    return p->call && p->call->token_mask ? p->call->token_mask + s * p->call->tokens + p->t0 : NULL;
+}
+
+/* pos [L] <- the RoPE positions of sequence s's rows of pass p: the call's, else the cache's
+ * rule (positions count from the first real token, at first_pos; padding tokens sit at 0) */
+static inline void q3_pass_positions(const q3_cache *c, const q3_pass *p, int s, int64_t *pos) {
+    const int seq = p->seqs[s];
+    const int64_t n = c->lengths[seq], pad = c->padding[seq], first = c->first_pos[seq];
+    if (p->call && p->call->positions) {
+        memcpy(pos, p->call->positions + s * p->call->tokens + p->t0, (size_t)p->L * sizeof *pos);
+        return;
+    }
+    for (int64_t t = 0; t < p->L; t++) pos[t] = n + t >= pad ? first + n + t - pad : 0;
+}
+
+/* What the attention of pass p reads of sequence s (its cache rows, hidden keys, the call's
+ * tree: kernels/attention.h), the hidden flags of the pass's rows written first from the
+ * call's token mask (q3_cache_mark_rows) */
+static inline q3_attn_seq q3_pass_attn_seq(q3_cache *c, const q3_pass *p, int s) {
+    const int seq = p->seqs[s];
+    q3_cache_mark_rows(c, seq, p->L, q3_pass_token_mask(p, s));
+    q3_attn_seq a = q3_cache_attn_seq(c, seq, p->L);
+    if (p->call && p->call->tree) {
+        const int64_t T = p->call->tokens;
+        a.tree = p->call->tree + (size_t)s * (size_t)T * (size_t)T;
+        a.tree_first = c->lengths[seq] - p->t0; /* the call's first row: the passes before advanced it */
+        a.tree_tokens = T;
+    }
+    return a;
+}
+
 /* whether the call asks for the router's outputs */
 static inline int q3_pass_wants_router(const q3_pass *p) {
     return p->call && (p->call->router_logits || p->call->router_experts || p->call->router_weights);

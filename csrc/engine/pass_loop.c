@@ -7,7 +7,10 @@
 /* each sequence of the call back by the tokens its passes added: the one roll-back, of a
  * stopped loop and of an aborted run of passes (q3_layer_attention_passes_abort) */
 static void roll_back(q3_cache *c, const q3_forward_args *a, q3_pass_cursor *cur) {
-    for (int i = 0; i < a->n_seqs; i++) c->lengths[a->seqs[i]] -= cur->advanced;
+    for (int i = 0; i < a->n_seqs; i++) {
+        c->lengths[a->seqs[i]] -= cur->advanced;
+        q3_cache_hidden_trim(c, a->seqs[i]); /* flags of the dropped tokens, and of a failed pass's */
+    }
     *cur = (q3_pass_cursor){0};
 }
 
@@ -22,6 +25,7 @@ q3_status q3_layer_run_passes(q3_layer *l, q3_cache *c, const q3_forward_args *a
         const int64_t L = a->tokens - t0 < step ? a->tokens - t0 : step;
         if (t0 > 0 && a->interrupted && a->interrupted(a->interrupt_ctx)) {
             /* a device's queued passes finish on their own: their K/V lie past the lengths */
+            for (int i = 0; i < a->n_seqs; i++) c->verify_start[a->seqs[i]] = -1;
             roll_back(c, a, at);
             return q3_layer_interrupted(err, t0, a->tokens);
         }
@@ -40,6 +44,8 @@ q3_status q3_layer_run_passes(q3_layer *l, q3_cache *c, const q3_forward_args *a
         at->next = t0 + L;
         s->end(l, &p, run);
     }
+    for (int i = 0; i < a->n_seqs; i++) /* a tree call is a verify that accept may compact; nothing else is */
+        c->verify_start[a->seqs[i]] = a->tree && !s->failed(run) ? c->lengths[a->seqs[i]] - at->advanced : -1;
     if (!s->failed(run)) return Q3_OK;
     roll_back(c, a, at);
     return s->failure(run, err);

@@ -337,6 +337,20 @@ typedef struct {
     float *router_weights;
     float *attention;
     int64_t attention_context;
+    /* Per-token inputs, in host memory, [n_seqs, tokens] as x's rows (NULL: none).
+     * token_mask: 0 hides a token from every query after it (the call's and later calls'):
+     * right padding, a hole, what transformers' 2D attention_mask says of the new tokens; the
+     * cache keeps the flag (cache.h). A hidden token's own query sees the keys before it,
+     * or only itself when none is left. positions: each token's RoPE position, in
+     * [0, 2^40) (NULL: the cache's rule, first position + row - padding, 0 in the padding). */
+    const uint8_t *token_mask;
+    const int64_t *positions;
+    /* tree: [n_seqs, tokens, tokens] in host memory (NULL: causal): a per-query mask among the
+     * call's tokens (tree attention, a speculative decoder's draft tree): token t sees the
+     * cached tokens (less the hidden ones) and the call's tokens u with tree[t][u] nonzero;
+     * u <= t, and t itself always (Q3_ERR_VALUE naming the entry otherwise). Not with
+     * token_mask. */
+    const uint8_t *tree;
 } q3_forward_args;
 
 /* Runs the layer over the tokens, chunk by chunk, appending their K/V to the cache.
@@ -514,6 +528,19 @@ q3_status q3_cache_crop(q3_cache *c, const int64_t *seq, int64_t length, q3_erro
 q3_status q3_cache_copy_prefix(q3_cache *c, int64_t src_seq, int64_t dst_seq, int64_t length, void *stream,
                                q3_error *err);
 
+/* Tree verification (cache_accept.c). q3_tree_inputs: for a verify call of T tokens to each
+ * of sequences seqs [n_seqs], its tree [n_seqs, T, T] (q3_forward_args.tree: each token sees
+ * its ancestors and itself) and positions [n_seqs, T] (the sequence's next position by the
+ * cache's rule, plus the token's depth) from parents [n_seqs, T] (-1: a root after the cache;
+ * else an earlier token of the call: Q3_ERR_VALUE naming the entry otherwise).
+ * q3_cache_accept: after a verify of sequence seq (its last call, with no cache operation
+ * since: Q3_ERR_STATE otherwise), its tokens kept [n] (increasing indices into the verify's
+ * tokens) become the rows after the tokens before it, in that order, and the others are
+ * dropped (stream as for the operations below). */
+q3_status q3_tree_inputs(const q3_cache *c, const int32_t *seqs, int n_seqs, const int64_t *parents, int64_t T,
+                         uint8_t *tree, int64_t *positions, q3_error *err);
+q3_status q3_cache_accept(q3_cache *c, int64_t seq, const int64_t *kept, int64_t n, void *stream, q3_error *err);
+
 /* The K and V blocks a cache held before q3_cache_grow replaced them (device -1: host). */
 typedef struct {
     void *k; /* [batch, kv_heads, old capacity, head_dim] */
@@ -576,6 +603,7 @@ typedef enum {
     Q3_CACHE_REPEAT_INTERLEAVE,  /* n; stream -> out */
     Q3_CACHE_COPY,               /* stream -> out */
     Q3_CACHE_GROW,               /* n: the capacity; stream -> old */
+    Q3_CACHE_ACCEPT,             /* seq, index [n]: the kept tokens; stream */
 } q3_cache_op;
 typedef struct {
     q3_cache_op op;
@@ -633,6 +661,10 @@ int q3_cache_device(const q3_cache *c); /* -1: host memory; else the CUDA device
 int64_t q3_cache_length(const q3_cache *c, int seq);
 int64_t q3_cache_padding(const q3_cache *c, int seq);
 int64_t q3_cache_first_position(const q3_cache *c, int seq);
+/* whether token i (< its length) of sequence seq is hidden (a call's token mask hid it); every
+ * hidden token lies below q3_cache_hidden_end (0: none) */
+int q3_cache_token_hidden(const q3_cache *c, int seq, int64_t i);
+int64_t q3_cache_hidden_end(const q3_cache *c, int seq);
 
 /* ---- tensors from outside (tensor_view.c) ------------------------------------------ */
 
@@ -658,8 +690,10 @@ typedef struct q3_view {
  * on any device (Q3_VIEW_HOST), float8 e4m3fn weights (Q3_VIEW_E4M3); or int32 tensors instead
  * of the float ones (Q3_VIEW_I32: the router's chosen experts); or every dtype the extension
  * has (Q3_VIEW_ANY: float32, bfloat16, float8_e4m3fn, int32); or float16 alone (Q3_VIEW_F16: a
- * GPTQ matrix's scales) */
-enum { Q3_VIEW_HOST = 1, Q3_VIEW_E4M3 = 2, Q3_VIEW_I32 = 4, Q3_VIEW_ANY = 8, Q3_VIEW_F16 = 16 };
+ * GPTQ matrix's scales); or bool and uint8 (Q3_VIEW_BOOL: a call's token mask, as Q3_BOOL), or
+ * int64 (Q3_VIEW_I64: a call's positions) */
+enum { Q3_VIEW_HOST = 1, Q3_VIEW_E4M3 = 2, Q3_VIEW_I32 = 4, Q3_VIEW_ANY = 8, Q3_VIEW_F16 = 16, Q3_VIEW_BOOL = 32,
+       Q3_VIEW_I64 = 64 };
 /* Q3_ERR_VALUE unless a tensor on DLPack device (type, id) may be imported for `device` (-1:
  * the host, else that CUDA device) under `allow`: asked before a producer exports anything */
 q3_status q3_view_check_device(int type, int id, int device, int allow, const char *arg, q3_error *err);
@@ -710,6 +744,12 @@ q3_status q3_call_check_x(const q3_config *cfg, const q3_cache *c, const q3_view
 /* out= of such a call: x's dtype (Q3_ERR_TYPE) and shape, contiguous and writable, and x itself
  * or apart from it (each pass reads its rows of x before it writes them) */
 q3_status q3_call_check_out(const q3_view *o, const q3_view *x, q3_error *err);
+/* a per-token input of such a call (token_mask, positions: host tensors as imported with
+ * Q3_VIEW_BOOL, Q3_VIEW_I64): x's shape less its hidden dim ([tokens], [batch, tokens], decode's
+ * [batch]), contiguous; errors name arg */
+q3_status q3_call_check_token_input(const q3_view *v, const q3_view *x, const char *arg, q3_error *err);
+/* a prefill's tree (bool or uint8, host): [tokens, tokens] or [batch, tokens, tokens] as x, contiguous */
+q3_status q3_call_check_tree_input(const q3_view *v, const q3_view *x, q3_error *err);
 /* return_attention's maps for call a (checked): shape [n_seqs, heads, tokens, context], context
  * the longest of its sequences after the call; Q3_ERR_VALUE when they take over `limit` bytes */
 q3_status q3_call_attention_maps(const q3_config *cfg, const q3_cache *c, const q3_forward_args *a, int64_t limit,

@@ -57,6 +57,16 @@ static q3_status view_dtype(const q3_dl_dtype d, const char *arg, int allow, q3_
         dtype_desc(desc, sizeof desc, d);
         return q3_fail(err, Q3_ERR_TYPE, "%s: expected dtype int32, got %s", arg, desc);
     }
+    if (allow & Q3_VIEW_BOOL) { /* bool or uint8 only: a call's token mask */
+        if (one && (d.code == Q3_DL_BOOL || d.code == Q3_DL_UINT) && d.bits == 8) return *dt = Q3_BOOL, Q3_OK;
+        dtype_desc(desc, sizeof desc, d);
+        return q3_fail(err, Q3_ERR_TYPE, "%s: expected dtype bool or uint8, got %s", arg, desc);
+    }
+    if (allow & Q3_VIEW_I64) { /* int64 only: a call's positions */
+        if (one && d.code == Q3_DL_INT && d.bits == 64) return *dt = Q3_I64, Q3_OK;
+        dtype_desc(desc, sizeof desc, d);
+        return q3_fail(err, Q3_ERR_TYPE, "%s: expected dtype int64, got %s", arg, desc);
+    }
     if (allow & Q3_VIEW_F16) { /* float16 only: a GPTQ matrix's scales */
         if (one && d.code == Q3_DL_FLOAT && d.bits == 16) return *dt = Q3_F16, Q3_OK;
         dtype_desc(desc, sizeof desc, d);

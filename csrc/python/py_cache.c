@@ -219,6 +219,26 @@ static PyObject *cache_per_seq(q3py_cache_object *o, void *closure) {
     return t;
 }
 
+/* hidden: for each sequence, the tuple of its hidden tokens' indices */
+static PyObject *cache_hidden(q3py_cache_object *o, void *closure) {
+    (void)closure;
+    const q3_cache *c = o->cache;
+    PyObject *t = PyTuple_New(q3_cache_batch(c));
+    for (int i = 0; t && i < q3_cache_batch(c); i++) {
+        PyObject *seq = PyList_New(0);
+        for (int64_t j = 0; seq && j < q3_cache_hidden_end(c, i); j++) {
+            PyObject *v = q3_cache_token_hidden(c, i, j) ? PyLong_FromLongLong(j) : NULL;
+            if (v ? PyList_Append(seq, v) < 0 : PyErr_Occurred() != NULL) Py_CLEAR(seq);
+            Py_XDECREF(v);
+        }
+        PyObject *frozen = seq ? PyList_AsTuple(seq) : NULL;
+        Py_XDECREF(seq);
+        if (!frozen) Py_CLEAR(t);
+        else PyTuple_SET_ITEM(t, i, frozen);
+    }
+    return t;
+}
+
 static PyObject *cache_capacity(q3py_cache_object *o, void *c) { (void)c; return PyLong_FromLongLong(q3_cache_capacity(o->cache)); }
 static PyObject *cache_growths(q3py_cache_object *o, void *c) { (void)c; return PyLong_FromLongLong(q3_cache_growths(o->cache)); }
 static PyObject *cache_batch(q3py_cache_object *o, void *c) { (void)c; return PyLong_FromLong(q3_cache_batch(o->cache)); }
@@ -298,6 +318,13 @@ static PyMethodDef cache_methods[] = {
      " (a CUDA cache's growth waits for its copies)."},
     {"__copy__", (PyCFunction)q3py_cache_copy_noargs, METH_NOARGS, "The same as copy()."},
     {"__deepcopy__", (PyCFunction)q3py_cache_deepcopy, METH_O, "The same as copy()."},
+    {"accept", (PyCFunction)(void (*)(void))q3py_cache_accept, KW,
+     "accept(seq, kept, *, stream=None)\n--\n\nAfter a verify of sequence seq (its last call, no operation since): "
+     "the verify's tokens kept (increasing indices into them: the accepted path) become the rows after the tokens "
+     "before it, in that order; the others are dropped. " STREAM_DOC},
+    {"_tree_inputs", (PyCFunction)(void (*)(void))q3py_cache_tree_inputs, KW,
+     "_tree_inputs(parents, seq=None)\n--\n\n(tree, positions) of a verify call from parents [T] or [batch, T] "
+     "(-1: a root after the cache, else an earlier token): DecoderLayer.verify's."},
     {"copy_prefix", (PyCFunction)(void (*)(void))q3py_cache_copy_prefix, KW,
      "copy_prefix(src_seq, dst_seq, length, *, stream=None)\n--\n\nSequence dst_seq becomes a copy of the "
      "first `length` tokens of sequence src_seq (prefix reuse); what dst_seq held is dropped. " STREAM_DOC},
@@ -311,6 +338,8 @@ static PyGetSetDef cache_getset[] = {
     {"padding", (getter)cache_per_seq, NULL, "leading padding tokens of each sequence (tuple)", (void *)&per_seq_getters[1]},
     {"first_positions", (getter)cache_per_seq, NULL, "the RoPE position of each sequence's first real token (tuple)",
      (void *)&per_seq_getters[2]},
+    {"hidden", (getter)cache_hidden, NULL, "the hidden tokens of each sequence (a tuple of index tuples): those a "
+     "call's token_mask hid from later queries", NULL},
     {"batch", (getter)cache_batch, NULL, "number of sequences", NULL},
     {"num_kv_heads", (getter)cache_kv_heads, NULL, "KV heads", NULL},
     {"head_dim", (getter)cache_head_dim, NULL, "head dimension", NULL},

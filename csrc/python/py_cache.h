@@ -25,5 +25,7 @@ PyObject *q3py_cache_copy(q3py_cache_object *o, PyObject *args, PyObject *kw);
 PyObject *q3py_cache_copy_noargs(q3py_cache_object *o, PyObject *unused);
 PyObject *q3py_cache_deepcopy(q3py_cache_object *o, PyObject *memo);
 PyObject *q3py_cache_copy_prefix(q3py_cache_object *o, PyObject *args, PyObject *kw);
+PyObject *q3py_cache_accept(q3py_cache_object *o, PyObject *args, PyObject *kw);
+PyObject *q3py_cache_tree_inputs(q3py_cache_object *o, PyObject *args, PyObject *kw);
 
 #endif

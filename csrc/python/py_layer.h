@@ -32,6 +32,7 @@ typedef struct {
     q3_module_state *st;
     q3py_cache_object *co;
     q3_view x;
+    q3_view token[3]; /* token_mask, positions and tree (data NULL: not given) */
     int32_t seqs[64];
     q3_forward_args a;
     q3py_interrupt_poll poll;
@@ -42,8 +43,13 @@ typedef struct {
  * cannot run allocates nothing; -1 with an exception, c released. The engine's forward (half
  * NULL) or attention half of it, without the GIL and under the layer's lock, the cache busy
  * meanwhile; -1 with an exception. The release of c's view and sequences. (py_layer_call.c) */
+/* The per-token inputs of a call, as keyword arguments (None: not given) */
+typedef struct {
+    PyObject *token_mask, *positions, *tree;
+} q3py_token_args;
+#define Q3PY_NO_TOKEN_ARGS ((q3py_token_args){Py_None, Py_None, Py_None})
 int q3py_call_open(q3py_call *c, q3py_layer_object *self, PyObject *x_obj, PyObject *cache_obj, int decode,
-                   PyObject *seq_obj, PyObject *chunk_obj, PyObject *stream_obj, int half);
+                   PyObject *seq_obj, PyObject *chunk_obj, PyObject *stream_obj, int half, q3py_token_args tok);
 int q3py_call_run(q3py_call *c, q3py_layer_object *self, const q3_attention_half_out *half);
 void q3py_call_close(q3py_call *c);
 
@@ -56,9 +62,11 @@ void q3py_call_close(q3py_call *c);
 int q3py_half_outputs(q3_module_state *st, const q3_config *cfg, int ndim, const int64_t *shape, q3_dtype dtype,
                       int device, q3py_tensor_object *t[4], q3_attention_half_out *o);
 PyObject *q3py_layer_attention_half(q3py_layer_object *self, PyObject *x_obj, PyObject *cache_obj, int decode,
-                                    PyObject *seq_obj, PyObject *chunk_obj, PyObject *stream_obj, q3_insides *ins);
+                                    PyObject *seq_obj, PyObject *chunk_obj, PyObject *stream_obj, q3_insides *ins,
+                                    q3py_token_args tok);
 PyObject *q3py_layer_attention_passes(q3py_layer_object *self, PyObject *x_obj, PyObject *cache_obj, int decode,
-                                      PyObject *seq_obj, PyObject *chunk_obj, PyObject *stream_obj, q3_insides *ins);
+                                      PyObject *seq_obj, PyObject *chunk_obj, PyObject *stream_obj, q3_insides *ins,
+                                      q3py_token_args tok);
 PyObject *q3py_layer_expert_half(q3py_layer_object *self, PyObject *args, PyObject *kw);
 
 extern PyMethodDef q3py_layer_methods[];

@@ -33,6 +33,27 @@ static void add_note(const char *note) {
 void q3py_call_close(q3py_call *c) {
     if (c->a.seqs && c->a.seqs != c->seqs) PyMem_Free((void *)c->a.seqs);
     q3_view_release(&c->x);
+    for (int i = 0; i < 3; i++) q3_view_release(&c->token[i]);
+}
+
+/* token_mask, positions and tree (None: not given) into c->a: host tensors of x's rows (the
+ * tree of x's rows by its tokens) */
+static int call_token_inputs(q3py_call *c, q3py_token_args tok) {
+    static const char *const names[3] = {"token_mask", "positions", "tree"};
+    PyObject *const objs[3] = {tok.token_mask, tok.positions, tok.tree};
+    for (int i = 0; i < 3; i++) {
+        if (objs[i] == Py_None) continue;
+        q3_error err;
+        if (q3_view_acquire_on(objs[i], names[i], &c->token[i], -1, Q3_VIEW_HOST | (i == 1 ? Q3_VIEW_I64 : Q3_VIEW_BOOL),
+                               NULL) < 0 ||
+            q3py_status(i == 2 ? q3_call_check_tree_input(&c->token[i], &c->x, &err)
+                               : q3_call_check_token_input(&c->token[i], &c->x, names[i], &err), &err) < 0)
+            return -1;
+    }
+    c->a.token_mask = c->token[0].data;
+    c->a.positions = c->token[1].data;
+    c->a.tree = c->token[2].data;
+    return 0;
 }
 
 /* the call's sequences: seq (x [tokens, hidden]: one, None the first) or every one of the
@@ -64,7 +85,7 @@ static int call_seqs(q3py_call *c, int decode, PyObject *seq_obj) {
  * engine's checks of it (half: the attention half's), before any output is made: a call that
  * cannot run allocates nothing. -1 with an exception, c released. */
 int q3py_call_open(q3py_call *c, q3py_layer_object *self, PyObject *x_obj, PyObject *cache_obj, int decode,
-                     PyObject *seq_obj, PyObject *chunk_obj, PyObject *stream_obj, int half) {
+                     PyObject *seq_obj, PyObject *chunk_obj, PyObject *stream_obj, int half, q3py_token_args tok) {
     memset(c, 0, sizeof *c);
     int64_t chunk;
     void *stream;
@@ -77,7 +98,7 @@ int q3py_call_open(q3py_call *c, q3py_layer_object *self, PyObject *x_obj, PyObj
     q3_error err;
     if (q3py_status(q3_call_check_x(q3_layer_config(self->layer), c->co->cache, &c->x, decode, &c->a.n_seqs,
                                     &c->a.tokens, &err), &err) < 0 ||
-        call_seqs(c, decode, seq_obj) < 0) {
+        call_seqs(c, decode, seq_obj) < 0 || call_token_inputs(c, tok) < 0) {
         q3py_call_close(c);
         return -1;
     }
@@ -118,9 +139,9 @@ int q3py_call_run(q3py_call *c, q3py_layer_object *self, const q3_attention_half
 /* prefill and decode: y (out=, or a new tensor of x's shape and dtype), with the insides asked */
 static PyObject *forward(q3py_layer_object *self, PyObject *x_obj, PyObject *cache_obj, int decode,
                          PyObject *seq_obj, PyObject *chunk_obj, PyObject *out_obj, PyObject *stream_obj,
-                         q3_insides *ins) {
+                         q3_insides *ins, q3py_token_args tok) {
     q3py_call c;
-    if (q3py_call_open(&c, self, x_obj, cache_obj, decode, seq_obj, chunk_obj, stream_obj, 0) < 0) return NULL;
+    if (q3py_call_open(&c, self, x_obj, cache_obj, decode, seq_obj, chunk_obj, stream_obj, 0, tok) < 0) return NULL;
     PyObject *y = NULL;
     q3_view out = {0};
     const int made = q3py_insides_make(ins, c.st, self->layer, c.co->cache, &c.x, self->device, &c.a) == 0;
@@ -144,40 +165,46 @@ static PyObject *forward(q3py_layer_object *self, PyObject *x_obj, PyObject *cac
 
 static PyObject *layer_prefill(q3py_layer_object *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"x", "cache", "seq", "chunk_size", "out", "stream", "return_router", "return_attention",
-                            "attention_limit", NULL};
+                            "attention_limit", "token_mask", "positions", "tree", NULL};
     PyObject *x, *cache, *seq = Py_None, *chunk = Py_None, *out = Py_None, *stream = Py_None;
     PyObject *router = Py_False, *attention = Py_False, *limit = Py_None;
+    q3py_token_args tok = Q3PY_NO_TOKEN_ARGS;
     q3_insides ins;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|OO$OOOOO:prefill", names, &x, &cache, &seq, &chunk, &out, &stream,
-                                     &router, &attention, &limit) ||
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|OO$OOOOOOOO:prefill", names, &x, &cache, &seq, &chunk, &out,
+                                     &stream, &router, &attention, &limit, &tok.token_mask, &tok.positions,
+                                     &tok.tree) ||
         q3py_insides_parse(&ins, router, attention, limit) < 0)
         return NULL;
-    return forward(self, x, cache, 0, seq, chunk, out, stream, &ins);
+    return forward(self, x, cache, 0, seq, chunk, out, stream, &ins, tok);
 }
 
 static PyObject *layer_decode(q3py_layer_object *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"x", "cache", "out", "stream", "return_router", "return_attention", "attention_limit",
-                            NULL};
+                            "token_mask", "positions", NULL};
     PyObject *x, *cache, *out = Py_None, *stream = Py_None;
     PyObject *router = Py_False, *attention = Py_False, *limit = Py_None;
+    q3py_token_args tok = Q3PY_NO_TOKEN_ARGS;
     q3_insides ins;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|$OOOOO:decode", names, &x, &cache, &out, &stream, &router,
-                                     &attention, &limit) ||
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|$OOOOOOO:decode", names, &x, &cache, &out, &stream, &router,
+                                     &attention, &limit, &tok.token_mask, &tok.positions) ||
         q3py_insides_parse(&ins, router, attention, limit) < 0)
         return NULL;
-    return forward(self, x, cache, 1, Py_None, Py_None, out, stream, &ins);
+    return forward(self, x, cache, 1, Py_None, Py_None, out, stream, &ins, tok);
 }
 
 /* attention_half and attention_passes: their arguments, then the whole call or its passes */
 static PyObject *attention_call(q3py_layer_object *self, PyObject *args, PyObject *kw, int by_pass) {
     static char *names[] = {"x", "cache", "seq", "chunk_size", "decode", "return_router", "return_attention",
-                            "attention_limit", "stream", NULL};
+                            "attention_limit", "stream", "token_mask", "positions", NULL};
     PyObject *x, *cache, *seq = Py_None, *chunk = Py_None, *stream = Py_None;
     PyObject *router = Py_False, *attention = Py_False, *limit = Py_None;
+    q3py_token_args tok = Q3PY_NO_TOKEN_ARGS;
     int decode = 0;
     q3_insides ins;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, by_pass ? "OO|OO$pOOOO:attention_passes" : "OO|OO$pOOOO:attention_half",
-                                     names, &x, &cache, &seq, &chunk, &decode, &router, &attention, &limit, &stream) ||
+    if (!PyArg_ParseTupleAndKeywords(args, kw, by_pass ? "OO|OO$pOOOOOO:attention_passes"
+                                                       : "OO|OO$pOOOOOO:attention_half",
+                                     names, &x, &cache, &seq, &chunk, &decode, &router, &attention, &limit, &stream,
+                                     &tok.token_mask, &tok.positions) ||
         q3py_insides_parse(&ins, router, attention, limit) < 0)
         return NULL;
     if (decode && (seq != Py_None || chunk != Py_None)) {
@@ -185,8 +212,8 @@ static PyObject *attention_call(q3py_layer_object *self, PyObject *args, PyObjec
                      "of every sequence)", by_pass ? "attention_passes" : "attention_half");
         return NULL;
     }
-    return by_pass ? q3py_layer_attention_passes(self, x, cache, decode, seq, chunk, stream, &ins)
-                   : q3py_layer_attention_half(self, x, cache, decode, seq, chunk, stream, &ins);
+    return by_pass ? q3py_layer_attention_passes(self, x, cache, decode, seq, chunk, stream, &ins, tok)
+                   : q3py_layer_attention_half(self, x, cache, decode, seq, chunk, stream, &ins, tok);
 }
 
 static PyObject *layer_attention_half(q3py_layer_object *self, PyObject *args, PyObject *kw) {

@@ -24,9 +24,10 @@ int q3py_half_outputs(q3_module_state *st, const q3_config *cfg, int ndim, const
 
 /* attention_half: (resid, normed, experts, weights), in the insides' tuple when asked for */
 PyObject *q3py_layer_attention_half(q3py_layer_object *self, PyObject *x_obj, PyObject *cache_obj, int decode,
-                                    PyObject *seq_obj, PyObject *chunk_obj, PyObject *stream_obj, q3_insides *ins) {
+                                    PyObject *seq_obj, PyObject *chunk_obj, PyObject *stream_obj, q3_insides *ins,
+                                    q3py_token_args tok) {
     q3py_call c;
-    if (q3py_call_open(&c, self, x_obj, cache_obj, decode, seq_obj, chunk_obj, stream_obj, 1) < 0) return NULL;
+    if (q3py_call_open(&c, self, x_obj, cache_obj, decode, seq_obj, chunk_obj, stream_obj, 1, tok) < 0) return NULL;
     q3py_tensor_object *t[4] = {NULL, NULL, NULL, NULL};
     q3_attention_half_out half;
     PyObject *result = NULL;

@@ -29,7 +29,8 @@ static void release(q3py_passes_object *self) {
 }
 
 PyObject *q3py_layer_attention_passes(q3py_layer_object *layer, PyObject *x_obj, PyObject *cache_obj, int decode,
-                                      PyObject *seq_obj, PyObject *chunk_obj, PyObject *stream_obj, q3_insides *ins) {
+                                      PyObject *seq_obj, PyObject *chunk_obj, PyObject *stream_obj, q3_insides *ins,
+                                      q3py_token_args tok) {
     q3_module_state *st = q3_state_of_type(Py_TYPE(layer));
     if (!st) return NULL;
     q3py_passes_object *self = PyObject_New(q3py_passes_object, st->passes_type);
@@ -40,7 +41,7 @@ PyObject *q3py_layer_attention_passes(q3py_layer_object *layer, PyObject *x_obj,
     self->ins = *ins; /* its outputs are made below, after the checks */
     self->open = self->done = self->passes = 0;
     /* the call's parsing and the engine's checks of the whole call (the attention half's) */
-    if (q3py_call_open(&self->call, layer, x_obj, cache_obj, decode, seq_obj, chunk_obj, stream_obj, 1) < 0) {
+    if (q3py_call_open(&self->call, layer, x_obj, cache_obj, decode, seq_obj, chunk_obj, stream_obj, 1, tok) < 0) {
         Py_DECREF(self);
         return NULL;
     }

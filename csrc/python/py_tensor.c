@@ -169,6 +169,8 @@ static void fill_dl(q3_dl_tensor *d, q3py_tensor_object *t, int64_t *shape, int6
                : t->dtype == Q3_E4M3 ? (q3_dl_dtype){Q3_DL_FLOAT8_E4M3FN, 8, 1}
                : t->dtype == Q3_I32  ? (q3_dl_dtype){Q3_DL_INT, 32, 1}
                : t->dtype == Q3_F16  ? (q3_dl_dtype){Q3_DL_FLOAT, 16, 1}
+               : t->dtype == Q3_BOOL ? (q3_dl_dtype){Q3_DL_BOOL, 8, 1}
+               : t->dtype == Q3_I64  ? (q3_dl_dtype){Q3_DL_INT, 64, 1}
                                      : (q3_dl_dtype){Q3_DL_FLOAT, 32, 1};
     d->shape = shape;
     d->strides = strides;

@@ -122,27 +122,68 @@ static void tile_scores(const block_scratch *b, int D) {
     }
 }
 
+/* What a sequence hides beyond the causal run [lower, idx] of each row (kernels/attention.h):
+ * the hidden keys of the tile (hk [nj]: NULL when none), which only a row seeing itself
+ * alone (lower == idx: a query with no other key) still reads; and a call's per-query mask
+ * (tree: NULL when causal) over the keys from cache row tree_first on. An unmasked call tests
+ * two pointers per key. */
+typedef struct {
+    const uint8_t *hk;
+    int nj;
+    const uint8_t *tree;
+    int64_t tree_first, tree_tokens;
+} key_filter;
+
+/* the lanes of rows r0 .. r0 + LN - 1 (cache rows idx [LN]) whose tree row shows key `key` */
+static inline q3_vi tree_lanes(const key_filter *f, const int64_t *idx, int64_t key) {
+    q3_vi v = {0};
+    for (int i = 0; i < LN; i++) {
+        int64_t t = idx[i] - f->tree_first; /* rows past the block's (padding lanes) read the last */
+        t = t < 0 ? 0 : t >= f->tree_tokens ? f->tree_tokens - 1 : t;
+        v[i] = f->tree[t * f->tree_tokens + (key - f->tree_first)] ? -1 : 0;
+    }
+    return v;
+}
+
+/* whether rows r0 .. r0 + LN - 1 see key j of the tile (key j0 + j): `inside` their causal
+ * runs, less what f hides */
+static inline q3_vi key_seen(q3_vi inside, q3_vi alone, const key_filter *f, const int64_t *idx, int64_t j0, int j) {
+    if (f->hk && j < f->nj && f->hk[j]) inside &= alone;
+    if (f->tree && j < f->nj && j0 + j >= f->tree_first) inside &= tree_lanes(f, idx, j0 + j);
+    return inside;
+}
+
 /* online softmax over the tile, vectors across rows; row r (token tq = r / G, at cache index
- * i = first + tq - 1) sees keys [lo, i] with lo = start, or lo = i for a padding token.
- * Leaves probabilities in st and the accumulator rescale factors in corr [rp]. */
-static void tile_softmax(const block_scratch *b, float *corr, int G, int64_t first, int64_t start, int64_t j0) {
+ * i = first + tq - 1) sees keys [lo, i] with lo = start (the first key), or lo = i for a
+ * token before it, less what f hides (filtered: a constant, so that an unmasked call's copy
+ * of the loops has no test of f at all). Leaves probabilities in st and the accumulator
+ * rescale factors in corr [rp]. */
+static inline __attribute__((always_inline)) void softmax_rows(const block_scratch *b, float *corr, int G,
+                                                               int64_t first, int64_t start, int64_t j0,
+                                                               const key_filter *f, const int filtered) {
     for (int r0 = 0; r0 < b->rp; r0 += LN) {
         q3_vf visible, lower;
+        int64_t idx[LN];
         for (int i = 0; i < LN; i++) {
-            const int64_t idx = first + (r0 + i) / G - 1;
-            visible[i] = (float)(idx + 1 - j0);
-            lower[i] = (float)((idx >= start ? start : idx) - j0);
+            idx[i] = first + (r0 + i) / G - 1;
+            visible[i] = (float)(idx[i] + 1 - j0);
+            lower[i] = (float)((idx[i] >= start ? start : idx[i]) - j0);
         }
+        const q3_vi alone = lower == visible - 1.0f;
         q3_vf mt = q3_vload(b->m + r0);
         for (int j = 0; j < KT; j++) {
             const q3_vf s = q3_vload(b->st + (int64_t)j * b->rp + r0);
-            mt = q3_vsel(((float)j < visible) & ((float)j >= lower), q3_vmax(mt, s), mt);
+            const q3_vi inside = ((float)j < visible) & ((float)j >= lower);
+            const q3_vi seen = filtered ? key_seen(inside, alone, f, idx, j0, j) : inside;
+            mt = q3_vsel(seen, q3_vmax(mt, s), mt);
         }
         const q3_vf m_old = q3_vload(b->m + r0);
         q3_vf sum = {0};
         for (int j = 0; j < KT; j++) {
             float *sj = b->st + (int64_t)j * b->rp + r0;
-            const q3_vf p = q3_vsel(((float)j < visible) & ((float)j >= lower), q3_vexp_v(q3_vload(sj) - mt), (q3_vf){0});
+            const q3_vi inside = ((float)j < visible) & ((float)j >= lower);
+            const q3_vi seen = filtered ? key_seen(inside, alone, f, idx, j0, j) : inside;
+            const q3_vf p = q3_vsel(seen, q3_vexp_v(q3_vload(sj) - mt), (q3_vf){0});
             q3_vstore(sj, p);
             sum += p;
         }
@@ -151,6 +192,12 @@ static void tile_softmax(const block_scratch *b, float *corr, int G, int64_t fir
         q3_vstore(b->l + r0, q3_vload(b->l + r0) * c + sum);
         q3_vstore(b->m + r0, mt);
     }
+}
+
+static void tile_softmax(const block_scratch *b, float *corr, int G, int64_t first, int64_t start, int64_t j0,
+                         const key_filter *f) {
+    if (f->hk || f->tree) softmax_rows(b, corr, G, first, start, j0, f, 1);
+    else softmax_rows(b, corr, G, first, start, j0, f, 0);
 }
 
 /* acc[r][:] = acc[r][:] * corr[r] + sum_j st[j][r] * vt[j][:]: VR rows x 4 vectors of
@@ -198,10 +245,12 @@ static void tile_values(const block_scratch *b, const float *corr, int nj) {
         }
 }
 
-/* Rows r = tq * G + g: query q + tq * ld + g * D sees keys [start, first + tq) (a padding
- * token, at index < start, only itself). */
+/* Rows r = tq * G + g: query q + tq * ld + g * D sees keys [sq's first_key, first + tq) less
+ * what sq hides (its hidden keys, its call's tree), a token before first_key only itself;
+ * k and v: the block of the query's KV head. */
 static void attend_block(float *out, const float *q, int64_t ld, int nq, int G, int D, int64_t first,
-                         int64_t start, const void *k, const void *v, q3_dtype dt, float scale, float *scratch) {
+                         const q3_attn_seq *sq, const void *k, const void *v, q3_dtype dt, float scale,
+                         float *scratch) {
     const block_scratch b = carve(scratch, nq * G, D);
     float corr[b.rp];
     for (int i = 0; i < D; i++)
@@ -217,7 +266,8 @@ static void attend_block(float *out, const float *q, int64_t ld, int nq, int G, 
         const int nj = (int)(n_keys - j0 < KT ? n_keys - j0 : KT);
         load_tile(&b, k, v, dt, j0, nj, D);
         tile_scores(&b, D);
-        tile_softmax(&b, corr, G, first, start, j0);
+        const key_filter f = {sq->hidden ? sq->hidden + j0 : NULL, nj, sq->tree, sq->tree_first, sq->tree_tokens};
+        tile_softmax(&b, corr, G, first, sq->first_key, j0, &f);
         tile_values(&b, corr, nj);
     }
     for (int r = 0; r < b.rows; r++) {
@@ -249,8 +299,8 @@ void Q3_CPU_FN(q3_attention)(float *out, const float *q, const q3_attn_seq *seqs
 #else
         float *mine = scratch;
 #endif
-        attend_block(out + row0, q + row0, ld, nq, G, D, seqs[s].n_past + t0 + 1, seqs[s].start,
-                     (const char *)seqs[s].k + head_off, (const char *)seqs[s].v + head_off,
-                     sh->kv_dtype, sh->scale, mine);
+        attend_block(out + row0, q + row0, ld, nq, G, D, seqs[s].n_past + t0 + 1, &seqs[s],
+                     (const char *)seqs[s].k + head_off, (const char *)seqs[s].v + head_off, sh->kv_dtype,
+                     sh->scale, mine);
     }
 }

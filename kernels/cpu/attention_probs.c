@@ -36,13 +36,19 @@ void Q3_CPU_FN(q3_attention_probs)(float *probs, const float *q, const q3_attn_s
         const int h = (int)((it / L) % Hq);
         const int s = (int)(it / (L * Hq));
         const q3_attn_seq *sq = &seqs[s];
-        const int64_t i = sq->n_past + t;                 /* the query's cache row */
-        const int64_t lo = i >= sq->start ? sq->start : i; /* a padding query sees itself */
+        const int64_t i = sq->n_past + t;                         /* the query's cache row */
+        const int64_t lo = i >= sq->first_key ? sq->first_key : i; /* else it sees itself alone */
+        const uint8_t *hidden = lo < i ? sq->hidden : NULL;
+        const uint8_t *tree = sq->tree ? sq->tree + (i - sq->tree_first) * sq->tree_tokens - sq->tree_first : NULL;
         const float *qr = q + ((int64_t)s * L + t) * Hq * D + (int64_t)h * D;
         const void *k = (const char *)sq->k + (size_t)(h / G) * head_bytes;
         float *row = probs + (((int64_t)s * Hq + h) * out_tokens + t0 + t) * context;
         float m = -INFINITY;
         for (int64_t j = lo; j <= i; j++) {
+            if ((hidden && hidden[j]) || (tree && j >= sq->tree_first && !tree[j])) {
+                row[j] = -INFINITY; /* exp gives 0 below */
+                continue;
+            }
             row[j] = sh->scale * dot_key(qr, k, sh->kv_dtype, j, D);
             m = row[j] > m ? row[j] : m;
         }

@@ -7,6 +7,12 @@
 // into slices run by separate blocks, each writing its (max, sum, accumulator) partial; a
 // second kernel merges the slices of each query head. Prefill runs unsplit, and on tensor
 // cores (attention_tc.cu) where the shape allows.
+// Hidden keys (kernels/attention.h: a sequence's flags, NULL when it has none): a query at row
+// i >= first_key sees the keys of [first_key, i] whose flag is 0, one before first_key only
+// itself. Each lane reads its key's flag after scoring it, a hidden key scoring -inf as a
+// lane past the tile does; a slice whose keys are all hidden leaves the partial (m = -inf,
+// l = 0) that the merge skips. Unmasked, the flags cost a key tile one shared load (their
+// pointer, NULL) and its test: no global load.
 //
 // Shared memory (dynamic, fp32), rows of S = row_stride(D) floats, D rounded up to whole
 // 16-byte chunks of 4 dims and then to an odd number of them:
@@ -31,7 +37,10 @@
 // Registers: the accumulator is MAX_D / 128 float4 per lane, loops over it unrolled with
 // compile-time bounds and guards, so it stays in registers. __launch_bounds__(1024) caps a
 // thread at 64 registers; the unroll pragmas are what fits that without spilling on sm_80,
-// sm_90, sm_100 and sm_120 (ptxas -v: 0 bytes stack frame, 0 spill stores and loads).
+// sm_90, sm_100 and sm_120 (ptxas -v: 0 bytes stack frame, 0 spill stores and loads), with
+// what lives through the key loop but is read only once a tile or after it (the flags'
+// pointer, each warp's output row) in shared memory, and the K/V pointers advanced a tile
+// at a time: on sm_120 the flags' test alone spilled otherwise.
 #include <math.h>
 
 #include "../attention.h"
@@ -110,8 +119,9 @@ __global__ void __launch_bounds__(Q3_CUDA_MAX_GROUP * 32)
     const q3_attn_seq sq = seqs[s];
     const int64_t head_off = (int64_t)h * sh.capacity * D;
     const int64_t n_keys = sq.n_past + t + 1 + Q3_MUTANT(2);
-    // keys [lo, n_keys): after the sequence's padding, or only itself for a padding token
-    const int64_t lo = n_keys - 1 >= sq.start ? sq.start : n_keys - 1;
+    // keys [lo, n_keys): from the sequence's first key (past its padding and the hidden rows
+    // that follow it), or only itself for a query before it, whose flag is then not read
+    const int64_t lo = n_keys - 1 >= sq.first_key ? sq.first_key : n_keys - 1;
     const int64_t per = (n_keys - lo + splits - 1) / splits;
     const int64_t k_begin = lo + slice * per, k_end = k_begin + per < n_keys ? k_begin + per : n_keys;
     const int64_t row = ((int64_t)s * L + t) * sh.heads + (int64_t)h * G + warp; // this warp's query head
@@ -125,10 +135,20 @@ __global__ void __launch_bounds__(Q3_CUDA_MAX_GROUP * 32)
     const int es = sh.kv_dtype == Q3_BF16 ? 2 : 4, n = (int)(k_end - k_begin);
     const int64_t first = (head_off + k_begin * D) * es;
     const char *kp = (const char *)sq.k + first, *vp = (const char *)sq.v + first;
-    for (int j0 = 0; j0 < n; j0 += KEY_TILE) {
+    // the flags of the slice's keys from its first, NULL where none can be hidden (the planted
+    // defect: the flags never read, every key of [lo, n_keys) seen); the warp's output row.
+    // In shared memory (registers above): flags read after the loop's first barrier, the row
+    // by its warp after the __syncwarp (a slice of no keys has no barrier).
+    Q3_SHARED(const uint8_t *, flags);
+    Q3_SHARED(int64_t[Q3_CUDA_MAX_GROUP], rows);
+    if (threadIdx.x == 0) flags = sq.hidden && lo < n_keys - 1 && !Q3_MUTANT(20) ? sq.hidden + k_begin : NULL;
+    if (lane == 0) rows[warp] = row;
+    __syncwarp();
+    const int64_t tile_bytes = (int64_t)KEY_TILE * D * es;
+    for (int j0 = 0; j0 < n; j0 += KEY_TILE, kp += tile_bytes, vp += tile_bytes) {
         const int nj = n - j0 < KEY_TILE ? n - j0 : KEY_TILE;
         __syncthreads(); // every warp is done with the previous tile
-        stage_tile(kt, vt, kp + (int64_t)j0 * D * es, vp + (int64_t)j0 * D * es, sh.kv_dtype, nj, D, S);
+        stage_tile(kt, vt, kp, vp, sh.kv_dtype, nj, D, S);
         if (!Q3_MUTANT(1)) __syncthreads();
         float sc = -INFINITY;
         if (lane < nj) {
@@ -145,8 +165,11 @@ __global__ void __launch_bounds__(Q3_CUDA_MAX_GROUP * 32)
             sc = ((d.x + d.y) + (d.z + d.w)) * sh.scale;
             if (Q3_MUTANT(7)) __syncthreads();
         }
+        const uint8_t *hk = flags;
+        if (hk && lane < nj && hk[j0 + lane]) sc = -INFINITY; // a hidden key: as one past the tile
         const float mt = fmaxf(m, q3_warp_max(sc));
-        const float p = lane < nj ? expf(sc - mt) : 0.0f;
+        // mt is -inf only while every key so far was hidden: then each lane's p is 0 too
+        const float p = lane < nj ? expf(sc - (mt == -INFINITY ? 0.0f : mt)) : 0.0f;
         const float corr = m == -INFINITY ? 0.0f : expf(m - mt);
         l = l * corr + q3_warp_sum(p);
         m = mt;
@@ -174,7 +197,8 @@ __global__ void __launch_bounds__(Q3_CUDA_MAX_GROUP * 32)
         }
     }
     // one slice: the output row; several: this slice's partial, unnormalised
-    float *dst = splits == 1 ? out + row * D : partial + (row * splits + slice) * (D + 2);
+    const int64_t r = rows[warp];
+    float *dst = splits == 1 ? out + r * D : partial + (r * splits + slice) * (D + 2);
     const float div = splits == 1 ? l : 1.0f;
 #pragma unroll
     for (int i = 0; i < MAX_CHUNKS; i++) {
@@ -219,7 +243,8 @@ extern "C" int q3_attention_tc_fits(const q3_attn_shape *sh);
 extern "C" int q3_attention_tc_cuda(float *out, const float *q, const q3_attn_seq *seqs, int n_seqs,
                                     const q3_attn_shape *sh, void *stream);
 
-// out, q [n_seqs, L, Hq, D]; seqs: a device array of n_seqs entries. Calls of more tokens
+// out, q [n_seqs, L, Hq, D]; seqs: a device array of n_seqs entries (their hidden flags, where
+// not NULL, in device memory too: [n_past + L] at least). Calls of more tokens
 // per sequence than split-KV takes go to tensor cores where the shape fits (attention_tc.cu).
 // D even, at most MAX_D; G at most Q3_CUDA_MAX_GROUP (csrc/cuda/layer.c refuses layers past them).
 extern "C" int q3_attention_cuda(float *out, const float *q, const q3_attn_seq *seqs, int n_seqs,

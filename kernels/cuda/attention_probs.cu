@@ -4,8 +4,9 @@
 // clarity, in fp32 throughout as the attention kernels' softmax.
 //
 // One block per output row (sequence s, query head h, new token t), the row of `context`
-// floats it owns. The query at cache row i = n_past + t sees keys [lo, i] (lo the sequence's
-// padding; a padding query, i < start, only itself). Three passes over the row, the row
+// floats it owns. The query at cache row i = n_past + t sees the keys of [lo, i] not hidden
+// (lo the sequence's first key; a query before it, i < first_key, only itself). A hidden key
+// is not scored: its -inf gives it probability 0. Three passes over the row, the row
 // itself holding the intermediate values, so that no memory grows with the context (40960
 // keys at the real geometry; shared memory holds only the reductions' 2 x 32 floats):
 //   1. scores: each warp scores groups of 32 consecutive keys, one key at a time, its lanes
@@ -51,8 +52,9 @@ __global__ void __launch_bounds__(PROBS_THREADS)
     const int h = (int)(item / L % Hq), s = (int)(item / L / Hq);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const q3_attn_seq sq = seqs[s];
-    const int64_t i = sq.n_past + t;                 // the query's cache row
-    const int64_t lo = i >= sq.start ? sq.start : i; // a padding query sees itself
+    const int64_t i = sq.n_past + t;                         // the query's cache row
+    const int64_t lo = i >= sq.first_key ? sq.first_key : i; // else it sees itself alone
+    const uint8_t *hidden = lo < i ? sq.hidden : NULL;       // [capacity] or NULL: none hidden
     // query head h reads KV head h / G (the planted defect: h % Hkv, the wrong one when G > 1)
     const int kvh = Q3_MUTANT(12) ? h % sh.kv_heads : h / G;
     const size_t es = sh.kv_dtype == Q3_BF16 ? 2 : 4;
@@ -71,6 +73,7 @@ __global__ void __launch_bounds__(PROBS_THREADS)
         float sc = -INFINITY;
 #pragma unroll 1
         for (int kk = 0; kk < nk; kk++) {
+            if (hidden && hidden[j0 + kk]) continue; // the whole warp: sc stays -inf for lane kk
             const int64_t base = (j0 + kk) * D;
             float acc = 0.0f;
 #pragma unroll

@@ -13,6 +13,8 @@
 // O += P V; O / l at the end. A WMMA accumulator's element-to-row map is unspecified, so the
 // rescale goes through shared memory (store, scale each row, load back); a tile where no
 // row of a warp grew skips it (most tiles, once the maxima settle).
+// Hidden keys (kernels/attention.h): each warp gathers the tile's flags into a 32-bit mask
+// with a ballot, a lane a key, where the sequence has flags (one pointer test a tile else).
 #include <cuda_bf16.h>
 #include <mma.h>
 
@@ -82,10 +84,10 @@ __device__ __forceinline__ void warp_scores(float (*ss)[LDS], const __nv_bfloat1
     __syncwarp();
 }
 
-// whether query position i (of a sequence with `start` tokens of padding) sees key j: keys
-// [start, i] past the padding, only itself inside it (kernels/attention.h)
-__device__ __forceinline__ bool sees(int64_t i, int64_t j, int64_t start) {
-    return i >= start ? (j >= start && j <= i) : j == i;
+// whether the query at cache row i sees key j (hidden: whether j is hidden): the keys of
+// [first_key, i] not hidden, only itself before first_key (kernels/attention.h)
+__device__ __forceinline__ bool sees(int64_t i, int64_t j, int64_t first_key, bool hidden) {
+    return i >= first_key ? (j >= first_key && j <= i && !hidden) : j == i;
 }
 
 // max and sum over the 16 lanes of a half warp (xor offsets below 16 stay inside it)
@@ -104,18 +106,21 @@ __device__ __forceinline__ float half_sum(float v) {
 // the row stride of 32 floats sits in bank c, so both reads are conflict-free. m[k] and l[k]
 // are row 2 k + hf's running max and sum (the same in all 16 lanes of the half); P (bf16)
 // goes to ps, each row's factor exp(m_old - m_new) to alpha[row - 16 warp]. The sum adds
-// P as rounded, the values O accumulates. Returns whether some row's factor is not 1.
+// P as rounded, the values O accumulates. hid: bit c set where key j0 + c is hidden. Returns
+// whether some row's factor is not 1.
 __device__ __forceinline__ bool warp_softmax(__nv_bfloat16 (*ps)[LDP], float *alpha, const float (*ss)[LDS],
-                                             float *m, float *l, int64_t j0, int64_t t0, int G,
+                                             float *m, float *l, int64_t j0, unsigned hid, int64_t t0, int G,
                                              const q3_attn_seq *sq, const q3_attn_shape *sh, int warp, int lane) {
     const int hf = lane >> 4;
+    const bool hid0 = (hid >> lane) & 1u, hid1 = (hid >> (lane ^ 16)) & 1u;
     bool grew = false;
 #pragma unroll
     for (int k = 0; k < 8; k++) {
         const int i = 2 * k + hf, r = 16 * warp + i;
         const int64_t t = t0 + r / G, at = t < sh->L ? sq->n_past + t : -1; // -1: no query in this row
         const int c0 = lane, c1 = lane ^ 16;
-        const bool ok0 = at >= 0 && sees(at, j0 + c0, sq->start), ok1 = at >= 0 && sees(at, j0 + c1, sq->start);
+        const bool ok0 = at >= 0 && sees(at, j0 + c0, sq->first_key, hid0),
+                   ok1 = at >= 0 && sees(at, j0 + c1, sq->first_key, hid1);
         const float v0 = ok0 ? ss[r][c0] * sh->scale : -INFINITY, v1 = ok1 ? ss[r][c1] * sh->scale : -INFINITY;
         const float mn = fmaxf(m[k], half_max(fmaxf(v0, v1)));
         // nothing seen before (O and l are 0, any factor will do) or nothing seen still: 1
@@ -182,10 +187,10 @@ __global__ void __launch_bounds__(TC_THREADS) attention_tc_kernel(float *out, co
     const int h = (int)((blockIdx.x / tiles) % sh.kv_heads), s = (int)(blockIdx.x / (tiles * sh.kv_heads));
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const q3_attn_seq sq = seqs[s];
-    // the keys any row of the block sees: from the padding's end (or the first query, if it
-    // is padding) to the last query
+    // the keys any row of the block sees: from the first key (or the first query, if it is
+    // before it) to the last query
     const int64_t first_q = sq.n_past + t0, last_t = t0 + QT < sh.L ? t0 + QT - 1 : sh.L - 1;
-    const int64_t lo = first_q < sq.start ? first_q : sq.start, end = sq.n_past + last_t + 1;
+    const int64_t lo = first_q < sq.first_key ? first_q : sq.first_key, end = sq.n_past + last_t + 1;
     stage_queries(qs, q, &sh, s, h, t0, G);
 
     float m[8], l[8]; // rows 2 k + lane / 16 of the warp's (warp_softmax)
@@ -203,8 +208,10 @@ __global__ void __launch_bounds__(TC_THREADS) attention_tc_kernel(float *out, co
         stage_keys(ks, sq.k, &sh, h, j0, end);
         stage_keys(vs, sq.v, &sh, h, j0, end);
         __syncthreads();
+        // the tile's hidden keys, bit c for key j0 + c (flags are read up to `end` alone)
+        const unsigned hid = sq.hidden ? __ballot_sync(0xffffffffu, j0 + lane < end && sq.hidden[j0 + lane]) : 0u;
         warp_scores(ss, qs, ks, D, warp);
-        const bool grew = warp_softmax(ps, &alpha[16 * warp], ss, m, l, j0, t0, G, &sq, &sh, warp, lane);
+        const bool grew = warp_softmax(ps, &alpha[16 * warp], ss, m, l, j0, hid, t0, G, &sq, &sh, warp, lane);
         __syncwarp(); // the scores are read (the stash reuses them), P and alpha written
         if (grew) warp_rescale(o, stash, &alpha[16 * warp], D, lane);
         warp_accumulate(o, ps, vs, D, warp);

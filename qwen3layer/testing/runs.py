@@ -40,18 +40,23 @@ def rotary_of(hf_layer: torch.nn.Module) -> torch.nn.Module:
 
 
 def run_hf_layer(hf_layer: torch.nn.Module, rotary: torch.nn.Module, x: torch.Tensor, config: Any,
-                 cache: Any = None, start: int = 0) -> LayerRun:
+                 cache: Any = None, start: int = 0, allowed: Optional[torch.Tensor] = None,
+                 positions: Optional[torch.Tensor] = None) -> LayerRun:
     """hf_layer over x [B, S, H] at positions [start, start + S), causal, appending to `cache`
-    (a transformers DynamicCache of `config`; a new one by default); cos and sin from rotary."""
+    (a transformers DynamicCache of `config`; a new one by default); cos and sin from rotary.
+    allowed [B, S, start + S] bool: the keys each query sees instead (transformers' 4D mask,
+    additive); positions [B, S]: the tokens' positions instead."""
     from transformers.cache_utils import DynamicCache
     layer_idx = hf_layer.self_attn.layer_idx
     B, S, _ = x.shape
     cache = cache if cache is not None else DynamicCache(config=config)
-    pos = torch.arange(start, start + S)[None].expand(B, S)
+    pos = positions if positions is not None else torch.arange(start, start + S)[None].expand(B, S)
     cos, sin = rotary(x, pos)
     total = start + S
     mask = torch.full((S, total), torch.finfo(x.dtype).min, dtype=x.dtype)
     mask = torch.triu(mask, diagonal=start + 1)[None, None].expand(B, 1, S, total)
+    if allowed is not None:
+        mask = torch.zeros(B, 1, S, total, dtype=x.dtype).masked_fill(~allowed[:, None], torch.finfo(x.dtype).min)
     logits, maps = [], []
     hooks = [hf_layer.mlp.gate.register_forward_hook(
                  lambda m, i, o: logits.append((o[0] if isinstance(o, tuple) else o).detach())),

@@ -249,8 +249,9 @@ class DecoderLayer(torch.nn.Module):
                              f"got {kwargs['cu_seq_lens_k'].tolist()} and {cu.tolist()}")
         impl = self._config_value("_attn_implementation", None, call)
         padding = kv.padding if kv is not None else None
+        hidden = kv.hidden if kv is not None else None
         return _masks.planned(mask, position_ids, batch, length, past, padding, impl, cu, kwargs.get("cache_position"),
-                              call)
+                              call, hidden)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.LongTensor] = None, past_key_values: Any = None,
@@ -343,15 +344,20 @@ class DecoderLayer(torch.nn.Module):
         if plan.packed is not None and model_cache is not None:
             raise ValueError(f"attention_mask: {plan.kind}: packed sequences cannot continue in one model cache "
                              "(each is a sequence of its own): call the model with use_cache=False")
-        if kv is not None and tuple(plan.offsets) != kv.first_positions:
+        if kv is not None and plan.positions is None and tuple(plan.offsets) != kv.first_positions:
             raise ValueError(f"position_ids: the sequences' first real tokens are at positions {plan.offsets} for this "
                              f"call, at {list(kv.first_positions)} in the cache it continues")
         if plan.packed is not None and self.expert_parallel:
             raise NotImplementedError(f"attention_mask: {plan.kind}: packed sequences are not run with the experts "
                                       "split over a group (each would be a call of its own, and the ranks' calls "
                                       "would differ in number): pass a padded batch")
+        if plan.positions is not None and (self.expert_parallel or getattr(self.core, "_hybrid", None) is not None):
+            raise NotImplementedError(f"attention_mask: {plan.kind}: hidden keys are not yet computed with the experts "
+                                      "split over a group or between a GPU and the host (issue 42): pass a mask "
+                                      "with left padding only")
         x = hidden_states.detach().contiguous()  # inference only: the C layer has no backward
-        if kv is not None and call is not None and not (want_router or want_maps or want_hidden):
+        if kv is not None and call is not None and plan.positions is None and not (want_router or want_maps or
+                                                                                   want_hidden):
             # the plan for the model call's next layers (_repeat), with what it was made of: a
             # continuing call's plan is never packed (plan_call refuses it); _repeat itself
             # leaves a call with cu_seq_lens_q to the full path
@@ -366,7 +372,7 @@ class DecoderLayer(torch.nn.Module):
         elif plan.packed is None:
             static = _cache.static_length(entry)
             kv = self._new_cache(static or (_cache.first_capacity(L, limit) if model_cache is not None else L), B,
-                                 plan.padding, plan.offsets)
+                                 plan.padding, plan.offsets if plan.positions is None else [0] * B)
         return x, kv, plan, (want_router, want_maps)
 
     def _token_limit(self) -> int:
@@ -389,11 +395,14 @@ class DecoderLayer(torch.nn.Module):
         B, L, _ = x.shape
         limit = self.attention_limit if want_maps else None
         core = self.core
-        if plan.packed is None and not (want_router or want_maps) and type(core) is _CoreLayer and \
-                core._hybrid is None:
+        if plan.packed is None and plan.positions is None and not (want_router or want_maps) and \
+                type(core) is _CoreLayer and core._hybrid is None:
             y = _fast.plain_prefill(core, x, kv)
         elif plan.packed is None:
-            y = core.prefill(x, kv, return_router=want_router, return_attention=want_maps, attention_limit=limit)
+            tokens = {} if plan.positions is None else dict(token_mask=plan.token_mask, positions=plan.positions,
+                                                            tree=plan.tree)
+            y = core.prefill(x, kv, return_router=want_router, return_attention=want_maps, attention_limit=limit,
+                             **tokens)
             if want_router or want_maps:
                 y, logits, maps = y.output, y.router_logits, y.attention
         else:

@@ -15,9 +15,14 @@ attend exactly to a contiguous run of keys ending at itself, all of them real to
 cache's real tokens). Rows that are not real (padding: their own key masked) are computed as
 the C layer computes padding, and no real row may look at them. So in one row of the batch:
     causal, left padding: the real rows start at the first real token    -> one C sequence
-    right padding: padding rows after the real ones                      -> one C sequence
+    right padding, holes: causal over the row's visible keys, a key hidden
+      after a visible one (or a cache holding hidden keys)                -> one C sequence,
+      its hidden tokens the call's token_mask, its positions position_ids (_key_mask_plan)
     packed: real rows whose run starts at themselves open a new sequence -> one C sequence each
-    anything else (a sliding window, a tree of branches, holes): refused, named.
+    a tree: each query sees the cached keys and some of the call's up to
+      itself (branches over a shared prefix)                           -> one C sequence,
+      the call's tree, its positions position_ids (_tree_plan)
+    anything else (a sliding window): refused, named.
 position_ids must run on by one from each sequence's first real token (the C cache then
 places that token at its position: KVCache.set_first_position); a restart that the mask
 does not separate, or a jump, is refused. planned() makes the plan once for the layers of a
@@ -25,35 +30,13 @@ model call (every one gets the same mask) and keeps it for them.
 """
 from __future__ import annotations
 
-import dataclasses
 import weakref
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
-
-@dataclasses.dataclass
-class Segment:
-    """rows [start, end) of one batch row run as one C sequence; its first `padding` rows
-    are padding (left padding), and rows after its real ones may be padding too"""
-    start: int
-    end: int
-    padding: int
-
-
-@dataclasses.dataclass
-class CallPlan:
-    """packed: None when every batch row is one sequence of the C cache (the ordinary call:
-    one C call over the batch, with `padding` leading padding rows each on a new cache);
-    else the segments of each batch row, each run as a sequence of its own.
-    key_width: the keys transformers' attention maps span (a static cache's length).
-    offsets: each sequence's first real token's position (position_ids, else the cache
-    position): per batch row for the ordinary call, per segment in order when packed."""
-    padding: List[int]
-    packed: Optional[List[List[Segment]]]
-    key_width: int
-    offsets: List[int]
-    kind: str
+from . import key_masks as _keys
+from .plans import CallPlan, Segment
 
 
 def _describe_row(row: Sequence[bool]) -> str:
@@ -73,8 +56,8 @@ def _refuse(what: str, b: int, t: int, past: int, row: Sequence[bool], expected:
     raise ValueError(
         f"attention_mask: {what}: query {t} of batch row {b} (cache position {past + t}) attends to "
         f"{_describe_row(row)}, {expected}; the qwen3layer C layer computes causal attention over "
-        "each sequence after its left padding, packed sequences (a block-diagonal causal mask) and right "
-        "padding, and refuses other masks rather than run a different one")
+        "each sequence's visible keys (left and right padding, holes), packed sequences (a block-diagonal "
+        "causal mask) and trees over the cached keys, and refuses other masks rather than run a different one")
 
 
 def allowed_keys(mask: Optional[torch.Tensor], batch: int, length: int, past: int) -> Optional[torch.Tensor]:
@@ -198,11 +181,12 @@ def _continues(allowed: torch.Tensor, past: int, cache_padding: Sequence[int]) -
 
 def plan_call(mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor], batch: int, length: int,
               past: int, cache_padding: Optional[Sequence[int]], attn_implementation: Optional[str] = None,
-              cu_seq_lens: Optional[torch.Tensor] = None, cache_position: Optional[torch.Tensor] = None) -> CallPlan:
+              cu_seq_lens: Optional[torch.Tensor] = None, cache_position: Optional[torch.Tensor] = None,
+              cache_hidden: Optional[Sequence[Sequence[int]]] = None) -> CallPlan:
     """The plan of one layer call of `length` new tokens per batch row after `past` cached
-    ones; cache_padding: the C cache's padding per sequence when the call continues one;
-    cache_position (4.57's): where transformers writes the new keys, which must be the C
-    cache's next rows."""
+    ones; cache_padding and cache_hidden: the C cache's padding and hidden tokens per sequence
+    when the call continues one; cache_position (4.57's): where transformers writes the new
+    keys, which must be the C cache's next rows."""
     if cache_position is not None and cache_position.flatten().tolist() != list(range(past, past + length)):
         got = cache_position.flatten().tolist()
         raise ValueError(f"cache_position: expected {past} to {past + length - 1} (the C cache appends after the {past} "
@@ -213,20 +197,39 @@ def plan_call(mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor]
                          f"{list(position_ids.shape)}")
     pos = position_ids.expand(batch, -1).tolist() if position_ids is not None else None
     allowed = allowed_keys(mask, batch, length, past)
+    hidden_cached = bool(cache_hidden) and any(cache_hidden)
     if allowed is not None:
         key_width = allowed.shape[-1]
-        if cache_padding is not None and _continues(allowed, past, cache_padding):
+        kind = "4D mask" if mask.dim() == 4 else "2D mask"
+        if cache_padding is not None and not hidden_cached and _continues(allowed, past, cache_padding):
             plans, reals = [[Segment(0, length, 0)] for _ in range(batch)], None  # _plan_row's, every row real
         else:
-            rows = [_plan_row(allowed[b], b, past, None if cache_padding is None else cache_padding[b])
-                    for b in range(batch)]
+            visible = _keys.visible_keys(allowed, past) if cu_seq_lens is None else None
+            pos = position_ids.expand(batch, -1).tolist() if position_ids is not None else \
+                [list(range(past, past + length))] * batch
+            if visible is not None and (hidden_cached or not bool((visible.to(torch.int8).diff(dim=1) >= 0).all())):
+                # a key hidden after a seen one (holes, right padding), or a cache holding such keys: more than
+                # left padding, which the ordinary plan below computes with the cache's padding
+                return _keys.key_mask_plan(visible, pos, past, cache_padding, cache_hidden, kind, key_width)
+            try:
+                if hidden_cached:
+                    raise ValueError("attention_mask: not causal over the visible keys of a cache holding hidden "
+                                     "tokens")
+                rows = [_plan_row(allowed[b], b, past, None if cache_padding is None else cache_padding[b])
+                        for b in range(batch)]
+            except ValueError:  # what the ordinary plans refuse may be a tree
+                tree = _keys.tree_plan(allowed, pos, past, cache_padding, cache_hidden, kind) if cu_seq_lens is None \
+                    else None
+                if tree is None:
+                    raise
+                return tree
             plans, reals = [r[0] for r in rows], [r[1] for r in rows]
-        kind = "4D mask" if mask.dim() == 4 else "2D mask"
     else:
         key_width, reals = past + length, None
-        if cache_padding is not None and any(cache_padding):
+        if cache_padding is not None and (any(cache_padding) or hidden_cached):
             raise ValueError(f"attention_mask: None (every key attended) in a call continuing a cache whose sequences "
-                             f"begin with padding {list(cache_padding)}: transformers would attend to the padding, "
+                             f"begin with padding {list(cache_padding)} or hold hidden tokens "
+                             f"{[list(h) for h in cache_hidden or []]}: transformers would attend to them, "
                              "the C layer does not; pass the attention mask of the generation")
         plans = [[Segment(0, length, 0)] for _ in range(batch)]
         kind = "no mask (causal)"
@@ -337,12 +340,13 @@ _PLAN_MEMO = _PlanMemo()  # the next layers of a model call get the same mask
 
 def planned(mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor], batch: int, length: int, past: int,
             cache_padding: Optional[Sequence[int]], attn_implementation: Optional[str],
-            cu_seq_lens: Optional[torch.Tensor], cache_position: Optional[torch.Tensor], call: Any = None) -> CallPlan:
+            cu_seq_lens: Optional[torch.Tensor], cache_position: Optional[torch.Tensor], call: Any = None,
+            cache_hidden: Optional[Sequence[Sequence[int]]] = None) -> CallPlan:
     """plan_call's plan, made once for the layers of a model call (each gets the same mask):
     the last one made is kept, with weak references to the tensors it was made of (a finished
     generation's mask is not kept alive) and their stamps (an in-place change makes it anew);
     call: an object that is the same for the layers of one model call (or None)"""
-    key = (batch, length, past, cache_padding, attn_implementation)
+    key = (batch, length, past, cache_padding, cache_hidden, attn_implementation)
     stamps = (_stamp(mask, call), _stamp(position_ids, call), _stamp(cu_seq_lens, call), _stamp(cache_position, call))
     memo = _PLAN_MEMO
     refs = memo.refs
@@ -350,7 +354,7 @@ def planned(mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor], 
             refs[2]() is cu_seq_lens and refs[3]() is cache_position:
         return memo.plan
     plan = plan_call(mask, position_ids, batch, length, past, cache_padding, attn_implementation, cu_seq_lens,
-                     cache_position)
+                     cache_position, cache_hidden)
     memo.refs = tuple(_no_tensor if t is None else weakref.ref(t) for t in (mask, position_ids, cu_seq_lens,
                                                                           cache_position))
     memo.key, memo.stamps, memo.plan = key, stamps, plan

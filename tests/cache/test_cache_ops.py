@@ -33,14 +33,14 @@ def x_of(*shape, seed):
 
 def state(cache):
     """what the cache holds: lengths, padding, and each sequence's keys and values (copies),
-    first positions"""
+    first positions, hidden tokens"""
     kv = [(torch.from_dlpack(cache.keys(s)).clone(), torch.from_dlpack(cache.values(s)).clone())
           for s in range(cache.batch)]
-    return cache.lengths, cache.padding, kv, cache.first_positions
+    return cache.lengths, cache.padding, kv, cache.first_positions, cache.hidden
 
 
 def assert_same(a, b):
-    assert a[0] == b[0] and a[1] == b[1] and a[3] == b[3]
+    assert a[0] == b[0] and a[1] == b[1] and a[3] == b[3] and a[4] == b[4]
     for (ka, va), (kb, vb) in zip(a[2], b[2]):
         assert torch.equal(ka, kb) and torch.equal(va, vb)
 
@@ -49,9 +49,16 @@ def prompts(lengths, seed=0):
     return [x_of(n, H, seed=seed + i) for i, n in enumerate(lengths)]
 
 
-def filled(layer, xs, pads=None, capacity=32, firsts=None):
+def token_mask(n, hidden):
+    """a token mask of n tokens hiding those of `hidden`"""
+    mask = torch.ones(n, dtype=torch.bool)
+    mask[list(hidden)] = False
+    return mask
+
+
+def filled(layer, xs, pads=None, capacity=32, firsts=None, hidden=None):
     """a cache whose sequence i holds prompt xs[i] (pads[i] of its first tokens padding, its
-    first real token at position firsts[i])"""
+    first real token at position firsts[i], the tokens of hidden[i] hidden by the call's mask)"""
     cache = layer.new_cache(capacity, batch=len(xs))
     for s, x in enumerate(xs):
         if pads and pads[s]:
@@ -59,22 +66,26 @@ def filled(layer, xs, pads=None, capacity=32, firsts=None):
         if firsts and firsts[s]:
             cache.set_first_position(firsts[s], s)
         if len(x):
-            layer.prefill(x, cache, s)
+            mask = token_mask(len(x), hidden[s]) if hidden and hidden[s] else None
+            layer.prefill(x, cache, s, token_mask=mask)
     return cache
 
 
 def gathered(st, index):
     """the state of a cache whose sequence i is sequence index[i] of state st"""
-    return (tuple(st[0][i] for i in index), tuple(st[1][i] for i in index), [st[2][i] for i in index],
-            tuple(st[3][i] for i in index))
+    return tuple(tuple(part[i] for i in index) if isinstance(part, tuple) else [part[i] for i in index]
+                 for part in st)
 
 
 LENGTHS, PADS, FIRSTS = [3, 7, 0, 5, 2, 6], [1, 0, 0, 2, 0, 3], [0, 4, 0, 9, 1, 0]
+HIDDEN = [(), (2, 5, 6), (), (4,), (1,), (3, 4)]  # holes, right padding, a hidden first real token
 
 
 @pytest.fixture
 def cache(layer):
-    return filled(layer, prompts(LENGTHS), PADS, firsts=FIRSTS)
+    c = filled(layer, prompts(LENGTHS), PADS, firsts=FIRSTS, hidden=HIDDEN)
+    assert c.hidden == tuple(HIDDEN)
+    return c
 
 
 # ---- content ------------------------------------------------------------------------
@@ -137,8 +148,10 @@ def test_crop(cache):
     assert cache.lengths == (3, 4, 0, 5, 2, 6)
     cache.crop(5)     # every sequence, keeping what the shorter ones hold
     assert cache.lengths == (3, 4, 0, 5, 2, 5)
+    assert cache.hidden == ((), (2,), (), (4,), (1,), (3, 4))  # the hidden tokens kept, no others
     cache.crop(2)     # padding is never more than the length
     assert cache.lengths == (2, 2, 0, 2, 2, 2) and cache.padding == (1, 0, 0, 2, 0, 2)
+    assert cache.hidden == ((), (), (), (), (1,), ())
     for s in range(6):  # the tokens kept are the first ones
         k, v = state(cache)[2][s]
         assert torch.equal(k, before[2][s][0][:, :2]) and torch.equal(v, before[2][s][1][:, :2])
@@ -172,6 +185,7 @@ def test_copy_prefix(cache):
     cache.copy_prefix(4, 4, 2)  # onto itself, whole: nothing changes
     st = state(cache)
     assert st[0] == (4, 7, 5, 4, 2, 6) and st[1] == (3, 0, 0, 2, 0, 3)
+    assert st[4] == ((3,), (2, 5, 6), (2,), (), (1,), (3, 4))  # each dst's from its src, within the length
     for dst, src, n in ((2, 1, 5), (0, 5, 4), (3, 3, 4), (4, 4, 2), (1, 1, 7), (5, 5, 6)):
         assert torch.equal(st[2][dst][0], before[2][src][0][:, :n])
         assert torch.equal(st[2][dst][1], before[2][src][1][:, :n])

@@ -668,7 +668,7 @@ def test_every_kernel_matches_its_twin_on_the_executor_under_every_schedule(kern
     head dims 64 and 128, top-k 1 to 8, left padding); each names its launcher(s), and every
     launcher has a case."""
     cases, _ = kernel_check
-    assert len(cases) == 460  # with the cuBLAS stand-in open; 458 without cuBLAS
+    assert len(cases) == 495  # with the cuBLAS stand-in open; 493 without cuBLAS
     assert len({case[0] for case in cases}) == len(cases)
     for name, err, tol, schedules, agree, kernel in cases:
         assert err <= tol and schedules == 3 and agree, (name, kernel, err, tol, schedules, agree)
@@ -685,6 +685,15 @@ def test_every_kernel_matches_its_twin_on_the_executor_under_every_schedule(kern
     for B in (1, 3, 5):
         for T in (1, 17):
             assert f"attention probs, tokens={T} context=33 batch={B} D=64 pad=5" in names
+    # hidden keys (a token mask's): each pattern on the decode, split-KV, block-per-token and
+    # tensor-core paths of attention and on its maps
+    for pattern in ("holes", "right padding", "first rows hidden", "mixed", "long run"):
+        for path in ("attention hidden keys, {}: decode", "attention hidden keys, {}: decode split",
+                     "attention hidden keys, {}: 4 tokens split", "attention hidden keys, {}: 17 tokens f32",
+                     "attention tc hidden keys, {}: 17 tokens", "attention probs hidden keys, {}: decode",
+                     "attention probs hidden keys, {}: 17 tokens f32"):
+            assert path.format(pattern) in names
+    assert sum("hidden keys" in name for name in names) == 35
     # the tensor-core attention's online softmax, rescaling on every key tile
     assert sum(name.startswith(("attention tc, scores growing", "attention tc, scores in the thousands"))
                for name in names) == 4

@@ -80,12 +80,34 @@ def test_a_barrier_removed_between_two_uses_of_a_tile_shows_in_the_race_check():
 
 def test_an_attention_mask_one_key_too_far_fails_against_the_twin():
     """attention_kernel sees one key past the causal mask (n_past + t + 2 keys): its cases
-    (4 hand-made, 72 at the listed shapes, 37 at other head dims and group sizes) are off
-    from the twin, every result is still the same under each schedule (no race)."""
+    (4 hand-made, 72 at the listed shapes, 37 at other head dims and group sizes, 20 over
+    hidden keys) are off from the twin, every result is still the same under each schedule
+    (no race); the tensor-core kernel's, hidden keys among them, stay right."""
     r = run(2)
-    mine, others = cases_of(r, "attention bf16", "attention, ", "attention split-KV", "attention f32")
-    assert len(mine) == 113 and all(c["max_err"] > 100 * c["tol"] for c in mine), mine
+    mine, others = cases_of(r, "attention bf16", "attention, ", "attention split-KV", "attention f32",
+                            "attention hidden keys")
+    assert len(mine) == 133 and all(c["max_err"] > 100 * c["tol"] for c in mine), mine
     assert all(c["agree"] for c in r["cases"]) and all(c["ok"] for c in others)
+    assert sum(c["case"].startswith("attention tc hidden keys") for c in others) == 5
+
+
+def test_hidden_keys_seen_fail_against_the_twin_where_a_query_has_one_to_see():
+    """attention_kernel never reading the flags of a token mask (every key of [first_key, i]
+    attended, hidden or not): the cases over hidden keys whose queries have a hidden key in
+    their range (holes, right padding, a batch mixing flags and none, a long hidden run; each
+    on the decode, split and prefill paths) are far off the CPU kernel; those whose hidden
+    keys all lie before the first key (first_key still read: queries before it see only
+    themselves) stay right, as do the tensor-core kernel's and every case without flags, on
+    every schedule."""
+    r = run(20)
+    hidden, others = cases_of(r, "attention hidden keys")
+    before_first = [c for c in hidden if "first rows hidden" in c["case"]]
+    seen = [c for c in hidden if c not in before_first]
+    assert len(before_first) == 4 and len(seen) == 16, hidden
+    assert all(c["max_err"] > 100 * c["tol"] for c in seen), seen
+    assert all(c["ok"] for c in before_first) and all(c["ok"] for c in others)
+    assert sum(c["case"].startswith("attention tc hidden keys") for c in others) == 5
+    assert all(c["agree"] for c in r["cases"])
 
 
 def test_a_wrong_lane_mask_is_the_executors_error_naming_kernel_block_and_thread():
@@ -160,13 +182,15 @@ def test_an_fp8_scale_from_the_wrong_column_block_fails_against_the_twin():
 def test_an_attention_map_from_the_wrong_kv_head_fails_against_the_cpu_kernel():
     """attention_probs_kernel with query head h reading KV head h % Hkv instead of h / G: every
     map case with more than one KV head and more than one query head on each is far off the CPU
-    kernel; the cases where both give the same head (G = 1, or one KV head) stay right, and no
-    schedule changes a result."""
+    kernel; the cases where both give the same head (G = 1, or one KV head) stay right, as does
+    the decode step whose queries all see only themselves (first rows hidden: a probability of
+    1 whatever the head), and no schedule changes a result."""
     r = run(12)
     mine, others = cases_of(r, "attention probs")
-    same_head = [c for c in mine if "G=1 " in c["case"] or "after 300, G=2" in c["case"]]
+    same_head = [c for c in mine if "G=1 " in c["case"] or "after 300, G=2" in c["case"]
+                 or c["case"] == "attention probs hidden keys, first rows hidden: decode"]
     wrong = [c for c in mine if c not in same_head]
-    assert len(same_head) == 2 and len(wrong) == 11, mine
+    assert len(same_head) == 3 and len(wrong) == 20, mine
     assert all(c["max_err"] > 100 * c["tol"] for c in wrong), wrong
     assert all(c["ok"] for c in same_head) and all(c["ok"] for c in others)
     assert all(c["agree"] for c in r["cases"])

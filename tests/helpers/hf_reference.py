@@ -120,3 +120,15 @@ def left_padded(lengths, total, seed):
         ids[b, total - n:] = torch.randint(1, 101, (n,), generator=g)
         mask[b, total - n:] = 1
     return ids, mask
+
+
+def sharp_attention_model() -> Qwen3MoeForCausalLM:
+    """hf_model("gqa4_topk_norm", seed=3) with its attention weights N(0, 0.15): scores far from
+    uniform, so that a key seen or hidden wrongly shows far outside the tolerance (the mask
+    tests: tests/layer/test_key_masks.py, test_tree_verify.py)"""
+    m = hf_model("gqa4_topk_norm", seed=3)
+    with torch.no_grad():
+        for p in m.model.layers[0].self_attn.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.15, generator=torch.Generator().manual_seed(4))
+    return m

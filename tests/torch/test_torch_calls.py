@@ -90,12 +90,23 @@ def test_a_block_diagonal_4d_mask_is_computed():
 
 
 @torch.no_grad()
-def test_a_tree_mask_is_refused_by_name():
-    """a shared prefix with three branches (tree-style speculative decoding)"""
+def test_a_tree_mask_of_three_branches_is_computed():
+    """a shared prefix with three branches (tree-style speculative decoding): once refused,
+    now the C layer's tree (issue 42)"""
+    model, ref = pair(7)
+    allowed = torch.ones(6, 6, dtype=torch.bool).tril()
+    allowed[4, 3] = allowed[5, 3] = allowed[5, 4] = False
+    kw = dict(attention_mask=additive(allowed), position_ids=torch.tensor([[0, 1, 2, 3, 3, 3]]))
+    assert rel(model(PACKED_IDS[:, :6], **kw).logits, ref(PACKED_IDS[:, :6], **kw).logits) < 1e-5
+
+
+@torch.no_grad()
+def test_a_mask_seeing_a_later_token_within_a_tree_is_refused_by_name():
     model, _ = pair(7)
     allowed = torch.ones(6, 6, dtype=torch.bool).tril()
     allowed[4, 3] = allowed[5, 3] = allowed[5, 4] = False
-    with pytest.raises(ValueError, match=r"attention_mask: .*query 4 of batch row 0 .* attends to keys 0-2, 4"):
+    allowed[2, 4] = True  # query 2 sees a later token: not causal, not a tree
+    with pytest.raises(ValueError, match=r"attention_mask: .*query 2 of batch row 0 .* attends to keys 0-2, 4"):
         model(PACKED_IDS[:, :6], attention_mask=additive(allowed), position_ids=torch.tensor([[0, 1, 2, 3, 3, 3]]))
 
 
@@ -109,17 +120,22 @@ def test_an_explicit_causal_4d_mask_is_computed():
 
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
 @torch.no_grad()
-def test_right_padding_real_rows_match_and_continuing_is_refused(impl):
+def test_right_padding_matches_and_continues(impl):
+    """right padding's tokens are hidden keys of the C cache (issue 42): every row matches,
+    the padding rows too (each sees the real tokens before it), and a call continuing the
+    cache keeps them hidden"""
     model, ref = pair(9, impl=impl)
     ids = torch.randint(1, 101, (2, 7), generator=torch.Generator().manual_seed(2))
     mask = torch.ones(2, 7, dtype=torch.long)
     mask[0, 4:] = 0
     ours, theirs = model(ids, attention_mask=mask), ref(ids, attention_mask=mask)
-    real = mask.bool()
-    assert rel(ours.logits[real], theirs.logits[real]) < 1e-5
+    assert rel(ours.logits, theirs.logits) < 1e-5
+    assert model.model.layers[0].kv_cache.hidden == ((4, 5, 6), ())
     more = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
-    with pytest.raises(ValueError, match=r"attention_mask: cached tokens masked \(right padding of an earlier call"):
-        model(torch.tensor([[3], [4]]), attention_mask=more, past_key_values=ours.past_key_values)
+    step = torch.tensor([[3], [4]])
+    ours2 = model(step, attention_mask=more, past_key_values=ours.past_key_values)
+    theirs2 = ref(step, attention_mask=more, past_key_values=theirs.past_key_values)
+    assert rel(ours2.logits, theirs2.logits) < 1e-5
 
 
 @torch.no_grad()
@@ -469,7 +485,6 @@ def test_plan_continues_the_cache_and_keeps_a_static_width():
 @pytest.mark.parametrize("make, message", [
     (lambda: torch.ones(4, 4).tril().log()[None, None] * 0 + torch.tensor(-1.0), "a value other than 0 and -inf"),
     (lambda: torch.stack([causal(4), causal(4).T]).unsqueeze(0), "differs between heads"),
-    (lambda: (causal(6) & ~causal(6, past=0).tril(-3))[None, None], "sliding window"),
     (lambda: torch.ones(1, 1, 3, 2, dtype=torch.bool), "expected a 4D mask"),
     (lambda: torch.ones(1, 1, 3, 4, dtype=torch.bool), "attends to keys 0-3, expected keys 0-0"),
 ])
@@ -478,6 +493,20 @@ def test_plan_refuses_what_it_cannot_run(make, message):
     n = m.shape[-2]
     with pytest.raises(ValueError, match=message):
         plan_call(m, None, 1, n, 0, None)
+
+
+def test_a_sliding_window_is_a_tree_within_a_call_and_refused_over_a_cache():
+    """a window's mask within one call is a tree (each query sees some of the call's tokens up to
+    itself): computed as given; continuing a cache, a query that sees only some of the cached
+    keys is refused by name"""
+    window = (causal(6) & ~causal(6, past=0).tril(-3))[None, None]
+    plan = plan_call(window, None, 1, 6, 0, None)
+    assert plan.tree is not None and torch.equal(plan.tree[0], window[0, 0])
+    assert plan.positions.tolist() == [list(range(6))]
+    later = torch.ones(1, 1, 1, 7, dtype=torch.bool)
+    later[..., :4] = False  # the window over the cache
+    with pytest.raises(ValueError, match=r"not the cache's causal attention: query 0 .* attends to keys 4-6"):
+        plan_call(later, None, 1, 1, 6, (0,))
 
 
 def test_plan_reads_flash_attentions_packing_off_the_positions():
@@ -589,3 +618,24 @@ def test_a_deep_copied_static_cache_holds_views_of_its_own_c_cache():
         held = torch.from_dlpack(entry._q3_cache.all_keys(16))
         assert entry.keys.data_ptr() == held.data_ptr()  # a view, not the copy deepcopy made
         assert torch.equal(entry.keys, held)
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@torch.no_grad()
+def test_a_tree_mask_of_branches_over_a_shared_prefix_matches(impl):
+    """transformers' custom 4D masks (its test_custom_4d_attention_mask): a prefix of 3 tokens
+    and two branches of 2, each branch at the positions after the prefix; then a decode step
+    continuing the cache the tree call made (every cached token seen, as transformers sees it)"""
+    model, ref = pair(21, impl=impl)
+    ids = torch.randint(1, 101, (1, 7), generator=torch.Generator().manual_seed(8))
+    pos = torch.tensor([[0, 1, 2, 3, 4, 3, 4]])
+    allowed = torch.ones(7, 7, dtype=torch.bool).tril()
+    allowed[5:, 3:5] = False  # the second branch does not see the first
+    mask = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)[None, None]
+    ours, theirs = model(ids, attention_mask=mask, position_ids=pos), ref(ids, attention_mask=mask, position_ids=pos)
+    assert rel(ours.logits, theirs.logits) < 1e-5
+    with pytest.raises(ValueError, match="attention_mask"):  # a query seeing some of the cached keys only
+        bad = torch.ones(1, 1, 1, 8, dtype=torch.bool)
+        bad[..., 2] = False
+        model(torch.tensor([[5]]), attention_mask=bad, position_ids=torch.tensor([[7]]),
+              past_key_values=ours.past_key_values)

@@ -130,3 +130,30 @@ def test_offloading_a_mirrored_cache_layer_is_refused():
         model(torch.randint(1, 101, (1, 4)), past_key_values=cache, use_cache=True)
     with pytest.raises(NotImplementedError, match="offload of a cache layer cannot be mirrored"):
         cache.layers[0].offload()
+
+
+def holed_prompts(seed):
+    """three prompts of 8 tokens: right padding, a hole, a run of holes after the first token"""
+    ids = torch.randint(1, 101, (3, 8), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones(3, 8, dtype=torch.long)
+    mask[0, 5:], mask[1, 2], mask[2, 1:4] = 0, 0, 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("strategy", ["greedy", "beam", "static"])
+def test_prompts_with_holes_and_right_padding_generate_transformers_tokens(strategy, permutations):
+    """the masks the drop-in once refused (issue 42): their hidden tokens are the C caches'
+    hidden keys, carried through beam search's reorders and a static cache's calls"""
+    ids, mask = holed_prompts(seed=4)
+    kw = dict(max_new_tokens=10, do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    if strategy == "beam":
+        kw.update(num_beams=3, num_return_sequences=2)
+    elif strategy == "static":
+        kw.update(cache_implementation="static")
+
+    ref, out = both(4, lambda model: model.generate(ids, attention_mask=mask, **kw))
+    assert torch.equal(out.sequences, ref.sequences)
+    for a, b in zip(out.scores, ref.scores):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    if strategy == "beam":
+        assert any(permutations)

@@ -1,6 +1,7 @@
 /* The attention block's cases (cpu_ops.h): attention and its maps on a prefill, decode steps
  * over more than one key tile, a chunk after cached tokens, left padding (queries inside it),
- * sequences of different lengths in one call, group sizes 1 to 6, head dims 20 to 128, fp32
+ * sequences of different lengths in one call, hidden keys (holes, hidden runs, a sequence's
+ * first keys hidden), a call's tree mask, group sizes 1 to 6, head dims 20 to 128, fp32
  * and bf16 caches; the KV append; RoPE at small and far positions. Errors: max |got - want| /
  * max |want|; the tolerances are fp32's with room for the paths' other orders of summation
  * and their vector exp (kernels/cpu/vec.h). */
@@ -9,21 +10,47 @@
 #define ATTN_TOL 1e-5
 #define MAX_SEQS 3
 
+enum { PLAIN, HIDDEN, TREE }; /* what a case hides besides causality and padding */
+
 typedef struct {
     const char *what;
     int n_seqs;
     int64_t L, past[MAX_SEQS], start[MAX_SEQS];
     int Hq, Hkv, D;
     q3_dtype dt;
+    int mask;
 } attn_case;
 
 static const attn_case CASES[] = {
-    {"prefill", 1, 37, {0}, {0}, 6, 2, 20, Q3_BF16},
-    {"decode over 3 key tiles", 3, 1, {70, 5, 130}, {0}, 8, 2, 64, Q3_BF16},
-    {"chunk after cached tokens", 2, 13, {50, 19}, {0}, 4, 4, 24, Q3_F32},
-    {"left padding", 2, 9, {0, 12}, {5, 3}, 12, 2, 20, Q3_BF16},
-    {"long context", 1, 5, {300}, {0}, 6, 2, 128, Q3_F32},
+    {"prefill", 1, 37, {0}, {0}, 6, 2, 20, Q3_BF16, PLAIN},
+    {"decode over 3 key tiles", 3, 1, {70, 5, 130}, {0}, 8, 2, 64, Q3_BF16, PLAIN},
+    {"chunk after cached tokens", 2, 13, {50, 19}, {0}, 4, 4, 24, Q3_F32, PLAIN},
+    {"left padding", 2, 9, {0, 12}, {5, 3}, 12, 2, 20, Q3_BF16, PLAIN},
+    {"long context", 1, 5, {300}, {0}, 6, 2, 128, Q3_F32, PLAIN},
+    {"hidden keys", 3, 9, {0, 12, 70}, {0, 2, 0}, 8, 2, 24, Q3_BF16, HIDDEN},
+    {"decode over hidden keys", 3, 1, {70, 5, 130}, {0, 1, 0}, 4, 1, 20, Q3_F32, HIDDEN},
+    {"tree after cached tokens", 2, 11, {60, 0}, {0}, 6, 2, 20, Q3_BF16, TREE},
 };
+
+/* sequence s's hidden flags [capacity] and first key: every fifth row of a pattern, and the
+ * first three rows past its padding in sequence 0 (whose first queries then see only
+ * themselves) */
+static int64_t hidden_keys(uint8_t *h, const attn_case *c, int s, int64_t capacity) {
+    for (int64_t j = 0; j < capacity; j++) h[j] = (j * 7 + s) % 5 == 0 || (s == 0 && j - c->start[s] < 3);
+    int64_t first = c->start[s];
+    while (first < c->past[s] + c->L && h[first]) first++;
+    return first;
+}
+
+/* the call's tree [L, L]: token t sees itself and its ancestors, its parent (t - 1) / 2 */
+static void tree_of(uint8_t *tree, int64_t L) {
+    memset(tree, 0, (size_t)(L * L));
+    for (int64_t t = 0; t < L; t++)
+        for (int64_t u = t;; u = (u - 1) / 2) {
+            tree[t * L + u] = 1;
+            if (u == 0) break;
+        }
+}
 #define N_CASES (int)(sizeof CASES / sizeof CASES[0])
 
 /* one call of a case: its shape, caches (random in every row), queries [n_seqs, L, Hq, D] and
@@ -45,7 +72,18 @@ static int attn_setup(ops_run *r, int i, attn_call *a, uint64_t seed) {
     const int64_t per_seq = (int64_t)c->Hkv * a->sh.capacity * c->D;
     for (int s = 0; s < c->n_seqs; s++) {
         const void *k = ops_random(r, per_seq, c->dt, seed + 2 * s, 1.0f), *v = ops_random(r, per_seq, c->dt, seed + 2 * s + 1, 1.0f);
-        a->seqs[s] = (q3_attn_seq){k, v, c->past[s], c->start[s], 0};
+        a->seqs[s] = (q3_attn_seq){k, v, c->past[s], c->start[s], 0, NULL, c->start[s], NULL, 0, 0};
+        if (c->mask == HIDDEN) {
+            uint8_t *h = ops_alloc(r, (size_t)a->sh.capacity);
+            if (h) a->seqs[s].first_key = hidden_keys(h, c, s, a->sh.capacity);
+            a->seqs[s].hidden = h;
+        } else if (c->mask == TREE) {
+            uint8_t *tree = ops_alloc(r, (size_t)(c->L * c->L));
+            if (tree) tree_of(tree, c->L);
+            a->seqs[s].tree = tree;
+            a->seqs[s].tree_first = c->past[s];
+            a->seqs[s].tree_tokens = c->L;
+        }
     }
     a->q = ops_random(r, c->n_seqs * c->L * c->Hq * c->D, Q3_F32, seed + 10, 1.0f);
     snprintf(a->label, sizeof a->label, "%s, G=%d D=%d %s cache", c->what, c->Hq / c->Hkv, c->D,

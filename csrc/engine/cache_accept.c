@@ -1,0 +1,68 @@
+/* Tree verification for speculative decoding: the inputs of a verify call (a draft tree's
+ * per-query mask and positions, from each token's parent), and accept, which keeps the K/V of
+ * the accepted path, compacted after the tokens before the verify, and drops the rest.
+ *
+ * A draft tree of T tokens is given by parents [T]: -1 for a token whose parent is the last
+ * cached token (a root), else the index of its parent, an earlier token of the call. Token t
+ * sees the cache (less its hidden tokens) and its ancestors in the tree, itself included; its
+ * position is the sequence's next position (the cache's rule) plus its depth, so that the
+ * accepted path, compacted, lies at the positions a plain decode of it would have. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "cache_copy.h"
+
+q3_status q3_tree_inputs(const q3_cache *c, const int32_t *seqs, int n_seqs, const int64_t *parents, int64_t T,
+                         uint8_t *tree, int64_t *positions, q3_error *err) {
+    for (int s = 0; s < n_seqs; s++) {
+        const int seq = seqs[s];
+        const int64_t n = c->lengths[seq], pad = c->padding[seq];
+        const int64_t next = n >= pad ? c->first_pos[seq] + n - pad : 0; /* the cache's rule for row n */
+        const int64_t *par = parents + (int64_t)s * T;
+        uint8_t *rows = tree + (size_t)s * (size_t)T * (size_t)T;
+        int64_t *pos = positions + (int64_t)s * T;
+        memset(rows, 0, (size_t)T * (size_t)T);
+        for (int64_t t = 0; t < T; t++) {
+            if (par[t] < -1 || par[t] >= t)
+                return q3_fail(err, Q3_ERR_VALUE, "parents[%d, %lld]: expected -1 (a root, after the cache) or an "
+                               "earlier token of the tree (0 to %lld), got %lld", s, (long long)t, (long long)t - 1,
+                               (long long)par[t]);
+            uint8_t *row = rows + t * T;
+            if (par[t] >= 0) memcpy(row, rows + par[t] * T, (size_t)t); /* the parent's ancestors */
+            row[t] = 1;
+            pos[t] = par[t] < 0 ? next : pos[par[t]] + 1;
+        }
+    }
+    return Q3_OK;
+}
+
+q3_status q3_cache_accept(q3_cache *c, int64_t seq, const int64_t *kept, int64_t n, void *stream, q3_error *err) {
+    q3_status s = q3_cache_check_seq(c, "seq", seq, err);
+    if (s != Q3_OK) return s;
+    const int64_t start = c->verify_start[seq], drafted = c->lengths[seq] - start;
+    if (start < 0)
+        return q3_fail(err, Q3_ERR_STATE, "accept: sequence %lld's last call was not a verify (a call with a tree), "
+                       "or the cache changed since", (long long)seq);
+    for (int64_t i = 0; i < n; i++)
+        if (kept[i] < 0 || kept[i] >= drafted || (i > 0 && kept[i] <= kept[i - 1]))
+            return q3_fail(err, Q3_ERR_VALUE, "kept[%lld]: expected increasing indices of the %lld tokens of the "
+                           "verify (0 to %lld), got %lld", (long long)i, (long long)drafted, (long long)drafted - 1,
+                           (long long)kept[i]);
+    q3_copier cp;
+    if ((s = q3_copier_begin(&cp, "accept", c->device, stream, err)) != Q3_OK) return s;
+    const size_t rb = q3_cache_row_bytes(c), stride = (size_t)c->capacity * rb;
+    for (int64_t i = 0; i < n; i++) /* rows only move down (kept[i] >= i): in order, none read after it is written */
+        for (int values = 0; values < 2; values++) {
+            char *block = q3_cache_seq_block(c, (int)seq, values);
+            q3_copy_heads(&cp, block + (size_t)(start + i) * rb, stride, block + (size_t)(start + kept[i]) * rb, stride,
+                          c->kv_heads, rb);
+        }
+    if ((s = q3_copier_end(&cp)) != Q3_OK) return s;
+    uint8_t *h = q3_cache_seq_flags(c, (int)seq);
+    for (int64_t i = 0; i < n; i++) h[start + i] = h[start + kept[i]];
+    c->lengths[seq] = start + n;
+    if (c->padding[seq] > start + n) c->padding[seq] = start + n;
+    q3_cache_hidden_trim(c, (int)seq);
+    c->verify_start[seq] = -1;
+    return Q3_OK;
+}
