@@ -144,6 +144,8 @@ MUTANTS = [
            "gemv_int4_kernel", "twin", ("matmul_int4",)),
     Mutant(20, "hidden keys seen: a token mask's flags never read, every key of [first_key, i] attended",
            "attention_kernel", "twin", ("attention",)),
+    Mutant(21, "a call's tree ignored: the query's row of its tree never read, every key of [first_key, i] seen",
+           "attention_kernel", "twin", ("attention",)),
 ]
 
 CHILD = r"""

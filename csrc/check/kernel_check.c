@@ -1,9 +1,9 @@
 /* The CUDA kernel self-check: every kernel against its CPU twin (kernel_check_dense.c,
- * kernel_check_attention.c, kernel_check_hidden.c, kernel_check_moe.c, kernel_check_fp8.c,
+ * kernel_check_attention.c, kernel_check_hidden.c, kernel_check_tree.c, kernel_check_moe.c, kernel_check_fp8.c,
  * kernel_check_int4.c), for the GPU tests, benchmarks/gpu_check.sh and, on the SIMT executor,
  * every CI run: hand-made cases, then loops over the shapes that change a kernel's behaviour
  * (1 and 17 tokens, contexts, batches of sequences of different lengths, head dims, top-k,
- * left padding, hidden keys). On the executor each case runs under each thread
+ * left padding, hidden keys, trees). On the executor each case runs under each thread
  * schedule and its results must be bitwise equal across them: a missing barrier shows as a
  * difference. The cuBLAS setting is read first and restored last, whatever happens between. */
 #include <stdlib.h>
@@ -228,13 +228,13 @@ static q3_status run_cases(check *k, q3_check_result *out, uint64_t *digests, in
      * right one), 2, 4, 8 and 16; and 3000 keys, 12 iterations of the block's 256-key loop.
      * Then the batches of the lists above, decode and 17 tokens. */
     static const q3_probs_case PROBS[] = {
-        {1, 0, 1, 7, 3, {40, 17, 0}, {5, 0, 3}, 8, 2, 128, Q3_BF16, NULL, 0},
-        {9, 0, 9, 0, 2, {0, 0}, {4, 0}, 8, 2, 64, Q3_F32, NULL, 0},
-        {6, 5, 20, 9, 2, {12, 7}, {3, 0}, 4, 2, 72, Q3_BF16, NULL, 0},
-        {4, 3, 11, 2, 2, {1, 5}, {8, 2}, 2, 2, 18, Q3_F32, NULL, 0},
-        {1, 0, 1, 5, 2, {2999, 1500}, {0, 700}, 4, 2, 128, Q3_BF16, NULL, 0},
-        {17, 0, 17, 1, 1, {300}, {20}, 2, 1, 256, Q3_F32, NULL, 0},
-        {1, 0, 1, 4, 2, {100, 61}, {0, 9}, 32, 2, 128, Q3_BF16, NULL, 0},
+        {1, 0, 1, 7, 3, {40, 17, 0}, {5, 0, 3}, 8, 2, 128, Q3_BF16, NULL, 0, NULL},
+        {9, 0, 9, 0, 2, {0, 0}, {4, 0}, 8, 2, 64, Q3_F32, NULL, 0, NULL},
+        {6, 5, 20, 9, 2, {12, 7}, {3, 0}, 4, 2, 72, Q3_BF16, NULL, 0, NULL},
+        {4, 3, 11, 2, 2, {1, 5}, {8, 2}, 2, 2, 18, Q3_F32, NULL, 0, NULL},
+        {1, 0, 1, 5, 2, {2999, 1500}, {0, 700}, 4, 2, 128, Q3_BF16, NULL, 0, NULL},
+        {17, 0, 17, 1, 1, {300}, {20}, 2, 1, 256, Q3_F32, NULL, 0, NULL},
+        {1, 0, 1, 4, 2, {100, 61}, {0, 9}, 32, 2, 128, Q3_BF16, NULL, 0, NULL},
     };
     static const char *const PROBS_NAMES[] = {
         "attention probs, decode of 3, one in padding, G=4 D=128 bf16",
@@ -257,6 +257,12 @@ static q3_status run_cases(check *k, q3_check_result *out, uint64_t *digests, in
         double tol;
         const char *kernel = q3_hidden_case(c, name, sizeof name, &tol);
         RUN(kernel, name, tol, q3_case_hidden(k, c));
+    }
+    /* a call's tree (a verify's): each tree and scenario of kernel_check_tree.c on each path */
+    for (int c = 0; c < q3_tree_cases(); c++) {
+        double tol;
+        const char *kernel = q3_tree_case(c, name, sizeof name, &tol);
+        RUN(kernel, name, tol, q3_case_tree(k, c));
     }
     EACH(B, BATCHES) {
         NAME("decode_prepare: lengths, positions, batch=%d", B);

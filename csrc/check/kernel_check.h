@@ -1,5 +1,5 @@
 /* The CUDA kernel self-check's harness (kernel_check.c runs the cases, kernel_check_dense.c,
- * kernel_check_attention.c, kernel_check_hidden.c, kernel_check_moe.c, kernel_check_fp8.c and
+ * kernel_check_attention.c, kernel_check_hidden.c, kernel_check_tree.c, kernel_check_moe.c, kernel_check_fp8.c and
  * kernel_check_int4.c hold them): host and device buffers of one case, freed together, and the
  * first CUDA failure; the helpers the cases share. Internal to those files. */
 #ifndef Q3_CHECK_KERNEL_CHECK_H
@@ -159,6 +159,16 @@ double q3_case_attention_batch(check *k, const q3_check_batch *b, int G, int D, 
  * launcher picks for sh */
 double q3_case_attention_masked(check *k, const q3_attn_shape *sh, int n_seqs, const int64_t *past,
                                 const int64_t *start, const uint8_t *hidden, int64_t ld);
+/* a call's trees (q3_attn_seq.tree) for the cases: bytes [n_seqs, T, T] on the host, sequence
+ * s's tree_first first[s] (its cached rows before the call) */
+typedef struct {
+    const uint8_t *bytes;
+    int64_t T;
+    int64_t first[Q3_CHECK_MAX_SEQS];
+} q3_check_tree;
+/* q3_case_attention_masked's case with each sequence's tree (tree NULL: causal) */
+double q3_case_attention_tree(check *k, const q3_attn_shape *sh, int n_seqs, const int64_t *past,
+                              const int64_t *start, const uint8_t *hidden, int64_t ld, const q3_check_tree *tree);
 double q3_case_decode_prepare(check *k, int n_seqs);
 /* The attention maps (q3_attention_probs_fn) of one pass: n_seqs sequences of L new tokens
  * after past[s] cached ones, start[s] of them padding, Hq heads on Hkv of dim D over a dt
@@ -174,6 +184,7 @@ typedef struct {
     q3_dtype dt;
     const uint8_t *hidden;
     int64_t hidden_ld;
+    const q3_check_tree *tree; /* NULL (as the cases that leave it out): causal */
 } q3_probs_case;
 double q3_case_attention_probs(check *k, const q3_probs_case *c);
 /* the maps of batch b in one pass, 2 G heads on 2, 3 columns past the longest sequence */
@@ -184,6 +195,11 @@ double q3_case_attention_probs_batch(check *k, const q3_check_batch *b, int G, i
 int q3_hidden_cases(void);
 const char *q3_hidden_case(int i, char *name, size_t n, double *tol);
 double q3_case_hidden(check *k, int i);
+
+/* attention and its maps under a call's tree (kernel_check_tree.c), as the hidden keys' */
+int q3_tree_cases(void);
+const char *q3_tree_case(int i, char *name, size_t n, double *tol);
+double q3_case_tree(check *k, int i);
 
 /* the MoE cases (kernel_check_moe.c): max |cuda - twin| / max |twin| */
 double q3_case_moe_route(check *k, int64_t T, int top, int E);

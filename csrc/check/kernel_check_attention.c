@@ -3,7 +3,7 @@
  * split-KV slices and their merge; tensor cores), the attention maps a call may ask for, and
  * a decode step's bookkeeping, each against its twin (the maps: the CPU kernel), on hand-made shapes and on the batches of kernel_check.c's lists
  * (sequences of different lengths, left padding); the runs of attention and its maps over
- * hidden keys that kernel_check_hidden.c lays out. */
+ * hidden keys that kernel_check_hidden.c lays out, and under the trees of kernel_check_tree.c. */
 #include "kernel_check.h"
 
 void q3_check_batch_seqs(const q3_check_batch *b, int64_t *past, int64_t *start) {
@@ -116,6 +116,24 @@ static void grow_keys(uint16_t *keys, int64_t rows, int D, float grow) {
             keys[j * D + d] = q3_f32_to_bf16(q3_bf16_to_f32(keys[j * D + d]) + grow * (float)j);
 }
 
+/* the trees of t [n_seqs, T, T] in device memory, followed by a row of T zero bytes: what a
+ * query reading one key past its tree's row (the mask one key too far) finds there */
+static const uint8_t *device_tree(check *k, const q3_check_tree *t, int n_seqs) {
+    const size_t n = (size_t)n_seqs * (size_t)(t->T * t->T);
+    uint8_t *bytes = host(k, n + (size_t)t->T);
+    if (k->failed) return NULL;
+    memcpy(bytes, t->bytes, n);
+    return device(k, bytes, n + (size_t)t->T);
+}
+
+/* sequence s's tree of t (NULL: none) into a, its bytes at mem (the memory the kernel reads) */
+static void set_tree(q3_attn_seq *a, const q3_check_tree *t, const uint8_t *mem, int s) {
+    if (!t || !mem) return;
+    a->tree = mem + (size_t)s * (size_t)(t->T * t->T);
+    a->tree_first = t->first[s];
+    a->tree_tokens = t->T;
+}
+
 /* attention of n_seqs sequences of sh->L new tokens after past[s] cached ones, start[s] of
  * them padding, the keys flagged in hidden [n_seqs, ld] hidden (NULL: none), against the CPU
  * kernel. The cache is random in the rows a query sees and a key tile beyond (where an
@@ -123,7 +141,8 @@ static void grow_keys(uint16_t *keys, int64_t rows, int D, float grow) {
  * picks the path: more tokens than split-KV takes go to tensor cores where the shape fits; a
  * long max_keys splits. */
 static double attention_grown(check *k, const q3_attn_shape *sh, int n_seqs, const int64_t *past,
-                              const int64_t *start, const uint8_t *hidden, int64_t ld, float grow) {
+                              const int64_t *start, const uint8_t *hidden, int64_t ld, float grow,
+                              const q3_check_tree *tree) {
     const int64_t per_seq = (int64_t)sh->kv_heads * sh->capacity * sh->head_dim;
     const int64_t qn = n_seqs * sh->L * sh->heads * sh->head_dim;
     const size_t es = q3_dtype_size(sh->kv_dtype);
@@ -145,12 +164,15 @@ static double attention_grown(check *k, const q3_attn_shape *sh, int n_seqs, con
     q3_attn_seq hs[Q3_CHECK_MAX_SEQS], ds[Q3_CHECK_MAX_SEQS];
     char *dk = device(k, kc, n_seqs * per_seq * es), *dv = device(k, vc, n_seqs * per_seq * es);
     uint8_t *dh = hidden ? device(k, hidden, (size_t)(n_seqs * ld)) : NULL;
+    const uint8_t *dt = tree ? device_tree(k, tree, n_seqs) : NULL;
     for (int s = 0; s < n_seqs; s++) {
         const int64_t off = s * per_seq * (int64_t)es;
         const uint8_t *flags = hidden ? hidden + s * ld : NULL;
         hs[s] = q3_check_attn_seq(kc + off, vc + off, past[s], start[s], sh->L, flags, flags);
         ds[s] = q3_check_attn_seq(dk ? dk + off : NULL, dv ? dv + off : NULL, past[s], start[s], sh->L, flags,
                                   dh ? dh + s * ld : NULL);
+        set_tree(&hs[s], tree, tree ? tree->bytes : NULL, s);
+        set_tree(&ds[s], tree, dt, s);
     }
     q3_attn_seq *dseqs = device(k, ds, n_seqs * sizeof ds[0]);
     float *dq = device(k, q, qn * 4), *dout = device(k, NULL, qn * 4);
@@ -162,12 +184,17 @@ static double attention_grown(check *k, const q3_attn_shape *sh, int n_seqs, con
 }
 
 static double attention(check *k, const q3_attn_shape *sh, int n_seqs, const int64_t *past, const int64_t *start) {
-    return attention_grown(k, sh, n_seqs, past, start, NULL, 0, 0.0f);
+    return attention_grown(k, sh, n_seqs, past, start, NULL, 0, 0.0f, NULL);
 }
 
 double q3_case_attention_masked(check *k, const q3_attn_shape *sh, int n_seqs, const int64_t *past,
                                 const int64_t *start, const uint8_t *hidden, int64_t ld) {
-    return attention_grown(k, sh, n_seqs, past, start, hidden, ld, 0.0f);
+    return attention_grown(k, sh, n_seqs, past, start, hidden, ld, 0.0f, NULL);
+}
+
+double q3_case_attention_tree(check *k, const q3_attn_shape *sh, int n_seqs, const int64_t *past,
+                              const int64_t *start, const uint8_t *hidden, int64_t ld, const q3_check_tree *tree) {
+    return attention_grown(k, sh, n_seqs, past, start, hidden, ld, 0.0f, tree);
 }
 
 /* L query tokens after n_past[s] cached ones, for 2 sequences (the first with pad0 tokens
@@ -189,7 +216,7 @@ double q3_case_attention_growing(check *k, int64_t L, int64_t past0, int64_t pad
     const int64_t capacity = past0 + L + 8;
     const q3_attn_shape sh = {L, Hq, Hkv, D, capacity, Q3_BF16, 1.0f / sqrtf((float)D), past0 + L};
     const int64_t past[2] = {past0, 3}, start[2] = {pad0, 0};
-    return attention_grown(k, &sh, 2, past, start, NULL, 0, grow);
+    return attention_grown(k, &sh, 2, past, start, NULL, 0, grow, NULL);
 }
 
 double q3_case_attention(check *k, int64_t L, int64_t past0, int64_t past1, int64_t capacity, int64_t pad0) {
@@ -236,12 +263,15 @@ double q3_case_attention_probs(check *k, const q3_probs_case *c) {
     q3_attn_seq hs[Q3_PROBS_MAX_SEQS], ds[Q3_PROBS_MAX_SEQS];
     char *dk = device(k, kc, c->n_seqs * per_seq * es);
     uint8_t *dh = c->hidden ? device(k, c->hidden, (size_t)(c->n_seqs * c->hidden_ld)) : NULL;
+    const uint8_t *dt = c->tree ? device_tree(k, c->tree, c->n_seqs) : NULL;
     for (int s = 0; s < c->n_seqs; s++) {
         const int64_t off = s * per_seq * (int64_t)es;
         const uint8_t *flags = c->hidden ? c->hidden + s * c->hidden_ld : NULL;
         hs[s] = q3_check_attn_seq(kc + off, NULL, c->past[s], c->start[s], c->L, flags, flags);
         ds[s] = q3_check_attn_seq(dk ? dk + off : NULL, NULL, c->past[s], c->start[s], c->L, flags,
                                   dh ? dh + s * c->hidden_ld : NULL);
+        set_tree(&hs[s], c->tree, c->tree ? c->tree->bytes : NULL, s);
+        set_tree(&ds[s], c->tree, dt, s);
     }
     q3_attn_seq *dseqs = device(k, ds, c->n_seqs * sizeof ds[0]);
     float *dq = device(k, q, qn * 4), *dprobs = device(k, want, pn * 4);
@@ -255,7 +285,7 @@ double q3_case_attention_probs(check *k, const q3_probs_case *c) {
 
 /* the maps of a q3_check_batch (kernel_check.c's shapes): the whole call in one pass */
 double q3_case_attention_probs_batch(check *k, const q3_check_batch *b, int G, int D, q3_dtype kv_dt) {
-    q3_probs_case c = {b->L, 0, b->L, 3, b->n_seqs, {0}, {0}, 2 * G, 2, D, kv_dt, NULL, 0};
+    q3_probs_case c = {b->L, 0, b->L, 3, b->n_seqs, {0}, {0}, 2 * G, 2, D, kv_dt, NULL, 0, NULL};
     if (b->n_seqs > Q3_PROBS_MAX_SEQS) return INFINITY;
     q3_check_batch_seqs(b, c.past, c.start);
     return q3_case_attention_probs(k, &c);

@@ -99,7 +99,7 @@ double q3_case_hidden(check *k, int i) {
     if (k->failed) return INFINITY;
     lay_flags(flags, ld, pt, ph->L);
     if (strcmp(ph->kernel, "attention_probs") == 0) {
-        q3_probs_case c = {ph->L, 0, ph->L, 3, pt->n_seqs, {0}, {0}, 2 * ph->G, 2, ph->D, ph->dt, flags, ld};
+        q3_probs_case c = {ph->L, 0, ph->L, 3, pt->n_seqs, {0}, {0}, 2 * ph->G, 2, ph->D, ph->dt, flags, ld, NULL};
         for (int s = 0; s < pt->n_seqs; s++) c.past[s] = pt->past[s], c.start[s] = pt->start[s];
         return q3_case_attention_probs(k, &c);
     }

@@ -95,17 +95,17 @@ void q3_gpu_collect(q3_gpu_run *run) {
 
 size_t q3_layer_cuda_workspace_bytes(const q3_layer *l) { return l->gpu ? l->gpu->ws.dev.bytes : 0; }
 
-int q3_gpu_hidden_reserve(const q3_cuda_ops *g, q3_cuda_state *st, size_t bytes, void *stream) {
-    if (bytes <= st->hidden_bytes) return 0;
-    if (st->hidden) { /* a queued pass may still read the old flags */
+int q3_gpu_staging_reserve(const q3_cuda_ops *g, uint8_t **buf, size_t *have, size_t bytes, void *stream) {
+    if (bytes <= *have) return 0;
+    if (*buf) { /* a queued pass may still read the old bytes */
         const int code = g->stream_synchronize(stream);
         if (code) return code;
-        g->free_device(st->hidden);
-        st->hidden = NULL;
-        st->hidden_bytes = 0;
+        g->free_device(*buf);
+        *buf = NULL;
+        *have = 0;
     }
-    const int code = g->malloc_device((void **)&st->hidden, bytes);
-    if (!code) st->hidden_bytes = bytes;
+    const int code = g->malloc_device((void **)buf, bytes);
+    if (!code) *have = bytes;
     return code;
 }
 
@@ -119,6 +119,7 @@ void q3_layer_cuda_release(q3_layer *l) {
         if (s->moe_events[i] && q3_cuda()) q3_cuda()->event_destroy(s->moe_events[i]);
     if (s->blas_ptrs_dev && q3_cuda()) q3_cuda()->free_device(s->blas_ptrs_dev);
     if (s->hidden && q3_cuda()) q3_cuda()->free_device(s->hidden);
+    if (s->tree && q3_cuda()) q3_cuda()->free_device(s->tree);
     free(s->blas_ptrs);
     free(s->blas_rows);
     free(s->pos);

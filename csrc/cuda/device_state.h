@@ -109,6 +109,10 @@ struct q3_cuda_state {
      * given a token mask holds none), grown only */
     uint8_t *hidden;      /* [hidden_bytes] device memory */
     size_t hidden_bytes;
+    /* the same for a tree call's trees (stage_positions): the pass's sequences' [T, T] each,
+     * in the call's order; made on first need, grown only */
+    uint8_t *tree;        /* [tree_bytes] device memory */
+    size_t tree_bytes;
     /* the prefill MoE path of each size class, the layer's hooks, and the two events that
      * time the candidates */
     q3_moe_choice moe_choice[Q3_MOE_SIZE_CLASSES];
@@ -121,9 +125,10 @@ struct q3_cuda_state {
     int *blas_rows;
 };
 
-/* st->hidden grown to `bytes` at least (never shrunk), on the run's stream, whose work still
- * reading the old staging is waited for before it is freed; a CUDA code */
-int q3_gpu_hidden_reserve(const q3_cuda_ops *g, q3_cuda_state *st, size_t bytes, void *stream);
+/* a staging buffer of the state (*buf of *have bytes: st->hidden, st->tree) grown to `bytes`
+ * at least (never shrunk), on the run's stream, whose work still reading the old staging is
+ * waited for before it is freed; a CUDA code */
+int q3_gpu_staging_reserve(const q3_cuda_ops *g, uint8_t **buf, size_t *have, size_t bytes, void *stream);
 
 /* Device workspace and host staging for passes of `rows` rows and `seqs` sequences (grown
  * only); the release of all of it; the device workspace held now. */

@@ -99,9 +99,6 @@ static const q3_pass_stages gpu_stages = {gpu_input, gpu_attention, gpu_route, g
 q3_status q3_layer_cuda_passes(q3_layer *l, q3_cache *c, const q3_forward_args *a, const q3_attention_half_out *half,
                                q3_pass_cursor *cur, q3_error *err) {
     const int64_t step = q3_call_step(a);
-    if (a->tree)
-        return q3_fail(err, Q3_ERR_VALUE, "tree: given to a CUDA layer, which does not take it yet (issue 42: host "
-                       "layers only)");
     q3_status s = q3_layer_cuda_reserve(l, step * a->n_seqs, a->n_seqs, err);
     if (s != Q3_OK) return s;
     q3_gpu_run run = {q3_cuda(), a->stream, 0, NULL, l->prof.enabled ? &l->prof : NULL, l->gpu, &l->gpu->ws};

@@ -11,7 +11,8 @@
  * paths, its plan and the measured choice between the paths, behind one entry). A decode
  * pass whose call gives positions, or whose sequences hold hidden tokens (a token mask's),
  * stages its positions and cache rows on the host as larger passes do, the hidden flags
- * uploaded beside them (q3_gpu_stages_on_host). */
+ * uploaded beside them (q3_gpu_stages_on_host); so does every pass of a call with a tree (a
+ * verify: prefill-like), its tree uploaded too. */
 #include <math.h>
 
 #include "moe_prefill.h"
@@ -49,27 +50,37 @@ static int project(const q3_layer *l, q3_gpu_run *run, const q3_pass *p, float *
 }
 
 int q3_gpu_stages_on_host(const q3_cache *c, const q3_pass *p) {
-    if (!q3_gpu_is_decode(p) || (p->call && p->call->positions)) return 1;
+    if (!q3_gpu_is_decode(p) || (p->call && (p->call->positions || p->call->tree))) return 1;
     for (int s = 0; s < p->n_seqs; s++)
         if (q3_cache_attn_seq(c, p->seqs[s], p->L).hidden) return 1;
     return 0;
 }
 
-/* positions and the sequences' cache rows, staged on the host (q3_gpu_stages_on_host); the
- * hidden flags of each sequence that has some, rows [0, n_past + L), uploaded one after the
- * other into st->hidden (grown to the cache's batch x capacity, the most a pass needs), its
- * row pointing there */
+/* positions and the sequences' cache rows (q3_pass_attn_seq: its hidden flags and the call's
+ * tree), staged on the host (q3_gpu_stages_on_host); the hidden flags of each sequence that has
+ * some, rows [0, n_past + L), uploaded one after the other into st->hidden (grown to the
+ * cache's batch x capacity, the most a pass needs), its row pointing there; a tree call's
+ * trees [n_seqs, T, T] into st->tree, each row pointing at its sequence's */
 static void stage_positions(q3_cache *c, const q3_pass *p, q3_gpu_run *run) {
     q3_cuda_state *st = run->st;
     q3_workspace *d = &run->ws->dev;
+    const uint8_t *tree = p->call ? p->call->tree : NULL;
+    if (tree) {
+        const size_t n = (size_t)p->n_seqs * (size_t)p->call->tokens * (size_t)p->call->tokens;
+        Q3_GPU(run, q3_gpu_staging_reserve(run->g, &st->tree, &st->tree_bytes, n, run->stream),
+               "allocating the tree");
+        Q3_GPU(run, run->g->copy_async(st->tree, tree, n, 1, run->stream), "copy tree");
+    }
     size_t flags = 0;
     for (int s = 0; s < p->n_seqs && !run->code; s++) {
         q3_pass_positions(c, p, s, st->pos + s * p->L);
         q3_attn_seq *row = &st->seq_ptr[s];
-        *row = q3_cache_attn_seq(c, p->seqs[s], p->L);
+        *row = q3_pass_attn_seq(c, p, s);
+        if (row->tree) row->tree = st->tree + (row->tree - tree);
         if (!row->hidden) continue;
         const size_t n = (size_t)(row->n_past + p->L);
-        Q3_GPU(run, q3_gpu_hidden_reserve(run->g, st, (size_t)c->batch * (size_t)c->capacity, run->stream),
+        Q3_GPU(run, q3_gpu_staging_reserve(run->g, &st->hidden, &st->hidden_bytes,
+                                           (size_t)c->batch * (size_t)c->capacity, run->stream),
                "allocating the hidden flags");
         Q3_GPU(run, run->g->copy_async(st->hidden + flags, row->hidden, n, 1, run->stream), "copy hidden flags");
         row->hidden = st->hidden + flags;

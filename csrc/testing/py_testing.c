@@ -13,7 +13,7 @@ static PyObject *cuda_check(PyObject *m, PyObject *args) {
     int device = 0, n = 0;
     const char *only = NULL;
     if (!PyArg_ParseTuple(args, "|iz:cuda_check", &device, &only)) return NULL;
-    enum { MAX_CASES = 512 };
+    enum { MAX_CASES = 1024 };
     q3_check_result *results = PyMem_Calloc(MAX_CASES, sizeof *results);
     if (!results) return PyErr_NoMemory();
     q3_error err;

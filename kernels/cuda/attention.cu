@@ -11,8 +11,10 @@
 // i >= first_key sees the keys of [first_key, i] whose flag is 0, one before first_key only
 // itself. Each lane reads its key's flag after scoring it, a hidden key scoring -inf as a
 // lane past the tile does; a slice whose keys are all hidden leaves the partial (m = -inf,
-// l = 0) that the merge skips. Unmasked, the flags cost a key tile one shared load (their
-// pointer, NULL) and its test: no global load.
+// l = 0) that the merge skips. A call's tree (q3_attn_seq.tree, device memory) the same way:
+// a key of the call's tokens that the query's row of the tree leaves out scores -inf. Unmasked
+// and untreed, a key tile costs two shared loads (the two pointers, NULL) and their tests:
+// no global load.
 //
 // Shared memory (dynamic, fp32), rows of S = row_stride(D) floats, D rounded up to whole
 // 16-byte chunks of 4 dims and then to an odd number of them:
@@ -38,9 +40,10 @@
 // compile-time bounds and guards, so it stays in registers. __launch_bounds__(1024) caps a
 // thread at 64 registers; the unroll pragmas are what fits that without spilling on sm_80,
 // sm_90, sm_100 and sm_120 (ptxas -v: 0 bytes stack frame, 0 spill stores and loads), with
-// what lives through the key loop but is read only once a tile or after it (the flags'
-// pointer, each warp's output row) in shared memory, and the K/V pointers advanced a tile
-// at a time: on sm_120 the flags' test alone spilled otherwise.
+// what lives through the key loop but is read only once a tile or after it (the flags' and
+// the tree row's pointers, each warp's output row) in shared memory, and the K/V pointers
+// advanced a tile at a time: on sm_120 the flags' test alone spilled otherwise (with the
+// tree's: 51, 54 and 64 registers on sm_80, sm_90 and sm_120, no spill).
 #include <math.h>
 
 #include "../attention.h"
@@ -139,9 +142,18 @@ __global__ void __launch_bounds__(Q3_CUDA_MAX_GROUP * 32)
     // defect: the flags never read, every key of [lo, n_keys) seen); the warp's output row.
     // In shared memory (registers above): flags read after the loop's first barrier, the row
     // by its warp after the __syncwarp (a slice of no keys has no barrier).
+    // The query's row of the call's tree likewise (NULL: causal, or a query seeing itself
+    // alone), with the slice's place in it: key k_begin + j is the call's token j - skip.
     Q3_SHARED(const uint8_t *, flags);
+    Q3_SHARED(const uint8_t *, tree_row);
+    Q3_SHARED(int, tree_skip);
     Q3_SHARED(int64_t[Q3_CUDA_MAX_GROUP], rows);
-    if (threadIdx.x == 0) flags = sq.hidden && lo < n_keys - 1 && !Q3_MUTANT(20) ? sq.hidden + k_begin : NULL;
+    if (threadIdx.x == 0) {
+        flags = sq.hidden && lo < n_keys - 1 && !Q3_MUTANT(20) ? sq.hidden + k_begin : NULL;
+        const int64_t qt = sq.n_past + t - sq.tree_first; // the query's token in the call
+        tree_row = sq.tree && lo < n_keys - 1 && qt >= 0 && !Q3_MUTANT(21) ? sq.tree + qt * sq.tree_tokens : NULL;
+        tree_skip = (int)(sq.tree_first - k_begin);
+    }
     if (lane == 0) rows[warp] = row;
     __syncwarp();
     const int64_t tile_bytes = (int64_t)KEY_TILE * D * es;
@@ -167,6 +179,8 @@ __global__ void __launch_bounds__(Q3_CUDA_MAX_GROUP * 32)
         }
         const uint8_t *hk = flags;
         if (hk && lane < nj && hk[j0 + lane]) sc = -INFINITY; // a hidden key: as one past the tile
+        const uint8_t *tr = tree_row;
+        if (tr && lane < nj && j0 + lane >= tree_skip && !tr[j0 + lane - tree_skip]) sc = -INFINITY; // off its tree
         const float mt = fmaxf(m, q3_warp_max(sc));
         // mt is -inf only while every key so far was hidden: then each lane's p is 0 too
         const float p = lane < nj ? expf(sc - (mt == -INFINITY ? 0.0f : mt)) : 0.0f;
@@ -243,8 +257,8 @@ extern "C" int q3_attention_tc_fits(const q3_attn_shape *sh);
 extern "C" int q3_attention_tc_cuda(float *out, const float *q, const q3_attn_seq *seqs, int n_seqs,
                                     const q3_attn_shape *sh, void *stream);
 
-// out, q [n_seqs, L, Hq, D]; seqs: a device array of n_seqs entries (their hidden flags, where
-// not NULL, in device memory too: [n_past + L] at least). Calls of more tokens
+// out, q [n_seqs, L, Hq, D]; seqs: a device array of n_seqs entries (their hidden flags and
+// trees, where not NULL, in device memory too: [n_past + L] and [tree_tokens, tree_tokens]). Calls of more tokens
 // per sequence than split-KV takes go to tensor cores where the shape fits (attention_tc.cu).
 // D even, at most MAX_D; G at most Q3_CUDA_MAX_GROUP (csrc/cuda/layer.c refuses layers past them).
 extern "C" int q3_attention_cuda(float *out, const float *q, const q3_attn_seq *seqs, int n_seqs,

@@ -5,10 +5,12 @@
 //
 // One block per output row (sequence s, query head h, new token t), the row of `context`
 // floats it owns. The query at cache row i = n_past + t sees the keys of [lo, i] not hidden
-// (lo the sequence's first key; a query before it, i < first_key, only itself). A hidden key
-// is not scored: its -inf gives it probability 0. Three passes over the row, the row
-// itself holding the intermediate values, so that no memory grows with the context (40960
-// keys at the real geometry; shared memory holds only the reductions' 2 x 32 floats):
+// (lo the sequence's first key; a query before it, i < first_key, only itself), and of the
+// call's tokens (rows from tree_first on) those its row of the call's tree keeps. A hidden
+// key, or one the tree leaves out, is not scored: its -inf gives it probability 0. Three
+// passes over the row, the row itself holding the intermediate values, so that no memory
+// grows with the context (40960 keys at the real geometry; shared memory holds only the
+// reductions' 2 x 32 floats):
 //   1. scores: each warp scores groups of 32 consecutive keys, one key at a time, its lanes
 //      splitting the key's D dims (dim lane + 32 c, q's dims in registers) and summing by
 //      shuffles; lane kk keeps key kk's score, so the group's 32 scores go to the row in one
@@ -55,6 +57,8 @@ __global__ void __launch_bounds__(PROBS_THREADS)
     const int64_t i = sq.n_past + t;                         // the query's cache row
     const int64_t lo = i >= sq.first_key ? sq.first_key : i; // else it sees itself alone
     const uint8_t *hidden = lo < i ? sq.hidden : NULL;       // [capacity] or NULL: none hidden
+    // the query's row of the call's tree [tree_tokens] (NULL: causal, or itself alone)
+    const uint8_t *tree = sq.tree && lo < i ? sq.tree + (i - sq.tree_first) * sq.tree_tokens : NULL;
     // query head h reads KV head h / G (the planted defect: h % Hkv, the wrong one when G > 1)
     const int kvh = Q3_MUTANT(12) ? h % sh.kv_heads : h / G;
     const size_t es = sh.kv_dtype == Q3_BF16 ? 2 : 4;
@@ -74,6 +78,7 @@ __global__ void __launch_bounds__(PROBS_THREADS)
 #pragma unroll 1
         for (int kk = 0; kk < nk; kk++) {
             if (hidden && hidden[j0 + kk]) continue; // the whole warp: sc stays -inf for lane kk
+            if (tree && j0 + kk >= sq.tree_first && !tree[j0 + kk - sq.tree_first]) continue; // not its branch
             const int64_t base = (j0 + kk) * D;
             float acc = 0.0f;
 #pragma unroll

@@ -15,6 +15,9 @@
 // row of a warp grew skips it (most tiles, once the maxima settle).
 // Hidden keys (kernels/attention.h): each warp gathers the tile's flags into a 32-bit mask
 // with a ballot, a lane a key, where the sequence has flags (one pointer test a tile else).
+// A call's tree (q3_attn_seq.tree, device memory): each lane reads its two keys' bytes of
+// each of its rows' tree rows, in a second instance of the softmax step (TREE), so that an
+// untreed call runs the first unchanged (one pointer test a tile).
 #include <cuda_bf16.h>
 #include <mma.h>
 
@@ -90,6 +93,12 @@ __device__ __forceinline__ bool sees(int64_t i, int64_t j, int64_t first_key, bo
     return i >= first_key ? (j >= first_key && j <= i && !hidden) : j == i;
 }
 
+// whether the call's tree lets the query at cache row i (>= tree_first) see key j <= i: yes
+// for a key before the call's tokens, else the tree's byte [i - tree_first][j - tree_first]
+__device__ __forceinline__ bool tree_sees(const q3_attn_seq *sq, int64_t i, int64_t j) {
+    return j < sq->tree_first || sq->tree[(i - sq->tree_first) * sq->tree_tokens + (j - sq->tree_first)] != 0;
+}
+
 // max and sum over the 16 lanes of a half warp (xor offsets below 16 stay inside it)
 __device__ __forceinline__ float half_max(float v) {
     for (int o = 8; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
@@ -106,8 +115,10 @@ __device__ __forceinline__ float half_sum(float v) {
 // the row stride of 32 floats sits in bank c, so both reads are conflict-free. m[k] and l[k]
 // are row 2 k + hf's running max and sum (the same in all 16 lanes of the half); P (bf16)
 // goes to ps, each row's factor exp(m_old - m_new) to alpha[row - 16 warp]. The sum adds
-// P as rounded, the values O accumulates. hid: bit c set where key j0 + c is hidden. Returns
-// whether some row's factor is not 1.
+// P as rounded, the values O accumulates. hid: bit c set where key j0 + c is hidden. TREE:
+// the sequence has a tree (sq->tree), which the rows' keys pass too. Returns whether some
+// row's factor is not 1.
+template <bool TREE>
 __device__ __forceinline__ bool warp_softmax(__nv_bfloat16 (*ps)[LDP], float *alpha, const float (*ss)[LDS],
                                              float *m, float *l, int64_t j0, unsigned hid, int64_t t0, int G,
                                              const q3_attn_seq *sq, const q3_attn_shape *sh, int warp, int lane) {
@@ -119,8 +130,12 @@ __device__ __forceinline__ bool warp_softmax(__nv_bfloat16 (*ps)[LDP], float *al
         const int i = 2 * k + hf, r = 16 * warp + i;
         const int64_t t = t0 + r / G, at = t < sh->L ? sq->n_past + t : -1; // -1: no query in this row
         const int c0 = lane, c1 = lane ^ 16;
-        const bool ok0 = at >= 0 && sees(at, j0 + c0, sq->first_key, hid0),
-                   ok1 = at >= 0 && sees(at, j0 + c1, sq->first_key, hid1);
+        bool ok0 = at >= 0 && sees(at, j0 + c0, sq->first_key, hid0),
+             ok1 = at >= 0 && sees(at, j0 + c1, sq->first_key, hid1);
+        if (TREE) { // a seen key is <= at, and at >= tree_first for a query of the call
+            ok0 = ok0 && tree_sees(sq, at, j0 + c0);
+            ok1 = ok1 && tree_sees(sq, at, j0 + c1);
+        }
         const float v0 = ok0 ? ss[r][c0] * sh->scale : -INFINITY, v1 = ok1 ? ss[r][c1] * sh->scale : -INFINITY;
         const float mn = fmaxf(m[k], half_max(fmaxf(v0, v1)));
         // nothing seen before (O and l are 0, any factor will do) or nothing seen still: 1
@@ -211,7 +226,9 @@ __global__ void __launch_bounds__(TC_THREADS) attention_tc_kernel(float *out, co
         // the tile's hidden keys, bit c for key j0 + c (flags are read up to `end` alone)
         const unsigned hid = sq.hidden ? __ballot_sync(0xffffffffu, j0 + lane < end && sq.hidden[j0 + lane]) : 0u;
         warp_scores(ss, qs, ks, D, warp);
-        const bool grew = warp_softmax(ps, &alpha[16 * warp], ss, m, l, j0, hid, t0, G, &sq, &sh, warp, lane);
+        float *aw = &alpha[16 * warp];
+        const bool grew = sq.tree ? warp_softmax<true>(ps, aw, ss, m, l, j0, hid, t0, G, &sq, &sh, warp, lane)
+                                  : warp_softmax<false>(ps, aw, ss, m, l, j0, hid, t0, G, &sq, &sh, warp, lane);
         __syncwarp(); // the scores are read (the stash reuses them), P and alpha written
         if (grew) warp_rescale(o, stash, &alpha[16 * warp], D, lane);
         warp_accumulate(o, ps, vs, D, warp);

@@ -668,7 +668,7 @@ def test_every_kernel_matches_its_twin_on_the_executor_under_every_schedule(kern
     head dims 64 and 128, top-k 1 to 8, left padding); each names its launcher(s), and every
     launcher has a case."""
     cases, _ = kernel_check
-    assert len(cases) == 495  # with the cuBLAS stand-in open; 493 without cuBLAS
+    assert len(cases) == 543  # with the cuBLAS stand-in open; 541 without cuBLAS
     assert len({case[0] for case in cases}) == len(cases)
     for name, err, tol, schedules, agree, kernel in cases:
         assert err <= tol and schedules == 3 and agree, (name, kernel, err, tol, schedules, agree)
@@ -694,6 +694,15 @@ def test_every_kernel_matches_its_twin_on_the_executor_under_every_schedule(kern
                      "attention probs hidden keys, {}: 17 tokens f32"):
             assert path.format(pattern) in names
     assert sum("hidden keys" in name for name in names) == 35
+    # a call's tree (a verify's): each tree, fresh and after cached tokens with hidden keys (two
+    # sequences, two trees), on the split-KV, block-per-token and tensor-core paths and the maps
+    for tree in ("chain", "branches", "alone", "random"):
+        for scenario in ("fresh", "cached"):
+            for path in ("attention tree, {}: 1 token split", "attention tree, {}: 4 tokens split",
+                         "attention tree, {}: 17 tokens f32", "attention tc tree, {}: 17 tokens",
+                         "attention probs tree, {}: 4 tokens", "attention probs tree, {}: 17 tokens f32"):
+                assert path.format(f"{tree}, {scenario}") in names
+    assert sum(" tree, " in name for name in names) == 48
     # the tensor-core attention's online softmax, rescaling on every key tile
     assert sum(name.startswith(("attention tc, scores growing", "attention tc, scores in the thousands"))
                for name in names) == 4

@@ -11,7 +11,8 @@ by decode_prepare), one also hiding a token, and one with neither (the cache's h
 alone send it to the host's staging). The outputs, the maps of a call asking for them, the
 cached keys (after RoPE: the positions show there) and the cache's hidden tokens agree with
 the CPU layer's. A decode graph refuses a cache holding hidden tokens, at capture and at a
-replay after a masked call, naming the sequence."""
+replay after a masked call, naming the sequence. A call's tree (a verify's): a prefill given
+trees and positions, chunked and not, verify, accept and decode steps, as the CPU layer."""
 import numpy as np
 import pytest
 import torch
@@ -115,3 +116,63 @@ def test_a_decode_graph_refuses_a_cache_holding_hidden_tokens():
     assert list(cache.lengths) == lengths == [6, 6] and cache.hidden == ((0, 1), (5,))
     gpu.decode(step, cache)
     assert list(cache.lengths) == [7, 7]
+
+
+# Tree verification (issue 42, requirement 2) on a CUDA layer: two draft trees of 9 tokens
+# (tests/layer/test_tree_verify.py's), the second sequence's branching at its root
+PARENTS = torch.tensor([[-1, 0, 0, 1, 1, 2, 5, -1, 7], [-1, 0, 1, 2, 0, 4, 4, 6, 3]])
+KEPT = ([0, 2, 5, 6], [0, 4, 5])  # an accepted path of each tree
+
+
+def tree_calls(dtype, seed, chunk):
+    """a CUDA layer's and a CPU layer's (the same weights) errors over: prompts of 6 and 11
+    tokens with a hole each (hidden keys in the cached part), a prefill given a tree and its
+    positions (in passes of `chunk` tokens), accept; verify, accept; two decode steps"""
+    cpu = q3.DecoderLayer.random(CFG, seed, dtype)
+    gpu = q3.DecoderLayer.random(CFG, seed, dtype, device="cuda")
+    cc, cg = cpu.new_cache(40, 2), gpu.new_cache(40, 2)
+    errs = {}
+    for s, n in enumerate((6, 11)):
+        x = _C.random_tensor((n, 64), seed + 1 + s, dtype)
+        mask = torch.ones(n, dtype=torch.bool)
+        mask[2 + s] = False
+        errs[f"prompt {s}"] = rel(host(gpu.prefill(_C.copy_tensor(x, 0), cg, s, token_mask=mask)),
+                                  host(cpu.prefill(x, cc, s, token_mask=mask)))
+    tree, positions = cc._tree_inputs(PARENTS, None)
+    x = _C.random_tensor((2, 9, 64), seed + 5, dtype)
+    errs["prefill with a tree"] = rel(host(gpu.prefill(_C.copy_tensor(x, 0), cg, None, chunk, tree=tree,
+                                                       positions=positions)),
+                                      host(cpu.prefill(x, cc, None, chunk, tree=tree, positions=positions)))
+    lengths = [list(cg.lengths), list(cc.lengths)]
+    for c in (cg, cc):
+        for s in range(2):
+            c.accept(s, KEPT[s])
+    x = _C.random_tensor((2, 9, 64), seed + 6, dtype)
+    errs["verify"] = rel(host(gpu.verify(_C.copy_tensor(x, 0), cg, PARENTS)), host(cpu.verify(x, cc, PARENTS)))
+    for c in (cg, cc):
+        c.accept(0, [1, 3])
+        c.accept(1, [])
+    for t in range(2):
+        s = _C.random_tensor((2, 64), seed + 7 + t, dtype)
+        errs[f"decode {t}"] = rel(host(gpu.decode(_C.copy_tensor(s, 0), cg)), host(cpu.decode(s, cc)))
+    keys = max(rel(executor_view(cg.keys(b)), torch.from_dlpack(cc.keys(b)).double().numpy()) for b in range(2))
+    return {"errors": errs, "keys": keys, "lengths after the tree": lengths,
+            "lengths": [list(cg.lengths), list(cc.lengths)], "hidden": [cg.hidden, cc.hidden]}
+
+
+@pytest.mark.parametrize("chunk", [3, None])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_tree_on_the_executor_matches_the_cpu_layer_through_verify_accept_and_decode(dtype, chunk):
+    """A call's tree on a CUDA layer (issue 42, requirement 2): after prompts whose masks hid a
+    token each, a prefill given two different trees and their positions, in passes of 3 tokens
+    (a pass's queries see the call's earlier passes through the tree) or in one; accept of a
+    path of each; verify of two more trees, accept (nothing of the second); decode steps.
+    Outputs and cached keys within the dtype's tolerance of the CPU layer's, the same lengths
+    and hidden tokens."""
+    run = tree_calls(dtype, {"float32": 70, "bfloat16": 71}[dtype], chunk)
+    assert list(run["errors"]) == ["prompt 0", "prompt 1", "prefill with a tree", "verify", "decode 0", "decode 1"]
+    assert max(run["errors"].values()) <= TOL[dtype], run["errors"]
+    assert run["keys"] <= TOL[dtype], run
+    assert run["lengths after the tree"] == [[15, 20], [15, 20]]
+    assert run["lengths"] == [[14, 16], [14, 16]]
+    assert run["hidden"][0] == run["hidden"][1] == ((2,), (3,))

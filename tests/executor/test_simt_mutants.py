@@ -82,13 +82,22 @@ def test_an_attention_mask_one_key_too_far_fails_against_the_twin():
     """attention_kernel sees one key past the causal mask (n_past + t + 2 keys): its cases
     (4 hand-made, 72 at the listed shapes, 37 at other head dims and group sizes, 20 over
     hidden keys) are off from the twin, every result is still the same under each schedule
-    (no race); the tensor-core kernel's, hidden keys among them, stay right."""
+    (no race); the tensor-core kernel's, hidden keys and trees among them, stay right. Under a
+    tree the extra key is one of the call's tokens, which the query's row of the tree hides
+    (a token never sees a later one), except for the call's last token, which reads one byte
+    past its row: the next sequence's tree (its first byte set: the cases of two sequences are
+    off) or the zero row the check lays after the last tree (one sequence: right)."""
     r = run(2)
     mine, others = cases_of(r, "attention bf16", "attention, ", "attention split-KV", "attention f32",
                             "attention hidden keys")
     assert len(mine) == 133 and all(c["max_err"] > 100 * c["tol"] for c in mine), mine
+    trees, others = cases_of({"cases": others}, "attention tree")
+    two_seqs = [c for c in trees if ", cached: " in c["case"]]
+    assert len(two_seqs) == 12 and all(c["max_err"] > 100 * c["tol"] for c in two_seqs), trees
+    assert len(trees) == 24 and all(c["ok"] for c in trees if c not in two_seqs)
     assert all(c["agree"] for c in r["cases"]) and all(c["ok"] for c in others)
     assert sum(c["case"].startswith("attention tc hidden keys") for c in others) == 5
+    assert sum(c["case"].startswith("attention tc tree") for c in others) == 8
 
 
 def test_hidden_keys_seen_fail_against_the_twin_where_a_query_has_one_to_see():
@@ -98,15 +107,39 @@ def test_hidden_keys_seen_fail_against_the_twin_where_a_query_has_one_to_see():
     on the decode, split and prefill paths) are far off the CPU kernel; those whose hidden
     keys all lie before the first key (first_key still read: queries before it see only
     themselves) stay right, as do the tensor-core kernel's and every case without flags, on
-    every schedule."""
+    every schedule. Under a tree: the cases after cached tokens with hidden keys among them
+    are off, those of a fresh sequence (no flags) right."""
     r = run(20)
     hidden, others = cases_of(r, "attention hidden keys")
     before_first = [c for c in hidden if "first rows hidden" in c["case"]]
     seen = [c for c in hidden if c not in before_first]
     assert len(before_first) == 4 and len(seen) == 16, hidden
     assert all(c["max_err"] > 100 * c["tol"] for c in seen), seen
+    trees, others = cases_of({"cases": others}, "attention tree")
+    flagged = [c for c in trees if ", cached: " in c["case"]]
+    assert len(trees) == 24 and len(flagged) == 12, trees
+    assert all(c["max_err"] > 100 * c["tol"] for c in flagged), flagged
+    assert all(c["ok"] for c in trees if c not in flagged)
     assert all(c["ok"] for c in before_first) and all(c["ok"] for c in others)
     assert sum(c["case"].startswith("attention tc hidden keys") for c in others) == 5
+    assert all(c["agree"] for c in r["cases"])
+
+
+def test_a_tree_never_read_fails_against_the_twin_where_it_hides_a_key():
+    """attention_kernel never reading a call's tree (every key of [first_key, i] seen, as a
+    causal call): the tree cases on the split-KV and block-per-token paths whose tree hides a
+    key from some query (branches, each token alone, a random tree; the chain's second
+    sequence, whose tree branches) are far off the CPU kernel; a chain in a fresh sequence (the
+    causal mask) and a one-token tree stay right, as do the tensor-core kernel's and every case
+    without a tree, on every schedule."""
+    r = run(21)
+    trees, others = cases_of(r, "attention tree")
+    causal = [c for c in trees if "chain, fresh" in c["case"] or c["case"].endswith("fresh: 1 token split")]
+    hidden = [c for c in trees if c not in causal]
+    assert len(causal) == 6 and len(hidden) == 18, trees
+    assert all(c["max_err"] > 100 * c["tol"] for c in hidden), hidden
+    assert all(c["ok"] for c in causal) and all(c["ok"] for c in others)
+    assert sum(c["case"].startswith("attention tc tree") for c in others) == 8
     assert all(c["agree"] for c in r["cases"])
 
 
@@ -184,13 +217,15 @@ def test_an_attention_map_from_the_wrong_kv_head_fails_against_the_cpu_kernel():
     map case with more than one KV head and more than one query head on each is far off the CPU
     kernel; the cases where both give the same head (G = 1, or one KV head) stay right, as does
     the decode step whose queries all see only themselves (first rows hidden: a probability of
-    1 whatever the head), and no schedule changes a result."""
+    1 whatever the head) and the fresh calls whose tree leaves each token alone (the same), and
+    no schedule changes a result."""
     r = run(12)
     mine, others = cases_of(r, "attention probs")
     same_head = [c for c in mine if "G=1 " in c["case"] or "after 300, G=2" in c["case"]
-                 or c["case"] == "attention probs hidden keys, first rows hidden: decode"]
+                 or c["case"] == "attention probs hidden keys, first rows hidden: decode"
+                 or c["case"].startswith("attention probs tree, alone, fresh")]
     wrong = [c for c in mine if c not in same_head]
-    assert len(same_head) == 3 and len(wrong) == 20, mine
+    assert len(same_head) == 5 and len(wrong) == 34, mine
     assert all(c["max_err"] > 100 * c["tol"] for c in wrong), wrong
     assert all(c["ok"] for c in same_head) and all(c["ok"] for c in others)
     assert all(c["agree"] for c in r["cases"])
