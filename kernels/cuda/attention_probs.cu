@@ -75,10 +75,14 @@ __global__ void __launch_bounds__(PROBS_THREADS)
     for (int64_t j0 = lo + 32 * (int64_t)warp; j0 <= i; j0 += 32 * PROBS_WARPS) {
         const int nk = i - j0 + 1 < 32 ? (int)(i - j0 + 1) : 32; // the same for the whole warp
         float sc = -INFINITY;
+        // the group's keys off the query's tree, bit kk for key j0 + kk (a lane a key)
+        const unsigned off = tree ? __ballot_sync(0xffffffffu, lane < nk && j0 + lane >= sq.tree_first &&
+                                                                   !tree[j0 + lane - sq.tree_first])
+                                  : 0u;
 #pragma unroll 1
         for (int kk = 0; kk < nk; kk++) {
             if (hidden && hidden[j0 + kk]) continue; // the whole warp: sc stays -inf for lane kk
-            if (tree && j0 + kk >= sq.tree_first && !tree[j0 + kk - sq.tree_first]) continue; // not its branch
+            if ((off >> kk) & 1u) continue;          // likewise a key the tree leaves out
             const int64_t base = (j0 + kk) * D;
             float acc = 0.0f;
 #pragma unroll
