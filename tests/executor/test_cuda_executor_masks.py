@@ -127,7 +127,8 @@ KEPT = ([0, 2, 5, 6], [0, 4, 5])  # an accepted path of each tree
 def tree_calls(dtype, seed, chunk):
     """a CUDA layer's and a CPU layer's (the same weights) errors over: prompts of 6 and 11
     tokens with a hole each (hidden keys in the cached part), a prefill given a tree and its
-    positions (in passes of `chunk` tokens), accept; verify, accept; two decode steps"""
+    positions (in passes of `chunk` tokens) asking for the maps, accept; verify, accept; two
+    decode steps"""
     cpu = q3.DecoderLayer.random(CFG, seed, dtype)
     gpu = q3.DecoderLayer.random(CFG, seed, dtype, device="cuda")
     cc, cg = cpu.new_cache(40, 2), gpu.new_cache(40, 2)
@@ -140,9 +141,14 @@ def tree_calls(dtype, seed, chunk):
                                   host(cpu.prefill(x, cc, s, token_mask=mask)))
     tree, positions = cc._tree_inputs(PARENTS, None)
     x = _C.random_tensor((2, 9, 64), seed + 5, dtype)
-    errs["prefill with a tree"] = rel(host(gpu.prefill(_C.copy_tensor(x, 0), cg, None, chunk, tree=tree,
-                                                       positions=positions)),
-                                      host(cpu.prefill(x, cc, None, chunk, tree=tree, positions=positions)))
+    kw = {"tree": tree, "positions": positions, "return_attention": True}
+    got, want = gpu.prefill(_C.copy_tensor(x, 0), cg, None, chunk, **kw), cpu.prefill(x, cc, None, chunk, **kw)
+    errs["prefill with a tree"] = rel(host(got.output), host(want.output))
+    maps = float(np.abs(host(got.attention) - host(want.attention)).max())
+    # the probability of a token off the query's branch: sequence 0's token 3 (parent 1) on token
+    # 2 (cache row 6 + 2), sequence 1's token 4 (parent 0) on token 1 (row 11 + 1)
+    got_maps = host(got.attention)
+    off_tree = float(np.abs(got_maps[0, :, 3, 8]).max() + np.abs(got_maps[1, :, 4, 12]).max())
     lengths = [list(cg.lengths), list(cc.lengths)]
     for c in (cg, cc):
         for s in range(2):
@@ -156,7 +162,7 @@ def tree_calls(dtype, seed, chunk):
         s = _C.random_tensor((2, 64), seed + 7 + t, dtype)
         errs[f"decode {t}"] = rel(host(gpu.decode(_C.copy_tensor(s, 0), cg)), host(cpu.decode(s, cc)))
     keys = max(rel(executor_view(cg.keys(b)), torch.from_dlpack(cc.keys(b)).double().numpy()) for b in range(2))
-    return {"errors": errs, "keys": keys, "lengths after the tree": lengths,
+    return {"errors": errs, "keys": keys, "maps": maps, "off the tree": off_tree, "lengths after the tree": lengths,
             "lengths": [list(cg.lengths), list(cc.lengths)], "hidden": [cg.hidden, cc.hidden]}
 
 
@@ -167,12 +173,13 @@ def test_a_tree_on_the_executor_matches_the_cpu_layer_through_verify_accept_and_
     token each, a prefill given two different trees and their positions, in passes of 3 tokens
     (a pass's queries see the call's earlier passes through the tree) or in one; accept of a
     path of each; verify of two more trees, accept (nothing of the second); decode steps.
-    Outputs and cached keys within the dtype's tolerance of the CPU layer's, the same lengths
-    and hidden tokens."""
+    Outputs, the prefill's maps (0 on a token off a query's branch) and cached keys within the
+    dtype's tolerance of the CPU layer's, the same lengths and hidden tokens."""
     run = tree_calls(dtype, {"float32": 70, "bfloat16": 71}[dtype], chunk)
     assert list(run["errors"]) == ["prompt 0", "prompt 1", "prefill with a tree", "verify", "decode 0", "decode 1"]
     assert max(run["errors"].values()) <= TOL[dtype], run["errors"]
-    assert run["keys"] <= TOL[dtype], run
+    assert run["keys"] <= TOL[dtype] and run["maps"] <= MAPS_TOL[dtype], run
+    assert run["off the tree"] == 0.0, run
     assert run["lengths after the tree"] == [[15, 20], [15, 20]]
     assert run["lengths"] == [[14, 16], [14, 16]]
     assert run["hidden"][0] == run["hidden"][1] == ((2,), (3,))
