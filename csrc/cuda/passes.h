@@ -35,15 +35,15 @@ void q3_gpu_attention_half_write(const q3_layer *l, const q3_pass *p, const q3_a
                                  q3_gpu_run *run);
 
 /* Whether pass p stages its positions and its sequences' cache rows on the host: every pass
- * but a decode one (q3_gpu_is_decode) whose call gives no positions and whose sequences hold
- * no hidden tokens (their flags marked for the pass already, q3_cache_mark_rows) */
+ * but a decode one (q3_gpu_is_decode) whose call gives no positions and no tree and whose
+ * sequences hold no hidden tokens (their flags marked for the pass already, q3_cache_mark_rows) */
 int q3_gpu_stages_on_host(const q3_cache *c, const q3_pass *p);
 
 /* One pass over the rows in ws->dev.x. A decode pass not staged on the host
  * (q3_gpu_stages_on_host) reads its positions from ws->lengths (which it advances) and
  * ws->dev.attn_seqs' cache pointers and padding, both uploaded beforehand; max_keys bounds
  * the keys any query sees (a graph passes the capacity). Other passes stage positions (the
- * call's, or from the cache's host lengths) and the hidden flags; passes past a decode
+ * call's, or from the cache's host lengths), the hidden flags and the call's trees; passes past a decode
  * pass's size also group experts on the host (one stream synchronisation). */
 void q3_gpu_attention_pass(q3_layer *l, q3_cache *c, const q3_pass *p, int64_t max_keys, q3_gpu_run *run);
 /* the MoE stage: the router's (post norm: x += h, h = norm(x); logits, top-k into dev.topk_idx
