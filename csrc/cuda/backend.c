@@ -57,6 +57,8 @@ static q3_status device_copy_to_host(void *dst, const void *src, size_t bytes, i
 static const q3_device_backend cuda_device = {
     .alloc_zeroed = device_alloc_zeroed,
     .free = device_free,
+    .upload = q3_device_upload,
+    .weight_align = Q3_CUDA_WEIGHT_ALIGN,
     .copy_2d = device_copy_2d,
     .synchronize = device_synchronize,
     .copy_to_host = device_copy_to_host,

@@ -10,7 +10,7 @@
 
 /* Device weights given to q3_layer_create start at an address that is a multiple of
  * Q3_CUDA_WEIGHT_ALIGN bytes (cudaMalloc and torch's allocator give 256 or more; a view at an
- * offset may not: the Python layer copies such a weight once, csrc/python/py_layer.c). What
+ * offset may not: q3_layer_load copies such a weight once, csrc/engine/weight_load.c). What
  * the kernels' loads need of each weight, w [N, K] row-major (row r at w + r * K elements):
  *   row_dots.cuh (projections of few tokens, the router's, the experts' in decode and in the
  *     per-expert prefill): bf16 with K % 8 == 0, 16-byte loads of each row, aligned exactly

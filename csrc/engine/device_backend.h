@@ -14,6 +14,11 @@ typedef struct {
     /* n zeroed bytes on `device`, NULL when they cannot be had; their release */
     void *(*alloc_zeroed)(size_t n, int device);
     void (*free)(void *p);
+    /* bytes from src (on src_device, -1: the host) into a new block of `device`, *out, once
+     * copied (q3_layer_load's weight copies; freed with free); the alignment the device's
+     * kernels need of a weight they borrow (q3_weight_view_use) */
+    q3_status (*upload)(void **out, int device, const void *src, int src_device, size_t bytes, q3_error *err);
+    int weight_align;
     /* rows x width bytes on `device`, row r from src + r * src_pitch to dst + r * dst_pitch,
      * queued on `stream` (a cudaStream_t; NULL: the legacy default stream); the KV cache's
      * operations move a sequence's [kv_heads] head blocks with one call. Q3_ERR_STATE with the

@@ -148,6 +148,7 @@ void q3_layer_destroy(q3_layer *l) {
     if (!l) return;
     if (q3_device()) q3_device()->layer_release(l);
     q3_workspace_release(&l->ws);
+    q3_weight_holdings_free(l->holdings);
     free(l->expert_ptrs);
     free(l->rope_inv_freq);
     free(l->held);

@@ -15,6 +15,9 @@
 
 typedef struct q3_cuda_state q3_cuda_state; /* a device backend's, opaque here (csrc/cuda/device_state.h) */
 
+typedef struct q3_weight_holdings q3_weight_holdings;
+void q3_weight_holdings_free(q3_weight_holdings *h); /* after the backend let the layer go */
+
 struct q3_layer {
     q3_config cfg;
     q3_weights w;                     /* borrowed; expert pointer arrays point into experts[] */
@@ -29,6 +32,7 @@ struct q3_layer {
                                        * (q3_int4_index), checked at creation; else NULL. A CUDA
                                        * layer's tensors are on its device, these structs on the host */
     int n_held;                       /* how many (E: the whole layer can run) */
+    q3_weight_holdings *holdings;     /* q3_layer_load's views and copies (weight_load.c); else NULL */
 };
 
 /* One pass over the R = n_seqs * L rows in ws->x [R, H] (row s * L + t is token t of

@@ -22,7 +22,8 @@ typedef enum {
     Q3_ERR_CACHE_FULL, /* the tokens do not fit in the cache */
     Q3_ERR_NOMEM,      /* allocation failed */
     Q3_ERR_STATE,      /* object used in a state that forbids the call */
-    Q3_ERR_INTERRUPTED /* the caller's interrupt poll stopped the call (q3_forward_args) */
+    Q3_ERR_INTERRUPTED, /* the caller's interrupt poll stopped the call (q3_forward_args) */
+    Q3_ERR_CALLER       /* a callback of the caller failed; the error is the caller's own (q3_weight_source) */
 } q3_status;
 
 typedef struct {
@@ -769,6 +770,44 @@ q3_status q3_expert_half_check_views(const q3_config *cfg, const q3_view *rows, 
 typedef enum { Q3_WEIGHT_BORROW, Q3_WEIGHT_UPLOAD, Q3_WEIGHT_CONVERT } q3_weight_use;
 q3_status q3_weight_view_use(const q3_view *v, q3_dtype want, int device, int align, const char *arg,
                              q3_weight_use *use, q3_error *err);
+
+/* A layer from a caller's tensors by name (weight_load.c): the caller imports; the engine
+ * decides the format and dtype it was not told (the dtype of self_attn.q_proj.weight, and of
+ * the format's dtype source: q3_weight_format_of, q3_weight_format_dtype_source), which
+ * tensors the layer reads (q3_weight_table, fused when mlp.experts.gate_up_proj is given) and
+ * how (q3_weight_view_use): a borrowed view is held, and released with src->release, until
+ * q3_layer_destroy; a copy is the layer's. Errors name the tensor, as weights['<name>']. */
+typedef struct {
+    void *ctx;
+    int (*has)(void *ctx, const char *name); /* whether a tensor of that name is given */
+    /* imports it into *v as `allow` lets (Q3_VIEW_*), expected on `device`, errors naming arg:
+     * 0, or -1 with the caller's own error (the engine returns Q3_ERR_CALLER) */
+    int (*import)(void *ctx, const char *name, const char *arg, int device, int allow, q3_view *v);
+    void (*release)(q3_view *v);
+    /* around each conversion, which may take long: the caller's lock let go and retaken (NULL: none) */
+    void *(*unlock)(void *ctx);
+    void (*relock)(void *ctx, void *token);
+} q3_weight_source;
+
+typedef struct {
+    int device;                     /* -1: the host; else the CUDA device (its backend open) */
+    const q3_dtype *dtype;          /* NULL: the weights' */
+    const q3_weight_format *format; /* NULL: the weights' */
+    const uint8_t *held;            /* as q3_weights' (copied) */
+    int experts_only;               /* as q3_weights' (dtype and format given) */
+    int64_t gptq_group;
+    int gptq_v2, gptq_dense_attention;
+} q3_layer_load_args;
+
+/* cfg: checked (q3_config_make) */
+q3_status q3_layer_load(q3_layer **out, const q3_config *cfg, const q3_layer_load_args *a, const q3_weight_source *src,
+                        q3_error *err);
+/* the tensors a loaded layer reads, in the table's order (0 for a layer of q3_layer_create):
+ * entry i's name, the pointer the engine reads and whether it is the layer's copy */
+int64_t q3_layer_weight_count(const q3_layer *l);
+const char *q3_layer_weight(const q3_layer *l, int64_t i, const void **ptr, int *converted);
+/* FP8: the dtype of the block scales */
+q3_dtype q3_layer_scale_dtype(const q3_layer *l);
 
 /* ---- utilities ------------------------------------------------------------------ */
 

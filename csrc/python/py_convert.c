@@ -7,6 +7,7 @@
 #include "py_glue.h"
 
 PyObject *q3_raise(q3_module_state *st, const q3_error *err) {
+    if (err->status == Q3_ERR_CALLER && PyErr_Occurred()) return NULL; /* the glue's own, raised already */
     PyObject *type = PyExc_RuntimeError;
     switch (err->status) {
     case Q3_ERR_VALUE: type = PyExc_ValueError; break;

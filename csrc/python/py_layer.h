@@ -7,17 +7,9 @@
 
 typedef struct {
     PyObject_HEAD
-    q3_layer *layer;
-    q3_view *views;      /* borrowed weights, released at dealloc */
-    int n_views;
-    void **owned;        /* converted weights (q3_alloc) */
-    int n_owned;
-    const void **expert_ptrs; /* [Q3_X_COUNT][E], and for FP8 then their scales [Q3_X_COUNT][E] */
-    PyObject *converted; /* list of names converted at construction */
-    PyObject *weight_ptrs; /* dict name -> address the engine reads */
+    q3_layer *layer;     /* holds the weights it borrowed (views released at its destroy) and its copies */
     PyThread_type_lock lock;
     int device;          /* -1: cpu; else the CUDA device of weights, caches and outputs */
-    q3_dtype scale_dtype; /* FP8: of the block scales the engine reads */
 } q3py_layer_object;
 
 /* The engine's interrupt poll between passes: takes the GIL briefly and runs the signal

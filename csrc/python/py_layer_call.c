@@ -250,15 +250,8 @@ static PyObject *layer_decode_graph(q3py_layer_object *self, PyObject *args, PyO
     if (!co) return NULL;
     q3_dtype dt = q3_layer_dtype(self->layer);
     if (dtype_obj != Py_None && q3_parse_dtype(dtype_obj, "dtype", &dt) < 0) return NULL;
-    long long batch = q3_cache_batch(co->cache);
-    if (batch_obj != Py_None) {
-        if (!PyLong_Check(batch_obj) || PyBool_Check(batch_obj)) {
-            PyErr_Format(PyExc_TypeError, "batch: expected an int or None, got %.100s", Py_TYPE(batch_obj)->tp_name);
-            return NULL;
-        }
-        batch = PyLong_AsLongLong(batch_obj);
-        if (batch == -1 && PyErr_Occurred()) return NULL;
-    }
+    int64_t batch = q3_cache_batch(co->cache);
+    if (q3py_int64(batch_obj, "batch", Q3PY_NONE_OK, NULL, &batch) < 0) return NULL;
     PyObject *g;
     /* not while a call of this layer runs; waited for without the GIL, which a running call
      * takes between its passes */
@@ -305,20 +298,20 @@ PyMethodDef q3py_layer_methods[] = {
      "profile_seconds()\n--\n\n{stage: seconds} accumulated since set_profiling(True)."},
     {"prefill", (PyCFunction)(void (*)(void))layer_prefill, KW,
      "prefill(x, cache, seq=None, chunk_size=None, *, out=None, stream=None, return_router=False, "
-     "return_attention=False, attention_limit=None)\n--\n\n"
+     "return_attention=False, attention_limit=None, token_mask=None, positions=None, tree=None)\n--\n\n"
      "x [tokens, hidden] appended to sequence seq (default 0), or [batch, tokens, hidden] to every "
      "sequence. Returns a Tensor of x's shape and dtype (or out); with return_router or return_attention "
      "the tuple (y, router_logits, router_experts, router_weights, attention), None for what was not asked."},
     {"decode", (PyCFunction)(void (*)(void))layer_decode, KW,
      "decode(x, cache, *, out=None, stream=None, return_router=False, return_attention=False, "
-     "attention_limit=None)\n--\n\nx [batch, hidden]: one token for each sequence of the cache. "
+     "attention_limit=None, token_mask=None, positions=None)\n--\n\nx [batch, hidden]: one token for each sequence of the cache. "
      "stream: a CUDA layer's cudaStream_t (int), NULL: the default stream. The insides as prefill's."},
     {"decode_graph", (PyCFunction)(void (*)(void))layer_decode_graph, KW,
      "decode_graph(cache, batch=None, dtype=None)\n--\n\nCaptures one decode step of sequences 0 .. batch - 1 "
      "(default: all) of the cache in a CUDA graph; returns a DecodeGraph."},
     {"attention_half", (PyCFunction)(void (*)(void))layer_attention_half, KW,
      "attention_half(x, cache, seq=None, chunk_size=None, *, decode=False, return_router=False, "
-     "return_attention=False, attention_limit=None, stream=None)\n--\n\n"
+     "return_attention=False, attention_limit=None, stream=None, token_mask=None, positions=None)\n--\n\n"
      "The layer up to its experts, for x as prefill (decode=True: as decode) takes it: the K/V appended to the "
      "cache. Returns (resid, normed, experts, weights): x + attention fp32 and post_attention_layernorm of it of "
      "x's dtype, of x's shape, and the router's top-k expert ids (int32) and weights (fp32), [..., top_k]. "
@@ -326,7 +319,7 @@ PyMethodDef q3py_layer_methods[] = {
      "attention) as prefill's."},
     {"attention_passes", (PyCFunction)(void (*)(void))layer_attention_passes, KW,
      "attention_passes(x, cache, seq=None, chunk_size=None, *, decode=False, return_router=False, "
-     "return_attention=False, attention_limit=None, stream=None)\n--\n\n"
+     "return_attention=False, attention_limit=None, stream=None, token_mask=None, positions=None)\n--\n\n"
      "attention_half's call a pass at a time: the whole call checked (and its insides made) now, then an "
      "AttentionPasses whose iteration runs pass after pass, each giving that pass's (resid, normed, experts, "
      "weights), x's leading dims with the pass's tokens. close() ends the call (returning its insides), abort() "

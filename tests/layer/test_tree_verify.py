@@ -164,3 +164,19 @@ def test_a_tree_must_see_itself_and_only_earlier_tokens(model, edit, message):
         layer.prefill(prompts(model, [4], seed=8)[0], cache, tree=torch.ones(4, 4, dtype=torch.bool).tril(),
                       token_mask=torch.ones(4, dtype=torch.bool))
     assert cache.lengths == (0,)
+
+
+@pytest.mark.parametrize("tree, error, message", [
+    (torch.ones(4, 3, dtype=torch.bool).tril(), ValueError, r"tree: expected shape \[4, 4\], got \[4, 3\]"),
+    (torch.ones(2, 4, 4, dtype=torch.bool).tril(), ValueError, r"tree: expected shape \[4, 4\], got \[2, 4, 4\]"),
+    (torch.ones(4, 4, dtype=torch.float32).tril(), TypeError, "tree: expected dtype bool"),
+    (torch.ones(4, 4, dtype=torch.bool).tril().t().contiguous().t(), ValueError, "tree: .*contiguous"),
+])
+def test_a_tree_of_another_shape_dtype_or_layout_is_refused_by_name(model, tree, error, message):
+    """q3_call_check_tree_input: the tree is [tokens, tokens] as x ([batch, tokens, tokens] for
+    a [batch, tokens, hidden] x), bool, contiguous; refused before any work"""
+    layer = q3.DecoderLayer.from_hf(model.model.layers[0])
+    cache = layer.new_cache(16)
+    with pytest.raises(error, match=message):
+        layer.prefill(prompts(model, [4], seed=9)[0], cache, tree=tree)
+    assert cache.lengths == (0,) and cache.hidden == ((),)
