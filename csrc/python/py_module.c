@@ -131,7 +131,8 @@ static PyMethodDef module_methods[] = {
      "set_cpu_path(name)\n--\n\nUse the CPU kernels of level `name` (one of build_info()['cpu_paths']) "
      "for the calls that start from now on."},
     {"probe_read_bandwidth", (PyCFunction)(void (*)(void))probe_read, METH_VARARGS | METH_KEYWORDS,
-     "probe_read_bandwidth(bytes=1<<30, repeats=3)\n--\n\nBest GB/s of reading a buffer with every thread."},
+     "probe_read_bandwidth(bytes=1073741824, repeats=3)\n--\n\n"
+     "Best GB/s of reading a buffer (1 GiB by default) with every thread."},
     {"probe_fma_peak", (PyCFunction)(void (*)(void))probe_fma, METH_VARARGS | METH_KEYWORDS,
      "probe_fma_peak(seconds=0.5)\n--\n\nfp32 multiply-add peak of every thread, GFLOP/s, active CPU path."},
     {"copy_tensor", copy_tensor, METH_VARARGS,
