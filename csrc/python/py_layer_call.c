@@ -296,27 +296,21 @@ PyMethodDef q3py_layer_methods[] = {
      "set_profiling(on)\n--\n\nTime every stage of the calls from now on (totals reset)."},
     {"profile_seconds", (PyCFunction)layer_profile_seconds, METH_NOARGS,
      "profile_seconds()\n--\n\n{stage: seconds} accumulated since set_profiling(True)."},
+    /* prefill, decode, decode_graph and attention_half are DecoderLayer's (qwen3layer/layer.py documents
+     * them); stream: a CUDA layer's cudaStream_t (an int; None: the default stream) */
     {"prefill", (PyCFunction)(void (*)(void))layer_prefill, KW,
      "prefill(x, cache, seq=None, chunk_size=None, *, out=None, stream=None, return_router=False, "
      "return_attention=False, attention_limit=None, token_mask=None, positions=None, tree=None)\n--\n\n"
-     "x [tokens, hidden] appended to sequence seq (default 0), or [batch, tokens, hidden] to every "
-     "sequence. Returns a Tensor of x's shape and dtype (or out); with return_router or return_attention "
-     "the tuple (y, router_logits, router_experts, router_weights, attention), None for what was not asked."},
+     "DecoderLayer.prefill's call, on this layer's device."},
     {"decode", (PyCFunction)(void (*)(void))layer_decode, KW,
      "decode(x, cache, *, out=None, stream=None, return_router=False, return_attention=False, "
-     "attention_limit=None, token_mask=None, positions=None)\n--\n\nx [batch, hidden]: one token for each sequence of the cache. "
-     "stream: a CUDA layer's cudaStream_t (int), NULL: the default stream. The insides as prefill's."},
+     "attention_limit=None, token_mask=None, positions=None)\n--\n\nDecoderLayer.decode's call."},
     {"decode_graph", (PyCFunction)(void (*)(void))layer_decode_graph, KW,
-     "decode_graph(cache, batch=None, dtype=None)\n--\n\nCaptures one decode step of sequences 0 .. batch - 1 "
-     "(default: all) of the cache in a CUDA graph; returns a DecodeGraph."},
+     "decode_graph(cache, batch=None, dtype=None)\n--\n\nDecoderLayer.decode_graph's call: a DecodeGraph."},
     {"attention_half", (PyCFunction)(void (*)(void))layer_attention_half, KW,
      "attention_half(x, cache, seq=None, chunk_size=None, *, decode=False, return_router=False, "
      "return_attention=False, attention_limit=None, stream=None, token_mask=None, positions=None)\n--\n\n"
-     "The layer up to its experts, for x as prefill (decode=True: as decode) takes it: the K/V appended to the "
-     "cache. Returns (resid, normed, experts, weights): x + attention fp32 and post_attention_layernorm of it of "
-     "x's dtype, of x's shape, and the router's top-k expert ids (int32) and weights (fp32), [..., top_k]. "
-     "With return_router or return_attention: (that tuple, router_logits, router_experts, router_weights, "
-     "attention) as prefill's."},
+     "DecoderLayer.attention_half's call: (resid, normed, experts, weights), the insides after them as asked."},
     {"attention_passes", (PyCFunction)(void (*)(void))layer_attention_passes, KW,
      "attention_passes(x, cache, seq=None, chunk_size=None, *, decode=False, return_router=False, "
      "return_attention=False, attention_limit=None, stream=None, token_mask=None, positions=None)\n--\n\n"
@@ -326,9 +320,7 @@ PyMethodDef q3py_layer_methods[] = {
      "rolls the cache back to where it began; the cache takes no other call until then."},
     {"expert_half", (PyCFunction)(void (*)(void))q3py_layer_expert_half, KW,
      "expert_half(rows, experts, weights, *, out=None, accumulate=False, stream=None)\n--\n\n"
-     "rows [n, hidden], experts [n, top_k] int32 (-1: an expert held elsewhere), weights [n, top_k] fp32: "
-     "out [n, hidden] (=, or += with accumulate) the weighted sum of each row's experts that this layer holds. "
-     "out: fp32 or bf16 (None: a new tensor of rows' dtype). stream: a CUDA layer's cudaStream_t. Returns out."},
+     "DecoderLayer.expert_half's call. Returns out."},
     {"new_cache", (PyCFunction)(void (*)(void))layer_new_cache, KW,
      "new_cache(max_tokens, batch=1, dtype=None)\n--\n\nA KVCache for this layer's geometry."},
     {NULL},
