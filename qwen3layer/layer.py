@@ -481,7 +481,7 @@ class DecoderLayer:
         return DecodeGraph(self._core.decode_graph(cache, batch, dtype), self._core.device)
 
     def profile(self, mode: str = "decode", tokens: int = 1, context: int = 0, chunk_size: Optional[int] = None,
-                repeat: int = 3, batch: int = 1) -> "Profile":
+                repeat: int = 3, batch: int = 1, hidden_keys: float = 0.0) -> "Profile":
         """Times every stage of `tokens` new tokens per sequence (prefill in passes of
         chunk_size, by default build_info()['default_chunk'] as prefill's, or `tokens` decode
         steps) for `batch` sequences holding `context` tokens of random input, against the
@@ -493,13 +493,22 @@ class DecoderLayer:
         the experts stage in three: gpu_experts (CUDA events), host_experts (the CPU's clock)
         and link (the copies, takes and combine: the profiled call's time less the two sides'
         stages). The profiled calls run the two sides' experts one after the other (each side's
-        timing waits for its own work); the unprofiled ones overlap them."""
+        timing waits for its own work); the unprofiled ones overlap them.
+
+        hidden_keys: the fraction of the context's tokens its prefill hides from every later
+        query (a token_mask with that many holes, spread evenly): masked attention's cost. The
+        kernels still read and score a hidden key (they drop it from the softmax), so the
+        model counts every key; the title says how many were hidden."""
         import statistics
         import time
 
         from .analysis.costs import cost_model
         from .analysis.profile import Profile, join
 
+        if isinstance(hidden_keys, bool) or not isinstance(hidden_keys, (int, float)) or not 0 <= hidden_keys < 1:
+            raise ValueError(f"hidden_keys: expected a fraction of the context in [0, 1), got {hidden_keys!r}")
+        if hidden_keys and self._hybrid is not None:
+            raise ValueError("hidden_keys: a layer split over the GPU and the host takes no token_mask")
         scale_dtype = self._core.scale_dtype or "float32"
         if mode == "prefill" and chunk_size is None:  # the passes the calls below make, modelled alike
             chunk_size = pass_tokens(None)
@@ -517,9 +526,15 @@ class DecoderLayer:
 
         run = self if self._hybrid is not None else self._core  # a split layer's calls are Python's
         cache = self.new_cache(context + tokens, batch)
+        hidden = [int((t + 1) * hidden_keys) > int(t * hidden_keys) for t in range(context)]  # evenly spread
         for t0 in range(0, context, 512):  # the context, through the layer itself (not timed)
             n = min(512, context - t0)
-            run.prefill(rand((batch, n, H) if batch > 1 else (n, H), 7 + t0), cache, None, 512)
+            mask = {}
+            if any(hidden[t0:t0 + n]):  # uint8 0 where hidden (numpy: matplotlib's dependency)
+                import numpy as np
+                mask = {"token_mask": np.tile(np.array([not h for h in hidden[t0:t0 + n]], np.uint8),
+                                              (batch, 1) if batch > 1 else 1)}
+            run.prefill(rand((batch, n, H) if batch > 1 else (n, H), 7 + t0), cache, None, 512, **mask)
         if mode == "prefill":
             xs = [rand((batch, tokens, H) if batch > 1 else (tokens, H), 11)]
         else:
@@ -545,7 +560,7 @@ class DecoderLayer:
             per_stage.append(self._profiled(call))
         median = {name: statistics.median(p[name] for p in per_stage) for name in per_stage[0]}
         return Profile(mode, cost, join(cost, median), statistics.median(unprofiled), self.workspace_bytes,
-                       cache.nbytes)
+                       cache.nbytes, len(cache.hidden[0]))  # what the C cache holds hidden
 
     def _profiled(self, call: Any) -> dict:
         """stage -> seconds of call() with profiling on (a split layer:

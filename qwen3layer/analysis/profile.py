@@ -39,6 +39,7 @@ class Profile:
     call_seconds: float      # the same work, unprofiled
     workspace_bytes: int
     cache_bytes: int
+    hidden_keys: int = 0     # of each sequence's context, hidden from the timed calls (read and scored all the same)
 
     @property
     def stage_seconds(self) -> float:
@@ -49,8 +50,9 @@ class Profile:
         return max(self.stages, key=lambda s: s.seconds)
 
     def title(self) -> str:
-        return (f"{self.mode}: {self.cost.tokens} token(s) x batch {self.cost.batch}, context {self.cost.context}, "
-                f"{self.cost.passes} pass(es) of {self.cost.chunk_size}; stages {self.stage_seconds * 1e3:.2f} ms, "
+        hidden = f" ({self.hidden_keys} hidden)" if self.hidden_keys else ""
+        return (f"{self.mode}: {self.cost.tokens} token(s) x batch {self.cost.batch}, context {self.cost.context}"
+                f"{hidden}, {self.cost.passes} pass(es) of {self.cost.chunk_size}; stages {self.stage_seconds * 1e3:.2f} ms, "
                 f"unprofiled {self.call_seconds * 1e3:.2f} ms")
 
     def table(self) -> str:

@@ -151,6 +151,13 @@ def cmd_map(args: argparse.Namespace) -> int:
     print(pre.table())
     print()
     print(dec.table())
+    if args.hidden_keys:  # masked attention's cost: the same decode over a context with holes
+        print(f"\nmeasuring decode at context {context} with {args.hidden_keys:g} of it hidden ...", flush=True)
+        masked = layer.profile("decode", 1, context, repeat=max(3, args.repeat), hidden_keys=args.hidden_keys)
+        print(masked.table())
+        a, b = (next(s.seconds for s in p.stages if s.name == "attention") for p in (dec, masked))
+        print(f"attention, masked against unmasked: {b * 1e3:.3f} ms against {a * 1e3:.3f} ms "
+              f"({b / a if a else float('nan'):.2f}x; the hidden keys are read and scored, then dropped)")
     stem = os.path.join(args.out, "map")
     draw_map(pre, dec, f"one {args.geometry}-geometry Qwen3-MoE decoder layer, {args.dtype}{kind}, {args.device}",
              [stem + ".svg", stem + ".png"])
@@ -239,6 +246,16 @@ def chunk_list(text: str) -> list:
     return chunks
 
 
+def hidden_fraction(text: str) -> float:
+    try:
+        f = float(text)
+    except ValueError:
+        f = -1.0
+    if not 0 <= f < 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction of the context in [0, 1), got {text!r}")
+    return f
+
+
 def layer_options(p: argparse.ArgumentParser) -> None:
     """The options that choose the layer, shared by the commands."""
     p.add_argument("--geometry", default="real", help="real, tiny, or a config.json path")
@@ -289,6 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
     mp.add_argument("--tokens", type=int, default=512, help="prefill tokens (default 512)")
     mp.add_argument("--context", type=int, default=None, help="decode context (default: --tokens)")
     mp.add_argument("--chunk-size", type=int, default=512)
+    mp.add_argument("--hidden-keys", type=hidden_fraction, default=0.0, metavar="F",
+                    help="also measure decode with this fraction of the context hidden by a token mask "
+                         "(masked attention's cost)")
     mp.add_argument("--sweep-chunk", type=chunk_list, default=None, metavar="C1,C2,...",
                     help="also plot prefill time and memory against these chunk sizes")
     mp.add_argument("--repeat", type=int, default=2)

@@ -114,6 +114,28 @@ def test_profile_models_the_passes_the_layer_runs_without_a_chunk_size():
     assert p.cost.flops == q3.cost_model(layer.config, "prefill", chunk + 40, 0, chunk, "float32").flops
 
 
+@pytest.mark.parametrize("batch", [1, 2])
+def test_profile_hides_the_fraction_of_the_context_asked(batch):
+    """hidden_keys: the context's prefill hides that fraction of its tokens (spread evenly) from
+    the timed calls; the profile reports what the C cache holds hidden, a sequence"""
+    layer = q3.DecoderLayer.random(q3.LayerConfig.tiny(), dtype="float32")
+    p = layer.profile("decode", tokens=2, context=600, repeat=1, batch=batch, hidden_keys=0.25)
+    assert p.hidden_keys == 150 and "context 600 (150 hidden)" in p.table()
+    assert layer.profile("decode", tokens=1, context=9, repeat=1).hidden_keys == 0
+    for bad in (1.0, -0.1, True, "0.5"):
+        with pytest.raises(ValueError, match=r"hidden_keys: expected a fraction of the context in \[0, 1\), got"):
+            layer.profile("decode", context=9, hidden_keys=bad)
+
+
+def test_map_measures_masked_attention(tmp_path):
+    r = run_cli("map", "--geometry", "tiny", "--tokens", "16", "--context", "64", "--hidden-keys", "0.5",
+                "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert "context 64 (32 hidden)" in r.stdout and "attention, masked against unmasked:" in r.stdout
+    r = run_cli("map", "--geometry", "tiny", "--hidden-keys", "1")
+    assert r.returncode == 2 and "--hidden-keys: expected a fraction of the context in [0, 1), got '1'" in r.stderr
+
+
 def test_main_job_runs_on_a_tiny_geometry():
     r = subprocess.run([sys.executable, "-m", "qwen3layer", "run", "--geometry", "tiny", "--tokens", "40",
                         "--chunk-size", "16", "--new-tokens", "3"], cwd=ROOT, capture_output=True, text=True,
