@@ -114,31 +114,26 @@ PyObject *q3py_cache_run_none(q3py_cache_object *o, q3_cache_call_args *r) {
     return q3py_cache_run(o, r) < 0 ? NULL : Py_NewRef(Py_None);
 }
 
-static PyObject *cache_reset(q3py_cache_object *o, PyObject *args, PyObject *kw) {
-    static char *names[] = {"seq", NULL};
-    PyObject *seq_obj = Py_None;
-    q3_cache_call_args r = {.op = Q3_CACHE_RESET};
-    int given;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|O:reset", names, &seq_obj) ||
-        (given = q3py_int64(seq_obj, "seq", Q3PY_NONE_OK, NULL, &r.seq)) < 0)
-        return NULL;
-    r.every_seq = !given;
-    return q3py_cache_run_none(o, &r);
-}
-
-/* the calls taking (n, seq) on one sequence, seq default 0 (truncate, set_padding,
- * set_first_position), or, every_ok, on every sequence, seq default None (crop) */
+/* reset(seq=None), and the calls taking (n, seq) on one sequence, seq default 0 (truncate,
+ * set_padding, set_first_position), or, every_ok, on every sequence, seq default None (crop) */
 static PyObject *cache_set_seq(q3py_cache_object *o, PyObject *args, PyObject *kw, const char *fmt, char **names,
                                q3_cache_op op, int every_ok) {
-    long long n;
+    long long n = 0;
     PyObject *seq_obj = NULL;
     q3_cache_call_args r = {.op = op};
-    if (!PyArg_ParseTupleAndKeywords(args, kw, fmt, names, &n, &seq_obj)) return NULL;
+    if (op == Q3_CACHE_RESET ? !PyArg_ParseTupleAndKeywords(args, kw, fmt, names, &seq_obj)
+                             : !PyArg_ParseTupleAndKeywords(args, kw, fmt, names, &n, &seq_obj))
+        return NULL;
     const int given = seq_obj ? q3py_int64(seq_obj, "seq", every_ok ? Q3PY_NONE_OK : 0, NULL, &r.seq) : !every_ok;
     if (given < 0) return NULL;
     r.every_seq = !given;
     r.n = n;
     return q3py_cache_run_none(o, &r);
+}
+
+static PyObject *cache_reset(q3py_cache_object *o, PyObject *args, PyObject *kw) {
+    static char *names[] = {"seq", NULL};
+    return cache_set_seq(o, args, kw, "|O:reset", names, Q3_CACHE_RESET, 1);
 }
 
 static PyObject *cache_truncate(q3py_cache_object *o, PyObject *args, PyObject *kw) {
@@ -246,10 +241,7 @@ static PyObject *cache_kv_heads(q3py_cache_object *o, void *c) { (void)c; return
 static PyObject *cache_head_dim(q3py_cache_object *o, void *c) { (void)c; return PyLong_FromLong(q3_cache_head_dim(o->cache)); }
 static PyObject *cache_dtype(q3py_cache_object *o, void *c) { (void)c; return PyUnicode_FromString(q3_dtype_name(q3_cache_dtype(o->cache))); }
 static PyObject *cache_nbytes(q3py_cache_object *o, void *c) { (void)c; return PyLong_FromSize_t(q3_cache_bytes(o->cache)); }
-static PyObject *cache_device(q3py_cache_object *o, void *c) {
-    (void)c;
-    return q3_cache_device(o->cache) < 0 ? PyUnicode_FromString("cpu") : PyUnicode_FromFormat("cuda:%d", q3_cache_device(o->cache));
-}
+static PyObject *cache_device(q3py_cache_object *o, void *c) { (void)c; return q3py_device_name(q3_cache_device(o->cache)); }
 
 static PyObject *cache_repr(q3py_cache_object *o) {
     const q3_cache *c = o->cache;
@@ -317,7 +309,8 @@ static PyMethodDef cache_methods[] = {
      "long as they do; take views anew. A decode graph captured before refuses to replay. " STREAM_DOC
      " (a CUDA cache's growth waits for its copies)."},
     {"__copy__", (PyCFunction)q3py_cache_copy_noargs, METH_NOARGS, "The same as copy()."},
-    {"__deepcopy__", (PyCFunction)q3py_cache_deepcopy, METH_O, "The same as copy()."},
+    /* the memo needs nothing from us (copy records the result itself) */
+    {"__deepcopy__", (PyCFunction)q3py_cache_copy_noargs, METH_O, "The same as copy()."},
     {"accept", (PyCFunction)(void (*)(void))q3py_cache_accept, KW,
      "accept(seq, kept, *, stream=None)\n--\n\nAfter a verify of sequence seq (its last call, no operation since): "
      "the verify's tokens kept (increasing indices into them: the accepted path) become the rows after the tokens "

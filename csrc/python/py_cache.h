@@ -22,8 +22,7 @@ PyObject *q3py_cache_reorder(q3py_cache_object *o, PyObject *args, PyObject *kw)
 PyObject *q3py_cache_select(q3py_cache_object *o, PyObject *args, PyObject *kw);
 PyObject *q3py_cache_repeat_interleave(q3py_cache_object *o, PyObject *args, PyObject *kw);
 PyObject *q3py_cache_copy(q3py_cache_object *o, PyObject *args, PyObject *kw);
-PyObject *q3py_cache_copy_noargs(q3py_cache_object *o, PyObject *unused);
-PyObject *q3py_cache_deepcopy(q3py_cache_object *o, PyObject *memo);
+PyObject *q3py_cache_copy_noargs(q3py_cache_object *o, PyObject *unused); /* __copy__ and __deepcopy__ */
 PyObject *q3py_cache_copy_prefix(q3py_cache_object *o, PyObject *args, PyObject *kw);
 PyObject *q3py_cache_accept(q3py_cache_object *o, PyObject *args, PyObject *kw);
 PyObject *q3py_cache_tree_inputs(q3py_cache_object *o, PyObject *args, PyObject *kw);

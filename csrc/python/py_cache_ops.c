@@ -34,7 +34,6 @@ static PyObject *by_index(q3py_cache_object *o, PyObject *args, PyObject *kw, co
 PyObject *q3py_cache_reorder(q3py_cache_object *o, PyObject *args, PyObject *kw) {
     return by_index(o, args, kw, "O|$O:reorder", Q3_CACHE_REORDER);
 }
-
 PyObject *q3py_cache_select(q3py_cache_object *o, PyObject *args, PyObject *kw) {
     return by_index(o, args, kw, "O|$O:select", Q3_CACHE_SELECT);
 }
@@ -66,16 +65,10 @@ PyObject *q3py_cache_copy(q3py_cache_object *o, PyObject *args, PyObject *kw) {
     return new_cache(o, &r);
 }
 
-/* copy.copy(cache): no stream named */
+/* copy.copy(cache) and copy.deepcopy(cache, memo): no stream named */
 PyObject *q3py_cache_copy_noargs(q3py_cache_object *o, PyObject *unused) {
-    (void)unused;
     q3_cache_call_args r = {.op = Q3_CACHE_COPY};
     return new_cache(o, &r);
-}
-
-/* copy.deepcopy(cache): the memo needs nothing from us (copy records the result itself) */
-PyObject *q3py_cache_deepcopy(q3py_cache_object *o, PyObject *memo) {
-    return q3py_cache_copy_noargs(o, memo);
 }
 
 PyObject *q3py_cache_copy_prefix(q3py_cache_object *o, PyObject *args, PyObject *kw) {
@@ -119,34 +112,29 @@ PyObject *q3py_cache_tree_inputs(q3py_cache_object *o, PyObject *args, PyObject 
     if (!st || !PyArg_ParseTupleAndKeywords(args, kw, "O|O:_tree_inputs", names, &parents_obj, &seq_obj) ||
         q3_view_acquire_on(parents_obj, "parents", &parents, -1, Q3_VIEW_HOST | Q3_VIEW_I64, NULL) < 0)
         return NULL;
-    const int batch = q3_cache_batch(o->cache), whole = parents.ndim == 2;
+    const int batch = q3_cache_batch(o->cache), whole = parents.ndim == 2, n_seqs = whole ? batch : 1;
     const int64_t want[2] = {batch, parents.ndim > 0 ? parents.shape[parents.ndim - 1] : 0};
-    int seq = 0;
-    if ((parents.ndim != 1 && parents.ndim != 2) ||
-        q3py_status(q3_view_check_shape(&parents, "parents", parents.ndim, whole ? want : want + 1, &err), &err) < 0 ||
-        q3py_status(q3_view_require(&parents, "parents", Q3_NEED_CONTIGUOUS, &err), &err) < 0 ||
-        (!whole && seq_obj != Py_None && q3py_seq(seq_obj, batch, &seq) < 0)) {
-        if (!PyErr_Occurred())
-            PyErr_Format(PyExc_ValueError, "parents: expected shape [tokens] or [batch=%d, tokens], got %d dims", batch,
-                         parents.ndim);
-        q3_view_release(&parents);
-        return NULL;
-    }
-    const int n_seqs = whole ? batch : 1;
     const int64_t T = want[1], tree_shape[3] = {n_seqs, T, T};
-    int32_t *seqs = PyMem_Malloc((size_t)n_seqs * sizeof *seqs);
-    q3py_tensor_object *tree = q3py_tensor_new_on(st, Q3_BOOL, whole ? 3 : 2, tree_shape + !whole, -1);
-    q3py_tensor_object *pos = q3py_tensor_new_on(st, Q3_I64, parents.ndim, parents.shape, -1);
-    if (!seqs) PyErr_NoMemory();
-    if (seqs && tree && pos) {
-        for (int i = 0; i < n_seqs; i++) seqs[i] = whole ? i : seq;
-        if (q3py_status(q3_tree_inputs(o->cache, seqs, n_seqs, parents.data, T, tree->data, pos->data, &err),
+    int seq = 0;
+    if (parents.ndim != 1 && !whole)
+        PyErr_Format(PyExc_ValueError, "parents: expected shape [tokens] or [batch=%d, tokens], got %d dims", batch,
+                     parents.ndim);
+    else if (q3py_status(q3_view_check_shape(&parents, "parents", parents.ndim, want + !whole, &err), &err) == 0 &&
+             q3py_view_require(&parents, "parents", Q3_NEED_CONTIGUOUS) == 0 &&
+             (whole || seq_obj == Py_None || q3py_seq(seq_obj, batch, &seq) == 0)) {
+        int32_t *seqs = PyMem_Malloc((size_t)n_seqs * sizeof *seqs);
+        q3py_tensor_object *tree = q3py_tensor_new_on(st, Q3_BOOL, whole ? 3 : 2, tree_shape + !whole, -1);
+        q3py_tensor_object *pos = q3py_tensor_new_on(st, Q3_I64, parents.ndim, parents.shape, -1);
+        if (!seqs) PyErr_NoMemory();
+        for (int i = 0; seqs && i < n_seqs; i++) seqs[i] = whole ? i : seq;
+        if (seqs && tree && pos &&
+            q3py_status(q3_tree_inputs(o->cache, seqs, n_seqs, parents.data, T, tree->data, pos->data, &err),
                         &err) == 0)
             result = PyTuple_Pack(2, (PyObject *)tree, (PyObject *)pos);
+        PyMem_Free(seqs);
+        Py_XDECREF(tree);
+        Py_XDECREF(pos);
     }
-    PyMem_Free(seqs);
-    Py_XDECREF(tree);
-    Py_XDECREF(pos);
     q3_view_release(&parents);
     return result;
 }

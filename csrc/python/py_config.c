@@ -188,14 +188,8 @@ PyObject *q3py_weight_table(PyObject *m, PyObject *args, PyObject *kw) {
     else if (table) out = PyList_New((Py_ssize_t)n);
     for (int64_t i = 0; out && i < n; i++) {
         const q3_weight_entry *e = &table[i];
-        PyObject *shape = PyTuple_New(e->rank);
-        for (int d = 0; shape && d < e->rank; d++) {
-            PyObject *v = PyLong_FromLongLong(e->dims[d]);
-            if (!v) Py_CLEAR(shape);
-            else PyTuple_SET_ITEM(shape, d, v);
-        }
-        PyObject *row = shape ? Py_BuildValue("(sOsL)", e->name, shape, q3_weight_storage_name(e->storage), (long long)e->of) : NULL;
-        Py_XDECREF(shape);
+        PyObject *row = Py_BuildValue("(sNsL)", e->name, q3py_int64s(e->dims, e->rank, 0),
+                                      q3_weight_storage_name(e->storage), (long long)e->of); /* N: the shape's taken */
         if (!row) Py_CLEAR(out);
         else PyList_SET_ITEM(out, (Py_ssize_t)i, row);
     }

@@ -32,14 +32,11 @@ int q3_parse_dtype(PyObject *obj, const char *arg, q3_dtype *out) {
     if (s && (!strcmp(s, "float32") || !strcmp(s, "fp32"))) *out = Q3_F32;
     else if (s && (!strcmp(s, "bfloat16") || !strcmp(s, "bf16"))) *out = Q3_BF16;
     else {
-        PyObject *r = PyObject_Repr(obj);
-        PyErr_Format(PyExc_TypeError, "%s: expected 'float32' or 'bfloat16', got %S", arg, r);
-        Py_XDECREF(r);
+        PyErr_Format(PyExc_TypeError, "%s: expected 'float32' or 'bfloat16', got %R", arg, obj);
         return -1;
     }
     return 0;
 }
-
 
 int q3py_dtype(PyObject *obj, void *out) { return q3_parse_dtype(obj, "dtype", out) == 0; }
 
@@ -109,35 +106,28 @@ int q3py_held_experts(PyObject *obj, int E, uint8_t **held) {
     PyObject *seq = PySequence_Fast(obj, "experts: expected a sequence of expert ids (ints) or None");
     if (!seq) return -1;
     uint8_t *h = PyMem_Calloc((size_t)E, 1);
-    if (!h) {
-        Py_DECREF(seq);
-        PyErr_NoMemory();
-        return -1;
-    }
-    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (!h) PyErr_NoMemory();
+    const Py_ssize_t n = h ? PySequence_Fast_GET_SIZE(seq) : 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
-        long long e = -1;
-        if (PyLong_Check(item) && !PyBool_Check(item)) {
-            int overflow;
-            e = PyLong_AsLongLongAndOverflow(item, &overflow);
-            if (overflow) e = -1;
-        } else {
+        const int is_int = PyLong_Check(item) && !PyBool_Check(item);
+        int overflow; /* past int64: e is -1, refused as out of range */
+        const long long e = is_int ? PyLong_AsLongLongAndOverflow(item, &overflow) : -1;
+        if (!is_int)
             PyErr_Format(PyExc_TypeError, "experts[%zd]: expected an int, got %.100s", i, Py_TYPE(item)->tp_name);
-        }
         if (!PyErr_Occurred() && (e < 0 || e >= E))
             PyErr_Format(PyExc_ValueError, "experts[%zd]: expected an expert id in [0, %d) (num_experts), got %R", i,
                          E, item);
         if (!PyErr_Occurred() && h[e])
             PyErr_Format(PyExc_ValueError, "experts[%zd]: expert %lld appears twice", i, e);
-        if (PyErr_Occurred()) {
-            PyMem_Free(h);
-            Py_DECREF(seq);
-            return -1;
-        }
+        if (PyErr_Occurred()) break;
         h[e] = 1;
     }
     Py_DECREF(seq);
+    if (!h || PyErr_Occurred()) {
+        PyMem_Free(h);
+        return -1;
+    }
     *held = h;
     return 0;
 }
@@ -149,9 +139,7 @@ int q3py_chunk(PyObject *obj, int64_t *chunk) {
     long long v = PyLong_Check(obj) && !PyBool_Check(obj) ? PyLong_AsLongLong(obj) : -1;
     if (v == -1 && PyErr_Occurred()) return -1;
     if (v <= 0) {
-        PyObject *r = PyObject_Repr(obj);
-        PyErr_Format(PyExc_ValueError, "chunk_size: expected a positive int or None, got %S", r);
-        Py_XDECREF(r);
+        PyErr_Format(PyExc_ValueError, "chunk_size: expected a positive int or None, got %R", obj);
         return -1;
     }
     *chunk = v;
@@ -169,9 +157,7 @@ int q3py_attention_limit(PyObject *obj, int64_t dflt, int64_t *limit) {
         v = INT64_MAX; /* more than any machine has: no limit */
     }
     if (v < 0) {
-        PyObject *r = PyObject_Repr(obj);
-        PyErr_Format(PyExc_ValueError, "attention_limit: expected a number of bytes >= 0 or None, got %S", r);
-        Py_XDECREF(r);
+        PyErr_Format(PyExc_ValueError, "attention_limit: expected a number of bytes >= 0 or None, got %R", obj);
         return -1;
     }
     *limit = v;
@@ -219,19 +205,14 @@ int q3py_int64(PyObject *obj, const char *arg, int flags, const char *too_big, i
  * as int64 for the engine (which checks each against the batch). Returns a PyMem_Malloc'd
  * array of *n entries, or NULL with an exception. */
 int64_t *q3py_index_list(PyObject *obj, int64_t *n) {
-    if (PyLong_Check(obj)) {
-        PyErr_Format(PyExc_TypeError, "index: expected a 1-D sequence of ints, got int");
-        return NULL;
-    }
+    if (PyLong_Check(obj))
+        return (int64_t *)PyErr_Format(PyExc_TypeError, "index: expected a 1-D sequence of ints, got int");
     PyObject *attr = PyObject_GetAttrString(obj, "ndim"); /* arrays: exactly one dimension */
     if (!attr) PyErr_Clear();
     else {
         const long ndim = PyLong_Check(attr) ? PyLong_AsLong(attr) : 1;
         Py_DECREF(attr);
-        if (ndim != 1) {
-            PyErr_Format(PyExc_ValueError, "index: expected 1 dimension, got %ld", ndim);
-            return NULL;
-        }
+        if (ndim != 1) return (int64_t *)PyErr_Format(PyExc_ValueError, "index: expected 1 dimension, got %ld", ndim);
     }
     if ((attr = PyObject_GetAttrString(obj, "dtype")) == NULL) PyErr_Clear();
     else { /* arrays: an integer dtype ("torch.int64", "int32", "uint8"), not bool or float */
@@ -248,20 +229,16 @@ int64_t *q3py_index_list(PyObject *obj, int64_t *n) {
     if (!seq) return NULL;
     *n = PySequence_Fast_GET_SIZE(seq);
     int64_t *index = PyMem_Malloc((size_t)(*n ? *n : 1) * sizeof *index);
-    if (!index) {
-        Py_DECREF(seq);
-        return (int64_t *)PyErr_NoMemory();
-    }
-    for (Py_ssize_t i = 0; i < *n; i++) {
+    if (!index) PyErr_NoMemory();
+    for (Py_ssize_t i = 0; index && i < *n; i++) {
         PyObject *item = PySequence_Fast_GET_ITEM(seq, i), *v = PyBool_Check(item) ? NULL : PyNumber_Index(item);
         index[i] = v ? PyLong_AsLongLong(v) : -1;
         Py_XDECREF(v);
         if (v && !(index[i] == -1 && PyErr_Occurred())) continue;
         PyErr_Clear();
         PyErr_Format(PyExc_TypeError, "index[%zd]: expected an int, got %.100s", i, Py_TYPE(item)->tp_name);
-        Py_DECREF(seq);
         PyMem_Free(index);
-        return NULL;
+        index = NULL;
     }
     Py_DECREF(seq);
     return index;
@@ -277,4 +254,15 @@ int q3py_buffer_dtype(PyObject *obj, void *out) {
     else if (named && PyUnicode_CompareWithASCIIString(obj, "float16") == 0) *dt = Q3_F16;
     else return q3py_dtype(obj, out);
     return 1;
+}
+
+PyObject *q3py_int64s(const int64_t *v, Py_ssize_t n, int as_list) {
+    PyObject *out = as_list ? PyList_New(n) : PyTuple_New(n);
+    for (Py_ssize_t i = 0; out && i < n; i++) {
+        PyObject *x = PyLong_FromLongLong(v[i]);
+        if (!x) Py_CLEAR(out);
+        else if (as_list) PyList_SET_ITEM(out, i, x);
+        else PyTuple_SET_ITEM(out, i, x);
+    }
+    return out;
 }

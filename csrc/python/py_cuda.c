@@ -93,8 +93,7 @@ static PyObject *cuda_moe_path(PyObject *m, PyObject *args) {
     lock_layer(self);
     const q3_status s = q3_layer_cuda_moe_path(self->layer, path, &now, &err);
     PyThread_release_lock(self->lock);
-    if (s != Q3_OK) return q3_raise(NULL, &err);
-    return PyUnicode_FromString(q3_moe_path_name(now));
+    return q3py_status(s, &err) < 0 ? NULL : PyUnicode_FromString(q3_moe_path_name(now));
 }
 
 /* {path name: ms} or None -> the layer's measurements' times */
@@ -118,8 +117,7 @@ static PyObject *cuda_moe_inject_times(PyObject *m, PyObject *args) {
     lock_layer(self);
     const q3_status s = q3_layer_cuda_moe_inject_times(self->layer, times == Py_None ? NULL : ms, &err);
     PyThread_release_lock(self->lock);
-    if (s != Q3_OK) return q3_raise(NULL, &err);
-    Py_RETURN_NONE;
+    return q3py_status(s, &err) < 0 ? NULL : Py_NewRef(Py_None);
 }
 
 /* {(lo, hi): (chosen, {path: ms})} of a CUDA layer's measured size classes */
@@ -134,19 +132,18 @@ static PyObject *cuda_moe_choice(PyObject *m, PyObject *args) {
         float ms[Q3_MOE_PATHS];
         const int chosen = q3_layer_cuda_moe_choice(layer, c, ms);
         if (!chosen) continue;
-        PyObject *times = PyDict_New(), *key = NULL, *value = NULL;
+        PyObject *times = PyDict_New();
         for (int i = 0; times && i < Q3_MOE_PATHS; i++) {
             if (ms[i] < 0.0f) continue;
             PyObject *t = PyFloat_FromDouble(ms[i]);
             if (!t || PyDict_SetItemString(times, q3_moe_path_name(i), t) < 0) Py_CLEAR(times);
             Py_XDECREF(t);
         }
-        if (times) {
-            key = Py_BuildValue("(LL)", c ? (long long)1 << (c - 1) : 0LL, ((long long)1 << c) - 1);
-            value = Py_BuildValue("(sO)", q3_moe_path_name(chosen - 1), times);
-        }
+        /* N: value takes times (NULL: value NULL, the exception kept) */
+        PyObject *value = Py_BuildValue("(sN)", q3_moe_path_name(chosen - 1), times);
+        const long long lo = c ? (long long)1 << (c - 1) : 0, hi = ((long long)1 << c) - 1;
+        PyObject *key = value ? Py_BuildValue("(LL)", lo, hi) : NULL;
         if (!key || !value || PyDict_SetItem(out, key, value) < 0) Py_CLEAR(out);
-        Py_XDECREF(times);
         Py_XDECREF(key);
         Py_XDECREF(value);
     }

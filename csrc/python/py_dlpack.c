@@ -39,15 +39,9 @@ static PyObject *export_capsule(PyObject *obj, int cuda, void *stream) {
                         : Py_BuildValue("{s:(ii)}", "max_version", Q3_DL_MAJOR, Q3_DL_MINOR);
     PyObject *cap = args && kw ? PyObject_Call(meth, args, kw) : NULL;
     if (!cap && PyErr_ExceptionMatches(PyExc_TypeError)) {
-        /* a producer older than DLPack 1.0 does not know max_version */
+        /* a producer older than DLPack 1.0 does not know max_version: asked again without it */
         PyErr_Clear();
-        if (cuda) {
-            PyObject *kw_legacy = Py_BuildValue("{s:K}", "stream", (unsigned long long)(stream ? (uintptr_t)stream : 1));
-            cap = kw_legacy && args ? PyObject_Call(meth, args, kw_legacy) : NULL;
-            Py_XDECREF(kw_legacy);
-        } else {
-            cap = PyObject_CallNoArgs(meth);
-        }
+        cap = PyDict_DelItemString(kw, "max_version") == 0 ? PyObject_Call(meth, args, kw) : NULL;
     }
     Py_XDECREF(args);
     Py_XDECREF(kw);
@@ -125,4 +119,15 @@ void q3_view_release(q3_view *v) {
     }
     v->managed = NULL;
     if (pending) q3_error_unstash(&e);
+}
+
+int q3py_views_acquire(q3py_arg_view *a, int n, int device, void *stream) {
+    for (int i = 0; i < n; i++) memset(&a[i].view, 0, sizeof a[i].view);
+    for (int i = 0; i < n; i++)
+        if (a[i].obj && q3_view_acquire_on(a[i].obj, a[i].arg, &a[i].view, device, a[i].allow, stream) < 0) return -1;
+    return 0;
+}
+
+void q3py_views_release(q3py_arg_view *a, int n) {
+    while (n-- > 0) q3_view_release(&a[n].view);
 }

@@ -64,6 +64,17 @@ void q3_view_release(q3_view *v);
 /* q3_view_require's and q3_view_check_rows' checks raised: 0, or -1 with the exception */
 int q3py_view_require(const q3_view *v, const char *arg, int need);
 int q3py_check_rows(const q3_view *v, const char *arg, int64_t rows, int64_t cols, const char *cols_name);
+/* Tensors imported together: each obj (NULL: not given, its view left empty) as arg, under
+ * allow, as q3_view_acquire_on does, in order until one fails; q3py_views_release releases them
+ * all (the ones not reached are empty). 0, or -1 with the exception. */
+typedef struct {
+    PyObject *obj;
+    const char *arg;
+    int allow;
+    q3_view view;
+} q3py_arg_view;
+int q3py_views_acquire(q3py_arg_view *a, int n, int device, void *stream);
+void q3py_views_release(q3py_arg_view *a, int n);
 
 /* ---- Tensor (py_tensor.c): extension-owned memory exported through DLPack -------- */
 
@@ -93,6 +104,10 @@ PyObject *q3_buffer_view(PyObject *module, PyObject *args);
 /* _C.take_rows and _C.combine_rows (py_split_rows.c) */
 PyObject *q3py_take_rows(PyObject *module, PyObject *args, PyObject *kw);
 PyObject *q3py_combine_rows(PyObject *module, PyObject *args, PyObject *kw);
+/* 'cpu' (device -1) or 'cuda:N': a tensor's or a cache's device attribute */
+static inline PyObject *q3py_device_name(int device) {
+    return device < 0 ? PyUnicode_FromString("cpu") : PyUnicode_FromFormat("cuda:%d", device);
+}
 
 /* ---- KVCache (py_cache.c) --------------------------------------------------------- */
 

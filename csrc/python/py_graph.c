@@ -83,13 +83,11 @@ static int load_input(q3py_graph_object *self, PyObject *x_obj, void *stream) {
 
 static PyObject *graph_replay(q3py_graph_object *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"x", "stream", NULL};
-    PyObject *x = Py_None, *stream_obj = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|O$O:replay", names, &x, &stream_obj)) return NULL;
+    PyObject *x = Py_None;
+    void *stream = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|O$O&:replay", names, &x, q3py_stream, &stream)) return NULL;
     q3_module_state *st = q3_state_of_type(Py_TYPE(self));
-    if (!st) return NULL;
-    void *stream;
-    if (!q3py_stream(stream_obj, &stream)) return NULL;
-    if (q3py_cache_check_idle(self->cache) < 0) return NULL;
+    if (!st || q3py_cache_check_idle(self->cache) < 0) return NULL;
     if (x != Py_None && load_input(self, x, stream) < 0) return NULL;
     q3_error err;
     q3_status s;
@@ -102,13 +100,11 @@ static PyObject *graph_replay(q3py_graph_object *self, PyObject *args, PyObject 
     return buffer(self, q3_decode_graph_output(self->graph));
 }
 
-static PyObject *get_input(q3py_graph_object *self, void *c) {
-    (void)c;
-    return buffer(self, q3_decode_graph_input(self->graph));
-}
-static PyObject *get_output(q3py_graph_object *self, void *c) {
-    (void)c;
-    return buffer(self, q3_decode_graph_output(self->graph));
+/* input and output, the getter's closure pointing at the engine's accessor */
+typedef void *(*buffer_getter)(const q3_decode_graph *g);
+static const buffer_getter buffers[] = {q3_decode_graph_input, q3_decode_graph_output};
+static PyObject *get_buffer(q3py_graph_object *self, void *closure) {
+    return buffer(self, (*(const buffer_getter *)closure)(self->graph));
 }
 static PyObject *get_batch(q3py_graph_object *self, void *c) { (void)c; return PyLong_FromLong(self->batch); }
 static PyObject *get_dtype(q3py_graph_object *self, void *c) { (void)c; return PyUnicode_FromString(q3_dtype_name(self->dtype)); }
@@ -123,8 +119,8 @@ static PyMethodDef graph_methods[] = {
 };
 
 static PyGetSetDef graph_getset[] = {
-    {"input", (getter)get_input, NULL, "[batch, hidden] device tensor each replay reads", NULL},
-    {"output", (getter)get_output, NULL, "[batch, hidden] device tensor each replay writes", NULL},
+    {"input", (getter)get_buffer, NULL, "[batch, hidden] device tensor each replay reads", (void *)&buffers[0]},
+    {"output", (getter)get_buffer, NULL, "[batch, hidden] device tensor each replay writes", (void *)&buffers[1]},
     {"batch", (getter)get_batch, NULL, "the captured sequences: 0 .. batch - 1 of the cache", NULL},
     {"dtype", (getter)get_dtype, NULL, "dtype of the input and output", NULL},
     {"cache", (getter)get_cache, NULL, "the KVCache the graph appends to", NULL},

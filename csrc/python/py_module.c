@@ -49,8 +49,7 @@ static PyObject *set_cpu_path(PyObject *m, PyObject *arg) {
     const char *name = PyUnicode_AsUTF8(arg);
     if (!name) return NULL;
     q3_error err;
-    if (q3_cpu_select(name, &err) != Q3_OK) return q3_raise(NULL, &err);
-    Py_RETURN_NONE;
+    return q3py_status(q3_cpu_select(name, &err), &err) < 0 ? NULL : Py_NewRef(Py_None);
 }
 
 static PyObject *probe_read(PyObject *m, PyObject *args, PyObject *kw) {
@@ -94,9 +93,8 @@ static PyObject *copy_tensor(PyObject *m, PyObject *args) {
         memcpy(v.strides, t->strides, sizeof v.strides);
         v.contiguous = q3_strides_contiguous(v.ndim, v.shape, v.strides);
     } else if (!PyObject_HasAttrString(obj, "__dlpack__")) {
-        PyErr_Format(PyExc_TypeError, "tensor: expected a qwen3layer Tensor or a host tensor with __dlpack__ (torch, "
-                     "numpy), got %.100s", Py_TYPE(obj)->tp_name);
-        return NULL;
+        return PyErr_Format(PyExc_TypeError, "tensor: expected a qwen3layer Tensor or a host tensor with __dlpack__ "
+                            "(torch, numpy), got %.100s", Py_TYPE(obj)->tp_name);
     } else if (q3_view_acquire_on(obj, "tensor", &v, -1, Q3_VIEW_ANY, NULL)) {
         return NULL;
     }
@@ -121,8 +119,7 @@ static PyObject *copy_tensor(PyObject *m, PyObject *args) {
 static PyObject *check_config(PyObject *m, PyObject *cfg) {
     (void)m;
     q3_config c;
-    if (q3_parse_config(cfg, &c) < 0) return NULL;
-    Py_RETURN_NONE;
+    return q3_parse_config(cfg, &c) < 0 ? NULL : Py_NewRef(Py_None);
 }
 
 static PyMethodDef module_methods[] = {
@@ -192,33 +189,30 @@ static int set_packed_kc(void) {
 static int module_exec(PyObject *m) {
     q3_module_state *st = q3py_state(m);
     if (select_cpu_path() < 0 || set_packed_kc() < 0) return -1;
-    st->tensor_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &q3py_tensor_spec, NULL);
-    st->cache_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &q3py_cache_spec, NULL);
-    st->layer_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &q3py_layer_spec, NULL);
-    st->graph_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &q3py_graph_spec, NULL);
-    st->passes_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &q3py_passes_spec, NULL);
+    /* the types, made and added in this order, and where the state keeps each */
+    PyType_Spec *const specs[] = {&q3py_tensor_spec, &q3py_cache_spec, &q3py_layer_spec, &q3py_graph_spec,
+                                  &q3py_passes_spec};
+    PyTypeObject **const types[] = {&st->tensor_type, &st->cache_type, &st->layer_type, &st->graph_type,
+                                    &st->passes_type};
+    PyMethodDef *const functions[] = {q3_cuda_methods, q3_random_methods, q3_routing_methods, q3_held_methods};
+    for (int i = 0; i < 5; i++)
+        if (!(*types[i] = (PyTypeObject *)PyType_FromModuleAndSpec(m, specs[i], NULL))) return -1;
     st->cache_full_error = PyErr_NewExceptionWithDoc(
         "qwen3layer.CacheFullError",
         "The tokens of a call do not fit in the KV cache; the cache is left unchanged.",
         PyExc_RuntimeError, NULL);
-    if (!st->tensor_type || !st->cache_type || !st->layer_type || !st->graph_type || !st->passes_type ||
-        !st->cache_full_error)
-        return -1;
-    if (PyModule_AddFunctions(m, q3_cuda_methods) < 0 ||
-        PyModule_AddFunctions(m, q3_random_methods) < 0 ||
-        PyModule_AddFunctions(m, q3_routing_methods) < 0 || PyModule_AddFunctions(m, q3_held_methods) < 0 ||
-        q3py_held_init(st) < 0)
-        return -1;
+    if (!st->cache_full_error) return -1;
+    for (int i = 0; i < 4; i++)
+        if (PyModule_AddFunctions(m, functions[i]) < 0) return -1;
+    if (q3py_held_init(st) < 0) return -1;
     /* the engine's table for qwen3layer._testing (csrc/cuda/engine_api.h), one engine a process */
     PyObject *api = PyCapsule_New((void *)q3_engine_api_get(), Q3_ENGINE_API_CAPSULE, NULL);
     const int added = api ? PyModule_AddObjectRef(m, "_engine_api", api) : -1;
     Py_XDECREF(api);
     if (added < 0) return -1;
-    if (PyModule_AddType(m, st->tensor_type) < 0 || PyModule_AddType(m, st->cache_type) < 0 ||
-        PyModule_AddType(m, st->layer_type) < 0 || PyModule_AddType(m, st->graph_type) < 0 ||
-        PyModule_AddType(m, st->passes_type) < 0 || PyModule_AddObjectRef(m, "CacheFullError", st->cache_full_error) < 0)
-        return -1;
-    return 0;
+    for (int i = 0; i < 5; i++)
+        if (PyModule_AddType(m, *types[i]) < 0) return -1;
+    return PyModule_AddObjectRef(m, "CacheFullError", st->cache_full_error);
 }
 
 static int module_traverse(PyObject *m, visitproc visit, void *arg) {

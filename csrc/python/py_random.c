@@ -9,11 +9,6 @@
 
 #include "py_glue.h"
 
-/* a new tensor for table entry e, of dtype dt; NULL with an exception */
-static q3py_tensor_object *tensor_for(q3_module_state *st, const q3_weight_entry *e, q3_dtype dt) {
-    return q3py_tensor_new(st, dt, e->rank, e->dims);
-}
-
 /* Every tensor of the engine's weight table for the layer, drawn as the table says
  * (q3_weight_fill_random: the stream layout is the engine's), into a new dict by name; a
  * quantized matrix with what stands beside it (the entries after it: an e4m3 matrix's fp32
@@ -27,7 +22,8 @@ static PyObject *random_table(q3_module_state *st, const q3_weight_entry *table,
         while (sides < 3 && i + 1 + sides < n && table[i + 1 + sides].of == i) sides++;
         for (int j = 0; j <= sides && ok; j++) {
             const q3_weight_entry *e = &table[i + j];
-            ok = (t[j] = tensor_for(st, e, q3_weight_storage_dtype(e->storage, dt, Q3_F32))) != NULL;
+            t[j] = q3py_tensor_new(st, q3_weight_storage_dtype(e->storage, dt, Q3_F32), e->rank, e->dims);
+            ok = t[j] != NULL;
         }
         if (ok) {
             void *side[3] = {NULL, NULL, NULL};
@@ -105,22 +101,20 @@ static PyObject *random_tensor(PyObject *m, PyObject *args, PyObject *kw) {
  * scale_inv [.., parts ceil(n/128), ceil(K/128)] fp32 or bf16, both contiguous) */
 static PyObject *dequantize_fp8(PyObject *m, PyObject *args, PyObject *kw) {
     static char *names[] = {"weight", "scale_inv", "parts", NULL};
-    PyObject *w_obj, *s_obj;
+    q3py_arg_view v[2] = {{.arg = "weight", .allow = Q3_VIEW_HOST | Q3_VIEW_E4M3},
+                          {.arg = "scale_inv", .allow = Q3_VIEW_HOST}};
+    const q3_view *w = &v[0].view, *s = &v[1].view;
     int parts = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|i:dequantize_fp8", names, &w_obj, &s_obj, &parts)) return NULL;
-    q3_view w = {0}, s = {0};
     q3_error err;
     q3py_tensor_object *t = NULL;
-    if (q3_view_acquire_on(w_obj, "weight", &w, -1, Q3_VIEW_HOST | Q3_VIEW_E4M3, NULL) == 0 &&
-        q3_view_acquire_on(s_obj, "scale_inv", &s, -1, Q3_VIEW_HOST, NULL) == 0 &&
-        q3py_status(q3_dequantize_fp8_check(&w, &s, parts, &err), &err) == 0 &&
-        (t = q3py_tensor_new(q3py_state(m), Q3_F32, w.ndim, w.shape))) {
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|i:dequantize_fp8", names, &v[0].obj, &v[1].obj, &parts)) return NULL;
+    if (q3py_views_acquire(v, 2, -1, NULL) == 0 && q3py_status(q3_dequantize_fp8_check(w, s, parts, &err), &err) == 0 &&
+        (t = q3py_tensor_new(q3py_state(m), Q3_F32, w->ndim, w->shape))) {
         Py_BEGIN_ALLOW_THREADS
-        q3_dequantize_fp8_views(t->data, &w, &s, parts);
+        q3_dequantize_fp8_views(t->data, w, s, parts);
         Py_END_ALLOW_THREADS
     }
-    q3_view_release(&s);
-    q3_view_release(&w);
+    q3py_views_release(v, 2);
     return (PyObject *)t;
 }
 
@@ -128,24 +122,23 @@ static PyObject *dequantize_fp8(PyObject *m, PyObject *args, PyObject *kw) {
  * GPTQ matrix, checked by the engine (q3_dequantize_int4_check) */
 static PyObject *dequantize_int4(PyObject *m, PyObject *args, PyObject *kw) {
     static char *names[] = {"qweight", "qzeros", "scales", "g_idx", "gptq_v2", NULL};
-    PyObject *obj[4];
+    const int host_i32 = Q3_VIEW_HOST | Q3_VIEW_I32;
+    q3py_arg_view v[4] = {{.arg = "qweight", .allow = host_i32}, {.arg = "qzeros", .allow = host_i32},
+                          {.arg = "scales", .allow = Q3_VIEW_HOST | Q3_VIEW_F16}, {.arg = "g_idx", .allow = host_i32}};
     int v2 = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOO|p:dequantize_int4", names, &obj[0], &obj[1], &obj[2], &obj[3], &v2))
-        return NULL;
-    static const char *arg[4] = {"qweight", "qzeros", "scales", "g_idx"};
-    q3_view v[4] = {{0}};
     q3_error err;
     q3py_tensor_object *t = NULL;
-    int ok = 1;
-    for (int i = 0; i < 4 && ok; i++)
-        ok = q3_view_acquire_on(obj[i], arg[i], &v[i], -1, Q3_VIEW_HOST | (i == 2 ? Q3_VIEW_F16 : Q3_VIEW_I32), NULL) == 0;
-    if (ok && q3py_status(q3_dequantize_int4_check(&v[0], &v[1], &v[2], &v[3], &err), &err) == 0 &&
-        (t = q3py_tensor_new(q3py_state(m), Q3_F32, 2, (int64_t[2]){v[0].shape[1], v[0].shape[0] * 8}))) {
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOO|p:dequantize_int4", names, &v[0].obj, &v[1].obj, &v[2].obj,
+                                     &v[3].obj, &v2))
+        return NULL;
+    if (q3py_views_acquire(v, 4, -1, NULL) == 0 &&
+        q3py_status(q3_dequantize_int4_check(&v[0].view, &v[1].view, &v[2].view, &v[3].view, &err), &err) == 0 &&
+        (t = q3py_tensor_new(q3py_state(m), Q3_F32, 2, (int64_t[2]){v[0].view.shape[1], 8 * v[0].view.shape[0]}))) {
         Py_BEGIN_ALLOW_THREADS
-        q3_dequantize_int4_views(t->data, &v[0], &v[1], &v[2], &v[3], v2);
+        q3_dequantize_int4_views(t->data, &v[0].view, &v[1].view, &v[2].view, &v[3].view, v2);
         Py_END_ALLOW_THREADS
     }
-    for (int i = 0; i < 4; i++) q3_view_release(&v[i]);
+    q3py_views_release(v, 4);
     return (PyObject *)t;
 }
 

@@ -8,14 +8,11 @@
  * else the CUDA device index */
 static int device_of(PyObject *obj) {
     PyObject *dev = PyObject_CallMethod(obj, "__dlpack_device__", NULL);
-    int type = Q3_DL_CPU, id = 0, device = -1;
-    if (!dev) PyErr_Clear();
-    else {
-        if (PyArg_ParseTuple(dev, "ii", &type, &id) && type == Q3_DL_CUDA) device = id;
-        PyErr_Clear();
-        Py_DECREF(dev);
-    }
-    return device;
+    int type = Q3_DL_CPU, id = 0;
+    if (dev && !PyArg_ParseTuple(dev, "ii", &type, &id)) type = Q3_DL_CPU;
+    PyErr_Clear();
+    Py_XDECREF(dev);
+    return type == Q3_DL_CUDA ? id : -1;
 }
 
 static PyObject *expert_counts(PyObject *m, PyObject *args, PyObject *kw) {
@@ -38,12 +35,7 @@ static PyObject *expert_counts(PyObject *m, PyObject *args, PyObject *kw) {
         Py_END_ALLOW_THREADS
     }
     q3_view_release(&v);
-    PyObject *result = !counts || q3py_status(s, &err) < 0 ? NULL : PyList_New(E);
-    for (int e = 0; result && e < E; e++) {
-        PyObject *c = PyLong_FromLongLong(counts[e]);
-        if (c) PyList_SET_ITEM(result, e, c);
-        else Py_CLEAR(result);
-    }
+    PyObject *result = !counts || q3py_status(s, &err) < 0 ? NULL : q3py_int64s(counts, E, 1);
     if (!counts) PyErr_NoMemory();
     PyMem_Free(counts);
     return result;

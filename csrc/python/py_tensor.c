@@ -9,8 +9,8 @@
 
 #include "py_glue.h"
 
-static size_t tensor_numel(const q3py_tensor_object *t) {
-    size_t n = 1;
+static size_t tensor_bytes(const q3py_tensor_object *t) {
+    size_t n = q3_dtype_size(t->dtype);
     for (int d = 0; d < t->ndim; d++) n *= (size_t)t->shape[d];
     return n;
 }
@@ -51,9 +51,8 @@ q3py_tensor_object *q3py_tensor_new_on(q3_module_state *st, q3_dtype dt, int ndi
         Py_DECREF(t);
         return NULL;
     }
-    const size_t bytes = tensor_numel(t) * q3_dtype_size(dt);
     t->device = device;
-    t->alloc = t->data = buffer_alloc(bytes, device);
+    t->alloc = t->data = buffer_alloc(tensor_bytes(t), device);
     if (!t->alloc) {
         Py_DECREF(t);
         return (q3py_tensor_object *)PyErr_NoMemory();
@@ -75,7 +74,7 @@ static void tensor_dealloc(q3py_tensor_object *t) {
     PyTypeObject *tp = Py_TYPE(t);
     if (t->alloc) {
         if (t->device < 0) q3_free(t->alloc);
-        else q3_device_keep(t->alloc, tensor_numel(t) * q3_dtype_size(t->dtype), t->device);
+        else q3_device_keep(t->alloc, tensor_bytes(t), t->device);
     }
     Py_XDECREF(t->base);
     if (t->buffer) {
@@ -144,16 +143,12 @@ static void delete_legacy(q3_dl_managed *m) {
     free(m);
 }
 
-/* A capsule never consumed still owns its tensor. */
-static void capsule_free_v(PyObject *cap) {
+/* A capsule never consumed (not renamed "used_...") still owns its tensor. */
+static void capsule_free(PyObject *cap) {
     if (PyCapsule_IsValid(cap, "dltensor_versioned")) {
         q3_dl_managed_v *m = PyCapsule_GetPointer(cap, "dltensor_versioned");
         m->deleter(m);
-    }
-}
-
-static void capsule_free_legacy(PyObject *cap) {
-    if (PyCapsule_IsValid(cap, "dltensor")) {
+    } else if (PyCapsule_IsValid(cap, "dltensor")) {
         q3_dl_managed *m = PyCapsule_GetPointer(cap, "dltensor");
         m->deleter(m);
     }
@@ -186,7 +181,7 @@ static PyObject *make_capsule(q3py_tensor_object *t, int versioned, int copied) 
         e->m.flags = (copied ? Q3_DL_FLAG_IS_COPIED : 0) | (t->buffer && t->buffer->readonly ? Q3_DL_FLAG_READ_ONLY : 0);
         e->m.manager_ctx = Py_NewRef(t);
         e->m.deleter = delete_v;
-        PyObject *cap = PyCapsule_New(&e->m, "dltensor_versioned", capsule_free_v);
+        PyObject *cap = PyCapsule_New(&e->m, "dltensor_versioned", capsule_free);
         if (!cap) delete_v(&e->m);
         return cap;
     }
@@ -195,17 +190,9 @@ static PyObject *make_capsule(q3py_tensor_object *t, int versioned, int copied) 
     fill_dl(&e->m.dl_tensor, t, e->shape, e->strides);
     e->m.manager_ctx = Py_NewRef(t);
     e->m.deleter = delete_legacy;
-    PyObject *cap = PyCapsule_New(&e->m, "dltensor", capsule_free_legacy);
+    PyObject *cap = PyCapsule_New(&e->m, "dltensor", capsule_free);
     if (!cap) delete_legacy(&e->m);
     return cap;
-}
-
-static q3py_tensor_object *tensor_copy(q3py_tensor_object *t) {
-    q3_module_state *st = q3_state_of_type(Py_TYPE(t));
-    if (!st) return NULL;
-    q3py_tensor_object *c = q3py_tensor_new(st, t->dtype, t->ndim, t->shape);
-    if (c) q3_copy_strided(c->data, t->dtype, t->data, t->dtype, t->ndim, t->shape, t->strides);
-    return c;
 }
 
 static PyObject *tensor_dlpack(q3py_tensor_object *t, PyObject *args, PyObject *kw) {
@@ -216,18 +203,14 @@ static PyObject *tensor_dlpack(q3py_tensor_object *t, PyObject *args, PyObject *
         return NULL;
     /* a CUDA tensor's work was queued on its caller's stream: a consumer on that stream (the
      * usual case) needs no synchronisation, so any stream is accepted */
-    if (stream != Py_None && t->device < 0) {
-        PyErr_SetString(PyExc_BufferError, "stream: expected None for a cpu tensor");
-        return NULL;
-    }
+    if (stream != Py_None && t->device < 0)
+        return PyErr_Format(PyExc_BufferError, "stream: expected None for a cpu tensor");
     if (dl_device != Py_None) {
         int type, id;
         if (!PyArg_ParseTuple(dl_device, "ii", &type, &id)) return NULL;
-        if (t->device < 0 ? type != Q3_DL_CPU : (type != Q3_DL_CUDA || id != t->device)) {
-            PyErr_Format(PyExc_BufferError, "dl_device: this tensor cannot be exported to device type %d:%d "
-                         "without a copy", type, id);
-            return NULL;
-        }
+        if (t->device < 0 ? type != Q3_DL_CPU : (type != Q3_DL_CUDA || id != t->device))
+            return PyErr_Format(PyExc_BufferError, "dl_device: this tensor cannot be exported to device type %d:%d "
+                                "without a copy", type, id);
     }
     int versioned = 0;
     if (max_version != Py_None) {
@@ -236,19 +219,17 @@ static PyObject *tensor_dlpack(q3py_tensor_object *t, PyObject *args, PyObject *
         versioned = major >= Q3_DL_MAJOR;
     }
     const int want_copy = copy != Py_None && PyObject_IsTrue(copy);
-    if (!want_copy && !versioned && t->buffer && t->buffer->readonly) {
-        /* the legacy capsule cannot say read-only: its consumer would write into the file */
-        PyErr_SetString(PyExc_BufferError, "this tensor is a view of read-only memory, which a legacy DLPack capsule "
-                        "cannot mark read-only: export it with max_version >= (1, 0), or with copy=True");
-        return NULL;
-    }
+    /* the legacy capsule cannot say read-only: its consumer would write into the file */
+    if (!want_copy && !versioned && t->buffer && t->buffer->readonly)
+        return PyErr_Format(PyExc_BufferError, "this tensor is a view of read-only memory, which a legacy DLPack "
+                            "capsule cannot mark read-only: export it with max_version >= (1, 0), or with copy=True");
     if (!want_copy) return make_capsule(t, versioned, 0);
-    if (t->device >= 0) {
-        PyErr_SetString(PyExc_BufferError, "copy: copies of CUDA tensors are not supported; copy with the consumer");
-        return NULL;
-    }
-    q3py_tensor_object *c = tensor_copy(t);
+    if (t->device >= 0)
+        return PyErr_Format(PyExc_BufferError, "copy: copies of CUDA tensors are not supported; copy with the consumer");
+    q3_module_state *st = q3_state_of_type(Py_TYPE(t));
+    q3py_tensor_object *c = st ? q3py_tensor_new(st, t->dtype, t->ndim, t->shape) : NULL;
     if (!c) return NULL;
+    q3_copy_strided(c->data, t->dtype, t->data, t->dtype, t->ndim, t->shape, t->strides);
     PyObject *cap = make_capsule(c, versioned, 1);
     Py_DECREF(c);
     return cap;
@@ -259,24 +240,12 @@ static PyObject *tensor_dlpack_device(q3py_tensor_object *t, PyObject *unused) {
     return t->device < 0 ? Py_BuildValue("(ii)", Q3_DL_CPU, 0) : Py_BuildValue("(ii)", Q3_DL_CUDA, t->device);
 }
 
-static PyObject *dims_tuple(int n, const int64_t *v) {
-    PyObject *tup = PyTuple_New(n);
-    for (int i = 0; tup && i < n; i++) PyTuple_SET_ITEM(tup, i, PyLong_FromLongLong(v[i]));
-    return tup;
-}
-
-static PyObject *tensor_shape(q3py_tensor_object *t, void *c) { (void)c; return dims_tuple(t->ndim, t->shape); }
-static PyObject *tensor_strides(q3py_tensor_object *t, void *c) { (void)c; return dims_tuple(t->ndim, t->strides); }
+static PyObject *tensor_shape(q3py_tensor_object *t, void *c) { (void)c; return q3py_int64s(t->shape, t->ndim, 0); }
+static PyObject *tensor_strides(q3py_tensor_object *t, void *c) { (void)c; return q3py_int64s(t->strides, t->ndim, 0); }
 static PyObject *tensor_dtype(q3py_tensor_object *t, void *c) { (void)c; return PyUnicode_FromString(q3_dtype_name(t->dtype)); }
 static PyObject *tensor_ptr(q3py_tensor_object *t, void *c) { (void)c; return PyLong_FromVoidPtr(t->data); }
-static PyObject *tensor_device(q3py_tensor_object *t, void *c) {
-    (void)c;
-    return t->device < 0 ? PyUnicode_FromString("cpu") : PyUnicode_FromFormat("cuda:%d", t->device);
-}
-static PyObject *tensor_nbytes(q3py_tensor_object *t, void *c) {
-    (void)c;
-    return PyLong_FromSize_t(tensor_numel(t) * q3_dtype_size(t->dtype));
-}
+static PyObject *tensor_device(q3py_tensor_object *t, void *c) { (void)c; return q3py_device_name(t->device); }
+static PyObject *tensor_nbytes(q3py_tensor_object *t, void *c) { (void)c; return PyLong_FromSize_t(tensor_bytes(t)); }
 
 static PyObject *tensor_repr(q3py_tensor_object *t) {
     char shape[160];
