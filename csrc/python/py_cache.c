@@ -216,7 +216,6 @@ static PyObject *cache_per_seq(q3py_cache_object *o, void *closure) {
 
 /* hidden: for each sequence, the tuple of its hidden tokens' indices */
 static PyObject *cache_hidden(q3py_cache_object *o, void *closure) {
-    (void)closure;
     const q3_cache *c = o->cache;
     PyObject *t = PyTuple_New(q3_cache_batch(c));
     for (int i = 0; t && i < q3_cache_batch(c); i++) {
@@ -234,14 +233,14 @@ static PyObject *cache_hidden(q3py_cache_object *o, void *closure) {
     return t;
 }
 
-static PyObject *cache_capacity(q3py_cache_object *o, void *c) { (void)c; return PyLong_FromLongLong(q3_cache_capacity(o->cache)); }
-static PyObject *cache_growths(q3py_cache_object *o, void *c) { (void)c; return PyLong_FromLongLong(q3_cache_growths(o->cache)); }
-static PyObject *cache_batch(q3py_cache_object *o, void *c) { (void)c; return PyLong_FromLong(q3_cache_batch(o->cache)); }
-static PyObject *cache_kv_heads(q3py_cache_object *o, void *c) { (void)c; return PyLong_FromLong(q3_cache_kv_heads(o->cache)); }
-static PyObject *cache_head_dim(q3py_cache_object *o, void *c) { (void)c; return PyLong_FromLong(q3_cache_head_dim(o->cache)); }
-static PyObject *cache_dtype(q3py_cache_object *o, void *c) { (void)c; return PyUnicode_FromString(q3_dtype_name(q3_cache_dtype(o->cache))); }
-static PyObject *cache_nbytes(q3py_cache_object *o, void *c) { (void)c; return PyLong_FromSize_t(q3_cache_bytes(o->cache)); }
-static PyObject *cache_device(q3py_cache_object *o, void *c) { (void)c; return q3py_device_name(q3_cache_device(o->cache)); }
+static PyObject *cache_capacity(q3py_cache_object *o, void *c) { return PyLong_FromLongLong(q3_cache_capacity(o->cache)); }
+static PyObject *cache_growths(q3py_cache_object *o, void *c) { return PyLong_FromLongLong(q3_cache_growths(o->cache)); }
+static PyObject *cache_batch(q3py_cache_object *o, void *c) { return PyLong_FromLong(q3_cache_batch(o->cache)); }
+static PyObject *cache_kv_heads(q3py_cache_object *o, void *c) { return PyLong_FromLong(q3_cache_kv_heads(o->cache)); }
+static PyObject *cache_head_dim(q3py_cache_object *o, void *c) { return PyLong_FromLong(q3_cache_head_dim(o->cache)); }
+static PyObject *cache_dtype(q3py_cache_object *o, void *c) { return PyUnicode_FromString(q3_dtype_name(q3_cache_dtype(o->cache))); }
+static PyObject *cache_nbytes(q3py_cache_object *o, void *c) { return PyLong_FromSize_t(q3_cache_bytes(o->cache)); }
+static PyObject *cache_device(q3py_cache_object *o, void *c) { return q3py_device_name(q3_cache_device(o->cache)); }
 
 static PyObject *cache_repr(q3py_cache_object *o) {
     const q3_cache *c = o->cache;

@@ -102,7 +102,6 @@ int q3_parse_config(PyObject *cfg, q3_config *c) {
 }
 
 PyObject *q3py_rope_table(PyObject *m, PyObject *cfg) {
-    (void)m;
     q3_config c;
     if (q3_parse_config(cfg, &c) < 0) return NULL;
     const int half = c.head_dim / 2;
@@ -124,8 +123,6 @@ PyObject *q3py_rope_table(PyObject *m, PyObject *cfg) {
  * engine's Q3_ROPE_SCALING_DEFAULT, the values a variant that does not read a field leaves in
  * it: converted back, the engine's "unset" as None */
 PyObject *q3py_rope_defaults(PyObject *m, PyObject *unused) {
-    (void)m;
-    (void)unused;
     const q3_config_values v = {.rope = Q3_ROPE_SCALING_DEFAULT};
     PyObject *out = PyDict_New();
     for (int f = 0, rope = 0; out && f < (int)(sizeof fields / sizeof fields[0]); f++) {
@@ -161,7 +158,6 @@ int q3py_weight_format(PyObject *obj, void *out) {
  * 'layer', 'e4m3', 'scale', 'qweight', 'gscales', 'qzeros' or 'g_idx' (q3_weight_storage_name),
  * of the index of the matrix an entry stands beside (else -1) */
 PyObject *q3py_weight_table(PyObject *m, PyObject *args, PyObject *kw) {
-    (void)m;
     static char *names[] = {"config", "weight_format", "experts", "fused", "experts_only", "gptq_group",
                             "gptq_dense_attention", NULL};
     PyObject *cfg_obj, *experts_obj = Py_None;
@@ -199,8 +195,6 @@ PyObject *q3py_weight_table(PyObject *m, PyObject *args, PyObject *kw) {
 }
 
 PyObject *q3py_weight_formats(PyObject *m, PyObject *unused) {
-    (void)m;
-    (void)unused;
     PyObject *out = PyTuple_New(q3_weight_format_count());
     for (int i = 0; out && i < q3_weight_format_count(); i++) {
         PyObject *name = PyUnicode_FromString(q3_weight_format_name((q3_weight_format)i));

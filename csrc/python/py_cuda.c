@@ -12,7 +12,6 @@ static PyObject *not_loaded(const char *what) {
 }
 
 static PyObject *cuda_open(PyObject *m, PyObject *arg) {
-    (void)m;
     const char *path = PyUnicode_AsUTF8(arg);
     if (!path) return NULL;
     q3_error err;
@@ -26,7 +25,6 @@ static PyObject *cuda_open(PyObject *m, PyObject *arg) {
 }
 
 static PyObject *cuda_blas_open(PyObject *m, PyObject *arg) {
-    (void)m;
     const char *path = arg == Py_None ? NULL : PyUnicode_AsUTF8(arg);
     if (arg != Py_None && !path) return NULL;
     if (!q3_cuda_loaded()) return not_loaded("cuda");
@@ -34,7 +32,6 @@ static PyObject *cuda_blas_open(PyObject *m, PyObject *arg) {
 }
 
 static PyObject *cuda_blas_enable(PyObject *m, PyObject *args) {
-    (void)m;
     PyObject *on = Py_None;
     if (!PyArg_ParseTuple(args, "|O:cuda_blas_enable", &on)) return NULL;
     const int flag = on == Py_None ? -1 : PyObject_IsTrue(on);
@@ -44,13 +41,10 @@ static PyObject *cuda_blas_enable(PyObject *m, PyObject *args) {
 }
 
 static PyObject *cuda_device_count(PyObject *m, PyObject *unused) {
-    (void)m;
-    (void)unused;
     return PyLong_FromLong(q3_cuda_device_count());
 }
 
 static PyObject *cuda_synchronize(PyObject *m, PyObject *args) {
-    (void)m;
     int device = 0;
     if (!PyArg_ParseTuple(args, "|i:cuda_synchronize", &device)) return NULL;
     if (!q3_cuda_loaded()) return not_loaded("cuda_synchronize");
@@ -151,16 +145,12 @@ static PyObject *cuda_moe_choice(PyObject *m, PyObject *args) {
 }
 
 static PyObject *cuda_empty_cache(PyObject *m, PyObject *unused) {
-    (void)m;
-    (void)unused;
     q3_device_release_kept();
     Py_RETURN_NONE;
 }
 
 /* [(device, nbytes, address)] of the kept blocks (csrc/cuda/buffers.c), oldest first */
 static PyObject *cuda_cached_blocks(PyObject *m, PyObject *unused) {
-    (void)m;
-    (void)unused;
     int device;
     size_t bytes;
     void *p;

@@ -106,9 +106,9 @@ static const buffer_getter buffers[] = {q3_decode_graph_input, q3_decode_graph_o
 static PyObject *get_buffer(q3py_graph_object *self, void *closure) {
     return buffer(self, (*(const buffer_getter *)closure)(self->graph));
 }
-static PyObject *get_batch(q3py_graph_object *self, void *c) { (void)c; return PyLong_FromLong(self->batch); }
-static PyObject *get_dtype(q3py_graph_object *self, void *c) { (void)c; return PyUnicode_FromString(q3_dtype_name(self->dtype)); }
-static PyObject *get_cache(q3py_graph_object *self, void *c) { (void)c; return Py_NewRef((PyObject *)self->cache); }
+static PyObject *get_batch(q3py_graph_object *self, void *c) { return PyLong_FromLong(self->batch); }
+static PyObject *get_dtype(q3py_graph_object *self, void *c) { return PyUnicode_FromString(q3_dtype_name(self->dtype)); }
+static PyObject *get_cache(q3py_graph_object *self, void *c) { return Py_NewRef((PyObject *)self->cache); }
 
 static PyMethodDef graph_methods[] = {
     {"replay", (PyCFunction)(void (*)(void))graph_replay, METH_VARARGS | METH_KEYWORDS,

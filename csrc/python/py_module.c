@@ -26,8 +26,6 @@ static PyObject *str_list(const char **names, int n) {
 }
 
 static PyObject *build_info(PyObject *m, PyObject *unused) {
-    (void)m;
-    (void)unused;
     const char *paths[8];
     PyObject *available = str_list(paths, q3_cpu_paths(paths, 8));
     if (!available) return NULL;
@@ -45,7 +43,6 @@ static PyObject *build_info(PyObject *m, PyObject *unused) {
 }
 
 static PyObject *set_cpu_path(PyObject *m, PyObject *arg) {
-    (void)m;
     const char *name = PyUnicode_AsUTF8(arg);
     if (!name) return NULL;
     q3_error err;
@@ -117,7 +114,6 @@ static PyObject *copy_tensor(PyObject *m, PyObject *args) {
 }
 
 static PyObject *check_config(PyObject *m, PyObject *cfg) {
-    (void)m;
     q3_config c;
     return q3_parse_config(cfg, &c) < 0 ? NULL : Py_NewRef(Py_None);
 }

@@ -16,7 +16,6 @@ static int device_of(PyObject *obj) {
 }
 
 static PyObject *expert_counts(PyObject *m, PyObject *args, PyObject *kw) {
-    (void)m;
     static char *names[] = {"experts", "num_experts", NULL};
     PyObject *obj;
     int E;

@@ -236,16 +236,15 @@ static PyObject *tensor_dlpack(q3py_tensor_object *t, PyObject *args, PyObject *
 }
 
 static PyObject *tensor_dlpack_device(q3py_tensor_object *t, PyObject *unused) {
-    (void)unused;
     return t->device < 0 ? Py_BuildValue("(ii)", Q3_DL_CPU, 0) : Py_BuildValue("(ii)", Q3_DL_CUDA, t->device);
 }
 
-static PyObject *tensor_shape(q3py_tensor_object *t, void *c) { (void)c; return q3py_int64s(t->shape, t->ndim, 0); }
-static PyObject *tensor_strides(q3py_tensor_object *t, void *c) { (void)c; return q3py_int64s(t->strides, t->ndim, 0); }
-static PyObject *tensor_dtype(q3py_tensor_object *t, void *c) { (void)c; return PyUnicode_FromString(q3_dtype_name(t->dtype)); }
-static PyObject *tensor_ptr(q3py_tensor_object *t, void *c) { (void)c; return PyLong_FromVoidPtr(t->data); }
-static PyObject *tensor_device(q3py_tensor_object *t, void *c) { (void)c; return q3py_device_name(t->device); }
-static PyObject *tensor_nbytes(q3py_tensor_object *t, void *c) { (void)c; return PyLong_FromSize_t(tensor_bytes(t)); }
+static PyObject *tensor_shape(q3py_tensor_object *t, void *c) { return q3py_int64s(t->shape, t->ndim, 0); }
+static PyObject *tensor_strides(q3py_tensor_object *t, void *c) { return q3py_int64s(t->strides, t->ndim, 0); }
+static PyObject *tensor_dtype(q3py_tensor_object *t, void *c) { return PyUnicode_FromString(q3_dtype_name(t->dtype)); }
+static PyObject *tensor_ptr(q3py_tensor_object *t, void *c) { return PyLong_FromVoidPtr(t->data); }
+static PyObject *tensor_device(q3py_tensor_object *t, void *c) { return q3py_device_name(t->device); }
+static PyObject *tensor_nbytes(q3py_tensor_object *t, void *c) { return PyLong_FromSize_t(tensor_bytes(t)); }
 
 static PyObject *tensor_repr(q3py_tensor_object *t) {
     char shape[160];
