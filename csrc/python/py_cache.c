@@ -7,15 +7,9 @@
 #include "py_cache.h"
 
 q3py_cache_object *q3py_cache_wrap(q3_module_state *st, q3_cache *c) {
-    q3py_cache_object *o = PyObject_New(q3py_cache_object, st->cache_type);
-    if (!o) {
-        q3_cache_destroy(c);
-        return NULL;
-    }
-    o->cache = c;
-    o->busy = 0;
-    o->passes_open = 0;
-    o->views_owner = NULL;
+    q3py_cache_object *o = (q3py_cache_object *)st->cache_type->tp_alloc(st->cache_type, 0); /* zeroed */
+    if (o) o->cache = c;
+    else q3_cache_destroy(c);
     return o;
 }
 
@@ -165,8 +159,8 @@ static PyObject *cache_grow(q3py_cache_object *o, PyObject *args, PyObject *kw) 
         q3py_stream_on(stream_obj, q3_cache_device(o->cache), "a cache on the cpu", &r.stream) < 0 ||
         q3py_cache_run(o, &r) < 0)
         return NULL;
-    if (r.old.k && retire_views(o, &r.old) < 0) return NULL; /* old.k NULL: it held that many already */
-    Py_RETURN_NONE;
+    /* old.k NULL: it held that many already */
+    return r.old.k && retire_views(o, &r.old) < 0 ? NULL : Py_NewRef(Py_None);
 }
 
 /* keys(seq=0) and values(seq=0): one sequence's view; all_keys(tokens=None) and

@@ -20,8 +20,7 @@ static PyObject *cuda_open(PyObject *m, PyObject *arg) {
     Py_BEGIN_ALLOW_THREADS
     s = q3_cuda_open(path, &devices, &err);
     Py_END_ALLOW_THREADS
-    if (s != Q3_OK) return q3_raise(NULL, &err);
-    return PyLong_FromLong(devices);
+    return q3py_status(s, &err) < 0 ? NULL : PyLong_FromLong(devices);
 }
 
 static PyObject *cuda_blas_open(PyObject *m, PyObject *arg) {

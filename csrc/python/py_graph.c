@@ -17,9 +17,8 @@ typedef struct {
 PyObject *q3py_graph_new(q3_module_state *st, PyObject *layer_obj, q3_layer *layer, int device,
                        q3py_cache_object *co, int64_t batch, q3_dtype dtype) {
     if (q3py_cache_check_idle(co) < 0) return NULL;
-    q3py_graph_object *self = PyObject_New(q3py_graph_object, st->graph_type);
+    q3py_graph_object *self = (q3py_graph_object *)st->graph_type->tp_alloc(st->graph_type, 0); /* zeroed */
     if (!self) return NULL;
-    self->graph = NULL;
     self->layer = Py_NewRef(layer_obj);
     self->cache = (q3py_cache_object *)Py_NewRef((PyObject *)co);
     self->hidden = q3_layer_config(layer)->hidden;

@@ -58,8 +58,7 @@ static PyObject *probe_read(PyObject *m, PyObject *args, PyObject *kw) {
     Py_BEGIN_ALLOW_THREADS
     gbs = q3_probe_read_gbs((size_t)bytes, repeats < 1 ? 1 : repeats);
     Py_END_ALLOW_THREADS
-    if (gbs == 0.0) return PyErr_NoMemory();
-    return PyFloat_FromDouble(gbs);
+    return gbs == 0.0 ? PyErr_NoMemory() : PyFloat_FromDouble(gbs);
 }
 
 static PyObject *probe_fma(PyObject *m, PyObject *args, PyObject *kw) {

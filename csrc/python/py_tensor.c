@@ -16,11 +16,8 @@ static size_t tensor_bytes(const q3py_tensor_object *t) {
 }
 
 static q3py_tensor_object *tensor_alloc(q3_module_state *st, q3_dtype dt, int ndim, const int64_t *shape) {
-    q3py_tensor_object *t = PyObject_New(q3py_tensor_object, st->tensor_type);
+    q3py_tensor_object *t = (q3py_tensor_object *)st->tensor_type->tp_alloc(st->tensor_type, 0); /* zeroed */
     if (!t) return NULL;
-    t->data = t->alloc = NULL;
-    t->base = NULL;
-    t->buffer = NULL;
     t->ndim = ndim;
     t->dtype = dt;
     t->device = -1;
