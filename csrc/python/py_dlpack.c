@@ -54,11 +54,6 @@ int q3py_view_require(const q3_view *v, const char *arg, int need) {
     return q3py_status(q3_view_require(v, arg, need, &err), &err);
 }
 
-int q3py_check_rows(const q3_view *v, const char *arg, int64_t rows, int64_t cols, const char *cols_name) {
-    q3_error err;
-    return q3py_status(q3_view_check_rows(v, arg, rows, cols, cols_name, &err), &err);
-}
-
 int q3_view_acquire_on(PyObject *obj, const char *arg, q3_view *v, int device, int allow, void *stream) {
     memset(v, 0, sizeof *v);
     int type, id;

@@ -61,9 +61,8 @@ static inline void q3_error_unstash(q3_pending_error *e) {
  * default). Returns 0, or -1 with an exception set (nothing to release then). */
 int q3_view_acquire_on(PyObject *obj, const char *arg, q3_view *v, int device, int allow, void *stream);
 void q3_view_release(q3_view *v);
-/* q3_view_require's and q3_view_check_rows' checks raised: 0, or -1 with the exception */
+/* q3_view_require's checks raised: 0, or -1 with the exception */
 int q3py_view_require(const q3_view *v, const char *arg, int need);
-int q3py_check_rows(const q3_view *v, const char *arg, int64_t rows, int64_t cols, const char *cols_name);
 /* Tensors imported together: each obj (NULL: not given, its view left empty) as arg, under
  * allow, as q3_view_acquire_on does, in order until one fails; q3py_views_release releases them
  * all (the ones not reached are empty). 0, or -1 with the exception. */
