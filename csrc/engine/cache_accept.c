@@ -16,6 +16,8 @@ q3_status q3_tree_inputs(const q3_cache *c, const int32_t *seqs, int n_seqs, con
                          uint8_t *tree, int64_t *positions, q3_error *err) {
     for (int s = 0; s < n_seqs; s++) {
         const int seq = seqs[s];
+        const q3_status bad = q3_cache_check_seq(c, "seq", seq, err); /* before its state is read */
+        if (bad != Q3_OK) return bad;
         const int64_t n = c->lengths[seq], pad = c->padding[seq];
         const int64_t next = n >= pad ? c->first_pos[seq] + n - pad : 0; /* the cache's rule for row n */
         const int64_t *par = parents + (int64_t)s * T;

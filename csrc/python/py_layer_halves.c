@@ -59,29 +59,27 @@ PyObject *q3py_layer_expert_half(q3py_layer_object *self, PyObject *args, PyObje
     q3_module_state *st = q3_state_of_type(Py_TYPE(self));
     if (!st) return NULL;
     const q3_config *c = q3_layer_config(self->layer);
-    q3_view rows = {0}, experts = {0}, weights = {0}, out = {0};
+    q3py_arg_view v[4] = {{.obj = rows_obj, .arg = "rows"}, {.obj = experts_obj, .arg = "experts", .allow = Q3_VIEW_I32},
+                          {.obj = weights_obj, .arg = "weights"}, {.obj = out_obj == Py_None ? NULL : out_obj, .arg = "out"}};
+    q3_view *rows = &v[0].view, *out = &v[3].view;
     PyObject *result = NULL;
     q3_error err;
-    if (q3_view_acquire_on(rows_obj, "rows", &rows, self->device, 0, stream) < 0 ||
-        q3_view_acquire_on(experts_obj, "experts", &experts, self->device, Q3_VIEW_I32, stream) < 0 ||
-        q3_view_acquire_on(weights_obj, "weights", &weights, self->device, 0, stream) < 0 ||
-        (out_obj != Py_None && q3_view_acquire_on(out_obj, "out", &out, self->device, 0, stream) < 0) ||
-        q3py_status(q3_expert_half_check_views(c, &rows, &experts, &weights, out_obj != Py_None ? &out : NULL, &err),
-                    &err) < 0)
+    if (q3py_views_acquire(v, 4, self->device, stream) < 0 ||
+        q3py_status(q3_expert_half_check_views(c, rows, &v[1].view, &v[2].view, v[3].obj ? out : NULL, &err), &err) < 0)
         goto done;
-    const int64_t n = q3_view_rows(&rows);
+    const int64_t n = q3_view_rows(rows);
     if (out_obj != Py_None) {
         result = Py_NewRef(out_obj);
     } else {
         const int64_t shape[2] = {n, c->hidden};
-        q3py_tensor_object *t = q3py_tensor_new_on(st, rows.dtype, 2, shape, self->device);
+        q3py_tensor_object *t = q3py_tensor_new_on(st, rows->dtype, 2, shape, self->device);
         if (!t) goto done;
         result = (PyObject *)t;
-        out.data = t->data;
-        out.dtype = rows.dtype;
+        out->data = t->data;
+        out->dtype = rows->dtype;
     }
-    const q3_expert_half_args a = {rows.data, rows.dtype, n, experts.data, weights.data, out.data, out.dtype, acc,
-                                   stream};
+    const q3_expert_half_args a = {rows->data, rows->dtype, n, v[1].view.data, v[2].view.data, out->data, out->dtype,
+                                   acc, stream};
     q3_status s;
     Py_BEGIN_ALLOW_THREADS
     PyThread_acquire_lock(self->lock, WAIT_LOCK);
@@ -93,9 +91,6 @@ PyObject *q3py_layer_expert_half(q3py_layer_object *self, PyObject *args, PyObje
         q3_raise(st, &err);
     }
 done:
-    q3_view_release(&out);
-    q3_view_release(&weights);
-    q3_view_release(&experts);
-    q3_view_release(&rows);
+    q3py_views_release(v, 4);
     return result;
 }

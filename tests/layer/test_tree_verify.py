@@ -180,3 +180,17 @@ def test_a_tree_of_another_shape_dtype_or_layout_is_refused_by_name(model, tree,
     with pytest.raises(error, match=message):
         layer.prefill(prompts(model, [4], seed=9)[0], cache, tree=tree)
     assert cache.lengths == (0,) and cache.hidden == ((),)
+
+
+@pytest.mark.parametrize("seq", [2, -1, 5])
+def test_verify_of_a_sequence_outside_the_batch_is_refused_before_its_state_is_read(model, seq):
+    """q3_tree_inputs reads the sequence's length and padding: its index is checked first (an
+    out-of-range seq read past the cache's arrays before)"""
+    layer = q3.DecoderLayer.from_hf(model.model.layers[0])
+    cache = layer.new_cache(16, batch=2)
+    message = rf"seq: expected 0 <= seq < 2 \(the cache's batch\), got {seq}"
+    with pytest.raises(IndexError, match=message):
+        cache._tree_inputs(torch.tensor([-1, 0]), seq)  # returned, having read past the arrays, before
+    with pytest.raises(IndexError, match=message):
+        layer.verify(prompts(model, [2], seed=10)[0], cache, torch.tensor([-1, 0]), seq=seq)
+    assert cache.lengths == (0, 0)
