@@ -92,10 +92,12 @@ DECODE_KERNELS = [
     Expect("add_rows_kernel", "elementwise.cu", 256),
 ]
 
-# per SM: (shared memory bytes, max threads, max blocks); all have 65536 registers
+# per SM: (shared memory bytes, max threads, max blocks); all have 65536 registers. The shared
+# memory and block limits as the toolkit's own occupancy calculator has them (cuda_occupancy.h of
+# CUDA 13.0: cudaOccMaxBlocksPerMultiprocessor, the shared memory configurations per major)
 ARCH = {80: (164 * 1024, 2048, 32), 86: (100 * 1024, 1536, 16), 89: (100 * 1024, 1536, 24),
         90: (228 * 1024, 2048, 32), 100: (228 * 1024, 2048, 32), 103: (228 * 1024, 2048, 32),
-        120: (100 * 1024, 1536, 32), 121: (100 * 1024, 1536, 32)}
+        120: (100 * 1024, 1536, 24), 121: (100 * 1024, 1536, 24)}
 REGISTERS, REG_UNIT, SUB_PARTITIONS, SMEM_RESERVED = 65536, 256, 4, 1024
 
 INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
