@@ -23,14 +23,6 @@ KVCache = _C.KVCache
 Tensor = _C.Tensor
 
 
-def _refuse_token_inputs(where: str, token_mask: Any, positions: Any, tree: Any = None) -> None:
-    """ValueError naming token_mask / positions / tree when given to a call that does not take them"""
-    for name, value in (("token_mask", token_mask), ("positions", positions), ("tree", tree)):
-        if value is not None:
-            raise ValueError(f"{name}: given to {where}, which does not take it yet (issue 42: whole CPU or CUDA "
-                             f"layers only); got a {type(value).__name__}")
-
-
 def _like(x: Any, y: Any) -> Any:
     """y (an extension Tensor) as the same kind of array as x, zero-copy."""
     kind = type(x).__module__.partition(".")[0]
@@ -335,9 +327,9 @@ class DecoderLayer:
         tree[t, u], u <= t and u = t always (not with token_mask); verify() makes one.
         """
         if self._hybrid is not None:
-            _refuse_token_inputs("a layer split over the GPU and the host", token_mask, positions, tree)
             return self._split_call(x, cache, False, out, seq=seq, chunk_size=chunk_size, return_router=return_router,
-                                    return_attention=return_attention, attention_limit=attention_limit)
+                                    return_attention=return_attention, attention_limit=attention_limit,
+                                    token_mask=token_mask, positions=positions, tree=tree)
         check_torch_device("out", out, self._core.device)
         y = self._core.prefill(x, cache, seq, chunk_size, out=out, stream=stream_of(x, self._core.device),
                                return_router=return_router, return_attention=return_attention,
@@ -352,9 +344,9 @@ class DecoderLayer:
         as for prefill (router rows [batch, ...], attention [batch, heads, 1, context]);
         token_mask and positions [batch] as prefill's."""
         if self._hybrid is not None:
-            _refuse_token_inputs("a layer split over the GPU and the host", token_mask, positions)
             return self._split_call(x, cache, True, out, return_router=return_router,
-                                    return_attention=return_attention, attention_limit=attention_limit)
+                                    return_attention=return_attention, attention_limit=attention_limit,
+                                    token_mask=token_mask, positions=positions)
         check_torch_device("out", out, self._core.device)
         y = self._core.decode(x, cache, out=out, stream=stream_of(x, self._core.device),
                               return_router=return_router, return_attention=return_attention,
@@ -382,7 +374,7 @@ class DecoderLayer:
     def attention_half(self, x: Any, cache: KVCache, seq: Optional[int] = None,
                        chunk_size: Optional[int] = None, *, decode: bool = False, return_router: bool = False,
                        return_attention: bool = False, attention_limit: Optional[int] = None, token_mask: Any = None,
-                       positions: Any = None) -> tuple:
+                       positions: Any = None, tree: Any = None) -> tuple:
         """The layer up to its experts, for x as prefill takes it (decode=True: as decode):
         the tokens' K/V appended to the cache as prefill/decode append them. Returns (resid,
         normed, experts, weights): x + attention (fp32) and post_attention_layernorm of it
@@ -392,11 +384,12 @@ class DecoderLayer:
         A layer holding a subset of the experts runs it like any other. CPU and CUDA layers
         (on a CUDA layer: x on its device, the outputs made there, the forward's own passes).
         return_router / return_attention: a fifth element, a LayerTrace (output None) of the
-        insides prefill would give for the call. token_mask, positions: as prefill's."""
+        insides prefill would give for the call. token_mask, positions, tree: as prefill's (no
+        tree with decode=True)."""
         r = self._core.attention_half(x, cache, seq, chunk_size, decode=decode, return_router=return_router,
                                       return_attention=return_attention, attention_limit=attention_limit,
                                       stream=stream_of(x, self._core.device), token_mask=token_mask,
-                                      positions=positions)
+                                      positions=positions, tree=tree)
         if len(r) == 4:
             return tuple(_like(x, t) for t in r)
         from .trace import LayerTrace
@@ -507,8 +500,6 @@ class DecoderLayer:
 
         if isinstance(hidden_keys, bool) or not isinstance(hidden_keys, (int, float)) or not 0 <= hidden_keys < 1:
             raise ValueError(f"hidden_keys: expected a fraction of the context in [0, 1), got {hidden_keys!r}")
-        if hidden_keys and self._hybrid is not None:
-            raise ValueError("hidden_keys: a layer split over the GPU and the host takes no token_mask")
         scale_dtype = self._core.scale_dtype or "float32"
         if mode == "prefill" and chunk_size is None:  # the passes the calls below make, modelled alike
             chunk_size = pass_tokens(None)

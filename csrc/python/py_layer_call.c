@@ -195,21 +195,21 @@ static PyObject *layer_decode(q3py_layer_object *self, PyObject *args, PyObject 
 /* attention_half and attention_passes: their arguments, then the whole call or its passes */
 static PyObject *attention_call(q3py_layer_object *self, PyObject *args, PyObject *kw, int by_pass) {
     static char *names[] = {"x", "cache", "seq", "chunk_size", "decode", "return_router", "return_attention",
-                            "attention_limit", "stream", "token_mask", "positions", NULL};
+                            "attention_limit", "stream", "token_mask", "positions", "tree", NULL};
     PyObject *x, *cache, *seq = Py_None, *chunk = Py_None, *stream = Py_None;
     PyObject *router = Py_False, *attention = Py_False, *limit = Py_None;
     q3py_token_args tok = Q3PY_NO_TOKEN_ARGS;
     int decode = 0;
     q3_insides ins;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, by_pass ? "OO|OO$pOOOOOO:attention_passes"
-                                                       : "OO|OO$pOOOOOO:attention_half",
+    if (!PyArg_ParseTupleAndKeywords(args, kw, by_pass ? "OO|OO$pOOOOOOO:attention_passes"
+                                                       : "OO|OO$pOOOOOOO:attention_half",
                                      names, &x, &cache, &seq, &chunk, &decode, &router, &attention, &limit, &stream,
-                                     &tok.token_mask, &tok.positions) ||
+                                     &tok.token_mask, &tok.positions, &tok.tree) ||
         q3py_insides_parse(&ins, router, attention, limit) < 0)
         return NULL;
-    if (decode && (seq != Py_None || chunk != Py_None)) {
-        PyErr_Format(PyExc_ValueError, "%s: decode=True takes no seq or chunk_size (x [batch, hidden] is one token "
-                     "of every sequence)", by_pass ? "attention_passes" : "attention_half");
+    if (decode && (seq != Py_None || chunk != Py_None || tok.tree != Py_None)) {
+        PyErr_Format(PyExc_ValueError, "%s: decode=True takes no seq, chunk_size or tree (x [batch, hidden] is one "
+                     "token of every sequence)", by_pass ? "attention_passes" : "attention_half");
         return NULL;
     }
     return by_pass ? q3py_layer_attention_passes(self, x, cache, decode, seq, chunk, stream, &ins, tok)
@@ -309,11 +309,11 @@ PyMethodDef q3py_layer_methods[] = {
      "decode_graph(cache, batch=None, dtype=None)\n--\n\nDecoderLayer.decode_graph's call: a DecodeGraph."},
     {"attention_half", (PyCFunction)(void (*)(void))layer_attention_half, KW,
      "attention_half(x, cache, seq=None, chunk_size=None, *, decode=False, return_router=False, "
-     "return_attention=False, attention_limit=None, stream=None, token_mask=None, positions=None)\n--\n\n"
-     "DecoderLayer.attention_half's call: (resid, normed, experts, weights), the insides after them as asked."},
+     "return_attention=False, attention_limit=None, stream=None, token_mask=None, positions=None, tree=None)"
+     "\n--\n\nDecoderLayer.attention_half's call: (resid, normed, experts, weights), the insides after them as asked."},
     {"attention_passes", (PyCFunction)(void (*)(void))layer_attention_passes, KW,
      "attention_passes(x, cache, seq=None, chunk_size=None, *, decode=False, return_router=False, "
-     "return_attention=False, attention_limit=None, stream=None, token_mask=None, positions=None)\n--\n\n"
+     "return_attention=False, attention_limit=None, stream=None, token_mask=None, positions=None, tree=None)\n--\n\n"
      "attention_half's call a pass at a time: the whole call checked (and its insides made) now, then an "
      "AttentionPasses whose iteration runs pass after pass, each giving that pass's (resid, normed, experts, "
      "weights), x's leading dims with the pass's tokens. close() ends the call (returning its insides), abort() "

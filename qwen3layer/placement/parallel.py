@@ -190,21 +190,25 @@ class ExpertParallelLayer:
 
     def prefill(self, x: Any, cache: KVCache, seq: Optional[int] = None, chunk_size: Optional[int] = None, *,
                 out: Any = None, return_router: bool = False, return_attention: bool = False,
-                attention_limit: Optional[int] = None) -> Any:
+                attention_limit: Optional[int] = None, token_mask: Any = None, positions: Any = None,
+                tree: Any = None) -> Any:
         """As DecoderLayer.prefill, x [S, hidden] or [batch, S, hidden]; S may be 0 (an empty
         call: no attention, 0 rows out, every exchange taken part in). x: a torch tensor, or
         anything with __dlpack__ (taken as a torch tensor, zero-copy); y is a torch tensor (or
-        out). The insides as DecoderLayer's, written by the engine pass by pass."""
+        out). The insides as DecoderLayer's, written by the engine pass by pass; token_mask,
+        positions and tree as DecoderLayer's (this rank's tokens)."""
         x = _as_torch(x)
         insides = dict(return_router=return_router, return_attention=return_attention, attention_limit=attention_limit)
-        return self._call("prefill", x, cache, out, insides, seq=seq, chunk_size=chunk_size)
+        return self._call("prefill", x, cache, out, insides, seq=seq, chunk_size=chunk_size, token_mask=token_mask,
+                          positions=positions, tree=tree)
 
     def decode(self, x: Any, cache: KVCache, *, out: Any = None, return_router: bool = False,
-               return_attention: bool = False, attention_limit: Optional[int] = None) -> Any:
+               return_attention: bool = False, attention_limit: Optional[int] = None, token_mask: Any = None,
+               positions: Any = None) -> Any:
         """As DecoderLayer.decode, x [batch, hidden]; x of 0 rows is the empty call."""
         x = _as_torch(x)
         insides = dict(return_router=return_router, return_attention=return_attention, attention_limit=attention_limit)
-        return self._call("decode", x, cache, out, insides)
+        return self._call("decode", x, cache, out, insides, token_mask=token_mask, positions=positions)
 
     def refuse(self, kind: str, error: BaseException, dtype: torch.dtype = torch.float32) -> None:
         """Takes part in a `kind` call ("prefill" or "decode") that failed on this rank before

@@ -351,10 +351,6 @@ class DecoderLayer(torch.nn.Module):
             raise NotImplementedError(f"attention_mask: {plan.kind}: packed sequences are not run with the experts "
                                       "split over a group (each would be a call of its own, and the ranks' calls "
                                       "would differ in number): pass a padded batch")
-        if plan.positions is not None and (self.expert_parallel or getattr(self.core, "_hybrid", None) is not None):
-            raise NotImplementedError(f"attention_mask: {plan.kind}: hidden keys are not yet computed with the experts "
-                                      "split over a group or between a GPU and the host (issue 42): pass a mask "
-                                      "with left padding only")
         x = hidden_states.detach().contiguous()  # inference only: the C layer has no backward
         if kv is not None and call is not None and plan.positions is None and not (want_router or want_maps or
                                                                                    want_hidden):

@@ -441,3 +441,31 @@ def test_the_c_calls_of_a_split_layers_pass_are_counted(monkeypatch):
     assert split.hybrid_stats["passes"] == 4 and split.hybrid_stats["host_rows"] > 0
     assert prefill == ["device.attention_passes"] + one_pass * 3 + ["passes.close"], prefill
     assert decode == ["device.attention_passes"] + one_pass + ["passes.close"], decode
+
+
+@pytest.mark.parametrize("which", ["mixed", "all"])
+def test_token_mask_positions_and_a_tree_on_a_split_layer_equal_the_cpu_layer(which):
+    """issue 42's per-token inputs on the split layer: its device side's attention passes take
+    them as a whole CUDA layer's calls do (a token mask with holes across passes, explicit
+    positions, a tree verify, then masked decode steps); against the CPU layer of the seed"""
+    split = q3.DecoderLayer.random(CFG, 5, "float32", device="cuda", expert_device="cpu", gpu_experts=SETS[which])
+    cpu = q3.DecoderLayer.random(CFG, 5, "float32")
+    g = torch.Generator().manual_seed(21)
+    prompt, draft = torch.randn(2, 7, H, generator=g), torch.randn(4, H, generator=g)
+    steps = [torch.randn(2, H, generator=g) for _ in range(2)]
+    mask = torch.tensor([[True, False, True, True, False, True, True], [True, True, True, False, True, True, True]])
+    positions = torch.tensor([[0, 1, 1, 2, 3, 3, 4], [5, 6, 7, 8, 8, 9, 10]])
+    parents = torch.tensor([-1, 0, 0, 1])
+    outs = {}
+    for name, layer in (("split", split), ("cpu", cpu)):
+        cache = layer.new_cache(24, batch=2)
+        ys = [layer.prefill(_on(layer, prompt), cache, chunk_size=3, token_mask=mask, positions=positions)]
+        ys.append(layer.verify(_on(layer, draft), cache, parents, seq=1))
+        cache.accept(1, [0, 1, 3])
+        for i, x in enumerate(steps):
+            ys.append(layer.decode(_on(layer, x), cache, token_mask=torch.tensor([i == 0, True])))
+        outs[name] = ([y.double().numpy() if isinstance(y, torch.Tensor) else host(y) for y in ys],
+                      cache.lengths, cache.hidden)
+    assert outs["split"][1:] == outs["cpu"][1:] == ((9, 12), ((1, 4, 8), (3,)))
+    for i, (got, want) in enumerate(zip(outs["split"][0], outs["cpu"][0])):
+        assert rel(got, want) <= TOL["float32"], i

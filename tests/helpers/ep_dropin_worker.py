@@ -6,8 +6,9 @@ Rank 0 generates for a left-padded batch of 2 to the end; rank 1 for one prompt 
 sequence comes at its third new token, so it stops first and keeps stepping (synced_gpus, the
 patched generate's default) while rank 0 generates. Then a forward with the router's logits,
 beam search and a static cache's generation (each as the unpatched model's),
-a call one rank's checks refuse (named on the other), and a group whose other rank never calls
-(the timeout's message says why)."""
+a forward under a mask with holes and a generation from a right-padded prompt (issue 42's
+hidden keys, each rank's own), a call one rank's checks refuse (named on the other), and a
+group whose other rank never calls (the timeout's message says why)."""
 import datetime
 import os
 import time
@@ -62,6 +63,10 @@ def run(rank, world, init_file):
         eos = int(whole[0, ids.shape[1] + 2]) if rank == 1 else None  # rank 1 ends at its third new token
         want = _generate(model, ids, mask, eos) if eos is not None else whole
         ref = model(ids, attention_mask=mask, output_router_logits=True)
+        holes = mask.clone()
+        holes[:, -3] = 0  # a hole in each row: hidden keys in the C cache (issue 42), each rank its own
+        holed = model(ids, attention_mask=holes).logits
+        right = _generate(model, ids, torch.cat([mask, torch.zeros_like(mask[:, :1])], 1)[:, 1:], None)
         beams = _generate(model, ids, mask, None, num_beams=2)
         static = _generate(model, ids, mask, None, cache_implementation="static")
     if rank == 1:
@@ -79,6 +84,13 @@ def run(rank, world, init_file):
         # beam search (the caches reordered each step) and a static cache, as the unpatched model
         assert torch.equal(_generate(model, ids, mask, None, num_beams=2), beams)
         assert torch.equal(_generate(model, ids, mask, None, cache_implementation="static"), static)
+        got_holed = model(ids, attention_mask=holes).logits
+        # a prompt whose mask ends in right padding, continued by generate: the hidden keys carried on
+        assert torch.equal(_generate(model, ids, torch.cat([mask, torch.zeros_like(mask[:, :1])], 1)[:, 1:], None),
+                           right)
+    seen = holes.bool()
+    err = (got_holed - holed)[seen].abs().max().item()
+    assert err <= 1e-4 * max(1.0, holed.abs().max().item()), f"logits under a mask with holes off by {err}"
     real = mask.bool()
     err = (out.logits - ref.logits)[real].abs().max().item()
     assert err <= 1e-4 * max(1.0, ref.logits.abs().max().item()), f"logits off by {err}"

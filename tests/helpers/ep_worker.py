@@ -99,6 +99,24 @@ def scenarios(ep, ref, rank, world, dtype):
         _close(ep.decode(t, b_ep), ref.decode(t, b_ref), dtype, f"decode step {step}")
     _same_cache(b_ep, b_ref, batch)
 
+    # issue 42's per-token inputs: a token mask with holes and explicit positions over passes,
+    # a tree, a masked decode step; a rank with no tokens makes the empty calls
+    n = [6, 4, 0, 5][rank % 4]
+    m_ep, m_ref = ep.new_cache(32), ref.new_cache(32)
+    xm, xt, t = _x((n, H), 700 + rank, dtype), _x((3, H), 710 + rank, dtype), _x((1, H), 720 + rank, dtype)
+    kw = {"token_mask": torch.tensor([i % 3 != 1 for i in range(n)]), "positions": torch.arange(n) * 2}
+    tree = {"tree": torch.tensor([[True, False, False], [True, True, False], [True, False, True]])}
+    step = {"token_mask": torch.tensor([False])}
+    if not n:
+        assert ep.prefill(xm, m_ep, chunk_size=2).shape == (0, H)
+        assert ep.prefill(xm, m_ep).shape == (0, H) and ep.decode(xm, m_ep).shape == (0, H)
+        return
+    _close(ep.prefill(xm, m_ep, chunk_size=2, **kw), ref.prefill(xm, m_ref, chunk_size=2, **kw), dtype, "masked prefill")
+    _close(ep.prefill(xt, m_ep, **tree), ref.prefill(xt, m_ref, **tree), dtype, "tree prefill")
+    _close(ep.decode(t, m_ep, **step), ref.decode(t, m_ref, **step), dtype, "masked decode")
+    _same_cache(m_ep, m_ref, 1)
+    assert m_ep.hidden == m_ref.hidden == (tuple(i for i in range(n) if i % 3 == 1) + (n + 3,),)
+
 
 def refusals(ep, rank, world, dtype):
     """a mismatched call, a call failing its checks on one rank, a failure inside one rank's
