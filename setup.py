@@ -21,8 +21,8 @@ function). The engine picks the best one the CPU can run when the module is impo
 (csrc/engine/cpu_dispatch.c); QWEN3LAYER_CPU_PATH=portable|avx2|avx512|avx512bf16|amx forces one.
 
 Where nvcc is found (PATH, $CUDA_HOME/bin or /usr/local/cuda/bin), kernels/cuda/*.cu are
-built into qwen3layer/libq3cuda.so for sm_80, sm_90, sm_100 and sm_120 (SASS) and compute_120
-(PTX, for later GPUs), with the CUDA runtime linked in statically (CUDA_SASS; a change of
+built into qwen3layer/libq3cuda.so for sm_80, sm_87, sm_90, sm_100, sm_110, sm_120 and sm_121
+(SASS) and compute_121 (PTX, for later GPUs), with the CUDA runtime linked in statically (CUDA_SASS; a change of
 the targets or flags recompiles every CUDA object): the engine opens it only when a CUDA
 device is asked for, so the package works on machines without CUDA. Q3_CUDA=0 skips it; without nvcc the build says it is CPU-only.
 
@@ -92,11 +92,14 @@ def sanitize_flags(kinds):
 
 
 SANITIZE_FLAGS = sanitize_flags(SANITIZE)
-# The GPUs libq3cuda.so is compiled for: SASS for each (A100, H100/H200, B200, RTX 50xx), and
-# PTX for the newest as well, which the driver compiles (JIT) on a later GPU. The list is also
+# The GPUs libq3cuda.so is compiled for: SASS for each (A100, Jetson Orin, H100/H200/GH200,
+# B200, Jetson Thor, RTX 50xx, GB10 / DGX Spark), and PTX for the newest as well, which the
+# driver compiles (JIT) on a later GPU. A SASS runs on a later GPU of its major version only,
+# and PTX on a GPU at least its version: Thor (11.0) runs nothing without its own sm_110; Orin
+# (8.7) and GB10 (12.1) would run sm_80's and sm_120's, compiled for themselves here. The list is also
 # compiled into the library (Q3_CUDA_TARGETS, reported by q3_cuda_targets() in
 # kernels/cuda/runtime.cu), which is where q3.build_info()["cuda_targets"] reads it.
-CUDA_SASS = ["sm_80", "sm_90", "sm_100", "sm_120"]
+CUDA_SASS = ["sm_80", "sm_87", "sm_90", "sm_100", "sm_110", "sm_120", "sm_121"]
 
 
 def cuda_targets(sass=CUDA_SASS):

@@ -28,7 +28,8 @@ def test_build_info_lists_the_gpu_targets_the_build_compiled():
     spec.loader.exec_module(setup)
     targets = q3.build_info()["cuda_targets"]
     assert targets == setup.cuda_targets() == q3.cuda.targets()
-    assert targets == ["sm_80", "sm_90", "sm_100", "sm_120", "compute_120"]  # Ampere to Blackwell, PTX after
+    # Ampere to Blackwell, the ARM boards' (Orin sm_87, Thor sm_110, GB10 sm_121) among them; PTX after
+    assert targets == ["sm_80", "sm_87", "sm_90", "sm_100", "sm_110", "sm_120", "sm_121", "compute_121"]
 
 
 def test_devices_that_are_not_there_are_refused_clearly():

@@ -176,7 +176,7 @@ def test_the_library_holds_exactly_the_targets_build_info_reports():
     ptx = {"compute_" + line.rsplit(".", 2)[-2][3:] for line in listed if line.endswith(".ptx")}
     targets = q3.build_info()["cuda_targets"]
     assert sorted(sass | ptx) == sorted(targets)
-    assert sass_check.sass_archs(CUOBJDUMP, q3.cuda.LIBRARY) == [80, 90, 100, 120]
+    assert sass_check.sass_archs(CUOBJDUMP, q3.cuda.LIBRARY) == [80, 87, 90, 100, 110, 120, 121]
 
 
 @pytest.mark.skipif(not q3.cuda.built(), reason="no libq3cuda.so in this build")
@@ -186,7 +186,7 @@ def test_every_decode_kernel_is_read_on_every_architecture():
     r, rows = run()
     assert r.returncode in (0, 1), r.stderr
     for e in sass_check.DECODE_KERNELS:
-        for arch in ("sm_80", "sm_90", "sm_100", "sm_120"):
+        for arch in ("sm_80", "sm_87", "sm_90", "sm_100", "sm_110", "sm_120", "sm_121"):
             found = [row for (name, a, _), row in rows.items()
                      if a == arch and (name == e.name or name.startswith(e.name + "<"))]
             assert found, (e.name, arch)
