@@ -190,6 +190,20 @@ double q3_case_attention_probs(check *k, const q3_probs_case *c);
 /* the maps of batch b in one pass, 2 G heads on 2, 3 columns past the longest sequence */
 double q3_case_attention_probs_batch(check *k, const q3_check_batch *b, int G, int D, q3_dtype kv_dt);
 
+/* A launcher's path the masked cases (hidden keys, trees) take: L tokens a sequence, G query
+ * heads a KV head of dim D, over a cache of dt; bound: max_keys and capacity (a decode graph's
+ * way: split-KV slices), 0: exact; tc: whether the launcher takes it to the tensor-core kernel
+ * (q3_attention_tc_fits), whose q and probabilities are rounded to bf16 (its tolerance) */
+typedef struct {
+    const char *name, *kernel;
+    int64_t L;
+    int G, D;
+    q3_dtype dt;
+    int64_t bound;
+    int tc;
+} q3_masked_path;
+static inline double q3_masked_path_tol(const q3_masked_path *p) { return p->tc ? 2e-2 : 1e-5; }
+
 /* attention and its maps over hidden keys (kernel_check_hidden.c): q3_hidden_cases() cases,
  * case i's label (into name [n]) and tolerance, its launcher returned; and its run */
 int q3_hidden_cases(void);

@@ -37,19 +37,10 @@ static const pattern PATTERNS[] = {
     {"long run", 2, {700, 300}, {0, 20}, {{{100, 500, 0}, {650, 660, 0}}, {{30, 290, 0}}}},
 };
 
-typedef struct {
-    const char *name, *kernel;
-    int64_t L;
-    int G, D;
-    q3_dtype dt;
-    int64_t bound; /* max_keys and capacity (a decode graph's way: 8 split-KV slices); 0: exact */
-    int tc;        /* whether the launcher takes it to the tensor-core kernel (q3_attention_tc_fits) */
-} path;
-
 /* The launchers' paths: a decode step unsplit (split in 2 for the long run), split in 8
  * slices, 4 tokens split, 17 tokens over an fp32 cache (a block per token), 17 on tensor
  * cores at Qwen3-MoE's G = 8, D = 128; the maps of a decode step and of 17 tokens */
-static const path PATHS[] = {
+static const q3_masked_path PATHS[] = {
     {"decode", "attention", 1, 4, 64, Q3_BF16, 0, 0},
     {"decode split", "attention", 1, 4, 64, Q3_BF16, 2100, 0},
     {"4 tokens split", "attention", 4, 4, 64, Q3_BF16, 2100, 0},
@@ -66,10 +57,10 @@ int q3_hidden_cases(void) { return N_PATTERNS * N_PATHS; }
 
 const char *q3_hidden_case(int i, char *name, size_t n, double *tol) {
     const pattern *pt = &PATTERNS[i / N_PATHS];
-    const path *ph = &PATHS[i % N_PATHS];
+    const q3_masked_path *ph = &PATHS[i % N_PATHS];
     const int probs = strcmp(ph->kernel, "attention_probs") == 0;
     snprintf(name, n, "attention %shidden keys, %s: %s", probs ? "probs " : ph->tc ? "tc " : "", pt->name, ph->name);
-    *tol = ph->tc ? 2e-2 : 1e-5; /* tensor cores: q and the probabilities rounded to bf16 */
+    *tol = q3_masked_path_tol(ph);
     return ph->kernel;
 }
 
@@ -91,7 +82,7 @@ static void lay_flags(uint8_t *flags, int64_t ld, const pattern *pt, int64_t L) 
 double q3_case_hidden(check *k, int i) {
     if (i < 0 || i >= q3_hidden_cases()) return INFINITY;
     const pattern *pt = &PATTERNS[i / N_PATHS];
-    const path *ph = &PATHS[i % N_PATHS];
+    const q3_masked_path *ph = &PATHS[i % N_PATHS];
     int64_t most = 0;
     for (int s = 0; s < pt->n_seqs; s++) most = pt->past[s] + ph->L > most ? pt->past[s] + ph->L : most;
     const int64_t ld = most + 8;

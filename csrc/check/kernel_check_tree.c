@@ -44,19 +44,10 @@ static const scenario SCENARIOS[] = {
     {"cached", 2, {40, 33}, {0, 5}, 3},
 };
 
-typedef struct {
-    const char *name, *kernel;
-    int64_t L;
-    int G, D;
-    q3_dtype dt;
-    int64_t bound; /* max_keys and capacity (a decode graph's way: split-KV slices); 0: exact */
-    int tc;        /* whether the launcher takes it to the tensor-core kernel (q3_attention_tc_fits) */
-} path;
-
 /* The launchers' paths: a pass of 1 token and of 4 split in slices, 17 tokens over an fp32
  * cache (a block per token), 17 on tensor cores at Qwen3-MoE's G = 8, D = 128; the maps of 4
  * tokens and of 17 */
-static const path PATHS[] = {
+static const q3_masked_path PATHS[] = {
     {"1 token split", "attention", 1, 4, 64, Q3_BF16, 2100, 0},
     {"4 tokens split", "attention", 4, 4, 64, Q3_BF16, 2100, 0},
     {"17 tokens f32", "attention", 17, 2, 64, Q3_F32, 0, 0},
@@ -73,11 +64,11 @@ int q3_tree_cases(void) { return N_TREES * N_SCENARIOS * N_PATHS; }
 const char *q3_tree_case(int i, char *name, size_t n, double *tol) {
     const int tree = i / (N_SCENARIOS * N_PATHS);
     const scenario *sc = &SCENARIOS[i / N_PATHS % N_SCENARIOS];
-    const path *ph = &PATHS[i % N_PATHS];
+    const q3_masked_path *ph = &PATHS[i % N_PATHS];
     const int probs = strcmp(ph->kernel, "attention_probs") == 0;
     snprintf(name, n, "attention %stree, %s, %s: %s", probs ? "probs " : ph->tc ? "tc " : "", TREE_NAMES[tree],
              sc->name, ph->name);
-    *tol = ph->tc ? 2e-2 : 1e-5; /* tensor cores: q and the probabilities rounded to bf16 */
+    *tol = q3_masked_path_tol(ph);
     return ph->kernel;
 }
 
@@ -85,7 +76,7 @@ double q3_case_tree(check *k, int i) {
     if (i < 0 || i >= q3_tree_cases()) return INFINITY;
     const int tree = i / (N_SCENARIOS * N_PATHS);
     const scenario *sc = &SCENARIOS[i / N_PATHS % N_SCENARIOS];
-    const path *ph = &PATHS[i % N_PATHS];
+    const q3_masked_path *ph = &PATHS[i % N_PATHS];
     const int64_t T = sc->t0 + ph->L, ld = 64 + T;
     q3_check_tree tr = {NULL, T, {0}};
     uint8_t *bytes = host(k, (size_t)(sc->n_seqs * T * T)), *flags = host(k, (size_t)(sc->n_seqs * ld));

@@ -66,7 +66,8 @@ def run(rank, world, init_file):
         holes = mask.clone()
         holes[:, -3] = 0  # a hole in each row: hidden keys in the C cache (issue 42), each rank its own
         holed = model(ids, attention_mask=holes).logits
-        right = _generate(model, ids, torch.cat([mask, torch.zeros_like(mask[:, :1])], 1)[:, 1:], None)
+        right_padded = torch.cat([mask, torch.zeros_like(mask[:, :1])], 1)[:, 1:]  # the last prompt token masked
+        right = _generate(model, ids, right_padded, None)
         beams = _generate(model, ids, mask, None, num_beams=2)
         static = _generate(model, ids, mask, None, cache_implementation="static")
     if rank == 1:
@@ -86,8 +87,7 @@ def run(rank, world, init_file):
         assert torch.equal(_generate(model, ids, mask, None, cache_implementation="static"), static)
         got_holed = model(ids, attention_mask=holes).logits
         # a prompt whose mask ends in right padding, continued by generate: the hidden keys carried on
-        assert torch.equal(_generate(model, ids, torch.cat([mask, torch.zeros_like(mask[:, :1])], 1)[:, 1:], None),
-                           right)
+        assert torch.equal(_generate(model, ids, right_padded, None), right)
     seen = holes.bool()
     err = (got_holed - holed)[seen].abs().max().item()
     assert err <= 1e-4 * max(1.0, holed.abs().max().item()), f"logits under a mask with holes off by {err}"

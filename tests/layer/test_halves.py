@@ -456,3 +456,14 @@ def test_an_expert_only_layer_needs_its_dtype_and_format(kw, match):
     w = expert_weights(canonical_weights(_C.random_weights(CFG, 12, "bfloat16"), CFG), CFG)
     with pytest.raises(ValueError, match=match):
         _C.Layer(CFG, w, args["dtype"], args["device"], args["weight_format"], experts_only=True)
+
+
+@pytest.mark.parametrize("by_pass", [False, True])
+def test_a_decode_half_refuses_a_tree_before_any_work(whole, by_pass):
+    """attention_half / attention_passes with decode=True take no tree (one token a sequence:
+    nothing for a tree to order); refused by name, the cache as it was"""
+    cache = whole.new_cache(4, batch=2)
+    call = whole._core.attention_passes if by_pass else whole._core.attention_half
+    with pytest.raises(ValueError, match="decode=True takes no seq, chunk_size or tree"):
+        call(x_of(2, H), cache, decode=True, tree=torch.ones(2, 2, dtype=torch.bool).tril())
+    assert cache.lengths == (0, 0)
