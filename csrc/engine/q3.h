@@ -216,6 +216,10 @@ typedef struct {
     int experts_only;
 } q3_weights;
 
+/* q3_weights.held [E] (zeroed by the caller) from the ids of the experts held, ids [n] (a
+ * caller's experts=): Q3_ERR_VALUE naming the entry for an id outside [0, E) or one given twice */
+q3_status q3_held_from_ids(const int64_t *ids, int64_t n, int E, uint8_t *held, q3_error *err);
+
 /* the group size of a GPTQ matrix of K inputs for the weights' gptq_group (0: 128, -1: K) */
 static inline int64_t q3_gptq_group(int64_t gptq_group, int64_t K) {
     return gptq_group == 0 ? 128 : gptq_group < 0 ? K : gptq_group;

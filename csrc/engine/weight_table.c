@@ -259,6 +259,19 @@ q3_status q3_weight_table(const q3_config *cfg, q3_weights *w, int fused, const 
     return Q3_OK;
 }
 
+q3_status q3_held_from_ids(const int64_t *ids, int64_t n, int E, uint8_t *held, q3_error *err) {
+    for (int64_t i = 0; i < n; i++) {
+        if (ids[i] < 0 || ids[i] >= E)
+            return q3_fail(err, Q3_ERR_VALUE, "experts[%lld]: expected an expert id in [0, %d) (num_experts), got %lld",
+                           (long long)i, E, (long long)ids[i]);
+        if (held[ids[i]])
+            return q3_fail(err, Q3_ERR_VALUE, "experts[%lld]: expert %lld appears twice", (long long)i,
+                           (long long)ids[i]);
+        held[ids[i]] = 1;
+    }
+    return Q3_OK;
+}
+
 int64_t q3_weight_entry_numel(const q3_weight_entry *e) {
     int64_t n;
     return q3_numel(e->rank, e->dims, &n) ? n : -1;

@@ -2,8 +2,8 @@
  * Made by DecoderLayer.new_cache; its memory is allocated at creation and again only by
  * grow(). keys() and values() are zero-copy views of the blocks in use; they keep those
  * blocks alive through a views owner (below), so a view taken before a growth still reads the
- * blocks it was taken of. The operations for generation (reorder, select, copy, ...) are in
- * py_cache_ops.c. Every check is the engine's: this file converts and runs the calls. */
+ * blocks it was taken of. Its operations (reset, truncate, grow, reorder, ...) and the method
+ * table are in py_cache_ops.c. Every check is the engine's: this file converts. */
 #include "py_cache.h"
 
 q3py_cache_object *q3py_cache_wrap(q3_module_state *st, q3_cache *c) {
@@ -65,9 +65,7 @@ static PyObject *views_owner(q3py_cache_object *o) {
     return capsule;
 }
 
-/* after a growth: the views taken before it keep the old blocks (their owner takes them over),
- * or, none living, the blocks are freed now; 0, or -1 with an exception */
-static int retire_views(q3py_cache_object *o, q3_cache_blocks *old) {
+int q3py_cache_retire_views(q3py_cache_object *o, q3_cache_blocks *old) {
     PyObject *capsule = o->views_owner;
     if (!capsule) {
         q3_cache_blocks_free(old);
@@ -104,68 +102,8 @@ int q3py_cache_run(q3py_cache_object *o, q3_cache_call_args *r) {
     return -1;
 }
 
-PyObject *q3py_cache_run_none(q3py_cache_object *o, q3_cache_call_args *r) {
-    return q3py_cache_run(o, r) < 0 ? NULL : Py_NewRef(Py_None);
-}
-
-/* reset(seq=None), and the calls taking (n, seq) on one sequence, seq default 0 (truncate,
- * set_padding, set_first_position), or, every_ok, on every sequence, seq default None (crop) */
-static PyObject *cache_set_seq(q3py_cache_object *o, PyObject *args, PyObject *kw, const char *fmt, char **names,
-                               q3_cache_op op, int every_ok) {
-    long long n = 0;
-    PyObject *seq_obj = NULL;
-    q3_cache_call_args r = {.op = op};
-    if (op == Q3_CACHE_RESET ? !PyArg_ParseTupleAndKeywords(args, kw, fmt, names, &seq_obj)
-                             : !PyArg_ParseTupleAndKeywords(args, kw, fmt, names, &n, &seq_obj))
-        return NULL;
-    const int given = seq_obj ? q3py_int64(seq_obj, "seq", every_ok ? Q3PY_NONE_OK : 0, NULL, &r.seq) : !every_ok;
-    if (given < 0) return NULL;
-    r.every_seq = !given;
-    r.n = n;
-    return q3py_cache_run_none(o, &r);
-}
-
-static PyObject *cache_reset(q3py_cache_object *o, PyObject *args, PyObject *kw) {
-    static char *names[] = {"seq", NULL};
-    return cache_set_seq(o, args, kw, "|O:reset", names, Q3_CACHE_RESET, 1);
-}
-
-static PyObject *cache_truncate(q3py_cache_object *o, PyObject *args, PyObject *kw) {
-    static char *names[] = {"n", "seq", NULL};
-    return cache_set_seq(o, args, kw, "L|O:truncate", names, Q3_CACHE_TRUNCATE, 0);
-}
-
-static PyObject *cache_set_first_position(q3py_cache_object *o, PyObject *args, PyObject *kw) {
-    static char *names[] = {"position", "seq", NULL};
-    return cache_set_seq(o, args, kw, "L|O:set_first_position", names, Q3_CACHE_SET_FIRST_POSITION, 0);
-}
-
-static PyObject *cache_set_padding(q3py_cache_object *o, PyObject *args, PyObject *kw) {
-    static char *names[] = {"n", "seq", NULL};
-    return cache_set_seq(o, args, kw, "L|O:set_padding", names, Q3_CACHE_SET_PADDING, 0);
-}
-
-static PyObject *cache_crop(q3py_cache_object *o, PyObject *args, PyObject *kw) {
-    static char *names[] = {"length", "seq", NULL};
-    return cache_set_seq(o, args, kw, "L|O:crop", names, Q3_CACHE_CROP, 1);
-}
-
-static PyObject *cache_grow(q3py_cache_object *o, PyObject *args, PyObject *kw) {
-    static char *names[] = {"max_tokens", "stream", NULL};
-    PyObject *capacity_obj, *stream_obj = Py_None;
-    q3_cache_call_args r = {.op = Q3_CACHE_GROW};
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|$O:grow", names, &capacity_obj, &stream_obj) ||
-        q3py_int64(capacity_obj, "max_tokens", 0, "expected at most 2^40 (the positions RoPE takes)", &r.n) < 0 ||
-        q3py_stream_on(stream_obj, q3_cache_device(o->cache), "a cache on the cpu", &r.stream) < 0 ||
-        q3py_cache_run(o, &r) < 0)
-        return NULL;
-    /* old.k NULL: it held that many already */
-    return r.old.k && retire_views(o, &r.old) < 0 ? NULL : Py_NewRef(Py_None);
-}
-
-/* keys(seq=0) and values(seq=0): one sequence's view; all_keys(tokens=None) and
- * all_values(tokens=None): every sequence's. A view's base is its blocks' views owner. */
-static PyObject *cache_view(q3py_cache_object *o, PyObject *args, PyObject *kw, int values, int all) {
+/* a view's base is its blocks' views owner */
+PyObject *q3py_cache_view(q3py_cache_object *o, PyObject *args, PyObject *kw, int values, int all) {
     static char *seq_names[] = {"seq", NULL}, *tokens_names[] = {"tokens", NULL};
     static const char *fmt[2][2] = {{"|O:keys", "|O:values"}, {"|O:all_keys", "|O:all_values"}};
     PyObject *obj = NULL;
@@ -186,11 +124,6 @@ static PyObject *cache_view(q3py_cache_object *o, PyObject *args, PyObject *kw, 
     if (t) t->device = q3_cache_device(o->cache);
     return (PyObject *)t;
 }
-
-static PyObject *cache_keys(q3py_cache_object *o, PyObject *a, PyObject *k) { return cache_view(o, a, k, 0, 0); }
-static PyObject *cache_values(q3py_cache_object *o, PyObject *a, PyObject *k) { return cache_view(o, a, k, 1, 0); }
-static PyObject *cache_all_keys(q3py_cache_object *o, PyObject *a, PyObject *k) { return cache_view(o, a, k, 0, 1); }
-static PyObject *cache_all_values(q3py_cache_object *o, PyObject *a, PyObject *k) { return cache_view(o, a, k, 1, 1); }
 
 /* lengths, padding, first_positions: a tuple of one count per sequence, the getter's closure
  * pointing at the engine's accessor */
@@ -245,78 +178,6 @@ static PyObject *cache_repr(q3py_cache_object *o) {
                                 (long long)q3_cache_capacity(c) * q3_cache_batch(c), q3_cache_bytes(c) >> 20);
 }
 
-#define KW (METH_VARARGS | METH_KEYWORDS)
-/* the copying operations' stream rule (py_cache_ops.c) */
-#define STREAM_DOC                                                                                               \
-    "On a CUDA cache the copies are queued on `stream` (a cudaStream_t as int, e.g. torch's "                    \
-    "current_stream().cuda_stream: the stream of the layer calls they must follow); None or 0: the device is "   \
-    "synchronized before and after them. None for a cpu cache."
-
-static PyMethodDef cache_methods[] = {
-    {"reset", (PyCFunction)(void (*)(void))cache_reset, KW,
-     "reset(seq=None)\n--\n\nEmpty sequence `seq`, or every sequence when seq is None."},
-    {"truncate", (PyCFunction)(void (*)(void))cache_truncate, KW,
-     "truncate(n, seq=0)\n--\n\nKeep the first n tokens of sequence `seq`."},
-    {"set_padding", (PyCFunction)(void (*)(void))cache_set_padding, KW,
-     "set_padding(n, seq=0)\n--\n\nThe first n tokens sequence `seq` receives are padding (left padding of a "
-     "batch): later tokens do not attend to them and positions count from the first real token. Only while "
-     "the sequence is empty; reset() clears it."},
-    {"set_first_position", (PyCFunction)(void (*)(void))cache_set_first_position, KW,
-     "set_first_position(position, seq=0)\n--\n\nThe first real token sequence `seq` receives sits at RoPE position "
-     "`position` (default 0; the next at position + 1, ...): for callers whose positions count the left padding or "
-     "run on from elsewhere. Only while the sequence is empty; reset() clears it; the cache operations carry it."},
-    {"keys", (PyCFunction)(void (*)(void))cache_keys, KW,
-     "keys(seq=0)\n--\n\nZero-copy view [num_kv_heads, length, head_dim] of the sequence's keys "
-     "(after QK-norm and RoPE), with __dlpack__. The view keeps the length it had when taken."},
-    {"values", (PyCFunction)(void (*)(void))cache_values, KW,
-     "values(seq=0)\n--\n\nZero-copy view [num_kv_heads, length, head_dim] of the sequence's values."},
-    {"all_keys", (PyCFunction)(void (*)(void))cache_all_keys, KW,
-     "all_keys(tokens=None)\n--\n\nZero-copy view [batch, num_kv_heads, tokens, head_dim] of every sequence's keys "
-     "(transformers' cache layout); tokens defaults to the length all sequences share (ValueError when they "
-     "differ), at most the capacity (positions never written read zeros)."},
-    {"all_values", (PyCFunction)(void (*)(void))cache_all_values, KW,
-     "all_values(tokens=None)\n--\n\nZero-copy view [batch, num_kv_heads, tokens, head_dim] of every sequence's "
-     "values, as all_keys."},
-    {"reorder", (PyCFunction)(void (*)(void))q3py_cache_reorder, KW,
-     "reorder(index, *, stream=None)\n--\n\nIn place: sequence i becomes a copy of old sequence index[i] "
-     "(len(index) == batch; indices may repeat: beam search). Tokens, lengths and padding move together. "
-     STREAM_DOC},
-    {"select", (PyCFunction)(void (*)(void))q3py_cache_select, KW,
-     "select(index, *, stream=None)\n--\n\nA new KVCache of len(index) >= 1 sequences (same capacity): "
-     "sequence i is a copy of this cache's sequence index[i] (indices may repeat). " STREAM_DOC},
-    {"repeat_interleave", (PyCFunction)(void (*)(void))q3py_cache_repeat_interleave, KW,
-     "repeat_interleave(n, *, stream=None)\n--\n\nA new KVCache of batch * n sequences: sequence i * n + j "
-     "is a copy of sequence i (a prompt expanded to n beams). " STREAM_DOC},
-    {"crop", (PyCFunction)(void (*)(void))cache_crop, KW,
-     "crop(length, seq=None)\n--\n\nKeep the first `length` tokens of sequence `seq`, or of every sequence "
-     "when seq is None; a sequence holding fewer keeps what it holds. length < 0 drops -length tokens from "
-     "the end of each (transformers' Cache.crop)."},
-    {"copy", (PyCFunction)(void (*)(void))q3py_cache_copy, KW,
-     "copy(*, stream=None)\n--\n\nA new KVCache with the same contents (copy.copy and copy.deepcopy call it, "
-     "with no stream). " STREAM_DOC},
-    {"grow", (PyCFunction)(void (*)(void))cache_grow, KW,
-     "grow(max_tokens, *, stream=None)\n--\n\nEvery sequence's room becomes max_tokens tokens (at least the "
-     "capacity now; equal: nothing happens). New K and V of the new capacity are allocated and each sequence's "
-     "tokens copied into them once; lengths, padding and first positions stay. Peak memory: the old and the new "
-     "K and V together (nbytes before and after). Views taken before keep reading the old memory, which lives as "
-     "long as they do; take views anew. A decode graph captured before refuses to replay. " STREAM_DOC
-     " (a CUDA cache's growth waits for its copies)."},
-    {"__copy__", (PyCFunction)q3py_cache_copy_noargs, METH_NOARGS, "The same as copy()."},
-    /* the memo needs nothing from us (copy records the result itself) */
-    {"__deepcopy__", (PyCFunction)q3py_cache_copy_noargs, METH_O, "The same as copy()."},
-    {"accept", (PyCFunction)(void (*)(void))q3py_cache_accept, KW,
-     "accept(seq, kept, *, stream=None)\n--\n\nAfter a verify of sequence seq (its last call, no operation since): "
-     "the verify's tokens kept (increasing indices into them: the accepted path) become the rows after the tokens "
-     "before it, in that order; the others are dropped. " STREAM_DOC},
-    {"_tree_inputs", (PyCFunction)(void (*)(void))q3py_cache_tree_inputs, KW,
-     "_tree_inputs(parents, seq=None)\n--\n\n(tree, positions) of a verify call from parents [T] or [batch, T] "
-     "(-1: a root after the cache, else an earlier token): DecoderLayer.verify's."},
-    {"copy_prefix", (PyCFunction)(void (*)(void))q3py_cache_copy_prefix, KW,
-     "copy_prefix(src_seq, dst_seq, length, *, stream=None)\n--\n\nSequence dst_seq becomes a copy of the "
-     "first `length` tokens of sequence src_seq (prefix reuse); what dst_seq held is dropped. " STREAM_DOC},
-    {NULL},
-};
-
 static PyGetSetDef cache_getset[] = {
     {"lengths", (getter)cache_per_seq, NULL, "tokens held by each sequence (tuple)", (void *)&per_seq_getters[0]},
     {"capacity", (getter)cache_capacity, NULL, "tokens each sequence can hold", NULL},
@@ -338,7 +199,7 @@ static PyGetSetDef cache_getset[] = {
 static PyType_Slot cache_slots[] = {
     {Py_tp_dealloc, cache_dealloc},
     {Py_tp_repr, cache_repr},
-    {Py_tp_methods, cache_methods},
+    {Py_tp_methods, q3py_cache_methods},
     {Py_tp_getset, cache_getset},
     {Py_tp_doc, "KV cache owned by the extension; create it with DecoderLayer.new_cache()."},
     {0, NULL},

@@ -1,5 +1,5 @@
-/* KVCache glue shared by py_cache.c (the object, its views and simple calls) and
- * py_cache_ops.c (the operations for generation). The checks are the engine's
+/* KVCache glue shared by py_cache.c (the object, its views and attributes) and
+ * py_cache_ops.c (its operations and method table). The checks are the engine's
  * (q3_cache_call, q3_cache_view_of); this glue converts arguments and runs the calls. */
 #ifndef Q3_PY_CACHE_H
 #define Q3_PY_CACHE_H
@@ -14,17 +14,13 @@ q3py_cache_object *q3py_cache_wrap(q3_module_state *st, q3_cache *c);
 /* Engine call r on o's cache (q3_cache_call): refused while the cache is not idle; else made
  * with the cache busy and the GIL released. 0, or -1 with the engine's error raised. */
 int q3py_cache_run(q3py_cache_object *o, q3_cache_call_args *r);
-/* the same, None or NULL */
-PyObject *q3py_cache_run_none(q3py_cache_object *o, q3_cache_call_args *r);
-
-/* KVCache methods (py_cache_ops.c); their docstrings are in py_cache.c's table */
-PyObject *q3py_cache_reorder(q3py_cache_object *o, PyObject *args, PyObject *kw);
-PyObject *q3py_cache_select(q3py_cache_object *o, PyObject *args, PyObject *kw);
-PyObject *q3py_cache_repeat_interleave(q3py_cache_object *o, PyObject *args, PyObject *kw);
-PyObject *q3py_cache_copy(q3py_cache_object *o, PyObject *args, PyObject *kw);
-PyObject *q3py_cache_copy_noargs(q3py_cache_object *o, PyObject *unused); /* __copy__ and __deepcopy__ */
-PyObject *q3py_cache_copy_prefix(q3py_cache_object *o, PyObject *args, PyObject *kw);
-PyObject *q3py_cache_accept(q3py_cache_object *o, PyObject *args, PyObject *kw);
-PyObject *q3py_cache_tree_inputs(q3py_cache_object *o, PyObject *args, PyObject *kw);
+/* after a growth: the views taken before it keep the old blocks (their owner takes them over),
+ * or, none living, the blocks are freed now; 0, or -1 with an exception */
+int q3py_cache_retire_views(q3py_cache_object *o, q3_cache_blocks *old);
+/* keys(seq=0), values(seq=0): one sequence's view; all_keys(tokens=None), all_values(tokens=None):
+ * every sequence's (py_cache.c) */
+PyObject *q3py_cache_view(q3py_cache_object *o, PyObject *args, PyObject *kw, int values, int all);
+/* KVCache's methods with their docstrings (py_cache_ops.c) */
+extern PyMethodDef q3py_cache_methods[];
 
 #endif

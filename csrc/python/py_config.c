@@ -154,6 +154,18 @@ int q3py_weight_format(PyObject *obj, void *out) {
     return 0;
 }
 
+int q3py_held_experts(PyObject *obj, int E, uint8_t **held) {
+    int64_t n;
+    int64_t *ids = q3py_index_list(obj, "experts", &n);
+    q3_error err;
+    if (ids && !(*held = PyMem_Calloc((size_t)E, 1))) PyErr_NoMemory();
+    else if (ids && q3py_status(q3_held_from_ids(ids, n, E, *held, &err), &err) < 0) PyMem_Free(*held);
+    const int failed = !ids || PyErr_Occurred();
+    PyMem_Free(ids);
+    if (failed) *held = NULL;
+    return failed ? -1 : 0;
+}
+
 /* the engine's weight table (q3_weight_table) as [(name, shape, storage, of)]: storage
  * 'layer', 'e4m3', 'scale', 'qweight', 'gscales', 'qzeros' or 'g_idx' (q3_weight_storage_name),
  * of the index of the matrix an entry stands beside (else -1) */

@@ -101,37 +101,6 @@ int q3py_seq(PyObject *obj, int batch, int *seq) {
     return 0;
 }
 
-int q3py_held_experts(PyObject *obj, int E, uint8_t **held) {
-    *held = NULL;
-    PyObject *seq = PySequence_Fast(obj, "experts: expected a sequence of expert ids (ints) or None");
-    if (!seq) return -1;
-    uint8_t *h = PyMem_Calloc((size_t)E, 1);
-    if (!h) PyErr_NoMemory();
-    const Py_ssize_t n = h ? PySequence_Fast_GET_SIZE(seq) : 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
-        const int is_int = PyLong_Check(item) && !PyBool_Check(item);
-        int overflow; /* past int64: e is -1, refused as out of range */
-        const long long e = is_int ? PyLong_AsLongLongAndOverflow(item, &overflow) : -1;
-        if (!is_int)
-            PyErr_Format(PyExc_TypeError, "experts[%zd]: expected an int, got %.100s", i, Py_TYPE(item)->tp_name);
-        if (!PyErr_Occurred() && (e < 0 || e >= E))
-            PyErr_Format(PyExc_ValueError, "experts[%zd]: expected an expert id in [0, %d) (num_experts), got %R", i,
-                         E, item);
-        if (!PyErr_Occurred() && h[e])
-            PyErr_Format(PyExc_ValueError, "experts[%zd]: expert %lld appears twice", i, e);
-        if (PyErr_Occurred()) break;
-        h[e] = 1;
-    }
-    Py_DECREF(seq);
-    if (!h || PyErr_Occurred()) {
-        PyMem_Free(h);
-        return -1;
-    }
-    *held = h;
-    return 0;
-}
-
 /* None -> 0 (the engine's default chunk); else a positive int */
 int q3py_chunk(PyObject *obj, int64_t *chunk) {
     *chunk = 0;
@@ -186,33 +155,34 @@ int q3py_place(PyObject *device_obj, PyObject *stream_obj, int *device, void **s
 
 int q3py_int64(PyObject *obj, const char *arg, int flags, const char *too_big, int64_t *out) {
     if (obj == Py_None && (flags & Q3PY_NONE_OK)) return 0;
-    if (!PyLong_Check(obj) || (PyBool_Check(obj) && !(flags & Q3PY_BOOL_OK))) {
-        PyErr_Format(PyExc_TypeError, "%s: expected an int%s, got %.100s", arg, flags & Q3PY_NONE_OK ? " or None" : "",
-                     Py_TYPE(obj)->tp_name);
+    /* an int, or what stands for one (numpy's, a 0-d torch tensor's __index__) */
+    PyObject *v = PyBool_Check(obj) && !(flags & Q3PY_BOOL_OK) ? NULL : PyIndex_Check(obj) ? PyNumber_Index(obj) : NULL;
+    if (!v) {
+        if (!PyErr_Occurred() || PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_TypeError, "%s: expected an int%s, got %.100s", arg,
+                         flags & Q3PY_NONE_OK ? " or None" : "", Py_TYPE(obj)->tp_name);
+        }
         return -1;
     }
     int overflow;
-    *out = PyLong_AsLongLongAndOverflow(obj, &overflow);
-    if (overflow && too_big) {
-        PyErr_Format(PyExc_ValueError, "%s: %s, got %R", arg, too_big, obj);
-        return -1;
-    }
-    if (overflow) *out = PyLong_AsLongLong(obj); /* raises its OverflowError */
-    return *out == -1 && PyErr_Occurred() ? -1 : 1;
+    *out = PyLong_AsLongLongAndOverflow(v, &overflow);
+    if (overflow && too_big) PyErr_Format(PyExc_ValueError, "%s: %s, got %R", arg, too_big, v);
+    else if (overflow) *out = PyLong_AsLongLong(v); /* raises its OverflowError */
+    Py_DECREF(v);
+    return PyErr_Occurred() ? -1 : 1;
 }
 
 /* index argument: a 1-D sequence of ints (list, tuple, range, a torch or numpy integer array),
  * as int64 for the engine (which checks each against the batch). Returns a PyMem_Malloc'd
  * array of *n entries, or NULL with an exception. */
-int64_t *q3py_index_list(PyObject *obj, int64_t *n) {
-    if (PyLong_Check(obj))
-        return (int64_t *)PyErr_Format(PyExc_TypeError, "index: expected a 1-D sequence of ints, got int");
+int64_t *q3py_index_list(PyObject *obj, const char *arg, int64_t *n) {
     PyObject *attr = PyObject_GetAttrString(obj, "ndim"); /* arrays: exactly one dimension */
     if (!attr) PyErr_Clear();
     else {
         const long ndim = PyLong_Check(attr) ? PyLong_AsLong(attr) : 1;
         Py_DECREF(attr);
-        if (ndim != 1) return (int64_t *)PyErr_Format(PyExc_ValueError, "index: expected 1 dimension, got %ld", ndim);
+        if (ndim != 1) return (int64_t *)PyErr_Format(PyExc_ValueError, "%s: expected 1 dimension, got %ld", arg, ndim);
     }
     if ((attr = PyObject_GetAttrString(obj, "dtype")) == NULL) PyErr_Clear();
     else { /* arrays: an integer dtype ("torch.int64", "int32", "uint8"), not bool or float */
@@ -221,22 +191,23 @@ int64_t *q3py_index_list(PyObject *obj, int64_t *n) {
         if (!name) return NULL;
         const char *u = PyUnicode_AsUTF8(name);
         const int ok = u && strstr(u, "int") != NULL;
-        if (u && !ok) PyErr_Format(PyExc_TypeError, "index: expected an integer dtype, got %s", u);
+        if (u && !ok) PyErr_Format(PyExc_TypeError, "%s: expected an integer dtype, got %s", arg, u);
         Py_DECREF(name);
         if (!ok) return NULL;
     }
-    PyObject *seq = PySequence_Fast(obj, "index: expected a 1-D sequence of ints");
+    PyObject *seq = PySequence_Fast(obj, "");
+    if (!seq && PyErr_ExceptionMatches(PyExc_TypeError)) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "%s: expected a 1-D sequence of ints, got %.100s", arg, Py_TYPE(obj)->tp_name);
+    }
     if (!seq) return NULL;
     *n = PySequence_Fast_GET_SIZE(seq);
     int64_t *index = PyMem_Malloc((size_t)(*n ? *n : 1) * sizeof *index);
     if (!index) PyErr_NoMemory();
     for (Py_ssize_t i = 0; index && i < *n; i++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(seq, i), *v = PyBool_Check(item) ? NULL : PyNumber_Index(item);
-        index[i] = v ? PyLong_AsLongLong(v) : -1;
-        Py_XDECREF(v);
-        if (v && !(index[i] == -1 && PyErr_Occurred())) continue;
-        PyErr_Clear();
-        PyErr_Format(PyExc_TypeError, "index[%zd]: expected an int, got %.100s", i, Py_TYPE(item)->tp_name);
+        char entry[80];
+        snprintf(entry, sizeof entry, "%s[%zd]", arg, i);
+        if (q3py_int64(PySequence_Fast_GET_ITEM(seq, i), entry, 0, "expected a 64-bit int", &index[i]) > 0) continue;
         PyMem_Free(index);
         index = NULL;
     }

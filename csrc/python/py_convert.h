@@ -42,12 +42,9 @@ typedef struct {
     int64_t dims[Q3_MAX_DIM];
 } q3py_shape;
 int q3py_shape_arg(PyObject *obj, void *out);
-/* experts= (a sequence of distinct expert ids in [0, E)) as a PyMem_Malloc'd [E] mask of the
- * ids held; -1 with an exception naming the entry */
-int q3py_held_experts(PyObject *obj, int E, uint8_t **held);
-/* An int argument as the engine takes it (the engine checks its range): 1 with *out; 0 for
- * None where Q3PY_NONE_OK; -1 with TypeError "<arg>: expected an int[ or None], got <type>" (a
- * bool is one only where Q3PY_BOOL_OK). Past int64: OverflowError, or ValueError
+/* An int argument (or an object with __index__: numpy's ints) as the engine takes it (the
+ * engine checks its range): 1 with *out; 0 for None where Q3PY_NONE_OK; -1 with TypeError
+ * "<arg>: expected an int[ or None], got <type>" (a bool is one only where Q3PY_BOOL_OK). Past int64: OverflowError, or ValueError
  * "<arg>: <too_big>, got <value>" where too_big is given. */
 enum { Q3PY_NONE_OK = 1, Q3PY_BOOL_OK = 2 };
 int q3py_int64(PyObject *obj, const char *arg, int flags, const char *too_big, int64_t *out);
@@ -58,10 +55,10 @@ int q3py_chunk(PyObject *obj, int64_t *chunk);
 int q3py_attention_limit(PyObject *obj, int64_t dflt, int64_t *limit);
 /* "device" (NULL: not given, the host) -1 or a CUDA device index, and "stream" for it; 0 or -1 */
 int q3py_place(PyObject *device_obj, PyObject *stream_obj, int *device, void **stream);
-/* "index": a 1-D sequence of ints (list, tuple, range, a torch or numpy integer array) as a
- * PyMem_Malloc'd int64 array of *n (the engine checks each entry's range); NULL with an
- * exception */
-int64_t *q3py_index_list(PyObject *obj, int64_t *n);
+/* An index argument named arg: a 1-D sequence of ints (list, tuple, range, a torch or numpy
+ * integer array) as a PyMem_Malloc'd int64 array of *n (the engine checks each entry's range);
+ * NULL with an exception naming arg (or arg[i]) */
+int64_t *q3py_index_list(PyObject *obj, const char *arg, int64_t *n);
 /* "O&" converter: buffer_view's dtype (float32, bfloat16, float8_e4m3fn, int32) -> q3_dtype */
 int q3py_buffer_dtype(PyObject *obj, void *out);
 /* the ints v [n] as a tuple (a list where as_list); NULL with the exception */
