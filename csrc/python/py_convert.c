@@ -104,33 +104,25 @@ int q3py_seq(PyObject *obj, int batch, int *seq) {
 /* None -> 0 (the engine's default chunk); else a positive int */
 int q3py_chunk(PyObject *obj, int64_t *chunk) {
     *chunk = 0;
-    if (obj == Py_None) return 0;
-    long long v = PyLong_Check(obj) && !PyBool_Check(obj) ? PyLong_AsLongLong(obj) : -1;
-    if (v == -1 && PyErr_Occurred()) return -1;
-    if (v <= 0) {
+    const int given = q3py_int64(obj, "chunk_size", Q3PY_NONE_OK, "expected a positive int or None", chunk);
+    if (given > 0 && *chunk <= 0)
         PyErr_Format(PyExc_ValueError, "chunk_size: expected a positive int or None, got %R", obj);
-        return -1;
-    }
-    *chunk = v;
-    return 0;
+    return given < 0 || PyErr_Occurred() ? -1 : 0;
 }
 
-/* attention_limit: None -> dflt; else a non-negative int of bytes */
+/* attention_limit: None -> dflt; else a non-negative int of bytes (past int64: no limit, more
+ * than any machine has) */
 int q3py_attention_limit(PyObject *obj, int64_t dflt, int64_t *limit) {
     *limit = dflt;
-    if (obj == Py_None) return 0;
-    long long v = PyLong_Check(obj) && !PyBool_Check(obj) ? PyLong_AsLongLong(obj) : -1;
-    if (v == -1 && PyErr_Occurred()) {
-        if (!PyErr_ExceptionMatches(PyExc_OverflowError)) return -1;
+    const int given = q3py_int64(obj, "attention_limit", Q3PY_NONE_OK, NULL, limit);
+    /* past int64 and above 0 (obj > False): no limit */
+    if (given < 0 && PyErr_ExceptionMatches(PyExc_OverflowError) && PyObject_RichCompareBool(obj, Py_False, Py_GT) > 0) {
         PyErr_Clear();
-        v = INT64_MAX; /* more than any machine has: no limit */
-    }
-    if (v < 0) {
+        *limit = INT64_MAX;
+    } else if (given > 0 && *limit < 0) {
         PyErr_Format(PyExc_ValueError, "attention_limit: expected a number of bytes >= 0 or None, got %R", obj);
-        return -1;
     }
-    *limit = v;
-    return 0;
+    return PyErr_Occurred() ? -1 : 0;
 }
 
 /* device: an int, -1 (the host) or a CUDA device (NULL: not given, -1); with the stream to

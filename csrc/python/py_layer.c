@@ -84,10 +84,17 @@ static void layer_dealloc(q3py_layer_object *self) {
 
 /* ---- attributes ------------------------------------------------------------------ */
 
-static PyObject *get_dtype(q3py_layer_object *self, void *c) {
-    (void)c;
-    return PyUnicode_FromString(q3_dtype_name(q3_layer_dtype(self->layer)));
-}
+#define GETTER(fn, expr) \
+    static PyObject *fn(q3py_layer_object *self, void *c) { return expr; }
+GETTER(get_dtype, PyUnicode_FromString(q3_dtype_name(q3_layer_dtype(self->layer))))
+GETTER(get_device, PyLong_FromLong(self->device))
+GETTER(get_weight_format, PyUnicode_FromString(q3_weight_format_name(q3_layer_weight_format(self->layer))))
+GETTER(get_scale_dtype, q3_layer_weight_format(self->layer) == Q3_WF_DENSE
+                            ? Py_NewRef(Py_None)
+                            : PyUnicode_FromString(q3_dtype_name(q3_layer_scale_dtype(self->layer))))
+GETTER(get_weight_bytes, PyLong_FromLongLong(q3_layer_weight_bytes(self->layer)))
+GETTER(get_workspace, PyLong_FromSize_t(q3_layer_workspace_bytes(self->layer)))
+
 /* converted: the names of the layer's copies (a tuple); weight_ptrs: {name: address} of all */
 static PyObject *weights_read(q3py_layer_object *self, void *ptrs) {
     PyObject *out = ptrs ? PyDict_New() : PyList_New(0);
@@ -105,42 +112,18 @@ static PyObject *weights_read(q3py_layer_object *self, void *ptrs) {
     Py_DECREF(out);
     return names;
 }
-static PyObject *get_device(q3py_layer_object *self, void *c) {
-    (void)c;
-    return PyLong_FromLong(self->device);
-}
-static PyObject *get_weight_format(q3py_layer_object *self, void *c) {
-    (void)c;
-    return PyUnicode_FromString(q3_weight_format_name(q3_layer_weight_format(self->layer)));
-}
-static PyObject *get_scale_dtype(q3py_layer_object *self, void *c) {
-    (void)c;
-    if (q3_layer_weight_format(self->layer) == Q3_WF_DENSE) Py_RETURN_NONE;
-    return PyUnicode_FromString(q3_dtype_name(q3_layer_scale_dtype(self->layer)));
-}
-static PyObject *get_weight_bytes(q3py_layer_object *self, void *c) {
-    (void)c;
-    return PyLong_FromLongLong(q3_layer_weight_bytes(self->layer));
-}
-static PyObject *get_workspace(q3py_layer_object *self, void *c) {
-    (void)c;
-    return PyLong_FromSize_t(q3_layer_workspace_bytes(self->layer));
-}
 
+/* the ids of the experts held, ascending */
 static PyObject *get_held_experts(q3py_layer_object *self, void *c) {
-    (void)c;
     const int E = q3_layer_config(self->layer)->experts;
-    PyObject *ids = PyTuple_New(q3_layer_held_experts(self->layer));
-    for (int e = 0, i = 0; ids && e < E; e++) {
-        if (!q3_layer_holds_expert(self->layer, e)) continue;
-        PyObject *v = PyLong_FromLong(e);
-        if (!v) {
-            Py_CLEAR(ids);
-            break;
-        }
-        PyTuple_SET_ITEM(ids, i++, v);
-    }
-    return ids;
+    int64_t *ids = PyMem_Malloc((size_t)E * sizeof *ids);
+    if (!ids) return PyErr_NoMemory();
+    int n = 0;
+    for (int e = 0; e < E; e++)
+        if (q3_layer_holds_expert(self->layer, e)) ids[n++] = e;
+    PyObject *out = q3py_int64s(ids, n, 0);
+    PyMem_Free(ids);
+    return out;
 }
 
 PyGetSetDef q3py_layer_getset[] = {

@@ -138,7 +138,7 @@ def test_attention_limit_refuses_before_anything_runs():
         layer.decode(torch.randn(1, 64), cache, attention_limit=10)
     with pytest.raises(ValueError, match=r"attention_limit: expected a number of bytes >= 0 or None, got -1"):
         layer.decode(torch.randn(1, 64), cache, return_attention=True, attention_limit=-1)
-    with pytest.raises(ValueError, match="attention_limit"):
+    with pytest.raises(TypeError, match="attention_limit: expected an int or None, got str"):
         layer.decode(torch.randn(1, 64), cache, return_attention=True, attention_limit="big")
     assert cache.lengths == (16,)
 
