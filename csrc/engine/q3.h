@@ -798,7 +798,7 @@ typedef struct {
     const q3_dtype *dtype;          /* NULL: the weights' */
     const q3_weight_format *format; /* NULL: the weights' */
     const uint8_t *held;            /* as q3_weights' (copied) */
-    int experts_only;               /* as q3_weights' (dtype and format given) */
+    int experts_only;               /* as q3_weights' (a host layer given dtype and format, else refused) */
     int64_t gptq_group;
     int gptq_v2, gptq_dense_attention;
 } q3_layer_load_args;

@@ -201,6 +201,13 @@ static q3_status take(load *ld, const q3_weight_entry *e, q3_dtype dt, int exper
 q3_status q3_layer_load(q3_layer **out, const q3_config *cfg, const q3_layer_load_args *a, const q3_weight_source *src,
                         q3_error *err) {
     *out = NULL;
+    if (a->experts_only && (a->device >= 0 || !a->dtype || !a->format))
+        return q3_fail(err, Q3_ERR_VALUE, "experts_only: an expert-only layer is a host layer (device=-1) given its "
+                       "dtype and weight_format (it has no q_proj to read them from), got device=%d, dtype=%s, "
+                       "weight_format=%s", a->device, a->dtype ? q3_dtype_name(*a->dtype) : "None",
+                       a->format ? q3_weight_format_name(*a->format) : "None");
+    if (a->device >= 0 && !q3_device())
+        return q3_fail(err, Q3_ERR_STATE, "device=%d: the CUDA backend is not loaded", a->device);
     q3_status s = Q3_OK;
     load ld = {.src = src, .a = a, .h = calloc(1, sizeof *ld.h)};
     if (!ld.h) return q3_fail(err, Q3_ERR_NOMEM, "layer: out of memory");

@@ -39,6 +39,7 @@ int q3_parse_dtype(PyObject *obj, const char *arg, q3_dtype *out) {
 }
 
 int q3py_dtype(PyObject *obj, void *out) { return q3_parse_dtype(obj, "dtype", out) == 0; }
+int q3py_dtype_or_none(PyObject *obj, void *out) { return obj == Py_None || q3py_dtype(obj, out); }
 
 int q3py_stream(PyObject *obj, void *out) {
     void **stream = out;

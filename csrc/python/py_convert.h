@@ -24,6 +24,8 @@ int q3py_status(q3_status s, const q3_error *err);
 int q3_parse_dtype(PyObject *obj, const char *arg, q3_dtype *out);
 /* "dtype": 'float32' or 'bfloat16' -> q3_dtype *out */
 int q3py_dtype(PyObject *obj, void *out);
+/* the same, None leaving *out as it was (the caller's default) */
+int q3py_dtype_or_none(PyObject *obj, void *out);
 /* "stream": a cudaStream_t as int, or None (NULL: the default stream) -> void **out */
 int q3py_stream(PyObject *obj, void *out);
 /* the same for an object on `device` (-1: the cpu, where only None is taken; ValueError

@@ -32,21 +32,11 @@ static PyObject *layer_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
                                      &dtype_obj, &device, &format_obj, &experts_obj, &experts_only, &gptq_group,
                                      &gptq_v2, &dense_attention))
         return NULL;
-    if (experts_only && (device >= 0 || dtype_obj == Py_None || format_obj == Py_None)) {
-        PyErr_Format(PyExc_ValueError, "experts_only: an expert-only layer is a host layer (device=-1) given its dtype "
-                     "and weight_format (it has no q_proj to read them from), got device=%d, dtype=%R, "
-                     "weight_format=%R", device, dtype_obj, format_obj);
-        return NULL;
-    }
-    if (device >= 0 && !q3_cuda_loaded()) {
-        PyErr_SetString(PyExc_RuntimeError, "device: the CUDA backend is not loaded (qwen3layer.cuda.load())");
-        return NULL;
-    }
     q3_config cfg;
     q3_dtype dt;
     q3_weight_format wf;
     uint8_t *held = NULL; /* experts=None: every expert */
-    if (q3_parse_config(cfg_obj, &cfg) < 0 || (dtype_obj != Py_None && q3_parse_dtype(dtype_obj, "dtype", &dt) < 0) ||
+    if (q3_parse_config(cfg_obj, &cfg) < 0 || !q3py_dtype_or_none(dtype_obj, &dt) ||
         !q3py_weight_format(format_obj, &wf) ||
         (experts_obj != Py_None && q3py_held_experts(experts_obj, cfg.experts, &held) < 0))
         return NULL;

@@ -228,37 +228,36 @@ static PyObject *layer_new_cache(q3py_layer_object *self, PyObject *args, PyObje
     static char *names[] = {"max_tokens", "batch", "dtype", NULL};
     long long max_tokens;
     int batch = 1;
-    PyObject *dtype_obj = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "L|iO:new_cache", names, &max_tokens, &batch, &dtype_obj))
-        return NULL;
     q3_dtype dt = q3_layer_dtype(self->layer);
-    if (dtype_obj != Py_None && q3_parse_dtype(dtype_obj, "dtype", &dt) < 0) return NULL;
     q3_module_state *st = q3_state_of_type(Py_TYPE(self));
-    if (!st) return NULL;
+    if (!st || !PyArg_ParseTupleAndKeywords(args, kw, "L|iO&:new_cache", names, &max_tokens, &batch,
+                                            q3py_dtype_or_none, &dt))
+        return NULL;
     const q3_config *c = q3_layer_config(self->layer);
     return (PyObject *)q3py_cache_object_new(st, batch, max_tokens, c->kv_heads, c->head_dim, dt, self->device);
 }
 
-static PyObject *layer_decode_graph(q3py_layer_object *self, PyObject *args, PyObject *kw) {
-    static char *names[] = {"cache", "batch", "dtype", NULL};
-    PyObject *cache_obj, *batch_obj = Py_None, *dtype_obj = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OO:decode_graph", names, &cache_obj, &batch_obj, &dtype_obj))
-        return NULL;
-    q3_module_state *st = q3_state_of_type(Py_TYPE(self));
-    if (!st) return NULL;
-    q3py_cache_object *co = as_cache(cache_obj, st);
-    if (!co) return NULL;
-    q3_dtype dt = q3_layer_dtype(self->layer);
-    if (dtype_obj != Py_None && q3_parse_dtype(dtype_obj, "dtype", &dt) < 0) return NULL;
-    int64_t batch = q3_cache_batch(co->cache);
-    if (q3py_int64(batch_obj, "batch", Q3PY_NONE_OK, NULL, &batch) < 0) return NULL;
-    PyObject *g;
-    /* not while a call of this layer runs; waited for without the GIL, which a running call
-     * takes between its passes */
+/* the layer's lock, waited for without the GIL (which a running call takes between its passes):
+ * what follows runs while no call of the layer does */
+static void lock_layer(q3py_layer_object *self) {
     Py_BEGIN_ALLOW_THREADS
     PyThread_acquire_lock(self->lock, WAIT_LOCK);
     Py_END_ALLOW_THREADS
-    g = q3py_graph_new(st, (PyObject *)self, self->layer, self->device, co, batch, dt);
+}
+
+static PyObject *layer_decode_graph(q3py_layer_object *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"cache", "batch", "dtype", NULL};
+    PyObject *cache_obj, *batch_obj = Py_None;
+    q3_dtype dt = q3_layer_dtype(self->layer);
+    q3_module_state *st = q3_state_of_type(Py_TYPE(self));
+    if (!st || !PyArg_ParseTupleAndKeywords(args, kw, "O|OO&:decode_graph", names, &cache_obj, &batch_obj,
+                                            q3py_dtype_or_none, &dt))
+        return NULL;
+    q3py_cache_object *co = as_cache(cache_obj, st);
+    int64_t batch = co ? q3_cache_batch(co->cache) : 0;
+    if (!co || q3py_int64(batch_obj, "batch", Q3PY_NONE_OK, NULL, &batch) < 0) return NULL;
+    lock_layer(self);
+    PyObject *g = q3py_graph_new(st, (PyObject *)self, self->layer, self->device, co, batch, dt);
     PyThread_release_lock(self->lock);
     return g;
 }
@@ -267,18 +266,13 @@ static PyObject *layer_set_profiling(q3py_layer_object *self, PyObject *on) {
     const int flag = PyObject_IsTrue(on);
     if (flag < 0) return NULL;
     q3_error err;
-    q3_status s;
-    Py_BEGIN_ALLOW_THREADS
-    PyThread_acquire_lock(self->lock, WAIT_LOCK); /* not while a call runs (it takes the GIL between passes) */
-    Py_END_ALLOW_THREADS
-    s = q3_layer_profiling(self->layer, flag, &err);
+    lock_layer(self);
+    const q3_status s = q3_layer_profiling(self->layer, flag, &err);
     PyThread_release_lock(self->lock);
-    if (s != Q3_OK) return q3_raise(NULL, &err);
-    Py_RETURN_NONE;
+    return s == Q3_OK ? Py_NewRef(Py_None) : q3_raise(NULL, &err);
 }
 
 static PyObject *layer_profile_seconds(q3py_layer_object *self, PyObject *unused) {
-    (void)unused;
     double seconds[32];
     const int n = q3_layer_profile_read(self->layer, seconds, 32);
     PyObject *d = PyDict_New();
