@@ -196,9 +196,14 @@ int q3_cache_device(const q3_cache *c) { return c->device; }
 int64_t q3_cache_length(const q3_cache *c, int seq) { return c->lengths[seq]; }
 int64_t q3_cache_padding(const q3_cache *c, int seq) { return c->padding[seq]; }
 int64_t q3_cache_first_position(const q3_cache *c, int seq) { return c->first_pos[seq]; }
-int64_t q3_cache_hidden_end(const q3_cache *c, int seq) { return c->hidden_end[seq]; }
-int q3_cache_token_hidden(const q3_cache *c, int seq, int64_t i) {
-    return i < c->hidden_end[seq] && c->hidden[(size_t)seq * (size_t)c->capacity + (size_t)i];
+int64_t q3_cache_hidden_tokens(const q3_cache *c, int seq, int64_t *ids) {
+    int64_t n = 0; /* every hidden token lies below hidden_end */
+    for (int64_t i = 0; i < c->hidden_end[seq]; i++)
+        if (c->hidden[(size_t)seq * (size_t)c->capacity + (size_t)i]) {
+            if (ids) ids[n] = i;
+            n++;
+        }
+    return n;
 }
 
 int64_t q3_cache_held(const q3_cache *c) {

@@ -666,10 +666,9 @@ int q3_cache_device(const q3_cache *c); /* -1: host memory; else the CUDA device
 int64_t q3_cache_length(const q3_cache *c, int seq);
 int64_t q3_cache_padding(const q3_cache *c, int seq);
 int64_t q3_cache_first_position(const q3_cache *c, int seq);
-/* whether token i (< its length) of sequence seq is hidden (a call's token mask hid it); every
- * hidden token lies below q3_cache_hidden_end (0: none) */
-int q3_cache_token_hidden(const q3_cache *c, int seq, int64_t i);
-int64_t q3_cache_hidden_end(const q3_cache *c, int seq);
+/* the hidden tokens of sequence seq (those a call's token mask hid): their count, and their
+ * indices, ascending, into ids [count] unless NULL */
+int64_t q3_cache_hidden_tokens(const q3_cache *c, int seq, int64_t *ids);
 
 /* ---- tensors from outside (tensor_view.c) ------------------------------------------ */
 

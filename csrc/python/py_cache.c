@@ -146,16 +146,12 @@ static PyObject *cache_hidden(q3py_cache_object *o, void *closure) {
     const q3_cache *c = o->cache;
     PyObject *t = PyTuple_New(q3_cache_batch(c));
     for (int i = 0; t && i < q3_cache_batch(c); i++) {
-        PyObject *seq = PyList_New(0);
-        for (int64_t j = 0; seq && j < q3_cache_hidden_end(c, i); j++) {
-            PyObject *v = q3_cache_token_hidden(c, i, j) ? PyLong_FromLongLong(j) : NULL;
-            if (v ? PyList_Append(seq, v) < 0 : PyErr_Occurred() != NULL) Py_CLEAR(seq);
-            Py_XDECREF(v);
-        }
-        PyObject *frozen = seq ? PyList_AsTuple(seq) : NULL;
-        Py_XDECREF(seq);
-        if (!frozen) Py_CLEAR(t);
-        else PyTuple_SET_ITEM(t, i, frozen);
+        const int64_t n = q3_cache_hidden_tokens(c, i, NULL);
+        int64_t *ids = PyMem_Malloc((size_t)(n ? n : 1) * sizeof *ids);
+        PyObject *seq = ids ? (q3_cache_hidden_tokens(c, i, ids), q3py_int64s(ids, n, 0)) : PyErr_NoMemory();
+        PyMem_Free(ids);
+        if (!seq) Py_CLEAR(t);
+        else PyTuple_SET_ITEM(t, i, seq);
     }
     return t;
 }
