@@ -32,9 +32,7 @@ static PyObject *cuda_blas_enable(PyObject *m, PyObject *args) {
     return PyBool_FromLong(q3_cuda_blas_enable(flag));
 }
 
-static PyObject *cuda_device_count(PyObject *m, PyObject *unused) {
-    return PyLong_FromLong(q3_cuda_device_count());
-}
+static PyObject *cuda_device_count(PyObject *m, PyObject *unused) { return PyLong_FromLong(q3_cuda_device_count()); }
 
 static PyObject *cuda_synchronize(PyObject *m, PyObject *args) {
     int device = 0;

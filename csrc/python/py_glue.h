@@ -170,10 +170,6 @@ PyObject *q3py_graph_new(q3_module_state *st, PyObject *layer_obj, q3_layer *lay
 /* ---- engine work without the GIL (the glue's calls of the engine that take long) ---------- */
 
 /* `...`: statements touching no Python object, run with the GIL released */
-#define Q3PY_NOGIL(...)                                                                                     \
-    do {                                                                                                   \
-        Py_BEGIN_ALLOW_THREADS __VA_ARGS__;                                                                \
-        Py_END_ALLOW_THREADS                                                                               \
-    } while (0)
+#define Q3PY_NOGIL(...) do { Py_BEGIN_ALLOW_THREADS __VA_ARGS__; Py_END_ALLOW_THREADS } while (0)
 
 #endif

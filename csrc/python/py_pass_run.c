@@ -91,10 +91,7 @@ static PyObject *passes_close(q3py_passes_object *self, PyObject *unused) {
     return insides;
 }
 
-static PyObject *passes_abort(q3py_passes_object *self, PyObject *unused) {
-    end(self);
-    Py_RETURN_NONE;
-}
+static PyObject *passes_abort(q3py_passes_object *self, PyObject *unused) { end(self); Py_RETURN_NONE; }
 
 static PyObject *passes_enter(PyObject *self, PyObject *unused) { return Py_NewRef(self); }
 
