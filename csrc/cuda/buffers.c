@@ -34,6 +34,10 @@ static q3_status not_loaded(q3_error *err) {
 
 int q3_cuda_loaded(void) { return q3_cuda() != NULL; }
 
+q3_status q3_cuda_require(const char *what, q3_error *err) {
+    return q3_cuda() ? Q3_OK : q3_fail(err, Q3_ERR_STATE, "%s: the CUDA backend is not loaded", what);
+}
+
 void q3_device_free(void *p) {
     if (p && q3_cuda()) q3_cuda()->free_device(p);
 }

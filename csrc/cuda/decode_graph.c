@@ -16,6 +16,7 @@ struct q3_decode_graph {
     q3_cache *cache;
     int64_t capacity; /* the cache's when captured: its blocks' strides and addresses are in the graph */
     int n_seqs;
+    q3_dtype io_dtype;
     int32_t seqs[Q3_GRAPH_MAX_BATCH];
     q3_gpu_ws ws;
     void *input;  /* [n_seqs, hidden] io_dtype */
@@ -29,6 +30,30 @@ struct q3_decode_graph {
 
 void *q3_decode_graph_input(const q3_decode_graph *g) { return g->input; }
 void *q3_decode_graph_output(const q3_decode_graph *g) { return g->output; }
+
+int q3_decode_graph_io(const q3_decode_graph *g, q3_tensor_spec *spec) {
+    *spec = (q3_tensor_spec){g->io_dtype, 2, {g->n_seqs, g->layer->cfg.hidden}};
+    return g->layer->w.device;
+}
+
+q3_status q3_decode_graph_load(q3_decode_graph *g, const q3_view *x, void *stream, q3_error *err) {
+    const int64_t H = g->layer->cfg.hidden;
+    if (x->ndim != 2 || x->shape[0] != g->n_seqs || x->shape[1] != H) {
+        char got[128];
+        q3_format_shape(got, sizeof got, x->ndim, x->shape);
+        return q3_fail(err, Q3_ERR_VALUE, "x: expected shape [batch=%d, hidden=%lld], got %s", g->n_seqs,
+                       (long long)H, got);
+    }
+    if (x->dtype != g->io_dtype)
+        return q3_fail(err, Q3_ERR_TYPE, "x: expected dtype %s (the graph's), got %s", q3_dtype_name(g->io_dtype),
+                       q3_dtype_name(x->dtype));
+    q3_status s = q3_view_require(x, "x", Q3_NEED_CONTIGUOUS, err);
+    if (s != Q3_OK || x->data == g->input) return s;
+    q3_error copy;
+    const size_t bytes = (size_t)g->n_seqs * (size_t)H * q3_dtype_size(g->io_dtype); /* the input's, allocated */
+    s = q3_device_copy_async(g->input, x->data, bytes, stream, &copy);
+    return s == Q3_OK ? s : q3_fail(err, Q3_ERR_STATE, "x: copy to the graph's input failed: %s", copy.msg);
+}
 
 void q3_decode_graph_destroy(q3_decode_graph *g) {
     if (!g) return;
@@ -126,6 +151,7 @@ q3_status q3_decode_graph_create(q3_decode_graph **out, q3_layer *l, q3_cache *c
     g->cache = c;
     g->capacity = c->capacity;
     g->n_seqs = n_seqs;
+    g->io_dtype = io_dtype;
     memcpy(g->seqs, seqs, (size_t)n_seqs * sizeof *seqs);
     g->dev_lengths[0] = -1; /* nothing uploaded yet */
     const size_t io_bytes = (size_t)n_seqs * (size_t)l->cfg.hidden * q3_dtype_size(io_dtype);

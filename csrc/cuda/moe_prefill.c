@@ -220,9 +220,32 @@ q3_status q3_layer_cuda_moe_path(q3_layer *l, int path, int *now, q3_error *err)
     return Q3_OK;
 }
 
+q3_status q3_layer_cuda_moe_path_named(q3_layer *l, const char *name, const char **now, q3_error *err) {
+    int path = -2, at; /* -2: only read */
+    q3_status s = name ? q3_moe_path_parse(name, &path, err) : Q3_OK;
+    if (s == Q3_OK) s = q3_cuda_require("cuda_moe_path", err);
+    if (s == Q3_OK && (s = q3_layer_cuda_moe_path(l, path, &at, err)) == Q3_OK) *now = q3_moe_path_name(at);
+    return s;
+}
+
+int q3_layer_cuda_moe_classes(const q3_layer *l, q3_moe_class out[Q3_MOE_SIZE_CLASSES]) {
+    int n = 0;
+    for (int c = 0; c < Q3_MOE_SIZE_CLASSES; c++) {
+        q3_moe_class *k = &out[n];
+        const int chosen = q3_layer_cuda_moe_choice(l, c, k->ms);
+        if (!chosen) continue;
+        k->path = chosen - 1;
+        k->lo = c ? (int64_t)1 << (c - 1) : 0; /* rows [2^(c-1), 2^c) */
+        k->hi = ((int64_t)1 << c) - 1;
+        n++;
+    }
+    return n;
+}
+
 q3_status q3_layer_cuda_moe_inject_times(q3_layer *l, const float *ms, q3_error *err) {
     q3_moe_hooks *h = NULL;
-    const q3_status s = hooks_of(l, &h, err);
+    q3_status s = q3_cuda_require("cuda_moe_inject_times", err);
+    if (s == Q3_OK) s = hooks_of(l, &h, err);
     if (s != Q3_OK) return s;
     h->injected = ms != NULL;
     for (int i = 0; i < Q3_MOE_PATHS; i++) h->ms[i] = ms ? ms[i] : 0.0f;

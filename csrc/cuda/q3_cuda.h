@@ -63,7 +63,8 @@ q3_status q3_layer_cuda_moe_path(q3_layer *layer, int path, int *now, q3_error *
 /* Times the layer's measurements take instead of the events' (ms[Q3_MOE_PATHS]; NULL: the
  * events'): for tests on the SIMT executor, where the events' times mean nothing. Both this
  * setting and the path above live in the layer's CUDA state (made for them if the layer has
- * none yet), not in the process. */
+ * none yet), not in the process. Q3_ERR_STATE "cuda_moe_inject_times: the CUDA backend is not
+ * loaded" without a backend. */
 q3_status q3_layer_cuda_moe_inject_times(q3_layer *layer, const float *ms, q3_error *err);
 /* The path a CUDA layer keeps for size class c (rows in [2^(c-1), 2^c)): 1 + the path and
  * each candidate's time in ms[Q3_MOE_PATHS] (< 0: not a candidate), or 0 while unmeasured */
@@ -133,5 +134,33 @@ void *q3_decode_graph_output(const q3_decode_graph *g);
  * the cache lengths are unchanged */
 q3_status q3_decode_graph_replay(q3_decode_graph *g, void *stream, q3_error *err);
 void q3_decode_graph_destroy(q3_decode_graph *g);
+
+/* ---- the MoE path settings and decode graphs as a binding calls them (moe_prefill.c,
+ * decode_graph.c; issue 40: the glue only converts) ------------------------------------- */
+
+/* Q3_OK where the backend is open, else Q3_ERR_STATE "<what>: the CUDA backend is not loaded" */
+q3_status q3_cuda_require(const char *what, q3_error *err);
+/* q3_layer_cuda_moe_path by name: `name` one of q3_moe_path_name's (q3_moe_path_parse's
+ * Q3_ERR_VALUE otherwise, checked first), NULL only reads; *now: the setting's name after.
+ * Q3_ERR_STATE "cuda_moe_path: the CUDA backend is not loaded" without a backend. */
+q3_status q3_layer_cuda_moe_path_named(q3_layer *layer, const char *name, const char **now, q3_error *err);
+/* A measured size class of a CUDA layer: passes of lo..hi rows, the path kept and each
+ * candidate's time (ms < 0: not a candidate). q3_layer_cuda_moe_classes fills out with the
+ * measured ones, smallest first, and returns their count. */
+typedef struct {
+    int64_t lo, hi;
+    int path;
+    float ms[Q3_MOE_PATHS];
+} q3_moe_class;
+int q3_layer_cuda_moe_classes(const q3_layer *layer, q3_moe_class out[Q3_MOE_SIZE_CLASSES]);
+/* A graph's input and output as a tensor: [batch, hidden] of the graph's io_dtype, contiguous,
+ * on the CUDA device returned. */
+int q3_decode_graph_io(const q3_decode_graph *g, q3_tensor_spec *spec);
+/* x (a view on the graph's device) into the graph's input, queued on `stream`: x [batch,
+ * hidden] (Q3_ERR_VALUE), of the graph's dtype (Q3_ERR_TYPE), contiguous; nothing to copy
+ * when x is the input. Q3_ERR_STATE "x: copy to the graph's input failed: ..." */
+q3_status q3_decode_graph_load(q3_decode_graph *g, const q3_view *x, void *stream, q3_error *err);
+
+/* ---- end of the binding's block ------------------------------------------------------ */
 
 #endif

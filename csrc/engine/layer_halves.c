@@ -58,7 +58,18 @@ q3_status q3_layer_attention_passes_begin(const q3_layer *l, const q3_cache *c, 
     *cur = (q3_pass_cursor){0};
     const q3_status s = q3_layer_check_attention_half(l, c, a, err);
     cur->open = s == Q3_OK;
+    if (cur->open) cur->passes = (a->tokens + q3_call_step(a) - 1) / q3_call_step(a); /* tokens >= 1, checked */
     return s;
+}
+
+q3_status q3_layer_attention_passes_end(q3_pass_cursor *cur, q3_error *err) {
+    if (!cur->open)
+        return q3_fail(err, Q3_ERR_STATE, "close: the call is not open (closed, aborted, or a pass failed)");
+    if (cur->done < cur->passes)
+        return q3_fail(err, Q3_ERR_STATE, "close: %lld of the call's %lld passes have run; run the rest, or abort() "
+                       "to roll the cache back", (long long)cur->done, (long long)cur->passes);
+    cur->open = 0;
+    return Q3_OK;
 }
 
 int64_t q3_pass_cursor_tokens(const q3_forward_args *a, const q3_pass_cursor *cur) {
@@ -88,6 +99,7 @@ q3_status q3_layer_attention_pass(q3_layer *l, q3_cache *c, const q3_forward_arg
     q3_status s = check_half_out(out, err);
     if (s == Q3_OK) s = half_passes(l, c, a, out, cur, err);
     if (s != Q3_OK) q3_layer_attention_passes_abort(c, a, cur); /* a failed pass rolls the whole call back */
+    else cur->done++;
     return s;
 }
 

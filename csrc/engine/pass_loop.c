@@ -11,14 +11,14 @@ static void roll_back(q3_cache *c, const q3_forward_args *a, q3_pass_cursor *cur
         c->lengths[a->seqs[i]] -= cur->advanced;
         q3_cache_hidden_trim(c, a->seqs[i]); /* flags of the dropped tokens, and of a failed pass's */
     }
-    *cur = (q3_pass_cursor){0};
+    *cur = (q3_pass_cursor){.passes = cur->passes, .done = cur->done}; /* closed; its counts kept */
 }
 
 q3_status q3_layer_run_passes(q3_layer *l, q3_cache *c, const q3_forward_args *a, const q3_attention_half_out *half,
                               q3_pass_cursor *cur, const q3_pass_stages *s, void *run, q3_error *err) {
     const int64_t step = q3_call_step(a);
     const q3_cpu_ops *k = q3_cpu_ops_active();
-    q3_pass_cursor whole = {0, 0, 1};
+    q3_pass_cursor whole = {.open = 1};
     q3_pass_cursor *at = cur ? cur : &whole; /* where the passes start, what they added so far */
     const int64_t until = cur && cur->next + step < a->tokens ? cur->next + step : a->tokens;
     for (int64_t t0 = at->next; t0 < until && !s->failed(run); t0 += step) {

@@ -403,7 +403,9 @@ q3_status q3_layer_check_attention_half(const q3_layer *layer, const q3_cache *c
 typedef struct {
     int64_t next;     /* the first token of the next pass, of each sequence */
     int64_t advanced; /* the tokens the passes so far appended to each sequence */
-    int open;         /* 1 from a successful begin until a failure or the abort */
+    int open;         /* 1 from a successful begin until a failure, the abort or the end */
+    int64_t passes;   /* the call's passes (set by begin; kept through a roll-back) */
+    int64_t done;     /* the passes run so far (kept through a roll-back) */
 } q3_pass_cursor;
 
 q3_status q3_layer_attention_passes_begin(const q3_layer *layer, const q3_cache *cache, const q3_forward_args *a,
@@ -413,6 +415,9 @@ int64_t q3_pass_cursor_tokens(const q3_forward_args *a, const q3_pass_cursor *cu
 q3_status q3_layer_attention_pass(q3_layer *layer, q3_cache *cache, const q3_forward_args *a, q3_pass_cursor *cur,
                                   const q3_attention_half_out *out, q3_error *err);
 void q3_layer_attention_passes_abort(q3_cache *cache, const q3_forward_args *a, q3_pass_cursor *cur);
+/* the end of a call run pass by pass once every pass has run (the cache keeps what they
+ * appended): Q3_ERR_STATE "close: ..." while the call is not open or passes are left */
+q3_status q3_layer_attention_passes_end(q3_pass_cursor *cur, q3_error *err);
 
 /* The expert half: out [n, H] (=, or += when acc) sum over j of weights[i, j] x
  * expert_{experts[i, j]}(rows[i]); an entry of -1 is skipped (an expert held elsewhere), every
@@ -879,5 +884,50 @@ q3_status q3_cpu_hide(const char *names, q3_error *err);
 /* the k block of the avx2 and avx512 packed matmuls (kernels/cpu/matmul_packed.c), a decimal
  * count of columns, 1 to 2048 (0: from the L1 data cache, the default) */
 q3_status q3_cpu_set_packed_kc(const char *value, q3_error *err);
+
+/* ---- the tensors a binding makes for a call (call_outputs.c; issue 40: the glue only
+ * converts, every size is computed here) ------------------------------------------------- */
+
+/* One tensor a binding makes before an engine call runs: contiguous, dtype and shape (ndim 0:
+ * none to make, an output not asked for) */
+typedef struct {
+    q3_dtype dtype;
+    int ndim;
+    int64_t shape[Q3_MAX_DIM];
+} q3_tensor_spec;
+/* The attention half's outputs for call a (checked: q3_call_check_x's x) run as a pass of
+ * `tokens` tokens a sequence (the whole call: a->tokens): resid fp32 and normed of x's dtype
+ * [..., hidden], experts int32 and weights fp32 [..., top_k], x's leading dims with the pass's
+ * tokens; q3_attention_half_outputs points the outputs at their data [4]. */
+void q3_attention_half_specs(const q3_config *cfg, const q3_view *x, const q3_forward_args *a, int64_t tokens,
+                             q3_tensor_spec spec[4]);
+q3_attention_half_out q3_attention_half_outputs(void *const data[4], q3_dtype normed_dtype);
+/* The insides a layer call asks for (prefill/decode's return_router, return_attention), for call
+ * a (checked) on x: router_logits fp32 [..., experts], router_experts int32 and router_weights
+ * fp32 [..., top_k] (x's leading dims) when router; the attention maps when attention
+ * (q3_call_attention_maps: Q3_ERR_VALUE past `limit` bytes, by default
+ * Q3_ATTENTION_LIMIT_DEFAULT: 1 GiB, e.g. 64 heads x 2048 new tokens x 2048 positions).
+ * q3_call_insides_bind points a's insides at the data [4] made (NULL: not asked). */
+#define Q3_ATTENTION_LIMIT_DEFAULT ((int64_t)1 << 30)
+q3_status q3_call_insides_specs(const q3_config *cfg, const q3_cache *c, const q3_view *x, const q3_forward_args *a,
+                                int router, int attention, int64_t limit, q3_tensor_spec spec[4], q3_error *err);
+void q3_call_insides_bind(q3_forward_args *a, void *const data[4], const q3_tensor_spec spec[4]);
+/* The expert half's views checked (q3_expert_half_check_views; out NULL: the caller makes it)
+ * and the call's arguments from them; *made: the out to make when out is NULL, [n, hidden] of
+ * rows' dtype (then a->out NULL, for the caller to point at it) */
+q3_status q3_expert_half_prepare(const q3_config *cfg, const q3_view *rows, const q3_view *experts,
+                                 const q3_view *weights, const q3_view *out, int acc, void *stream,
+                                 q3_expert_half_args *a, q3_tensor_spec *made, q3_error *err);
+/* The table of q3_weight_table in memory of its own (*out: q3_alloc'd, the caller's to q3_free;
+ * NULL on failure), *n entries */
+q3_status q3_weight_table_new(const q3_config *cfg, q3_weights *w, int fused, const void **expert_ptrs,
+                              q3_weight_entry **out, int64_t *n, q3_error *err);
+/* DecoderLayer.random's draws into every tensor of table [n] (q3_weight_fill_random: the stream
+ * layout is the table's), data[i] entry i's, of its storage's dtype for a layer of dtype dt with
+ * fp32 scales (q3_weight_storage_dtype) */
+q3_status q3_weight_table_fill_random(const q3_weight_entry *table, int64_t n, void *const *data, q3_dtype dt,
+                                      uint64_t seed, int64_t gptq_group, int gptq_v2, q3_error *err);
+
+/* ---- end of the binding's tensors block ------------------------------------------------- */
 
 #endif

@@ -307,3 +307,32 @@ q3_status q3_weight_fill_random(const q3_weight_entry *e, void *data, q3_dtype d
                            e->first + i * rows * K, mean, std);
     return Q3_OK;
 }
+
+q3_status q3_weight_table_new(const q3_config *cfg, q3_weights *w, int fused, const void **expert_ptrs,
+                              q3_weight_entry **out, int64_t *n, q3_error *err) {
+    *out = NULL;
+    size_t bytes;
+    q3_status s = q3_weight_table(cfg, w, fused, NULL, NULL, 0, n, err);
+    if (s != Q3_OK) return s;
+    if (!q3_mul_size((size_t)*n, sizeof **out, &bytes) || !(*out = q3_alloc(bytes)))
+        return q3_fail(err, Q3_ERR_NOMEM, "weight table: out of memory for %lld entries", (long long)*n);
+    memset(*out, 0, bytes);
+    s = q3_weight_table(cfg, w, fused, expert_ptrs, *out, *n, n, err);
+    if (s != Q3_OK) {
+        q3_free(*out);
+        *out = NULL;
+    }
+    return s;
+}
+
+q3_status q3_weight_table_fill_random(const q3_weight_entry *table, int64_t n, void *const *data, q3_dtype dt,
+                                      uint64_t seed, int64_t gptq_group, int gptq_v2, q3_error *err) {
+    q3_status s = Q3_OK;
+    /* a matrix's side tensors (scale; GPTQ scales, qzeros, g_idx) are the entries after it,
+     * filled with it; an entry beside a matrix fills nothing */
+    for (int64_t i = 0; s == Q3_OK && i < n; i++)
+        if (table[i].of < 0)
+            s = q3_weight_fill_random(&table[i], data[i], q3_weight_storage_dtype(table[i].storage, dt, Q3_F32),
+                                      i + 1 < n ? &data[i + 1] : NULL, seed, gptq_group, gptq_v2, err);
+    return s;
+}

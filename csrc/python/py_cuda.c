@@ -6,27 +6,20 @@
 
 #include "py_layer.h"
 
-/* RuntimeError "<what>: the CUDA backend is not loaded"; NULL */
-static PyObject *not_loaded(const char *what) {
-    return PyErr_Format(PyExc_RuntimeError, "%s: the CUDA backend is not loaded", what);
-}
-
 static PyObject *cuda_open(PyObject *m, PyObject *arg) {
     const char *path = PyUnicode_AsUTF8(arg);
     if (!path) return NULL;
     q3_error err;
     q3_status s;
     int devices;
-    Py_BEGIN_ALLOW_THREADS
-    s = q3_cuda_open(path, &devices, &err);
-    Py_END_ALLOW_THREADS
+    Q3PY_NOGIL(s = q3_cuda_open(path, &devices, &err));
     return q3py_status(s, &err) < 0 ? NULL : PyLong_FromLong(devices);
 }
 
 static PyObject *cuda_blas_open(PyObject *m, PyObject *arg) {
     const char *path = arg == Py_None ? NULL : PyUnicode_AsUTF8(arg);
-    if (arg != Py_None && !path) return NULL;
-    if (!q3_cuda_loaded()) return not_loaded("cuda");
+    q3_error err;
+    if ((arg != Py_None && !path) || q3py_status(q3_cuda_require("cuda", &err), &err) < 0) return NULL;
     return PyBool_FromLong(q3_cuda_blas_open(path));
 }
 
@@ -34,24 +27,21 @@ static PyObject *cuda_blas_enable(PyObject *m, PyObject *args) {
     PyObject *on = Py_None;
     if (!PyArg_ParseTuple(args, "|O:cuda_blas_enable", &on)) return NULL;
     const int flag = on == Py_None ? -1 : PyObject_IsTrue(on);
-    if (flag == -1 && on != Py_None) return NULL;
-    if (!q3_cuda_loaded()) return not_loaded("cuda");
+    q3_error err;
+    if ((flag == -1 && on != Py_None) || q3py_status(q3_cuda_require("cuda", &err), &err) < 0) return NULL;
     return PyBool_FromLong(q3_cuda_blas_enable(flag));
 }
 
-static PyObject *cuda_device_count(PyObject *m, PyObject *unused) {
-    return PyLong_FromLong(q3_cuda_device_count());
-}
+static PyObject *cuda_device_count(PyObject *m, PyObject *unused) { return PyLong_FromLong(q3_cuda_device_count()); }
 
 static PyObject *cuda_synchronize(PyObject *m, PyObject *args) {
     int device = 0;
-    if (!PyArg_ParseTuple(args, "|i:cuda_synchronize", &device)) return NULL;
-    if (!q3_cuda_loaded()) return not_loaded("cuda_synchronize");
     q3_error err;
     q3_status s;
-    Py_BEGIN_ALLOW_THREADS
-    s = q3_device_synchronize(device, &err);
-    Py_END_ALLOW_THREADS
+    if (!PyArg_ParseTuple(args, "|i:cuda_synchronize", &device) ||
+        q3py_status(q3_cuda_require("cuda_synchronize", &err), &err) < 0)
+        return NULL;
+    Q3PY_NOGIL(s = q3_device_synchronize(device, &err));
     if (s != Q3_OK) return PyErr_Format(PyExc_RuntimeError, "cuda_synchronize(%d): %s", device, err.msg);
     Py_RETURN_NONE;
 }
@@ -64,13 +54,6 @@ static q3py_layer_object *layer_of(PyObject *m, PyObject *obj) {
     return NULL;
 }
 
-/* the layer's lock, waited for without the GIL: its settings change only while no call runs */
-static void lock_layer(q3py_layer_object *self) {
-    Py_BEGIN_ALLOW_THREADS
-    PyThread_acquire_lock(self->lock, WAIT_LOCK);
-    Py_END_ALLOW_THREADS
-}
-
 static PyObject *cuda_moe_path(PyObject *m, PyObject *args) {
     PyObject *obj, *name = Py_None;
     if (!PyArg_ParseTuple(args, "O|O:cuda_moe_path", &obj, &name)) return NULL;
@@ -78,15 +61,12 @@ static PyObject *cuda_moe_path(PyObject *m, PyObject *args) {
     if (!self) return NULL;
     if (name != Py_None && !PyUnicode_Check(name))
         return PyErr_Format(PyExc_TypeError, "path: expected a str or None, got %s", Py_TYPE(name)->tp_name);
-    const char *chosen = name == Py_None ? NULL : PyUnicode_AsUTF8(name);
+    const char *chosen = name == Py_None ? NULL : PyUnicode_AsUTF8(name), *now = NULL;
+    if (name != Py_None && !chosen) return NULL;
     q3_error err;
-    int path = -2, now = -1; /* -2: only read */
-    if (name != Py_None && (!chosen || q3py_status(q3_moe_path_parse(chosen, &path, &err), &err) < 0)) return NULL;
-    if (!q3_cuda_loaded()) return not_loaded("cuda_moe_path");
-    lock_layer(self);
-    const q3_status s = q3_layer_cuda_moe_path(self->layer, path, &now, &err);
-    PyThread_release_lock(self->lock);
-    return q3py_status(s, &err) < 0 ? NULL : PyUnicode_FromString(q3_moe_path_name(now));
+    q3_status s;
+    Q3PY_LAYER_LOCKED(self, s = q3_layer_cuda_moe_path_named(self->layer, chosen, &now, &err));
+    return q3py_status(s, &err) < 0 ? NULL : PyUnicode_FromString(now);
 }
 
 /* {path name: ms} or None -> the layer's measurements' times */
@@ -105,11 +85,9 @@ static PyObject *cuda_moe_inject_times(PyObject *m, PyObject *args) {
         if (d == -1.0 && PyErr_Occurred()) return NULL;
         ms[i] = (float)d;
     }
-    if (!q3_cuda_loaded()) return not_loaded("cuda_moe_inject_times");
     q3_error err;
-    lock_layer(self);
-    const q3_status s = q3_layer_cuda_moe_inject_times(self->layer, times == Py_None ? NULL : ms, &err);
-    PyThread_release_lock(self->lock);
+    q3_status s;
+    Q3PY_LAYER_LOCKED(self, s = q3_layer_cuda_moe_inject_times(self->layer, times == Py_None ? NULL : ms, &err));
     return q3py_status(s, &err) < 0 ? NULL : Py_NewRef(Py_None);
 }
 
@@ -119,23 +97,19 @@ static PyObject *cuda_moe_choice(PyObject *m, PyObject *args) {
     if (!PyArg_ParseTuple(args, "O:cuda_moe_choice", &obj)) return NULL;
     const q3py_layer_object *self = layer_of(m, obj);
     if (!self) return NULL;
-    const q3_layer *layer = self->layer;
+    q3_moe_class k[Q3_MOE_SIZE_CLASSES];
+    const int n = q3_layer_cuda_moe_classes(self->layer, k);
     PyObject *out = PyDict_New();
-    for (int c = 0; out && c < Q3_MOE_SIZE_CLASSES; c++) {
-        float ms[Q3_MOE_PATHS];
-        const int chosen = q3_layer_cuda_moe_choice(layer, c, ms);
-        if (!chosen) continue;
+    for (int c = 0; out && c < n; c++) {
         PyObject *times = PyDict_New();
         for (int i = 0; times && i < Q3_MOE_PATHS; i++) {
-            if (ms[i] < 0.0f) continue;
-            PyObject *t = PyFloat_FromDouble(ms[i]);
-            if (!t || PyDict_SetItemString(times, q3_moe_path_name(i), t) < 0) Py_CLEAR(times);
+            PyObject *t = k[c].ms[i] < 0.0f ? NULL : PyFloat_FromDouble(k[c].ms[i]);
+            if (k[c].ms[i] >= 0.0f && (!t || PyDict_SetItemString(times, q3_moe_path_name(i), t) < 0)) Py_CLEAR(times);
             Py_XDECREF(t);
         }
         /* N: value takes times (NULL: value NULL, the exception kept) */
-        PyObject *value = Py_BuildValue("(sN)", q3_moe_path_name(chosen - 1), times);
-        const long long lo = c ? (long long)1 << (c - 1) : 0, hi = ((long long)1 << c) - 1;
-        PyObject *key = value ? Py_BuildValue("(LL)", lo, hi) : NULL;
+        PyObject *value = Py_BuildValue("(sN)", q3_moe_path_name(k[c].path), times);
+        PyObject *key = value ? Py_BuildValue("(LL)", (long long)k[c].lo, (long long)k[c].hi) : NULL;
         if (!key || !value || PyDict_SetItem(out, key, value) < 0) Py_CLEAR(out);
         Py_XDECREF(key);
         Py_XDECREF(value);

@@ -146,12 +146,10 @@ int q3py_held_experts(PyObject *obj, int E, uint8_t **held);
 PyObject *q3py_weight_table(PyObject *m, PyObject *args, PyObject *kw);
 PyObject *q3py_weight_formats(PyObject *m, PyObject *unused);
 
-/* ---- CUDA functions (py_cuda.c) ------------------------------------------------------ */
+/* ---- CUDA functions (py_cuda.c); random weights and inputs, FP8 and GPTQ dequantization
+ * (py_random.c) ------------------------------------------------------------------------ */
 
 extern PyMethodDef q3_cuda_methods[];
-
-/* ---- random weights and inputs, FP8 dequantization (py_random.c) --------------------- */
-
 extern PyMethodDef q3_random_methods[];
 
 /* ---- routing summary: tokens per expert (py_routing.c) -------------------------------- */
@@ -171,5 +169,10 @@ extern PyType_Spec q3py_passes_spec;
  * engine checks batch and the layer's device */
 PyObject *q3py_graph_new(q3_module_state *st, PyObject *layer_obj, q3_layer *layer, int device,
                        q3py_cache_object *cache, int64_t batch, q3_dtype dtype);
+
+/* ---- engine work without the GIL (the glue's calls of the engine that take long) ---------- */
+
+/* `...`: statements touching no Python object, run with the GIL released */
+#define Q3PY_NOGIL(...) do { Py_BEGIN_ALLOW_THREADS __VA_ARGS__; Py_END_ALLOW_THREADS } while (0)
 
 #endif

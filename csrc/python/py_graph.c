@@ -6,35 +6,24 @@
 typedef struct {
     PyObject_HEAD
     q3_decode_graph *graph;
-    PyObject *layer;         /* the Layer: the graph reads its weights */
-    q3py_cache_object *cache;  /* the graph appends to it */
-    int batch;
-    int64_t hidden;
-    q3_dtype dtype;
-    int device;
+    PyObject *layer;          /* the Layer: the graph reads its weights */
+    q3py_cache_object *cache; /* the graph appends to it */
 } q3py_graph_object;
 
 PyObject *q3py_graph_new(q3_module_state *st, PyObject *layer_obj, q3_layer *layer, int device,
-                       q3py_cache_object *co, int64_t batch, q3_dtype dtype) {
+                         q3py_cache_object *co, int64_t batch, q3_dtype dtype) {
+    (void)device; /* the layer's: q3_decode_graph_io */
     if (q3py_cache_check_idle(co) < 0) return NULL;
     q3py_graph_object *self = (q3py_graph_object *)st->graph_type->tp_alloc(st->graph_type, 0); /* zeroed */
     if (!self) return NULL;
     self->layer = Py_NewRef(layer_obj);
     self->cache = (q3py_cache_object *)Py_NewRef((PyObject *)co);
-    self->hidden = q3_layer_config(layer)->hidden;
-    self->dtype = dtype;
-    self->device = device;
     q3_error err;
     q3_status s;
-    Py_BEGIN_ALLOW_THREADS
-    s = q3_decode_graph_create(&self->graph, layer, co->cache, batch, dtype, &err);
-    Py_END_ALLOW_THREADS
-    if (s != Q3_OK) {
-        Py_DECREF(self);
-        return q3_raise(st, &err);
-    }
-    self->batch = (int)batch; /* checked by the engine */
-    return (PyObject *)self;
+    Q3PY_NOGIL(s = q3_decode_graph_create(&self->graph, layer, co->cache, batch, dtype, &err));
+    if (s == Q3_OK) return (PyObject *)self;
+    Py_DECREF(self);
+    return q3_raise(st, &err);
 }
 
 static void graph_dealloc(q3py_graph_object *self) {
@@ -49,35 +38,12 @@ static void graph_dealloc(q3py_graph_object *self) {
 /* a [batch, hidden] view of the graph's input or output, keeping the graph alive */
 static PyObject *buffer(q3py_graph_object *self, void *data) {
     q3_module_state *st = q3_state_of_type(Py_TYPE(self));
-    if (!st) return NULL;
-    const int64_t shape[2] = {self->batch, self->hidden}, strides[2] = {self->hidden, 1};
-    q3py_tensor_object *t = q3py_tensor_view(st, (PyObject *)self, data, self->dtype, 2, shape, strides);
-    if (t) t->device = self->device;
+    q3_tensor_spec io;
+    const int device = q3_decode_graph_io(self->graph, &io);
+    const int64_t strides[2] = {io.shape[1], 1};
+    q3py_tensor_object *t = st ? q3py_tensor_view(st, (PyObject *)self, data, io.dtype, 2, io.shape, strides) : NULL;
+    if (t) t->device = device;
     return (PyObject *)t;
-}
-
-/* x into the graph's input, on the stream (x: a [batch, hidden] tensor on the graph's device) */
-static int load_input(q3py_graph_object *self, PyObject *x_obj, void *stream) {
-    q3_view x;
-    if (q3_view_acquire_on(x_obj, "x", &x, self->device, 0, stream) < 0) return -1;
-    int rc = -1;
-    char got[128];
-    q3_format_shape(got, sizeof got, x.ndim, x.shape);
-    if (x.ndim != 2 || x.shape[0] != self->batch || x.shape[1] != self->hidden)
-        PyErr_Format(PyExc_ValueError, "x: expected shape [batch=%d, hidden=%lld], got %s", self->batch,
-                     (long long)self->hidden, got);
-    else if (x.dtype != self->dtype)
-        PyErr_Format(PyExc_TypeError, "x: expected dtype %s (the graph's), got %s", q3_dtype_name(self->dtype),
-                     q3_dtype_name(x.dtype));
-    else if (q3py_view_require(&x, "x", Q3_NEED_CONTIGUOUS) == 0) {
-        void *input = q3_decode_graph_input(self->graph);
-        const size_t bytes = (size_t)self->batch * (size_t)self->hidden * q3_dtype_size(self->dtype);
-        q3_error err;
-        rc = x.data == input || q3_device_copy_async(input, x.data, bytes, stream, &err) == Q3_OK ? 0 : -1;
-        if (rc) PyErr_Format(PyExc_RuntimeError, "x: copy to the graph's input failed: %s", err.msg);
-    }
-    q3_view_release(&x);
-    return rc;
 }
 
 static PyObject *graph_replay(q3py_graph_object *self, PyObject *args, PyObject *kw) {
@@ -87,13 +53,18 @@ static PyObject *graph_replay(q3py_graph_object *self, PyObject *args, PyObject 
     if (!PyArg_ParseTupleAndKeywords(args, kw, "|O$O&:replay", names, &x, q3py_stream, &stream)) return NULL;
     q3_module_state *st = q3_state_of_type(Py_TYPE(self));
     if (!st || q3py_cache_check_idle(self->cache) < 0) return NULL;
-    if (x != Py_None && load_input(self, x, stream) < 0) return NULL;
     q3_error err;
     q3_status s;
+    if (x != Py_None) { /* x into the graph's input, on the stream */
+        q3_tensor_spec io;
+        q3_view v;
+        if (q3_view_acquire_on(x, "x", &v, q3_decode_graph_io(self->graph, &io), 0, stream) < 0) return NULL;
+        s = q3_decode_graph_load(self->graph, &v, stream, &err);
+        q3_view_release(&v);
+        if (q3py_status(s, &err) < 0) return NULL;
+    }
     self->cache->busy = 1;
-    Py_BEGIN_ALLOW_THREADS
-    s = q3_decode_graph_replay(self->graph, stream, &err);
-    Py_END_ALLOW_THREADS
+    Q3PY_NOGIL(s = q3_decode_graph_replay(self->graph, stream, &err));
     self->cache->busy = 0;
     if (s != Q3_OK) return q3_raise(st, &err);
     return buffer(self, q3_decode_graph_output(self->graph));
@@ -105,8 +76,12 @@ static const buffer_getter buffers[] = {q3_decode_graph_input, q3_decode_graph_o
 static PyObject *get_buffer(q3py_graph_object *self, void *closure) {
     return buffer(self, (*(const buffer_getter *)closure)(self->graph));
 }
-static PyObject *get_batch(q3py_graph_object *self, void *c) { return PyLong_FromLong(self->batch); }
-static PyObject *get_dtype(q3py_graph_object *self, void *c) { return PyUnicode_FromString(q3_dtype_name(self->dtype)); }
+/* batch (closure NULL) or dtype of the input and output */
+static PyObject *get_io(q3py_graph_object *self, void *dtype) {
+    q3_tensor_spec io;
+    q3_decode_graph_io(self->graph, &io);
+    return dtype ? PyUnicode_FromString(q3_dtype_name(io.dtype)) : PyLong_FromLongLong(io.shape[0]);
+}
 static PyObject *get_cache(q3py_graph_object *self, void *c) { return Py_NewRef((PyObject *)self->cache); }
 
 static PyMethodDef graph_methods[] = {
@@ -120,8 +95,8 @@ static PyMethodDef graph_methods[] = {
 static PyGetSetDef graph_getset[] = {
     {"input", (getter)get_buffer, NULL, "[batch, hidden] device tensor each replay reads", (void *)&buffers[0]},
     {"output", (getter)get_buffer, NULL, "[batch, hidden] device tensor each replay writes", (void *)&buffers[1]},
-    {"batch", (getter)get_batch, NULL, "the captured sequences: 0 .. batch - 1 of the cache", NULL},
-    {"dtype", (getter)get_dtype, NULL, "dtype of the input and output", NULL},
+    {"batch", (getter)get_io, NULL, "the captured sequences: 0 .. batch - 1 of the cache", NULL},
+    {"dtype", (getter)get_io, NULL, "dtype of the input and output", "dtype"},
     {"cache", (getter)get_cache, NULL, "the KVCache the graph appends to", NULL},
     {NULL},
 };

@@ -1,9 +1,9 @@
-/* The layer object shared by py_layer.c (construction) and py_layer_call.c (calls). */
+/* The layer object shared by py_layer.c (construction), py_layer_call.c (calls) and
+ * py_layer_halves.c (the halves, the insides), py_pass_run.c (a call pass by pass). */
 #ifndef Q3_PY_LAYER_H
 #define Q3_PY_LAYER_H
 
 #include "py_glue.h"
-#include "py_layer_insides.h"
 
 typedef struct {
     PyObject_HEAD
@@ -11,6 +11,31 @@ typedef struct {
     PyThread_type_lock lock;
     int device;          /* -1: cpu; else the CUDA device of weights, caches and outputs */
 } q3py_layer_object;
+
+/* The layer's insides on request (py_layer_halves.c), for the calls of py_layer_call.c */
+typedef struct {
+    int router, attention; /* what the call asks for */
+    int64_t limit;         /* attention_limit in bytes */
+    /* (router_logits, router_experts, router_weights, attention), None for what was not asked;
+     * NULL until made, and when nothing was asked */
+    PyObject *made;
+} q3_insides;
+
+/* New tensors of spec [n] on `device` (-1: the host) as a tuple, None for a spec of ndim 0, their
+ * data in data [n] (NULL for None); NULL with an exception */
+PyObject *q3py_tensors_made(q3_module_state *st, const q3_tensor_spec *spec, int n, int device, void **data);
+/* return_router, return_attention (truth values) and attention_limit (None or bytes >= 0;
+ * only with return_attention; None: Q3_ATTENTION_LIMIT_DEFAULT); -1 with an exception */
+int q3py_insides_parse(q3_insides *ins, PyObject *router, PyObject *attention, PyObject *limit);
+/* Makes the requested outputs on `device` for the call `a` (already checked by the engine)
+ * on x, and points a's fields at them. Attention maps over the limit raise ValueError with
+ * the shape and the bytes. -1 with an exception (the caller clears). */
+int q3py_insides_make(q3_insides *ins, q3_module_state *st, const q3_layer *layer, const q3_cache *c,
+                      const q3_view *x, int device, q3_forward_args *a);
+/* y alone when nothing was asked; else (y, router_logits, router_experts, router_weights,
+ * attention), None for what was not asked. Steals y; NULL passes through. */
+PyObject *q3py_insides_result(q3_insides *ins, PyObject *y);
+void q3py_insides_clear(q3_insides *ins);
 
 /* The engine's interrupt poll between passes: takes the GIL briefly and runs the signal
  * handlers (Ctrl-C); an exception they raise stays set for the caller. */
@@ -45,14 +70,16 @@ int q3py_call_open(q3py_call *c, q3py_layer_object *self, PyObject *x_obj, PyObj
 int q3py_call_run(q3py_call *c, q3py_layer_object *self, const q3_attention_half_out *half);
 void q3py_call_close(q3py_call *c);
 
+/* `...` run without the GIL under the layer's lock: its settings change only while no call runs */
+#define Q3PY_LAYER_LOCKED(self, ...) \
+    Q3PY_NOGIL(PyThread_acquire_lock((self)->lock, WAIT_LOCK); __VA_ARGS__; PyThread_release_lock((self)->lock))
+
 /* layer.attention_half and layer.expert_half (py_layer_halves.c); layer.attention_passes, the
  * attention half a pass at a time (py_pass_run.c) */
-/* the attention half's four outputs for x of `shape` [..., H] and `dtype` on `device` (-1: the
- * host): resid fp32 and normed of x's dtype of that shape, experts int32 and weights fp32
- * [..., top_k]; pointed at by *o. -1 with an exception (each made one is in t[] for the caller
- * to release) */
-int q3py_half_outputs(q3_module_state *st, const q3_config *cfg, int ndim, const int64_t *shape, q3_dtype dtype,
-                      int device, q3py_tensor_object *t[4], q3_attention_half_out *o);
+/* the attention half's four outputs (q3_attention_half_specs) of opened call c, a pass of
+ * `tokens` tokens a sequence, on the layer's device: the tuple (resid, normed, experts,
+ * weights), *o pointed at them; NULL with an exception */
+PyObject *q3py_half_outputs(q3py_call *c, q3py_layer_object *self, int64_t tokens, q3_attention_half_out *o);
 PyObject *q3py_layer_attention_half(q3py_layer_object *self, PyObject *x_obj, PyObject *cache_obj, int decode,
                                     PyObject *seq_obj, PyObject *chunk_obj, PyObject *stream_obj, q3_insides *ins,
                                     q3py_token_args tok);

@@ -4,22 +4,67 @@
  * (q3_layer_expert_half) on rows handed in: tensors on the layer's device (a CUDA layer's on
  * its device; one elsewhere is refused, never copied).
  * Every argument is checked before the engine runs; a rejected call writes nothing.
- * Tensors of rows may have leading dims ([..., hidden]: their rows in order). */
+ * Tensors of rows may have leading dims ([..., hidden]: their rows in order).
+ * And the insides on request (prefill/decode's return_router and return_attention): the
+ * output tensors, made on the layer's device before the call runs (their specs the engine's,
+ * q3_call_insides_specs) and filled by the engine from the call's own passes, and the tuple
+ * handed back. */
 #include "py_layer.h"
-#include "py_layer_insides.h"
 
-int q3py_half_outputs(q3_module_state *st, const q3_config *cfg, int ndim, const int64_t *shape, q3_dtype dtype,
-                      int device, q3py_tensor_object *t[4], q3_attention_half_out *o) {
-    int64_t lead[Q3_MAX_DIM];
-    memcpy(lead, shape, (size_t)ndim * sizeof *lead);
-    lead[ndim - 1] = cfg->top_k;
-    if (!(t[0] = q3py_tensor_new_on(st, Q3_F32, ndim, shape, device)) ||
-        !(t[1] = q3py_tensor_new_on(st, dtype, ndim, shape, device)) ||
-        !(t[2] = q3py_tensor_new_on(st, Q3_I32, ndim, lead, device)) ||
-        !(t[3] = q3py_tensor_new_on(st, Q3_F32, ndim, lead, device)))
+PyObject *q3py_tensors_made(q3_module_state *st, const q3_tensor_spec *spec, int n, int device, void **data) {
+    PyObject *t = PyTuple_New(n);
+    for (int i = 0; t && i < n; i++) {
+        q3py_tensor_object *o = spec[i].ndim ? q3py_tensor_new_on(st, spec[i].dtype, spec[i].ndim, spec[i].shape, device)
+                                             : NULL;
+        data[i] = o ? o->data : NULL;
+        if (spec[i].ndim && !o) Py_CLEAR(t);
+        else PyTuple_SET_ITEM(t, i, o ? (PyObject *)o : Py_NewRef(Py_None)); /* takes the reference */
+    }
+    return t;
+}
+
+int q3py_insides_parse(q3_insides *ins, PyObject *router, PyObject *attention, PyObject *limit) {
+    *ins = (q3_insides){0};
+    if ((ins->router = PyObject_IsTrue(router)) < 0 || (ins->attention = PyObject_IsTrue(attention)) < 0) return -1;
+    if (limit != Py_None && !ins->attention) {
+        PyErr_SetString(PyExc_ValueError, "attention_limit: only with return_attention=True");
         return -1;
-    *o = (q3_attention_half_out){t[0]->data, t[1]->data, dtype, t[2]->data, t[3]->data};
+    }
+    return q3py_attention_limit(limit, Q3_ATTENTION_LIMIT_DEFAULT, &ins->limit);
+}
+
+int q3py_insides_make(q3_insides *ins, q3_module_state *st, const q3_layer *layer, const q3_cache *c,
+                      const q3_view *x, int device, q3_forward_args *a) {
+    q3_tensor_spec spec[4];
+    void *data[4];
+    q3_error err;
+    if (!ins->router && !ins->attention) return 0;
+    if (q3py_status(q3_call_insides_specs(q3_layer_config(layer), c, x, a, ins->router, ins->attention, ins->limit,
+                                          spec, &err), &err) < 0 ||
+        !(ins->made = q3py_tensors_made(st, spec, 4, device, data)))
+        return -1;
+    q3_call_insides_bind(a, data, spec);
     return 0;
+}
+
+PyObject *q3py_insides_result(q3_insides *ins, PyObject *y) {
+    if (!y || !ins->made) return y;
+    PyObject *r = PyTuple_New(5);
+    for (int i = 0; r && i < 5; i++) /* each SET_ITEM takes the reference given */
+        PyTuple_SET_ITEM(r, i, i ? Py_NewRef(PyTuple_GET_ITEM(ins->made, i - 1)) : y);
+    if (!r) Py_DECREF(y);
+    return r;
+}
+
+void q3py_insides_clear(q3_insides *ins) { Py_CLEAR(ins->made); }
+
+PyObject *q3py_half_outputs(q3py_call *c, q3py_layer_object *self, int64_t tokens, q3_attention_half_out *o) {
+    q3_tensor_spec spec[4];
+    void *data[4];
+    q3_attention_half_specs(q3_layer_config(self->layer), &c->x, &c->a, tokens, spec);
+    PyObject *t = q3py_tensors_made(c->st, spec, 4, self->device, data);
+    if (t) *o = q3_attention_half_outputs(data, c->x.dtype);
+    return t;
 }
 
 /* attention_half: (resid, normed, experts, weights), in the insides' tuple when asked for */
@@ -28,16 +73,12 @@ PyObject *q3py_layer_attention_half(q3py_layer_object *self, PyObject *x_obj, Py
                                     q3py_token_args tok) {
     q3py_call c;
     if (q3py_call_open(&c, self, x_obj, cache_obj, decode, seq_obj, chunk_obj, stream_obj, 1, tok) < 0) return NULL;
-    q3py_tensor_object *t[4] = {NULL, NULL, NULL, NULL};
     q3_attention_half_out half;
-    PyObject *result = NULL;
-    if (q3py_half_outputs(c.st, q3_layer_config(self->layer), c.x.ndim, c.x.shape, c.x.dtype, self->device, t,
-                          &half) == 0 &&
-        q3py_insides_make(ins, c.st, self->layer, c.co->cache, &c.x, self->device, &c.a) == 0 &&
-        q3py_call_run(&c, self, &half) == 0)
-        result = PyTuple_Pack(4, t[0], t[1], t[2], t[3]);
+    PyObject *result = q3py_half_outputs(&c, self, c.a.tokens, &half);
+    if (result && (q3py_insides_make(ins, c.st, self->layer, c.co->cache, &c.x, self->device, &c.a) < 0 ||
+                   q3py_call_run(&c, self, &half) < 0))
+        Py_CLEAR(result);
     q3py_call_close(&c);
-    for (int i = 0; i < 4; i++) Py_XDECREF(t[i]);
     result = q3py_insides_result(ins, result);
     q3py_insides_clear(ins);
     return result;
@@ -52,45 +93,31 @@ PyObject *q3py_layer_expert_half(q3py_layer_object *self, PyObject *args, PyObje
                                      &out_obj, &acc, &stream_obj) ||
         q3py_stream_on(stream_obj, self->device, "a cpu layer", &stream) < 0)
         return NULL;
-    if (acc && out_obj == Py_None) {
-        PyErr_SetString(PyExc_ValueError, "out: accumulate=True adds into out, got out=None");
-        return NULL;
-    }
+    if (acc && out_obj == Py_None)
+        return PyErr_Format(PyExc_ValueError, "out: accumulate=True adds into out, got out=None");
     q3_module_state *st = q3_state_of_type(Py_TYPE(self));
     if (!st) return NULL;
-    const q3_config *c = q3_layer_config(self->layer);
     q3py_arg_view v[4] = {{.obj = rows_obj, .arg = "rows"}, {.obj = experts_obj, .arg = "experts", .allow = Q3_VIEW_I32},
                           {.obj = weights_obj, .arg = "weights"}, {.obj = out_obj == Py_None ? NULL : out_obj, .arg = "out"}};
-    q3_view *rows = &v[0].view, *out = &v[3].view;
     PyObject *result = NULL;
+    q3_expert_half_args a;
+    q3_tensor_spec made; /* out, when not given */
     q3_error err;
-    if (q3py_views_acquire(v, 4, self->device, stream) < 0 ||
-        q3py_status(q3_expert_half_check_views(c, rows, &v[1].view, &v[2].view, v[3].obj ? out : NULL, &err), &err) < 0)
-        goto done;
-    const int64_t n = q3_view_rows(rows);
-    if (out_obj != Py_None) {
-        result = Py_NewRef(out_obj);
-    } else {
-        const int64_t shape[2] = {n, c->hidden};
-        q3py_tensor_object *t = q3py_tensor_new_on(st, rows->dtype, 2, shape, self->device);
-        if (!t) goto done;
-        result = (PyObject *)t;
-        out->data = t->data;
-        out->dtype = rows->dtype;
-    }
-    const q3_expert_half_args a = {rows->data, rows->dtype, n, v[1].view.data, v[2].view.data, out->data, out->dtype,
-                                   acc, stream};
     q3_status s;
-    Py_BEGIN_ALLOW_THREADS
-    PyThread_acquire_lock(self->lock, WAIT_LOCK);
-    s = q3_layer_expert_half(self->layer, &a, &err);
-    PyThread_release_lock(self->lock);
-    Py_END_ALLOW_THREADS
-    if (s != Q3_OK) {
-        Py_CLEAR(result);
-        q3_raise(st, &err);
+    if (q3py_views_acquire(v, 4, self->device, stream) == 0 &&
+        q3py_status(q3_expert_half_prepare(q3_layer_config(self->layer), &v[0].view, &v[1].view, &v[2].view,
+                                           v[3].obj ? &v[3].view : NULL, acc, stream, &a, &made, &err), &err) == 0) {
+        q3py_tensor_object *t = v[3].obj ? NULL : q3py_tensor_new_on(st, made.dtype, made.ndim, made.shape, self->device);
+        if (t) a.out = t->data;
+        result = t ? (PyObject *)t : v[3].obj ? Py_NewRef(out_obj) : NULL;
     }
-done:
+    if (result) {
+        Q3PY_LAYER_LOCKED(self, s = q3_layer_expert_half(self->layer, &a, &err));
+        if (s != Q3_OK) {
+            Py_CLEAR(result);
+            q3_raise(st, &err);
+        }
+    }
     q3py_views_release(v, 4);
     return result;
 }

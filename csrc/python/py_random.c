@@ -5,42 +5,28 @@
  * shapes, storage) and fills each with the engine's draws for it (q3_weight_fill_random): in
  * the FP8 format the projection matrices as the fine-grained FP8 checkpoints hold them, each
  * with fp32 block scales, quantized from the dense draws of the same seed. */
-#include <string.h>
-
 #include "py_glue.h"
 
-/* Every tensor of the engine's weight table for the layer, drawn as the table says
- * (q3_weight_fill_random: the stream layout is the engine's), into a new dict by name; a
- * quantized matrix with what stands beside it (the entries after it: an e4m3 matrix's fp32
- * scale, a GPTQ matrix's scales, qzeros and g_idx). NULL with an exception. */
+/* Every tensor of the engine's weight table for the layer into a new dict by name, then drawn
+ * as the table says (q3_weight_table_fill_random: the stream layout is the engine's; a quantized
+ * matrix with what stands beside it). NULL with an exception. */
 static PyObject *random_table(q3_module_state *st, const q3_weight_entry *table, int64_t n, q3_dtype dt,
                               uint64_t seed, const q3_weights *w) {
-    PyObject *d = PyDict_New();
+    void **data = PyMem_Calloc((size_t)n, sizeof *data);
+    PyObject *d = data ? PyDict_New() : PyErr_NoMemory();
     for (int64_t i = 0; d && i < n; i++) {
-        q3py_tensor_object *t[4] = {NULL, NULL, NULL, NULL};
-        int sides = 0, ok = 1;
-        while (sides < 3 && i + 1 + sides < n && table[i + 1 + sides].of == i) sides++;
-        for (int j = 0; j <= sides && ok; j++) {
-            const q3_weight_entry *e = &table[i + j];
-            t[j] = q3py_tensor_new(st, q3_weight_storage_dtype(e->storage, dt, Q3_F32), e->rank, e->dims);
-            ok = t[j] != NULL;
-        }
-        if (ok) {
-            void *side[3] = {NULL, NULL, NULL};
-            for (int j = 0; j < sides; j++) side[j] = t[j + 1]->data;
-            q3_status s;
-            q3_error err;
-            Py_BEGIN_ALLOW_THREADS
-            s = q3_weight_fill_random(&table[i], t[0]->data, t[0]->dtype, side, seed, w->gptq_group, w->gptq_v2, &err);
-            Py_END_ALLOW_THREADS
-            ok = q3py_status(s, &err) == 0;
-        }
-        for (int j = 0; j <= sides && ok; j++)
-            ok = PyDict_SetItemString(d, table[i + j].name, (PyObject *)t[j]) == 0;
-        if (!ok) Py_CLEAR(d);
-        for (int j = 0; j <= sides; j++) Py_XDECREF(t[j]);
-        i += sides;
+        const q3_weight_entry *e = &table[i];
+        q3py_tensor_object *t = q3py_tensor_new(st, q3_weight_storage_dtype(e->storage, dt, Q3_F32), e->rank, e->dims);
+        if (!t || PyDict_SetItemString(d, e->name, (PyObject *)t) < 0) Py_CLEAR(d);
+        else data[i] = t->data; /* the dict keeps it */
+        Py_XDECREF(t);
     }
+    q3_status s = Q3_OK;
+    q3_error err;
+    if (d)
+        Q3PY_NOGIL(s = q3_weight_table_fill_random(table, n, data, dt, seed, w->gptq_group, w->gptq_v2, &err));
+    if (q3py_status(s, &err) < 0) Py_CLEAR(d);
+    PyMem_Free(data);
     return d;
 }
 
@@ -63,16 +49,13 @@ static PyObject *random_weights(PyObject *m, PyObject *args, PyObject *kw) {
     /* every expert: fused as transformers 5.x holds them; a subset: per expert, the held ones */
     q3_weights w = {.dtype = dt, .format = wf, .held = held, .gptq_group = gptq_group, .gptq_v2 = gptq_v2,
                     .gptq_dense_attention = dense_attention};
-    q3_weight_entry *table = NULL;
-    int64_t n = 0;
+    q3_weight_entry *table;
+    int64_t n;
     q3_error err;
     PyObject *d = NULL;
-    q3_status s = q3_weight_table(&c, &w, held == NULL, NULL, NULL, 0, &n, &err);
-    if (s == Q3_OK && (table = PyMem_Calloc((size_t)n, sizeof *table)) == NULL) PyErr_NoMemory();
-    else if (s == Q3_OK) s = q3_weight_table(&c, &w, held == NULL, NULL, table, n, &n, &err);
-    if (s != Q3_OK) q3_raise(NULL, &err);
-    else if (table) d = random_table(q3py_state(m), table, n, dt, seed, &w);
-    PyMem_Free(table);
+    if (q3py_status(q3_weight_table_new(&c, &w, held == NULL, NULL, &table, &n, &err), &err) == 0)
+        d = random_table(q3py_state(m), table, n, dt, seed, &w);
+    q3_free(table);
     PyMem_Free(held);
     return d;
 }
@@ -90,9 +73,7 @@ static PyObject *random_tensor(PyObject *m, PyObject *args, PyObject *kw) {
     if (!t) return NULL;
     int64_t n;
     q3_numel(shape.ndim, shape.dims, &n); /* fits: the tensor was made */
-    Py_BEGIN_ALLOW_THREADS
-    q3_fill_random(t->data, dt, n, seed, 0, 0.0f, std);
-    Py_END_ALLOW_THREADS
+    Q3PY_NOGIL(q3_fill_random(t->data, dt, n, seed, 0, 0.0f, std));
     return (PyObject *)t;
 }
 
@@ -109,11 +90,8 @@ static PyObject *dequantize_fp8(PyObject *m, PyObject *args, PyObject *kw) {
     q3py_tensor_object *t = NULL;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|i:dequantize_fp8", names, &v[0].obj, &v[1].obj, &parts)) return NULL;
     if (q3py_views_acquire(v, 2, -1, NULL) == 0 && q3py_status(q3_dequantize_fp8_check(w, s, parts, &err), &err) == 0 &&
-        (t = q3py_tensor_new(q3py_state(m), Q3_F32, w->ndim, w->shape))) {
-        Py_BEGIN_ALLOW_THREADS
-        q3_dequantize_fp8_views(t->data, w, s, parts);
-        Py_END_ALLOW_THREADS
-    }
+        (t = q3py_tensor_new(q3py_state(m), Q3_F32, w->ndim, w->shape)))
+        Q3PY_NOGIL(q3_dequantize_fp8_views(t->data, w, s, parts));
     q3py_views_release(v, 2);
     return (PyObject *)t;
 }
@@ -133,11 +111,8 @@ static PyObject *dequantize_int4(PyObject *m, PyObject *args, PyObject *kw) {
         return NULL;
     if (q3py_views_acquire(v, 4, -1, NULL) == 0 &&
         q3py_status(q3_dequantize_int4_check(&v[0].view, &v[1].view, &v[2].view, &v[3].view, &err), &err) == 0 &&
-        (t = q3py_tensor_new(q3py_state(m), Q3_F32, 2, (int64_t[2]){v[0].view.shape[1], 8 * v[0].view.shape[0]}))) {
-        Py_BEGIN_ALLOW_THREADS
-        q3_dequantize_int4_views(t->data, &v[0].view, &v[1].view, &v[2].view, &v[3].view, v2);
-        Py_END_ALLOW_THREADS
-    }
+        (t = q3py_tensor_new(q3py_state(m), Q3_F32, 2, (int64_t[2]){v[0].view.shape[1], 8 * v[0].view.shape[0]})))
+        Q3PY_NOGIL(q3_dequantize_int4_views(t->data, &v[0].view, &v[1].view, &v[2].view, &v[3].view, v2));
     q3py_views_release(v, 4);
     return (PyObject *)t;
 }
