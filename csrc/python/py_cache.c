@@ -18,9 +18,7 @@ q3py_cache_object *q3py_cache_object_new(q3_module_state *st, int batch, int64_t
     q3_cache *c;
     q3_error err;
     q3_status s;
-    Py_BEGIN_ALLOW_THREADS
-    s = q3_cache_create_on(&c, batch, capacity, kv_heads, head_dim, dt, device, &err);
-    Py_END_ALLOW_THREADS
+    Q3PY_NOGIL(s = q3_cache_create_on(&c, batch, capacity, kv_heads, head_dim, dt, device, &err));
     return s == Q3_OK ? q3py_cache_wrap(st, c) : (q3py_cache_object *)q3_raise(st, &err);
 }
 
@@ -93,9 +91,7 @@ int q3py_cache_run(q3py_cache_object *o, q3_cache_call_args *r) {
     q3_error err;
     q3_status s;
     o->busy = 1; /* a layer call on another thread must not append while the engine works */
-    Py_BEGIN_ALLOW_THREADS
-    s = q3_cache_call(o->cache, r, &err);
-    Py_END_ALLOW_THREADS
+    Q3PY_NOGIL(s = q3_cache_call(o->cache, r, &err));
     o->busy = 0;
     if (s == Q3_OK) return 0;
     q3_raise(q3_state_of_type(Py_TYPE(o)), &err);

@@ -185,15 +185,11 @@ PyObject *q3py_weight_table(PyObject *m, PyObject *args, PyObject *kw) {
         return NULL;
     q3_weights w = {.format = wf, .held = held, .experts_only = experts_only, .gptq_group = gptq_group,
                     .gptq_dense_attention = dense_attention};
-    q3_weight_entry *table = NULL;
+    q3_weight_entry *table;
     int64_t n = 0;
     q3_error err;
-    PyObject *out = NULL;
-    q3_status st = q3_weight_table(&c, &w, fused, NULL, NULL, 0, &n, &err);
-    if (st == Q3_OK && !(table = PyMem_Calloc((size_t)n + 1, sizeof *table))) PyErr_NoMemory();
-    else if (st == Q3_OK) st = q3_weight_table(&c, &w, fused, NULL, table, n, &n, &err);
-    if (st != Q3_OK) q3_raise(NULL, &err);
-    else if (table) out = PyList_New((Py_ssize_t)n);
+    PyObject *out = q3py_status(q3_weight_table_new(&c, &w, fused, NULL, &table, &n, &err), &err) < 0
+                        ? NULL : PyList_New((Py_ssize_t)n);
     for (int64_t i = 0; out && i < n; i++) {
         const q3_weight_entry *e = &table[i];
         PyObject *row = Py_BuildValue("(sNsL)", e->name, q3py_int64s(e->dims, e->rank, 0),
@@ -201,7 +197,7 @@ PyObject *q3py_weight_table(PyObject *m, PyObject *args, PyObject *kw) {
         if (!row) Py_CLEAR(out);
         else PyList_SET_ITEM(out, (Py_ssize_t)i, row);
     }
-    PyMem_Free(table);
+    q3_free(table);
     PyMem_Free(held);
     return out;
 }

@@ -167,8 +167,8 @@ extern PyType_Spec q3py_graph_spec;
 extern PyType_Spec q3py_passes_spec;
 /* captures one decode step of sequences 0 .. batch - 1 of the cache (layer_obj kept alive); the
  * engine checks batch and the layer's device */
-PyObject *q3py_graph_new(q3_module_state *st, PyObject *layer_obj, q3_layer *layer, int device,
-                       q3py_cache_object *cache, int64_t batch, q3_dtype dtype);
+PyObject *q3py_graph_new(q3_module_state *st, PyObject *layer_obj, q3_layer *layer, q3py_cache_object *cache,
+                         int64_t batch, q3_dtype dtype);
 
 /* ---- engine work without the GIL (the glue's calls of the engine that take long) ---------- */
 

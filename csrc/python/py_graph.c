@@ -10,9 +10,8 @@ typedef struct {
     q3py_cache_object *cache; /* the graph appends to it */
 } q3py_graph_object;
 
-PyObject *q3py_graph_new(q3_module_state *st, PyObject *layer_obj, q3_layer *layer, int device,
-                         q3py_cache_object *co, int64_t batch, q3_dtype dtype) {
-    (void)device; /* the layer's: q3_decode_graph_io */
+PyObject *q3py_graph_new(q3_module_state *st, PyObject *layer_obj, q3_layer *layer, q3py_cache_object *co,
+                         int64_t batch, q3_dtype dtype) {
     if (q3py_cache_check_idle(co) < 0) return NULL;
     q3py_graph_object *self = (q3py_graph_object *)st->graph_type->tp_alloc(st->graph_type, 0); /* zeroed */
     if (!self) return NULL;

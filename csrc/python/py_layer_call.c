@@ -237,14 +237,6 @@ static PyObject *layer_new_cache(q3py_layer_object *self, PyObject *args, PyObje
     return (PyObject *)q3py_cache_object_new(st, batch, max_tokens, c->kv_heads, c->head_dim, dt, self->device);
 }
 
-/* the layer's lock, waited for without the GIL (which a running call takes between its passes):
- * what follows runs while no call of the layer does */
-static void lock_layer(q3py_layer_object *self) {
-    Py_BEGIN_ALLOW_THREADS
-    PyThread_acquire_lock(self->lock, WAIT_LOCK);
-    Py_END_ALLOW_THREADS
-}
-
 static PyObject *layer_decode_graph(q3py_layer_object *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"cache", "batch", "dtype", NULL};
     PyObject *cache_obj, *batch_obj = Py_None;
@@ -256,8 +248,10 @@ static PyObject *layer_decode_graph(q3py_layer_object *self, PyObject *args, PyO
     q3py_cache_object *co = as_cache(cache_obj, st);
     int64_t batch = co ? q3_cache_batch(co->cache) : 0;
     if (!co || q3py_int64(batch_obj, "batch", Q3PY_NONE_OK, NULL, &batch) < 0) return NULL;
-    lock_layer(self);
-    PyObject *g = q3py_graph_new(st, (PyObject *)self, self->layer, self->device, co, batch, dt);
+    /* not while a call of this layer runs (waited for without the GIL, which a running call takes
+     * between its passes); the capture, which makes Python objects, under the lock with the GIL */
+    Q3PY_NOGIL(PyThread_acquire_lock(self->lock, WAIT_LOCK));
+    PyObject *g = q3py_graph_new(st, (PyObject *)self, self->layer, co, batch, dt);
     PyThread_release_lock(self->lock);
     return g;
 }
@@ -266,9 +260,8 @@ static PyObject *layer_set_profiling(q3py_layer_object *self, PyObject *on) {
     const int flag = PyObject_IsTrue(on);
     if (flag < 0) return NULL;
     q3_error err;
-    lock_layer(self);
-    const q3_status s = q3_layer_profiling(self->layer, flag, &err);
-    PyThread_release_lock(self->lock);
+    q3_status s;
+    Q3PY_LAYER_LOCKED(self, s = q3_layer_profiling(self->layer, flag, &err)); /* not while a call runs */
     return s == Q3_OK ? Py_NewRef(Py_None) : q3_raise(NULL, &err);
 }
 
