@@ -1,9 +1,6 @@
 /* The module qwen3layer._C: multi-phase init, heap types in the module state, exceptions,
  * and the module-level functions (build_info, check_config, probes; random_weights and
- * random_tensor are in py_random.c; copy_tensor). */
-#include <stdlib.h>
-#include <string.h>
-
+ * random_tensor are in py_random.c, copy_tensor and buffer_view in py_tensor.c). */
 #include "py_glue.h"
 
 #ifndef Q3_VERSION
@@ -72,46 +69,6 @@ static PyObject *probe_fma(PyObject *m, PyObject *args, PyObject *kw) {
     return PyFloat_FromDouble(gflops);
 }
 
-/* copy_tensor(tensor, device): a contiguous copy on `device` (-1: host) of an extension Tensor
- * (host or device), or of another producer's host tensor (torch, numpy: any dtype the
- * extension has), which is how host data reaches the SIMT executor's device. What may be
- * copied where is the engine's to say (q3_view_check_copy); the copy is the device layer's. */
-static PyObject *copy_tensor(PyObject *m, PyObject *args) {
-    PyObject *obj;
-    int device;
-    if (!PyArg_ParseTuple(args, "Oi:copy_tensor", &obj, &device)) return NULL;
-    q3_module_state *st = q3py_state(m);
-    q3_view v = {0};
-    if (PyObject_TypeCheck(obj, st->tensor_type)) {
-        const q3py_tensor_object *t = (const q3py_tensor_object *)obj;
-        v.data = t->data, v.ndim = t->ndim, v.dtype = t->dtype, v.device = t->device;
-        memcpy(v.shape, t->shape, sizeof v.shape);
-        memcpy(v.strides, t->strides, sizeof v.strides);
-        v.contiguous = q3_strides_contiguous(v.ndim, v.shape, v.strides);
-    } else if (!PyObject_HasAttrString(obj, "__dlpack__")) {
-        return PyErr_Format(PyExc_TypeError, "tensor: expected a qwen3layer Tensor or a host tensor with __dlpack__ "
-                            "(torch, numpy), got %.100s", Py_TYPE(obj)->tp_name);
-    } else if (q3_view_acquire_on(obj, "tensor", &v, -1, Q3_VIEW_ANY, NULL)) {
-        return NULL;
-    }
-    q3_error err;
-    q3py_tensor_object *c = NULL;
-    if (q3py_status(q3_view_check_copy(&v, device, &err), &err) == 0 &&
-        (c = q3py_tensor_new_on(st, v.dtype, v.ndim, v.shape, device))) {
-        int64_t count; /* fits: the tensor exists */
-        q3_numel(v.ndim, v.shape, &count);
-        const size_t bytes = (size_t)count * q3_dtype_size(v.dtype);
-        if (v.device < 0 && device < 0) {
-            memcpy(c->data, v.data, bytes);
-        } else if (q3_device_copy(c->data, v.data, bytes, device >= 0, &err) != Q3_OK) {
-            Py_CLEAR(c);
-            PyErr_Format(PyExc_RuntimeError, "copy_tensor: %s", err.msg);
-        }
-    }
-    q3_view_release(&v);
-    return (PyObject *)c;
-}
-
 static PyObject *check_config(PyObject *m, PyObject *cfg) {
     q3_config c;
     return q3_parse_config(cfg, &c) < 0 ? NULL : Py_NewRef(Py_None);
@@ -127,7 +84,7 @@ static PyMethodDef module_methods[] = {
      "Best GB/s of reading a buffer (1 GiB by default) with every thread."},
     {"probe_fma_peak", (PyCFunction)(void (*)(void))probe_fma, METH_VARARGS | METH_KEYWORDS,
      "probe_fma_peak(seconds=0.5)\n--\n\nfp32 multiply-add peak of every thread, GFLOP/s, active CPU path."},
-    {"copy_tensor", copy_tensor, METH_VARARGS,
+    {"copy_tensor", q3py_copy_tensor, METH_VARARGS,
      "copy_tensor(tensor, device)\n--\n\nA contiguous copy on device (-1: host) of an extension Tensor, or of a host "
      "tensor of another producer (torch, numpy; float32, bfloat16, float8_e4m3fn or int32)."},
     {"check_config", check_config, METH_O, "check_config(config)\n--\n\nRaise if the geometry is impossible."},
@@ -153,7 +110,7 @@ static PyMethodDef module_methods[] = {
      "take_rows(src, rows, out=None, *, device=-1, stream=None)\n--\n\nout [n, hidden] <- src [R, hidden] row "
      "rows[i] (int32 [n]), of src's dtype (fp32 or bf16): the rows whose experts run elsewhere. device=d: every "
      "tensor on CUDA device d, queued on stream. Returns out (a new Tensor when None)."},
-    {"buffer_view", q3_buffer_view, METH_VARARGS,
+    {"buffer_view", q3py_buffer_view, METH_VARARGS,
      "buffer_view(obj, offset, shape, dtype)\n--\n\nA Tensor over bytes of a buffer-protocol object (kept alive)."},
     {NULL},
 };
