@@ -741,6 +741,14 @@ int q3_contiguous_strides(int ndim, const int64_t *shape, size_t itemsize, int64
 
 /* "cpu" (device -1) or "cuda:N" into buf [n] (tensor_view.c) */
 void q3_format_device(char *buf, size_t n, int device);
+/* At load (cpu_dispatch.c): QWEN3LAYER_CPU_HIDE (q3_cpu_hide's list) takes levels away first,
+ * QWEN3LAYER_CPU_PATH (q3_cpu_select's name; unset: the best) forces a kernel level,
+ * QWEN3LAYER_PACKED_KC sets the packed k block (the tests run other machines' blocks): the
+ * first failure, its message after the variable's name ("QWEN3LAYER_CPU_PATH: cpu path: ...").
+ * err: not NULL. */
+q3_status q3_cpu_configure_from_env(q3_error *err);
+/* the compiler that built the engine ("gcc 13.2.0", "clang ...": status.c) */
+const char *q3_build_compiler(void);
 
 /* DLPack export, and the capsules consumed (dlpack_export.c) */
 

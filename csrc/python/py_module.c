@@ -28,15 +28,7 @@ static PyObject *build_info(PyObject *m, PyObject *unused) {
     if (!available) return NULL;
     return Py_BuildValue("{s:s,s:[s],s:s,s:N,s:i,s:s,s:i}", "version", Q3_VERSION, "backends", "cpu",
                          "cpu_path", q3_cpu_path(), "cpu_paths", available, "threads", q3_max_threads(),
-                         "compiler",
-#if defined(__clang__)
-                         "clang " __clang_version__,
-#elif defined(__GNUC__)
-                         "gcc " __VERSION__,
-#else
-                         "unknown",
-#endif
-                         "default_chunk", Q3_DEFAULT_CHUNK);
+                         "compiler", q3_build_compiler(), "default_chunk", Q3_DEFAULT_CHUNK);
 }
 
 static PyObject *set_cpu_path(PyObject *m, PyObject *arg) {
@@ -115,32 +107,13 @@ static PyMethodDef module_methods[] = {
     {NULL},
 };
 
-/* QWEN3LAYER_CPU_HIDE takes levels away first (as if the CPU lacked them); QWEN3LAYER_CPU_PATH
- * forces a kernel level; an impossible one fails the import */
-static int select_cpu_path(void) {
-    const char *hide = getenv("QWEN3LAYER_CPU_HIDE"), *forced = getenv("QWEN3LAYER_CPU_PATH");
-    q3_error err;
-    if (hide && q3_cpu_hide(hide, &err) != Q3_OK) {
-        PyErr_Format(PyExc_ImportError, "QWEN3LAYER_CPU_HIDE: %s", err.msg);
-        return -1;
-    }
-    if (q3_cpu_select(forced, &err) == Q3_OK) return 0;
-    PyErr_Format(PyExc_ImportError, "QWEN3LAYER_CPU_PATH: %s", err.msg);
-    return -1;
-}
-
-/* QWEN3LAYER_PACKED_KC sets the packed matmul's k block (the tests run other machines' blocks) */
-static int set_packed_kc(void) {
-    const char *kc = getenv("QWEN3LAYER_PACKED_KC");
-    q3_error err;
-    if (!kc || q3_cpu_set_packed_kc(kc, &err) == Q3_OK) return 0;
-    PyErr_Format(PyExc_ImportError, "QWEN3LAYER_PACKED_KC: %s", err.msg);
-    return -1;
-}
-
 static int module_exec(PyObject *m) {
     q3_module_state *st = q3py_state(m);
-    if (select_cpu_path() < 0 || set_packed_kc() < 0) return -1;
+    q3_error err; /* the CPU kernels' level and k block from the environment: else no import */
+    if (q3_cpu_configure_from_env(&err) != Q3_OK) {
+        PyErr_SetString(PyExc_ImportError, err.msg);
+        return -1;
+    }
     /* the types, made and added in this order, and where the state keeps each */
     PyType_Spec *const specs[] = {&q3py_tensor_spec, &q3py_cache_spec, &q3py_layer_spec, &q3py_graph_spec,
                                   &q3py_passes_spec};
@@ -149,10 +122,8 @@ static int module_exec(PyObject *m) {
     PyMethodDef *const functions[] = {q3_cuda_methods, q3_random_methods, q3_routing_methods, q3_held_methods};
     for (int i = 0; i < 5; i++)
         if (!(*types[i] = (PyTypeObject *)PyType_FromModuleAndSpec(m, specs[i], NULL))) return -1;
-    st->cache_full_error = PyErr_NewExceptionWithDoc(
-        "qwen3layer.CacheFullError",
-        "The tokens of a call do not fit in the KV cache; the cache is left unchanged.",
-        PyExc_RuntimeError, NULL);
+    st->cache_full_error = PyErr_NewExceptionWithDoc("qwen3layer.CacheFullError", "The tokens of a call do not fit in "
+                                                     "the KV cache; the cache is left unchanged.", PyExc_RuntimeError, NULL);
     if (!st->cache_full_error) return -1;
     for (int i = 0; i < 4; i++)
         if (PyModule_AddFunctions(m, functions[i]) < 0) return -1;
@@ -167,30 +138,22 @@ static int module_exec(PyObject *m) {
     return PyModule_AddObjectRef(m, "CacheFullError", st->cache_full_error);
 }
 
-static int module_traverse(PyObject *m, visitproc visit, void *arg) {
+/* visits (visit given) or clears (visit NULL) the state's references */
+static int state_refs(PyObject *m, visitproc visit, void *arg) {
     q3_module_state *st = q3py_state(m);
-    Py_VISIT(st->tensor_type);
-    Py_VISIT(st->cache_type);
-    Py_VISIT(st->layer_type);
-    Py_VISIT(st->graph_type);
-    Py_VISIT(st->passes_type);
-    Py_VISIT(st->cache_full_error);
-    for (int i = 0; i < 4; i++) Py_VISIT(st->held_names[i]);
+    PyObject **const refs[] = {(PyObject **)&st->tensor_type, (PyObject **)&st->cache_type,
+                               (PyObject **)&st->layer_type, (PyObject **)&st->graph_type,
+                               (PyObject **)&st->passes_type, &st->cache_full_error, &st->held_names[0],
+                               &st->held_names[1], &st->held_names[2], &st->held_names[3]};
+    for (size_t i = 0; i < sizeof refs / sizeof refs[0]; i++) {
+        if (visit) Py_VISIT(*refs[i]);
+        else Py_CLEAR(*refs[i]);
+    }
     return 0;
 }
 
-static int module_clear(PyObject *m) {
-    q3_module_state *st = q3py_state(m);
-    Py_CLEAR(st->tensor_type);
-    Py_CLEAR(st->cache_type);
-    Py_CLEAR(st->layer_type);
-    Py_CLEAR(st->graph_type);
-    Py_CLEAR(st->passes_type);
-    Py_CLEAR(st->cache_full_error);
-    for (int i = 0; i < 4; i++) Py_CLEAR(st->held_names[i]);
-    return 0;
-}
-
+static int module_traverse(PyObject *m, visitproc visit, void *arg) { return state_refs(m, visit, arg); }
+static int module_clear(PyObject *m) { return state_refs(m, NULL, NULL); }
 static void module_free(void *m) { module_clear((PyObject *)m); }
 
 static PyModuleDef_Slot module_slots[] = {
