@@ -152,3 +152,47 @@ q3_status q3_device_synchronize(int device, q3_error *err) {
 int q3_cuda_blas_open(const char *path) { return q3_cuda() && q3_cuda()->blas_open(path) == 0; }
 
 int q3_cuda_blas_enable(int on) { return q3_cuda() ? q3_cuda()->blas_enable(on) : 0; }
+
+/* ---- the memory of an extension Tensor ------------------------------------------------- */
+
+size_t q3_tensor_bytes(q3_dtype dt, int ndim, const int64_t *shape) {
+    size_t n = q3_dtype_size(dt);
+    for (int d = 0; d < ndim; d++) n *= (size_t)shape[d];
+    return n;
+}
+
+q3_status q3_tensor_alloc(void **out, q3_dtype dt, int ndim, const int64_t *shape, int64_t *strides, int device,
+                          q3_error *err) {
+    *out = NULL;
+    if (!q3_contiguous_strides(ndim, shape, q3_dtype_size(dt), strides)) {
+        char got[160];
+        q3_format_shape(got, sizeof got, ndim, shape);
+        return q3_fail(err, Q3_ERR_VALUE, "shape: %s has a negative dimension or a size that overflows int64", got);
+    }
+    const size_t bytes = q3_tensor_bytes(dt, ndim, shape); /* fits: the strides did */
+    if (device < 0) *out = q3_alloc(bytes);
+    else if (q3_device_alloc(out, bytes, device, err) != Q3_OK) *out = NULL;
+    return *out ? Q3_OK : q3_fail(err, Q3_ERR_NOMEM, "out of memory");
+}
+
+void q3_tensor_free(void *p, q3_dtype dt, int ndim, const int64_t *shape, int device) {
+    if (device < 0) q3_free(p);
+    else if (p) q3_device_keep(p, q3_tensor_bytes(dt, ndim, shape), device);
+}
+
+q3_status q3_tensor_copy(void **out, int64_t *strides, const q3_view *v, int device, q3_error *err) {
+    q3_status s = q3_view_check_copy(v, device, err);
+    if (s != Q3_OK || (s = q3_tensor_alloc(out, v->dtype, v->ndim, v->shape, strides, device, err)) != Q3_OK)
+        return s;
+    const size_t bytes = q3_tensor_bytes(v->dtype, v->ndim, v->shape);
+    if (v->device < 0 && device < 0) {
+        memcpy(*out, v->data, bytes);
+    } else if ((s = q3_device_copy(*out, v->data, bytes, device >= 0, err)) != Q3_OK) {
+        q3_tensor_free(*out, v->dtype, v->ndim, v->shape, device);
+        *out = NULL;
+        char cause[sizeof err->msg];
+        memcpy(cause, err->msg, sizeof cause);
+        return q3_fail(err, Q3_ERR_STATE, "copy_tensor: %s", cause);
+    }
+    return Q3_OK;
+}

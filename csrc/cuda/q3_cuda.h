@@ -99,6 +99,24 @@ q3_status q3_device_copy(void *dst, const void *src, size_t bytes, int to_device
 q3_status q3_device_copy_async(void *dst, const void *src, size_t bytes, void *stream, q3_error *err);
 /* waits for everything queued on the device */
 q3_status q3_device_synchronize(int device, q3_error *err);
+
+/* ---- the memory of an extension Tensor (buffers.c) ------------------------------------ */
+
+/* *out <- the block of a new contiguous tensor [ndim dims: shape] of dt on `device` (-1: host
+ * memory, q3_alloc; else q3_device_alloc), its C-order strides into strides: Q3_ERR_VALUE
+ * "shape: [..] has a negative dimension or a size that overflows int64" before anything is
+ * allocated, Q3_ERR_NOMEM when the block cannot be had. */
+q3_status q3_tensor_alloc(void **out, q3_dtype dt, int ndim, const int64_t *shape, int64_t *strides, int device,
+                          q3_error *err);
+/* the bytes of such a tensor (its size fits: it exists); its block released (host memory
+ * freed, a device block kept for reuse: q3_device_keep) */
+size_t q3_tensor_bytes(q3_dtype dt, int ndim, const int64_t *shape);
+void q3_tensor_free(void *p, q3_dtype dt, int ndim, const int64_t *shape, int device);
+/* copy_tensor: *out <- a new block on `device` (-1: host) holding the elements of v as
+ * q3_tensor_alloc made it (its strides into strides), after q3_view_check_copy's rules: host
+ * to host, host to device or device to host, synchronous (Q3_ERR_STATE "copy_tensor: <the CUDA
+ * error>", the block freed again) */
+q3_status q3_tensor_copy(void **out, int64_t *strides, const q3_view *v, int device, q3_error *err);
 /* cuBLAS for the prefill GEMMs: opens it (path NULL: the usual names), 1 if usable; switches
  * it on (1) or off (0) where opened, on < 0 only reads; whether it is in use now (0 without a
  * backend) */

@@ -177,3 +177,16 @@ q3_status q3_cpu_hide(const char *names, q3_error *err) {
     if (active && is_hidden(active_name)) active = NULL; /* chosen again at the next use */
     return Q3_OK;
 }
+
+q3_status q3_cpu_configure_from_env(q3_error *err) {
+    static const char *const vars[] = {"QWEN3LAYER_CPU_HIDE", "QWEN3LAYER_CPU_PATH", "QWEN3LAYER_PACKED_KC"};
+    const char *hide = getenv(vars[0]), *path = getenv(vars[1]), *kc = getenv(vars[2]);
+    int which = 0;
+    q3_status s = hide ? q3_cpu_hide(hide, err) : Q3_OK;
+    if (s == Q3_OK && (s = q3_cpu_select(path, err)) != Q3_OK) which = 1;
+    else if (s == Q3_OK && kc && (s = q3_cpu_set_packed_kc(kc, err)) != Q3_OK) which = 2;
+    if (s == Q3_OK) return s;
+    char cause[sizeof err->msg];
+    memcpy(cause, err->msg, sizeof cause);
+    return q3_fail(err, s, "%s: %s", vars[which], cause);
+}

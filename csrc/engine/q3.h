@@ -745,6 +745,45 @@ int q3_strides_contiguous(int ndim, const int64_t *shape, const int64_t *strides
  * so the tensor's bytes fit whenever this returns 1. */
 int q3_contiguous_strides(int ndim, const int64_t *shape, size_t itemsize, int64_t *strides);
 
+/* ---- what the glue once decided itself (issue 40, requirement 2) ----------------------- */
+
+/* "cpu" (device -1) or "cuda:N" into buf [n] (tensor_view.c) */
+void q3_format_device(char *buf, size_t n, int device);
+/* At load (cpu_dispatch.c): QWEN3LAYER_CPU_HIDE (q3_cpu_hide's list) takes levels away first,
+ * QWEN3LAYER_CPU_PATH (q3_cpu_select's name; unset: the best) forces a kernel level,
+ * QWEN3LAYER_PACKED_KC sets the packed k block (the tests run other machines' blocks): the
+ * first failure, its message after the variable's name ("QWEN3LAYER_CPU_PATH: cpu path: ...").
+ * err: not NULL. */
+q3_status q3_cpu_configure_from_env(q3_error *err);
+/* the compiler that built the engine ("gcc 13.2.0", "clang ...": status.c) */
+const char *q3_build_compiler(void);
+
+/* DLPack export, and the capsules consumed (dlpack_export.c) */
+
+/* What __dlpack__ of a tensor v the extension owns (v->readonly: a view of read-only memory)
+ * may give: stream_given (only a CUDA tensor takes a stream), dl_device (NULL: not asked; else
+ * {type, id}, which must be v's own device), max_major (the consumer's major DLPack version, 0
+ * when not given: a legacy capsule), copy (a host copy; a CUDA tensor has none). *versioned:
+ * whether the capsule is a versioned one. Q3_ERR_VALUE with the reason (the glue's BufferError). */
+q3_status q3_dlpack_export_check(const q3_view *v, int stream_given, const int *dl_device, unsigned max_major,
+                                 int copy, int *versioned, q3_error *err);
+/* v's DLPack device ({cpu, 0} for -1, else {cuda, device}) */
+q3_dl_device q3_dlpack_device(int device);
+/* *managed <- a new managed tensor of v (versioned: a q3_dl_managed_v of version
+ * Q3_DL_MAJOR.Q3_DL_MINOR, READ_ONLY where v->readonly, IS_COPIED where copied; else a legacy
+ * q3_dl_managed), its shape and strides in the same block, manager_ctx `owner`: its deleter
+ * (any thread) calls release(owner) and frees the block. Q3_ERR_NOMEM when it cannot be had. */
+q3_status q3_dlpack_export(void **managed, const q3_view *v, int versioned, int copied, void *owner,
+                           void (*release)(void *owner), q3_error *err);
+/* runs the deleter of a managed tensor (versioned or legacy; NULL or none: nothing) */
+void q3_dlpack_delete(void *managed, int versioned);
+/* v from the managed tensor of a consumed capsule (versioned or legacy): a versioned one of
+ * another major version is refused untaken (Q3_ERR_VALUE, v->managed left NULL: its capsule
+ * still owns it); else v takes it (v->managed and v->versioned, to pass to q3_dlpack_delete
+ * once released; v->readonly from its flags), then q3_view_from_dlpack's checks. */
+q3_status q3_view_from_managed(q3_view *v, void *managed, int versioned, const char *arg, int device, int allow,
+                               q3_error *err);
+
 /* The views of a layer call (call_views.c), checked before anything is made or written. x of
  * prefill ([tokens, hidden]: one sequence, or [batch, tokens, hidden]: every one) or decode
  * ([batch, hidden]), contiguous: the sequences it covers and the tokens of each. */

@@ -83,3 +83,13 @@ int q3_max_threads(void) {
     return 1;
 #endif
 }
+
+const char *q3_build_compiler(void) {
+#if defined(__clang__)
+    return "clang " __clang_version__;
+#elif defined(__GNUC__)
+    return "gcc " __VERSION__;
+#else
+    return "unknown";
+#endif
+}

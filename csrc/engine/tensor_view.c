@@ -15,6 +15,11 @@ void q3_format_shape(char *buf, size_t n, int ndim, const int64_t *shape) {
     if (used < n) snprintf(buf + used, n - used, "]");
 }
 
+void q3_format_device(char *buf, size_t n, int device) {
+    if (device < 0) snprintf(buf, n, "cpu");
+    else snprintf(buf, n, "cuda:%d", device);
+}
+
 static const char *device_name(int type) {
     switch (type) {
     case Q3_DL_CPU: return "cpu";
@@ -42,8 +47,7 @@ q3_status q3_view_check_device(int type, int id, int device, int allow, const ch
     const int fits = type == Q3_DL_CPU ? device < 0 || (allow & Q3_VIEW_HOST) : type == Q3_DL_CUDA && device >= 0 && id == device;
     if (fits) return Q3_OK;
     char want[24];
-    if (device < 0) snprintf(want, sizeof want, "cpu");
-    else snprintf(want, sizeof want, "cuda:%d", device);
+    q3_format_device(want, sizeof want, device);
     if (type == Q3_DL_CPU) return q3_fail(err, Q3_ERR_VALUE, "%s: expected a tensor on device %s, got cpu", arg, want);
     return q3_fail(err, Q3_ERR_VALUE, "%s: expected a tensor on device %s, got %s:%d", arg, want, device_name(type), id);
 }

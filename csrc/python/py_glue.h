@@ -60,6 +60,8 @@ static inline void q3_error_unstash(q3_pending_error *e) {
  * or an unusable layout. A CUDA producer is handed `stream` (the consumer's, NULL: legacy
  * default). Returns 0, or -1 with an exception set (nothing to release then). */
 int q3_view_acquire_on(PyObject *obj, const char *arg, q3_view *v, int device, int allow, void *stream);
+/* obj.__dlpack_device__(): (device_type, device_id); 0, or -1 with TypeError naming arg */
+int q3py_dlpack_device(PyObject *obj, const char *arg, int *type, int *id);
 void q3_view_release(q3_view *v);
 /* q3_view_require's checks raised: 0, or -1 with the exception */
 int q3py_view_require(const q3_view *v, const char *arg, int need);
@@ -80,26 +82,30 @@ void q3py_views_release(q3py_arg_view *a, int n);
 typedef struct {
     PyObject_HEAD
     void *data;       /* first element */
-    void *alloc;      /* owned allocation (q3_alloc), or NULL for a view */
+    void *alloc;      /* owned block (q3_tensor_alloc), or NULL for a view */
     PyObject *base;   /* keeps the memory of a view alive (a KVCache), or NULL */
     int ndim;
     int64_t shape[Q3_MAX_DIM];
     int64_t strides[Q3_MAX_DIM]; /* elements */
     q3_dtype dtype;
     int device; /* -1: host memory; else the CUDA device */
-    Py_buffer *buffer; /* a view of a buffer-protocol object (a memory-mapped file), or NULL */
+    Py_buffer buffer; /* a view of a buffer-protocol object's (a memory-mapped file), else buffer.obj NULL */
 } q3py_tensor_object;
 
 extern PyType_Spec q3py_tensor_spec;
-/* new contiguous tensor of fresh extension memory (uninitialised) */
-q3py_tensor_object *q3py_tensor_new(q3_module_state *st, q3_dtype dt, int ndim, const int64_t *shape);
-/* the same on CUDA device `device` (-1: host) */
+/* new contiguous tensor of fresh extension memory (uninitialised) on CUDA device `device` (-1:
+ * host; q3py_tensor_new: the host) */
 q3py_tensor_object *q3py_tensor_new_on(q3_module_state *st, q3_dtype dt, int ndim, const int64_t *shape, int device);
+static inline q3py_tensor_object *q3py_tensor_new(q3_module_state *st, q3_dtype dt, int ndim, const int64_t *shape) {
+    return q3py_tensor_new_on(st, dt, ndim, shape, -1);
+}
 /* view of memory owned by base */
 q3py_tensor_object *q3py_tensor_view(q3_module_state *st, PyObject *base, void *data, q3_dtype dt,
                                  int ndim, const int64_t *shape, const int64_t *strides);
-/* view [shape] of dtype at byte `offset` of any buffer-protocol object (kept alive) */
-PyObject *q3_buffer_view(PyObject *module, PyObject *args);
+/* _C.buffer_view (a view [shape] of dtype at byte `offset` of any buffer-protocol object, kept
+ * alive) and _C.copy_tensor */
+PyObject *q3py_buffer_view(PyObject *module, PyObject *args);
+PyObject *q3py_copy_tensor(PyObject *module, PyObject *args);
 /* _C.take_rows and _C.combine_rows (py_split_rows.c) */
 PyObject *q3py_take_rows(PyObject *module, PyObject *args, PyObject *kw);
 PyObject *q3py_combine_rows(PyObject *module, PyObject *args, PyObject *kw);

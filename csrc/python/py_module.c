@@ -1,9 +1,6 @@
 /* The module qwen3layer._C: multi-phase init, heap types in the module state, exceptions,
  * and the module-level functions (build_info, check_config, probes; random_weights and
- * random_tensor are in py_random.c; copy_tensor). */
-#include <stdlib.h>
-#include <string.h>
-
+ * random_tensor are in py_random.c, copy_tensor and buffer_view in py_tensor.c). */
 #include "py_glue.h"
 
 #ifndef Q3_VERSION
@@ -31,15 +28,7 @@ static PyObject *build_info(PyObject *m, PyObject *unused) {
     if (!available) return NULL;
     return Py_BuildValue("{s:s,s:[s],s:s,s:N,s:i,s:s,s:i}", "version", Q3_VERSION, "backends", "cpu",
                          "cpu_path", q3_cpu_path(), "cpu_paths", available, "threads", q3_max_threads(),
-                         "compiler",
-#if defined(__clang__)
-                         "clang " __clang_version__,
-#elif defined(__GNUC__)
-                         "gcc " __VERSION__,
-#else
-                         "unknown",
-#endif
-                         "default_chunk", Q3_DEFAULT_CHUNK);
+                         "compiler", q3_build_compiler(), "default_chunk", Q3_DEFAULT_CHUNK);
 }
 
 static PyObject *set_cpu_path(PyObject *m, PyObject *arg) {
@@ -72,46 +61,6 @@ static PyObject *probe_fma(PyObject *m, PyObject *args, PyObject *kw) {
     return PyFloat_FromDouble(gflops);
 }
 
-/* copy_tensor(tensor, device): a contiguous copy on `device` (-1: host) of an extension Tensor
- * (host or device), or of another producer's host tensor (torch, numpy: any dtype the
- * extension has), which is how host data reaches the SIMT executor's device. What may be
- * copied where is the engine's to say (q3_view_check_copy); the copy is the device layer's. */
-static PyObject *copy_tensor(PyObject *m, PyObject *args) {
-    PyObject *obj;
-    int device;
-    if (!PyArg_ParseTuple(args, "Oi:copy_tensor", &obj, &device)) return NULL;
-    q3_module_state *st = q3py_state(m);
-    q3_view v = {0};
-    if (PyObject_TypeCheck(obj, st->tensor_type)) {
-        const q3py_tensor_object *t = (const q3py_tensor_object *)obj;
-        v.data = t->data, v.ndim = t->ndim, v.dtype = t->dtype, v.device = t->device;
-        memcpy(v.shape, t->shape, sizeof v.shape);
-        memcpy(v.strides, t->strides, sizeof v.strides);
-        v.contiguous = q3_strides_contiguous(v.ndim, v.shape, v.strides);
-    } else if (!PyObject_HasAttrString(obj, "__dlpack__")) {
-        return PyErr_Format(PyExc_TypeError, "tensor: expected a qwen3layer Tensor or a host tensor with __dlpack__ "
-                            "(torch, numpy), got %.100s", Py_TYPE(obj)->tp_name);
-    } else if (q3_view_acquire_on(obj, "tensor", &v, -1, Q3_VIEW_ANY, NULL)) {
-        return NULL;
-    }
-    q3_error err;
-    q3py_tensor_object *c = NULL;
-    if (q3py_status(q3_view_check_copy(&v, device, &err), &err) == 0 &&
-        (c = q3py_tensor_new_on(st, v.dtype, v.ndim, v.shape, device))) {
-        int64_t count; /* fits: the tensor exists */
-        q3_numel(v.ndim, v.shape, &count);
-        const size_t bytes = (size_t)count * q3_dtype_size(v.dtype);
-        if (v.device < 0 && device < 0) {
-            memcpy(c->data, v.data, bytes);
-        } else if (q3_device_copy(c->data, v.data, bytes, device >= 0, &err) != Q3_OK) {
-            Py_CLEAR(c);
-            PyErr_Format(PyExc_RuntimeError, "copy_tensor: %s", err.msg);
-        }
-    }
-    q3_view_release(&v);
-    return (PyObject *)c;
-}
-
 static PyObject *check_config(PyObject *m, PyObject *cfg) {
     q3_config c;
     return q3_parse_config(cfg, &c) < 0 ? NULL : Py_NewRef(Py_None);
@@ -127,7 +76,7 @@ static PyMethodDef module_methods[] = {
      "Best GB/s of reading a buffer (1 GiB by default) with every thread."},
     {"probe_fma_peak", (PyCFunction)(void (*)(void))probe_fma, METH_VARARGS | METH_KEYWORDS,
      "probe_fma_peak(seconds=0.5)\n--\n\nfp32 multiply-add peak of every thread, GFLOP/s, active CPU path."},
-    {"copy_tensor", copy_tensor, METH_VARARGS,
+    {"copy_tensor", q3py_copy_tensor, METH_VARARGS,
      "copy_tensor(tensor, device)\n--\n\nA contiguous copy on device (-1: host) of an extension Tensor, or of a host "
      "tensor of another producer (torch, numpy; float32, bfloat16, float8_e4m3fn or int32)."},
     {"check_config", check_config, METH_O, "check_config(config)\n--\n\nRaise if the geometry is impossible."},
@@ -153,37 +102,18 @@ static PyMethodDef module_methods[] = {
      "take_rows(src, rows, out=None, *, device=-1, stream=None)\n--\n\nout [n, hidden] <- src [R, hidden] row "
      "rows[i] (int32 [n]), of src's dtype (fp32 or bf16): the rows whose experts run elsewhere. device=d: every "
      "tensor on CUDA device d, queued on stream. Returns out (a new Tensor when None)."},
-    {"buffer_view", q3_buffer_view, METH_VARARGS,
+    {"buffer_view", q3py_buffer_view, METH_VARARGS,
      "buffer_view(obj, offset, shape, dtype)\n--\n\nA Tensor over bytes of a buffer-protocol object (kept alive)."},
     {NULL},
 };
 
-/* QWEN3LAYER_CPU_HIDE takes levels away first (as if the CPU lacked them); QWEN3LAYER_CPU_PATH
- * forces a kernel level; an impossible one fails the import */
-static int select_cpu_path(void) {
-    const char *hide = getenv("QWEN3LAYER_CPU_HIDE"), *forced = getenv("QWEN3LAYER_CPU_PATH");
-    q3_error err;
-    if (hide && q3_cpu_hide(hide, &err) != Q3_OK) {
-        PyErr_Format(PyExc_ImportError, "QWEN3LAYER_CPU_HIDE: %s", err.msg);
-        return -1;
-    }
-    if (q3_cpu_select(forced, &err) == Q3_OK) return 0;
-    PyErr_Format(PyExc_ImportError, "QWEN3LAYER_CPU_PATH: %s", err.msg);
-    return -1;
-}
-
-/* QWEN3LAYER_PACKED_KC sets the packed matmul's k block (the tests run other machines' blocks) */
-static int set_packed_kc(void) {
-    const char *kc = getenv("QWEN3LAYER_PACKED_KC");
-    q3_error err;
-    if (!kc || q3_cpu_set_packed_kc(kc, &err) == Q3_OK) return 0;
-    PyErr_Format(PyExc_ImportError, "QWEN3LAYER_PACKED_KC: %s", err.msg);
-    return -1;
-}
-
 static int module_exec(PyObject *m) {
     q3_module_state *st = q3py_state(m);
-    if (select_cpu_path() < 0 || set_packed_kc() < 0) return -1;
+    q3_error err; /* the CPU kernels' level and k block from the environment: else no import */
+    if (q3_cpu_configure_from_env(&err) != Q3_OK) {
+        PyErr_SetString(PyExc_ImportError, err.msg);
+        return -1;
+    }
     /* the types, made and added in this order, and where the state keeps each */
     PyType_Spec *const specs[] = {&q3py_tensor_spec, &q3py_cache_spec, &q3py_layer_spec, &q3py_graph_spec,
                                   &q3py_passes_spec};
@@ -192,10 +122,8 @@ static int module_exec(PyObject *m) {
     PyMethodDef *const functions[] = {q3_cuda_methods, q3_random_methods, q3_routing_methods, q3_held_methods};
     for (int i = 0; i < 5; i++)
         if (!(*types[i] = (PyTypeObject *)PyType_FromModuleAndSpec(m, specs[i], NULL))) return -1;
-    st->cache_full_error = PyErr_NewExceptionWithDoc(
-        "qwen3layer.CacheFullError",
-        "The tokens of a call do not fit in the KV cache; the cache is left unchanged.",
-        PyExc_RuntimeError, NULL);
+    st->cache_full_error = PyErr_NewExceptionWithDoc("qwen3layer.CacheFullError", "The tokens of a call do not fit in "
+                                                     "the KV cache; the cache is left unchanged.", PyExc_RuntimeError, NULL);
     if (!st->cache_full_error) return -1;
     for (int i = 0; i < 4; i++)
         if (PyModule_AddFunctions(m, functions[i]) < 0) return -1;
@@ -210,30 +138,22 @@ static int module_exec(PyObject *m) {
     return PyModule_AddObjectRef(m, "CacheFullError", st->cache_full_error);
 }
 
-static int module_traverse(PyObject *m, visitproc visit, void *arg) {
+/* visits (visit given) or clears (visit NULL) the state's references */
+static int state_refs(PyObject *m, visitproc visit, void *arg) {
     q3_module_state *st = q3py_state(m);
-    Py_VISIT(st->tensor_type);
-    Py_VISIT(st->cache_type);
-    Py_VISIT(st->layer_type);
-    Py_VISIT(st->graph_type);
-    Py_VISIT(st->passes_type);
-    Py_VISIT(st->cache_full_error);
-    for (int i = 0; i < 4; i++) Py_VISIT(st->held_names[i]);
+    PyObject **const refs[] = {(PyObject **)&st->tensor_type, (PyObject **)&st->cache_type,
+                               (PyObject **)&st->layer_type, (PyObject **)&st->graph_type,
+                               (PyObject **)&st->passes_type, &st->cache_full_error, &st->held_names[0],
+                               &st->held_names[1], &st->held_names[2], &st->held_names[3]};
+    for (size_t i = 0; i < sizeof refs / sizeof refs[0]; i++) {
+        if (visit) Py_VISIT(*refs[i]);
+        else Py_CLEAR(*refs[i]);
+    }
     return 0;
 }
 
-static int module_clear(PyObject *m) {
-    q3_module_state *st = q3py_state(m);
-    Py_CLEAR(st->tensor_type);
-    Py_CLEAR(st->cache_type);
-    Py_CLEAR(st->layer_type);
-    Py_CLEAR(st->graph_type);
-    Py_CLEAR(st->passes_type);
-    Py_CLEAR(st->cache_full_error);
-    for (int i = 0; i < 4; i++) Py_CLEAR(st->held_names[i]);
-    return 0;
-}
-
+static int module_traverse(PyObject *m, visitproc visit, void *arg) { return state_refs(m, visit, arg); }
+static int module_clear(PyObject *m) { return state_refs(m, NULL, NULL); }
 static void module_free(void *m) { module_clear((PyObject *)m); }
 
 static PyModuleDef_Slot module_slots[] = {

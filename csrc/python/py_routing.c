@@ -4,23 +4,15 @@
  * device finished) and the counting are the engine's (csrc/engine/routing.c). */
 #include "py_glue.h"
 
-/* obj's DLPack device: -1 for host memory (or anything else: the import then says why),
- * else the CUDA device index */
-static int device_of(PyObject *obj) {
-    PyObject *dev = PyObject_CallMethod(obj, "__dlpack_device__", NULL);
-    int type = Q3_DL_CPU, id = 0;
-    if (dev && !PyArg_ParseTuple(dev, "ii", &type, &id)) type = Q3_DL_CPU;
-    PyErr_Clear();
-    Py_XDECREF(dev);
-    return type == Q3_DL_CUDA ? id : -1;
-}
-
 static PyObject *expert_counts(PyObject *m, PyObject *args, PyObject *kw) {
     static char *names[] = {"experts", "num_experts", NULL};
     PyObject *obj;
     int E;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "Oi:expert_counts", names, &obj, &E)) return NULL;
-    const int device = device_of(obj);
+    /* the CUDA device obj is on, else -1 (host memory, or anything else: the import then says why) */
+    int type, id;
+    const int device = q3py_dlpack_device(obj, "experts", &type, &id) == 0 && type == Q3_DL_CUDA ? id : -1;
+    PyErr_Clear();
     q3_error err;
     q3_view v;
     if (q3py_status(q3_count_experts_check(E, device, &err), &err) < 0 ||

@@ -1,126 +1,118 @@
 /* qwen3layer Tensor: a block of extension memory, on the host or a CUDA device (a layer
- * output, random weights) or a view of engine memory (a KV-cache sequence), exported
- * zero-copy through DLPack.
- * torch.from_dlpack(t) and numpy.from_dlpack(t) share its memory; the consumer's
- * reference keeps it alive. Export allocates one block for the managed struct, shape and
- * strides; its deleter may run on any thread, with or without the GIL. */
-#include <stdlib.h>
+ * output, random weights: q3_tensor_alloc, csrc/cuda/buffers.c) or a view of engine memory (a
+ * KV-cache sequence), exported zero-copy through DLPack (the managed tensor is the engine's:
+ * csrc/engine/dlpack_export.c). torch.from_dlpack(t) and numpy.from_dlpack(t) share its
+ * memory; the consumer's reference keeps it alive, dropped by the deleter on any thread, with
+ * or without the GIL. copy_tensor and buffer_view make Tensors too. */
 #include <string.h>
 
 #include "py_glue.h"
 
-static size_t tensor_bytes(const q3py_tensor_object *t) {
-    size_t n = q3_dtype_size(t->dtype);
-    for (int d = 0; d < t->ndim; d++) n *= (size_t)t->shape[d];
-    return n;
-}
-
-static q3py_tensor_object *tensor_alloc(q3_module_state *st, q3_dtype dt, int ndim, const int64_t *shape) {
+/* a Tensor object [shape] of dt at data on device, its strides copied; NULL when out of memory */
+static q3py_tensor_object *tensor_alloc(q3_module_state *st, void *data, q3_dtype dt, int ndim, const int64_t *shape,
+                                        const int64_t *strides, int device) {
     q3py_tensor_object *t = (q3py_tensor_object *)st->tensor_type->tp_alloc(st->tensor_type, 0); /* zeroed */
     if (!t) return NULL;
-    t->ndim = ndim;
-    t->dtype = dt;
-    t->device = -1;
-    for (int d = 0; d < ndim; d++) t->shape[d] = shape[d];
+    t->data = data, t->ndim = ndim, t->dtype = dt, t->device = device;
+    memcpy(t->shape, shape, (size_t)ndim * sizeof *shape);
+    memcpy(t->strides, strides, (size_t)ndim * sizeof *strides);
     return t;
 }
 
-/* bytes of host memory, or a block of a CUDA device (csrc/cuda/buffers.c: a kept one of the
- * size when there is one); NULL when out of memory */
-static void *buffer_alloc(size_t bytes, int device) {
-    if (device < 0) return q3_alloc(bytes);
-    void *p;
-    q3_error err;
-    return q3_device_alloc(&p, bytes, device, &err) == Q3_OK ? p : NULL;
-}
-
-q3py_tensor_object *q3py_tensor_new(q3_module_state *st, q3_dtype dt, int ndim, const int64_t *shape) {
-    return q3py_tensor_new_on(st, dt, ndim, shape, -1);
+/* the Tensor owning a new block (q3_tensor_alloc, q3_tensor_copy: status s), else NULL with the
+ * exception (MemoryError without a message when the block or the object cannot be had) */
+static q3py_tensor_object *tensor_own(q3_module_state *st, q3_status s, const q3_error *err, void *block, q3_dtype dt,
+                                      int ndim, const int64_t *shape, const int64_t *strides, int device) {
+    if (s != Q3_OK) return (q3py_tensor_object *)(s == Q3_ERR_NOMEM ? PyErr_NoMemory() : q3_raise(NULL, err));
+    q3py_tensor_object *t = tensor_alloc(st, block, dt, ndim, shape, strides, device);
+    if (t) t->alloc = block;
+    else q3_tensor_free(block, dt, ndim, shape, device);
+    return t;
 }
 
 q3py_tensor_object *q3py_tensor_new_on(q3_module_state *st, q3_dtype dt, int ndim, const int64_t *shape, int device) {
-    q3py_tensor_object *t = tensor_alloc(st, dt, ndim, shape);
-    if (!t) return NULL;
-    if (!q3_contiguous_strides(ndim, shape, q3_dtype_size(dt), t->strides)) {
-        char got[160];
-        q3_format_shape(got, sizeof got, ndim, shape);
-        PyErr_Format(PyExc_ValueError, "shape: %s has a negative dimension or a size that overflows int64", got);
-        Py_DECREF(t);
-        return NULL;
-    }
-    t->device = device;
-    t->alloc = t->data = buffer_alloc(tensor_bytes(t), device);
-    if (!t->alloc) {
-        Py_DECREF(t);
-        return (q3py_tensor_object *)PyErr_NoMemory();
-    }
-    return t;
+    void *block;
+    int64_t strides[Q3_MAX_DIM];
+    q3_error err;
+    const q3_status s = q3_tensor_alloc(&block, dt, ndim, shape, strides, device, &err);
+    return tensor_own(st, s, &err, block, dt, ndim, shape, strides, device);
 }
 
 q3py_tensor_object *q3py_tensor_view(q3_module_state *st, PyObject *base, void *data, q3_dtype dt,
                                  int ndim, const int64_t *shape, const int64_t *strides) {
-    q3py_tensor_object *t = tensor_alloc(st, dt, ndim, shape);
-    if (!t) return NULL;
-    memcpy(t->strides, strides, (size_t)ndim * sizeof *strides);
-    t->data = data;
-    t->base = Py_NewRef(base);
+    q3py_tensor_object *t = tensor_alloc(st, data, dt, ndim, shape, strides, -1);
+    if (t) t->base = Py_NewRef(base);
     return t;
+}
+
+/* t as the engine reads a tensor (read-only: a view of a read-only buffer) */
+static q3_view tensor_as_view(const q3py_tensor_object *t) {
+    q3_view v = {.data = t->data, .ndim = t->ndim, .dtype = t->dtype, .device = t->device,
+                 .contiguous = q3_strides_contiguous(t->ndim, t->shape, t->strides),
+                 .readonly = t->buffer.obj && t->buffer.readonly};
+    memcpy(v.shape, t->shape, sizeof v.shape);
+    memcpy(v.strides, t->strides, sizeof v.strides);
+    return v;
 }
 
 static void tensor_dealloc(q3py_tensor_object *t) {
     PyTypeObject *tp = Py_TYPE(t);
-    if (t->alloc) {
-        if (t->device < 0) q3_free(t->alloc);
-        else q3_device_keep(t->alloc, tensor_bytes(t), t->device);
-    }
+    if (t->alloc) q3_tensor_free(t->alloc, t->dtype, t->ndim, t->shape, t->device);
     Py_XDECREF(t->base);
-    if (t->buffer) {
-        PyBuffer_Release(t->buffer);
-        PyMem_Free(t->buffer);
-    }
+    PyBuffer_Release(&t->buffer); /* nothing where buffer.obj is NULL */
     PyObject_Free(t);
     Py_DECREF(tp);
 }
 
-PyObject *q3_buffer_view(PyObject *module, PyObject *args) {
+PyObject *q3py_buffer_view(PyObject *module, PyObject *args) {
     PyObject *obj;
     long long offset;
     q3py_shape shape = {.min_ndim = 0};
     q3_dtype dt;
     if (!PyArg_ParseTuple(args, "OLO&O&:buffer_view", &obj, &offset, q3py_shape_arg, &shape, q3py_buffer_dtype, &dt))
         return NULL;
-    Py_buffer *buf = PyMem_Malloc(sizeof *buf);
-    if (!buf) return PyErr_NoMemory();
-    if (PyObject_GetBuffer(obj, buf, PyBUF_SIMPLE) < 0) {
-        PyMem_Free(buf);
-        return NULL;
-    }
+    Py_buffer buf;
+    if (PyObject_GetBuffer(obj, &buf, PyBUF_SIMPLE) < 0) return NULL;
     q3_view v;
     q3_error err;
     q3py_tensor_object *t = NULL;
-    if (q3py_status(q3_view_of_bytes(&v, buf->buf, buf->len, offset, dt, shape.ndim, shape.dims, &err), &err) == 0 &&
-        (t = tensor_alloc(q3py_state(module), dt, v.ndim, v.shape))) {
-        memcpy(t->strides, v.strides, sizeof v.strides);
-        t->data = v.data;
-        t->buffer = buf;
+    if (q3py_status(q3_view_of_bytes(&v, buf.buf, buf.len, offset, dt, shape.ndim, shape.dims, &err), &err) == 0 &&
+        (t = tensor_alloc(q3py_state(module), v.data, dt, v.ndim, v.shape, v.strides, -1))) {
+        t->buffer = buf; /* the view's to release */
         return (PyObject *)t;
     }
-    PyBuffer_Release(buf);
-    PyMem_Free(buf);
+    PyBuffer_Release(&buf);
     return NULL;
 }
 
+/* copy_tensor(tensor, device): a contiguous copy on `device` (-1: host) of an extension Tensor
+ * (host or device), or of another producer's host tensor (torch, numpy: any dtype the
+ * extension has), which is how host data reaches the SIMT executor's device. What may be
+ * copied where, and the copy, are below (q3_tensor_copy, csrc/cuda/buffers.c). */
+PyObject *q3py_copy_tensor(PyObject *m, PyObject *args) {
+    PyObject *obj;
+    int device;
+    if (!PyArg_ParseTuple(args, "Oi:copy_tensor", &obj, &device)) return NULL;
+    q3_module_state *st = q3py_state(m);
+    q3_view v = {0};
+    if (PyObject_TypeCheck(obj, st->tensor_type)) {
+        v = tensor_as_view((const q3py_tensor_object *)obj);
+    } else if (!PyObject_HasAttrString(obj, "__dlpack__")) {
+        return PyErr_Format(PyExc_TypeError, "tensor: expected a qwen3layer Tensor or a host tensor with __dlpack__ "
+                            "(torch, numpy), got %.100s", Py_TYPE(obj)->tp_name);
+    } else if (q3_view_acquire_on(obj, "tensor", &v, -1, Q3_VIEW_ANY, NULL)) {
+        return NULL;
+    }
+    void *block;
+    int64_t strides[Q3_MAX_DIM];
+    q3_error err;
+    const q3_status s = q3_tensor_copy(&block, strides, &v, device, &err);
+    q3py_tensor_object *c = tensor_own(st, s, &err, block, v.dtype, v.ndim, v.shape, strides, device);
+    q3_view_release(&v);
+    return (PyObject *)c;
+}
+
 /* ---- export ------------------------------------------------------------------------ */
-
-typedef struct {
-    q3_dl_managed_v m;
-    int64_t shape[Q3_MAX_DIM], strides[Q3_MAX_DIM];
-} export_v;
-
-typedef struct {
-    q3_dl_managed m;
-    int64_t shape[Q3_MAX_DIM], strides[Q3_MAX_DIM];
-} export_legacy;
 
 /* Drops the exported tensor's reference; runs on the consumer's thread, GIL or not. */
 static void release_owner(void *owner) {
@@ -130,99 +122,40 @@ static void release_owner(void *owner) {
     PyGILState_Release(g);
 }
 
-static void delete_v(q3_dl_managed_v *m) {
-    release_owner(m->manager_ctx);
-    free(m);
-}
-
-static void delete_legacy(q3_dl_managed *m) {
-    release_owner(m->manager_ctx);
-    free(m);
-}
-
 /* A capsule never consumed (not renamed "used_...") still owns its tensor. */
 static void capsule_free(PyObject *cap) {
-    if (PyCapsule_IsValid(cap, "dltensor_versioned")) {
-        q3_dl_managed_v *m = PyCapsule_GetPointer(cap, "dltensor_versioned");
-        m->deleter(m);
-    } else if (PyCapsule_IsValid(cap, "dltensor")) {
-        q3_dl_managed *m = PyCapsule_GetPointer(cap, "dltensor");
-        m->deleter(m);
-    }
-}
-
-static void fill_dl(q3_dl_tensor *d, q3py_tensor_object *t, int64_t *shape, int64_t *strides) {
-    memcpy(shape, t->shape, sizeof t->shape);
-    memcpy(strides, t->strides, sizeof t->strides);
-    d->data = t->data;
-    d->device = t->device < 0 ? (q3_dl_device){Q3_DL_CPU, 0} : (q3_dl_device){Q3_DL_CUDA, t->device};
-    d->ndim = t->ndim;
-    d->dtype = t->dtype == Q3_BF16   ? (q3_dl_dtype){Q3_DL_BFLOAT, 16, 1}
-               : t->dtype == Q3_E4M3 ? (q3_dl_dtype){Q3_DL_FLOAT8_E4M3FN, 8, 1}
-               : t->dtype == Q3_I32  ? (q3_dl_dtype){Q3_DL_INT, 32, 1}
-               : t->dtype == Q3_F16  ? (q3_dl_dtype){Q3_DL_FLOAT, 16, 1}
-               : t->dtype == Q3_BOOL ? (q3_dl_dtype){Q3_DL_BOOL, 8, 1}
-               : t->dtype == Q3_I64  ? (q3_dl_dtype){Q3_DL_INT, 64, 1}
-                                     : (q3_dl_dtype){Q3_DL_FLOAT, 32, 1};
-    d->shape = shape;
-    d->strides = strides;
-    d->byte_offset = 0;
+    const int versioned = PyCapsule_IsValid(cap, "dltensor_versioned");
+    if (versioned || PyCapsule_IsValid(cap, "dltensor"))
+        q3_dlpack_delete(PyCapsule_GetPointer(cap, versioned ? "dltensor_versioned" : "dltensor"), versioned);
 }
 
 static PyObject *make_capsule(q3py_tensor_object *t, int versioned, int copied) {
-    if (versioned) {
-        export_v *e = calloc(1, sizeof *e);
-        if (!e) return PyErr_NoMemory();
-        fill_dl(&e->m.dl_tensor, t, e->shape, e->strides);
-        e->m.version = (q3_dl_version){Q3_DL_MAJOR, Q3_DL_MINOR};
-        e->m.flags = (copied ? Q3_DL_FLAG_IS_COPIED : 0) | (t->buffer && t->buffer->readonly ? Q3_DL_FLAG_READ_ONLY : 0);
-        e->m.manager_ctx = Py_NewRef(t);
-        e->m.deleter = delete_v;
-        PyObject *cap = PyCapsule_New(&e->m, "dltensor_versioned", capsule_free);
-        if (!cap) delete_v(&e->m);
-        return cap;
-    }
-    export_legacy *e = calloc(1, sizeof *e);
-    if (!e) return PyErr_NoMemory();
-    fill_dl(&e->m.dl_tensor, t, e->shape, e->strides);
-    e->m.manager_ctx = Py_NewRef(t);
-    e->m.deleter = delete_legacy;
-    PyObject *cap = PyCapsule_New(&e->m, "dltensor", capsule_free);
-    if (!cap) delete_legacy(&e->m);
+    void *managed;
+    q3_error err;
+    const q3_view v = tensor_as_view(t);
+    if (q3_dlpack_export(&managed, &v, versioned, copied, t, release_owner, &err) != Q3_OK) return PyErr_NoMemory();
+    Py_INCREF(t); /* the managed tensor's, dropped by its deleter */
+    PyObject *cap = PyCapsule_New(managed, versioned ? "dltensor_versioned" : "dltensor", capsule_free);
+    if (!cap) q3_dlpack_delete(managed, versioned);
     return cap;
 }
 
 static PyObject *tensor_dlpack(q3py_tensor_object *t, PyObject *args, PyObject *kw) {
     static char *names[] = {"stream", "max_version", "dl_device", "copy", NULL};
     PyObject *stream = Py_None, *max_version = Py_None, *dl_device = Py_None, *copy = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|$OOOO:__dlpack__", names, &stream, &max_version,
-                                     &dl_device, &copy))
+    int device[2], versioned;
+    unsigned major = 0, minor;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|$OOOO:__dlpack__", names, &stream, &max_version, &dl_device, &copy) ||
+        (dl_device != Py_None && !PyArg_ParseTuple(dl_device, "ii", &device[0], &device[1])) ||
+        (max_version != Py_None && !PyArg_ParseTuple(max_version, "II", &major, &minor)))
         return NULL;
-    /* a CUDA tensor's work was queued on its caller's stream: a consumer on that stream (the
-     * usual case) needs no synchronisation, so any stream is accepted */
-    if (stream != Py_None && t->device < 0)
-        return PyErr_Format(PyExc_BufferError, "stream: expected None for a cpu tensor");
-    if (dl_device != Py_None) {
-        int type, id;
-        if (!PyArg_ParseTuple(dl_device, "ii", &type, &id)) return NULL;
-        if (t->device < 0 ? type != Q3_DL_CPU : (type != Q3_DL_CUDA || id != t->device))
-            return PyErr_Format(PyExc_BufferError, "dl_device: this tensor cannot be exported to device type %d:%d "
-                                "without a copy", type, id);
-    }
-    int versioned = 0;
-    if (max_version != Py_None) {
-        unsigned major, minor;
-        if (!PyArg_ParseTuple(max_version, "II", &major, &minor)) return NULL;
-        versioned = major >= Q3_DL_MAJOR;
-    }
     const int want_copy = copy != Py_None && PyObject_IsTrue(copy);
-    /* the legacy capsule cannot say read-only: its consumer would write into the file */
-    if (!want_copy && !versioned && t->buffer && t->buffer->readonly)
-        return PyErr_Format(PyExc_BufferError, "this tensor is a view of read-only memory, which a legacy DLPack "
-                            "capsule cannot mark read-only: export it with max_version >= (1, 0), or with copy=True");
+    const q3_view v = tensor_as_view(t);
+    q3_error err;
+    if (q3_dlpack_export_check(&v, stream != Py_None, dl_device != Py_None ? device : NULL, major, want_copy,
+                               &versioned, &err) != Q3_OK)
+        return PyErr_Format(PyExc_BufferError, "%s", err.msg);
     if (!want_copy) return make_capsule(t, versioned, 0);
-    if (t->device >= 0)
-        return PyErr_Format(PyExc_BufferError, "copy: copies of CUDA tensors are not supported; copy with the consumer");
     q3_module_state *st = q3_state_of_type(Py_TYPE(t));
     q3py_tensor_object *c = st ? q3py_tensor_new(st, t->dtype, t->ndim, t->shape) : NULL;
     if (!c) return NULL;
@@ -233,7 +166,8 @@ static PyObject *tensor_dlpack(q3py_tensor_object *t, PyObject *args, PyObject *
 }
 
 static PyObject *tensor_dlpack_device(q3py_tensor_object *t, PyObject *unused) {
-    return t->device < 0 ? Py_BuildValue("(ii)", Q3_DL_CPU, 0) : Py_BuildValue("(ii)", Q3_DL_CUDA, t->device);
+    const q3_dl_device d = q3_dlpack_device(t->device);
+    return Py_BuildValue("(ii)", d.device_type, d.device_id);
 }
 
 static PyObject *tensor_shape(q3py_tensor_object *t, void *c) { return q3py_int64s(t->shape, t->ndim, 0); }
@@ -241,17 +175,16 @@ static PyObject *tensor_strides(q3py_tensor_object *t, void *c) { return q3py_in
 static PyObject *tensor_dtype(q3py_tensor_object *t, void *c) { return PyUnicode_FromString(q3_dtype_name(t->dtype)); }
 static PyObject *tensor_ptr(q3py_tensor_object *t, void *c) { return PyLong_FromVoidPtr(t->data); }
 static PyObject *tensor_device(q3py_tensor_object *t, void *c) { return q3py_device_name(t->device); }
-static PyObject *tensor_nbytes(q3py_tensor_object *t, void *c) { return PyLong_FromSize_t(tensor_bytes(t)); }
+static PyObject *tensor_nbytes(q3py_tensor_object *t, void *c) {
+    return PyLong_FromSize_t(q3_tensor_bytes(t->dtype, t->ndim, t->shape));
+}
 
 static PyObject *tensor_repr(q3py_tensor_object *t) {
-    char shape[160];
+    char shape[160], device[24];
     q3_format_shape(shape, sizeof shape, t->ndim, t->shape);
-    PyObject *dev = tensor_device(t, NULL);
-    PyObject *r = dev ? PyUnicode_FromFormat("qwen3layer.Tensor(shape=%s, dtype=%s, device=%U%s)", shape,
-                                             q3_dtype_name(t->dtype), dev, t->alloc ? "" : ", view")
-                      : NULL;
-    Py_XDECREF(dev);
-    return r;
+    q3_format_device(device, sizeof device, t->device);
+    return PyUnicode_FromFormat("qwen3layer.Tensor(shape=%s, dtype=%s, device=%s%s)", shape, q3_dtype_name(t->dtype),
+                                device, t->alloc ? "" : ", view");
 }
 
 static PyMethodDef tensor_methods[] = {
