@@ -11,7 +11,7 @@ q3_status q3_cache_create(q3_cache **out, int batch, int64_t capacity, int kv_he
     return q3_cache_create_on(out, batch, capacity, kv_heads, head_dim, dtype, -1, err);
 }
 
-void *q3_cache_block_alloc(size_t n, int device) {
+static void *block_alloc(size_t n, int device) {
     if (device < 0) {
         void *p = q3_alloc(n);
         /* touch every page now, so that appending a token never faults new memory in */
@@ -22,9 +22,33 @@ void *q3_cache_block_alloc(size_t n, int device) {
     return d ? d->alloc_zeroed(n, device) : NULL;
 }
 
-void q3_cache_block_free(void *p, int device) {
+static void block_free(void *p, int device) {
     if (device < 0) q3_free(p);
     else if (p && q3_device()) q3_device()->free(p);
+}
+
+q3_cache_blocks *q3_cache_blocks_new(size_t n, int device) {
+    q3_cache_blocks *b = calloc(1, sizeof *b);
+    if (!b) return NULL;
+    b->device = device;
+    atomic_init(&b->refs, 1);
+    b->k = block_alloc(n, device);
+    b->v = b->k ? block_alloc(n, device) : NULL;
+    if (b->v) return b;
+    q3_cache_blocks_unref(b);
+    return NULL;
+}
+
+q3_cache_blocks *q3_cache_blocks_ref(q3_cache *c) {
+    atomic_fetch_add(&c->blocks->refs, 1);
+    return c->blocks;
+}
+
+void q3_cache_blocks_unref(q3_cache_blocks *b) {
+    if (!b || atomic_fetch_sub(&b->refs, 1) != 1) return;
+    block_free(b->k, b->device);
+    block_free(b->v, b->device);
+    free(b);
 }
 
 int q3_cache_block_bytes(int batch, int64_t capacity, int kv_heads, int head_dim, q3_dtype dtype, int64_t *n) {
@@ -62,10 +86,10 @@ q3_status q3_cache_create_on(q3_cache **out, int batch, int64_t capacity, int kv
     c->verify_start = malloc((size_t)batch * sizeof *c->verify_start);
     for (int i = 0; c->verify_start && i < batch; i++) c->verify_start[i] = -1;
     c->hidden = calloc((size_t)batch, (size_t)capacity); /* pages touched only where a mask writes */
-    c->k = q3_cache_block_alloc((size_t)n, device);
-    c->v = q3_cache_block_alloc((size_t)n, device);
-    if (!c->lengths || !c->padding || !c->first_pos || !c->hidden_end || !c->hidden || !c->verify_start || !c->k ||
-        !c->v) {
+    c->blocks = q3_cache_blocks_new((size_t)n, device);
+    if (c->blocks) c->k = c->blocks->k, c->v = c->blocks->v;
+    if (!c->lengths || !c->padding || !c->first_pos || !c->hidden_end || !c->hidden || !c->verify_start ||
+        !c->blocks) {
         q3_cache_destroy(c);
         return q3_fail(err, Q3_ERR_NOMEM, "KV cache: cannot allocate 2 x %lld bytes on %s", (long long)n,
                        device < 0 ? "the host" : "the CUDA device");
@@ -82,8 +106,7 @@ void q3_cache_destroy(q3_cache *c) {
     free(c->hidden_end);
     free(c->hidden);
     free(c->verify_start);
-    q3_cache_block_free(c->k, c->device);
-    q3_cache_block_free(c->v, c->device);
+    q3_cache_blocks_unref(c->blocks); /* freed here unless a view still holds them */
     free(c);
 }
 
@@ -190,12 +213,24 @@ int q3_cache_batch(const q3_cache *c) { return c->batch; }
 int q3_cache_kv_heads(const q3_cache *c) { return c->kv_heads; }
 int q3_cache_head_dim(const q3_cache *c) { return c->head_dim; }
 int64_t q3_cache_capacity(const q3_cache *c) { return c->capacity; }
-int64_t q3_cache_growths(const q3_cache *c) { return c->growths; }
 q3_dtype q3_cache_dtype(const q3_cache *c) { return c->dtype; }
 int q3_cache_device(const q3_cache *c) { return c->device; }
 int64_t q3_cache_length(const q3_cache *c, int seq) { return c->lengths[seq]; }
-int64_t q3_cache_padding(const q3_cache *c, int seq) { return c->padding[seq]; }
-int64_t q3_cache_first_position(const q3_cache *c, int seq) { return c->first_pos[seq]; }
+int64_t q3_cache_count(const q3_cache *c, q3_cache_count_id id, int seq) {
+    switch (id) {
+    case Q3_CC_BATCH: return c->batch;
+    case Q3_CC_KV_HEADS: return c->kv_heads;
+    case Q3_CC_HEAD_DIM: return c->head_dim;
+    case Q3_CC_CAPACITY: return c->capacity;
+    case Q3_CC_GROWTHS: return c->growths;
+    case Q3_CC_BYTES: return (int64_t)q3_cache_bytes(c);
+    case Q3_CC_LENGTH: return c->lengths[seq];
+    case Q3_CC_PADDING: return c->padding[seq];
+    case Q3_CC_FIRST_POSITION: return c->first_pos[seq];
+    case Q3_CC_HIDDEN: return q3_cache_hidden_tokens(c, seq, NULL);
+    }
+    return 0;
+}
 int64_t q3_cache_hidden_tokens(const q3_cache *c, int seq, int64_t *ids) {
     int64_t n = 0; /* every hidden token lies below hidden_end */
     for (int64_t i = 0; i < c->hidden_end[seq]; i++)

@@ -10,6 +10,8 @@
 #ifndef Q3_ENGINE_CACHE_H
 #define Q3_ENGINE_CACHE_H
 
+#include <stdatomic.h>
+
 #include "../../kernels/attention.h"
 #include "q3.h"
 
@@ -35,15 +37,23 @@ struct q3_cache {
                               any other call or operation */
     void *k;          /* [batch, kv_heads, capacity, head_dim] */
     void *v;          /* [batch, kv_heads, capacity, head_dim] */
+    q3_cache_blocks *blocks; /* the owner of k and v, the cache's reference (views hold others) */
+};
+
+/* K and V with the count of their holders: the cache and the views taken of them (atomic: a
+ * view's reference may go on another thread while the cache grows without the GIL) */
+struct q3_cache_blocks {
+    void *k, *v;
+    int device;
+    atomic_int refs;
 };
 
 /* the bytes of one of K or V for this geometry in *n; 0 when the size overflows (or passes
  * INT64_MAX / 2, so that K and V together fit too) */
 int q3_cache_block_bytes(int batch, int64_t capacity, int kv_heads, int head_dim, q3_dtype dtype, int64_t *n);
-/* n zeroed bytes of K or V on the host (every page touched now, so that appending a token
- * never faults new memory in) or on CUDA device `device`; NULL when they cannot be had */
-void *q3_cache_block_alloc(size_t n, int device);
-void q3_cache_block_free(void *p, int device);
+/* K and V of n zeroed bytes each on the host (every page touched now, so that appending a token
+ * never faults new memory in) or on CUDA device `device`, held once; NULL when they cannot be had */
+q3_cache_blocks *q3_cache_blocks_new(size_t n, int device);
 
 /* Q3_ERR_INDEX unless 0 <= seq < batch, the message naming the argument `arg` */
 q3_status q3_cache_check_seq(const q3_cache *c, const char *arg, int64_t seq, q3_error *err);

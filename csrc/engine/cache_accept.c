@@ -12,15 +12,32 @@
 
 #include "cache_copy.h"
 
-q3_status q3_tree_inputs(const q3_cache *c, const int32_t *seqs, int n_seqs, const int64_t *parents, int64_t T,
+q3_status q3_tree_inputs(const q3_cache *c, const q3_view *parents, int64_t seq, int *ndim, int64_t shape[3],
                          uint8_t *tree, int64_t *positions, q3_error *err) {
+    const int whole = parents->ndim == 2, n_seqs = whole ? c->batch : 1;
+    const int64_t T = parents->ndim > 0 ? parents->shape[parents->ndim - 1] : 0;
+    const int64_t want[2] = {c->batch, T}, tree_shape[3] = {n_seqs, T, T};
+    int64_t cells;
+    if (parents->ndim != 1 && !whole)
+        return q3_fail(err, Q3_ERR_VALUE, "parents: expected shape [tokens] or [batch=%d, tokens], got %d dims",
+                       c->batch, parents->ndim);
+    if (parents->dtype != Q3_I64 || parents->device >= 0)
+        return q3_fail(err, Q3_ERR_TYPE, "parents: expected a host tensor of dtype int64");
+    q3_status st = q3_view_check_shape(parents, "parents", parents->ndim, want + !whole, err);
+    if (st == Q3_OK) st = q3_view_require(parents, "parents", Q3_NEED_CONTIGUOUS, err);
+    if (st != Q3_OK) return st;
+    if (!q3_mul_i64(T, T, &cells) || !q3_mul_i64(cells, n_seqs, &cells))
+        return q3_fail(err, Q3_ERR_VALUE, "parents: a tree of %lld tokens does not fit in memory", (long long)T);
+    *ndim = parents->ndim + 1;
+    memcpy(shape, tree_shape + !whole, (size_t)*ndim * sizeof *shape);
+    if (!tree) return Q3_OK;
     for (int s = 0; s < n_seqs; s++) {
-        const int seq = seqs[s];
-        const q3_status bad = q3_cache_check_seq(c, "seq", seq, err); /* before its state is read */
+        const int64_t sq = whole ? s : seq;
+        const q3_status bad = q3_cache_check_seq(c, "seq", sq, err); /* before its state is read */
         if (bad != Q3_OK) return bad;
-        const int64_t n = c->lengths[seq], pad = c->padding[seq];
-        const int64_t next = n >= pad ? c->first_pos[seq] + n - pad : 0; /* the cache's rule for row n */
-        const int64_t *par = parents + (int64_t)s * T;
+        const int64_t n = c->lengths[sq], pad = c->padding[sq];
+        const int64_t next = n >= pad ? c->first_pos[sq] + n - pad : 0; /* the cache's rule for row n */
+        const int64_t *par = (const int64_t *)parents->data + (int64_t)s * T;
         uint8_t *rows = tree + (size_t)s * (size_t)T * (size_t)T;
         int64_t *pos = positions + (int64_t)s * T;
         memset(rows, 0, (size_t)T * (size_t)T);

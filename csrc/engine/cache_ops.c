@@ -296,15 +296,7 @@ q3_status q3_cache_copy_prefix(q3_cache *c, int64_t src_seq, int64_t dst_seq, in
 
 /* ---- growth ----------------------------------------------------------------------- */
 
-void q3_cache_blocks_free(q3_cache_blocks *b) {
-    if (!b) return;
-    q3_cache_block_free(b->k, b->device);
-    q3_cache_block_free(b->v, b->device);
-    b->k = b->v = NULL;
-}
-
-q3_status q3_cache_grow(q3_cache *c, int64_t capacity, void *stream, q3_cache_blocks *old, q3_error *err) {
-    if (old) *old = (q3_cache_blocks){NULL, NULL, c->device};
+q3_status q3_cache_grow(q3_cache *c, int64_t capacity, void *stream, q3_error *err) {
     if (capacity == c->capacity) return Q3_OK; /* nothing to move */
     if (capacity < c->capacity)
         return q3_fail(err, Q3_ERR_VALUE, "max_tokens: expected at least the cache's capacity %lld, got %lld",
@@ -324,12 +316,12 @@ q3_status q3_cache_grow(q3_cache *c, int64_t capacity, void *stream, q3_cache_bl
                        "(the size overflows)", (long long)capacity, c->batch, c->kv_heads, c->head_dim);
     q3_cache grown = *c; /* the same sequences in the new blocks */
     grown.capacity = capacity;
-    grown.k = q3_cache_block_alloc((size_t)n, c->device);
-    grown.v = grown.k ? q3_cache_block_alloc((size_t)n, c->device) : NULL;
-    grown.hidden = grown.v ? calloc((size_t)c->batch, (size_t)capacity) : NULL;
+    grown.blocks = q3_cache_blocks_new((size_t)n, c->device);
+    if (grown.blocks) grown.k = grown.blocks->k, grown.v = grown.blocks->v;
+    grown.hidden = grown.blocks ? calloc((size_t)c->batch, (size_t)capacity) : NULL;
     q3_copier cp;
     q3_status s = Q3_OK;
-    if (!grown.k || !grown.v || !grown.hidden)
+    if (!grown.hidden)
         s = q3_fail(err, Q3_ERR_NOMEM, "max_tokens: cannot allocate 2 x %lld bytes on %s for %lld tokens a sequence",
                     (long long)n, c->device < 0 ? "the host" : "the CUDA device", (long long)capacity);
     if (s == Q3_OK && (s = q3_copier_begin(&cp, "grow", c->device, stream, err)) == Q3_OK) {
@@ -342,21 +334,19 @@ q3_status q3_cache_grow(q3_cache *c, int64_t capacity, void *stream, q3_cache_bl
         s = cp.status;
     }
     if (s != Q3_OK) {
-        q3_cache_block_free(grown.k, c->device);
-        q3_cache_block_free(grown.v, c->device);
+        q3_cache_blocks_unref(grown.blocks);
         free(grown.hidden);
         return s;
     }
     for (int i = 0; i < c->batch; i++) q3_cache_copy_flags(&grown, i, c, i);
     free(c->hidden);
     c->hidden = grown.hidden;
-    q3_cache_blocks was = {c->k, c->v, c->device};
+    q3_cache_blocks_unref(c->blocks); /* freed now unless views of them live */
+    c->blocks = grown.blocks;
     c->k = grown.k;
     c->v = grown.v;
     c->capacity = capacity;
     c->growths++;
-    if (old) *old = was;
-    else q3_cache_blocks_free(&was);
     return Q3_OK;
 }
 
@@ -375,7 +365,7 @@ static q3_status cache_op(q3_cache *c, q3_cache_call_args *a, q3_error *err) {
     case Q3_CACHE_SELECT: return q3_cache_select(&a->out, c, a->index, a->n, a->stream, err);
     case Q3_CACHE_REPEAT_INTERLEAVE: return q3_cache_repeat_interleave(&a->out, c, a->n, a->stream, err);
     case Q3_CACHE_COPY: return q3_cache_copy(&a->out, c, a->stream, err);
-    case Q3_CACHE_GROW: return q3_cache_grow(c, a->n, a->stream, &a->old, err);
+    case Q3_CACHE_GROW: return q3_cache_grow(c, a->n, a->stream, err);
     case Q3_CACHE_ACCEPT: return q3_cache_accept(c, a->seq, a->index, a->n, a->stream, err);
     }
     return q3_fail(err, Q3_ERR_VALUE, "q3_cache_call: expected an operation, got %d", (int)a->op);

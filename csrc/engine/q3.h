@@ -538,35 +538,36 @@ q3_status q3_cache_crop(q3_cache *c, const int64_t *seq, int64_t length, q3_erro
 q3_status q3_cache_copy_prefix(q3_cache *c, int64_t src_seq, int64_t dst_seq, int64_t length, void *stream,
                                q3_error *err);
 
-/* Tree verification (cache_accept.c). q3_tree_inputs: for a verify call of T tokens to each
- * of sequences seqs [n_seqs], its tree [n_seqs, T, T] (q3_forward_args.tree: each token sees
- * its ancestors and itself) and positions [n_seqs, T] (the sequence's next position by the
- * cache's rule, plus the token's depth) from parents [n_seqs, T] (-1: a root after the cache;
- * else an earlier token of the call: Q3_ERR_VALUE naming the entry otherwise).
+/* Tree verification (cache_accept.c). q3_tree_inputs: for a verify call of T tokens, from
+ * parents (a contiguous host int64 view: [T], sequence seq's, or [batch, T], every sequence's;
+ * -1: a root after the cache, else an earlier token of the call: Q3_ERR_VALUE naming the entry
+ * otherwise), the tree's rank and shape (*ndim, shape: [T, T] or [batch, T, T]; Q3_ERR_VALUE for
+ * another rank, batch or layout) and, tree non-NULL, the tree (q3_forward_args.tree: each token
+ * sees its ancestors and itself) and positions (parents' shape: the sequence's next position by
+ * the cache's rule, plus the token's depth; Q3_ERR_INDEX for a seq outside the batch).
  * q3_cache_accept: after a verify of sequence seq (its last call, with no cache operation
  * since: Q3_ERR_STATE otherwise), its tokens kept [n] (increasing indices into the verify's
  * tokens) become the rows after the tokens before it, in that order, and the others are
  * dropped (stream as for the operations below). */
-q3_status q3_tree_inputs(const q3_cache *c, const int32_t *seqs, int n_seqs, const int64_t *parents, int64_t T,
+q3_status q3_tree_inputs(const q3_cache *c, const q3_view *parents, int64_t seq, int *ndim, int64_t shape[3],
                          uint8_t *tree, int64_t *positions, q3_error *err);
 q3_status q3_cache_accept(q3_cache *c, int64_t seq, const int64_t *kept, int64_t n, void *stream, q3_error *err);
 
-/* The K and V blocks a cache held before q3_cache_grow replaced them (device -1: host). */
-typedef struct {
-    void *k; /* [batch, kv_heads, old capacity, head_dim] */
-    void *v;
-    int device;
-} q3_cache_blocks;
 /* Every sequence's room grows to `capacity` tokens (at least the cache's now; equal: nothing
- * happens, *old holds no blocks): new zeroed K
- * and V blocks of that capacity are allocated, each sequence's held tokens are moved into them
- * once (on a device cache: 2-D copies on `stream`, then waited for), and the cache uses them from
- * then on. The old blocks are freed, or, with `old`, handed to *old, for the caller to release
- * with q3_cache_blocks_free once nothing reads them any more (views taken before the growth).
+ * happens): new zeroed K and V blocks of that capacity are allocated, each sequence's held
+ * tokens are moved into them once (on a device cache: 2-D copies on `stream`, then waited for),
+ * and the cache uses them from then on. The cache's reference to the old blocks is dropped:
+ * they are freed now, or with the last view of them (q3_cache_blocks_ref).
  * Cost: 2 x batch x kv_heads x capacity x head_dim elements allocated (old and new held
  * together at the peak) and the tokens held copied once. A failure leaves the cache as it was. */
-q3_status q3_cache_grow(q3_cache *c, int64_t capacity, void *stream, q3_cache_blocks *old, q3_error *err);
-void q3_cache_blocks_free(q3_cache_blocks *b);
+q3_status q3_cache_grow(q3_cache *c, int64_t capacity, void *stream, q3_error *err);
+/* The K and V blocks a cache reads now [batch, kv_heads, capacity, head_dim] each, counted:
+ * q3_cache_blocks_ref takes a reference (a view's: the blocks live while it does, however long
+ * it outlives a growth or the cache), q3_cache_blocks_unref drops one (NULL: nothing), freeing
+ * the blocks with the last; the count is atomic, so either may run on any thread. */
+typedef struct q3_cache_blocks q3_cache_blocks;
+q3_cache_blocks *q3_cache_blocks_ref(q3_cache *c);
+void q3_cache_blocks_unref(q3_cache_blocks *b);
 
 /* ---- the KV cache and the config as a binding calls them (cache.c, cache_ops.c, config.c,
  * rope_table.c; issue 40: the glue only converts, every check is here) -------------------- */
@@ -586,7 +587,8 @@ q3_status q3_cache_copy(q3_cache **out, const q3_cache *src, void *stream, q3_er
  * sequence *seq's [kv_heads, length, head_dim]; seq NULL: every sequence's [batch, kv_heads,
  * tokens, head_dim], tokens *tokens (0 <= tokens <= capacity) or, tokens NULL, the length all
  * sequences hold (Q3_ERR_VALUE when they differ). Positions past a sequence's length read what
- * the cache holds there (zeros until written). Valid until the cache grows or is destroyed. */
+ * the cache holds there (zeros until written). Valid until the cache grows or is destroyed, or
+ * while a reference to its blocks (q3_cache_blocks_ref) lives. */
 typedef struct {
     void *base;
     int ndim;
@@ -612,7 +614,7 @@ typedef enum {
     Q3_CACHE_SELECT,             /* index [n]; stream -> out */
     Q3_CACHE_REPEAT_INTERLEAVE,  /* n; stream -> out */
     Q3_CACHE_COPY,               /* stream -> out */
-    Q3_CACHE_GROW,               /* n: the capacity; stream -> old */
+    Q3_CACHE_GROW,               /* n: the capacity; stream */
     Q3_CACHE_ACCEPT,             /* seq, index [n]: the kept tokens; stream */
 } q3_cache_op;
 typedef struct {
@@ -623,8 +625,7 @@ typedef struct {
     int64_t n;
     const int64_t *index;
     void *stream;
-    q3_cache *out;       /* set by select, repeat_interleave, copy */
-    q3_cache_blocks old; /* set by grow */
+    q3_cache *out; /* set by select, repeat_interleave, copy */
 } q3_cache_call_args;
 q3_status q3_cache_call(q3_cache *c, q3_cache_call_args *a, q3_error *err);
 
@@ -660,17 +661,23 @@ const char *q3_rope_type_list(char *buf, size_t size);
 void *q3_cache_seq_keys(const q3_cache *c, int seq);
 void *q3_cache_seq_values(const q3_cache *c, int seq);
 size_t q3_cache_bytes(const q3_cache *c);
-/* its geometry, and sequence seq's tokens held, leading padding and first real position */
+/* its geometry, and sequence seq's tokens held */
 int q3_cache_batch(const q3_cache *c);
 int q3_cache_kv_heads(const q3_cache *c);
 int q3_cache_head_dim(const q3_cache *c);
 int64_t q3_cache_capacity(const q3_cache *c);
-int64_t q3_cache_growths(const q3_cache *c); /* the times q3_cache_grow moved it */
 q3_dtype q3_cache_dtype(const q3_cache *c);
 int q3_cache_device(const q3_cache *c); /* -1: host memory; else the CUDA device */
 int64_t q3_cache_length(const q3_cache *c, int seq);
-int64_t q3_cache_padding(const q3_cache *c, int seq);
-int64_t q3_cache_first_position(const q3_cache *c, int seq);
+/* A cache's counts by id, as a binding's attributes read them: batch, kv_heads, head_dim,
+ * capacity (tokens a sequence), growths (the times q3_cache_grow moved it) and bytes (K and V
+ * together) ignore seq; from Q3_CC_LENGTH on, sequence seq's (0 <= seq < batch): tokens held,
+ * leading padding, first real position, hidden tokens (q3_cache_hidden_tokens' count) */
+typedef enum {
+    Q3_CC_BATCH, Q3_CC_KV_HEADS, Q3_CC_HEAD_DIM, Q3_CC_CAPACITY, Q3_CC_GROWTHS, Q3_CC_BYTES,
+    Q3_CC_LENGTH, Q3_CC_PADDING, Q3_CC_FIRST_POSITION, Q3_CC_HIDDEN
+} q3_cache_count_id;
+int64_t q3_cache_count(const q3_cache *c, q3_cache_count_id id, int seq);
 /* the hidden tokens of sequence seq (those a call's token mask hid): their count, and their
  * indices, ascending, into ids [count] unless NULL */
 int64_t q3_cache_hidden_tokens(const q3_cache *c, int seq, int64_t *ids);

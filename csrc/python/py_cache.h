@@ -14,9 +14,6 @@ q3py_cache_object *q3py_cache_wrap(q3_module_state *st, q3_cache *c);
 /* Engine call r on o's cache (q3_cache_call): refused while the cache is not idle; else made
  * with the cache busy and the GIL released. 0, or -1 with the engine's error raised. */
 int q3py_cache_run(q3py_cache_object *o, q3_cache_call_args *r);
-/* after a growth: the views taken before it keep the old blocks (their owner takes them over),
- * or, none living, the blocks are freed now; 0, or -1 with an exception */
-int q3py_cache_retire_views(q3py_cache_object *o, q3_cache_blocks *old);
 /* keys(seq=0), values(seq=0): one sequence's view; all_keys(tokens=None), all_values(tokens=None):
  * every sequence's (py_cache.c) */
 PyObject *q3py_cache_view(q3py_cache_object *o, PyObject *args, PyObject *kw, int values, int all);

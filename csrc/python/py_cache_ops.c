@@ -56,13 +56,11 @@ static int fill(q3py_cache_object *o, const cache_op_row *row, int i, PyObject *
     }
 }
 
-/* a new KVCache of the call's (r->out), None, or, after a growth, the old blocks retired */
+/* a new KVCache of the call's (r->out), or None */
 static PyObject *result_of(q3py_cache_object *o, q3_cache_call_args *r) {
     q3_module_state *st = q3_state_of_type(Py_TYPE(o));
     if (!st || q3py_cache_run(o, r) < 0) return NULL;
-    if (r->out) return (PyObject *)q3py_cache_wrap(st, r->out);
-    /* old.k NULL: it held that many already */
-    return r->op == Q3_CACHE_GROW && r->old.k && q3py_cache_retire_views(o, &r->old) < 0 ? NULL : Py_NewRef(Py_None);
+    return r->out ? (PyObject *)q3py_cache_wrap(st, r->out) : Py_NewRef(Py_None);
 }
 
 static PyObject *cache_op(q3py_cache_object *o, PyObject *args, PyObject *kw, q3_cache_op op) {
@@ -100,36 +98,26 @@ static PyObject *cache_copy_noargs(q3py_cache_object *o, PyObject *unused) {
 }
 
 /* _tree_inputs(parents, seq=None): (tree, positions) of a verify call (the engine's
- * q3_tree_inputs), host tensors: parents [T] (sequence seq, default 0) or [batch, T] int64 */
+ * q3_tree_inputs: its checks and shapes first, then the fill), host tensors: parents [T]
+ * (sequence seq, default 0) or [batch, T] int64 */
 static PyObject *cache_tree_inputs(q3py_cache_object *o, PyObject *args, PyObject *kw) {
     static char *names[] = {"parents", "seq", NULL};
     PyObject *parents_obj, *seq_obj = Py_None, *result = NULL;
     q3_module_state *st = q3_state_of_type(Py_TYPE(o));
     q3_view parents = {0};
     q3_error err;
+    int ndim, seq = 0;
+    int64_t shape[3];
     if (!st || !PyArg_ParseTupleAndKeywords(args, kw, "O|O:_tree_inputs", names, &parents_obj, &seq_obj) ||
         q3_view_acquire_on(parents_obj, "parents", &parents, -1, Q3_VIEW_HOST | Q3_VIEW_I64, NULL) < 0)
         return NULL;
-    const int batch = q3_cache_batch(o->cache), whole = parents.ndim == 2, n_seqs = whole ? batch : 1;
-    const int64_t want[2] = {batch, parents.ndim > 0 ? parents.shape[parents.ndim - 1] : 0};
-    const int64_t T = want[1], tree_shape[3] = {n_seqs, T, T};
-    int seq = 0;
-    if (parents.ndim != 1 && !whole)
-        PyErr_Format(PyExc_ValueError, "parents: expected shape [tokens] or [batch=%d, tokens], got %d dims", batch,
-                     parents.ndim);
-    else if (q3py_status(q3_view_check_shape(&parents, "parents", parents.ndim, want + !whole, &err), &err) == 0 &&
-             q3py_view_require(&parents, "parents", Q3_NEED_CONTIGUOUS) == 0 &&
-             (whole || seq_obj == Py_None || q3py_seq(seq_obj, batch, &seq) == 0)) {
-        int32_t *seqs = PyMem_Malloc((size_t)n_seqs * sizeof *seqs);
-        q3py_tensor_object *tree = q3py_tensor_new_on(st, Q3_BOOL, whole ? 3 : 2, tree_shape + !whole, -1);
-        q3py_tensor_object *pos = q3py_tensor_new_on(st, Q3_I64, parents.ndim, parents.shape, -1);
-        if (!seqs) PyErr_NoMemory();
-        for (int i = 0; seqs && i < n_seqs; i++) seqs[i] = whole ? i : seq;
-        if (seqs && tree && pos &&
-            q3py_status(q3_tree_inputs(o->cache, seqs, n_seqs, parents.data, T, tree->data, pos->data, &err),
-                        &err) == 0)
+    if (q3py_status(q3_tree_inputs(o->cache, &parents, 0, &ndim, shape, NULL, NULL, &err), &err) == 0 &&
+        (parents.ndim == 2 || seq_obj == Py_None || q3py_seq(seq_obj, q3_cache_batch(o->cache), &seq) == 0)) {
+        q3py_tensor_object *tree = q3py_tensor_new(st, Q3_BOOL, ndim, shape);
+        q3py_tensor_object *pos = q3py_tensor_new(st, Q3_I64, parents.ndim, parents.shape);
+        if (tree && pos &&
+            q3py_status(q3_tree_inputs(o->cache, &parents, seq, &ndim, shape, tree->data, pos->data, &err), &err) == 0)
             result = PyTuple_Pack(2, (PyObject *)tree, (PyObject *)pos);
-        PyMem_Free(seqs);
         Py_XDECREF(tree);
         Py_XDECREF(pos);
     }

@@ -63,8 +63,6 @@ int q3_view_acquire_on(PyObject *obj, const char *arg, q3_view *v, int device, i
 /* obj.__dlpack_device__(): (device_type, device_id); 0, or -1 with TypeError naming arg */
 int q3py_dlpack_device(PyObject *obj, const char *arg, int *type, int *id);
 void q3_view_release(q3_view *v);
-/* q3_view_require's checks raised: 0, or -1 with the exception */
-int q3py_view_require(const q3_view *v, const char *arg, int need);
 /* Tensors imported together: each obj (NULL: not given, its view left empty) as arg, under
  * allow, as q3_view_acquire_on does, in order until one fails; q3py_views_release releases them
  * all (the ones not reached are empty). 0, or -1 with the exception. */
@@ -121,8 +119,6 @@ typedef struct {
     q3_cache *cache;
     int busy; /* a layer call is running on it with the GIL released */
     int passes_open; /* a layer call run pass by pass (Layer.attention_passes) is open on it */
-    /* borrowed: the owner of the views of the blocks in use (py_cache.c), NULL while none lives */
-    PyObject *views_owner;
 } q3py_cache_object;
 
 extern PyType_Spec q3py_cache_spec;

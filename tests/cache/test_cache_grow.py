@@ -1,6 +1,7 @@
-"""KVCache.grow (csrc/engine/cache_ops.c's q3_cache_grow, the glue's views owner in
-csrc/python/py_cache.c): every sequence's room grows, what each sequence holds (tokens,
-lengths, padding, first positions) moves with it, decoding on afterwards gives the bits a
+"""KVCache.grow (csrc/engine/cache_ops.c's q3_cache_grow; a view holds a reference to the
+blocks it reads, csrc/engine/cache.c's q3_cache_blocks_ref): every sequence's room grows, what
+each sequence holds (tokens, lengths, padding, first positions) moves with it, decoding on
+afterwards gives the bits a
 cache made that large from the start gives, and views taken before the growth keep reading
 the memory they were taken of, however long they outlive it or the cache. Its rejections are
 in test_cache_ops.py's table."""
