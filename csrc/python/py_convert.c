@@ -129,21 +129,14 @@ int q3py_attention_limit(PyObject *obj, int64_t dflt, int64_t *limit) {
 /* device: an int, -1 (the host) or a CUDA device (NULL: not given, -1); with the stream to
  * queue on */
 int q3py_place(PyObject *device_obj, PyObject *stream_obj, int *device, void **stream) {
-    *device = -1;
-    if (!device_obj) return q3py_stream_on(stream_obj, -1, "host tensors (device=-1)", stream);
-    if (!PyLong_Check(device_obj) || PyBool_Check(device_obj)) {
+    const long d = !device_obj || !PyLong_Check(device_obj) || PyBool_Check(device_obj) ? -1 : PyLong_AsLong(device_obj);
+    *device = d < -1 || d > 1024 ? -1 : (int)d;
+    if (device_obj && (!PyLong_Check(device_obj) || PyBool_Check(device_obj)))
         PyErr_Format(PyExc_TypeError, "device: expected an int (-1: the host, else a CUDA device), got %.100s",
                      Py_TYPE(device_obj)->tp_name);
-        return -1;
-    }
-    const long d = PyLong_AsLong(device_obj);
-    if (d == -1 && PyErr_Occurred()) return -1;
-    if (d < -1 || d > 1024) {
+    else if (d < -1 || d > 1024)
         PyErr_Format(PyExc_ValueError, "device: expected -1 (the host) or a CUDA device index, got %ld", d);
-        return -1;
-    }
-    *device = (int)d;
-    return q3py_stream_on(stream_obj, *device, "host tensors (device=-1)", stream);
+    return PyErr_Occurred() ? -1 : q3py_stream_on(stream_obj, *device, "host tensors (device=-1)", stream);
 }
 
 int q3py_int64(PyObject *obj, const char *arg, int flags, const char *too_big, int64_t *out) {
@@ -206,18 +199,6 @@ int64_t *q3py_index_list(PyObject *obj, const char *arg, int64_t *n) {
     }
     Py_DECREF(seq);
     return index;
-}
-
-/* buffer_view's dtype: float32, bfloat16, or a checkpoint's float8_e4m3fn weights, GPTQ float16
- * scales and int32 words (and a split layer's int32 expert ids) */
-int q3py_buffer_dtype(PyObject *obj, void *out) {
-    q3_dtype *dt = out;
-    const int named = PyUnicode_Check(obj);
-    if (named && PyUnicode_CompareWithASCIIString(obj, "int32") == 0) *dt = Q3_I32;
-    else if (named && PyUnicode_CompareWithASCIIString(obj, "float8_e4m3fn") == 0) *dt = Q3_E4M3;
-    else if (named && PyUnicode_CompareWithASCIIString(obj, "float16") == 0) *dt = Q3_F16;
-    else return q3py_dtype(obj, out);
-    return 1;
 }
 
 PyObject *q3py_int64s(const int64_t *v, Py_ssize_t n, int as_list) {

@@ -61,8 +61,6 @@ int q3py_place(PyObject *device_obj, PyObject *stream_obj, int *device, void **s
  * integer array) as a PyMem_Malloc'd int64 array of *n (the engine checks each entry's range);
  * NULL with an exception naming arg (or arg[i]) */
 int64_t *q3py_index_list(PyObject *obj, const char *arg, int64_t *n);
-/* "O&" converter: buffer_view's dtype (float32, bfloat16, float8_e4m3fn, int32) -> q3_dtype */
-int q3py_buffer_dtype(PyObject *obj, void *out);
 /* the ints v [n] as a tuple (a list where as_list); NULL with the exception */
 PyObject *q3py_int64s(const int64_t *v, Py_ssize_t n, int as_list);
 

@@ -46,11 +46,6 @@ static PyObject *export_capsule(PyObject *obj, int cuda, void *stream) {
     return cap;
 }
 
-int q3py_view_require(const q3_view *v, const char *arg, int need) {
-    q3_error err;
-    return q3py_status(q3_view_require(v, arg, need, &err), &err);
-}
-
 int q3_view_acquire_on(PyObject *obj, const char *arg, q3_view *v, int device, int allow, void *stream) {
     memset(v, 0, sizeof *v);
     int type, id;
@@ -71,25 +66,21 @@ int q3_view_acquire_on(PyObject *obj, const char *arg, q3_view *v, int device, i
     if (v->managed) PyCapsule_SetName(cap, versioned ? "used_dltensor_versioned" : "used_dltensor"); /* taken */
     Py_DECREF(cap); /* one not taken is still its destructor's */
     if (s == Q3_OK) return 0;
-    if (v->managed) {
-        q3_view_release(v);
-        q3_raise(NULL, &err);
-    } else {
-        PyErr_SetString(PyExc_BufferError, err.msg); /* another DLPack version, not taken */
-    }
+    if (v->managed) q3_raise(NULL, &err); /* kept while the view is released below */
+    else PyErr_SetString(PyExc_BufferError, err.msg); /* another DLPack version, not taken */
+    q3_view_release(v);
     return -1;
 }
 
 void q3_view_release(q3_view *v) {
     if (!v->managed) return;
     /* a deleter may run Python code (a producer written with ctypes): never with our
-     * exception pending, which it would fail on or replace */
-    const int pending = PyErr_Occurred() != NULL;
+     * exception pending, which it would fail on or replace (and one it raises is dropped) */
     q3_pending_error e;
-    if (pending) q3_error_stash(&e);
+    q3_error_stash(&e);
     q3_dlpack_delete(v->managed, v->versioned);
     v->managed = NULL;
-    if (pending) q3_error_unstash(&e);
+    q3_error_unstash(&e);
 }
 
 int q3py_views_acquire(q3py_arg_view *a, int n, int device, void *stream) {

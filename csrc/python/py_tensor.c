@@ -64,12 +64,24 @@ static void tensor_dealloc(q3py_tensor_object *t) {
     Py_DECREF(tp);
 }
 
+/* buffer_view's dtype: float32, bfloat16, or a checkpoint's float8_e4m3fn weights, GPTQ float16
+ * scales and int32 words (and a split layer's int32 expert ids) */
+static int buffer_dtype(PyObject *obj, void *out) {
+    q3_dtype *dt = out;
+    const int named = PyUnicode_Check(obj);
+    if (named && PyUnicode_CompareWithASCIIString(obj, "int32") == 0) *dt = Q3_I32;
+    else if (named && PyUnicode_CompareWithASCIIString(obj, "float8_e4m3fn") == 0) *dt = Q3_E4M3;
+    else if (named && PyUnicode_CompareWithASCIIString(obj, "float16") == 0) *dt = Q3_F16;
+    else return q3py_dtype(obj, out);
+    return 1;
+}
+
 PyObject *q3py_buffer_view(PyObject *module, PyObject *args) {
     PyObject *obj;
     long long offset;
     q3py_shape shape = {.min_ndim = 0};
     q3_dtype dt;
-    if (!PyArg_ParseTuple(args, "OLO&O&:buffer_view", &obj, &offset, q3py_shape_arg, &shape, q3py_buffer_dtype, &dt))
+    if (!PyArg_ParseTuple(args, "OLO&O&:buffer_view", &obj, &offset, q3py_shape_arg, &shape, buffer_dtype, &dt))
         return NULL;
     Py_buffer buf;
     if (PyObject_GetBuffer(obj, &buf, PyBUF_SIMPLE) < 0) return NULL;
