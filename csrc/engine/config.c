@@ -1,5 +1,6 @@
 /* Layer geometry: validation, weight names and shapes. */
 #include <math.h>
+#include <stddef.h>
 
 #include "q3.h"
 
@@ -10,25 +11,62 @@ static int64_t q3_config_weight_elems(const q3_config *c) {
     return attention + 2 * H + (int64_t)c->experts * H + (int64_t)c->experts * 3 * I * H;
 }
 
-/* the counts by their LayerConfig names, each in [1, its limit] (Q3_CF_* order) */
-static const struct { const char *name; int64_t max; } counts[Q3_CF_COUNT] = {
-    {"hidden_size", Q3_MAX_HIDDEN},          {"num_attention_heads", Q3_MAX_HEADS},
-    {"num_key_value_heads", Q3_MAX_HEADS},   {"head_dim", Q3_MAX_HEADS},
-    {"num_experts", Q3_MAX_EXPERTS},         {"num_experts_per_tok", Q3_MAX_EXPERTS},
-    {"moe_intermediate_size", Q3_MAX_HIDDEN}, {"max_position_embeddings", Q3_MAX_POSITIONS},
-    {"rope_original_max_position_embeddings", Q3_MAX_POSITIONS},
+/* each count's limit: in [1, max] (Q3_CF_* order; its name is its field's, below) */
+static const int64_t count_max[Q3_CF_COUNT] = {Q3_MAX_HIDDEN, Q3_MAX_HEADS, Q3_MAX_HEADS, Q3_MAX_HEADS,
+                                               Q3_MAX_EXPERTS, Q3_MAX_EXPERTS, Q3_MAX_HIDDEN, Q3_MAX_POSITIONS,
+                                               Q3_MAX_POSITIONS};
+
+#define AT(f) offsetof(q3_config_values, f)
+/* a count None takes is a RoPE field (rope_original_max_position_embeddings) */
+#define COUNT(name, i, none_ok) {name, Q3_FIELD_COUNT, none_ok, 0, none_ok, i, AT(counts[i])}
+#define FIELD(name, type, at) {name, type, 0, 0, 0, -1, AT(at)}
+#define ROPE(name, type, none_ok, positive, at) {name, type, none_ok, positive, 1, -1, AT(at)}
+/* q3_config_field's table, the LayerConfig's names */
+static const q3_config_field_info fields[Q3_CONFIG_FIELDS] = {
+    COUNT("hidden_size", Q3_CF_HIDDEN, 0), COUNT("num_attention_heads", Q3_CF_HEADS, 0),
+    COUNT("num_key_value_heads", Q3_CF_KV_HEADS, 0), COUNT("head_dim", Q3_CF_HEAD_DIM, 0),
+    COUNT("num_experts", Q3_CF_EXPERTS, 0), COUNT("num_experts_per_tok", Q3_CF_TOP_K, 0),
+    COUNT("moe_intermediate_size", Q3_CF_MOE_INTER, 0), COUNT("max_position_embeddings", Q3_CF_MAX_POSITIONS, 0),
+    FIELD("rms_norm_eps", Q3_FIELD_NUMBER, eps), FIELD("rope_theta", Q3_FIELD_NUMBER, rope_theta),
+    FIELD("norm_topk_prob", Q3_FIELD_FLAG, norm_topk), ROPE("rope_type", Q3_FIELD_ROPE_TYPE, 0, 0, rope.type),
+    ROPE("rope_factor", Q3_FIELD_NUMBER, 0, 0, rope.factor),
+    ROPE("rope_attention_factor", Q3_FIELD_NUMBER, 1, 1, rope.attention_factor),
+    ROPE("rope_beta_fast", Q3_FIELD_NUMBER, 0, 0, rope.beta_fast),
+    ROPE("rope_beta_slow", Q3_FIELD_NUMBER, 0, 0, rope.beta_slow),
+    ROPE("rope_mscale", Q3_FIELD_NUMBER, 1, 0, rope.mscale),
+    ROPE("rope_mscale_all_dim", Q3_FIELD_NUMBER, 1, 0, rope.mscale_all_dim),
+    ROPE("rope_truncate", Q3_FIELD_FLAG, 0, 0, rope.truncate),
+    COUNT("rope_original_max_position_embeddings", Q3_CF_ROPE_ORIGINAL_MAX, 1),
 };
 
-const char *q3_config_count_name(int i) { return (unsigned)i < Q3_CF_COUNT ? counts[i].name : "?"; }
-int64_t q3_config_count_max(int i) { return (unsigned)i < Q3_CF_COUNT ? counts[i].max : 0; }
+const q3_config_field_info *q3_config_field(int f) { return (unsigned)f < Q3_CONFIG_FIELDS ? &fields[f] : NULL; }
+
+void q3_config_field_given(q3_config_values *v, int f, int given) {
+    if ((unsigned)f >= Q3_CONFIG_FIELDS) return;
+    if (fields[f].count == Q3_CF_ROPE_ORIGINAL_MAX) v->original_max_given = given;
+    else if (!given && fields[f].type == Q3_FIELD_NUMBER) *(double *)((char *)v + fields[f].at) = 0.0;
+}
+
+int q3_config_field_unset(const q3_config_values *v, int f) {
+    if ((unsigned)f >= Q3_CONFIG_FIELDS || !fields[f].none_ok) return 0;
+    if (fields[f].count == Q3_CF_ROPE_ORIGINAL_MAX) return !v->original_max_given;
+    return *(const double *)((const char *)v + fields[f].at) == 0.0;
+}
+
+const char *q3_config_count_name(int i) {
+    for (int f = 0; (unsigned)i < Q3_CF_COUNT && f < Q3_CONFIG_FIELDS; f++)
+        if (fields[f].count == i) return fields[f].name;
+    return "?";
+}
+int64_t q3_config_count_max(int i) { return (unsigned)i < Q3_CF_COUNT ? count_max[i] : 0; }
 
 /* count i of value v, named with prefix ("config." for a LayerConfig's field) */
 static q3_status check_count(const char *prefix, int i, int64_t v, q3_error *err) {
-    if (v <= 0) return q3_fail(err, Q3_ERR_VALUE, "%s%s: expected a positive integer, got %lld", prefix, counts[i].name,
+    if (v <= 0) return q3_fail(err, Q3_ERR_VALUE, "%s%s: expected a positive integer, got %lld", prefix, q3_config_count_name(i),
                                (long long)v);
-    if (v > counts[i].max)
-        return q3_fail(err, Q3_ERR_VALUE, "%s%s: expected at most %lld, got %lld", prefix, counts[i].name,
-                       (long long)counts[i].max, (long long)v);
+    if (v > count_max[i])
+        return q3_fail(err, Q3_ERR_VALUE, "%s%s: expected at most %lld, got %lld", prefix, q3_config_count_name(i),
+                       (long long)count_max[i], (long long)v);
     return Q3_OK;
 }
 

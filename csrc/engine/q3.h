@@ -654,6 +654,26 @@ q3_status q3_config_make(const q3_config_values *v, q3_config *out, q3_error *er
 const char *q3_rope_type_name(q3_rope_type t);
 q3_status q3_rope_type_parse(const char *name, q3_rope_type *t, q3_error *err);
 const char *q3_rope_type_list(char *buf, size_t size);
+/* The LayerConfig fields a binding reads into q3_config_values, in order: q3_config_field(f) for
+ * f < Q3_CONFIG_FIELDS (NULL past them). Each names its attribute and says how a value converts
+ * (type: COUNT an int, not a bool, into counts[count], checked by q3_config_make; NUMBER a real,
+ * not a bool; FLAG any object's truth; ROPE_TYPE a variant's name), whether None is taken (unset:
+ * a count not given, a number 0.0, the engine's "unset"; positive: a given number must then not
+ * read so, > 0 or nan) and where its value lies in q3_config_values (at: an int64_t, double, int
+ * or q3_rope_type). q3_config_field_given records field f given or None (unset);
+ * q3_config_field_unset says whether it reads as None (rope_defaults: Q3_ROPE_SCALING_DEFAULT's). */
+typedef enum { Q3_FIELD_COUNT, Q3_FIELD_NUMBER, Q3_FIELD_FLAG, Q3_FIELD_ROPE_TYPE } q3_field_type;
+typedef struct {
+    const char *name;
+    q3_field_type type;
+    int none_ok, positive, rope; /* None taken; a given number > 0 or nan; a RoPE field (from rope_type on) */
+    int count;                   /* a count's Q3_CF_* index, else -1 */
+    size_t at;
+} q3_config_field_info;
+#define Q3_CONFIG_FIELDS 20
+const q3_config_field_info *q3_config_field(int f);
+void q3_config_field_given(q3_config_values *v, int f, int given);
+int q3_config_field_unset(const q3_config_values *v, int f);
 
 /* ---- end of the cache's and config's binding block ---------------------------------------- */
 

@@ -144,9 +144,6 @@ int q3py_weight_format(PyObject *obj, void *out);
 /* experts= (a 1-D sequence of distinct expert ids in [0, E): the engine's q3_held_from_ids) as
  * a PyMem_Malloc'd [E] mask of the ids held; -1 with an exception naming the entry */
 int q3py_held_experts(PyObject *obj, int E, uint8_t **held);
-/* weight_table(config, ...) and weight_formats(): the engine's table of a layer's tensors */
-PyObject *q3py_weight_table(PyObject *m, PyObject *args, PyObject *kw);
-PyObject *q3py_weight_formats(PyObject *m, PyObject *unused);
 
 /* ---- CUDA functions (py_cuda.c); random weights and inputs, FP8 and GPTQ dequantization
  * (py_random.c) ------------------------------------------------------------------------ */

@@ -12,19 +12,23 @@ q3_module_state *q3_state_of_type(PyTypeObject *type) {
     return m ? (q3_module_state *)PyModule_GetState(m) : NULL;
 }
 
-static PyObject *str_list(const char **names, int n) {
+/* the strings names [n] as a list (a tuple where as_tuple); NULL with the exception */
+static PyObject *strings(const char **names, int n, int as_tuple) {
     PyObject *list = PyList_New(n);
     for (int i = 0; list && i < n; i++) {
         PyObject *s = PyUnicode_FromString(names[i]);
         if (!s) Py_CLEAR(list);
         else PyList_SET_ITEM(list, i, s);
     }
-    return list;
+    if (!as_tuple || !list) return list;
+    PyObject *tuple = PyList_AsTuple(list);
+    Py_DECREF(list);
+    return tuple;
 }
 
 static PyObject *build_info(PyObject *m, PyObject *unused) {
     const char *paths[8];
-    PyObject *available = str_list(paths, q3_cpu_paths(paths, 8));
+    PyObject *available = strings(paths, q3_cpu_paths(paths, 8), 0);
     if (!available) return NULL;
     return Py_BuildValue("{s:s,s:[s],s:s,s:N,s:i,s:s,s:i}", "version", Q3_VERSION, "backends", "cpu",
                          "cpu_path", q3_cpu_path(), "cpu_paths", available, "threads", q3_max_threads(),
@@ -44,9 +48,7 @@ static PyObject *probe_read(PyObject *m, PyObject *args, PyObject *kw) {
     int repeats = 3;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "|Ki:probe_read_bandwidth", names, &bytes, &repeats)) return NULL;
     double gbs;
-    Py_BEGIN_ALLOW_THREADS
-    gbs = q3_probe_read_gbs((size_t)bytes, repeats < 1 ? 1 : repeats);
-    Py_END_ALLOW_THREADS
+    Q3PY_NOGIL(gbs = q3_probe_read_gbs((size_t)bytes, repeats < 1 ? 1 : repeats));
     return gbs == 0.0 ? PyErr_NoMemory() : PyFloat_FromDouble(gbs);
 }
 
@@ -55,10 +57,16 @@ static PyObject *probe_fma(PyObject *m, PyObject *args, PyObject *kw) {
     double seconds = 0.5;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "|d:probe_fma_peak", names, &seconds)) return NULL;
     double gflops;
-    Py_BEGIN_ALLOW_THREADS
-    gflops = q3_probe_fma_gflops(seconds);
-    Py_END_ALLOW_THREADS
+    Q3PY_NOGIL(gflops = q3_probe_fma_gflops(seconds));
     return PyFloat_FromDouble(gflops);
+}
+
+/* weight_formats(): the engine's formats' names, 0 .. q3_weight_format_count() - 1 */
+static PyObject *weight_formats(PyObject *m, PyObject *unused) {
+    const char *names[16];
+    int n = 0;
+    for (; n < q3_weight_format_count() && n < 16; n++) names[n] = q3_weight_format_name((q3_weight_format)n);
+    return strings(names, n, 1);
 }
 
 static PyObject *check_config(PyObject *m, PyObject *cfg) {
@@ -80,14 +88,7 @@ static PyMethodDef module_methods[] = {
      "copy_tensor(tensor, device)\n--\n\nA contiguous copy on device (-1: host) of an extension Tensor, or of a host "
      "tensor of another producer (torch, numpy; float32, bfloat16, float8_e4m3fn or int32)."},
     {"check_config", check_config, METH_O, "check_config(config)\n--\n\nRaise if the geometry is impossible."},
-    {"weight_table", (PyCFunction)(void (*)(void))q3py_weight_table, METH_VARARGS | METH_KEYWORDS,
-     "weight_table(config, weight_format=None, experts=None, fused=False, experts_only=False, *, gptq_group=0, "
-     "gptq_dense_attention=False)\n--\n\n"
-     "The engine's table of the tensors a layer reads, in order: [(name, shape, storage, of)], storage 'layer' (the "
-     "layer's dtype), 'e4m3', 'scale' (the scale dtype), 'qweight', 'gscales', 'qzeros' or 'g_idx' (GPTQ int4; "
-     "gptq_group 0: 128, -1: one group a matrix; gptq_dense_attention: q/k/v/o_proj in the layer's dtype); of: the index of the matrix an entry stands beside, else -1. "
-     "fused: the experts as transformers 5.x fuses them, else per expert (experts: the held ones)."},
-    {"weight_formats", q3py_weight_formats, METH_NOARGS,
+    {"weight_formats", weight_formats, METH_NOARGS,
      "weight_formats()\n--\n\nThe names of the weight formats, the table's rows."},
     {"rope_defaults", q3py_rope_defaults, METH_NOARGS,
      "rope_defaults()\n--\n\nThe RoPE fields of a LayerConfig when unused: the engine's default scaling."},

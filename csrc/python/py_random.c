@@ -1,11 +1,56 @@
-/* Random weights and inputs in extension memory (random_weights, random_tensor) and the
- * dequantization of an FP8 matrix (dequantize_fp8): qwen3layer._C module functions.
+/* The engine's table of a layer's tensors (weight_table), random weights and inputs in extension
+ * memory (random_weights, random_tensor) and the dequantization of an FP8 or GPTQ matrix
+ * (dequantize_fp8, dequantize_int4): qwen3layer._C module functions.
  *
  * random_weights makes the tensors of the engine's weight table (q3_weight_table: names,
  * shapes, storage) and fills each with the engine's draws for it (q3_weight_fill_random): in
  * the FP8 format the projection matrices as the fine-grained FP8 checkpoints hold them, each
  * with fp32 block scales, quantized from the dense draws of the same seed. */
 #include "py_glue.h"
+
+/* The engine's weight table (*table, q3_free'd by the caller; *n entries) of the layer of config
+ * cfg_obj with the experts of experts_obj held (None: every one; else w->held, the caller's to
+ * PyMem_Free), the rest as w says; fused < 0: fused where every expert is held. 0, or -1. */
+static int table_of(PyObject *cfg_obj, PyObject *experts_obj, q3_weights *w, int fused, q3_weight_entry **table,
+                    int64_t *n) {
+    q3_config c;
+    uint8_t *held = NULL;
+    q3_error err;
+    if (q3_parse_config(cfg_obj, &c) < 0 || (experts_obj != Py_None && q3py_held_experts(experts_obj, c.experts, &held) < 0))
+        return -1;
+    w->held = held;
+    return q3py_status(q3_weight_table_new(&c, w, fused < 0 ? !held : fused, NULL, table, n, &err), &err);
+}
+
+/* weight_table(config, ...): the engine's table as [(name, shape, storage, of)]: storage 'layer',
+ * 'e4m3', 'scale', 'qweight', 'gscales', 'qzeros' or 'g_idx' (q3_weight_storage_name), of the
+ * index of the matrix an entry stands beside (else -1) */
+static PyObject *weight_table(PyObject *m, PyObject *args, PyObject *kw) {
+    static char *names[] = {"config", "weight_format", "experts", "fused", "experts_only", "gptq_group",
+                            "gptq_dense_attention", NULL};
+    PyObject *cfg_obj, *experts_obj = Py_None, *out = NULL;
+    q3_weights w = {.format = Q3_WF_DENSE};
+    int fused = 0;
+    long long gptq_group = 0;
+    q3_weight_entry *table = NULL;
+    int64_t n = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|O&Opp$Lp:weight_table", names, &cfg_obj, q3py_weight_format,
+                                     &w.format, &experts_obj, &fused, &w.experts_only, &gptq_group,
+                                     &w.gptq_dense_attention))
+        return NULL;
+    w.gptq_group = gptq_group;
+    if (table_of(cfg_obj, experts_obj, &w, fused, &table, &n) == 0) out = PyList_New((Py_ssize_t)n);
+    for (int64_t i = 0; out && i < n; i++) {
+        const q3_weight_entry *e = &table[i];
+        PyObject *row = Py_BuildValue("(sNsL)", e->name, q3py_int64s(e->dims, e->rank, 0),
+                                      q3_weight_storage_name(e->storage), (long long)e->of); /* N: the shape's taken */
+        if (!row) Py_CLEAR(out);
+        else PyList_SET_ITEM(out, (Py_ssize_t)i, row);
+    }
+    q3_free(table);
+    PyMem_Free((void *)w.held);
+    return out;
+}
 
 /* Every tensor of the engine's weight table for the layer into a new dict by name, then drawn
  * as the table says (q3_weight_table_fill_random: the stream layout is the engine's; a quantized
@@ -42,21 +87,15 @@ static PyObject *random_weights(PyObject *m, PyObject *args, PyObject *kw) {
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OKO&|O&O$Lpp:random_weights", names, &cfg_obj, &seed, q3py_dtype, &dt,
                                      q3py_weight_format, &wf, &experts_obj, &gptq_group, &gptq_v2, &dense_attention))
         return NULL;
-    q3_config c;
-    if (q3_parse_config(cfg_obj, &c) < 0) return NULL;
-    uint8_t *held = NULL;
-    if (experts_obj != Py_None && q3py_held_experts(experts_obj, c.experts, &held) < 0) return NULL;
     /* every expert: fused as transformers 5.x holds them; a subset: per expert, the held ones */
-    q3_weights w = {.dtype = dt, .format = wf, .held = held, .gptq_group = gptq_group, .gptq_v2 = gptq_v2,
+    q3_weights w = {.dtype = dt, .format = wf, .gptq_group = gptq_group, .gptq_v2 = gptq_v2,
                     .gptq_dense_attention = dense_attention};
-    q3_weight_entry *table;
+    q3_weight_entry *table = NULL;
     int64_t n;
-    q3_error err;
     PyObject *d = NULL;
-    if (q3py_status(q3_weight_table_new(&c, &w, held == NULL, NULL, &table, &n, &err), &err) == 0)
-        d = random_table(q3py_state(m), table, n, dt, seed, &w);
+    if (table_of(cfg_obj, experts_obj, &w, -1, &table, &n) == 0) d = random_table(q3py_state(m), table, n, dt, seed, &w);
     q3_free(table);
-    PyMem_Free(held);
+    PyMem_Free((void *)w.held);
     return d;
 }
 
@@ -118,6 +157,13 @@ static PyObject *dequantize_int4(PyObject *m, PyObject *args, PyObject *kw) {
 }
 
 PyMethodDef q3_random_methods[] = {
+    {"weight_table", (PyCFunction)(void (*)(void))weight_table, METH_VARARGS | METH_KEYWORDS,
+     "weight_table(config, weight_format=None, experts=None, fused=False, experts_only=False, *, gptq_group=0, "
+     "gptq_dense_attention=False)\n--\n\n"
+     "The engine's table of the tensors a layer reads, in order: [(name, shape, storage, of)], storage 'layer' (the "
+     "layer's dtype), 'e4m3', 'scale' (the scale dtype), 'qweight', 'gscales', 'qzeros' or 'g_idx' (GPTQ int4; "
+     "gptq_group 0: 128, -1: one group a matrix; gptq_dense_attention: q/k/v/o_proj in the layer's dtype); of: the index of the matrix an entry stands beside, else -1. "
+     "fused: the experts as transformers 5.x fuses them, else per expert (experts: the held ones)."},
     {"random_tensor", (PyCFunction)(void (*)(void))random_tensor, METH_VARARGS | METH_KEYWORDS,
      "random_tensor(shape, seed, dtype, std=1.0)\n--\n\nA Tensor of N(0, std^2) samples in extension memory."},
     {"random_weights", (PyCFunction)(void (*)(void))random_weights, METH_VARARGS | METH_KEYWORDS,

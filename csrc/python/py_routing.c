@@ -20,11 +20,7 @@ static PyObject *expert_counts(PyObject *m, PyObject *args, PyObject *kw) {
         return NULL;
     int64_t *counts = PyMem_Malloc((size_t)E * sizeof *counts);
     q3_status s = Q3_OK;
-    if (counts) {
-        Py_BEGIN_ALLOW_THREADS
-        s = q3_count_experts(&v, E, counts, &err);
-        Py_END_ALLOW_THREADS
-    }
+    if (counts) Q3PY_NOGIL(s = q3_count_experts(&v, E, counts, &err));
     q3_view_release(&v);
     PyObject *result = !counts || q3py_status(s, &err) < 0 ? NULL : q3py_int64s(counts, E, 1);
     if (!counts) PyErr_NoMemory();

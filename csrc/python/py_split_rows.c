@@ -27,11 +27,7 @@ PyObject *q3py_take_rows(PyObject *module, PyObject *args, PyObject *kw) {
         result = out ? Py_NewRef(v[2].obj)
                      : (PyObject *)q3py_tensor_new_on(q3py_state(module), src->dtype, 2, shape, device);
         void *dst = out ? out->data : result ? ((q3py_tensor_object *)result)->data : NULL;
-        if (result) {
-            Py_BEGIN_ALLOW_THREADS
-            s = q3_take_rows(dst, src, rows, stream, &err);
-            Py_END_ALLOW_THREADS
-        }
+        if (result) Q3PY_NOGIL(s = q3_take_rows(dst, src, rows, stream, &err));
     }
     if (q3py_status(s, &err) < 0) Py_CLEAR(result);
     q3py_views_release(v, 3);
@@ -54,9 +50,7 @@ PyObject *q3py_combine_rows(PyObject *module, PyObject *args, PyObject *kw) {
     q3_error err;
     if (q3py_views_acquire(v, 4, device, stream) == 0) {
         q3_status s;
-        Py_BEGIN_ALLOW_THREADS
-        s = q3_combine_rows(&v[0].view, &v[1].view, &v[2].view, out, stream, &err);
-        Py_END_ALLOW_THREADS
+        Q3PY_NOGIL(s = q3_combine_rows(&v[0].view, &v[1].view, &v[2].view, out, stream, &err));
         if (q3py_status(s, &err) == 0) result = Py_NewRef(Py_None);
     }
     q3py_views_release(v, 4);
