@@ -29,17 +29,15 @@ static void end(q3py_passes_object *self) {
     q3py_insides_clear(&self->ins);
 }
 
-PyObject *q3py_layer_attention_passes(q3py_layer_object *layer, PyObject *x_obj, PyObject *cache_obj, int decode,
-                                      PyObject *seq_obj, PyObject *chunk_obj, PyObject *stream_obj, q3_insides *ins,
-                                      q3py_token_args tok) {
+PyObject *q3py_layer_attention_passes(q3py_layer_object *layer, q3py_call_args *p) {
     q3_module_state *st = q3_state_of_type(Py_TYPE(layer));
     q3py_passes_object *self = st ? (q3py_passes_object *)st->passes_type->tp_alloc(st->passes_type, 0) : NULL;
     if (!self) return NULL; /* zeroed: nothing held, the cursor closed */
     self->layer = (q3py_layer_object *)Py_NewRef((PyObject *)layer);
-    self->ins = *ins; /* its outputs are made below, after the checks */
+    self->ins = p->ins; /* its outputs are made below, after the checks */
     /* the call's parsing and the engine's checks of the whole call (the attention half's) */
-    if (q3py_call_open(&self->call, layer, x_obj, cache_obj, decode, seq_obj, chunk_obj, stream_obj, 1, tok) == 0) {
-        self->cache_obj = Py_NewRef(cache_obj);
+    if (q3py_call_open(&self->call, layer, p, 1) == 0) {
+        self->cache_obj = Py_NewRef(p->cache);
         self->call.a.interrupted = NULL; /* the caller's loop runs between the passes: Ctrl-C lands there */
         self->held = self->call.co->passes_open = 1;
         q3_error err;
