@@ -21,22 +21,6 @@ typedef struct {
     PyObject *made;
 } q3_insides;
 
-/* Makes the requested outputs on `device` for the call `a` (already checked by the engine)
- * on x, and points a's fields at them. Attention maps over the limit raise ValueError with
- * the shape and the bytes. -1 with an exception (the caller clears). */
-int q3py_insides_make(q3_insides *ins, q3_module_state *st, const q3_layer *layer, const q3_cache *c,
-                      const q3_view *x, int device, q3_forward_args *a);
-/* y alone when nothing was asked; else (y, router_logits, router_experts, router_weights,
- * attention), None for what was not asked; ins cleared. Steals y; NULL passes through. */
-PyObject *q3py_insides_result(q3_insides *ins, PyObject *y);
-void q3py_insides_clear(q3_insides *ins);
-
-/* The engine's interrupt poll between passes: takes the GIL briefly and runs the signal
- * handlers (Ctrl-C); an exception they raise stays set for the caller. */
-typedef struct {
-    PyThreadState *saved; /* this thread's state while the GIL is released */
-} q3py_interrupt_poll;
-
 /* A layer call's arguments as given (None: not given; py_layer_call.c's parse_call) and the
  * insides asked */
 typedef struct {
@@ -55,16 +39,24 @@ typedef struct {
     q3_view token[3]; /* token_mask, positions and tree (data NULL: not given) */
     int32_t seqs[64];
     q3_forward_args a;
-    q3py_interrupt_poll poll;
+    PyThreadState *saved; /* this thread's state while the GIL is released (the interrupt poll's) */
 } q3py_call;
+
+/* Makes the requested insides on the layer's device for opened call c, and points c->a's fields
+ * at them. Attention maps over the limit raise ValueError with the shape and the bytes. -1 with
+ * an exception (ins->made cleared by the caller). */
+int q3py_insides_make(q3_insides *ins, q3py_call *c, const q3py_layer_object *self);
+/* y alone when nothing was asked; else (y, router_logits, router_experts, router_weights,
+ * attention), None for what was not asked; ins cleared. Steals y; NULL passes through. */
+PyObject *q3py_insides_result(q3_insides *ins, PyObject *y);
 
 /* A call's parsing and the engine's checks of it (half: the attention half's), before any output
  * is made: a call that cannot run allocates nothing; -1 with an exception, c released. The
- * engine's forward (half NULL) or attention half of it, without the GIL and under the layer's
- * lock, the cache busy meanwhile; -1 with an exception. The release of c's views and sequences.
- * (py_layer_call.c) */
+ * engine's forward (half NULL), attention half, or its next pass (cur), without the GIL and
+ * under the layer's lock, the cache busy meanwhile; -1 with an exception. The release of c's
+ * views and sequences. (py_layer_call.c) */
 int q3py_call_open(q3py_call *c, q3py_layer_object *self, const q3py_call_args *p, int half);
-int q3py_call_run(q3py_call *c, q3py_layer_object *self, const q3_attention_half_out *half);
+int q3py_call_run(q3py_call *c, q3py_layer_object *self, const q3_attention_half_out *half, q3_pass_cursor *cur);
 void q3py_call_close(q3py_call *c);
 
 /* `...` run without the GIL under the layer's lock: its settings change only while no call runs */

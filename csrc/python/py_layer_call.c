@@ -13,8 +13,10 @@ static q3py_cache_object *as_cache(PyObject *obj, q3_module_state *st) {
     return NULL;
 }
 
+/* The engine's interrupt poll between passes: takes the GIL briefly and runs the signal
+ * handlers (Ctrl-C); an exception they raise stays set for the caller. */
 static int interrupted(void *ctx) {
-    q3py_interrupt_poll *p = ctx;
+    q3py_call *p = ctx;
     PyEval_RestoreThread(p->saved);
     const int stop = PyErr_CheckSignals() < 0;
     p->saved = PyEval_SaveThread();
@@ -57,7 +59,7 @@ int q3py_call_open(q3py_call *c, q3py_layer_object *self, const q3py_call_args *
                                                          Q3_VIEW_HOST | (i == 1 ? Q3_VIEW_I64 : Q3_VIEW_BOOL), NULL) < 0);
     }
     c->a.interrupted = interrupted;
-    c->a.interrupt_ctx = &c->poll;
+    c->a.interrupt_ctx = c;
     if (!failed && q3py_cache_check_idle(c->co) == 0 &&
         q3_call_prepare(self->layer, c->co->cache, &c->x, p->decode, p->seq != Py_None ? &seq : NULL, tok, half,
                         c->seqs, 64, &c->a, &err) == Q3_OK)
@@ -67,19 +69,20 @@ int q3py_call_open(q3py_call *c, q3py_layer_object *self, const q3py_call_args *
     return -1;
 }
 
-/* The engine's forward (half NULL) or attention half of the opened call, without the GIL and
- * under the layer's lock, the cache busy meanwhile; -1 with an exception (an interrupt's
- * exception, from the signal handler, gets a note of what the engine did) */
-int q3py_call_run(q3py_call *c, q3py_layer_object *self, const q3_attention_half_out *half) {
+/* The engine's forward (half NULL), attention half, or next pass of it (cur) of the opened call,
+ * without the GIL and under the layer's lock, the cache busy meanwhile; -1 with an exception (an
+ * interrupt's exception, from the signal handler, gets a note of what the engine did) */
+int q3py_call_run(q3py_call *c, q3py_layer_object *self, const q3_attention_half_out *half, q3_pass_cursor *cur) {
     q3_error err;
     q3_status s;
     c->co->busy = 1;
-    c->poll.saved = PyEval_SaveThread();
+    c->saved = PyEval_SaveThread();
     PyThread_acquire_lock(self->lock, WAIT_LOCK);
-    s = half ? q3_layer_attention_half(self->layer, c->co->cache, &c->a, half, &err)
-             : q3_layer_forward(self->layer, c->co->cache, &c->a, &err);
+    s = cur ? q3_layer_attention_pass(self->layer, c->co->cache, &c->a, cur, half, &err)
+        : half ? q3_layer_attention_half(self->layer, c->co->cache, &c->a, half, &err)
+               : q3_layer_forward(self->layer, c->co->cache, &c->a, &err);
     PyThread_release_lock(self->lock);
-    PyEval_RestoreThread(c->poll.saved);
+    PyEval_RestoreThread(c->saved);
     c->co->busy = 0;
     if (s == Q3_OK) return 0;
     if (s == Q3_ERR_INTERRUPTED && PyErr_Occurred()) add_note(err.msg);
@@ -96,7 +99,7 @@ static PyObject *call(q3py_layer_object *self, q3py_call_args *p, int half) {
     q3_view out = {0};
     q3_attention_half_out h;
     q3_error err;
-    const int made = q3py_insides_make(&p->ins, c.st, self->layer, c.co->cache, &c.x, self->device, &c.a) == 0;
+    const int made = q3py_insides_make(&p->ins, &c, self) == 0;
     if (made && half) {
         y = q3py_half_outputs(&c, self, c.a.tokens, &h);
     } else if (made && p->out != Py_None) {
@@ -108,7 +111,7 @@ static PyObject *call(q3py_layer_object *self, q3py_call_args *p, int half) {
     } else if (made && (y = (PyObject *)q3py_tensor_new_on(c.st, c.x.dtype, c.x.ndim, c.x.shape, self->device))) {
         c.a.y = ((q3py_tensor_object *)y)->data;
     }
-    if (y && q3py_call_run(&c, self, half ? &h : NULL) < 0) Py_CLEAR(y);
+    if (y && q3py_call_run(&c, self, half ? &h : NULL, NULL) < 0) Py_CLEAR(y);
     q3_view_release(&out);
     q3py_call_close(&c);
     return q3py_insides_result(&p->ins, y);

@@ -25,17 +25,16 @@ static PyObject *tensors_made(q3_module_state *st, const q3_tensor_spec *spec, i
     return t;
 }
 
-int q3py_insides_make(q3_insides *ins, q3_module_state *st, const q3_layer *layer, const q3_cache *c,
-                      const q3_view *x, int device, q3_forward_args *a) {
+int q3py_insides_make(q3_insides *ins, q3py_call *c, const q3py_layer_object *self) {
     q3_tensor_spec spec[4];
     void *data[4];
     q3_error err;
     if (!ins->router && !ins->attention) return 0;
-    if (q3py_status(q3_call_insides_specs(q3_layer_config(layer), c, x, a, ins->router, ins->attention, ins->limit,
-                                          spec, &err), &err) < 0 ||
-        !(ins->made = tensors_made(st, spec, 4, device, data)))
+    if (q3py_status(q3_call_insides_specs(q3_layer_config(self->layer), c->co->cache, &c->x, &c->a, ins->router,
+                                          ins->attention, ins->limit, spec, &err), &err) < 0 ||
+        !(ins->made = tensors_made(c->st, spec, 4, self->device, data)))
         return -1;
-    q3_call_insides_bind(a, data, spec);
+    q3_call_insides_bind(&c->a, data, spec);
     return 0;
 }
 
@@ -44,11 +43,9 @@ PyObject *q3py_insides_result(q3_insides *ins, PyObject *y) {
     for (int i = 0; r != y && r && i < 5; i++) /* each SET_ITEM takes the reference given */
         PyTuple_SET_ITEM(r, i, i ? Py_NewRef(PyTuple_GET_ITEM(ins->made, i - 1)) : y);
     if (!r) Py_XDECREF(y);
-    q3py_insides_clear(ins);
+    Py_CLEAR(ins->made);
     return r;
 }
-
-void q3py_insides_clear(q3_insides *ins) { Py_CLEAR(ins->made); }
 
 PyObject *q3py_half_outputs(q3py_call *c, q3py_layer_object *self, int64_t tokens, q3_attention_half_out *o) {
     q3_tensor_spec spec[4];
