@@ -1,6 +1,7 @@
 /* The views a layer is handed, checked before anything is made or written: a call's (x and
- * out= of prefill and decode, its arguments from its views (q3_call_prepare), the sizes of the insides asked for, the expert half's rows;
- * q3_layer_check_call then checks the call itself), and at creation how each weight is taken
+ * out= of prefill and decode, the sizes of the insides asked for, the expert half's rows;
+ * q3_call_prepare: a call's arguments from its views, then q3_layer_check_call's checks of the
+ * call itself), and at creation how each weight is taken
  * (borrowed, uploaded or converted). Each error names the argument, what was expected and what
  * came. */
 #include <stdio.h>
@@ -62,7 +63,8 @@ q3_status q3_call_prepare(const q3_layer *layer, const q3_cache *c, const q3_vie
     static const char *const names[2] = {"token_mask", "positions"};
     for (int i = 0; s == Q3_OK && i < 3; i++)
         if (token[i])
-            s = i == 2 ? q3_call_check_tree_input(token[i], x, err) : q3_call_check_token_input(token[i], x, names[i], err);
+            s = i == 2 ? q3_call_check_tree_input(token[i], x, err)
+                       : q3_call_check_token_input(token[i], x, names[i], err);
     a->token_mask = token[0] ? token[0]->data : NULL;
     a->positions = token[1] ? token[1]->data : NULL;
     a->tree = token[2] ? token[2]->data : NULL;

@@ -36,7 +36,7 @@ typedef struct {
     q3_module_state *st;
     q3py_cache_object *co;
     q3_view x;
-    q3_view token[3]; /* token_mask, positions and tree (data NULL: not given) */
+    q3_view token[3]; /* token_mask, positions and tree (left empty: not given) */
     int32_t seqs[64];
     q3_forward_args a;
     PyThreadState *saved; /* this thread's state while the GIL is released (the interrupt poll's) */

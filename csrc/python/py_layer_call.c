@@ -1,8 +1,8 @@
 /* Layer calls, by mode: the parsing and the engine's checks every call shares (q3py_call_*,
  * for the attention passes too: py_pass_run.c), then prefill, decode and attention_half (call),
- * their arguments parsed in one place (parse_call), and new_cache, decode_graph, profiling; the method table. Every check happens before the
- * engine runs, and the engine checks again before its first write, so a rejected call
- * changes nothing. */
+ * their arguments parsed in one place (parse_call), and new_cache, decode_graph, profiling;
+ * the method table. Every check happens before the engine runs, and the engine checks again
+ * before its first write, so a rejected call changes nothing. */
 #include "py_cache.h"
 #include "py_layer.h"
 
@@ -43,26 +43,27 @@ void q3py_call_close(q3py_call *c) {
  * output is made: a call that cannot run allocates nothing. -1 with an exception, c released. */
 int q3py_call_open(q3py_call *c, q3py_layer_object *self, const q3py_call_args *p, int half) {
     static const char *const names[3] = {"token_mask", "positions", "tree"};
+    const int allow[3] = {Q3_VIEW_HOST | Q3_VIEW_BOOL, Q3_VIEW_HOST | Q3_VIEW_I64, Q3_VIEW_HOST | Q3_VIEW_BOOL};
     memset(c, 0, sizeof *c);
     int seq;
     const q3_view *tok[3] = {NULL, NULL, NULL};
     q3_error err;
     if (!(c->st = q3_state_of_type(Py_TYPE(self))) || !(c->co = as_cache(p->cache, c->st)) ||
-        q3py_chunk(p->chunk, &c->a.chunk) < 0 || q3py_stream_on(p->stream, self->device, "a cpu layer", &c->a.stream) < 0 ||
+        q3py_chunk(p->chunk, &c->a.chunk) < 0 ||
+        q3py_stream_on(p->stream, self->device, "a cpu layer", &c->a.stream) < 0 ||
         (p->seq != Py_None && q3py_seq(p->seq, q3_cache_batch(c->co->cache), &seq) < 0) ||
         q3_view_acquire_on(p->x, "x", &c->x, self->device, 0, c->a.stream) < 0)
         return -1;
     int failed = 0;
     for (int i = 0; i < 3; i++) {
         tok[i] = p->tok[i] == Py_None ? NULL : &c->token[i];
-        failed = failed || (tok[i] && q3_view_acquire_on(p->tok[i], names[i], &c->token[i], -1,
-                                                         Q3_VIEW_HOST | (i == 1 ? Q3_VIEW_I64 : Q3_VIEW_BOOL), NULL) < 0);
+        failed = failed || (tok[i] && q3_view_acquire_on(p->tok[i], names[i], &c->token[i], -1, allow[i], NULL) < 0);
     }
     c->a.interrupted = interrupted;
     c->a.interrupt_ctx = c;
     if (!failed && q3py_cache_check_idle(c->co) == 0 &&
         q3_call_prepare(self->layer, c->co->cache, &c->x, p->decode, p->seq != Py_None ? &seq : NULL, tok, half,
-                        c->seqs, 64, &c->a, &err) == Q3_OK)
+                        c->seqs, (int)(sizeof c->seqs / sizeof *c->seqs), &c->a, &err) == Q3_OK)
         return 0;
     if (!PyErr_Occurred()) q3_raise(c->st, &err); /* the engine's (a full cache: CacheFullError) */
     q3py_call_close(c);
@@ -153,7 +154,9 @@ static PyObject *parse_call(q3py_layer_object *self, PyObject *args, PyObject *k
 }
 
 #define CALL_METHOD(name, mode) \
-    static PyObject *name(q3py_layer_object *self, PyObject *args, PyObject *kw) { return parse_call(self, args, kw, mode); }
+    static PyObject *name(q3py_layer_object *self, PyObject *args, PyObject *kw) { \
+        return parse_call(self, args, kw, mode); \
+    }
 CALL_METHOD(layer_prefill, 0)
 CALL_METHOD(layer_decode, 1)
 CALL_METHOD(layer_attention_half, 2)
