@@ -1,6 +1,7 @@
 /* The views a layer is handed, checked before anything is made or written: a call's (x and
  * out= of prefill and decode, the sizes of the insides asked for, the expert half's rows;
- * q3_layer_check_call then checks the call itself), and at creation how each weight is taken
+ * q3_call_prepare: a call's arguments from its views, then q3_layer_check_call's checks of the
+ * call itself), and at creation how each weight is taken
  * (borrowed, uploaded or converted). Each error names the argument, what was expected and what
  * came. */
 #include <stdio.h>
@@ -38,6 +39,43 @@ q3_status q3_call_check_x(const q3_config *cfg, const q3_cache *c, const q3_view
     if (x->shape[x->ndim - 1] != H) return shape_error("x", want, x, err);
     *tokens = x->shape[x->ndim - 2]; /* 0: refused by q3_layer_check_call */
     return Q3_OK;
+}
+
+q3_status q3_call_prepare(const q3_layer *layer, const q3_cache *c, const q3_view *x, int decode, const int *seq,
+                          const q3_view *const token[3], int half, int32_t *seqs, int cap, q3_forward_args *a,
+                          q3_error *err) {
+    q3_status s = q3_call_check_x(q3_layer_config(layer), c, x, decode, &a->n_seqs, &a->tokens, err);
+    if (s != Q3_OK) return s;
+    a->x = x->data;
+    a->io_dtype = x->dtype;
+    a->seqs = seqs;
+    if (!decode && x->ndim == 2) {
+        seqs[0] = seq ? *seq : 0; /* its range: q3_layer_check_call's */
+    } else if (seq) {
+        return q3_fail(err, Q3_ERR_VALUE, "seq: expected None when x is [batch, tokens, hidden] (x covers every "
+                       "sequence)");
+    } else {
+        int32_t *list = a->n_seqs > cap ? q3_alloc((size_t)a->n_seqs * sizeof *list) : seqs;
+        if (!list) return q3_fail(err, Q3_ERR_NOMEM, "out of memory for the call's %d sequences", a->n_seqs);
+        for (int i = 0; i < a->n_seqs; i++) list[i] = i;
+        a->seqs = list;
+    }
+    static const char *const names[2] = {"token_mask", "positions"};
+    for (int i = 0; s == Q3_OK && i < 3; i++)
+        if (token[i])
+            s = i == 2 ? q3_call_check_tree_input(token[i], x, err)
+                       : q3_call_check_token_input(token[i], x, names[i], err);
+    a->token_mask = token[0] ? token[0]->data : NULL;
+    a->positions = token[1] ? token[1]->data : NULL;
+    a->tree = token[2] ? token[2]->data : NULL;
+    if (s == Q3_OK) s = half ? q3_layer_check_attention_half(layer, c, a, err) : q3_layer_check_call(layer, c, a, err);
+    if (s != Q3_OK) q3_call_release(a, seqs);
+    return s;
+}
+
+void q3_call_release(q3_forward_args *a, const int32_t *seqs) {
+    if (a->seqs != seqs) q3_free((void *)a->seqs);
+    a->seqs = NULL;
 }
 
 q3_status q3_call_check_out(const q3_view *o, const q3_view *x, q3_error *err) {

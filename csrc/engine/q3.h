@@ -816,6 +816,19 @@ q3_status q3_view_from_managed(q3_view *v, void *managed, int versioned, const c
  * ([batch, hidden]), contiguous: the sequences it covers and the tokens of each. */
 q3_status q3_call_check_x(const q3_config *cfg, const q3_cache *c, const q3_view *x, int decode, int *n_seqs,
                           int64_t *tokens, q3_error *err);
+/* A layer call's arguments from its views, checked before anything is made or written (issue 40:
+ * the glue only converts): x (q3_call_check_x) gives a's x, io_dtype, n_seqs and tokens; the
+ * sequences a->seqs: prefill's x [tokens, hidden] is sequence *seq (NULL: 0), any other x covers
+ * 0 .. n_seqs - 1 (seq given: Q3_ERR_VALUE); the per-token inputs token[3] (token_mask,
+ * positions, tree as imported for them, NULL: not given; q3_call_check_token_input,
+ * q3_call_check_tree_input) into a; then the call itself (q3_layer_check_attention_half when
+ * half, else q3_layer_check_call). a's other fields (chunk, stream, the poll, the outputs) are
+ * the caller's. a->seqs points into seqs [cap] when the sequences fit, else at memory of its
+ * own, which q3_call_release frees (a failure has released it already). */
+q3_status q3_call_prepare(const q3_layer *layer, const q3_cache *c, const q3_view *x, int decode, const int *seq,
+                          const q3_view *const token[3], int half, int32_t *seqs, int cap, q3_forward_args *a,
+                          q3_error *err);
+void q3_call_release(q3_forward_args *a, const int32_t *seqs);
 /* out= of such a call: x's dtype (Q3_ERR_TYPE) and shape, contiguous and writable, and x itself
  * or apart from it (each pass reads its rows of x before it writes them) */
 q3_status q3_call_check_out(const q3_view *o, const q3_view *x, q3_error *err);

@@ -116,7 +116,7 @@ static PyObject *get_held_experts(q3py_layer_object *self, void *c) {
     return out;
 }
 
-PyGetSetDef q3py_layer_getset[] = {
+static PyGetSetDef layer_getset[] = {
     {"held_experts", (getter)get_held_experts, NULL, "the ids of the experts the layer holds, ascending", NULL},
     {"dtype", (getter)get_dtype, NULL, "dtype of the activations, the norms and the router (and of the "
      "projection matrices in the dense format)", NULL},
@@ -135,7 +135,7 @@ static PyType_Slot layer_slots[] = {
     {Py_tp_new, layer_new},
     {Py_tp_dealloc, layer_dealloc},
     {Py_tp_methods, q3py_layer_methods},
-    {Py_tp_getset, q3py_layer_getset},
+    {Py_tp_getset, layer_getset},
     {Py_tp_doc, "Layer(config, weights, dtype=None, device=-1, weight_format=None, experts=None, *, "
                 "experts_only=False, gptq_group=0, gptq_v2=False, gptq_dense_attention=False)\n--\n\nEngine layer; use "
                 "qwen3layer.DecoderLayer."},

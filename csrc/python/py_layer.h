@@ -1,5 +1,5 @@
-/* The layer object shared by py_layer.c (construction), py_layer_call.c (calls) and
- * py_layer_halves.c (the halves, the insides), py_pass_run.c (a call pass by pass). */
+/* The layer object shared by py_layer.c (construction), py_layer_call.c (calls),
+ * py_layer_halves.c (the halves' outputs, the insides) and py_pass_run.c (a call pass by pass). */
 #ifndef Q3_PY_LAYER_H
 #define Q3_PY_LAYER_H
 
@@ -21,74 +21,57 @@ typedef struct {
     PyObject *made;
 } q3_insides;
 
-/* New tensors of spec [n] on `device` (-1: the host) as a tuple, None for a spec of ndim 0, their
- * data in data [n] (NULL for None); NULL with an exception */
-PyObject *q3py_tensors_made(q3_module_state *st, const q3_tensor_spec *spec, int n, int device, void **data);
-/* return_router, return_attention (truth values) and attention_limit (None or bytes >= 0;
- * only with return_attention; None: Q3_ATTENTION_LIMIT_DEFAULT); -1 with an exception */
-int q3py_insides_parse(q3_insides *ins, PyObject *router, PyObject *attention, PyObject *limit);
-/* Makes the requested outputs on `device` for the call `a` (already checked by the engine)
- * on x, and points a's fields at them. Attention maps over the limit raise ValueError with
- * the shape and the bytes. -1 with an exception (the caller clears). */
-int q3py_insides_make(q3_insides *ins, q3_module_state *st, const q3_layer *layer, const q3_cache *c,
-                      const q3_view *x, int device, q3_forward_args *a);
-/* y alone when nothing was asked; else (y, router_logits, router_experts, router_weights,
- * attention), None for what was not asked. Steals y; NULL passes through. */
-PyObject *q3py_insides_result(q3_insides *ins, PyObject *y);
-void q3py_insides_clear(q3_insides *ins);
-
-/* The engine's interrupt poll between passes: takes the GIL briefly and runs the signal
- * handlers (Ctrl-C); an exception they raise stays set for the caller. */
+/* A layer call's arguments as given (None: not given; py_layer_call.c's parse_call) and the
+ * insides asked */
 typedef struct {
-    PyThreadState *saved; /* this thread's state while the GIL is released */
-} q3py_interrupt_poll;
+    PyObject *x, *cache, *seq, *chunk, *out, *stream;
+    PyObject *tok[3]; /* token_mask, positions, tree */
+    int decode;
+    q3_insides ins;
+} q3py_call_args;
 
-/* A layer call being made: its cache, x's view, the sequences (no heap allocation for batches
- * up to 64) and the engine's arguments */
+/* A layer call being made: its cache, x's view, the per-token inputs' views, the sequences (no
+ * heap allocation for batches up to 64) and the engine's arguments */
 typedef struct {
     q3_module_state *st;
     q3py_cache_object *co;
     q3_view x;
-    q3_view token[3]; /* token_mask, positions and tree (data NULL: not given) */
+    q3_view token[3]; /* token_mask, positions and tree (left empty: not given) */
     int32_t seqs[64];
     q3_forward_args a;
-    q3py_interrupt_poll poll;
+    PyThreadState *saved; /* this thread's state while the GIL is released (the interrupt poll's) */
 } q3py_call;
 
-/* A call's parsing (cache, chunk_size, stream, x against the cache, seq) into c and the
- * engine's checks of it (half: the attention half's), before any output is made: a call that
- * cannot run allocates nothing; -1 with an exception, c released. The engine's forward (half
- * NULL) or attention half of it, without the GIL and under the layer's lock, the cache busy
- * meanwhile; -1 with an exception. The release of c's view and sequences. (py_layer_call.c) */
-/* The per-token inputs of a call, as keyword arguments (None: not given) */
-typedef struct {
-    PyObject *token_mask, *positions, *tree;
-} q3py_token_args;
-#define Q3PY_NO_TOKEN_ARGS ((q3py_token_args){Py_None, Py_None, Py_None})
-int q3py_call_open(q3py_call *c, q3py_layer_object *self, PyObject *x_obj, PyObject *cache_obj, int decode,
-                   PyObject *seq_obj, PyObject *chunk_obj, PyObject *stream_obj, int half, q3py_token_args tok);
-int q3py_call_run(q3py_call *c, q3py_layer_object *self, const q3_attention_half_out *half);
+/* Makes the requested insides on the layer's device for opened call c, and points c->a's fields
+ * at them. Attention maps over the limit raise ValueError with the shape and the bytes. -1 with
+ * an exception (ins->made cleared by the caller). */
+int q3py_insides_make(q3_insides *ins, q3py_call *c, const q3py_layer_object *self);
+/* y alone when nothing was asked; else (y, router_logits, router_experts, router_weights,
+ * attention), None for what was not asked; ins cleared. Steals y; NULL passes through. */
+PyObject *q3py_insides_result(q3_insides *ins, PyObject *y);
+
+/* A call's parsing and the engine's checks of it (half: the attention half's), before any output
+ * is made: a call that cannot run allocates nothing; -1 with an exception, c released. The
+ * engine's forward (half NULL), attention half, or its next pass (cur), without the GIL and
+ * under the layer's lock, the cache busy meanwhile; -1 with an exception. The release of c's
+ * views and sequences. (py_layer_call.c) */
+int q3py_call_open(q3py_call *c, q3py_layer_object *self, const q3py_call_args *p, int half);
+int q3py_call_run(q3py_call *c, q3py_layer_object *self, const q3_attention_half_out *half, q3_pass_cursor *cur);
 void q3py_call_close(q3py_call *c);
 
 /* `...` run without the GIL under the layer's lock: its settings change only while no call runs */
 #define Q3PY_LAYER_LOCKED(self, ...) \
     Q3PY_NOGIL(PyThread_acquire_lock((self)->lock, WAIT_LOCK); __VA_ARGS__; PyThread_release_lock((self)->lock))
 
-/* layer.attention_half and layer.expert_half (py_layer_halves.c); layer.attention_passes, the
- * attention half a pass at a time (py_pass_run.c) */
 /* the attention half's four outputs (q3_attention_half_specs) of opened call c, a pass of
  * `tokens` tokens a sequence, on the layer's device: the tuple (resid, normed, experts,
- * weights), *o pointed at them; NULL with an exception */
+ * weights), *o pointed at them; NULL with an exception (py_layer_halves.c) */
 PyObject *q3py_half_outputs(q3py_call *c, q3py_layer_object *self, int64_t tokens, q3_attention_half_out *o);
-PyObject *q3py_layer_attention_half(q3py_layer_object *self, PyObject *x_obj, PyObject *cache_obj, int decode,
-                                    PyObject *seq_obj, PyObject *chunk_obj, PyObject *stream_obj, q3_insides *ins,
-                                    q3py_token_args tok);
-PyObject *q3py_layer_attention_passes(q3py_layer_object *self, PyObject *x_obj, PyObject *cache_obj, int decode,
-                                      PyObject *seq_obj, PyObject *chunk_obj, PyObject *stream_obj, q3_insides *ins,
-                                      q3py_token_args tok);
+/* layer.attention_passes, the attention half a pass at a time (py_pass_run.c); layer.expert_half
+ * (py_layer_halves.c) */
+PyObject *q3py_layer_attention_passes(q3py_layer_object *self, q3py_call_args *p);
 PyObject *q3py_layer_expert_half(q3py_layer_object *self, PyObject *args, PyObject *kw);
 
 extern PyMethodDef q3py_layer_methods[];
-extern PyGetSetDef q3py_layer_getset[];
 
 #endif

@@ -1,8 +1,8 @@
 /* Layer calls, by mode: the parsing and the engine's checks every call shares (q3py_call_*,
- * for the attention half too: py_layer_halves.c), then prefill and decode (forward), and
- * new_cache, decode_graph, profiling; the method table. Every check happens before the
- * engine runs, and the engine checks again before its first write, so a rejected call
- * changes nothing. */
+ * for the attention passes too: py_pass_run.c), then prefill, decode and attention_half (call),
+ * their arguments parsed in one place (parse_call), and new_cache, decode_graph, profiling;
+ * the method table. Every check happens before the engine runs, and the engine checks again
+ * before its first write, so a rejected call changes nothing. */
 #include "py_cache.h"
 #include "py_layer.h"
 
@@ -13,8 +13,10 @@ static q3py_cache_object *as_cache(PyObject *obj, q3_module_state *st) {
     return NULL;
 }
 
+/* The engine's interrupt poll between passes: takes the GIL briefly and runs the signal
+ * handlers (Ctrl-C); an exception they raise stays set for the caller. */
 static int interrupted(void *ctx) {
-    q3py_interrupt_poll *p = ctx;
+    q3py_call *p = ctx;
     PyEval_RestoreThread(p->saved);
     const int stop = PyErr_CheckSignals() < 0;
     p->saved = PyEval_SaveThread();
@@ -31,104 +33,57 @@ static void add_note(const char *note) {
 }
 
 void q3py_call_close(q3py_call *c) {
-    if (c->a.seqs && c->a.seqs != c->seqs) PyMem_Free((void *)c->a.seqs);
+    q3_call_release(&c->a, c->seqs);
     q3_view_release(&c->x);
     for (int i = 0; i < 3; i++) q3_view_release(&c->token[i]);
 }
 
-/* token_mask, positions and tree (None: not given) into c->a: host tensors of x's rows (the
- * tree of x's rows by its tokens) */
-static int call_token_inputs(q3py_call *c, q3py_token_args tok) {
+/* Parses a call (cache, chunk_size, stream, seq, x, the per-token inputs: host tensors) into c
+ * and runs the engine's checks of it (q3_call_prepare; half: the attention half's), before any
+ * output is made: a call that cannot run allocates nothing. -1 with an exception, c released. */
+int q3py_call_open(q3py_call *c, q3py_layer_object *self, const q3py_call_args *p, int half) {
     static const char *const names[3] = {"token_mask", "positions", "tree"};
-    PyObject *const objs[3] = {tok.token_mask, tok.positions, tok.tree};
-    for (int i = 0; i < 3; i++) {
-        if (objs[i] == Py_None) continue;
-        q3_error err;
-        if (q3_view_acquire_on(objs[i], names[i], &c->token[i], -1, Q3_VIEW_HOST | (i == 1 ? Q3_VIEW_I64 : Q3_VIEW_BOOL),
-                               NULL) < 0 ||
-            q3py_status(i == 2 ? q3_call_check_tree_input(&c->token[i], &c->x, &err)
-                               : q3_call_check_token_input(&c->token[i], &c->x, names[i], &err), &err) < 0)
-            return -1;
-    }
-    c->a.token_mask = c->token[0].data;
-    c->a.positions = c->token[1].data;
-    c->a.tree = c->token[2].data;
-    return 0;
-}
-
-/* the call's sequences: seq (x [tokens, hidden]: one, None the first) or every one of the
- * cache's batch; -1 with an exception */
-static int call_seqs(q3py_call *c, int decode, PyObject *seq_obj) {
-    const int n = c->a.n_seqs;
-    c->a.seqs = c->seqs;
-    if (!decode && c->x.ndim == 2) {
-        int s = 0;
-        if (seq_obj != Py_None && q3py_seq(seq_obj, q3_cache_batch(c->co->cache), &s) < 0) return -1;
-        c->seqs[0] = s;
-        return 0;
-    }
-    if (!decode && seq_obj != Py_None) {
-        PyErr_SetString(PyExc_ValueError, "seq: expected None when x is [batch, tokens, hidden] (x covers every sequence)");
-        return -1;
-    }
-    int32_t *list = n > (int)(sizeof c->seqs / sizeof c->seqs[0]) ? PyMem_Malloc((size_t)n * sizeof *list) : c->seqs;
-    if (!list) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    for (int i = 0; i < n; i++) list[i] = i;
-    c->a.seqs = list;
-    return 0;
-}
-
-/* Parses a call (cache, chunk_size, stream, x against the cache, seq) into c and runs the
- * engine's checks of it (half: the attention half's), before any output is made: a call that
- * cannot run allocates nothing. -1 with an exception, c released. */
-int q3py_call_open(q3py_call *c, q3py_layer_object *self, PyObject *x_obj, PyObject *cache_obj, int decode,
-                     PyObject *seq_obj, PyObject *chunk_obj, PyObject *stream_obj, int half, q3py_token_args tok) {
+    const int allow[3] = {Q3_VIEW_HOST | Q3_VIEW_BOOL, Q3_VIEW_HOST | Q3_VIEW_I64, Q3_VIEW_HOST | Q3_VIEW_BOOL};
     memset(c, 0, sizeof *c);
-    int64_t chunk;
-    void *stream;
-    if (!(c->st = q3_state_of_type(Py_TYPE(self))) || !(c->co = as_cache(cache_obj, c->st)) ||
-        q3py_chunk(chunk_obj, &chunk) < 0 || q3py_stream_on(stream_obj, self->device, "a cpu layer", &stream) < 0 ||
-        q3_view_acquire_on(x_obj, "x", &c->x, self->device, 0, stream) < 0)
-        return -1;
-    c->a = (q3_forward_args){.x = c->x.data, .io_dtype = c->x.dtype, .chunk = chunk, .stream = stream,
-                             .interrupted = interrupted, .interrupt_ctx = &c->poll};
+    int seq;
+    const q3_view *tok[3] = {NULL, NULL, NULL};
     q3_error err;
-    if (q3py_status(q3_call_check_x(q3_layer_config(self->layer), c->co->cache, &c->x, decode, &c->a.n_seqs,
-                                    &c->a.tokens, &err), &err) < 0 ||
-        call_seqs(c, decode, seq_obj) < 0 || call_token_inputs(c, tok) < 0) {
-        q3py_call_close(c);
+    if (!(c->st = q3_state_of_type(Py_TYPE(self))) || !(c->co = as_cache(p->cache, c->st)) ||
+        q3py_chunk(p->chunk, &c->a.chunk) < 0 ||
+        q3py_stream_on(p->stream, self->device, "a cpu layer", &c->a.stream) < 0 ||
+        (p->seq != Py_None && q3py_seq(p->seq, q3_cache_batch(c->co->cache), &seq) < 0) ||
+        q3_view_acquire_on(p->x, "x", &c->x, self->device, 0, c->a.stream) < 0)
         return -1;
+    int failed = 0;
+    for (int i = 0; i < 3; i++) {
+        tok[i] = p->tok[i] == Py_None ? NULL : &c->token[i];
+        failed = failed || (tok[i] && q3_view_acquire_on(p->tok[i], names[i], &c->token[i], -1, allow[i], NULL) < 0);
     }
-    if (q3py_cache_check_idle(c->co) < 0) {
-        q3py_call_close(c);
-        return -1;
-    }
-    const q3_status s = half ? q3_layer_check_attention_half(self->layer, c->co->cache, &c->a, &err)
-                             : q3_layer_check_call(self->layer, c->co->cache, &c->a, &err);
-    if (s != Q3_OK) {
-        q3_raise(c->st, &err);
-        q3py_call_close(c);
-        return -1;
-    }
-    return 0;
+    c->a.interrupted = interrupted;
+    c->a.interrupt_ctx = c;
+    if (!failed && q3py_cache_check_idle(c->co) == 0 &&
+        q3_call_prepare(self->layer, c->co->cache, &c->x, p->decode, p->seq != Py_None ? &seq : NULL, tok, half,
+                        c->seqs, (int)(sizeof c->seqs / sizeof *c->seqs), &c->a, &err) == Q3_OK)
+        return 0;
+    if (!PyErr_Occurred()) q3_raise(c->st, &err); /* the engine's (a full cache: CacheFullError) */
+    q3py_call_close(c);
+    return -1;
 }
 
-/* The engine's forward (half NULL) or attention half of the opened call, without the GIL and
- * under the layer's lock, the cache busy meanwhile; -1 with an exception (an interrupt's
- * exception, from the signal handler, gets a note of what the engine did) */
-int q3py_call_run(q3py_call *c, q3py_layer_object *self, const q3_attention_half_out *half) {
+/* The engine's forward (half NULL), attention half, or next pass of it (cur) of the opened call,
+ * without the GIL and under the layer's lock, the cache busy meanwhile; -1 with an exception (an
+ * interrupt's exception, from the signal handler, gets a note of what the engine did) */
+int q3py_call_run(q3py_call *c, q3py_layer_object *self, const q3_attention_half_out *half, q3_pass_cursor *cur) {
     q3_error err;
     q3_status s;
     c->co->busy = 1;
-    c->poll.saved = PyEval_SaveThread();
+    c->saved = PyEval_SaveThread();
     PyThread_acquire_lock(self->lock, WAIT_LOCK);
-    s = half ? q3_layer_attention_half(self->layer, c->co->cache, &c->a, half, &err)
-             : q3_layer_forward(self->layer, c->co->cache, &c->a, &err);
+    s = cur ? q3_layer_attention_pass(self->layer, c->co->cache, &c->a, cur, half, &err)
+        : half ? q3_layer_attention_half(self->layer, c->co->cache, &c->a, half, &err)
+               : q3_layer_forward(self->layer, c->co->cache, &c->a, &err);
     PyThread_release_lock(self->lock);
-    PyEval_RestoreThread(c->poll.saved);
+    PyEval_RestoreThread(c->saved);
     c->co->busy = 0;
     if (s == Q3_OK) return 0;
     if (s == Q3_ERR_INTERRUPTED && PyErr_Occurred()) add_note(err.msg);
@@ -136,93 +91,76 @@ int q3py_call_run(q3py_call *c, q3py_layer_object *self, const q3_attention_half
     return -1;
 }
 
-/* prefill and decode: y (out=, or a new tensor of x's shape and dtype), with the insides asked */
-static PyObject *forward(q3py_layer_object *self, PyObject *x_obj, PyObject *cache_obj, int decode,
-                         PyObject *seq_obj, PyObject *chunk_obj, PyObject *out_obj, PyObject *stream_obj,
-                         q3_insides *ins, q3py_token_args tok) {
+/* prefill, decode (half 0: y, out= or a new tensor of x's shape and dtype) and attention_half (half
+ * 1: q3py_half_outputs' tuple), the insides asked after it */
+static PyObject *call(q3py_layer_object *self, q3py_call_args *p, int half) {
     q3py_call c;
-    if (q3py_call_open(&c, self, x_obj, cache_obj, decode, seq_obj, chunk_obj, stream_obj, 0, tok) < 0) return NULL;
+    if (q3py_call_open(&c, self, p, half) < 0) return NULL;
     PyObject *y = NULL;
     q3_view out = {0};
-    const int made = q3py_insides_make(ins, c.st, self->layer, c.co->cache, &c.x, self->device, &c.a) == 0;
-    if (made && out_obj != Py_None) {
-        q3_error err;
-        if (q3_view_acquire_on(out_obj, "out", &out, self->device, 0, c.a.stream) == 0 &&
+    q3_attention_half_out h;
+    q3_error err;
+    const int made = q3py_insides_make(&p->ins, &c, self) == 0;
+    if (made && half) {
+        y = q3py_half_outputs(&c, self, c.a.tokens, &h);
+    } else if (made && p->out != Py_None) {
+        if (q3_view_acquire_on(p->out, "out", &out, self->device, 0, c.a.stream) == 0 &&
             q3py_status(q3_call_check_out(&out, &c.x, &err), &err) == 0) {
-            y = Py_NewRef(out_obj);
+            y = Py_NewRef(p->out);
             c.a.y = out.data;
         }
     } else if (made && (y = (PyObject *)q3py_tensor_new_on(c.st, c.x.dtype, c.x.ndim, c.x.shape, self->device))) {
         c.a.y = ((q3py_tensor_object *)y)->data;
     }
-    if (y && q3py_call_run(&c, self, NULL) < 0) Py_CLEAR(y);
+    if (y && q3py_call_run(&c, self, half ? &h : NULL, NULL) < 0) Py_CLEAR(y);
     q3_view_release(&out);
     q3py_call_close(&c);
-    y = q3py_insides_result(ins, y);
-    q3py_insides_clear(ins);
-    return y;
+    return q3py_insides_result(&p->ins, y);
 }
 
-static PyObject *layer_prefill(q3py_layer_object *self, PyObject *args, PyObject *kw) {
-    static char *names[] = {"x", "cache", "seq", "chunk_size", "out", "stream", "return_router", "return_attention",
-                            "attention_limit", "token_mask", "positions", "tree", NULL};
-    PyObject *x, *cache, *seq = Py_None, *chunk = Py_None, *out = Py_None, *stream = Py_None;
-    PyObject *router = Py_False, *attention = Py_False, *limit = Py_None;
-    q3py_token_args tok = Q3PY_NO_TOKEN_ARGS;
-    q3_insides ins;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|OO$OOOOOOOO:prefill", names, &x, &cache, &seq, &chunk, &out,
-                                     &stream, &router, &attention, &limit, &tok.token_mask, &tok.positions,
-                                     &tok.tree) ||
-        q3py_insides_parse(&ins, router, attention, limit) < 0)
+/* prefill (mode 0), decode (1), attention_half (2), attention_passes (3): the arguments into a
+ * q3py_call_args (keyword-only ones in one order, decode's less seq and chunk_size), then the
+ * call */
+static PyObject *parse_call(q3py_layer_object *self, PyObject *args, PyObject *kw, int mode) {
+    static char *names[4][13] = {
+        {"x", "cache", "seq", "chunk_size", "out", "stream", "return_router", "return_attention", "attention_limit",
+         "token_mask", "positions", "tree", NULL},
+        {"x", "cache", "out", "stream", "return_router", "return_attention", "attention_limit", "token_mask",
+         "positions", NULL},
+        {"x", "cache", "seq", "chunk_size", "decode", "stream", "return_router", "return_attention",
+         "attention_limit", "token_mask", "positions", "tree", NULL},
+        {"x", "cache", "seq", "chunk_size", "decode", "stream", "return_router", "return_attention",
+         "attention_limit", "token_mask", "positions", "tree", NULL}};
+    static const char *const formats[4] = {"OO|OO$OOOOOOOO:prefill", "OO|$OOOOOOO:decode",
+                                           "OO|OO$OOOOOOOO:attention_half", "OO|OO$OOOOOOOO:attention_passes"};
+    q3py_call_args p = {.seq = Py_None, .chunk = Py_None, .out = Py_None, .stream = Py_None,
+                        .tok = {Py_None, Py_None, Py_None}};
+    PyObject *decode = Py_False, *router = Py_False, *attention = Py_False, *limit = Py_None;
+    PyObject **o[12] = {&p.seq, &p.chunk, mode >= 2 ? &decode : &p.out, &p.stream, &router, &attention, &limit,
+                        &p.tok[0], &p.tok[1], &p.tok[2]};
+    PyObject ***r = o + (mode == 1 ? 2 : 0); /* decode: from out on */
+    if (!PyArg_ParseTupleAndKeywords(args, kw, formats[mode], names[mode], &p.x, &p.cache, r[0], r[1], r[2], r[3],
+                                     r[4], r[5], r[6], r[7], r[8], r[9]) ||
+        (p.decode = mode == 1 ? 1 : PyObject_IsTrue(decode)) < 0 || (p.ins.router = PyObject_IsTrue(router)) < 0 ||
+        (p.ins.attention = PyObject_IsTrue(attention)) < 0)
         return NULL;
-    return forward(self, x, cache, 0, seq, chunk, out, stream, &ins, tok);
+    if (limit != Py_None && !p.ins.attention)
+        return PyErr_Format(PyExc_ValueError, "attention_limit: only with return_attention=True");
+    if (q3py_attention_limit(limit, Q3_ATTENTION_LIMIT_DEFAULT, &p.ins.limit) < 0) return NULL;
+    if (mode >= 2 && p.decode && (p.seq != Py_None || p.chunk != Py_None || p.tok[2] != Py_None))
+        return PyErr_Format(PyExc_ValueError, "%s: decode=True takes no seq, chunk_size or tree (x [batch, hidden] is "
+                            "one token of every sequence)", strchr(formats[mode], ':') + 1);
+    return mode == 3 ? q3py_layer_attention_passes(self, &p) : call(self, &p, mode == 2);
 }
 
-static PyObject *layer_decode(q3py_layer_object *self, PyObject *args, PyObject *kw) {
-    static char *names[] = {"x", "cache", "out", "stream", "return_router", "return_attention", "attention_limit",
-                            "token_mask", "positions", NULL};
-    PyObject *x, *cache, *out = Py_None, *stream = Py_None;
-    PyObject *router = Py_False, *attention = Py_False, *limit = Py_None;
-    q3py_token_args tok = Q3PY_NO_TOKEN_ARGS;
-    q3_insides ins;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|$OOOOOOO:decode", names, &x, &cache, &out, &stream, &router,
-                                     &attention, &limit, &tok.token_mask, &tok.positions) ||
-        q3py_insides_parse(&ins, router, attention, limit) < 0)
-        return NULL;
-    return forward(self, x, cache, 1, Py_None, Py_None, out, stream, &ins, tok);
-}
-
-/* attention_half and attention_passes: their arguments, then the whole call or its passes */
-static PyObject *attention_call(q3py_layer_object *self, PyObject *args, PyObject *kw, int by_pass) {
-    static char *names[] = {"x", "cache", "seq", "chunk_size", "decode", "return_router", "return_attention",
-                            "attention_limit", "stream", "token_mask", "positions", "tree", NULL};
-    PyObject *x, *cache, *seq = Py_None, *chunk = Py_None, *stream = Py_None;
-    PyObject *router = Py_False, *attention = Py_False, *limit = Py_None;
-    q3py_token_args tok = Q3PY_NO_TOKEN_ARGS;
-    int decode = 0;
-    q3_insides ins;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, by_pass ? "OO|OO$pOOOOOOO:attention_passes"
-                                                       : "OO|OO$pOOOOOOO:attention_half",
-                                     names, &x, &cache, &seq, &chunk, &decode, &router, &attention, &limit, &stream,
-                                     &tok.token_mask, &tok.positions, &tok.tree) ||
-        q3py_insides_parse(&ins, router, attention, limit) < 0)
-        return NULL;
-    if (decode && (seq != Py_None || chunk != Py_None || tok.tree != Py_None)) {
-        PyErr_Format(PyExc_ValueError, "%s: decode=True takes no seq, chunk_size or tree (x [batch, hidden] is one "
-                     "token of every sequence)", by_pass ? "attention_passes" : "attention_half");
-        return NULL;
+#define CALL_METHOD(name, mode) \
+    static PyObject *name(q3py_layer_object *self, PyObject *args, PyObject *kw) { \
+        return parse_call(self, args, kw, mode); \
     }
-    return by_pass ? q3py_layer_attention_passes(self, x, cache, decode, seq, chunk, stream, &ins, tok)
-                   : q3py_layer_attention_half(self, x, cache, decode, seq, chunk, stream, &ins, tok);
-}
-
-static PyObject *layer_attention_half(q3py_layer_object *self, PyObject *args, PyObject *kw) {
-    return attention_call(self, args, kw, 0);
-}
-
-static PyObject *layer_attention_passes(q3py_layer_object *self, PyObject *args, PyObject *kw) {
-    return attention_call(self, args, kw, 1);
-}
+CALL_METHOD(layer_prefill, 0)
+CALL_METHOD(layer_decode, 1)
+CALL_METHOD(layer_attention_half, 2)
+CALL_METHOD(layer_attention_passes, 3)
 
 static PyObject *layer_new_cache(q3py_layer_object *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"max_tokens", "batch", "dtype", NULL};

@@ -1,6 +1,6 @@
 /* The layer's two halves, for a caller that moves rows between them
- * (qwen3layer.placement.hybrid, qwen3layer.placement.parallel): layer.attention_half, a layer
- * call (py_layer_call.c's) stopped after the router, and layer.expert_half
+ * (qwen3layer.placement.hybrid, qwen3layer.placement.parallel): layer.attention_half's outputs,
+ * for a layer call (py_layer_call.c's) stopped after the router, and layer.expert_half
  * (q3_layer_expert_half) on rows handed in: tensors on the layer's device (a CUDA layer's on
  * its device; one elsewhere is refused, never copied).
  * Every argument is checked before the engine runs; a rejected call writes nothing.
@@ -11,7 +11,9 @@
  * handed back. */
 #include "py_layer.h"
 
-PyObject *q3py_tensors_made(q3_module_state *st, const q3_tensor_spec *spec, int n, int device, void **data) {
+/* New tensors of spec [n] on `device` (-1: the host) as a tuple, None for a spec of ndim 0, their
+ * data in data [n] (NULL for None); NULL with an exception */
+static PyObject *tensors_made(q3_module_state *st, const q3_tensor_spec *spec, int n, int device, void **data) {
     PyObject *t = PyTuple_New(n);
     for (int i = 0; t && i < n; i++) {
         q3py_tensor_object *o = spec[i].ndim ? q3py_tensor_new_on(st, spec[i].dtype, spec[i].ndim, spec[i].shape, device)
@@ -23,65 +25,35 @@ PyObject *q3py_tensors_made(q3_module_state *st, const q3_tensor_spec *spec, int
     return t;
 }
 
-int q3py_insides_parse(q3_insides *ins, PyObject *router, PyObject *attention, PyObject *limit) {
-    *ins = (q3_insides){0};
-    if ((ins->router = PyObject_IsTrue(router)) < 0 || (ins->attention = PyObject_IsTrue(attention)) < 0) return -1;
-    if (limit != Py_None && !ins->attention) {
-        PyErr_SetString(PyExc_ValueError, "attention_limit: only with return_attention=True");
-        return -1;
-    }
-    return q3py_attention_limit(limit, Q3_ATTENTION_LIMIT_DEFAULT, &ins->limit);
-}
-
-int q3py_insides_make(q3_insides *ins, q3_module_state *st, const q3_layer *layer, const q3_cache *c,
-                      const q3_view *x, int device, q3_forward_args *a) {
+int q3py_insides_make(q3_insides *ins, q3py_call *c, const q3py_layer_object *self) {
     q3_tensor_spec spec[4];
     void *data[4];
     q3_error err;
     if (!ins->router && !ins->attention) return 0;
-    if (q3py_status(q3_call_insides_specs(q3_layer_config(layer), c, x, a, ins->router, ins->attention, ins->limit,
-                                          spec, &err), &err) < 0 ||
-        !(ins->made = q3py_tensors_made(st, spec, 4, device, data)))
+    if (q3py_status(q3_call_insides_specs(q3_layer_config(self->layer), c->co->cache, &c->x, &c->a, ins->router,
+                                          ins->attention, ins->limit, spec, &err), &err) < 0 ||
+        !(ins->made = tensors_made(c->st, spec, 4, self->device, data)))
         return -1;
-    q3_call_insides_bind(a, data, spec);
+    q3_call_insides_bind(&c->a, data, spec);
     return 0;
 }
 
 PyObject *q3py_insides_result(q3_insides *ins, PyObject *y) {
-    if (!y || !ins->made) return y;
-    PyObject *r = PyTuple_New(5);
-    for (int i = 0; r && i < 5; i++) /* each SET_ITEM takes the reference given */
+    PyObject *r = y && ins->made ? PyTuple_New(5) : y;
+    for (int i = 0; r != y && r && i < 5; i++) /* each SET_ITEM takes the reference given */
         PyTuple_SET_ITEM(r, i, i ? Py_NewRef(PyTuple_GET_ITEM(ins->made, i - 1)) : y);
-    if (!r) Py_DECREF(y);
+    if (!r) Py_XDECREF(y);
+    Py_CLEAR(ins->made);
     return r;
 }
-
-void q3py_insides_clear(q3_insides *ins) { Py_CLEAR(ins->made); }
 
 PyObject *q3py_half_outputs(q3py_call *c, q3py_layer_object *self, int64_t tokens, q3_attention_half_out *o) {
     q3_tensor_spec spec[4];
     void *data[4];
     q3_attention_half_specs(q3_layer_config(self->layer), &c->x, &c->a, tokens, spec);
-    PyObject *t = q3py_tensors_made(c->st, spec, 4, self->device, data);
+    PyObject *t = tensors_made(c->st, spec, 4, self->device, data);
     if (t) *o = q3_attention_half_outputs(data, c->x.dtype);
     return t;
-}
-
-/* attention_half: (resid, normed, experts, weights), in the insides' tuple when asked for */
-PyObject *q3py_layer_attention_half(q3py_layer_object *self, PyObject *x_obj, PyObject *cache_obj, int decode,
-                                    PyObject *seq_obj, PyObject *chunk_obj, PyObject *stream_obj, q3_insides *ins,
-                                    q3py_token_args tok) {
-    q3py_call c;
-    if (q3py_call_open(&c, self, x_obj, cache_obj, decode, seq_obj, chunk_obj, stream_obj, 1, tok) < 0) return NULL;
-    q3_attention_half_out half;
-    PyObject *result = q3py_half_outputs(&c, self, c.a.tokens, &half);
-    if (result && (q3py_insides_make(ins, c.st, self->layer, c.co->cache, &c.x, self->device, &c.a) < 0 ||
-                   q3py_call_run(&c, self, &half) < 0))
-        Py_CLEAR(result);
-    q3py_call_close(&c);
-    result = q3py_insides_result(ins, result);
-    q3py_insides_clear(ins);
-    return result;
 }
 
 PyObject *q3py_layer_expert_half(q3py_layer_object *self, PyObject *args, PyObject *kw) {

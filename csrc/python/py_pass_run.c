@@ -5,7 +5,6 @@
  * iterator of each pass's (resid, normed, experts, weights); close() ends the call and returns its
  * insides, abort() (or leaving a `with` block open, or dropping the object open) rolls the
  * cache back to where the call began, in the engine. The cache takes no other call meanwhile. */
-#include "py_cache.h"
 #include "py_layer.h"
 
 typedef struct {
@@ -26,25 +25,22 @@ static void end(q3py_passes_object *self) {
         self->held = self->call.co->passes_open = 0;
         q3py_call_close(&self->call);
     }
-    q3py_insides_clear(&self->ins);
+    Py_CLEAR(self->ins.made);
 }
 
-PyObject *q3py_layer_attention_passes(q3py_layer_object *layer, PyObject *x_obj, PyObject *cache_obj, int decode,
-                                      PyObject *seq_obj, PyObject *chunk_obj, PyObject *stream_obj, q3_insides *ins,
-                                      q3py_token_args tok) {
+PyObject *q3py_layer_attention_passes(q3py_layer_object *layer, q3py_call_args *p) {
     q3_module_state *st = q3_state_of_type(Py_TYPE(layer));
     q3py_passes_object *self = st ? (q3py_passes_object *)st->passes_type->tp_alloc(st->passes_type, 0) : NULL;
     if (!self) return NULL; /* zeroed: nothing held, the cursor closed */
     self->layer = (q3py_layer_object *)Py_NewRef((PyObject *)layer);
-    self->ins = *ins; /* its outputs are made below, after the checks */
+    self->ins = p->ins; /* its outputs are made below, after the checks */
     /* the call's parsing and the engine's checks of the whole call (the attention half's) */
-    if (q3py_call_open(&self->call, layer, x_obj, cache_obj, decode, seq_obj, chunk_obj, stream_obj, 1, tok) == 0) {
-        self->cache_obj = Py_NewRef(cache_obj);
+    if (q3py_call_open(&self->call, layer, p, 1) == 0) {
+        self->cache_obj = Py_NewRef(p->cache);
         self->call.a.interrupted = NULL; /* the caller's loop runs between the passes: Ctrl-C lands there */
         self->held = self->call.co->passes_open = 1;
         q3_error err;
-        if (q3py_insides_make(&self->ins, st, layer->layer, self->call.co->cache, &self->call.x, layer->device,
-                              &self->call.a) == 0 &&
+        if (q3py_insides_make(&self->ins, &self->call, layer) == 0 &&
             q3_layer_attention_passes_begin(layer->layer, self->call.co->cache, &self->call.a, &self->cur, &err) == Q3_OK)
             return (PyObject *)self;
         if (!PyErr_Occurred()) q3_raise(st, &err);
@@ -68,17 +64,10 @@ static PyObject *passes_next(q3py_passes_object *self) {
     const int64_t tokens = q3_pass_cursor_tokens(&c->a, &self->cur); /* 0: every pass has run, or not open */
     q3_attention_half_out half;
     PyObject *result = tokens ? q3py_half_outputs(c, self->layer, tokens, &half) : NULL; /* NULL alone: StopIteration */
-    if (!result) return NULL;
-    q3_error err;
-    q3_status s;
-    c->co->busy = 1;
-    Q3PY_LAYER_LOCKED(self->layer, s = q3_layer_attention_pass(self->layer->layer, c->co->cache, &c->a, &self->cur,
-                                                               &half, &err));
-    c->co->busy = 0;
-    if (s == Q3_OK) return result;
+    if (!result || q3py_call_run(c, self->layer, &half, &self->cur) == 0) return result;
     Py_DECREF(result);
     end(self); /* the engine rolled the call back */
-    return q3_raise(c->st, &err);
+    return NULL;
 }
 
 /* ends the call (the engine's check that every pass has run) and returns its insides */
