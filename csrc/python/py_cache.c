@@ -1,9 +1,9 @@
-/* qwen3layer KVCache: the Python face of the engine's q3_cache (layout in cache.h).
- * Made by DecoderLayer.new_cache; its memory is allocated at creation and again only by
- * grow(). keys() and values() are zero-copy views of the blocks in use; each holds a reference
- * to those blocks (below), so a view taken before a growth still reads the blocks it was taken of. Its operations (reset, truncate, grow, reorder, ...) and the method
- * table are in py_cache_ops.c. Every check is the engine's: this file converts. */
-#include "py_cache.h"
+/* qwen3layer KVCache: the Python face of the engine's q3_cache (layout in cache.h), made by
+ * DecoderLayer.new_cache; memory allocated at creation and again only by grow(). keys() and
+ * values() are zero-copy views of the blocks in use, each holding a reference to them (below):
+ * a view taken before a growth still reads the blocks it was taken of. The operations (reset,
+ * truncate, grow, reorder, ...) and the method table: py_cache_ops.c. Checks: the engine's. */
+#include "py_glue.h"
 
 q3py_cache_object *q3py_cache_wrap(q3_module_state *st, q3_cache *c) {
     q3py_cache_object *o = (q3py_cache_object *)st->cache_type->tp_alloc(st->cache_type, 0); /* zeroed */

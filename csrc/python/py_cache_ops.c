@@ -8,7 +8,7 @@
  * as torch's `current_stream().cuda_stream`), after the caller's layer calls on it; None or 0
  * (no stream named, or the legacy default one): the device is synchronized before and after
  * them, so they are ordered against every stream. */
-#include "py_cache.h"
+#include "py_glue.h"
 
 /* What an argument fills: N r.n (a count, a length, a position), SEQ r.seq (not given: 0),
  * SEQ_OR_EVERY r.seq (not given or None: every sequence), SRC r.src_seq, INDEX r.index [r.n]
@@ -43,13 +43,13 @@ static int fill(q3py_cache_object *o, const cache_op_row *row, int i, PyObject *
     const char *too_big = r->op == Q3_CACHE_GROW ? "expected at most 2^40 (the positions RoPE takes)" : NULL;
     switch (row->kinds[i]) {
     case N: return q3py_int64(v, name, 0, too_big, &r->n) < 0 ? -1 : 0;
-    case SEQ: return v && q3py_int64(v, name, 0, NULL, &r->seq) < 0 ? -1 : 0;
+    case SEQ: case SRC: /* (not given: 0) */
+        return v && q3py_int64(v, name, 0, NULL, row->kinds[i] == SEQ ? &r->seq : &r->src_seq) < 0 ? -1 : 0;
     case SEQ_OR_EVERY: {
         const int given = v ? q3py_int64(v, name, Q3PY_NONE_OK, NULL, &r->seq) : 0;
         r->every_seq = given == 0;
         return given < 0 ? -1 : 0;
     }
-    case SRC: return q3py_int64(v, name, 0, NULL, &r->src_seq) < 0 ? -1 : 0;
     case INDEX: return (r->index = q3py_index_list(v, name, &r->n)) ? 0 : -1;
     case STREAM: return q3py_stream_on(v ? v : Py_None, q3_cache_device(o->cache), "a cache on the cpu", &r->stream);
     default: return 0;

@@ -112,7 +112,8 @@ static inline PyObject *q3py_device_name(int device) {
     return device < 0 ? PyUnicode_FromString("cpu") : PyUnicode_FromFormat("cuda:%d", device);
 }
 
-/* ---- KVCache (py_cache.c) --------------------------------------------------------- */
+/* ---- KVCache (py_cache.c: the object, its views and attributes; py_cache_ops.c: its
+ * operations) ----------------------------------------------------------------------- */
 
 typedef struct {
     PyObject_HEAD
@@ -124,6 +125,19 @@ typedef struct {
 extern PyType_Spec q3py_cache_spec;
 q3py_cache_object *q3py_cache_object_new(q3_module_state *st, int batch, int64_t capacity,
                                      int kv_heads, int head_dim, q3_dtype dt, int device);
+/* the KVCache of engine cache c, taken over (destroyed now when the object cannot be made) */
+q3py_cache_object *q3py_cache_wrap(q3_module_state *st, q3_cache *c);
+/* 0, or -1 with RuntimeError while a layer call runs on the cache, or one run pass by pass
+ * (py_pass_run.c) is open on it */
+int q3py_cache_check_idle(q3py_cache_object *o);
+/* Engine call r on o's cache (q3_cache_call; its checks are the engine's): refused while the
+ * cache is not idle; else made with the cache busy and the GIL released. 0, or -1 with the
+ * engine's error raised. */
+int q3py_cache_run(q3py_cache_object *o, q3_cache_call_args *r);
+/* keys(seq=0), values(seq=0): one sequence's view; all_keys(tokens=None), all_values(tokens=None):
+ * every sequence's (py_cache.c); the methods with their docstrings (py_cache_ops.c) */
+PyObject *q3py_cache_view(q3py_cache_object *o, PyObject *args, PyObject *kw, int values, int all);
+extern PyMethodDef q3py_cache_methods[];
 
 /* ---- Layer (py_layer.c) ------------------------------------------------------------ */
 
@@ -145,25 +159,16 @@ int q3py_weight_format(PyObject *obj, void *out);
  * a PyMem_Malloc'd [E] mask of the ids held; -1 with an exception naming the entry */
 int q3py_held_experts(PyObject *obj, int E, uint8_t **held);
 
-/* ---- CUDA functions (py_cuda.c); random weights and inputs, FP8 and GPTQ dequantization
- * (py_random.c) ------------------------------------------------------------------------ */
+/* ---- the module's functions by file: py_cuda.c (CUDA), py_random.c (random weights and
+ * inputs, the weight table, FP8 and GPTQ dequantization), py_routing.c (tokens per expert),
+ * py_held.c (the drop-in's per-call test of the weights it borrowed) ------------------------ */
 
-extern PyMethodDef q3_cuda_methods[];
-extern PyMethodDef q3_random_methods[];
-
-/* ---- routing summary: tokens per expert (py_routing.c) -------------------------------- */
-
-extern PyMethodDef q3_routing_methods[];
-
-/* ---- the drop-in's per-call test of the weights it borrowed (py_held.c) --------------- */
-
-extern PyMethodDef q3_held_methods[];
+extern PyMethodDef q3_cuda_methods[], q3_random_methods[], q3_routing_methods[], q3_held_methods[];
 int q3py_held_init(q3_module_state *st);
 
 /* ---- DecodeGraph (py_graph.c), AttentionPasses (py_pass_run.c) ---------------------------- */
 
-extern PyType_Spec q3py_graph_spec;
-extern PyType_Spec q3py_passes_spec;
+extern PyType_Spec q3py_graph_spec, q3py_passes_spec;
 /* captures one decode step of sequences 0 .. batch - 1 of the cache (layer_obj kept alive); the
  * engine checks batch and the layer's device */
 PyObject *q3py_graph_new(q3_module_state *st, PyObject *layer_obj, q3_layer *layer, q3py_cache_object *cache,

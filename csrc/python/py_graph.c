@@ -1,6 +1,5 @@
 /* DecodeGraph: a captured decode step (csrc/cuda/decode_graph.c) as a Python object. It keeps its
  * layer and cache alive; its input and output are device tensors exported through DLPack. */
-#include "py_cache.h"
 #include "py_layer.h"
 
 typedef struct {

@@ -3,7 +3,6 @@
  * their arguments parsed in one place (parse_call), and new_cache, decode_graph, profiling;
  * the method table. Every check happens before the engine runs, and the engine checks again
  * before its first write, so a rejected call changes nothing. */
-#include "py_cache.h"
 #include "py_layer.h"
 
 static q3py_cache_object *as_cache(PyObject *obj, q3_module_state *st) {
