@@ -89,7 +89,7 @@ def run(layer: Any, hidden_states: torch.Tensor, attention_mask: Any, position_i
       _check_weights: HeldWeights.held, its own test, last before the C layer (inline);
     - the entry (check_entry, seen_tokens, _continued): of a class cache.TIED holds (the
       one attach made for a kept class), initialized, tied to a C cache; a DynamicLayer's
-      keys as wide as the tokens held;
+      keys as wide as the tokens held (views not yet made: the width they will have);
     - check_room and make_room: room in the C cache as it is (a StaticLayer's
       max_cache_len its capacity, as publish checks; a DynamicLayer's C cache within
       _token_limit), so that nothing grows;
@@ -126,8 +126,12 @@ def run(layer: Any, hidden_states: torch.Tensor, attention_mask: Any, position_i
         return None
     past, new = r.lengths[0], r.shape[1]
     capacity = kv.capacity
+    if not static:  # a DynamicLayer's keys' width; views left to be made (cache._LazyView) tell it unmade
+        d = entry.__dict__
+        lazy = d.get("_q3_lazy") if d.get("keys") is _cache._LAZY else None
+        width = entry.keys.shape[-2] if lazy is None else lazy[1] if lazy[0] is kv else -1
     if past + new > capacity or (entry.max_cache_len != capacity if static else
-                                 entry.keys.shape[-2] != past or past + new > layer._token_limit()):
+                                 width != past or past + new > layer._token_limit()):
         return None
     held = layer.__dict__["_held"]  # (None: a layer made without an original, nothing borrowed)
     if held is not None and not held.held():
