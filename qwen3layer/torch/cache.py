@@ -303,13 +303,16 @@ def republish(model_cache: Any, layer_idx: int, entry: Any, kv: Any, tokens: int
     growths: while they and the owner stand, the keys' address is the one registered (the C
     cache's memory moves only when it grows), and nothing is looked up."""
     if static:
-        width = entry.max_cache_len
-        taken = entry.__dict__.get("_q3_taken")
-        if taken is None or taken.kv is not kv or taken.width != width or entry.keys is not taken.keys or \
-                entry.values is not taken.values:
+        d = entry.__dict__  # (a StaticLayer's keys and values are plain attributes)
+        width, taken = entry.max_cache_len, d.get("_q3_taken")
+        if taken is None or taken.kv is not kv or taken.width != width or d.get("keys") is not taken.keys or \
+                d.get("values") is not taken.values:
             _set_views(entry, kv, width, again=True)
-        counter = getattr(entry, "cumulative_length", None)
-        if isinstance(counter, torch.Tensor):
+        counter, held = getattr(entry, "cumulative_length", None), d.get("_q3_counter")
+        if held is not None and held.counter is counter and counter.data_ptr() == held.address and \
+                counter.dtype is torch.int64:  # _count's own test, inline
+            held.cell.value += new_tokens
+        elif isinstance(counter, torch.Tensor):
             _count(entry, counter, new_tokens)
     else:  # the views made when first read (_LazyView: a tied DynamicLayer's class reads them so)
         d = entry.__dict__
