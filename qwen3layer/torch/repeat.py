@@ -15,6 +15,7 @@ import torch
 from . import cache as _cache
 from . import masks as _masks
 from . import record as _rec
+from .held import _HANDLES, _still_held
 from ..devices import stream_of
 from ..layer import DecoderLayer as _CoreLayer
 
@@ -90,7 +91,8 @@ def run(layer: Any, hidden_states: torch.Tensor, attention_mask: Any, position_i
     - the insides asked for: the same output_* objects, which asked for none (calls that
       ask are not repeated); the hidden-states recorder is fed as _run feeds it;
     - check_inference: eval mode with gradients off (nothing to refuse or warn of);
-      _check_weights: HeldWeights.held, its own test, last before the C layer (inline);
+      _check_weights: HeldWeights.held, its own test, last before the C layer (inline: a
+      change to held() is made here too);
     - the entry (check_entry, seen_tokens, _continued): of a class cache.TIED holds (the
       one attach made for a kept class), initialized, tied to a C cache; a DynamicLayer's
       keys as wide as the tokens held (views not yet made: the width they will have);
@@ -127,21 +129,22 @@ def run(layer: Any, hidden_states: torch.Tensor, attention_mask: Any, position_i
     except (AttributeError, KeyError, IndexError, TypeError):  # no model cache, no entry yet
         return None
     static = _cache.TIED.get(type(entry))
-    kv = getattr(entry, "_q3_cache", None)
-    if static is None or kv is None or getattr(entry, "is_initialized", False) is not True or \
+    d = entry.__dict__  # (what attach and transformers set on the entry; a class's default declines)
+    kv = d.get("_q3_cache")
+    if static is None or kv is None or d.get("is_initialized") is not True or \
             kv.lengths != r.lengths or kv.padding != r.padding or kv.first_positions != r.first:
         return None
     past, new = r.lengths[0], r.shape[1]
     capacity = kv.capacity
     if not static:  # a DynamicLayer's keys' width; views left to be made (cache._LazyView) tell it unmade
-        d = entry.__dict__
         lazy = d.get("_q3_lazy") if d.get("keys") is _cache._LAZY else None
         width = entry.keys.shape[-2] if lazy is None else lazy[1] if lazy[0] is kv else -1
     if past + new > capacity or (entry.max_cache_len != capacity if static else
                                  width != past or past + new > layer._token_limit()):
         return None
     held = layer.__dict__["_held"]  # (None: a layer made without an original, nothing borrowed)
-    if held is not None and not held.held():
+    if held is not None and not (_still_held(held.watch) and (getattr(_HANDLES, "next_id", -2) == held.hooks_read or
+                                                                held._hooks_clean())):  # held.held(), inline
         return None
     x, ext = hidden_states.contiguous(), core._core  # not detached: it has no gradient (checked)
     if ext.device < 0 and x.is_cpu:  # plain_prefill's host case, inline (host_tensor: the output, zero-copy)
