@@ -296,7 +296,7 @@ class DecoderLayer(torch.nn.Module):
             layers = getattr(model_cache, "layers", [])
             entry = layers[self.layer_idx] if self.layer_idx < len(layers) else None
             if entry is not None and getattr(entry, "is_initialized", False):
-                keys = entry.keys
+                keys = _cache.compiled_keys(entry)
         return _op.decoder_layer(hidden_states, attention_mask, position_ids, kwargs.get("cu_seq_lens_q"),
                                  kwargs.get("cache_position"), keys, self._handle, model_cache is not None)
 

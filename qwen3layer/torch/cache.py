@@ -282,10 +282,11 @@ def publish(model_cache: Any, layer_idx: int, kv: Any, new_tokens: int) -> None:
     else:
         _set_views(entry, kv, kv.lengths[0], again=False)
     attach(entry, kv)
-    owner = getattr(entry, "_q3_owner", None)
-    if owner is None or owner[0]() is not model_cache or owner[1] != layer_idx:
-        entry._q3_owner = (weakref.ref(model_cache), layer_idx)
-    op.register_cache(entry.keys, model_cache, layer_idx)  # a compiled call finds the model cache by it
+    keys = entry.keys
+    op.register_cache(keys, model_cache, layer_idx)  # a compiled call finds the model cache by it
+    # the owner, with the C cache and growths whose keys the registry now names, and those keys
+    # (republish's test; compiled_keys)
+    entry._q3_owner = (weakref.ref(model_cache), layer_idx) + ((kv, kv.growths, keys) if keys.numel() else ())
 
 
 def republish(model_cache: Any, layer_idx: int, entry: Any, kv: Any, tokens: int, new_tokens: int,
@@ -321,17 +322,28 @@ def republish(model_cache: Any, layer_idx: int, entry: Any, kv: Any, tokens: int
     # the owner and the registry: as publish leaves them, unless the owner says that this model
     # cache and layer registered this C cache's keys since it last grew (their address)
     owner = entry.__dict__.get("_q3_owner")
-    if owner is None or len(owner) != 4 or owner[2] is not kv or owner[3] != kv.growths or \
+    if owner is None or len(owner) != 5 or owner[2] is not kv or owner[3] != kv.growths or \
             owner[0]() is not model_cache or owner[1] != layer_idx:
-        entry._q3_owner = (weakref.ref(model_cache), layer_idx, kv, kv.growths)
-        op.register_cache(entry.keys, model_cache, layer_idx)  # a compiled call finds the model cache by it
+        keys = entry.keys
+        op.register_cache(keys, model_cache, layer_idx)  # a compiled call finds the model cache by it
+        entry._q3_owner = (weakref.ref(model_cache), layer_idx, kv, kv.growths, keys)
+
+
+def compiled_keys(entry: Any) -> Any:
+    """the entry's keys as a traced call hands them to the custom op (op.decoder_layer, which
+    finds the model cache by their address): a tied DynamicLayer's views not made yet
+    (_LazyView, whose making calls the extension, which Dynamo cannot trace) are stood in for
+    by the keys the owner registered, views of the same C cache's memory (until it grows,
+    when _repoint makes the views)"""
+    keys = entry.__dict__.get("keys")
+    return entry.__dict__["_q3_owner"][4] if keys is _LAZY else entry.keys
 
 
 def _repoint(entry: Any) -> None:
     """the entry's views taken anew after an operation on its C cache"""
     kv = entry._q3_cache
     _set_views(entry, kv, entry.max_cache_len if is_static(entry) else kv.lengths[0], again=True)
-    owner = getattr(entry, "_q3_owner", None)  # (weakref of the model cache, layer_idx[, kv, growths])
+    owner = getattr(entry, "_q3_owner", None)  # (weakref of the model cache, layer_idx[, kv, growths, keys])
     model_cache, layer_idx = (owner[0](), owner[1]) if owner is not None else (None, 0)
     if model_cache is not None:  # a new C cache (select, repeat_interleave) at a new address
         op.register_cache(entry.keys, model_cache, layer_idx)
