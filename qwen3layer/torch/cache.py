@@ -257,6 +257,17 @@ class _Counter:
         return _Counter, ()
 
 
+class _Owner(tuple):
+    """an entry's (weakref of the model cache, layer_idx[, kv, kv.growths, keys]): the model
+    cache and layer it belongs to, and where republish may skip the registry, the C cache, its
+    growths and the keys registered. A copy of the entry (copy.deepcopy of the model cache) gets
+    none: its C cache is a copy, which its next call registers."""
+    __slots__ = ()
+
+    def __deepcopy__(self, memo: Any) -> None:
+        return None
+
+
 def publish(model_cache: Any, layer_idx: int, kv: Any, new_tokens: int) -> None:
     """after a call that appended new_tokens to the C cache kv: the entry's keys and values
     become views of it (the entry is made first where the model cache has none yet)"""
@@ -286,7 +297,8 @@ def publish(model_cache: Any, layer_idx: int, kv: Any, new_tokens: int) -> None:
     op.register_cache(keys, model_cache, layer_idx)  # a compiled call finds the model cache by it
     # the owner, with the C cache and growths whose keys the registry now names, and those keys
     # (republish's test; compiled_keys)
-    entry._q3_owner = (weakref.ref(model_cache), layer_idx) + ((kv, kv.growths, keys) if keys.numel() else ())
+    held = (kv, kv.growths, keys) if keys.numel() else ()
+    entry._q3_owner = _Owner((weakref.ref(model_cache), layer_idx) + held)
 
 
 def republish(model_cache: Any, layer_idx: int, entry: Any, kv: Any, tokens: int, new_tokens: int,
@@ -326,7 +338,7 @@ def republish(model_cache: Any, layer_idx: int, entry: Any, kv: Any, tokens: int
             owner[0]() is not model_cache or owner[1] != layer_idx:
         keys = entry.keys
         op.register_cache(keys, model_cache, layer_idx)  # a compiled call finds the model cache by it
-        entry._q3_owner = (weakref.ref(model_cache), layer_idx, kv, kv.growths, keys)
+        entry._q3_owner = _Owner((weakref.ref(model_cache), layer_idx, kv, kv.growths, keys))
 
 
 def compiled_keys(entry: Any) -> Any:
@@ -335,8 +347,9 @@ def compiled_keys(entry: Any) -> Any:
     (_LazyView, whose making calls the extension, which Dynamo cannot trace) are stood in for
     by the keys the owner registered, views of the same C cache's memory (until it grows,
     when _repoint makes the views)"""
-    keys = entry.__dict__.get("keys")
-    return entry.__dict__["_q3_owner"][4] if keys is _LAZY else entry.keys
+    d = entry.__dict__
+    owner = d.get("_q3_owner")
+    return owner[4] if d.get("keys") is _LAZY and owner is not None and len(owner) == 5 else entry.keys
 
 
 def _repoint(entry: Any) -> None:
