@@ -71,6 +71,7 @@ class _ModelCall:
         self.repeat: Optional[_fast.Repeat] = None  # the plan a layer of the call continued its C cache with
 
 
+_is_compiling = torch.compiler.is_compiling  # (one look-up less a call; Dynamo knows the function)
 _CALL = threading.local()  # .now: the _ModelCall of this thread's model call in progress (set by _guard)
 
 
@@ -259,22 +260,26 @@ class DecoderLayer(torch.nn.Module):
                 position_embeddings: Any = None, cache: Any = None, **kwargs: Any) -> torch.Tensor:
         # transformers' attention appends to the cache it is given, whatever use_cache says
         model_cache = cache if cache is not None else past_key_values
-        if cache_position is not None:  # where transformers would write the keys: checked with the plan
-            kwargs = dict(kwargs, cache_position=cache_position)
-        if torch.compiler.is_compiling():
+        if _is_compiling():
+            if cache_position is not None:
+                kwargs = dict(kwargs, cache_position=cache_position)
             return self._traced(hidden_states, attention_mask, position_ids, model_cache, kwargs)
         now = getattr(_CALL, "now", None)
         if now is not None and now.repeat is not None and type(position_embeddings) is tuple and \
                 position_embeddings and now.cos is not None and now.cos() is position_embeddings[0] and \
-                now.config is self.__dict__["config"]:
+                now.config is self.__dict__["config"] and "cache_position" not in kwargs:
             # a later layer of a model call whose planning layer left a plan (_model_call's test,
             # inline): the fast path straight away, and the full path only where it declines
-            y = self._repeat(hidden_states, attention_mask, position_ids, model_cache, kwargs, now)
+            y = self._repeat(hidden_states, attention_mask, position_ids, model_cache, kwargs, now, cache_position)
             if y is not None:
                 return y
-            return self.call(hidden_states, attention_mask, position_ids, model_cache, kwargs, position_embeddings,
-                             repeated=True)
-        return self.call(hidden_states, attention_mask, position_ids, model_cache, kwargs, position_embeddings)
+            repeated = True
+        else:
+            repeated = False
+        if cache_position is not None:  # where transformers would write the keys: checked with the plan
+            kwargs = dict(kwargs, cache_position=cache_position)
+        return self.call(hidden_states, attention_mask, position_ids, model_cache, kwargs, position_embeddings,
+                         repeated=repeated)
 
     def _traced(self, hidden_states: torch.Tensor, attention_mask: Any, position_ids: Any, model_cache: Any,
                 kwargs: Dict[str, Any]) -> torch.Tensor:
@@ -291,7 +296,7 @@ class DecoderLayer(torch.nn.Module):
             layers = getattr(model_cache, "layers", [])
             entry = layers[self.layer_idx] if self.layer_idx < len(layers) else None
             if entry is not None and getattr(entry, "is_initialized", False):
-                keys = entry.keys
+                keys = _cache.compiled_keys(entry)
         return _op.decoder_layer(hidden_states, attention_mask, position_ids, kwargs.get("cu_seq_lens_q"),
                                  kwargs.get("cache_position"), keys, self._handle, model_cache is not None)
 

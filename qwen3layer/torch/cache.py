@@ -15,6 +15,10 @@ crop (assisted and prompt-lookup decoding), batch_repeat_interleave, batch_selec
 reset; the views are then taken anew, so none of them copies K and V in torch. copy.deepcopy
 of the model cache copies the C cache with it (KVCache.__deepcopy__). What cannot be mirrored
 (offloading, quantized or sliding-window layers) raises NotImplementedError naming it.
+
+A decode step's later layers leave a DynamicLayer's views to be made when first read (_Lazy):
+importing a view into torch costs ~1 us, two a layer a step, and nothing reads them while the
+model runs but layer 0's width (get_seq_length, which the tied class answers without them).
 """
 from __future__ import annotations
 
@@ -130,6 +134,55 @@ def host_tensor(t: Any) -> torch.Tensor:
     return _FROM_CAPSULE(t.__dlpack__())
 
 
+class _Lazy:
+    """_LAZY, the value a tied DynamicLayer's keys or values hold in its __dict__ until first read
+    (republish leaves it, with the C cache and width in `_q3_lazy`); it copies and pickles as
+    itself"""
+    __slots__ = ()
+
+    def __reduce__(self) -> str:
+        return "_LAZY"
+
+
+_LAZY = _Lazy()
+
+
+class _LazyView:
+    """a tied DynamicLayer's keys or values (a data descriptor of its mirroring class: every read
+    and write of entry.keys passes here): what the entry's __dict__ holds, where that is _LAZY
+    the view of `_q3_lazy`'s C cache and width, made now and kept. Made when read, the view
+    holds the C cache's K or V as a view made at republish would: the C cache's memory moves
+    only when it grows, and growing copies what it held; an operation that changes what the
+    entry holds (crop, reorder, select, reset) sets keys and values anew."""
+    __slots__ = ("name", "values")
+
+    def __init__(self, name: str) -> None:
+        self.name, self.values = name, name == "values"
+
+    def __get__(self, entry: Any, owner: Any = None) -> Any:
+        if entry is None:
+            return self
+        d = entry.__dict__
+        try:
+            t = d[self.name]
+        except KeyError:
+            raise AttributeError(f"'{type(entry).__name__}' object has no attribute '{self.name}'") from None
+        if t is _LAZY:
+            kv, tokens = d["_q3_lazy"]
+            view = kv.all_values(tokens) if self.values else kv.all_keys(tokens)
+            t = d[self.name] = host_tensor(view) if kv.device == "cpu" else torch.from_dlpack(view)
+        return t
+
+    def __set__(self, entry: Any, value: Any) -> None:
+        entry.__dict__[self.name] = value
+
+    def __delete__(self, entry: Any) -> None:
+        try:
+            del entry.__dict__[self.name]
+        except KeyError:
+            raise AttributeError(self.name) from None
+
+
 def _views(kv: Any, tokens: int) -> tuple:
     if kv.device == "cpu":
         return host_tensor(kv.all_keys(tokens)), host_tensor(kv.all_values(tokens))
@@ -204,6 +257,17 @@ class _Counter:
         return _Counter, ()
 
 
+class _Owner(tuple):
+    """an entry's (weakref of the model cache, layer_idx[, kv, kv.growths, keys]): the model
+    cache and layer it belongs to, and where republish may skip the registry, the C cache, its
+    growths and the keys registered. A copy of the entry (copy.deepcopy of the model cache) gets
+    none: its C cache is a copy, which its next call registers."""
+    __slots__ = ()
+
+    def __deepcopy__(self, memo: Any) -> None:
+        return None
+
+
 def publish(model_cache: Any, layer_idx: int, kv: Any, new_tokens: int) -> None:
     """after a call that appended new_tokens to the C cache kv: the entry's keys and values
     become views of it (the entry is made first where the model cache has none yet)"""
@@ -229,10 +293,12 @@ def publish(model_cache: Any, layer_idx: int, kv: Any, new_tokens: int) -> None:
     else:
         _set_views(entry, kv, kv.lengths[0], again=False)
     attach(entry, kv)
-    owner = getattr(entry, "_q3_owner", None)
-    if owner is None or owner[0]() is not model_cache or owner[1] != layer_idx:
-        entry._q3_owner = (weakref.ref(model_cache), layer_idx)
-    op.register_cache(entry.keys, model_cache, layer_idx)  # a compiled call finds the model cache by it
+    keys = entry.keys
+    op.register_cache(keys, model_cache, layer_idx)  # a compiled call finds the model cache by it
+    # the owner, with the C cache and growths whose keys the registry now names, and those keys
+    # (republish's test; compiled_keys)
+    held = (kv, kv.growths, keys) if keys.numel() else ()
+    entry._q3_owner = _Owner((weakref.ref(model_cache), layer_idx) + held)
 
 
 def republish(model_cache: Any, layer_idx: int, entry: Any, kv: Any, tokens: int, new_tokens: int,
@@ -245,36 +311,53 @@ def republish(model_cache: Any, layer_idx: int, entry: Any, kv: Any, tokens: int
     qwen3layer.torch.DecoderLayer). What publish calls is inline here: _set_views' test
     for a StaticLayer's views kept (its class is known), _views and host_tensor for a host
     cache, and op.register_cache's test for a cache the registry names already (the keys
-    are never empty: tokens > 0, or a StaticLayer's max_cache_len)."""
+    are never empty: tokens > 0, or a StaticLayer's max_cache_len). A DynamicLayer's views are
+    left to be made when read (_LazyView). The owner it sets carries the C cache and its
+    growths: while they and the owner stand, the keys' address is the one registered (the C
+    cache's memory moves only when it grows), and nothing is looked up."""
     if static:
-        width = entry.max_cache_len
-        taken = entry.__dict__.get("_q3_taken")
-        if taken is None or taken.kv is not kv or taken.width != width or entry.keys is not taken.keys or \
-                entry.values is not taken.values:
+        d = entry.__dict__  # (a StaticLayer's keys and values are plain attributes)
+        width, taken = entry.max_cache_len, d.get("_q3_taken")
+        if taken is None or taken.kv is not kv or taken.width != width or d.get("keys") is not taken.keys or \
+                d.get("values") is not taken.values:
             _set_views(entry, kv, width, again=True)
-        counter = getattr(entry, "cumulative_length", None)
-        if isinstance(counter, torch.Tensor):
+        counter, held = getattr(entry, "cumulative_length", None), d.get("_q3_counter")
+        if held is not None and held.counter is counter and counter.data_ptr() == held.address and \
+                counter.dtype is torch.int64:  # _count's own test, inline
+            held.cell.value += new_tokens
+        elif isinstance(counter, torch.Tensor):
             _count(entry, counter, new_tokens)
-    elif kv.device == "cpu":  # host_tensor, inline
-        entry.keys = _FROM_CAPSULE(kv.all_keys(tokens).__dlpack__())
-        entry.values = _FROM_CAPSULE(kv.all_values(tokens).__dlpack__())
-    else:
-        entry.keys, entry.values = _views(kv, tokens)
+    else:  # the views made when first read (_LazyView: a tied DynamicLayer's class reads them so)
+        d = entry.__dict__
+        d["keys"] = d["values"] = _LAZY
+        d["_q3_lazy"] = (kv, tokens)
+    # the owner and the registry: as publish leaves them, unless the owner says that this model
+    # cache and layer registered this C cache's keys since it last grew (their address)
     owner = entry.__dict__.get("_q3_owner")
-    if owner is None or owner[0]() is not model_cache or owner[1] != layer_idx:
-        entry._q3_owner = (weakref.ref(model_cache), layer_idx)
-    keys = entry.keys
-    known = op._CACHES.get(keys.data_ptr())
-    if known is None or known[0]() is not model_cache or known[1] != layer_idx:
+    if owner is None or len(owner) != 5 or owner[2] is not kv or owner[3] != kv.growths or \
+            owner[0]() is not model_cache or owner[1] != layer_idx:
+        keys = entry.keys
         op.register_cache(keys, model_cache, layer_idx)  # a compiled call finds the model cache by it
+        entry._q3_owner = _Owner((weakref.ref(model_cache), layer_idx, kv, kv.growths, keys))
+
+
+def compiled_keys(entry: Any) -> Any:
+    """the entry's keys as a traced call hands them to the custom op (op.decoder_layer, which
+    finds the model cache by their address): a tied DynamicLayer's views not made yet
+    (_LazyView, whose making calls the extension, which Dynamo cannot trace) are stood in for
+    by the keys the owner registered, views of the same C cache's memory (until it grows,
+    when _repoint makes the views)"""
+    d = entry.__dict__
+    owner = d.get("_q3_owner")
+    return owner[4] if d.get("keys") is _LAZY and owner is not None and len(owner) == 5 else entry.keys
 
 
 def _repoint(entry: Any) -> None:
     """the entry's views taken anew after an operation on its C cache"""
     kv = entry._q3_cache
     _set_views(entry, kv, entry.max_cache_len if is_static(entry) else kv.lengths[0], again=True)
-    owner, layer_idx = getattr(entry, "_q3_owner", (None, 0))
-    model_cache = owner() if owner is not None else None
+    owner = getattr(entry, "_q3_owner", None)  # (weakref of the model cache, layer_idx[, kv, growths, keys])
+    model_cache, layer_idx = (owner[0](), owner[1]) if owner is not None else (None, 0)
     if model_cache is not None:  # a new C cache (select, repeat_interleave) at a new address
         op.register_cache(entry.keys, model_cache, layer_idx)
 
@@ -352,9 +435,15 @@ def _mirroring(base: type) -> type:
         method.__name__ = name
         return method
 
+    def get_seq_length(self, *args: Any, **kwargs: Any) -> int:  # (a DynamicLayer's: its keys' width)
+        lazy = self.__dict__.get("_q3_lazy") if self.__dict__.get("keys") is _LAZY else None
+        return lazy[1] if lazy is not None and self.is_initialized else base.get_seq_length(self, *args, **kwargs)
+
     ns: Dict[str, Any] = {"_q3_mirrors": True, "reorder_cache": reorder_cache, "crop": crop,
                           "batch_repeat_interleave": batch_repeat_interleave,
                           "batch_select_indices": batch_select_indices, "reset": reset}
+    if base.__name__ == "DynamicLayer":  # views made when read, and the width they will have
+        ns.update(keys=_LazyView("keys"), values=_LazyView("values"), get_seq_length=get_seq_length)
     for name in ("offload", "prefetch"):
         if hasattr(base, name):
             ns[name] = refuse(name)

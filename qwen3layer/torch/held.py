@@ -120,7 +120,7 @@ class HeldWeights:
         self.hooks_read = made if made >= 0 else -1
         return True
 
-    def held(self) -> bool:
+    def held(self) -> bool:  # (qwen3layer.torch.repeat.run makes the same test inline)
         return _still_held(self.watch) and \
             (getattr(_HANDLES, "next_id", -2) == self.hooks_read or self._hooks_clean())  # (_handles_made, inline)
 

@@ -15,6 +15,7 @@ import torch
 from . import cache as _cache
 from . import masks as _masks
 from . import record as _rec
+from .held import _HANDLES, _still_held
 from ..devices import stream_of
 from ..layer import DecoderLayer as _CoreLayer
 
@@ -65,8 +66,11 @@ def plain_prefill(core: _CoreLayer, x: torch.Tensor, kv: Any) -> torch.Tensor:
     return torch.from_dlpack(ext.prefill(x, kv, stream=stream_of(x, ext.device)))
 
 
+_UNSET = object()  # run's cache_position when kwargs holds it (if anywhere)
+
+
 def run(layer: Any, hidden_states: torch.Tensor, attention_mask: Any, position_ids: Any, model_cache: Any,
-        kwargs: Dict[str, Any], call: Any) -> Optional[torch.Tensor]:
+        kwargs: Dict[str, Any], call: Any, cache_position: Any = _UNSET) -> Optional[torch.Tensor]:
     """The call's fast path, for the decode steps of a generation: a layer call that
     continues its C cache, repeating the plan an earlier layer of the same model call
     made (call.repeat: the model hands each layer the same mask and positions). It runs
@@ -74,8 +78,9 @@ def run(layer: Any, hidden_states: torch.Tensor, attention_mask: Any, position_i
     _run)
     would, and returns the output; or returns None having done nothing, wherever
     anything the full path reads may differ from what that plan was made of: the full
-    path then runs, with its numbers or its refusal. What it checks instead of each of
-    the full path's steps:
+    path then runs, with its numbers or its refusal. cache_position: the call's, where
+    kwargs does not hold it (forward passes it apart: no dict made for a fast call).
+    What it checks instead of each of the full path's steps:
     - the plan (masks.planned's inputs): the same mask, position_ids and cache_position
       objects with the same stamps (masks._stamp), no cu_seq_lens_q (without it _plan
       reads no cu_seq_lens_k), the same model call
@@ -86,10 +91,11 @@ def run(layer: Any, hidden_states: torch.Tensor, attention_mask: Any, position_i
     - the insides asked for: the same output_* objects, which asked for none (calls that
       ask are not repeated); the hidden-states recorder is fed as _run feeds it;
     - check_inference: eval mode with gradients off (nothing to refuse or warn of);
-      _check_weights: HeldWeights.held, its own test, last before the C layer (inline);
+      _check_weights: HeldWeights.held, its own test, last before the C layer (inline: a
+      change to held() is made here too);
     - the entry (check_entry, seen_tokens, _continued): of a class cache.TIED holds (the
       one attach made for a kept class), initialized, tied to a C cache; a DynamicLayer's
-      keys as wide as the tokens held;
+      keys as wide as the tokens held (views not yet made: the width they will have);
     - check_room and make_room: room in the C cache as it is (a StaticLayer's
       max_cache_len its capacity, as publish checks; a DynamicLayer's C cache within
       _token_limit), so that nothing grows;
@@ -97,22 +103,25 @@ def run(layer: Any, hidden_states: torch.Tensor, attention_mask: Any, position_i
       full path calls it (_plain_prefill)."""
     r = call.repeat
     refs, core = r.refs, layer.core
-    if refs[0]() is not attention_mask or refs[1]() is not position_ids or type(core) is not _CoreLayer or \
-            core._hybrid is not None or layer.training or torch.is_grad_enabled() or \
-            type(hidden_states) is not torch.Tensor or hidden_states.requires_grad or \
-            hidden_states.shape != r.shape:
+    if cache_position is _UNSET:
+        cache_position = kwargs.get("cache_position")
+    if refs[0]() is not attention_mask or refs[1]() is not position_ids or refs[2]() is not cache_position or \
+            type(core) is not _CoreLayer or core._hybrid is not None or layer.training or torch.is_grad_enabled() or \
+            type(hidden_states) is not torch.Tensor or hidden_states.requires_grad or hidden_states.shape != r.shape:
         return None
-    get = kwargs.get
-    cache_position = get("cache_position")
-    flags = r.flags
-    if (refs[2]() is not cache_position or get("cu_seq_lens_q") is not None
-            or get("output_router_logits") is not flags[0] or get("output_attentions") is not flags[1]
-            or get("output_hidden_states") is not flags[2]):
+    if kwargs:  # (a decode step's are mostly empty)
+        get, flags = kwargs.get, r.flags
+        if get("cu_seq_lens_q") is not None or get("output_router_logits") is not flags[0] or \
+                get("output_attentions") is not flags[1] or get("output_hidden_states") is not flags[2]:
+            return None
+    elif r.flags != (None, None, None):
         return None
-    if (None if attention_mask is None else call if attention_mask.is_inference() else attention_mask._version,
-            None if position_ids is None else call if position_ids.is_inference() else position_ids._version,
-            None if cache_position is None else call if cache_position.is_inference() else
-            cache_position._version) != r.stamps:  # masks._stamp of each, inline (a call's frame each)
+    # masks._stamp of each, against the plan's: the same tensors (above), so an inference tensor's
+    # stamp is this call (its own, as the plan was made in it) and another's its version
+    stamps = r.stamps
+    if (stamps[0] is not None and stamps[0] is not call and attention_mask._version != stamps[0]) or \
+            (stamps[1] is not None and stamps[1] is not call and position_ids._version != stamps[1]) or \
+            (stamps[2] is not None and stamps[2] is not call and cache_position._version != stamps[2]):
         return None
     try:  # the model cache's own list (transformers' Cache sets it on the instance): a class whose
         # `layers` runs code when read (a property) is left to the full path
@@ -120,17 +129,22 @@ def run(layer: Any, hidden_states: torch.Tensor, attention_mask: Any, position_i
     except (AttributeError, KeyError, IndexError, TypeError):  # no model cache, no entry yet
         return None
     static = _cache.TIED.get(type(entry))
-    kv = getattr(entry, "_q3_cache", None)
-    if static is None or kv is None or getattr(entry, "is_initialized", False) is not True or \
+    d = entry.__dict__  # (what attach and transformers set on the entry; a class's default declines)
+    kv = d.get("_q3_cache")
+    if static is None or kv is None or d.get("is_initialized") is not True or \
             kv.lengths != r.lengths or kv.padding != r.padding or kv.first_positions != r.first:
         return None
     past, new = r.lengths[0], r.shape[1]
     capacity = kv.capacity
+    if not static:  # a DynamicLayer's keys' width; views left to be made (cache._LazyView) tell it unmade
+        lazy = d.get("_q3_lazy") if d.get("keys") is _cache._LAZY else None
+        width = entry.keys.shape[-2] if lazy is None else lazy[1] if lazy[0] is kv else -1
     if past + new > capacity or (entry.max_cache_len != capacity if static else
-                                 entry.keys.shape[-2] != past or past + new > layer._token_limit()):
+                                 width != past or past + new > layer._token_limit()):
         return None
     held = layer.__dict__["_held"]  # (None: a layer made without an original, nothing borrowed)
-    if held is not None and not held.held():
+    if held is not None and not (_still_held(held.watch) and (getattr(_HANDLES, "next_id", -2) == held.hooks_read or
+                                                                held._hooks_clean())):  # held.held(), inline
         return None
     x, ext = hidden_states.contiguous(), core._core  # not detached: it has no gradient (checked)
     if ext.device < 0 and x.is_cpu:  # plain_prefill's host case, inline (host_tensor: the output, zero-copy)

@@ -155,6 +155,29 @@ def test_compiled_decode_steps_after_a_batch_expansion():
     assert no_graph_breaks()
 
 
+@torch.no_grad()
+def test_compiled_decode_steps_after_eager_ones():
+    """eager decode steps leave the later layers' DynamicLayer views unmade (cache._LazyView,
+    whose making Dynamo cannot trace): a compile that starts then traces without a break and
+    gives transformers' numbers, the entries' keys too"""
+    from qwen3layer.torch import cache
+    model, ref = pair(28)
+    ids = ids_of(2, 6, 8)
+    mine, theirs = model(ids).past_key_values, ref(ids).past_key_values
+    for i in range(2):
+        step = torch.tensor([[3 + i], [9 + i]])
+        assert rel(model(step, past_key_values=mine).logits, ref(step, past_key_values=theirs).logits) < 1e-5
+    assert mine.layers[1].__dict__["keys"] is cache._LAZY  # the fast path's layer: views unmade
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    for i in range(2):
+        step = torch.tensor([[5 + i], [11 + i]])
+        a = compiled(step, past_key_values=mine).logits
+        assert rel(a, ref(step, past_key_values=theirs).logits) < 1e-5
+    assert no_graph_breaks() and mine.get_seq_length() == 10
+    for ours, their in zip(mine.layers, theirs.layers):
+        assert rel(ours.keys, their.keys) < 1e-5 and rel(ours.values, their.values) < 1e-5
+
+
 @pytest.mark.parametrize("flag", ["output_attentions", "output_router_logits", "output_hidden_states"])
 @torch.no_grad()
 def test_recorded_insides_do_not_compile_with_fullgraph(flag):
