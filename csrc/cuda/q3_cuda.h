@@ -154,7 +154,7 @@ q3_status q3_decode_graph_replay(q3_decode_graph *g, void *stream, q3_error *err
 void q3_decode_graph_destroy(q3_decode_graph *g);
 
 /* ---- the MoE path settings and decode graphs as a binding calls them (moe_prefill.c,
- * decode_graph.c; issue 40: the glue only converts) ------------------------------------- */
+ * decode_graph.c): a binding only converts ------------------------------------------------ */
 
 /* Q3_OK where the backend is open, else Q3_ERR_STATE "<what>: the CUDA backend is not loaded" */
 q3_status q3_cuda_require(const char *what, q3_error *err);

@@ -570,7 +570,7 @@ q3_cache_blocks *q3_cache_blocks_ref(q3_cache *c);
 void q3_cache_blocks_unref(q3_cache_blocks *b);
 
 /* ---- the KV cache and the config as a binding calls them (cache.c, cache_ops.c, config.c,
- * rope_table.c; issue 40: the glue only converts, every check is here) -------------------- */
+ * rope_table.c): every check here, a binding only converts -------------------------------- */
 
 /* New caches of src's geometry, capacity and device (*out, the caller's to destroy; NULL on
  * failure), sequence i a copy of src's index[i]: only the tokens held are copied, lengths,
@@ -675,8 +675,6 @@ const q3_config_field_info *q3_config_field(int f);
 void q3_config_field_given(q3_config_values *v, int f, int given);
 int q3_config_field_unset(const q3_config_values *v, int f);
 
-/* ---- end of the cache's and config's binding block ---------------------------------------- */
-
 /* base of sequence seq's [kv_heads, capacity, head_dim] block */
 void *q3_cache_seq_keys(const q3_cache *c, int seq);
 void *q3_cache_seq_values(const q3_cache *c, int seq);
@@ -772,7 +770,8 @@ int q3_strides_contiguous(int ndim, const int64_t *shape, const int64_t *strides
  * so the tensor's bytes fit whenever this returns 1. */
 int q3_contiguous_strides(int ndim, const int64_t *shape, size_t itemsize, int64_t *strides);
 
-/* ---- what the glue once decided itself (issue 40, requirement 2) ----------------------- */
+/* ---- the process's settings, DLPack out, a layer from a caller's tensors (cpu_dispatch.c,
+ * status.c, dlpack_export.c, weight_load.c) ---------------------------------------------- */
 
 /* "cpu" (device -1) or "cuda:N" into buf [n] (tensor_view.c) */
 void q3_format_device(char *buf, size_t n, int device);
@@ -816,8 +815,8 @@ q3_status q3_view_from_managed(q3_view *v, void *managed, int versioned, const c
  * ([batch, hidden]), contiguous: the sequences it covers and the tokens of each. */
 q3_status q3_call_check_x(const q3_config *cfg, const q3_cache *c, const q3_view *x, int decode, int *n_seqs,
                           int64_t *tokens, q3_error *err);
-/* A layer call's arguments from its views, checked before anything is made or written (issue 40:
- * the glue only converts): x (q3_call_check_x) gives a's x, io_dtype, n_seqs and tokens; the
+/* A layer call's arguments from its views, checked before anything is made or written (a
+ * binding only converts): x (q3_call_check_x) gives a's x, io_dtype, n_seqs and tokens; the
  * sequences a->seqs: prefill's x [tokens, hidden] is sequence *seq (NULL: 0), any other x covers
  * 0 .. n_seqs - 1 (seq given: Q3_ERR_VALUE); the per-token inputs token[3] (token_mask,
  * positions, tree as imported for them, NULL: not given; q3_call_check_token_input,
@@ -964,8 +963,8 @@ q3_status q3_cpu_hide(const char *names, q3_error *err);
  * count of columns, 1 to 2048 (0: from the L1 data cache, the default) */
 q3_status q3_cpu_set_packed_kc(const char *value, q3_error *err);
 
-/* ---- the tensors a binding makes for a call (call_outputs.c; issue 40: the glue only
- * converts, every size is computed here) ------------------------------------------------- */
+/* ---- the tensors a binding makes for a call, and the weight table's (call_outputs.c,
+ * weight_table.c): every size computed here, a binding only makes them ------------------- */
 
 /* One tensor a binding makes before an engine call runs: contiguous, dtype and shape (ndim 0:
  * none to make, an output not asked for) */
@@ -1006,7 +1005,5 @@ q3_status q3_weight_table_new(const q3_config *cfg, q3_weights *w, int fused, co
  * fp32 scales (q3_weight_storage_dtype) */
 q3_status q3_weight_table_fill_random(const q3_weight_entry *table, int64_t n, void *const *data, q3_dtype dt,
                                       uint64_t seed, int64_t gptq_group, int gptq_v2, q3_error *err);
-
-/* ---- end of the binding's tensors block ------------------------------------------------- */
 
 #endif
