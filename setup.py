@@ -121,7 +121,8 @@ CUDA_ARCHS = cuda_arch_flags()
 # compiling: the targets recorded in the library; --threads 2: a file's gencode passes run
 # two at a time (the pool runs a file per core, but the build ends with its slowest file alone).
 # Measured on the project's 2 cores (2026-11-30, other builds running): the 13 files took 22 s
-# for sm_80 + sm_90, 53 s for the four targets and the PTX, 45 s with --threads 2.
+# for sm_80 + sm_90, 53 s for four targets and the PTX, 45 s with --threads 2; 85 s for the
+# seven targets and the PTX of today (2026-12-06).
 CUDA_COMPILE = ["-std=c++17", "-O3", "-Xcompiler", "-fPIC", *CUDA_ARCHS, "--threads", "2",
                 f'-DQ3_CUDA_TARGETS="{",".join(cuda_targets())}"', "-Ikernels"]
 
