@@ -21,6 +21,7 @@ class KVCache:
     padding: Tuple[int, ...]
     first_positions: Tuple[int, ...]
     hidden: Tuple[Tuple[int, ...], ...]  # each sequence's tokens hidden by a call's token_mask
+    plan_state: Tuple[Tuple[Any, ...], ...]  # (lengths, padding, first_positions, hidden) in one read
     capacity: int
     growths: int
     batch: int

@@ -91,12 +91,15 @@ static PyObject *count_of(const q3_cache *c, q3_cache_count_id id, int seq) {
     return r;
 }
 
+/* PLAN_READS: the closure of plan_state, the tuple of the counts a call's plan reads */
+#define PLAN_READS (Q3_CC_HIDDEN + 1)
 static PyObject *cache_count(q3py_cache_object *o, void *closure) {
     const q3_cache_count_id id = (q3_cache_count_id)(intptr_t)closure;
     if (id < Q3_CC_LENGTH) return count_of(o->cache, id, 0);
-    PyObject *t = PyTuple_New(q3_cache_batch(o->cache));
-    for (int i = 0; t && i < q3_cache_batch(o->cache); i++) {
-        PyObject *v = count_of(o->cache, id, i);
+    const int n = id == PLAN_READS ? 4 : q3_cache_batch(o->cache);
+    PyObject *t = PyTuple_New(n);
+    for (int i = 0; t && i < n; i++) {
+        PyObject *v = id == PLAN_READS ? cache_count(o, COUNT(Q3_CC_LENGTH + i)) : count_of(o->cache, id, i);
         if (!v) Py_CLEAR(t);
         else PyTuple_SET_ITEM(t, i, v);
     }
@@ -122,6 +125,8 @@ static PyGetSetDef cache_getset[] = {
     {"padding", (getter)cache_count, NULL, "leading padding tokens of each sequence (tuple)", COUNT(Q3_CC_PADDING)},
     {"first_positions", (getter)cache_count, NULL, "the RoPE position of each sequence's first real token (tuple)",
      COUNT(Q3_CC_FIRST_POSITION)},
+    {"plan_state", (getter)cache_count, NULL, "(lengths, padding, first_positions, hidden): what a call's plan "
+     "reads of the cache, in one read", COUNT(PLAN_READS)},
     {"hidden", (getter)cache_count, NULL, "the hidden tokens of each sequence (a tuple of index tuples): those a "
      "call's token_mask hid from later queries", COUNT(Q3_CC_HIDDEN)},
     {"batch", (getter)cache_count, NULL, "number of sequences", COUNT(Q3_CC_BATCH)},

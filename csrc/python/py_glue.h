@@ -18,7 +18,6 @@ struct q3_module_state {
     PyTypeObject *graph_type;
     PyTypeObject *passes_type;
     PyObject *cache_full_error;
-    PyObject *held_names[4]; /* still_held's (py_held.c): "data_ptr", "dtype", "is_contiguous", "_version" */
 };
 
 extern PyModuleDef q3_module_def;
@@ -164,7 +163,6 @@ int q3py_held_experts(PyObject *obj, int E, uint8_t **held);
  * py_held.c (the drop-in's per-call test of the weights it borrowed) ------------------------ */
 
 extern PyMethodDef q3_cuda_methods[], q3_random_methods[], q3_routing_methods[], q3_held_methods[];
-int q3py_held_init(q3_module_state *st);
 
 /* ---- DecodeGraph (py_graph.c), AttentionPasses (py_pass_run.c) ---------------------------- */
 

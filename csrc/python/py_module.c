@@ -128,7 +128,6 @@ static int module_exec(PyObject *m) {
     if (!st->cache_full_error) return -1;
     for (int i = 0; i < 4; i++)
         if (PyModule_AddFunctions(m, functions[i]) < 0) return -1;
-    if (q3py_held_init(st) < 0) return -1;
     /* the engine's table for qwen3layer._testing (csrc/cuda/engine_api.h), one engine a process */
     PyObject *api = PyCapsule_New((void *)q3_engine_api_get(), Q3_ENGINE_API_CAPSULE, NULL);
     const int added = api ? PyModule_AddObjectRef(m, "_engine_api", api) : -1;
@@ -144,8 +143,7 @@ static int state_refs(PyObject *m, visitproc visit, void *arg) {
     q3_module_state *st = q3py_state(m);
     PyObject **const refs[] = {(PyObject **)&st->tensor_type, (PyObject **)&st->cache_type,
                                (PyObject **)&st->layer_type, (PyObject **)&st->graph_type,
-                               (PyObject **)&st->passes_type, &st->cache_full_error, &st->held_names[0],
-                               &st->held_names[1], &st->held_names[2], &st->held_names[3]};
+                               (PyObject **)&st->passes_type, &st->cache_full_error};
     for (size_t i = 0; i < sizeof refs / sizeof refs[0]; i++) {
         if (visit) Py_VISIT(*refs[i]);
         else Py_CLEAR(*refs[i]);

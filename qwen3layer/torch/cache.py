@@ -216,6 +216,7 @@ def _set_views(entry: Any, kv: Any, width: int, again: bool) -> None:
         entry._q3_taken = _Taken(kv, width, entry.keys, entry.values)
 
 
+_INT64 = torch.int64
 _COUNTS: Dict[int, torch.Tensor] = {}  # n -> a 0-dim int64 host tensor holding n (_count)
 
 
@@ -301,12 +302,12 @@ def publish(model_cache: Any, layer_idx: int, kv: Any, new_tokens: int) -> None:
     entry._q3_owner = _Owner((weakref.ref(model_cache), layer_idx) + held)
 
 
-def republish(model_cache: Any, layer_idx: int, entry: Any, kv: Any, tokens: int, new_tokens: int,
-              static: bool) -> None:
-    """publish after a call whose caller found the model cache's entry for layer_idx tied to
-    kv already (initialized, of a class of TIED, `static` its kind, a StaticLayer's
-    max_cache_len kv's capacity), nothing run between its look-ups and the C call, which
-    appended new_tokens and brought each sequence to `tokens` (> 0): the views and counts
+def republish(model_cache: Any, layer_idx: int, entry: Any, d: Dict[str, Any], kv: Any, tokens: int,
+              new_tokens: int, static: bool) -> None:
+    """publish after a call whose caller found the model cache's entry for layer_idx (d: its
+    __dict__) tied to kv already (initialized, of a class of TIED, `static` its kind, a
+    StaticLayer's max_cache_len kv's capacity), nothing run between its look-ups and the C call,
+    which appended new_tokens and brought each sequence to `tokens` (> 0): the views and counts
     publish would update, without its look-ups and checks (the fast path of
     qwen3layer.torch.DecoderLayer). What publish calls is inline here: _set_views' test
     for a StaticLayer's views kept (its class is known), _views and host_tensor for a host
@@ -315,25 +316,25 @@ def republish(model_cache: Any, layer_idx: int, entry: Any, kv: Any, tokens: int
     left to be made when read (_LazyView). The owner it sets carries the C cache and its
     growths: while they and the owner stand, the keys' address is the one registered (the C
     cache's memory moves only when it grows), and nothing is looked up."""
-    if static:
-        d = entry.__dict__  # (a StaticLayer's keys and values are plain attributes)
-        width, taken = entry.max_cache_len, d.get("_q3_taken")
+    if static:  # (a StaticLayer's keys and values are plain attributes)
+        width, taken = d["max_cache_len"], d.get("_q3_taken")
         if taken is None or taken.kv is not kv or taken.width != width or d.get("keys") is not taken.keys or \
                 d.get("values") is not taken.values:
             _set_views(entry, kv, width, again=True)
-        counter, held = getattr(entry, "cumulative_length", None), d.get("_q3_counter")
+        counter, held = d.get("cumulative_length"), d.get("_q3_counter")
+        if counter is None:  # (not an attribute of the entry's own: its class's, if any)
+            counter = getattr(entry, "cumulative_length", None)
         if held is not None and held.counter is counter and counter.data_ptr() == held.address and \
-                counter.dtype is torch.int64:  # _count's own test, inline
+                counter.dtype is _INT64:  # _count's own test, inline
             held.cell.value += new_tokens
         elif isinstance(counter, torch.Tensor):
             _count(entry, counter, new_tokens)
     else:  # the views made when first read (_LazyView: a tied DynamicLayer's class reads them so)
-        d = entry.__dict__
         d["keys"] = d["values"] = _LAZY
         d["_q3_lazy"] = (kv, tokens)
     # the owner and the registry: as publish leaves them, unless the owner says that this model
     # cache and layer registered this C cache's keys since it last grew (their address)
-    owner = entry.__dict__.get("_q3_owner")
+    owner = d.get("_q3_owner")
     if owner is None or len(owner) != 5 or owner[2] is not kv or owner[3] != kv.growths or \
             owner[0]() is not model_cache or owner[1] != layer_idx:
         keys = entry.keys

@@ -30,6 +30,9 @@ from .record import _is_recording
 
 _DATA_PTR, _DTYPE, _VERSION = torch.Tensor.data_ptr, operator.attrgetter("dtype"), operator.attrgetter("_version")
 _CONTIGUOUS = torch.Tensor.is_contiguous
+# still_held's readers: the tensor base class's own descriptors, which it calls without looking
+# them up on each tensor (what a subclass does through __torch_function__ they do too)
+_READERS = tuple(torch._C.TensorBase.__dict__[name] for name in ("data_ptr", "dtype", "is_contiguous", "_version"))
 
 _RESTART = "call qwen3layer.torch.unpatch_model(model) and patch_model(model) again"
 
@@ -103,7 +106,7 @@ class HeldWeights:
         # each parameter; each parameter's address, dtype and contiguity; each copy's version
         self.watch = (tuple(self.sub_dicts + self.holders), tuple(self.sub_keys + self.keys), self.subs + self.params,
                       self.params, tuple(self.ptrs), tuple(self.dtypes), tuple(self.contiguous), self.copied,
-                      tuple(self.versions))
+                      tuple(self.versions), _READERS)
         # each submodule's forward pre-hooks and hooks (dicts torch changes in place), read when a
         # hook was registered since `hooks_read` (the handle count when they were last found clean)
         self.hook_dicts = [(name, m._forward_pre_hooks, m._forward_hooks) for name, m in subs]

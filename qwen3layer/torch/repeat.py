@@ -32,14 +32,12 @@ class Repeat:
     plan's tensors; the model cache is not one: what the plan reads of it, each layer reads
     off its own entry); stamps: masks._stamp of the three tensors (an in-place change
     shows); flags: the call's output_* arguments (_OUTPUT_FLAGS' order), which asked for nothing;
-    shape: the hidden states'; lengths, padding, first: the C cache's lengths, padding and
-    first positions, as the plan was made for them (first: the plan's offsets)."""
-    __slots__ = ("refs", "stamps", "flags", "shape", "lengths", "padding", "first")
+    shape: the hidden states'; state: the C cache's plan_state (lengths, padding, first
+    positions, hidden tokens), as the plan was made for it (first: the plan's offsets)."""
+    __slots__ = ("refs", "stamps", "flags", "shape", "state")
 
-    def __init__(self, refs: tuple, stamps: tuple, flags: tuple, shape: Any, lengths: tuple, padding: tuple,
-                 first: tuple) -> None:
-        self.refs, self.stamps, self.flags, self.shape = refs, stamps, flags, shape
-        self.lengths, self.padding, self.first = lengths, padding, first
+    def __init__(self, refs: tuple, stamps: tuple, flags: tuple, shape: Any, state: tuple) -> None:
+        self.refs, self.stamps, self.flags, self.shape, self.state = refs, stamps, flags, shape, state
 
     @classmethod
     def of(cls, call: Any, attention_mask: Any, position_ids: Any, kwargs: Dict[str, Any], shape: Any,
@@ -47,7 +45,7 @@ class Repeat:
         """what a continuing call of `call` without insides was planned from (kv: its C cache)"""
         tensors = (attention_mask, position_ids, kwargs.get("cache_position"))
         return cls(tuple(map(_ref, tensors)), tuple(_masks._stamp(t, call) for t in tensors),
-                   tuple(kwargs.get(name) for name in _OUTPUT_FLAGS), shape, lengths, kv.padding, kv.first_positions)
+                   tuple(kwargs.get(name) for name in _OUTPUT_FLAGS), shape, (lengths,) + kv.plan_state[1:])
 
 
 def _ref(obj: Any) -> Any:
@@ -67,6 +65,10 @@ def plain_prefill(core: _CoreLayer, x: torch.Tensor, kv: Any) -> torch.Tensor:
 
 
 _UNSET = object()  # run's cache_position when kwargs holds it (if anywhere)
+_NO_FLAGS = (None, None, None)
+# what run reads each call, bound once (a module's attribute is a look-up a call)
+_TIED, _LAZY, _FROM_CAPSULE = _cache.TIED, _cache._LAZY, _cache._FROM_CAPSULE
+_grad_enabled, _Tensor = torch.is_grad_enabled, torch.Tensor
 
 
 def run(layer: Any, hidden_states: torch.Tensor, attention_mask: Any, position_ids: Any, model_cache: Any,
@@ -85,9 +87,9 @@ def run(layer: Any, hidden_states: torch.Tensor, attention_mask: Any, position_i
       objects with the same stamps (masks._stamp), no cu_seq_lens_q (without it _plan
       reads no cu_seq_lens_k), the same model call
       (its attention implementation, read once a call), the hidden states' shape (batch,
-      tokens), and this layer's C cache holding the lengths, padding and first positions
-      the plan was made for; with the full path's offsets check, first positions == the
-      plan's offsets;
+      tokens), and this layer's C cache holding the lengths, padding, first positions and
+      hidden tokens the plan was made for (plan_state); with the full path's offsets check,
+      first positions == the plan's offsets;
     - the insides asked for: the same output_* objects, which asked for none (calls that
       ask are not repeated); the hidden-states recorder is fed as _run feeds it;
     - check_inference: eval mode with gradients off (nothing to refuse or warn of);
@@ -102,19 +104,20 @@ def run(layer: Any, hidden_states: torch.Tensor, attention_mask: Any, position_i
     - the core: a plain DecoderLayer (no expert split, no host experts), called as the
       full path calls it (_plain_prefill)."""
     r = call.repeat
-    refs, core = r.refs, layer.core
+    refs, ld = r.refs, layer.__dict__
+    core = ld["core"]
     if cache_position is _UNSET:
         cache_position = kwargs.get("cache_position")
     if refs[0]() is not attention_mask or refs[1]() is not position_ids or refs[2]() is not cache_position or \
-            type(core) is not _CoreLayer or core._hybrid is not None or layer.training or torch.is_grad_enabled() or \
-            type(hidden_states) is not torch.Tensor or hidden_states.requires_grad or hidden_states.shape != r.shape:
+            type(core) is not _CoreLayer or core._hybrid is not None or ld["training"] or _grad_enabled() or \
+            type(hidden_states) is not _Tensor or hidden_states.requires_grad or hidden_states.shape != r.shape:
         return None
     if kwargs:  # (a decode step's are mostly empty)
         get, flags = kwargs.get, r.flags
         if get("cu_seq_lens_q") is not None or get("output_router_logits") is not flags[0] or \
                 get("output_attentions") is not flags[1] or get("output_hidden_states") is not flags[2]:
             return None
-    elif r.flags != (None, None, None):
+    elif r.flags != _NO_FLAGS:
         return None
     # masks._stamp of each, against the plan's: the same tensors (above), so an inference tensor's
     # stamp is this call (its own, as the plan was made in it) and another's its version
@@ -123,40 +126,45 @@ def run(layer: Any, hidden_states: torch.Tensor, attention_mask: Any, position_i
             (stamps[1] is not None and stamps[1] is not call and position_ids._version != stamps[1]) or \
             (stamps[2] is not None and stamps[2] is not call and cache_position._version != stamps[2]):
         return None
+    layer_idx = ld["layer_idx"]
     try:  # the model cache's own list (transformers' Cache sets it on the instance): a class whose
         # `layers` runs code when read (a property) is left to the full path
-        entry = model_cache.__dict__["layers"][layer.layer_idx]
+        entry = model_cache.__dict__["layers"][layer_idx]
     except (AttributeError, KeyError, IndexError, TypeError):  # no model cache, no entry yet
         return None
-    static = _cache.TIED.get(type(entry))
+    static = _TIED.get(type(entry))
     d = entry.__dict__  # (what attach and transformers set on the entry; a class's default declines)
     kv = d.get("_q3_cache")
     if static is None or kv is None or d.get("is_initialized") is not True or \
-            kv.lengths != r.lengths or kv.padding != r.padding or kv.first_positions != r.first:
+            kv.plan_state != r.state:
         return None
-    past, new = r.lengths[0], r.shape[1]
-    capacity = kv.capacity
-    if not static:  # a DynamicLayer's keys' width; views left to be made (cache._LazyView) tell it unmade
-        lazy = d.get("_q3_lazy") if d.get("keys") is _cache._LAZY else None
+    past, new, capacity = r.state[0][0], r.shape[1], kv.capacity
+    if static:
+        if past + new > capacity or d.get("max_cache_len") != capacity:
+            return None
+    else:  # a DynamicLayer's keys' width; views left to be made (cache._LazyView) tell it unmade
+        lazy = d.get("_q3_lazy") if d.get("keys") is _LAZY else None
         width = entry.keys.shape[-2] if lazy is None else lazy[1] if lazy[0] is kv else -1
-    if past + new > capacity or (entry.max_cache_len != capacity if static else
-                                 width != past or past + new > layer._token_limit()):
-        return None
-    held = layer.__dict__["_held"]  # (None: a layer made without an original, nothing borrowed)
+        limit = ld.get("_limit")  # (the core and max_tokens, layer._token_limit() for them)
+        if limit is None or limit[0] is not core or limit[1] is not ld["max_tokens"]:
+            limit = ld["_limit"] = (core, ld["max_tokens"], layer._token_limit())
+        if width != past or past + new > capacity or past + new > limit[2]:
+            return None
+    held = ld["_held"]  # (None: a layer made without an original, nothing borrowed)
     if held is not None and not (_still_held(held.watch) and (getattr(_HANDLES, "next_id", -2) == held.hooks_read or
                                                                 held._hooks_clean())):  # held.held(), inline
         return None
     x, ext = hidden_states.contiguous(), core._core  # not detached: it has no gradient (checked)
     if ext.device < 0 and x.is_cpu:  # plain_prefill's host case, inline (host_tensor: the output, zero-copy)
-        y = _cache._FROM_CAPSULE(ext.prefill(x, kv).__dlpack__())
+        y = _FROM_CAPSULE(ext.prefill(x, kv).__dlpack__())
     else:
         y = plain_prefill(core, x, kv)
     rec = layer._modules["recorders"]._modules.get("hidden_states")
     if rec is not None and _rec.listened(rec):
         _rec.record(rec, hidden_states, y)
-        _cache.publish(model_cache, layer.layer_idx, kv, new)  # after a hook's code: found and checked anew
+        _cache.publish(model_cache, layer_idx, kv, new)  # after a hook's code: found and checked anew
     else:
-        _cache.republish(model_cache, layer.layer_idx, entry, kv, past + new, new, static)
-    if layer.__dict__["kv_cache"] is not kv:
+        _cache.republish(model_cache, layer_idx, entry, d, kv, past + new, new, static)
+    if ld["kv_cache"] is not kv:
         layer.kv_cache = kv
     return y

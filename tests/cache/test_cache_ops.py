@@ -33,9 +33,10 @@ def x_of(*shape, seed):
 
 def state(cache):
     """what the cache holds: lengths, padding, and each sequence's keys and values (copies),
-    first positions, hidden tokens"""
+    first positions, hidden tokens (plan_state, the one read of four of them, checked against them)"""
     kv = [(torch.from_dlpack(cache.keys(s)).clone(), torch.from_dlpack(cache.values(s)).clone())
           for s in range(cache.batch)]
+    assert cache.plan_state == (cache.lengths, cache.padding, cache.first_positions, cache.hidden)
     return cache.lengths, cache.padding, kv, cache.first_positions, cache.hidden
 
 

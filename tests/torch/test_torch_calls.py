@@ -399,14 +399,17 @@ def test_the_same_memory_read_as_another_dtype_is_refused():
 def test_still_held_compares_every_part():
     """the extension's per-call test of what a patched layer holds (HeldWeights.held): true when
     each dict still holds its object and each tensor its address, dtype and contiguity, each
-    copy its version; false when any one differs; a malformed watch is refused"""
+    copy its version (read by the tensor base class's own descriptors, handed in the watch); false
+    when any one differs; a malformed watch is refused"""
     from qwen3layer._C import still_held
+    from qwen3layer.torch.held import _READERS
     t, u = torch.zeros(4, 3), torch.zeros(2, 2)
     held = {"w": t}
 
     def watch(**change):
         parts = dict(dicts=(held,), keys=("w",), objects=(t,), tensors=(t,), data_ptrs=(t.data_ptr(),),
-                     dtypes=(t.dtype,), contiguous=(True,), copied=(u,), versions=(u._version,))
+                     dtypes=(t.dtype,), contiguous=(True,), copied=(u,), versions=(u._version,),
+                     readers=_READERS)
         parts.update(change)
         return tuple(parts.values())
 
@@ -417,10 +420,14 @@ def test_still_held_compares_every_part():
     taken = watch()
     u.add_(1)  # a copied tensor changed in place
     assert still_held(taken) is False
-    with pytest.raises(TypeError, match="expected a tuple of 9 tuples"):
-        still_held(watch()[:8])
+    with pytest.raises(TypeError, match="expected a tuple of 10 tuples"):
+        still_held(watch()[:9])
     with pytest.raises(ValueError, match="unequal lengths"):
         still_held(watch(keys=("w", "v")))
+    with pytest.raises(ValueError, match="not 4 readers"):
+        still_held(watch(readers=_READERS[:3]))
+    with pytest.raises(TypeError):  # a reader checks the class of what it reads
+        still_held(watch(tensors=(object(),)))
     with pytest.raises(TypeError, match=r"dicts\[0\]: expected a dict, got list"):
         still_held(watch(dicts=([],)))
 

@@ -266,6 +266,27 @@ def test_a_layer_whose_cache_starts_at_other_positions_leaves_the_fast_path():
         decode(model, cache, step, change, position_ids=torch.tensor([[5], [8]]))
 
 
+def test_a_layer_whose_cache_hides_other_tokens_leaves_the_fast_path(fast_calls):
+    """the same lengths, padding and first positions, but its last cached token hidden (by a
+    core call's token_mask): the plan reads the hidden tokens too (plan_state), and the full
+    path refuses the mask that shows that token"""
+    model, _ = pair(29)
+    cache, step = prefilled(model)
+    layer = model.model.layers[LAYER]
+
+    def change(_, args, kwargs):
+        kv = cache.layers[LAYER]._q3_cache
+        kv.crop(kv.lengths[0] - 1)  # that token written again, hidden from later queries
+        layer.core.prefill(torch.randn(1, 1, layer.core.config.hidden_size), kv, token_mask=torch.tensor([[False]]))
+        assert kv.plan_state == ((7,), (0,), (0,), ((6,),))
+
+    fast_calls.clear()
+    with pytest.raises(ValueError, match="batch row 0 shows cached token 6, which the C cache shows .*hidden tokens "
+                                         r"\[6\]"):
+        decode(model, cache, step, change)
+    assert fast_calls == [1]
+
+
 @pytest.mark.parametrize("how", ["data", "reassigned"])
 def test_weights_replaced_between_layers_are_refused(how):
     model, _ = pair(29)
