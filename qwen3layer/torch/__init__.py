@@ -330,6 +330,8 @@ class DecoderLayer(torch.nn.Module):
         comes last, after the reads that may run code not the drop-in's (the mask's, the model
         cache's), before make_room and the C call."""
         self.check_inference()
+        if not isinstance(hidden_states, torch.Tensor):
+            raise TypeError(f"hidden_states: expected a torch.Tensor, got {type(hidden_states).__name__}")
         B, L, _ = hidden_states.shape
         want_router, want_maps = self._wants("router_logits", kwargs, call), self._wants("attentions", kwargs, call)
         want_hidden = self._wants("hidden_states", kwargs, call)
@@ -342,7 +344,7 @@ class DecoderLayer(torch.nn.Module):
         _cache.check_entry(entry)
         past = _cache.seen_tokens(model_cache, self.layer_idx, entry)
         kv = self._continued(entry, past, B) if past else None
-        limit, why = self._token_limit(), self._limit_words
+        limit, why = self._cached_limit(), self._limit_words
         if model_cache is not None:
             _cache.check_room(entry, past + L, limit, why)
         plan = self._plan(attention_mask, position_ids, B, L, past, kv, kwargs, call)
@@ -356,7 +358,8 @@ class DecoderLayer(torch.nn.Module):
             raise NotImplementedError(f"attention_mask: {plan.kind}: packed sequences are not run with the experts "
                                       "split over a group (each would be a call of its own, and the ranks' calls "
                                       "would differ in number): pass a padded batch")
-        x = hidden_states.detach().contiguous()  # inference only: the C layer has no backward
+        # inference only: the C layer has no backward (detached where there is a graph to cut)
+        x = (hidden_states.detach() if hidden_states.requires_grad else hidden_states).contiguous()
         if kv is not None and call is not None and plan.positions is None and not (want_router or want_maps or
                                                                                    want_hidden):
             # the plan for the model call's next layers (_repeat), with what it was made of: a
@@ -381,6 +384,15 @@ class DecoderLayer(torch.nn.Module):
         context (LayerConfig.context_length), or patch_model's max_tokens below it"""
         context, cap = self.core.config.context_length, self.max_tokens
         return context if cap is None or cap >= context else cap
+
+    def _cached_limit(self) -> int:
+        """_token_limit(), kept on the layer with the core and max_tokens it was found for (the
+        fast path reads the same: qwen3layer.torch.repeat.run)"""
+        d = self.__dict__
+        limit = d.get("_limit")
+        if limit is None or limit[0] is not d["core"] or limit[1] is not d["max_tokens"]:
+            limit = d["_limit"] = (d["core"], d["max_tokens"], self._token_limit())
+        return limit[2]
 
     def _limit_words(self) -> str:
         """what sets _token_limit, in words (made only for an error)"""

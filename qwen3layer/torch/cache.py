@@ -79,10 +79,15 @@ def seen_tokens(model_cache: Any, layer_idx: int, entry: Any) -> int:
     kv = getattr(entry, "_q3_cache", None) if getattr(entry, "is_initialized", False) else None
     if kv is None:
         return int(model_cache.get_seq_length(layer_idx))
-    if not is_static(entry) and entry.keys.shape[-2] != kv.lengths[0]:
-        raise RuntimeError(f"qwen3layer layer {layer_idx}: the model cache's keys hold {entry.keys.shape[-2]} tokens, "
-                           f"this layer's C cache {kv.lengths[0]} (were the entry's keys replaced?)")
-    return kv.lengths[0]
+    held = kv.lengths[0]
+    if not is_static(entry):  # the keys' width; views not made yet (_LazyView) of this C cache tell it unmade
+        d = entry.__dict__
+        lazy = d.get("_q3_lazy") if d.get("keys") is _LAZY else None
+        width = lazy[1] if lazy is not None and lazy[0] is kv else entry.keys.shape[-2]
+        if width != held:
+            raise RuntimeError(f"qwen3layer layer {layer_idx}: the model cache's keys hold {width} tokens, this "
+                               f"layer's C cache {held} (were the entry's keys replaced?)")
+    return held
 
 
 # the tokens a sequence of a generation's C cache holds at first, unless its prompt is longer or

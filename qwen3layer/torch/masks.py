@@ -179,6 +179,13 @@ def _continues(allowed: torch.Tensor, past: int, cache_padding: Sequence[int]) -
     return torch.equal(allowed, expected.expand(batch, length, width))
 
 
+def _rows(position_ids: torch.Tensor, batch: int) -> List[List[int]]:
+    """position_ids [batch or 1, length] as a list of `batch` rows (a row of one repeated, each
+    its own list): position_ids.expand(batch, -1).tolist() with one torch call instead of two"""
+    rows = position_ids.tolist()
+    return rows if len(rows) == batch else [list(rows[0]) for _ in range(batch)]
+
+
 def plan_call(mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor], batch: int, length: int,
               past: int, cache_padding: Optional[Sequence[int]], attn_implementation: Optional[str] = None,
               cu_seq_lens: Optional[torch.Tensor] = None, cache_position: Optional[torch.Tensor] = None,
@@ -195,7 +202,7 @@ def plan_call(mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor]
                                      or position_ids.shape[0] not in (1, batch)):
         raise ValueError(f"position_ids: expected [{batch}, {length}] (or [1, {length}]), got "
                          f"{list(position_ids.shape)}")
-    pos = position_ids.expand(batch, -1).tolist() if position_ids is not None else None
+    pos = _rows(position_ids, batch) if position_ids is not None else None
     allowed = allowed_keys(mask, batch, length, past)
     hidden_cached = bool(cache_hidden) and any(cache_hidden)
     if allowed is not None:
@@ -205,7 +212,7 @@ def plan_call(mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor]
             plans, reals = [[Segment(0, length, 0)] for _ in range(batch)], None  # _plan_row's, every row real
         else:
             visible = _keys.visible_keys(allowed, past) if cu_seq_lens is None else None
-            pos = position_ids.expand(batch, -1).tolist() if position_ids is not None else \
+            pos = _rows(position_ids, batch) if position_ids is not None else \
                 [list(range(past, past + length))] * batch
             if visible is not None and (hidden_cached or not bool((visible.to(torch.int8).diff(dim=1) >= 0).all())):
                 # a key hidden after a seen one (holes, right padding), or a cache holding such keys: more than

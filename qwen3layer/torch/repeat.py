@@ -43,9 +43,12 @@ class Repeat:
     def of(cls, call: Any, attention_mask: Any, position_ids: Any, kwargs: Dict[str, Any], shape: Any,
            lengths: tuple, kv: Any) -> "Repeat":
         """what a continuing call of `call` without insides was planned from (kv: its C cache)"""
-        tensors = (attention_mask, position_ids, kwargs.get("cache_position"))
-        return cls(tuple(map(_ref, tensors)), tuple(_masks._stamp(t, call) for t in tensors),
-                   tuple(kwargs.get(name) for name in _OUTPUT_FLAGS), shape, (lengths,) + kv.plan_state[1:])
+        get, stamp = kwargs.get, _masks._stamp
+        cache_position = get("cache_position")
+        return cls((_ref(attention_mask), _ref(position_ids), _ref(cache_position)),
+                   (stamp(attention_mask, call), stamp(position_ids, call), stamp(cache_position, call)),
+                   (get(_OUTPUT_FLAGS[0]), get(_OUTPUT_FLAGS[1]), get(_OUTPUT_FLAGS[2])), shape,
+                   (lengths,) + kv.plan_state[1:])
 
 
 def _ref(obj: Any) -> Any:
@@ -145,9 +148,9 @@ def run(layer: Any, hidden_states: torch.Tensor, attention_mask: Any, position_i
     else:  # a DynamicLayer's keys' width; views left to be made (cache._LazyView) tell it unmade
         lazy = d.get("_q3_lazy") if d.get("keys") is _LAZY else None
         width = entry.keys.shape[-2] if lazy is None else lazy[1] if lazy[0] is kv else -1
-        limit = ld.get("_limit")  # (the core and max_tokens, layer._token_limit() for them)
+        limit = ld.get("_limit")  # (layer._cached_limit()'s, inline: the core, max_tokens, the limit)
         if limit is None or limit[0] is not core or limit[1] is not ld["max_tokens"]:
-            limit = ld["_limit"] = (core, ld["max_tokens"], layer._token_limit())
+            limit = (None, None, layer._cached_limit())
         if width != past or past + new > capacity or past + new > limit[2]:
             return None
     held = ld["_held"]  # (None: a layer made without an original, nothing borrowed)

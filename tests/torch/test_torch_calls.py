@@ -489,6 +489,22 @@ def test_plan_continues_the_cache_and_keeps_a_static_width():
     assert plan.key_width == 10 and plan.padding == [2]
 
 
+def test_one_row_of_positions_serves_every_batch_row():
+    """position_ids [1, length] with a batch of 2: each row planned with them, as [2, length]
+    repeating them is (packed segments and offsets alike), and each row its own list"""
+    bd = causal(6)
+    bd[3:, :3] = False
+    mask = bd[None, None].expand(2, 1, 6, 6)
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2]])
+    one, two = plan_call(mask, pos, 2, 6, 0, None), plan_call(mask, pos.expand(2, -1), 2, 6, 0, None)
+    assert one.offsets == two.offsets and one.packed is not None
+    assert [[(s.start, s.end) for s in row] for row in one.packed] == [[(0, 3), (3, 6)]] * 2
+    assert [[(s.start, s.end) for s in row] for row in two.packed] == [[(0, 3), (3, 6)]] * 2
+    from qwen3layer.torch.masks import _rows
+    rows = _rows(torch.tensor([[4, 5]]), 3)
+    assert rows == [[4, 5]] * 3 and rows[0] is not rows[1]
+
+
 @pytest.mark.parametrize("make, message", [
     (lambda: torch.ones(4, 4).tril().log()[None, None] * 0 + torch.tensor(-1.0), "a value other than 0 and -inf"),
     (lambda: torch.stack([causal(4), causal(4).T]).unsqueeze(0), "differs between heads"),
