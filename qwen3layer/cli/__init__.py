@@ -136,6 +136,9 @@ def cmd_map(args: argparse.Namespace) -> int:
     if args.expert_device is not None:
         from .hybrid import cmd_map_hybrid
         return cmd_map_hybrid(args, cfg)
+    if args.machine is not None:  # predicted from published figures: nothing built or measured
+        from .machines import cmd_map_machine
+        return cmd_map_machine(args, cfg, FP8 if args.fp8 else INT4 if args.int4 else "dense")
     context = args.tokens if args.context is None else args.context
     os.makedirs(args.out, exist_ok=True)
     fmt = FP8 if args.fp8 else INT4 if args.int4 else None
@@ -314,6 +317,9 @@ def build_parser() -> argparse.ArgumentParser:
     mp.add_argument("--repeat", type=int, default=2)
     mp.add_argument("--out", default="qwen3layer-map", help="folder for map.svg/png (and sweep.svg/png)")
     split_options(mp)
+    mp.add_argument("--machine", default=None, metavar="NAME",
+                    help="predict instead of measuring, from a machine's published figures: grace, gh200, gb10, "
+                         "orin or graviton4 (with --expert-device cpu: gh200's GPU + host split)")
     mp.set_defaults(func=cmd_map)
     ck = sub.add_parser("check", help="the three rulers: accuracy, decode latency, prefill memory")
     layer_options(ck)

@@ -39,10 +39,10 @@ def machine_now() -> Machine:
 
 def split_table(cfg, rows: int, mode: str, gpu: list, context: int, dtype: str, m: Machine) -> str:
     lines = [f"predicted pass: {mode} of {rows} row(s) at context {context}, {dtype}; host {m.host_read / 1e9:.0f} "
-             f"GB/s read, {m.host_flops / 1e9:.0f} GFLOP/s; device {m.device_read / 1e12:.1f} TB/s; PCIe "
+             f"GB/s read, {m.host_flops / 1e9:.0f} GFLOP/s; device {m.device_read / 1e12:.1f} TB/s; link "
              f"{m.link / 1e9:.0f} GB/s each way",
-             "gpu experts | rows to host | PCIe down MB | up MB | host experts MB | device experts MB | "
-             "attention ms | device experts ms | host experts ms | PCIe ms | pass ms | bound"]
+             "gpu experts | rows to host | link down MB | up MB | host experts MB | device experts MB | "
+             "attention ms | device experts ms | host experts ms | link ms | pass ms | bound"]
     E = cfg.num_experts
     for ids in sorted({tuple(range(n)) for n in (0, E // 8, E // 2, E)} | {tuple(gpu)}, key=len):
         s = hybrid_split(cfg, rows, list(ids), mode=mode, context=context, dtype=dtype, machine=m)
@@ -61,12 +61,21 @@ def cmd_map_hybrid(args: argparse.Namespace, cfg) -> int:
         raise ValueError("--expert-device cpu: the split's prediction is of dense weights in this version (no --fp8, "
                          "--int4)")
     gpu = gpu_expert_ids(args, cfg.num_experts)
-    m = machine_now()
+    if getattr(args, "machine", None) is not None:  # a named machine's published figures, not this one's probes
+        from ..analysis.machines import machine
+        from .machines import check_machine_args
+        check_machine_args(args)
+        named = machine(args.machine)
+        m = named.split()
+        print(f"{named.name}: {named.what} (published figures, docs/cli.md; predicted, not measured)")
+    else:
+        m = machine_now()
     context = args.tokens if args.context is None else args.context
     print(split_table(cfg, min(args.chunk_size, args.tokens), "prefill", gpu, 0, args.dtype, m))
     print()
     print(split_table(cfg, 1, "decode", gpu, context, args.dtype, m))
-    print("\nmeasured: python -m qwen3layer run with the same flags, on a machine with the CUDA device")
+    if getattr(args, "machine", None) is None:
+        print("\nmeasured: python -m qwen3layer run with the same flags, on a machine with the CUDA device")
     return 0
 
 
