@@ -6,6 +6,7 @@ against itself proves nothing). A planted defect (--plant) must fail exactly whe
 planted: the comparisons are tight enough to see one element three tolerances off."""
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -106,3 +107,31 @@ def test_portable_alone_compares_nothing_and_fails(program):
 def test_a_plant_that_names_no_op_or_path_is_refused(program, plant):
     rc, out, rows = run(program, "--plant", plant)
     assert rc == 2 and not rows and "--plant: expected OP:PATH[,OP:PATH...], OP an op of the harness or *" in out, out
+
+
+AARCH64_CC, QEMU = "aarch64-linux-gnu-gcc", "qemu-aarch64"
+
+
+@pytest.mark.skipif(not (shutil.which(AARCH64_CC) and shutil.which(QEMU)),
+                    reason=f"no {AARCH64_CC} and {QEMU} here (Debian's gcc-aarch64-linux-gnu and qemu-user; .ci/run "
+                           "installs them)")
+def test_the_harness_cross_builds_for_aarch64_and_runs_under_qemu():
+    """issue 43's proof without ARM hardware, its first step: the kernels and the harness build
+    with Debian's aarch64 toolchain and the program runs under qemu-user. Only portable is
+    compiled for aarch64 so far, so it lists that path alone (no x86 level) and fails as
+    designed, having compared nothing; a NEON path turns this run into a comparison."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "cpu_ops_check.py"), "--build-only",
+                        "--cc", AARCH64_CC, "--machine", "aarch64"], capture_output=True, text=True, timeout=1200,
+                       env=environment())
+    assert r.returncode == 0, r.stdout + r.stderr
+    built = r.stdout.split()[-1]
+    assert built.endswith(os.path.join("aarch64", "cpu_ops_check"))
+    with open(built, "rb") as f:
+        header = f.read(20)
+    assert header[:4] == b"\x7fELF" and int.from_bytes(header[18:20], "little") == 183  # EM_AARCH64
+    q = subprocess.run([QEMU, "-L", "/usr/aarch64-linux-gnu", built], capture_output=True, text=True, timeout=300,
+                       env=environment())
+    assert q.returncode == 1, q.stdout + q.stderr
+    assert "portable   the reference: not compared (against itself)" in q.stdout
+    assert not any(level in q.stdout for level in LEVELS[1:]), q.stdout  # x86 levels are not listed on aarch64
+    assert "compared nothing: no path but portable runs here" in q.stdout

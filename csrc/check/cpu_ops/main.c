@@ -39,8 +39,13 @@ static const struct {
     {"probe_fma", ops_probe_fma},
 };
 #define N_OPS (int)(sizeof OPS / sizeof OPS[0])
-/* every level cpu_dispatch.c may compile, lowest first */
+/* every level cpu_dispatch.c may compile for this architecture, lowest first (another
+ * architecture's are not listed: they are never compiled here) */
+#if defined(__x86_64__)
 static const char *const LEVELS[] = {"portable", "avx2", "avx512", "avx512bf16", "amx"};
+#else
+static const char *const LEVELS[] = {"portable"};
+#endif
 #define N_LEVELS (int)(sizeof LEVELS / sizeof LEVELS[0])
 
 static int runs(const char *level, const char *const *avail, int n) {
@@ -82,8 +87,8 @@ int main(int argc, char **argv) {
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--plant") && i + 1 < argc) {
             if (!parse_plant(argv[++i], plant))
-                return usage("--plant: expected OP:PATH[,OP:PATH...], OP an op of the harness or *, PATH one of "
-                             "avx2, avx512, avx512bf16, amx");
+                return usage("--plant: expected OP:PATH[,OP:PATH...], OP an op of the harness or *, PATH a path of "
+                             "this architecture's but portable (cpu_dispatch.c)");
         } else if (!strcmp(argv[i], "--hide") && i + 1 < argc) {
             if (q3_cpu_hide(argv[++i], &err) != Q3_OK) return usage(err.msg);
         } else
