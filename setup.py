@@ -18,7 +18,8 @@ The kernels are compiled once per instruction set, each copy with its own names
 (kernels/cpu/isa.h): "portable" for the architecture's baseline and, on x86-64, "avx2"
 (with FMA) and "avx512" (F, BW, VL, DQ; BF16 and AMX code inside it is enabled per
 function). The engine picks the best one the CPU can run when the module is imported
-(csrc/engine/cpu_dispatch.c); QWEN3LAYER_CPU_PATH=portable|avx2|avx512|avx512bf16|amx forces one.
+(csrc/engine/cpu_dispatch.c); QWEN3LAYER_CPU_PATH=portable|avx2|avx512|avx512bf16|amx forces one
+(on aarch64: portable|neon_bf16, the second the portable copy's kernels with BFDOT bf16 products).
 
 Where nvcc is found (PATH, $CUDA_HOME/bin or /usr/local/cuda/bin), kernels/cuda/*.cu are
 built into qwen3layer/libq3cuda.so for sm_80, sm_87, sm_90, sm_100, sm_110, sm_120 and sm_121

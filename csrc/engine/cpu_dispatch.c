@@ -18,6 +18,10 @@
 #include <unistd.h>
 #endif
 #endif
+#if defined(__aarch64__) && defined(__linux__)
+#include <sys/auxv.h>
+#define Q3_HWCAP2_BF16 (1ul << 14) /* the kernel's HWCAP2_BF16 (asm/hwcap.h): FEAT_BF16 */
+#endif
 
 #include "../../kernels/cpu/matmul_packed.h"
 #include "cpu_dispatch.h"
@@ -76,6 +80,9 @@ static int supported(const char *name) {
     if (!strcmp(name, "amx")) /* leaf 7.0 EDX bit 22: AMX-BF16, bit 24: AMX-TILE */
         return bf16 && cpuid_bit(7, 0, 3, 22) && cpuid_bit(7, 0, 3, 24) && amx_granted();
 #endif
+#if defined(__aarch64__) && defined(__linux__)
+    if (!strcmp(name, "neon_bf16")) return (getauxval(AT_HWCAP2) & Q3_HWCAP2_BF16) != 0;
+#endif
     return 0;
 }
 
@@ -98,6 +105,14 @@ static void init_levels(void) {
     levels[n_levels].ops = &levels[n_levels].with_matmul;
     n_levels++;
     levels[n_levels] = (level){"amx", NULL, amx};
+    levels[n_levels].ops = &levels[n_levels].with_matmul;
+    n_levels++;
+#endif
+#if defined(__aarch64__) && defined(__linux__)
+    q3_cpu_ops neon_bf16 = q3_ops_cpu_portable; /* portable's ops, the bf16 products on BFDOT */
+    neon_bf16.name = "neon_bf16";
+    neon_bf16.matmul = q3_matmul_cpu_neon_bf16;
+    levels[n_levels] = (level){"neon_bf16", NULL, neon_bf16};
     levels[n_levels].ops = &levels[n_levels].with_matmul;
     n_levels++;
 #endif
@@ -131,8 +146,8 @@ q3_status q3_cpu_select(const char *name, q3_error *err) {
         active_name = levels[i].name;
         return Q3_OK;
     }
-    return q3_fail(err, Q3_ERR_VALUE, "cpu path: expected one of portable, avx2, avx512, avx512bf16, amx "
-                   "(as this build and CPU allow), got '%s'", name);
+    return q3_fail(err, Q3_ERR_VALUE, "cpu path: expected one of portable, avx2, avx512, avx512bf16, amx (x86-64), "
+                   "neon_bf16 (aarch64), as this build and CPU allow, got '%s'", name);
 }
 
 const char *q3_cpu_path(void) {

@@ -68,6 +68,10 @@ typedef struct {
     extern const q3_cpu_ops q3_ops_cpu_##isa;
 
 Q3_CPU_DECLARE(portable)
+#if defined(__aarch64__)
+/* the neon_bf16 level: portable's ops, its bf16 products on BFDOT (matmul_neon_bf16.c) */
+q3_matmul_fn q3_matmul_cpu_neon_bf16;
+#endif
 #if defined(__x86_64__)
 Q3_CPU_DECLARE(avx2)
 Q3_CPU_DECLARE(avx512)

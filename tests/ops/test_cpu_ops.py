@@ -48,7 +48,11 @@ def program():
 
 def run(program, *args):
     """the program's exit status, output and rows {(path, op): (cases, worst err/tol, OK|FAIL)}"""
-    r = subprocess.run([program, *args], capture_output=True, text=True, timeout=600, env=environment())
+    return run_command([program, *args])
+
+
+def run_command(command):
+    r = subprocess.run(command, capture_output=True, text=True, timeout=600, env=environment())
     rows = {(m[1], m[2]): (int(m[3]), float(m[4]), m[5]) for m in ROW.finditer(r.stdout)}
     return r.returncode, r.stdout + r.stderr, rows
 
@@ -112,14 +116,9 @@ def test_a_plant_that_names_no_op_or_path_is_refused(program, plant):
 AARCH64_CC, QEMU = "aarch64-linux-gnu-gcc", "qemu-aarch64"
 
 
-@pytest.mark.skipif(not (shutil.which(AARCH64_CC) and shutil.which(QEMU)),
-                    reason=f"no {AARCH64_CC} and {QEMU} here (Debian's gcc-aarch64-linux-gnu and qemu-user; .ci/run "
-                           "installs them)")
-def test_the_harness_cross_builds_for_aarch64_and_runs_under_qemu():
-    """issue 43's proof without ARM hardware, its first step: the kernels and the harness build
-    with Debian's aarch64 toolchain and the program runs under qemu-user. Only portable is
-    compiled for aarch64 so far, so it lists that path alone (no x86 level) and fails as
-    designed, having compared nothing; a NEON path turns this run into a comparison."""
+@pytest.fixture(scope="module")
+def aarch64_program():
+    """the harness cross-built for aarch64 with Debian's toolchain (an AArch64 ELF)"""
     r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "cpu_ops_check.py"), "--build-only",
                         "--cc", AARCH64_CC, "--machine", "aarch64"], capture_output=True, text=True, timeout=1200,
                        env=environment())
@@ -129,9 +128,40 @@ def test_the_harness_cross_builds_for_aarch64_and_runs_under_qemu():
     with open(built, "rb") as f:
         header = f.read(20)
     assert header[:4] == b"\x7fELF" and int.from_bytes(header[18:20], "little") == 183  # EM_AARCH64
-    q = subprocess.run([QEMU, "-L", "/usr/aarch64-linux-gnu", built], capture_output=True, text=True, timeout=300,
-                       env=environment())
-    assert q.returncode == 1, q.stdout + q.stderr
-    assert "portable   the reference: not compared (against itself)" in q.stdout
-    assert not any(level in q.stdout for level in LEVELS[1:]), q.stdout  # x86 levels are not listed on aarch64
-    assert "compared nothing: no path but portable runs here" in q.stdout
+    return built
+
+
+def under_qemu(program, cpu, *args):
+    """run() of the aarch64 program under qemu-user, emulating `cpu`"""
+    return run_command([QEMU, "-cpu", cpu, "-L", "/usr/aarch64-linux-gnu", program, *args])
+
+
+needs_qemu = pytest.mark.skipif(not (shutil.which(AARCH64_CC) and shutil.which(QEMU)),
+                                reason=f"no {AARCH64_CC} and {QEMU} here (Debian's gcc-aarch64-linux-gnu and "
+                                       "qemu-user; .ci/run installs them)")
+
+
+@needs_qemu
+def test_the_neon_bf16_path_runs_every_op_against_portable_under_qemu(aarch64_program):
+    """issue 43's proof without ARM hardware: on an emulated CPU with BF16 (qemu's `max`), the
+    neon_bf16 level (portable's ops, bf16 products on BFDOT) is compared with portable, op by op,
+    within the bf16 paths' tolerance; the x86 levels are not listed on aarch64"""
+    rc, out, rows = under_qemu(aarch64_program, "max")
+    assert rc == 0, out
+    assert {path for path, _ in rows} == {"neon_bf16"} and len(rows) >= 19, out
+    assert all(result == "OK" and cases > 0 for cases, _, result in rows.values()), out
+    assert rows[("neon_bf16", "matmul")][0] >= 100  # its bf16-scratch cases are BFDOT's
+    assert not any(level in out for level in LEVELS[1:]), out
+
+
+@needs_qemu
+def test_a_cpu_without_bf16_runs_portable_alone_and_a_planted_defect_fails_under_qemu(aarch64_program):
+    """a Cortex-A72 (ARMv8.0, no BF16): neon_bf16 "not supported on this CPU", nothing compared,
+    a failure; on `max`, a defect planted in neon_bf16's matmul fails there and nowhere else"""
+    rc, out, rows = under_qemu(aarch64_program, "cortex-a72")
+    assert rc == 1 and not rows, out
+    assert "neon_bf16  not supported on this CPU" in out
+    assert "compared nothing: no path but portable runs here" in out
+    rc, out, rows = under_qemu(aarch64_program, "max", "--plant", "matmul:neon_bf16")
+    assert rc == 1, out
+    assert [key for key, row in rows.items() if row[2] == "FAIL"] == [("neon_bf16", "matmul")], out

@@ -43,6 +43,8 @@ static const struct {
  * architecture's are not listed: they are never compiled here) */
 #if defined(__x86_64__)
 static const char *const LEVELS[] = {"portable", "avx2", "avx512", "avx512bf16", "amx"};
+#elif defined(__aarch64__) && defined(__linux__)
+static const char *const LEVELS[] = {"portable", "neon_bf16"};
 #else
 static const char *const LEVELS[] = {"portable"};
 #endif
