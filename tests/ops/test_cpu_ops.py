@@ -132,8 +132,10 @@ def aarch64_program():
 
 
 def under_qemu(program, cpu, *args):
-    """run() of the aarch64 program under qemu-user, emulating `cpu`"""
-    return run_command([QEMU, "-cpu", cpu, "-L", "/usr/aarch64-linux-gnu", program, *args])
+    """run() of the aarch64 program under qemu-user, emulating `cpu`; its libraries from the
+    cross toolchain's target folder (Debian's: <prefix>/aarch64-linux-gnu beside <prefix>/bin)"""
+    target = os.path.join(os.path.dirname(os.path.dirname(shutil.which(AARCH64_CC))), "aarch64-linux-gnu")
+    return run_command([QEMU, "-cpu", cpu, "-L", target, program, *args])
 
 
 needs_qemu = pytest.mark.skipif(not (shutil.which(AARCH64_CC) and shutil.which(QEMU)),
