@@ -10,13 +10,20 @@ from ..analysis.machines import machine, predict, predicted_table
 
 # map's flags that measure something on this machine: no meaning with --machine
 MEASURING = {"hidden_keys": "--hidden-keys", "sweep_chunk": "--sweep-chunk"}
+# ... and those of the measured layer and its drawing, each with its default: given otherwise, refused
+UNUSED = (("repeat", "--repeat", 2), ("out", "--out", "qwen3layer-map"), ("seed", "--seed", 0))
 
 
 def check_machine_args(args: argparse.Namespace) -> None:
-    """ValueError naming a flag that measures on this machine, or --device, given with --machine"""
+    """ValueError naming a flag that measures on this machine (or a flag of the measured layer
+    given another value than its default), or --device, given with --machine"""
     for name, flag in MEASURING.items():
         if getattr(args, name, None):
             raise ValueError(f"{flag}: measures this machine; with --machine {args.machine} nothing is measured")
+    for name, flag, default in UNUSED:
+        if getattr(args, name, default) != default:
+            raise ValueError(f"{flag} {getattr(args, name)}: with --machine {args.machine} no layer is built, "
+                             "measured or drawn")
     if args.device != "cpu":
         raise ValueError(f"--device {args.device}: with --machine the machine's own CPU and GPU are predicted "
                          "(both, where it has a GPU)")
@@ -41,6 +48,6 @@ def cmd_map_machine(args: argparse.Namespace, cfg, weight_format: str) -> int:
                                on_gpu=on_gpu)
         print()
         print(predicted_table(model, times, f"{m.name} {where}: a decode step at context {context}, {kind}"))
-    if m.name != "gh200" and m.has_gpu:
+    if m.has_gpu and not m.link:
         print(f"\n{m.name}'s CPU and GPU read one memory: no split over a link to predict (--expert-device)")
     return 0

@@ -148,10 +148,10 @@ def run(layer: Any, hidden_states: torch.Tensor, attention_mask: Any, position_i
     else:  # a DynamicLayer's keys' width; views left to be made (cache._LazyView) tell it unmade
         lazy = d.get("_q3_lazy") if d.get("keys") is _LAZY else None
         width = entry.keys.shape[-2] if lazy is None else lazy[1] if lazy[0] is kv else -1
-        limit = ld.get("_limit")  # (layer._cached_limit()'s, inline: the core, max_tokens, the limit)
-        if limit is None or limit[0] is not core or limit[1] is not ld["max_tokens"]:
-            limit = (None, None, layer._cached_limit())
-        if width != past or past + new > capacity or past + new > limit[2]:
+        limit = ld.get("_limit")  # (layer._cached_limit(), inline: (the core, max_tokens, the limit))
+        cap = limit[2] if limit is not None and limit[0] is core and limit[1] is ld["max_tokens"] else \
+            layer._cached_limit()
+        if width != past or past + new > capacity or past + new > cap:
             return None
     held = ld["_held"]  # (None: a layer made without an original, nothing borrowed)
     if held is not None and not (_still_held(held.watch) and (getattr(_HANDLES, "next_id", -2) == held.hooks_read or

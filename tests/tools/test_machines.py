@@ -86,6 +86,9 @@ def test_map_machine_prints_predicted_tables_and_measures_nothing():
     assert "measuring" not in r.stdout and "building" not in r.stdout
     for flags, needle in ((["--hidden-keys", "0.5"], "--hidden-keys: measures this machine"),
                           (["--device", "cuda"], "--device cuda: with --machine"),
+                          (["--repeat", "5"], "--repeat 5: with --machine orin no layer is built"),
+                          (["--out", "elsewhere"], "--out elsewhere: with --machine orin no layer is built"),
+                          (["--seed", "3"], "--seed 3: with --machine orin no layer is built"),
                           (["--expert-device", "cpu"], "--machine orin: the GPU + host split needs a GPU reached")):
         r = cli("--machine", "orin", "--geometry", "tiny", *flags)
         assert r.returncode == 2 and needle in r.stderr, r.stderr
