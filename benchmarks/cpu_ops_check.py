@@ -11,7 +11,11 @@ compiler), to run under emulation there (qemu-aarch64 build/cpu-ops-check/aarch6
     python benchmarks/cpu_ops_check.py --plant swiglu:avx2      # a planted defect: must fail
     python benchmarks/cpu_ops_check.py --hide avx2,avx512,avx512bf16,amx   # portable alone: fails
     python benchmarks/cpu_ops_check.py --build-only --cc aarch64-linux-gnu-gcc --machine aarch64
+    python benchmarks/cpu_ops_check.py --build-only --cc "clang --target=aarch64-linux-gnu" --machine aarch64 --no-openmp
 
+--cc is a command (words split as a shell does: a compiler and its target). A compiler other than
+gcc builds into build/cpu-ops-check/<machine>-<its name>, beside gcc's. --no-openmp builds the
+program serial (a cross clang has no aarch64 OpenMP runtime here: Debian's libomp is the host's).
 The program's arguments (--plant, --hide) are passed through; its output is cpu_ops/main.c's.
 """
 from __future__ import annotations
@@ -21,6 +25,7 @@ import glob
 import importlib.util
 import os
 import platform
+import shlex
 import subprocess
 import sys
 
@@ -36,11 +41,15 @@ def _setup():
     return module
 
 
-def build(cc: str = "gcc", machine: str | None = None, quiet: bool = True) -> str:
-    """Compiles what is stale and links the program; returns its path."""
+def build(cc: str = "gcc", machine: str | None = None, quiet: bool = True, openmp: bool = True) -> str:
+    """Compiles what is stale and links the program; returns its path. cc: the compiler's
+    command (shell words)."""
     s = _setup()
     machine = (machine or platform.machine()).lower()
-    out = os.path.join("build", "cpu-ops-check", machine)
+    words = shlex.split(cc)
+    tool = os.path.basename(words[0])
+    out = os.path.join("build", "cpu-ops-check", machine if tool.endswith("gcc") else f"{machine}-{tool}")
+    common = [flag for flag in s.COMMON if openmp or flag != "-fopenmp"]
     headers = sorted(glob.glob("kernels/*.h") + glob.glob("kernels/cpu/*.h") + glob.glob("csrc/engine/*.h")
                      + glob.glob("csrc/check/cpu_ops/*.h"))
     units = [(f"isa-{isa}", [f"-DQ3_ISA={isa}", *flags], sorted(glob.glob("kernels/cpu/*.c")))
@@ -51,19 +60,20 @@ def build(cc: str = "gcc", machine: str | None = None, quiet: bool = True) -> st
     os.chdir(ROOT)  # setup.py's recipe and these paths are relative to the checkout
     try:
         for name, flags, sources in units:
-            objdir, command = os.path.join(out, name), [cc, *s.COMMON, *flags]
+            objdir, command = os.path.join(out, name), [*words, *common, *flags]
             stdout = sys.stdout
             if quiet:  # compile_objects prints a line a file
                 sys.stdout = open(os.devnull, "w")
             try:
-                objects += s.compile_objects(cc, command[1:], sources, headers, objdir, s.command_changed(objdir, command))
+                objects += s.compile_objects(words[0], command[1:], sources, headers, objdir,
+                                             s.command_changed(objdir, command))
             finally:
                 if quiet:
                     sys.stdout.close()
                     sys.stdout = stdout
             s.record_command(objdir, command)
         target = os.path.join(out, "cpu_ops_check")
-        s.link_library(cc, objects, ["-fopenmp", "-lm"], target)
+        s.link_library(words[0], objects, [*words[1:], *(["-fopenmp"] if openmp else []), "-lm"], target)
         return os.path.join(ROOT, target)
     finally:
         os.chdir(cwd)
@@ -71,12 +81,14 @@ def build(cc: str = "gcc", machine: str | None = None, quiet: bool = True) -> st
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cc", default=os.environ.get("CC", "gcc"), help="the C compiler (a cross compiler for --machine)")
+    p.add_argument("--cc", default=os.environ.get("CC", "gcc"),
+                   help="the C compiler's command (a cross compiler for --machine, or e.g. \"clang --target=...\")")
+    p.add_argument("--no-openmp", action="store_true", help="build without OpenMP (the program runs serial)")
     p.add_argument("--machine", help="the target's platform.machine() name (this machine's by default)")
     p.add_argument("--build-only", action="store_true", help="build and print the program's path, do not run it")
     p.add_argument("--verbose", action="store_true", help="print each file compiled")
     args, program_args = p.parse_known_args()
-    program = build(args.cc, args.machine, quiet=not args.verbose)
+    program = build(args.cc, args.machine, quiet=not args.verbose, openmp=not args.no_openmp)
     if args.build_only:
         print(program)
         return 0

@@ -1,7 +1,9 @@
 /* CPU path selection: the levels this build compiled, which of them this CPU (and OS) can
  * run, and the one in use. Levels, lowest first: portable (the baseline C), avx2 (with FMA),
  * avx512 (F, BW, VL, DQ), avx512bf16 (+ bf16 and VNNI int8 dot products), amx (+ AMX-BF16 tiles, granted
- * by the kernel on request). The best available level is the default. avx512bf16 was kept
+ * by the kernel on request); on aarch64 portable (scalar), neon (ASIMD), neon_bf16 (+ BFDOT
+ * products) and sve (the kernels compiled for SVE: opt-in, never the default, until measured
+ * faster than neon on a machine). The best available level is the default. avx512bf16 was kept
  * from being the default for a while, on a measurement made while its tile spilled its 24
  * accumulators to the stack at every step (matmul_dot.c's dot_tile): with that fixed, on
  * an AMD Zen 5 (2 threads) vdpbf16ps runs at the fp32 FMA's instruction rate (6.6 against
@@ -20,7 +22,10 @@
 #endif
 #if defined(__aarch64__) && defined(__linux__)
 #include <sys/auxv.h>
-#define Q3_HWCAP2_BF16 (1ul << 14) /* the kernel's HWCAP2_BF16 (asm/hwcap.h): FEAT_BF16 */
+/* the kernel's bits (asm/hwcap.h): HWCAP_ASIMD, HWCAP_SVE, HWCAP2_BF16 (FEAT_BF16) */
+#define Q3_HWCAP_ASIMD (1ul << 1)
+#define Q3_HWCAP_SVE (1ul << 22)
+#define Q3_HWCAP2_BF16 (1ul << 14)
 #endif
 
 #include "../../kernels/cpu/matmul_packed.h"
@@ -30,6 +35,7 @@ typedef struct {
     const char *name;
     const q3_cpu_ops *ops;
     q3_cpu_ops with_matmul; /* for the levels that only swap the matmul */
+    int opt_in;             /* offered where named, never the default */
 } level;
 
 static level levels[5];
@@ -81,17 +87,20 @@ static int supported(const char *name) {
         return bf16 && cpuid_bit(7, 0, 3, 22) && cpuid_bit(7, 0, 3, 24) && amx_granted();
 #endif
 #if defined(__aarch64__) && defined(__linux__)
-    if (!strcmp(name, "neon_bf16")) return (getauxval(AT_HWCAP2) & Q3_HWCAP2_BF16) != 0;
+    const unsigned long hwcap = getauxval(AT_HWCAP);
+    if (!strcmp(name, "neon")) return (hwcap & Q3_HWCAP_ASIMD) != 0;
+    if (!strcmp(name, "neon_bf16")) return (hwcap & Q3_HWCAP_ASIMD) && (getauxval(AT_HWCAP2) & Q3_HWCAP2_BF16);
+    if (!strcmp(name, "sve")) return (hwcap & Q3_HWCAP_ASIMD) && (hwcap & Q3_HWCAP_SVE);
 #endif
     return 0;
 }
 
 static void init_levels(void) {
     if (n_levels) return;
-    levels[n_levels++] = (level){"portable", &q3_ops_cpu_portable, {0}};
+    levels[n_levels++] = (level){"portable", &q3_ops_cpu_portable, {0}, 0};
 #if defined(__x86_64__)
-    levels[n_levels++] = (level){"avx2", &q3_ops_cpu_avx2, {0}};
-    levels[n_levels++] = (level){"avx512", &q3_ops_cpu_avx512, {0}};
+    levels[n_levels++] = (level){"avx2", &q3_ops_cpu_avx2, {0}, 0};
+    levels[n_levels++] = (level){"avx512", &q3_ops_cpu_avx512, {0}, 0};
     q3_cpu_ops bf16 = q3_ops_cpu_avx512, amx = q3_ops_cpu_avx512;
     bf16.name = "avx512bf16";
     bf16.matmul = q3_matmul_cpu_avx512bf16;
@@ -101,20 +110,21 @@ static void init_levels(void) {
     amx.matmul = q3_matmul_cpu_amx;
     amx.matmul_fp8 = q3_matmul_fp8_cpu_amx;
     amx.matmul_int4 = q3_matmul_int4_cpu_avx512bf16; /* its VNNI decode and bf16-dot prefill (AMX has both) */
-    levels[n_levels] = (level){"avx512bf16", NULL, bf16};
+    levels[n_levels] = (level){"avx512bf16", NULL, bf16, 0};
     levels[n_levels].ops = &levels[n_levels].with_matmul;
     n_levels++;
-    levels[n_levels] = (level){"amx", NULL, amx};
+    levels[n_levels] = (level){"amx", NULL, amx, 0};
     levels[n_levels].ops = &levels[n_levels].with_matmul;
     n_levels++;
 #endif
 #if defined(__aarch64__) && defined(__linux__)
-    q3_cpu_ops neon_bf16 = q3_ops_cpu_portable; /* portable's ops, the bf16 products on BFDOT */
-    neon_bf16.name = "neon_bf16";
-    neon_bf16.matmul = q3_matmul_cpu_neon_bf16;
-    levels[n_levels] = (level){"neon_bf16", NULL, neon_bf16};
+    levels[n_levels++] = (level){"neon", &q3_ops_cpu_neon, {0}, 0};
+    q3_cpu_ops neon_bf16 = q3_ops_cpu_neon_bf16; /* its variant's ops, the bf16 products on BFDOT */
+    neon_bf16.matmul = q3_matmul_bfdot_cpu_neon_bf16;
+    levels[n_levels] = (level){"neon_bf16", NULL, neon_bf16, 0};
     levels[n_levels].ops = &levels[n_levels].with_matmul;
     n_levels++;
+    levels[n_levels++] = (level){"sve", &q3_ops_cpu_sve, {0}, 1};
 #endif
 }
 
@@ -130,7 +140,12 @@ q3_status q3_cpu_select(const char *name, q3_error *err) {
     init_levels();
     const char *avail[8];
     const int n = q3_cpu_paths(avail, 8);
-    if (!name || !*name) name = avail[n - 1];
+    if (!name || !*name) { /* the best available that is not opt-in (portable at least) */
+        name = "portable";
+        for (int i = 0; i < n_levels; i++)
+            for (int j = 0; j < n; j++)
+                if (!strcmp(levels[i].name, avail[j]) && !levels[i].opt_in) name = avail[j];
+    }
     for (int i = 0; i < n_levels; i++) {
         if (strcmp(levels[i].name, name)) continue;
         if (!supported(name)) {
@@ -147,7 +162,7 @@ q3_status q3_cpu_select(const char *name, q3_error *err) {
         return Q3_OK;
     }
     return q3_fail(err, Q3_ERR_VALUE, "cpu path: expected one of portable, avx2, avx512, avx512bf16, amx (x86-64), "
-                   "neon_bf16 (aarch64), as this build and CPU allow, got '%s'", name);
+                   "neon, neon_bf16, sve (aarch64), as this build and CPU allow, got '%s'", name);
 }
 
 const char *q3_cpu_path(void) {
@@ -184,7 +199,8 @@ q3_status q3_cpu_hide(const char *names, q3_error *err) {
             if (strlen(levels[i].name) == len && !strncmp(levels[i].name, p, len)) found = i;
         if (found <= 0) /* portable (0) is what every CPU runs: it cannot be hidden */
             return q3_fail(err, Q3_ERR_VALUE, "cpu paths to hide: expected a comma-separated list of avx2, avx512, "
-                           "avx512bf16, amx (as this build compiled them), got '%.*s'", (int)len, p);
+                           "avx512bf16, amx (x86-64), neon, neon_bf16, sve (aarch64), as this build compiled them, "
+                           "got '%.*s'", (int)len, p);
         hide[found] = 1;
         p = end ? end + 1 : p + len;
     }

@@ -297,7 +297,8 @@ void Q3_CPU_FN(q3_attention)(float *out, const float *q, const q3_attn_seq *seqs
 #ifdef _OPENMP
         float *mine = scratch + omp_get_thread_num() * per_thread;
 #else
-        float *mine = scratch;
+        float *mine = scratch; /* (a build without OpenMP: one thread) */
+        (void)per_thread;
 #endif
         attend_block(out + row0, q + row0, ld, nq, G, D, seqs[s].n_past + t0 + 1, &seqs[s],
                      (const char *)seqs[s].k + head_off, (const char *)seqs[s].v + head_off, sh->kv_dtype,

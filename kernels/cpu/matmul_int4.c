@@ -196,6 +196,7 @@ static void gemv(float *y, const float *x, const q3_int4_matrix *w, int64_t T, i
                  int threads) {
     const int64_t vectors = N / Q3_LANES;
     const int nt = vectors < 1 ? 1 : threads < vectors ? threads : (int)vectors;
+    (void)nt; /* (read by the OpenMP pragma alone) */
     /* a tile's columns: as many whole vectors as T of them fit TILE_FLOATS */
     const int64_t tile = TILE_FLOATS / T / Q3_LANES * Q3_LANES;
 #pragma omp parallel num_threads(nt) if (nt > 1 && T * N * K > (1 << 18))
@@ -323,7 +324,8 @@ void Q3_CPU_FN(q3_matmul_int4)(float *y, const float *x, const q3_int4_matrix *w
 #ifdef _OPENMP
         float *tile = scratch + omp_get_thread_num() * per_thread;
 #else
-        float *tile = scratch;
+        float *tile = scratch; /* (a build without OpenMP: one thread) */
+        (void)per_thread;
 #endif
         float *yt = tile + Q3_INT4_CHUNK_ROWS * K; /* [T, nr] */
         const int64_t n0 = c * Q3_INT4_CHUNK_ROWS;

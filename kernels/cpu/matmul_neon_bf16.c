@@ -3,18 +3,16 @@
  * given the bf16 scratch xb runs on BFDOT: x rounded to bf16 once per call, as transformers
  * holds it in bf16 and as the avx512bf16 level's vdpbf16ps does; each lane of an accumulator
  * takes two products a step, 8 inputs a 128-bit load, fp32 sums. Every other product (fp32
- * weights, no xb: the router, which keeps x exact) is the portable variant's. Compiled in the
- * portable variant on aarch64 only, its functions for the +bf16 target alone: the level is
- * offered where getauxval's HWCAP2_BF16 says the CPU has it.
+ * weights, no xb: the router, which keeps x exact) is the generic kernel's. Compiled in the
+ * neon_bf16 variant only (aarch64, -march=armv8.6-a+bf16: kernels/cpu/isa.h), whose other ops
+ * are the neon variant's code built for that target: the level is offered where getauxval's
+ * HWCAP2_BF16 says the CPU has it.
  *   y [T, N] (=, or +=) x [T, K] * W^T, W [N, K] bf16 */
 #include "ops.h"
 
-#if defined(__aarch64__) && Q3_ISA_PORTABLE && !Q3_CPU_TWINS
+#if defined(__aarch64__) && Q3_ISA_BFDOT && defined(__ARM_FEATURE_BF16_VECTOR_ARITHMETIC)
 
 #include <arm_neon.h>
-
-#pragma GCC push_options
-#pragma GCC target("arch=armv8.6-a+bf16")
 
 /* sum_k a[k] b[k] over K bf16 pairs: 8 a load, two accumulators, the tail converted to fp32 */
 static float dot_bf16(const uint16_t *a, const uint16_t *b, int64_t K) {
@@ -31,10 +29,10 @@ static float dot_bf16(const uint16_t *a, const uint16_t *b, int64_t K) {
     return s;
 }
 
-void q3_matmul_cpu_neon_bf16(float *y, const float *x, const void *w, q3_dtype w_dt, int64_t T, int64_t N,
+void q3_matmul_bfdot_cpu_neon_bf16(float *y, const float *x, const void *w, q3_dtype w_dt, int64_t T, int64_t N,
                              int64_t K, int accumulate, uint16_t *xb) {
     if (w_dt != Q3_BF16 || !xb || T <= 0 || N <= 0 || K <= 0) {
-        q3_matmul_cpu_portable(y, x, w, w_dt, T, N, K, accumulate, xb);
+        q3_matmul_cpu_neon_bf16(y, x, w, w_dt, T, N, K, accumulate, xb);
         return;
     }
     for (int64_t i = 0; i < T * K; i++) xb[i] = q3_f32_to_bf16(x[i]); /* T x K fits the scratch */
@@ -48,7 +46,5 @@ void q3_matmul_cpu_neon_bf16(float *y, const float *x, const void *w, q3_dtype w
         }
     }
 }
-
-#pragma GCC pop_options
 
 #endif

@@ -20,7 +20,7 @@
 #include "isa.h"
 
 typedef struct {
-    const char *name; /* "portable", "avx2", "avx512", "avx512bf16", "amx" */
+    const char *name; /* "portable", "avx2", "avx512", "avx512bf16", "amx"; "neon", "neon_bf16", "sve" */
     q3_matmul_fn *matmul;
     q3_matmul_fp8_fn *matmul_fp8; /* block-scaled e4m3 weights (kernels/fp8.h) */
     q3_matmul_int4_fn *matmul_int4; /* GPTQ 4-bit weights (kernels/int4.h) */
@@ -69,8 +69,11 @@ typedef struct {
 
 Q3_CPU_DECLARE(portable)
 #if defined(__aarch64__)
-/* the neon_bf16 level: portable's ops, its bf16 products on BFDOT (matmul_neon_bf16.c) */
-q3_matmul_fn q3_matmul_cpu_neon_bf16;
+Q3_CPU_DECLARE(neon)
+Q3_CPU_DECLARE(neon_bf16)
+Q3_CPU_DECLARE(sve)
+/* the neon_bf16 level's bf16 products on BFDOT, its other products its variant's (matmul_neon_bf16.c) */
+q3_matmul_fn q3_matmul_bfdot_cpu_neon_bf16;
 #endif
 #if defined(__x86_64__)
 Q3_CPU_DECLARE(avx2)

@@ -116,18 +116,26 @@ def test_a_plant_that_names_no_op_or_path_is_refused(program, plant):
 AARCH64_CC, QEMU = "aarch64-linux-gnu-gcc", "qemu-aarch64"
 
 
-@pytest.fixture(scope="module")
-def aarch64_program():
-    """the harness cross-built for aarch64 with Debian's toolchain (an AArch64 ELF)"""
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "cpu_ops_check.py"), "--build-only",
-                        "--cc", AARCH64_CC, "--machine", "aarch64"], capture_output=True, text=True, timeout=1200,
+def cross_build(cc, *args, root=ROOT):
+    """the harness of the sources under root cross-built for aarch64 with the compiler command cc
+    (an AArch64 ELF): its path"""
+    r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "cpu_ops_check.py"), "--build-only",
+                        "--cc", cc, "--machine", "aarch64", *args], capture_output=True, text=True, timeout=1200,
                        env=environment())
     assert r.returncode == 0, r.stdout + r.stderr
     built = r.stdout.split()[-1]
-    assert built.endswith(os.path.join("aarch64", "cpu_ops_check"))
+    assert os.path.realpath(built).startswith(os.path.realpath(root)), (built, root)
     with open(built, "rb") as f:
         header = f.read(20)
     assert header[:4] == b"\x7fELF" and int.from_bytes(header[18:20], "little") == 183  # EM_AARCH64
+    return built
+
+
+@pytest.fixture(scope="module")
+def aarch64_program():
+    """the harness cross-built for aarch64 with Debian's toolchain"""
+    built = cross_build(AARCH64_CC)
+    assert built.endswith(os.path.join("aarch64", "cpu_ops_check"))
     return built
 
 
@@ -143,27 +151,101 @@ needs_qemu = pytest.mark.skipif(not (shutil.which(AARCH64_CC) and shutil.which(Q
                                        "qemu-user; .ci/run installs them)")
 
 
+ARM_LEVELS = ["neon", "neon_bf16", "sve"]  # cpu_dispatch.c's aarch64 levels above portable, lowest first
+
+
+def compared_every_op(rows, path, out):
+    """every op of the table compared on `path`, each OK"""
+    ops = set(table_ops()) | {"e4m3_decode"}
+    assert {op for p, op in rows if p == path} == ops, out
+    assert all(rows[(path, op)][0] > 0 and rows[(path, op)][2] == "OK" for op in ops), out
+
+
 @needs_qemu
-def test_the_neon_bf16_path_runs_every_op_against_portable_under_qemu(aarch64_program):
-    """issue 43's proof without ARM hardware: on an emulated CPU with BF16 (qemu's `max`), the
-    neon_bf16 level (portable's ops, bf16 products on BFDOT) is compared with portable, op by op,
-    within the bf16 paths' tolerance; the x86 levels are not listed on aarch64"""
+def test_the_arm_paths_run_every_op_against_portable_under_qemu(aarch64_program):
+    """issue 43's proof without ARM hardware: on an emulated CPU with BF16 and SVE (qemu's `max`),
+    neon (the ARMv8.0 ASIMD copy of the kernels), neon_bf16 (neon's, bf16 products on BFDOT) and
+    sve (the kernels compiled for SVE) are each compared with portable (scalar on aarch64), op
+    by op; the x86 levels are not listed on aarch64"""
     rc, out, rows = under_qemu(aarch64_program, "max")
     assert rc == 0, out
-    assert {path for path, _ in rows} == {"neon_bf16"} and len(rows) >= 19, out
-    assert all(result == "OK" and cases > 0 for cases, _, result in rows.values()), out
+    assert {path for path, _ in rows} == set(ARM_LEVELS), out
+    for path in ARM_LEVELS:
+        compared_every_op(rows, path, out)
     assert rows[("neon_bf16", "matmul")][0] >= 100  # its bf16-scratch cases are BFDOT's
+    assert rows[("neon", "matmul_fp8")][0] >= 100 and rows[("neon", "e4m3_decode")][0] > 0  # the fcvtl decoders
     assert not any(level in out for level in LEVELS[1:]), out
 
 
 @needs_qemu
-def test_a_cpu_without_bf16_runs_portable_alone_and_a_planted_defect_fails_under_qemu(aarch64_program):
-    """a Cortex-A72 (ARMv8.0, no BF16): neon_bf16 "not supported on this CPU", nothing compared,
-    a failure; on `max`, a defect planted in neon_bf16's matmul fails there and nowhere else"""
+@pytest.mark.parametrize("bits", [128, 256, 512])
+def test_the_sve_path_at_each_vector_length_under_qemu(aarch64_program, bits):
+    """vector-length agnostic: the same sve code at 128, 256 and 512 bits (qemu's sve-max-vq, in
+    128-bit units; the harness prints the length the kernel granted), every op against portable"""
+    rc, out, rows = under_qemu(aarch64_program, f"max,sve-max-vq={bits // 128}", "--hide", "neon,neon_bf16")
+    assert rc == 0 and f"sve vector length: {bits} bits" in out, out
+    assert {path for path, _ in rows} == {"sve"}, out
+    compared_every_op(rows, "sve", out)
+
+
+@needs_qemu
+def test_a_cpu_with_neon_alone_and_a_planted_defect_under_qemu(aarch64_program):
+    """a Cortex-A72 (ARMv8.0: ASIMD, no BF16, no SVE): neon compared, neon_bf16 and sve "not
+    supported on this CPU"; with neon hidden too, nothing compared and a failure. On `max`, the
+    harness's planted defects fail where they were planted and nowhere else"""
     rc, out, rows = under_qemu(aarch64_program, "cortex-a72")
-    assert rc == 1 and not rows, out
-    assert "neon_bf16  not supported on this CPU" in out
-    assert "compared nothing: no path but portable runs here" in out
-    rc, out, rows = under_qemu(aarch64_program, "max", "--plant", "matmul:neon_bf16")
+    assert rc == 0 and {path for path, _ in rows} == {"neon"}, out
+    compared_every_op(rows, "neon", out)
+    assert "neon_bf16  not supported on this CPU" in out and "sve        not supported on this CPU" in out, out
+    assert "sve vector length" not in out, out
+    rc, out, rows = under_qemu(aarch64_program, "cortex-a72", "--hide", "neon")
+    assert rc == 1 and not rows and "compared nothing: no path but portable runs here" in out, out
+    rc, out, rows = under_qemu(aarch64_program, "max", "--plant", "matmul:neon_bf16,rope:sve")
     assert rc == 1, out
-    assert [key for key, row in rows.items() if row[2] == "FAIL"] == [("neon_bf16", "matmul")], out
+    assert sorted(key for key, row in rows.items() if row[2] == "FAIL") == [("neon_bf16", "matmul"), ("sve", "rope")]
+
+
+# defects written into the ARM kernels themselves (old text, new text), each in a copy of the
+# sources: BFDOT's second accumulator reads the first 8 inputs again (neon_bf16's matmul alone);
+# the NEON e4m3 decoders' upper 4 weights of 8 are the lower 4 (every ARM path's FP8 rows)
+KERNEL_DEFECTS = {
+    os.path.join("kernels", "cpu", "matmul_neon_bf16.c"): (
+        "s1 = vbfdotq_f32(s1, vld1q_bf16((const bfloat16_t *)(a + k + 8))",
+        "s1 = vbfdotq_f32(s1, vld1q_bf16((const bfloat16_t *)(a + k))"),
+    os.path.join("kernels", "cpu", "matmul_fp8.c"): (
+        "*hi = (q3_vf)vcvt_high_f32_f16(vreinterpretq_f16_s16(h));",
+        "*hi = (q3_vf)vcvt_f32_f16(vreinterpret_f16_s16(vget_low_s16(h)));"),
+}
+
+
+@needs_qemu
+def test_defects_written_into_the_neon_kernels_fail_under_qemu(tmp_path):
+    """the harness catches a defect in the kernel code, not only its own planted ones: a copy of
+    the sources with KERNEL_DEFECTS written in, cross-built and run on `max`, fails exactly the
+    rows those kernels serve"""
+    for part in ("kernels", os.path.join("csrc", "engine"), os.path.join("csrc", "check", "cpu_ops")):
+        shutil.copytree(os.path.join(ROOT, part), tmp_path / part)
+    for part in ("setup.py", os.path.join("benchmarks", "cpu_ops_check.py")):
+        os.makedirs(tmp_path / os.path.dirname(part), exist_ok=True)
+        shutil.copy(os.path.join(ROOT, part), tmp_path / part)
+    for name, (old, new) in KERNEL_DEFECTS.items():
+        text = (tmp_path / name).read_text()
+        assert text.count(old) == 1, name
+        (tmp_path / name).write_text(text.replace(old, new))
+    rc, out, rows = under_qemu(cross_build(AARCH64_CC, root=tmp_path), "max")
+    assert rc == 1, out
+    expected = {("neon_bf16", "matmul")} | {(path, op) for path in ARM_LEVELS for op in ("matmul_fp8", "e4m3_decode")}
+    assert {key for key, row in rows.items() if row[2] == "FAIL"} == expected, out
+
+
+@needs_qemu
+@pytest.mark.skipif(not shutil.which("clang"), reason="no clang here (Debian's clang; .ci/run installs it)")
+def test_clang_builds_the_arm_paths_and_they_agree_under_qemu():
+    """the kernels as clang compiles them for aarch64 (--target; serial: no aarch64 OpenMP runtime
+    for a cross clang here), neon and neon_bf16 on `max` against clang's portable"""
+    built = cross_build("clang --target=aarch64-linux-gnu", "--no-openmp")
+    assert built.endswith(os.path.join("aarch64-clang", "cpu_ops_check"))
+    rc, out, rows = under_qemu(built, "max", "--hide", "sve")
+    assert rc == 0 and {path for path, _ in rows} == {"neon", "neon_bf16"}, out
+    for path in ("neon", "neon_bf16"):
+        compared_every_op(rows, path, out)

@@ -11,6 +11,10 @@
  * (* for all) of these paths (cpu_ops.h), which must then be the run's failures. */
 #include "../../engine/cpu_dispatch.h"
 #include "cpu_ops.h"
+#if defined(__aarch64__) && defined(__linux__)
+#include <sys/prctl.h>
+#define Q3_PR_SVE_GET_VL 51 /* linux/prctl.h: the SVE vector length in bytes (low 16 bits), < 0 without SVE */
+#endif
 
 static const struct {
     const char *name;
@@ -44,7 +48,7 @@ static const struct {
 #if defined(__x86_64__)
 static const char *const LEVELS[] = {"portable", "avx2", "avx512", "avx512bf16", "amx"};
 #elif defined(__aarch64__) && defined(__linux__)
-static const char *const LEVELS[] = {"portable", "neon_bf16"};
+static const char *const LEVELS[] = {"portable", "neon", "neon_bf16", "sve"};
 #else
 static const char *const LEVELS[] = {"portable"};
 #endif
@@ -101,6 +105,10 @@ int main(int argc, char **argv) {
     if (q3_cpu_select("portable", &err) != Q3_OK) return usage(err.msg);
     const q3_cpu_ops *ref = q3_cpu_ops_active();
     printf("cpu op harness: %d ops, each path against portable, %d threads\n", N_OPS, q3_max_threads());
+#if defined(__aarch64__) && defined(__linux__)
+    const int sve_bytes = prctl(Q3_PR_SVE_GET_VL);
+    if (sve_bytes >= 0) printf("sve vector length: %d bits\n", (sve_bytes & 0xffff) * 8);
+#endif
     int paths = 0, compared = 0, failed = 0;
     long cases = 0;
     for (int l = 0; l < N_LEVELS; l++) {
