@@ -169,10 +169,10 @@ def find_cuda_headers():
 FOLDER_FLAGS = {"kernels/simt": ["-fno-sanitize=alignment"]}
 
 
-def compile_objects(tool, compile_flags, sources, headers, objdir, force=False):
+def compile_objects(tool, compile_flags, sources, headers, objdir, force=False, quiet=False):
     """Compiles the stale sources (newer than their object or a header) with `tool`, in
     parallel (one core a file), into objdir/<name>.o; the objects in the sources' order.
-    A source in a folder of FOLDER_FLAGS gets that folder's flags last."""
+    A source in a folder of FOLDER_FLAGS gets that folder's flags last. quiet: no line a file."""
     os.makedirs(objdir, exist_ok=True)
     objects, stale = [], []
     newest_header = max(map(os.path.getmtime, headers), default=0)
@@ -184,7 +184,8 @@ def compile_objects(tool, compile_flags, sources, headers, objdir, force=False):
 
     def compile_one(job):
         src, obj = job
-        print(f"{os.path.basename(tool)} {src}")
+        if not quiet:
+            print(f"{os.path.basename(tool)} {src}")
         extra = FOLDER_FLAGS.get(os.path.dirname(os.path.normpath(src)), [])
         subprocess.check_call([tool, *compile_flags, *extra, "-c", src, "-o", obj])
 

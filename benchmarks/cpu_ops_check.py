@@ -61,16 +61,8 @@ def build(cc: str = "gcc", machine: str | None = None, quiet: bool = True, openm
     try:
         for name, flags, sources in units:
             objdir, command = os.path.join(out, name), [*words, *common, *flags]
-            stdout = sys.stdout
-            if quiet:  # compile_objects prints a line a file
-                sys.stdout = open(os.devnull, "w")
-            try:
-                objects += s.compile_objects(words[0], command[1:], sources, headers, objdir,
-                                             s.command_changed(objdir, command))
-            finally:
-                if quiet:
-                    sys.stdout.close()
-                    sys.stdout = stdout
+            objects += s.compile_objects(words[0], command[1:], sources, headers, objdir,
+                                         s.command_changed(objdir, command), quiet=quiet)
             s.record_command(objdir, command)
         target = os.path.join(out, "cpu_ops_check")
         s.link_library(words[0], objects, [*words[1:], *(["-fopenmp"] if openmp else []), "-lm"], target)

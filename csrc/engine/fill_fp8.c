@@ -18,7 +18,12 @@
  * makes the 2.4 G weights of the real layer's experts in seconds, as the kernels' fill does.
  * Its FMA may round mean + std z once where the baseline rounds twice, like the kernels'
  * ISA-specific fills. */
-__attribute__((target_clones("arch=x86-64-v3", "default")))
+#if defined(__x86_64__)
+#define FILL_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define FILL_CLONES /* (aarch64's baseline has ASIMD) */
+#endif
+FILL_CLONES
 static void fill_block(uint8_t *w, float *scale, int64_t N, int64_t K, int64_t bi, int64_t bj, uint64_t key,
                        int64_t offset, float mean, float std) {
     float tile[B * B]; /* [nr, nc] at row stride B: 64 KiB of the thread's stack, drawn once */

@@ -1,0 +1,145 @@
+"""The Python package on aarch64, under emulation (issue 43): an arm64 CPython 3.11 from Debian's
+packages unpacked into a folder (apt-get download and dpkg -x: nothing is installed), numpy's
+aarch64 wheel and pytest's pure-Python ones unzipped beside it, the extension qwen3layer._C
+cross-built with Debian's aarch64 toolchain (setup.py's recipe: the engine, the CUDA host
+side, the glue, the kernels once per aarch64 variant), and that Python run under qemu-aarch64.
+Everything lives in build/arm-python/ (debs, root, site, package); only what is missing or
+stale is fetched or compiled again.
+
+    python benchmarks/arm_python.py setup                # fetch and unpack (needs arm64 in dpkg's
+                                                         # architectures: dpkg --add-architecture arm64;
+                                                         # apt-get update; .ci/run does it)
+    python benchmarks/arm_python.py build                # cross-build the package
+    python benchmarks/arm_python.py test [--cpu max] [pytest args]   # tests/numpy under emulation
+    python benchmarks/arm_python.py python [--cpu max] -c "import qwen3layer"
+
+`test` runs tests/numpy (the layer with numpy alone against a float64 reference, and the
+checkpoint round trip) with that Python; its exit status is pytest's. --cpu: qemu's CPU model
+(max: BF16, I8MM, SVE2, so neon_bf16 is the default path; cortex-a72: ASIMD alone, neon).
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OUT = os.path.join(ROOT, "build", "arm-python")
+CC = "aarch64-linux-gnu-gcc"
+# CPython 3.11 and what it, numpy and the extension load (libgomp: OpenMP; libgcc-s1: its unwinder)
+DEBS = ["python3.11-minimal", "libpython3.11-minimal", "libpython3.11-stdlib", "libpython3.11-dev", "libc6",
+        "libexpat1", "zlib1g", "libffi8", "libgomp1", "libgcc-s1"]
+WHEELS = ["numpy", "pytest", "pluggy", "iniconfig", "packaging", "pygments"]
+PYTHON = os.path.join("usr", "bin", "python3.11")
+SUFFIX = ".cpython-311-aarch64-linux-gnu.so"  # Debian's arm64 CPython's extension suffix
+
+
+def _setup_py():
+    """setup.py as a module (its setup() call runs only as __main__): the build's recipe"""
+    spec = importlib.util.spec_from_file_location("q3_setup", os.path.join(ROOT, "setup.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def fetch() -> None:
+    """build/arm-python/root: the Debian packages unpacked; site: the wheels unzipped"""
+    root, site = os.path.join(OUT, "root"), os.path.join(OUT, "site")
+    if not os.path.exists(os.path.join(root, PYTHON)):
+        foreign = subprocess.run(["dpkg", "--print-foreign-architectures"], capture_output=True, text=True).stdout
+        if "arm64" not in foreign.split():
+            sys.exit("arm_python.py: dpkg does not know arm64 packages here: run `dpkg --add-architecture arm64 && "
+                     "apt-get update` (as root) first; nothing is installed, the packages are only downloaded")
+        debs = os.path.join(OUT, "debs")
+        os.makedirs(debs, exist_ok=True)
+        subprocess.run(["apt-get", "download", "-q", *(f"{name}:arm64" for name in DEBS)], cwd=debs, check=True)
+        staging = root + ".new"
+        shutil.rmtree(staging, ignore_errors=True)
+        for deb in sorted(glob.glob(os.path.join(debs, "*.deb"))):
+            subprocess.run(["dpkg", "-x", deb, staging], check=True)
+        shutil.rmtree(root, ignore_errors=True)
+        os.rename(staging, root)  # whole or not at all
+    if not os.path.exists(os.path.join(site, "numpy")):
+        wheels = os.path.join(OUT, "wheels")
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                        "--platform", "manylinux_2_17_aarch64", "--platform", "manylinux2014_aarch64",
+                        "--python-version", "3.11", "--implementation", "cp", "-d", wheels, *WHEELS], check=True)
+        staging = site + ".new"
+        shutil.rmtree(staging, ignore_errors=True)
+        for wheel in sorted(glob.glob(os.path.join(wheels, "*.whl"))):
+            with zipfile.ZipFile(wheel) as z:
+                z.extractall(staging)
+        shutil.rmtree(site, ignore_errors=True)
+        os.rename(staging, site)
+
+
+def build(quiet: bool = True) -> str:
+    """build/arm-python/package/qwen3layer: the package's Python files and _C cross-built for
+    aarch64 against the unpacked CPython's headers; returns the package folder"""
+    s = _setup_py()
+    root = os.path.join(OUT, "root")
+    # Debian's pyconfig.h includes <aarch64-linux-gnu/python3.11/pyconfig.h>: the root's include folder last
+    include = [f"-I{os.path.join(root, 'usr', 'include', 'python3.11')}",
+               f"-idirafter{os.path.join(root, 'usr', 'include')}"]
+    if not os.path.exists(os.path.join(root, "usr", "include", "python3.11", "Python.h")):
+        sys.exit("arm_python.py: no arm64 CPython headers in build/arm-python/root: run `arm_python.py setup` first")
+    headers = sorted(glob.glob(os.path.join(ROOT, "kernels", "*.h")) + glob.glob(os.path.join(ROOT, "kernels", "cpu", "*.h"))
+                     + glob.glob(os.path.join(ROOT, "csrc", "*", "*.h")))
+    kernels = sorted(glob.glob(os.path.join(ROOT, "kernels", "cpu", "*.c")))
+    units = [(f"isa-{isa}", [f"-DQ3_ISA={isa}", *flags], kernels) for isa, flags in s.isa_variants("aarch64").items()]
+    units += [(f"csrc-{layer}", [f'-DQ3_VERSION="{s.VERSION}"', *include],  # a folder each: names repeat
+               sorted(glob.glob(os.path.join(ROOT, "csrc", layer, "*.c")))) for layer in s.CSRC_LAYERS]
+    objects = []
+    for name, flags, sources in units:
+        objdir, command = os.path.join(OUT, "objects", name), [CC, *s.COMMON, "-fPIC", *flags]
+        objects += s.compile_objects(CC, command[1:], sources, headers, objdir, s.command_changed(objdir, command),
+                                     quiet=quiet)
+        s.record_command(objdir, command)
+    package = os.path.join(OUT, "package")
+    for path in glob.glob(os.path.join(ROOT, "qwen3layer", "**", "*"), recursive=True):
+        if os.path.isfile(path) and path.endswith((".py", ".pyi", "py.typed")):
+            target = os.path.join(package, os.path.relpath(path, ROOT))
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            shutil.copyfile(path, target)
+    s.link_library(CC, objects, ["-shared", "-fopenmp", "-ldl"], os.path.join(package, "qwen3layer", "_C" + SUFFIX))
+    return package
+
+
+def command(cpu: str, args: list) -> tuple:
+    """(argv, env) of the emulated CPython on the built package and the unzipped wheels"""
+    root = os.path.join(OUT, "root")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(OUT, "package"), os.path.join(OUT, "site")]),
+               PYTHONDONTWRITEBYTECODE="1")
+    for name in ("LD_PRELOAD", "PYTHONHOME", "VIRTUAL_ENV"):  # the host's, not the guest's
+        env.pop(name, None)
+    return ["qemu-aarch64", "-cpu", cpu, "-L", root, os.path.join(root, PYTHON), *args], env
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", choices=["setup", "build", "test", "python"])
+    p.add_argument("--cpu", default="max", help="qemu-aarch64's CPU model (default max)")
+    args, rest = p.parse_known_args()
+    if args.what == "setup":
+        fetch()
+        return 0
+    if args.what == "build":
+        print(build())
+        return 0
+    if args.what == "test":
+        build()
+        rest = ["-m", "pytest", "-q", "--noconftest", "-p", "no:cacheprovider", "-o", "addopts=",
+                os.path.join(ROOT, "tests", "numpy"), *rest]
+    argv, env = command(args.cpu, rest)
+    # from build/arm-python: `python -m` puts the working folder first on sys.path, and the
+    # checkout's qwen3layer (this machine's build) must not be the one imported
+    return subprocess.run(argv, env=env, cwd=OUT).returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())

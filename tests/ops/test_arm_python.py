@@ -1,0 +1,55 @@
+"""The Python package on aarch64 under emulation (issue 43): benchmarks/arm_python.py builds the
+extension with Debian's aarch64 toolchain and runs tests/numpy (an fp32 layer's prefill,
+chunked prefill and decode against a float64 reference; the checkpoint round trip and a
+tampered shard) with an arm64 CPython under qemu-aarch64, on each aarch64 CPU path: the
+default on `max` (neon_bf16) and on a Cortex-A72 (neon), and sve and portable named."""
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.realpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+SCRIPT = os.path.join(ROOT, "benchmarks", "arm_python.py")
+PYTHON = os.path.join(ROOT, "build", "arm-python", "root", "usr", "bin", "python3.11")
+TOOLS = ("aarch64-linux-gnu-gcc", "qemu-aarch64")
+MISSING = [t for t in TOOLS if not shutil.which(t)] + ([] if os.path.exists(PYTHON) else [
+    "the arm64 CPython (`python benchmarks/arm_python.py setup`; .ci/run runs it)"])
+
+
+def cases_in_the_folder():
+    """the cases of tests/numpy, as this machine's pytest collects them"""
+    r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "--noconftest", "-p", "no:cacheprovider",
+                        os.path.join(ROOT, "tests", "numpy")], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return sum("::" in line for line in r.stdout.splitlines())
+
+
+# under .ci/sanitize (its suite runs with libasan preloaded, in a copy of the checkout without
+# build/): the aarch64 build is not instrumented, and the plain suite ran it
+SANITIZED = "libasan" in os.environ.get("LD_PRELOAD", "")
+
+
+@pytest.mark.skipif(SANITIZED, reason="under .ci/sanitize: the aarch64 build is not instrumented (the plain suite runs it)")
+@pytest.mark.skipif(bool(MISSING) and os.environ.get("CI") != "true", reason=f"missing here: {MISSING}")
+def test_the_package_under_emulation_on_every_arm_path():
+    assert not MISSING, MISSING  # under CI, .ci/run installed and fetched them: nothing may be missing
+    build = subprocess.run([sys.executable, SCRIPT, "build"], capture_output=True, text=True, timeout=900)
+    assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
+    with open(os.path.join(build.stdout.split()[-1], "qwen3layer", "_C.cpython-311-aarch64-linux-gnu.so"), "rb") as f:
+        header = f.read(20)
+    assert header[:4] == b"\x7fELF" and int.from_bytes(header[18:20], "little") == 183  # EM_AARCH64
+    expected = cases_in_the_folder()
+    assert expected >= 8
+    for cpu, path in (("max", None), ("cortex-a72", None), ("max", "sve"), ("max", "portable")):
+        env = dict(os.environ)
+        env.pop("QWEN3LAYER_CPU_PATH", None)
+        if path:
+            env["QWEN3LAYER_CPU_PATH"] = path
+        r = subprocess.run([sys.executable, SCRIPT, "test", "--cpu", cpu], capture_output=True, text=True, timeout=600,
+                           env=env)
+        out = r.stdout + r.stderr
+        assert r.returncode == 0 and re.search(rf"\b{expected} passed in", out), (cpu, path, out[-3000:])
+        assert not re.search(r"skipped|failed|error", out.splitlines()[-1]), (cpu, path, out[-3000:])
