@@ -9,7 +9,7 @@ stale is fetched or compiled again.
     python benchmarks/arm_python.py setup                # fetch and unpack (needs arm64 in dpkg's
                                                          # architectures: dpkg --add-architecture arm64;
                                                          # apt-get update; .ci/run does it)
-    python benchmarks/arm_python.py build                # cross-build the package
+    python benchmarks/arm_python.py build [--simt]       # cross-build the package [and the SIMT executor]
     python benchmarks/arm_python.py test [--cpu max] [pytest args]   # tests/numpy under emulation
     python benchmarks/arm_python.py python [--cpu max] -c "import qwen3layer"
 
@@ -30,10 +30,11 @@ import zipfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "build", "arm-python")
-CC = "aarch64-linux-gnu-gcc"
-# CPython 3.11 and what it, numpy and the extension load (libgomp: OpenMP; libgcc-s1: its unwinder)
+CC, CXX = "aarch64-linux-gnu-gcc", "aarch64-linux-gnu-g++"
+# CPython 3.11 and what it, numpy and the extension load (libgomp: OpenMP; libgcc-s1: its
+# unwinder; libstdc++6: the SIMT executor's)
 DEBS = ["python3.11-minimal", "libpython3.11-minimal", "libpython3.11-stdlib", "libpython3.11-dev", "libc6",
-        "libexpat1", "zlib1g", "libffi8", "libgomp1", "libgcc-s1"]
+        "libexpat1", "zlib1g", "libffi8", "libgomp1", "libgcc-s1", "libstdc++6"]
 WHEELS = ["numpy", "pytest", "pluggy", "iniconfig", "packaging", "pygments"]
 PYTHON = os.path.join("usr", "bin", "python3.11")
 SUFFIX = ".cpython-311-aarch64-linux-gnu.so"  # Debian's arm64 CPython's extension suffix
@@ -50,18 +51,22 @@ def _setup_py():
 def fetch() -> None:
     """build/arm-python/root: the Debian packages unpacked; site: the wheels unzipped"""
     root, site = os.path.join(OUT, "root"), os.path.join(OUT, "site")
-    if not os.path.exists(os.path.join(root, PYTHON)):
+    stamp = os.path.join(root, "debs.txt")  # the packages unpacked there
+    if not os.path.exists(stamp) or open(stamp).read() != " ".join(DEBS):
         foreign = subprocess.run(["dpkg", "--print-foreign-architectures"], capture_output=True, text=True).stdout
         if "arm64" not in foreign.split():
             sys.exit("arm_python.py: dpkg does not know arm64 packages here: run `dpkg --add-architecture arm64 && "
                      "apt-get update` (as root) first; nothing is installed, the packages are only downloaded")
         debs = os.path.join(OUT, "debs")
-        os.makedirs(debs, exist_ok=True)
+        shutil.rmtree(debs, ignore_errors=True)
+        os.makedirs(debs)
         subprocess.run(["apt-get", "download", "-q", *(f"{name}:arm64" for name in DEBS)], cwd=debs, check=True)
         staging = root + ".new"
         shutil.rmtree(staging, ignore_errors=True)
         for deb in sorted(glob.glob(os.path.join(debs, "*.deb"))):
             subprocess.run(["dpkg", "-x", deb, staging], check=True)
+        with open(os.path.join(staging, "debs.txt"), "w") as f:
+            f.write(" ".join(DEBS))
         shutil.rmtree(root, ignore_errors=True)
         os.rename(staging, root)  # whole or not at all
     if not os.path.exists(os.path.join(site, "numpy")):
@@ -78,9 +83,10 @@ def fetch() -> None:
         os.rename(staging, site)
 
 
-def build(quiet: bool = True) -> str:
+def build(quiet: bool = True, simt: bool = False) -> str:
     """build/arm-python/package/qwen3layer: the package's Python files and _C cross-built for
-    aarch64 against the unpacked CPython's headers; returns the package folder"""
+    aarch64 against the unpacked CPython's headers (simt: and the SIMT executor); returns the
+    package folder"""
     s = _setup_py()
     root = os.path.join(OUT, "root")
     # Debian's pyconfig.h includes <aarch64-linux-gnu/python3.11/pyconfig.h>: the root's include folder last
@@ -107,7 +113,30 @@ def build(quiet: bool = True) -> str:
             os.makedirs(os.path.dirname(target), exist_ok=True)
             shutil.copyfile(path, target)
     s.link_library(CC, objects, ["-shared", "-fopenmp", "-ldl"], os.path.join(package, "qwen3layer", "_C" + SUFFIX))
+    if simt:
+        build_simt(s, package, quiet)
     return package
+
+
+def build_simt(s, package: str, quiet: bool) -> None:
+    """package/qwen3layer/libq3simt.so: the SIMT executor with kernels/cuda/*.cu (setup.py's
+    simt_recipe) cross-built with Debian's aarch64 g++, against the CUDA toolkit's headers here
+    (headers only: the executor's own runtime stands in for CUDA's)"""
+    include = s.find_cuda_headers()
+    if not include or not shutil.which(CXX):
+        sys.exit(f"arm_python.py: --simt needs the CUDA toolkit's headers (found: {include}) and {CXX} "
+                 "(Debian's g++-aarch64-linux-gnu)")
+    cwd = os.getcwd()
+    os.chdir(ROOT)  # the recipe's paths are relative to the checkout
+    try:
+        _, flags, link, sources, headers = s.simt_recipe(include, sanitize=[])
+        objdir = os.path.join(OUT, "objects", "simt")
+        objects = s.compile_objects(CXX, flags, sources, headers, objdir, s.command_changed(objdir, [CXX, *flags]),
+                                    quiet=quiet)
+        s.record_command(objdir, [CXX, *flags])
+        s.link_library(CXX, objects, link, os.path.join(package, "qwen3layer", "libq3simt.so"))
+    finally:
+        os.chdir(cwd)
 
 
 def command(cpu: str, args: list) -> tuple:
@@ -124,12 +153,13 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", choices=["setup", "build", "test", "python"])
     p.add_argument("--cpu", default="max", help="qemu-aarch64's CPU model (default max)")
+    p.add_argument("--simt", action="store_true", help="build: the SIMT executor too (libq3simt.so)")
     args, rest = p.parse_known_args()
     if args.what == "setup":
         fetch()
         return 0
     if args.what == "build":
-        print(build())
+        print(build(simt=args.simt))
         return 0
     if args.what == "test":
         build()

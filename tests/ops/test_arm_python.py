@@ -2,7 +2,8 @@
 extension with Debian's aarch64 toolchain and runs tests/numpy (an fp32 layer's prefill,
 chunked prefill and decode against a float64 reference; the checkpoint round trip and a
 tampered shard) with an arm64 CPython under qemu-aarch64, on each aarch64 CPU path: the
-default on `max` (neon_bf16) and on a Cortex-A72 (neon), and sve and portable named."""
+default on `max` (neon_bf16) and on a Cortex-A72 (neon), and sve and portable named; and the
+SIMT executor, cross-built too, runs its smallest layer case there (tests/numpy/executor_case.py)."""
 import os
 import re
 import shutil
@@ -14,7 +15,7 @@ import pytest
 ROOT = os.path.realpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 SCRIPT = os.path.join(ROOT, "benchmarks", "arm_python.py")
 PYTHON = os.path.join(ROOT, "build", "arm-python", "root", "usr", "bin", "python3.11")
-TOOLS = ("aarch64-linux-gnu-gcc", "qemu-aarch64")
+TOOLS = ("aarch64-linux-gnu-gcc", "aarch64-linux-gnu-g++", "qemu-aarch64")
 MISSING = [t for t in TOOLS if not shutil.which(t)] + ([] if os.path.exists(PYTHON) else [
     "the arm64 CPython (`python benchmarks/arm_python.py setup`; .ci/run runs it)"])
 
@@ -36,20 +37,25 @@ SANITIZED = "libasan" in os.environ.get("LD_PRELOAD", "")
 @pytest.mark.skipif(bool(MISSING) and os.environ.get("CI") != "true", reason=f"missing here: {MISSING}")
 def test_the_package_under_emulation_on_every_arm_path():
     assert not MISSING, MISSING  # under CI, .ci/run installed and fetched them: nothing may be missing
-    build = subprocess.run([sys.executable, SCRIPT, "build"], capture_output=True, text=True, timeout=900)
+    build = subprocess.run([sys.executable, SCRIPT, "build", "--simt"], capture_output=True, text=True, timeout=900)
     assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
     with open(os.path.join(build.stdout.split()[-1], "qwen3layer", "_C.cpython-311-aarch64-linux-gnu.so"), "rb") as f:
         header = f.read(20)
     assert header[:4] == b"\x7fELF" and int.from_bytes(header[18:20], "little") == 183  # EM_AARCH64
     expected = cases_in_the_folder()
     assert expected >= 8
+    plain = dict(os.environ)
+    plain.pop("QWEN3LAYER_CPU_PATH", None)
     for cpu, path in (("max", None), ("cortex-a72", None), ("max", "sve"), ("max", "portable")):
-        env = dict(os.environ)
-        env.pop("QWEN3LAYER_CPU_PATH", None)
-        if path:
-            env["QWEN3LAYER_CPU_PATH"] = path
+        env = dict(plain, QWEN3LAYER_CPU_PATH=path) if path else plain
         r = subprocess.run([sys.executable, SCRIPT, "test", "--cpu", cpu], capture_output=True, text=True, timeout=600,
                            env=env)
         out = r.stdout + r.stderr
         assert r.returncode == 0 and re.search(rf"\b{expected} passed in", out), (cpu, path, out[-3000:])
         assert not re.search(r"skipped|failed|error", out.splitlines()[-1]), (cpu, path, out[-3000:])
+    # the executor's smallest case: the real CUDA kernels, on the emulated aarch64 CPU
+    r = subprocess.run([sys.executable, SCRIPT, "python", "--cpu", "max", os.path.join(ROOT, "tests", "numpy",
+                                                                                  "executor_case.py")],
+                       capture_output=True, text=True, timeout=600, env=plain)
+    assert r.returncode == 0 and "executor on aarch64 (neon_bf16)" in r.stdout and ": OK" in r.stdout, \
+        r.stdout[-3000:] + r.stderr[-3000:]
