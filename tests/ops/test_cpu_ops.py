@@ -205,36 +205,42 @@ def test_a_cpu_with_neon_alone_and_a_planted_defect_under_qemu(aarch64_program):
     assert sorted(key for key, row in rows.items() if row[2] == "FAIL") == [("neon_bf16", "matmul"), ("sve", "rope")]
 
 
-# defects written into the ARM kernels themselves (old text, new text), each in a copy of the
-# sources: BFDOT's second accumulator reads the first 8 inputs again (neon_bf16's matmul alone);
-# the NEON e4m3 decoders' upper 4 weights of 8 are the lower 4 (every ARM path's FP8 rows)
+# defects written into the ARM kernels themselves, (file, old text, new text) each, in a copy of
+# the sources; a mutant: its defects, the paths it runs (--hide the others) and the rows that must
+# fail. "dots": BFDOT's second accumulator reads the first 8 inputs again (neon_bf16's matmul:
+# its decode and remainders), and the NEON e4m3 decoders' upper 4 weights of 8 are the lower 4
+# (every ARM path's FP8 rows); "tiles": a BFMMLA tile multiplies the first pair of weight rows
+# where the second belongs (neon_bf16's matmul from 4 tokens on)
+BF16_FILE, FP8_FILE = os.path.join("kernels", "cpu", "matmul_neon_bf16.c"), os.path.join("kernels", "cpu", "matmul_fp8.c")
 KERNEL_DEFECTS = {
-    os.path.join("kernels", "cpu", "matmul_neon_bf16.c"): (
-        "s1 = vbfdotq_f32(s1, vld1q_bf16((const bfloat16_t *)(a + k + 8))",
-        "s1 = vbfdotq_f32(s1, vld1q_bf16((const bfloat16_t *)(a + k))"),
-    os.path.join("kernels", "cpu", "matmul_fp8.c"): (
-        "*hi = (q3_vf)vcvt_high_f32_f16(vreinterpretq_f16_s16(h));",
-        "*hi = (q3_vf)vcvt_f32_f16(vreinterpret_f16_s16(vget_low_s16(h)));"),
+    "dots": ([(BF16_FILE, "s1 = vbfdotq_f32(s1, vld1q_bf16((const bfloat16_t *)(a + k + 8))",
+               "s1 = vbfdotq_f32(s1, vld1q_bf16((const bfloat16_t *)(a + k))"),
+              (FP8_FILE, "*hi = (q3_vf)vcvt_high_f32_f16(vreinterpretq_f16_s16(h));",
+               "*hi = (q3_vf)vcvt_f32_f16(vreinterpret_f16_s16(vget_low_s16(h)));")],
+             [], {("neon_bf16", "matmul")} | {(p, op) for p in ARM_LEVELS for op in ("matmul_fp8", "e4m3_decode")}),
+    "tiles": ([(BF16_FILE, "c[0][1] = vbfmmlaq_f32(c[0][1], a01, b23);", "c[0][1] = vbfmmlaq_f32(c[0][1], a01, b01);")],
+              ["--hide", "neon,sve"], {("neon_bf16", "matmul")}),
 }
 
 
 @needs_qemu
-def test_defects_written_into_the_neon_kernels_fail_under_qemu(tmp_path):
+@pytest.mark.parametrize("mutant", sorted(KERNEL_DEFECTS))
+def test_defects_written_into_the_neon_kernels_fail_under_qemu(tmp_path, mutant):
     """the harness catches a defect in the kernel code, not only its own planted ones: a copy of
-    the sources with KERNEL_DEFECTS written in, cross-built and run on `max`, fails exactly the
-    rows those kernels serve"""
+    the sources with a mutant's defects written in, cross-built and run on `max`, fails exactly
+    the rows those kernels serve"""
+    defects, args, expected = KERNEL_DEFECTS[mutant]
     for part in ("kernels", os.path.join("csrc", "engine"), os.path.join("csrc", "check", "cpu_ops")):
         shutil.copytree(os.path.join(ROOT, part), tmp_path / part)
     for part in ("setup.py", os.path.join("benchmarks", "cpu_ops_check.py")):
         os.makedirs(tmp_path / os.path.dirname(part), exist_ok=True)
         shutil.copy(os.path.join(ROOT, part), tmp_path / part)
-    for name, (old, new) in KERNEL_DEFECTS.items():
+    for name, old, new in defects:
         text = (tmp_path / name).read_text()
-        assert text.count(old) == 1, name
+        assert text.count(old) == 1, (name, old)
         (tmp_path / name).write_text(text.replace(old, new))
-    rc, out, rows = under_qemu(cross_build(AARCH64_CC, root=tmp_path), "max")
+    rc, out, rows = under_qemu(cross_build(AARCH64_CC, root=tmp_path), "max", *args)
     assert rc == 1, out
-    expected = {("neon_bf16", "matmul")} | {(path, op) for path in ARM_LEVELS for op in ("matmul_fp8", "e4m3_decode")}
     assert {key for key, row in rows.items() if row[2] == "FAIL"} == expected, out
 
 
