@@ -3,7 +3,8 @@ extension with Debian's aarch64 toolchain and runs tests/numpy (an fp32 layer's 
 chunked prefill and decode against a float64 reference; the checkpoint round trip and a
 tampered shard) with an arm64 CPython under qemu-aarch64, on each aarch64 CPU path: the
 default on `max` (neon_bf16) and on a Cortex-A72 (neon), and sve and portable named; and the
-SIMT executor, cross-built too, runs its smallest layer case there (tests/numpy/executor_case.py)."""
+SIMT executor, cross-built too, runs its smallest layer case there (tests/numpy/executor_case.py),
+and the main job (`python -m qwen3layer run`) runs at the tiny geometry."""
 import os
 import re
 import shutil
@@ -58,4 +59,11 @@ def test_the_package_under_emulation_on_every_arm_path():
                                                                                   "executor_case.py")],
                        capture_output=True, text=True, timeout=600, env=plain)
     assert r.returncode == 0 and "executor on aarch64 (neon_bf16)" in r.stdout and ": OK" in r.stdout, \
+        r.stdout[-3000:] + r.stderr[-3000:]
+    # the main job's command, as README's gives it, at the tiny geometry (the real one's 446 MB of
+    # bf16 weights take minutes under emulation)
+    r = subprocess.run([sys.executable, SCRIPT, "python", "--cpu", "max", "-m", "qwen3layer", "run", "--geometry",
+                        "tiny", "--tokens", "64", "--new-tokens", "4"], capture_output=True, text=True, timeout=600,
+                       env=plain)
+    assert r.returncode == 0 and "the map, decode: 4 steps from context 64" in r.stdout, \
         r.stdout[-3000:] + r.stderr[-3000:]
