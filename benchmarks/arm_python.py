@@ -9,7 +9,8 @@ stale is fetched or compiled again.
     python benchmarks/arm_python.py setup                # fetch and unpack (needs arm64 in dpkg's
                                                          # architectures: dpkg --add-architecture arm64;
                                                          # apt-get update; .ci/run does it)
-    python benchmarks/arm_python.py build [--simt]       # cross-build the package [and the SIMT executor]
+    python benchmarks/arm_python.py build [--simt] [--cuda]   # cross-build the package [the SIMT
+                                                         # executor] [libq3cuda.so, nvcc's aarch64 host side]
     python benchmarks/arm_python.py test [--cpu max] [pytest args]   # tests/numpy under emulation
     python benchmarks/arm_python.py python [--cpu max] -c "import qwen3layer"
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import re
 import importlib.util
 import os
 import shutil
@@ -37,6 +39,8 @@ DEBS = ["python3.11-minimal", "libpython3.11-minimal", "libpython3.11-stdlib", "
         "libexpat1", "zlib1g", "libffi8", "libgomp1", "libgcc-s1", "libstdc++6"]
 WHEELS = ["numpy", "pytest", "pluggy", "iniconfig", "packaging", "pygments"]
 PYTHON = os.path.join("usr", "bin", "python3.11")
+# the GPUs of the ARM machines (Jetson Orin, GH200, Jetson Thor, GB10), for libq3cuda.so on aarch64
+ARM_SASS = ["sm_87", "sm_90", "sm_110", "sm_121"]
 SUFFIX = ".cpython-311-aarch64-linux-gnu.so"  # Debian's arm64 CPython's extension suffix
 
 
@@ -81,12 +85,34 @@ def fetch() -> None:
                 z.extractall(staging)
         shutil.rmtree(site, ignore_errors=True)
         os.rename(staging, site)
+    release = nvcc_release()
+    runtime = os.path.join(OUT, "cuda-runtime", release or "none")
+    if release and not os.path.exists(os.path.join(runtime, "nvidia")):
+        # CUDA's aarch64 runtime (headers, libcudart_static.a) of nvcc's release, from its wheel
+        wheels = os.path.join(OUT, "wheels-cuda")
+        shutil.rmtree(wheels, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                        "--platform", "manylinux_2_17_aarch64", "--platform", "manylinux2014_aarch64",
+                        "--python-version", "3.11", "-d", wheels, f"nvidia-cuda-runtime=={release}.*"], check=True)
+        for wheel in glob.glob(os.path.join(wheels, "*.whl")):
+            with zipfile.ZipFile(wheel) as z:
+                z.extractall(runtime + ".new")
+        os.rename(runtime + ".new", runtime)
 
 
-def build(quiet: bool = True, simt: bool = False) -> str:
+def nvcc_release():
+    """nvcc's release here ('13.0'), or None without nvcc"""
+    nvcc = _setup_py().find_nvcc()
+    if not nvcc:
+        return None
+    found = re.search(r"release (\d+\.\d+)", subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout)
+    return found.group(1) if found else None
+
+
+def build(quiet: bool = True, simt: bool = False, cuda: bool = False) -> str:
     """build/arm-python/package/qwen3layer: the package's Python files and _C cross-built for
-    aarch64 against the unpacked CPython's headers (simt: and the SIMT executor); returns the
-    package folder"""
+    aarch64 against the unpacked CPython's headers (simt: and the SIMT executor; cuda: and
+    libq3cuda.so); returns the package folder"""
     s = _setup_py()
     root = os.path.join(OUT, "root")
     # Debian's pyconfig.h includes <aarch64-linux-gnu/python3.11/pyconfig.h>: the root's include folder last
@@ -115,7 +141,40 @@ def build(quiet: bool = True, simt: bool = False) -> str:
     s.link_library(CC, objects, ["-shared", "-fopenmp", "-ldl"], os.path.join(package, "qwen3layer", "_C" + SUFFIX))
     if simt:
         build_simt(s, package, quiet)
+    if cuda:
+        build_cuda(s, package, quiet)
     return package
+
+
+def build_cuda(s, package: str, quiet: bool) -> None:
+    """package/qwen3layer/libq3cuda.so: kernels/cuda/*.cu with nvcc here for ARM_SASS (and PTX
+    for the newest), its host code by Debian's aarch64 g++ (-ccbin), against CUDA's aarch64
+    runtime from its wheel (`setup` fetches it: headers first, the toolkit's own after for
+    nvcc's crt/ headers) and linked with its libcudart_static.a, as setup.py links it"""
+    nvcc, release = s.find_nvcc(), nvcc_release()
+    runtime = os.path.join(OUT, "cuda-runtime", release or "none", "nvidia", "cu" + (release or "").split(".")[0])
+    if not nvcc or not s.find_cuda_headers() or not os.path.exists(os.path.join(runtime, "lib", "libcudart_static.a")) \
+            or not shutil.which(CXX):
+        sys.exit(f"arm_python.py: --cuda needs nvcc (found: {nvcc}), {CXX} and CUDA's aarch64 runtime of nvcc's "
+                 "release (`arm_python.py setup` fetches it)")
+    toolkit = s.find_cuda_headers()  # the toolkit's include folder (its crt/ headers)
+    cross = ["-ccbin", CXX, f"-I{os.path.join(runtime, 'include')}", "-Xcompiler", f"-idirafter,{toolkit}"]
+    archs = s.cuda_arch_flags(ARM_SASS)
+    flags = ["-std=c++17", "-O3", "-Xcompiler", "-fPIC", *archs, "--threads", "2",
+             f'-DQ3_CUDA_TARGETS="{",".join(s.cuda_targets(ARM_SASS))}"', "-Ikernels", *cross]
+    cwd = os.getcwd()
+    os.chdir(ROOT)  # -Ikernels and the sources are relative to the checkout
+    try:
+        headers = glob.glob("kernels/cuda/*.cuh") + glob.glob("kernels/cuda/*.h") + glob.glob("kernels/*.h")
+        objdir = os.path.join(OUT, "objects", "cuda")
+        objects = s.compile_objects(nvcc, flags, sorted(glob.glob("kernels/cuda/*.cu")), headers, objdir,
+                                    s.command_changed(objdir, [nvcc, *flags]), quiet=quiet)
+        s.record_command(objdir, [nvcc, *flags])
+        s.link_library(nvcc, objects, ["-shared", "-cudart", "static", *archs, *cross,
+                                       f"-L{os.path.join(runtime, 'lib')}"], os.path.join(package, "qwen3layer",
+                                                                                          "libq3cuda.so"))
+    finally:
+        os.chdir(cwd)
 
 
 def build_simt(s, package: str, quiet: bool) -> None:
@@ -154,12 +213,13 @@ def main() -> int:
     p.add_argument("what", choices=["setup", "build", "test", "python"])
     p.add_argument("--cpu", default="max", help="qemu-aarch64's CPU model (default max)")
     p.add_argument("--simt", action="store_true", help="build: the SIMT executor too (libq3simt.so)")
+    p.add_argument("--cuda", action="store_true", help="build: libq3cuda.so too (nvcc, for the ARM boards' GPUs)")
     args, rest = p.parse_known_args()
     if args.what == "setup":
         fetch()
         return 0
     if args.what == "build":
-        print(build(simt=args.simt))
+        print(build(simt=args.simt, cuda=args.cuda))
         return 0
     if args.what == "test":
         build()

@@ -4,7 +4,9 @@ chunked prefill and decode against a float64 reference; the checkpoint round tri
 tampered shard) with an arm64 CPython under qemu-aarch64, on each aarch64 CPU path: the
 default on `max` (neon_bf16) and on a Cortex-A72 (neon), and sve and portable named; and the
 SIMT executor, cross-built too, runs its smallest layer case there (tests/numpy/executor_case.py),
-and the main job (`python -m qwen3layer run`) runs at the tiny geometry."""
+and the main job (`python -m qwen3layer run`) runs at the tiny geometry. libq3cuda.so, cross-built
+with nvcc for the ARM boards' GPUs (host code by aarch64 g++, CUDA's aarch64 runtime from its
+wheel), loads there, names its targets and finds no CUDA device, as it should without a driver."""
 import os
 import re
 import shutil
@@ -16,7 +18,7 @@ import pytest
 ROOT = os.path.realpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 SCRIPT = os.path.join(ROOT, "benchmarks", "arm_python.py")
 PYTHON = os.path.join(ROOT, "build", "arm-python", "root", "usr", "bin", "python3.11")
-TOOLS = ("aarch64-linux-gnu-gcc", "aarch64-linux-gnu-g++", "qemu-aarch64")
+TOOLS = ("aarch64-linux-gnu-gcc", "aarch64-linux-gnu-g++", "qemu-aarch64", "nvcc")
 MISSING = [t for t in TOOLS if not shutil.which(t)] + ([] if os.path.exists(PYTHON) else [
     "the arm64 CPython (`python benchmarks/arm_python.py setup`; .ci/run runs it)"])
 
@@ -38,7 +40,8 @@ SANITIZED = "libasan" in os.environ.get("LD_PRELOAD", "")
 @pytest.mark.skipif(bool(MISSING) and os.environ.get("CI") != "true", reason=f"missing here: {MISSING}")
 def test_the_package_under_emulation_on_every_arm_path():
     assert not MISSING, MISSING  # under CI, .ci/run installed and fetched them: nothing may be missing
-    build = subprocess.run([sys.executable, SCRIPT, "build", "--simt"], capture_output=True, text=True, timeout=900)
+    build = subprocess.run([sys.executable, SCRIPT, "build", "--simt", "--cuda"], capture_output=True, text=True,
+                           timeout=1200)
     assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
     with open(os.path.join(build.stdout.split()[-1], "qwen3layer", "_C.cpython-311-aarch64-linux-gnu.so"), "rb") as f:
         header = f.read(20)
@@ -67,3 +70,11 @@ def test_the_package_under_emulation_on_every_arm_path():
                        env=plain)
     assert r.returncode == 0 and "the map, decode: 4 steps from context 64" in r.stdout, \
         r.stdout[-3000:] + r.stderr[-3000:]
+    # the CUDA library for aarch64: it loads, its targets are the ARM boards', and with no driver
+    # under qemu it sees no device (the backend is then not opened: emulate() is still possible)
+    r = subprocess.run([sys.executable, SCRIPT, "python", "--cpu", "max", "-c",
+                        "import qwen3layer as q3\nprint(q3.cuda.built(), ','.join(q3.cuda.targets()))\n"
+                        "try:\n    q3.cuda.load()\nexcept RuntimeError as e:\n    print(e)"],
+                       capture_output=True, text=True, timeout=600, env=plain)
+    assert r.returncode == 0 and "True sm_87,sm_90,sm_110,sm_121,compute_121" in r.stdout, r.stdout + r.stderr
+    assert "qwen3layer.cuda.load(): no CUDA device on this machine (0 found)" in r.stdout, r.stdout + r.stderr
