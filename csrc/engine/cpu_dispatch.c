@@ -121,6 +121,7 @@ static void init_levels(void) {
     levels[n_levels++] = (level){"neon", &q3_ops_cpu_neon, {0}, 0};
     q3_cpu_ops neon_bf16 = q3_ops_cpu_neon_bf16; /* its variant's ops, the bf16 products on BFDOT */
     neon_bf16.matmul = q3_matmul_bfdot_cpu_neon_bf16;
+    neon_bf16.matmul_int4 = q3_matmul_int4_sdot_cpu_neon_bf16; /* its decode on SDOT, given xb */
     levels[n_levels] = (level){"neon_bf16", NULL, neon_bf16, 0};
     levels[n_levels].ops = &levels[n_levels].with_matmul;
     n_levels++;

@@ -33,6 +33,7 @@
 #include <omp.h>
 #endif
 
+#include "int4_digits.h"
 #include "ops.h"
 #include "vec.h"
 
@@ -40,48 +41,8 @@
 #include <immintrin.h>
 
 #define VNNI __attribute__((target("avx512vnni")))
-#define BLOCK 128                     /* inputs a digit scale */
 #define TILE_INTS 4096                /* the tile's sums: 2 T columns int32, 16 KB */
 #define PREFETCH_ROWS 4               /* qweight rows ahead (several tokens' tiles) */
-
-/* the unit of a group: where the digit blocks and the weight groups nest (0: they do not) */
-static int64_t unit_of(int64_t group, int64_t K) {
-    if (group <= 0) return 0;
-    if (group <= BLOCK && BLOCK % group == 0) return group;
-    if (group % BLOCK == 0) return BLOCK;
-    return group == K && K < BLOCK ? K : 0;
-}
-
-/* token t's digits (xq [K/8][16] bytes) and block scales (sx [K/BLOCK, rounded up]) */
-static void quantize_token(int8_t *xq, float *sx, const float *x, int64_t K) {
-    for (int64_t b0 = 0; b0 < K; b0 += BLOCK) {
-        const int64_t b1 = b0 + BLOCK < K ? b0 + BLOCK : K;
-        float amax = 0.0f;
-        for (int64_t k = b0; k < b1; k++) amax = fabsf(x[k]) > amax ? fabsf(x[k]) : amax;
-        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        sx[b0 / BLOCK] = amax / 127.0f;
-        for (int64_t k = b0; k < b1; k++) {
-            const float v = x[k] * inv, hi = nearbyintf(v);
-            float lo = nearbyintf((v - hi) * 256.0f);
-            lo = lo > 127.0f ? 127.0f : lo < -128.0f ? -128.0f : lo;
-            int8_t *word = xq + k / 8 * 16;
-            const int j = (int)(k % 8), at = (j & 1) * 4 + j / 2; /* even inputs, then odd */
-            word[at] = (int8_t)hi;
-            word[8 + at] = (int8_t)lo;
-        }
-    }
-}
-
-/* (sum hi, sum lo) of token t's digits over word rows [r0, r1) */
-static void digit_sums(const int8_t *xq, int64_t r0, int64_t r1, int32_t *hi, int32_t *lo) {
-    int32_t h = 0, l = 0;
-    for (int64_t r = r0; r < r1; r++)
-        for (int i = 0; i < 8; i++) {
-            h += xq[r * 16 + i];
-            l += xq[r * 16 + 8 + i];
-        }
-    *hi = h, *lo = l;
-}
 
 /* hi, lo += the digits d (4 dwords: hi even, hi odd, lo even, lo odd) times one word row's
  * even and odd nibble bytes */

@@ -72,8 +72,10 @@ Q3_CPU_DECLARE(portable)
 Q3_CPU_DECLARE(neon)
 Q3_CPU_DECLARE(neon_bf16)
 Q3_CPU_DECLARE(sve)
-/* the neon_bf16 level's bf16 products on BFDOT, its other products its variant's (matmul_neon_bf16.c) */
+/* the neon_bf16 level's bf16 products on BFDOT, its other products its variant's (matmul_neon_bf16.c),
+ * and its int4 decode on SDOT (matmul_int4_sdot.c) */
 q3_matmul_fn q3_matmul_bfdot_cpu_neon_bf16;
+q3_matmul_int4_fn q3_matmul_int4_sdot_cpu_neon_bf16;
 #endif
 #if defined(__x86_64__)
 Q3_CPU_DECLARE(avx2)
