@@ -14,6 +14,7 @@
 #endif
 
 #include "ops.h"
+#include "thread_scratch.h"
 #include "vec.h"
 
 #define KT Q3_ATTN_KEY_TILE
@@ -294,12 +295,7 @@ void Q3_CPU_FN(q3_attention)(float *out, const float *q, const q3_attn_seq *seqs
         const int nq = (int)(L - t0 < Q3_ATTN_QUERY_BLOCK ? L - t0 : Q3_ATTN_QUERY_BLOCK);
         const int64_t head_off = (int64_t)h * sh->capacity * D * (int64_t)es;
         const int64_t row0 = ((int64_t)s * L + t0) * ld + (int64_t)h * G * D;
-#ifdef _OPENMP
-        float *mine = scratch + omp_get_thread_num() * per_thread;
-#else
-        float *mine = scratch; /* (a build without OpenMP: one thread) */
-        (void)per_thread;
-#endif
+        float *mine = q3_thread_scratch(scratch, per_thread);
         attend_block(out + row0, q + row0, ld, nq, G, D, seqs[s].n_past + t0 + 1, &seqs[s],
                      (const char *)seqs[s].k + head_off, (const char *)seqs[s].v + head_off, sh->kv_dtype,
                      sh->scale, mine);

@@ -22,6 +22,7 @@
 #include "matmul_fp8_vbmi.h"
 #include "matmul_packed.h"
 #include "ops.h"
+#include "thread_scratch.h"
 #include "twins.h"
 #include "vec.h"
 
@@ -325,12 +326,7 @@ void Q3_CPU_FN(q3_matmul_fp8)(float *y, const float *x, const uint8_t *w, const 
     const int64_t per_thread = q3_matmul_fp8_scratch_floats(T, K);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (chunks > 1)
     for (int64_t c = 0; c < chunks; c++) {
-#ifdef _OPENMP
-        float *tile = scratch + omp_get_thread_num() * per_thread;
-#else
-        float *tile = scratch; /* (a build without OpenMP: one thread) */
-        (void)per_thread;
-#endif
+        float *tile = q3_thread_scratch(scratch, per_thread);
         float *yt = tile + Q3_FP8_CHUNK_ROWS * K; /* [T, nr] */
         const int64_t n0 = c * Q3_FP8_CHUNK_ROWS;
         const int64_t nr = N - n0 < Q3_FP8_CHUNK_ROWS ? N - n0 : Q3_FP8_CHUNK_ROWS;

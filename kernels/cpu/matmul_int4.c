@@ -33,6 +33,7 @@
 #include "matmul_amx.h"
 #include "matmul_packed.h"
 #include "ops.h"
+#include "thread_scratch.h"
 #include "vec.h"
 
 #if (Q3_LANES == 16 && defined(__AVX512F__)) || (Q3_LANES == 8 && defined(__F16C__))
@@ -321,12 +322,7 @@ void Q3_CPU_FN(q3_matmul_int4)(float *y, const float *x, const q3_int4_matrix *w
     const int64_t per_thread = q3_matmul_int4_scratch_floats(T, K);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (chunks > 1)
     for (int64_t c = 0; c < chunks; c++) {
-#ifdef _OPENMP
-        float *tile = scratch + omp_get_thread_num() * per_thread;
-#else
-        float *tile = scratch; /* (a build without OpenMP: one thread) */
-        (void)per_thread;
-#endif
+        float *tile = q3_thread_scratch(scratch, per_thread);
         float *yt = tile + Q3_INT4_CHUNK_ROWS * K; /* [T, nr] */
         const int64_t n0 = c * Q3_INT4_CHUNK_ROWS;
         const int64_t nr = N - n0 < Q3_INT4_CHUNK_ROWS ? N - n0 : Q3_INT4_CHUNK_ROWS;

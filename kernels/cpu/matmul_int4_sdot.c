@@ -121,6 +121,10 @@ static int gemv_sdot(float *y, const float *x, const q3_int4_matrix *w, int64_t 
 void q3_matmul_int4_sdot_cpu_neon_bf16(float *y, const float *x, const q3_int4_matrix *w, int64_t T, int64_t N,
                                        int64_t K, int accumulate, float *scratch, int threads, uint16_t *xb) {
     if (T < Q3_INT4_GEMV_MAX_T && gemv_sdot(y, x, w, T, N, K, accumulate, threads, xb)) return;
+    if (T >= Q3_INT4_GEMV_MAX_T && xb && N > 0 && K > 0) {
+        q3_int4_prefill_bfmmla(y, x, w, T, N, K, accumulate, scratch, threads < 1 ? 1 : threads, xb);
+        return;
+    }
     q3_matmul_int4_cpu_neon_bf16(y, x, w, T, N, K, accumulate, scratch, threads, xb);
 }
 #endif

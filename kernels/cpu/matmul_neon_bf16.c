@@ -11,6 +11,7 @@
  * HWCAP2_BF16 says the CPU has it.
  *   y [T, N] (=, or +=) x [T, K] * W^T, W [N, K] bf16 */
 #include "ops.h"
+#include "thread_scratch.h"
 
 #if defined(__aarch64__) && Q3_ISA_BFDOT && defined(__ARM_FEATURE_BF16_VECTOR_ARITHMETIC)
 
@@ -99,6 +100,35 @@ static void products(float *y, const uint16_t *xb, const uint16_t *wb, int64_t T
                 const float d = dot_bf16(xb + t * K, wb + n * K, K);
                 y[t * N + n] = accumulate ? y[t * N + n] + d : d;
             }
+    }
+}
+
+/* int4 prefill (T >= Q3_INT4_GEMV_MAX_T, given xb): chunks of Q3_INT4_CHUNK_ROWS weight rows
+ * dequantized (q3_int4_dequant_rows, exact in fp32), rounded to bf16 as a bf16 layer holds its
+ * weights, and multiplied on the tiles above with x rounded to bf16; each thread a chunk at a
+ * time in its scratch (q3_matmul_int4_scratch_floats: the chunk's bf16 rows in its first half,
+ * a row's fp32 in the second, [T, rows] sums after it) */
+void q3_int4_prefill_bfmmla(float *y, const float *x, const q3_int4_matrix *w, int64_t T, int64_t N, int64_t K,
+                            int accumulate, float *scratch, int threads, uint16_t *xb) {
+    for (int64_t i = 0; i < T * K; i++) xb[i] = q3_f32_to_bf16(x[i]);
+    const int64_t chunks = (N + Q3_INT4_CHUNK_ROWS - 1) / Q3_INT4_CHUNK_ROWS;
+    const int64_t per_thread = q3_matmul_int4_scratch_floats(T, K);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (chunks > 1)
+    for (int64_t c = 0; c < chunks; c++) {
+        float *tile = q3_thread_scratch(scratch, per_thread);
+        uint16_t *rows = (uint16_t *)tile;                        /* [nr, K] bf16 */
+        float *row = tile + Q3_INT4_CHUNK_ROWS * K / 2;           /* [K] fp32 */
+        float *yt = tile + Q3_INT4_CHUNK_ROWS * K;                /* [T, nr] */
+        const int64_t n0 = c * Q3_INT4_CHUNK_ROWS;
+        const int64_t nr = N - n0 < Q3_INT4_CHUNK_ROWS ? N - n0 : Q3_INT4_CHUNK_ROWS;
+        for (int64_t i = 0; i < nr; i++) {
+            q3_int4_dequant_rows(row, w, N, K, n0 + i, 1);
+            for (int64_t k = 0; k < K; k++) rows[i * K + k] = q3_f32_to_bf16(row[k]);
+        }
+        products(yt, xb, rows, T, nr, K, 0); /* (nested: this thread alone) */
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t i = 0; i < nr; i++)
+                y[t * N + n0 + i] = (accumulate ? y[t * N + n0 + i] : 0.0f) + yt[t * nr + i];
     }
 }
 

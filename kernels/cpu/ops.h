@@ -76,6 +76,8 @@ Q3_CPU_DECLARE(sve)
  * and its int4 decode on SDOT (matmul_int4_sdot.c) */
 q3_matmul_fn q3_matmul_bfdot_cpu_neon_bf16;
 q3_matmul_int4_fn q3_matmul_int4_sdot_cpu_neon_bf16;
+/* ... and its int4 prefill given xb on BFMMLA tiles of bf16-rounded weights (matmul_neon_bf16.c) */
+q3_matmul_int4_fn q3_int4_prefill_bfmmla;
 #endif
 #if defined(__x86_64__)
 Q3_CPU_DECLARE(avx2)

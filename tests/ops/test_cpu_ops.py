@@ -211,7 +211,8 @@ def test_a_cpu_with_neon_alone_and_a_planted_defect_under_qemu(aarch64_program):
 # its decode and remainders), and the NEON e4m3 decoders' upper 4 weights of 8 are the lower 4
 # (every ARM path's FP8 rows); "tiles": a BFMMLA tile multiplies the first pair of weight rows
 # where the second belongs (neon_bf16's matmul from 4 tokens on); "sdot": the int4 decode's odd
-# nibbles of the first 4 columns dotted with the even inputs' digits (neon_bf16's matmul_int4)
+# nibbles of the first 4 columns dotted with the even inputs' digits (neon_bf16's matmul_int4);
+# "int4_prefill": the int4 prefill's bf16 weight rows with neighbouring inputs swapped (the same)
 BF16_FILE, FP8_FILE = os.path.join("kernels", "cpu", "matmul_neon_bf16.c"), os.path.join("kernels", "cpu", "matmul_fp8.c")
 INT4_FILE = os.path.join("kernels", "cpu", "matmul_int4_sdot.c")
 KERNEL_DEFECTS = {
@@ -225,6 +226,8 @@ KERNEL_DEFECTS = {
     "sdot": ([(INT4_FILE, "hi[t][0] = vdotq_s32(vdotq_s32(hi[t][0], e0, he), o0, ho);",
                "hi[t][0] = vdotq_s32(vdotq_s32(hi[t][0], e0, he), o0, he);")],
              ["--hide", "neon,sve"], {("neon_bf16", "matmul_int4")}),
+    "int4_prefill": ([(BF16_FILE, "rows[i * K + k] = q3_f32_to_bf16(row[k]);", "rows[i * K + k] = q3_f32_to_bf16(row[k ^ 1]);")],
+                     ["--hide", "neon,sve"], {("neon_bf16", "matmul_int4")}),
 }
 
 
