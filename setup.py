@@ -77,10 +77,11 @@ def isa_variants(machine=None):
     machine = (machine or platform.machine()).lower()
     if machine in ("aarch64", "arm64"):
         # portable scalar (the reference the harness checks the others against: ASIMD is the
-        # neon variant's), neon the ARMv8.0 baseline, neon_bf16 with BFDOT (kernels/cpu/
-        # matmul_neon_bf16.c), sve vector-length agnostic loops
+        # neon variant's), neon the ARMv8.0 baseline, neon_bf16 with BFDOT and SDOT (kernels/cpu/
+        # matmul_neon_bf16.c, matmul_int4_sdot.c; +dotprod: ARMv8.6 has it, clang 14 asks for
+        # it by name), sve vector-length agnostic loops
         return {"portable": ["-march=armv8-a+nosimd"], "neon": ["-march=armv8-a"],
-                "neon_bf16": ["-march=armv8.6-a+bf16"], "sve": ["-march=armv8.2-a+sve"]}
+                "neon_bf16": ["-march=armv8.6-a+bf16+dotprod"], "sve": ["-march=armv8.2-a+sve"]}
     if machine not in ("x86_64", "amd64"):
         return {"portable": []}
     return {

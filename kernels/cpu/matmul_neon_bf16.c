@@ -6,7 +6,7 @@
  * tiles of 4 tokens x 4 rows on BFMMLA (2x4 by 4x2 bf16 blocks into 2x2 fp32: four times
  * BFDOT's products an instruction). Every other product (fp32
  * weights, no xb: the router, which keeps x exact) is the generic kernel's. Compiled in the
- * neon_bf16 variant only (aarch64, -march=armv8.6-a+bf16: kernels/cpu/isa.h), whose other ops
+ * neon_bf16 variant only (aarch64, -march=armv8.6-a+bf16+dotprod: setup.py), whose other ops
  * are the neon variant's code built for that target: the level is offered where getauxval's
  * HWCAP2_BF16 says the CPU has it.
  *   y [T, N] (=, or +=) x [T, K] * W^T, W [N, K] bf16 */

@@ -210,7 +210,7 @@ def test_a_cpu_with_neon_alone_and_a_planted_defect_under_qemu(aarch64_program):
 # fail. "dots": BFDOT's second accumulator reads the first 8 inputs again (neon_bf16's matmul:
 # its decode and remainders), and the NEON e4m3 decoders' upper 4 weights of 8 are the lower 4
 # (every ARM path's FP8 rows); "tiles": a BFMMLA tile multiplies the first pair of weight rows
-# where the second belongs (neon_bf16's matmul from 4 tokens on); "sdot": the int4 decode's odd
+# where the second belongs (neon_bf16's matmul from 4 tokens on, and its int4 prefill); "sdot": the int4 decode's odd
 # nibbles of the first 4 columns dotted with the even inputs' digits (neon_bf16's matmul_int4);
 # "int4_prefill": the int4 prefill's bf16 weight rows with neighbouring inputs swapped (the same)
 BF16_FILE, FP8_FILE = os.path.join("kernels", "cpu", "matmul_neon_bf16.c"), os.path.join("kernels", "cpu", "matmul_fp8.c")
@@ -222,7 +222,7 @@ KERNEL_DEFECTS = {
                "*hi = (q3_vf)vcvt_f32_f16(vreinterpret_f16_s16(vget_low_s16(h)));")],
              [], {("neon_bf16", "matmul")} | {(p, op) for p in ARM_LEVELS for op in ("matmul_fp8", "e4m3_decode")}),
     "tiles": ([(BF16_FILE, "c[0][1] = vbfmmlaq_f32(c[0][1], a01, b23);", "c[0][1] = vbfmmlaq_f32(c[0][1], a01, b01);")],
-              ["--hide", "neon,sve"], {("neon_bf16", "matmul")}),
+              ["--hide", "neon,sve"], {("neon_bf16", "matmul"), ("neon_bf16", "matmul_int4")}),
     "sdot": ([(INT4_FILE, "hi[t][0] = vdotq_s32(vdotq_s32(hi[t][0], e0, he), o0, ho);",
                "hi[t][0] = vdotq_s32(vdotq_s32(hi[t][0], e0, he), o0, he);")],
              ["--hide", "neon,sve"], {("neon_bf16", "matmul_int4")}),
