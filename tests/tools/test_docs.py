@@ -25,6 +25,7 @@ NOT_REPO_PATHS = {
     ".ci-asan/",                # the sanitized copy .ci/sanitize makes
     "build/simt-check/",        # simt_check.py's objects
     "build/cpu-ops-check/",     # cpu_ops_check.py's objects and program
+    "build/arm-python/root",    # arm_python.py's unpacked arm64 CPython (made by its setup)
     "blobs/",                   # a Hugging Face cache snapshot's folder
     "Qwen3-235B-A22B/",         # a checkpoint folder of the user's
     "Qwen3-235B-A22B-FP8/",
