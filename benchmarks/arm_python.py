@@ -11,7 +11,7 @@ stale is fetched or compiled again.
                                                          # apt-get update; .ci/run does it)
     python benchmarks/arm_python.py build [--simt] [--cuda]   # cross-build the package [the SIMT
                                                          # executor] [libq3cuda.so, nvcc's aarch64 host side]
-    python benchmarks/arm_python.py test [--cpu max] [pytest args]   # tests/numpy under emulation
+    python benchmarks/arm_python.py test [--cpu max] [--simt] [--cuda] [pytest args]   # tests/numpy, emulated
     python benchmarks/arm_python.py python [--cpu max] -c "import qwen3layer"
 
 `test` runs tests/numpy (the layer with numpy alone against a float64 reference, and the
@@ -55,8 +55,7 @@ def _setup_py():
 def fetch() -> None:
     """build/arm-python/root: the Debian packages unpacked; site: the wheels unzipped"""
     root, site = os.path.join(OUT, "root"), os.path.join(OUT, "site")
-    stamp = os.path.join(root, "debs.txt")  # the packages unpacked there
-    if not os.path.exists(stamp) or open(stamp).read() != " ".join(DEBS):
+    if read_text(os.path.join(root, "debs.txt")) != " ".join(DEBS):  # the packages unpacked there
         foreign = subprocess.run(["dpkg", "--print-foreign-architectures"], capture_output=True, text=True).stdout
         if "arm64" not in foreign.split():
             sys.exit("arm_python.py: dpkg does not know arm64 packages here: run `dpkg --add-architecture arm64 && "
@@ -73,31 +72,41 @@ def fetch() -> None:
             f.write(" ".join(DEBS))
         shutil.rmtree(root, ignore_errors=True)
         os.rename(staging, root)  # whole or not at all
-    if not os.path.exists(os.path.join(site, "numpy")):
-        wheels = os.path.join(OUT, "wheels")
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                        "--platform", "manylinux_2_17_aarch64", "--platform", "manylinux2014_aarch64",
-                        "--python-version", "3.11", "--implementation", "cp", "-d", wheels, *WHEELS], check=True)
-        staging = site + ".new"
-        shutil.rmtree(staging, ignore_errors=True)
-        for wheel in sorted(glob.glob(os.path.join(wheels, "*.whl"))):
-            with zipfile.ZipFile(wheel) as z:
-                z.extractall(staging)
-        shutil.rmtree(site, ignore_errors=True)
-        os.rename(staging, site)
+    unzipped(site, WHEELS, ["--implementation", "cp"])
     release = nvcc_release()
-    runtime = os.path.join(OUT, "cuda-runtime", release or "none")
-    if release and not os.path.exists(os.path.join(runtime, "nvidia")):
-        # CUDA's aarch64 runtime (headers, libcudart_static.a) of nvcc's release, from its wheel
-        wheels = os.path.join(OUT, "wheels-cuda")
-        shutil.rmtree(wheels, ignore_errors=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                        "--platform", "manylinux_2_17_aarch64", "--platform", "manylinux2014_aarch64",
-                        "--python-version", "3.11", "-d", wheels, f"nvidia-cuda-runtime=={release}.*"], check=True)
-        for wheel in glob.glob(os.path.join(wheels, "*.whl")):
-            with zipfile.ZipFile(wheel) as z:
-                z.extractall(runtime + ".new")
-        os.rename(runtime + ".new", runtime)
+    if release:  # CUDA's aarch64 runtime (headers, libcudart_static.a) of nvcc's release, from its wheel
+        unzipped(os.path.join(OUT, "cuda-runtime", release), [f"nvidia-cuda-runtime=={release}.*"])
+
+
+def unzipped(target: str, wheels: list, pip_args: tuple = ()) -> None:
+    """target: the aarch64 wheels of `wheels` (pip's requirement strings) unzipped, whole or not
+    at all; fetched again when the list differs from the one target holds (wheels.txt)"""
+    stamp = os.path.join(target, "wheels.txt")
+    if read_text(stamp) == " ".join(wheels):
+        return
+    downloads, staging = target + ".wheels", target + ".new"
+    for folder in (downloads, staging):
+        shutil.rmtree(folder, ignore_errors=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                    "--platform", "manylinux_2_17_aarch64", "--platform", "manylinux2014_aarch64",
+                    "--python-version", "3.11", *pip_args, "-d", downloads, *wheels], check=True)
+    for wheel in sorted(glob.glob(os.path.join(downloads, "*.whl"))):
+        with zipfile.ZipFile(wheel) as z:
+            z.extractall(staging)
+    with open(os.path.join(staging, "wheels.txt"), "w") as f:
+        f.write(" ".join(wheels))
+    shutil.rmtree(target, ignore_errors=True)
+    os.rename(staging, target)
+    shutil.rmtree(downloads, ignore_errors=True)
+
+
+def read_text(path: str) -> str:
+    """the file's text, or '' where there is none"""
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
 
 
 def nvcc_release():
@@ -211,10 +220,14 @@ def command(cpu: str, args: list) -> tuple:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", choices=["setup", "build", "test", "python"])
-    p.add_argument("--cpu", default="max", help="qemu-aarch64's CPU model (default max)")
-    p.add_argument("--simt", action="store_true", help="build: the SIMT executor too (libq3simt.so)")
-    p.add_argument("--cuda", action="store_true", help="build: libq3cuda.so too (nvcc, for the ARM boards' GPUs)")
+    p.add_argument("--cpu", help="test, python: qemu-aarch64's CPU model (default max)")
+    p.add_argument("--simt", action="store_true", help="build, test: the SIMT executor too (libq3simt.so)")
+    p.add_argument("--cuda", action="store_true", help="build, test: libq3cuda.so too (nvcc, for the ARM boards' GPUs)")
     args, rest = p.parse_known_args()
+    if args.what in ("setup", "build") and (rest or args.cpu):  # refused, not ignored
+        p.error(f"{args.what} takes no --cpu and no other arguments, got {(['--cpu', args.cpu] if args.cpu else []) + rest}")
+    if args.what in ("setup", "python") and (args.simt or args.cuda):
+        p.error(f"{args.what}: --simt and --cuda are build's and test's (they choose what is built)")
     if args.what == "setup":
         fetch()
         return 0
@@ -222,10 +235,10 @@ def main() -> int:
         print(build(simt=args.simt, cuda=args.cuda))
         return 0
     if args.what == "test":
-        build()
+        build(simt=args.simt, cuda=args.cuda)
         rest = ["-m", "pytest", "-q", "--noconftest", "-p", "no:cacheprovider", "-o", "addopts=",
                 os.path.join(ROOT, "tests", "numpy"), *rest]
-    argv, env = command(args.cpu, rest)
+    argv, env = command(args.cpu or "max", rest)
     # from build/arm-python: `python -m` puts the working folder first on sys.path, and the
     # checkout's qwen3layer (this machine's build) must not be the one imported
     return subprocess.run(argv, env=env, cwd=OUT).returncode
