@@ -109,7 +109,7 @@ static void init_levels(void) {
     amx.name = "amx";
     amx.matmul = q3_matmul_cpu_amx;
     amx.matmul_fp8 = q3_matmul_fp8_cpu_amx;
-    amx.matmul_int4 = q3_matmul_int4_cpu_avx512bf16; /* its VNNI decode and bf16-dot prefill (AMX has both) */
+    amx.matmul_int4 = q3_matmul_int4_cpu_amx; /* the prefill on AMX tiles, the VNNI decode */
     levels[n_levels] = (level){"avx512bf16", NULL, bf16, 0};
     levels[n_levels].ops = &levels[n_levels].with_matmul;
     n_levels++;

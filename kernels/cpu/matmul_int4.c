@@ -336,13 +336,13 @@ void Q3_CPU_FN(q3_matmul_int4)(float *y, const float *x, const q3_int4_matrix *w
 }
 
 #if Q3_LANES == 16 && defined(__AVX512BW__)
-/* The int4 matmul on the avx512bf16 level (and amx's): fewer than Q3_INT4_GEMV_MAX_T tokens
- * given xb, the VNNI GEMV of matmul_int4_vnni.c where it takes the groups; from
- * Q3_INT4_GEMV_MAX_T tokens given xb, the bf16 dot products on the nibbles in place of
- * matmul_int4_dot.c where it takes the groups, else those of matmul_dot.c with rows_int4_bf16
- * as their row source, each dequantized weight rounded to bf16 (to nearest even) as a bf16
- * layer holds it, and x rounded to bf16, as the bf16 paths do; sums in fp32. Fewer tokens, no
- * xb (an fp32 layer) or K % 32: this variant's. */
+/* The int4 matmul on the avx512bf16 level (and amx's, off its tiles: matmul_int4_amx.c):
+ * fewer than Q3_INT4_GEMV_MAX_T tokens given xb, the VNNI GEMV of matmul_int4_vnni.c where it
+ * takes the groups; from Q3_INT4_GEMV_MAX_T tokens given xb, the bf16 dot products on the
+ * nibbles in place of matmul_int4_dot.c where it takes the groups, else those of matmul_dot.c
+ * with rows_int4_bf16 as their row source, each dequantized weight rounded to bf16 (to nearest
+ * even) as a bf16 layer holds it, and x rounded to bf16, as the bf16 paths do; sums in fp32.
+ * Fewer tokens, no xb (an fp32 layer) or K % 32: this variant's. */
 #define INT4_BF16 __attribute__((target("avx512bf16")))
 
 /* the row source (matmul_amx.h): out [nr][kc] bf16 (row stride ld) <- bf16(W) of rows

@@ -87,6 +87,7 @@ q3_matmul_fn q3_matmul_cpu_avx512bf16, q3_matmul_cpu_amx;
 q3_matmul_fp8_fn q3_matmul_fp8_cpu_amx; /* the FP8 prefill on AMX tiles (kernels/cpu/matmul_fp8.c) */
 q3_matmul_fp8_fn q3_matmul_fp8_cpu_avx512bf16; /* ... and on bf16 dot products */
 q3_matmul_int4_fn q3_matmul_int4_cpu_avx512bf16; /* the int4 prefill on bf16 dot products (matmul_int4.c) */
+q3_matmul_int4_fn q3_matmul_int4_cpu_amx; /* ... and on AMX tiles of bf16-rounded weights (matmul_int4_amx.c) */
 /* ... and its decode GEMV on VNNI's int8 dot products, given xb (a bf16 layer's) and groups it
  * takes: 1 done, 0 not taken (matmul_int4_vnni.c) */
 int q3_int4_gemv_vnni(float *y, const float *x, const q3_int4_matrix *w, int64_t T, int64_t N, int64_t K,

@@ -92,6 +92,37 @@ def test_amx_path_at_shapes_it_takes_agrees_with_portable():
         assert rel(o, r) <= 5e-3, rel(o, r)
 
 
+@pytest.mark.skipif("amx" not in PATHS, reason="no 'amx' CPU path here: the CPU has no AMX-BF16 tiles "
+                    "or Linux did not grant them (build_info()['cpu_paths'])")
+def test_amx_int4_prefill_is_the_bf16_layer_on_the_dequantized_weights_bit_for_bit():
+    """On amx a bf16 GPTQ layer's prefill dequantizes each weight to bf16(s (q - z)) for the
+    tiles (kernels/cpu/matmul_int4_amx.c): the weight transformers' bf16 layer holds. So from 16
+    tokens a matmul equals the bf16 layer's on those weights bit for bit: 40 tokens in one pass
+    (a thread's rows converted whole) and in chunks of 20 (converted 128 inputs at a time),
+    every expert taking every token (top-4 of 4). Groups of 128 and of 32 (4 groups a block of
+    128 inputs transposed at once)."""
+    from gptq_reference import gptq_model, random_model
+    geometry = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=4,
+                    num_experts_per_tok=4, moe_intermediate_size=128, norm_topk_prob=True)
+    q3.set_cpu_path("amx")
+    for group in (128, 32):
+        model = random_model(geometry, 3)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.to(torch.bfloat16).float())
+        tensors = {k: v.bfloat16() if v.dtype == torch.float32 else v
+                   for k, v in gptq_model(model, group=group, seed=3).items()}  # puts the dequantized values in model
+        config = q3.LayerConfig.from_hf(model.config)
+        qc = {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": True, "desc_act": False}
+        gptq = q3.DecoderLayer(config, tensors, weight_format="gptq_int4", quantization_config=qc)
+        dense = q3.DecoderLayer(config, {k: v.bfloat16().contiguous() for k, v in model.model.layers[0].state_dict().items()})
+        x = torch.randn(1, 40, 256, generator=torch.Generator().manual_seed(group)).bfloat16()
+        for chunk in (40, 20):
+            y = gptq.prefill(x, gptq.new_cache(40), chunk_size=chunk)
+            want = dense.prefill(x, dense.new_cache(40), chunk_size=chunk)
+            assert torch.equal(y, want), (group, chunk, float((y.float() - want.float()).abs().max()))
+
+
 def test_unknown_or_unavailable_path_is_rejected():
     with pytest.raises(ValueError, match="cpu path: expected one of portable, avx2, avx512, avx512bf16, amx"):
         q3.set_cpu_path("sse9")

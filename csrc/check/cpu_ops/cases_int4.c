@@ -7,11 +7,12 @@
  * column or nibble shows), scales differing per group and column, both zero offsets (v1 and
  * v2); groups of 128, 64, 32, 24 (an odd count of words), 192 and one group = K, and group 0
  * with a permuted g_idx (desc_act); tokens 1, 3, 15 (the GEMV), 16 and 20 (the prefill
- * paths); N = 136 leaves 8 columns past avx512's last vector, N = 200 a partial prefill
- * chunk; 1 to 3 threads (the column splits). The harness never runs portable as the path under
- * test, so each case also holds portable to the reference (never planted: a planted defect
- * goes into the path's result). One shape is quantized from normal weights by kernels/int4.h's
- * RTN quantizer (the checkpoint's symmetric zeros). */
+ * paths), and 40 given xb (amx converts a thread's rows whole); N = 136 leaves 8 columns past
+ * avx512's last vector, N = 200 a partial prefill chunk; 1 to 3 threads (the column splits).
+ * The harness never runs portable as the path under test, so each case also holds portable to
+ * the reference (never planted: a planted defect goes into the path's result). One shape is
+ * quantized from normal weights by kernels/int4.h's RTN quantizer (the checkpoint's symmetric
+ * zeros). */
 #include <math.h>
 
 #include "cpu_ops.h"
@@ -83,6 +84,8 @@ static const int4_shape SHAPES[] = {
     {72, 264, 24, 0, 0},   {64, 384, 192, 0, 0}, /* groups of an odd count of words, of 1.5 blocks */
 };
 static const int64_t TOKENS[] = {1, 3, 15, 16, 20};
+/* given xb, 40 too: from 33 tokens the amx level converts a thread's rows whole, not stepwise */
+static const int64_t XB_TOKENS[] = {1, 3, 15, 16, 20, 40};
 
 static void int4_case(ops_run *r, const int4_shape *s, int64_t T, int accumulate, int zero_offset, int threads,
                       uint32_t seed) {
@@ -115,7 +118,7 @@ static void int4_case(ops_run *r, const int4_shape *s, int64_t T, int accumulate
 
 /* Given the bf16 scratch (a bf16 layer's), a path may round x to bf16 with the weights exact
  * (the prefill of avx512bf16, matmul_int4_dot.c) or rounded to bf16 too (its panel path, for
- * groups the first does not take), or hold x as two 8-bit digits a block (the VNNI GEMV of
+ * groups the first does not take, and amx's tiles, matmul_int4_amx.c), or hold x as two 8-bit digits a block (the VNNI GEMV of
  * avx512bf16, matmul_int4_vnni.c: within max |x| / 65024 of each input): held, as
  * cases_matmul.c holds FP8's, to the closest of the portable results on the exact, x-rounded
  * and both-rounded operands, within fp32 rounding of its terms; y0 added where accumulate */
@@ -161,9 +164,9 @@ void ops_matmul_int4(ops_run *r) {
                 threads = threads % 3 + 1;
             }
     for (int s = 0; s < (int)(sizeof SHAPES / sizeof SHAPES[0]); s++)
-        for (int t = 0; t < (int)(sizeof TOKENS / sizeof TOKENS[0]); t++)
+        for (int t = 0; t < (int)(sizeof XB_TOKENS / sizeof XB_TOKENS[0]); t++)
             for (int accumulate = 0; accumulate < 2; accumulate++, seed += 7) {
-                int4_xb_case(r, &SHAPES[s], TOKENS[t], accumulate, threads, seed);
+                int4_xb_case(r, &SHAPES[s], XB_TOKENS[t], accumulate, threads, seed);
                 ops_release(r);
                 threads = threads % 3 + 1;
             }
