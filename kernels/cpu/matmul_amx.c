@@ -8,7 +8,10 @@
  * A block of 32 weight rows x 32 tokens keeps 4 C tiles; threads split the weight rows.
  * Shapes with N % 16 or K % 32 left over go to the AVX512-BF16 kernel. Other weight formats
  * come through a row source (matmul_amx.h: the FP8 prefill, kernels/cpu/matmul_fp8.c), which a
- * thread converts 32 rows at a time into its scratch for the tiles. Linux grants AMX
+ * thread converts 32 rows at a time into its scratch for the tiles; a source whose rows are the
+ * columns of what it stores (the GPTQ int4 prefill, matmul_int4_amx.c) is read in panels: a
+ * stretch of inputs across all of a thread's rows, the C tiles parked in the scratch between
+ * stretches (q3_matmul_amx_panels). Linux grants AMX
  * per process on request: csrc/engine/cpu_dispatch.c asks before this level is offered. */
 #ifdef _OPENMP
 #include <omp.h>
@@ -195,6 +198,91 @@ static AMX_TARGET void amx_thread_from(float *y, q3_amx_rows_fn *rows, const voi
         }
     }
     _tile_release();
+}
+
+/* C (0-3) of a strip's token blocks tb, tb + 1 from or to acc, tile (a, b) at acc + (2 b + a) * 256 */
+static AMX_TARGET void tiles_move(float *acc, int na, int nt, int load) {
+    for (int a = 0; a < na; a++)
+        for (int b = 0; b < nt; b++) {
+            float *c = acc + (2 * b + a) * 256;
+            switch ((2 * a + b) | load << 2) {
+            case 0: _tile_stored(0, c, 64); break;
+            case 1: _tile_stored(1, c, 64); break;
+            case 2: _tile_stored(2, c, 64); break;
+            case 3: _tile_stored(3, c, 64); break;
+            case 4: _tile_loadd(0, c, 64); break;
+            case 5: _tile_loadd(1, c, 64); break;
+            case 6: _tile_loadd(2, c, 64); break;
+            default: _tile_loadd(3, c, 64); break;
+            }
+        }
+}
+
+/* inputs of a stretch: a strip's converted rows (32 x 128 bf16, 8 KB) stay in L1, and 16 word
+ * rows of qweight are read along at once. The real layer's int4 prefill of 512 tokens (Intel
+ * Xeon with AMX, 2 threads, bench_ab.py): depth 64 461 ms, 128 393-408, 256 466, 512 603 (too
+ * many streams for the prefetcher); the C tiles' trips to the scratch cost less than the
+ * memory waits they save */
+#define PANEL_DEPTH 128
+
+/* q3_matmul_amx_panels' thread: its strips of 32 rows [s0, s1), in chunks whose C tiles fit its
+ * scratch, a stretch of PANEL_DEPTH inputs at a time across the chunk's strips */
+static AMX_TARGET void amx_thread_panels(float *y, q3_amx_rows_fn *rows, const void *src, const uint16_t *xb,
+                                         int64_t T, int64_t N, int64_t K, int accumulate, uint16_t *scratch,
+                                         int64_t stride, int64_t s0, int64_t s1) {
+    tiles_configure();
+    const int64_t depth = K < PANEL_DEPTH ? K : PANEL_DEPTH, Ks = K / 32, blocks = (T + 15) / 16;
+    const int64_t strip_floats = 2 * 256 * ((blocks + 1) & ~(int64_t)1); /* its C tiles, token blocks in pairs */
+    float *acc = (float *)(scratch + Q3_AMX_ROWS * depth);
+    int64_t chunk = (stride - Q3_AMX_ROWS * depth) / 2 / strip_floats;
+    if (chunk < 1) chunk = 1; /* (q3_matmul_amx_panels checks that one strip fits) */
+    for (int64_t c = s0; c < s1; c += chunk) {
+        const int64_t ce = s1 - c < chunk ? s1 : c + chunk;
+        for (int64_t k0 = 0; k0 < K; k0 += depth) {
+            const int64_t kc = K - k0 < depth ? K - k0 : depth;
+            for (int64_t p = c; p < ce; p++) {
+                const int na = N - 32 * p >= 32 ? 2 : 1;
+                rows(scratch, depth, src, 32 * p, 16 * na, k0, kc);
+                for (int64_t tb = 0; tb < blocks; tb += 2) {
+                    const int nt = blocks - tb >= 2 ? 2 : 1;
+                    float *tiles = acc + (p - c) * strip_floats + tb * 512;
+                    if (k0) tiles_move(tiles, na, nt, 1);
+                    else tiles_zero();
+                    for (int64_t j = 0; j < kc / 32; j++)
+                        tiles_step(scratch + 32 * j, scratch + 16 * depth + 32 * j, depth * 2,
+                                   xb + (tb * Ks + k0 / 32 + j) * 512, Ks, na, nt);
+                    if (k0 + kc < K) tiles_move(tiles, na, nt, 0);
+                    else store_tiles(y + 32 * p, N, T, tb, na, nt, accumulate);
+                }
+            }
+        }
+    }
+    _tile_release();
+}
+
+int64_t q3_matmul_amx_panels_stride(int64_t T, int64_t K) {
+    const int64_t depth = K < PANEL_DEPTH ? K : PANEL_DEPTH, blocks = (T + 15) / 16;
+    return Q3_AMX_ROWS * depth + 2 * 2 * 256 * ((blocks + 1) & ~(int64_t)1);
+}
+
+void q3_matmul_amx_panels(float *y, const float *x, q3_amx_rows_fn *rows, const void *src, int64_t T, int64_t N,
+                          int64_t K, int accumulate, uint16_t *xb, uint16_t *scratch, int64_t stride, int threads) {
+    if (stride < q3_matmul_amx_panels_stride(T, K)) {
+        q3_matmul_amx_from(y, x, rows, src, T, N, K, accumulate, xb, scratch, stride, threads);
+        return;
+    }
+    pack_x(xb, x, T, K);
+    const int64_t strips = (N + 31) / 32;
+#pragma omp parallel num_threads(threads)
+    {
+#ifdef _OPENMP
+        const int64_t id = omp_get_thread_num(), n_th = omp_get_num_threads();
+#else
+        const int64_t id = 0, n_th = 1;
+#endif
+        amx_thread_panels(y, rows, src, xb, T, N, K, accumulate, scratch + id * stride, stride, strips * id / n_th,
+                          strips * (id + 1) / n_th);
+    }
 }
 
 void q3_matmul_amx_from(float *y, const float *x, q3_amx_rows_fn *rows, const void *src, int64_t T, int64_t N,

@@ -30,6 +30,16 @@ typedef void q3_amx_rows_fn(uint16_t *out, int64_t ld, const void *src, int64_t 
  * whole rows once for all their token blocks. */
 void q3_matmul_amx_from(float *y, const float *x, q3_amx_rows_fn *rows, const void *src, int64_t T, int64_t N,
                         int64_t K, int accumulate, uint16_t *xb, uint16_t *scratch, int64_t stride, int threads);
+/* the same, the rows read in stretches of 128 inputs across a thread's whole share of the rows
+ * (contiguous strips of 32): one strip's stretch converted into L1 and multiplied at once, each
+ * strip's C tiles kept in the scratch between stretches. For a source whose rows are columns of
+ * its stored matrix (GPTQ's qweight [K/8, N]) each stored row is then read along, a stream the
+ * hardware prefetcher follows, where a strip read whole jumps 4N bytes a word row. Given a
+ * stride of at least q3_matmul_amx_panels_stride(T, K) bf16, else q3_matmul_amx_from. The
+ * sums are q3_matmul_amx_from's, bit for bit (the C tiles leave and return as fp32). */
+int64_t q3_matmul_amx_panels_stride(int64_t T, int64_t K);
+void q3_matmul_amx_panels(float *y, const float *x, q3_amx_rows_fn *rows, const void *src, int64_t T, int64_t N,
+                          int64_t K, int accumulate, uint16_t *xb, uint16_t *scratch, int64_t stride, int threads);
 /* the same on the avx512bf16 level's bf16 dot products (matmul_dot.c): any N, K % 32 == 0,
  * T >= 1; the rows converted DOT_ROWS x one k block at a time into a panel on the stack, the
  * next rows' stored bytes (row r at bytes + r * row_bytes, column k col_bytes further) fetched

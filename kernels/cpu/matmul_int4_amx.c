@@ -15,17 +15,20 @@
  *  - 4 words (32 nibbles) become 32 16-bit indices by a zero extension, a shift and a
  *    vpternlogd, and one vpermw looks them up: 64 bytes of the tiles' row, stored whole.
  * About 5 vector operations for 32 weights, against 8 for 8 weights in rows_int4_bf16.
- * Prefetch (out NULL: the thread's next rows): the stretch's lines of qweight, scales and
- * qzeros towards L2; a row of qweight is N words apart from the next, which the hardware
- * prefetcher does not follow.
+ * The tiles take the rows in panels (q3_matmul_amx_panels of matmul_amx.c): 128 inputs of
+ * all of a thread's columns in turn, so that 16 word rows of qweight are read along N, streams
+ * the hardware prefetcher follows. Read as strips of 32 columns down all of K instead (the
+ * first version), each word row was 128 bytes 4N bytes from the last, no stream at all, and
+ * the experts (weights read once a prefill) waited on memory: the row source alone took 0.07
+ * ns a weight with qweight in L2, 0.2 from memory (one thread, [1536 x 4096]). Prefetch (out
+ * NULL, q3_matmul_amx_from's stepwise path, where a thread's scratch is too small for panels):
+ * the stretch's lines of qweight, scales and qzeros towards L2.
  * Other shapes and groups, fewer tokens, or no scratch: the avx512bf16 level's int4 matmul
  * (matmul_int4.c).
- * Measured on an Intel Xeon with AMX (family 6 model 167 as the VM reports it; 2 threads):
- * the real layer's 512-token prefill 1462 -> 522 ms (bench_ab.py --int4, against the bf16 dot
- * products on the nibbles it replaces), 0.79-0.82x the bf16 layer's (bench_ab, bench_cpu). The
- * row source alone, one thread, [1536 x 4096]: 0.07 ns a weight with qweight in L2, 0.2 from
- * memory: qweight's rows lie 4N bytes apart, and a 32-column strip of them is no stream the
- * hardware prefetcher follows, so the experts (weights read once a prefill) wait on memory. */
+ * Measured on an Intel Xeon with AMX (family 6 model 167 as the VM reports it; 2 threads), the
+ * real layer's 512-token prefill (bench_ab.py --int4): 1462 ms on the bf16 dot products this
+ * replaces, 522 ms in strips (0.79-0.82x the bf16 layer's), 393-408 ms in panels (0.94-1.0x
+ * the bf16 layer's in the same runs). */
 #include "matmul_amx.h"
 #include "ops.h"
 #include "vec.h"
@@ -145,8 +148,9 @@ void q3_matmul_int4_cpu_amx(float *y, const float *x, const q3_int4_matrix *w, i
     }
     if (threads < 1) threads = 1;
     const int4_matrix_rows m = {w, N};
-    /* a thread's scratch, 2 * Q3_INT4_CHUNK_ROWS * (K + T) bf16, holds its Q3_AMX_ROWS * K rows */
-    q3_matmul_amx_from(y, x, rows_int4_amx, &m, T, N, K, accumulate, xb, (uint16_t *)scratch,
-                       2 * q3_matmul_int4_scratch_floats(T, K), threads);
+    /* a thread's scratch, 2 * Q3_INT4_CHUNK_ROWS * (K + T) bf16, holds a strip's stretch and the
+     * C tiles of 16 strips or more (q3_matmul_amx_panels_stride: 4096 + 1024 per 32 tokens) */
+    q3_matmul_amx_panels(y, x, rows_int4_amx, &m, T, N, K, accumulate, xb, (uint16_t *)scratch,
+                         2 * q3_matmul_int4_scratch_floats(T, K), threads);
 }
 #endif

@@ -98,7 +98,7 @@ def test_amx_int4_prefill_is_the_bf16_layer_on_the_dequantized_weights_bit_for_b
     """On amx a bf16 GPTQ layer's prefill dequantizes each weight to bf16(s (q - z)) for the
     tiles (kernels/cpu/matmul_int4_amx.c): the weight transformers' bf16 layer holds. So from 16
     tokens a matmul equals the bf16 layer's on those weights bit for bit: 40 tokens in one pass
-    (a thread's rows converted whole) and in chunks of 20 (converted 128 inputs at a time),
+    (three token blocks) and in chunks of 20 (two), 256 inputs in two panels of 128,
     every expert taking every token (top-4 of 4). Groups of 128 and of 32 (4 groups a block of
     128 inputs transposed at once)."""
     from gptq_reference import gptq_model, random_model

@@ -7,8 +7,9 @@
  * column or nibble shows), scales differing per group and column, both zero offsets (v1 and
  * v2); groups of 128, 64, 32, 24 (an odd count of words), 192 and one group = K, and group 0
  * with a permuted g_idx (desc_act); tokens 1, 3, 15 (the GEMV), 16 and 20 (the prefill
- * paths), and 40 given xb (amx converts a thread's rows whole); N = 136 leaves 8 columns past
- * avx512's last vector, N = 200 a partial prefill chunk; 1 to 3 threads (the column splits).
+ * paths), and 40 and 72 given xb (amx's token blocks in pairs and one left); N = 136 leaves
+ * 8 columns past avx512's last vector, N = 200 a partial prefill chunk, N = 1104 more of amx's
+ * strips than its scratch parks at once; 1 to 3 threads (the column splits).
  * The harness never runs portable as the path under test, so each case also holds portable to
  * the reference (never planted: a planted defect goes into the path's result). One shape is
  * quantized from normal weights by kernels/int4.h's RTN quantizer (the checkpoint's symmetric
@@ -82,10 +83,11 @@ static const int4_shape SHAPES[] = {
     {64, 256, 128, 0, 0},  {136, 512, 128, 0, 0}, {256, 384, 32, 0, 0}, {200, 256, 64, 0, 0},
     {64, 512, 512, 0, 0},  {96, 256, 128, 1, 0},  {256, 512, 32, 1, 0}, {128, 512, 128, 0, 1},
     {72, 264, 24, 0, 0},   {64, 384, 192, 0, 0}, /* groups of an odd count of words, of 1.5 blocks */
+    {1104, 256, 128, 0, 0}, /* amx's panels: 34.5 strips, more than a thread's scratch parks */
 };
 static const int64_t TOKENS[] = {1, 3, 15, 16, 20};
-/* given xb, 40 too: from 33 tokens the amx level converts a thread's rows whole, not stepwise */
-static const int64_t XB_TOKENS[] = {1, 3, 15, 16, 20, 40};
+/* given xb, 40 and 72 too: 3 and 5 token blocks of amx's tiles (a pair and a single parked) */
+static const int64_t XB_TOKENS[] = {1, 3, 15, 16, 20, 40, 72};
 
 static void int4_case(ops_run *r, const int4_shape *s, int64_t T, int accumulate, int zero_offset, int threads,
                       uint32_t seed) {
