@@ -120,10 +120,11 @@ static void int4_case(ops_run *r, const int4_shape *s, int64_t T, int accumulate
 
 /* Given the bf16 scratch (a bf16 layer's), a path may round x to bf16 with the weights exact
  * (the prefill of avx512bf16, matmul_int4_dot.c) or rounded to bf16 too (its panel path, for
- * groups the first does not take, and amx's tiles, matmul_int4_amx.c), or hold x as two 8-bit digits a block (the VNNI GEMV of
- * avx512bf16, matmul_int4_vnni.c: within max |x| / 65024 of each input): held, as
- * cases_matmul.c holds FP8's, to the closest of the portable results on the exact, x-rounded
- * and both-rounded operands, within fp32 rounding of its terms; y0 added where accumulate */
+ * groups the first does not take, and amx's tiles, matmul_int4_amx.c), or hold x as two 8-bit
+ * digits a block (the VNNI GEMV of avx512bf16, matmul_int4_vnni.c: within max |x| / 65024 of
+ * each input): held, as cases_matmul.c holds FP8's, to the closest of the portable results on
+ * the exact, x-rounded and both-rounded operands, within fp32 rounding of its terms; y0 added
+ * where accumulate */
 static void int4_xb_case(ops_run *r, const int4_shape *s, int64_t T, int accumulate, int threads, uint32_t seed) {
     const int64_t N = s->N, K = s->K, ny = T * N;
     q3_int4_matrix m;
