@@ -225,14 +225,18 @@ static AMX_TARGET void tiles_move(float *acc, int na, int nt, int load) {
  * memory waits they save */
 #define PANEL_DEPTH 128
 
+static int64_t panel_depth(int64_t K) { return K < PANEL_DEPTH ? K : PANEL_DEPTH; }
+
+/* a strip's parked C tiles: 2 row tiles x the token blocks, rounded up to a pair, of 256 floats */
+static int64_t panel_strip_floats(int64_t T) { return 2 * 256 * (((T + 15) / 16 + 1) & ~(int64_t)1); }
+
 /* q3_matmul_amx_panels' thread: its strips of 32 rows [s0, s1), in chunks whose C tiles fit its
  * scratch, a stretch of PANEL_DEPTH inputs at a time across the chunk's strips */
 static AMX_TARGET void amx_thread_panels(float *y, q3_amx_rows_fn *rows, const void *src, const uint16_t *xb,
                                          int64_t T, int64_t N, int64_t K, int accumulate, uint16_t *scratch,
                                          int64_t stride, int64_t s0, int64_t s1) {
     tiles_configure();
-    const int64_t depth = K < PANEL_DEPTH ? K : PANEL_DEPTH, Ks = K / 32, blocks = (T + 15) / 16;
-    const int64_t strip_floats = 2 * 256 * ((blocks + 1) & ~(int64_t)1); /* its C tiles, token blocks in pairs */
+    const int64_t depth = panel_depth(K), Ks = K / 32, blocks = (T + 15) / 16, strip_floats = panel_strip_floats(T);
     float *acc = (float *)(scratch + Q3_AMX_ROWS * depth);
     int64_t chunk = (stride - Q3_AMX_ROWS * depth) / 2 / strip_floats;
     if (chunk < 1) chunk = 1; /* (q3_matmul_amx_panels checks that one strip fits) */
@@ -261,8 +265,7 @@ static AMX_TARGET void amx_thread_panels(float *y, q3_amx_rows_fn *rows, const v
 }
 
 int64_t q3_matmul_amx_panels_stride(int64_t T, int64_t K) {
-    const int64_t depth = K < PANEL_DEPTH ? K : PANEL_DEPTH, blocks = (T + 15) / 16;
-    return Q3_AMX_ROWS * depth + 2 * 2 * 256 * ((blocks + 1) & ~(int64_t)1);
+    return Q3_AMX_ROWS * panel_depth(K) + 2 * panel_strip_floats(T); /* a strip's stretch and its C tiles */
 }
 
 void q3_matmul_amx_panels(float *y, const float *x, q3_amx_rows_fn *rows, const void *src, int64_t T, int64_t N,

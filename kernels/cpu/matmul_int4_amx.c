@@ -148,8 +148,8 @@ void q3_matmul_int4_cpu_amx(float *y, const float *x, const q3_int4_matrix *w, i
     }
     if (threads < 1) threads = 1;
     const int4_matrix_rows m = {w, N};
-    /* a thread's scratch, 2 * Q3_INT4_CHUNK_ROWS * (K + T) bf16, holds a strip's stretch and the
-     * C tiles of 16 strips or more (q3_matmul_amx_panels_stride: 4096 + 1024 per 32 tokens) */
+    /* a thread's scratch, 2 * Q3_INT4_CHUNK_ROWS * (K + T) bf16, holds a strip's stretch (up to
+     * 4096 bf16) and the C tiles of 4 strips or more (1024 bf16 a strip per 16 tokens) */
     q3_matmul_amx_panels(y, x, rows_int4_amx, &m, T, N, K, accumulate, xb, (uint16_t *)scratch,
                          2 * q3_matmul_int4_scratch_floats(T, K), threads);
 }
