@@ -325,6 +325,23 @@ q3_status q3_weight_table_new(const q3_config *cfg, q3_weights *w, int fused, co
     return s;
 }
 
+q3_status q3_weight_table_layout(const q3_weight_entry *table, int64_t n, q3_dtype dt, int64_t *offsets,
+                                 int64_t *bytes, q3_error *err) {
+    int64_t at = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const q3_weight_entry *e = &table[i];
+        int64_t size = (int64_t)q3_dtype_size(q3_weight_storage_dtype(e->storage, dt, Q3_F32));
+        for (int d = 0; d < e->rank; d++)
+            if (e->dims[d] < 0 || !q3_mul_i64(size, e->dims[d], &size))
+                return q3_fail(err, Q3_ERR_VALUE, "weight table: %s's size overflows int64", e->name);
+        offsets[i] = at;
+        if (!q3_add_i64(at, size + (64 - size % 64) % 64, &at))
+            return q3_fail(err, Q3_ERR_VALUE, "weight table: the layer's tensors together overflow int64 bytes");
+    }
+    *bytes = at;
+    return Q3_OK;
+}
+
 q3_status q3_weight_table_fill_random(const q3_weight_entry *table, int64_t n, void *const *data, q3_dtype dt,
                                       uint64_t seed, int64_t gptq_group, int gptq_v2, q3_error *err) {
     q3_status s = Q3_OK;

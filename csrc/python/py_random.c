@@ -1,11 +1,6 @@
 /* The engine's table of a layer's tensors (weight_table), random weights and inputs in extension
  * memory (random_weights, random_tensor) and the dequantization of an FP8 or GPTQ matrix
- * (dequantize_fp8, dequantize_int4): qwen3layer._C module functions.
- *
- * random_weights makes the tensors of the engine's weight table (q3_weight_table: names,
- * shapes, storage) and fills each with the engine's draws for it (q3_weight_fill_random): in
- * the FP8 format the projection matrices as the fine-grained FP8 checkpoints hold them, each
- * with fp32 block scales, quantized from the dense draws of the same seed. */
+ * (dequantize_fp8, dequantize_int4): qwen3layer._C module functions. */
 #include "py_glue.h"
 
 /* The engine's weight table (*table, q3_free'd by the caller; *n entries) of the layer of config
@@ -52,25 +47,30 @@ static PyObject *weight_table(PyObject *m, PyObject *args, PyObject *kw) {
     return out;
 }
 
-/* Every tensor of the engine's weight table for the layer into a new dict by name, then drawn
- * as the table says (q3_weight_table_fill_random: the stream layout is the engine's; a quantized
- * matrix with what stands beside it). NULL with an exception. */
+/* Every tensor of the engine's weight table for the layer into a new dict by name, views of one
+ * block (q3_weight_table_layout: huge pages for all), then drawn as the table says
+ * (q3_weight_table_fill_random: the stream layout is the engine's; a quantized matrix with what
+ * stands beside it). NULL with an exception. */
 static PyObject *random_table(q3_module_state *st, const q3_weight_entry *table, int64_t n, q3_dtype dt,
                               uint64_t seed, const q3_weights *w) {
-    void **data = PyMem_Calloc((size_t)n, sizeof *data);
-    PyObject *d = data ? PyDict_New() : PyErr_NoMemory();
+    void **data = PyMem_Calloc((size_t)n + 1, sizeof *data + sizeof(int64_t)); /* and the n + 1 offsets after */
+    int64_t *at = data ? (int64_t *)(data + n + 1) : NULL, words, strides[Q3_MAX_DIM];
+    q3_error err;
+    q3_status s = data ? q3_weight_table_layout(table, n, dt, at, &at[n], &err) : q3_fail(&err, Q3_ERR_NOMEM, "no memory");
+    q3py_tensor_object *block = s == Q3_OK ? q3py_tensor_new(st, Q3_I32, 1, (words = at[n] / 4 + 1, &words)) : NULL;
+    PyObject *d = block ? PyDict_New() : NULL;
     for (int64_t i = 0; d && i < n; i++) {
         const q3_weight_entry *e = &table[i];
-        q3py_tensor_object *t = q3py_tensor_new(st, q3_weight_storage_dtype(e->storage, dt, Q3_F32), e->rank, e->dims);
-        if (!t || PyDict_SetItemString(d, e->name, (PyObject *)t) < 0) Py_CLEAR(d);
-        else data[i] = t->data; /* the dict keeps it */
+        const q3_dtype sdt = q3_weight_storage_dtype(e->storage, dt, Q3_F32);
+        q3_contiguous_strides(e->rank, e->dims, q3_dtype_size(sdt), strides); /* fits: the layout did */
+        PyObject *t = (PyObject *)q3py_tensor_view(st, (PyObject *)block, data[i] = (char *)block->data + at[i], sdt,
+                                                   e->rank, e->dims, strides);
+        if (!t || PyDict_SetItemString(d, e->name, t) < 0) Py_CLEAR(d);
         Py_XDECREF(t);
     }
-    q3_status s = Q3_OK;
-    q3_error err;
-    if (d)
-        Q3PY_NOGIL(s = q3_weight_table_fill_random(table, n, data, dt, seed, w->gptq_group, w->gptq_v2, &err));
+    if (d) Q3PY_NOGIL(s = q3_weight_table_fill_random(table, n, data, dt, seed, w->gptq_group, w->gptq_v2, &err));
     if (q3py_status(s, &err) < 0) Py_CLEAR(d);
+    Py_XDECREF(block);
     PyMem_Free(data);
     return d;
 }
@@ -169,12 +169,12 @@ PyMethodDef q3_random_methods[] = {
     {"random_weights", (PyCFunction)(void (*)(void))random_weights, METH_VARARGS | METH_KEYWORDS,
      "random_weights(config, seed, dtype, weight_format=None, experts=None, *, gptq_group=0, gptq_v2=False, "
      "gptq_dense_attention=False)\n--\n\n"
-     "Dict of random weights in extension memory (fused expert names; with experts=, a list of expert ids, those "
-     "experts' per-expert tensors only, each equal to its part of the fused ones), deterministic in seed. "
-     "weight_format 'fp8_e4m3_block128': the projection matrices as float8_e4m3fn with fp32 *_scale_inv block "
-     "scales, quantized from the dense draws of the same seed; 'gptq_int4': the same draws quantized by RTN into "
-     "the GPTQ tensors (per expert; gptq_group 0: 128, -1: one group a matrix; gptq_v2: zeros stored as they are; "
-     "gptq_dense_attention: q/k/v/o_proj left dense, the dense draws)."},
+     "Dict of random weights, views of one block of extension memory (fused expert names; with experts=, a list of"
+     " expert ids, those experts' per-expert tensors only, each equal to its part of the fused ones), "
+     "deterministic in seed. weight_format 'fp8_e4m3_block128': the projection matrices as float8_e4m3fn with fp32"
+     " *_scale_inv block scales, quantized from the dense draws of the same seed; 'gptq_int4': the same draws "
+     "quantized by RTN into the GPTQ tensors (per expert; gptq_group 0: 128, -1: one group a matrix; gptq_v2: "
+     "zeros stored as they are; gptq_dense_attention: q/k/v/o_proj left dense, the dense draws)."},
     {"dequantize_int4", (PyCFunction)(void (*)(void))dequantize_int4, METH_VARARGS | METH_KEYWORDS,
      "dequantize_int4(qweight, qzeros, scales, g_idx, gptq_v2=False)\n--\n\nThe float32 weight [N, K] of a host GPTQ "
      "matrix (qweight int32 [K/8, N], qzeros int32 [groups, N/8], scales float16 [groups, N], g_idx int32 [K]): "

@@ -18,6 +18,7 @@
 #include "vec.h"
 
 #define KT Q3_ATTN_KEY_TILE
+_Static_assert(KT % 8 == 0, "tile_scores takes a tile's keys 4 and 8 at a time");
 #define LN Q3_LANES
 
 typedef struct {
@@ -83,12 +84,15 @@ static void load_tile(const block_scratch *b, const void *k, const void *v, q3_d
 #endif
 
 /* st[j][:] = K[j] . Qt for every key of the tile: 4 keys x RB row vectors per step (4 + RB
- * loads for 4 RB multiply-adds), then the rows left one vector at a time */
+ * loads for 4 RB multiply-adds), then the rows left (a decode step's G rows: one vector) one
+ * vector and 8 keys at a time, 8 sums in flight to cover the multiply-add's latency (4 held
+ * the avx512 level's decode attention at half its throughput). Each score is summed over i in
+ * order either way. */
 static void tile_scores(const block_scratch *b, int D) {
-    for (int j = 0; j < KT; j += 4) {
+    const int blocked = b->rp / (RB * LN) * (RB * LN); /* rows in whole RB blocks */
+    for (int j = 0; blocked && j < KT; j += 4) {
         const float *k0 = b->kt + (int64_t)j * b->dp;
-        int r = 0;
-        for (; r + RB * LN <= b->rp; r += RB * LN) {
+        for (int r = 0; r < blocked; r += RB * LN) {
             q3_vf a[4][RB];
             #pragma GCC unroll 4
             for (int c = 0; c < 4; c++)
@@ -110,15 +114,20 @@ static void tile_scores(const block_scratch *b, int D) {
                 #pragma GCC unroll 4
                 for (int v = 0; v < RB; v++) q3_vstore(b->st + (int64_t)(j + c) * b->rp + r + v * LN, a[c][v]);
         }
-        for (; r < b->rp; r += LN) {
-            q3_vf a[4] = {{0}, {0}, {0}, {0}};
+    }
+    for (int j = 0; blocked < b->rp && j < KT; j += 8) { /* (KT a multiple of 8) */
+        const float *k0 = b->kt + (int64_t)j * b->dp;
+        for (int r = blocked; r < b->rp; r += LN) {
+            q3_vf a[8];
+            #pragma GCC unroll 8
+            for (int c = 0; c < 8; c++) a[c] = (q3_vf){0};
             for (int i = 0; i < D; i++) {
                 const q3_vf q = q3_vload(b->qt + (int64_t)i * b->rp + r);
-                #pragma GCC unroll 4
-                for (int c = 0; c < 4; c++) a[c] += k0[(int64_t)c * b->dp + i] * q;
+                #pragma GCC unroll 8
+                for (int c = 0; c < 8; c++) a[c] += k0[(int64_t)c * b->dp + i] * q;
             }
-            #pragma GCC unroll 4
-            for (int c = 0; c < 4; c++) q3_vstore(b->st + (int64_t)(j + c) * b->rp + r, a[c]);
+            #pragma GCC unroll 8
+            for (int c = 0; c < 8; c++) q3_vstore(b->st + (int64_t)(j + c) * b->rp + r, a[c]);
         }
     }
 }

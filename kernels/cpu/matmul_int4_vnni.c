@@ -189,6 +189,34 @@ static VNNI void gemv_one(float *y, const int8_t *xq, const float *sx, const int
     }
 }
 
+/* x's digits and block scales as quantize_token makes them (int4_digits.h), 16 inputs at a
+ * time with the same operations lane by lane, so the bytes are the same: |x| maxed over the
+ * block, x * inv rounded to nearest even, its remainder times 256 rounded and clamped; each
+ * pair of word rows' bytes put in the digits' order (even inputs, then odd) by one permute.
+ * K a multiple of BLOCK (the caller falls back to quantize_token otherwise). */
+static VNNI void quantize_token_avx512(int8_t *xq, float *sx, const float *x, int64_t K) {
+    const __m512i order = _mm512_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+    const int round = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    for (int64_t b0 = 0; b0 < K; b0 += BLOCK) {
+        __m512 m = _mm512_setzero_ps();
+        for (int64_t k = b0; k < b0 + BLOCK; k += 16) /* a NaN lane keeps m's (the scalar test's) */
+            m = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + k)), m);
+        const float amax = _mm512_reduce_max_ps(m), inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        sx[b0 / BLOCK] = amax / 127.0f;
+        for (int64_t k = b0; k < b0 + BLOCK; k += 16) {
+            const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(x + k), _mm512_set1_ps(inv));
+            const __m512 hi = _mm512_roundscale_ps(v, round);
+            const __m512 lo = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(v, hi),
+                                                                                             _mm512_set1_ps(256.0f)), round),
+                                                          _mm512_set1_ps(-128.0f)), _mm512_set1_ps(127.0f));
+            const __m128i h = _mm512_cvtepi32_epi8(_mm512_permutexvar_epi32(order, _mm512_cvtps_epi32(hi)));
+            const __m128i l = _mm512_cvtepi32_epi8(_mm512_permutexvar_epi32(order, _mm512_cvtps_epi32(lo)));
+            _mm_storeu_si128((__m128i *)(xq + k / 8 * 16), _mm_unpacklo_epi64(h, l));
+            _mm_storeu_si128((__m128i *)(xq + k / 8 * 16 + 16), _mm_unpackhi_epi64(h, l));
+        }
+    }
+}
+
 int q3_int4_gemv_vnni(float *y, const float *x, const q3_int4_matrix *w, int64_t T, int64_t N, int64_t K,
                       int accumulate, int threads, uint16_t *xb) {
     const int64_t unit = unit_of(w->group, K);
@@ -197,7 +225,10 @@ int q3_int4_gemv_vnni(float *y, const float *x, const q3_int4_matrix *w, int64_t
     float sx[Q3_INT4_GEMV_MAX_T * 64];
     const int64_t blocks = (K + BLOCK - 1) / BLOCK;
     if (T * blocks > (int64_t)(sizeof sx / sizeof sx[0]) || K / unit > 1024) return 0; /* K above 8192 */
-    for (int64_t t = 0; t < T; t++) quantize_token(xq + t * (K / 8) * 16, sx + t * blocks, x + t * K, K);
+    for (int64_t t = 0; t < T; t++) {
+        if (K % BLOCK == 0) quantize_token_avx512(xq + t * (K / 8) * 16, sx + t * blocks, x + t * K, K);
+        else quantize_token(xq + t * (K / 8) * 16, sx + t * blocks, x + t * K, K);
+    }
     int32_t zsum[1024]; /* one token's: 256 sum hi + sum lo of each unit (K / unit <= 1024: K <= 8192) */
     for (int64_t u = 0; T == 1 && u < K / unit; u++) {
         int32_t shi, slo;

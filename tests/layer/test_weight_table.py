@@ -1,6 +1,9 @@
 """The engine's one table of a layer's tensors (_C.weight_table): the names, shapes and storage a
 layer reads, per weight format. Random weights, a layer's construction and the Python name
 matching all follow it, so what it lists is what each of them makes, takes and expects."""
+import ctypes
+import gc
+
 import pytest
 
 import qwen3layer as q3
@@ -38,6 +41,27 @@ def test_random_weights_are_the_table_in_its_order(fmt, experts):
     for name, shape, storage, of in table:
         assert tuple(got[name].shape) == shape and got[name].dtype == DTYPE_OF[storage], name
         assert (of >= 0) == (storage in ("scale", "gscales", "qzeros", "g_idx")), name  # what stands beside a matrix
+
+
+@pytest.mark.parametrize("fmt", _C.weight_formats())
+def test_random_weights_lie_in_one_block_in_table_order(fmt):
+    """random_weights' tensors are views of one block (q3_weight_table_layout: tensors too small
+    for huge pages of their own share the block's): each starts on a 64-byte boundary right
+    after the one before it, none overlaps another, and a tensor kept alone keeps its values
+    (the block lives while any view does)"""
+    table = _C.weight_table(cfg_of(fmt), fmt, None, True)
+    got = _C.random_weights(cfg_of(fmt), 3, "bfloat16", fmt)
+    spans = [(t.data_ptr, t.data_ptr + t.nbytes, name) for name, t in got.items()]
+    assert [name for *_, name in spans] == [name for name, *_ in table]
+    assert all("view" in repr(t) for t in got.values())
+    for (start, end, name), (nxt, _, after) in zip(spans, spans[1:]):
+        assert start % 64 == 0 and end <= nxt, (name, after)
+        assert nxt - end < 64, f"{after} does not follow {name} ({nxt - end} bytes between)"
+    kept = got[spans[-1][2]]
+    expected = bytes((ctypes.c_char * kept.nbytes).from_address(kept.data_ptr))
+    del got
+    gc.collect()
+    assert bytes((ctypes.c_char * kept.nbytes).from_address(kept.data_ptr)) == expected
 
 
 def test_a_scale_follows_its_matrix_with_the_block_shape():
