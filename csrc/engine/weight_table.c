@@ -330,12 +330,12 @@ q3_status q3_weight_table_layout(const q3_weight_entry *table, int64_t n, q3_dty
     int64_t at = 0;
     for (int64_t i = 0; i < n; i++) {
         const q3_weight_entry *e = &table[i];
-        int64_t size = (int64_t)q3_dtype_size(q3_weight_storage_dtype(e->storage, dt, Q3_F32));
-        for (int d = 0; d < e->rank; d++)
-            if (e->dims[d] < 0 || !q3_mul_i64(size, e->dims[d], &size))
-                return q3_fail(err, Q3_ERR_VALUE, "weight table: %s's size overflows int64", e->name);
-        offsets[i] = at;
-        if (!q3_add_i64(at, size + (64 - size % 64) % 64, &at))
+        int64_t size;
+        if (!q3_numel(e->rank, e->dims, &size) ||
+            !q3_mul_i64(size, (int64_t)q3_dtype_size(q3_weight_storage_dtype(e->storage, dt, Q3_F32)), &size))
+            return q3_fail(err, Q3_ERR_VALUE, "weight table: %s's size overflows int64", e->name);
+        offsets[i] = at; /* a multiple of 64: the end of the one before, rounded up */
+        if (!q3_add_i64(at, size, &at) || !q3_add_i64(at, (64 - at % 64) % 64, &at))
             return q3_fail(err, Q3_ERR_VALUE, "weight table: the layer's tensors together overflow int64 bytes");
     }
     *bytes = at;
