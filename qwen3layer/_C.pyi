@@ -63,7 +63,7 @@ class Layer:
     def __init__(self, config: Any, weights: Dict[str, Any], dtype: Optional[str] = ..., device: int = ...,
                  weight_format: Optional[str] = ..., experts: Optional[Sequence[int]] = ..., *,
                  experts_only: bool = ..., gptq_group: int = ..., gptq_v2: bool = ...,
-                 gptq_dense_attention: bool = ...) -> None: ...
+                 gptq_dense_attention: bool = ..., copy_weights: bool = ...) -> None: ...
     def prefill(self, x: Any, cache: KVCache, seq: Optional[int] = ..., chunk_size: Optional[int] = ..., *,
                 out: Any = ..., stream: Optional[int] = ..., return_router: bool = ..., return_attention: bool = ...,
                 attention_limit: Optional[int] = ..., token_mask: Any = ..., positions: Any = ...,

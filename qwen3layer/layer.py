@@ -156,13 +156,20 @@ class DecoderLayer:
     loads; a view at an odd offset is copied once, with the warning), host weights are
     copied there once; inputs and outputs live on it, and the work is queued on the
     caller's current torch stream.
+    copy_weights: True copies every weight once, now, into one block the layer owns, laid out
+    in the engine's table order (each tensor 64-byte aligned) and on huge pages where the
+    system gives them; nothing is borrowed, so the caller's tensors may go. Memory: the layer's
+    weight bytes. For weights on 4 KiB pages, as a checkpoint's mapping is (from_checkpoint's
+    mmap=False) or many small tensors are: decode reads them faster from huge pages. A host
+    layer's option: ValueError on a CUDA device.
     """
 
     def __init__(self, config: LayerConfig, weights: Mapping[str, Any], device: str = "cpu",
                  dtype: Optional[str] = None, weight_format: Optional[str] = None,
                  experts: Optional[Sequence[int]] = None, expert_device: Optional[str] = None,
                  gpu_experts: Any = None, expert_counts: Any = None,
-                 quantization_config: Optional[Mapping[str, Any]] = None, layer_idx: Optional[int] = None) -> None:
+                 quantization_config: Optional[Mapping[str, Any]] = None, layer_idx: Optional[int] = None,
+                 copy_weights: bool = False) -> None:
         if not isinstance(config, LayerConfig):
             raise TypeError(f"config: expected a qwen3layer.LayerConfig, got {type(config).__name__}")
         if weight_format is None and isinstance(weights, Mapping) and \
@@ -185,7 +192,7 @@ class DecoderLayer:
         mine = canonical_weights(weights, config, ids, gptq_group=group, gptq_dense_attention=dense_attention)
         if index >= 0 and ids is not None:  # a CUDA subset: the held experts' slices of fused host tensors
             mine = held_expert_views(mine, config, ids)
-        self._core = _C.Layer(config, mine, dtype, index, weight_format, ids, **gptq)
+        self._core = _C.Layer(config, mine, dtype, index, weight_format, ids, copy_weights=copy_weights, **gptq)
         self._gptq_dense_attention = dense_attention  # q/k/v/o_proj dense in a gptq_int4 layer (the cost model's)
         if split:
             from .placement.hybrid import HybridRunner
@@ -196,7 +203,7 @@ class DecoderLayer:
                             self._core.weight_format, host_ids, experts_only=True, **gptq)
             self._hybrid = HybridRunner(self._core, host, ids, config)
             self.expert_device, self.gpu_experts = "cpu", tuple(ids)
-        if self._core.converted:
+        if self._core.converted and not copy_weights:
             where = "" if index < 0 else f" on {self.device}"
             aligned = "" if index < 0 else ", 16-byte aligned"
             kept = self._core.dtype if self._core.weight_format == "dense" else \
@@ -222,7 +229,7 @@ class DecoderLayer:
     def from_checkpoint(cls, path: str, layer_idx: int, device: str = "cpu",
                         dtype: Optional[str] = None, experts: Optional[Sequence[int]] = None,
                         expert_device: Optional[str] = None, gpu_experts: Any = None,
-                        expert_counts: Any = None) -> "DecoderLayer":
+                        expert_counts: Any = None, mmap: bool = True) -> "DecoderLayer":
         """Layer `layer_idx` of a transformers safetensors checkpoint (the folder with
         config.json and the shards), its geometry from config.json. Only this layer's tensors
         are memory-mapped (with experts=, only those experts' besides the attention and the
@@ -235,7 +242,10 @@ class DecoderLayer:
         quantization_config is for the constructor) gives a gptq_int4 layer, its qweight,
         qzeros, scales and g_idx borrowed the same way. The files are checked as untrusted data first: a bad one raises CheckpointError naming
         the file and the tensor (or config.json and the field); no layer is made and the
-        mappings are closed."""
+        mappings are closed. mmap=False: the layer's tensors are read, once, into one block the
+        layer owns (copy_weights), and the mappings closed: the layer's weight bytes of memory,
+        for decode read from huge pages (the page cache maps files in 4 KiB pages). A host
+        layer's option."""
         from .checkpoint import load_layer_weights
 
         device_index(device)  # before anything is read or mapped
@@ -247,7 +257,7 @@ class DecoderLayer:
                         quantization_config=quant,
                         # the index picks a GPTQ config's per-layer rules; dense and FP8 ones have none (quant
                         # None), and the constructor refuses an index that would do nothing
-                        layer_idx=layer_idx if quant is not None else None)
+                        layer_idx=layer_idx if quant is not None else None, copy_weights=not mmap)
         except BaseException:
             weights.clear()  # the views, so that the mappings can close now rather than at collection
             for mm in maps:
@@ -256,6 +266,11 @@ class DecoderLayer:
                 except BufferError:  # a view still held (by the traceback): it closes when that goes
                     pass
             raise
+        if not mmap:  # the layer holds copies: nothing of the files is read again
+            weights.clear()
+            for mm in maps:
+                mm.close()
+            maps, spans = [], []
         layer._mappings = maps  # the borrowed views keep them alive too; this makes it explicit
         layer._mapped_spans = spans  # (file, first byte, end) of the tensors each mapping covers
         return layer

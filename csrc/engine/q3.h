@@ -883,6 +883,9 @@ typedef struct {
     int experts_only;               /* as q3_weights' (a host layer given dtype and format, else refused) */
     int64_t gptq_group;
     int gptq_v2, gptq_dense_attention;
+    /* nonzero: a host layer's every tensor copied, now, into one block the layer owns (laid out
+     * by q3_weight_table_layout: huge pages for all), none borrowed; else refused */
+    int copy_weights;
 } q3_layer_load_args;
 
 /* cfg: checked (q3_config_make) */
@@ -1001,12 +1004,13 @@ q3_status q3_expert_half_prepare(const q3_config *cfg, const q3_view *rows, cons
 q3_status q3_weight_table_new(const q3_config *cfg, q3_weights *w, int fused, const void **expert_ptrs,
                               q3_weight_entry **out, int64_t *n, q3_error *err);
 /* Where each entry of table [n] lies in one block holding them all, for a layer of dtype dt with
- * fp32 scales: offsets[i] in bytes, each a multiple of 64, and the block's *bytes.
- * DecoderLayer.random makes that one block, so that tensors too small for huge pages of their
- * own (q3_alloc: from 4 MiB; a GPTQ matrix's 3 MiB of words at the real geometry) share the
- * block's (an Intel Xeon, 2 threads: the int4 layer's decode from memory 6.8 -> 5.7 ms). */
-q3_status q3_weight_table_layout(const q3_weight_entry *table, int64_t n, q3_dtype dt, int64_t *offsets,
-                                 int64_t *bytes, q3_error *err);
+ * scales of scale_dt: offsets[i] in bytes, each a multiple of 64, and the block's *bytes.
+ * DecoderLayer.random and a layer loaded with copy_weights make that one block, so that tensors
+ * too small for huge pages of their own (q3_alloc: from 4 MiB; a GPTQ matrix's 3 MiB of words at
+ * the real geometry) share the block's (an Intel Xeon, 2 threads: the int4 layer's decode from
+ * memory 6.8 -> 5.7 ms). */
+q3_status q3_weight_table_layout(const q3_weight_entry *table, int64_t n, q3_dtype dt, q3_dtype scale_dt,
+                                 int64_t *offsets, int64_t *bytes, q3_error *err);
 /* DecoderLayer.random's draws into every tensor of table [n] (q3_weight_fill_random: the stream
  * layout is the table's), data[i] entry i's, of its storage's dtype for a layer of dtype dt with
  * fp32 scales (q3_weight_storage_dtype) */

@@ -3,8 +3,11 @@
  * the tensors the layer reads (weight_table.c), and each tensor taken as its storage says:
  * borrowed where the kernels can read it as it is, else copied once, now (converted to the
  * dtype its storage asks, or uploaded to the layer's device: q3_weight_view_use decides). The
- * layer keeps what it borrowed and owns its copies until q3_layer_destroy. The caller (the
- * glue) only imports a tensor by name; every decision and check is here. */
+ * layer keeps what it borrowed and owns its copies until q3_layer_destroy. With copy_weights
+ * (a host layer) nothing is borrowed: every tensor is copied into one block the layer owns,
+ * laid out as q3_weight_table_layout says, so that a checkpoint's mapping (4 KiB pages of the
+ * page cache) or a caller's small tensors are read from huge pages. The caller (the glue) only
+ * imports a tensor by name; every decision and check is here. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -52,6 +55,8 @@ typedef struct {
     int64_t n;
     const void **expert_ptrs; /* [Q3_EXPERT_PTR_ARRAYS * Q3_X_COUNT * E]: the table's slots */
     q3_weight_holdings *h;
+    char *block;              /* copy_weights: the one block (h->copies[0]), entry i at block + at[i] */
+    int64_t *at;              /* [n] */
 } load;
 
 /* src's import of `name` (present) into *v; Q3_ERR_CALLER when the importer failed (its own
@@ -169,13 +174,24 @@ static q3_status take(load *ld, const q3_weight_entry *e, q3_dtype dt, int exper
     s = q3_view_check_shape(v, arg, e->rank, e->dims, err);
     if (s == Q3_OK) s = fused_on_device(ld, e, v, experts, err);
     if (s == Q3_OK) s = q3_weight_view_use(v, dt, ld->a->device, d ? d->weight_align : 16, arg, &use, err);
-    if (s == Q3_OK && use == Q3_WEIGHT_BORROW) {
+    if (s == Q3_OK && use == Q3_WEIGHT_BORROW && !ld->block) {
         ld->h->n_views++;
         *ptr = v->data;
         return Q3_OK;
     }
     const size_t bytes = (size_t)q3_weight_entry_numel(e) * q3_dtype_size(dt);
     void *copy = NULL;
+    if (s == Q3_OK && ld->block) { /* into the layer's block: as it is, else converted */
+        void *token = ld->src->unlock ? ld->src->unlock(ld->src->ctx) : NULL;
+        copy = ld->block + ld->at[e - ld->table];
+        if (use == Q3_WEIGHT_BORROW) memcpy(copy, v->data, bytes); /* contiguous, of dt: borrowable */
+        else q3_copy_strided(copy, dt, v->data, v->dtype, e->rank, v->shape, v->strides);
+        if (ld->src->relock) ld->src->relock(ld->src->ctx, token);
+        ld->src->release(v);
+        *ptr = copy;
+        *copied = 1;
+        return Q3_OK;
+    }
     if (s == Q3_OK && use == Q3_WEIGHT_UPLOAD) { /* to the layer's device as it is */
         s = upload(ld, arg, v->data, v->device, bytes, &copy, err);
     } else if (s == Q3_OK && !(copy = q3_alloc(bytes))) {
@@ -198,6 +214,19 @@ static q3_status take(load *ld, const q3_weight_entry *e, q3_dtype dt, int exper
     return Q3_OK;
 }
 
+/* copy_weights: the block every entry of the table is copied into (the layer's first copy) */
+static q3_status make_block(load *ld, q3_error *err) {
+    int64_t bytes;
+    if (!(ld->at = calloc((size_t)ld->n, sizeof *ld->at)))
+        return q3_fail(err, Q3_ERR_NOMEM, "copy_weights: out of memory for the layout of %lld tensors", (long long)ld->n);
+    q3_status s = q3_weight_table_layout(ld->table, ld->n, ld->w.dtype, ld->w.scale_dtype, ld->at, &bytes, err);
+    if (s == Q3_OK && (bytes > (int64_t)(SIZE_MAX / 2) || !(ld->block = q3_alloc((size_t)bytes))))
+        s = q3_fail(err, Q3_ERR_NOMEM, "copy_weights: out of memory for the layer's block of %lld bytes",
+                    (long long)bytes);
+    if (s == Q3_OK) ld->h->copies[ld->h->n_copies++] = ld->block;
+    return s;
+}
+
 q3_status q3_layer_load(q3_layer **out, const q3_config *cfg, const q3_layer_load_args *a, const q3_weight_source *src,
                         q3_error *err) {
     *out = NULL;
@@ -206,6 +235,9 @@ q3_status q3_layer_load(q3_layer **out, const q3_config *cfg, const q3_layer_loa
                        "dtype and weight_format (it has no q_proj to read them from), got device=%d, dtype=%s, "
                        "weight_format=%s", a->device, a->dtype ? q3_dtype_name(*a->dtype) : "None",
                        a->format ? q3_weight_format_name(*a->format) : "None");
+    if (a->copy_weights && a->device >= 0)
+        return q3_fail(err, Q3_ERR_VALUE, "copy_weights: a host layer's option (device=-1: a CUDA layer's weights "
+                       "are copied to its device anyway), got device=%d", a->device);
     if (a->device >= 0 && !q3_device())
         return q3_fail(err, Q3_ERR_STATE, "device=%d: the CUDA backend is not loaded", a->device);
     q3_status s = Q3_OK;
@@ -217,6 +249,7 @@ q3_status q3_layer_load(q3_layer **out, const q3_config *cfg, const q3_layer_loa
                         .gptq_dense_attention = a->gptq_dense_attention};
     s = format_and_dtype(&ld, err);
     if (s == Q3_OK) s = build_table(&ld, cfg, err);
+    if (s == Q3_OK && a->copy_weights) s = make_block(&ld, err);
     for (int64_t i = 0; s == Q3_OK && i < ld.n; i++) {
         const q3_weight_entry *e = &ld.table[i];
         weight_record *r = &ld.h->records[ld.h->n_records];
@@ -232,6 +265,7 @@ q3_status q3_layer_load(q3_layer **out, const q3_config *cfg, const q3_layer_loa
     if (s == Q3_OK) s = q3_layer_create(out, cfg, &ld.w, err); /* copies the pointer arrays and the mask */
     free(ld.table);
     free(ld.expert_ptrs);
+    free(ld.at);
     if (s != Q3_OK) {
         q3_weight_holdings_free(ld.h);
         return s;

@@ -325,14 +325,14 @@ q3_status q3_weight_table_new(const q3_config *cfg, q3_weights *w, int fused, co
     return s;
 }
 
-q3_status q3_weight_table_layout(const q3_weight_entry *table, int64_t n, q3_dtype dt, int64_t *offsets,
-                                 int64_t *bytes, q3_error *err) {
+q3_status q3_weight_table_layout(const q3_weight_entry *table, int64_t n, q3_dtype dt, q3_dtype scale_dt,
+                                 int64_t *offsets, int64_t *bytes, q3_error *err) {
     int64_t at = 0;
     for (int64_t i = 0; i < n; i++) {
         const q3_weight_entry *e = &table[i];
         int64_t size;
         if (!q3_numel(e->rank, e->dims, &size) ||
-            !q3_mul_i64(size, (int64_t)q3_dtype_size(q3_weight_storage_dtype(e->storage, dt, Q3_F32)), &size))
+            !q3_mul_i64(size, (int64_t)q3_dtype_size(q3_weight_storage_dtype(e->storage, dt, scale_dt)), &size))
             return q3_fail(err, Q3_ERR_VALUE, "weight table: %s's size overflows int64", e->name);
         offsets[i] = at; /* a multiple of 64: the end of the one before, rounded up */
         if (!q3_add_i64(at, size, &at) || !q3_add_i64(at, (64 - at % 64) % 64, &at))

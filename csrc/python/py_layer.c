@@ -24,13 +24,13 @@ static void source_relock(void *weights, void *token) { (void)weights; PyEval_Re
 
 static PyObject *layer_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     static char *names[] = {"config", "weights", "dtype", "device", "weight_format", "experts", "experts_only",
-                            "gptq_group", "gptq_v2", "gptq_dense_attention", NULL};
+                            "gptq_group", "gptq_v2", "gptq_dense_attention", "copy_weights", NULL};
     PyObject *cfg_obj, *weights, *dtype_obj = Py_None, *format_obj = Py_None, *experts_obj = Py_None;
-    int device = -1, experts_only = 0, gptq_v2 = 0, dense_attention = 0;
+    int device = -1, experts_only = 0, gptq_v2 = 0, dense_attention = 0, copy = 0;
     long long gptq_group = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO!|OiOO$pLpp:Layer", names, &cfg_obj, &PyDict_Type, &weights,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO!|OiOO$pLppp:Layer", names, &cfg_obj, &PyDict_Type, &weights,
                                      &dtype_obj, &device, &format_obj, &experts_obj, &experts_only, &gptq_group,
-                                     &gptq_v2, &dense_attention))
+                                     &gptq_v2, &dense_attention, &copy))
         return NULL;
     q3_config cfg;
     q3_dtype dt;
@@ -51,7 +51,7 @@ static PyObject *layer_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     const q3_layer_load_args a = {.device = self->device, .dtype = dtype_obj == Py_None ? NULL : &dt,
                                   .format = format_obj == Py_None ? NULL : &wf, .held = held,
                                   .experts_only = experts_only, .gptq_group = gptq_group, .gptq_v2 = gptq_v2,
-                                  .gptq_dense_attention = dense_attention};
+                                  .gptq_dense_attention = dense_attention, .copy_weights = copy};
     const q3_weight_source src = {weights, source_has, source_import, q3_view_release, source_unlock, source_relock};
     q3_error err;
     const q3_status s = q3_layer_load(&self->layer, &cfg, &a, &src, &err);
@@ -137,8 +137,8 @@ static PyType_Slot layer_slots[] = {
     {Py_tp_methods, q3py_layer_methods},
     {Py_tp_getset, layer_getset},
     {Py_tp_doc, "Layer(config, weights, dtype=None, device=-1, weight_format=None, experts=None, *, "
-                "experts_only=False, gptq_group=0, gptq_v2=False, gptq_dense_attention=False)\n--\n\nEngine layer; use "
-                "qwen3layer.DecoderLayer."},
+                "experts_only=False, gptq_group=0, gptq_v2=False, gptq_dense_attention=False, copy_weights=False)"
+                "\n--\n\nEngine layer; use qwen3layer.DecoderLayer."},
     {0, NULL},
 };
 

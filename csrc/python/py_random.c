@@ -56,7 +56,7 @@ static PyObject *random_table(q3_module_state *st, const q3_weight_entry *table,
     void **data = PyMem_Calloc((size_t)n + 1, sizeof *data + sizeof(int64_t)); /* and the n + 1 offsets after */
     int64_t *at = data ? (int64_t *)(data + n + 1) : NULL, words, strides[Q3_MAX_DIM];
     q3_error err;
-    q3_status s = data ? q3_weight_table_layout(table, n, dt, at, &at[n], &err) : q3_fail(&err, Q3_ERR_NOMEM, "no memory");
+    q3_status s = data ? q3_weight_table_layout(table, n, dt, Q3_F32, at, &at[n], &err) : q3_fail(&err, Q3_ERR_NOMEM, "no memory");
     q3py_tensor_object *block = s == Q3_OK ? q3py_tensor_new(st, Q3_I32, 1, (words = at[n] / 4 + 1, &words)) : NULL;
     PyObject *d = block ? PyDict_New() : NULL;
     for (int64_t i = 0; d && i < n; i++) {

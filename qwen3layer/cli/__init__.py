@@ -46,8 +46,10 @@ def cmd_run(args: argparse.Namespace) -> int:
           f"(of {', '.join(info['cpu_paths'])}), {info['compiler']}")
     t0 = time.perf_counter()
     if args.checkpoint:
-        print(f"loading layer {args.layer} of {args.checkpoint} (memory-mapped) ...", flush=True)
-        layer = DecoderLayer.from_checkpoint(args.checkpoint, args.layer, device=args.device, dtype=args.dtype)
+        how = "read into one block" if args.no_mmap else "memory-mapped"
+        print(f"loading layer {args.layer} of {args.checkpoint} ({how}) ...", flush=True)
+        layer = DecoderLayer.from_checkpoint(args.checkpoint, args.layer, device=args.device, dtype=args.dtype,
+                                             mmap=not args.no_mmap)
         cfg = layer.config
     else:
         quantized = FP8 if args.fp8 else INT4 if args.int4 else None
@@ -292,6 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--checkpoint", default=None, metavar="PATH",
                      help="a transformers safetensors checkpoint folder: use its layer --layer")
     run.add_argument("--layer", type=int, default=0, help="with --checkpoint: which layer (default 0)")
+    run.add_argument("--no-mmap", action="store_true",
+                     help="with --checkpoint: read the layer's tensors into one block on huge pages (decode reads "
+                          "them faster) instead of mapping the files")
     run.add_argument("--tokens", type=int, default=512, help="prompt tokens to prefill (default 512)")
     run.add_argument("--chunk-size", type=int, default=128, help="prefill chunk (default 128)")
     run.add_argument("--new-tokens", type=int, default=16, help="decode steps (default 16)")
@@ -350,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
             build_parser().error(f"--{flag}: random weights only (a checkpoint's weights keep their own format)")
     if getattr(args, "fp8", False) and getattr(args, "int4", False):
         build_parser().error("--fp8, --int4: one weight format, got both")
+    if getattr(args, "no_mmap", False) and not getattr(args, "checkpoint", None):
+        build_parser().error("--no-mmap: with --checkpoint only (random weights are the layer's own block already)")
     try:
         return args.func(args)
     except KeyboardInterrupt:

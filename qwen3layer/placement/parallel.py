@@ -94,14 +94,17 @@ class ExpertParallelLayer:
     @classmethod
     def from_checkpoint(cls, path: str, layer_idx: int, *, group: Any = None,
                         placement: Optional[Sequence[Sequence[int]]] = None,
-                        dtype: Optional[str] = None, device: str = "cpu") -> "ExpertParallelLayer":
+                        dtype: Optional[str] = None, device: str = "cpu",
+                        mmap: bool = True) -> "ExpertParallelLayer":
         """Layer `layer_idx` of a safetensors checkpoint (DecoderLayer.from_checkpoint), each
-        rank mapping only its experts' bytes and the attention and router weights."""
+        rank mapping only its experts' bytes and the attention and router weights (mmap=False:
+        reading them into one block of its own, as DecoderLayer.from_checkpoint does)."""
         from ..checkpoint import _read_config
 
         self = cls.__new__(cls)
         self._place(_read_config(path)[2], group, placement, device)
-        self.layer = DecoderLayer.from_checkpoint(path, layer_idx, device=device, dtype=dtype, experts=self.experts)
+        self.layer = DecoderLayer.from_checkpoint(path, layer_idx, device=device, dtype=dtype, experts=self.experts,
+                                                  mmap=mmap)
         return self
 
     @classmethod

@@ -30,7 +30,7 @@ from doc_examples import PAGES, blocks
 # a marker added or removed
 NOT_RUN = {
     "README.md": 1,            # a GPU and a checkpoint: the split over a GPU and the host
-    "docs/checkpoints.md": 2,  # a checkpoint folder (tests/io/test_checkpoint.py writes and loads one)
+    "docs/checkpoints.md": 3,  # a checkpoint folder (tests/io/test_checkpoint.py writes and loads one)
     "docs/cuda.md": 1,         # a GPU: a decode graph (tests/executor/test_cuda_executor.py replays one)
     "docs/hybrid.md": 1,       # a GPU and a checkpoint
     "docs/parallel.md": 2,     # several processes (tests/parallel runs them)
