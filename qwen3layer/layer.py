@@ -248,7 +248,10 @@ class DecoderLayer:
         layer's option."""
         from .checkpoint import load_layer_weights
 
-        device_index(device)  # before anything is read or mapped
+        if not mmap and str(device) != "cpu":  # before anything is read or mapped
+            raise ValueError(f"mmap: False is a host layer's option (device='cpu': a CUDA layer's weights are copied "
+                             f"to its device anyway), got device={device!r}")
+        device_index(device)
         ids = expert_id_list(experts)
         cfg, weights, maps, fmt, quant, spans = load_layer_weights(path, layer_idx, ids)
         try:

@@ -123,6 +123,9 @@ def test_the_checks_are_the_borrowing_layers():
             q3.DecoderLayer(cfg, short, copy_weights=copy)
     with pytest.raises(ValueError, match=r"copy_weights: a host layer's option \(device=-1.*\), got device=0"):
         _C.Layer(cfg, weights, None, 0, copy_weights=True)
+    with pytest.raises(ValueError, match=r"mmap: False is a host layer's option \(device='cpu'.*\), got "
+                                         r"device='cuda:0'"):
+        q3.DecoderLayer.from_checkpoint("no such folder", 0, device="cuda:0", mmap=False)
 
 
 def test_run_reads_a_checkpoint_into_one_block(checkpoints):

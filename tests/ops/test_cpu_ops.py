@@ -61,13 +61,14 @@ def test_the_harness_has_a_case_for_every_kernel_of_the_table():
     ops = re.findall(r'^    \{"(\w+)", ops_\w+\},', read("csrc", "check", "cpu_ops", "main.c"), re.M)
     assert len(table_ops()) >= 19 and set(table_ops()) <= set(ops), set(table_ops()) - set(ops)
     assert "e4m3_decode" in ops  # the FP8 decoders, every code, through matmul_fp8's GEMV and dequantization
+    assert "int4_digits" in ops  # the int4 decode's activation digits, bit for bit, through matmul_int4's GEMV
 
 
 @pytest.mark.skipif(PATHS == ["portable"], reason=ONLY_PORTABLE)
 def test_every_op_on_every_path_agrees_with_portable(program):
     rc, out, rows = run(program)
     assert rc == 0, out
-    ops = set(table_ops()) | {"e4m3_decode"}
+    ops = set(table_ops()) | {"e4m3_decode", "int4_digits"}
     for path in LEVELS:
         if path == "portable":
             assert "portable   the reference: not compared (against itself)" in out, out
@@ -92,7 +93,7 @@ def test_a_planted_defect_fails_exactly_where_it_was_planted(program):
         planted = path == best or (path, op) == (low, "rope")
         assert cases > 0 and (verdict == "FAIL" and worst > 1.0) == planted and (verdict == "OK") != planted, \
             (path, op, rows[(path, op)])
-    planted = len(table_ops()) + 1 + (low != best)
+    planted = len(table_ops()) + 2 + (low != best)  # the table's ops, e4m3_decode and int4_digits
     assert f"against portable: {planted} failed: FAIL" in out, out
 
 
@@ -156,7 +157,7 @@ ARM_LEVELS = ["neon", "neon_bf16", "sve"]  # cpu_dispatch.c's aarch64 levels abo
 
 def compared_every_op(rows, path, out):
     """every op of the table compared on `path`, each OK"""
-    ops = set(table_ops()) | {"e4m3_decode"}
+    ops = set(table_ops()) | {"e4m3_decode", "int4_digits"}
     assert {op for p, op in rows if p == path} == ops, out
     assert all(rows[(path, op)][0] > 0 and rows[(path, op)][2] == "OK" for op in ops), out
 
@@ -211,7 +212,7 @@ def test_a_cpu_with_neon_alone_and_a_planted_defect_under_qemu(aarch64_program):
 # its decode and remainders), and the NEON e4m3 decoders' upper 4 weights of 8 are the lower 4
 # (every ARM path's FP8 rows); "tiles": a BFMMLA tile multiplies the first pair of weight rows
 # where the second belongs (neon_bf16's matmul from 4 tokens on, and its int4 prefill); "sdot": the int4 decode's odd
-# nibbles of the first 4 columns dotted with the even inputs' digits (neon_bf16's matmul_int4);
+# nibbles of the first 4 columns dotted with the even inputs' digits (neon_bf16's matmul_int4 and int4_digits);
 # "int4_prefill": the int4 prefill's bf16 weight rows with neighbouring inputs swapped (the same)
 BF16_FILE, FP8_FILE = os.path.join("kernels", "cpu", "matmul_neon_bf16.c"), os.path.join("kernels", "cpu", "matmul_fp8.c")
 INT4_FILE = os.path.join("kernels", "cpu", "matmul_int4_sdot.c")
@@ -225,7 +226,7 @@ KERNEL_DEFECTS = {
               ["--hide", "neon,sve"], {("neon_bf16", "matmul"), ("neon_bf16", "matmul_int4")}),
     "sdot": ([(INT4_FILE, "hi[t][0] = vdotq_s32(vdotq_s32(hi[t][0], e0, he), o0, ho);",
                "hi[t][0] = vdotq_s32(vdotq_s32(hi[t][0], e0, he), o0, he);")],
-             ["--hide", "neon,sve"], {("neon_bf16", "matmul_int4")}),
+             ["--hide", "neon,sve"], {("neon_bf16", "matmul_int4"), ("neon_bf16", "int4_digits")}),
     "int4_prefill": ([(BF16_FILE, "rows[i * K + k] = q3_f32_to_bf16(row[k]);", "rows[i * K + k] = q3_f32_to_bf16(row[k ^ 1]);")],
                      ["--hide", "neon,sve"], {("neon_bf16", "matmul_int4")}),
 }

@@ -16,6 +16,7 @@
  * zeros). */
 #include <math.h>
 
+#include "../../../kernels/cpu/int4_digits.h"
 #include "cpu_ops.h"
 
 #define INT4_TOL 1e-5
@@ -173,4 +174,89 @@ void ops_matmul_int4(ops_run *r) {
                 ops_release(r);
                 threads = threads % 3 + 1;
             }
+}
+
+/* The digits of the int4 decode GEMVs on integer dot products (int4_digits.h: x held as two
+ * 8-bit digits a block of 128 inputs; matmul_int4_vnni.c on avx512bf16 and amx, whose
+ * quantize_token_avx512 must make quantize_token's bytes, and matmul_int4_sdot.c on
+ * neon_bf16), seen exactly through the GEMV: W [K, K] whose nibbles are their zero but for
+ * q - z = 1 at (n, n), scales 1, so y[n] = sx/256 (256 hi[n] + lo[n]), one rounding of an exact
+ * product, from the digits of input n. Held bit for bit to the digits the scalar
+ * quantize_token makes on those paths; the others (no digits: y = x but for the fp32 GEMV's
+ * rounding, which sums every group's x with its zero: matmul_int4's cases hold them) within
+ * 1e-4 of the token's sum of |x| (a sum of 128 terms of up to 2 |x| each, times 16). Blocks of
+ * normal draws; of halves after scaling (ties of both roundings, and lo's clamp at 127); one
+ * all zero; one with a lone nonzero; magnitudes of 1e-30 and 1e30; the largest a negative. */
+static void digits_input(float *x, int64_t K, uint32_t seed, const float *normal) {
+    for (int64_t k = 0; k < K; k++) {
+        const int64_t b = (k / 128 + seed) % 8, i = k % 128;
+        const float z = normal[k];
+        x[k] = b == 0 ? z
+             : b == 1 ? (i == 0 ? 127.0f : (float)(i % 121) - 60.0f + 0.5f)      /* sx 1: hi's ties, lo 128 */
+             : b == 2 ? (i == 0 ? -127.0f : 3.0f + (float)(i % 200) / 256.0f + 0.5f / 256.0f) /* lo's ties */
+             : b == 3 ? 0.0f
+             : b == 4 ? (i == 77 ? -3.7f : 0.0f)
+             : b == 5 ? 1e-30f * z
+             : b == 6 ? 1e30f * z
+             : (i == 5 ? -9.0f : fabsf(z));
+    }
+}
+
+static void digits_case(ops_run *r, int64_t T, int64_t K, int threads, uint32_t seed) {
+    const int64_t N = K, G = K / 128, ny = T * N;
+    int32_t *qweight = ops_alloc(r, (size_t)(K / Q3_INT4_PACK * N) * 4), *g_idx = ops_alloc(r, (size_t)K * 4);
+    int32_t *qzeros = ops_alloc(r, (size_t)(G * (N / Q3_INT4_PACK)) * 4);
+    uint16_t *scales = ops_alloc(r, (size_t)(G * N) * 2);
+    float *normal = ops_random(r, T * K, Q3_F32, seed, 1.0f), *x = ops_alloc(r, (size_t)(T * K) * 4);
+    float *got = ops_alloc(r, (size_t)ny * 4), *digits = ops_alloc(r, (size_t)ny * 4);
+    float *scratch = ops_alloc(r, (size_t)(threads * q3_matmul_int4_scratch_floats(T, K)) * 4), sx[64];
+    uint16_t *xb = ops_alloc(r, (size_t)(q3_matmul_scratch_elems(T, K) + 1) * 2);
+    int8_t *xq = ops_alloc(r, (size_t)K * 2);
+    char label[96];
+    snprintf(label, sizeof label, "digits, T=%lld K=%lld, %d threads", (long long)T, (long long)K, threads);
+    if (r->oom || G > 64) return ops_check_bits(r, label, NULL, NULL, 1);
+    for (int64_t g = 0; g < G; g++) /* v1: the zero is the stored nibble + 1, in 1 .. 14 */
+        for (int64_t n = 0; n < N; n++) {
+            const uint32_t stored = next(&seed) % 14u;
+            qzeros[g * (N / 8) + n / 8] |= (int32_t)(stored << (4 * (n % 8)));
+            for (int64_t k = g * 128; k < g * 128 + 128; k++) {
+                const uint32_t q = stored + 1 + (k == n);
+                qweight[k / 8 * N + n] |= (int32_t)(q << (4 * (k % 8)));
+            }
+        }
+    for (int64_t i = 0; i < G * N; i++) scales[i] = 0x3c00; /* 1.0 */
+    for (int64_t k = 0; k < K; k++) g_idx[k] = (int32_t)(k / 128);
+    const q3_int4_matrix m = {qweight, qzeros, scales, g_idx, G, 128, 1};
+    for (int64_t t = 0; t < T; t++) {
+        digits_input(x + t * K, K, seed + (uint32_t)t, normal + t * K);
+        quantize_token(xq, sx, x + t * K, K);
+        for (int64_t n = 0; n < N; n++) {
+            const int j = (int)(n % 8), at = (j & 1) * 4 + j / 2;
+            const int32_t d = 256 * xq[n / 8 * 16 + at] + xq[n / 8 * 16 + 8 + at];
+            digits[t * N + n] = (float)((double)(sx[n / 128] / 256.0f) * d);
+        }
+    }
+    r->path->matmul_int4(got, x, &m, T, N, K, 0, scratch, threads, xb);
+    const char *name = r->path->name;
+    if (!strcmp(name, "avx512bf16") || !strcmp(name, "amx") || !strcmp(name, "neon_bf16"))
+        return ops_check_bits(r, label, got, digits, (size_t)ny * 4);
+    double *bound = ops_alloc(r, (size_t)ny * sizeof *bound);
+    for (int64_t t = 0; bound && t < T; t++) {
+        double b = 0.0;
+        for (int64_t k = 0; k < K; k++) b += fabs((double)x[t * K + k]);
+        for (int64_t n = 0; n < N; n++) bound[t * N + n] = b;
+    }
+    if (!bound) return ops_check_bits(r, label, NULL, NULL, 1);
+    ops_check_bound(r, label, got, x, bound, ny, 1e-4);
+}
+
+void ops_int4_digits(ops_run *r) {
+    int threads = 1;
+    uint32_t seed = 900;
+    for (int64_t T = 1; T <= 3; T += 2)
+        for (int64_t K = 1024; K <= 2048; K *= 2, seed += 11) {
+            digits_case(r, T, K, threads, seed);
+            ops_release(r);
+            threads = threads % 3 + 1;
+        }
 }

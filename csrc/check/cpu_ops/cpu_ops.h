@@ -61,7 +61,7 @@ void ops_check_bits(ops_run *r, const char *label, void *got, const void *want, 
 /* the ops' cases, one function an op (cases_*.c) */
 typedef void ops_op(ops_run *r);
 ops_op ops_matmul, ops_matmul_fp8, ops_e4m3_decode;                   /* cases_matmul.c */
-ops_op ops_matmul_int4;                                               /* cases_int4.c */
+ops_op ops_matmul_int4, ops_int4_digits;                              /* cases_int4.c */
 ops_op ops_attention, ops_attention_probs, ops_kv_write, ops_rope;    /* cases_attention.c */
 ops_op ops_router_topk, ops_moe_group, ops_gather_rows, ops_scatter_add_rows, ops_take_rows,
     ops_add_rows;                                                     /* cases_rows.c */

@@ -23,6 +23,7 @@ static const struct {
     {"matmul", ops_matmul},
     {"matmul_fp8", ops_matmul_fp8},
     {"matmul_int4", ops_matmul_int4},
+    {"int4_digits", ops_int4_digits},
     {"e4m3_decode", ops_e4m3_decode},
     {"rmsnorm", ops_rmsnorm},
     {"rope", ops_rope},
