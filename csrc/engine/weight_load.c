@@ -181,24 +181,14 @@ static q3_status take(load *ld, const q3_weight_entry *e, q3_dtype dt, int exper
     }
     const size_t bytes = (size_t)q3_weight_entry_numel(e) * q3_dtype_size(dt);
     void *copy = NULL;
-    if (s == Q3_OK && ld->block) { /* into the layer's block: as it is, else converted */
-        void *token = ld->src->unlock ? ld->src->unlock(ld->src->ctx) : NULL;
-        copy = ld->block + ld->at[e - ld->table];
-        if (use == Q3_WEIGHT_BORROW) memcpy(copy, v->data, bytes); /* contiguous, of dt: borrowable */
-        else q3_copy_strided(copy, dt, v->data, v->dtype, e->rank, v->shape, v->strides);
-        if (ld->src->relock) ld->src->relock(ld->src->ctx, token);
-        ld->src->release(v);
-        *ptr = copy;
-        *copied = 1;
-        return Q3_OK;
-    }
     if (s == Q3_OK && use == Q3_WEIGHT_UPLOAD) { /* to the layer's device as it is */
         s = upload(ld, arg, v->data, v->device, bytes, &copy, err);
-    } else if (s == Q3_OK && !(copy = q3_alloc(bytes))) {
+    } else if (s == Q3_OK && !(copy = ld->block ? ld->block + ld->at[e - ld->table] : q3_alloc(bytes))) {
         s = q3_fail(err, Q3_ERR_NOMEM, "%s: out of memory for its copy of %zu bytes", arg, bytes);
-    } else if (s == Q3_OK) { /* converted on the host, without the caller's lock */
+    } else if (s == Q3_OK) { /* on the host (copy_weights: into the layer's block), without the caller's lock */
         void *token = ld->src->unlock ? ld->src->unlock(ld->src->ctx) : NULL;
-        q3_copy_strided(copy, dt, v->data, v->dtype, e->rank, v->shape, v->strides);
+        if (use == Q3_WEIGHT_BORROW) memcpy(copy, v->data, bytes); /* copy_weights: contiguous, of dt */
+        else q3_copy_strided(copy, dt, v->data, v->dtype, e->rank, v->shape, v->strides);
         if (ld->src->relock) ld->src->relock(ld->src->ctx, token);
         if (ld->a->device >= 0) { /* a host weight for a CUDA layer: uploaded once, now */
             void *host = copy;
@@ -208,7 +198,7 @@ static q3_status take(load *ld, const q3_weight_entry *e, q3_dtype dt, int exper
     }
     ld->src->release(v);
     if (s != Q3_OK) return s;
-    ld->h->copies[ld->h->n_copies++] = copy;
+    if (!ld->block) ld->h->copies[ld->h->n_copies++] = copy; /* the block is copies[0] */
     *ptr = copy;
     *copied = 1;
     return Q3_OK;
@@ -220,7 +210,7 @@ static q3_status make_block(load *ld, q3_error *err) {
     if (!(ld->at = calloc((size_t)ld->n, sizeof *ld->at)))
         return q3_fail(err, Q3_ERR_NOMEM, "copy_weights: out of memory for the layout of %lld tensors", (long long)ld->n);
     q3_status s = q3_weight_table_layout(ld->table, ld->n, ld->w.dtype, ld->w.scale_dtype, ld->at, &bytes, err);
-    if (s == Q3_OK && (bytes > (int64_t)(SIZE_MAX / 2) || !(ld->block = q3_alloc((size_t)bytes))))
+    if (s == Q3_OK && !(ld->block = q3_alloc((size_t)bytes))) /* (an absurd size too: q3_alloc's NULL) */
         s = q3_fail(err, Q3_ERR_NOMEM, "copy_weights: out of memory for the layer's block of %lld bytes",
                     (long long)bytes);
     if (s == Q3_OK) ld->h->copies[ld->h->n_copies++] = ld->block;
