@@ -4,7 +4,7 @@
     python benchmarks/bench_llamacpp.py --llama-bench PATH --small --depths 0 --rounds 1 --reps 1   # smoke
 
 The script writes the layer's random weights (qwen3layer's own draws, seed --seed) into a
-one-layer qwen3moe GGUF (bf16; llama-quantize makes Q8_0, Q4_0 and Q4_K_M copies of it), then
+one-layer qwen3moe GGUF (bf16; llama-quantize makes F16, Q8_0, Q4_0 and Q4_K_M copies of it), then
 times, in interleaved rounds, llama.cpp bf16, Q8_0, Q4_0 and Q4_K_M, and qwen3layer bf16, FP8
 (fp8_e4m3_block128) and int4 (gptq_int4: 4-bit GPTQ, group 128, rounded to nearest), the last
 two the same draws quantized, on llama-bench's two tests:
@@ -26,7 +26,9 @@ ffn_down_exps (a third of the experts' weights) and attn_v are Q6_K, as in 46 of
 layers of a Q4_K_M of the whole model (the other 48 Q4_K, as the rest of the matrices).
 
 The table gives tok/s, then ours over theirs: bf16 and FP8 each against llama.cpp bf16 and
-Q8_0 (issue 23's targets read ours against both), int4 only against the two 4-bit formats
+Q8_0 (issue 23's targets read ours against both), fp16 against llama.cpp F16 (llama-quantize's
+F16 copy of the bf16 GGUF; ours: DecoderLayer.random's fp16 draws of the seed; --engines
+llama-f16,ours-f16 for those two alone), int4 only against the two 4-bit formats
 (a 4-bit layer against a 16- or 8-bit one says more about the bytes than about the code).
 
 Needs torch, qwen3layer (built) and the `gguf` package (pip install -e ".[bench]").
@@ -51,10 +53,12 @@ from machine import cpu_name  # noqa: E402
 
 VOCAB = 320          # tokens of the GGUF's vocabulary: <unk> <s> </s>, 256 byte tokens, 61 words
 UBATCH = 512         # llama-bench's default -ub; our prefill runs in chunks of as many tokens
-ENGINES = ("llama-bf16", "llama-q8_0", "llama-q4_0", "llama-q4_k_m", "ours-bf16", "ours-fp8", "ours-int4")
-QUANTS = {"llama-q8_0": "Q8_0", "llama-q4_0": "Q4_0", "llama-q4_k_m": "Q4_K_M"}   # engine: llama-quantize type
+ENGINES = ("llama-bf16", "llama-f16", "llama-q8_0", "llama-q4_0", "llama-q4_k_m", "ours-bf16", "ours-f16", "ours-fp8",
+           "ours-int4")
+QUANTS = {"llama-f16": "F16", "llama-q8_0": "Q8_0", "llama-q4_0": "Q4_0",
+          "llama-q4_k_m": "Q4_K_M"}                                              # engine: llama-quantize type
 OURS = {"ours-fp8": "fp8_e4m3_block128", "ours-int4": "gptq_int4"}              # engine: weight_format
-PAIRS = [("ours-bf16", "llama-bf16"), ("ours-bf16", "llama-q8_0"), ("ours-fp8", "llama-bf16"),
+PAIRS = [("ours-bf16", "llama-bf16"), ("ours-f16", "llama-f16"), ("ours-bf16", "llama-q8_0"), ("ours-fp8", "llama-bf16"),
          ("ours-fp8", "llama-q8_0"), ("ours-int4", "llama-q4_0"), ("ours-int4", "llama-q4_k_m")]
 
 BUILD_HELP = """\
@@ -304,8 +308,8 @@ class OurEngine:
 
         self.layer, self.cfg, self.args, self.caches = layer, cfg, args, {}
         H = cfg.hidden_size
-        self.prompt = _C.random_tensor((args.prompt, H), 19, "bfloat16")             # [prompt, H]
-        self.steps = [_C.random_tensor((1, H), 20 + i, "bfloat16") for i in range(args.gen)]  # gen x [1, H]
+        self.prompt = _C.random_tensor((args.prompt, H), 19, layer.dtype)             # [prompt, H]
+        self.steps = [_C.random_tensor((1, H), 20 + i, layer.dtype) for i in range(args.gen)]  # gen x [1, H]
 
     def cache(self, depth: int):
         if depth not in self.caches:
@@ -314,7 +318,7 @@ class OurEngine:
             c = self.layer.new_cache(depth + max(self.args.prompt, self.args.gen))
             for t0 in range(0, depth, UBATCH):
                 n = min(UBATCH, depth - t0)
-                self.layer.prefill(_C.random_tensor((n, self.cfg.hidden_size), 1000 + t0, "bfloat16"), c,
+                self.layer.prefill(_C.random_tensor((n, self.cfg.hidden_size), 1000 + t0, self.layer.dtype), c,
                                    chunk_size=UBATCH)
             self.caches[depth] = c
         return self.caches[depth]
@@ -467,6 +471,8 @@ def main() -> int:
     if "ours-bf16" in engines:
         ours["ours-bf16"] = OurEngine(q3.DecoderLayer(cfg, weights), cfg, args)
     del weights
+    if "ours-f16" in engines:  # fp16 draws of the same seed (llama-f16: the bf16 GGUF converted by llama-quantize)
+        ours["ours-f16"] = OurEngine(q3.DecoderLayer.random(cfg, args.seed, "float16"), cfg, args)
     for e, weight_format in OURS.items():
         if e in engines:
             ours[e] = OurEngine(q3.DecoderLayer.random(cfg, args.seed, "bfloat16", weight_format=weight_format),

@@ -33,45 +33,6 @@ typedef struct {
     int zero_offset; /* 1: "gptq" (v1), 0: "gptq_v2" */
 } q3_int4_matrix;
 
-/* fp16 bits -> fp32, exact (subnormals, infinities and NaN included) */
-static inline float q3_f16_to_f32(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
-    uint32_t u;
-    if (e == 0x1fu)
-        u = sign | 0x7f800000u | (m << 13); /* inf, NaN */
-    else if (e == 0) {
-        float f = (float)m * (1.0f / 16777216.0f); /* m 2^-24, exact */
-        memcpy(&u, &f, sizeof u);
-        u |= sign;
-    } else
-        u = sign | ((e + 112u) << 23) | (m << 13); /* fp32 exponent e - 15 + 127 */
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* fp32 -> fp16 bits, round to nearest even, overflow to inf, NaN kept (as torch's .half()) */
-static inline uint16_t q3_f32_to_f16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    const uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
-    u &= 0x7fffffffu;
-    if (u > 0x7f800000u) return sign | 0x7e00u;  /* NaN */
-    if (u >= 0x477ff000u) return sign | 0x7c00u; /* 65520 and up: inf */
-    if (u >= 0x38800000u) {                      /* 2^-14 and up: a normal fp16 */
-        u += 0xfffu + ((u >> 13) & 1u);
-        return sign | (uint16_t)((u - (112u << 23)) >> 13);
-    }
-    /* below 2^-14: a multiple q of 2^-24 */
-    const uint32_t e = u >> 23;
-    if (e < 102u) return sign; /* below 2^-25: rounds to 0 */
-    const uint32_t sig = (u & 0x7fffffu) | 0x800000u, shift = 126u - e; /* f = sig 2^(e-150) */
-    uint32_t q = sig >> shift;
-    const uint32_t rem = sig & ((1u << shift) - 1u), half = 1u << (shift - 1u);
-    q += rem > half || (rem == half && (q & 1u));
-    return sign | (uint16_t)q;
-}
-
 static inline int q3_int4_at(const int32_t *words, int64_t word, int nibble) {
     return (int)(((uint32_t)words[word] >> (4 * nibble)) & 0xfu);
 }

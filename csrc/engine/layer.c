@@ -27,8 +27,8 @@ static q3_status check_format(const q3_weights *w, q3_error *err) {
         return Q3_OK;
     }
     if (w->scale_dtype != Q3_F32 && w->scale_dtype != Q3_BF16)
-        return q3_fail(err, Q3_ERR_TYPE, "weight_scale_inv: expected float32 or bfloat16 scales, got dtype %d",
-                       (int)w->scale_dtype);
+        return q3_fail(err, Q3_ERR_TYPE, "weight_scale_inv: expected float32 or bfloat16 scales, got %s",
+                       q3_dtype_name(w->scale_dtype));
     for (int i = 0; i < Q3_W_DENSE_COUNT && !w->experts_only; i++)
         if (q3_dense_weight_is_matrix(i) && !w->dense_scale[i])
             return q3_fail(err, Q3_ERR_VALUE, "weights: missing the scale_inv of %s", q3_dense_weight_name(i));

@@ -720,11 +720,12 @@ typedef struct q3_view {
     int versioned;
 } q3_view;
 
-/* What an import takes besides float32 and bfloat16 tensors on the device asked: host tensors
+/* What an import takes besides float32, bfloat16 and (on the host) float16 tensors on the device
+ * asked (a float16 tensor on a CUDA device: Q3_ERR_TYPE, the CUDA kernels have no fp16): host tensors
  * on any device (Q3_VIEW_HOST), float8 e4m3fn weights (Q3_VIEW_E4M3); or int32 tensors instead
  * of the float ones (Q3_VIEW_I32: the router's chosen experts); or every dtype the extension
- * has (Q3_VIEW_ANY: float32, bfloat16, float8_e4m3fn, int32); or float16 alone (Q3_VIEW_F16: a
- * GPTQ matrix's scales); or bool and uint8 (Q3_VIEW_BOOL: a call's token mask, as Q3_BOOL), or
+ * has (Q3_VIEW_ANY: float32, bfloat16, float16, float8_e4m3fn, int32); or float16 alone (Q3_VIEW_F16: a
+ * GPTQ matrix's scales, on any device); or bool and uint8 (Q3_VIEW_BOOL: a call's token mask, as Q3_BOOL), or
  * int64 (Q3_VIEW_I64: a call's positions) */
 enum { Q3_VIEW_HOST = 1, Q3_VIEW_E4M3 = 2, Q3_VIEW_I32 = 4, Q3_VIEW_ANY = 8, Q3_VIEW_F16 = 16, Q3_VIEW_BOOL = 32,
        Q3_VIEW_I64 = 64 };

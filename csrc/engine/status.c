@@ -55,10 +55,7 @@ void q3_copy_strided(void *dst, q3_dtype dst_dt, const void *src, q3_dtype src_d
     for (int64_t i = 0; i < n; i++) {
         int64_t off = 0;
         for (int d = 0; d < ndim; d++) off += idx[d] * strides[d];
-        const float f = src_dt == Q3_BF16 ? q3_bf16_to_f32(((const uint16_t *)src)[off])
-                                          : ((const float *)src)[off];
-        if (dst_dt == Q3_BF16) ((uint16_t *)dst)[i] = q3_f32_to_bf16(f);
-        else ((float *)dst)[i] = f;
+        q3_float_put(dst, dst_dt, i, q3_float_at(src, src_dt, off));
         for (int d = ndim - 1; d >= 0; d--) {
             if (++idx[d] < shape[d]) break;
             idx[d] = 0;

@@ -78,14 +78,15 @@ static q3_status view_dtype(const q3_dl_dtype d, const char *arg, int allow, q3_
     }
     if (one && d.code == Q3_DL_FLOAT && d.bits == 32) return *dt = Q3_F32, Q3_OK;
     if (one && d.code == Q3_DL_BFLOAT && d.bits == 16) return *dt = Q3_BF16, Q3_OK;
+    if (one && d.code == Q3_DL_FLOAT && d.bits == 16) return *dt = Q3_F16, Q3_OK;
     if ((allow & (Q3_VIEW_E4M3 | Q3_VIEW_ANY)) && one && d.code == Q3_DL_FLOAT8_E4M3FN && d.bits == 8)
         return *dt = Q3_E4M3, Q3_OK;
     if ((allow & Q3_VIEW_ANY) && one && d.code == Q3_DL_INT && d.bits == 32) return *dt = Q3_I32, Q3_OK;
     dtype_desc(desc, sizeof desc, d);
     return q3_fail(err, Q3_ERR_TYPE, "%s: expected dtype %s, got %s", arg,
-                   allow & Q3_VIEW_ANY    ? "float32, bfloat16, float8_e4m3fn or int32"
-                   : allow & Q3_VIEW_E4M3 ? "float32, bfloat16 or float8_e4m3fn"
-                                          : "float32 or bfloat16",
+                   allow & Q3_VIEW_ANY    ? "float32, bfloat16, float16, float8_e4m3fn or int32"
+                   : allow & Q3_VIEW_E4M3 ? "float32, bfloat16, float16 or float8_e4m3fn"
+                                          : "float32, bfloat16 or float16",
                    desc);
 }
 
@@ -124,6 +125,9 @@ q3_status q3_view_from_dlpack(q3_view *v, const q3_dl_tensor *t, const char *arg
     q3_status s = q3_view_check_device(t->device.device_type, t->device.device_id, device, allow, arg, err);
     if (s != Q3_OK || (s = view_dtype(t->dtype, arg, allow, &v->dtype, err)) != Q3_OK) return s;
     v->device = t->device.device_type == Q3_DL_CPU ? -1 : t->device.device_id;
+    if (v->dtype == Q3_F16 && v->device >= 0 && !(allow & Q3_VIEW_F16))
+        return q3_fail(err, Q3_ERR_TYPE, "%s: float16 is taken on the CPU only (the CUDA kernels take float32 and "
+                       "bfloat16), got a float16 tensor on cuda:%d", arg, v->device);
     if (t->ndim < 0 || t->ndim > Q3_MAX_DIM)
         return q3_fail(err, Q3_ERR_VALUE, "%s: expected at most %d dimensions, got %d", arg, Q3_MAX_DIM, (int)t->ndim);
     v->ndim = t->ndim;

@@ -31,8 +31,9 @@ int q3_parse_dtype(PyObject *obj, const char *arg, q3_dtype *out) {
     const char *s = PyUnicode_Check(obj) ? PyUnicode_AsUTF8(obj) : NULL;
     if (s && (!strcmp(s, "float32") || !strcmp(s, "fp32"))) *out = Q3_F32;
     else if (s && (!strcmp(s, "bfloat16") || !strcmp(s, "bf16"))) *out = Q3_BF16;
+    else if (s && (!strcmp(s, "float16") || !strcmp(s, "fp16"))) *out = Q3_F16;
     else {
-        PyErr_Format(PyExc_TypeError, "%s: expected 'float32' or 'bfloat16', got %R", arg, obj);
+        PyErr_Format(PyExc_TypeError, "%s: expected 'float32', 'bfloat16' or 'float16', got %R", arg, obj);
         return -1;
     }
     return 0;

@@ -64,14 +64,13 @@ static void tensor_dealloc(q3py_tensor_object *t) {
     Py_DECREF(tp);
 }
 
-/* buffer_view's dtype: float32, bfloat16, or a checkpoint's float8_e4m3fn weights, GPTQ float16
- * scales and int32 words (and a split layer's int32 expert ids) */
+/* buffer_view's dtype: float32, bfloat16, float16, or a checkpoint's float8_e4m3fn weights and
+ * GPTQ int32 words (and a split layer's int32 expert ids) */
 static int buffer_dtype(PyObject *obj, void *out) {
     q3_dtype *dt = out;
     const int named = PyUnicode_Check(obj);
     if (named && PyUnicode_CompareWithASCIIString(obj, "int32") == 0) *dt = Q3_I32;
     else if (named && PyUnicode_CompareWithASCIIString(obj, "float8_e4m3fn") == 0) *dt = Q3_E4M3;
-    else if (named && PyUnicode_CompareWithASCIIString(obj, "float16") == 0) *dt = Q3_F16;
     else return q3py_dtype(obj, out);
     return 1;
 }
@@ -210,7 +209,7 @@ static PyMethodDef tensor_methods[] = {
 static PyGetSetDef tensor_getset[] = {
     {"shape", (getter)tensor_shape, NULL, "dimensions", NULL},
     {"strides", (getter)tensor_strides, NULL, "strides in elements", NULL},
-    {"dtype", (getter)tensor_dtype, NULL, "'float32' or 'bfloat16'", NULL},
+    {"dtype", (getter)tensor_dtype, NULL, "'float32', 'bfloat16' or 'float16'", NULL},
     {"device", (getter)tensor_device, NULL, "'cpu' or 'cuda:N'", NULL},
     {"data_ptr", (getter)tensor_ptr, NULL, "address of the first element", NULL},
     {"nbytes", (getter)tensor_nbytes, NULL, "bytes covered by the elements", NULL},

@@ -64,6 +64,13 @@ static void load_tile(const block_scratch *b, const void *k, const void *v, q3_d
                     kr[i] = q3_bf16_to_f32(ks[i]);
                     vr[i] = q3_bf16_to_f32(vs[i]);
                 }
+            } else if (dt == Q3_F16) {
+                const uint16_t *ks = (const uint16_t *)k + off, *vs = (const uint16_t *)v + off;
+#pragma omp simd
+                for (int i = 0; i < D; i++) {
+                    kr[i] = q3_f16_to_f32(ks[i]);
+                    vr[i] = q3_f16_to_f32(vs[i]);
+                }
             } else {
                 memcpy(kr, (const float *)k + off, (size_t)D * sizeof(float));
                 memcpy(vr, (const float *)v + off, (size_t)D * sizeof(float));

@@ -16,6 +16,10 @@ static float dot_key(const float *q, const void *k, q3_dtype dt, int64_t j, int 
         const uint16_t *kr = (const uint16_t *)k + j * D;
 #pragma omp simd reduction(+ : acc)
         for (int i = 0; i < D; i++) acc += q[i] * q3_bf16_to_f32(kr[i]);
+    } else if (dt == Q3_F16) {
+        const uint16_t *kr = (const uint16_t *)k + j * D;
+#pragma omp simd reduction(+ : acc)
+        for (int i = 0; i < D; i++) acc += q[i] * q3_f16_to_f32(kr[i]);
     } else {
         const float *kr = (const float *)k + j * D;
 #pragma omp simd reduction(+ : acc)

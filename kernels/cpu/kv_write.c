@@ -11,6 +11,9 @@ void Q3_CPU_FN(q3_kv_write)(void *cache, q3_dtype dt, const float *src, int64_t 
                 uint16_t *d = (uint16_t *)cache + off;
 #pragma omp simd
                 for (int i = 0; i < D; i++) d[i] = q3_f32_to_bf16(s[i]);
+            } else if (dt == Q3_F16) {
+                uint16_t *d = (uint16_t *)cache + off;
+                for (int i = 0; i < D; i++) d[i] = q3_f32_to_f16(s[i]);
             } else {
                 memcpy((float *)cache + off, s, (size_t)D * sizeof(float));
             }

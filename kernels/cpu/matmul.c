@@ -1,4 +1,4 @@
-/* y [T, N] = x [T, K] W^T with W [N, K] in fp32 or bf16: the generic kernel, in C that
+/* y [T, N] = x [T, K] W^T with W [N, K] in fp32, bf16 or fp16: the generic kernel, in C that
  * the compiler vectorises for each variant. The portable variant uses it for every T, avx2
  * below PACKED_MIN_TOKENS (more tokens: the packed panels of matmul_packed.c); the AVX-512
  * variant has its own (matmul_avx512.c).
@@ -17,6 +17,7 @@
 
 #define W_F32(p, k) ((p)[k])
 #define W_BF16(p, k) q3_bf16_to_f32((p)[k])
+#define W_F16(p, k) q3_f16_to_f32((p)[k])
 
 /* Tiles for one weight dtype: tile_4x4 (4 tokens x 4 rows), tile_1x4, dot_1x1. */
 #define DEFINE_TILES(SUF, WT, LOAD)                                                      \
@@ -75,6 +76,7 @@
 
 DEFINE_TILES(f32, float, W_F32)
 DEFINE_TILES(bf16, uint16_t, W_BF16)
+DEFINE_TILES(f16, uint16_t, W_F16)
 
 void Q3_CPU_FN(q3_matmul_generic)(float *y, const float *x, const void *w, q3_dtype w_dt,
                                   int64_t T, int64_t N, int64_t K, int accumulate, uint16_t *xb) {
@@ -89,6 +91,8 @@ void Q3_CPU_FN(q3_matmul_generic)(float *y, const float *x, const void *w, q3_dt
             const int64_t nr = N - n0 < ROW_TILE ? N - n0 : ROW_TILE;
             if (w_dt == Q3_BF16)
                 block_bf16(y, x, (const uint16_t *)w, t0, t1, n0, nr, N, K, accumulate);
+            else if (w_dt == Q3_F16)
+                block_f16(y, x, (const uint16_t *)w, t0, t1, n0, nr, N, K, accumulate);
             else
                 block_f32(y, x, (const float *)w, t0, t1, n0, nr, N, K, accumulate);
         }

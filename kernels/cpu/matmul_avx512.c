@@ -31,7 +31,8 @@ static inline void split_pairs(const float *x, __mmask16 m0, __mmask16 m1, __m51
 }
 
 /* y[t * ldy + r] (+)= sum_k x[t, k] w[r, k] for t < TT, r < R: W rows read once, 64 bytes a
- * row a step; fp32 weights take 16 elements a step, bf16 weights 32 (split even/odd) */
+ * row a step; fp32 weights take 16 elements a step, bf16 weights 32 (split even/odd), fp16
+ * weights 32 (two halves of 16) */
 static inline __attribute__((always_inline)) void gemv_tile(float *y, int64_t ldy, const float *x,
                                                             const void *w, int64_t K, q3_dtype dt,
                                                             int TT, int R, int accumulate, int wrap) {
@@ -56,6 +57,27 @@ static inline __attribute__((always_inline)) void gemv_tile(float *y, int64_t ld
                 for (int r = 0; r < R; r++) {
                     acc[t][r] = _mm512_fmadd_ps(xe, we[r], acc[t][r]);
                     acc[t][r] = _mm512_fmadd_ps(xo, wo[r], acc[t][r]);
+                }
+            }
+        }
+    } else if (dt == Q3_F16) { /* 32 a step as bf16, widened in order (vcvtph2ps: exact) */
+        const uint16_t *wh = (const uint16_t *)w;
+        for (int64_t k = 0; k < K; k += 32) {
+            const int64_t left = K - k;
+            const __mmask16 m0 = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
+            const __mmask16 m1 = left >= 32 ? 0xffff : left > 16 ? (__mmask16)((1u << (left - 16)) - 1) : 0;
+            __m512 wl[4], wu[4];
+            for (int r = 0; r < R; r++) {
+                q3_gemv_prefetch((const char *)(wh + r * K), 2 * k, 2 * K, wrap);
+                wl[r] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m0, wh + r * K + k));
+                wu[r] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m1, wh + r * K + k + 16));
+            }
+            for (int t = 0; t < TT; t++) {
+                const __m512 xl = _mm512_maskz_loadu_ps(m0, x + t * K + k);
+                const __m512 xu = _mm512_maskz_loadu_ps(m1, x + t * K + k + 16);
+                for (int r = 0; r < R; r++) {
+                    acc[t][r] = _mm512_fmadd_ps(xl, wl[r], acc[t][r]);
+                    acc[t][r] = _mm512_fmadd_ps(xu, wu[r], acc[t][r]);
                 }
             }
         }
@@ -103,13 +125,17 @@ static void gemv_rows(float *y, const float *x, const void *w, q3_dtype dt, int6
     if (nr == 4) {
         const void *wr = (const char *)w + (size_t)n0 * K * es;
         const int WRAP = n0 + 8 <= N; /* a whole tile after this one */
-        if (dt == Q3_BF16) { GEMV_TOKENS(Q3_BF16, 4, n0) } else { GEMV_TOKENS(Q3_F32, 4, n0) }
+        if (dt == Q3_BF16) { GEMV_TOKENS(Q3_BF16, 4, n0) }
+        else if (dt == Q3_F16) { GEMV_TOKENS(Q3_F16, 4, n0) }
+        else { GEMV_TOKENS(Q3_F32, 4, n0) }
         return;
     }
     const int WRAP = 0;
     for (int64_t n = n0; n < n0 + nr; n++) {
         const void *wr = (const char *)w + (size_t)n * K * es;
-        if (dt == Q3_BF16) { GEMV_TOKENS(Q3_BF16, 1, n) } else { GEMV_TOKENS(Q3_F32, 1, n) }
+        if (dt == Q3_BF16) { GEMV_TOKENS(Q3_BF16, 1, n) }
+        else if (dt == Q3_F16) { GEMV_TOKENS(Q3_F16, 1, n) }
+        else { GEMV_TOKENS(Q3_F32, 1, n) }
     }
 }
 

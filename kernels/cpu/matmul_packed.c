@@ -114,6 +114,25 @@ static void pack_bf16(float *panel, int64_t ldp, const void *src, int64_t n0, in
     }
 }
 
+/* the fp16 panel source, as pack_bf16 (rows of a bf16_rows holding fp16 words): 8 or 16
+ * weights a load widened by vcvtph2ps (exact; F16C in both x86 variants) */
+static void pack_f16(float *panel, int64_t ldp, const void *src, int64_t n0, int nr, int64_t k0, int64_t kc) {
+    const bf16_rows *b = src;
+    for (int r = 0; r < nr; r++) {
+        const uint16_t *row = b->w + (n0 + r) * b->K + k0;
+        float *out = panel + r * ldp;
+        int64_t k = 0;
+#if Q3_LANES == 16
+        for (; k + 16 <= kc; k += 16)
+            _mm512_storeu_ps(out + k, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(row + k))));
+#elif Q3_LANES == 8
+        for (; k + 8 <= kc; k += 8)
+            _mm256_storeu_ps(out + k, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + k))));
+#endif
+        for (; k < kc; k++) out[k] = q3_f16_to_f32(row[k]);
+    }
+}
+
 /* the lines of the next panel a tile fetches towards L2 as it runs: line i of [first, end) is
  * cache line i / rows of that panel's row i % rows */
 typedef struct {
@@ -258,8 +277,10 @@ static void packed(float *y, const float *x, const q3_panel_source *w, const flo
 void Q3_CPU_FN(q3_matmul_packed)(float *y, const float *x, const void *w, q3_dtype w_dt, int64_t T, int64_t N,
                                  int64_t K, int accumulate) {
     const bf16_rows b = {(const uint16_t *)w, K};
-    const q3_panel_source bf16 = {pack_bf16, &b, w, 2 * K, 2}, f32 = {NULL, NULL, NULL, 0, 0};
-    packed(y, x, w_dt == Q3_BF16 ? &bf16 : &f32, (const float *)w, T, N, K, accumulate, q3_packed_threads());
+    const q3_panel_source bf16 = {pack_bf16, &b, w, 2 * K, 2}, f16 = {pack_f16, &b, w, 2 * K, 2},
+                          f32 = {NULL, NULL, NULL, 0, 0};
+    packed(y, x, w_dt == Q3_BF16 ? &bf16 : w_dt == Q3_F16 ? &f16 : &f32, (const float *)w, T, N, K, accumulate,
+           q3_packed_threads());
 }
 
 void Q3_CPU_FN(q3_matmul_packed_from)(float *y, const float *x, const q3_panel_source *w, int64_t T, int64_t N,

@@ -16,6 +16,10 @@ static void rmsnorm_row(float *out, const float *x, const void *w, q3_dtype w_dt
         const uint16_t *wb = (const uint16_t *)w;
 #pragma omp simd
         for (int64_t i = 0; i < n; i++) out[i] = q3_bf16_to_f32(wb[i]) * (x[i] * r);
+    } else if (w_dt == Q3_F16) {
+        const uint16_t *wh = (const uint16_t *)w;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) out[i] = q3_f16_to_f32(wh[i]) * (x[i] * r);
     } else {
         const float *wf = (const float *)w;
 #pragma omp simd

@@ -33,6 +33,10 @@ void Q3_CPU_FN(q3_add_rows)(float *dst, const void *src, q3_dtype src_dt, const 
             const float *s = (const float *)src + i * H;
 #pragma omp simd
             for (int64_t j = 0; j < H; j++) d[j] += s[j];
+        } else if (src_dt == Q3_F16) {
+            const uint16_t *s = (const uint16_t *)src + i * H;
+#pragma omp simd
+            for (int64_t j = 0; j < H; j++) d[j] += q3_f16_to_f32(s[j]);
         } else {
             const uint16_t *s = (const uint16_t *)src + i * H;
             for (int64_t j = 0; j < H; j++) d[j] += q3_bf16_to_f32(s[j]);

@@ -35,7 +35,7 @@ WEIGHT_FORMATS = ("dense", "fp8_e4m3_block128", "gptq_int4")
 
 
 def _size(dtype: str) -> int:
-    return 2 if dtype == "bfloat16" else 4
+    return 4 if dtype == "float32" else 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,8 +174,8 @@ def cost_model(cfg: LayerConfig, mode: str = "prefill", tokens: int = 1, context
         raise ValueError(f"context: expected a non-negative int, got {context!r}")
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size: expected a positive int or None, got {chunk_size!r}")
-    if dtype not in ("bfloat16", "float32"):
-        raise ValueError(f"dtype: expected 'float32' or 'bfloat16', got {dtype!r}")
+    if dtype not in ("bfloat16", "float32", "float16"):
+        raise ValueError(f"dtype: expected 'float32', 'bfloat16' or 'float16', got {dtype!r}")
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"weight_format: expected one of {WEIGHT_FORMATS}, got {weight_format!r}")
     if scale_dtype not in ("bfloat16", "float32"):

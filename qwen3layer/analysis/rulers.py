@@ -70,7 +70,7 @@ def accuracy(cfg: LayerConfig, weights: dict, layer: DecoderLayer, dtype: str, t
     # an FP8 layer is measured against the dequantized weights it was given as reference
     what = ("" if layer.weight_format == "dense" else
             f", {'FP8' if layer.weight_format.startswith('fp8') else '4-bit'} weights against their dequantization")
-    tdt = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    tdt = getattr(torch, dtype)  # float32, bfloat16 or float16
     theirs, exact = hf_layer(tdt), hf_layer(torch.float32)
     rope = Qwen3MoeRotaryEmbedding(hc)
     x = torch.randn(1, tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(seed)).to(tdt)
@@ -88,7 +88,7 @@ def accuracy(cfg: LayerConfig, weights: dict, layer: DecoderLayer, dtype: str, t
         return Ruler(name, err_ours, 1e-5, "relative error", err_ours <= 1e-5,
                      f"float32{what}, {tokens} tokens; transformers' own error is {err_theirs:.2e}")
     return Ruler(name, err_ours, 2 * err_theirs, "relative error", err_ours <= 2 * err_theirs,
-                 f"bfloat16{what}, {tokens} tokens; the threshold is twice transformers' own bf16 error")
+                 f"{dtype}{what}, {tokens} tokens; the threshold is twice transformers' own {dtype} error")
 
 
 def decode_step_median(layer: DecoderLayer, context: int, steps: int = 12) -> float:
@@ -132,7 +132,7 @@ def decode_latency(cfg: LayerConfig, layer: DecoderLayer, dtype: str, context: i
 
 def activation_bytes(layer: DecoderLayer, tokens: int, dtype: str) -> int:
     """Memory of a prefill beyond weights and cache: the workspace, the input and the output."""
-    return layer.workspace_bytes + 2 * tokens * layer.config.hidden_size * (2 if dtype == "bfloat16" else 4)
+    return layer.workspace_bytes + 2 * tokens * layer.config.hidden_size * (4 if dtype == "float32" else 2)
 
 
 def prefill_memory(cfg: LayerConfig, weights: dict, dtype: str, device: str, tokens: int, chunk: int,

@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Tuple
 from .. import _C
 from ..config import LayerConfig
 from .quantization import weight_format
-from .safetensors import (DTYPES, FLOAT, FP8, HALF, WORDS, CheckpointError, Entry, Shard, UnsupportedDtypeError,
+from .safetensors import (DTYPES, FLOAT, FP8, HALF, SCALES, WORDS, CheckpointError, Entry, Shard, UnsupportedDtypeError,
                           check_entry, check_no_overlap, map_spans, open_shard, read_json, show)
 from ..weights import valid_expert_ids
 
@@ -137,7 +137,7 @@ def _layer_shards(path: str, names: List[str], scales: Dict[str, str], opened: L
 
 
 # a quantized storage of the engine's weight table: the dtypes its tensor may have in a file
-_STORED = {"e4m3": FP8, "qweight": WORDS, "qzeros": WORDS, "g_idx": WORDS, "gscales": HALF}
+_STORED = {"e4m3": FP8, "scale": SCALES, "qweight": WORDS, "qzeros": WORDS, "g_idx": WORDS, "gscales": HALF}
 GPTQ_STORAGE = ("qweight", "qzeros", "g_idx", "gscales")
 
 
@@ -146,7 +146,7 @@ def _wanted(fmt: str, cfg: LayerConfig, experts: Optional[List[int]] = None,
     """({per-layer tensor name: the dtypes it may have}, {side tensor name: its matrix's}, {GPTQ
     tensor name: its shape}) for a layer of weight format `fmt` (with the engine's `settings`
     of it) holding `experts` (None: all), from the engine's table: a tensor of the layer's
-    dtype is any float, an e4m3 one FP8, an FP8 scale any float, a GPTQ one as _STORED says"""
+    dtype is any float, an e4m3 one FP8, an FP8 scale F32 or BF16, a GPTQ one as _STORED says"""
     table = _C.weight_table(cfg, fmt, experts, gptq_group=(settings or {}).get("gptq_group", 0),
                             gptq_dense_attention=(settings or {}).get("gptq_dense_attention", False))
     wanted = {name: _STORED.get(storage, FLOAT) for name, _, storage, _ in table}

@@ -3,9 +3,9 @@ length checked against the file before it is read, the header a JSON object, and
 the layer uses checked before the engine borrows its bytes. No torch, no safetensors package:
 the format is 8 bytes of little-endian header length, a JSON header of
 {name: {"dtype", "shape", "data_offsets": [begin, end]}} (offsets relative to the end of the
-header), then the data. Dtypes taken: BF16 and F32, F8_E4M3 (float8_e4m3fn) for the
-projection matrices of an FP8 checkpoint, and a GPTQ checkpoint's I32 words (qweight, qzeros,
-g_idx) and F16 scales; which of them a tensor may have is the caller's choice (check_entry's
+header), then the data. Dtypes taken: BF16, F32 and F16, F8_E4M3 (float8_e4m3fn) for the
+projection matrices of an FP8 checkpoint (their block scales F32 or BF16), and a GPTQ
+checkpoint's I32 words (qweight, qzeros, g_idx) and F16 scales; which of them a tensor may have is the caller's choice (check_entry's
 `dtypes`)."""
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ from typing import Any, List, NamedTuple, Tuple
 
 DTYPES = {"BF16": "bfloat16", "F32": "float32", "F8_E4M3": "float8_e4m3fn", "I32": "int32", "F16": "float16"}
 ITEMSIZE = {"BF16": 2, "F32": 4, "F8_E4M3": 1, "I32": 4, "F16": 2}
-FLOAT = ("BF16", "F32")  # activations' dtypes: norms, the router, dense matrices, FP8 scales
+FLOAT = ("BF16", "F32", "F16")  # the layer's dtypes: norms, the router, dense matrices
 FP8 = ("F8_E4M3",)       # an FP8 checkpoint's projection matrices
+SCALES = ("BF16", "F32")  # an FP8 matrix's block scales
 WORDS = ("I32",)         # a GPTQ matrix's packed nibbles and zeros, and its g_idx
 HALF = ("F16",)          # a GPTQ matrix's group scales
 INT64_MAX = 2**63 - 1
@@ -180,11 +181,10 @@ def _check_dtype(where: str, dtype: Any, allowed: Tuple[str, ...]) -> str:
             why = " (of the FP8 formats only e4m3, float8_e4m3fn, is taken)"
         elif dtype.startswith("F8_"):
             why = " (an FP8 tensor where config.json declares no FP8 quantization_config)"
-        elif allowed == FLOAT and dtype == "F16":
-            why = " (float16 norms, router or matrices are not taken: the layer computes in float32 or bfloat16)"
         elif allowed == FLOAT and dtype == "I32":
             why = " (GPTQ words where config.json declares no GPTQ quantization_config)"
-        raise UnsupportedDtypeError(f"{where}: expected dtype {' or '.join(allowed)}, got {dtype[:40]}{why}")
+        listed = " or ".join(allowed) if len(allowed) < 3 else ", ".join(allowed[:-1]) + " or " + allowed[-1]
+        raise UnsupportedDtypeError(f"{where}: expected dtype {listed}, got {dtype[:40]}{why}")
     return dtype
 
 

@@ -174,8 +174,8 @@ def write_random_checkpoint(path: str, config: LayerConfig, num_layers: int = 1,
                              ("shard_bytes", shard_bytes, 1), ("seed", seed, 0)):
         if type(value) is not int or value < low:
             raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
-    if dtype not in ("bfloat16", "float32"):
-        raise ValueError(f"dtype: expected 'bfloat16' or 'float32', got {dtype!r}")
+    if dtype not in ("bfloat16", "float32", "float16"):
+        raise ValueError(f"dtype: expected 'bfloat16', 'float32' or 'float16', got {dtype!r}")
     qc, settings = _quantization(weight_format, quantization_config, config)
     fmt = weight_format or DENSE
     for i in range(num_layers if fmt == GPTQ else 0):  # each layer's own verdict of the rules (dense attention)

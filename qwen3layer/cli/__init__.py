@@ -199,7 +199,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         if t.dtype == "float8_e4m3fn":
             raise SystemExit(f"--perturb: {args.perturb} is an FP8 matrix; with --fp8 change its scale "
                              f"{args.perturb}_scale_inv, a norm or the router")
-        if t.dtype not in ("float32", "bfloat16"):
+        if args.perturb.endswith((".qweight", ".qzeros", ".scales", ".g_idx")):
             raise SystemExit(f"--perturb: {args.perturb} is a 4-bit matrix's {t.dtype} tensor; with --int4 change a "
                              "norm or the router")
         ours[args.perturb] = _C.random_tensor(tuple(t.shape), 99, t.dtype, 0.05)
@@ -265,7 +265,7 @@ def layer_options(p: argparse.ArgumentParser) -> None:
     """The options that choose the layer, shared by the commands."""
     p.add_argument("--geometry", default="real", help="real, tiny, or a config.json path")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], default="bfloat16")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fp8", action="store_true", help=f"random {FP8} projection matrices (the accuracy "
                    "ruler then measures against the dequantized weights)")
@@ -288,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="prefill and decode through one layer, timing each phase")
     run.add_argument("--geometry", default="real", help="real, tiny, or a config.json path")
-    run.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
+    run.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], default=None,
                      help="default: bfloat16, or the checkpoint's")
     run.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     run.add_argument("--checkpoint", default=None, metavar="PATH",

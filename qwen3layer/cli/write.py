@@ -20,7 +20,7 @@ def add_parser(sub) -> None:
     w.add_argument("path", help="the folder to make (must not exist)")
     w.add_argument("--geometry", default="tiny", help="real, tiny (default), or a config.json path")
     w.add_argument("--layers", type=int, default=1, help="decoder layers (default 1)")
-    w.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+    w.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], default="bfloat16",
                    help="the dense tensors' dtype (norms, router, embeddings; all of them without a format)")
     w.add_argument("--seed", type=int, default=0, help="layer i holds DecoderLayer.random(config, seed + i)'s weights")
     fmt = w.add_mutually_exclusive_group()

@@ -110,7 +110,7 @@ class _Link:
 
 
 def _bytes(t: Any) -> int:
-    return math.prod(t.shape) * (t.element_size() if isinstance(t, torch.Tensor) else {"float32": 4, "bfloat16": 2, "int32": 4}[
+    return math.prod(t.shape) * (t.element_size() if isinstance(t, torch.Tensor) else {"float32": 4, "bfloat16": 2, "float16": 2, "int32": 4}[
         str(t.dtype).replace("torch.", "")])
 
 

@@ -16,7 +16,7 @@ from test_cache_ops import (CFG, H, assert_same, decode_steps, filled, prompts, 
 LENGTHS, PADS, FIRSTS = [3, 7, 0, 5], [1, 0, 0, 2], [0, 4, 0, 9]
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+@pytest.fixture(scope="module", params=["float32", "bfloat16", "float16"])
 def layer(request):
     return q3.DecoderLayer.random(CFG, seed=5, dtype=request.param)
 

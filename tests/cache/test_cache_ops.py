@@ -194,14 +194,16 @@ def test_copy_prefix(cache):
     assert cache.lengths[1] == 1 and cache.padding[1] == 1
 
 
-def test_bfloat16_cache(layer):
-    cache = layer.new_cache(16, batch=3, dtype="bfloat16")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_cache(layer, dtype):
+    """a float32 layer's 16-bit cache: the operations move the rows as they are"""
+    cache = layer.new_cache(16, batch=3, dtype=dtype)
     for s, n in enumerate([2, 5, 3]):
         layer.prefill(x_of(n, H, seed=s), cache, s)
     before = state(cache)
     cache.reorder([2, 2, 0])
     assert_same(state(cache), gathered(before, [2, 2, 0]))
-    assert cache.select([1]).dtype == "bfloat16"
+    assert cache.select([1]).dtype == dtype and torch.from_dlpack(cache.keys(0)).dtype == getattr(torch, dtype)
     assert_same(state(cache.repeat_interleave(2)), gathered(state(cache), [0, 0, 1, 1, 2, 2]))
 
 

@@ -264,7 +264,7 @@ def test_decode_graphs_on_the_executor(borrowed):
     assert errors[4] == "ValueError: batch: expected 1 to 1 (the cache's batch, at most 64), got 2"
     assert errors[5].endswith("got 0") and errors[6].endswith("got -5")
     assert errors[7] == "TypeError: batch: expected an int or None, got str"
-    assert errors[8] == "TypeError: dtype: expected 'float32' or 'bfloat16', got 'int8'"
+    assert errors[8] == "TypeError: dtype: expected 'float32', 'bfloat16' or 'float16', got 'int8'"
     assert errors[9] == "ValueError: decode_graph: expected a layer on a CUDA device, got a cpu layer"
     assert errors[10].startswith("ValueError: cache: expected a cache on cuda:0")
     assert lengths_after_errors == [6]

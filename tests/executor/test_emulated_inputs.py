@@ -79,7 +79,7 @@ def test_random_input_draws_on_the_device_what_it_draws_on_the_host(layers):
 
 def test_to_device_and_to_host_refuse_what_they_cannot_copy():
     cases = [(lambda: q3.cuda.to_device(torch.zeros(2, dtype=torch.int64)), TypeError,
-              "tensor: expected dtype float32, bfloat16, float8_e4m3fn or int32, got int64"),
+              "tensor: expected dtype float32, bfloat16, float16, float8_e4m3fn or int32, got int64"),
              (lambda: q3.cuda.to_device([1.0]), TypeError,
               "tensor: expected a qwen3layer Tensor or a host tensor with __dlpack__ (torch, numpy), got list"),
              (lambda: q3.cuda.to_device(torch.zeros(4, 4)[:, ::2]), ValueError,

@@ -88,7 +88,7 @@ TENSOR_ERRORS = {
     "an F16 scale": (replace(Q + "_scale_inv", lambda s: s.half()), UnsupportedDtypeError,
                      rf"{Q}_scale_inv: expected dtype BF16 or F32, got F16"),
     "an FP8 norm": (replace("model.layers.0.input_layernorm.weight", lambda w: w.to(torch.float8_e4m3fn)),
-                    UnsupportedDtypeError, "input_layernorm.weight: expected dtype BF16 or F32, got F8_E4M3"),
+                    UnsupportedDtypeError, "input_layernorm.weight: expected dtype BF16, F32 or F16, got F8_E4M3"),
 }
 
 
@@ -167,7 +167,7 @@ def test_fp8_tensors_in_a_checkpoint_without_quantization_config(tmp_path, base,
     cfg = json.loads(open(os.path.join(path, "config.json")).read())
     del cfg["quantization_config"]
     open(os.path.join(path, "config.json"), "w").write(json.dumps(cfg))
-    with pytest.raises(UnsupportedDtypeError, match=rf"{Q}: expected dtype BF16 or F32, got F8_E4M3 \(an FP8 tensor "
+    with pytest.raises(UnsupportedDtypeError, match=rf"{Q}: expected dtype BF16, F32 or F16, got F8_E4M3 \(an FP8 tensor "
                        "where config.json declares no FP8 quantization_config"):
         q3.DecoderLayer.from_checkpoint(path, 0)
     assert all(s.mm.closed for s in opened)

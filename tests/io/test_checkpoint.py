@@ -106,13 +106,22 @@ def test_truncated_shard(saved, tmp_path):
         q3.DecoderLayer.from_checkpoint(str(dst), 1)
 
 
-def test_unsupported_dtype(saved, tmp_path):
+def test_float16_checkpoint_is_a_float16_layer(saved, tmp_path):
+    """save_pretrained of a .half() model: borrowed from the mapping as it is, the very layer
+    from_hf makes of the half model's modules; a float64 one is refused naming the tensor"""
     _, model = saved
     import copy
 
-    copy.deepcopy(model).half().save_pretrained(tmp_path, max_shard_size="1GB")
-    with pytest.raises(TypeError, match="expected dtype BF16 or F32, got F16"):
-        q3.DecoderLayer.from_checkpoint(str(tmp_path), 0)
+    half = copy.deepcopy(model).half()
+    half.save_pretrained(tmp_path / "f16", max_shard_size="1GB")
+    layer = q3.DecoderLayer.from_checkpoint(str(tmp_path / "f16"), 0)
+    assert layer.dtype == "float16" and layer.converted == ()
+    x = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(3)).half()
+    want = q3.DecoderLayer.from_hf(half.model.layers[0])
+    assert torch.equal(layer.prefill(x, layer.new_cache(8)), want.prefill(x, want.new_cache(8)))
+    copy.deepcopy(model).double().save_pretrained(tmp_path / "f64", max_shard_size="1GB")
+    with pytest.raises(TypeError, match="input_layernorm.weight: expected dtype BF16, F32 or F16, got F64"):
+        q3.DecoderLayer.from_checkpoint(str(tmp_path / "f64"), 0)
 
 
 def test_run_uses_the_checkpoint(saved):

@@ -245,8 +245,8 @@ def test_zero_length_tensors_never_overlap(single, tmp_path):
 
 def test_unsupported_dtype_is_a_type_error_naming_file_and_tensor(single, tmp_path):
     dst = copy_of(single, tmp_path)
-    corrupt_entry(dst, Q_NORM, lambda e, n: e.update(dtype="F16"))
-    expect(dst, str(dst / "model.safetensors"), Q_NORM, kind=TypeError, match="expected dtype BF16 or F32, got F16")
+    corrupt_entry(dst, Q_NORM, lambda e, n: e.update(dtype="F64"))
+    expect(dst, str(dst / "model.safetensors"), Q_NORM, kind=TypeError, match="expected dtype BF16, F32 or F16, got F64")
     expect(dst, kind=CheckpointError)  # a CheckpointError too
 
 

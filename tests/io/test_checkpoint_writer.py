@@ -41,6 +41,19 @@ def test_each_layer_read_back_is_the_random_layer_of_its_seed(tmp_path, fmt, qua
     assert not torch.equal(prefill(q3.DecoderLayer.from_checkpoint(path, 0), x), prefill(other, x))
 
 
+@pytest.mark.parametrize("fmt", [None, "gptq_int4"])
+def test_a_float16_checkpoint_reads_back_as_the_float16_random_layer(tmp_path, fmt):
+    """dense tensors in F16 (a GPTQ checkpoint's norms and router, as Qwen publishes them):
+    a float16 layer, the random one of the seed"""
+    path = write_random_checkpoint(tmp_path / "ck", G128, num_layers=1, seed=5, dtype="float16", weight_format=fmt)
+    read = q3.DecoderLayer.from_checkpoint(path, 0)
+    made = q3.DecoderLayer.random(G128, 5, dtype="float16", weight_format=fmt)
+    assert read.dtype == made.dtype == "float16" and read.converted == ()
+    x = torch.randn(1, 6, 256, generator=torch.Generator().manual_seed(0)).half()
+    assert torch.equal(prefill(read, x), prefill(made, x))
+    assert prefill(read, x).dtype == torch.float16
+
+
 def test_a_rule_naming_one_layer_leaves_that_layers_attention_dense(tmp_path):
     """config.json's rules are each layer's: layer 1's q/k/v/o_proj written dense (the dense
     draws), layer 0's 4-bit, and each read back as the layer of its seed"""
@@ -121,7 +134,7 @@ def test_a_failure_leaves_nothing_and_an_existing_folder_is_not_touched(tmp_path
     (dict(weight_format="gptq_int4", quantization_config={"desc_act": True}), ValueError,
      r"quantization_config.desc_act: expected false .* got True"),
     (dict(num_layers=0), ValueError, r"num_layers: expected an int >= 1, got 0"),
-    (dict(dtype="float16"), ValueError, r"dtype: expected 'bfloat16' or 'float32', got 'float16'"),
+    (dict(dtype="float64"), ValueError, r"dtype: expected 'bfloat16', 'float32' or 'float16', got 'float64'"),
 ])
 def test_arguments_are_checked_before_anything_is_written(tmp_path, kw, error, message):
     with pytest.raises(error, match=message):

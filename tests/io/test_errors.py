@@ -54,8 +54,8 @@ CALL_ERRORS = [
     ("rank 4", lambda l, c: l.prefill(torch.randn(2, 1, 3, H), c), ValueError, r"got \[2, 1, 3, 64\]"),
     ("zero tokens", lambda l, c: l.prefill(torch.randn(0, H), c), ValueError, "at least 1 token, got 0"),
     ("float64", lambda l, c: l.prefill(torch.randn(3, H, dtype=torch.float64), c), TypeError,
-     "x: expected dtype float32 or bfloat16, got float64"),
-    ("float16", lambda l, c: l.prefill(torch.randn(3, H).half(), c), TypeError, "got float16"),
+     "x: expected dtype float32, bfloat16 or float16, got float64"),
+    ("float8", lambda l, c: l.prefill(torch.randn(3, H).to(torch.float8_e4m3fn), c), TypeError, "got float8_e4m3fn"),
     ("int32", lambda l, c: l.prefill(torch.ones(3, H, dtype=torch.int32), c), TypeError, "got int32"),
     ("numpy float64", lambda l, c: l.prefill(np.zeros((3, H)), c), TypeError, "got float64"),
     ("wrong device", lambda l, c: l.prefill(OnGpu(), c), ValueError, "expected a tensor on device cpu, got cuda:0"),
@@ -145,8 +145,8 @@ def test_new_cache_rejects_bad_sizes(layer):
         layer.new_cache(0)
     with pytest.raises(ValueError, match="batch: expected a positive integer, got 0"):
         layer.new_cache(8, batch=0)
-    with pytest.raises(TypeError, match="dtype: expected 'float32' or 'bfloat16', got 'float16'"):
-        layer.new_cache(8, dtype="float16")
+    with pytest.raises(TypeError, match="dtype: expected 'float32', 'bfloat16' or 'float16', got 'int8'"):
+        layer.new_cache(8, dtype="int8")
 
 
 # ---- construction ------------------------------------------------------------------------
@@ -192,7 +192,7 @@ def test_misshaped_weight(hf_weights):
 
 def test_weight_of_unsupported_dtype(hf_weights):
     cfg, w = hf_weights
-    with pytest.raises(TypeError, match=r"weights\['mlp.gate.weight'\]: expected dtype float32 or bfloat16, got float64"):
+    with pytest.raises(TypeError, match=r"weights\['mlp.gate.weight'\]: expected dtype float32, bfloat16 or float16, got float64"):
         q3.DecoderLayer(cfg, w | {"mlp.gate.weight": w["mlp.gate.weight"].double()})
 
 
@@ -216,7 +216,7 @@ def test_unsupported_device_and_dtype(hf_weights):
     cfg, w = hf_weights
     with pytest.raises(ValueError, match=r"device: .*'cuda'"):
         q3.DecoderLayer(cfg, w, device="cuda")
-    with pytest.raises(TypeError, match="dtype: expected 'float32' or 'bfloat16', got 'int8'"):
+    with pytest.raises(TypeError, match="dtype: expected 'float32', 'bfloat16' or 'float16', got 'int8'"):
         q3.DecoderLayer(cfg, w, dtype="int8")
 
 

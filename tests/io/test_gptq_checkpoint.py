@@ -199,8 +199,8 @@ def _set(name, value):
     ("a dense matrix instead", lambda t: t.update({P + "self_attn.o_proj.weight": torch.zeros(256, 256)}) or [
         t.pop(P + f"self_attn.o_proj.{n}") for n in ("qweight", "qzeros", "scales", "g_idx")], CheckpointError,
      r"missing model.layers.0.self_attn.o_proj.qweight"),
-    ("a float16 router", _set("mlp.gate.weight", lambda v: v.half()), UnsupportedDtypeError,
-     r"mlp.gate.weight: expected dtype BF16 or F32, got F16 \(float16 norms, router or matrices are not taken"),
+    ("a float64 router", _set("mlp.gate.weight", lambda v: v.double()), UnsupportedDtypeError,
+     r"mlp.gate.weight: expected dtype BF16, F32 or F16, got F64"),
 ])
 def test_a_tensor_of_another_dtype_shape_or_name_is_refused_naming_the_file(tmp_path, opened, what, change, error,
                                                                              message):

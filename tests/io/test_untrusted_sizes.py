@@ -184,7 +184,7 @@ def test_a_python_deleter_does_not_hide_the_real_error(layer):
     the TypeError about the dtype, not a SystemError from the deleter."""
     cache = layer.new_cache(8)
     producer = PythonDeleterProducer(0, 32, [2, H])  # int32
-    with pytest.raises(TypeError, match="x: expected dtype float32 or bfloat16, got int32"):
+    with pytest.raises(TypeError, match="x: expected dtype float32, bfloat16 or float16, got int32"):
         layer.prefill(producer, cache)
     assert producer.deleted == 1
     negative = PythonDeleterProducer(2, 32, [-2, H])

@@ -119,6 +119,26 @@ def test_bfloat16_chunked_equals_unchunked():
     assert (y_chunk.float() - y_full.float()).abs().max() <= 2 ** -6 * y_full.float().abs().max()
 
 
+@pytest.mark.parametrize("path", sorted({"portable", q3.build_info()["cpu_paths"][-1]}))
+def test_float16_chunked_and_decoded_equal_unchunked(path):
+    """a float16 layer (fp16 weights and cache, fp32 sums): 40 tokens in one pass, in chunks of
+    9, and 37 then 3 decode steps"""
+    q3.set_cpu_path(path)
+    try:
+        layer = q3.DecoderLayer.random(CFG, seed=8, dtype="float16")
+        x = x_of(40, CFG.hidden_size, seed=4, dtype=torch.float16)
+        y_full = layer.prefill(x, layer.new_cache(64), chunk_size=40)
+        y_chunk = layer.prefill(x, layer.new_cache(64), chunk_size=9)
+        cache = layer.new_cache(64)
+        y_steps = torch.cat([layer.prefill(x[:37], cache)] + [layer.decode(x[i:i + 1], cache) for i in (37, 38, 39)])
+    finally:
+        q3.set_cpu_path(q3.build_info()["cpu_paths"][-1])
+    assert y_full.dtype == torch.float16 and cache.dtype == "float16"
+    for y in (y_chunk, y_steps):  # the cache holds fp16 K/V either way; only fp32 summation order differs
+        assert rel(y, y_full) <= 2e-3
+        assert (y.float() - y_full.float()).abs().max() <= 2 ** -8 * y_full.float().abs().max()
+
+
 def test_truncate_then_redo_equals_first_pass(layer):
     """the redo after a truncate is the same call on the same cache as the first pass's second
     call: equal to the bit (the whole 12 tokens in one call take another matmul kernel on some

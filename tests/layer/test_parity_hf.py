@@ -1,5 +1,5 @@
 """The layer against transformers' Qwen3MoeDecoderLayer (eager attention): outputs and
-cache contents, float32 and bfloat16, several geometries."""
+cache contents, float32, bfloat16 and float16, several geometries."""
 import pytest
 import torch
 
@@ -107,24 +107,28 @@ def test_float32_per_expert_names_match_fused():
     assert rel_err(y, run(model, x).y[0]) <= 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("geometry", GEOS)
-def test_bfloat16_error_at_most_twice_transformers(geometry):
-    """bf16 weights and input; each implementation judged against an fp64 run of the
-    same (bf16-valued) weights and input: the output, the cached keys and values
-    (qwen3layer.testing's rule)."""
+def test_half_precision_error_at_most_twice_transformers(geometry, dtype):
+    """bf16 or fp16 weights and input; each implementation judged against an fp64 run of the
+    same (bf16- or fp16-valued) weights and input: the output, the cached keys and values
+    (qwen3layer.testing's rule). The layer borrows the weights and keeps its cache in that
+    dtype; a float16 layer sums in fp32 on every path"""
     model = hf_model(geometry, seed=4)
     with torch.no_grad():
         for p in model.parameters():
-            p.copy_(p.bfloat16().float())
+            p.copy_(p.to(dtype).float())
     H, S = model.config.hidden_size, 19
-    x = draw_input(model, (1, S, H), seed=4, dtype=torch.bfloat16)
-    hf_bf16 = converted(model, torch.bfloat16)
-    layer = q3.DecoderLayer.from_hf(hf_bf16.model.layers[0])
-    assert layer.dtype == "bfloat16" and layer.converted == ()
-    assert layer.prefill(x[0], layer.new_cache(32)).dtype == torch.bfloat16
-    result = q3.testing.assert_matches(layer, hf_bf16.model.layers[0], x, torch.bfloat16)
+    x = draw_input(model, (1, S, H), seed=4, dtype=dtype)
+    hf_half = converted(model, dtype)
+    layer = q3.DecoderLayer.from_hf(hf_half.model.layers[0])
+    name = str(dtype).removeprefix("torch.")
+    assert layer.dtype == name and layer.converted == ()
+    assert layer.weight_ptrs["self_attn.q_proj.weight"] == hf_half.model.layers[0].self_attn.q_proj.weight.data_ptr()
+    cache = layer.new_cache(32)
+    assert cache.dtype == name and layer.prefill(x[0], cache).dtype == dtype
+    result = q3.testing.assert_matches(layer, hf_half.model.layers[0], x, dtype)
     assert [o.name for o in result.outputs] == ["y", "keys", "values"] and result.wide_dtype == torch.float64
-
 
 def test_bfloat16_layer_takes_float32_activations():
     """A bf16 layer with float32 input computes the same, returns float32."""
@@ -136,3 +140,15 @@ def test_bfloat16_layer_takes_float32_activations():
     y32 = layer.prefill(x.float(), layer.new_cache(8))
     assert y32.dtype == torch.float32
     assert torch.equal(y32.bfloat16(), y16)
+
+
+def test_float16_layer_takes_float32_activations():
+    """A float16 layer with float32 input computes the same, returns float32; a bf16 input
+    returns bf16 of the same sums"""
+    model = hf_model("gqa4_topk_norm", seed=5)
+    layer = q3.DecoderLayer.from_hf(converted(model, torch.float16).model.layers[0])
+    x = draw_input(model, (1, 7, 64), seed=5, dtype=torch.float16)[0]
+    y16 = layer.prefill(x, layer.new_cache(8))
+    y32 = layer.prefill(x.float(), layer.new_cache(8))
+    assert y32.dtype == torch.float32 and y16.dtype == torch.float16
+    assert torch.equal(y32.half(), y16)

@@ -34,14 +34,15 @@ def restore_path():
     q3.set_cpu_path(BEST)
 
 
-@pytest.mark.parametrize("dtype,tol", [("float32", 1e-6), ("bfloat16", 5e-3)])
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-6), ("bfloat16", 5e-3), ("float16", 1e-3)])
 def test_every_path_agrees_with_portable(dtype, tol):
     """fp32 weights: every path within fp32 rounding of the portable one. bf16 weights: the
     bf16 paths round activations to bf16 before their dot products (as transformers does), so
-    they agree to bf16 rounding; each also passes the parity tests against transformers."""
+    they agree to bf16 rounding; each also passes the parity tests against transformers. fp16
+    weights: every path sums in fp32, and the outputs and the cache round those sums to fp16."""
     layer = q3.DecoderLayer.random(CFG, seed=11, dtype=dtype)
     g = torch.Generator().manual_seed(12)
-    tdt = torch.float32 if dtype == "float32" else torch.bfloat16
+    tdt = getattr(torch, dtype)
     xp = torch.randn(2, 40, CFG.hidden_size, generator=g).to(tdt)
     xd = [torch.randn(2, CFG.hidden_size, generator=g).to(tdt) for _ in range(3)]
     q3.set_cpu_path("portable")

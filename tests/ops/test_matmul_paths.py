@@ -38,13 +38,13 @@ def restore_path():
 def operands(T, N, K, dtype, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, K, generator=g)
-    w = torch.randn(N, K, generator=g).to(torch.float32 if dtype == "float32" else torch.bfloat16)
+    w = torch.randn(N, K, generator=g).to(getattr(torch, dtype))
     y0 = torch.randn(T, N, generator=g)
     return x, w, y0
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_matmul_matches_float64(path, dtype, accumulate):
     q3.set_cpu_path(path)
@@ -52,7 +52,7 @@ def test_matmul_matches_float64(path, dtype, accumulate):
     for i, (T, N, K) in enumerate(SHAPES):
         x, w, y0 = operands(T, N, K, dtype, 100 + i)
         y = y0.clone()
-        _testing.matmul_dense(y.numpy(), x.numpy(), w.view(torch.int16).numpy() if dtype == "bfloat16" else w.numpy(),
+        _testing.matmul_dense(y.numpy(), x.numpy(), w.view(torch.int16).numpy() if dtype == "bfloat16" else w.numpy(),  # (numpy has float16, not bf16)
                               dtype, T, N, K, accumulate)
         # the operands the path multiplies: a rounding it skips, or one it adds, is ~1e-3 here
         xr = x.to(torch.bfloat16) if dtype == "bfloat16" and path in BF16_PATHS else x

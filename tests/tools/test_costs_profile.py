@@ -76,7 +76,7 @@ def test_chunks_change_the_bytes_not_the_flops():
                                         (dict(tokens=0), "tokens: expected a positive int, got 0"),
                                         (dict(context=-1), "context: expected a non-negative int, got -1"),
                                         (dict(chunk_size=0), "chunk_size: expected a positive int or None, got 0"),
-                                        (dict(dtype="int8"), "dtype: expected 'float32' or 'bfloat16', got 'int8'"),
+                                        (dict(dtype="int8"), "dtype: expected 'float32', 'bfloat16' or 'float16', got 'int8'"),
                                         (dict(weight_format="fp8"), "weight_format: expected one of"),
                                         (dict(scale_dtype="float16"),
                                          "scale_dtype: expected 'float32' or 'bfloat16', got 'float16'")])

@@ -549,16 +549,18 @@ def test_plan_refuses_no_mask_over_a_padded_cache():
         plan_call(None, None, 2, 1, 5, (0, 3))
 
 
-# ---- bf16: within twice transformers' bf16 error against its fp32 model ----
+# ---- bf16 and fp16: within twice transformers' error in that dtype against its fp32 model ----
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @torch.no_grad()
-def test_bfloat16_right_padding_and_the_cache():
-    model, ref = pair(17, torch.bfloat16)
+def test_half_precision_right_padding_and_the_cache(dtype):
+    model, ref = pair(17, dtype)
     ids = torch.randint(1, 101, (2, 7), generator=torch.Generator().manual_seed(6))
     mask = torch.ones(2, 7, dtype=torch.long)
     mask[1, 5:] = 0
-    assert all(e.keys.dtype == torch.bfloat16 for e in model(ids, attention_mask=mask).past_key_values.layers)
+    assert all(e.keys.dtype == dtype for e in model(ids, attention_mask=mask).past_key_values.layers)
+    assert all(layer.kv_cache.dtype == str(dtype).removeprefix("torch.") for layer in model.model.layers)
     # logits and both layers' keys and values, on the real tokens (the mask's 1s)
-    result = qwen3layer.testing.assert_matches(model, ref, dict(input_ids=ids, attention_mask=mask), torch.bfloat16,
+    result = qwen3layer.testing.assert_matches(model, ref, dict(input_ids=ids, attention_mask=mask), dtype,
                                                wide=torch.float32)
     assert [o.name for o in result.outputs] == ["logits"] + [f"layers.{i}.{kv}" for i in (0, 1)
                                                              for kv in ("keys", "values")]
@@ -587,9 +589,10 @@ def test_a_rotary_embedding_other_than_the_configs_is_refused_at_patch_time():
     assert list(model.model.layers) == originals  # nothing swapped
 
 
-def test_a_bfloat16_rounded_rotary_buffer_is_taken_with_a_warning():
-    with pytest.warns(UserWarning, match=r"inv_freq is in torch.bfloat16 \(rounded by model.to\(\)\)"):
-        q3t.patch_model(tiny_model(19, torch.bfloat16))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_rounded_rotary_buffer_is_taken_with_a_warning(dtype):
+    with pytest.warns(UserWarning, match=rf"inv_freq is in {dtype} \(rounded by model.to\(\)\)"):
+        q3t.patch_model(tiny_model(19, dtype))
 
 
 @torch.no_grad()

@@ -19,8 +19,9 @@ def test_float32_generation_is_identical(seed):
     assert torch.equal(greedy(model, ids), ref)  # a second generation starts a fresh cache
 
 
-def test_bfloat16_generation_agrees_on_the_first_tokens():
-    model = tiny_model(1, torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_generation_agrees_on_the_first_tokens(dtype):
+    model = tiny_model(1, dtype)
     ids = torch.randint(1, 101, (1, 9), generator=torch.Generator().manual_seed(1))
     ref = greedy(model, ids, 8)
     q3t.patch_model(model)

@@ -30,6 +30,9 @@ static const attn_case CASES[] = {
     {"hidden keys", 3, 9, {0, 12, 70}, {0, 2, 0}, 8, 2, 24, Q3_BF16, HIDDEN},
     {"decode over hidden keys", 3, 1, {70, 5, 130}, {0, 1, 0}, 4, 1, 20, Q3_F32, HIDDEN},
     {"tree after cached tokens", 2, 11, {60, 0}, {0}, 6, 2, 20, Q3_BF16, TREE},
+    {"prefill", 1, 37, {0}, {0}, 6, 2, 20, Q3_F16, PLAIN},
+    {"decode over 3 key tiles", 3, 1, {70, 5, 130}, {0}, 8, 2, 64, Q3_F16, PLAIN},
+    {"hidden keys", 3, 9, {0, 12, 70}, {0, 2, 0}, 8, 2, 24, Q3_F16, HIDDEN},
 };
 
 /* sequence s's hidden flags [capacity] and first key: every fifth row of a pattern, and the
@@ -87,7 +90,7 @@ static int attn_setup(ops_run *r, int i, attn_call *a, uint64_t seed) {
     }
     a->q = ops_random(r, c->n_seqs * c->L * c->Hq * c->D, Q3_F32, seed + 10, 1.0f);
     snprintf(a->label, sizeof a->label, "%s, G=%d D=%d %s cache", c->what, c->Hq / c->Hkv, c->D,
-             c->dt == Q3_BF16 ? "bf16" : "f32");
+             ops_dt(c->dt));
     return !r->oom;
 }
 
@@ -129,10 +132,10 @@ void ops_kv_write(ops_run *r) {
         int64_t L, capacity, start;
         int Hkv, D;
     } shapes[] = {{7, 13, 4, 3, 20}, {1, 40, 39, 2, 128}, {19, 19, 0, 1, 6}};
-    for (int i = 0; i < 6; i++) {
-        const q3_dtype dt = i % 2 ? Q3_BF16 : Q3_F32;
-        const int64_t L = shapes[i / 2].L, cap = shapes[i / 2].capacity, start = shapes[i / 2].start;
-        const int Hkv = shapes[i / 2].Hkv, D = shapes[i / 2].D;
+    for (int i = 0; i < 9; i++) {
+        const q3_dtype dt = OPS_FLOATS[i % 3];
+        const int64_t L = shapes[i / 3].L, cap = shapes[i / 3].capacity, start = shapes[i / 3].start;
+        const int Hkv = shapes[i / 3].Hkv, D = shapes[i / 3].D;
         const int64_t stride = (int64_t)Hkv * D + 3, n = (int64_t)Hkv * cap * D;
         const size_t bytes = (size_t)n * q3_dtype_size(dt);
         float *src = ops_random(r, L * stride, Q3_F32, 700 + i, 1.0f);
@@ -142,7 +145,7 @@ void ops_kv_write(ops_run *r) {
         r->ref->kv_write(want, dt, src, stride, L, Hkv, D, cap, start);
         r->path->kv_write(got, dt, src, stride, L, Hkv, D, cap, start);
         char label[96];
-        snprintf(label, sizeof label, "%s cache, %lld tokens at row %lld of %lld, %d heads of %d", dt == Q3_BF16 ? "bf16" : "f32",
+        snprintf(label, sizeof label, "%s cache, %lld tokens at row %lld of %lld, %d heads of %d", ops_dt(dt),
                  (long long)L, (long long)start, (long long)cap, Hkv, D);
         ops_check_bits(r, label, got, want, bytes);
         ops_release(r);

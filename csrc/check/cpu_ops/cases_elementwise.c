@@ -14,7 +14,7 @@ void ops_rmsnorm(ops_run *r) {
         q3_dtype wdt;
         int in_place;
     } forms[] = {{7, 72, Q3_F32, 0}, {7, 72, Q3_BF16, 1}, {3, 4099, Q3_BF16, 0}, {40, 20, Q3_F32, 1}, {1, 1, Q3_F32, 0},
-                 {17, 129, Q3_BF16, 0}};
+                 {17, 129, Q3_BF16, 0}, {5, 136, Q3_F16, 0}, {9, 72, Q3_F16, 1}, {2, 4099, Q3_F16, 0}};
     for (int i = 0; i < (int)(sizeof forms / sizeof forms[0]); i++) {
         const int64_t n = forms[i].rows * forms[i].n;
         float *x = ops_random(r, n, Q3_F32, 1100 + i, 3.0f), *got = ops_alloc(r, (size_t)n * 4),
@@ -29,7 +29,7 @@ void ops_rmsnorm(ops_run *r) {
             r->path->rmsnorm(got, x, w, forms[i].wdt, forms[i].rows, forms[i].n, 1e-6f);
         char label[64];
         snprintf(label, sizeof label, "%lld rows of %lld, %s weight%s", (long long)forms[i].rows, (long long)forms[i].n,
-                 forms[i].wdt == Q3_BF16 ? "bf16" : "f32", forms[i].in_place ? ", in place" : "");
+                 ops_dt(forms[i].wdt), forms[i].in_place ? ", in place" : "");
         ops_check_f32(r, label, got, want, n, 2e-6);
         ops_release(r);
     }
@@ -59,17 +59,21 @@ void ops_swiglu(ops_run *r) {
 static float *specials(ops_run *r, int64_t n, uint64_t seed) {
     static const uint32_t bits[] = {0x7fc00000u, 0xffc00000u, 0x7f800001u, 0x7f800000u, 0xff800000u, 0x00000000u,
                                     0x80000000u, 0x7f7fffffu, 0x00000001u, 0x807fffffu, 0x3f808000u, 0x3f818000u,
-                                    0xbf808000u, 0x3f80c000u, 0x7f7f8000u, 0x3f807fffu};
+                                    0xbf808000u, 0x3f80c000u, 0x7f7f8000u, 0x3f807fffu,
+                                    /* fp16's: ties at 1 + 2^-11 and 1 + 3 2^-11, 65520 (-> inf) and just
+                                     * below, 2^-25 (a tie with 0) and just above, a subnormal's tie */
+                                    0x3f801000u, 0x3f803000u, 0x477ff000u, 0x477fefffu, 0x33000000u, 0x33000001u,
+                                    0x34400000u};
     float *x = ops_random(r, n, Q3_F32, seed, 1.0f);
     for (int64_t i = 0; x && i < n; i++) x[i] *= ldexpf(1.0f, (int)(q3_mix64(seed + i) % 60) - 30);
-    for (int i = 0; x && i < 16 && i < n; i++) memcpy(&x[i * 7 % n], &bits[i], 4);
+    for (int i = 0; x && i < (int)(sizeof bits / sizeof bits[0]) && i < n; i++) memcpy(&x[i * 7 % n], &bits[i], 4);
     return x;
 }
 
 void ops_from_f32(ops_run *r) {
-    for (int i = 0; i < 4; i++) {
-        const q3_dtype dt = i % 2 ? Q3_BF16 : Q3_F32;
-        const int64_t n = i / 2 ? 4099 : 131;
+    for (int i = 0; i < 6; i++) {
+        const q3_dtype dt = OPS_FLOATS[i % 3];
+        const int64_t n = i / 3 ? 4099 : 131;
         const size_t bytes = (size_t)n * q3_dtype_size(dt);
         const float *src = specials(r, n, 1300 + i);
         void *got = ops_alloc(r, bytes), *want = ops_alloc(r, bytes);
@@ -77,16 +81,16 @@ void ops_from_f32(ops_run *r) {
         r->ref->from_f32(want, dt, src, n);
         r->path->from_f32(got, dt, src, n);
         char label[32];
-        snprintf(label, sizeof label, "to %s, n=%lld", dt == Q3_BF16 ? "bf16" : "f32", (long long)n);
+        snprintf(label, sizeof label, "to %s, n=%lld", ops_dt(dt), (long long)n);
         ops_check_bits(r, label, got, want, bytes);
         ops_release(r);
     }
 }
 
 void ops_to_f32(ops_run *r) {
-    for (int i = 0; i < 4; i++) {
-        const q3_dtype dt = i % 2 ? Q3_BF16 : Q3_F32;
-        const int64_t n = i / 2 ? 4099 : 131;
+    for (int i = 0; i < 6; i++) {
+        const q3_dtype dt = OPS_FLOATS[i % 3];
+        const int64_t n = i / 3 ? 4099 : 131;
         const float *x = specials(r, n, 1400 + i);
         void *src = ops_alloc(r, (size_t)n * q3_dtype_size(dt));
         float *got = ops_alloc(r, (size_t)n * 4), *want = ops_alloc(r, (size_t)n * 4);
@@ -95,26 +99,26 @@ void ops_to_f32(ops_run *r) {
         r->ref->to_f32(want, src, dt, n);
         r->path->to_f32(got, src, dt, n);
         char label[32];
-        snprintf(label, sizeof label, "from %s, n=%lld", dt == Q3_BF16 ? "bf16" : "f32", (long long)n);
+        snprintf(label, sizeof label, "from %s, n=%lld", ops_dt(dt), (long long)n);
         ops_check_bits(r, label, got, want, (size_t)n * 4);
         ops_release(r);
     }
 }
 
 void ops_fill_normal(ops_run *r) {
-    for (int i = 0; i < 4; i++) {
-        const q3_dtype dt = i % 2 ? Q3_BF16 : Q3_F32;
-        const int64_t n = i / 2 ? 1003 : 64;
-        const uint64_t first = i / 2 ? 12345 : 0;
-        const float mean = i / 2 ? 0.5f : 0.0f, std = i / 2 ? 0.02f : 1.0f;
+    for (int i = 0; i < 6; i++) {
+        const q3_dtype dt = OPS_FLOATS[i % 3];
+        const int64_t n = i / 3 ? 1003 : 64;
+        const uint64_t first = i / 3 ? 12345 : 0;
+        const float mean = i / 3 ? 0.5f : 0.0f, std = i / 3 ? 0.02f : 1.0f;
         void *got = ops_alloc(r, (size_t)n * 4), *want = ops_alloc(r, (size_t)n * 4);
         if (r->oom) return ops_check_f32(r, "fill_normal", NULL, NULL, 0, 0);
         r->ref->fill_normal(want, dt, n, 77, 5 + i, first, mean, std);
         r->path->fill_normal(got, dt, n, 77, 5 + i, first, mean, std);
         char label[64];
-        snprintf(label, sizeof label, "%s, %lld from %llu, mean %.1f std %.2f", dt == Q3_BF16 ? "bf16" : "f32",
+        snprintf(label, sizeof label, "%s, %lld from %llu, mean %.1f std %.2f", ops_dt(dt),
                  (long long)n, (unsigned long long)first, mean, std);
-        if (dt == Q3_BF16) ops_check_bf16(r, label, got, want, n, 1e-6);
+        if (dt != Q3_F32) ops_check_half(r, label, dt, got, want, n, 1e-6);
         else ops_check_f32(r, label, got, want, n, 1e-6);
         ops_release(r);
     }

@@ -80,7 +80,7 @@ static void dense_case(ops_run *r, q3_dtype wdt, int with_xb, int accumulate, in
     const double *bound = ops_term_bound(r, x, wf, T, N, K, accumulate ? y0 : NULL, 1.0);
     const float *refs[2] = {want, want_rounded};
     char label[96];
-    snprintf(label, sizeof label, "%s weights%s%s T=%lld N=%lld K=%lld", wdt == Q3_BF16 ? "bf16" : "f32",
+    snprintf(label, sizeof label, "%s weights%s%s T=%lld N=%lld K=%lld", ops_dt(wdt),
              with_xb ? ", bf16 scratch" : "", accumulate ? ", accumulate" : "", (long long)T, (long long)N, (long long)K);
     if (!bound) return ops_check_f32(r, label, NULL, NULL, 0, DENSE_TOL);
     ops_check_bound(r, label, got, ops_closest(got, refs, 2, bound, ny), bound, ny, DENSE_TOL);
@@ -89,8 +89,8 @@ static void dense_case(ops_run *r, q3_dtype wdt, int with_xb, int accumulate, in
 void ops_matmul(ops_run *r) {
     uint64_t seed = 100;
     for (int s = 0; s < (int)(sizeof DENSE_SHAPES / sizeof DENSE_SHAPES[0]); s++)
-        for (int form = 0; form < 8; form++, seed += 3) {
-            dense_case(r, form & 1 ? Q3_BF16 : Q3_F32, form >> 1 & 1, form >> 2, DENSE_SHAPES[s][0],
+        for (int form = 0; form < 12; form++, seed += 3) { /* 3 dtypes x (bf16 scratch or not) x accumulate */
+            dense_case(r, OPS_FLOATS[form % 3], form / 3 & 1, form / 6, DENSE_SHAPES[s][0],
                        DENSE_SHAPES[s][1], DENSE_SHAPES[s][2], seed);
             ops_release(r);
         }

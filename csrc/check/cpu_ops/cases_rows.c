@@ -113,9 +113,9 @@ void ops_scatter_add_rows(ops_run *r) {
 }
 
 void ops_take_rows(ops_run *r) {
-    for (int i = 0; i < 6; i++) {
-        const q3_dtype dt = i % 2 ? Q3_BF16 : Q3_F32;
-        const int64_t R = ROW_SHAPES[i / 2][0], n = ROW_SHAPES[i / 2][1], H = ROW_SHAPES[i / 2][2];
+    for (int i = 0; i < 9; i++) {
+        const q3_dtype dt = OPS_FLOATS[i % 3];
+        const int64_t R = ROW_SHAPES[i / 3][0], n = ROW_SHAPES[i / 3][1], H = ROW_SHAPES[i / 3][2];
         const size_t bytes = (size_t)(n * H) * q3_dtype_size(dt);
         const void *src = ops_random(r, R * H, dt, 1000 + i, 1.0f);
         void *got = ops_alloc(r, bytes), *want = ops_alloc(r, bytes);
@@ -124,7 +124,7 @@ void ops_take_rows(ops_run *r) {
         r->ref->take_rows(want, src, dt, rows, n, H);
         r->path->take_rows(got, src, dt, rows, n, H);
         char label[64];
-        snprintf(label, sizeof label, "%s, %lld of %lld rows of %lld", dt == Q3_BF16 ? "bf16" : "f32", (long long)n,
+        snprintf(label, sizeof label, "%s, %lld of %lld rows of %lld", ops_dt(dt), (long long)n,
                  (long long)R, (long long)H);
         ops_check_bits(r, label, got, want, bytes);
         ops_release(r);
@@ -133,9 +133,9 @@ void ops_take_rows(ops_run *r) {
 
 /* rows named more than once too: their parts add in turn (kernels/rows.h) */
 void ops_add_rows(ops_run *r) {
-    for (int i = 0; i < 6; i++) {
-        const q3_dtype dt = i % 2 ? Q3_BF16 : Q3_F32;
-        const int64_t R = ROW_SHAPES[i / 2][0], n = ROW_SHAPES[i / 2][1], H = ROW_SHAPES[i / 2][2];
+    for (int i = 0; i < 9; i++) {
+        const q3_dtype dt = OPS_FLOATS[i % 3];
+        const int64_t R = ROW_SHAPES[i / 3][0], n = ROW_SHAPES[i / 3][1], H = ROW_SHAPES[i / 3][2];
         float *want = ops_random(r, R * H, Q3_F32, 1020 + i, 1.0f), *got = ops_alloc(r, (size_t)(R * H) * 4);
         const void *src = ops_random(r, n * H, dt, 1030 + i, 1.0f);
         const int32_t *rows = row_indices(r, n, R, 0, 1040 + i);
@@ -144,7 +144,7 @@ void ops_add_rows(ops_run *r) {
         r->ref->add_rows(want, src, dt, rows, n, H);
         r->path->add_rows(got, src, dt, rows, n, H);
         char label[64];
-        snprintf(label, sizeof label, "%s, %lld into %lld rows of %lld", dt == Q3_BF16 ? "bf16" : "f32", (long long)n,
+        snprintf(label, sizeof label, "%s, %lld into %lld rows of %lld", ops_dt(dt), (long long)n,
                  (long long)R, (long long)H);
         ops_check_bits(r, label, got, want, (size_t)(R * H) * 4);
         ops_release(r);

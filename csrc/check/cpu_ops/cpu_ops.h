@@ -43,8 +43,12 @@ void ops_release(ops_run *r);
 /* got [n] fp32 (the path's, planted) against want [n]: max |got - want| / max |want|, a NaN
  * where the other has none failing */
 void ops_check_f32(ops_run *r, const char *label, float *got, const float *want, int64_t n, double tol);
-/* the same for bf16 results: max |got - want| / max |want| of the values */
-void ops_check_bf16(ops_run *r, const char *label, uint16_t *got, const uint16_t *want, int64_t n, double tol);
+/* the same for bf16 or fp16 results (dt): max |got - want| / max |want| of the values */
+void ops_check_half(ops_run *r, const char *label, q3_dtype dt, uint16_t *got, const uint16_t *want, int64_t n,
+                    double tol);
+/* the float storage dtypes a case runs over (OPS_FLOATS[i % 3]), and each one's short name */
+static const q3_dtype OPS_FLOATS[3] = {Q3_F32, Q3_BF16, Q3_F16};
+static inline const char *ops_dt(q3_dtype dt) { return dt == Q3_BF16 ? "bf16" : dt == Q3_F16 ? "f16" : "f32"; }
 /* a sum's error against the magnitude of its terms: max_i |got_i - want_i| / bound_i */
 void ops_check_bound(ops_run *r, const char *label, float *got, const float *want, const double *bound,
                      int64_t n, double tol);

@@ -67,15 +67,16 @@ void ops_check_f32(ops_run *r, const char *label, float *got, const float *want,
     record(r, label, worst, tol);
 }
 
-void ops_check_bf16(ops_run *r, const char *label, uint16_t *got, const uint16_t *want, int64_t n, double tol) {
+void ops_check_half(ops_run *r, const char *label, q3_dtype dt, uint16_t *got, const uint16_t *want, int64_t n,
+                    double tol) {
     float *g = ops_alloc(r, (size_t)n * 4), *w = ops_alloc(r, (size_t)n * 4);
     if (!g || !w) return record(r, label, INFINITY, tol);
-    for (int64_t i = 0; i < n; i++) w[i] = q3_bf16_to_f32(want[i]);
+    for (int64_t i = 0; i < n; i++) w[i] = q3_float_at(want, dt, i);
     const int64_t at = finite_at(w, n);
-    if (r->plant && at >= 0) got[at] = q3_f32_to_bf16((float)(w[at] + (3.0 * tol + 1e-2) * scale_of(w, n)));
-    for (int64_t i = 0; i < n; i++) g[i] = q3_bf16_to_f32(got[i]);
+    if (r->plant && at >= 0) q3_float_put(got, dt, at, (float)(w[at] + (3.0 * tol + 1e-2) * scale_of(w, n)));
+    for (int64_t i = 0; i < n; i++) g[i] = q3_float_at(got, dt, i);
     const int plant = r->plant;
-    r->plant = 0; /* planted above, in the bf16 values */
+    r->plant = 0; /* planted above, in the 16-bit values */
     ops_check_f32(r, label, g, w, n, tol);
     r->plant = plant;
 }
