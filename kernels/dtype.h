@@ -10,6 +10,16 @@
 #include <stdint.h>
 #include <string.h>
 
+/* q3_dtype_size and the fp16 conversions are the CUDA kernels' too (kernels/cuda/common.cuh's
+ * q3_load and q3_store): nvcc compiles them for the device as well, so a kernel widens and
+ * rounds fp16 bit for bit as the CPU does. Elsewhere (C, and the SIMT executor's C++ build of the
+ * kernels, where device code is host code) the mark is empty. */
+#ifdef __CUDACC__
+#define Q3_HOST_DEVICE __host__ __device__
+#else
+#define Q3_HOST_DEVICE
+#endif
+
 /* Q3_I32: only the router's chosen experts (a layer call's introspection output, and what
  * expert_counts reads back): no kernel's data argument takes it, and an imported tensor
  * carries it only where the glue asks for it (Q3_VIEW_I32) */
@@ -19,7 +29,7 @@
  * bytes, and its positions), imported where the glue asks for them (Q3_VIEW_BOOL, Q3_VIEW_I64) */
 typedef enum { Q3_F32 = 0, Q3_BF16 = 1, Q3_E4M3 = 2, Q3_I32 = 3, Q3_F16 = 4, Q3_BOOL = 5, Q3_I64 = 6 } q3_dtype;
 
-static inline size_t q3_dtype_size(q3_dtype dt) {
+Q3_HOST_DEVICE static inline size_t q3_dtype_size(q3_dtype dt) {
     return dt == Q3_BF16 || dt == Q3_F16 ? 2 : dt == Q3_E4M3 || dt == Q3_BOOL ? 1 : dt == Q3_I64 ? 8 : 4;
 }
 /* torch's and numpy's name of each: "float32", "bfloat16", "float8_e4m3fn", "int32", "float16",
@@ -49,7 +59,7 @@ static inline uint16_t q3_f32_to_bf16(float f) {
 /* fp16 bits -> fp32, exact (subnormals, infinities and NaN included); without branches, so
  * that a loop over it vectorizes: a normal's bits moved into place with the exponent rebased
  * (15 -> 127), a subnormal m 2^-24 made by an exact multiply, inf and NaN their payload kept */
-static inline float q3_f16_to_f32(uint16_t h) {
+Q3_HOST_DEVICE static inline float q3_f16_to_f32(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = h & 0x7c00u, m = h & 0x3ffu;
     union { uint32_t u; float f; } sub, out;
     sub.f = (float)(int32_t)m * (1.0f / 16777216.0f);
@@ -58,7 +68,7 @@ static inline float q3_f16_to_f32(uint16_t h) {
 }
 
 /* fp32 -> fp16 bits, round to nearest even, overflow to inf, NaN kept (as torch's .half()) */
-static inline uint16_t q3_f32_to_f16(float f) {
+Q3_HOST_DEVICE static inline uint16_t q3_f32_to_f16(float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
     const uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);

@@ -129,9 +129,9 @@ def emulated() -> bool:
 
 def to_device(tensor, device: int = 0) -> "_C.Tensor":
     """A contiguous copy of `tensor` (a host tensor: torch, numpy or the extension's; float32,
-    bfloat16, float8_e4m3fn or int32) on CUDA device `device`, as an extension Tensor: how host
-    data reaches the SIMT executor's device (its layers take no torch tensors: torch sees its
-    memory as neither host nor CUDA memory); on a GPU, torch's own .cuda() serves as well."""
+    bfloat16, float16, float8_e4m3fn or int32) on CUDA device `device`, as an extension Tensor:
+    how host data reaches the SIMT executor's device (its layers take no torch tensors: torch
+    sees its memory as neither host nor CUDA memory); on a GPU, torch's own .cuda() serves as well."""
     _require(f"qwen3layer.cuda.to_device(device={device!r})", device)
     return _C.copy_tensor(tensor, device)
 

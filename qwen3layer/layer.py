@@ -124,8 +124,8 @@ class DecoderLayer:
     "model.layers.N." prefix; per-expert or transformers 5.x fused expert names) to tensors
     with __dlpack__. Contiguous weights of the layer's dtype are borrowed without a copy
     (their owners are kept alive); others are converted once, here, with a warning.
-    dtype: 'float32', 'bfloat16' or 'float16' (float16: on the host only; fp32 sums over fp16
-    weights and an fp16 cache); default: the dtype of self_attn.q_proj.weight.
+    dtype: 'float32', 'bfloat16' or 'float16' (float16: fp32 sums over fp16 weights and an fp16
+    cache, on the host and on a CUDA device); default: the dtype of self_attn.q_proj.weight.
     weight_format: how the projection matrices (q/k/v/o_proj, the experts' gate/up/down_proj)
     are stored: 'dense' (of the layer's dtype) or 'fp8_e4m3_block128' (float8_e4m3fn, each
     with a "<name>_scale_inv" of fp32 or bf16 block scales [ceil(out/128), ceil(in/128)], as

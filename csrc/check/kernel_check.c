@@ -67,9 +67,11 @@ static q3_status run_cases(check *k, q3_check_result *out, uint64_t *digests, in
 #define NAME(...) snprintf(name, sizeof name, __VA_ARGS__)
     RUN("rmsnorm", "rmsnorm f32 weights", 1e-5, q3_case_rmsnorm(k, Q3_F32, 7, 1.0f));
     RUN("rmsnorm", "rmsnorm bf16 weights", 1e-5, q3_case_rmsnorm(k, Q3_BF16, 7, 1.0f));
+    RUN("rmsnorm", "rmsnorm f16 weights", 1e-5, q3_case_rmsnorm(k, Q3_F16, 7, 1.0f));
     RUN("rmsnorm", "rmsnorm rows of magnitude 1e-3 (eps shows)", 1e-5, q3_case_rmsnorm(k, Q3_F32, 7, 1e-3f));
     RUN("add_rmsnorm", "add + rmsnorm fused, f32 weights", 1e-5, q3_case_add_rmsnorm(k, Q3_F32, 7, 0));
     RUN("add_rmsnorm", "add + rmsnorm fused, bf16, out aliasing r", 1e-5, q3_case_add_rmsnorm(k, Q3_BF16, 7, 1));
+    RUN("add_rmsnorm", "add + rmsnorm fused, f16, out aliasing r", 1e-5, q3_case_add_rmsnorm(k, Q3_F16, 7, 1));
     EACH(rows, ROWS) {
         NAME("rmsnorm f32 weights, rows=%d", (int)rows);
         RUN("rmsnorm", name, 1e-5, q3_case_rmsnorm(k, Q3_F32, rows, 1.0f));
@@ -82,7 +84,7 @@ static q3_status run_cases(check *k, q3_check_result *out, uint64_t *digests, in
     RUN("matmul", "matmul bf16 T=13 K=72", 1e-5, q3_case_matmul(k, Q3_BF16, 13, 72));
     RUN("matmul", "matmul bf16 T=5 K=100", 1e-5, q3_case_matmul(k, Q3_BF16, 5, 100));
     RUN("matmul", "matmul f32 T=9 K=64", 1e-5, q3_case_matmul(k, Q3_F32, 9, 64));
-    RUN("gate_up", "gate + up + SiLU*up fused, T=3 I=96 K=4096", 1e-5, q3_case_gate_up(k, 3, 96, 4096));
+    RUN("gate_up", "gate + up + SiLU*up fused, T=3 I=96 K=4096", 1e-5, q3_case_gate_up(k, Q3_BF16, 3, 96, 4096));
     EACH(T, TOKENS) { /* K = 64: 16-byte loads of bf16; K = 100: one element a lane */
         NAME("matmul bf16 T=%d K=64", (int)T);
         RUN("matmul", name, 1e-5, q3_case_matmul(k, Q3_BF16, T, 64));
@@ -91,7 +93,9 @@ static q3_status run_cases(check *k, q3_check_result *out, uint64_t *digests, in
         NAME("matmul f32 T=%d K=100", (int)T);
         RUN("matmul", name, 1e-5, q3_case_matmul(k, Q3_F32, T, 100));
         NAME("gate + up + SiLU*up fused, T=%d I=40 K=64", (int)T);
-        RUN("gate_up", name, 1e-5, q3_case_gate_up(k, T, 40, 64));
+        RUN("gate_up", name, 1e-5, q3_case_gate_up(k, Q3_BF16, T, 40, 64));
+        NAME("gate + up + SiLU*up fused, f16, T=%d I=40 K=64", (int)T);
+        RUN("gate_up", name, 1e-5, q3_case_gate_up(k, Q3_F16, T, 40, 64));
     }
     /* K = 64: 16-byte loads of w and x; 67: odd, one element a lane; x 4 bytes off 16-byte
      * alignment: w in 16-byte loads, x in 4-byte ones; fp32 weights */
@@ -104,7 +108,13 @@ static q3_status run_cases(check *k, q3_check_result *out, uint64_t *digests, in
         RUN("matmul", name, 1e-5, q3_case_matmul_at(k, Q3_BF16, T, 70, 64, 4));
         NAME("matmul GEMV f32 T=%d K=67", (int)T);
         RUN("matmul", name, 1e-5, q3_case_matmul(k, Q3_F32, T, 67));
+        /* fp16: the same two paths as bf16 (16-byte loads of 8 halves; one element a lane) */
+        NAME("matmul GEMV f16 T=%d K=64", (int)T);
+        RUN("matmul", name, 1e-5, q3_case_matmul(k, Q3_F16, T, 64));
+        NAME("matmul GEMV f16 T=%d K=67", (int)T);
+        RUN("matmul", name, 1e-5, q3_case_matmul(k, Q3_F16, T, 67));
     }
+    RUN("matmul", "matmul GEMV f16 T=9 K=64, x not 16-byte aligned", 1e-5, q3_case_matmul_at(k, Q3_F16, 9, 70, 64, 4));
     RUN("matmul", "matmul GEMV bf16 T=150 K=64: 3 block columns of 64", 1e-5,
         q3_case_matmul(k, Q3_BF16, 150, 64));
     /* N >= 4096: two weight rows a warp up to 32 tokens; N odd, so the last warp's second
@@ -115,11 +125,13 @@ static q3_status run_cases(check *k, q3_check_result *out, uint64_t *digests, in
         RUN("matmul", name, 1e-5, q3_case_matmul_at(k, Q3_BF16, T, 4097, 64, 0));
     }
     RUN("matmul", "matmul GEMV 2 rows a warp, f32 T=9 N=4097 K=67", 1e-5, q3_case_matmul_at(k, Q3_F32, 9, 4097, 67, 0));
+    RUN("matmul", "matmul GEMV 2 rows a warp, f16 T=9 N=4097 K=64", 1e-5, q3_case_matmul_at(k, Q3_F16, 9, 4097, 64, 0));
     RUN("matmul", "matmul GEMV 2 rows a warp, T=17 N=4097 K=64, x unaligned", 1e-5,
         q3_case_matmul_at(k, Q3_BF16, 17, 4097, 64, 4));
-    RUN("gate_up", "gate + up + SiLU*up fused, T=9 I=40 K=64", 1e-5, q3_case_gate_up(k, 9, 40, 64));
-    RUN("gate_up", "gate + up + SiLU*up fused, T=16 I=40 K=100", 1e-5, q3_case_gate_up(k, 16, 40, 100));
-    RUN("gate_up", "gate + up + SiLU*up fused, T=33 I=40 K=64", 1e-5, q3_case_gate_up(k, 33, 40, 64));
+    RUN("gate_up", "gate + up + SiLU*up fused, T=9 I=40 K=64", 1e-5, q3_case_gate_up(k, Q3_BF16, 9, 40, 64));
+    RUN("gate_up", "gate + up + SiLU*up fused, T=16 I=40 K=100", 1e-5, q3_case_gate_up(k, Q3_BF16, 16, 40, 100));
+    RUN("gate_up", "gate + up + SiLU*up fused, f16, T=16 I=40 K=100", 1e-5, q3_case_gate_up(k, Q3_F16, 16, 40, 100));
+    RUN("gate_up", "gate + up + SiLU*up fused, T=33 I=40 K=64", 1e-5, q3_case_gate_up(k, Q3_BF16, 33, 40, 64));
     g->blas_enable(0); /* the WMMA kernel first, then cuBLAS where it was on */
     RUN("matmul_tc", "matmul tensor cores (WMMA) T=70 N=80 K=96", 1e-5, q3_case_matmul_tc(k, 70, 80, 96, 0));
     RUN("matmul_tc", "matmul tensor cores T=130 N=144 K=160, partial tiles, 5 steps", 1e-5,
@@ -139,8 +151,11 @@ static q3_status run_cases(check *k, q3_check_result *out, uint64_t *digests, in
     }
     RUN("matmul_wmma", "matmul WMMA only (never cuBLAS) T=70 N=80 K=96", 1e-5, q3_case_matmul_tc(k, 70, 80, 96, 1));
 
-    RUN("qk_rope_kv", "qk_norm + rope + kv_write fused, D=128", 1e-2, q3_case_qk_rope_kv(k, 128));
-    RUN("qk_rope_kv", "qk_norm + rope + kv_write fused, D=24", 1e-2, q3_case_qk_rope_kv(k, 24));
+    RUN("qk_rope_kv", "qk_norm + rope + kv_write fused, D=128", 1e-2, q3_case_qk_rope_kv(k, 128, Q3_BF16));
+    RUN("qk_rope_kv", "qk_norm + rope + kv_write fused, D=24", 1e-2, q3_case_qk_rope_kv(k, 24, Q3_BF16));
+    /* an fp16 cache and norms: within 1e-3 (an fp16 ulp where the two sides' sums round apart) */
+    RUN("qk_rope_kv", "qk_norm + rope + kv_write fused, f16, D=128", 1e-3, q3_case_qk_rope_kv(k, 128, Q3_F16));
+    RUN("qk_rope_kv", "qk_norm + rope + kv_write fused, f16, D=24", 1e-3, q3_case_qk_rope_kv(k, 24, Q3_F16));
     RUN("qk_rope_kv", "qk_rope_kv at positions 1e5 to 2^40, D=128", 1e-2,
         q3_case_qk_rope_kv_far(k, 128, Q3_ROPE_DEFAULT));
     RUN("qk_rope_kv", "qk_rope_kv at positions 1e5 to 2^40, D=24", 1e-2, q3_case_qk_rope_kv_far(k, 24, Q3_ROPE_DEFAULT));
@@ -157,7 +172,12 @@ static q3_status run_cases(check *k, q3_check_result *out, uint64_t *digests, in
         const int pad = PADS(B)[p];
         const q3_check_batch b = {T, ctx, pad, B};
         NAME("qk_rope_kv, tokens=%d context=%d batch=%d D=%d pad=%d", (int)T, (int)ctx, B, D, pad);
-        RUN("qk_rope_kv", name, 1e-2, q3_case_qk_rope_kv_batch(k, &b, D));
+        RUN("qk_rope_kv", name, 1e-2, q3_case_qk_rope_kv_batch(k, &b, D, Q3_BF16));
+    }
+    EACH(B, BATCHES) EACH(T, TOKENS) {
+        const q3_check_batch b = {T, 33, 5, B};
+        NAME("qk_rope_kv f16, tokens=%d context=33 batch=%d D=64 pad=5", (int)T, B);
+        RUN("qk_rope_kv", name, 1e-3, q3_case_qk_rope_kv_batch(k, &b, 64, Q3_F16));
     }
     RUN("attention", "attention bf16 cache, 3 tokens", 1e-5, q3_case_attention(k, 3, 5, 17, 40, 0));
     RUN("attention", "attention, 6 tokens after 4 of padding", 1e-5, q3_case_attention(k, 6, 0, 17, 40, 4));
@@ -198,6 +218,11 @@ static q3_status run_cases(check *k, q3_check_result *out, uint64_t *digests, in
         RUN("attention", name, 1e-5, q3_case_attention_batch(k, &one, G, D, Q3_BF16, 0));
         NAME("attention split-KV, tokens=1 context=%d batch=%d D=%d pad=%d", (int)ctx, B, D, pad);
         RUN("attention", name, 1e-5, q3_case_attention_batch(k, &one, G, D, Q3_BF16, 2100));
+        /* an fp16 cache: never tensor cores (17 tokens: a block per token, G = 2 as f32's) */
+        NAME("attention f16 G=2, tokens=17 context=%d batch=%d D=%d pad=%d", (int)ctx, B, D, pad);
+        RUN("attention", name, 1e-5, q3_case_attention_batch(k, &many, 2, D, Q3_F16, 0));
+        NAME("attention f16 split, tokens=1 context=%d batch=%d D=%d pad=%d", (int)ctx, B, D, pad);
+        RUN("attention", name, 1e-5, q3_case_attention_batch(k, &one, G, D, Q3_F16, 2100));
     }
     /* The block-per-token kernel at other head dims and group sizes (issue 13): 256, the
      * most the CUDA layer takes, and 192 and 200 past 48 KiB of shared memory (its limit
@@ -208,14 +233,16 @@ static q3_status run_cases(check *k, q3_check_result *out, uint64_t *digests, in
     static const struct {
         int D, G;
     } WIDE[] = {{256, 16}, {256, 1}, {256, 4}, {192, 16}, {200, 4}, {72, 16}, {36, 4}, {18, 1}, {256, 32}};
+    static const q3_dtype KV_DTYPES[] = {Q3_BF16, Q3_F32, Q3_F16};
+    static const char *const KV_NAMES[] = {"bf16", "f32", "f16"};
     for (size_t w = 0; w < sizeof WIDE / sizeof WIDE[0]; w++)
-        for (int f32 = 0; f32 < 2; f32++)
+        for (int d = 0; d < 3; d++)
             for (int split = 0; split < 2; split++) {
                 const q3_check_batch one = {1, 100, 5, 3};
                 NAME("attention%s D=%d G=%d %s cache, batch 3 pad 5", split ? " split-KV," : ",", WIDE[w].D,
-                     WIDE[w].G, f32 ? "f32" : "bf16");
+                     WIDE[w].G, KV_NAMES[d]);
                 RUN("attention", name, 1e-5,
-                    q3_case_attention_batch(k, &one, WIDE[w].G, WIDE[w].D, f32 ? Q3_F32 : Q3_BF16, split ? 2100 : 0));
+                    q3_case_attention_batch(k, &one, WIDE[w].G, WIDE[w].D, KV_DTYPES[d], split ? 2100 : 0));
             }
     const q3_check_batch prompt = {17, 33, 5, 3};
     RUN("attention", "attention bf16 cache, 17 tokens D=256 G=4 (not tensor cores)", 1e-5,
@@ -235,6 +262,7 @@ static q3_status run_cases(check *k, q3_check_result *out, uint64_t *digests, in
         {1, 0, 1, 5, 2, {2999, 1500}, {0, 700}, 4, 2, 128, Q3_BF16, NULL, 0, NULL},
         {17, 0, 17, 1, 1, {300}, {20}, 2, 1, 256, Q3_F32, NULL, 0, NULL},
         {1, 0, 1, 4, 2, {100, 61}, {0, 9}, 32, 2, 128, Q3_BF16, NULL, 0, NULL},
+        {6, 5, 20, 9, 2, {12, 7}, {3, 0}, 4, 2, 72, Q3_F16, NULL, 0, NULL},
     };
     static const char *const PROBS_NAMES[] = {
         "attention probs, decode of 3, one in padding, G=4 D=128 bf16",
@@ -244,6 +272,7 @@ static q3_status run_cases(check *k, q3_check_result *out, uint64_t *digests, in
         "attention probs, decode over 3000 keys, G=2 D=128 bf16",
         "attention probs, 17 tokens after 300, G=2 D=256 f32",
         "attention probs, decode, G=16 D=128 bf16",
+        "attention probs, chunk 5..10 of a 20-token call, D=72 f16",
     };
     for (size_t c = 0; c < sizeof PROBS / sizeof PROBS[0]; c++)
         RUN("attention_probs", PROBS_NAMES[c], 1e-5, q3_case_attention_probs(k, &PROBS[c]));
@@ -293,12 +322,17 @@ static q3_status run_cases(check *k, q3_check_result *out, uint64_t *digests, in
     RUN("moe_route", "moe_route: expert grouping on the device", 0.0, q3_case_moe_route(k, 5, 3, 16));
     RUN("moe_route", "moe_route, T=17 k=8 E=128", 0.0, q3_case_moe_route(k, 17, 8, 128));
     RUN("moe_gate_up+moe_down+moe_combine", "moe gate_up + down + combine, T=5 k=3 E=16", 1e-5,
-        q3_case_moe_experts(k, 5, 3, 16, 96, 256));
+        q3_case_moe_experts(k, Q3_BF16, 5, 3, 16, 96, 256));
     /* experts of many tokens (chunks of 8), and I, H with K % 8 != 0 (one element a lane) */
     RUN("moe_gate_up+moe_down+moe_combine", "moe gate_up + down + combine, T=64 k=8 E=12", 1e-5,
-        q3_case_moe_experts(k, 64, 8, 12, 32, 64));
+        q3_case_moe_experts(k, Q3_BF16, 64, 8, 12, 32, 64));
     RUN("moe_gate_up+moe_down+moe_combine", "moe gate_up + down + combine, T=9 k=4 E=12 I=36 H=100", 1e-5,
-        q3_case_moe_experts(k, 9, 4, 12, 36, 100));
+        q3_case_moe_experts(k, Q3_BF16, 9, 4, 12, 36, 100));
+    /* fp16 experts: 16-byte loads of 8 halves (I = 32, H = 64), one element a lane (36, 100) */
+    RUN("moe_gate_up+moe_down+moe_combine", "moe gate_up + down + combine, f16, T=17 k=8 E=12", 1e-5,
+        q3_case_moe_experts(k, Q3_F16, 17, 8, 12, 32, 64));
+    RUN("moe_gate_up+moe_down+moe_combine", "moe gate_up + down + combine, f16, T=9 k=4 E=12 I=36 H=100", 1e-5,
+        q3_case_moe_experts(k, Q3_F16, 9, 4, 12, 36, 100));
     RUN("moe_gate_up_tc+moe_down_tc", "moe prefill gate_up + down, tensor cores, E=6", 1e-5, q3_case_moe_prefill_tc(k));
     RUN("moe_combine_csr", "moe prefill combine_csr, 1..3 slots a token", 1e-6, q3_case_moe_combine_csr(k));
     /* E = 60 for the grouping (not a multiple of the warp's 32 lanes); E = 12 experts of
@@ -308,7 +342,7 @@ static q3_status run_cases(check *k, q3_check_result *out, uint64_t *digests, in
         NAME("moe_route, T=%d k=%d E=60", (int)T, top);
         RUN("moe_route", name, 0.0, q3_case_moe_route(k, T, top, 60));
         NAME("moe gate_up + down + combine, T=%d k=%d E=12", (int)T, top);
-        RUN("moe_gate_up+moe_down+moe_combine", name, 1e-5, q3_case_moe_experts(k, T, top, 12, 32, 64));
+        RUN("moe_gate_up+moe_down+moe_combine", name, 1e-5, q3_case_moe_experts(k, Q3_BF16, T, top, 12, 32, 64));
         NAME("moe prefill tiles + combine_csr, T=%d k=%d E=12", (int)T, top);
         RUN("moe_gate_up_tc+moe_down_tc+moe_combine_csr", name, 1e-5, q3_case_moe_prefill_batch(k, T, top, 12, 32, 64));
     }
@@ -394,13 +428,16 @@ static q3_status run_cases(check *k, q3_check_result *out, uint64_t *digests, in
     }
     RUN("swiglu", "swiglu", 1e-5, q3_case_swiglu(k));
     RUN("gather_rows+scatter_add_rows", "gather + scatter_add rows", 1e-6, q3_case_rows(k));
-    RUN("from_f32+to_f32", "convert fp32 <-> bf16", 0.0, q3_case_convert(k));
+    RUN("from_f32+to_f32", "convert fp32 <-> bf16", 0.0, q3_case_convert(k, Q3_BF16));
+    RUN("from_f32+to_f32", "convert fp32 <-> fp16: subnormals, overflow, ties", 0.0, q3_case_convert(k, Q3_F16));
     RUN("take_rows+add_rows", "take + add rows, bf16 rows, fp32 parts, n=5", 0.0,
         q3_case_take_add_rows(k, Q3_BF16, Q3_F32, 5));
     RUN("take_rows+add_rows", "take + add rows, fp32 rows, bf16 parts, n=5", 0.0,
         q3_case_take_add_rows(k, Q3_F32, Q3_BF16, 5));
     RUN("take_rows+add_rows", "take + add rows, fp32 rows, fp32 parts, n=1", 0.0,
         q3_case_take_add_rows(k, Q3_F32, Q3_F32, 1));
+    RUN("take_rows+add_rows", "take + add rows, fp16 rows, fp16 parts, n=5", 0.0,
+        q3_case_take_add_rows(k, Q3_F16, Q3_F16, 5));
 #undef NAME
 #undef RUN
     return Q3_OK;

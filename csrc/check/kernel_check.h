@@ -100,8 +100,7 @@ static inline void release(check *k) {
 static inline double max_err(const void *a, const void *b, q3_dtype dt, int64_t n) {
     double worst = 0.0, scale = 0.0;
     for (int64_t i = 0; i < n; i++) {
-        const float x = dt == Q3_BF16 ? q3_bf16_to_f32(((const uint16_t *)a)[i]) : ((const float *)a)[i];
-        const float y = dt == Q3_BF16 ? q3_bf16_to_f32(((const uint16_t *)b)[i]) : ((const float *)b)[i];
+        const float x = q3_float_at(a, dt, i), y = q3_float_at(b, dt, i);
         if (isnan(x) != isnan(y)) return INFINITY;
         worst = fabs((double)x - y) > worst ? fabs((double)x - y) : worst;
         scale = fabs((double)y) > scale ? fabs((double)y) : scale;
@@ -114,7 +113,7 @@ double q3_case_rmsnorm(check *k, q3_dtype wdt, int64_t rows, float scale);
 double q3_case_add_rmsnorm(check *k, q3_dtype wdt, int64_t rows, int alias);
 double q3_case_matmul(check *k, q3_dtype wdt, int64_t T, int64_t K);
 double q3_case_matmul_at(check *k, q3_dtype wdt, int64_t T, int64_t N, int64_t K, size_t x_off);
-double q3_case_gate_up(check *k, int64_t T, int64_t I, int64_t K);
+double q3_case_gate_up(check *k, q3_dtype wdt, int64_t T, int64_t I, int64_t K);
 double q3_case_matmul_tc(check *k, int64_t T, int64_t N, int64_t K, int wmma_only);
 double q3_case_matmul_tc_at(check *k, int64_t T, int64_t N, int64_t K, int wmma_only, int misalign);
 double q3_case_router(check *k, int64_t T, int E, int top, int normalize);
@@ -122,7 +121,7 @@ double q3_case_router_ties(check *k);
 double q3_case_router_tied(check *k, int64_t T, int E, int top, int normalize);
 double q3_case_swiglu(check *k);
 double q3_case_rows(check *k);
-double q3_case_convert(check *k);
+double q3_case_convert(check *k, q3_dtype dt);
 double q3_case_take_add_rows(check *k, q3_dtype dt, q3_dtype pdt, int64_t n);
 
 /* the attention kernels' cases (kernel_check_attention.c) */
@@ -132,7 +131,7 @@ double q3_case_take_add_rows(check *k, q3_dtype dt, q3_dtype pdt, int64_t n);
  * and first_key found as the cache does (q3_cache_attn_seq) */
 q3_attn_seq q3_check_attn_seq(const void *k, const void *v, int64_t past, int64_t start, int64_t L,
                               const uint8_t *flags, const uint8_t *mem);
-double q3_case_qk_rope_kv(check *k, int D);
+double q3_case_qk_rope_kv(check *k, int D, q3_dtype dt);
 double q3_case_qk_rope_kv_far(check *k, int D, q3_rope_type type);
 double q3_case_attention_heads(check *k, int64_t L, int64_t past0, int64_t past1, int64_t capacity, int64_t pad0,
                                int Hq, int Hkv, int D);
@@ -149,7 +148,7 @@ typedef struct {
     int n_seqs;
 } q3_check_batch;
 void q3_check_batch_seqs(const q3_check_batch *b, int64_t *past, int64_t *start);
-double q3_case_qk_rope_kv_batch(check *k, const q3_check_batch *b, int D);
+double q3_case_qk_rope_kv_batch(check *k, const q3_check_batch *b, int D, q3_dtype dt);
 /* Hq = G * Hkv query heads on Hkv = 2 of dim D over a kv_dt cache; bound: max_keys is the
  * capacity (as a captured decode graph passes it, the lengths being on the device), which is
  * then `bound` rows; else the exact most keys a query sees */
@@ -217,7 +216,7 @@ double q3_case_tree(check *k, int i);
 
 /* the MoE cases (kernel_check_moe.c): max |cuda - twin| / max |twin| */
 double q3_case_moe_route(check *k, int64_t T, int top, int E);
-double q3_case_moe_experts(check *k, int64_t T, int top, int E, int64_t I, int64_t H);
+double q3_case_moe_experts(check *k, q3_dtype wdt, int64_t T, int top, int E, int64_t I, int64_t H);
 double q3_case_moe_prefill_tc(check *k);
 double q3_case_moe_prefill_batch(check *k, int64_t T, int top, int E, int64_t I, int64_t H);
 double q3_case_moe_combine_csr(check *k);

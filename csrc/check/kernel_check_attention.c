@@ -35,37 +35,40 @@ static double qk_rope_kv(check *k, const q3_attn_shape *sh, int n_seqs, const in
     case_table(D, type, inv_freq, &scale);
     const int64_t R = n_seqs * sh->L, qn = R * sh->heads * D, kn = R * sh->kv_heads * D;
     const int64_t per_seq = (int64_t)sh->kv_heads * sh->capacity * D, cn = n_seqs * per_seq;
+    /* the norms' weights and the cache of the cache's dtype dt (a layer's own, bf16 or fp16) */
+    const q3_dtype dt = sh->kv_dtype;
+    const size_t es = q3_dtype_size(dt);
     float *q = host_random(k, qn, Q3_F32, 22), *kk = host_random(k, kn, Q3_F32, 23), *v = host_random(k, kn, Q3_F32, 24);
-    void *qw = host_random(k, D, Q3_BF16, 25), *kw = host_random(k, D, Q3_BF16, 26);
-    uint16_t *kc = host(k, cn * 2), *vc = host(k, cn * 2), *kc_got = host(k, cn * 2), *vc_got = host(k, cn * 2);
+    void *qw = host_random(k, D, dt, 25), *kw = host_random(k, D, dt, 26);
+    char *kc = host(k, cn * es), *vc = host(k, cn * es), *kc_got = host(k, cn * es), *vc_got = host(k, cn * es);
     float *q_got = host(k, qn * 4);
     if (k->failed || n_seqs > Q3_CHECK_MAX_SEQS) return INFINITY;
     float *dq = device(k, q, qn * 4), *dk = device(k, kk, kn * 4), *dv = device(k, v, kn * 4);
-    void *dqw = device(k, qw, D * 2), *dkw = device(k, kw, D * 2);
-    uint16_t *dkc = device(k, kc, cn * 2), *dvc = device(k, vc, cn * 2);
+    void *dqw = device(k, qw, D * es), *dkw = device(k, kw, D * es);
+    char *dkc = device(k, kc, cn * es), *dvc = device(k, vc, cn * es);
     int64_t *dpos = device(k, pos, R * sizeof *pos);
     q3_attn_seq hs[Q3_CHECK_MAX_SEQS], ds[Q3_CHECK_MAX_SEQS];
     for (int s = 0; s < n_seqs; s++) {
-        hs[s] = (q3_attn_seq){kc + s * per_seq, vc + s * per_seq, past[s], 0, 0, NULL, 0, NULL, 0, 0};
-        ds[s] = (q3_attn_seq){dkc ? dkc + s * per_seq : NULL, dvc ? dvc + s * per_seq : NULL, past[s], 0, 0, NULL, 0, NULL, 0, 0};
+        const int64_t off = s * per_seq * (int64_t)es;
+        hs[s] = (q3_attn_seq){kc + off, vc + off, past[s], 0, 0, NULL, 0, NULL, 0, 0};
+        ds[s] = (q3_attn_seq){dkc ? dkc + off : NULL, dvc ? dvc + off : NULL, past[s], 0, 0, NULL, 0, NULL, 0, 0};
     }
     q3_attn_seq *dseqs = device(k, ds, n_seqs * sizeof ds[0]);
-    q3_qk_rope_kv_host(q, kk, v, qw, kw, Q3_BF16, pos, hs, n_seqs, sh, 1e-6f, inv_freq, scale);
+    q3_qk_rope_kv_host(q, kk, v, qw, kw, dt, pos, hs, n_seqs, sh, 1e-6f, inv_freq, scale);
     if (!k->failed)
-        cuda_ok(k, k->g->qk_rope_kv(dq, dk, dv, dqw, dkw, Q3_BF16, dpos, dseqs, n_seqs, sh, 1e-6f, inv_freq, scale,
+        cuda_ok(k, k->g->qk_rope_kv(dq, dk, dv, dqw, dkw, dt, dpos, dseqs, n_seqs, sh, 1e-6f, inv_freq, scale,
                                     NULL), "qk_rope_kv launch");
     fetch(k, q_got, dq, qn * 4);
-    fetch(k, kc_got, dkc, cn * 2);
-    fetch(k, vc_got, dvc, cn * 2);
+    fetch(k, kc_got, dkc, cn * es);
+    fetch(k, vc_got, dvc, cn * es);
     if (k->failed) return INFINITY;
-    const double e1 = max_err(q_got, q, Q3_F32, qn), e2 = max_err(kc_got, kc, Q3_BF16, cn),
-                 e3 = max_err(vc_got, vc, Q3_BF16, cn);
+    const double e1 = max_err(q_got, q, Q3_F32, qn), e2 = max_err(kc_got, kc, dt, cn), e3 = max_err(vc_got, vc, dt, cn);
     return e1 > e2 ? (e1 > e3 ? e1 : e3) : (e2 > e3 ? e2 : e3);
 }
 
-/* 2 sequences of 3 tokens after 4 and 0 cached ones, 6 query heads on 2 */
-double q3_case_qk_rope_kv(check *k, int D) {
-    const q3_attn_shape sh = {3, 6, 2, D, 12, Q3_BF16, 1.0f, 0};
+/* 2 sequences of 3 tokens after 4 and 0 cached ones, 6 query heads on 2, a cache of dt */
+double q3_case_qk_rope_kv(check *k, int D, q3_dtype dt) {
+    const q3_attn_shape sh = {3, 6, 2, D, 12, dt, 1.0f, 0};
     const int64_t past[2] = {4, 0};
     int64_t pos[6];
     for (int64_t r = 0; r < 6; r++) pos[r] = past[r / sh.L] + r % sh.L;
@@ -84,8 +87,8 @@ double q3_case_qk_rope_kv_far(check *k, int D, q3_rope_type type) {
 
 /* 8 query heads on 2; positions count from each sequence's first token past its padding
  * (0 inside it), as the layer gives them */
-double q3_case_qk_rope_kv_batch(check *k, const q3_check_batch *b, int D) {
-    const q3_attn_shape sh = {b->L, 8, 2, D, b->context + b->L + 3, Q3_BF16, 1.0f, 0};
+double q3_case_qk_rope_kv_batch(check *k, const q3_check_batch *b, int D, q3_dtype dt) {
+    const q3_attn_shape sh = {b->L, 8, 2, D, b->context + b->L + 3, dt, 1.0f, 0};
     int64_t past[Q3_CHECK_MAX_SEQS], start[Q3_CHECK_MAX_SEQS], pos[Q3_CHECK_MAX_SEQS * 32];
     if (b->n_seqs > Q3_CHECK_MAX_SEQS || b->L > 32) return INFINITY;
     q3_check_batch_seqs(b, past, start);

@@ -64,18 +64,19 @@ double q3_case_matmul_at(check *k, q3_dtype wdt, int64_t T, int64_t N, int64_t K
 /* N = 70: the GEMV's one-row-a-warp kernel */
 double q3_case_matmul(check *k, q3_dtype wdt, int64_t T, int64_t K) { return q3_case_matmul_at(k, wdt, T, 70, K, 0); }
 
-/* gate, up and SiLU * up in one pass against matmul, matmul, swiglu */
-double q3_case_gate_up(check *k, int64_t T, int64_t I, int64_t K) {
+/* gate, up and SiLU * up in one pass against matmul, matmul, swiglu; weights of wdt */
+double q3_case_gate_up(check *k, q3_dtype wdt, int64_t T, int64_t I, int64_t K) {
     float *x = host_random(k, T * K, Q3_F32, 27), *want = host(k, T * I * 4), *up = host(k, T * I * 4);
     float *got = host(k, T * I * 4);
-    void *gw = host_random(k, I * K, Q3_BF16, 28), *uw = host_random(k, I * K, Q3_BF16, 29);
+    void *gw = host_random(k, I * K, wdt, 28), *uw = host_random(k, I * K, wdt, 29);
     if (k->failed) return INFINITY;
+    const size_t wbytes = (size_t)(I * K) * q3_dtype_size(wdt);
     float *dx = device(k, x, T * K * 4), *dact = device(k, NULL, T * I * 4);
-    void *dg = device(k, gw, I * K * 2), *du = device(k, uw, I * K * 2);
-    k->c->matmul(want, x, gw, Q3_BF16, T, I, K, 0, NULL);
-    k->c->matmul(up, x, uw, Q3_BF16, T, I, K, 0, NULL);
+    void *dg = device(k, gw, wbytes), *du = device(k, uw, wbytes);
+    k->c->matmul(want, x, gw, wdt, T, I, K, 0, NULL);
+    k->c->matmul(up, x, uw, wdt, T, I, K, 0, NULL);
     k->c->swiglu(want, want, up, T * I);
-    if (!k->failed) cuda_ok(k, k->g->gate_up(dact, dx, dg, du, Q3_BF16, T, I, K, NULL), "gate_up launch");
+    if (!k->failed) cuda_ok(k, k->g->gate_up(dact, dx, dg, du, wdt, T, I, K, NULL), "gate_up launch");
     fetch(k, got, dact, T * I * 4);
     return k->failed ? INFINITY : max_err(got, want, Q3_F32, T * I);
 }
@@ -191,21 +192,32 @@ double q3_case_rows(check *k) {
     return k->failed ? INFINITY : max_err(got, dst, Q3_F32, T * H);
 }
 
-double q3_case_convert(check *k) {
+/* fp32 -> dt (bf16 or fp16) -> fp32; for fp16 the draws span its range's edges too: values
+ * scaled into its subnormals (below 2^-14) and past its largest finite (65504: inf), and
+ * the ties of its rounding to even, where a wrong rounding shows as a nonzero error */
+double q3_case_convert(check *k, q3_dtype dt) {
     const int64_t n = 777;
     float *x = host_random(k, n, Q3_F32, 18), *back = host(k, n * 4);
     uint16_t *want = host(k, n * 2), *got = host(k, n * 2);
     if (k->failed) return INFINITY;
+    if (dt == Q3_F16)
+        for (int64_t i = 0; i < n; i++) {
+            const float ties[4] = {1.0f + 0x1p-11f, 1.0f + 3 * 0x1p-11f, 0x1p-24f * 1.5f, 65520.0f};
+            x[i] *= i % 4 == 0 ? 1e-5f : i % 4 == 1 ? 4e4f : 1.0f;
+            if (i % 7 == 0) x[i] = ties[i / 7 % 4] * (i % 2 ? -1.0f : 1.0f);
+        }
     float *dx = device(k, x, n * 4), *dback = device(k, NULL, n * 4);
     uint16_t *dh = device(k, NULL, n * 2);
-    k->c->from_f32(want, Q3_BF16, x, n);
-    if (!k->failed) cuda_ok(k, k->g->from_f32(dh, Q3_BF16, dx, n, NULL), "from_f32 launch");
-    if (!k->failed) cuda_ok(k, k->g->to_f32(dback, dh, Q3_BF16, n, NULL), "to_f32 launch");
+    k->c->from_f32(want, dt, x, n);
+    if (!k->failed) cuda_ok(k, k->g->from_f32(dh, dt, dx, n, NULL), "from_f32 launch");
+    if (!k->failed) cuda_ok(k, k->g->to_f32(dback, dh, dt, n, NULL), "to_f32 launch");
     fetch(k, got, dh, n * 2);
     fetch(k, back, dback, n * 4);
     if (k->failed) return INFINITY;
-    const double e = max_err(got, want, Q3_BF16, n);
-    k->c->to_f32(x, want, Q3_BF16, n); /* bf16 -> fp32 is exact: the round trip must match */
+    if (memcmp(got, want, (size_t)n * 2)) return INFINITY; /* the same bits (and infinities) */
+    const double e = max_err(got, want, dt, n);
+    k->c->to_f32(x, want, dt, n); /* bf16, fp16 -> fp32 are exact: the round trip must match */
+    if (memcmp(back, x, (size_t)n * 4)) return INFINITY;
     const double r = max_err(back, x, Q3_F32, n);
     return e > r ? e : r;
 }

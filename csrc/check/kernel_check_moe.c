@@ -34,25 +34,25 @@ double q3_case_moe_route(check *k, int64_t T, int top, int E) {
     return 0.0;
 }
 
-/* device arrays of E device pointers, one per expert's [rows, cols] bf16 block of `all` */
-static const void *const *expert_table(check *k, const uint16_t *all, int E, int64_t rows, int64_t cols) {
+/* device arrays of E device pointers, one per expert's [rows, cols] block of dtype dt of `all` */
+static const void *const *expert_table(check *k, const void *all, q3_dtype dt, int E, int64_t rows, int64_t cols) {
     const void *ptrs[64];
     if (k->failed || E > 64) return NULL;
-    for (int e = 0; e < E; e++) ptrs[e] = all + e * rows * cols;
+    for (int e = 0; e < E; e++) ptrs[e] = (const char *)all + e * rows * cols * (int64_t)q3_dtype_size(dt);
     return device(k, ptrs, E * sizeof ptrs[0]);
 }
 
-/* the routed experts on grouping from the host twin: gate_up, down and the weighted combine,
- * each against its twin (act, y and x) */
-double q3_case_moe_experts(check *k, int64_t T, int top, int E, int64_t I, int64_t H) {
+/* the routed experts (weights of wdt) on grouping from the host twin: gate_up, down and the
+ * weighted combine, each against its twin (act, y and x) */
+double q3_case_moe_experts(check *k, q3_dtype wdt, int64_t T, int top, int E, int64_t I, int64_t H) {
     const int P = (int)T * top;
     if (top > E || E > 64) return INFINITY;
     int32_t *idx = host(k, P * 4), *rows = host(k, P * 4), *slot = host(k, P * 4), *active = host(k, (E + 1) * 4);
     int64_t *offsets = host(k, (E + 1) * 8);
     float *x = host_random(k, T * H, Q3_F32, 35), *w = host_random(k, P, Q3_F32, 36), *weights = host(k, P * 4);
-    uint16_t *gate = (uint16_t *)host_random(k, E * I * H, Q3_BF16, 37);
-    uint16_t *up = (uint16_t *)host_random(k, E * I * H, Q3_BF16, 38);
-    uint16_t *down = (uint16_t *)host_random(k, E * H * I, Q3_BF16, 39);
+    const size_t es = q3_dtype_size(wdt), bytes = (size_t)(E * I * H) * es;
+    char *gate = (char *)host_random(k, E * I * H, wdt, 37), *up = (char *)host_random(k, E * I * H, wdt, 38);
+    char *down = (char *)host_random(k, E * H * I, wdt, 39);
     float *act = host(k, P * I * 4), *y = host(k, P * H * 4), *act_got = host(k, P * I * 4);
     float *y_got = host(k, P * H * 4), *x_got = host(k, T * H * 4);
     if (k->failed) return INFINITY;
@@ -60,27 +60,27 @@ double q3_case_moe_experts(check *k, int64_t T, int top, int E, int64_t I, int64
     q3_moe_route_host(offsets, rows, weights, active, slot, idx, w, T, top, E);
     const void *hg[64], *hu[64], *hd[64];
     for (int e = 0; e < E; e++) {
-        hg[e] = gate + e * I * H;
-        hu[e] = up + e * I * H;
-        hd[e] = down + e * H * I;
+        hg[e] = gate + e * I * H * es;
+        hu[e] = up + e * I * H * es;
+        hd[e] = down + e * H * I * es;
     }
     float *dx = device(k, x, T * H * 4), *dweights = device(k, weights, P * 4);
     float *dact = device(k, NULL, P * I * 4), *dy = device(k, NULL, P * H * 4);
     int32_t *drows = device(k, rows, P * 4), *dslot = device(k, slot, P * 4);
     int32_t *dactive = device(k, active, (E + 1) * 4);
     int64_t *doffsets = device(k, offsets, (E + 1) * 8);
-    const void *const *dg = expert_table(k, device(k, gate, E * I * H * 2), E, I, H);
-    const void *const *du = expert_table(k, device(k, up, E * I * H * 2), E, I, H);
-    const void *const *dd = expert_table(k, device(k, down, E * H * I * 2), E, H, I);
-    if (q3_moe_gate_up_host(act, x, rows, offsets, active, hg, hu, Q3_BF16, I, H)) return INFINITY;
-    q3_moe_down_host(y, act, offsets, active, hd, Q3_BF16, H, I);
+    const void *const *dg = expert_table(k, device(k, gate, bytes), wdt, E, I, H);
+    const void *const *du = expert_table(k, device(k, up, bytes), wdt, E, I, H);
+    const void *const *dd = expert_table(k, device(k, down, bytes), wdt, E, H, I);
+    if (q3_moe_gate_up_host(act, x, rows, offsets, active, hg, hu, wdt, I, H)) return INFINITY;
+    q3_moe_down_host(y, act, offsets, active, hd, wdt, H, I);
     q3_moe_combine_host(x, y, weights, slot, T, top, H);
     const int max_active = E < P ? E : P;
     if (!k->failed)
-        cuda_ok(k, k->g->moe_gate_up(dact, dx, drows, doffsets, dactive, dg, du, Q3_BF16, max_active, I, H, NULL),
+        cuda_ok(k, k->g->moe_gate_up(dact, dx, drows, doffsets, dactive, dg, du, wdt, max_active, I, H, NULL),
                 "moe_gate_up launch");
     if (!k->failed)
-        cuda_ok(k, k->g->moe_down(dy, dact, doffsets, dactive, dd, Q3_BF16, max_active, H, I, NULL), "moe_down launch");
+        cuda_ok(k, k->g->moe_down(dy, dact, doffsets, dactive, dd, wdt, max_active, H, I, NULL), "moe_down launch");
     if (!k->failed) cuda_ok(k, k->g->moe_combine(dx, dy, dweights, dslot, T, top, H, NULL), "moe_combine launch");
     fetch(k, act_got, dact, P * I * 4);
     fetch(k, y_got, dy, P * H * 4);
@@ -118,9 +118,9 @@ double q3_case_moe_prefill_tc(check *k) {
     float *dx = device(k, x, T * H * 4), *dact = device(k, act, S * I * 4), *dy = device(k, y, S * H * 4);
     int32_t *drows = device(k, rows, sizeof rows);
     q3_moe_tile *dtiles = device(k, tiles, sizeof tiles);
-    const void *const *dg = expert_table(k, device(k, gate, E * I * H * 2), E, I, H);
-    const void *const *du = expert_table(k, device(k, up, E * I * H * 2), E, I, H);
-    const void *const *dd = expert_table(k, device(k, down, E * H * I * 2), E, H, I);
+    const void *const *dg = expert_table(k, device(k, gate, E * I * H * 2), Q3_BF16, E, I, H);
+    const void *const *du = expert_table(k, device(k, up, E * I * H * 2), Q3_BF16, E, I, H);
+    const void *const *dd = expert_table(k, device(k, down, E * H * I * 2), Q3_BF16, E, H, I);
     if (q3_moe_gate_up_tc_host(act, x, rows, tiles, N_TILES, hg, hu, I, H)) return INFINITY;
     if (q3_moe_down_tc_host(y, act, tiles, N_TILES, hd, H, I)) return INFINITY;
     float *dact_twin = device(k, act, S * I * 4);
@@ -205,9 +205,9 @@ double q3_case_moe_prefill_batch(check *k, int64_t T, int top, int E, int64_t I,
     float *dact = device(k, NULL, P * I * 4), *dy = device(k, NULL, P * H * 4);
     int32_t *drows = device(k, rows, P * 4), *dplan = device(k, plan, (2 * n + 1 + P) * 4);
     q3_moe_tile *dtiles = device(k, tiles, n_tiles * sizeof *tiles);
-    const void *const *dg = expert_table(k, device(k, gate, E * I * H * 2), E, I, H);
-    const void *const *du = expert_table(k, device(k, up, E * I * H * 2), E, I, H);
-    const void *const *dd = expert_table(k, device(k, down, E * H * I * 2), E, H, I);
+    const void *const *dg = expert_table(k, device(k, gate, E * I * H * 2), Q3_BF16, E, I, H);
+    const void *const *du = expert_table(k, device(k, up, E * I * H * 2), Q3_BF16, E, I, H);
+    const void *const *dd = expert_table(k, device(k, down, E * H * I * 2), Q3_BF16, E, H, I);
     if (q3_moe_gate_up_tc_host(act, x, rows, tiles, n_tiles, hg, hu, I, H)) return INFINITY;
     if (q3_moe_down_tc_host(y, act, tiles, n_tiles, hd, H, I)) return INFINITY;
     memcpy(x_want, x, T * H * 4);

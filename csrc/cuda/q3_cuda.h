@@ -13,7 +13,7 @@
  * offset may not: q3_layer_load copies such a weight once, csrc/engine/weight_load.c). What
  * the kernels' loads need of each weight, w [N, K] row-major (row r at w + r * K elements):
  *   row_dots.cuh (projections of few tokens, the router's, the experts' in decode and in the
- *     per-expert prefill): bf16 with K % 8 == 0, 16-byte loads of each row, aligned exactly
+ *     per-expert prefill): bf16 or fp16 with K % 8 == 0, 16-byte loads of each row, aligned exactly
  *     when w is; otherwise (fp32, or odd K) one element a lane: 4- resp. 2-byte loads.
  *   matmul_tc.cu (prefill projections, bf16, K % 32 == 0): staged one element at a time, or
  *     cuBLAS; rows of 64-byte multiples, so 16-byte staging would find them aligned as w is.
@@ -22,7 +22,7 @@
  *   rmsnorm.cu, qk_rope_kv.cu (norm weights [n]): one element: 4- resp. 2-byte loads.
  * The experts of a fused gate_up_proj [E, 2I, H] / down_proj [E, H, I] start at whole rows
  * past its base, so each is aligned as the base is whenever a row is a multiple of 16 bytes,
- * which is when the 16-byte paths above are taken. Today's need is thus 16 bytes for bf16
+ * which is when the 16-byte paths above are taken. Today's need is thus 16 bytes for bf16 and fp16
  * matrices with K % 8 == 0 and the element's size elsewhere; one rule of 16 for every weight
  * covers it and leaves 16-byte loads open to any kernel (fp32 weights included) at the cost
  * of one copy of a weight at an odd offset. Nothing here checks it: the caller of

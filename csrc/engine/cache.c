@@ -68,9 +68,6 @@ q3_status q3_cache_create_on(q3_cache **out, int batch, int64_t capacity, int kv
                        kv_heads, head_dim);
     if (dtype != Q3_F32 && dtype != Q3_BF16 && dtype != Q3_F16)
         return q3_fail(err, Q3_ERR_TYPE, "dtype: expected float32, bfloat16 or float16, got %s", q3_dtype_name(dtype));
-    if (dtype == Q3_F16 && device >= 0)
-        return q3_fail(err, Q3_ERR_TYPE, "dtype: a float16 KV cache is held on the CPU only (the CUDA kernels take "
-                       "float32 and bfloat16), got device=%d", device);
     int64_t n;
     if (!q3_cache_block_bytes(batch, capacity, kv_heads, head_dim, dtype, &n))
         return q3_fail(err, Q3_ERR_VALUE,

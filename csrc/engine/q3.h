@@ -441,7 +441,7 @@ q3_status q3_layer_expert_half(q3_layer *layer, const q3_expert_half_args *a, q3
 /* Rows of a layer whose experts are split between places (qwen3layer/placement/hybrid.py: a
  * device and the host; qwen3layer/placement/parallel.py: processes), as views (q3_view: the
  * tensors from outside, below) in the memory of one device (-1: the host; else a CUDA device,
- * through the installed backend, queued on `stream`), each view float32 or bfloat16 as
+ * through the installed backend, queued on `stream`), each view float32, bfloat16 or float16 as
  * imported, `rows` int32 (Q3_VIEW_I32). Tensors of rows may have leading dims ([..., H]: their
  * rows in order, the product of the leading dims).
  * q3_take_rows: out [n, H] <- src [R, H] row rows[i] for i < n, of src's dtype, moved as
@@ -720,8 +720,7 @@ typedef struct q3_view {
     int versioned;
 } q3_view;
 
-/* What an import takes besides float32, bfloat16 and (on the host) float16 tensors on the device
- * asked (a float16 tensor on a CUDA device: Q3_ERR_TYPE, the CUDA kernels have no fp16): host tensors
+/* What an import takes besides float32, bfloat16 and float16 tensors on the device asked: host tensors
  * on any device (Q3_VIEW_HOST), float8 e4m3fn weights (Q3_VIEW_E4M3); or int32 tensors instead
  * of the float ones (Q3_VIEW_I32: the router's chosen experts); or every dtype the extension
  * has (Q3_VIEW_ANY: float32, bfloat16, float16, float8_e4m3fn, int32); or float16 alone (Q3_VIEW_F16: a

@@ -125,9 +125,6 @@ q3_status q3_view_from_dlpack(q3_view *v, const q3_dl_tensor *t, const char *arg
     q3_status s = q3_view_check_device(t->device.device_type, t->device.device_id, device, allow, arg, err);
     if (s != Q3_OK || (s = view_dtype(t->dtype, arg, allow, &v->dtype, err)) != Q3_OK) return s;
     v->device = t->device.device_type == Q3_DL_CPU ? -1 : t->device.device_id;
-    if (v->dtype == Q3_F16 && v->device >= 0 && !(allow & Q3_VIEW_F16))
-        return q3_fail(err, Q3_ERR_TYPE, "%s: float16 is taken on the CPU only (the CUDA kernels take float32 and "
-                       "bfloat16), got a float16 tensor on cuda:%d", arg, v->device);
     if (t->ndim < 0 || t->ndim > Q3_MAX_DIM)
         return q3_fail(err, Q3_ERR_VALUE, "%s: expected at most %d dimensions, got %d", arg, Q3_MAX_DIM, (int)t->ndim);
     v->ndim = t->ndim;

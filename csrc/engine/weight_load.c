@@ -102,9 +102,6 @@ static q3_status format_and_dtype(load *ld, q3_error *err) {
     if (s == Q3_OK && ld->w.dtype != Q3_F32 && ld->w.dtype != Q3_BF16 && ld->w.dtype != Q3_F16)
         return q3_fail(err, Q3_ERR_TYPE, "dtype: expected float32, bfloat16 or float16, got %s",
                        q3_dtype_name(ld->w.dtype));
-    if (s == Q3_OK && ld->w.dtype == Q3_F16 && ld->a->device >= 0)
-        return q3_fail(err, Q3_ERR_TYPE, "dtype: a float16 layer runs on the CPU only (the CUDA kernels take float32 "
-                       "and bfloat16), got float16 weights for device=%d", ld->a->device);
     return s;
 }
 

@@ -30,7 +30,7 @@
 //            chunk of qs, a broadcast.
 //   values:  lane reads chunk lane + 32 i of one row: 32 consecutive chunks, conflict-free.
 //   staging: fp32 and the fallback store chunk c of row j from thread c of the row:
-//            consecutive, conflict-free. bf16 stores two chunks per 16-byte load (2c, 2c + 1),
+//            consecutive, conflict-free. bf16 and fp16 store two chunks per 16-byte load (2c, 2c + 1),
 //            the half first that keeps the quarter-warp's 8 stores on 8 groups (c >> 2 & 1),
 //            conflict-free when a row is a whole number of quarter-warps (D % 64 == 0), at
 //            most 2-way otherwise (tests/ops/test_attention_banks.py checks all of this).
@@ -63,25 +63,34 @@ __device__ __forceinline__ float4 bf16x4(uint32_t a, uint32_t b) {
                        __uint_as_float(b & 0xffff0000u));
 }
 
+// 4 halves (the low half of a first) as fp32: fp16 when f16 (widened exactly, as the CPU's
+// kernels/dtype.h), else bf16
+__device__ __forceinline__ float4 halves4(uint32_t a, uint32_t b, bool f16) {
+    if (!f16) return bf16x4(a, b);
+    return make_float4(q3_f16_bits_to_f32((uint16_t)(a & 0xffffu)), q3_f16_bits_to_f32((uint16_t)(a >> 16)),
+                       q3_f16_bits_to_f32((uint16_t)(b & 0xffffu)), q3_f16_bits_to_f32((uint16_t)(b >> 16)));
+}
+
 // nj cache rows of one KV head into kt and vt [KEY_TILE][S] as fp32 (k, v: the first key and
 // value row, rows contiguous, D elements each), a key and a value load in flight together.
-// 16-byte global loads where the dtype, D and alignment allow (8 bf16 dims or 4 fp32 dims a
+// 16-byte global loads where the dtype, D and alignment allow (8 bf16 or fp16 dims or 4 fp32 dims a
 // load; __ldg: the cache is read-only here and its pointer comes from memory, so only it
 // makes them global loads, LDG.E.128), else one chunk of 4 dims a thread.
 __device__ __forceinline__ void stage_tile(float *kt, float *vt, const void *k, const void *v, q3_dtype dt, int nj,
                                            int D, int S) {
     const bool aligned = (((uintptr_t)k | (uintptr_t)v) & 15) == 0;
-    if (dt == Q3_BF16 && D % 8 == 0 && aligned) {
+    if ((dt == Q3_BF16 || dt == Q3_F16) && D % 8 == 0 && aligned) {
         const int per = D / 8;
+        const bool f16 = dt == Q3_F16;
 #pragma unroll 1
         for (int e = threadIdx.x; e < nj * per; e += blockDim.x) {
             const int j = e / per, c = e % per, h = (c >> 2) & 1;
             const uint4 a = __ldg((const uint4 *)k + e), b = __ldg((const uint4 *)v + e);
             float *kd = kt + j * S + 8 * c, *vd = vt + j * S + 8 * c;
-            *(float4 *)(kd + 4 * h) = bf16x4(h ? a.z : a.x, h ? a.w : a.y); // half h first
-            *(float4 *)(kd + 4 - 4 * h) = bf16x4(h ? a.x : a.z, h ? a.y : a.w);
-            *(float4 *)(vd + 4 * h) = bf16x4(h ? b.z : b.x, h ? b.w : b.y);
-            *(float4 *)(vd + 4 - 4 * h) = bf16x4(h ? b.x : b.z, h ? b.y : b.w);
+            *(float4 *)(kd + 4 * h) = halves4(h ? a.z : a.x, h ? a.w : a.y, f16); // half h first
+            *(float4 *)(kd + 4 - 4 * h) = halves4(h ? a.x : a.z, h ? a.y : a.w, f16);
+            *(float4 *)(vd + 4 * h) = halves4(h ? b.z : b.x, h ? b.w : b.y, f16);
+            *(float4 *)(vd + 4 - 4 * h) = halves4(h ? b.x : b.z, h ? b.y : b.w, f16);
         }
     } else if (dt == Q3_F32 && D % 4 == 0 && aligned) {
         const int per = D / 4;
@@ -135,7 +144,7 @@ __global__ void __launch_bounds__(Q3_CUDA_MAX_GROUP * 32)
 #pragma unroll
     for (int i = 0; i < MAX_CHUNKS; i++) acc[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     // the slice's keys: n rows from its first, kp and vp (bytes)
-    const int es = sh.kv_dtype == Q3_BF16 ? 2 : 4, n = (int)(k_end - k_begin);
+    const int es = (int)q3_dtype_size(sh.kv_dtype), n = (int)(k_end - k_begin);
     const int64_t first = (head_off + k_begin * D) * es;
     const char *kp = (const char *)sq.k + first, *vp = (const char *)sq.v + first;
     // the flags of the slice's keys from its first, NULL where none can be hidden (the planted

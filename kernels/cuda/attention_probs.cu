@@ -19,7 +19,7 @@
 //   3. the whole row: p / sum inside [lo, i], 0 outside (the future, the padding, columns
 //      past a shorter sequence), coalesced.
 // A key row is D contiguous elements: the 32 lanes' loads of dims lane + 32 c are one
-// coalesced 64-byte (bf16) or 128-byte (fp32) access. The block reductions' barriers order
+// coalesced 64-byte (bf16, fp16) or 128-byte (fp32) access. The block reductions' barriers order
 // each pass's writes of the row before the next pass reads them (other threads' columns).
 #include <math.h>
 
@@ -61,7 +61,8 @@ __global__ void __launch_bounds__(PROBS_THREADS)
     const uint8_t *tree = sq.tree && lo < i ? sq.tree + (i - sq.tree_first) * sq.tree_tokens : NULL;
     // query head h reads KV head h / G (the planted defect: h % Hkv, the wrong one when G > 1)
     const int kvh = Q3_MUTANT(12) ? h % sh.kv_heads : h / G;
-    const size_t es = sh.kv_dtype == Q3_BF16 ? 2 : 4;
+    const size_t es = q3_dtype_size(sh.kv_dtype);
+    const bool f16 = sh.kv_dtype == Q3_F16;
     const char *k = (const char *)sq.k + (size_t)kvh * sh.capacity * D * es; // [capacity, D]
     const float *qr = q + ((int64_t)s * L + t) * Hq * D + (int64_t)h * D;    // [D]
     float *row = probs + (((int64_t)s * Hq + h) * out_tokens + t0 + t) * context; // [context]
@@ -85,9 +86,14 @@ __global__ void __launch_bounds__(PROBS_THREADS)
             if ((off >> kk) & 1u) continue;          // likewise a key the tree leaves out
             const int64_t base = (j0 + kk) * D;
             float acc = 0.0f;
+            // an fp16 key widened by kernels/dtype.h's formula, not q3_load's cvt (the same
+            // values): with the cvt, sm_90's ptxas spilled a register here (benchmarks/sass_check.py)
 #pragma unroll
-            for (int c = 0; c < MAX_DIMS_PER_LANE; c++)
-                if (lane + 32 * c < D) acc = fmaf(qv[c], q3_load(k, sh.kv_dtype, base + lane + 32 * c), acc);
+            for (int c = 0; c < MAX_DIMS_PER_LANE; c++) {
+                const int64_t i = base + lane + 32 * c;
+                if (lane + 32 * c < D)
+                    acc = fmaf(qv[c], f16 ? q3_f16_to_f32(((const uint16_t *)k)[i]) : q3_load(k, sh.kv_dtype, i), acc);
+            }
             acc = q3_warp_sum(acc) * sh.scale;
             if (lane == kk) sc = acc;
         }

@@ -11,6 +11,9 @@
 
 #include <cuda_runtime.h>
 #include <stdint.h>
+#ifndef Q3_SIMT
+#include <cuda_fp16.h> // __half2float: nvcc's build only (the executor converts with kernels/dtype.h)
+#endif
 
 #include "../dtype.h"
 
@@ -31,9 +34,24 @@ template <class T> using q3_shared_t = T; // lets Q3_SHARED take array types: q3
 #define Q3_MUTANT(n) 0
 #endif
 
-// element i of a tensor of dtype dt, as fp32
+// fp16 bits h as fp32, exactly: kernels/dtype.h's q3_f16_to_f32 on the SIMT executor, and on a
+// GPU the hardware's conversion (__half2float: one instruction of the same values, exact,
+// subnormals included; a NaN stays a NaN). The formula's dozen integer operations cost the
+// decode kernels registers on sm_90 (ptxas -v: gate_up_kernel<16> 80 -> 86, moe_gate_up_kernel
+// <dense_rows> 80 -> 95), a resident block less an SM; the conversion, none.
+__device__ __forceinline__ float q3_f16_bits_to_f32(uint16_t h) {
+#ifdef __CUDA_ARCH__
+    return __half2float(__ushort_as_half(h));
+#else
+    return q3_f16_to_f32(h);
+#endif
+}
+
+// element i of a tensor of dtype dt (float32, bfloat16 or float16), as fp32: bf16 and fp16
+// widened exactly
 __device__ __forceinline__ float q3_load(const void *p, q3_dtype dt, int64_t i) {
     if (dt == Q3_BF16) return __uint_as_float((uint32_t)((const uint16_t *)p)[i] << 16);
+    if (dt == Q3_F16) return q3_f16_bits_to_f32(((const uint16_t *)p)[i]);
     return ((const float *)p)[i];
 }
 
@@ -44,8 +62,11 @@ __device__ __forceinline__ uint16_t q3_to_bf16_bits(float f) {
     return (uint16_t)(u >> 16);
 }
 
+// v stored as element i of a tensor of dtype dt: bf16 and fp16 rounded to nearest even (fp16
+// as kernels/dtype.h's q3_f32_to_f16: overflow to inf, NaN kept)
 __device__ __forceinline__ void q3_store(void *p, q3_dtype dt, int64_t i, float v) {
     if (dt == Q3_BF16) ((uint16_t *)p)[i] = q3_to_bf16_bits(v);
+    else if (dt == Q3_F16) ((uint16_t *)p)[i] = q3_f32_to_f16(v);
     else ((float *)p)[i] = v;
 }
 

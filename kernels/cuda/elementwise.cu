@@ -60,7 +60,7 @@ extern "C" int q3_take_rows_cuda(void *dst, const void *src, q3_dtype dt, const 
     return q3_launch_status();
 }
 
-// dst[rows[i]] += src[i] (fp32 or bf16); rows distinct within a call (checked by the host
+// dst[rows[i]] += src[i] (fp32, bf16 or fp16); rows distinct within a call (checked by the host
 // side), so a block per part and no atomics
 __global__ void add_rows_kernel(float *dst, const void *src, q3_dtype dt, const int32_t *rows, int64_t H) {
     float *d = dst + (int64_t)rows[blockIdx.x] * H;
@@ -97,7 +97,7 @@ extern "C" int q3_to_f32_cuda(float *dst, const void *src, q3_dtype dt, int64_t 
     return q3_launch_status();
 }
 
-// dst [n] of dtype dt <- src [n] fp32 (bf16: round to nearest even)
+// dst [n] of dtype dt <- src [n] fp32 (bf16, fp16: round to nearest even)
 extern "C" int q3_from_f32_cuda(void *dst, q3_dtype dt, const float *src, int64_t n, void *stream) {
     if (n == 0) return 0;
     Q3_LAUNCH(from_f32_kernel, grid_for(n), 256, 0, (cudaStream_t)stream)(dst, dt, src, n);

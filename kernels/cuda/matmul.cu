@@ -1,6 +1,6 @@
-// y [T, N] (+)= x [T, K] W^T, W [N, K] fp32 or bf16, fp32 accumulation (twin: kernels/cpu/matmul.c).
+// y [T, N] (+)= x [T, K] W^T, W [N, K] fp32, bf16 or fp16, fp32 accumulation (twin: kernels/cpu/matmul.c).
 // One warp per weight row (two for wide matrices, N >= GEMV_WIDE_ROWS), the tokens of a block
-// column at once (row_dots.cuh: 16-byte loads of 8 bf16 a lane and two of 4 activations a
+// column at once (row_dots.cuh: 16-byte loads of 8 bf16 or fp16 a lane and two of 4 activations a
 // token; fp32 weights or K % 8 != 0 one element a lane). A block column holds NT = 8 tokens
 // (T <= 8) or 16; the column blocks of one group of weight rows are consecutive in the grid
 // (block = row group * columns + column), so they run at the same time and a decode batch of
@@ -41,7 +41,7 @@ __device__ __forceinline__ void gemv(float *y, const float *x, const void *w, q3
     const void *ws[NW]; // the warp's rows; past N, the last row again (its sums are not stored)
 #pragma unroll
     for (int j = 0; j < NW; j++)
-        ws[j] = (const char *)w + (row0 + j < N ? row0 + j : N - 1) * K * (w_dt == Q3_BF16 ? 2 : 4);
+        ws[j] = (const char *)w + (row0 + j < N ? row0 + j : N - 1) * K * (int64_t)q3_dtype_size(w_dt);
     float acc[NW][NT] = {{0}};
     row_dots<NT, NW>(acc, x + t0 * K, NULL, ws, w_dt, 0, K, nt, lane);
 #pragma unroll

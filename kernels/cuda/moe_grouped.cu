@@ -5,7 +5,7 @@
 // then run one block column per *possible* active expert (max_active, a host number) and
 // the blocks past active[0] return at once, so the grids depend only on host arguments and
 // the whole sequence can be captured in a CUDA graph: no host sync, no allocation.
-// Expert weights come as device arrays of E device pointers: dense (bf16 or fp32) matrices
+// Expert weights come as device arrays of E device pointers: dense (bf16, fp16 or fp32) matrices
 // [rows, K], or FP8 ones (kernels/fp8.h: e4m3 bytes [rows, K] and E more pointers to their
 // scale_inv [ceil(rows/128), ceil(K/128)] of dtype sdt). The gate/up and down kernels are one
 // source for both, templated on the weight-row reader (dense_rows or fp8_rows, below). 4-bit
@@ -101,7 +101,7 @@ extern "C" int q3_moe_route_cuda(int64_t *offsets, int32_t *rows, float *weights
 // inside the loop, and the kernels no longer compiled to the code of the two hand copies
 // they replace (the same registers and instructions, checked on the PTX and the SASS).
 
-// dense experts: bf16 or fp32 matrices [rows, K] (16-byte loads of 8 bf16 where K % 8 == 0)
+// dense experts: bf16, fp16 or fp32 matrices [rows, K] (16-byte loads of 8 halves where K % 8 == 0)
 struct dense_rows {
     const void *const *w[2]; // [E] device pointers to [rows, K] of dt, per matrix
     q3_dtype dt;

@@ -1,9 +1,10 @@
 // The inner loop of the GEMV-style kernels (matmul.cu, moe_grouped.cu): one warp streams
 // NW weight rows (1, or 2 for gate and up) once and dots them with up to NT activation rows.
-// bf16 weights with K % 8 == 0 go through 16-byte loads of 8 bf16 a lane, and each token's 8
-// matching activations through two 16-byte loads (one load serves all NW weight rows);
-// anything else (fp32 weights, K % 8 != 0) one element a lane. The activation rows come from
-// L1/L2: a block's warps read the same rows at the same columns at about the same time.
+// bf16 and fp16 weights with K % 8 == 0 go through 16-byte loads of 8 halves a lane (widened
+// exactly to fp32), and each token's 8 matching activations through two 16-byte loads (one
+// load serves all NW weight rows); anything else (fp32 weights, K % 8 != 0) one element a
+// lane. The activation rows come from L1/L2: a block's warps read the same rows at the same
+// columns at about the same time.
 //
 // Traffic, per lane and 16-byte weight load (8 bf16 of each of the NW rows): 32 bytes of
 // activations per token from L1, and 8 * NW multiply-adds per token. Accumulators: NW * NT
@@ -38,6 +39,48 @@ __device__ __forceinline__ void unpack_bf16x8(float *v, uint4 pk) {
     }
 }
 
+// the 8 fp16 of a 16-byte group as fp32, in memory order (exact: kernels/dtype.h's widening)
+__device__ __forceinline__ void unpack_f16x8(float *v, uint4 pk) {
+    const uint32_t words[4] = {pk.x, pk.y, pk.z, pk.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        v[2 * i] = q3_f16_bits_to_f32((uint16_t)(words[i] & 0xffffu));
+        v[2 * i + 1] = q3_f16_bits_to_f32((uint16_t)(words[i] >> 16));
+    }
+}
+
+// row_dots' 16-byte path: K % 8 == 0, the weights bf16 (F16 false) or fp16 (true), a template
+// argument so that each kind's loop holds no dtype test
+template <int NT, int NW, bool F16>
+__device__ __forceinline__ void row_dots_x8(float (*acc)[NT], const float *x, const float *const *xr,
+                                            const void *const *w, int64_t row, int64_t K, int nt, int lane) {
+    const bool vec = ((uintptr_t)x & 15u) == 0;
+    const uint4 *wr[NW];
+#pragma unroll
+    for (int j = 0; j < NW; j++) wr[j] = (const uint4 *)((const uint16_t *)w[j] + row * K);
+    for (int64_t c = lane; c < K / 8; c += 32) {
+        float wv[NW][8];
+#pragma unroll
+        for (int j = 0; j < NW; j++) {
+            if (F16) unpack_f16x8(wv[j], wr[j][c]);
+            else unpack_bf16x8(wv[j], wr[j][c]);
+        }
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            if (t >= nt) break;
+            float xv[8];
+            load_x8(xv, (xr ? xr[t] : x + t * K) + c * 8, vec);
+#pragma unroll
+            for (int j = 0; j < NW; j++) {
+                float s = 0.0f;
+#pragma unroll
+                for (int i = 0; i < 8; i++) s += xv[i] * wv[j][i];
+                acc[j][t] += s;
+            }
+        }
+    }
+}
+
 // acc[j][t] += (the lane's share of) x_row(t) . w[j][row] for j < NW, t < nt <= NT, where
 // x_row(t) = xr[t] when xr is given (rows gathered by the caller, NT <= TOKENS_PER_WARP, each
 // xr[t] = x + some multiple of K) else x + t * K. The token loops run to NT with a guard, so
@@ -48,28 +91,9 @@ __device__ __forceinline__ void row_dots(float (*acc)[NT], const float *x, const
                                          const void *const *w, q3_dtype w_dt, int64_t row, int64_t K, int nt,
                                          int lane) {
     if ((K % 8 == 0) && w_dt == Q3_BF16) {
-        const bool vec = ((uintptr_t)x & 15u) == 0;
-        const uint4 *wr[NW];
-#pragma unroll
-        for (int j = 0; j < NW; j++) wr[j] = (const uint4 *)((const uint16_t *)w[j] + row * K);
-        for (int64_t c = lane; c < K / 8; c += 32) {
-            float wv[NW][8];
-#pragma unroll
-            for (int j = 0; j < NW; j++) unpack_bf16x8(wv[j], wr[j][c]);
-#pragma unroll
-            for (int t = 0; t < NT; t++) {
-                if (t >= nt) break;
-                float xv[8];
-                load_x8(xv, (xr ? xr[t] : x + t * K) + c * 8, vec);
-#pragma unroll
-                for (int j = 0; j < NW; j++) {
-                    float s = 0.0f;
-#pragma unroll
-                    for (int i = 0; i < 8; i++) s += xv[i] * wv[j][i];
-                    acc[j][t] += s;
-                }
-            }
-        }
+        row_dots_x8<NT, NW, false>(acc, x, xr, w, row, K, nt, lane);
+    } else if ((K % 8 == 0) && w_dt == Q3_F16) {
+        row_dots_x8<NT, NW, true>(acc, x, xr, w, row, K, nt, lane);
     } else {
         for (int64_t k = lane; k < K; k += 32) {
             float wk[NW];

@@ -206,7 +206,7 @@ static int matmul_call(void *p) {
 static int time_matmul(int64_t T, int64_t N, int64_t K, q3_dtype w_dt, int repeats, float *ms) {
     int status = 0;
     matmul_args a = {NULL, NULL, NULL, w_dt, T, N, K};
-    const size_t wbytes = (size_t)(N * K) * (w_dt == Q3_BF16 ? 2 : 4);
+    const size_t wbytes = (size_t)(N * K) * q3_dtype_size(w_dt);
     CHECK(cudaMalloc(&a.w, wbytes));
     CHECK(cudaMalloc((void **)&a.x, (size_t)(T * K) * 4));
     CHECK(cudaMalloc((void **)&a.y, (size_t)(T * N) * 4));

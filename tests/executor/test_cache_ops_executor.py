@@ -162,12 +162,12 @@ OPS = {
 
 def test_device_cache_operations_equal_the_host_ones():
     """each operation on a device cache leaves the same bytes, lengths and padding as on a host
-    cache that held the same bytes (a new cache: on the device, of the same capacity), float32
-    and bfloat16, with stream=None (the device synchronized around the copies), 0 (the same) and
+    cache that held the same bytes (a new cache: on the device, of the same capacity), float32,
+    bfloat16 and float16, with stream=None (the device synchronized around the copies), 0 (the same) and
     a stream of the executor's own (queued there); random maps one after another; a reorder of
     sequences of 300 tokens"""
     content = {}
-    for dtype in ("float32", "bfloat16"):
+    for dtype in ("float32", "bfloat16", "float16"):
         hc, dc = template(dtype)
         content[f"{dtype} copy of a fresh pair"] = state(hc.copy()) == state(dc.copy()) == state(hc)
         for name, op in OPS.items():
@@ -199,9 +199,9 @@ def test_device_cache_operations_equal_the_host_ones():
            "reorder repeats and a cycle", "reorder chain", "select", "select one", "repeat_interleave 1",
            "repeat_interleave 3", "copy", "copy.copy", "copy.deepcopy", "copy_prefix", "crop", "grow"]
     expected = [f"{dt} {op} stream {st}"
-                for dt in ("float32", "bfloat16") for op in ops for st in ("none", "zero", "own")]
-    expected += ["float32 copy of a fresh pair", "bfloat16 copy of a fresh pair", "float32 random reorders",
-                 "bfloat16 long reorder"]
+                for dt in ("float32", "bfloat16", "float16") for op in ops for st in ("none", "zero", "own")]
+    expected += ["float32 copy of a fresh pair", "bfloat16 copy of a fresh pair", "float16 copy of a fresh pair",
+                 "float32 random reorders", "bfloat16 long reorder"]
     assert sorted(content) == sorted(expected)
     assert [k for k, same in content.items() if not same] == []
 

@@ -52,7 +52,7 @@ def host_layer():
 
 def test_cuda_path_on_the_executor_matches_the_cpu_layer(borrowed):
     out = {}
-    for dtype in ("float32", "bfloat16"):
+    for dtype in ("float32", "bfloat16", "float16"):
         w = _C.random_weights(CFG, 3, dtype)
         cpu, gpu = _C.Layer(CFG, w, None, -1), _C.Layer(CFG, w, None, 0)
         out[f"{dtype} uploaded"] = len(gpu.converted)
@@ -86,11 +86,13 @@ def test_cuda_path_on_the_executor_matches_the_cpu_layer(borrowed):
     out["random input device"] = str(on_device.random_input((2, 64), 1).device)
     out["profile seconds"] = [[s.seconds for s in p.stages] for p in profiles]
 
-    assert out["float32 uploaded"] == 11 and out["bfloat16 uploaded"] == 11  # host weights copied once
+    assert out["float32 uploaded"] == out["bfloat16 uploaded"] == out["float16 uploaded"] == 11  # copied once
     assert out["float32 max rel err"] <= 1e-5
     # the CPU's bf16 paths round activations to bf16 before their dot products; the CUDA path does not
     assert out["bfloat16 max rel err"] <= 5e-3
-    assert out["float32 lengths"] == [[24, 24], [24, 24]] and out["bfloat16 lengths"] == [[24, 24], [24, 24]]
+    # fp16: fp32 sums on both, outputs an fp16 rounding apart at most (test_cuda_executor_float16.py)
+    assert out["float16 max rel err"] <= 1e-3 and out["float16 output device"] == "cuda:0"
+    assert out["float32 lengths"] == out["bfloat16 lengths"] == out["float16 lengths"] == [[24, 24], [24, 24]]
     assert out["bfloat16 output device"] == "cuda:0"
     assert out["device weights borrowed"] is True
     assert out["errors"][0] == "ValueError: x: expected a tensor on device cuda:0, got cpu"
@@ -127,7 +129,7 @@ def test_head_dim_256_on_the_executor_matches_the_cpu_layer():
     256, or more than 32 query heads a KV head, is refused when the CUDA layer is made, with
     the limit and the value; the CPU layer takes both."""
     wide = {}
-    for dtype in ("float32", "bfloat16"):
+    for dtype in ("float32", "bfloat16", "float16"):
         ww = _C.random_weights(WIDE, 16, dtype)
         wcpu, wgpu = _C.Layer(WIDE, ww, None, -1), _C.Layer(WIDE, ww, None, 0)
         wcc, wcg = wcpu.new_cache(1100, 2), wgpu.new_cache(1100, 2)
@@ -144,7 +146,7 @@ def test_head_dim_256_on_the_executor_matches_the_cpu_layer():
     refused = errors_of([lambda c=c, d=d: _C.Layer(c, _C.random_weights(c, 1, "bfloat16"), None, d)
                          for c in (TOO_WIDE, TOO_MANY) for d in (0, -1)])
 
-    for dtype, tol in (("float32", 1e-5), ("bfloat16", 5e-3)):
+    for dtype, tol in (("float32", 1e-5), ("bfloat16", 5e-3), ("float16", 1e-3)):
         *errs, lengths_agree = wide[dtype]
         assert len(errs) == 4 and max(errs) <= tol and lengths_agree, (dtype, errs)
     assert refused == [
@@ -220,7 +222,7 @@ def test_decode_graphs_on_the_executor(borrowed):
     after step, with plain calls and a reset of one sequence in between. The cached keys
     agree too: sequence 1 starts with padding, and only its keys show whether the positions
     (passes.c for prefill, decode_prepare for decode) count from its first real token."""
-    runs = {dtype: graph_run(dtype) for dtype in ("float32", "bfloat16")}
+    runs = {dtype: graph_run(dtype) for dtype in ("float32", "bfloat16", "float16")}
     # a full cache: CacheFullError, nothing queued, lengths kept
     layer, _ = borrowed
     small = layer.new_cache(6)
@@ -250,7 +252,7 @@ def test_decode_graphs_on_the_executor(borrowed):
     y = wgraph(wgraph.input)  # x is the input itself: no copy
     y_is_output = y.data_ptr == wgraph.output.data_ptr  # another tensor object over the graph's output buffer
 
-    for dtype, tol in (("float32", 1e-6), ("bfloat16", 5e-3)):
+    for dtype, tol in (("float32", 1e-6), ("bfloat16", 5e-3), ("float16", 1e-3)):
         g = runs[dtype]
         assert g["created lengths"] == [5, 9, 1]  # capturing appends nothing
         assert g["max rel err"] <= tol
@@ -668,7 +670,7 @@ def test_every_kernel_matches_its_twin_on_the_executor_under_every_schedule(kern
     head dims 64 and 128, top-k 1 to 8, left padding); each names its launcher(s), and every
     launcher has a case."""
     cases, _ = kernel_check
-    assert len(cases) == 543  # with the cuBLAS stand-in open; 541 without cuBLAS
+    assert len(cases) == 645  # with the cuBLAS stand-in open; 643 without cuBLAS
     assert len({case[0] for case in cases}) == len(cases)
     for name, err, tol, schedules, agree, kernel in cases:
         assert err <= tol and schedules == 3 and agree, (name, kernel, err, tol, schedules, agree)
@@ -679,9 +681,17 @@ def test_every_kernel_matches_its_twin_on_the_executor_under_every_schedule(kern
         for path in ("attention tc, tokens=17 ", "attention f32 G=2, tokens=17 ", "attention, tokens=1 ",
                      "attention split-KV, tokens=1 ", "qk_rope_kv, tokens=1 ", "qk_rope_kv, tokens=17 "):
             assert path + shape in names
+        # an fp16 cache: 17 tokens a block per token (no tensor cores), split-KV decode
+        for path in ("attention f16 G=2, tokens=17 ", "attention f16 split, tokens=1 "):
+            assert path + shape in names
+    # fp16 on each kernel that takes a float storage dtype
+    for kernel in ("rmsnorm", "add_rmsnorm", "matmul", "gate_up", "qk_rope_kv", "attention", "attention_probs",
+                   "moe_gate_up+moe_down+moe_combine", "from_f32+to_f32", "take_rows+add_rows"):
+        assert any(case[5] == kernel and ("f16" in case[0].replace("bf16", "") or "fp16" in case[0])
+                   for case in cases), kernel
     # the attention maps: hand-made passes (decode, prefill, chunks of a longer call, padding,
     # head dims 18 to 256, G = 1 to 16, 3000 keys) and the batches of the lists
-    assert sum(name.startswith("attention probs, ") for name in names) == 13
+    assert sum(name.startswith("attention probs, ") for name in names) == 14
     for B in (1, 3, 5):
         for T in (1, 17):
             assert f"attention probs, tokens={T} context=33 batch={B} D=64 pad=5" in names

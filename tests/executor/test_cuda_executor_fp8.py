@@ -89,20 +89,22 @@ def test_fp8_layers_on_the_executor_match_the_cpu_fp8_layer():
     expert and fused. fp32 layers stream FP8 everywhere (the GEMV, the grouped decode
     experts): as exact as the CPU's up to summation order. bf16 layers' prefill dequantizes to
     bf16 for the tensor cores, which round the activations and the dequantized weights to
-    bf16 where the CPU keeps fp32 products: the dense bf16 layer's tolerance."""
+    bf16 where the CPU keeps fp32 products: the dense bf16 layer's tolerance. fp16 layers (fp16
+    norms, router and activations) stream FP8 at every size as fp32 ones do: within an fp16
+    rounding of the outputs."""
     cases = {}
     seed = 30
-    # each geometry: fp32 and bf16 layers, each with fp32 scales and per-expert weights and with
-    # bf16 scales and fused experts
+    # each geometry: fp32, bf16 and fp16 layers, each with fp32 scales and per-expert weights and
+    # with bf16 scales and fused experts
     for geo, cfg in GEOMETRIES.items():
-        for dtype in ("float32", "bfloat16"):
+        for dtype in ("float32", "bfloat16", "float16"):
             for scale_dtype, fused in ((torch.float32, False), (torch.bfloat16, True)):
                 name = f"{geo} {dtype} scales {str(scale_dtype)[6:]} {'fused' if fused else 'per expert'}"
                 cases[name] = run_case(cfg, dtype, scale_dtype, fused, seed)
                 seed += 1
-    assert len(cases) == 8
+    assert len(cases) == 12
     for name, c in cases.items():
-        tol = 1e-5 if name.split()[1] == "float32" else 5e-3  # the layer dtype
+        tol = {"float32": 1e-5, "bfloat16": 5e-3, "float16": 1e-3}[name.split()[1]]  # the layer dtype
         assert c["max rel err"] <= tol and c["lengths agree"], (name, c)
         assert c["format"] == "fp8_e4m3_block128" and c["weight bytes equal"], (name, c)
         # host weights are uploaded once each: 4 attention matrices and their scales, 4 norms,

@@ -28,11 +28,13 @@ CFG = q3.LayerConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=
 H, K, E = 64, 2, 8
 PAD = 3
 # the CPU's bf16 paths round activations to bf16 before their dot products, the CUDA path does
-# not (test_cuda_executor_insides.py's tolerances)
-TOL = {"float32": 1e-5, "bfloat16": 5e-3}
+# not (test_cuda_executor_insides.py's tolerances); fp16 is summed in fp32 on both, its outputs
+# an fp16 ulp (2^-11) apart where the two sums round to either side of a rounding boundary
+TOL = {"float32": 1e-5, "bfloat16": 5e-3, "float16": 1e-3}
 # logits closer than this (relative to the row's largest) may order differently on the devices
-MARGIN = {"float32": 1e-4, "bfloat16": 2e-2}
-_DL = {"float32": (2, 32), "bfloat16": (4, 16), "int32": (0, 32)}  # (DLPack type code, bits)
+MARGIN = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 2e-3}
+_DL = {"float32": (2, 32), "bfloat16": (4, 16), "float16": (2, 16), "int32": (0, 32)}  # (DLPack type code, bits)
+_TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int32": torch.int32}
 
 
 class DeviceView:
@@ -54,11 +56,11 @@ class DeviceView:
 
 def rows_of(t, cols, dtype):
     """extension device Tensor t as [n, cols] of dtype"""
-    return DeviceView(t, [t.nbytes // (cols * (2 if dtype == "bfloat16" else 4)), cols], dtype)
+    return DeviceView(t, [t.nbytes // (cols * _DL[dtype][1] // 8), cols], dtype)
 
 
 def to_device(a, dtype):
-    """host torch tensor a (float32, bfloat16 or int32) copied into a new executor device block"""
+    """host torch tensor a (float32, bfloat16, float16 or int32) copied into a new executor device block"""
     raw = a.contiguous().view(-1).view(torch.uint8).numpy()
     block = _C.copy_tensor(_C.random_tensor((raw.nbytes // 2 + 1,), 0, "bfloat16"), 0)
     ctypes.memmove(block.data_ptr, raw.ctypes.data, raw.nbytes)
@@ -67,10 +69,10 @@ def to_device(a, dtype):
 
 def on_host(view_or_tensor, shape, dtype):
     """a device tensor's contents as a host torch tensor of shape (any producer on the executor)"""
-    n = int(np.prod(shape)) * (2 if dtype == "bfloat16" else 4)
+    n = int(np.prod(shape)) * _DL[dtype][1] // 8
     buf = (ctypes.c_char * n).from_address(view_or_tensor.data_ptr if hasattr(view_or_tensor, "data_ptr")
                                            else view_or_tensor.owner.data_ptr)
-    tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int32": torch.int32}[dtype]
+    tdt = _TORCH[dtype]
     return torch.frombuffer(bytearray(buf.raw), dtype=tdt).reshape(shape)
 
 
@@ -94,7 +96,7 @@ def call_kw(kw):
     return kw.get("seq"), kw.get("chunk_size"), {"decode": kw.get("decode", False)}
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_the_attention_half_on_the_executor_matches_the_cpu_layers(dtype):
     """attention_half on an emulated CUDA layer gives the CPU layer's resid, normed, experts
     and weights (within the dtype's tolerance; the same experts on every row whose top k + 1
@@ -142,7 +144,7 @@ def routes(n, seed, skip_every=0):
     return ids, weights
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_the_expert_half_on_the_executor_matches_the_cpu_layers(dtype):
     """expert_half on an emulated CUDA layer gives the CPU layer's output for rows grouped on
     the device (5 rows, every entry held) and on the host (70 rows; 5 rows with entries of -1),
@@ -150,7 +152,7 @@ def test_the_expert_half_on_the_executor_matches_the_cpu_layers(dtype):
     dtype, into out, or added to out (fp32 and bf16 out); 0 rows give an empty output."""
     w = _C.random_weights(CFG, 12, dtype)
     cpu, gpu = _C.Layer(CFG, w, None, -1), _C.Layer(CFG, w, None, 0)
-    tdt = torch.float32 if dtype == "float32" else torch.bfloat16
+    tdt = _TORCH[dtype]
     for n, skip in ((5, 0), (70, 0), (5, 3), (70, 4)):
         rows = torch.from_dlpack(_C.random_tensor((n, H), n + skip, dtype))
         ids, weights = routes(n, 100 + n + skip, skip)
@@ -159,7 +161,7 @@ def test_the_expert_half_on_the_executor_matches_the_cpu_layers(dtype):
         got = gpu.expert_half(d_rows, d_ids, d_w)
         assert (list(got.shape), got.dtype, str(got.device)) == ([n, H], dtype, "cuda:0")
         assert np.isfinite(host(got)).all() and rel(host(got), want.numpy()) <= TOL[dtype], (n, skip)
-        for out_dtype in ("float32", "bfloat16"):
+        for out_dtype in ("float32", "bfloat16", "float16"):
             base = torch.from_dlpack(_C.random_tensor((n, H), 7, out_dtype))
             want_acc = torch.from_dlpack(cpu.expert_half(rows, ids, weights, out=base.clone(), accumulate=True))
             out = to_device(base, out_dtype)
@@ -197,17 +199,17 @@ def half_then_experts(layer, cache, x, seq, chunk, flags, dtype, accumulate):
     return host(resid).reshape(-1, H) + on_host(part, [n, H], "float32").double().numpy()
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_the_halves_on_the_executor_are_the_cuda_layers_forward(dtype):
     """resid + expert_half(attention_half's rows) is the CUDA layer's own prefill and decode
-    output (fp32: within 1e-5; bf16: within the rounding of normed and of the output to bf16),
+    output (fp32: within 1e-5; bf16 and fp16: within the rounding of normed and of the output),
     whether the experts add into resid on the device or into a new output; the caches agree."""
     w = _C.random_weights(CFG, 13, dtype)
     gpu = _C.Layer(CFG, w, None, 0)
     whole, halves, halves2 = gpu.new_cache(16, 2), gpu.new_cache(16, 2), gpu.new_cache(16, 2)
     for c in (whole, halves, halves2):
         c.set_padding(PAD, 1)
-    tol = 1e-5 if dtype == "float32" else 2 ** -8
+    tol = {"float32": 1e-5, "bfloat16": 2 ** -8, "float16": 2 ** -10}[dtype]
     for i, (name, shape, kw) in enumerate(calls()):
         x = _C.random_tensor(shape, 30 + i, dtype)
         seq, chunk, flags = call_kw(kw)
@@ -322,7 +324,7 @@ def test_the_halves_on_the_executor_refuse_what_they_cannot_run():
     assert _C.Layer(CFG, dev, None, 0, None, [1, 5]).held_experts == (1, 5)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_take_and_combine_rows_on_the_device_give_the_hosts_bits(dtype):
     """_C.take_rows and _C.combine_rows with device=0 (a split layer's rows:
     qwen3layer/placement/hybrid.py) against the host's: the rows taken as they are, the parts
@@ -374,7 +376,7 @@ def test_take_and_combine_rows_refuse_before_any_write():
     assert torch.equal(on_host(r_dev, [4, H], "float32"), resid)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_attention_passes_on_the_executor_give_the_attention_halfs_rows(dtype):
     """an emulated CUDA layer's attention passes (the split layer's runner): each pass's rows
     (a batch of 2, each pass's rows s * L + t copied in one piece) are its attention half's rows

@@ -39,7 +39,12 @@ CASES = {
     "h200 bfloat16 group 8": ("h200", "bfloat16", dict(gptq_group=8), False),
     "h256 float32 dense attention": ("h256", "float32", dict(gptq_group=128, gptq_dense_attention=True), False),
     "h256 bfloat16 dense attention": ("h256", "bfloat16", dict(gptq_group=128, gptq_dense_attention=True), False),
+    # fp16 norms, router, activations (and dense attention): the GEMV at every size, no bf16 dequantization
+    "h256 float16 group 128": ("h256", "float16", dict(gptq_group=128), False),
+    "h200 float16 group 8 dense attention": ("h200", "float16", dict(gptq_group=8, gptq_dense_attention=True), False),
 }
+# the layer dtype's tolerance: fp16 sums in fp32 on both sides, its outputs an fp16 rounding apart
+TOL = {"float32": 1e-5, "bfloat16": 5e-3, "float16": 1e-3}
 
 
 def int4_weights(cfg, dtype, settings, desc_act, seed):
@@ -69,14 +74,14 @@ def test_int4_layers_on_the_executor_match_the_cpu_int4_layer():
     replays of a decode graph) and of 1. fp32 layers stream the nibbles everywhere (the GEMV,
     the grouped decode experts): as exact as the CPU's up to summation order. bf16 layers'
     prefill dequantizes to bf16 for the tensor cores, which round the activations and the
-    dequantized weights to bf16: the tolerance of the FP8 bf16 layers."""
+    dequantized weights to bf16: the tolerance of the FP8 bf16 layers. fp16 layers stream the
+    nibbles at every size as fp32 ones do (tensor cores would round their activations to bf16)."""
     cases = {}
     for seed, (name, (geo, dtype, settings, desc_act)) in enumerate(CASES.items(), start=40):
         cases[name] = run_case(GEOMETRIES[geo], dtype, settings, desc_act, seed)
-    assert len(cases) == 5
+    assert len(cases) == 7
     for name, c in cases.items():
-        tol = 1e-5 if name.split()[1] == "float32" else 5e-3  # the layer dtype
-        assert c["max rel err"] <= tol and c["lengths agree"], (name, c)
+        assert c["max rel err"] <= TOL[name.split()[1]] and c["lengths agree"], (name, c)
         assert c["format"] == "gptq_int4" and c["weight bytes equal"], (name, c)
         assert c["uploaded"] == c["tensors"], (name, c)  # host weights uploaded once each
 

@@ -18,12 +18,14 @@ def host(t):
 
 def executor_view(t):
     """A strided view on the executor's device (cache keys: [kv_heads, length, head_dim] with a
-    stride of the capacity), read in place: the executor's device memory is host memory, and
-    copy_tensor takes contiguous tensors only"""
+    stride of the capacity; float32, bfloat16 or float16), read in place: the executor's device
+    memory is host memory, and copy_tensor takes contiguous tensors only"""
     span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.strides))
     size = 4 if t.dtype == "float32" else 2
     raw = np.frombuffer((ctypes.c_char * (span * size)).from_address(t.data_ptr), np.uint32 if size == 4 else np.uint16)
     v = np.lib.stride_tricks.as_strided(raw, t.shape, [s * size for s in t.strides])
+    if t.dtype == "float16":
+        return v.view(np.float16).astype(np.float64)
     return (v if size == 4 else v.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 
 
