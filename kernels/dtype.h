@@ -89,6 +89,10 @@ Q3_HOST_DEVICE static inline uint16_t q3_f32_to_f16(float f) {
     return sign | (uint16_t)q;
 }
 
+/* whether dt is a float storage dtype (float32, bfloat16 or float16): a layer's, a cache's, an
+ * activation's */
+static inline int q3_dtype_is_float(q3_dtype dt) { return dt == Q3_F32 || dt == Q3_BF16 || dt == Q3_F16; }
+
 /* element i of float storage p of dtype dt (float32, bfloat16 or float16) as fp32 */
 static inline float q3_float_at(const void *p, q3_dtype dt, int64_t i) {
     return dt == Q3_BF16 ? q3_bf16_to_f32(((const uint16_t *)p)[i])

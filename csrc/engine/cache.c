@@ -66,7 +66,7 @@ q3_status q3_cache_create_on(q3_cache **out, int batch, int64_t capacity, int kv
     if (kv_heads <= 0 || head_dim <= 0)
         return q3_fail(err, Q3_ERR_VALUE, "KV cache: expected positive kv_heads and head_dim, got %d and %d",
                        kv_heads, head_dim);
-    if (dtype != Q3_F32 && dtype != Q3_BF16 && dtype != Q3_F16)
+    if (!q3_dtype_is_float(dtype))
         return q3_fail(err, Q3_ERR_TYPE, "dtype: expected float32, bfloat16 or float16, got %s", q3_dtype_name(dtype));
     int64_t n;
     if (!q3_cache_block_bytes(batch, capacity, kv_heads, head_dim, dtype, &n))

@@ -7,7 +7,6 @@
 #include "device_backend.h"
 #include "layer_internal.h"
 
-static int io_dtype_ok(q3_dtype dt) { return dt == Q3_F32 || dt == Q3_BF16 || dt == Q3_F16; }
 
 static q3_status no_backend(q3_error *err) { return q3_fail(err, Q3_ERR_STATE, "cuda: the CUDA backend is not loaded"); }
 
@@ -32,9 +31,9 @@ q3_status q3_layer_check_attention_half(const q3_layer *l, const q3_cache *c, co
 static q3_status check_half_out(const q3_attention_half_out *out, q3_error *err) {
     if (!out || !out->resid || !out->normed || !out->experts || !out->weights)
         return q3_fail(err, Q3_ERR_VALUE, "attention_half: expected its four outputs, got a NULL one");
-    if (!io_dtype_ok(out->normed_dtype))
-        return q3_fail(err, Q3_ERR_TYPE, "normed: expected float32, bfloat16 or float16, got dtype %d",
-                       (int)out->normed_dtype);
+    if (!q3_dtype_is_float(out->normed_dtype))
+        return q3_fail(err, Q3_ERR_TYPE, "normed: expected float32, bfloat16 or float16, got %s",
+                       q3_dtype_name(out->normed_dtype));
     return Q3_OK;
 }
 
@@ -141,9 +140,10 @@ q3_status q3_layer_expert_half(q3_layer *l, const q3_expert_half_args *a, q3_err
     if (a->n < 0 || !q3_mul_i64(a->n, c->top_k, &pairs) || pairs > INT32_MAX)
         return q3_fail(err, Q3_ERR_VALUE, "rows: expected 0 to %d rows (their (row, expert) pairs are indexed by "
                        "int32), got %lld", INT32_MAX / c->top_k, (long long)a->n);
-    if (!io_dtype_ok(a->dtype) || !io_dtype_ok(a->out_dtype))
-        return q3_fail(err, Q3_ERR_TYPE, "%s: expected float32, bfloat16 or float16, got dtype %d",
-                       io_dtype_ok(a->dtype) ? "out" : "rows", (int)(io_dtype_ok(a->dtype) ? a->out_dtype : a->dtype));
+    if (!q3_dtype_is_float(a->dtype) || !q3_dtype_is_float(a->out_dtype))
+        return q3_fail(err, Q3_ERR_TYPE, "%s: expected float32, bfloat16 or float16, got %s",
+                       q3_dtype_is_float(a->dtype) ? "out" : "rows",
+                       q3_dtype_name(q3_dtype_is_float(a->dtype) ? a->out_dtype : a->dtype));
     if (a->n == 0) return Q3_OK;
     if (!a->rows || !a->experts || !a->weights || !a->out)
         return q3_fail(err, Q3_ERR_VALUE, "expert_half: expected rows, experts, weights and out, got a NULL one");

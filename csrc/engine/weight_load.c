@@ -99,7 +99,7 @@ static q3_status format_and_dtype(load *ld, q3_error *err) {
     else if (s == Q3_OK)
         s = dtype_of(ld, q3_dense_weight_name(q3_weight_format_dtype_source(ld->w.format)), allow_host, &ld->w.dtype,
                      err);
-    if (s == Q3_OK && ld->w.dtype != Q3_F32 && ld->w.dtype != Q3_BF16 && ld->w.dtype != Q3_F16)
+    if (s == Q3_OK && !q3_dtype_is_float(ld->w.dtype))
         return q3_fail(err, Q3_ERR_TYPE, "dtype: expected float32, bfloat16 or float16, got %s",
                        q3_dtype_name(ld->w.dtype));
     return s;
