@@ -53,7 +53,7 @@ static inline void q3_error_unstash(q3_pending_error *e) {
 
 /* ---- DLPack import (py_dlpack.c) ---------------------------------------------- */
 
-/* Imports obj (anything with __dlpack__) into v (q3.h: the engine's checks, q3_view_from_dlpack,
+/* Imports obj (with __dlpack__, or an unused capsule) into v (q3.h: the engine's checks, q3_view_from_dlpack,
  * with `allow`), expected on `device` (-1: cpu, else cuda:device): valid until q3_view_release.
  * Errors name `arg`: TypeError for a non-tensor or another dtype, ValueError for another device
  * or an unusable layout. A CUDA producer is handed `stream` (the consumer's, NULL: legacy

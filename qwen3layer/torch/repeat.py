@@ -59,11 +59,11 @@ def _ref(obj: Any) -> Any:
 def plain_prefill(core: _CoreLayer, x: torch.Tensor, kv: Any) -> torch.Tensor:
     """core.prefill(x, kv) of a core without host experts (core._hybrid None), asking for no
     insides: its device check and stream (stream_of), the extension's call, and the output
-    as a torch tensor, zero-copy; for a host layer and input, what stream_of and the import
-    do for them without their look-ups"""
+    as a torch tensor, zero-copy; for a host layer and input, what stream_of and the imports
+    do for them without their look-ups (the input handed over as its capsule: cache._TO_CAPSULE)"""
     ext = core._core
-    if ext.device < 0 and x.is_cpu:
-        return _cache.host_tensor(ext.prefill(x, kv))
+    if ext.device < 0 and x.is_cpu:  # (torch's export refuses a tensor with a gradient: it is asked for one)
+        return _cache.host_tensor(ext.prefill(x if x.requires_grad else _TO_CAPSULE(x), kv))
     return torch.from_dlpack(ext.prefill(x, kv, stream=stream_of(x, ext.device)))
 
 
@@ -72,6 +72,7 @@ _NO_FLAGS = (None, None, None)
 # what run reads each call, bound once (a module's attribute is a look-up a call)
 _TIED, _LAZY, _FROM_CAPSULE = _cache.TIED, _cache._LAZY, _cache._FROM_CAPSULE
 _grad_enabled, _Tensor = torch.is_grad_enabled, torch.Tensor
+_TO_CAPSULE = _cache._TO_CAPSULE
 
 
 def run(layer: Any, hidden_states: torch.Tensor, attention_mask: Any, position_ids: Any, model_cache: Any,
@@ -159,7 +160,7 @@ def run(layer: Any, hidden_states: torch.Tensor, attention_mask: Any, position_i
         return None
     x, ext = hidden_states.contiguous(), core._core  # not detached: it has no gradient (checked)
     if ext.device < 0 and x.is_cpu:  # plain_prefill's host case, inline (host_tensor: the output, zero-copy)
-        y = _FROM_CAPSULE(ext.prefill(x, kv).__dlpack__())
+        y = _FROM_CAPSULE(ext.prefill(_TO_CAPSULE(x), kv).__dlpack__())
     else:
         y = plain_prefill(core, x, kv)
     rec = layer._modules["recorders"]._modules.get("hidden_states")

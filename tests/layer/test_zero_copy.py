@@ -193,6 +193,26 @@ def test_import_renames_the_consumed_capsule(layer, legacy):
     assert torch.equal(torch.from_dlpack(y), ref)
 
 
+@pytest.mark.parametrize("legacy", [False, True])
+def test_a_capsule_itself_is_taken_once_and_checked(layer, legacy):
+    """the extension's call takes a capsule as __dlpack__ returns it (the drop-in hands it one,
+    skipping torch's export checks): the same numbers, the capsule consumed, a used capsule and
+    a capsule of another dtype refused by name before anything is written"""
+    x = torch.randn(3, CFG.hidden_size)
+    ref = layer._core.prefill(x, layer.new_cache(4))
+    cap = x.__dlpack__() if legacy else x.__dlpack__(max_version=(1, 0))
+    kv = layer.new_cache(4)
+    y = layer._core.prefill(cap, kv)
+    assert _capsule_name(cap) == (b"used_dltensor" if legacy else b"used_dltensor_versioned")
+    assert torch.equal(torch.from_dlpack(y), torch.from_dlpack(ref)) and kv.lengths == (3,)
+    with pytest.raises(TypeError, match=r"x: expected an unused DLPack capsule, got <capsule object \"used_dltensor"):
+        layer._core.prefill(cap, kv)
+    wrong = torch.randn(3, CFG.hidden_size, dtype=torch.float64)
+    with pytest.raises(TypeError, match="x: expected dtype .* got float64"):
+        layer._core.prefill(wrong.__dlpack__() if legacy else wrong.__dlpack__(max_version=(1, 0)), kv)
+    assert kv.lengths == (3,)
+
+
 def test_reprs_say_what_a_notebook_user_needs():
     layer = q3.DecoderLayer.random(CFG, seed=1, dtype="bfloat16")
     assert "dtype=bfloat16, device=cpu, weights" in repr(layer)

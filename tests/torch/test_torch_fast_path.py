@@ -90,6 +90,28 @@ def test_later_layers_decode_on_the_fast_path_with_transformers_numbers(fast_cal
 
 
 @torch.no_grad()
+def test_host_layers_take_their_input_as_a_capsule_without_torchs_export(monkeypatch):
+    """a host layer's C call is handed its input's capsule (cache._TO_CAPSULE), not the tensor,
+    whose __dlpack_device__ and __dlpack__ the extension would call (~6 us of Python a call);
+    the tokens are transformers', and a torch without the capsule maker hands the tensor over"""
+    model, ref = pair(23)
+    exports = []
+    for name in ("__dlpack__", "__dlpack_device__"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda t, *a, _o=original, _n=name, **k: (exports.append(_n),
+                                                                                           _o(t, *a, **k))[1])
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    want = ref.generate(PROMPT, **kw)
+    exports.clear()
+    assert torch.equal(model.generate(PROMPT, **kw), want)
+    assert exports == []
+    monkeypatch.setattr(q3t._cache, "_TO_CAPSULE", lambda t: t)  # (read when repeat was imported: both places)
+    monkeypatch.setattr(q3t._fast, "_TO_CAPSULE", lambda t: t)
+    assert torch.equal(model.generate(PROMPT, **kw), want)
+    assert exports.count("__dlpack__") == 3 * 4  # 3 layers, the prompt's call and 3 decode steps
+
+
+@torch.no_grad()
 def test_a_left_padded_batch_takes_the_fast_path_with_transformers_numbers(fast_calls):
     model, ref = pair(22)
     ids, mask = left_padded([3, 6], 6, seed=5)
