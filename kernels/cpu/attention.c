@@ -14,6 +14,7 @@
 #endif
 
 #include "ops.h"
+#include "team.h"
 #include "thread_scratch.h"
 #include "vec.h"
 
@@ -294,26 +295,34 @@ static void attend_block(float *out, const float *q, int64_t ld, int nq, int G, 
     }
 }
 
-void Q3_CPU_FN(q3_attention)(float *out, const float *q, const q3_attn_seq *seqs, int n_seqs,
-                             const q3_attn_shape *sh, float *scratch, int threads) {
+/* item `it` of q3_attention's: one query block of one KV head of one sequence, last query
+ * blocks first (they see the most keys) */
+static void attend_item(float *out, const float *q, const q3_attn_seq *seqs, const q3_attn_shape *sh, int64_t it,
+                        int64_t blocks, float *scratch) {
     const int Hq = sh->heads, Hkv = sh->kv_heads, D = sh->head_dim, G = Hq / Hkv;
     const int64_t L = sh->L, ld = (int64_t)Hq * D;
-    const int64_t blocks = (L + Q3_ATTN_QUERY_BLOCK - 1) / Q3_ATTN_QUERY_BLOCK;
-    const int64_t items = (int64_t)n_seqs * Hkv * blocks, per_thread = q3_attention_scratch_floats(sh);
-    const size_t es = q3_dtype_size(sh->kv_dtype);
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (items > 1)
-    for (int64_t it = 0; it < items; it++) {
-        /* last query blocks first: they see the most keys */
-        const int64_t b = blocks - 1 - it % blocks;
-        const int h = (int)((it / blocks) % Hkv);
-        const int s = (int)(it / (blocks * Hkv));
-        const int64_t t0 = b * Q3_ATTN_QUERY_BLOCK;
-        const int nq = (int)(L - t0 < Q3_ATTN_QUERY_BLOCK ? L - t0 : Q3_ATTN_QUERY_BLOCK);
-        const int64_t head_off = (int64_t)h * sh->capacity * D * (int64_t)es;
-        const int64_t row0 = ((int64_t)s * L + t0) * ld + (int64_t)h * G * D;
-        float *mine = q3_thread_scratch(scratch, per_thread);
-        attend_block(out + row0, q + row0, ld, nq, G, D, seqs[s].n_past + t0 + 1, &seqs[s],
-                     (const char *)seqs[s].k + head_off, (const char *)seqs[s].v + head_off, sh->kv_dtype,
-                     sh->scale, mine);
+    const int64_t b = blocks - 1 - it % blocks;
+    const int h = (int)((it / blocks) % Hkv);
+    const int s = (int)(it / (blocks * Hkv));
+    const int64_t t0 = b * Q3_ATTN_QUERY_BLOCK;
+    const int nq = (int)(L - t0 < Q3_ATTN_QUERY_BLOCK ? L - t0 : Q3_ATTN_QUERY_BLOCK);
+    const int64_t head_off = (int64_t)h * sh->capacity * D * (int64_t)q3_dtype_size(sh->kv_dtype);
+    const int64_t row0 = ((int64_t)s * L + t0) * ld + (int64_t)h * G * D;
+    attend_block(out + row0, q + row0, ld, nq, G, D, seqs[s].n_past + t0 + 1, &seqs[s],
+                 (const char *)seqs[s].k + head_off, (const char *)seqs[s].v + head_off, sh->kv_dtype, sh->scale,
+                 scratch);
+}
+
+void Q3_CPU_FN(q3_attention)(float *out, const float *q, const q3_attn_seq *seqs, int n_seqs,
+                             const q3_attn_shape *sh, float *scratch, int threads) {
+    const int64_t blocks = (sh->L + Q3_ATTN_QUERY_BLOCK - 1) / Q3_ATTN_QUERY_BLOCK;
+    const int64_t items = (int64_t)n_seqs * sh->kv_heads * blocks, per_thread = q3_attention_scratch_floats(sh);
+    if (!q3_team(items > 1, threads)) { /* inline (team.h) */
+        for (int64_t it = 0; it < items; it++)
+            attend_item(out, q, seqs, sh, it, blocks, q3_thread_scratch(scratch, per_thread));
+        return;
     }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t it = 0; it < items; it++)
+        attend_item(out, q, seqs, sh, it, blocks, q3_thread_scratch(scratch, per_thread));
 }

@@ -1,5 +1,6 @@
 /* fp32 <-> storage dtype (fp32, bf16, fp16) conversion, contiguous, threaded over elements. */
 #include "ops.h"
+#include "team.h"
 
 void Q3_CPU_FN(q3_to_f32)(float *dst, const void *src, q3_dtype src_dt, int64_t n) {
     if (src_dt == Q3_F32) {
@@ -7,13 +8,20 @@ void Q3_CPU_FN(q3_to_f32)(float *dst, const void *src, q3_dtype src_dt, int64_t 
         return;
     }
     const uint16_t *s = (const uint16_t *)src;
-    if (src_dt == Q3_F16) {
-#pragma omp parallel for simd schedule(static) if (n > (1 << 16))
+    const int team = q3_team(n > (1 << 16), 0); /* else inline (team.h) */
+    if (src_dt == Q3_F16 && team) {
+#pragma omp parallel for simd schedule(static)
         for (int64_t i = 0; i < n; i++) dst[i] = q3_f16_to_f32(s[i]);
-        return;
+    } else if (src_dt == Q3_F16) {
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) dst[i] = q3_f16_to_f32(s[i]);
+    } else if (team) {
+#pragma omp parallel for simd schedule(static)
+        for (int64_t i = 0; i < n; i++) dst[i] = q3_bf16_to_f32(s[i]);
+    } else {
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) dst[i] = q3_bf16_to_f32(s[i]);
     }
-#pragma omp parallel for simd schedule(static) if (n > (1 << 16))
-    for (int64_t i = 0; i < n; i++) dst[i] = q3_bf16_to_f32(s[i]);
 }
 
 void Q3_CPU_FN(q3_from_f32)(void *dst, q3_dtype dst_dt, const float *src, int64_t n) {
@@ -22,11 +30,17 @@ void Q3_CPU_FN(q3_from_f32)(void *dst, q3_dtype dst_dt, const float *src, int64_
         return;
     }
     uint16_t *d = (uint16_t *)dst;
-    if (dst_dt == Q3_F16) {
-#pragma omp parallel for schedule(static) if (n > (1 << 16))
+    const int team = q3_team(n > (1 << 16), 0); /* else inline (team.h) */
+    if (dst_dt == Q3_F16 && team) {
+#pragma omp parallel for schedule(static)
         for (int64_t i = 0; i < n; i++) d[i] = q3_f32_to_f16(src[i]);
-        return;
+    } else if (dst_dt == Q3_F16) {
+        for (int64_t i = 0; i < n; i++) d[i] = q3_f32_to_f16(src[i]);
+    } else if (team) {
+#pragma omp parallel for simd schedule(static)
+        for (int64_t i = 0; i < n; i++) d[i] = q3_f32_to_bf16(src[i]);
+    } else {
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) d[i] = q3_f32_to_bf16(src[i]);
     }
-#pragma omp parallel for simd schedule(static) if (n > (1 << 16))
-    for (int64_t i = 0; i < n; i++) d[i] = q3_f32_to_bf16(src[i]);
 }

@@ -6,6 +6,7 @@
  * matmul_packed.c at 16 lanes (with AVX512-BF16, the dot products of matmul_dot.c instead). */
 #include "matmul_packed.h"
 #include "ops.h"
+#include "team.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -142,7 +143,12 @@ static void gemv_rows(float *y, const float *x, const void *w, q3_dtype dt, int6
 static void gemv(float *y, const float *x, const void *w, q3_dtype dt, int64_t T, int64_t N, int64_t K,
                  int accumulate) {
     const int64_t blocks = (N + 3) / 4;
-#pragma omp parallel for schedule(static) if (N * K > (1 << 16))
+    if (!q3_team(N * K > (1 << 16), 0)) { /* inline (team.h) */
+        for (int64_t b = 0; b < blocks; b++)
+            gemv_rows(y, x, w, dt, T, N, K, 4 * b, N - 4 * b < 4 ? N - 4 * b : 4, accumulate);
+        return;
+    }
+#pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < blocks; b++)
         gemv_rows(y, x, w, dt, T, N, K, 4 * b, N - 4 * b < 4 ? N - 4 * b : 4, accumulate);
 }

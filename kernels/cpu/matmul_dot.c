@@ -7,6 +7,7 @@
 #include "cache_sizes.h"
 #include "matmul_amx.h"
 #include "ops.h"
+#include "team.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -36,12 +37,18 @@ static inline int64_t xb_stride(int64_t K) {
 }
 
 /* xb [T, Kp] <- x [T, K] rounded to bf16, zero-padded to Kp (xb_stride) */
+static void round_row(uint16_t *xb, const float *x, int64_t t, int64_t K, int64_t Kp) {
+    for (int64_t k = 0; k < K; k++) xb[t * Kp + k] = q3_f32_to_bf16(x[t * K + k]);
+    for (int64_t k = K; k < Kp; k++) xb[t * Kp + k] = 0;
+}
+
 static void round_rows(uint16_t *xb, const float *x, int64_t T, int64_t K, int64_t Kp) {
-#pragma omp parallel for schedule(static) if (T * K > (1 << 16))
-    for (int64_t t = 0; t < T; t++) {
-        for (int64_t k = 0; k < K; k++) xb[t * Kp + k] = q3_f32_to_bf16(x[t * K + k]);
-        for (int64_t k = K; k < Kp; k++) xb[t * Kp + k] = 0;
+    if (!q3_team(T * K > (1 << 16), 0)) { /* inline (team.h) */
+        for (int64_t t = 0; t < T; t++) round_row(xb, x, t, K, Kp);
+        return;
     }
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < T; t++) round_row(xb, x, t, K, Kp);
 }
 
 static inline BF16_TARGET __m512bh load_pairs(const uint16_t *p, __mmask32 m) {
@@ -337,7 +344,12 @@ static void gemv_dot(float *y, const float *x, const uint16_t *w, int64_t T, int
                      uint16_t *xb) {
     const int64_t Kp = xb_stride(K), blocks = (N + 3) / 4;
     round_rows(xb, x, T, K, Kp);
-#pragma omp parallel for schedule(static) if (N * K > (1 << 16))
+    if (!q3_team(N * K > (1 << 16), 0)) { /* inline (team.h) */
+        for (int64_t b = 0; b < blocks; b++)
+            gemv_dot_rows(y, xb, Kp, w, T, N, K, 4 * b, N - 4 * b < 4 ? N - 4 * b : 4, accumulate);
+        return;
+    }
+#pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < blocks; b++)
         gemv_dot_rows(y, xb, Kp, w, T, N, K, 4 * b, N - 4 * b < 4 ? N - 4 * b : 4, accumulate);
 }

@@ -4,6 +4,7 @@
 #include <math.h>
 
 #include "ops.h"
+#include "team.h"
 #include "twins.h"
 
 static void rmsnorm_row(float *out, const float *x, const void *w, q3_dtype w_dt,
@@ -29,7 +30,11 @@ static void rmsnorm_row(float *out, const float *x, const void *w, q3_dtype w_dt
 
 void Q3_CPU_FN(q3_rmsnorm)(float *out, const float *x, const void *w, q3_dtype w_dt,
                     int64_t rows, int64_t n, float eps) {
-#pragma omp parallel for schedule(static) if (rows * n > 8192)
+    if (!q3_team(rows * n > 8192, 0)) { /* inline (team.h) */
+        for (int64_t r = 0; r < rows; r++) rmsnorm_row(out + r * n, x + r * n, w, w_dt, n, eps);
+        return;
+    }
+#pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < rows; r++) rmsnorm_row(out + r * n, x + r * n, w, w_dt, n, eps);
 }
 

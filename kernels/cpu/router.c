@@ -2,6 +2,7 @@
 #include <math.h>
 
 #include "ops.h"
+#include "team.h"
 
 static void route_token(int32_t *idx, float *w, const float *logit, int E, int k, int normalize) {
     float mx = logit[0];
@@ -36,7 +37,10 @@ static void route_token(int32_t *idx, float *w, const float *logit, int E, int k
 
 void Q3_CPU_FN(q3_router_topk)(int32_t *idx, float *weight, const float *logits, int64_t T, int E,
                         int k, int normalize) {
-#pragma omp parallel for schedule(static) if (T > 16)
-    for (int64_t t = 0; t < T; t++)
-        route_token(idx + t * k, weight + t * k, logits + t * E, E, k, normalize);
+    if (!q3_team(T > 16, 0)) { /* inline (team.h) */
+        for (int64_t t = 0; t < T; t++) route_token(idx + t * k, weight + t * k, logits + t * E, E, k, normalize);
+        return;
+    }
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < T; t++) route_token(idx + t * k, weight + t * k, logits + t * E, E, k, normalize);
 }
