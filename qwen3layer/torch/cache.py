@@ -127,10 +127,6 @@ def make_room(entry: Any, kv: Any, need: int, limit: int) -> None:
 # torch's import of a DLPack capsule: torch.from_dlpack, given a capsule rather than a tensor,
 # hands it to this function (after a hasattr test that costs a caught AttributeError)
 _FROM_CAPSULE = getattr(torch._C, "_from_dlpack", torch.from_dlpack)
-# a host tensor's versioned capsule, as its __dlpack__(max_version=(1, 0)) makes it after ~6 us of
-# checks in Python (with __dlpack_device__'s) that a drop-in call has made already (it has no
-# gradient; a host tensor has no stream); a torch without it hands the extension the tensor
-_TO_CAPSULE = getattr(torch._C, "_to_dlpack_versioned", None) or (lambda t: t)
 
 
 def host_tensor(t: Any) -> torch.Tensor:

@@ -60,10 +60,13 @@ def plain_prefill(core: _CoreLayer, x: torch.Tensor, kv: Any) -> torch.Tensor:
     """core.prefill(x, kv) of a core without host experts (core._hybrid None), asking for no
     insides: its device check and stream (stream_of), the extension's call, and the output
     as a torch tensor, zero-copy; for a host layer and input, what stream_of and the imports
-    do for them without their look-ups (the input handed over as its capsule: cache._TO_CAPSULE)"""
+    do for them without their look-ups (a plain tensor handed over as its capsule: _TO_CAPSULE; a
+    subclass, whose __dlpack__ may differ, and a tensor with a gradient, which torch's export
+    refuses, as themselves)"""
     ext = core._core
-    if ext.device < 0 and x.is_cpu:  # (torch's export refuses a tensor with a gradient: it is asked for one)
-        return _cache.host_tensor(ext.prefill(x if x.requires_grad else _TO_CAPSULE(x), kv))
+    if ext.device < 0 and x.is_cpu:
+        plain = type(x) is _Tensor and not x.requires_grad
+        return _cache.host_tensor(ext.prefill(_TO_CAPSULE(x) if plain else x, kv))
     return torch.from_dlpack(ext.prefill(x, kv, stream=stream_of(x, ext.device)))
 
 
@@ -72,7 +75,10 @@ _NO_FLAGS = (None, None, None)
 # what run reads each call, bound once (a module's attribute is a look-up a call)
 _TIED, _LAZY, _FROM_CAPSULE = _cache.TIED, _cache._LAZY, _cache._FROM_CAPSULE
 _grad_enabled, _Tensor = torch.is_grad_enabled, torch.Tensor
-_TO_CAPSULE = _cache._TO_CAPSULE
+# a plain host tensor's versioned capsule, as its __dlpack__(max_version=(1, 0)) makes it after ~6 us
+# of checks in Python (with __dlpack_device__'s) that a drop-in call has made already (no gradient;
+# a host tensor has no stream); a torch without it hands the extension the tensor
+_TO_CAPSULE = getattr(torch._C, "_to_dlpack_versioned", None) or (lambda t: t)
 
 
 def run(layer: Any, hidden_states: torch.Tensor, attention_mask: Any, position_ids: Any, model_cache: Any,

@@ -105,10 +105,35 @@ def test_host_layers_take_their_input_as_a_capsule_without_torchs_export(monkeyp
     exports.clear()
     assert torch.equal(model.generate(PROMPT, **kw), want)
     assert exports == []
-    monkeypatch.setattr(q3t._cache, "_TO_CAPSULE", lambda t: t)  # (read when repeat was imported: both places)
     monkeypatch.setattr(q3t._fast, "_TO_CAPSULE", lambda t: t)
     assert torch.equal(model.generate(PROMPT, **kw), want)
     assert exports.count("__dlpack__") == 3 * 4  # 3 layers, the prompt's call and 3 decode steps
+
+
+class Exporting(torch.Tensor):
+    """a tensor subclass that counts its own __dlpack__ calls (a subclass's export may differ from
+    torch's: the drop-in must not read its memory past it)"""
+    exports = 0
+
+    def __dlpack__(self, *args, **kwargs):
+        type(self).exports += 1
+        return super().__dlpack__(*args, **kwargs)
+
+
+@torch.no_grad()
+def test_a_tensor_subclass_input_is_exported_by_its_own_dlpack():
+    """the full path's host call hands a subclass over as itself (its __dlpack__ asked), a plain
+    tensor as its capsule (none asked); the same numbers either way"""
+    model, _ = pair(24)
+    layer = model.model.layers[0]
+    x = torch.randn(1, 5, layer.core.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    kw = dict(position_embeddings=model.model.rotary_emb(x, torch.arange(5)[None]), position_ids=torch.arange(5)[None])
+    first = lambda y: y[0] if isinstance(y, tuple) else y  # noqa: E731
+    Exporting.exports = 0
+    plain = first(layer(x, **kw))
+    assert Exporting.exports == 0
+    got = first(layer(x.as_subclass(Exporting), **kw))
+    assert Exporting.exports == 1 and torch.equal(got.as_subclass(torch.Tensor), plain)
 
 
 @torch.no_grad()
