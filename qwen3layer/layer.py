@@ -73,7 +73,16 @@ def hf_layer_parts(hf_layer: Any) -> tuple:
     if not hasattr(hf_layer.mlp, "experts"):
         raise TypeError(f"hf_layer: expected a transformers Qwen3MoeDecoderLayer with a MoE block, "
                         f"got one whose mlp is a {type(hf_layer.mlp).__name__}")
-    return config, {name: t.detach() for name, t in hf_layer.state_dict().items()}
+    state = hf_layer.state_dict()
+    packed = sorted({name.rpartition(".")[0] for name in state if name.endswith(".qweight")})
+    if packed:  # (before the weight table, whose message would name the modules' tensors one by one)
+        kinds = sorted({type(hf_layer.get_submodule(name)).__name__ for name in packed})
+        raise ValueError(f"hf_layer: its {', '.join(packed[:4])}{', ...' if len(packed) > 4 else ''} are 4-bit GPTQ "
+                         f"modules ({', '.join(kinds)}), as transformers loads a GPTQ checkpoint through optimum and "
+                         "GPTQModel; the drop-in takes a layer of dense weights (and transformers 5.24 loads such a "
+                         "checkpoint's fused experts as new random weights: its load report lists them MISSING). "
+                         "Read the checkpoint with qwen3layer.DecoderLayer.from_checkpoint(path, layer_idx)")
+    return config, {name: t.detach() for name, t in state.items()}
 
 
 def _gptq_settings(weight_format: Optional[str], quantization_config: Optional[Mapping[str, Any]],

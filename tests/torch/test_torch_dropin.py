@@ -99,3 +99,30 @@ def test_a_split_patch_is_refused_before_the_model_changes(kw, match):
     with pytest.raises(ValueError, match=match):
         q3t.patch_model(model, **kw)
     assert list(model.model.layers) == before and not any(isinstance(m, q3t.DecoderLayer) for m in model.modules())
+
+
+class _PackedLinear(torch.nn.Module):
+    """a 4-bit GPTQ module as GPTQModel's stand in for nn.Linear in a model transformers loads
+    from a GPTQ checkpoint: qweight, qzeros, scales and g_idx buffers, no weight"""
+
+    def __init__(self, n_in, n_out, group=16):
+        super().__init__()
+        self.register_buffer("qweight", torch.zeros(n_in // 8, n_out, dtype=torch.int32))
+        self.register_buffer("qzeros", torch.zeros(n_in // group, n_out // 8, dtype=torch.int32))
+        self.register_buffer("scales", torch.ones(n_in // group, n_out, dtype=torch.float16))
+        self.register_buffer("g_idx", torch.arange(n_in, dtype=torch.int32) // group)
+
+
+def test_a_layer_of_gptq_modules_is_refused_by_name():
+    """a model transformers loaded from a GPTQ checkpoint holds GPTQModel's modules where
+    nn.Linear was (and, in 5.24, its fused experts newly initialized): refused naming the
+    modules, pointing to from_checkpoint, before the model changes"""
+    model = tiny_model(0)
+    attn = model.model.layers[1].self_attn
+    attn.q_proj = _PackedLinear(64, 8 * 24)
+    attn.o_proj = _PackedLinear(8 * 24, 64)
+    before = list(model.model.layers)
+    with pytest.raises(ValueError, match=r"hf_layer: its self_attn.o_proj, self_attn.q_proj are 4-bit GPTQ modules "
+                       r"\(_PackedLinear\).*DecoderLayer.from_checkpoint\(path, layer_idx\)"):
+        q3t.patch_model(model)
+    assert list(model.model.layers) == before and not any(isinstance(m, q3t.DecoderLayer) for m in model.modules())
