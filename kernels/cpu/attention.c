@@ -12,14 +12,11 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
 #include "ops.h"
 #include "team.h"
 #include "thread_scratch.h"
 #include "vec.h"
+#include "widen.h"
 
 #define KT Q3_ATTN_KEY_TILE
 _Static_assert(KT % 8 == 0, "tile_scores takes a tile's keys 4 and 8 at a time");
@@ -54,21 +51,6 @@ static block_scratch carve(float *s, int rows, int D) {
     return b;
 }
 
-/* dst [n] <- the bf16 values at src as fp32: each vector of them zero-extended from memory and
- * shifted (the compiler's own loop widened 32 values with three shuffles, the port the
- * multiply-adds share) */
-static inline void bf16_row(float *dst, const uint16_t *src, int n) {
-    int i = 0;
-#if defined(__AVX512F__)
-    for (; i + 16 <= n; i += 16)
-        _mm512_storeu_si512(dst + i, _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + i))), 16));
-#elif defined(__AVX2__)
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_si256((__m256i *)(dst + i), _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + i))), 16));
-#endif
-    for (; i < n; i++) dst[i] = q3_bf16_to_f32(src[i]);
-}
-
 /* kt, vt [KT][dp] <- rows [j0, j0 + nj) of the cache, fp32, zero past D and in the rows after nj
  * that tile_scores reads (to a multiple of 8). K and V row by row: the two streams in one loop
  * (a tile of keys before the scores and one of values before the products, each in L1, took
@@ -80,8 +62,8 @@ static void load_tile(const block_scratch *b, const void *k, const void *v, q3_d
         if (j < nj) {
             const int64_t off = (j0 + j) * D;
             if (dt == Q3_BF16) {
-                bf16_row(kr, (const uint16_t *)k + off, D);
-                bf16_row(vr, (const uint16_t *)v + off, D);
+                q3_bf16_row(kr, (const uint16_t *)k + off, D);
+                q3_bf16_row(vr, (const uint16_t *)v + off, D);
             } else if (dt == Q3_F16) {
                 const uint16_t *ks = (const uint16_t *)k + off, *vs = (const uint16_t *)v + off;
 #pragma omp simd

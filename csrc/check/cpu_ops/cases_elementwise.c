@@ -70,15 +70,17 @@ static float *specials(ops_run *r, int64_t n, uint64_t seed) {
     return x;
 }
 
+static const int64_t OPS_CONVERT_N[3] = {131, 4099, 69635};
+
 void ops_from_f32(ops_run *r) {
-    for (int i = 0; i < 6; i++) {
+    for (int i = 0; i < 9; i++) { /* n: tails of the vectors, and a call threaded in chunks with a tail */
         const q3_dtype dt = OPS_FLOATS[i % 3];
-        const int64_t n = i / 3 ? 4099 : 131;
+        const int64_t n = OPS_CONVERT_N[i / 3];
         const size_t bytes = (size_t)n * q3_dtype_size(dt);
         const float *src = specials(r, n, 1300 + i);
         void *got = ops_alloc(r, bytes), *want = ops_alloc(r, bytes);
         if (r->oom) return ops_check_bits(r, "from_f32", NULL, NULL, 0);
-        r->ref->from_f32(want, dt, src, n);
+        for (int64_t k = 0; k < n; k++) q3_float_put(want, dt, k, src[k]); /* element by element, unthreaded */
         r->path->from_f32(got, dt, src, n);
         char label[32];
         snprintf(label, sizeof label, "to %s, n=%lld", ops_dt(dt), (long long)n);
@@ -88,15 +90,15 @@ void ops_from_f32(ops_run *r) {
 }
 
 void ops_to_f32(ops_run *r) {
-    for (int i = 0; i < 6; i++) {
+    for (int i = 0; i < 9; i++) { /* n: tails of the vectors, and a call threaded in chunks with a tail */
         const q3_dtype dt = OPS_FLOATS[i % 3];
-        const int64_t n = i / 3 ? 4099 : 131;
+        const int64_t n = OPS_CONVERT_N[i / 3];
         const float *x = specials(r, n, 1400 + i);
         void *src = ops_alloc(r, (size_t)n * q3_dtype_size(dt));
         float *got = ops_alloc(r, (size_t)n * 4), *want = ops_alloc(r, (size_t)n * 4);
         if (r->oom) return ops_check_bits(r, "to_f32", NULL, NULL, 0);
         r->ref->from_f32(src, dt, x, n);
-        r->ref->to_f32(want, src, dt, n);
+        for (int64_t k = 0; k < n; k++) want[k] = q3_float_at(src, dt, k);
         r->path->to_f32(got, src, dt, n);
         char label[32];
         snprintf(label, sizeof label, "from %s, n=%lld", ops_dt(dt), (long long)n);
