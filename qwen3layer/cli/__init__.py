@@ -261,6 +261,31 @@ def hidden_fraction(text: str) -> float:
     return f
 
 
+def weight_format_option(p: argparse.ArgumentParser) -> None:
+    """--weight-format: the random weights' format by the API's name (DecoderLayer.random's weight_format)"""
+    p.add_argument("--weight-format", choices=["dense", FP8, INT4], default=None,
+                   help=f"the random weights' format by its API name: dense, {FP8} (as --fp8) or {INT4} (as --int4)")
+
+
+def format_flags(args: argparse.Namespace) -> dict:
+    """--weight-format folded into --fp8 / --int4 (the commands read those), refused beside another
+    format; the option each format flag came from, for the messages"""
+    named = {"fp8": "--fp8", "int4": "--int4"}
+    fmt = getattr(args, "weight_format", None)
+    if fmt is None:
+        return named
+    if getattr(args, "checkpoint", None):
+        build_parser().error(f"--weight-format {fmt}: random weights only (a checkpoint's weights keep their own format)")
+    flag = {FP8: "fp8", INT4: "int4"}.get(fmt)
+    for other in ("fp8", "int4"):
+        if other != flag and getattr(args, other, False):
+            build_parser().error(f"--weight-format {fmt}, --{other}: one weight format, got both")
+    if flag:
+        setattr(args, flag, True)
+        named[flag] = f"--weight-format {fmt}"
+    return named
+
+
 def layer_options(p: argparse.ArgumentParser) -> None:
     """The options that choose the layer, shared by the commands."""
     p.add_argument("--geometry", default="real", help="real, tiny, or a config.json path")
@@ -271,6 +296,7 @@ def layer_options(p: argparse.ArgumentParser) -> None:
                    "ruler then measures against the dequantized weights)")
     p.add_argument("--int4", action="store_true", help=f"random 4-bit weights ({INT4}: the draws rounded to "
                    "nearest into GPTQ's layout, group 128; the accuracy ruler then measures against them dequantized)")
+    weight_format_option(p)
 
 
 def split_options(p: argparse.ArgumentParser) -> None:
@@ -307,6 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "with fp32 128x128 block scales, norms and router in --dtype)")
     run.add_argument("--int4", action="store_true", help=f"random 4-bit weights ({INT4}: the draws rounded to "
                      "nearest into GPTQ's layout, group 128; norms and router in --dtype)")
+    weight_format_option(run)
     split_options(run)
     run.set_defaults(func=cmd_run)
     mp = sub.add_parser("map", help="the dual prefill/decode map: tables, SVG and PNG")
@@ -350,9 +377,10 @@ def main(argv: list[str] | None = None) -> int:
         value = getattr(args, name, None)
         if value is not None and value < 0:
             build_parser().error(f"--{name.replace('_', '-')}: expected a non-negative int, got {value}")
+    named = format_flags(args)
     for flag in ("fp8", "int4"):
         if getattr(args, flag, False) and getattr(args, "checkpoint", None):
-            build_parser().error(f"--{flag}: random weights only (a checkpoint's weights keep their own format)")
+            build_parser().error(f"{named[flag]}: random weights only (a checkpoint's weights keep their own format)")
     if getattr(args, "fp8", False) and getattr(args, "int4", False):
         build_parser().error("--fp8, --int4: one weight format, got both")
     if getattr(args, "no_mmap", False) and not getattr(args, "checkpoint", None):

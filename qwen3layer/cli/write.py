@@ -26,6 +26,8 @@ def add_parser(sub) -> None:
     fmt = w.add_mutually_exclusive_group()
     fmt.add_argument("--fp8", action="store_true", help=f"{FP8} projection matrices")
     fmt.add_argument("--int4", action="store_true", help=f"{INT4} projection matrices (RTN, symmetric)")
+    w.add_argument("--weight-format", choices=["dense", FP8, INT4], default=None,
+                   help=f"the projection matrices' format by its API name: dense, {FP8} (as --fp8) or {INT4} (as --int4)")
     w.add_argument("--group-size", type=int, default=128, help="with --int4: inputs a group, or -1 (default 128)")
     w.add_argument("--gptq-v2", action="store_true", help="with --int4: zeros stored as they are (checkpoint_format "
                    "gptq_v2; default: gptq, a zero stored minus 1)")

@@ -261,6 +261,33 @@ def test_main_job_runs_on_random_int4_weights(tmp_path):
     assert r.returncode == 2 and "--int4: random weights only" in r.stderr
 
 
+def test_the_weight_format_by_its_api_name(tmp_path):
+    """--weight-format gptq_int4 is --int4 and fp8_e4m3_block128 is --fp8 (DecoderLayer.random's names), in
+    run, map, check and write-checkpoint; beside another format flag or a checkpoint it is refused by name"""
+    import json
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "qwen3_moe", "hidden_size": 256, "num_attention_heads": 4,
+                               "num_key_value_heads": 2, "head_dim": 64, "num_experts": 8, "num_experts_per_tok": 2,
+                               "moe_intermediate_size": 128, "norm_topk_prob": True}))
+    r = run_cli("run", "--geometry", str(cfg), "--weight-format", "gptq_int4", "--tokens", "40", "--chunk-size", "20",
+                "--new-tokens", "3")
+    assert r.returncode == 0, r.stderr
+    assert "weights gptq_int4" in r.stdout
+    r = run_cli("write-checkpoint", str(tmp_path / "ck"), "--geometry", str(cfg), "--weight-format", "gptq_int4")
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "ck" / "config.json").read_text())["quantization_config"]["bits"] == 4
+    r = run_cli("run", "--weight-format", "gptq_int4", "--fp8")
+    assert r.returncode == 2 and "--weight-format gptq_int4, --fp8: one weight format, got both" in r.stderr
+    r = run_cli("map", "--weight-format", "dense", "--int4")
+    assert r.returncode == 2 and "--weight-format dense, --int4: one weight format, got both" in r.stderr
+    r = run_cli("check", "--weight-format", "fp8_e4m3_block128", "--int4")
+    assert r.returncode == 2 and "--weight-format fp8_e4m3_block128, --int4: one weight format, got both" in r.stderr
+    r = run_cli("run", "--weight-format", "fp8_e4m3_block128", "--checkpoint", str(tmp_path))
+    assert r.returncode == 2 and "--weight-format fp8_e4m3_block128: random weights only" in r.stderr
+    r = run_cli("run", "--weight-format", "int4")
+    assert r.returncode == 2 and "invalid choice: 'int4'" in r.stderr
+
+
 def test_main_job_fp8_is_for_random_weights_only(tmp_path):
     r = run_cli("run", "--fp8", "--checkpoint", str(tmp_path))
     assert r.returncode == 2
